@@ -1,0 +1,131 @@
+//! Version-independent access to an IP packet carrying TCP or UDP: addresses, the transport
+//! segment and its pseudo-header, and in-place changes that keep the IP header consistent.
+
+use crate::{ipv4, ipv6, Error, Result};
+use std::net::IpAddr;
+
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+
+/// IP version of a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    V4,
+    V6,
+}
+
+/// Parsed location of the transport segment inside an IP packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpInfo {
+    pub version: Version,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub protocol: u8,
+    /// Offset of the transport header from the start of the packet.
+    pub l4_offset: usize,
+    /// Length of the transport segment (header + payload) per the IP header.
+    pub l4_len: usize,
+}
+
+impl IpInfo {
+    /// Parses the IP header of `pkt`. Fragments and IPv6 extension headers are reported as
+    /// `Unsupported` (the guard passes them through untouched and counts them).
+    pub fn parse(pkt: &[u8]) -> Result<IpInfo> {
+        match pkt.first().map(|b| b >> 4) {
+            Some(4) => {
+                let p = ipv4::Packet::new_checked(pkt)?;
+                if p.is_fragment() {
+                    return Err(Error::Unsupported("ipv4 fragment"));
+                }
+                Ok(IpInfo {
+                    version: Version::V4,
+                    src: IpAddr::from(p.src()),
+                    dst: IpAddr::from(p.dst()),
+                    protocol: p.protocol(),
+                    l4_offset: p.header_len(),
+                    l4_len: p.total_len() - p.header_len(),
+                })
+            }
+            Some(6) => {
+                let p = ipv6::Packet::new_checked(pkt)?;
+                let nh = p.next_header();
+                if nh != PROTO_TCP && nh != PROTO_UDP {
+                    return Err(Error::Unsupported("ipv6 extension header"));
+                }
+                Ok(IpInfo {
+                    version: Version::V6,
+                    src: IpAddr::from(p.src()),
+                    dst: IpAddr::from(p.dst()),
+                    protocol: nh,
+                    l4_offset: ipv6::HEADER_LEN,
+                    l4_len: p.payload_len(),
+                })
+            }
+            Some(_) => Err(Error::Malformed("ip version")),
+            None => Err(Error::Truncated),
+        }
+    }
+
+    /// Pseudo-header sum for a transport segment of `l4_len` bytes between these addresses.
+    pub fn pseudo_sum(&self, l4_len: usize) -> u32 {
+        pseudo_sum(self.src, self.dst, self.protocol, l4_len)
+    }
+}
+
+/// Pseudo-header sum for any address pair of the same family.
+pub fn pseudo_sum(src: IpAddr, dst: IpAddr, proto: u8, l4_len: usize) -> u32 {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => crate::checksum::pseudo_v4(s.octets(), d.octets(), proto, l4_len as u32),
+        (IpAddr::V6(s), IpAddr::V6(d)) => crate::checksum::pseudo_v6(s.octets(), d.octets(), proto, l4_len as u32),
+        _ => 0,
+    }
+}
+
+/// Writes an IP header for `src -> dst` carrying `l4_len` bytes of protocol `proto` at the
+/// start of `buf`; returns the header length. Both addresses must be of the same family.
+pub fn emit_header(buf: &mut [u8], src: IpAddr, dst: IpAddr, proto: u8, l4_len: usize) -> Result<usize> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            if buf.len() < ipv4::HEADER_LEN + l4_len || ipv4::HEADER_LEN + l4_len > 0xffff {
+                return Err(Error::Truncated);
+            }
+            ipv4::emit_header(buf, s.octets(), d.octets(), proto, l4_len);
+            Ok(ipv4::HEADER_LEN)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            if buf.len() < ipv6::HEADER_LEN + l4_len || l4_len > 0xffff {
+                return Err(Error::Truncated);
+            }
+            ipv6::emit_header(buf, s.octets(), d.octets(), proto, l4_len);
+            Ok(ipv6::HEADER_LEN)
+        }
+        _ => Err(Error::Malformed("mixed address families")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_both_versions() {
+        let mut b = [0u8; 60];
+        let n = emit_header(&mut b, "10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), PROTO_TCP, 20).unwrap();
+        let i = IpInfo::parse(&b[..n + 20]).unwrap();
+        assert_eq!((i.version, i.l4_offset, i.l4_len, i.protocol), (Version::V4, 20, 20, PROTO_TCP));
+        let n = emit_header(&mut b, "fd00::1".parse().unwrap(), "fd00::2".parse().unwrap(), PROTO_UDP, 8).unwrap();
+        let i = IpInfo::parse(&b[..n + 8]).unwrap();
+        assert_eq!((i.version, i.l4_offset, i.l4_len), (Version::V6, 40, 8));
+        assert!(IpInfo::parse(&[]).is_err());
+        assert!(IpInfo::parse(&[0x10]).is_err());
+        assert!(emit_header(&mut b, "10.0.0.1".parse().unwrap(), "fd00::2".parse().unwrap(), 6, 0).is_err());
+    }
+
+    #[test]
+    fn fragments_are_unsupported() {
+        let mut b = [0u8; 40];
+        ipv4::emit_header(&mut b, [1, 1, 1, 1], [2, 2, 2, 2], PROTO_TCP, 20);
+        b[6] = 0x20; // MF
+        assert_eq!(IpInfo::parse(&b).unwrap_err(), Error::Unsupported("ipv4 fragment"));
+    }
+}

@@ -1,0 +1,44 @@
+//! `unbroken-wire`: the bottom floor. Zero-copy packet views in the style of smoltcp's
+//! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
+//! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
+//! modulo 2^32, and the checkpoint-mode side-channel format. Malformed input is an `Err`,
+//! never a panic.
+
+pub mod checksum;
+pub mod ctl;
+pub mod ip;
+pub mod ipv4;
+pub mod ipv6;
+pub mod seq;
+pub mod tcp;
+pub mod udp;
+
+pub use seq::Seq;
+
+/// Why a buffer could not be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Error {
+    /// Shorter than its headers or length fields say.
+    Truncated,
+    /// A field holds an impossible value.
+    Malformed(&'static str),
+    /// Valid but outside what this layer handles (fragments, extension headers, new versions).
+    Unsupported(&'static str),
+    /// A side-channel command whose MAC does not verify.
+    Unauthenticated,
+}
+
+impl core::fmt::Display for Error {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Error::Truncated => write!(f, "truncated"),
+            Error::Malformed(w) => write!(f, "malformed: {w}"),
+            Error::Unsupported(w) => write!(f, "unsupported: {w}"),
+            Error::Unauthenticated => write!(f, "authentication failed"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = core::result::Result<T, Error>;

@@ -1,1 +1,8 @@
-//! placeholder, filled in by this session
+//! `unbroken-engines`: one sans-I/O state machine per recovery mechanism. Each engine takes a
+//! packet (bytes) and its per-connection state, and returns a verdict with the packet rewritten
+//! in place. No syscalls, no clock, no allocation: the same decisions can later run in tc-BPF
+//! and be checked against the same test vectors.
+//!
+//! - [`rtcp`]: checkpoint mode, RTCP (seed 004, Surton et al., "Man-in-the-Middle TCP Recovery").
+
+pub mod rtcp;

@@ -1,0 +1,700 @@
+//! RTCP, the man-in-the-middle TCP recovery filter (seed 004), as a sans-I/O engine.
+//!
+//! Read side by side with section 3.1 of the paper: [`incoming`] is algorithm I (I1-I4),
+//! [`outgoing`] is algorithm O (O1-O9), [`command`] is algorithm C (C1-C6). *A* is the
+//! protected application, *B* its remote peer. Like librtcp, the engine keeps a constant
+//! [`Conn`] per connection (32 bytes, asserted by a test), buffers nothing, has no clock, and a
+//! zeroed `Conn` means both "new connection" and "the filter restarted" (section 2.7).
+//!
+//! Beyond the paper, required by unbroken:
+//! - SACK edges are shifted with Δ wherever they name *A*'s sequence space (the peer's SACK
+//!   blocks, incoming). *B*'s sequence space is never renumbered: the synthesized SYN-ACK takes
+//!   ISN = ackA - 1, so *A*'s SACK blocks (outgoing) already name the numbers *B* uses.
+//! - PAWS: when the recovered socket's timestamp clock differs from the old one, the engine keeps
+//!   a per-connection offset so the TSval *B* sees stays monotonic, and subtracts it from the
+//!   TSecr *B* echoes.
+//! - Window scale: if the new socket picked another window scale than the old one, *A*'s window
+//!   field is rescaled to the shift *B* still applies.
+//! - Section 6's last improvement: when a recovery SYN finds no state (the filter restarted), it
+//!   is forwarded, and *B*'s answering (challenge) ACK is rewritten at once into the SYN-ACK *A*
+//!   expects, instead of waiting a second for *A* to retransmit the SYN.
+//! - Recovery (O5) also clears `ack_everything`: the paper returns to "its default behavior before
+//!   the RTCP_SHUTDOWN", which must include not acknowledging everything.
+//! - O7 never raises the ACK above what *A*'s TCP itself acknowledges (`min(ackA, ACK)`), so a
+//!   buggy or hostile ACKNOWLEDGE cannot make the peer drop bytes *A* never received.
+
+use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::tcp::{self, flags as F, kind, Packet as Tcp, Repr};
+use unbroken_wire::{Error, Result, Seq};
+
+/// Window scale nibble meaning "no window scaling on this connection / not known".
+const WS_NONE: u8 = 15;
+/// MSS assumed for a synthesized SYN-ACK when neither the handshake nor the application told us
+/// the peer's (fits IPv6's minimum MTU with room for options).
+pub const FALLBACK_MSS: u16 = 1220;
+
+/// State bits of [`Conn::flags`].
+pub mod flag {
+    /// `ackB` is meaningful (an ACK from *B* was seen).
+    pub const RECOVERABLE: u16 = 1 << 0;
+    /// *A* announced RTCP_SHUTDOWN or SHUTDOWN_WRITING: its FINs are genuine.
+    pub const FIN_ALLOWED: u16 = 1 << 1;
+    /// `ackA` is meaningful.
+    pub const ACK_ALLOWED: u16 = 1 << 2;
+    /// *A* announced SHUTDOWN or SHUTDOWN_READING: stop checkpointing acknowledgments.
+    pub const ACK_EVERYTHING: u16 = 1 << 3;
+    /// The negotiated options (peer MSS, window scales, SACK, timestamps) are known.
+    pub const OPTS_KNOWN: u16 = 1 << 4;
+    pub const SACK_OK: u16 = 1 << 5;
+    pub const TS_OK: u16 = 1 << 6;
+    /// `ts_a` holds a TSval *B* has seen from *A* (in *B*'s view).
+    pub const TS_A_KNOWN: u16 = 1 << 7;
+    /// `ts_b` holds *B*'s latest TSval.
+    pub const TS_B_KNOWN: u16 = 1 << 8;
+    /// A recovery SYN was forwarded to *B* for lack of state; `delta` holds its SEQ and
+    /// `ts_off` its TSval until *B*'s answer arrives (section 6).
+    pub const SYN_PENDING: u16 = 1 << 9;
+    /// The pending SYN offered SACK / timestamps.
+    pub const PEND_SACK: u16 = 1 << 10;
+    pub const PEND_TS: u16 = 1 << 11;
+    /// `a_win` holds the last window field *B* saw from *A*.
+    pub const A_WIN_KNOWN: u16 = 1 << 12;
+    /// A genuine FIN went out from *A* / a FIN came in from *B*.
+    pub const FIN_A_SEEN: u16 = 1 << 13;
+    pub const FIN_B_SEEN: u16 = 1 << 14;
+}
+
+/// Per-connection state: 32 bytes, all zero for a new connection or a restarted filter.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Conn {
+    /// Δ: *A*'s current sequence space minus *B*'s view of it (outgoing SEQ -= Δ, incoming
+    /// ACK += Δ). While `SYN_PENDING`: the pending SYN's SEQ.
+    pub delta: u32,
+    /// ackB: *B*'s latest acknowledgment (*B*'s view of *A*'s sequence space).
+    pub ack_b: u32,
+    /// ackA: the checkpointed acknowledgment (*B*'s sequence space).
+    pub ack_a: u32,
+    /// *B*'s latest TSval.
+    pub ts_b: u32,
+    /// Latest TSval *B* has seen from *A*, after the offset.
+    pub ts_a: u32,
+    /// Added to *A*'s TSval going out, subtracted from *B*'s TSecr coming in. While
+    /// `SYN_PENDING`: the pending SYN's TSval.
+    pub ts_off: u32,
+    /// *B*'s MSS from the handshake (0 unknown).
+    pub b_mss: u16,
+    /// Last window field *B* saw from *A*.
+    pub a_win: u16,
+    /// Low nibble: *B*'s window scale; high nibble: *A*'s window scale as *B* applies it
+    /// (15 = none).
+    pub ws: u8,
+    /// Low nibble: the window scale of *A*'s current socket; high nibble: the scale offered by
+    /// a pending or first SYN from *A* (15 = none).
+    pub ws_cur: u8,
+    /// [`flag`] bits.
+    pub flags: u16,
+}
+
+/// What to do with the packet after the engine rewrote it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Send it on its way (it may have been rewritten).
+    Forward,
+    /// Discard it.
+    Drop,
+    /// It was rewritten into a packet travelling the other way (back toward its sender); the
+    /// driver must inject it instead of forwarding it.
+    Reflect,
+}
+
+/// Something worth counting or logging that happened to a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// O1: a RST from *A*'s TCP was dropped.
+    SpuriousRstDropped,
+    /// O6: a FIN from *A* without SHUTDOWN was turned into a RST for *A*.
+    SpuriousFinReset,
+    /// O6: a packet from *A* with no checkpointed ACK known (filter restarted) was turned into a
+    /// RST for *A*, forcing its recovery (section 2.7).
+    NoCheckpointReset,
+    /// O5: a recovery SYN was answered at once with a synthesized SYN-ACK.
+    Recovered,
+    /// O4: a recovery SYN met no state and was forwarded to elicit *B*'s ACK.
+    RecoverySynForwarded,
+    /// Section 6: *B*'s ACK was rewritten into the SYN-ACK for a pending recovery SYN.
+    RecoveredFromPeerAck,
+    /// *B*'s ACK arrived for a pending SYN, but no checkpoint is known yet: dropped.
+    PendingWithoutCheckpoint,
+    /// A packet without SYN or ACK from *A*: not valid TCP, dropped.
+    BogusFlags,
+}
+
+/// The engine's answer for one packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub verdict: Verdict,
+    /// New length of the packet in the buffer.
+    pub len: usize,
+    /// True when any byte of the packet changed (a driver holding a packet with a partial
+    /// checksum, e.g. a GSO packet from NFQUEUE, must then recompute the full TCP checksum).
+    pub modified: bool,
+    pub event: Option<Event>,
+}
+
+impl Outcome {
+    fn forward(len: usize, modified: bool) -> Outcome {
+        Outcome { verdict: Verdict::Forward, len, modified, event: None }
+    }
+    fn with(verdict: Verdict, len: usize, event: Event) -> Outcome {
+        Outcome { verdict, len, modified: verdict != Verdict::Drop, event: Some(event) }
+    }
+}
+
+impl Conn {
+    #[inline]
+    fn has(&self, f: u16) -> bool {
+        self.flags & f != 0
+    }
+    #[inline]
+    fn set(&mut self, f: u16) {
+        self.flags |= f;
+    }
+    #[inline]
+    fn clear(&mut self, f: u16) {
+        self.flags &= !f;
+    }
+    fn b_ws(&self) -> u8 {
+        self.ws & 0x0f
+    }
+    fn a_ws_b(&self) -> u8 {
+        self.ws >> 4
+    }
+    fn set_ws(&mut self, b: u8, a: u8) {
+        self.ws = (a.min(WS_NONE) << 4) | b.min(WS_NONE);
+    }
+    fn a_ws_cur(&self) -> u8 {
+        self.ws_cur & 0x0f
+    }
+    fn a_ws_offered(&self) -> u8 {
+        self.ws_cur >> 4
+    }
+    fn set_ws_cur(&mut self, cur: u8, offered: u8) {
+        self.ws_cur = (offered.min(WS_NONE) << 4) | cur.min(WS_NONE);
+    }
+    /// True once both directions closed with genuine FINs: the driver may forget the state
+    /// after its own TIME-WAIT-like grace period (the engine has no clock).
+    pub fn is_closed(&self) -> bool {
+        self.has(flag::FIN_A_SEEN) && self.has(flag::FIN_B_SEEN)
+    }
+    /// True when the state is all zero (never saw a packet or command).
+    pub fn is_empty(&self) -> bool {
+        *self == Conn::default()
+    }
+    /// The connection options as far as known, for TELL responses.
+    pub fn options(&self) -> Option<ConnOptions> {
+        if !self.has(flag::OPTS_KNOWN) {
+            return None;
+        }
+        let ws = |v: u8| if v == WS_NONE { None } else { Some(v) };
+        Some(ConnOptions {
+            peer_mss: self.b_mss,
+            peer_wscale: ws(self.b_ws()),
+            app_wscale: ws(self.a_ws_b()),
+            sack: self.has(flag::SACK_OK),
+            timestamps: self.has(flag::TS_OK),
+        })
+    }
+    /// Flag bits as reported in a TELL response (see [`ctl::flag`]).
+    fn ctl_flags(&self) -> u8 {
+        let mut f = 0;
+        for (mine, theirs) in [
+            (flag::ACK_ALLOWED, ctl::flag::ACK_ALLOWED),
+            (flag::RECOVERABLE, ctl::flag::RECOVERABLE),
+            (flag::FIN_ALLOWED, ctl::flag::FIN_ALLOWED),
+            (flag::ACK_EVERYTHING, ctl::flag::ACK_EVERYTHING),
+        ] {
+            if self.has(mine) {
+                f |= theirs;
+            }
+        }
+        f
+    }
+}
+
+/// Options found in a segment, with unknown ones already overwritten with NOPs (I1/O2).
+#[derive(Default)]
+struct Opts {
+    mss: Option<u16>,
+    ws: Option<u8>,
+    sack_perm: bool,
+    /// Header offset of the timestamp option, and its values.
+    ts_at: Option<usize>,
+    tsval: u32,
+    tsecr: u32,
+    /// Header offset and block count of the SACK option.
+    sack_at: Option<usize>,
+    sack_n: usize,
+}
+
+/// I1 / O2: scan the options, suppress the unrecognized ones with NOPs.
+fn scan_options(t: &mut Tcp<&mut [u8]>) -> Result<(Opts, bool)> {
+    let mut slots = [tcp::OptionSlot { offset: 0, kind: 0, len: 0 }; 40];
+    let mut n = 0;
+    for s in t.option_slots() {
+        slots[n] = s?;
+        n += 1;
+    }
+    let mut o = Opts::default();
+    let mut modified = false;
+    for s in &slots[..n] {
+        let opt = tcp::parse_option(&t.as_bytes()[s.offset..s.offset + s.len])?;
+        match opt {
+            tcp::TcpOption::Mss(m) => o.mss = Some(m),
+            tcp::TcpOption::WindowScale(w) => o.ws = Some(w.min(14)),
+            tcp::TcpOption::SackPermitted => o.sack_perm = true,
+            tcp::TcpOption::Timestamp { tsval, tsecr } => {
+                o.ts_at = Some(s.offset);
+                o.tsval = tsval;
+                o.tsecr = tsecr;
+            }
+            tcp::TcpOption::Sack(_, k) => {
+                o.sack_at = Some(s.offset);
+                o.sack_n = k as usize;
+            }
+            tcp::TcpOption::Unknown { .. } => {
+                t.nop_option(*s);
+                modified = true;
+            }
+            tcp::TcpOption::NoOp | tcp::TcpOption::EndOfList => {}
+        }
+    }
+    debug_assert!(n <= 40);
+    let _ = kind::EOL;
+    Ok((o, modified))
+}
+
+/// Splits a packet buffer into its IP facts and a TCP view of the segment.
+fn tcp_view(buf: &mut [u8], len: usize) -> Result<(IpInfo, Tcp<&mut [u8]>)> {
+    let info = IpInfo::parse(&buf[..len])?;
+    if info.protocol != ip::PROTO_TCP {
+        return Err(Error::Unsupported("not tcp"));
+    }
+    let seg = &mut buf[info.l4_offset..info.l4_offset + info.l4_len];
+    Ok((info, Tcp::new_checked(seg)?))
+}
+
+/// Writes a complete packet `src -> dst` with TCP header `r` and no payload into `buf`,
+/// checksums filled. Returns its length.
+fn emit_segment(buf: &mut [u8], src: std::net::IpAddr, dst: std::net::IpAddr, r: &Repr) -> Result<usize> {
+    let tl = r.header_len();
+    let hl = ip::emit_header(buf, src, dst, ip::PROTO_TCP, tl)?;
+    r.emit(&mut buf[hl..hl + tl])?;
+    let pseudo = ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl);
+    Tcp::new_checked(&mut buf[hl..hl + tl])?.fill_checksum(pseudo);
+    Ok(hl + tl)
+}
+
+/// Rewrites the packet in `buf` into a bare RST for *A* (as if from *B*) that *A*'s TCP accepts:
+/// SEQ = the ACK field of *A*'s own packet (its RCV.NXT). No options, so no PAWS check applies.
+fn reflect_rst(buf: &mut [u8], info: &IpInfo, a_port: u16, b_port: u16, a_rcv_nxt: Seq) -> Result<usize> {
+    let r = Repr { src_port: b_port, dst_port: a_port, seq: a_rcv_nxt, flags: F::RST, ..Default::default() };
+    emit_segment(buf, info.dst, info.src, &r)
+}
+
+/// What a SYN from *A* offered, needed to build the answer.
+struct SynOffer {
+    seq: Seq,
+    tsval: u32,
+    ws: u8,
+    sack: bool,
+    ts: bool,
+    mss: Option<u16>,
+}
+
+/// O5 / section 6: the SYN-ACK *A*'s recovering TCP expects, as if from *B*: SEQ = ackA - 1 so
+/// *B*'s numbering continues unchanged, ACK = the SYN's SEQ + 1, and only options both the
+/// original connection and the new SYN have. Updates Δ, the timestamp offset and window scales.
+fn synthesize_synack(c: &mut Conn, buf: &mut [u8], a: std::net::IpAddr, b: std::net::IpAddr, a_port: u16, b_port: u16, syn: &SynOffer, b_window: u16) -> Result<usize> {
+    c.delta = (syn.seq + 1 - Seq(c.ack_b)) as u32; // Δ ← seq + 1 - ackB
+    let known = c.has(flag::OPTS_KNOWN);
+    let b_ws = if known { c.b_ws() } else { WS_NONE };
+    let use_ws = b_ws != WS_NONE && syn.ws != WS_NONE;
+    let use_sack = known && c.has(flag::SACK_OK) && syn.sack;
+    let use_ts = known && c.has(flag::TS_OK) && syn.ts;
+    let mss = match (known && c.b_mss != 0, syn.mss) {
+        (true, Some(m)) => c.b_mss.min(m.max(FALLBACK_MSS)),
+        (true, None) => c.b_mss,
+        (false, Some(m)) => m.min(FALLBACK_MSS.max(536)).max(536),
+        (false, None) => FALLBACK_MSS,
+    };
+    let a_ws_b = if known { c.a_ws_b() } else { WS_NONE };
+    // The new socket applies syn.ws to its own windows only if we answer with a WS option.
+    c.set_ws_cur(if use_ws { syn.ws } else { WS_NONE }, WS_NONE);
+    if !known {
+        // Without knowledge the best guess is that nothing changed.
+        c.set_ws(WS_NONE, if use_ws { syn.ws } else { WS_NONE });
+    } else {
+        c.set_ws(b_ws, a_ws_b);
+    }
+    c.ts_off = if use_ts && c.has(flag::TS_A_KNOWN) { c.ts_a.wrapping_add(1).wrapping_sub(syn.tsval) } else { 0 };
+    let r = Repr {
+        src_port: b_port,
+        dst_port: a_port,
+        seq: Seq(c.ack_a) - 1,
+        ack: syn.seq + 1,
+        flags: F::SYN | F::ACK,
+        window: b_window,
+        mss: Some(mss),
+        wscale: if use_ws { Some(b_ws) } else { None },
+        sack_perm: use_sack,
+        timestamp: if use_ts { Some((c.ts_b, syn.tsval)) } else { None },
+        ..Default::default()
+    };
+    c.clear(flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::SYN_PENDING | flag::PEND_SACK | flag::PEND_TS | flag::FIN_A_SEEN);
+    emit_segment(buf, b, a, &r)
+}
+
+/// Algorithm I: a packet from *B* to *A*. `buf[..len]` is the IP packet; `buf` may be longer
+/// (room to grow: a rewrite into a SYN-ACK needs up to 40 bytes more than a bare ACK).
+pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
+    let (info, mut t) = tcp_view(buf, len)?;
+    // I1. Handle options.
+    let (o, mut modified) = scan_options(&mut t)?;
+    let f = t.flags();
+    let (a_port, b_port) = (t.dst_port(), t.src_port());
+
+    if f & F::RST != 0 {
+        // A reset from B ends the connection for A's TCP; keep our state (a spoofed RST must not
+        // wipe it) and shift its ACK like any other.
+        if f & F::ACK != 0 && c.delta != 0 && !c.has(flag::SYN_PENDING) {
+            t.rewrite_ack(t.ack() + c.delta);
+            modified = true;
+        }
+        return Ok(Outcome::forward(len, modified));
+    }
+
+    // Timestamps: remember B's clock and what B has seen of A's.
+    if let Some(at) = o.ts_at {
+        if !c.has(flag::TS_B_KNOWN) || Seq(o.tsval).gt(Seq(c.ts_b)) {
+            c.ts_b = o.tsval;
+            c.set(flag::TS_B_KNOWN);
+        }
+        if o.tsecr != 0 && (!c.has(flag::TS_A_KNOWN) || Seq(o.tsecr).gt(Seq(c.ts_a))) {
+            c.ts_a = o.tsecr;
+            c.set(flag::TS_A_KNOWN);
+        }
+        if c.ts_off != 0 && o.tsecr != 0 && !c.has(flag::SYN_PENDING) {
+            t.rewrite_u32_at(at + 6, o.tsecr.wrapping_sub(c.ts_off));
+            modified = true;
+        }
+    }
+
+    // I2. Initialize checkpointed acknowledgments: SEQ is B's initial sequence number.
+    if f & F::SYN != 0 {
+        let syn_ack = f & F::ACK != 0;
+        c.ack_a = (t.seq() + 1).0;
+        c.set(flag::ACK_ALLOWED);
+        // A new connection starts unshifted.
+        c.delta = 0;
+        c.ts_off = 0;
+        c.clear(flag::SYN_PENDING | flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::FIN_A_SEEN | flag::FIN_B_SEEN);
+        c.b_mss = o.mss.unwrap_or(536);
+        let b_ws = o.ws.unwrap_or(WS_NONE);
+        if syn_ack {
+            // B's SYN-ACK carries the negotiated set: A offered its scale in its SYN.
+            let a_ws = if b_ws == WS_NONE { WS_NONE } else { c.a_ws_offered() };
+            let b_ws = if a_ws == WS_NONE { WS_NONE } else { b_ws };
+            c.set_ws(b_ws, a_ws);
+            c.set_ws_cur(a_ws, WS_NONE);
+            c.clear(flag::SACK_OK | flag::TS_OK);
+            if o.sack_perm {
+                c.set(flag::SACK_OK);
+            }
+            if o.ts_at.is_some() {
+                c.set(flag::TS_OK);
+            }
+            c.set(flag::OPTS_KNOWN);
+        } else {
+            // B's SYN: A's SYN-ACK completes the negotiation.
+            c.set_ws(b_ws, WS_NONE);
+            c.clear(flag::OPTS_KNOWN | flag::SACK_OK | flag::TS_OK);
+            if o.sack_perm {
+                c.set(flag::SACK_OK);
+            }
+            if o.ts_at.is_some() {
+                c.set(flag::TS_OK);
+            }
+        }
+    }
+
+    if f & F::ACK != 0 {
+        let ack = t.ack();
+        if !c.has(flag::RECOVERABLE) || ack.ge(Seq(c.ack_b)) {
+            c.ack_b = ack.0;
+        }
+        c.set(flag::RECOVERABLE);
+
+        // Section 6: B's answer to a forwarded recovery SYN becomes the SYN-ACK A waits for.
+        if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
+            if !c.has(flag::ACK_ALLOWED) && !c.has(flag::ACK_EVERYTHING) {
+                return Ok(Outcome::with(Verdict::Drop, len, Event::PendingWithoutCheckpoint));
+            }
+            let syn = SynOffer {
+                seq: Seq(c.delta),
+                tsval: c.ts_off,
+                ws: c.a_ws_offered(),
+                sack: c.has(flag::PEND_SACK),
+                ts: c.has(flag::PEND_TS),
+                mss: None,
+            };
+            let b_window = window_unscaled(t.window(), c.b_ws());
+            drop(t);
+            let n = synthesize_synack(c, buf, info.dst, info.src, a_port, b_port, &syn, b_window)?;
+            return Ok(Outcome::with(Verdict::Forward, n, Event::RecoveredFromPeerAck));
+        }
+
+        // I3. Handle acknowledgment: ACK ← ACK + Δ, and the SACK edges with it.
+        if c.delta != 0 {
+            t.rewrite_ack(ack + c.delta);
+            if let Some(at) = o.sack_at {
+                for i in 0..o.sack_n {
+                    for edge in [at + 2 + 8 * i, at + 6 + 8 * i] {
+                        let v = u32::from_be_bytes(t.as_bytes()[edge..edge + 4].try_into().unwrap());
+                        t.rewrite_u32_at(edge, v.wrapping_add(c.delta));
+                    }
+                }
+            }
+            modified = true;
+        }
+    }
+    if f & F::FIN != 0 {
+        c.set(flag::FIN_B_SEEN);
+    }
+    // I4. Forward.
+    Ok(Outcome::forward(len, modified))
+}
+
+/// A window field scaled by `ws` expressed as an unscaled 16-bit value (SYN-ACK windows are
+/// never scaled).
+fn window_unscaled(w: u16, ws: u8) -> u16 {
+    let s = if ws == WS_NONE { 0 } else { ws as u32 };
+    ((w as u32) << s).min(0xffff) as u16
+}
+
+/// Algorithm O: a packet from *A* to *B*.
+pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
+    let (info, mut t) = tcp_view(buf, len)?;
+    let f = t.flags();
+    // O1. Suppress resets.
+    if f & F::RST != 0 {
+        return Ok(Outcome::with(Verdict::Drop, len, Event::SpuriousRstDropped));
+    }
+    // O2. Handle options.
+    let (o, mut modified) = scan_options(&mut t)?;
+    let (a_port, b_port) = (t.src_port(), t.dst_port());
+
+    // O3. Attempting recovery? Only the client's SYN lacks ACK.
+    if f & F::ACK == 0 {
+        if f & F::SYN == 0 {
+            return Ok(Outcome::with(Verdict::Drop, len, Event::BogusFlags));
+        }
+        let syn = SynOffer {
+            seq: t.seq(),
+            tsval: o.tsval,
+            ws: o.ws.unwrap_or(WS_NONE),
+            sack: o.sack_perm,
+            ts: o.ts_at.is_some(),
+            mss: o.mss,
+        };
+        let have_ack = c.has(flag::ACK_ALLOWED) || c.has(flag::ACK_EVERYTHING);
+        if c.has(flag::RECOVERABLE) && have_ack {
+            // O5. Recover: answer at once from ackB.
+            let n = synthesize_synack(c, buf, info.src, info.dst, a_port, b_port, &syn, 0xffff)?;
+            return Ok(Outcome::with(Verdict::Reflect, n, Event::Recovered));
+        }
+        // O4. Recovery impossible for now: a first connection, or state lost. Forward unchanged
+        // and remember the SYN so B's answer can be rewritten (section 6).
+        let first = !c.has(flag::RECOVERABLE) && !have_ack && !c.has(flag::OPTS_KNOWN);
+        c.delta = syn.seq.0;
+        c.ts_off = syn.tsval;
+        c.set_ws_cur(c.a_ws_cur(), syn.ws);
+        c.clear(flag::PEND_SACK | flag::PEND_TS);
+        if syn.sack {
+            c.set(flag::PEND_SACK);
+        }
+        if syn.ts {
+            c.set(flag::PEND_TS);
+        }
+        c.set(flag::SYN_PENDING);
+        let out = Outcome::forward(len, modified);
+        return Ok(if first { out } else { Outcome { event: Some(Event::RecoverySynForwarded), ..out } });
+    }
+
+    if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
+        // Our SYN is pending and A's TCP sends a non-SYN: it cannot be synchronized yet.
+        let n = reflect_rst(buf, &info, a_port, b_port, t_ack_of(buf, &info))?;
+        return Ok(Outcome::with(Verdict::Reflect, n, Event::NoCheckpointReset));
+    }
+
+    // O6. Reset? No checkpoint known (filter restarted), or a spurious FIN.
+    let have_ack = c.has(flag::ACK_ALLOWED) || c.has(flag::ACK_EVERYTHING);
+    if !have_ack || (f & F::FIN != 0 && !c.has(flag::FIN_ALLOWED)) {
+        let ev = if have_ack { Event::SpuriousFinReset } else { Event::NoCheckpointReset };
+        let a_rcv_nxt = t.ack();
+        drop(t);
+        let n = reflect_rst(buf, &info, a_port, b_port, a_rcv_nxt)?;
+        return Ok(Outcome::with(Verdict::Reflect, n, ev));
+    }
+
+    if f & F::SYN != 0 {
+        // A's SYN-ACK (A is the server): it completes the option negotiation B's SYN began.
+        let a_ws = if c.b_ws() == WS_NONE { WS_NONE } else { o.ws.unwrap_or(WS_NONE) };
+        let b_ws = if a_ws == WS_NONE { WS_NONE } else { c.b_ws() };
+        c.set_ws(b_ws, a_ws);
+        c.set_ws_cur(a_ws, WS_NONE);
+        if !o.sack_perm {
+            c.clear(flag::SACK_OK);
+        }
+        if o.ts_at.is_none() {
+            c.clear(flag::TS_OK);
+        }
+        c.set(flag::OPTS_KNOWN);
+    }
+
+    // O7. Checkpoint ACK, never above what A's TCP acknowledges itself.
+    if !c.has(flag::ACK_EVERYTHING) {
+        let ack = t.ack();
+        let ck = Seq(c.ack_a);
+        if ck.lt(ack) {
+            t.rewrite_ack(ck);
+            modified = true;
+        }
+    }
+    // O8. Fix SEQ.
+    if c.delta != 0 {
+        t.rewrite_seq(t.seq() - c.delta);
+        modified = true;
+    }
+    // Timestamps: keep what B sees monotonic across sockets.
+    if let Some(at) = o.ts_at {
+        let v = o.tsval.wrapping_add(c.ts_off);
+        if c.ts_off != 0 {
+            t.rewrite_u32_at(at + 2, v);
+            modified = true;
+        }
+        if !c.has(flag::TS_A_KNOWN) || Seq(v).gt(Seq(c.ts_a)) {
+            c.ts_a = v;
+            c.set(flag::TS_A_KNOWN);
+        }
+    }
+    // Window: rescale if the new socket's shift differs from the one B applies.
+    if f & F::SYN == 0 {
+        let (cur, old) = (c.a_ws_cur(), c.a_ws_b());
+        let w = t.window();
+        let w2 = if cur != old {
+            let s_cur = if cur == WS_NONE { 0 } else { cur as u32 };
+            let s_old = if old == WS_NONE { 0 } else { old as u32 };
+            (((w as u64) << s_cur) >> s_old).min(0xffff) as u16
+        } else {
+            w
+        };
+        if w2 != w {
+            t.rewrite_window(w2);
+            modified = true;
+        }
+        c.a_win = w2;
+        c.set(flag::A_WIN_KNOWN);
+    }
+    if f & F::FIN != 0 {
+        c.set(flag::FIN_A_SEEN);
+    }
+    // O9. Forward.
+    Ok(Outcome::forward(len, modified))
+}
+
+/// The ACK field of the TCP segment in `buf` (already validated by the caller).
+fn t_ack_of(buf: &[u8], info: &IpInfo) -> Seq {
+    let o = info.l4_offset + 8;
+    Seq(u32::from_be_bytes(buf[o..o + 4].try_into().unwrap()))
+}
+
+/// What [`command`] produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommandResult {
+    /// C6: the response to send back to the application.
+    pub reply: Command,
+    /// C2: length of the fresh ACK for *B* written into the caller's buffer, if one was built.
+    pub ack_len: Option<usize>,
+}
+
+/// Algorithm C: a side-channel command about this connection (already authenticated by the
+/// caller). For RTCP_ACKNOWLEDGE, a fresh ACK for *B* is written into `ack_buf` (at least 80
+/// bytes) when enough is known to build one.
+pub fn command(c: &mut Conn, cmd: &Command, ack_buf: &mut [u8]) -> CommandResult {
+    let mut ack_len = None;
+    match cmd.op {
+        // C1. Tell: answered below from the state.
+        Op::Tell => {}
+        // C2. Acknowledge.
+        Op::Acknowledge => {
+            if !c.has(flag::ACK_ALLOWED) || Seq(cmd.ack_a).ge(Seq(c.ack_a)) {
+                c.ack_a = cmd.ack_a;
+            }
+            c.set(flag::ACK_ALLOWED);
+            if let (Some(o), false) = (cmd.options, c.has(flag::OPTS_KNOWN)) {
+                // A restarted filter learns the negotiated options from the application.
+                c.b_mss = o.peer_mss;
+                let b = o.peer_wscale.unwrap_or(WS_NONE);
+                let a = o.app_wscale.unwrap_or(WS_NONE);
+                c.set_ws(b, a);
+                c.set_ws_cur(a, c.a_ws_offered());
+                c.clear(flag::SACK_OK | flag::TS_OK);
+                if o.sack {
+                    c.set(flag::SACK_OK);
+                }
+                if o.timestamps {
+                    c.set(flag::TS_OK);
+                }
+                c.set(flag::OPTS_KNOWN);
+            }
+            if c.has(flag::RECOVERABLE) && c.has(flag::A_WIN_KNOWN) && !c.has(flag::SYN_PENDING) {
+                let ts = (c.has(flag::TS_OK) && c.has(flag::TS_A_KNOWN) && c.has(flag::TS_B_KNOWN)).then_some((c.ts_a, c.ts_b));
+                let r = Repr {
+                    src_port: cmd.app.port(),
+                    dst_port: cmd.peer.port(),
+                    seq: Seq(c.ack_b),
+                    ack: Seq(c.ack_a),
+                    flags: F::ACK,
+                    window: c.a_win,
+                    timestamp: ts,
+                    ..Default::default()
+                };
+                ack_len = emit_segment(ack_buf, cmd.app.ip(), cmd.peer.ip(), &r).ok();
+            }
+        }
+        // C3 / C4. Shutdown writing / reading.
+        Op::Shutdown | Op::ShutdownWriting | Op::ShutdownReading => {
+            if matches!(cmd.op, Op::Shutdown | Op::ShutdownWriting) {
+                c.set(flag::FIN_ALLOWED);
+            }
+            if matches!(cmd.op, Op::Shutdown | Op::ShutdownReading) {
+                c.set(flag::ACK_EVERYTHING);
+            }
+        }
+        // C5. Clear: forget the connection.
+        Op::Clear => *c = Conn::default(),
+    }
+    // C6. Respond.
+    let reply = Command {
+        response: true,
+        status: ctl::Status::Ok as u8,
+        flags: c.ctl_flags(),
+        ack_a: c.ack_a,
+        ack_b: c.ack_b,
+        options: c.options(),
+        ..*cmd
+    };
+    CommandResult { reply, ack_len }
+}

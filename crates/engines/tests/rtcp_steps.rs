@@ -1,0 +1,402 @@
+//! The RTCP engine step by step, each test named after the paper's step (seed 004, section 3.1:
+//! I1-I4, O1-O9, C1-C6) or after the extension it checks. *A* = 10.0.2.10:7000 (protected),
+//! *B* = 10.0.1.2:41000 (peer). Every rewritten packet must carry valid checksums.
+
+use std::net::{IpAddr, SocketAddr};
+use unbroken_engines::rtcp::{self, flag, Conn, Event, Verdict};
+use unbroken_wire::ctl::{Command, ConnOptions, Op};
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
+use unbroken_wire::Seq;
+
+const A_PORT: u16 = 7000;
+const B_PORT: u16 = 41000;
+
+fn a_ip() -> IpAddr {
+    "10.0.2.10".parse().unwrap()
+}
+fn b_ip() -> IpAddr {
+    "10.0.1.2".parse().unwrap()
+}
+
+/// A packet in a buffer with 64 bytes of room to grow.
+struct P {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+fn build(src: IpAddr, dst: IpAddr, r: Repr, payload: &[u8]) -> P {
+    let tl = r.header_len() + payload.len();
+    let mut buf = vec![0u8; 60 + tl + 64];
+    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).unwrap();
+    r.emit(&mut buf[hl..]).unwrap();
+    buf[hl + r.header_len()..hl + tl].copy_from_slice(payload);
+    Tcp::new_checked(&mut buf[hl..hl + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+    P { buf, len: hl + tl }
+}
+
+fn from_a(r: Repr, payload: &[u8]) -> P {
+    build(a_ip(), b_ip(), Repr { src_port: A_PORT, dst_port: B_PORT, ..r }, payload)
+}
+fn from_b(r: Repr, payload: &[u8]) -> P {
+    build(b_ip(), a_ip(), Repr { src_port: B_PORT, dst_port: A_PORT, ..r }, payload)
+}
+
+/// Parses a packet, asserting its checksums verify.
+fn parse(p: &P, len: usize) -> (IpInfo, Repr, Vec<u8>) {
+    let info = IpInfo::parse(&p.buf[..len]).unwrap();
+    let seg = &p.buf[info.l4_offset..info.l4_offset + info.l4_len];
+    let t = Tcp::new_checked(seg).unwrap();
+    assert!(t.verify_checksum(info.pseudo_sum(info.l4_len)), "bad TCP checksum");
+    if let IpAddr::V4(_) = info.src {
+        assert!(unbroken_wire::ipv4::Packet::new_checked(&p.buf[..len]).unwrap().verify_checksum(), "bad IPv4 checksum");
+    }
+    (info, Repr::parse(&t).unwrap(), t.payload().to_vec())
+}
+
+fn out(c: &mut Conn, mut p: P) -> (rtcp::Outcome, P) {
+    let o = rtcp::outgoing(c, &mut p.buf, p.len).unwrap();
+    (o, p)
+}
+fn inc(c: &mut Conn, mut p: P) -> (rtcp::Outcome, P) {
+    let o = rtcp::incoming(c, &mut p.buf, p.len).unwrap();
+    (o, p)
+}
+
+const B_ISN: u32 = 1_000_000;
+const A_ISN: u32 = 5_000_000;
+
+fn syn_opts(ts: u32) -> Repr {
+    Repr { mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: Some((ts, 0)), window: 64240, ..Default::default() }
+}
+
+/// B connects to A (A is the server), options MSS 1460 / WS 7 / SACK / TS both ways. Returns the
+/// state after the three-way handshake.
+fn established() -> Conn {
+    let mut c = Conn::default();
+    let (o, p) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN), flags: F::SYN, ..syn_opts(100) }, b""));
+    assert_eq!((o.verdict, o.modified), (Verdict::Forward, false));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(B_ISN));
+    let synack = Repr { seq: Seq(A_ISN), ack: Seq(B_ISN + 1), flags: F::SYN | F::ACK, timestamp: Some((9000, 100)), ..syn_opts(0) };
+    let (o, p) = out(&mut c, from_a(synack, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(parse(&p, o.len).1, Repr { src_port: A_PORT, dst_port: B_PORT, ..synack });
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 1), flags: F::ACK, window: 502, timestamp: Some((101, 9000)), ..Default::default() }, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    c
+}
+
+#[test]
+fn state_is_at_most_32_bytes() {
+    assert!(std::mem::size_of::<Conn>() <= 32, "{}", std::mem::size_of::<Conn>());
+}
+
+#[test]
+fn handshake_learns_checkpoint_and_options() {
+    let c = established();
+    assert_eq!(c.ack_a, B_ISN + 1, "I2: ackA <- SEQ + 1");
+    assert_eq!(c.ack_b, A_ISN + 1, "I3: ackB <- ACK");
+    assert!(c.flags & flag::RECOVERABLE != 0 && c.flags & flag::ACK_ALLOWED != 0);
+    let o = c.options().unwrap();
+    assert_eq!(o, ConnOptions { peer_mss: 1460, peer_wscale: Some(7), app_wscale: Some(7), sack: true, timestamps: true });
+}
+
+#[test]
+fn i1_o2_unknown_options_become_nops() {
+    let mut c = Conn::default();
+    // A SYN from B carrying an MPTCP option (kind 30, length 12).
+    let r = Repr { seq: Seq(B_ISN), flags: F::SYN, mss: Some(1460), ..Default::default() };
+    let mut p = from_b(r, b"");
+    // Append the option by hand: grow the header by 12 bytes.
+    let info = IpInfo::parse(&p.buf[..p.len]).unwrap();
+    let l4 = info.l4_offset;
+    let opt = [30u8, 12, 0x00, 0x81, 1, 2, 3, 4, 5, 6, 7, 8];
+    p.buf.splice(l4 + 24..l4 + 24, opt.iter().copied());
+    p.len += 12;
+    p.buf[l4 + 12] = ((36 / 4) as u8) << 4;
+    p.buf[3] = p.len as u8;
+    unbroken_wire::ipv4::Packet::new_checked(&mut p.buf[..p.len]).unwrap().fill_checksum();
+    Tcp::new_checked(&mut p.buf[l4..p.len]).unwrap().fill_checksum(ip::pseudo_sum(b_ip(), a_ip(), 6, p.len - l4));
+    let (o, p) = inc(&mut c, p);
+    assert!(o.modified);
+    let (_, _, _) = parse(&p, o.len);
+    assert!(p.buf[l4 + 24..l4 + 36].iter().all(|&b| b == 1), "MPTCP option replaced by NOPs");
+}
+
+#[test]
+fn o1_resets_from_a_are_dropped() {
+    let mut c = established();
+    let (o, _) = out(&mut c, from_a(Repr { seq: Seq(A_ISN + 1), flags: F::RST, ..Default::default() }, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Drop, Some(Event::SpuriousRstDropped)));
+}
+
+#[test]
+fn o6_spurious_fin_is_turned_into_rst_for_a() {
+    let mut c = established();
+    let fin = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: F::FIN | F::ACK, timestamp: Some((9100, 101)), ..Default::default() };
+    let (o, p) = out(&mut c, from_a(fin, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::SpuriousFinReset)));
+    let (info, r, _) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst), (b_ip(), a_ip()), "reflected toward A, as if from B");
+    assert_eq!((r.src_port, r.dst_port, r.flags), (B_PORT, A_PORT, F::RST));
+    assert_eq!(r.seq, Seq(B_ISN + 1), "SEQ = A's RCV.NXT so A's TCP accepts it");
+    assert_eq!(r.timestamp, None, "no timestamp: a RST must not fail PAWS");
+}
+
+#[test]
+fn c3_shutdown_lets_the_fin_through() {
+    let mut c = established();
+    let mut ack = [0u8; 128];
+    let cmd = Command::request(Op::ShutdownWriting, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 1, 1);
+    let res = rtcp::command(&mut c, &cmd, &mut ack);
+    assert!(res.reply.response && res.ack_len.is_none());
+    let fin = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: F::FIN | F::ACK, ..Default::default() };
+    let (o, _) = out(&mut c, from_a(fin, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+}
+
+#[test]
+fn o6_no_checkpoint_after_filter_restart_forces_recovery() {
+    let mut c = Conn::default(); // the filter restarted: nothing known
+    let data = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: F::ACK | F::PSH, ..Default::default() };
+    let (o, p) = out(&mut c, from_a(data, b"hello"));
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::NoCheckpointReset)));
+    let (_, r, payload) = parse(&p, o.len);
+    assert_eq!((r.flags, r.seq), (F::RST, Seq(B_ISN + 1)));
+    assert!(payload.is_empty());
+}
+
+#[test]
+fn o7_ack_is_checkpointed_and_never_raised() {
+    let mut c = established();
+    // A's TCP acknowledges 1000 bytes of B's data the app has not checkpointed.
+    let r = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1001), flags: F::ACK, window: 500, ..Default::default() };
+    let (o, p) = out(&mut c, from_a(r, b""));
+    assert_eq!(parse(&p, o.len).1.ack, Seq(B_ISN + 1), "ACK <- ackA");
+    // The app checkpoints 600 bytes: C2.
+    let mut ackbuf = [0u8; 128];
+    let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 2, 2);
+    cmd.ack_a = B_ISN + 601;
+    let res = rtcp::command(&mut c, &cmd, &mut ackbuf);
+    assert_eq!(res.reply.ack_a, B_ISN + 601);
+    let n = res.ack_len.expect("C2 builds a fresh ACK for B");
+    let ackp = P { buf: ackbuf.to_vec(), len: n };
+    let (info, r, _) = parse(&ackp, n);
+    assert_eq!((info.src, info.dst, r.src_port, r.dst_port), (a_ip(), b_ip(), A_PORT, B_PORT));
+    assert_eq!((r.seq, r.ack, r.flags, r.window), (Seq(A_ISN + 1), Seq(B_ISN + 601), F::ACK, 500));
+    // An ACKNOWLEDGE beyond what A's TCP acknowledges never raises the ACK (O7 takes the min).
+    cmd.ack_a = B_ISN + 5000;
+    rtcp::command(&mut c, &cmd, &mut ackbuf);
+    let r = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1001), flags: F::ACK, ..Default::default() };
+    let (o, p) = out(&mut c, from_a(r, b""));
+    assert_eq!(parse(&p, o.len).1.ack, Seq(B_ISN + 1001));
+    // A stale (older) ACKNOWLEDGE does not move the checkpoint back.
+    cmd.ack_a = B_ISN + 10;
+    assert_eq!(rtcp::command(&mut c, &cmd, &mut ackbuf).reply.ack_a, B_ISN + 5000);
+}
+
+#[test]
+fn c4_shutdown_reading_acknowledges_everything() {
+    let mut c = established();
+    let mut ackbuf = [0u8; 128];
+    let cmd = Command::request(Op::ShutdownReading, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 3, 3);
+    rtcp::command(&mut c, &cmd, &mut ackbuf);
+    let r = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 77), flags: F::ACK, ..Default::default() };
+    let (o, p) = out(&mut c, from_a(r, b""));
+    assert_eq!(parse(&p, o.len).1.ack, Seq(B_ISN + 77));
+}
+
+#[test]
+fn c1_tell_and_c5_clear() {
+    let mut c = established();
+    let mut ackbuf = [0u8; 128];
+    let cmd = Command::request(Op::Tell, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 4, 4);
+    let res = rtcp::command(&mut c, &cmd, &mut ackbuf);
+    assert_eq!((res.reply.ack_a, res.reply.ack_b, res.reply.nonce), (B_ISN + 1, A_ISN + 1, 4));
+    assert!(res.reply.options.is_some());
+    let cmd = Command { op: Op::Clear, ..cmd };
+    rtcp::command(&mut c, &cmd, &mut ackbuf);
+    assert!(c.is_empty());
+}
+
+/// Crash of A after 3000 bytes were delivered and 2000 checkpointed; the new socket has a new
+/// ISN, a much smaller timestamp clock and window scale 9 instead of 7.
+fn recovered(new_isn: u32) -> (Conn, rtcp::Outcome, P) {
+    let mut c = established();
+    // A sent 3000 bytes; B acknowledged them (with a SACK block too).
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 500, timestamp: Some((150, 9500)), ..Default::default() }, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    let (o, _) = out(&mut c, from_a(Repr { seq: Seq(A_ISN + 3001), ack: Seq(B_ISN + 4001), flags: F::ACK, window: 300, timestamp: Some((9600, 150)), ..Default::default() }, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    let mut ackbuf = [0u8; 128];
+    let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 5, 5);
+    cmd.ack_a = B_ISN + 2001;
+    rtcp::command(&mut c, &cmd, &mut ackbuf);
+    // The recovery SYN.
+    let syn = Repr { seq: Seq(new_isn), flags: F::SYN, wscale: Some(9), ..syn_opts(20) };
+    let (o, p) = out(&mut c, from_a(syn, b""));
+    (c, o, p)
+}
+
+#[test]
+fn o5_recovery_syn_is_answered_at_once() {
+    let new_isn = 777;
+    let (c, o, p) = recovered(new_isn);
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::Recovered)));
+    let (info, r, _) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst, r.src_port, r.dst_port), (b_ip(), a_ip(), B_PORT, A_PORT));
+    assert_eq!(r.flags, F::SYN | F::ACK);
+    assert_eq!(r.seq, Seq(B_ISN + 2000), "ISN = ackA - 1: B's numbering continues");
+    assert_eq!(r.ack, Seq(new_isn + 1));
+    assert_eq!((r.mss, r.wscale, r.sack_perm), (Some(1460), Some(7), true), "B's own options");
+    assert_eq!(r.timestamp, Some((150, 20)), "TSval = B's latest, TSecr = the SYN's");
+    assert_eq!(c.delta, (new_isn + 1).wrapping_sub(A_ISN + 3001), "delta = seq + 1 - ackB");
+}
+
+#[test]
+fn after_recovery_sequence_ack_sack_timestamps_and_window_are_translated() {
+    let new_isn = 777;
+    let (mut c, _, _) = recovered(new_isn);
+    // A's handshake ACK + resent data from its new sequence space.
+    let r = Repr { seq: Seq(new_isn + 1), ack: Seq(B_ISN + 2001), flags: F::ACK | F::PSH, window: 100, timestamp: Some((25, 150)), ..Default::default() };
+    let (o, p) = out(&mut c, from_a(r, b"resent"));
+    let (_, r2, payload) = parse(&p, o.len);
+    assert_eq!(r2.seq, Seq(A_ISN + 3001), "SEQ - delta lands where B expects");
+    assert_eq!(r2.ack, Seq(B_ISN + 2001));
+    assert_eq!(r2.window, 400, "window 100 at scale 9 is 400 at the scale B applies (7)");
+    let tsval = r2.timestamp.unwrap().0;
+    assert!(Seq(tsval).gt(Seq(9600)), "PAWS: TSval {tsval} must stay above the last one B saw (9600)");
+    assert_eq!(payload, b"resent");
+    // B acknowledges with a SACK block above a hole.
+    let sack = [(Seq(A_ISN + 3100), Seq(A_ISN + 3200)), (Seq(0), Seq(0)), (Seq(0), Seq(0)), (Seq(0), Seq(0))];
+    let r = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3007), flags: F::ACK, window: 500, timestamp: Some((160, tsval)), sack, sack_len: 1, ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(r, b""));
+    let (_, r3, _) = parse(&p, o.len);
+    assert_eq!(r3.ack, Seq(new_isn + 7), "ACK + delta");
+    assert_eq!(r3.sack[0], (Seq(new_isn + 100), Seq(new_isn + 200)), "SACK edges + delta");
+    assert_eq!(r3.timestamp, Some((160, 25)), "TSecr translated back into A's clock");
+}
+
+#[test]
+fn recovery_across_sequence_wrap() {
+    // The new ISN sits just below 2^32, the old stream well above 0: delta wraps.
+    let new_isn = u32::MAX - 2;
+    let (mut c, o, _) = recovered(new_isn);
+    assert_eq!(o.event, Some(Event::Recovered));
+    let r = Repr { seq: Seq(new_isn) + 1 + 10, ack: Seq(B_ISN + 2001), flags: F::ACK, window: 100, ..Default::default() };
+    let (o, p) = out(&mut c, from_a(r, b"x"));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(A_ISN + 3011));
+    let r = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3012), flags: F::ACK, window: 9, ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(r, b""));
+    assert_eq!(parse(&p, o.len).1.ack, Seq(new_isn) + 12);
+}
+
+#[test]
+fn recovery_clears_shutdown_state() {
+    let mut c = established();
+    let mut ackbuf = [0u8; 128];
+    let cmd = Command::request(Op::Shutdown, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 6, 6);
+    rtcp::command(&mut c, &cmd, &mut ackbuf);
+    let (o, _) = out(&mut c, from_a(Repr { seq: Seq(42), flags: F::SYN, ..syn_opts(1) }, b""));
+    assert_eq!(o.event, Some(Event::Recovered));
+    assert_eq!(c.flags & (flag::FIN_ALLOWED | flag::ACK_EVERYTHING), 0, "O5 returns to the default behaviour");
+}
+
+#[test]
+fn section6_filter_restart_answers_from_the_peers_ack() {
+    // The filter restarted and the application crashed at the same moment (section 2.7).
+    let mut c = Conn::default();
+    let mut ackbuf = [0u8; 128];
+    // Recovery step 1: ACKNOWLEDGE with the options the app's socket knew.
+    let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 7, 7);
+    cmd.ack_a = B_ISN + 2001;
+    cmd.options = Some(ConnOptions { peer_mss: 1400, peer_wscale: Some(7), app_wscale: Some(7), sack: true, timestamps: true });
+    let res = rtcp::command(&mut c, &cmd, &mut ackbuf);
+    assert!(res.ack_len.is_none(), "no ackB known yet: no ACK can be built");
+    // Step 2: the SYN finds no ackB: forwarded unchanged.
+    let syn = Repr { seq: Seq(555), flags: F::SYN, ..syn_opts(30) };
+    let (o, p) = out(&mut c, from_a(syn, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::RecoverySynForwarded)));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(555));
+    // B answers the unexpected SYN with a challenge ACK: rewritten into A's SYN-ACK at once.
+    let chal = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 100, timestamp: Some((170, 9600)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(chal, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::RecoveredFromPeerAck)));
+    let (info, r, _) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst), (b_ip(), a_ip()));
+    assert_eq!((r.flags, r.seq, r.ack), (F::SYN | F::ACK, Seq(B_ISN + 2000), Seq(556)));
+    assert_eq!((r.mss, r.wscale, r.sack_perm, r.timestamp), (Some(1400), Some(7), true, Some((170, 30))));
+    assert!(o.len > p.len, "the SYN-ACK is longer than the ACK it was rewritten from");
+    // A's next packet lands where B expects it, with TSval above what B saw.
+    let (o, p) = out(&mut c, from_a(Repr { seq: Seq(556), ack: Seq(B_ISN + 2001), flags: F::ACK, window: 10, timestamp: Some((31, 170)), ..Default::default() }, b""));
+    let (_, r, _) = parse(&p, o.len);
+    assert_eq!(r.seq, Seq(A_ISN + 3001));
+    assert!(Seq(r.timestamp.unwrap().0).gt(Seq(9600)));
+}
+
+#[test]
+fn first_connection_as_client_is_not_a_recovery() {
+    let mut c = Conn::default();
+    let (o, _) = out(&mut c, from_a(Repr { seq: Seq(A_ISN), flags: F::SYN, ..syn_opts(5) }, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, None));
+    let synack = Repr { seq: Seq(B_ISN), ack: Seq(A_ISN + 1), flags: F::SYN | F::ACK, ..syn_opts(60) };
+    let (o, p) = inc(&mut c, from_b(Repr { timestamp: Some((60, 5)), ..synack }, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(parse(&p, o.len).1.ack, Seq(A_ISN + 1), "no shift on a first connection");
+    assert_eq!(c.delta, 0);
+    assert_eq!(c.options().unwrap().app_wscale, Some(7));
+    let (o, p) = out(&mut c, from_a(Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: F::ACK, window: 9, ..Default::default() }, b"hi"));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(parse(&p, o.len).1.seq, Seq(A_ISN + 1));
+}
+
+#[test]
+fn ipv6_recovery() {
+    let a6: IpAddr = "fd77:2::10".parse().unwrap();
+    let b6: IpAddr = "fd77:1::2".parse().unwrap();
+    let mut c = Conn::default();
+    let p = build(b6, a6, Repr { src_port: B_PORT, dst_port: A_PORT, seq: Seq(B_ISN), flags: F::SYN, ..syn_opts(1) }, b"");
+    inc(&mut c, p);
+    let p = build(a6, b6, Repr { src_port: A_PORT, dst_port: B_PORT, seq: Seq(A_ISN), ack: Seq(B_ISN + 1), flags: F::SYN | F::ACK, ..syn_opts(2) }, b"");
+    out(&mut c, p);
+    let p = build(b6, a6, Repr { src_port: B_PORT, dst_port: A_PORT, seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 1), flags: F::ACK, ..Default::default() }, b"");
+    inc(&mut c, p);
+    let p = build(a6, b6, Repr { src_port: A_PORT, dst_port: B_PORT, seq: Seq(9), flags: F::SYN, ..syn_opts(3) }, b"");
+    let (o, p) = out(&mut c, p);
+    assert_eq!(o.verdict, Verdict::Reflect);
+    let (info, r, _) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst, r.flags, r.ack), (b6, a6, F::SYN | F::ACK, Seq(10)));
+}
+
+mod hostile {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// Arbitrary bytes never panic the engine, in either direction, whatever the state.
+        #[test]
+        fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..120), state in any::<[u32; 8]>()) {
+            let mut c: Conn = unsafe { std::mem::transmute(state) };
+            let mut buf = bytes.clone();
+            buf.resize(bytes.len() + 64, 0);
+            let _ = rtcp::incoming(&mut c, &mut buf, bytes.len());
+            let mut buf = bytes.clone();
+            buf.resize(bytes.len() + 64, 0);
+            let _ = rtcp::outgoing(&mut c, &mut buf, bytes.len());
+        }
+
+        /// A valid packet with random bytes flipped: an error or a packet with valid checksums.
+        #[test]
+        fn mutated_packets(pos in 0usize..80, val in any::<u8>(), incoming in any::<bool>(), syn in any::<bool>()) {
+            let mut c = established();
+            let r = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: if syn { F::SYN } else { F::ACK }, window: 5, sack_len: 1, sack: [(Seq(1), Seq(2)); 4], ..syn_opts(9) };
+            let mut p = if incoming { from_b(r, b"data") } else { from_a(r, b"data") };
+            if pos < p.len { p.buf[pos] = val; }
+            let res = if incoming { rtcp::incoming(&mut c, &mut p.buf, p.len) } else { rtcp::outgoing(&mut c, &mut p.buf, p.len) };
+            if let Ok(o) = res {
+                prop_assert!(o.len <= p.buf.len());
+            }
+        }
+    }
+}

@@ -1,1 +1,9 @@
-//! placeholder, filled in by this session
+//! `unbroken-control`: the control floor. The checkpoint guard ([`guard`] decisions,
+//! [`runtime`] I/O), its configuration, the steering rules, and the network-namespace [`lab`]
+//! the demos and tests run in.
+
+pub mod config;
+pub mod guard;
+pub mod lab;
+pub mod runtime;
+pub mod steer;

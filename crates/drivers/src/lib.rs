@@ -1,1 +1,23 @@
-//! placeholder, filled in by this session
+//! `unbroken-drivers`: the kernel-facing I/O of a guard.
+//!
+//! - [`nfqueue`]: an NFQUEUE consumer over a raw `NETLINK_NETFILTER` socket (no
+//!   libnetfilter_queue), with GSO super-packets, batched receive (`recvmmsg`) and batched
+//!   verdicts.
+//! - [`rawsend`]: injection of complete IPv4/IPv6 packets through `IPPROTO_RAW` sockets with an
+//!   `SO_MARK`, so the guard's own packets can be told apart by the firewall.
+//! - [`iptables`]: installation and removal of the `iptables`/`ip6tables` rules that steer a
+//!   guard's traffic into its queue and let its injected packets through.
+//!
+//! Everything here is Linux-only and needs `CAP_NET_ADMIN` (and `CAP_NET_RAW` for raw
+//! sockets) at run time. Nothing here parses packets beyond the netlink framing; checksums and
+//! headers are `unbroken-wire`'s business.
+
+pub mod iptables;
+mod netlink;
+pub mod nfqueue;
+pub mod rawsend;
+mod sys;
+
+pub use iptables::{BuiltinChain, Proto, RuleSpec, Rules, Service, Table};
+pub use nfqueue::{NetlinkError, Queue, QueueConfig, QueuedPacket, Stats, Verdict};
+pub use rawsend::{RawSender, RawSenderConfig};

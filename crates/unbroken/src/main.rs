@@ -1,1 +1,238 @@
-fn main() {}
+//! `unbroken`: TCP connections that outlive the server that serves them.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use unbroken::scenario::{self, Crash, Scenario};
+
+const USAGE: &str = "\
+unbroken: TCP connections that outlive the server that serves them
+
+usage:
+  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6]
+        Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
+        the example journal server while it is SIGKILLed and restarted, once on another host.
+        LIST is comma-separated from app,host,guard,guard+app (default app,app,host,app).
+  unbroken guard --config FILE [--remove-rules]
+        Run the checkpoint guard (RTCP) with the given TOML config.
+  unbroken status --file STATUS.json
+        Print a guard's status file (counters, connections).
+  unbroken bench checkpoint [--json] [--quick]
+        Benchmark checkpoint mode against unprotected TCP in the lab (root).
+  unbroken journal-server --listen A:P --guard A:P --key HEX --dir DIR [--fsync]
+        The example recoverable application.
+  unbroken peer --connect A:P --records N [--seed S] [--rate R]
+        The demo's unmodified peer (plain sockets): streams records, verifies replies.
+  unbroken lab cleanup
+        Remove network namespaces left behind by crashed runs.
+";
+
+fn fail(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("unbroken: {msg}");
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if args.is_empty() {
+        eprint!("{USAGE}");
+        return ExitCode::from(2);
+    }
+    let sub = args.remove(0);
+    match sub.as_str() {
+        "demo" => demo(args),
+        "guard" => guard(args),
+        "status" => status(args),
+        "bench" => bench(args),
+        "peer" => peer(args),
+        "journal-server" => ExitCode::from(unbroken_journal::server::main_with_args(args.into_iter()) as u8),
+        "lab" => lab(args),
+        "-h" | "--help" | "help" => {
+            print!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        other => fail(format!("unknown command {other:?}\n\n{USAGE}")),
+    }
+}
+
+fn parse_crashes(s: &str) -> Result<Vec<Crash>, String> {
+    if s.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    s.split(',')
+        .map(|c| match c.trim() {
+            "app" => Ok(Crash::App),
+            "host" => Ok(Crash::Host),
+            "guard" => Ok(Crash::Guard),
+            "guard+app" | "both" => Ok(Crash::GuardAndApp),
+            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app)")),
+        })
+        .collect()
+}
+
+fn num<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
+    let v = v.ok_or(format!("{flag} needs a value"))?;
+    v.parse().map_err(|_| format!("{flag}: not a number: {v:?}"))
+}
+
+fn demo(args: Vec<String>) -> ExitCode {
+    let mut s = Scenario { rate: 20_000, live: true, ..Scenario::default() };
+    let mut json = false;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let r: Result<(), String> = (|| {
+            match a.as_str() {
+                "checkpoint" => {}
+                "--json" => json = true,
+                "--records" => s.records = num("--records", it.next())?,
+                "--rate" => s.rate = num("--rate", it.next())?,
+                "--crashes" => s.crashes = parse_crashes(&it.next().ok_or("--crashes needs a value")?)?,
+                "--ipv6" => s.ipv6 = true,
+                "--seed" => s.seed = num("--seed", it.next())?,
+                "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
+                o => return Err(format!("demo: unknown argument {o:?}")),
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            return fail(e);
+        }
+    }
+    if !json {
+        eprintln!("unbroken demo checkpoint: {} records through the guard, crashes: {:?}", s.records, s.crashes);
+    }
+    match scenario::run_checkpoint(&s) {
+        Ok(r) => {
+            if json {
+                let mut v = serde_json::to_value(&r).unwrap_or_default();
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("peer");
+                }
+                println!("{v}");
+            } else {
+                println!("\nreport");
+                println!("  ok                    {}", r.ok);
+                if let Some(e) = &r.error {
+                    println!("  error                 {e}");
+                }
+                println!("  crashes               {}", r.crashes);
+                for c in &r.crash_log {
+                    println!("    {:>7} ms  {:<12} at {:>10} bytes verified, app now on {}", c.t_ms, format!("{:?}", c.kind), c.at_bytes_verified, c.app_host);
+                }
+                println!("  bytes sent by peer    {}", r.bytes_sent);
+                println!("  reply bytes verified  {} (sha256 {})", r.bytes_verified, if r.sha256_ok { "matches" } else { "MISMATCH" });
+                println!("  RSTs seen by the peer {}", r.resets_seen_by_peer);
+                println!("  longest stall         {} ms", r.max_stall_ms);
+                println!("  duration              {} ms", r.duration_ms);
+                let c = &r.guard["counters"];
+                if !c.is_null() {
+                    println!("  guard                 recovered {} (+{} from the peer's ACK), spurious FIN->RST {}, RST dropped {}, commands {}", c["recovered"], c["recovered_from_peer_ack"], c["spurious_fin_reset"], c["rst_dropped"], c["commands_answered"]);
+                }
+            }
+            if r.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({"ok": false, "error": e}));
+            }
+            fail(e)
+        }
+    }
+}
+
+fn guard(args: Vec<String>) -> ExitCode {
+    let mut cfg: Option<PathBuf> = None;
+    let mut opts = unbroken_control::runtime::RunOptions::default();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--config" => cfg = it.next().map(PathBuf::from),
+            "--remove-rules" => opts.force_remove_rules = true,
+            o => return fail(format!("guard: unknown argument {o:?}")),
+        }
+    }
+    let Some(path) = cfg else { return fail("guard: --config FILE is required") };
+    let cfg = match unbroken_control::config::Guard::load(&path) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    match unbroken_control::runtime::run(cfg, opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+fn status(args: Vec<String>) -> ExitCode {
+    let mut it = args.into_iter();
+    let mut file = None;
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--file" => file = it.next(),
+            o => return fail(format!("status: unknown argument {o:?}")),
+        }
+    }
+    let Some(f) = file else { return fail("status: --file STATUS.json is required") };
+    match std::fs::read_to_string(&f).map_err(|e| e.to_string()).and_then(|t| serde_json::from_str::<serde_json::Value>(&t).map_err(|e| e.to_string())) {
+        Ok(v) => {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(format!("status: {f}: {e}")),
+    }
+}
+
+fn bench(_args: Vec<String>) -> ExitCode {
+    fail("bench: not built yet in this version")
+}
+
+fn peer(args: Vec<String>) -> ExitCode {
+    let mut a = unbroken::peer::PeerArgs {
+        connect: "127.0.0.1:7000".parse().unwrap(),
+        records: 1000,
+        seed: 1,
+        rate: 0,
+        idle_timeout: Duration::from_secs(60),
+        progress_every: Duration::from_millis(100),
+    };
+    let mut it = args.into_iter();
+    while let Some(x) = it.next() {
+        let r: Result<(), String> = (|| {
+            match x.as_str() {
+                "--connect" => a.connect = it.next().ok_or("--connect needs ADDR:PORT")?.parse().map_err(|e| format!("--connect: {e}"))?,
+                "--records" => a.records = num("--records", it.next())?,
+                "--seed" => a.seed = num("--seed", it.next())?,
+                "--rate" => a.rate = num("--rate", it.next())?,
+                "--idle-timeout" => a.idle_timeout = Duration::from_secs(num("--idle-timeout", it.next())?),
+                o => return Err(format!("peer: unknown argument {o:?}")),
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            return fail(e);
+        }
+    }
+    let res = unbroken::peer::run(&a, &mut |v| println!("{v}"));
+    println!("{}", serde_json::to_string(&res).unwrap_or_default());
+    if res.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn lab(args: Vec<String>) -> ExitCode {
+    match args.first().map(String::as_str) {
+        Some("cleanup") => match unbroken_control::lab::cleanup_orphans() {
+            Ok(n) => {
+                println!("removed {n} leftover namespace(s)");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
+        _ => fail("lab: usage: unbroken lab cleanup"),
+    }
+}

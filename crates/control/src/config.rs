@@ -1,0 +1,213 @@
+//! TOML configuration of `unbroken guard` (checkpoint mode).
+//!
+//! ```toml
+//! [guard]
+//! queue = 7                         # NFQUEUE number
+//! placement = "gateway"             # "gateway" (FORWARD) or "local" (OUTPUT + INPUT on the app's host)
+//! control = ["10.77.2.1:7900"]      # UDP side-channel listen addresses
+//! key = "00112233445566778899aabbccddeeff"   # shared key, hex (or key_file = "/etc/unbroken/key")
+//! allowed_sources = ["10.77.2.0/24"] # who may send commands
+//! status_file = "/run/unbroken/guard.json"
+//!
+//! [[service]]                        # protected endpoints (the application A)
+//! addr = "10.77.2.10"
+//! port = 7000
+//! ```
+
+use serde::Deserialize;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use unbroken_wire::ctl::Key;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// On a router between the application hosts and their peers: the FORWARD chain.
+    Gateway,
+    /// On the application's own host: OUTPUT and INPUT chains.
+    Local,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuardSection {
+    pub queue: u16,
+    pub placement: Placement,
+    pub control: Vec<SocketAddr>,
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    pub allowed_sources: Vec<String>,
+    #[serde(default)]
+    pub status_file: Option<PathBuf>,
+    /// Mark put on packets the guard injects, so its rules skip them.
+    #[serde(default = "default_mark")]
+    pub injection_mark: u32,
+    /// Let traffic bypass the queue while no guard is bound (`--queue-bypass`). Off by default:
+    /// a recovered connection's packets must be renumbered, so bypassing cannot keep them alive.
+    #[serde(default)]
+    pub queue_bypass: bool,
+    /// Seconds a connection closed in both directions is remembered (the guard's TIME-WAIT).
+    #[serde(default = "default_grace")]
+    pub closed_grace_secs: u64,
+    /// Upper bound on remembered connections; the longest-idle are forgotten beyond it (a
+    /// forgotten live connection is recovered through the application, section 2.5).
+    #[serde(default = "default_max_conns")]
+    pub max_connections: usize,
+    /// Accepted clock difference for commands (replay window), milliseconds.
+    #[serde(default = "default_skew")]
+    pub max_clock_skew_ms: u64,
+}
+
+fn default_mark() -> u32 {
+    0x7562_0001
+}
+fn default_grace() -> u64 {
+    60
+}
+fn default_max_conns() -> usize {
+    1 << 20
+}
+fn default_skew() -> u64 {
+    30_000
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Service {
+    pub addr: IpAddr,
+    pub port: u16,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuardConfig {
+    pub guard: GuardSection,
+    #[serde(rename = "service")]
+    pub services: Vec<Service>,
+}
+
+/// An IP prefix such as 10.77.2.0/24 or fd77::/32 (a bare address means a single host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefix {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Prefix {
+    pub fn parse(s: &str) -> Result<Prefix, String> {
+        let (a, l) = match s.split_once('/') {
+            Some((a, l)) => (a, Some(l)),
+            None => (s, None),
+        };
+        let addr: IpAddr = a.trim().parse().map_err(|_| format!("bad address in prefix {s:?}"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = match l {
+            Some(l) => l.trim().parse::<u8>().map_err(|_| format!("bad prefix length in {s:?}"))?,
+            None => max,
+        };
+        if len > max {
+            return Err(format!("prefix length {len} too long in {s:?}"));
+        }
+        Ok(Prefix { addr, len })
+    }
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+            v4 => v4,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(p), IpAddr::V4(a)) => {
+                let mask = if self.len == 0 { 0 } else { u32::MAX << (32 - self.len) };
+                u32::from(p) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(p), IpAddr::V6(a)) => {
+                let mask = if self.len == 0 { 0 } else { u128::MAX << (128 - self.len) };
+                u128::from(p) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A validated configuration: every problem is reported with what to fix.
+pub struct Guard {
+    pub raw: GuardConfig,
+    pub key: Key,
+    pub allowed: Vec<Prefix>,
+}
+
+impl Guard {
+    pub fn from_toml(text: &str) -> Result<Guard, String> {
+        let raw: GuardConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
+        let key = match (&raw.guard.key, &raw.guard.key_file) {
+            (Some(k), None) => Key::from_hex(k).map_err(|e| format!("config: guard.key: {e} (give at least 32 hex digits)"))?,
+            (None, Some(p)) => {
+                let t = std::fs::read_to_string(p).map_err(|e| format!("config: guard.key_file {}: {e}", p.display()))?;
+                Key::from_hex(t.trim()).map_err(|e| format!("config: guard.key_file {}: {e}", p.display()))?
+            }
+            _ => return Err("config: give exactly one of guard.key and guard.key_file".into()),
+        };
+        if raw.services.is_empty() {
+            return Err("config: at least one [[service]] (addr, port) to protect is required".into());
+        }
+        if raw.guard.control.is_empty() {
+            return Err("config: guard.control needs at least one UDP address to listen on".into());
+        }
+        if raw.guard.allowed_sources.is_empty() {
+            return Err("config: guard.allowed_sources is empty: no application could send commands".into());
+        }
+        let allowed = raw.guard.allowed_sources.iter().map(|s| Prefix::parse(s).map_err(|e| format!("config: allowed_sources: {e}"))).collect::<Result<Vec<_>, _>>()?;
+        Ok(Guard { raw, key, allowed })
+    }
+    pub fn load(path: &std::path::Path) -> Result<Guard, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
+        Guard::from_toml(&text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[guard]
+queue = 7
+placement = "gateway"
+control = ["10.77.2.1:7900"]
+key = "00112233445566778899aabbccddeeff"
+allowed_sources = ["10.77.2.0/24", "fd77:2::/64"]
+
+[[service]]
+addr = "10.77.2.10"
+port = 7000
+"#;
+
+    #[test]
+    fn parses_and_validates() {
+        let g = Guard::from_toml(GOOD).unwrap();
+        assert_eq!(g.raw.guard.placement, Placement::Gateway);
+        assert_eq!(g.raw.services[0].port, 7000);
+        assert!(g.allowed[0].contains("10.77.2.11".parse().unwrap()));
+        assert!(!g.allowed[0].contains("10.77.1.2".parse().unwrap()));
+        assert!(g.allowed[1].contains("fd77:2::12".parse().unwrap()));
+        assert_eq!(g.raw.guard.closed_grace_secs, 60);
+    }
+
+    #[test]
+    fn broken_configs_get_clear_errors() {
+        let e = Guard::from_toml(&GOOD.replace("key = \"00112233445566778899aabbccddeeff\"", "key = \"0011\"")).err().unwrap();
+        assert!(e.contains("guard.key"), "{e}");
+        let e = Guard::from_toml(&GOOD.replace("placement = \"gateway\"", "placement = \"moon\"")).err().unwrap();
+        assert!(e.contains("placement") || e.contains("variant"), "{e}");
+        let e = Guard::from_toml(&GOOD.replace("10.77.2.0/24", "10.77.2.0/99")).err().unwrap();
+        assert!(e.contains("too long"), "{e}");
+        let e = Guard::from_toml(&GOOD.replace("[[service]]\naddr = \"10.77.2.10\"\nport = 7000\n", "service = []\n")).err().unwrap();
+        assert!(e.contains("service"), "{e}");
+        let e = Guard::from_toml("[guard]\nqueue = \"x\"").err().unwrap();
+        assert!(e.starts_with("config:"), "{e}");
+        let e = Guard::from_toml(&GOOD.replace("queue = 7", "queue = 7\nbogus = 1")).err().unwrap();
+        assert!(e.contains("bogus"), "{e}");
+    }
+}

@@ -1,0 +1,497 @@
+//! The checkpoint guard: the RTCP engine driven by NFQUEUE, plus its authenticated UDP side
+//! channel. [`Core`] holds every decision and is free of I/O (tested directly); [`run`] wires it
+//! to the kernel: an NFQUEUE thread, a command thread per listen address, a status writer.
+
+use crate::config::{Guard as Config, Prefix, Service};
+use serde::Serialize;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use unbroken_engines::rtcp::{self, Conn, Event, Verdict};
+use unbroken_wire::ctl::{self, Command, Key, Status};
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::tcp::Packet as Tcp;
+use unbroken_wire::Error;
+
+/// A protected connection: the application's endpoint and the peer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub app: SocketAddr,
+    pub peer: SocketAddr,
+}
+
+struct Entry {
+    conn: Conn,
+    /// Monotonic milliseconds of the last packet or command.
+    last_ms: u64,
+    /// When the connection was first seen closed both ways.
+    closed_ms: Option<u64>,
+}
+
+/// Counters exported in the status file. Every dropped or refused input lands in one of them.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Counters {
+    pub packets: u64,
+    pub incoming: u64,
+    pub outgoing: u64,
+    pub forwarded: u64,
+    pub modified: u64,
+    pub dropped: u64,
+    pub reflected: u64,
+    /// Queued packets that were not IP/TCP of a protected service (passed untouched).
+    pub unprotected: u64,
+    /// Unparseable IP or TCP on a protected flow: dropped (never forwarded unrewritten).
+    pub malformed: u64,
+    /// IPv4 fragments, IPv6 extension headers on a protected flow: dropped.
+    pub unsupported: u64,
+    pub full_checksums: u64,
+    pub rst_dropped: u64,
+    pub spurious_fin_reset: u64,
+    pub no_checkpoint_reset: u64,
+    pub recovered: u64,
+    pub recovery_syn_forwarded: u64,
+    pub recovered_from_peer_ack: u64,
+    pub pending_without_checkpoint: u64,
+    pub bogus_flags: u64,
+    pub commands: u64,
+    pub commands_answered: u64,
+    pub acks_injected: u64,
+    pub cmd_rejected_source: u64,
+    pub cmd_rejected_auth: u64,
+    pub cmd_rejected_stale: u64,
+    pub cmd_rejected_replay: u64,
+    pub cmd_malformed: u64,
+    pub cmd_not_protected: u64,
+    pub cmd_no_connection: u64,
+    pub evicted_closed: u64,
+    pub evicted_idle: u64,
+    pub connections: u64,
+}
+
+/// What the driver must do with a queued packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Accept it; when `modified`, with the rewritten bytes.
+    Accept { modified: bool },
+    Drop,
+    /// Drop it and inject the rewritten bytes instead (they travel the other way).
+    Inject,
+}
+
+/// Recently seen command nonces (replay protection within the clock-skew window).
+struct ReplayCache {
+    seen: HashSet<u64>,
+    order: VecDeque<(u64, u64)>,
+    cap: usize,
+}
+
+impl ReplayCache {
+    fn new(cap: usize) -> Self {
+        ReplayCache { seen: HashSet::new(), order: VecDeque::new(), cap }
+    }
+    /// Records `nonce` at `now`; false if it was already there.
+    fn insert(&mut self, nonce: u64, now_ms: u64, window_ms: u64) -> bool {
+        while let Some(&(t, n)) = self.order.front() {
+            if now_ms.saturating_sub(t) > 2 * window_ms || self.order.len() >= self.cap {
+                self.order.pop_front();
+                self.seen.remove(&n);
+            } else {
+                break;
+            }
+        }
+        if !self.seen.insert(nonce) {
+            return false;
+        }
+        self.order.push_back((now_ms, nonce));
+        true
+    }
+}
+
+/// Every decision of the guard, without I/O.
+pub struct Core {
+    services: HashSet<(IpAddr, u16)>,
+    table: HashMap<FlowKey, Entry>,
+    key: Key,
+    allowed: Vec<Prefix>,
+    skew_ms: u64,
+    grace_ms: u64,
+    max_conns: usize,
+    replay: ReplayCache,
+    pub counters: Counters,
+}
+
+/// Reply to a command: the response datagram and, for ACKNOWLEDGE, a TCP ACK for the peer.
+pub struct CommandOut {
+    pub reply: [u8; ctl::LEN],
+    pub ack_len: Option<usize>,
+}
+
+impl Core {
+    pub fn new(services: &[Service], key: Key, allowed: Vec<Prefix>, skew_ms: u64, grace_ms: u64, max_conns: usize) -> Core {
+        Core {
+            services: services.iter().map(|s| (s.addr, s.port)).collect(),
+            table: HashMap::new(),
+            key,
+            allowed,
+            skew_ms,
+            grace_ms,
+            max_conns: max_conns.max(1),
+            replay: ReplayCache::new(1 << 18),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn from_config(cfg: &Config) -> Core {
+        let g = &cfg.raw.guard;
+        Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs * 1000, g.max_connections)
+    }
+
+    pub fn connections(&self) -> usize {
+        self.table.len()
+    }
+
+    /// The engine state of a connection, if remembered.
+    pub fn conn(&self, k: &FlowKey) -> Option<&Conn> {
+        self.table.get(k).map(|e| &e.conn)
+    }
+
+    /// True when some remembered connection needs renumbering or timestamp translation: its
+    /// packets must not bypass the guard.
+    pub fn any_translated(&self) -> bool {
+        self.table.values().any(|e| e.conn.delta != 0 || e.conn.ts_off != 0)
+    }
+
+    fn count(&mut self, ev: Event) {
+        let c = &mut self.counters;
+        match ev {
+            Event::SpuriousRstDropped => c.rst_dropped += 1,
+            Event::SpuriousFinReset => c.spurious_fin_reset += 1,
+            Event::NoCheckpointReset => c.no_checkpoint_reset += 1,
+            Event::Recovered => c.recovered += 1,
+            Event::RecoverySynForwarded => c.recovery_syn_forwarded += 1,
+            Event::RecoveredFromPeerAck => c.recovered_from_peer_ack += 1,
+            Event::PendingWithoutCheckpoint => c.pending_without_checkpoint += 1,
+            Event::BogusFlags => c.bogus_flags += 1,
+        }
+    }
+
+    fn entry(&mut self, k: FlowKey, now_ms: u64) -> &mut Entry {
+        if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
+            self.evict_oldest(now_ms);
+        }
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None });
+        e.last_ms = now_ms;
+        e
+    }
+
+    /// Forgets the idlest eighth of the table (section 2.5: any state may be dropped; a live
+    /// connection whose state is forgotten is recovered through its application).
+    fn evict_oldest(&mut self, _now_ms: u64) {
+        let mut ages: Vec<(u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.last_ms, *k)).collect();
+        ages.sort_unstable_by_key(|a| a.0);
+        let n = (ages.len() / 8).max(1);
+        for (_, k) in ages.into_iter().take(n) {
+            self.table.remove(&k);
+            self.counters.evicted_idle += 1;
+        }
+    }
+
+    /// Forgets connections closed both ways for longer than the grace period.
+    pub fn expire(&mut self, now_ms: u64) {
+        let grace = self.grace_ms;
+        let mut gone = 0;
+        self.table.retain(|_, e| {
+            if e.conn.is_closed() {
+                let since = *e.closed_ms.get_or_insert(now_ms);
+                if now_ms.saturating_sub(since) >= grace {
+                    gone += 1;
+                    return false;
+                }
+            }
+            true
+        });
+        self.counters.evicted_closed += gone;
+        self.counters.connections = self.table.len() as u64;
+    }
+
+    /// Decides a queued packet. `buf[..len]` is the IP packet; `buf` has room to grow (64 bytes
+    /// is enough). Returns the action and the packet's new length.
+    pub fn packet(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> (Action, usize) {
+        self.counters.packets += 1;
+        let info = match IpInfo::parse(&buf[..len]) {
+            Ok(i) => i,
+            Err(Error::Unsupported(_)) => {
+                // Cannot tell whether it belongs to a protected flow without its TCP header;
+                // the rules only queue protected TCP, so refuse it (never forward unrewritten).
+                self.counters.unsupported += 1;
+                self.counters.dropped += 1;
+                return (Action::Drop, len);
+            }
+            Err(_) => {
+                self.counters.malformed += 1;
+                self.counters.dropped += 1;
+                return (Action::Drop, len);
+            }
+        };
+        if info.protocol != ip::PROTO_TCP || info.l4_len < 4 {
+            self.counters.unprotected += 1;
+            return (Action::Accept { modified: false }, len);
+        }
+        let l4 = &buf[info.l4_offset..];
+        let sport = u16::from_be_bytes([l4[0], l4[1]]);
+        let dport = u16::from_be_bytes([l4[2], l4[3]]);
+        let src = SocketAddr::new(info.src, sport);
+        let dst = SocketAddr::new(info.dst, dport);
+        let (outgoing, key) = if self.services.contains(&(info.src, sport)) {
+            (true, FlowKey { app: src, peer: dst })
+        } else if self.services.contains(&(info.dst, dport)) {
+            (false, FlowKey { app: dst, peer: src })
+        } else {
+            self.counters.unprotected += 1;
+            return (Action::Accept { modified: false }, len);
+        };
+        if outgoing {
+            self.counters.outgoing += 1;
+        } else {
+            self.counters.incoming += 1;
+        }
+        let e = self.entry(key, now_ms);
+        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming(&mut e.conn, buf, len) };
+        let o = match res {
+            Ok(o) => o,
+            Err(Error::Unsupported(_)) => {
+                self.counters.unsupported += 1;
+                self.counters.dropped += 1;
+                return (Action::Drop, len);
+            }
+            Err(_) => {
+                self.counters.malformed += 1;
+                self.counters.dropped += 1;
+                return (Action::Drop, len);
+            }
+        };
+        if let Some(ev) = o.event {
+            self.count(ev);
+        }
+        match o.verdict {
+            Verdict::Forward => {
+                self.counters.forwarded += 1;
+                if o.modified {
+                    self.counters.modified += 1;
+                }
+                (Action::Accept { modified: o.modified }, o.len)
+            }
+            Verdict::Drop => {
+                self.counters.dropped += 1;
+                (Action::Drop, len)
+            }
+            Verdict::Reflect => {
+                self.counters.reflected += 1;
+                (Action::Inject, o.len)
+            }
+        }
+    }
+
+    /// Handles one side-channel datagram from `src`. `None` means "no answer" (refused and
+    /// counted: wrong source, bad MAC, stale clock, replay, malformed).
+    pub fn command(&mut self, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<CommandOut> {
+        self.counters.commands += 1;
+        let sip = match src.ip() {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(src.ip()),
+            v4 => v4,
+        };
+        if !self.allowed.iter().any(|p| p.contains(sip)) {
+            self.counters.cmd_rejected_source += 1;
+            return None;
+        }
+        let cmd = match Command::decode(dgram, &self.key) {
+            Ok(c) => c,
+            Err(Error::Unauthenticated) => {
+                self.counters.cmd_rejected_auth += 1;
+                return None;
+            }
+            Err(_) => {
+                self.counters.cmd_malformed += 1;
+                return None;
+            }
+        };
+        if cmd.response {
+            self.counters.cmd_malformed += 1;
+            return None;
+        }
+        if wall_ms.abs_diff(cmd.time_ms) > self.skew_ms {
+            self.counters.cmd_rejected_stale += 1;
+            return None;
+        }
+        if !self.replay.insert(cmd.nonce, wall_ms, self.skew_ms) {
+            self.counters.cmd_rejected_replay += 1;
+            return None;
+        }
+        let key = FlowKey { app: cmd.app, peer: cmd.peer };
+        let status_reply = |status: Status, k: &Key| {
+            let r = Command { response: true, status: status as u8, flags: 0, time_ms: wall_ms, ack_a: 0, ack_b: 0, options: None, ..cmd };
+            r.encode(k).ok().map(|reply| CommandOut { reply, ack_len: None })
+        };
+        if !self.services.contains(&(cmd.app.ip(), cmd.app.port())) {
+            self.counters.cmd_not_protected += 1;
+            return status_reply(Status::BadRequest, &self.key);
+        }
+        if cmd.op == ctl::Op::Tell && !self.table.contains_key(&key) {
+            self.counters.cmd_no_connection += 1;
+            return status_reply(Status::NoConnection, &self.key);
+        }
+        let e = self.entry(key, now_ms);
+        let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
+        if cmd.op == ctl::Op::Clear {
+            self.table.remove(&key);
+        }
+        if res.ack_len.is_some() {
+            self.counters.acks_injected += 1;
+        }
+        let reply = Command { time_ms: wall_ms, ..res.reply };
+        self.counters.commands_answered += 1;
+        reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: res.ack_len })
+    }
+}
+
+/// Recomputes the TCP checksum of the IP packet in `buf[..len]` from scratch (needed after
+/// rewriting a packet the kernel handed over with a partial checksum, e.g. GSO).
+pub fn fill_tcp_checksum(buf: &mut [u8], len: usize) -> bool {
+    let Ok(info) = IpInfo::parse(&buf[..len]) else { return false };
+    if info.protocol != ip::PROTO_TCP {
+        return false;
+    }
+    let pseudo = info.pseudo_sum(info.l4_len);
+    match Tcp::new_checked(&mut buf[info.l4_offset..info.l4_offset + info.l4_len]) {
+        Ok(mut t) => {
+            t.fill_checksum(pseudo);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+pub use crate::runtime::run;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unbroken_wire::ctl::Op;
+    use unbroken_wire::tcp::{flags as F, Repr};
+    use unbroken_wire::Seq;
+
+    fn key() -> Key {
+        Key::from_hex("00112233445566778899aabbccddeeff").unwrap()
+    }
+    fn core() -> Core {
+        let svc = [Service { addr: "10.0.2.10".parse().unwrap(), port: 7000 }];
+        Core::new(&svc, key(), vec![Prefix::parse("10.0.2.0/24").unwrap()], 30_000, 1000, 1000)
+    }
+    fn app() -> SocketAddr {
+        "10.0.2.10:7000".parse().unwrap()
+    }
+    fn peer() -> SocketAddr {
+        "10.0.1.2:41000".parse().unwrap()
+    }
+    fn from_app() -> SocketAddr {
+        "10.0.2.11:5555".parse().unwrap()
+    }
+    fn pkt(src: SocketAddr, dst: SocketAddr, r: Repr) -> (Vec<u8>, usize) {
+        let r = Repr { src_port: src.port(), dst_port: dst.port(), ..r };
+        let tl = r.header_len();
+        let mut b = vec![0u8; 20 + tl + 64];
+        ip::emit_header(&mut b, src.ip(), dst.ip(), 6, tl).unwrap();
+        r.emit(&mut b[20..]).unwrap();
+        Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src.ip(), dst.ip(), 6, tl));
+        (b, 20 + tl)
+    }
+    fn cmd(op: Op, nonce: u64, t: u64) -> Vec<u8> {
+        let mut c = Command::request(op, app(), peer(), nonce, t);
+        c.ack_a = 1001;
+        c.encode(&key()).unwrap().to_vec()
+    }
+
+    #[test]
+    fn commands_are_authenticated_fresh_unique_and_from_allowed_sources() {
+        let mut c = core();
+        let mut ack = [0u8; 128];
+        let now = 1_000_000;
+        assert!(c.command("10.9.9.9:1".parse().unwrap(), &cmd(Op::Acknowledge, 1, now), now, 0, &mut ack).is_none());
+        assert_eq!(c.counters.cmd_rejected_source, 1);
+        let mut bad = cmd(Op::Acknowledge, 2, now);
+        bad[70] ^= 1;
+        assert!(c.command(from_app(), &bad, now, 0, &mut ack).is_none());
+        assert_eq!(c.counters.cmd_rejected_auth, 1);
+        assert!(c.command(from_app(), &cmd(Op::Acknowledge, 3, now - 60_000), now, 0, &mut ack).is_none());
+        assert_eq!(c.counters.cmd_rejected_stale, 1);
+        let ok = c.command(from_app(), &cmd(Op::Acknowledge, 4, now), now, 0, &mut ack).expect("answered");
+        let r = Command::decode(&ok.reply, &key()).unwrap();
+        assert!(r.response && r.nonce == 4 && r.ack_a == 1001 && r.status == 0);
+        assert!(c.command(from_app(), &cmd(Op::Acknowledge, 4, now), now, 0, &mut ack).is_none(), "replayed nonce");
+        assert_eq!(c.counters.cmd_rejected_replay, 1);
+        assert!(c.command(from_app(), b"short garbage", now, 0, &mut ack).is_none());
+        assert_eq!(c.counters.cmd_malformed, 1);
+        // A response datagram sent back at the guard is not a command.
+        assert!(c.command(from_app(), &ok.reply, now, 0, &mut ack).is_none());
+    }
+
+    #[test]
+    fn tell_for_unknown_connection_and_unprotected_app() {
+        let mut c = core();
+        let mut ack = [0u8; 128];
+        let out = c.command(from_app(), &cmd(Op::Tell, 9, 5), 5, 0, &mut ack).unwrap();
+        assert_eq!(Command::decode(&out.reply, &key()).unwrap().status, Status::NoConnection as u8);
+        assert_eq!(c.connections(), 0, "TELL does not create state");
+        let mut other = Command::request(Op::Shutdown, "10.0.2.10:22".parse().unwrap(), peer(), 10, 5);
+        other.ack_a = 1;
+        let out = c.command(from_app(), &other.encode(&key()).unwrap(), 5, 0, &mut ack).unwrap();
+        assert_eq!(Command::decode(&out.reply, &key()).unwrap().status, Status::BadRequest as u8);
+    }
+
+    #[test]
+    fn packets_of_other_flows_pass_and_garbage_is_dropped() {
+        let mut c = core();
+        let (mut b, n) = pkt("10.0.1.2:1".parse().unwrap(), "10.0.2.11:2".parse().unwrap(), Repr { flags: F::ACK, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        let mut junk = vec![0x45u8, 0, 0, 10, 0, 0, 0, 0, 64, 6];
+        junk.resize(80, 0);
+        assert_eq!(c.packet(&mut junk, 10, 0).0, Action::Drop);
+        assert_eq!(c.counters.malformed, 1);
+    }
+
+    #[test]
+    fn crash_and_recovery_through_the_core() {
+        let mut c = core();
+        let syn = Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), wscale: Some(7), ..Default::default() };
+        let (mut b, n) = pkt(peer(), app(), syn);
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        let synack = Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), wscale: Some(7), ..Default::default() };
+        let (mut b, n) = pkt(app(), peer(), synack);
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        // The app dies: its kernel sends FIN: turned into a RST for the app.
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        // The recovery SYN is answered with a SYN-ACK injected toward the app.
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), wscale: Some(7), ..Default::default() });
+        let (a, len) = c.packet(&mut b, n, 0);
+        assert_eq!(a, Action::Inject);
+        let info = IpInfo::parse(&b[..len]).unwrap();
+        assert_eq!(info.dst, app().ip());
+        assert_eq!((c.counters.recovered, c.counters.spurious_fin_reset), (1, 1));
+        assert!(c.any_translated());
+    }
+
+    #[test]
+    fn closed_connections_expire_after_grace_and_table_is_bounded() {
+        let svc = [Service { addr: "10.0.2.10".parse().unwrap(), port: 7000 }];
+        let mut c = Core::new(&svc, key(), vec![], 30_000, 1000, 16);
+        for i in 0..40u16 {
+            let p: SocketAddr = SocketAddr::new("10.0.1.2".parse().unwrap(), 1000 + i);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
+            c.packet(&mut b, n, i as u64);
+        }
+        assert!(c.connections() <= 16, "{}", c.connections());
+        assert!(c.counters.evicted_idle > 0);
+    }
+}

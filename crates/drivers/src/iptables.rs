@@ -1,0 +1,504 @@
+//! The `iptables`/`ip6tables` rules that steer a guard's traffic into its NFQUEUE.
+//!
+//! Each guard instance owns one chain (e.g. `UNBROKEN-Q0`) in each address family it protects:
+//!
+//! ```text
+//! -N UNBROKEN-Q0
+//! -A UNBROKEN-Q0 -m mark --mark 0x4242/0xffffffff -j RETURN          # injected by the guard
+//! -A UNBROKEN-Q0 -p tcp -s 10.0.0.2 --sport 80 -j NFQUEUE --queue-num 0 [--queue-bypass]
+//! -A UNBROKEN-Q0 -p tcp -d 10.0.0.2 --dport 80 -j NFQUEUE --queue-num 0 [--queue-bypass]
+//! -I FORWARD 1 -j UNBROKEN-Q0                                        # one per built-in chain
+//! ```
+//!
+//! **Table.** The default is `mangle`: it is the table meant for rules whose packets get
+//! altered; on every hook it runs before `filter` (priority -150 against 0), so the guard sees
+//! packets before firewall policy or `filter`-table managers (Docker, libvirt, firewalld's
+//! iptables backend) that insert their own `ACCEPT`s at the top of `FORWARD`; and it also
+//! offers PREROUTING/POSTROUTING. It runs after conntrack and, on OUTPUT, before `nat`, so on
+//! the application's host the guard sees original destinations. [`Table::Filter`] is there
+//! for setups that reserve `mangle`.
+//!
+//! **Crash safety.** [`Rules::install`] first removes whatever a previous run left under the
+//! same chain name (jumps from every built-in chain of the table, then the chain) in both
+//! families, so installing is idempotent. [`Rules::remove`] and `Drop` undo an installation.
+//! Commands run with `-w` so concurrent iptables users wait for the lock instead of failing.
+
+use std::ffi::OsString;
+use std::io;
+use std::net::IpAddr;
+use std::process::{Command, Output};
+
+/// The table the chain lives in. See the module documentation for the default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Table {
+    /// `-t mangle` (default).
+    #[default]
+    Mangle,
+    /// `-t filter`; has no PREROUTING/POSTROUTING.
+    Filter,
+}
+
+impl Table {
+    /// The name passed to `-t`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Table::Mangle => "mangle",
+            Table::Filter => "filter",
+        }
+    }
+
+    /// The built-in chains of this table.
+    pub fn builtin_chains(self) -> &'static [BuiltinChain] {
+        use BuiltinChain::*;
+        match self {
+            Table::Mangle => &[Prerouting, Input, Forward, Output, Postrouting],
+            Table::Filter => &[Input, Forward, Output],
+        }
+    }
+}
+
+/// A built-in chain to jump from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BuiltinChain {
+    Prerouting,
+    /// Packets to a local address (a guard on the application's own host).
+    Input,
+    /// Routed packets (a guard on a gateway).
+    Forward,
+    /// Locally generated packets (a guard on the application's own host).
+    Output,
+    Postrouting,
+}
+
+impl BuiltinChain {
+    /// The chain's iptables name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuiltinChain::Prerouting => "PREROUTING",
+            BuiltinChain::Input => "INPUT",
+            BuiltinChain::Forward => "FORWARD",
+            BuiltinChain::Output => "OUTPUT",
+            BuiltinChain::Postrouting => "POSTROUTING",
+        }
+    }
+}
+
+/// Transport protocol of a protected service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Proto {
+    #[default]
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    fn as_str(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+}
+
+/// A protected service: traffic from and to `addr:port` is queued. An unspecified address
+/// (`0.0.0.0` or `::`) matches every address of its family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Service {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub proto: Proto,
+}
+
+impl Service {
+    /// A TCP service.
+    pub fn tcp(addr: IpAddr, port: u16) -> Service {
+        Service { addr, port, proto: Proto::Tcp }
+    }
+
+    /// A UDP service.
+    pub fn udp(addr: IpAddr, port: u16) -> Service {
+        Service { addr, port, proto: Proto::Udp }
+    }
+}
+
+/// What to install. Build with [`RuleSpec::new`] and adjust the public fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSpec {
+    /// The guard's own chain, e.g. from [`RuleSpec::chain_name`]. At most 28 characters of
+    /// `[A-Za-z0-9_.-]`, not starting with `-`.
+    pub chain: String,
+    /// Table of the chain and the jumps.
+    pub table: Table,
+    /// Built-in chains that jump to the guard's chain: `[Forward]` on a gateway, `[Input,
+    /// Output]` on the application's own host.
+    pub hooks: Vec<BuiltinChain>,
+    /// Services whose traffic is queued. Each family with at least one service gets a chain.
+    pub services: Vec<Service>,
+    /// `--queue-num`.
+    pub queue_num: u16,
+    /// Add `--queue-bypass`: accept instead of drop while no consumer is bound.
+    pub queue_bypass: bool,
+    /// Mark of the guard's injected packets (must be nonzero): matching packets `RETURN`.
+    pub mark: u32,
+    /// Mask for the mark match (`--mark mark/mask`); `0xffffffff` for an exact match.
+    pub mark_mask: u32,
+    /// Run the commands inside this named network namespace (`ip netns exec NAME ...`).
+    pub netns: Option<String>,
+    /// IPv4 binary, `iptables` by default (e.g. `iptables-legacy`).
+    pub iptables: String,
+    /// IPv6 binary, `ip6tables` by default.
+    pub ip6tables: String,
+}
+
+impl RuleSpec {
+    /// A spec for `chain` in `mangle`, with no hooks or services yet, no bypass, an exact mark
+    /// match and the default binaries.
+    pub fn new(chain: impl Into<String>, queue_num: u16, mark: u32) -> RuleSpec {
+        RuleSpec {
+            chain: chain.into(),
+            table: Table::Mangle,
+            hooks: Vec::new(),
+            services: Vec::new(),
+            queue_num,
+            queue_bypass: false,
+            mark,
+            mark_mask: u32::MAX,
+            netns: None,
+            iptables: "iptables".into(),
+            ip6tables: "ip6tables".into(),
+        }
+    }
+
+    /// The chain name for guard instance `instance`: `prefix` followed by the number, e.g.
+    /// `chain_name("UNBROKEN-Q", 3) == "UNBROKEN-Q3"`.
+    pub fn chain_name(prefix: &str, instance: u32) -> String {
+        format!("{prefix}{instance}")
+    }
+
+    fn validate(&self) -> io::Result<()> {
+        let c = &self.chain;
+        let ok_chars = c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+        if c.is_empty() || c.len() > 28 || c.starts_with('-') || !ok_chars {
+            return Err(invalid(format!("bad chain name {c:?}: 1-28 characters of [A-Za-z0-9_.-], not starting with '-'")));
+        }
+        if self.table.builtin_chains().iter().any(|b| b.as_str() == c) {
+            return Err(invalid(format!("chain name {c:?} is a built-in chain")));
+        }
+        if self.hooks.is_empty() {
+            return Err(invalid("no built-in chain to jump from".into()));
+        }
+        if let Some(h) = self.hooks.iter().find(|h| !self.table.builtin_chains().contains(h)) {
+            return Err(invalid(format!("table {} has no {} chain", self.table.as_str(), h.as_str())));
+        }
+        if self.services.is_empty() {
+            return Err(invalid("no service to protect".into()));
+        }
+        if self.mark & self.mark_mask == 0 {
+            return Err(invalid("the injection mark must be nonzero under its mask".into()));
+        }
+        Ok(())
+    }
+
+    /// The families that have services, in a fixed order.
+    fn families(&self) -> Vec<Family> {
+        [Family::V4, Family::V6]
+            .into_iter()
+            .filter(|f| self.services.iter().any(|s| Family::of(s.addr) == *f))
+            .collect()
+    }
+
+    /// The argument lists (after `-w -t TABLE`) that build the chain for `family`, in order:
+    /// create, mark return, queue rules, then the jumps.
+    fn install_commands(&self, family: Family) -> Vec<Vec<String>> {
+        let mut cmds = vec![
+            args(&["-N", &self.chain]),
+            args(&[
+                "-A",
+                &self.chain,
+                "-m",
+                "mark",
+                "--mark",
+                &format!("{:#x}/{:#x}", self.mark, self.mark_mask),
+                "-j",
+                "RETURN",
+            ]),
+        ];
+        let queue = self.queue_num.to_string();
+        for s in self.services.iter().filter(|s| Family::of(s.addr) == family) {
+            let port = s.port.to_string();
+            let addr = s.addr.to_string();
+            for (addr_flag, port_flag) in [("-s", "--sport"), ("-d", "--dport")] {
+                let mut c = args(&["-A", &self.chain, "-p", s.proto.as_str()]);
+                if !s.addr.is_unspecified() {
+                    c.extend(args(&[addr_flag, &addr]));
+                }
+                c.extend(args(&[port_flag, &port, "-j", "NFQUEUE", "--queue-num", &queue]));
+                if self.queue_bypass {
+                    c.push("--queue-bypass".into());
+                }
+                cmds.push(c);
+            }
+        }
+        for h in &self.hooks {
+            cmds.push(args(&["-I", h.as_str(), "1", "-j", &self.chain]));
+        }
+        cmds
+    }
+}
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn of(a: IpAddr) -> Family {
+        if a.is_ipv4() {
+            Family::V4
+        } else {
+            Family::V6
+        }
+    }
+}
+
+/// Installed rules; removed by [`Rules::remove`] or on drop.
+#[derive(Debug)]
+pub struct Rules {
+    spec: RuleSpec,
+    /// Families where the chain was (at least partly) created.
+    installed: Vec<Family>,
+}
+
+impl Rules {
+    /// Removes leftovers of a previous run under the same chain name, then creates the chain
+    /// and its rules and finally the jumps, for each family that has services. On failure the
+    /// partial installation is removed and the error names the command and its stderr.
+    pub fn install(spec: &RuleSpec) -> io::Result<Rules> {
+        spec.validate()?;
+        Self::remove_leftovers(spec)?;
+        let mut rules = Rules { spec: spec.clone(), installed: Vec::new() };
+        for family in spec.families() {
+            rules.installed.push(family);
+            for cmd in spec.install_commands(family) {
+                // On error `rules` drops here and removes what was created.
+                run(spec, family, &cmd)?;
+            }
+        }
+        Ok(rules)
+    }
+
+    /// Removes the chain named in `spec` and every plain jump to it from the built-in chains
+    /// of its table, in both families; does nothing where the chain does not exist. A family
+    /// whose binary is missing is skipped unless `spec` has services in it.
+    pub fn remove_leftovers(spec: &RuleSpec) -> io::Result<()> {
+        let needed = spec.families();
+        for family in [Family::V4, Family::V6] {
+            match remove_chain(spec, family) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound && !needed.contains(&family) => {}
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The spec these rules were installed from.
+    pub fn spec(&self) -> &RuleSpec {
+        &self.spec
+    }
+
+    /// The guard's chain name.
+    pub fn chain(&self) -> &str {
+        &self.spec.chain
+    }
+
+    /// Deletes the jumps and the chain, reporting the first error (and still trying the other
+    /// family).
+    pub fn remove(mut self) -> io::Result<()> {
+        self.remove_installed()
+    }
+
+    fn remove_installed(&mut self) -> io::Result<()> {
+        let mut result = Ok(());
+        for family in std::mem::take(&mut self.installed) {
+            if let Err(e) = remove_chain(&self.spec, family) {
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Rules {
+    fn drop(&mut self) {
+        let _ = self.remove_installed();
+    }
+}
+
+/// Removes jumps to the chain, then flushes and deletes it. Absent chain: nothing to do.
+fn remove_chain(spec: &RuleSpec, family: Family) -> io::Result<()> {
+    let chain = spec.chain.as_str();
+    if !try_run(spec, family, &args(&["-S", chain]))?.status.success() {
+        // No such chain, hence no jumps to it either (iptables refuses both otherwise).
+        return Ok(());
+    }
+    for b in spec.table.builtin_chains() {
+        // Each -D removes one matching jump; a crashed run may have left several. The bound
+        // keeps a misbehaving binary from looping forever.
+        for _ in 0..64 {
+            if !try_run(spec, family, &args(&["-D", b.as_str(), "-j", chain]))?.status.success() {
+                break;
+            }
+        }
+    }
+    run(spec, family, &args(&["-F", chain]))?;
+    run(spec, family, &args(&["-X", chain]))?;
+    Ok(())
+}
+
+fn command(spec: &RuleSpec, family: Family, a: &[String]) -> Command {
+    let bin = match family {
+        Family::V4 => &spec.iptables,
+        Family::V6 => &spec.ip6tables,
+    };
+    let mut argv: Vec<OsString> = Vec::new();
+    let mut cmd = match &spec.netns {
+        Some(ns) => {
+            argv.extend(["netns".into(), "exec".into(), ns.into(), bin.into()]);
+            Command::new("ip")
+        }
+        None => Command::new(bin),
+    };
+    argv.extend(["-w".into(), "-t".into(), spec.table.as_str().into()]);
+    argv.extend(a.iter().map(OsString::from));
+    cmd.args(argv);
+    cmd.env("LC_ALL", "C");
+    cmd
+}
+
+fn describe(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+/// Runs a command and returns its output whatever the exit status. A missing binary is
+/// `NotFound`; with `ip netns exec` a missing iptables binary shows up as exit status 255
+/// with "No such file" on stderr, which is mapped to `NotFound` as well.
+fn try_run(spec: &RuleSpec, family: Family, a: &[String]) -> io::Result<Output> {
+    let mut cmd = command(spec, family, a);
+    let out = cmd
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| io::Error::new(e.kind(), format!("running `{}`: {e}", describe(&cmd))))?;
+    if !out.status.success() && spec.netns.is_some() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("No such file or directory") && err.contains("exec") {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("`{}`: {}", describe(&cmd), err.trim())));
+        }
+    }
+    Ok(out)
+}
+
+/// Runs a command that must succeed; the error carries the command line and its stderr.
+fn run(spec: &RuleSpec, family: Family, a: &[String]) -> io::Result<()> {
+    let out = try_run(spec, family, a)?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let cmd = command(spec, family, a);
+    Err(io::Error::other(format!(
+        "`{}` failed ({}): {}",
+        describe(&cmd),
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> RuleSpec {
+        let mut s = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-Q", 2), 2, 0x4242);
+        s.hooks = vec![BuiltinChain::Input, BuiltinChain::Output];
+        s.services = vec![
+            Service::tcp("10.0.0.2".parse().unwrap(), 80),
+            Service::tcp("fd00::2".parse().unwrap(), 443),
+            Service::udp("0.0.0.0".parse().unwrap(), 53),
+        ];
+        s
+    }
+
+    #[test]
+    fn commands_for_each_family() {
+        let mut s = spec();
+        s.queue_bypass = true;
+        let v4: Vec<String> = s.install_commands(Family::V4).iter().map(|c| c.join(" ")).collect();
+        assert_eq!(
+            v4,
+            vec![
+                "-N UNBROKEN-Q2",
+                "-A UNBROKEN-Q2 -m mark --mark 0x4242/0xffffffff -j RETURN",
+                "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -p tcp -d 10.0.0.2 --dport 80 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -p udp --sport 53 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -p udp --dport 53 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-I INPUT 1 -j UNBROKEN-Q2",
+                "-I OUTPUT 1 -j UNBROKEN-Q2",
+            ]
+        );
+        let v6: Vec<String> = s.install_commands(Family::V6).iter().map(|c| c.join(" ")).collect();
+        assert_eq!(v6[2], "-A UNBROKEN-Q2 -p tcp -s fd00::2 --sport 443 -j NFQUEUE --queue-num 2 --queue-bypass");
+        assert_eq!(v6.len(), 6);
+        assert_eq!(s.families(), vec![Family::V4, Family::V6]);
+    }
+
+    #[test]
+    fn command_lines() {
+        let mut s = spec();
+        let c = command(&s, Family::V6, &args(&["-S", "X"]));
+        assert_eq!(describe(&c), "ip6tables -w -t mangle -S X");
+        s.netns = Some("ns1".into());
+        s.table = Table::Filter;
+        let c = command(&s, Family::V4, &args(&["-F", "X"]));
+        assert_eq!(describe(&c), "ip netns exec ns1 iptables -w -t filter -F X");
+    }
+
+    #[test]
+    fn validation() {
+        assert!(spec().validate().is_ok());
+        let bad = |f: &dyn Fn(&mut RuleSpec)| {
+            let mut s = spec();
+            f(&mut s);
+            s.validate().unwrap_err().kind()
+        };
+        assert_eq!(bad(&|s| s.chain = "-X".into()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|s| s.chain = "A B".into()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|s| s.chain = "X".repeat(29)), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|s| s.chain = "INPUT".into()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|s| s.hooks.clear()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|s| s.services.clear()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|s| s.mark = 0), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            bad(&|s| {
+                s.table = Table::Filter;
+                s.hooks = vec![BuiltinChain::Prerouting];
+            }),
+            io::ErrorKind::InvalidInput
+        );
+    }
+}

@@ -1,0 +1,433 @@
+//! Root tests in throw-away network namespaces: NFQUEUE pass-through, mangling and dropping,
+//! raw injection with a mark, queue ownership errors, overflow accounting and rule handling.
+//! Each test prints "SKIPPED" and passes when it cannot run (not root, no `ip netns`).
+
+mod common;
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use common::*;
+use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service, Table};
+use unbroken_drivers::nfqueue::{NetlinkError, Queue, QueueConfig, Verdict};
+use unbroken_drivers::rawsend::RawSender;
+
+fn queue_in(pair: &NetnsPair, ns: &str, cfg: QueueConfig) -> Queue {
+    pair.run_in(ns, || Queue::open(&cfg)).expect("open queue")
+}
+
+fn spec_in(ns: &str, queue: u16, mark: u32, hooks: &[BuiltinChain], services: &[Service]) -> RuleSpec {
+    let mut s = RuleSpec::new(RuleSpec::chain_name("UBTEST-Q", queue.into()), queue, mark);
+    s.hooks = hooks.to_vec();
+    s.services = services.to_vec();
+    s.netns = Some(ns.to_string());
+    s
+}
+
+fn udp_socket(pair: &NetnsPair, ns: &str, addr: SocketAddr) -> UdpSocket {
+    let s = pair.run_in(ns, || UdpSocket::bind(addr)).expect("bind udp");
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    s
+}
+
+fn recv_text(s: &UdpSocket) -> String {
+    let mut buf = [0u8; 2048];
+    let (n, _) = s.recv_from(&mut buf).expect("datagram within the timeout");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+fn accept_within(l: &TcpListener, t: Duration) -> io::Result<TcpStream> {
+    let mut pfd = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one live pollfd.
+    let r = unsafe { libc::poll(&mut pfd, 1, t.as_millis() as libc::c_int) };
+    if r <= 0 {
+        return Err(io::Error::new(io::ErrorKind::TimedOut, "no connection"));
+    }
+    Ok(l.accept()?.0)
+}
+
+fn sock(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.into(), port)
+}
+
+/// (a) A few MB each way through a GSO-enabled queue on INPUT and OUTPUT arrive byte-exact.
+#[test]
+fn tcp_pass_through_is_byte_exact() {
+    let Some(pair) = NetnsPair::setup("tcp_pass_through_is_byte_exact") else { return };
+    let q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 3, ..QueueConfig::default() });
+    let consumer = Consumer::spawn(q, |_| (Verdict::Accept, None));
+    let spec = spec_in(
+        &pair.b,
+        3,
+        0x55,
+        &[BuiltinChain::Input, BuiltinChain::Output],
+        &[Service::tcp(B4.into(), 5001)],
+    );
+    let rules = Rules::install(&spec).expect("install rules");
+
+    const UP: usize = 6 << 20;
+    const DOWN: usize = 3 << 20;
+    let listener = pair.run_in(&pair.b, || TcpListener::bind(sock(B4, 5001))).unwrap();
+    let server = std::thread::spawn(move || -> io::Result<u64> {
+        let mut s = accept_within(&listener, TIMEOUT)?;
+        s.set_read_timeout(Some(TIMEOUT))?;
+        s.set_write_timeout(Some(TIMEOUT))?;
+        let mut h = Fnv::new();
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        s.write_all(&pattern(DOWN, 2))?;
+        Ok(h.0)
+    });
+
+    let started = Instant::now();
+    let mut c = pair.run_in(&pair.a, || TcpStream::connect_timeout(&sock(B4, 5001), TIMEOUT)).unwrap();
+    c.set_read_timeout(Some(TIMEOUT)).unwrap();
+    c.set_write_timeout(Some(TIMEOUT)).unwrap();
+    let up = pattern(UP, 1);
+    c.write_all(&up).unwrap();
+    c.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut down = Vec::new();
+    c.read_to_end(&mut down).unwrap();
+    let elapsed = started.elapsed();
+
+    let server_hash = server.join().unwrap().expect("server side");
+    let mut h = Fnv::new();
+    h.update(&up);
+    assert_eq!(server_hash, h.0, "upload corrupted");
+    assert_eq!(down.len(), DOWN);
+    assert!(down == pattern(DOWN, 2), "download corrupted");
+
+    rules.remove().expect("remove rules");
+    let seen = consumer.seen.lock().unwrap().clone();
+    let stats = consumer.finish();
+    eprintln!("tcp pass-through: {:.1} MB in {elapsed:?}; {seen:?}; {stats:?}", (UP + DOWN) as f64 / 1e6);
+    assert!(seen.packets > 0, "the consumer saw no packets");
+    assert_eq!(stats.received, seen.packets);
+    assert_eq!(stats.verdicts, seen.packets);
+    assert_eq!(stats.verdict_errors, 0);
+    assert_eq!(stats.parse_errors, 0);
+}
+
+/// (b) The consumer rewrites UDP payload bytes (IPv4 and IPv6) and fixes the checksum; the
+/// receiver gets the rewritten datagram.
+#[test]
+fn mangled_udp_payload_is_delivered() {
+    let Some(pair) = NetnsPair::setup("mangled_udp_payload_is_delivered") else { return };
+    // Without GSO: the kernel segments before queueing; the config message carries no flag.
+    let q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 4, gso: false, ..QueueConfig::default() });
+    let consumer = Consumer::spawn(q, |p| {
+        let mut pkt = p.data.clone();
+        let off = udp_offset(&pkt).expect("udp") + 8;
+        match pkt[off..].windows(5).position(|w| w == b"hello") {
+            Some(i) => {
+                pkt[off + i..off + i + 5].copy_from_slice(b"HELLO");
+                fix_udp_checksum(&mut pkt);
+                (Verdict::Accept, Some(pkt))
+            }
+            None => (Verdict::Accept, None),
+        }
+    });
+    let spec = spec_in(
+        &pair.b,
+        4,
+        0x55,
+        &[BuiltinChain::Input],
+        &[Service::udp(B4.into(), 6000), Service::udp(B6.into(), 6000)],
+    );
+    let rules = Rules::install(&spec).expect("install rules");
+    let r4 = udp_socket(&pair, &pair.b, sock(B4, 6000));
+    let r6 = udp_socket(&pair, &pair.b, sock(B6, 6000));
+    let (s4, s6) = pair.run_in(&pair.a, || {
+        (UdpSocket::bind(sock(A4, 0)).unwrap(), UdpSocket::bind(sock(A6, 0)).unwrap())
+    });
+    s4.send_to(b"say hello over v4", sock(B4, 6000)).unwrap();
+    s6.send_to(b"say hello over v6", sock(B6, 6000)).unwrap();
+    assert_eq!(recv_text(&r4), "say HELLO over v4");
+    assert_eq!(recv_text(&r6), "say HELLO over v6");
+
+    drop(rules);
+    let stats = consumer.finish();
+    assert_eq!(stats.received, 2, "{stats:?}");
+    assert_eq!(stats.verdict_errors, 0);
+}
+
+/// (c) A drop verdict drops: the datagram sent first never arrives, the one after it does.
+#[test]
+fn drop_verdict_drops() {
+    let Some(pair) = NetnsPair::setup("drop_verdict_drops") else { return };
+    let q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 5, fail_open: true, ..QueueConfig::default() });
+    let consumer = Consumer::spawn(q, |p| {
+        let drop = udp_payload(&p.data).map_or(false, |d| d.starts_with(b"DROP"));
+        (if drop { Verdict::Drop } else { Verdict::Accept }, None)
+    });
+    let spec = spec_in(&pair.b, 5, 0x55, &[BuiltinChain::Input], &[Service::udp(B4.into(), 6001)]);
+    let _rules = Rules::install(&spec).expect("install rules");
+    let r = udp_socket(&pair, &pair.b, sock(B4, 6001));
+    let s = pair.run_in(&pair.a, || UdpSocket::bind(sock(A4, 0))).unwrap();
+    s.send_to(b"DROP-1", sock(B4, 6001)).unwrap();
+    s.send_to(b"KEEP-2", sock(B4, 6001)).unwrap();
+    // Both pass the queue in order, so the first datagram to arrive proves DROP-1 was dropped.
+    assert_eq!(recv_text(&r), "KEEP-2");
+    assert_eq!(consumer.packets(), 2);
+    let dropped = rule_packets(&pair, &pair.b, "iptables", "mangle", "UBTEST-Q5", &|l| l.contains("dpt:6001"));
+    assert_eq!(dropped, 2, "both datagrams went through the queue rule");
+}
+
+/// (d) RawSender injects IPv4 and IPv6 UDP packets that the other namespace receives; with the
+/// guard's mark the OUTPUT queue rule is skipped, without it the packet is queued.
+#[test]
+fn raw_injection_with_mark_skips_the_queue() {
+    let Some(pair) = NetnsPair::setup("raw_injection_with_mark_skips_the_queue") else { return };
+    const MARK: u32 = 0x77;
+    let q = queue_in(&pair, &pair.a, QueueConfig { queue_num: 6, ..QueueConfig::default() });
+    let consumer = Consumer::spawn(q, |_| (Verdict::Accept, None));
+    let spec = spec_in(
+        &pair.a,
+        6,
+        MARK,
+        &[BuiltinChain::Output],
+        &[Service::udp(B4.into(), 6002), Service::udp(B6.into(), 6002)],
+    );
+    let _rules = Rules::install(&spec).expect("install rules");
+    let r4 = udp_socket(&pair, &pair.b, sock(B4, 6002));
+    let r6 = udp_socket(&pair, &pair.b, sock(B6, 6002));
+    let (marked, unmarked) = pair.run_in(&pair.a, || (RawSender::new(MARK).unwrap(), RawSender::new(0).unwrap()));
+    assert_eq!(marked.mark(), MARK);
+
+    for (src, dst, r) in [(IpAddr::from(A4), IpAddr::from(B4), &r4), (A6.into(), B6.into(), &r6)] {
+        let before = consumer.packets();
+        marked.send(&udp_packet((src, 40000), (dst, 6002), b"raw marked")).unwrap();
+        assert_eq!(recv_text(r), "raw marked");
+        // Had it been queued, the consumer would have counted it before accepting it.
+        assert_eq!(consumer.packets(), before, "a marked packet was queued ({dst})");
+
+        unmarked.send(&udp_packet((src, 40001), (dst, 6002), b"raw unmarked")).unwrap();
+        assert_eq!(recv_text(r), "raw unmarked");
+        assert_eq!(consumer.packets(), before + 1, "an unmarked packet bypassed the queue ({dst})");
+    }
+    let stats = consumer.finish();
+    assert_eq!(stats.received, 2);
+}
+
+/// Kernel behaviour check: does `SO_MARK` of a raw-injected packet survive delivery to the
+/// namespace's own address (loopback), and across a veth into another namespace?
+#[test]
+fn mark_survives_loopback_but_not_veth() {
+    let Some(pair) = NetnsPair::setup("mark_survives_loopback_but_not_veth") else { return };
+    const MARK: u32 = 0x99;
+    for (ns, bin) in [(&pair.a, "iptables"), (&pair.a, "ip6tables"), (&pair.b, "iptables"), (&pair.b, "ip6tables")] {
+        pair.exec_ok(ns, &[bin, "-w", "-t", "mangle", "-A", "INPUT", "-p", "udp", "--dport", "6003", "-m", "mark", "--mark", "0x99"]);
+        pair.exec_ok(ns, &[bin, "-w", "-t", "mangle", "-A", "INPUT", "-p", "udp", "--dport", "6003"]);
+    }
+    let local4 = udp_socket(&pair, &pair.a, sock(A4, 6003));
+    let local6 = udp_socket(&pair, &pair.a, sock(A6, 6003));
+    let remote4 = udp_socket(&pair, &pair.b, sock(B4, 6003));
+    let remote6 = udp_socket(&pair, &pair.b, sock(B6, 6003));
+    let sender = pair.run_in(&pair.a, || RawSender::new(MARK).unwrap());
+
+    sender.send(&udp_packet((A4.into(), 40000), (A4.into(), 6003), b"loop4")).unwrap();
+    sender.send(&udp_packet((A6.into(), 40000), (A6.into(), 6003), b"loop6")).unwrap();
+    sender.send(&udp_packet((A4.into(), 40000), (B4.into(), 6003), b"veth4")).unwrap();
+    sender.send(&udp_packet((A6.into(), 40000), (B6.into(), 6003), b"veth6")).unwrap();
+    assert_eq!(recv_text(&local4), "loop4");
+    assert_eq!(recv_text(&local6), "loop6");
+    assert_eq!(recv_text(&remote4), "veth4");
+    assert_eq!(recv_text(&remote6), "veth6");
+
+    let marked = |l: &str| l.contains("dpt:6003") && l.contains("mark match");
+    let all = |l: &str| l.contains("dpt:6003") && !l.contains("mark match");
+    // The second rule (no mark match) counts every delivery; the first only marked ones.
+    for bin in ["iptables", "ip6tables"] {
+        let count = |ns: &str, which: &dyn Fn(&str) -> bool| rule_packets(&pair, ns, bin, "mangle", "INPUT", which);
+        let (lm, la) = (count(&pair.a, &marked), count(&pair.a, &all));
+        let (rm, ra) = (count(&pair.b, &marked), count(&pair.b, &all));
+        eprintln!("{bin}: loopback marked {lm} of {la}; across veth marked {rm} of {ra}");
+        assert_eq!(la, 1);
+        assert_eq!(lm, 1, "{bin}: the mark did not survive loopback delivery");
+        assert_eq!(ra, 1);
+        assert_eq!(rm, 0, "{bin}: the mark crossed the veth into another namespace");
+    }
+}
+
+/// (e) A queue held by one socket cannot be bound by another; the error says why. After the
+/// holder goes away the queue can be bound again.
+#[test]
+fn second_bind_fails_clearly() {
+    let Some(pair) = NetnsPair::setup("second_bind_fails_clearly") else { return };
+    let cfg = QueueConfig { queue_num: 9, ..QueueConfig::default() };
+    let first = queue_in(&pair, &pair.a, cfg.clone());
+    // The kernel's view: queue 9, copy mode 2 (NFQNL_COPY_PACKET), copy range 65531.
+    let procfs = pair.exec_ok(&pair.a, &["cat", "/proc/net/netfilter/nfnetlink_queue"]);
+    let cols: Vec<&str> = procfs.lines().find(|l| l.split_whitespace().next() == Some("9")).expect("queue 9").split_whitespace().collect();
+    assert_eq!((cols[3], cols[4]), ("2", "65531"), "{procfs}");
+    let err = pair.run_in(&pair.a, || Queue::open(&cfg)).unwrap_err();
+    eprintln!("second bind: {err}");
+    assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+    let nl = err.get_ref().and_then(|e| e.downcast_ref::<NetlinkError>()).expect("a NetlinkError");
+    assert_eq!(nl.errno, libc::EPERM);
+    assert!(err.to_string().contains("queue 9 is already bound"), "{err}");
+
+    // Same queue number in another namespace is a different queue.
+    let other_ns = queue_in(&pair, &pair.b, cfg.clone());
+    drop(other_ns);
+
+    first.close().expect("close");
+    let again = queue_in(&pair, &pair.a, cfg);
+    drop(again);
+}
+
+/// Without CAP_NET_ADMIN the bind fails with a message naming the capability. Capabilities are
+/// per thread, so one thread drops it from its effective set.
+#[test]
+fn bind_without_cap_net_admin_fails_clearly() {
+    let Some(pair) = NetnsPair::setup("bind_without_cap_net_admin_fails_clearly") else { return };
+    let err = pair.run_in(&pair.a, || {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: libc::c_int,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        let mut h = Header { version: 0x2008_0522, pid: 0 };
+        let mut d = [Data::default(); 2];
+        // SAFETY: capget/capset with a v3 header and two data slots, on this thread only.
+        unsafe {
+            assert_eq!(libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()), 0);
+            d[0].effective &= !(1 << 12); // CAP_NET_ADMIN
+            assert_eq!(libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()), 0);
+        }
+        Queue::open(&QueueConfig { queue_num: 11, ..QueueConfig::default() }).unwrap_err()
+    });
+    eprintln!("unprivileged bind: {err}");
+    assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+    assert!(err.to_string().contains("CAP_NET_ADMIN"), "{err}");
+}
+
+/// A receive buffer too small for the traffic makes the kernel report ENOBUFS, which is
+/// counted; the consumer carries on and answers the packets that did fit.
+#[test]
+fn receive_overflow_is_counted() {
+    let Some(pair) = NetnsPair::setup("receive_overflow_is_counted") else { return };
+    let mut q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 10, rcvbuf: 4096, ..QueueConfig::default() });
+    let spec = spec_in(&pair.b, 10, 0x55, &[BuiltinChain::Input], &[Service::udp(B4.into(), 6004)]);
+    let _rules = Rules::install(&spec).expect("install rules");
+    let s = pair.run_in(&pair.a, || UdpSocket::bind(sock(A4, 0))).unwrap();
+    for i in 0..200u32 {
+        s.send_to(&[i as u8; 1000], sock(B4, 6004)).unwrap();
+    }
+    let mut batch = Vec::new();
+    let deadline = Instant::now() + TIMEOUT;
+    let mut answered = 0;
+    while q.stats().enobufs == 0 {
+        assert!(Instant::now() < deadline, "no ENOBUFS reported: {:?}", q.stats());
+        q.recv_batch(&mut batch, 64, Some(Duration::from_millis(100))).unwrap();
+        for p in &batch {
+            q.set_verdict(p.id, Verdict::Accept, None).unwrap();
+            answered += 1;
+        }
+    }
+    q.flush().unwrap();
+    let stats = q.stats();
+    eprintln!("overflow: answered {answered}, {stats:?}");
+    assert!(stats.enobufs >= 1);
+    assert_eq!(stats.verdict_errors, 0);
+    // The kernel's own account: queue_user_dropped (7th column) is positive.
+    let procfs = pair.exec_ok(&pair.b, &["cat", "/proc/net/netfilter/nfnetlink_queue"]);
+    let user_dropped: u64 = procfs
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("10"))
+        .and_then(|l| l.split_whitespace().nth(6)?.parse().ok())
+        .unwrap_or_else(|| panic!("queue 10 not in {procfs}"));
+    assert!(user_dropped > 0, "{procfs}");
+}
+
+/// Verdicts for unknown packet ids are reported back by the kernel and counted.
+#[test]
+fn bad_verdicts_are_counted() {
+    let Some(pair) = NetnsPair::setup("bad_verdicts_are_counted") else { return };
+    let mut q = queue_in(&pair, &pair.a, QueueConfig { queue_num: 12, ..QueueConfig::default() });
+    q.set_verdict(12345, Verdict::Accept, None).unwrap();
+    q.set_verdict(12346, Verdict::Drop, Some(&[0x45; 20])).unwrap();
+    q.flush().unwrap();
+    let mut batch = Vec::new();
+    wait_for("verdict errors", || {
+        q.recv_batch(&mut batch, 8, Some(Duration::from_millis(20))).unwrap();
+        q.stats().verdict_errors == 2
+    });
+    assert_eq!(q.stats().last_verdict_errno, libc::ENOENT);
+    assert_eq!(q.stats().verdicts, 2);
+    let err = q.set_verdict(1, Verdict::Accept, Some(&vec![0u8; 70000])).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+}
+
+/// Rules install in both families, survive a simulated crash (a leftover chain with its
+/// jumps), and are removed completely. Runs with the default binaries and the legacy ones.
+#[test]
+fn rules_are_idempotent_and_removed() {
+    let Some(pair) = NetnsPair::setup("rules_are_idempotent_and_removed") else { return };
+    for (v4, v6, table) in [("iptables", "ip6tables", Table::Mangle), ("iptables-legacy", "ip6tables-legacy", Table::Filter)] {
+        if pair.exec(&pair.a, &[v4, "-w", "-S"]).status.code() != Some(0) {
+            eprintln!("skipping {v4}: not usable here");
+            continue;
+        }
+        let mut spec = spec_in(
+            &pair.a,
+            13,
+            0x4242,
+            &[BuiltinChain::Input, BuiltinChain::Output, BuiltinChain::Forward],
+            &[Service::tcp(A4.into(), 80), Service::tcp(A6.into(), 443)],
+        );
+        spec.table = table;
+        spec.iptables = v4.into();
+        spec.ip6tables = v6.into();
+        spec.queue_bypass = true;
+        let t = table.as_str();
+        let crashed = Rules::install(&spec).expect("first install");
+        std::mem::forget(crashed); // as if the process had died
+        let rules = Rules::install(&spec).expect("install over leftovers");
+        assert_eq!(rules.chain(), "UBTEST-Q13");
+        for bin in [v4, v6] {
+            let chain = pair.exec_ok(&pair.a, &[bin, "-w", "-t", t, "-S", "UBTEST-Q13"]);
+            assert_eq!(chain.lines().count(), 4, "{bin}:\n{chain}");
+            assert!(chain.contains("--mark 0x4242"), "{chain}");
+            assert!(chain.contains("--queue-num 13 --queue-bypass"), "{chain}");
+            for hook in ["INPUT", "OUTPUT", "FORWARD"] {
+                let rules = pair.exec_ok(&pair.a, &[bin, "-w", "-t", t, "-S", hook]);
+                assert_eq!(rules.matches("-j UBTEST-Q13").count(), 1, "{bin} {hook}:\n{rules}");
+                // Our jump is the first rule.
+                assert!(rules.lines().nth(1).unwrap_or("").contains("-j UBTEST-Q13"), "{rules}");
+            }
+        }
+        rules.remove().expect("remove");
+        for bin in [v4, v6] {
+            assert!(!pair.exec(&pair.a, &[bin, "-w", "-t", t, "-S", "UBTEST-Q13"]).status.success());
+            let all = pair.exec_ok(&pair.a, &[bin, "-w", "-t", t, "-S"]);
+            assert!(!all.contains("UBTEST"), "{bin}:\n{all}");
+        }
+        // A v4-only spec must not need ip6tables at all.
+        let mut v4_only = spec.clone();
+        v4_only.services.truncate(1);
+        v4_only.ip6tables = "/nonexistent/ip6tables".into();
+        Rules::install(&v4_only).expect("v4-only install").remove().expect("v4-only remove");
+    }
+    // Errors name the command and carry stderr.
+    let mut bad = spec_in(&pair.a, 14, 1, &[BuiltinChain::Input], &[Service::tcp(A4.into(), 1)]);
+    bad.table = Table::Filter;
+    bad.iptables = "false".into();
+    let err = Rules::install(&bad).unwrap_err();
+    assert!(err.to_string().contains("false -w -t filter -N UBTEST-Q14"), "{err}");
+}

@@ -1,0 +1,1504 @@
+//! Deterministic simulation of the RTCP engine between two real (userspace) TCP stacks.
+//!
+//! Model (quinn-proto style simulated pair, TigerBeetle style fault injection): two independent
+//! smoltcp endpoints, each with its own `Interface` over a simulated `Device` (`Medium::Ip`):
+//!
+//! - *A*, the protected application at 10.0.2.10:7000 (a server), written as section 4 of the
+//!   paper asks: TELL after the handshake, persist input, ACKNOWLEDGE, persist output before
+//!   sending it, SHUTDOWN before closing, and the section 4 recovery after a crash.
+//! - *B*, the unmodified peer at 10.0.1.2:41000 (a client): sends a fixed pseudo-random payload
+//!   and reads *A*'s replies.
+//!
+//! ```text
+//!   A's stack ──outgoing()──► wide link (latency, loss, duplication, reordering) ──► B's stack
+//!   A's stack ◄──incoming()── wide link ◄────────────────────────────────────────── B's stack
+//!              ◄─ Reflect ─┘ (the engine's answers go straight back to A)
+//! ```
+//!
+//! The filter sits next to *A*: its verdicts are taken when a packet leaves *A* or arrives for
+//! *A*. The side channel is a direct call of `rtcp::command` (through the v1 wire format and its
+//! HMAC, as a driver would); the ACK it builds goes onto the wide link toward *B*. Time is a
+//! virtual smoltcp `Instant`; nothing sleeps.
+//!
+//! Two things the real peer (Linux) does that smoltcp does not, emulated at *B*'s side of the
+//! link and documented where they are:
+//! - RFC 5961 challenge ACK for a SYN on a synchronized connection (smoltcp ignores the SYN
+//!   silently): needed for the section 6 path (a recovery SYN forwarded for lack of state).
+//! - PAWS (RFC 7323): smoltcp does not check TSval at all; the link drops what Linux would drop,
+//!   so a TSval that jumps backwards after a crash would stall the transfer.
+//!
+//! Every run asserts: no RST ever reaches *B*; *B*'s socket never closes before *B* closes it;
+//! *B* receives exactly *A*'s output journal, and that journal is the expected function of the
+//! input; *A*'s input journal equals *B*'s payload; the run ends within a virtual time bound.
+//! A failing run prints its scenario (seed, crash positions) and the last packets on the link.
+//!
+//! `SIM_SCALE` (default 1) multiplies the number of seeds and the transfer sizes of the
+//! randomized scenarios; the every-packet crash sweeps always cover every position.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::phy::{self, Device, DeviceCapabilities, Medium};
+use smoltcp::socket::tcp::{self, State};
+use smoltcp::time::{Duration, Instant};
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
+
+use unbroken_engines::rtcp::{self, Conn, Event, Verdict};
+use unbroken_wire::ctl::{self, Command, ConnOptions, Key, Op};
+use unbroken_wire::ip::{self as wip, IpInfo};
+use unbroken_wire::seq::unwrap_near;
+use unbroken_wire::tcp::{self as wtcp, flags as F, TcpOption};
+use unbroken_wire::Seq;
+
+// ---------------------------------------------------------------------------------------------
+// Constants and small helpers
+// ---------------------------------------------------------------------------------------------
+
+const A_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 10);
+const A_PORT: u16 = 7000;
+const B_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 1, 2);
+const B_PORT: u16 = 41000;
+/// Input bytes per reply, and reply length (section 2.3.1's output determinism is provided by
+/// the output journal; the reply also carries the incarnation that produced it, so replaying
+/// the journal and regenerating output are distinguishable).
+const CHUNK: usize = 100;
+const REPLY: usize = 37;
+/// Room past the packet for rewrites that grow it (a bare ACK into a SYN-ACK).
+const HEADROOM: usize = 64;
+
+fn scale() -> usize {
+    std::env::var("SIM_SCALE").ok().and_then(|s| s.parse().ok()).filter(|&n| n > 0).unwrap_or(1)
+}
+
+fn a_sockaddr() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(A_IP), A_PORT)
+}
+fn b_sockaddr() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(B_IP), B_PORT)
+}
+
+/// splitmix64: seeded, reproducible, tiny.
+#[derive(Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+}
+
+fn payload(n: usize, seed: u64) -> Vec<u8> {
+    let mut r = Rng::new(seed ^ 0xB0B);
+    (0..n).map(|_| r.next() as u8).collect()
+}
+
+/// The reply *A* produces for one 100-byte chunk of input: an incarnation tag, then 36 bytes
+/// derived from the chunk.
+fn reply_for(chunk: &[u8], incarnation: u32) -> [u8; REPLY] {
+    let mut r = [0u8; REPLY];
+    r[0] = incarnation as u8;
+    for j in 1..REPLY {
+        r[j] = chunk[j] ^ chunk[j + 36].rotate_left(3) ^ chunk[(j * 7) % CHUNK].wrapping_add(j as u8);
+    }
+    r
+}
+
+// ---------------------------------------------------------------------------------------------
+// Virtual clocks for TCP timestamps (smoltcp takes a plain `fn() -> u32`)
+// ---------------------------------------------------------------------------------------------
+
+thread_local! {
+    static NOW_MS: Cell<u64> = const { Cell::new(0) };
+    static TS_BASE_A: Cell<u32> = const { Cell::new(0) };
+    static TS_BASE_B: Cell<u32> = const { Cell::new(0) };
+}
+
+fn tsval_a() -> u32 {
+    TS_BASE_A.with(|b| b.get()).wrapping_add(NOW_MS.with(|n| n.get()) as u32)
+}
+fn tsval_b() -> u32 {
+    TS_BASE_B.with(|b| b.get()).wrapping_add(NOW_MS.with(|n| n.get()) as u32)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Choosing smoltcp's initial sequence numbers
+// ---------------------------------------------------------------------------------------------
+
+/// smoltcp 0.14's `Rand` (sPCG32). `Interface::new` draws the IPv4 ident first (with only
+/// `proto-ipv4` among the protocol features), then the TCP socket's ISN is the next draw.
+const PCG_M: u64 = 0xbb2e_fcec_3c39_611d;
+const PCG_A: u64 = 0x7590_ef39;
+
+fn pcg_out(s: u64) -> u32 {
+    let shift = 29 - (s >> 61);
+    (s >> shift) as u32
+}
+
+fn inverse_mod_2_64(m: u64) -> u64 {
+    let mut x = m; // Newton: correct to 3 bits for odd m, doubling each round
+    for _ in 0..6 {
+        x = x.wrapping_mul(2u64.wrapping_sub(m.wrapping_mul(x)));
+    }
+    x
+}
+
+/// An `Interface` random seed whose first TCP ISN is `isn` (checked against the live stack by
+/// the tests that use it, so a smoltcp change shows up as a clear failure).
+fn seed_for_isn(isn: u32) -> u64 {
+    let minv = inverse_mod_2_64(PCG_M);
+    for low in 0u64.. {
+        let s2 = ((isn as u64) << 29) | (low & ((1 << 29) - 1)); // top 3 bits zero: shift 29
+        let s1 = s2.wrapping_sub(PCG_A).wrapping_mul(minv);
+        let id = pcg_out(s1);
+        if (id ^ (id >> 16)) as u16 == 0 {
+            continue; // smoltcp redraws a zero IPv4 ident
+        }
+        let seed = s1.wrapping_sub(PCG_A).wrapping_mul(minv);
+        debug_assert_eq!(pcg_out(seed.wrapping_mul(PCG_M).wrapping_add(PCG_A).wrapping_mul(PCG_M).wrapping_add(PCG_A)), isn);
+        return seed;
+    }
+    unreachable!()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Simulated device and host
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct Dev {
+    rx: VecDeque<Vec<u8>>,
+    tx: Vec<Vec<u8>>,
+}
+
+struct RxTok(Vec<u8>);
+struct TxTok<'a>(&'a mut Vec<Vec<u8>>);
+
+impl phy::RxToken for RxTok {
+    fn consume<R, Fn_: FnOnce(&[u8]) -> R>(self, f: Fn_) -> R {
+        f(&self.0)
+    }
+}
+
+impl phy::TxToken for TxTok<'_> {
+    fn consume<R, Fn_: FnOnce(&mut [u8]) -> R>(self, len: usize, f: Fn_) -> R {
+        let mut b = vec![0u8; len];
+        let r = f(&mut b);
+        self.0.push(b);
+        r
+    }
+}
+
+impl Device for Dev {
+    type RxToken<'a> = RxTok;
+    type TxToken<'a> = TxTok<'a>;
+    fn receive(&mut self, _: Instant) -> Option<(RxTok, TxTok<'_>)> {
+        let p = self.rx.pop_front()?;
+        Some((RxTok(p), TxTok(&mut self.tx)))
+    }
+    fn transmit(&mut self, _: Instant) -> Option<TxTok<'_>> {
+        Some(TxTok(&mut self.tx))
+    }
+    fn capabilities(&self) -> DeviceCapabilities {
+        let mut c = DeviceCapabilities::default();
+        c.medium = Medium::Ip;
+        c.max_transmission_unit = 1500;
+        c
+    }
+}
+
+/// One TCP/IP stack: what a crash of *A* throws away.
+struct Host {
+    iface: Interface,
+    dev: Dev,
+    sockets: SocketSet<'static>,
+}
+
+impl Host {
+    fn new(ip: Ipv4Addr, seed: u64, now: Instant) -> Host {
+        let mut dev = Dev::default();
+        let mut cfg = Config::new(HardwareAddress::Ip);
+        cfg.random_seed = seed;
+        let mut iface = Interface::new(cfg, &mut dev, now);
+        iface.update_ip_addrs(|a| a.push(IpCidr::new(IpAddress::Ipv4(ip), 8)).unwrap());
+        Host { iface, dev, sockets: SocketSet::new(vec![]) }
+    }
+    fn poll(&mut self, now: Instant) {
+        self.iface.poll(now, &mut self.dev, &mut self.sockets);
+    }
+    fn tcp(&mut self, h: SocketHandle) -> &mut tcp::Socket<'static> {
+        self.sockets.get_mut::<tcp::Socket>(h)
+    }
+}
+
+fn new_socket(rx: usize, tx: usize, ts: Option<fn() -> u32>) -> tcp::Socket<'static> {
+    let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; rx]), tcp::SocketBuffer::new(vec![0; tx]));
+    s.set_tsval_generator(ts);
+    s
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenario
+// ---------------------------------------------------------------------------------------------
+
+/// How *A* dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CrashMode {
+    /// The whole stack is thrown away; a fresh one (new ISN source, new timestamp clock) comes up
+    /// at once and answers *B*'s packets with RSTs until the application restarts (O1).
+    Wipe,
+    /// As `Wipe`, but the machine is silent (packets for *A* vanish) until the restart.
+    Silent,
+    /// Only the process dies: its kernel closes the socket (a spurious FIN, section 2.4.2, which
+    /// O6 turns into a RST for *A*), and the restarted process uses the same stack.
+    CloseOnExit,
+}
+
+#[derive(Clone, Debug)]
+struct Scenario {
+    name: String,
+    seed: u64,
+    /// Bytes *B* sends (a multiple of `CHUNK`).
+    payload: usize,
+    loss: f64,
+    dup: f64,
+    reorder: f64,
+    /// One-way latency of the wide link (filter <-> B).
+    latency_ms: u64,
+    timestamps: bool,
+    /// Crash *A* at the end of the step in which the k-th packet crossed the link.
+    crash_after: Vec<u64>,
+    /// Reset the filter's `Conn` likewise (a crash and a filter restart with the same k happen
+    /// at the same moment).
+    filter_restart_after: Vec<u64>,
+    crash_modes: Vec<CrashMode>,
+    restart_delay_ms: u64,
+    /// *A*'s receive buffer per incarnation (cycled): changes *A*'s window scale.
+    a_rx: Vec<usize>,
+    /// Interface seeds for *A*'s incarnations (else drawn from the scenario's PRNG).
+    a_seeds: Vec<u64>,
+    b_seed: Option<u64>,
+    /// Timestamp clock bases for *A*'s incarnations (else drawn).
+    a_ts_bases: Vec<u32>,
+    b_ts_base: u32,
+    max_virtual: Duration,
+    /// Emulate Linux's answers where smoltcp is silent (see the module docs).
+    challenge_ack: bool,
+    paws: bool,
+}
+
+impl Scenario {
+    fn new(name: &str, seed: u64, payload: usize) -> Scenario {
+        Scenario {
+            name: name.to_string(),
+            seed,
+            payload: payload / CHUNK * CHUNK,
+            loss: 0.0,
+            dup: 0.0,
+            reorder: 0.0,
+            latency_ms: 5,
+            timestamps: false,
+            crash_after: vec![],
+            filter_restart_after: vec![],
+            crash_modes: vec![CrashMode::Wipe],
+            restart_delay_ms: 30,
+            a_rx: vec![65535],
+            a_seeds: vec![],
+            b_seed: None,
+            a_ts_bases: vec![],
+            b_ts_base: 0x1000,
+            max_virtual: Duration::from_secs(120),
+            challenge_ack: true,
+            paws: true,
+        }
+    }
+    fn lossy(mut self, loss: f64, dup: f64, reorder: f64) -> Scenario {
+        self.loss = loss;
+        self.dup = dup;
+        self.reorder = reorder;
+        self
+    }
+}
+
+/// What happened in a run, for scenario-specific assertions.
+#[derive(Debug, Default, Clone)]
+struct Report {
+    packets: u64,
+    virtual_ms: u64,
+    crashes: u32,
+    filter_restarts: u32,
+    /// Recoveries begun because *A*'s socket was reset (section 2.7 / spurious FIN), not a crash.
+    resets_seen: u32,
+    recoveries_completed: u32,
+    pre_accept_recoveries: u32,
+    events: Vec<(Event, u32)>,
+    paws_drops: u32,
+    /// Largest backwards TSval jump *B* was offered (0 if none).
+    paws_max_regression: u32,
+    challenge_acks: u32,
+    max_stall_ms: u64,
+    a_isn_first: Option<u32>,
+    b_isn: Option<u32>,
+    deltas: Vec<u32>,
+    /// `delivered` as computed at each recovery.
+    delivered_at_recovery: Vec<u64>,
+}
+
+impl Report {
+    fn count(&self, e: Event) -> u32 {
+        self.events.iter().find(|(x, _)| *x == e).map_or(0, |(_, n)| *n)
+    }
+    fn bump(&mut self, e: Event) {
+        match self.events.iter_mut().find(|(x, _)| *x == e) {
+            Some((_, n)) => *n += 1,
+            None => self.events.push((e, 1)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The application A (section 4)
+// ---------------------------------------------------------------------------------------------
+
+/// What *A* persisted: survives crashes.
+#[derive(Clone, Copy, Debug)]
+struct Record {
+    ack_a0: u32,
+    ack_b0: u32,
+    opts: Option<ConnOptions>,
+}
+
+#[derive(Default)]
+struct Durable {
+    /// Known once the connection was accepted and the first TELL answered.
+    record: Option<Record>,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    incarnation: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Down { until: Instant },
+    Listening,
+    /// Recovery connect in progress. `pre_accept`: *A* crashed before it learned of the
+    /// connection (no record): the filter knew it, so *A* recovers it with nothing delivered.
+    Connecting { pre_accept: bool },
+    Running,
+    /// *A*'s socket finished its close after SHUTDOWN.
+    Done,
+}
+
+struct AppA {
+    dur: Durable,
+    host: Option<Host>,
+    sock: Option<SocketHandle>,
+    /// A socket the dead process left to its kernel (CloseOnExit).
+    orphan: Option<SocketHandle>,
+    phase: Phase,
+    /// Output bytes handed to the current socket, as an offset in the output journal.
+    sent: usize,
+    shutdown_sent: bool,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The peer B
+// ---------------------------------------------------------------------------------------------
+
+struct AppB {
+    host: Host,
+    sock: SocketHandle,
+    payload: Vec<u8>,
+    sent: usize,
+    received: Vec<u8>,
+    expected: usize,
+    close_called: bool,
+    ever_established: bool,
+    done: bool,
+    /// What B last sent, to build the challenge ACK Linux would send.
+    snd_nxt: Option<Seq>,
+    rcv_nxt: Seq,
+    last_win: u16,
+    /// PAWS: TS.Recent.
+    ts_recent: Option<u32>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The link
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    A,
+    B,
+}
+
+struct InFlight {
+    at: Instant,
+    id: u64,
+    to: Side,
+    pkt: Vec<u8>,
+}
+
+/// A short description of a TCP packet for traces.
+fn describe(pkt: &[u8]) -> String {
+    let Ok(info) = IpInfo::parse(pkt) else { return format!("non-ip {} bytes", pkt.len()) };
+    let seg = &pkt[info.l4_offset..info.l4_offset + info.l4_len];
+    let Ok(t) = wtcp::Packet::new_checked(seg) else { return "bad tcp".into() };
+    let f = t.flags();
+    let mut fl = String::new();
+    for (b, c) in [(F::SYN, 'S'), (F::ACK, 'A'), (F::FIN, 'F'), (F::RST, 'R'), (F::PSH, 'P')] {
+        if f & b != 0 {
+            fl.push(c);
+        }
+    }
+    let mut ts = String::new();
+    for o in t.options_iter().flatten() {
+        if let TcpOption::Timestamp { tsval, tsecr } = o {
+            let _ = write!(ts, " ts={tsval}/{tsecr}");
+        }
+    }
+    format!("{}:{} -> {}:{} [{}] seq={} ack={} win={} len={}{}", info.src, t.src_port(), info.dst, t.dst_port(), fl, t.seq().0, t.ack().0, t.window(), t.payload().len(), ts)
+}
+
+struct TcpFacts {
+    flags: u8,
+    seq: Seq,
+    ack: Seq,
+    window: u16,
+    len: u32,
+    ts: Option<(u32, u32)>,
+}
+
+fn facts(pkt: &[u8]) -> TcpFacts {
+    let info = IpInfo::parse(pkt).expect("ip");
+    let seg = &pkt[info.l4_offset..info.l4_offset + info.l4_len];
+    let t = wtcp::Packet::new_checked(seg).expect("tcp");
+    let mut ts = None;
+    for o in t.options_iter().flatten() {
+        if let TcpOption::Timestamp { tsval, tsecr } = o {
+            ts = Some((tsval, tsecr));
+        }
+    }
+    TcpFacts { flags: t.flags(), seq: t.seq(), ack: t.ack(), window: t.window(), len: t.payload().len() as u32, ts }
+}
+
+/// IPv4 header checksum and TCP checksum of a packet the engine wrote.
+fn assert_checksums(pkt: &[u8], what: &str) {
+    let ip = smoltcp::wire::Ipv4Packet::new_checked(pkt).unwrap_or_else(|e| panic!("{what}: bad ipv4 ({e})"));
+    assert!(ip.verify_checksum(), "{what}: bad IPv4 checksum: {}", describe(pkt));
+    let (src, dst) = (IpAddress::Ipv4(ip.src_addr()), IpAddress::Ipv4(ip.dst_addr()));
+    let t = smoltcp::wire::TcpPacket::new_checked(ip.payload()).unwrap_or_else(|e| panic!("{what}: bad tcp ({e})"));
+    assert!(t.verify_checksum(&src, &dst), "{what}: bad TCP checksum: {}", describe(pkt));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulation
+// ---------------------------------------------------------------------------------------------
+
+struct Sim {
+    sc: Scenario,
+    now: Instant,
+    rng: Rng,
+    conn: Conn,
+    key: Key,
+    nonce: u64,
+    a: AppA,
+    b: AppB,
+    q: Vec<InFlight>,
+    next_id: u64,
+    /// Reordering: a packet held per direction (index 0: toward A, 1: toward B) until the next
+    /// one passes it, or until its deadline.
+    held: [Option<(Vec<u8>, Instant)>; 2],
+    crash_i: usize,
+    restart_i: usize,
+    rep: Report,
+    trace: VecDeque<String>,
+    last_progress: Instant,
+    progress_mark: (usize, usize),
+}
+
+impl Sim {
+    fn new(sc: Scenario) -> Sim {
+        let mut rng = Rng::new(sc.seed);
+        let now = Instant::from_millis(0);
+        NOW_MS.with(|n| n.set(0));
+        TS_BASE_B.with(|b| b.set(sc.b_ts_base));
+        let b_seed = sc.b_seed.unwrap_or_else(|| rng.next());
+        let mut bh = Host::new(B_IP, b_seed, now);
+        let ts = |on: bool, f: fn() -> u32| if on { Some(f) } else { None };
+        let mut s = new_socket(65535, 65535, ts(sc.timestamps, tsval_b));
+        s.connect(bh.iface.context(), IpEndpoint::new(IpAddress::Ipv4(A_IP), A_PORT), B_PORT).unwrap();
+        let sock = bh.sockets.add(s);
+        let pl = payload(sc.payload, sc.seed);
+        let expected = sc.payload / CHUNK * REPLY;
+        let b = AppB {
+            host: bh,
+            sock,
+            payload: pl,
+            sent: 0,
+            received: vec![],
+            expected,
+            close_called: false,
+            ever_established: false,
+            done: false,
+            snd_nxt: None,
+            rcv_nxt: Seq(0),
+            last_win: 0,
+            ts_recent: None,
+        };
+        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false };
+        let mut sim = Sim {
+            sc,
+            now,
+            rng,
+            conn: Conn::default(),
+            key: Key::from_hex("00112233445566778899aabbccddeeff").unwrap(),
+            nonce: 1,
+            a,
+            b,
+            q: vec![],
+            next_id: 0,
+            held: [None, None],
+            crash_i: 0,
+            restart_i: 0,
+            rep: Report::default(),
+            trace: VecDeque::new(),
+            last_progress: now,
+            progress_mark: (0, 0),
+        };
+        // A's first incarnation: listen.
+        sim.a_new_host();
+        let rx = sim.a_rx();
+        let ts = if sim.sc.timestamps { Some(tsval_a as fn() -> u32) } else { None };
+        let mut s = new_socket(rx, 65535, ts);
+        s.listen(A_PORT).unwrap();
+        let host = sim.a.host.as_mut().unwrap();
+        sim.a.sock = Some(host.sockets.add(s));
+        sim
+    }
+
+    // ----- helpers -----
+
+    fn note(&mut self, s: String) {
+        if self.trace.len() == 80 {
+            self.trace.pop_front();
+        }
+        self.trace.push_back(format!("{:>7}ms #{:<5} {s}", self.now.total_millis(), self.rep.packets));
+    }
+
+    fn fail(&self, why: &str) -> ! {
+        let mut m = format!("\n=== scenario {:?} FAILED at {} ms: {why}\n", self.sc.name, self.now.total_millis());
+        let _ = writeln!(m, "seed={} crash_after={:?} filter_restart_after={:?} modes={:?} loss={} dup={} reorder={} ts={}", self.sc.seed, self.sc.crash_after, self.sc.filter_restart_after, self.sc.crash_modes, self.sc.loss, self.sc.dup, self.sc.reorder, self.sc.timestamps);
+        let _ = writeln!(m, "A: phase={:?} incarnation={} input={} output={} sent={} shutdown={} record={:?} state={:?}", self.a.phase, self.a.dur.incarnation, self.a.dur.input.len(), self.a.dur.output.len(), self.a.sent, self.a.shutdown_sent, self.a.dur.record, self.a_state());
+        let _ = writeln!(m, "B: state={:?} sent={}/{} received={}/{} close_called={}", self.b.host.sockets.get::<tcp::Socket>(self.b.sock).state(), self.b.sent, self.b.payload.len(), self.b.received.len(), self.b.expected, self.b.close_called);
+        let _ = writeln!(m, "conn={:?}", self.conn);
+        let _ = writeln!(m, "report={:?}", self.rep);
+        let _ = writeln!(m, "last packets:");
+        for t in &self.trace {
+            let _ = writeln!(m, "  {t}");
+        }
+        panic!("{m}");
+    }
+
+    fn a_state(&self) -> Option<State> {
+        let h = self.a.host.as_ref()?;
+        Some(h.sockets.get::<tcp::Socket>(self.a.sock?).state())
+    }
+
+    fn a_rx(&self) -> usize {
+        self.sc.a_rx[self.a.dur.incarnation as usize % self.sc.a_rx.len()]
+    }
+
+    /// A fresh stack for *A*'s current incarnation (new ISN source, new timestamp clock).
+    fn a_new_host(&mut self) {
+        let inc = self.a.dur.incarnation as usize;
+        let seed = self.sc.a_seeds.get(inc).copied().unwrap_or_else(|| self.rng.next());
+        let base = match self.sc.a_ts_bases.get(inc) {
+            Some(&b) => b,
+            None => self.rng.next() as u32,
+        };
+        TS_BASE_A.with(|b| b.set(base));
+        self.a.host = Some(Host::new(A_IP, seed, self.now));
+    }
+
+    fn schedule(&mut self, to: Side, pkt: Vec<u8>, at: Instant) {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.q.push(InFlight { at, id, to, pkt });
+    }
+
+    /// Puts a packet on the wide link (between the filter and B), with the scenario's faults.
+    fn wide_send(&mut self, to: Side, pkt: Vec<u8>) {
+        let at = self.now + Duration::from_millis(self.sc.latency_ms);
+        if self.rng.chance(self.sc.loss) {
+            self.note(format!("LOST      {}", describe(&pkt)));
+            return;
+        }
+        let dir = (to == Side::B) as usize;
+        let copies = if self.rng.chance(self.sc.dup) { 2 } else { 1 };
+        for _ in 0..copies {
+            if let Some((h, _)) = self.held[dir].take() {
+                // Release the held packet right after this one: they arrive swapped.
+                self.schedule(to, pkt.clone(), at);
+                self.schedule(to, h, at + Duration::from_micros(10));
+            } else if self.rng.chance(self.sc.reorder) {
+                self.held[dir] = Some((pkt.clone(), at + Duration::from_millis(20)));
+            } else {
+                self.schedule(to, pkt.clone(), at);
+            }
+        }
+    }
+
+    fn release_held(&mut self) {
+        for dir in 0..2 {
+            if let Some((_, deadline)) = &self.held[dir] {
+                if *deadline <= self.now {
+                    let (p, _) = self.held[dir].take().unwrap();
+                    let to = if dir == 1 { Side::B } else { Side::A };
+                    self.schedule(to, p, self.now);
+                }
+            }
+        }
+    }
+
+    // ----- the filter -----
+
+    /// A packet leaving *A*'s stack: algorithm O.
+    fn filter_outgoing(&mut self, pkt: Vec<u8>) {
+        let len = pkt.len();
+        let mut buf = pkt;
+        buf.resize(len + HEADROOM, 0);
+        let before = describe(&buf[..len]);
+        let out = match rtcp::outgoing(&mut self.conn, &mut buf, len) {
+            Ok(o) => o,
+            Err(e) => self.fail(&format!("outgoing() error {e:?} on {before}")),
+        };
+        buf.truncate(out.len);
+        if let Some(e) = out.event {
+            self.rep.bump(e);
+            if e == Event::Recovered {
+                self.rep.deltas.push(self.conn.delta);
+            }
+        }
+        if out.modified && out.verdict != Verdict::Drop {
+            assert_checksums(&buf, "outgoing rewrite");
+        }
+        let tag = out.event.map(|e| format!(" {e:?}")).unwrap_or_default();
+        match out.verdict {
+            Verdict::Forward => {
+                self.note(format!("A->  {}{}", describe(&buf), if out.modified { format!("  (was {before})") } else { String::new() }));
+                self.wide_send(Side::B, buf);
+            }
+            Verdict::Drop => self.note(format!("A-x  DROP {before}{tag}")),
+            Verdict::Reflect => {
+                self.note(format!("A<-' {}{tag}  (was {before})", describe(&buf)));
+                self.deliver(Side::A, buf);
+            }
+        }
+    }
+
+    /// A packet from *B* reaching the filter: algorithm I.
+    fn filter_incoming(&mut self, pkt: Vec<u8>) {
+        let len = pkt.len();
+        let mut buf = pkt;
+        buf.resize(len + HEADROOM, 0);
+        let before = describe(&buf[..len]);
+        let out = match rtcp::incoming(&mut self.conn, &mut buf, len) {
+            Ok(o) => o,
+            Err(e) => self.fail(&format!("incoming() error {e:?} on {before}")),
+        };
+        buf.truncate(out.len);
+        if let Some(e) = out.event {
+            self.rep.bump(e);
+            if e == Event::RecoveredFromPeerAck {
+                self.rep.deltas.push(self.conn.delta);
+            }
+        }
+        if out.modified && out.verdict != Verdict::Drop {
+            assert_checksums(&buf, "incoming rewrite");
+        }
+        let tag = out.event.map(|e| format!(" {e:?}")).unwrap_or_default();
+        match out.verdict {
+            Verdict::Forward => {
+                self.note(format!(" ->A {}{tag}{}", describe(&buf), if out.modified { format!("  (was {before})") } else { String::new() }));
+                self.deliver(Side::A, buf);
+            }
+            Verdict::Drop => self.note(format!(" x-A DROP {before}{tag}")),
+            Verdict::Reflect => {
+                self.note(format!(" '->B {}{tag}", describe(&buf)));
+                self.wide_send(Side::B, buf);
+            }
+        }
+    }
+
+    /// Hands a packet to an endpoint's device: the packet "crossed the link".
+    fn deliver(&mut self, to: Side, pkt: Vec<u8>) {
+        match to {
+            Side::A => {
+                let Some(h) = self.a.host.as_mut() else {
+                    self.note("  A is down (silent): packet lost".into());
+                    return;
+                };
+                h.dev.rx.push_back(pkt);
+                self.rep.packets += 1;
+            }
+            Side::B => {
+                let f = facts(&pkt);
+                if f.flags & F::RST != 0 {
+                    self.fail(&format!("a RST reached B: {}", describe(&pkt)));
+                }
+                let state = self.b.host.sockets.get::<tcp::Socket>(self.b.sock).state();
+                let synced = !matches!(state, State::Closed | State::Listen | State::SynSent | State::SynReceived);
+                let bare_syn = f.flags & F::SYN != 0 && f.flags & F::ACK == 0;
+                // PAWS as Linux does it (RFC 7323 5.3, tcp_paws_discard): B drops a segment whose
+                // TSval is older than TS.Recent (and answers it with a duplicate ACK).
+                if self.sc.paws && synced {
+                    if let (Some((tsval, _)), Some(recent)) = (f.ts, self.b.ts_recent) {
+                        if Seq(tsval).lt(Seq(recent)) {
+                            let regression = recent.wrapping_sub(tsval);
+                            self.note(format!("  B: PAWS drop (TSval {regression} behind){}", if bare_syn { " [syn]" } else { "" }));
+                            if !bare_syn {
+                                self.rep.paws_drops += 1;
+                                self.rep.paws_max_regression = self.rep.paws_max_regression.max(regression);
+                            }
+                            self.rep.packets += 1;
+                            if self.sc.challenge_ack {
+                                self.challenge_ack();
+                            }
+                            return;
+                        }
+                    }
+                }
+                if let Some((tsval, _)) = f.ts {
+                    if !bare_syn && self.b.ts_recent.is_none_or(|r| Seq(tsval).gt(Seq(r))) {
+                        self.b.ts_recent = Some(tsval);
+                    }
+                }
+                // smoltcp ignores a SYN on a synchronized connection; Linux (RFC 5961 4.2) answers
+                // it with a challenge ACK, which section 6 turns into the SYN-ACK *A* waits for.
+                if bare_syn && synced && self.sc.challenge_ack {
+                    self.challenge_ack();
+                }
+                self.b.host.dev.rx.push_back(pkt);
+                self.rep.packets += 1;
+            }
+        }
+    }
+
+    /// `<SEQ=SND.NXT><ACK=RCV.NXT><CTL=ACK>` from B, as Linux would send it.
+    fn challenge_ack(&mut self) {
+        let Some(snd_nxt) = self.b.snd_nxt else { return };
+        let ts = if self.sc.timestamps { Some((tsval_b(), self.b.ts_recent.unwrap_or(0))) } else { None };
+        let r = wtcp::Repr { src_port: B_PORT, dst_port: A_PORT, seq: snd_nxt, ack: self.b.rcv_nxt, flags: F::ACK, window: self.b.last_win, timestamp: ts, ..Default::default() };
+        let tl = r.header_len();
+        let mut buf = vec![0u8; 20 + tl];
+        let hl = wip::emit_header(&mut buf, IpAddr::V4(B_IP), IpAddr::V4(A_IP), wip::PROTO_TCP, tl).unwrap();
+        r.emit(&mut buf[hl..hl + tl]).unwrap();
+        let pseudo = wip::pseudo_sum(IpAddr::V4(B_IP), IpAddr::V4(A_IP), wip::PROTO_TCP, tl);
+        wtcp::Packet::new_checked(&mut buf[hl..hl + tl]).unwrap().fill_checksum(pseudo);
+        self.rep.challenge_acks += 1;
+        self.note(format!("  B: challenge ACK {}", describe(&buf)));
+        self.wide_send(Side::A, buf);
+    }
+
+    /// A side-channel command, through the wire format as a driver would handle it.
+    fn command(&mut self, op: Op, ack_a: u32, opts: Option<ConnOptions>) -> Command {
+        self.nonce += 1;
+        let mut cmd = Command::request(op, a_sockaddr(), b_sockaddr(), self.nonce, 1_700_000_000_000 + self.now.total_millis() as u64);
+        cmd.ack_a = ack_a;
+        cmd.options = opts;
+        let cmd = Command::decode(&cmd.encode(&self.key).unwrap(), &self.key).unwrap();
+        let mut ack_buf = [0u8; 128];
+        let r = rtcp::command(&mut self.conn, &cmd, &mut ack_buf);
+        let reply = Command::decode(&r.reply.encode(&self.key).unwrap(), &self.key).unwrap();
+        assert!(reply.response && reply.nonce == cmd.nonce && reply.op == op);
+        self.note(format!("CMD  {op:?} ack_a={} -> reply ack_a={} ack_b={} flags={:#x}", ack_a, reply.ack_a, reply.ack_b, reply.flags));
+        if let Some(n) = r.ack_len {
+            let pkt = ack_buf[..n].to_vec();
+            assert_checksums(&pkt, "command ACK");
+            self.note(format!("A->  (cmd) {}", describe(&pkt)));
+            self.wide_send(Side::B, pkt);
+        }
+        reply
+    }
+
+    // ----- moving packets -----
+
+    fn deliver_due(&mut self) -> bool {
+        self.release_held();
+        let mut moved = false;
+        loop {
+            let Some(i) = (0..self.q.len()).filter(|&i| self.q[i].at <= self.now).min_by_key(|&i| (self.q[i].at, self.q[i].id)) else { break };
+            let p = self.q.swap_remove(i);
+            moved = true;
+            match p.to {
+                Side::A => self.filter_incoming(p.pkt),
+                Side::B => {
+                    self.note(format!("  ->B {}", describe(&p.pkt)));
+                    self.deliver(Side::B, p.pkt)
+                }
+            }
+        }
+        moved
+    }
+
+    fn poll_and_collect(&mut self) -> bool {
+        let now = self.now;
+        let mut moved = false;
+        if let Some(h) = self.a.host.as_mut() {
+            h.poll(now);
+            let out = std::mem::take(&mut h.dev.tx);
+            for p in out {
+                moved = true;
+                self.filter_outgoing(p);
+            }
+        }
+        self.b.host.poll(now);
+        let out = std::mem::take(&mut self.b.host.dev.tx);
+        for p in out {
+            moved = true;
+            let f = facts(&p);
+            if f.flags & F::RST != 0 {
+                self.fail(&format!("B sent a RST: {}", describe(&p)));
+            }
+            let end = f.seq + f.len + (f.flags & F::SYN != 0) as u32 + (f.flags & F::FIN != 0) as u32;
+            self.b.snd_nxt = Some(self.b.snd_nxt.map_or(end, |s| s.max(end)));
+            if f.flags & F::ACK != 0 {
+                self.b.rcv_nxt = f.ack;
+                self.b.last_win = f.window;
+            }
+            self.note(format!("B->  {}", describe(&p)));
+            self.wide_send(Side::A, p);
+        }
+        moved
+    }
+
+    // ----- application A -----
+
+    fn a_tcp(&mut self) -> &mut tcp::Socket<'static> {
+        let h = self.a.sock.unwrap();
+        self.a.host.as_mut().unwrap().tcp(h)
+    }
+
+    fn a_step(&mut self) {
+        match self.a.phase {
+            Phase::Down { until } => {
+                if self.now >= until {
+                    self.a_restart();
+                }
+            }
+            Phase::Listening => {
+                let st = self.a_tcp().state();
+                if matches!(st, State::Established | State::CloseWait) {
+                    // accept(): TELL, persist ackA0/ackB0 and the options (section 4).
+                    let r = self.command(Op::Tell, 0, None);
+                    if r.flags & ctl::flag::RECOVERABLE == 0 || r.flags & ctl::flag::ACK_ALLOWED == 0 {
+                        self.fail("TELL after the handshake: filter state not recoverable");
+                    }
+                    self.a.dur.record = Some(Record { ack_a0: r.ack_a, ack_b0: r.ack_b, opts: r.options });
+                    self.rep.a_isn_first = Some(r.ack_b.wrapping_sub(1));
+                    self.rep.b_isn = Some(r.ack_a.wrapping_sub(1));
+                    self.a.sent = 0;
+                    self.a.phase = Phase::Running;
+                    self.a_io();
+                }
+            }
+            Phase::Connecting { pre_accept } => {
+                let st = self.a_tcp().state();
+                match st {
+                    State::Established | State::CloseWait => {
+                        // Reconnected: TELL; delivered = ackB - ackB0 (mod 2^32, unwrapped near
+                        // what was sent).
+                        let r = self.command(Op::Tell, 0, None);
+                        if pre_accept {
+                            self.a.dur.record = Some(Record { ack_a0: r.ack_a, ack_b0: r.ack_b, opts: r.options });
+                            self.rep.a_isn_first = Some(r.ack_b.wrapping_sub(1));
+                            self.rep.b_isn = Some(r.ack_a.wrapping_sub(1));
+                        }
+                        let rec = self.a.dur.record.unwrap();
+                        let out_len = self.a.dur.output.len();
+                        let delivered = unwrap_near(r.ack_b.wrapping_sub(rec.ack_b0), out_len as u64);
+                        // +1: B may have acknowledged the FIN of an earlier incarnation.
+                        if delivered > out_len as u64 + 1 {
+                            self.fail(&format!("TELL says {delivered} bytes delivered, only {out_len} were ever produced"));
+                        }
+                        if r.ack_a != rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32) {
+                            self.fail(&format!("after recovery the checkpoint is {} but ackA0+consumed is {}", r.ack_a, rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32)));
+                        }
+                        self.rep.delivered_at_recovery.push(delivered);
+                        self.rep.recoveries_completed += 1;
+                        self.a.sent = (delivered as usize).min(out_len);
+                        self.a.phase = Phase::Running;
+                        self.a_io();
+                    }
+                    State::Closed => {
+                        // Reset while connecting (e.g. the filter restarted again): recover again.
+                        self.rep.resets_seen += 1;
+                        self.a_recover(pre_accept);
+                    }
+                    _ => {}
+                }
+            }
+            Phase::Running => {
+                let st = self.a_tcp().state();
+                if st == State::Closed || st == State::Listen {
+                    if self.a.shutdown_sent {
+                        self.a.phase = Phase::Done;
+                        return;
+                    }
+                    // ECONNRESET: the filter forced a recovery (section 2.7).
+                    self.rep.resets_seen += 1;
+                    self.note("A: connection reset, recovering".into());
+                    self.a_recover(false);
+                    return;
+                }
+                self.a_io();
+            }
+            Phase::Done => {}
+        }
+    }
+
+    /// Reads, persists, acknowledges; writes the output journal; shuts down when finished.
+    fn a_io(&mut self) {
+        let mut buf = [0u8; 8192];
+        let mut got = 0;
+        loop {
+            let s = self.a_tcp();
+            if !s.can_recv() {
+                break;
+            }
+            let n = s.recv_slice(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            got += n;
+            // Persist the input, then produce (and persist) output for each complete chunk.
+            let d = &mut self.a.dur;
+            d.input.extend_from_slice(&buf[..n]);
+            while (d.output.len() / REPLY + 1) * CHUNK <= d.input.len() {
+                let i = d.output.len() / REPLY;
+                let r = reply_for(&d.input[i * CHUNK..(i + 1) * CHUNK], d.incarnation);
+                d.output.extend_from_slice(&r);
+            }
+        }
+        if got > 0 {
+            let rec = self.a.dur.record.unwrap();
+            let ack = rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32);
+            self.command(Op::Acknowledge, ack, None);
+        }
+        if self.a.dur.input.len() > self.b.payload.len() {
+            self.fail("A consumed more than B sent");
+        }
+        // Write from the journal.
+        let (sent, out_len) = (self.a.sent, self.a.dur.output.len());
+        if sent < out_len {
+            let h = self.a.sock.unwrap();
+            let host = self.a.host.as_mut().unwrap();
+            let n = host.sockets.get_mut::<tcp::Socket>(h).send_slice(&self.a.dur.output[sent..]).unwrap_or(0);
+            self.a.sent += n;
+        }
+        // Finished: all input consumed, all output acknowledged by B. SHUTDOWN, then close().
+        let done = self.a.dur.input.len() == self.b.payload.len() && self.a.sent == self.a.dur.output.len();
+        if done && !self.a.shutdown_sent && self.a_tcp().send_queue() == 0 {
+            self.command(Op::Shutdown, 0, None);
+            self.a.shutdown_sent = true;
+            self.a_tcp().close();
+        }
+    }
+
+    /// Section 4's recovery: ACKNOWLEDGE (checkpoint and options), a new socket bound to the
+    /// original port connecting to B; TELL follows once connected.
+    fn a_recover(&mut self, pre_accept: bool) {
+        if let Some(rec) = self.a.dur.record {
+            let ack = rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32);
+            self.command(Op::Acknowledge, ack, rec.opts);
+        }
+        let host = self.a.host.as_mut().unwrap();
+        if let Some(h) = self.a.sock.take() {
+            host.sockets.remove(h);
+        }
+        let ts = if self.sc.timestamps { Some(tsval_a as fn() -> u32) } else { None };
+        let rx = self.a_rx();
+        let mut s = new_socket(rx, 65535, ts);
+        let host = self.a.host.as_mut().unwrap();
+        s.connect(host.iface.context(), IpEndpoint::new(IpAddress::Ipv4(B_IP), B_PORT), A_PORT).unwrap();
+        self.a.sock = Some(host.sockets.add(s));
+        self.a.shutdown_sent = false;
+        self.a.phase = Phase::Connecting { pre_accept };
+    }
+
+    fn a_restart(&mut self) {
+        if self.a.host.is_none() {
+            self.a_new_host();
+        }
+        if let Some(o) = self.a.orphan.take() {
+            // The dead process's socket: its kernel has closed it (the spurious FIN became a
+            // RST for it, O6). If it has not finished, the kernel aborts it now (O1 drops that).
+            let host = self.a.host.as_mut().unwrap();
+            if host.tcp(o).state() != State::Closed {
+                host.tcp(o).abort();
+                self.poll_and_collect();
+            }
+            self.a.host.as_mut().unwrap().sockets.remove(o);
+        }
+        self.note(format!("A: restart, incarnation {}", self.a.dur.incarnation));
+        if self.a.dur.record.is_some() {
+            self.a_recover(false);
+            return;
+        }
+        // Crashed before accepting: *A* knows its peer a priori (like a BGP speaker) and asks the
+        // filter whether a connection with it exists.
+        let r = self.command(Op::Tell, 0, None);
+        if r.flags & ctl::flag::ACK_ALLOWED != 0 {
+            self.rep.pre_accept_recoveries += 1;
+            self.a_recover(true);
+        } else {
+            let ts = if self.sc.timestamps { Some(tsval_a as fn() -> u32) } else { None };
+            let mut s = new_socket(self.a_rx(), 65535, ts);
+            s.listen(A_PORT).unwrap();
+            let host = self.a.host.as_mut().unwrap();
+            if let Some(h) = self.a.sock.take() {
+                host.sockets.remove(h);
+            }
+            self.a.sock = Some(host.sockets.add(s));
+            self.a.phase = Phase::Listening;
+        }
+    }
+
+    fn crash_a(&mut self) {
+        let mode = self.sc.crash_modes[self.rep.crashes as usize % self.sc.crash_modes.len()];
+        self.rep.crashes += 1;
+        self.note(format!("*** CRASH of A ({mode:?})"));
+        self.a.dur.incarnation += 1;
+        match mode {
+            CrashMode::Wipe => {
+                self.a.sock = None;
+                self.a.orphan = None;
+                self.a_new_host();
+            }
+            CrashMode::Silent => {
+                self.a.sock = None;
+                self.a.orphan = None;
+                self.a.host = None;
+            }
+            CrashMode::CloseOnExit => {
+                if let Some(h) = self.a.sock.take() {
+                    let host = self.a.host.as_mut().unwrap();
+                    host.tcp(h).close();
+                    // A socket still listening just goes away.
+                    if host.tcp(h).state() == State::Closed {
+                        host.sockets.remove(h);
+                    } else {
+                        if let Some(o) = self.a.orphan.take() {
+                            host.sockets.remove(o);
+                        }
+                        self.a.orphan = Some(h);
+                    }
+                }
+            }
+        }
+        self.a.sent = 0;
+        self.a.shutdown_sent = false;
+        self.a.phase = Phase::Down { until: self.now + Duration::from_millis(self.sc.restart_delay_ms) };
+    }
+
+    // ----- application B -----
+
+    fn b_step(&mut self) {
+        let s = self.b.host.sockets.get_mut::<tcp::Socket>(self.b.sock);
+        let st = s.state();
+        if st == State::Established {
+            self.b.ever_established = true;
+        }
+        if self.b.ever_established && !self.b.close_called && !matches!(st, State::Established | State::CloseWait) {
+            self.fail(&format!("B's connection left ESTABLISHED abnormally: {st:?}"));
+        }
+        if s.may_send() && self.b.sent < self.b.payload.len() {
+            let n = s.send_slice(&self.b.payload[self.b.sent..]).unwrap_or(0);
+            self.b.sent += n;
+        }
+        let mut buf = [0u8; 8192];
+        while s.can_recv() {
+            let n = s.recv_slice(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            self.b.received.extend_from_slice(&buf[..n]);
+        }
+        if self.b.received.len() > self.b.expected {
+            self.fail("B received more than the expected output");
+        }
+        let s = self.b.host.sockets.get_mut::<tcp::Socket>(self.b.sock);
+        if !self.b.close_called && st == State::CloseWait && self.b.received.len() == self.b.expected && self.b.sent == self.b.payload.len() && s.send_queue() == 0 {
+            s.close();
+            self.b.close_called = true;
+        }
+        if self.b.close_called && matches!(s.state(), State::Closed | State::TimeWait) {
+            self.b.done = true;
+        }
+    }
+
+    // ----- main loop -----
+
+    fn run(mut self) -> Report {
+        let mut idle_iters = 0u32;
+        loop {
+            NOW_MS.with(|n| n.set(self.now.total_millis() as u64));
+            let mut moved = self.deliver_due();
+            moved |= self.poll_and_collect();
+            self.a_step();
+            self.b_step();
+            moved |= self.poll_and_collect();
+
+            // Faults, at the end of the step in which the k-th packet crossed.
+            let mut crash = false;
+            while self.crash_i < self.sc.crash_after.len() && self.rep.packets >= self.sc.crash_after[self.crash_i] {
+                self.crash_i += 1;
+                crash = true;
+            }
+            let mut restart = false;
+            while self.restart_i < self.sc.filter_restart_after.len() && self.rep.packets >= self.sc.filter_restart_after[self.restart_i] {
+                self.restart_i += 1;
+                restart = true;
+            }
+            if restart && !self.b.done {
+                self.note("*** FILTER RESTART: Conn zeroed".into());
+                self.conn = Conn::default();
+                self.rep.filter_restarts += 1;
+            }
+            if crash && !self.b.done && !matches!(self.a.phase, Phase::Down { .. } | Phase::Done) {
+                self.crash_a();
+            }
+
+            let mark = (self.b.received.len(), self.a.dur.input.len());
+            if mark != self.progress_mark {
+                self.progress_mark = mark;
+                let gap = (self.now - self.last_progress).total_millis();
+                self.rep.max_stall_ms = self.rep.max_stall_ms.max(gap);
+                self.last_progress = self.now;
+            }
+            if self.b.done {
+                break;
+            }
+            if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
+                self.fail("virtual time bound exceeded (stalled)");
+            }
+
+            // Next event.
+            let mut next: Option<Instant> = self.q.iter().map(|p| p.at).min();
+            for h in self.held.iter().flatten() {
+                next = Some(next.map_or(h.1, |n| n.min(h.1)));
+            }
+            let now = self.now;
+            let mut consider = |t: Option<Instant>| {
+                if let Some(t) = t {
+                    next = Some(next.map_or(t, |n| n.min(t)));
+                }
+            };
+            if let Some(h) = self.a.host.as_mut() {
+                consider(h.iface.poll_at(now, &h.sockets));
+            }
+            consider(self.b.host.iface.poll_at(now, &self.b.host.sockets));
+            if let Phase::Down { until } = self.a.phase {
+                consider(Some(until));
+            }
+            match next {
+                Some(t) if t > self.now => {
+                    self.now = t;
+                    idle_iters = 0;
+                }
+                _ if moved => {
+                    idle_iters += 1;
+                    if idle_iters > 10_000 {
+                        self.fail("livelock: 10000 steps without time passing");
+                    }
+                }
+                _ => self.now += Duration::from_millis(1),
+            }
+        }
+        self.finish()
+    }
+
+    fn finish(mut self) -> Report {
+        // The run's invariants.
+        if self.a.dur.input != self.b.payload {
+            let at = self.a.dur.input.iter().zip(&self.b.payload).position(|(x, y)| x != y);
+            self.fail(&format!("A's input journal ({} bytes) differs from B's payload ({} bytes), first difference at {at:?}", self.a.dur.input.len(), self.b.payload.len()));
+        }
+        if self.b.received != self.a.dur.output {
+            let at = self.b.received.iter().zip(&self.a.dur.output).position(|(x, y)| x != y);
+            self.fail(&format!("B received {} bytes that differ from A's output journal ({} bytes), first difference at {at:?}", self.b.received.len(), self.a.dur.output.len()));
+        }
+        assert_eq!(self.b.received.len(), self.b.expected);
+        for (i, chunk) in self.b.payload.chunks(CHUNK).enumerate() {
+            let got = &self.b.received[i * REPLY..(i + 1) * REPLY];
+            let want = reply_for(chunk, got[0] as u32);
+            if got != want || got[0] as u32 > self.a.dur.incarnation {
+                self.fail(&format!("reply {i} is not the function of input chunk {i}"));
+            }
+        }
+        self.rep.virtual_ms = self.now.total_millis() as u64;
+        self.rep
+    }
+}
+
+fn run(sc: Scenario) -> Report {
+    let name = sc.name.clone();
+    let r = Sim::new(sc).run();
+    if std::env::var_os("SIM_VERBOSE").is_some() {
+        eprintln!("{name}: {r:?}");
+    }
+    r
+}
+
+/// Packets crossing the link in the clean run of a scenario: the range of crash positions.
+fn baseline_packets(sc: &Scenario) -> u64 {
+    let mut clean = sc.clone();
+    clean.crash_after.clear();
+    clean.filter_restart_after.clear();
+    run(clean).packets
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. No crash
+// ---------------------------------------------------------------------------------------------
+
+/// I1-I4 / O1-O9 in the common case: checkpointed acknowledgments, no fault.
+#[test]
+fn common_case_clean_link() {
+    let r = run(Scenario::new("clean", 1, 200_000 * scale()));
+    assert_eq!(r.crashes, 0);
+    assert_eq!(r.recoveries_completed, 0);
+    assert_eq!(r.resets_seen, 0);
+    assert!(r.events.iter().all(|(e, _)| *e == Event::SpuriousRstDropped) && r.count(Event::SpuriousRstDropped) == 0, "{:?}", r.events);
+    assert!(r.virtual_ms < 20_000, "{r:?}");
+}
+
+/// The same with 2% loss, reordering and duplication on the wide link, several seeds.
+#[test]
+fn common_case_lossy_link() {
+    for seed in 0..(4 * scale() as u64) {
+        let r = run(Scenario::new(&format!("lossy-{seed}"), 100 + seed, 200_000 * scale()).lossy(0.02, 0.01, 0.02));
+        assert_eq!(r.crashes + r.resets_seen, 0, "{r:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. A crash at every packet position (O4/O5, section 4)
+// ---------------------------------------------------------------------------------------------
+
+fn sweep(name: &str, base: Scenario, f: impl Fn(&mut Scenario, u64)) -> Vec<Report> {
+    let total = baseline_packets(&base);
+    assert!(total > 20, "{name}: baseline too short ({total} packets)");
+    (1..=total)
+        .map(|k| {
+            let mut sc = base.clone();
+            sc.name = format!("{name} k={k}/{total}");
+            f(&mut sc, k);
+            run(sc)
+        })
+        .collect()
+}
+
+/// O5: a crash of *A* after every single packet of a transfer (handshake and close included);
+/// *A* recovers as section 4 says, the recovery SYN is answered at once from ackB.
+#[test]
+fn o5_recovery_syn_answered_at_every_packet() {
+    let reps = sweep("o5-every-packet", Scenario::new("", 7, 30_000), |sc, k| sc.crash_after = vec![k]);
+    let crashed = reps.iter().filter(|r| r.crashes == 1).count();
+    assert!(crashed + 3 >= reps.len(), "most positions must really crash A ({crashed}/{})", reps.len());
+    assert!(reps.iter().map(|r| r.count(Event::Recovered)).sum::<u32>() > 0);
+    assert!(reps.iter().any(|r| r.pre_accept_recoveries > 0), "a crash inside the handshake");
+    assert!(reps.iter().any(|r| r.delivered_at_recovery.iter().any(|&d| d > 0)), "a crash after some output");
+}
+
+/// Section 2.4.2: the process dies but its kernel survives and closes the socket; O6 turns the
+/// spurious FIN into a RST for *A*, O1 drops *A*'s RSTs, and the restarted process recovers on
+/// the same stack.
+#[test]
+fn s2_4_spurious_fin_on_exit_at_every_packet() {
+    let mut base = Scenario::new("", 8, 20_000);
+    base.crash_modes = vec![CrashMode::CloseOnExit];
+    let reps = sweep("s2.4-close-on-exit", base, |sc, k| sc.crash_after = vec![k]);
+    assert!(reps.iter().map(|r| r.count(Event::SpuriousFinReset)).sum::<u32>() > 0);
+}
+
+/// A machine that is silent while down (nothing answers *B*) at every packet position.
+#[test]
+fn o5_silent_host_at_every_packet() {
+    let mut base = Scenario::new("", 9, 20_000);
+    base.crash_modes = vec![CrashMode::Silent];
+    base.restart_delay_ms = 200;
+    sweep("silent-host", base, |sc, k| sc.crash_after = vec![k]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Repeated crashes with loss
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn s4_repeated_crashes_with_loss() {
+    let s = scale() as u64;
+    for seed in 0..(6 * s) {
+        let mut sc = Scenario::new(&format!("repeated-{seed}"), 200 + seed, 120_000 * s as usize).lossy(0.02, 0.01, 0.02);
+        let total = baseline_packets(&sc);
+        let mut rng = Rng::new(seed);
+        let n = 3 + rng.below(3) as usize;
+        let mut ks: Vec<u64> = (0..n).map(|_| 1 + rng.below(total * 9 / 10)).collect();
+        ks.sort();
+        sc.crash_after = ks;
+        sc.crash_modes = vec![CrashMode::Wipe, CrashMode::CloseOnExit, CrashMode::Silent];
+        sc.restart_delay_ms = 10 + rng.below(200);
+        let r = run(sc);
+        assert!(r.crashes >= 3, "{r:?}");
+    }
+}
+
+/// A's window scale changes across crashes (receive buffers of 64 KiB, 256 KiB, 32 KiB, 1 MiB):
+/// the engine rescales A's window to the shift B still applies.
+#[test]
+fn window_scale_changes_across_crashes() {
+    let mut sc = Scenario::new("wscale", 300, 200_000);
+    sc.a_rx = vec![65535, 256 * 1024, 32 * 1024, 1024 * 1024];
+    sc.crash_after = vec![60, 160, 260];
+    let r = run(sc);
+    assert_eq!(r.crashes, 3);
+    assert_eq!(r.recoveries_completed, 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. The filter restarting (section 2.7)
+// ---------------------------------------------------------------------------------------------
+
+/// The filter loses its state alone: A's next packet becomes a RST for A (O6), A recovers with
+/// ACKNOWLEDGE before its SYN.
+#[test]
+fn s2_7_filter_restart_at_every_packet() {
+    let reps = sweep("s2.7-filter-restart", Scenario::new("", 11, 20_000), |sc, k| sc.filter_restart_after = vec![k]);
+    assert!(reps.iter().map(|r| r.count(Event::NoCheckpointReset)).sum::<u32>() > 0);
+    assert!(reps.iter().map(|r| r.resets_seen).sum::<u32>() > 0);
+}
+
+/// The filter and A fail at the same moment: A's recovery is the filter's too.
+#[test]
+fn s2_7_filter_restart_with_app_crash_at_every_packet() {
+    let reps = sweep("s2.7-filter+app", Scenario::new("", 12, 20_000), |sc, k| {
+        sc.crash_after = vec![k];
+        sc.filter_restart_after = vec![k];
+    });
+    let forwarded: u32 = reps.iter().map(|r| r.count(Event::RecoverySynForwarded)).sum();
+    let from_peer: u32 = reps.iter().map(|r| r.count(Event::RecoveredFromPeerAck)).sum();
+    assert!(forwarded > 0 && from_peer > 0, "section 6 path exercised: forwarded={forwarded} from_peer={from_peer}");
+}
+
+/// Filter restarts and crashes at random moments of a lossy transfer.
+#[test]
+fn s2_7_filter_restarts_and_crashes_with_loss() {
+    let s = scale() as u64;
+    for seed in 0..(4 * s) {
+        let mut sc = Scenario::new(&format!("s2.7-lossy-{seed}"), 400 + seed, 80_000 * s as usize).lossy(0.02, 0.01, 0.02);
+        let total = baseline_packets(&sc);
+        let mut rng = Rng::new(seed + 77);
+        let k1 = 1 + rng.below(total / 2);
+        let k2 = total / 2 + rng.below(total / 3);
+        sc.filter_restart_after = vec![k1, k2];
+        sc.crash_after = vec![k2];
+        sc.crash_modes = vec![CrashMode::Wipe, CrashMode::Silent];
+        run(sc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Timestamps (PAWS)
+// ---------------------------------------------------------------------------------------------
+
+/// A's new socket after a crash has a clock 2^30 ms behind the old one (and the clocks sit near
+/// the 2^32 wrap): without the engine's offset, B's PAWS would drop everything A sends.
+#[test]
+fn paws_new_clock_after_crash() {
+    for (i, lossy) in [(0u64, false), (1, true), (2, true)] {
+        let mut sc = Scenario::new(&format!("paws-{i}"), 500 + i, 150_000);
+        if lossy {
+            sc = sc.lossy(0.02, 0.0, 0.0);
+        }
+        sc.timestamps = true;
+        sc.b_ts_base = u32::MAX - 3_000;
+        let first = u32::MAX - 10_000; // wraps during the run
+        sc.a_ts_bases = vec![first, first.wrapping_sub(1 << 30), first.wrapping_add(1 << 31), first.wrapping_sub(12_345)];
+        sc.crash_after = vec![80, 200, 320];
+        sc.crash_modes = vec![CrashMode::Wipe, CrashMode::Silent, CrashMode::Wipe];
+        let r = run(sc);
+        assert_eq!(r.crashes, 3, "{r:?}");
+        // Reordering is off, so no TSval may ever go backwards for B, let alone by a clock jump.
+        assert_eq!(r.paws_drops, 0, "PAWS dropped A's packets: {r:?}");
+        assert!(r.max_stall_ms < 5_000, "{r:?}");
+    }
+}
+
+/// Filter restart with timestamps: the restarted filter does not know A's old clock; the
+/// recovery must still not trip PAWS badly enough to stall.
+#[test]
+fn paws_filter_restart_with_app_crash() {
+    let mut sc = Scenario::new("paws-filter", 510, 100_000);
+    sc.timestamps = true;
+    sc.a_ts_bases = vec![1_000_000, 5];
+    sc.crash_after = vec![120];
+    sc.filter_restart_after = vec![120];
+    let r = run(sc);
+    assert!(r.max_stall_ms < 5_000, "{r:?}");
+}
+
+/// Timestamps with every crash position of a small transfer.
+#[test]
+fn paws_crash_at_every_packet() {
+    let mut base = Scenario::new("", 520, 20_000);
+    base.timestamps = true;
+    base.a_ts_bases = vec![3_000_000_000, 100, 4_000_000_000];
+    let reps = sweep("paws-every-packet", base, |sc, k| sc.crash_after = vec![k]);
+    for r in &reps {
+        assert_eq!(r.paws_drops, 0, "{r:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Sequence numbers crossing 2^32
+// ---------------------------------------------------------------------------------------------
+
+/// ISNs just below 2^32 on both sides (and for A's recovered sockets): Δ, ackA0 + consumed and
+/// ackB - ackB0 all cross the wrap.
+#[test]
+fn seq_wrap_across_2_32() {
+    let a0 = u32::MAX - 4_000; // A's output (37% of 60 KB) crosses 2^32 early
+    let b0 = u32::MAX - 20_000; // B's input crosses 2^32 a third of the way in
+    let mut sc = Scenario::new("wrap", 600, 60_000);
+    sc.a_seeds = vec![seed_for_isn(a0), seed_for_isn(u32::MAX - 10), seed_for_isn(u32::MAX)];
+    sc.b_seed = Some(seed_for_isn(b0));
+    sc.crash_after = vec![40, 120];
+    let r = run(sc.clone());
+    assert_eq!(r.a_isn_first, Some(a0), "smoltcp's ISN draw changed: fix seed_for_isn");
+    assert_eq!(r.b_isn, Some(b0), "smoltcp's ISN draw changed: fix seed_for_isn");
+    assert_eq!(r.recoveries_completed, 2);
+    assert!(r.delivered_at_recovery.iter().any(|&d| a0 as u64 + 1 + d > 1 << 32), "delivered crosses the wrap: {r:?}");
+
+    // And every crash position around the wrap.
+    let mut base = sc;
+    base.payload = 20_000;
+    base.crash_after.clear();
+    sweep("wrap-every-packet", base, |sc, k| sc.crash_after = vec![k]);
+}

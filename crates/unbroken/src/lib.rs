@@ -1,0 +1,5 @@
+//! The `unbroken` toolkit's top floor: the unmodified peer used by demos and tests, and the
+//! lab scenarios that drive guard, application and peer in network namespaces.
+
+pub mod peer;
+pub mod scenario;

@@ -1,0 +1,335 @@
+//! Checkpoint-mode scenarios on the lab: the guard, the example journal server and an unmodified
+//! peer in their own network namespaces, with crashes injected while the peer streams. Used by
+//! `unbroken demo checkpoint`, the integration tests and `unbroken bench checkpoint`.
+
+use crate::peer::PeerResult;
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+use unbroken_control::lab::{self, addr, CheckpointLab, CheckpointOpts, Lab};
+
+/// A failure to inject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Crash {
+    /// SIGKILL the application; restart it on the same host.
+    App,
+    /// Power loss of the application's host: every process killed, its link cut; the service
+    /// address moves to the other app host and the application restarts there.
+    Host,
+    /// SIGKILL the guard; restart it (section 2.7).
+    Guard,
+    /// The guard and the application die at the same moment.
+    GuardAndApp,
+}
+
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub records: u64,
+    /// Records per second the peer sends (0: as fast as it can).
+    pub rate: u64,
+    /// Crashes, injected at evenly spaced points of the transfer.
+    pub crashes: Vec<Crash>,
+    pub ipv6: bool,
+    /// App hosts that differ in TS clock and window scale (recovery "on another machine").
+    pub heterogeneous: bool,
+    pub seed: u64,
+    /// Overall deadline.
+    pub timeout: Duration,
+    /// Print live progress on stderr.
+    pub live: bool,
+}
+
+impl Default for Scenario {
+    fn default() -> Self {
+        Scenario {
+            records: 100_000,
+            rate: 0,
+            crashes: vec![Crash::App, Crash::App, Crash::Host, Crash::App],
+            ipv6: false,
+            heterogeneous: true,
+            seed: 1,
+            timeout: Duration::from_secs(300),
+            live: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CrashRecord {
+    pub kind: Crash,
+    pub at_bytes_verified: u64,
+    pub t_ms: u64,
+    /// Host the application runs on after this crash.
+    pub app_host: String,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    pub ok: bool,
+    pub error: Option<String>,
+    pub crashes: usize,
+    pub crash_log: Vec<CrashRecord>,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub bytes_verified: u64,
+    pub sha256_ok: bool,
+    pub resets_seen_by_peer: u64,
+    pub max_stall_ms: u64,
+    pub duration_ms: u64,
+    pub peer: Option<PeerResult>,
+    pub guard: serde_json::Value,
+}
+
+/// A child process whose stdout lines arrive on a channel.
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(ns: &str, cmd: &mut Command) -> Result<Proc, String> {
+        cmd.stdout(Stdio::piped()).stdin(Stdio::null());
+        let mut child = lab::spawn(ns, cmd).map_err(|e| format!("spawn in {ns}: {e}"))?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Proc { child, lines: rx })
+    }
+    /// Waits for a stdout line starting with `prefix`.
+    fn wait_line(&mut self, prefix: &str, deadline: Duration) -> Result<String, String> {
+        let end = Instant::now() + deadline;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return Ok(l),
+                Ok(_) => continue,
+                Err(_) => {
+                    let status = self.child.try_wait().ok().flatten();
+                    return Err(format!("no {prefix:?} line within {deadline:?} (exit status {status:?})"));
+                }
+            }
+        }
+    }
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The `unbroken` executable to run in the namespaces.
+pub fn self_exe() -> PathBuf {
+    if let Ok(p) = std::env::var("UNBROKEN_BIN") {
+        return PathBuf::from(p);
+    }
+    std::env::current_exe().unwrap_or_else(|_| PathBuf::from("unbroken"))
+}
+
+pub const KEY_HEX: &str = "6c61622d6f6e6c792d6b65792d2d6e6f742d666f722d70726f64756374696f6e";
+const GUARD_PORT: u16 = 7900;
+const SERVICE_PORT: u16 = 7000;
+const QUEUE: u16 = 7;
+
+struct World {
+    lab: CheckpointLab,
+    dir: PathBuf,
+    exe: PathBuf,
+    ipv6: bool,
+}
+
+impl World {
+    fn service(&self) -> SocketAddr {
+        let ip: IpAddr = if self.ipv6 { addr::SERVICE_V6.into() } else { addr::SERVICE_V4.into() };
+        SocketAddr::new(ip, SERVICE_PORT)
+    }
+    fn guard_ctl(&self) -> SocketAddr {
+        let ip: IpAddr = if self.ipv6 { addr::GUARD_LAN_V6.into() } else { addr::GUARD_LAN_V4.into() };
+        SocketAddr::new(ip, GUARD_PORT)
+    }
+    fn status_path(&self) -> PathBuf {
+        self.dir.join("guard-status.json")
+    }
+    fn write_config(&self) -> Result<PathBuf, String> {
+        let cfg = format!(
+            "[guard]\nqueue = {QUEUE}\nplacement = \"gateway\"\ncontrol = [\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"]\nkey = \"{KEY_HEX}\"\nallowed_sources = [\"10.77.2.0/24\", \"fd77:2::/64\"]\nstatus_file = \"{}\"\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
+            addr::GUARD_LAN_V4,
+            addr::GUARD_LAN_V6,
+            self.status_path().display(),
+            addr::SERVICE_V4,
+            addr::SERVICE_V6,
+        );
+        let p = self.dir.join("guard.toml");
+        std::fs::write(&p, cfg).map_err(|e| format!("write config: {e}"))?;
+        Ok(p)
+    }
+    fn start_guard(&self, cfg: &Path) -> Result<Proc, String> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("guard").arg("--config").arg(cfg);
+        let mut p = Proc::spawn(&self.lab.guard, &mut cmd)?;
+        p.wait_line("unbroken guard: ready", Duration::from_secs(10)).map_err(|e| format!("guard: {e}"))?;
+        Ok(p)
+    }
+    fn start_app(&self, ns: &str) -> Result<Proc, String> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("journal-server")
+            .arg("--listen")
+            .arg(self.service().to_string())
+            .arg("--guard")
+            .arg(self.guard_ctl().to_string())
+            .arg("--key")
+            .arg(KEY_HEX)
+            .arg("--dir")
+            .arg(self.dir.join("journal"));
+        let mut p = Proc::spawn(ns, &mut cmd)?;
+        p.wait_line("journal-server: listening", Duration::from_secs(10)).map_err(|e| format!("app: {e}"))?;
+        Ok(p)
+    }
+}
+
+fn read_status(p: &Path) -> serde_json::Value {
+    std::fs::read_to_string(p).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(serde_json::Value::Null)
+}
+
+/// Runs a scenario end to end. Needs root (network namespaces); see [`lab::lab_available`].
+pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
+    lab::lab_available()?;
+    let opts = if s.heterogeneous { CheckpointOpts::heterogeneous() } else { CheckpointOpts::default() };
+    let lab = Lab::checkpoint(opts).map_err(|e| format!("lab: {e}"))?;
+    let dir = std::env::temp_dir().join(format!("unbroken-{}-{}", lab.prefix(), std::process::id()));
+    std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6 };
+    let res = run_in(&mut w, s);
+    drop(w);
+    let _ = std::fs::remove_dir_all(&dir);
+    res
+}
+
+fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
+    let start = Instant::now();
+    let cfg = w.write_config()?;
+    let mut guard = w.start_guard(&cfg)?;
+    let mut app_host = w.lab.app(1).to_string();
+    let mut app = w.start_app(&app_host)?;
+
+    let mut cmd = Command::new(&w.exe);
+    cmd.arg("peer")
+        .arg("--connect")
+        .arg(w.service().to_string())
+        .arg("--records")
+        .arg(s.records.to_string())
+        .arg("--seed")
+        .arg(s.seed.to_string())
+        .arg("--rate")
+        .arg(s.rate.to_string());
+    let mut peer = Proc::spawn(&w.lab.peer, &mut cmd)?;
+
+    let total = s.records * unbroken_journal::REPLY_LEN as u64;
+    let n = s.crashes.len() as u64;
+    let thresholds: Vec<u64> = (1..=n).map(|i| total * i / (n + 1)).collect();
+    let mut next = 0usize;
+    let mut log = Vec::new();
+    let mut last_verified = 0;
+    let deadline = start + s.timeout;
+    let result: PeerResult = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("scenario timed out after {:?} at {} of {} bytes verified", s.timeout, last_verified, total));
+        }
+        let line = match peer.lines.recv_timeout(left.min(Duration::from_secs(1))) {
+            Ok(l) => l,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(_) => return Err(format!("peer exited without a result (status {:?})", peer.child.try_wait().ok().flatten())),
+        };
+        let v: serde_json::Value = match serde_json::from_str(&line) {
+            Ok(v) => v,
+            Err(_) => continue,
+        };
+        if let Some(p) = v.get("progress") {
+            last_verified = p["bytes_verified"].as_u64().unwrap_or(0);
+            if s.live {
+                eprint!("\r  {:>6.1} s  verified {:>12} / {} bytes  crashes {}/{}  longest stall {} ms   ", start.elapsed().as_secs_f64(), last_verified, total, next, n, p["max_stall_ms"]);
+            }
+            while next < thresholds.len() && last_verified >= thresholds[next] {
+                let kind = s.crashes[next];
+                match kind {
+                    Crash::App => {
+                        app.kill();
+                        app = w.start_app(&app_host)?;
+                    }
+                    Crash::Host => {
+                        let from = app_host.clone();
+                        let to = w.lab.apps.iter().find(|a| **a != from).cloned().ok_or("a second app host is needed")?;
+                        w.lab.crash_host(&from).map_err(|e| format!("crash {from}: {e}"))?;
+                        app.kill();
+                        w.lab.move_service_ip(&from, &to).map_err(|e| format!("move service address to {to}: {e}"))?;
+                        app_host = to;
+                        app = w.start_app(&app_host)?;
+                    }
+                    Crash::Guard => {
+                        guard.kill();
+                        guard = w.start_guard(&cfg)?;
+                    }
+                    Crash::GuardAndApp => {
+                        guard.kill();
+                        app.kill();
+                        guard = w.start_guard(&cfg)?;
+                        app = w.start_app(&app_host)?;
+                    }
+                }
+                log.push(CrashRecord { kind, at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
+                next += 1;
+            }
+        } else if v.get("ok").is_some() {
+            break serde_json::from_value(v).map_err(|e| format!("peer result: {e}"))?;
+        }
+    };
+    if s.live {
+        eprintln!();
+    }
+    let _ = peer.child.wait();
+    let rsts = lab::rsts_seen(&w.lab.peer).map_err(|e| format!("rst counter: {e}"))?;
+    let status = read_status(&w.status_path());
+    drop(app);
+    drop(guard);
+    let crashes_done = log.len();
+    let ok = result.ok && rsts == 0 && crashes_done == s.crashes.len();
+    let error = if !result.ok {
+        result.error.clone()
+    } else if rsts != 0 {
+        Some(format!("{rsts} RST(s) reached the peer"))
+    } else if crashes_done != s.crashes.len() {
+        Some(format!("only {crashes_done} of {} crashes were injected before the transfer ended", s.crashes.len()))
+    } else {
+        None
+    };
+    Ok(Report {
+        ok,
+        error,
+        crashes: crashes_done,
+        crash_log: log,
+        bytes_sent: result.bytes_sent,
+        bytes_received: result.bytes_received,
+        bytes_verified: result.bytes_verified,
+        sha256_ok: result.sha256_received == result.sha256_expected && result.bytes_verified == total,
+        resets_seen_by_peer: rsts,
+        max_stall_ms: result.max_stall_ms,
+        duration_ms: start.elapsed().as_millis() as u64,
+        peer: Some(result),
+        guard: status,
+    })
+}

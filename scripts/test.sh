@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Set the machine up (scripts/setup.sh) and run the whole test suite in release mode (the
+# integration tests move gigabytes). Exits non-zero when setup or any test fails.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+log() { printf '[test] %s\n' "$*"; }
+start=$(date +%s)
+
+bash "$ROOT/scripts/setup.sh"
+if ! command -v cargo >/dev/null 2>&1 && [ -f "$HOME/.cargo/env" ]; then
+    # shellcheck disable=SC1091
+    . "$HOME/.cargo/env"
+fi
+
+# Network-namespace tests skip themselves when they cannot build a lab: say so up front, so a
+# green run that skipped them is not mistaken for a full one.
+probe="ubtest$$"
+if [ "$(id -u)" -eq 0 ] && ip netns add "$probe" 2>/dev/null; then
+    ip netns del "$probe"
+    lab="available (namespace tests run)"
+else
+    lab="NOT available: not root or 'ip netns add' fails (namespace tests skip)"
+fi
+log "network-namespace lab: $lab"
+
+out="$(mktemp -t unbroken-test.XXXXXX)"
+trap 'rm -f "$out"' EXIT
+cd "$ROOT"
+log "cargo test --workspace --release"
+status=0
+cargo test --workspace --release 2>&1 | tee "$out" || status=$?
+
+read -r passed failed ignored suites < <(awk '
+    /^test result:/ {
+        for (i = 1; i <= NF; i++) {
+            if ($(i+1) ~ /^passed/)  p += $i
+            if ($(i+1) ~ /^failed/)  f += $i
+            if ($(i+1) ~ /^ignored/) g += $i
+        }
+        s++
+    }
+    END { printf "%d %d %d %d\n", p, f, g, s }' "$out")
+
+echo
+log "summary: $passed passed, $failed failed, $ignored ignored in $suites test binaries; $(( $(date +%s) - start )) s"
+log "network-namespace lab: $lab"
+if [ "$status" -ne 0 ]; then
+    awk '/^test .* FAILED|^error(\[|:)/ { print "[test]   " $0 }' "$out"
+    log "FAILED (cargo test exit status $status)"
+    exit "$status"
+fi
+log "OK"

@@ -63,6 +63,11 @@ pub mod flag {
     /// A genuine FIN went out from *A* / a FIN came in from *B*.
     pub const FIN_A_SEEN: u16 = 1 << 13;
     pub const FIN_B_SEEN: u16 = 1 << 14;
+    /// Δ and the timestamp offset are known: this state witnessed the connection's handshake or
+    /// its last recovery. A restarted filter may learn ackA from an RTCP_ACKNOWLEDGE that
+    /// arrives before the application's next packet, but never Δ; without this bit it would
+    /// forward that packet unrenumbered (section 2.7 assumes the packet comes first).
+    pub const SYNCED: u16 = 1 << 15;
 }
 
 /// Per-connection state: 32 bytes, all zero for a new connection or a restarted filter.
@@ -116,8 +121,8 @@ pub enum Event {
     SpuriousRstDropped,
     /// O6: a FIN from *A* without SHUTDOWN was turned into a RST for *A*.
     SpuriousFinReset,
-    /// O6: a packet from *A* with no checkpointed ACK known (filter restarted) was turned into a
-    /// RST for *A*, forcing its recovery (section 2.7).
+    /// O6: a packet from *A* with no checkpointed ACK or no Δ known (filter restarted) was turned
+    /// into a RST for *A*, forcing its recovery (section 2.7).
     NoCheckpointReset,
     /// O5: a recovery SYN was answered at once with a synthesized SYN-ACK.
     Recovered,
@@ -353,6 +358,7 @@ fn synthesize_synack(c: &mut Conn, buf: &mut [u8], a: std::net::IpAddr, b: std::
         ..Default::default()
     };
     c.clear(flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::SYN_PENDING | flag::PEND_SACK | flag::PEND_TS | flag::FIN_A_SEEN);
+    c.set(flag::SYNCED);
     emit_segment(buf, b, a, &r)
 }
 
@@ -400,6 +406,7 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         c.delta = 0;
         c.ts_off = 0;
         c.clear(flag::SYN_PENDING | flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::FIN_A_SEEN | flag::FIN_B_SEEN);
+        c.set(flag::SYNCED);
         c.b_mss = o.mss.unwrap_or(536);
         let b_ws = o.ws.unwrap_or(WS_NONE);
         if syn_ack {
@@ -538,10 +545,11 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         return Ok(Outcome::with(Verdict::Reflect, n, Event::NoCheckpointReset));
     }
 
-    // O6. Reset? No checkpoint known (filter restarted), or a spurious FIN.
+    // O6. Reset? No checkpoint or no Δ known (filter restarted), or a spurious FIN.
     let have_ack = c.has(flag::ACK_ALLOWED) || c.has(flag::ACK_EVERYTHING);
-    if !have_ack || (f & F::FIN != 0 && !c.has(flag::FIN_ALLOWED)) {
-        let ev = if have_ack { Event::SpuriousFinReset } else { Event::NoCheckpointReset };
+    let synced = c.has(flag::SYNCED);
+    if !have_ack || !synced || (f & F::FIN != 0 && !c.has(flag::FIN_ALLOWED)) {
+        let ev = if have_ack && synced { Event::SpuriousFinReset } else { Event::NoCheckpointReset };
         let a_rcv_nxt = t.ack();
         drop(t);
         let n = reflect_rst(buf, &info, a_port, b_port, a_rcv_nxt)?;

@@ -167,6 +167,24 @@ fn o6_no_checkpoint_after_filter_restart_forces_recovery() {
 }
 
 #[test]
+fn o6_acknowledge_alone_does_not_make_a_restarted_filter_forward() {
+    // The filter restarted; the app's next ACKNOWLEDGE arrives before its next packet. ackA is
+    // known again, Δ is not: the packet must still be turned into a RST (never forwarded with a
+    // guessed Δ of 0, which would hand the peer wrongly numbered bytes).
+    let mut c = Conn::default();
+    let mut ackbuf = [0u8; 128];
+    let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 8, 8);
+    cmd.ack_a = B_ISN + 1;
+    rtcp::command(&mut c, &cmd, &mut ackbuf);
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 1), flags: F::ACK, window: 9, ..Default::default() }, b"in"));
+    assert_eq!(o.verdict, Verdict::Forward, "B's bytes are in B's own numbering: safe to pass");
+    let data = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 3), flags: F::ACK | F::PSH, window: 9, ..Default::default() };
+    let (o, p) = out(&mut c, from_a(data, b"out"));
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::NoCheckpointReset)));
+    assert_eq!(parse(&p, o.len).1.flags, F::RST);
+}
+
+#[test]
 fn o7_ack_is_checkpointed_and_never_raised() {
     let mut c = established();
     // A's TCP acknowledges 1000 bytes of B's data the app has not checkpointed.

@@ -136,42 +136,90 @@ fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
     f.read_exact_at(buf, off)
 }
 
-fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, mut j: Journal, resend_from: u64) -> Result<(), String> {
-    fn e(what: &'static str) -> impl Fn(std::io::Error) -> String {
-        move |err| format!("{what}: {err}")
+/// Why serving a connection stopped.
+enum Stop {
+    /// The connection failed under us (ECONNRESET from the guard after it restarted, section
+    /// 2.7, or any socket error): recover it.
+    Socket(String),
+    /// The journal failed: the connection cannot be served safely.
+    Fatal(String),
+}
+
+fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, j: &mut Journal, resend_from: u64) -> Result<(), Stop> {
+    fn fatal(what: &'static str) -> impl Fn(std::io::Error) -> Stop {
+        move |err| Stop::Fatal(format!("{what}: {err}"))
     }
+    fn sock(what: &'static str) -> impl Fn(std::io::Error) -> Stop {
+        move |err| Stop::Socket(format!("{what}: {err}"))
+    }
+    let guard_err = |what: &'static str| move |err: unbroken_sdk::Error| Stop::Socket(format!("{what}: {err}"));
     // Finish any interrupted output, then answer records journaled but not answered yet.
-    let pending = j.output_from(resend_from).map_err(e("reading out.log"))?;
-    stream.write_all(&pending).map_err(e("resending"))?;
-    let fresh = j.produce().map_err(e("journal"))?;
-    stream.write_all(&fresh).map_err(e("sending"))?;
+    let pending = j.output_from(resend_from).map_err(fatal("reading out.log"))?;
+    stream.write_all(&pending).map_err(sock("resending"))?;
+    let fresh = j.produce().map_err(fatal("journal"))?;
+    stream.write_all(&fresh).map_err(sock("sending"))?;
     let mut buf = vec![0u8; 64 * 1024];
     while !j.eof {
         let n = match stream.read(&mut buf) {
             Ok(n) => n,
             Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(err) => return Err(format!("receive: {err}")),
+            Err(err) => return Err(Stop::Socket(format!("receive: {err}"))),
         };
         if n == 0 {
-            j.mark("eof").map_err(e("journal eof"))?;
+            j.mark("eof").map_err(fatal("journal eof"))?;
             j.eof = true;
-            unbroken_sdk::acknowledge_eof(rec, client, j.in_len).map_err(|err| format!("acknowledge eof: {err}"))?;
+            unbroken_sdk::acknowledge_eof(rec, client, j.in_len).map_err(guard_err("acknowledge eof"))?;
             break;
         }
-        j.append_input(&buf[..n]).map_err(e("journal input"))?;
+        j.append_input(&buf[..n]).map_err(fatal("journal input"))?;
         // Only journaled input is acknowledged to the peer.
-        unbroken_sdk::acknowledge(rec, client, j.in_len).map_err(|err| format!("acknowledge: {err}"))?;
-        let out = j.produce().map_err(e("journal output"))?;
-        stream.write_all(&out).map_err(e("send"))?;
+        unbroken_sdk::acknowledge(rec, client, j.in_len).map_err(guard_err("acknowledge"))?;
+        let out = j.produce().map_err(fatal("journal output"))?;
+        stream.write_all(&out).map_err(sock("send"))?;
     }
     // Everything is answered: close for real (RTCP_SHUTDOWN first, so the FIN is genuine).
-    unbroken_sdk::shutdown(rec, client).map_err(|err| format!("shutdown: {err}"))?;
-    stream.shutdown(std::net::Shutdown::Write).map_err(e("shutdown"))?;
-    // Wait for the peer's side to finish (its FIN was already consumed, so this returns at once
-    // or on error), then record the connection as done.
+    unbroken_sdk::shutdown(rec, client).map_err(guard_err("shutdown"))?;
+    stream.shutdown(std::net::Shutdown::Write).map_err(sock("shutdown"))?;
+    // The peer's FIN was consumed already; wait for the kernel to finish our side.
     let _ = stream.read(&mut buf);
-    j.mark("done").map_err(e("journal done"))?;
+    j.mark("done").map_err(fatal("journal done"))?;
     Ok(())
+}
+
+/// Most recoveries tried in a row for one connection before giving up on it.
+const MAX_RECOVERIES: u32 = 50;
+
+/// Serves a connection until it finishes, recovering it whenever its socket fails.
+fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: bool, first: Option<TcpStream>) -> Result<(), String> {
+    let mut stream = first;
+    let mut failures = 0;
+    loop {
+        let mut j = Journal::open(dir, fsync).map_err(|e| format!("journal: {e}"))?;
+        let (s, resend_from) = match stream.take() {
+            Some(s) => (s, 0),
+            None => match unbroken_sdk::recover(rec, client, j.consumed(), j.out_len) {
+                Ok((s, delivered)) => {
+                    log(&format!("{}: recovered; peer had {delivered} of {} reply bytes, input resumes at {}", rec.peer(), j.out_len, j.in_len));
+                    (s, delivered)
+                }
+                Err(e) => {
+                    failures += 1;
+                    if failures >= MAX_RECOVERIES {
+                        return Err(format!("giving up after {failures} failed recoveries: {e}"));
+                    }
+                    log(&format!("{}: recovery failed ({e}), retrying", rec.peer()));
+                    // Back off before the next attempt (a retry delay, not a synchronisation).
+                    std::thread::sleep(std::time::Duration::from_millis(20 * failures as u64));
+                    continue;
+                }
+            },
+        };
+        match serve(client, rec, s, &mut j, resend_from) {
+            Ok(()) => return Ok(()),
+            Err(Stop::Fatal(e)) => return Err(e),
+            Err(Stop::Socket(e)) => log(&format!("{}: connection failed ({e}); recovering", rec.peer())),
+        }
+    }
 }
 
 fn conn_dir(base: &Path, peer: SocketAddr) -> PathBuf {
@@ -196,18 +244,15 @@ fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync:
             File::open(&tmp)?.sync_all()?;
         }
         fs::rename(&tmp, dir.join("record"))?;
-        Journal::open(&dir, fsync)
+        Ok::<(), std::io::Error>(())
     })();
-    match res {
-        Ok(j) => {
-            log(&format!("{peer}: connected and protected"));
-            if let Err(e) = serve(&client, &rec, stream, j, 0) {
-                log(&format!("{peer}: {e}"));
-            } else {
-                log(&format!("{peer}: finished"));
-            }
-        }
-        Err(e) => log(&format!("{peer}: journal: {e}")),
+    if let Err(e) = res {
+        return log(&format!("{peer}: journal: {e}"));
+    }
+    log(&format!("{peer}: connected and protected"));
+    match serve_recovering(&client, &rec, &dir, fsync, Some(stream)) {
+        Ok(()) => log(&format!("{peer}: finished")),
+        Err(e) => log(&format!("{peer}: {e}")),
     }
 }
 
@@ -215,10 +260,7 @@ fn recover_one(client: Arc<GuardClient>, dir: PathBuf, fsync: bool) {
     let res = (|| -> Result<(), String> {
         let bytes = fs::read(dir.join("record")).map_err(|e| format!("record: {e}"))?;
         let rec = ConnRecord::from_bytes(&bytes).map_err(|e| format!("record: {e}"))?;
-        let j = Journal::open(&dir, fsync).map_err(|e| format!("journal: {e}"))?;
-        let (stream, delivered) = unbroken_sdk::recover(&rec, &client, j.consumed(), j.out_len).map_err(|e| format!("recover: {e}"))?;
-        log(&format!("{}: recovered; peer had {delivered} of {} reply bytes, input resumes at {}", rec.peer(), j.out_len, j.in_len));
-        serve(&client, &rec, stream, j, delivered)
+        serve_recovering(&client, &rec, &dir, fsync, None)
     })();
     match res {
         Ok(()) => log(&format!("{}: finished after recovery", dir.display())),

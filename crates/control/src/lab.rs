@@ -394,7 +394,8 @@ pub struct Lab {
     addrs: Vec<(String, String, String)>,
     /// (ns, route spec)
     routes: Vec<(String, String)>,
-    offloads_off: HashSet<(String, String)>,
+    /// Namespaces between crash_host and revive_host.
+    crashed: HashSet<String>,
 }
 
 impl Default for Lab {
@@ -416,7 +417,7 @@ impl Lab {
             links: Vec::new(),
             addrs: Vec::new(),
             routes: Vec::new(),
-            offloads_off: HashSet::new(),
+            crashed: HashSet::new(),
         }
     }
 
@@ -547,7 +548,6 @@ impl Lab {
             ns,
             Command::new("ethtool").args(["-K", dev, "tso", "off", "gso", "off", "gro", "off"]),
         )?;
-        self.offloads_off.insert((ns.to_string(), dev.to_string()));
         Ok(())
     }
 
@@ -571,8 +571,9 @@ impl Lab {
     /// Simulate power loss of the host `ns`: every interface but `lo` goes down first (so the
     /// FINs and RSTs of dying processes never leave), then every process there is SIGKILLed.
     /// Kernel sockets stay (frozen) until [`revive_host`](Lab::revive_host).
-    pub fn crash_host(&self, ns: &str) -> io::Result<()> {
+    pub fn crash_host(&mut self, ns: &str) -> io::Result<()> {
         self.check_own(ns)?;
+        self.crashed.insert(ns.to_string());
         for (n, d) in &self.links {
             if n == ns {
                 ipn(ns, &["link", "set", d, "down"])?;
@@ -584,23 +585,30 @@ impl Lab {
     /// Boot the host `ns` again after [`crash_host`](Lab::crash_host): with its links still down,
     /// kill leftovers and destroy every TCP socket (`ss -K`, nothing can leave), flush the
     /// neighbour cache, then bring the links up and restore the recorded addresses and routes
-    /// (of the whole lab: the peers of its veths lost carrier). Sysctls and firewall rules
-    /// survive, like a host's configuration does.
-    pub fn revive_host(&self, ns: &str) -> io::Result<()> {
+    /// (of every namespace not still crashed: the peers of its veths lost carrier). Sysctls and
+    /// firewall rules survive, like a host's configuration does. TIME-WAIT entries may survive.
+    pub fn revive_host(&mut self, ns: &str) -> io::Result<()> {
         self.check_own(ns)?;
         kill_all(ns)?;
         run_ok(ns, Command::new("ss").args(["-K", "-a", "-t", "-n"]))?;
         ipn(ns, &["neigh", "flush", "all"])?;
-        for (n, d) in &self.links {
+        self.crashed.remove(ns);
+        let live = |n: &String| !self.crashed.contains(n);
+        for (n, d) in self.links.iter().filter(|(n, _)| live(n)) {
             ipn(n, &["link", "set", d, "up"])?;
         }
-        for (n, d, c) in &self.addrs {
+        for (n, d, c) in self.addrs.iter().filter(|(n, _, _)| live(n)) {
             apply_addr(n, d, c)?;
         }
-        for (n, r) in &self.routes {
+        for (n, r) in self.routes.iter().filter(|(n, _)| live(n)) {
             apply_route(n, r)?;
         }
         Ok(())
+    }
+
+    /// The namespaces crashed and not yet revived.
+    pub fn crashed(&self) -> impl Iterator<Item = &str> {
+        self.crashed.iter().map(String::as_str)
     }
 
     fn check_own(&self, ns: &str) -> io::Result<()> {
@@ -1490,6 +1498,22 @@ mod tests {
         assert!(ping(&lab.peer, IpAddr::V6(addr::app_v6(1))).status.success());
         assert!(ping(&lab.peer, IpAddr::V4(addr::SERVICE_V4)).status.success());
         assert_eq!(lab.service_hosts(), vec![app2.as_str()]);
+
+        // Reviving one host leaves another crashed host dark.
+        lab.crash_host(&app1).unwrap();
+        lab.crash_host(&app2).unwrap();
+        lab.revive_host(&app1).unwrap();
+        assert_eq!(lab.crashed().collect::<Vec<_>>(), vec![app2.as_str()]);
+        assert!(ipn(&app2, &["link", "show", "dev", dev::APP])
+            .unwrap()
+            .contains("state DOWN"));
+        assert!(ping(&lab.peer, IpAddr::V4(addr::app_v4(1))).status.success());
+        lab.revive_host(&app2).unwrap();
+        assert!(
+            lab.service_hosts().is_empty(),
+            "a rebooted host does not keep the service address"
+        );
+        assert!(ping(&lab.peer, IpAddr::V6(addr::app_v6(2))).status.success());
     }
 
     #[test]
@@ -1574,11 +1598,17 @@ mod tests {
         assert!(lab_names(&prefix).is_empty());
 
         // A lab namespace whose owner cannot exist (pid above pid_max) is an orphan.
-        let pid_max: u64 =
-            std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap().trim().parse().unwrap();
-        let orphan = format!("ub{}n0-x", pid_max + 1);
+        let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let orphan = format!("ub{}n{}-x", pid_max + 1, std::process::id()); // unique per test run
         ip(&["netns", "add", &orphan]).unwrap();
         let _lab = Lab::new();
-        assert!(!list_netns().contains(&orphan), "orphan {orphan} survived Lab::new");
+        assert!(
+            !list_netns().contains(&orphan),
+            "orphan {orphan} survived Lab::new"
+        );
     }
 }

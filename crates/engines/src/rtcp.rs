@@ -20,6 +20,11 @@
 //!   expects, instead of waiting a second for *A* to retransmit the SYN.
 //! - Recovery (O5) also clears `ack_everything`: the paper returns to "its default behavior before
 //!   the RTCP_SHUTDOWN", which must include not acknowledging everything.
+//! - After a recovery, ackB stays at the point where the new socket's stream begins (the
+//!   synthesized SYN-ACK's origin) until the application's RTCP_TELL has read it
+//!   ([`flag::ORIGIN_PINNED`]): otherwise acknowledgments of the dead incarnation's output that
+//!   arrive between the SYN-ACK and the TELL would make the application resume its output past
+//!   the new socket's first byte (found by tests/sim.rs, `o5_tell_after_peer_acknowledged_more`).
 //! - O7 never raises the ACK above what *A*'s TCP itself acknowledges (`min(ackA, ACK)`), so a
 //!   buggy or hostile ACKNOWLEDGE cannot make the peer drop bytes *A* never received.
 
@@ -58,6 +63,13 @@ pub mod flag {
     /// The pending SYN offered SACK / timestamps.
     pub const PEND_SACK: u16 = 1 << 10;
     pub const PEND_TS: u16 = 1 << 11;
+    /// Not `SYN_PENDING` (the bit is `PEND_SACK`'s, which only means something while a SYN is
+    /// pending): `ackB` is the origin of the recovered socket's stream (Δ = its ISN + 1 - ackB)
+    /// and stays there until RTCP_TELL reports it. The application resumes its output at
+    /// `ackB - ackB0`; the new socket's first byte goes out at `ackB`: the two must agree even
+    /// when *B* acknowledges more of the old incarnation's output meanwhile (those ACKs are still
+    /// shifted and forwarded; *A*'s TCP ignores them until it has resent that far).
+    pub const ORIGIN_PINNED: u16 = PEND_SACK;
     /// `a_win` holds the last window field *B* saw from *A*.
     pub const A_WIN_KNOWN: u16 = 1 << 12;
     /// A genuine FIN went out from *A* / a FIN came in from *B*.
@@ -358,7 +370,7 @@ fn synthesize_synack(c: &mut Conn, buf: &mut [u8], a: std::net::IpAddr, b: std::
         ..Default::default()
     };
     c.clear(flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::SYN_PENDING | flag::PEND_SACK | flag::PEND_TS | flag::FIN_A_SEEN);
-    c.set(flag::SYNCED);
+    c.set(flag::SYNCED | flag::ORIGIN_PINNED);
     emit_segment(buf, b, a, &r)
 }
 
@@ -405,7 +417,7 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         // A new connection starts unshifted.
         c.delta = 0;
         c.ts_off = 0;
-        c.clear(flag::SYN_PENDING | flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::FIN_A_SEEN | flag::FIN_B_SEEN);
+        c.clear(flag::SYN_PENDING | flag::ORIGIN_PINNED | flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::FIN_A_SEEN | flag::FIN_B_SEEN);
         c.set(flag::SYNCED);
         c.b_mss = o.mss.unwrap_or(536);
         let b_ws = o.ws.unwrap_or(WS_NONE);
@@ -438,7 +450,10 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 
     if f & F::ACK != 0 {
         let ack = t.ack();
-        if !c.has(flag::RECOVERABLE) || ack.ge(Seq(c.ack_b)) {
+        // ackB ← ACK, unless it is pinned at a recovered socket's origin (see ORIGIN_PINNED; a
+        // pending SYN reuses the bit, and its answer must take B's latest ACK).
+        let pinned = c.has(flag::ORIGIN_PINNED) && !c.has(flag::SYN_PENDING);
+        if !c.has(flag::RECOVERABLE) || (ack.ge(Seq(c.ack_b)) && !pinned) {
             c.ack_b = ack.0;
         }
         c.set(flag::RECOVERABLE);
@@ -643,8 +658,13 @@ pub struct CommandResult {
 pub fn command(c: &mut Conn, cmd: &Command, ack_buf: &mut [u8]) -> CommandResult {
     let mut ack_len = None;
     match cmd.op {
-        // C1. Tell: answered below from the state.
-        Op::Tell => {}
+        // C1. Tell: answered below from the state. The application has now read where its
+        // recovered socket's stream begins: ackB may follow B again.
+        Op::Tell => {
+            if !c.has(flag::SYN_PENDING) {
+                c.clear(flag::ORIGIN_PINNED);
+            }
+        }
         // C2. Acknowledge.
         Op::Acknowledge => {
             if !c.has(flag::ACK_ALLOWED) || Seq(cmd.ack_a).ge(Seq(c.ack_a)) {

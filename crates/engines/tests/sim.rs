@@ -283,11 +283,16 @@ struct Scenario {
     timestamps: bool,
     /// Crash *A* at the end of the step in which the k-th packet crossed the link.
     crash_after: Vec<u64>,
+    /// Crash *A* when its input journal reaches each of these sizes, once *A* runs again
+    /// (progress-based: repeated crashes that each follow a completed recovery).
+    crash_at_input: Vec<usize>,
     /// Reset the filter's `Conn` likewise (a crash and a filter restart with the same k happen
     /// at the same moment).
     filter_restart_after: Vec<u64>,
     crash_modes: Vec<CrashMode>,
     restart_delay_ms: u64,
+    /// Delay between *A*'s socket reconnecting and its TELL (0: in the same step).
+    tell_delay_ms: u64,
     /// *A*'s receive buffer per incarnation (cycled): changes *A*'s window scale.
     a_rx: Vec<usize>,
     /// Interface seeds for *A*'s incarnations (else drawn from the scenario's PRNG).
@@ -314,9 +319,11 @@ impl Scenario {
             latency_ms: 5,
             timestamps: false,
             crash_after: vec![],
+            crash_at_input: vec![],
             filter_restart_after: vec![],
             crash_modes: vec![CrashMode::Wipe],
             restart_delay_ms: 30,
+            tell_delay_ms: 0,
             a_rx: vec![65535],
             a_seeds: vec![],
             b_seed: None,
@@ -348,15 +355,26 @@ struct Report {
     pre_accept_recoveries: u32,
     events: Vec<(Event, u32)>,
     paws_drops: u32,
+    /// Recoveries whose new socket's raw TSval was behind what B last accepted.
+    raw_clock_behind_peer: u32,
     /// Largest backwards TSval jump *B* was offered (0 if none).
     paws_max_regression: u32,
     challenge_acks: u32,
     max_stall_ms: u64,
+    max_stall_end_ms: u64,
     a_isn_first: Option<u32>,
     b_isn: Option<u32>,
     deltas: Vec<u32>,
     /// `delivered` as computed at each recovery.
     delivered_at_recovery: Vec<u64>,
+    /// The filter lost its state between B's SYN and A's first TELL. Then nobody knows the
+    /// checkpoint ackA0: the filter forgot the SYN (I2), and A never learned it (a socket does not
+    /// expose RCV.NXT). The filter will reset A's socket (O6), and A cannot answer a recovery
+    /// SYN's question "which ACK?": the connection is lost. Not a bug of the engine, a window of
+    /// the protocol; the tests accept a stall only in that case.
+    filter_restart_before_first_tell: bool,
+    /// Packets that had crossed when A's first TELL was answered.
+    first_tell_at: Option<u64>,
 }
 
 impl Report {
@@ -414,6 +432,12 @@ struct AppA {
     /// Output bytes handed to the current socket, as an offset in the output journal.
     sent: usize,
     shutdown_sent: bool,
+    /// When the current socket entered TIME-WAIT: until TIME-WAIT ends, a reset still means
+    /// recovery (the filter may restart after *A*'s close and reset its TIME-WAIT socket).
+    timewait_since: Option<Instant>,
+    prev_state: Option<State>,
+    /// When the delayed TELL after a reconnection is due (`Scenario::tell_delay_ms`).
+    tell_at: Option<Instant>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -526,11 +550,17 @@ struct Sim {
     /// one passes it, or until its deadline.
     held: [Option<(Vec<u8>, Instant)>; 2],
     crash_i: usize,
+    crash_in_i: usize,
     restart_i: usize,
     rep: Report,
     trace: VecDeque<String>,
     last_progress: Instant,
     progress_mark: (usize, usize),
+    /// `SIM_TRACE=1`: print every packet of every run.
+    trace_all: bool,
+    /// Set when A gives up on the connection (only in the case described at
+    /// [`Report::filter_restart_before_first_tell`]).
+    abandoned: Option<String>,
 }
 
 impl Sim {
@@ -562,7 +592,7 @@ impl Sim {
             last_win: 0,
             ts_recent: None,
         };
-        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false };
+        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, timewait_since: None, prev_state: None, tell_at: None };
         let mut sim = Sim {
             sc,
             now,
@@ -576,11 +606,14 @@ impl Sim {
             next_id: 0,
             held: [None, None],
             crash_i: 0,
+            crash_in_i: 0,
             restart_i: 0,
             rep: Report::default(),
             trace: VecDeque::new(),
             last_progress: now,
             progress_mark: (0, 0),
+            trace_all: std::env::var_os("SIM_TRACE").is_some(),
+            abandoned: None,
         };
         // A's first incarnation: listen.
         sim.a_new_host();
@@ -596,6 +629,9 @@ impl Sim {
     // ----- helpers -----
 
     fn note(&mut self, s: String) {
+        if self.trace_all {
+            eprintln!("{:>7}ms #{:<5} {s}", self.now.total_millis(), self.rep.packets);
+        }
         if self.trace.len() == 80 {
             self.trace.pop_front();
         }
@@ -874,7 +910,9 @@ impl Sim {
         for p in out {
             moved = true;
             let f = facts(&p);
-            if f.flags & F::RST != 0 {
+            // Once B's application has closed, its stack answers strays (a recovery from an A
+            // that crashed during the close) with RSTs: B's application is not affected.
+            if f.flags & F::RST != 0 && !self.b.close_called {
                 self.fail(&format!("B sent a RST: {}", describe(&p)));
             }
             let end = f.seq + f.len + (f.flags & F::SYN != 0) as u32 + (f.flags & F::FIN != 0) as u32;
@@ -909,8 +947,15 @@ impl Sim {
                     // accept(): TELL, persist ackA0/ackB0 and the options (section 4).
                     let r = self.command(Op::Tell, 0, None);
                     if r.flags & ctl::flag::RECOVERABLE == 0 || r.flags & ctl::flag::ACK_ALLOWED == 0 {
+                        if self.rep.filter_restart_before_first_tell {
+                            // A real application would close the connection here; its RST would
+                            // be dropped (O1), so B is left to its own timeout.
+                            self.abandoned = Some(format!("TELL after accept: the restarted filter does not know ackA0 ({})", self.sc.name));
+                            return;
+                        }
                         self.fail("TELL after the handshake: filter state not recoverable");
                     }
+                    self.rep.first_tell_at = Some(self.rep.packets);
                     self.a.dur.record = Some(Record { ack_a0: r.ack_a, ack_b0: r.ack_b, opts: r.options });
                     self.rep.a_isn_first = Some(r.ack_b.wrapping_sub(1));
                     self.rep.b_isn = Some(r.ack_a.wrapping_sub(1));
@@ -922,11 +967,13 @@ impl Sim {
             Phase::Connecting { pre_accept } => {
                 let st = self.a_tcp().state();
                 match st {
+                    State::Established | State::CloseWait if self.tell_wait() => {}
                     State::Established | State::CloseWait => {
                         // Reconnected: TELL; delivered = ackB - ackB0 (mod 2^32, unwrapped near
                         // what was sent).
                         let r = self.command(Op::Tell, 0, None);
                         if pre_accept {
+                            self.rep.first_tell_at = Some(self.rep.packets);
                             self.a.dur.record = Some(Record { ack_a0: r.ack_a, ack_b0: r.ack_b, opts: r.options });
                             self.rep.a_isn_first = Some(r.ack_b.wrapping_sub(1));
                             self.rep.b_isn = Some(r.ack_a.wrapping_sub(1));
@@ -957,8 +1004,18 @@ impl Sim {
             }
             Phase::Running => {
                 let st = self.a_tcp().state();
+                if st == State::TimeWait && self.a.timewait_since.is_none() {
+                    self.a.timewait_since = Some(self.now);
+                }
+                let closed_normally = match self.a.timewait_since {
+                    // TIME-WAIT ran out (smoltcp: 10 s); a reset would have come sooner.
+                    Some(t) => self.now - t >= Duration::from_secs(10),
+                    // LAST-ACK ends in CLOSED when our FIN is acknowledged.
+                    None => self.a.prev_state == Some(State::LastAck),
+                };
+                self.a.prev_state = Some(st);
                 if st == State::Closed || st == State::Listen {
-                    if self.a.shutdown_sent {
+                    if self.a.shutdown_sent && closed_normally {
                         self.a.phase = Phase::Done;
                         return;
                     }
@@ -972,6 +1029,20 @@ impl Sim {
             }
             Phase::Done => {}
         }
+    }
+
+    /// The application's latency between seeing its socket connected and sending TELL
+    /// (scheduling, a side-channel round trip): true while it still waits.
+    fn tell_wait(&mut self) -> bool {
+        if self.sc.tell_delay_ms == 0 {
+            return false;
+        }
+        let at = *self.a.tell_at.get_or_insert(self.now + Duration::from_millis(self.sc.tell_delay_ms));
+        if self.now < at {
+            return true;
+        }
+        self.a.tell_at = None;
+        false
     }
 
     /// Reads, persists, acknowledges; writes the output journal; shuts down when finished.
@@ -1025,6 +1096,10 @@ impl Sim {
     /// Section 4's recovery: ACKNOWLEDGE (checkpoint and options), a new socket bound to the
     /// original port connecting to B; TELL follows once connected.
     fn a_recover(&mut self, pre_accept: bool) {
+        if self.sc.timestamps && self.b.ts_recent.is_some_and(|r| Seq(tsval_a()).lt(Seq(r))) {
+            // Without the engine's offset, B's PAWS would drop this socket's segments.
+            self.rep.raw_clock_behind_peer += 1;
+        }
         if let Some(rec) = self.a.dur.record {
             let ack = rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32);
             self.command(Op::Acknowledge, ack, rec.opts);
@@ -1040,6 +1115,8 @@ impl Sim {
         s.connect(host.iface.context(), IpEndpoint::new(IpAddress::Ipv4(B_IP), B_PORT), A_PORT).unwrap();
         self.a.sock = Some(host.sockets.add(s));
         self.a.shutdown_sent = false;
+        self.a.timewait_since = None;
+        self.a.prev_state = None;
         self.a.phase = Phase::Connecting { pre_accept };
     }
 
@@ -1115,6 +1192,9 @@ impl Sim {
         }
         self.a.sent = 0;
         self.a.shutdown_sent = false;
+        self.a.timewait_since = None;
+        self.a.prev_state = None;
+        self.a.tell_at = None;
         self.a.phase = Phase::Down { until: self.now + Duration::from_millis(self.sc.restart_delay_ms) };
     }
 
@@ -1156,7 +1236,9 @@ impl Sim {
 
     // ----- main loop -----
 
-    fn run(mut self) -> Report {
+    /// Runs to the end. `Err` only for the one case RTCP cannot recover (see
+    /// [`Report::filter_restart_before_first_tell`]); every other failure panics.
+    fn run(mut self) -> Result<Report, String> {
         let mut idle_iters = 0u32;
         loop {
             NOW_MS.with(|n| n.set(self.now.total_millis() as u64));
@@ -1166,10 +1248,14 @@ impl Sim {
             self.b_step();
             moved |= self.poll_and_collect();
 
-            // Faults, at the end of the step in which the k-th packet crossed.
-            let mut crash = false;
-            while self.crash_i < self.sc.crash_after.len() && self.rep.packets >= self.sc.crash_after[self.crash_i] {
+            // Faults, at the end of the step in which the k-th packet crossed. A crash due while
+            // A is down waits until it is up again (a crash of a crashed process is no event).
+            let a_up = !matches!(self.a.phase, Phase::Down { .. } | Phase::Done);
+            let mut crash = a_up && self.crash_i < self.sc.crash_after.len() && self.rep.packets >= self.sc.crash_after[self.crash_i];
+            if crash {
                 self.crash_i += 1;
+            } else if self.a.phase == Phase::Running && self.crash_in_i < self.sc.crash_at_input.len() && self.a.dur.input.len() >= self.sc.crash_at_input[self.crash_in_i] {
+                self.crash_in_i += 1;
                 crash = true;
             }
             let mut restart = false;
@@ -1181,22 +1267,34 @@ impl Sim {
                 self.note("*** FILTER RESTART: Conn zeroed".into());
                 self.conn = Conn::default();
                 self.rep.filter_restarts += 1;
+                if self.a.dur.record.is_none() {
+                    self.rep.filter_restart_before_first_tell = true;
+                }
             }
-            if crash && !self.b.done && !matches!(self.a.phase, Phase::Down { .. } | Phase::Done) {
+            if crash && !self.b.done {
                 self.crash_a();
+            }
+            if let Some(why) = self.abandoned.take() {
+                return Err(why);
             }
 
             let mark = (self.b.received.len(), self.a.dur.input.len());
             if mark != self.progress_mark {
                 self.progress_mark = mark;
                 let gap = (self.now - self.last_progress).total_millis();
-                self.rep.max_stall_ms = self.rep.max_stall_ms.max(gap);
+                if gap > self.rep.max_stall_ms {
+                    self.rep.max_stall_ms = gap;
+                    self.rep.max_stall_end_ms = self.now.total_millis() as u64;
+                }
                 self.last_progress = self.now;
             }
             if self.b.done {
                 break;
             }
             if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
+                if self.rep.filter_restart_before_first_tell {
+                    return Err(format!("stalled: the filter restarted before A's first TELL ({})", self.sc.name));
+                }
                 self.fail("virtual time bound exceeded (stalled)");
             }
 
@@ -1218,6 +1316,7 @@ impl Sim {
             if let Phase::Down { until } = self.a.phase {
                 consider(Some(until));
             }
+            consider(self.a.tell_at);
             match next {
                 Some(t) if t > self.now => {
                     self.now = t;
@@ -1232,7 +1331,7 @@ impl Sim {
                 _ => self.now += Duration::from_millis(1),
             }
         }
-        self.finish()
+        Ok(self.finish())
     }
 
     fn finish(mut self) -> Report {
@@ -1258,7 +1357,7 @@ impl Sim {
     }
 }
 
-fn run(sc: Scenario) -> Report {
+fn try_run(sc: Scenario) -> Result<Report, String> {
     let name = sc.name.clone();
     let r = Sim::new(sc).run();
     if std::env::var_os("SIM_VERBOSE").is_some() {
@@ -1267,12 +1366,55 @@ fn run(sc: Scenario) -> Report {
     r
 }
 
-/// Packets crossing the link in the clean run of a scenario: the range of crash positions.
-fn baseline_packets(sc: &Scenario) -> u64 {
+fn run(sc: Scenario) -> Report {
+    try_run(sc).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The clean run of a scenario (no crash, no filter restart): the range of crash positions.
+fn baseline(sc: &Scenario) -> Report {
     let mut clean = sc.clone();
+    clean.name = format!("{} (baseline)", sc.name);
     clean.crash_after.clear();
+    clean.crash_at_input.clear();
     clean.filter_restart_after.clear();
-    run(clean).packets
+    run(clean)
+}
+
+/// Runs `base` once for every packet position k of its clean run, `f` placing the faults.
+/// `allow_lost`: positions before A's first TELL may lose the connection when the filter
+/// restarts there (see `Report::filter_restart_before_first_tell`); they are counted, not hidden.
+fn sweep(name: &str, base: Scenario, allow_lost: bool, f: impl Fn(&mut Scenario, u64)) -> Vec<Report> {
+    let clean = baseline(&base);
+    let total = clean.packets;
+    assert!(total > 20, "{name}: baseline too short ({total} packets)");
+    let mut reps = vec![];
+    let mut lost = vec![];
+    for k in 1..=total {
+        let mut sc = base.clone();
+        sc.name = format!("{name} k={k}/{total}");
+        f(&mut sc, k);
+        match try_run(sc) {
+            Ok(r) => reps.push(r),
+            Err(e) if allow_lost => lost.push((k, e)),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let first_tell = clean.first_tell_at.unwrap();
+    assert!(lost.iter().all(|(k, _)| *k < first_tell), "{name}: connections lost after the first TELL (at packet {first_tell}): {lost:?}");
+    if !lost.is_empty() {
+        eprintln!("{name}: {} of {total} positions lost the connection, all before A's first TELL (the window described at Report::filter_restart_before_first_tell): k = {:?}", lost.len(), lost.iter().map(|l| l.0).collect::<Vec<_>>());
+    }
+    reps
+}
+
+/// `n` points of progress (input journal sizes) spread evenly over a transfer.
+fn spread_input(sc: &Scenario, n: usize) -> Vec<usize> {
+    (1..=n).map(|i| sc.payload * i / (n + 1)).collect()
+}
+
+/// The packet position in the middle of the clean run of `sc`.
+fn middle_packet(sc: &Scenario) -> u64 {
+    baseline(sc).packets / 2
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1283,19 +1425,18 @@ fn baseline_packets(sc: &Scenario) -> u64 {
 #[test]
 fn common_case_clean_link() {
     let r = run(Scenario::new("clean", 1, 200_000 * scale()));
-    assert_eq!(r.crashes, 0);
-    assert_eq!(r.recoveries_completed, 0);
-    assert_eq!(r.resets_seen, 0);
-    assert!(r.events.iter().all(|(e, _)| *e == Event::SpuriousRstDropped) && r.count(Event::SpuriousRstDropped) == 0, "{:?}", r.events);
+    assert_eq!((r.crashes, r.recoveries_completed, r.resets_seen), (0, 0, 0));
+    assert!(r.events.is_empty(), "no engine event expected: {:?}", r.events);
     assert!(r.virtual_ms < 20_000, "{r:?}");
 }
 
 /// The same with 2% loss, reordering and duplication on the wide link, several seeds.
 #[test]
 fn common_case_lossy_link() {
-    for seed in 0..(4 * scale() as u64) {
+    for seed in 0..(6 * scale() as u64) {
         let r = run(Scenario::new(&format!("lossy-{seed}"), 100 + seed, 200_000 * scale()).lossy(0.02, 0.01, 0.02));
         assert_eq!(r.crashes + r.resets_seen, 0, "{r:?}");
+        assert!(r.events.is_empty(), "no engine event expected: {:?}", r.events);
     }
 }
 
@@ -1303,29 +1444,40 @@ fn common_case_lossy_link() {
 // 2. A crash at every packet position (O4/O5, section 4)
 // ---------------------------------------------------------------------------------------------
 
-fn sweep(name: &str, base: Scenario, f: impl Fn(&mut Scenario, u64)) -> Vec<Report> {
-    let total = baseline_packets(&base);
-    assert!(total > 20, "{name}: baseline too short ({total} packets)");
-    (1..=total)
-        .map(|k| {
-            let mut sc = base.clone();
-            sc.name = format!("{name} k={k}/{total}");
-            f(&mut sc, k);
-            run(sc)
-        })
-        .collect()
-}
-
 /// O5: a crash of *A* after every single packet of a transfer (handshake and close included);
 /// *A* recovers as section 4 says, the recovery SYN is answered at once from ackB.
 #[test]
 fn o5_recovery_syn_answered_at_every_packet() {
-    let reps = sweep("o5-every-packet", Scenario::new("", 7, 30_000), |sc, k| sc.crash_after = vec![k]);
+    let reps = sweep("o5-every-packet", Scenario::new("", 7, 30_000), false, |sc, k| sc.crash_after = vec![k]);
     let crashed = reps.iter().filter(|r| r.crashes == 1).count();
     assert!(crashed + 3 >= reps.len(), "most positions must really crash A ({crashed}/{})", reps.len());
+    assert!(reps.iter().all(|r| r.crashes == 0 || r.recoveries_completed == 1 || r.virtual_ms > 0));
     assert!(reps.iter().map(|r| r.count(Event::Recovered)).sum::<u32>() > 0);
     assert!(reps.iter().any(|r| r.pre_accept_recoveries > 0), "a crash inside the handshake");
     assert!(reps.iter().any(|r| r.delivered_at_recovery.iter().any(|&d| d > 0)), "a crash after some output");
+}
+
+/// The same with a lossy link (each position with its own seed).
+#[test]
+fn o5_recovery_at_every_packet_lossy() {
+    sweep("o5-every-packet-lossy", Scenario::new("", 17, 20_000).lossy(0.02, 0.01, 0.02), false, |sc, k| {
+        sc.crash_after = vec![k];
+        sc.seed = 1000 + k;
+    });
+}
+
+/// Section 4's TELL comes a little after the reconnection (the application is not instant, and
+/// the side channel is a round trip). Meanwhile *B*'s acknowledgments of output the dead
+/// incarnation had sent keep arriving: the TELL must still name the point where the new
+/// socket's stream begins (the SYN-ACK's ackB), or *A* resumes its output at the wrong place.
+#[test]
+fn o5_tell_after_peer_acknowledged_more() {
+    for (restart, tell) in [(0, 3), (0, 12), (2, 25)] {
+        let mut base = Scenario::new("", 21, 20_000);
+        base.restart_delay_ms = restart;
+        base.tell_delay_ms = tell;
+        sweep(&format!("o5-late-tell restart={restart} tell={tell}"), base, false, |sc, k| sc.crash_after = vec![k]);
+    }
 }
 
 /// Section 2.4.2: the process dies but its kernel survives and closes the socket; O6 turns the
@@ -1335,7 +1487,7 @@ fn o5_recovery_syn_answered_at_every_packet() {
 fn s2_4_spurious_fin_on_exit_at_every_packet() {
     let mut base = Scenario::new("", 8, 20_000);
     base.crash_modes = vec![CrashMode::CloseOnExit];
-    let reps = sweep("s2.4-close-on-exit", base, |sc, k| sc.crash_after = vec![k]);
+    let reps = sweep("s2.4-close-on-exit", base, false, |sc, k| sc.crash_after = vec![k]);
     assert!(reps.iter().map(|r| r.count(Event::SpuriousFinReset)).sum::<u32>() > 0);
 }
 
@@ -1345,7 +1497,7 @@ fn o5_silent_host_at_every_packet() {
     let mut base = Scenario::new("", 9, 20_000);
     base.crash_modes = vec![CrashMode::Silent];
     base.restart_delay_ms = 200;
-    sweep("silent-host", base, |sc, k| sc.crash_after = vec![k]);
+    sweep("silent-host", base, false, |sc, k| sc.crash_after = vec![k]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1357,16 +1509,16 @@ fn s4_repeated_crashes_with_loss() {
     let s = scale() as u64;
     for seed in 0..(6 * s) {
         let mut sc = Scenario::new(&format!("repeated-{seed}"), 200 + seed, 120_000 * s as usize).lossy(0.02, 0.01, 0.02);
-        let total = baseline_packets(&sc);
         let mut rng = Rng::new(seed);
         let n = 3 + rng.below(3) as usize;
-        let mut ks: Vec<u64> = (0..n).map(|_| 1 + rng.below(total * 9 / 10)).collect();
+        let mut ks: Vec<usize> = (0..n).map(|_| 1 + rng.below(sc.payload as u64 * 9 / 10) as usize).collect();
         ks.sort();
-        sc.crash_after = ks;
+        sc.crash_at_input = ks;
         sc.crash_modes = vec![CrashMode::Wipe, CrashMode::CloseOnExit, CrashMode::Silent];
-        sc.restart_delay_ms = 10 + rng.below(200);
+        sc.restart_delay_ms = rng.below(200);
         let r = run(sc);
-        assert!(r.crashes >= 3, "{r:?}");
+        assert_eq!(r.crashes as usize, n, "{r:?}");
+        assert!(r.recoveries_completed >= 1, "{r:?}");
     }
 }
 
@@ -1376,10 +1528,9 @@ fn s4_repeated_crashes_with_loss() {
 fn window_scale_changes_across_crashes() {
     let mut sc = Scenario::new("wscale", 300, 200_000);
     sc.a_rx = vec![65535, 256 * 1024, 32 * 1024, 1024 * 1024];
-    sc.crash_after = vec![60, 160, 260];
+    sc.crash_at_input = spread_input(&sc, 3);
     let r = run(sc);
-    assert_eq!(r.crashes, 3);
-    assert_eq!(r.recoveries_completed, 3);
+    assert_eq!((r.crashes, r.recoveries_completed), (3, 3), "{r:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1390,20 +1541,28 @@ fn window_scale_changes_across_crashes() {
 /// ACKNOWLEDGE before its SYN.
 #[test]
 fn s2_7_filter_restart_at_every_packet() {
-    let reps = sweep("s2.7-filter-restart", Scenario::new("", 11, 20_000), |sc, k| sc.filter_restart_after = vec![k]);
+    let reps = sweep("s2.7-filter-restart", Scenario::new("", 11, 20_000), true, |sc, k| sc.filter_restart_after = vec![k]);
     assert!(reps.iter().map(|r| r.count(Event::NoCheckpointReset)).sum::<u32>() > 0);
     assert!(reps.iter().map(|r| r.resets_seen).sum::<u32>() > 0);
 }
 
-/// The filter and A fail at the same moment: A's recovery is the filter's too.
+/// The filter and A fail at the same moment: A's recovery is the filter's too. With an
+/// immediate restart, A's recovery SYN usually reaches the filter before any packet from B has:
+/// O4 forwards it and B's (challenge) ACK becomes the SYN-ACK (section 6).
 #[test]
 fn s2_7_filter_restart_with_app_crash_at_every_packet() {
-    let reps = sweep("s2.7-filter+app", Scenario::new("", 12, 20_000), |sc, k| {
-        sc.crash_after = vec![k];
-        sc.filter_restart_after = vec![k];
-    });
-    let forwarded: u32 = reps.iter().map(|r| r.count(Event::RecoverySynForwarded)).sum();
-    let from_peer: u32 = reps.iter().map(|r| r.count(Event::RecoveredFromPeerAck)).sum();
+    let mut forwarded = 0;
+    let mut from_peer = 0;
+    for delay in [0, 30] {
+        let mut base = Scenario::new("", 12, 20_000);
+        base.restart_delay_ms = delay;
+        let reps = sweep(&format!("s2.7-filter+app delay={delay}"), base, true, |sc, k| {
+            sc.crash_after = vec![k];
+            sc.filter_restart_after = vec![k];
+        });
+        forwarded += reps.iter().map(|r| r.count(Event::RecoverySynForwarded)).sum::<u32>();
+        from_peer += reps.iter().map(|r| r.count(Event::RecoveredFromPeerAck)).sum::<u32>();
+    }
     assert!(forwarded > 0 && from_peer > 0, "section 6 path exercised: forwarded={forwarded} from_peer={from_peer}");
 }
 
@@ -1413,9 +1572,9 @@ fn s2_7_filter_restarts_and_crashes_with_loss() {
     let s = scale() as u64;
     for seed in 0..(4 * s) {
         let mut sc = Scenario::new(&format!("s2.7-lossy-{seed}"), 400 + seed, 80_000 * s as usize).lossy(0.02, 0.01, 0.02);
-        let total = baseline_packets(&sc);
+        let total = baseline(&sc).packets;
         let mut rng = Rng::new(seed + 77);
-        let k1 = 1 + rng.below(total / 2);
+        let k1 = total / 10 + rng.below(total / 3);
         let k2 = total / 2 + rng.below(total / 3);
         sc.filter_restart_after = vec![k1, k2];
         sc.crash_after = vec![k2];
@@ -1441,10 +1600,11 @@ fn paws_new_clock_after_crash() {
         sc.b_ts_base = u32::MAX - 3_000;
         let first = u32::MAX - 10_000; // wraps during the run
         sc.a_ts_bases = vec![first, first.wrapping_sub(1 << 30), first.wrapping_add(1 << 31), first.wrapping_sub(12_345)];
-        sc.crash_after = vec![80, 200, 320];
+        sc.crash_at_input = spread_input(&sc, 3);
         sc.crash_modes = vec![CrashMode::Wipe, CrashMode::Silent, CrashMode::Wipe];
         let r = run(sc);
-        assert_eq!(r.crashes, 3, "{r:?}");
+        assert_eq!((r.crashes, r.recoveries_completed), (3, 3), "{r:?}");
+        assert!(r.raw_clock_behind_peer >= 2, "the new clocks must really be behind: {r:?}");
         // Reordering is off, so no TSval may ever go backwards for B, let alone by a clock jump.
         assert_eq!(r.paws_drops, 0, "PAWS dropped A's packets: {r:?}");
         assert!(r.max_stall_ms < 5_000, "{r:?}");
@@ -1458,10 +1618,28 @@ fn paws_filter_restart_with_app_crash() {
     let mut sc = Scenario::new("paws-filter", 510, 100_000);
     sc.timestamps = true;
     sc.a_ts_bases = vec![1_000_000, 5];
-    sc.crash_after = vec![120];
-    sc.filter_restart_after = vec![120];
+    sc.crash_after = vec![middle_packet(&sc)];
+    sc.filter_restart_after = sc.crash_after.clone();
     let r = run(sc);
     assert!(r.max_stall_ms < 5_000, "{r:?}");
+}
+
+/// Timestamps, the filter and A failing together at every packet position, A restarting at once
+/// (section 6 path): the restarted filter relearns A's old clock from B's TSecr.
+#[test]
+fn paws_filter_restart_with_app_crash_at_every_packet() {
+    let mut base = Scenario::new("", 530, 20_000);
+    base.timestamps = true;
+    base.restart_delay_ms = 0;
+    base.a_ts_bases = vec![2_000_000_000, 7];
+    let reps = sweep("paws-filter+app", base, true, |sc, k| {
+        sc.crash_after = vec![k];
+        sc.filter_restart_after = vec![k];
+    });
+    assert!(reps.iter().map(|r| r.raw_clock_behind_peer).sum::<u32>() > 10);
+    for r in &reps {
+        assert_eq!(r.paws_drops, 0, "{r:?}");
+    }
 }
 
 /// Timestamps with every crash position of a small transfer.
@@ -1470,7 +1648,7 @@ fn paws_crash_at_every_packet() {
     let mut base = Scenario::new("", 520, 20_000);
     base.timestamps = true;
     base.a_ts_bases = vec![3_000_000_000, 100, 4_000_000_000];
-    let reps = sweep("paws-every-packet", base, |sc, k| sc.crash_after = vec![k]);
+    let reps = sweep("paws-every-packet", base, false, |sc, k| sc.crash_after = vec![k]);
     for r in &reps {
         assert_eq!(r.paws_drops, 0, "{r:?}");
     }
@@ -1489,7 +1667,7 @@ fn seq_wrap_across_2_32() {
     let mut sc = Scenario::new("wrap", 600, 60_000);
     sc.a_seeds = vec![seed_for_isn(a0), seed_for_isn(u32::MAX - 10), seed_for_isn(u32::MAX)];
     sc.b_seed = Some(seed_for_isn(b0));
-    sc.crash_after = vec![40, 120];
+    sc.crash_at_input = spread_input(&sc, 2);
     let r = run(sc.clone());
     assert_eq!(r.a_isn_first, Some(a0), "smoltcp's ISN draw changed: fix seed_for_isn");
     assert_eq!(r.b_isn, Some(b0), "smoltcp's ISN draw changed: fix seed_for_isn");
@@ -1499,6 +1677,6 @@ fn seq_wrap_across_2_32() {
     // And every crash position around the wrap.
     let mut base = sc;
     base.payload = 20_000;
-    base.crash_after.clear();
-    sweep("wrap-every-packet", base, |sc, k| sc.crash_after = vec![k]);
+    base.crash_at_input.clear();
+    sweep("wrap-every-packet", base, false, |sc, k| sc.crash_after = vec![k]);
 }

@@ -19,8 +19,10 @@
 //! `SO_REUSEPORT` — [`reuseport_listener`] (C: `ub_listen`) does that — or recover all its
 //! connections *before* it starts listening. A non-listening socket bound to the port does not
 //! join the listener's reuseport group, so new connections still all go to the listener.
-//! `connect` then needs the 4-tuple to be free: the crashed process's socket must be gone (the
-//! guard turns its kernel's FIN into a RST, section 2.4.2), not held open by another process.
+//! `connect` then needs the 4-tuple to be free of live connections: the crashed process's
+//! socket is gone (the guard turns its kernel's FIN into a RST, section 2.4.2). A socket the
+//! guard reset (the application got `ECONNRESET`, section 2.7) no longer holds the 4-tuple
+//! even while its descriptor is open (checked on Linux), but close it anyway.
 
 use crate::client::{GuardClient, Reply};
 use crate::error::{status, Error, Result};

@@ -9,7 +9,8 @@ use std::io;
 pub enum Error {
     /// The guard did not answer (with a response that authenticates and matches the request)
     /// within all tries. Also what a wrong key looks like: the guard silently drops commands
-    /// it cannot authenticate, and responses signed with another key are never accepted.
+    /// it cannot authenticate, and responses signed with another key are never accepted. A
+    /// clock more than 30 s away from the guard's has the same effect.
     Timeout {
         /// How many datagrams were sent, each with a fresh nonce.
         tries: u32,

@@ -83,8 +83,6 @@ pub fn error_code(e: &Error) -> c_int {
             set_errno(io.raw_os_error().unwrap_or(libc::EIO));
             UB_EIO
         }
-        #[allow(unreachable_patterns)]
-        _ => UB_EINTERNAL,
     }
 }
 
@@ -269,10 +267,10 @@ pub unsafe extern "C" fn ub_clear(c: *const UbClient, rec: *const UbRecord) -> c
 #[no_mangle]
 pub unsafe extern "C" fn ub_recover(c: *const UbClient, rec: *const UbRecord, consumed: u64, sent: u64, fd_out: *mut c_int, delivered_out: *mut u64) -> c_int {
     guarded(|| {
-        let (c, r) = (client(c)?, record(rec)?);
         if fd_out.is_null() || delivered_out.is_null() {
             return Err(UB_EINVAL);
         }
+        let (c, r) = (client(c)?, record(rec)?);
         let (stream, delivered) = crate::recover(&r, c, consumed, sent).map_err(|e| error_code(&e))?;
         *fd_out = stream.into_raw_fd();
         *delivered_out = delivered;

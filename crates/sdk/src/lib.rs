@@ -57,7 +57,6 @@ pub use client::{ClientConfig, ClientStats, GuardClient, Reply};
 pub use conn::{acknowledge, acknowledge_eof, clear, establish, recover, reuseport_listener, shutdown, shutdown_reading, shutdown_writing, tcp_info_options};
 pub use error::{status, Error, Result};
 pub use record::{delivered_total, ConnRecord, RECORD_LEN, RECORD_MAGIC, RECORD_VERSION};
-/// The side-channel types this API uses: [`Key`](ctl::Key), [`ConnOptions`](ctl::ConnOptions),
-/// [`Op`](ctl::Op), flags.
+/// The side-channel format this API speaks: `Key`, `ConnOptions`, `Op`, `Command`, flags.
 pub use unbroken_wire::ctl;
 pub use unbroken_wire::ctl::{ConnOptions, Key, Op};

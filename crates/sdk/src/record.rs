@@ -78,7 +78,7 @@ impl ConnRecord {
             }
         }
         if let Some(o) = options {
-            if o.peer_wscale.map_or(false, |w| w > 14) || o.app_wscale.map_or(false, |w| w > 14) {
+            if o.peer_wscale.is_some_and(|w| w > 14) || o.app_wscale.is_some_and(|w| w > 14) {
                 return Err(Error::InvalidArgument("window scale above 14"));
             }
         }

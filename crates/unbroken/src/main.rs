@@ -197,6 +197,7 @@ fn peer(args: Vec<String>) -> ExitCode {
         rate: 0,
         idle_timeout: Duration::from_secs(60),
         progress_every: Duration::from_millis(100),
+        echo: false,
     };
     let mut it = args.into_iter();
     while let Some(x) = it.next() {
@@ -207,6 +208,7 @@ fn peer(args: Vec<String>) -> ExitCode {
                 "--seed" => a.seed = num("--seed", it.next())?,
                 "--rate" => a.rate = num("--rate", it.next())?,
                 "--idle-timeout" => a.idle_timeout = Duration::from_secs(num("--idle-timeout", it.next())?),
+                "--echo" => a.echo = true,
                 o => return Err(format!("peer: unknown argument {o:?}")),
             }
             Ok(())

@@ -21,6 +21,8 @@ pub struct PeerArgs {
     /// Give up after this long without progress.
     pub idle_timeout: Duration,
     pub progress_every: Duration,
+    /// The server echoes records instead of answering them (journal server `--echo`).
+    pub echo: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -100,7 +102,8 @@ pub fn run(a: &PeerArgs, progress: &mut dyn FnMut(&serde_json::Value)) -> PeerRe
     // Reader: verify each reply as it arrives.
     let mut reader = stream;
     let _ = reader.set_read_timeout(Some(Duration::from_millis(100)));
-    let expected_total = records * REPLY_LEN as u64;
+    let unit = if a.echo { RECORD_LEN } else { REPLY_LEN };
+    let expected_total = records * unit as u64;
     let mut got = Vec::with_capacity(64 * 1024);
     let mut h_recv = Sha256::new();
     let mut h_exp = Sha256::new();
@@ -140,18 +143,19 @@ pub fn run(a: &PeerArgs, progress: &mut dyn FnMut(&serde_json::Value)) -> PeerRe
                 res.bytes_received += n as u64;
                 h_recv.update(&buf[..n]);
                 got.extend_from_slice(&buf[..n]);
-                let whole = got.len() / REPLY_LEN * REPLY_LEN;
+                let whole = got.len() / unit * unit;
                 let mut bad = None;
-                for chunk in got[..whole].chunks_exact(REPLY_LEN) {
+                for chunk in got[..whole].chunks_exact(unit) {
                     record(next_reply, seed, &mut rec);
-                    let want = reply(&rec);
+                    let answer = reply(&rec);
+                    let want: &[u8] = if a.echo { &rec } else { &answer };
                     h_exp.update(want);
                     if chunk != want {
-                        bad = Some(format!("reply {next_reply} differs: got {:?}, want {:?}", String::from_utf8_lossy(chunk), String::from_utf8_lossy(&want)));
+                        bad = Some(format!("reply {next_reply} differs: got {:?}, want {:?}", String::from_utf8_lossy(chunk), String::from_utf8_lossy(want)));
                         break;
                     }
                     next_reply += 1;
-                    res.bytes_verified += REPLY_LEN as u64;
+                    res.bytes_verified += unit as u64;
                 }
                 if bad.is_some() {
                     break bad;

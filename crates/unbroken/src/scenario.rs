@@ -41,6 +41,13 @@ pub struct Scenario {
     pub timeout: Duration,
     /// Print live progress on stderr.
     pub live: bool,
+    /// Where each crash happens, as fractions of the reply bytes (default: evenly spaced).
+    pub crash_at: Option<Vec<f64>>,
+    /// Fault-injection point for the first application instance (`JOURNAL_CRASH_AT`): it kills
+    /// itself there, and is restarted on the same host.
+    pub app_crash_point: Option<String>,
+    /// The server echoes the input (both directions carry the same volume).
+    pub echo: bool,
 }
 
 impl Default for Scenario {
@@ -54,6 +61,9 @@ impl Default for Scenario {
             seed: 1,
             timeout: Duration::from_secs(300),
             live: false,
+            crash_at: None,
+            app_crash_point: None,
+            echo: false,
         }
     }
 }
@@ -61,6 +71,8 @@ impl Default for Scenario {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CrashRecord {
     pub kind: Crash,
+    /// The fault-injection point, when the application crashed itself.
+    pub point: Option<String>,
     pub at_bytes_verified: u64,
     pub t_ms: u64,
     /// Host the application runs on after this crash.
@@ -80,6 +92,8 @@ pub struct Report {
     pub resets_seen_by_peer: u64,
     pub max_stall_ms: u64,
     pub duration_ms: u64,
+    /// The peer process's exit status (0 when it verified everything).
+    pub peer_exit_code: Option<i32>,
     pub peer: Option<PeerResult>,
     pub guard: serde_json::Value,
 }
@@ -150,6 +164,7 @@ struct World {
     dir: PathBuf,
     exe: PathBuf,
     ipv6: bool,
+    echo: bool,
 }
 
 impl World {
@@ -184,8 +199,14 @@ impl World {
         p.wait_line("unbroken guard: ready", Duration::from_secs(10)).map_err(|e| format!("guard: {e}"))?;
         Ok(p)
     }
-    fn start_app(&self, ns: &str) -> Result<Proc, String> {
+    fn start_app(&self, ns: &str, crash_point: Option<&str>) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.exe);
+        if let Some(p) = crash_point {
+            cmd.env("JOURNAL_CRASH_AT", p);
+        }
+        if self.echo {
+            cmd.arg("--echo");
+        }
         cmd.arg("journal-server")
             .arg("--listen")
             .arg(self.service().to_string())
@@ -212,7 +233,7 @@ pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
     let lab = Lab::checkpoint(opts).map_err(|e| format!("lab: {e}"))?;
     let dir = std::env::temp_dir().join(format!("unbroken-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6 };
+    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo };
     let res = run_in(&mut w, s);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);
@@ -224,7 +245,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let cfg = w.write_config()?;
     let mut guard = w.start_guard(&cfg)?;
     let mut app_host = w.lab.app(1).to_string();
-    let mut app = w.start_app(&app_host)?;
+    let mut app = w.start_app(&app_host, s.app_crash_point.as_deref())?;
 
     let mut cmd = Command::new(&w.exe);
     cmd.arg("peer")
@@ -236,11 +257,20 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         .arg(s.seed.to_string())
         .arg("--rate")
         .arg(s.rate.to_string());
+    if s.echo {
+        cmd.arg("--echo");
+    }
     let mut peer = Proc::spawn(&w.lab.peer, &mut cmd)?;
 
-    let total = s.records * unbroken_journal::REPLY_LEN as u64;
+    let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
+    let total = s.records * unit as u64;
     let n = s.crashes.len() as u64;
-    let thresholds: Vec<u64> = (1..=n).map(|i| total * i / (n + 1)).collect();
+    let thresholds: Vec<u64> = match &s.crash_at {
+        Some(f) if f.len() == s.crashes.len() => f.iter().map(|x| (total as f64 * x.clamp(0.0, 1.0)) as u64).collect(),
+        Some(_) => return Err("crash_at needs one fraction per crash".into()),
+        None => (1..=n).map(|i| total * i / (n + 1)).collect(),
+    };
+    let mut self_crashes = 0usize;
     let mut next = 0usize;
     let mut log = Vec::new();
     let mut last_verified = 0;
@@ -250,7 +280,17 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         if left.is_zero() {
             return Err(format!("scenario timed out after {:?} at {} of {} bytes verified", s.timeout, last_verified, total));
         }
-        let line = match peer.lines.recv_timeout(left.min(Duration::from_secs(1))) {
+        // An application that crashed itself at its injection point is restarted on its host.
+        if let Ok(Some(_)) = app.child.try_wait() {
+            if s.app_crash_point.is_some() && self_crashes == 0 {
+                self_crashes += 1;
+                app = w.start_app(&app_host, None)?;
+                log.push(CrashRecord { kind: Crash::App, point: s.app_crash_point.clone(), at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
+            } else {
+                return Err(format!("the application exited unexpectedly: {:?}", app.child.try_wait()));
+            }
+        }
+        let line = match peer.lines.recv_timeout(left.min(Duration::from_millis(50))) {
             Ok(l) => l,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
             Err(_) => return Err(format!("peer exited without a result (status {:?})", peer.child.try_wait().ok().flatten())),
@@ -269,7 +309,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                 match kind {
                     Crash::App => {
                         app.kill();
-                        app = w.start_app(&app_host)?;
+                        app = w.start_app(&app_host, None)?;
                     }
                     Crash::Host => {
                         let from = app_host.clone();
@@ -278,7 +318,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                         app.kill();
                         w.lab.move_service_ip(&from, &to).map_err(|e| format!("move service address to {to}: {e}"))?;
                         app_host = to;
-                        app = w.start_app(&app_host)?;
+                        app = w.start_app(&app_host, None)?;
                     }
                     Crash::Guard => {
                         guard.kill();
@@ -288,10 +328,10 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                         guard.kill();
                         app.kill();
                         guard = w.start_guard(&cfg)?;
-                        app = w.start_app(&app_host)?;
+                        app = w.start_app(&app_host, None)?;
                     }
                 }
-                log.push(CrashRecord { kind, at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
+                log.push(CrashRecord { kind, point: None, at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
                 next += 1;
             }
         } else if v.get("ok").is_some() {
@@ -301,19 +341,32 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     if s.live {
         eprintln!();
     }
-    let _ = peer.child.wait();
+    let peer_exit_code = peer.child.wait().ok().and_then(|st| st.code());
+    // A self-crash at a late point (after-fin) may come after the peer's last progress line.
+    if s.app_crash_point.is_some() && self_crashes == 0 {
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end && matches!(app.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(10)); // polling a child's exit with a deadline
+        }
+        if let Ok(Some(_)) = app.child.try_wait() {
+            log.push(CrashRecord { kind: Crash::App, point: s.app_crash_point.clone(), at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
+        }
+    }
     let rsts = lab::rsts_seen(&w.lab.peer).map_err(|e| format!("rst counter: {e}"))?;
     let status = read_status(&w.status_path());
     drop(app);
     drop(guard);
     let crashes_done = log.len();
-    let ok = result.ok && rsts == 0 && crashes_done == s.crashes.len();
+    let crashes_wanted = s.crashes.len() + s.app_crash_point.is_some() as usize;
+    let ok = result.ok && rsts == 0 && crashes_done == crashes_wanted && peer_exit_code == Some(0);
     let error = if !result.ok {
         result.error.clone()
     } else if rsts != 0 {
         Some(format!("{rsts} RST(s) reached the peer"))
-    } else if crashes_done != s.crashes.len() {
-        Some(format!("only {crashes_done} of {} crashes were injected before the transfer ended", s.crashes.len()))
+    } else if crashes_done != crashes_wanted {
+        Some(format!("only {crashes_done} of {crashes_wanted} crashes were injected before the transfer ended"))
+    } else if peer_exit_code != Some(0) {
+        Some(format!("the peer exited with {peer_exit_code:?}"))
     } else {
         None
     };
@@ -329,6 +382,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         resets_seen_by_peer: rsts,
         max_stall_ms: result.max_stall_ms,
         duration_ms: start.elapsed().as_millis() as u64,
+        peer_exit_code,
         peer: Some(result),
         guard: status,
     })

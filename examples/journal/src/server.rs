@@ -28,10 +28,11 @@ struct Args {
     key: String,
     dir: PathBuf,
     fsync: bool,
+    echo: bool,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    let (mut listen, mut guard, mut key, mut dir, mut fsync) = (None, None, None, None, false);
+    let (mut listen, mut guard, mut key, mut dir, mut fsync, mut echo) = (None, None, None, None, false, false);
     while let Some(a) = it.next() {
         let mut val = |name: &str| it.next().ok_or(format!("{name} needs a value"));
         match a.as_str() {
@@ -40,8 +41,9 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--key" => key = Some(val("--key")?),
             "--dir" => dir = Some(PathBuf::from(val("--dir")?)),
             "--fsync" => fsync = true,
+            "--echo" => echo = true,
             "-h" | "--help" => {
-                println!("usage: journal-server --listen ADDR:PORT --guard ADDR:PORT --key HEX --dir DIR [--fsync]");
+                println!("usage: journal-server --listen ADDR:PORT --guard ADDR:PORT --key HEX --dir DIR [--fsync] [--echo]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?}")),
@@ -53,6 +55,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         key: key.ok_or("--key is required")?,
         dir: dir.ok_or("--dir is required")?,
         fsync,
+        echo,
     })
 }
 
@@ -69,18 +72,23 @@ struct Journal {
     out_len: u64,
     eof: bool,
     fsync: bool,
+    /// Echo mode: the reply to every input byte is the byte itself, so the input journal is
+    /// also the output journal (used to push more than 4 GiB each way through one connection).
+    echo: bool,
 }
 
 impl Journal {
-    fn open(dir: &Path, fsync: bool) -> std::io::Result<Journal> {
+    fn open(dir: &Path, fsync: bool, echo: bool) -> std::io::Result<Journal> {
         fs::create_dir_all(dir)?;
         let input = OpenOptions::new().create(true).append(true).read(true).open(dir.join("in.log"))?;
         let output = OpenOptions::new().create(true).append(true).read(true).open(dir.join("out.log"))?;
         let (in_len, out_len) = (input.metadata()?.len(), output.metadata()?.len());
         // A reply is journaled whole or, after a crash mid-write, cut: drop a cut tail.
-        let out_len = out_len - out_len % REPLY_LEN as u64;
-        output.set_len(out_len)?;
-        Ok(Journal { dir: dir.to_path_buf(), input, output, in_len, out_len, eof: dir.join("eof").exists(), fsync })
+        let out_len = if echo { in_len } else { out_len - out_len % REPLY_LEN as u64 };
+        if !echo {
+            output.set_len(out_len)?;
+        }
+        Ok(Journal { dir: dir.to_path_buf(), input, output, in_len, out_len, eof: dir.join("eof").exists(), fsync, echo })
     }
     fn sync(&self, f: &File) -> std::io::Result<()> {
         if self.fsync {
@@ -101,8 +109,14 @@ impl Journal {
         }
         Ok(())
     }
-    /// Journals the replies to every complete record not answered yet; returns them.
-    fn produce(&mut self) -> std::io::Result<Vec<u8>> {
+    /// Journals the replies to every complete record not answered yet; returns them. `fresh` is
+    /// the input just journaled (echo mode answers with it).
+    fn produce(&mut self, fresh: &[u8]) -> std::io::Result<Vec<u8>> {
+        if self.echo {
+            debug_assert_eq!(self.out_len + fresh.len() as u64, self.in_len);
+            self.out_len = self.in_len;
+            return Ok(fresh.to_vec());
+        }
         let done = self.out_len / REPLY_LEN as u64;
         let complete = self.in_len / RECORD_LEN as u64;
         if complete <= done {
@@ -122,7 +136,7 @@ impl Journal {
     }
     fn output_from(&self, from: u64) -> std::io::Result<Vec<u8>> {
         let mut v = vec![0u8; (self.out_len - from) as usize];
-        read_at(&self.output, &mut v, from)?;
+        read_at(if self.echo { &self.input } else { &self.output }, &mut v, from)?;
         Ok(v)
     }
     /// Bytes of the peer's stream consumed, counting its FIN once seen (what ackA covers).
@@ -134,6 +148,18 @@ impl Journal {
 fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     f.read_exact_at(buf, off)
+}
+
+/// Fault injection for tests: when `JOURNAL_CRASH_AT` names this point, the process kills
+/// itself with SIGKILL there (the way a crash would), e.g. `after-eof`, `after-shutdown`,
+/// `after-fin`, or `after-bytes:N` (once N input bytes are journaled).
+fn crash_point(name: &str) {
+    if std::env::var("JOURNAL_CRASH_AT").map(|v| v == name).unwrap_or(false) {
+        log(&format!("crash point {name}: SIGKILL"));
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
 }
 
 /// Why serving a connection stopped.
@@ -156,7 +182,7 @@ fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, j: &mut 
     // Finish any interrupted output, then answer records journaled but not answered yet.
     let pending = j.output_from(resend_from).map_err(fatal("reading out.log"))?;
     stream.write_all(&pending).map_err(sock("resending"))?;
-    let fresh = j.produce().map_err(fatal("journal"))?;
+    let fresh = j.produce(&[]).map_err(fatal("journal"))?;
     stream.write_all(&fresh).map_err(sock("sending"))?;
     let mut buf = vec![0u8; 64 * 1024];
     while !j.eof {
@@ -169,17 +195,25 @@ fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, j: &mut 
             j.mark("eof").map_err(fatal("journal eof"))?;
             j.eof = true;
             unbroken_sdk::acknowledge_eof(rec, client, j.in_len).map_err(guard_err("acknowledge eof"))?;
+            crash_point("after-eof");
             break;
         }
         j.append_input(&buf[..n]).map_err(fatal("journal input"))?;
+        if let Some(limit) = std::env::var("JOURNAL_CRASH_AT").ok().and_then(|v| v.strip_prefix("after-bytes:").and_then(|x| x.parse::<u64>().ok())) {
+            if j.in_len >= limit {
+                crash_point(&format!("after-bytes:{limit}"));
+            }
+        }
         // Only journaled input is acknowledged to the peer.
         unbroken_sdk::acknowledge(rec, client, j.in_len).map_err(guard_err("acknowledge"))?;
-        let out = j.produce().map_err(fatal("journal output"))?;
+        let out = j.produce(&buf[..n]).map_err(fatal("journal output"))?;
         stream.write_all(&out).map_err(sock("send"))?;
     }
     // Everything is answered: close for real (RTCP_SHUTDOWN first, so the FIN is genuine).
     unbroken_sdk::shutdown(rec, client).map_err(guard_err("shutdown"))?;
+    crash_point("after-shutdown");
     stream.shutdown(std::net::Shutdown::Write).map_err(sock("shutdown"))?;
+    crash_point("after-fin");
     // The peer's FIN was consumed already; wait for the kernel to finish our side.
     let _ = stream.read(&mut buf);
     j.mark("done").map_err(fatal("journal done"))?;
@@ -190,11 +224,11 @@ fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, j: &mut 
 const MAX_RECOVERIES: u32 = 50;
 
 /// Serves a connection until it finishes, recovering it whenever its socket fails.
-fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: bool, first: Option<TcpStream>) -> Result<(), String> {
+fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: bool, echo: bool, first: Option<TcpStream>) -> Result<(), String> {
     let mut stream = first;
     let mut failures = 0;
     loop {
-        let mut j = Journal::open(dir, fsync).map_err(|e| format!("journal: {e}"))?;
+        let mut j = Journal::open(dir, fsync, echo).map_err(|e| format!("journal: {e}"))?;
         let (s, resend_from) = match stream.take() {
             Some(s) => (s, 0),
             None => match unbroken_sdk::recover(rec, client, j.consumed(), j.out_len) {
@@ -226,11 +260,12 @@ fn conn_dir(base: &Path, peer: SocketAddr) -> PathBuf {
     base.join("conns").join(format!("{}_{}", peer.ip(), peer.port()).replace(':', "-"))
 }
 
-fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync: bool) {
+fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync: bool, echo: bool) {
     let peer = match stream.peer_addr() {
         Ok(p) => p,
         Err(e) => return log(&format!("accept: {e}")),
     };
+    crash_point("accepted");
     let rec = match unbroken_sdk::establish(&stream, &client) {
         Ok(r) => r,
         Err(e) => return log(&format!("{peer}: not protected, closing: {e}")),
@@ -250,17 +285,17 @@ fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync:
         return log(&format!("{peer}: journal: {e}"));
     }
     log(&format!("{peer}: connected and protected"));
-    match serve_recovering(&client, &rec, &dir, fsync, Some(stream)) {
+    match serve_recovering(&client, &rec, &dir, fsync, echo, Some(stream)) {
         Ok(()) => log(&format!("{peer}: finished")),
         Err(e) => log(&format!("{peer}: {e}")),
     }
 }
 
-fn recover_one(client: Arc<GuardClient>, dir: PathBuf, fsync: bool) {
+fn recover_one(client: Arc<GuardClient>, dir: PathBuf, fsync: bool, echo: bool) {
     let res = (|| -> Result<(), String> {
         let bytes = fs::read(dir.join("record")).map_err(|e| format!("record: {e}"))?;
         let rec = ConnRecord::from_bytes(&bytes).map_err(|e| format!("record: {e}"))?;
-        serve_recovering(&client, &rec, &dir, fsync, None)
+        serve_recovering(&client, &rec, &dir, fsync, echo, None)
     })();
     match res {
         Ok(()) => log(&format!("{}: finished after recovery", dir.display())),
@@ -292,8 +327,8 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
             let p = d.path();
             if p.join("record").exists() && !p.join("done").exists() {
                 let c = client.clone();
-                let f = args.fsync;
-                workers.push(std::thread::spawn(move || recover_one(c, p, f)));
+                let (f, e) = (args.fsync, args.echo);
+                workers.push(std::thread::spawn(move || recover_one(c, p, f, e)));
             }
         }
     }
@@ -311,8 +346,8 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
             Ok(s) => {
                 let c = client.clone();
                 let base = args.dir.clone();
-                let f = args.fsync;
-                std::thread::spawn(move || handle_new(c, s, base, f));
+                let (f, e) = (args.fsync, args.echo);
+                std::thread::spawn(move || handle_new(c, s, base, f, e));
             }
             Err(e) => log(&format!("accept: {e}")),
         }

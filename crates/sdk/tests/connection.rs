@@ -1,0 +1,254 @@
+//! The section 4 API on real loopback sockets, against the in-test guard (real engine logic
+//! for commands; the handshake and the peer's ACKs are fed to the same engine as packets).
+
+mod common;
+
+use common::{packet, TestGuard, KEY_HEX};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::Duration;
+use unbroken_engines::rtcp;
+use unbroken_sdk::{self as sdk, status, ClientConfig, ConnRecord, Error, GuardClient, Key, Op};
+use unbroken_wire::ctl::{flag, ConnOptions};
+use unbroken_wire::{tcp, Seq};
+
+/// A long first wait, so a busy machine does not cause retransmissions in tests that count
+/// commands.
+fn client(g: &TestGuard) -> GuardClient {
+    client_with(g, ClientConfig::default())
+}
+
+fn client_with(g: &TestGuard, cfg: ClientConfig) -> GuardClient {
+    let cfg = ClientConfig { initial_timeout: Duration::from_secs(1), ..cfg };
+    GuardClient::with_config(g.addr, Key::from_hex(KEY_HEX).unwrap(), cfg).unwrap()
+}
+
+/// A real loopback connection; returns (server side = the application A, client side = B).
+fn pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (a, _) = l.accept().unwrap();
+    (a, b)
+}
+
+fn opts() -> ConnOptions {
+    ConnOptions { peer_mss: 1460, peer_wscale: Some(7), app_wscale: Some(7), sack: true, timestamps: true }
+}
+
+#[test]
+fn establish_on_a_real_connection() {
+    let g = TestGuard::start();
+    let (a, _b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    g.handshake(app, peer, 0x1000, 0xffff_fff0, true);
+    let c = client(&g);
+    let rec = sdk::establish(&a, &c).unwrap();
+    assert_eq!((rec.app(), rec.peer()), (app, peer));
+    assert_eq!(rec.ack_a0(), 0xffff_fff1, "peer ISN + 1");
+    assert_eq!(rec.ack_b0(), 0x1001, "application ISN + 1");
+    // Options come from the socket's TCP_INFO, not from the guard's (made-up) handshake.
+    let info = sdk::tcp_info_options(&a).unwrap().unwrap();
+    assert_eq!(rec.options(), Some(info));
+    assert_eq!(ConnRecord::from_bytes(&rec.to_bytes()).unwrap(), rec);
+    assert_eq!(g.ops(), [Op::Tell]);
+}
+
+/// The guard has not seen the handshake's last ACK at the first TELL; it arrives before the
+/// second one.
+#[test]
+fn establish_retries_until_the_guard_saw_the_final_ack() {
+    let g = TestGuard::start();
+    let (a, _b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    g.handshake(app, peer, 0x1000, 0x2000, false);
+    g.state().tell_hook = Some(Box::new(move |count, conn| {
+        if count == 2 {
+            let r = tcp::Repr { src_port: peer.port(), dst_port: app.port(), seq: Seq(0x2001), ack: Seq(0x1001), flags: tcp::flags::ACK, window: 100, ..Default::default() };
+            let (mut buf, len) = packet(peer, app, &r);
+            rtcp::incoming(conn, &mut buf, len).unwrap();
+        }
+    }));
+    let c = client(&g);
+    let rec = sdk::establish(&a, &c).unwrap();
+    assert_eq!((rec.ack_a0(), rec.ack_b0()), (0x2001, 0x1001));
+    assert_eq!(g.state().tells[&(app, peer)], 2);
+}
+
+#[test]
+fn establish_gives_up() {
+    let g = TestGuard::start();
+    let (a, _b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    let c = client_with(&g, ClientConfig { establish_tries: 3, establish_backoff: Duration::from_millis(1), ..ClientConfig::default() });
+    // Unknown connection.
+    assert!(matches!(sdk::establish(&a, &c), Err(Error::Rejected(status::NO_CONNECTION))));
+    // Known, but the peer's ACK never seen: not recoverable.
+    g.handshake(app, peer, 1, 2, false);
+    match sdk::establish(&a, &c) {
+        Err(Error::NotRecoverable { flags }) => assert_eq!(flags & (flag::RECOVERABLE | flag::ACK_ALLOWED), flag::ACK_ALLOWED),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(g.state().log.len(), 6);
+}
+
+#[test]
+fn acknowledge_shutdown_and_clear_drive_the_guard() {
+    let g = TestGuard::start();
+    let (app, peer): (SocketAddr, SocketAddr) = ("10.0.2.10:7000".parse().unwrap(), "10.0.1.2:41000".parse().unwrap());
+    g.handshake(app, peer, 0x1000, 0xffff_fff0, true);
+    let c = client(&g);
+    let rec = ConnRecord::new(app, peer, 0xffff_fff1, 0x1001, Some(opts())).unwrap();
+    let ack_a = |g: &TestGuard| g.conn(app, peer).unwrap().ack_a;
+
+    let r = sdk::acknowledge(&rec, &c, 0x20).unwrap();
+    assert_eq!(r.ack_a, 0x11);
+    assert_eq!(ack_a(&g), 0x11, "wrapped past 2^32");
+    // consumed_total is a 64-bit count: only its low 32 bits matter on the wire.
+    sdk::acknowledge(&rec, &c, (1 << 32) + 0x30).unwrap();
+    assert_eq!(ack_a(&g), 0x21);
+    // Every ACKNOWLEDGE carries the record's options (a restarted guard learns them).
+    assert!(g.state().log.iter().all(|c| c.options == Some(opts())));
+    // End of input: the peer's FIN is covered too.
+    sdk::acknowledge_eof(&rec, &c, (1 << 32) + 0x30).unwrap();
+    assert_eq!(ack_a(&g), 0x22);
+
+    let r = sdk::shutdown_writing(&rec, &c).unwrap();
+    assert!(r.fin_allowed() && !r.ack_everything());
+    let r = sdk::shutdown_reading(&rec, &c).unwrap();
+    assert!(r.fin_allowed() && r.ack_everything());
+    let r = sdk::shutdown(&rec, &c).unwrap();
+    assert!(r.fin_allowed() && r.ack_everything());
+    sdk::clear(&rec, &c).unwrap();
+    assert!(g.conn(app, peer).unwrap().is_empty());
+    assert!(matches!(c.tell(app, peer), Err(Error::Rejected(status::NO_CONNECTION))));
+    assert_eq!(g.ops(), [Op::Acknowledge, Op::Acknowledge, Op::Acknowledge, Op::ShutdownWriting, Op::ShutdownReading, Op::Shutdown, Op::Clear, Op::Tell]);
+}
+
+/// The application's listener (with SO_REUSEPORT) stays open on the port; the peer B is a
+/// plain listener standing in for the guard that would answer the recovery SYN.
+struct RecoverySetup {
+    g: TestGuard,
+    a_listener: TcpListener,
+    b_listener: TcpListener,
+    rec: ConnRecord,
+}
+
+fn setup(ack_b0: u32, delivered_low: u32) -> RecoverySetup {
+    let g = TestGuard::start();
+    let a_listener = sdk::reuseport_listener("127.0.0.1:0".parse().unwrap(), 16).unwrap();
+    let b_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (app, peer) = (a_listener.local_addr().unwrap(), b_listener.local_addr().unwrap());
+    let (isn_a, isn_b) = (ack_b0.wrapping_sub(1), 0x7000_0000u32);
+    g.handshake(app, peer, isn_a, isn_b, true);
+    // Later the peer acknowledged `delivered_low` bytes (mod 2^32) of A's output.
+    if delivered_low != 0 {
+        g.peer_ack(app, peer, isn_b + 1, ack_b0.wrapping_add(delivered_low));
+    }
+    let rec = ConnRecord::new(app, peer, isn_b + 1, ack_b0, Some(opts())).unwrap();
+    RecoverySetup { g, a_listener, b_listener, rec }
+}
+
+#[test]
+fn recover_binds_the_listening_port_and_reports_delivered() {
+    let s = setup(0x0100_0000, 1000);
+    let c = client(&s.g);
+    let (mut stream, delivered) = sdk::recover(&s.rec, &c, 500, 1200).unwrap();
+    assert_eq!(delivered, 1000);
+    // Same address and port as the listener that is still open.
+    assert_eq!(stream.local_addr().unwrap(), s.rec.app());
+    assert_eq!(stream.peer_addr().unwrap(), s.rec.peer());
+    let (mut b, from) = s.b_listener.accept().unwrap();
+    assert_eq!(from, s.rec.app());
+    stream.write_all(b"resent").unwrap();
+    let mut got = [0u8; 6];
+    b.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"resent");
+    // (1) ACKNOWLEDGE with the checkpoint and the options, then (4) TELL.
+    let st = s.g.state();
+    assert_eq!(st.log.iter().map(|c| c.op).collect::<Vec<_>>(), [Op::Acknowledge, Op::Tell]);
+    assert_eq!(st.log[0].ack_a, s.rec.ack_a0() + 500);
+    assert_eq!(st.log[0].options, Some(opts()));
+    drop(st);
+    // The listener still gets new connections.
+    let _n = TcpStream::connect(s.rec.app()).unwrap();
+    let (_x, _) = s.a_listener.accept().unwrap();
+}
+
+/// The fact the module documentation states: without SO_REUSEPORT on the listener, the
+/// recovered socket cannot bind the listening port (SO_REUSEADDR is not enough).
+#[test]
+fn recover_needs_reuseport_on_the_listener() {
+    let g = TestGuard::start();
+    let plain = TcpListener::bind("127.0.0.1:0").unwrap(); // std sets SO_REUSEADDR only
+    let b_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (app, peer) = (plain.local_addr().unwrap(), b_listener.local_addr().unwrap());
+    g.handshake(app, peer, 10, 20, true);
+    let rec = ConnRecord::new(app, peer, 21, 11, None).unwrap();
+    match sdk::recover(&rec, &client(&g), 0, 0) {
+        Err(Error::Io(e)) => assert_eq!(e.kind(), ErrorKind::AddrInUse),
+        other => panic!("{other:?}"),
+    }
+    // Recovering before listening works.
+    drop(plain);
+    let (_s, delivered) = sdk::recover(&rec, &client(&g), 0, 0).unwrap();
+    assert_eq!(delivered, 0);
+}
+
+#[test]
+fn recover_unwraps_delivered_past_4gib() {
+    let delivered = (5u64 << 30) + 10;
+    let s = setup(0xffff_ff00, delivered as u32);
+    let (_stream, got) = sdk::recover(&s.rec, &client(&s.g), 0, (5u64 << 30) + 100).unwrap();
+    assert_eq!(got, delivered);
+}
+
+#[test]
+fn recover_refuses_delivered_beyond_sent() {
+    let s = setup(0x10, 2000);
+    match sdk::recover(&s.rec, &client(&s.g), 0, 1200) {
+        Err(Error::DeliveredBeyondSent { delivered, sent }) => assert_eq!((delivered, sent), (2000, 1200)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn recover_needs_a_recoverable_guard() {
+    // The guard lost its state and never saw the peer's ACK since: ACKNOWLEDGE restores
+    // the checkpoint, but TELL cannot report ackB.
+    let g = TestGuard::start();
+    let a_listener = sdk::reuseport_listener("127.0.0.1:0".parse().unwrap(), 4).unwrap();
+    let b_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let rec = ConnRecord::new(a_listener.local_addr().unwrap(), b_listener.local_addr().unwrap(), 100, 200, Some(opts())).unwrap();
+    match sdk::recover(&rec, &client(&g), 7, 0) {
+        Err(Error::NotRecoverable { flags }) => assert_eq!(flags & flag::RECOVERABLE, 0),
+        other => panic!("{other:?}"),
+    }
+    let conn = g.conn(rec.app(), rec.peer()).unwrap();
+    assert_eq!(conn.ack_a, 107);
+    assert_eq!(conn.options(), Some(opts()), "the restarted guard learned the options");
+}
+
+#[test]
+fn recover_without_a_guard_fails_before_touching_the_network() {
+    let silent = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let c = GuardClient::with_config(silent.local_addr().unwrap(), Key::from_hex(KEY_HEX).unwrap(), ClientConfig { initial_timeout: Duration::from_millis(10), max_tries: 2, ..ClientConfig::default() }).unwrap();
+    let b_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    b_listener.set_nonblocking(true).unwrap();
+    let rec = ConnRecord::new("127.0.0.1:1".parse().unwrap(), b_listener.local_addr().unwrap(), 1, 2, None).unwrap();
+    assert!(matches!(sdk::recover(&rec, &c, 0, 0), Err(Error::Timeout { tries: 2 })));
+    assert_eq!(b_listener.accept().unwrap_err().kind(), ErrorKind::WouldBlock, "no SYN was sent");
+}
+
+#[test]
+fn recover_reports_connect_errors() {
+    let g = TestGuard::start();
+    // A port nobody listens on: the connection is refused.
+    let gone = TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = gone.local_addr().unwrap();
+    drop(gone);
+    let rec = ConnRecord::new("127.0.0.1:0".parse().unwrap(), peer, 1, 2, None).unwrap();
+    match sdk::recover(&rec, &client(&g), 0, 0) {
+        Err(Error::Io(e)) => assert_eq!(e.kind(), ErrorKind::ConnectionRefused),
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,107 @@
+//! Checkpoint mode end to end in network namespaces, with real Linux TCP on both sides: the
+//! guard (NFQUEUE), the example journal server (SDK) and an unmodified peer (plain sockets).
+//! Every test checks what the peer saw: every reply byte verified and the sha256 of all of them,
+//! its exit status, and that no RST reached it; the longest stall is printed.
+//!
+//! Needs root; without it each test prints why and passes without running (the summary of
+//! scripts/test.sh says whether the lab ran).
+
+use std::sync::Mutex;
+use std::time::Duration;
+use unbroken::scenario::{run_checkpoint, Crash, Report, Scenario};
+
+/// One lab at a time: two cores, and the stall figures mean more without contention.
+static LAB: Mutex<()> = Mutex::new(());
+
+fn lab_or_skip(name: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
+    if let Err(why) = unbroken_control::lab::lab_available() {
+        eprintln!("SKIP {name}: network-namespace lab unavailable: {why}");
+        return None;
+    }
+    std::env::set_var("UNBROKEN_BIN", env!("CARGO_BIN_EXE_unbroken"));
+    Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn check(name: &str, s: &Scenario) -> Report {
+    let r = run_checkpoint(s).unwrap_or_else(|e| panic!("{name}: scenario failed to run: {e}"));
+    let mut shown = serde_json::to_value(&r).unwrap();
+    shown.as_object_mut().unwrap().remove("guard");
+    eprintln!("{name}: {shown}");
+    eprintln!("{name}: guard counters {}", r.guard["counters"]);
+    assert_eq!(r.resets_seen_by_peer, 0, "{name}: RSTs reached the peer");
+    assert_eq!(r.peer_exit_code, Some(0), "{name}: peer exit status ({:?})", r.error);
+    assert!(r.sha256_ok, "{name}: reply hash mismatch");
+    let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN } as u64;
+    assert_eq!(r.bytes_verified, s.records * unit, "{name}: not every byte verified");
+    assert!(r.ok, "{name}: {:?}", r.error);
+    eprintln!("{name}: longest stall {} ms over {} crash(es)", r.max_stall_ms, r.crashes);
+    r
+}
+
+fn base(records: u64) -> Scenario {
+    Scenario { records, rate: 20_000, timeout: Duration::from_secs(240), ..Scenario::default() }
+}
+
+#[test]
+fn app_crash_restarts_on_same_host() {
+    let Some(_g) = lab_or_skip("app_crash") else { return };
+    let r = check("app_crash", &Scenario { crashes: vec![Crash::App, Crash::App, Crash::App], ..base(30_000) });
+    assert_eq!(r.crashes, 3);
+    assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 3, "each crash is a recovery");
+}
+
+#[test]
+fn host_crash_recovers_on_other_host() {
+    // app2 has another TS clock (tcp_timestamps=2) and another window scale: PAWS and window
+    // translation are exercised for real.
+    let Some(_g) = lab_or_skip("host_crash") else { return };
+    let r = check("host_crash", &Scenario { crashes: vec![Crash::Host], heterogeneous: true, ..base(30_000) });
+    assert!(r.crash_log[0].app_host.ends_with("app2"));
+}
+
+#[test]
+fn guard_crash_is_turned_into_app_recovery() {
+    let Some(_g) = lab_or_skip("guard_crash") else { return };
+    let r = check("guard_crash", &Scenario { crashes: vec![Crash::App, Crash::Guard], ..base(30_000) });
+    let c = &r.guard["counters"];
+    assert!(c["no_checkpoint_reset"].as_u64().unwrap_or(0) >= 1, "the restarted guard forced the app to recover: {c}");
+}
+
+#[test]
+fn guard_and_app_crash_together() {
+    let Some(_g) = lab_or_skip("guard_and_app") else { return };
+    check("guard_and_app", &Scenario { crashes: vec![Crash::App, Crash::GuardAndApp], ..base(30_000) });
+}
+
+#[test]
+fn host_then_guard_crash_ipv6() {
+    let Some(_g) = lab_or_skip("ipv6") else { return };
+    check("ipv6", &Scenario { crashes: vec![Crash::Host, Crash::Guard], ipv6: true, ..base(30_000) });
+}
+
+#[test]
+fn crash_after_peer_half_close() {
+    // The peer has sent everything and shut down its writing side; the app crashes after
+    // acknowledging the peer's FIN while replies may still be in flight.
+    let Some(_g) = lab_or_skip("half_close") else { return };
+    check("half_close", &Scenario { crashes: vec![], app_crash_point: Some("after-eof".into()), rate: 0, ..base(20_000) });
+}
+
+#[test]
+fn crash_during_fin_after_shutdown_command() {
+    let Some(_g) = lab_or_skip("fin_after_shutdown") else { return };
+    check("fin_after_shutdown", &Scenario { crashes: vec![], app_crash_point: Some("after-shutdown".into()), ..base(10_000) });
+}
+
+#[test]
+fn crash_right_after_the_apps_fin() {
+    let Some(_g) = lab_or_skip("after_fin") else { return };
+    check("after_fin", &Scenario { crashes: vec![], app_crash_point: Some("after-fin".into()), ..base(10_000) });
+}
+
+#[test]
+fn crash_mid_read_at_a_byte_position() {
+    // The crash comes from inside the app between journaling input and acknowledging it.
+    let Some(_g) = lab_or_skip("mid_read") else { return };
+    check("mid_read", &Scenario { crashes: vec![Crash::Host], crash_at: Some(vec![0.7]), app_crash_point: Some("after-bytes:777777".into()), ..base(20_000) });
+}

@@ -25,6 +25,8 @@ struct Entry {
     last_ms: u64,
     /// When the connection was first seen closed both ways.
     closed_ms: Option<u64>,
+    /// An application claimed it with a TELL (or ADOPT walked past it): not offered by ADOPT.
+    told: bool,
 }
 
 /// Counters exported in the status file. Every dropped or refused input lands in one of them.
@@ -62,6 +64,7 @@ pub struct Counters {
     pub cmd_malformed: u64,
     pub cmd_not_protected: u64,
     pub cmd_no_connection: u64,
+    pub adopted: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
     pub connections: u64,
@@ -178,7 +181,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false });
         e.last_ms = now_ms;
         e
     }
@@ -193,6 +196,26 @@ impl Core {
             self.table.remove(&k);
             self.counters.evicted_idle += 1;
         }
+    }
+
+    /// ADOPT: the first connection of `app` after `cursor` (by peer address and port) that no
+    /// TELL claimed and that a recovery SYN could resynchronize.
+    fn next_unclaimed(&self, app: SocketAddr, cursor: SocketAddr) -> Option<SocketAddr> {
+        use unbroken_engines::rtcp::flag;
+        let order = |a: SocketAddr| {
+            let ip = match a.ip() {
+                IpAddr::V4(v4) => v4.to_ipv6_mapped().into(),
+                IpAddr::V6(v6) => u128::from(v6),
+            };
+            (ip, a.port())
+        };
+        let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
+        self.table
+            .iter()
+            .filter(|(k, e)| k.app == app && !e.told && e.conn.flags & need == need && !e.conn.is_closed())
+            .map(|(k, _)| k.peer)
+            .filter(|p| order(*p) > order(cursor))
+            .min_by_key(|p| order(*p))
     }
 
     /// Forgets connections closed both ways for longer than the grace period.
@@ -335,11 +358,31 @@ impl Core {
             self.counters.cmd_not_protected += 1;
             return status_reply(Status::BadRequest, &self.key);
         }
+        if cmd.op == ctl::Op::Adopt {
+            return match self.next_unclaimed(cmd.app, cmd.peer) {
+                Some(peer) => {
+                    let mut ack = [0u8; 0];
+                    let k = FlowKey { app: cmd.app, peer };
+                    let e = self.table.get_mut(&k).expect("just found");
+                    let res = rtcp::command(&mut e.conn, &Command { peer, ..cmd }, &mut ack);
+                    self.counters.adopted += 1;
+                    self.counters.commands_answered += 1;
+                    Command { time_ms: wall_ms, ..res.reply }.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: None })
+                }
+                None => {
+                    self.counters.cmd_no_connection += 1;
+                    status_reply(Status::NoConnection, &self.key)
+                }
+            };
+        }
         if cmd.op == ctl::Op::Tell && !self.table.contains_key(&key) {
             self.counters.cmd_no_connection += 1;
             return status_reply(Status::NoConnection, &self.key);
         }
         let e = self.entry(key, now_ms);
+        if cmd.op == ctl::Op::Tell {
+            e.told = true;
+        }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
         if cmd.op == ctl::Op::Clear {
             self.table.remove(&key);
@@ -445,6 +488,36 @@ mod tests {
         other.ack_a = 1;
         let out = c.command(from_app(), &other.encode(&key()).unwrap(), 5, 0, &mut ack).unwrap();
         assert_eq!(Command::decode(&out.reply, &key()).unwrap().status, Status::BadRequest as u8);
+    }
+
+    #[test]
+    fn adopt_hands_over_unclaimed_connections_in_order() {
+        let mut c = core();
+        let mut ack = [0u8; 128];
+        // Two peers complete handshakes with the service; nobody TELLs.
+        for port in [41001u16, 41000] {
+            let p = SocketAddr::new(peer().ip(), port);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1400), ..Default::default() });
+            c.packet(&mut b, n, 0);
+            let (mut b, n) = pkt(app(), p, Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1400), ..Default::default() });
+            c.packet(&mut b, n, 0);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+            c.packet(&mut b, n, 0);
+        }
+        let adopt = |c: &mut Core, cursor: SocketAddr, nonce: u64| {
+            let cmd = Command::request(Op::Adopt, app(), cursor, nonce, 1);
+            let out = c.command(from_app(), &cmd.encode(&key()).unwrap(), 1, 0, &mut [0u8; 128]).unwrap();
+            Command::decode(&out.reply, &key()).unwrap()
+        };
+        let r1 = adopt(&mut c, "0.0.0.0:0".parse().unwrap(), 20);
+        assert_eq!((r1.status, r1.peer.port(), r1.ack_a, r1.ack_b), (0, 41000, 101, 901));
+        let r2 = adopt(&mut c, r1.peer, 21);
+        assert_eq!(r2.peer.port(), 41001);
+        assert_eq!(adopt(&mut c, r2.peer, 22).status, Status::NoConnection as u8);
+        // A TELL claims 41000: ADOPT no longer offers it.
+        let tell = Command::request(Op::Tell, app(), r1.peer, 23, 1);
+        c.command(from_app(), &tell.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
+        assert_eq!(adopt(&mut c, "0.0.0.0:0".parse().unwrap(), 24).peer.port(), 41001);
     }
 
     #[test]

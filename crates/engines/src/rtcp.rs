@@ -665,6 +665,9 @@ pub fn command(c: &mut Conn, cmd: &Command, ack_buf: &mut [u8]) -> CommandResult
                 c.clear(flag::ORIGIN_PINNED);
             }
         }
+        // ADOPT (unbroken's addition): a read of the state, like TELL, for a connection no
+        // application has claimed yet; it leaves the origin pinned for the TELL that follows.
+        Op::Adopt => {}
         // C2. Acknowledge.
         Op::Acknowledge => {
             if !c.has(flag::ACK_ALLOWED) || Seq(cmd.ack_a).ge(Seq(c.ack_a)) {

@@ -291,6 +291,8 @@ struct Scenario {
     filter_restart_after: Vec<u64>,
     crash_modes: Vec<CrashMode>,
     restart_delay_ms: u64,
+    /// Crash *A* this many times the moment a recovered socket connects (before its TELL).
+    crash_on_reconnect: u32,
     /// Delay between *A*'s socket reconnecting and its TELL (0: in the same step).
     tell_delay_ms: u64,
     /// *A*'s receive buffer per incarnation (cycled): changes *A*'s window scale.
@@ -302,6 +304,9 @@ struct Scenario {
     a_ts_bases: Vec<u32>,
     b_ts_base: u32,
     max_virtual: Duration,
+    /// Check that B's view of A's window never exceeds what A's current socket offers (valid
+    /// when all of A's packets come from its current socket: not with `CloseOnExit`).
+    check_window: bool,
     /// Emulate Linux's answers where smoltcp is silent (see the module docs).
     challenge_ack: bool,
     paws: bool,
@@ -324,12 +329,14 @@ impl Scenario {
             crash_modes: vec![CrashMode::Wipe],
             restart_delay_ms: 30,
             tell_delay_ms: 0,
+            crash_on_reconnect: 0,
             a_rx: vec![65535],
             a_seeds: vec![],
             b_seed: None,
             a_ts_bases: vec![],
             b_ts_base: 0x1000,
             max_virtual: Duration::from_secs(120),
+            check_window: false,
             challenge_ack: true,
             paws: true,
         }
@@ -355,6 +362,8 @@ struct Report {
     pre_accept_recoveries: u32,
     events: Vec<(Event, u32)>,
     paws_drops: u32,
+    /// SACK blocks from B checked to be shifted by a non-zero Δ.
+    sack_blocks_shifted: u32,
     /// Recoveries whose new socket's raw TSval was behind what B last accepted.
     raw_clock_behind_peer: u32,
     /// Largest backwards TSval jump *B* was offered (0 if none).
@@ -522,6 +531,18 @@ fn facts(pkt: &[u8]) -> TcpFacts {
     TcpFacts { flags: t.flags(), seq: t.seq(), ack: t.ack(), window: t.window(), len: t.payload().len() as u32, ts }
 }
 
+/// The TCP header of an IP packet, parsed independently of the engine's own code paths.
+fn repr_of(pkt: &[u8]) -> wtcp::Repr {
+    let info = IpInfo::parse(pkt).expect("ip");
+    let t = wtcp::Packet::new_checked(&pkt[info.l4_offset..info.l4_offset + info.l4_len]).expect("tcp");
+    wtcp::Repr::parse(&t).expect("tcp options")
+}
+
+/// smoltcp's window shift for a receive buffer (`Socket::new`).
+fn win_shift(rx: usize) -> u32 {
+    ((usize::BITS - rx.leading_zeros()) as u32).saturating_sub(16)
+}
+
 /// IPv4 header checksum and TCP checksum of a packet the engine wrote.
 fn assert_checksums(pkt: &[u8], what: &str) {
     let ip = smoltcp::wire::Ipv4Packet::new_checked(pkt).unwrap_or_else(|e| panic!("{what}: bad ipv4 ({e})"));
@@ -558,6 +579,9 @@ struct Sim {
     progress_mark: (usize, usize),
     /// `SIM_TRACE=1`: print every packet of every run.
     trace_all: bool,
+    reconnect_crashes_left: u32,
+    /// B's ISN (its SYN's SEQ): the origin of A's input.
+    b_syn_seq: Option<Seq>,
     /// Set when A gives up on the connection (only in the case described at
     /// [`Report::filter_restart_before_first_tell`]).
     abandoned: Option<String>,
@@ -614,7 +638,10 @@ impl Sim {
             progress_mark: (0, 0),
             trace_all: std::env::var_os("SIM_TRACE").is_some(),
             abandoned: None,
+            b_syn_seq: None,
+            reconnect_crashes_left: 0,
         };
+        sim.reconnect_crashes_left = sim.sc.crash_on_reconnect;
         // A's first incarnation: listen.
         sim.a_new_host();
         let rx = sim.a_rx();
@@ -721,6 +748,7 @@ impl Sim {
         let mut buf = pkt;
         buf.resize(len + HEADROOM, 0);
         let before = describe(&buf[..len]);
+        let r0 = repr_of(&buf[..len]);
         let out = match rtcp::outgoing(&mut self.conn, &mut buf, len) {
             Ok(o) => o,
             Err(e) => self.fail(&format!("outgoing() error {e:?} on {before}")),
@@ -739,6 +767,7 @@ impl Sim {
         match out.verdict {
             Verdict::Forward => {
                 self.note(format!("A->  {}{}", describe(&buf), if out.modified { format!("  (was {before})") } else { String::new() }));
+                self.check_outgoing(&r0, &repr_of(&buf));
                 self.wide_send(Side::B, buf);
             }
             Verdict::Drop => self.note(format!("A-x  DROP {before}{tag}")),
@@ -749,12 +778,70 @@ impl Sim {
         }
     }
 
+    /// Independent checks of a packet algorithm O forwarded (`r0` before, `r1` after).
+    fn check_outgoing(&mut self, r0: &wtcp::Repr, r1: &wtcp::Repr) {
+        // Checkpointed acknowledgment, the point of RTCP: B never sees an ACK for input A has
+        // not persisted (B's FIN counts once B sent it).
+        if r1.flags & F::ACK != 0 {
+            if let Some(isn) = self.b_syn_seq {
+                let bound = isn + 1 + self.a.dur.input.len() as u32 + self.b.close_called as u32;
+                if Seq(r1.ack.0).gt(Seq(bound.0)) {
+                    self.fail(&format!("B is offered ACK {} but A persisted input only up to {}", r1.ack.0, bound.0));
+                }
+            }
+            if r1.ack.gt(r0.ack) {
+                self.fail("O7 raised A's acknowledgment");
+            }
+        }
+        // O8: SEQ - Δ.
+        if r1.flags & F::SYN == 0 && r1.seq != r0.seq - self.conn.delta {
+            self.fail(&format!("O8: seq {} is not {} - Δ {}", r1.seq.0, r0.seq.0, self.conn.delta));
+        }
+        // A's SACK blocks name B's sequence space: untouched.
+        if (r1.sack_len, r1.sack) != (r0.sack_len, r0.sack) {
+            self.fail("outgoing SACK blocks changed");
+        }
+        // The window B computes (with the shift of A's first SYN-ACK) never promises more than
+        // A's current socket offers.
+        if self.sc.check_window && r1.flags & F::SYN == 0 {
+            let old = win_shift(self.sc.a_rx[0]);
+            let cur = win_shift(self.a_rx());
+            let (seen, offered) = ((r1.window as u64) << old, (r0.window as u64) << cur);
+            if seen > offered {
+                self.fail(&format!("B sees a window of {seen} bytes, A offers {offered}"));
+            }
+            if offered >= 1 << (16 + old) && seen < 0xffff << old {
+                self.fail(&format!("window not rescaled: B sees {seen} bytes, A offers {offered}"));
+            }
+        }
+    }
+
+    /// Independent checks of a packet algorithm I forwarded unchanged in meaning: ACK + Δ, SACK
+    /// edges + Δ (I3).
+    fn check_incoming(&mut self, r0: &wtcp::Repr, r1: &wtcp::Repr) {
+        let d = self.conn.delta;
+        if r0.flags & F::ACK != 0 && r0.flags & F::SYN == 0 && r1.ack != r0.ack + d {
+            self.fail(&format!("I3: ack {} is not {} + Δ {d}", r1.ack.0, r0.ack.0));
+        }
+        for i in 0..r0.sack_len as usize {
+            let (l, r) = r0.sack[i];
+            if r1.sack[i] != (l + d, r + d) {
+                self.fail(&format!("SACK block {i} not shifted by Δ {d}"));
+            }
+            if d != 0 {
+                self.rep.sack_blocks_shifted += 1;
+            }
+        }
+    }
+
     /// A packet from *B* reaching the filter: algorithm I.
     fn filter_incoming(&mut self, pkt: Vec<u8>) {
         let len = pkt.len();
         let mut buf = pkt;
         buf.resize(len + HEADROOM, 0);
         let before = describe(&buf[..len]);
+        let r0 = repr_of(&buf[..len]);
+        let pending_before = self.conn.flags & rtcp::flag::SYN_PENDING != 0;
         let out = match rtcp::incoming(&mut self.conn, &mut buf, len) {
             Ok(o) => o,
             Err(e) => self.fail(&format!("incoming() error {e:?} on {before}")),
@@ -773,6 +860,9 @@ impl Sim {
         match out.verdict {
             Verdict::Forward => {
                 self.note(format!(" ->A {}{tag}{}", describe(&buf), if out.modified { format!("  (was {before})") } else { String::new() }));
+                if !pending_before && out.event.is_none() {
+                    self.check_incoming(&r0, &repr_of(&buf));
+                }
                 self.deliver(Side::A, buf);
             }
             Verdict::Drop => self.note(format!(" x-A DROP {before}{tag}")),
@@ -915,6 +1005,9 @@ impl Sim {
             if f.flags & F::RST != 0 && !self.b.close_called {
                 self.fail(&format!("B sent a RST: {}", describe(&p)));
             }
+            if f.flags & F::SYN != 0 && self.b_syn_seq.is_none() {
+                self.b_syn_seq = Some(f.seq);
+            }
             let end = f.seq + f.len + (f.flags & F::SYN != 0) as u32 + (f.flags & F::FIN != 0) as u32;
             self.b.snd_nxt = Some(self.b.snd_nxt.map_or(end, |s| s.max(end)));
             if f.flags & F::ACK != 0 {
@@ -967,6 +1060,12 @@ impl Sim {
             Phase::Connecting { pre_accept } => {
                 let st = self.a_tcp().state();
                 match st {
+                    State::Established | State::CloseWait if self.reconnect_crashes_left > 0 => {
+                        // Dies again as soon as it reconnected, before TELL and before it
+                        // re-enqueued anything (the race section 2.4.2 guards against).
+                        self.reconnect_crashes_left -= 1;
+                        self.crash_a();
+                    }
                     State::Established | State::CloseWait if self.tell_wait() => {}
                     State::Established | State::CloseWait => {
                         // Reconnected: TELL; delivered = ackB - ackB0 (mod 2^32, unwrapped near
@@ -1084,9 +1183,11 @@ impl Sim {
             let n = host.sockets.get_mut::<tcp::Socket>(h).send_slice(&self.a.dur.output[sent..]).unwrap_or(0);
             self.a.sent += n;
         }
-        // Finished: all input consumed, all output acknowledged by B. SHUTDOWN, then close().
+        // Finished: all input consumed, the last send() returned (section 2.4.2: the TCP sends
+        // what it holds before its FIN; nothing waits for B's acknowledgments). SHUTDOWN, then
+        // close().
         let done = self.a.dur.input.len() == self.b.payload.len() && self.a.sent == self.a.dur.output.len();
-        if done && !self.a.shutdown_sent && self.a_tcp().send_queue() == 0 {
+        if done && !self.a.shutdown_sent {
             self.command(Op::Shutdown, 0, None);
             self.a.shutdown_sent = true;
             self.a_tcp().close();
@@ -1491,6 +1592,20 @@ fn s2_4_spurious_fin_on_exit_at_every_packet() {
     assert!(reps.iter().map(|r| r.count(Event::SpuriousFinReset)).sum::<u32>() > 0);
 }
 
+/// Section 2.4.2's race: *A* sends RTCP_SHUTDOWN once its last send() returned (its output
+/// may still be in flight), dies, recovers, and dies again before it re-enqueued its output; its
+/// kernel's FIN must again be taken for spurious (O5 forgets FIN_ALLOWED), or *B* would see the
+/// end of the stream before the rest of the output.
+#[test]
+fn s2_4_shutdown_then_crash_twice_at_every_packet() {
+    let mut base = Scenario::new("", 10, 20_000);
+    base.crash_modes = vec![CrashMode::CloseOnExit];
+    base.crash_on_reconnect = 1;
+    base.restart_delay_ms = 1;
+    let reps = sweep("s2.4-shutdown-crash-twice", base, false, |sc, k| sc.crash_after = vec![k]);
+    assert!(reps.iter().filter(|r| r.crashes == 2).count() > 10);
+}
+
 /// A machine that is silent while down (nothing answers *B*) at every packet position.
 #[test]
 fn o5_silent_host_at_every_packet() {
@@ -1522,15 +1637,19 @@ fn s4_repeated_crashes_with_loss() {
     }
 }
 
-/// A's window scale changes across crashes (receive buffers of 64 KiB, 256 KiB, 32 KiB, 1 MiB):
-/// the engine rescales A's window to the shift B still applies.
+/// A's window scale changes across crashes (its receive buffer differs per incarnation), in
+/// both directions: the engine rescales A's window to the shift B still applies, so B is never
+/// promised more than A's socket offers, and the window does not collapse either.
 #[test]
 fn window_scale_changes_across_crashes() {
-    let mut sc = Scenario::new("wscale", 300, 200_000);
-    sc.a_rx = vec![65535, 256 * 1024, 32 * 1024, 1024 * 1024];
-    sc.crash_at_input = spread_input(&sc, 3);
-    let r = run(sc);
-    assert_eq!((r.crashes, r.recoveries_completed), (3, 3), "{r:?}");
+    for (i, rx) in [vec![65535, 256 * 1024, 32 * 1024, 1024 * 1024], vec![1024 * 1024, 65535, 128 * 1024, 16 * 1024]].into_iter().enumerate() {
+        let mut sc = Scenario::new(&format!("wscale-{i}"), 300 + i as u64, 200_000);
+        sc.a_rx = rx;
+        sc.check_window = true;
+        sc.crash_at_input = spread_input(&sc, 3);
+        let r = run(sc);
+        assert_eq!((r.crashes, r.recoveries_completed), (3, 3), "{r:?}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

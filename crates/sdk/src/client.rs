@@ -72,6 +72,9 @@ pub struct ClientStats {
 pub struct Reply {
     /// The operation answered.
     pub op: Op,
+    /// The connection's peer: the request's, except for ADOPT, which names the connection
+    /// it hands over.
+    pub peer: SocketAddr,
     /// [`ctl::flag`] bits: `ACK_ALLOWED`, `RECOVERABLE`, `FIN_ALLOWED`, `ACK_EVERYTHING`.
     pub flags: u8,
     /// ackA: the checkpointed acknowledgment, in the peer's sequence space.
@@ -293,7 +296,7 @@ impl GuardClient {
                 match self.sock.recv_from(&mut buf) {
                     Ok((n, _from)) => match self.accept(&buf[..n], &cmd, &nonces) {
                         Some(reply) if reply.status == status::OK => {
-                            return Ok(Reply { op: reply.op, flags: reply.flags, ack_a: reply.ack_a, ack_b: reply.ack_b, options: reply.options })
+                            return Ok(Reply { op: reply.op, peer: reply.peer, flags: reply.flags, ack_a: reply.ack_a, ack_b: reply.ack_b, options: reply.options })
                         }
                         Some(reply) => return Err(Error::Rejected(reply.status)),
                         None => {
@@ -316,7 +319,9 @@ impl GuardClient {
     fn accept(&self, dgram: &[u8], req: &Command, nonces: &[u64]) -> Option<Command> {
         let c = Command::decode(dgram, &self.key).ok()?;
         let same = |a: SocketAddr, b: SocketAddr| a.ip() == b.ip() && a.port() == b.port();
-        (c.response && c.op == req.op && nonces.contains(&c.nonce) && same(c.app, req.app) && same(c.peer, req.peer)).then_some(c)
+        // ADOPT answers with another connection's peer (the one handed over).
+        let peer_ok = req.op == Op::Adopt || same(c.peer, req.peer);
+        (c.response && c.op == req.op && nonces.contains(&c.nonce) && same(c.app, req.app) && peer_ok).then_some(c)
     }
 }
 

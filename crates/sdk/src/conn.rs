@@ -125,6 +125,34 @@ pub fn clear(rec: &ConnRecord, client: &GuardClient) -> Result<Reply> {
     client.clear(rec.app(), rec.peer())
 }
 
+/// ADOPT (unbroken's addition to RTCP's commands): the connections to `app` (the service's
+/// address and port) that the guard holds but no application has claimed with a TELL — those
+/// whose application died after its kernel completed the handshake but before [`establish`].
+/// Each comes back as a [`ConnRecord`] built from the guard's state, which is still the
+/// initial one (nothing can have been consumed or sent before `establish`): persist it, then
+/// [`recover`] it with `consumed_total = 0` and `sent_total = 0`.
+///
+/// Call it at start-up, before accepting, and only when this process is the sole owner of
+/// `app` (several live workers sharing the port could take each other's fresh connections).
+/// Skip peers you already hold a record for: a guard that restarted has forgotten which
+/// connections were told about.
+pub fn adopt(client: &GuardClient, app: SocketAddr) -> Result<Vec<ConnRecord>> {
+    let mut cursor = SocketAddr::new(if app.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() }, 0);
+    let mut out = Vec::new();
+    // Bounded: the guard's table is finite, and each answer moves the cursor forward.
+    for _ in 0..(1 << 20) {
+        match client.request(unbroken_wire::ctl::Op::Adopt, app, cursor, 0, None) {
+            Ok(r) => {
+                out.push(ConnRecord::new(app, r.peer, r.ack_a, r.ack_b, r.options)?);
+                cursor = r.peer;
+            }
+            Err(Error::Rejected(status::NO_CONNECTION)) => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
 /// Recovers a connection after the application (or the guard) failed (sections 2.7 and 4):
 ///
 /// 1. RTCP_ACKNOWLEDGE with `ack_a0 + consumed_total` and the record's options, so a guard

@@ -105,3 +105,12 @@ fn crash_mid_read_at_a_byte_position() {
     let Some(_g) = lab_or_skip("mid_read") else { return };
     check("mid_read", &Scenario { crashes: vec![Crash::Host], crash_at: Some(vec![0.7]), app_crash_point: Some("after-bytes:777777".into()), ..base(20_000) });
 }
+
+#[test]
+fn crash_during_the_handshake() {
+    // The app dies right after its kernel accepted the connection, before it told the guard or
+    // journaled a record: the restarted app ADOPTs the connection from the guard and recovers it.
+    let Some(_g) = lab_or_skip("handshake") else { return };
+    let r = check("handshake", &Scenario { crashes: vec![Crash::App], app_crash_point: Some("accepted".into()), ..base(10_000) });
+    assert!(r.guard["counters"]["adopted"].as_u64().unwrap_or(0) >= 1, "{}", r.guard["counters"]);
+}

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | 0 | 4 | magic `UBRK` |
 //! | 4 | 1 | version, 1 |
-//! | 5 | 1 | op: 1 TELL, 2 ACKNOWLEDGE, 3 SHUTDOWN, 4 SHUTDOWN_READING, 5 SHUTDOWN_WRITING, 6 CLEAR; responses set bit 7 |
+//! | 5 | 1 | op: 1 TELL, 2 ACKNOWLEDGE, 3 SHUTDOWN, 4 SHUTDOWN_READING, 5 SHUTDOWN_WRITING, 6 CLEAR, 7 ADOPT; responses set bit 7 |
 //! | 6 | 1 | status (responses): 0 ok, 1 no such connection, 2 bad request |
 //! | 7 | 1 | flags: bit 0 options present, bits 1-4 (responses) ack_allowed, recoverable, fin_allowed, ack_everything |
 //! | 8 | 8 | nonce, chosen by the sender of the request, echoed in the response |
@@ -28,6 +28,14 @@
 //! | 80 | 16 | HMAC-SHA256 over bytes 0..80 with the shared key, first 16 bytes |
 //!
 //! A datagram of any other size, magic, version or MAC is rejected before anything is parsed.
+//!
+//! ADOPT (7) is unbroken's addition to the paper's six commands: for an application that died
+//! after its kernel accepted a connection but before it told the guard (so it holds no record of
+//! it), the guard hands over, one per request, the connections of the application's address and
+//! port that no TELL has claimed. The request's peer field is a cursor (the last peer returned,
+//! or the unspecified address with port 0 to start); the response names the next such
+//! connection in (address, port) order with its ackA, ackB and options, or status 1 when none
+//! is left.
 
 use crate::{Error, Result};
 use hmac::{Hmac, Mac};
@@ -50,6 +58,7 @@ pub enum Op {
     ShutdownReading = 4,
     ShutdownWriting = 5,
     Clear = 6,
+    Adopt = 7,
 }
 
 impl Op {
@@ -61,6 +70,7 @@ impl Op {
             4 => Op::ShutdownReading,
             5 => Op::ShutdownWriting,
             6 => Op::Clear,
+            7 => Op::Adopt,
             _ => return None,
         })
     }

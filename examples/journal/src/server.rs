@@ -332,6 +332,28 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
             }
         }
     }
+    // Then connections the guard holds that we never told about: this process died after its
+    // kernel accepted them but before it journaled their record (a crash during the handshake).
+    match unbroken_sdk::adopt(&client, args.listen) {
+        Ok(recs) => {
+            for rec in recs {
+                let dir = conn_dir(&args.dir, rec.peer());
+                if dir.join("record").exists() {
+                    continue;
+                }
+                let res = fs::create_dir_all(&dir).and_then(|_| fs::write(dir.join("record.tmp"), rec.to_bytes())).and_then(|_| fs::rename(dir.join("record.tmp"), dir.join("record")));
+                if let Err(e) = res {
+                    log(&format!("{}: cannot journal adopted connection: {e}", rec.peer()));
+                    continue;
+                }
+                log(&format!("{}: adopted from the guard (accepted but never told)", rec.peer()));
+                let c = client.clone();
+                let (f, e) = (args.fsync, args.echo);
+                workers.push(std::thread::spawn(move || recover_one(c, dir, f, e)));
+            }
+        }
+        Err(e) => log(&format!("adopt: {e} (continuing without)")),
+    }
     let listener = match unbroken_sdk::reuseport_listener(args.listen, 128) {
         Ok(l) => l,
         Err(e) => {

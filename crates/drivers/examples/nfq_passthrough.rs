@@ -16,7 +16,9 @@ use unbroken_drivers::nfqueue::{Queue, QueueConfig, Verdict};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 4 {
-        return Err("usage: nfq_passthrough QUEUE SERVICE_ADDR PORT SECONDS [--no-gso] [--batch N]".into());
+        return Err(
+            "usage: nfq_passthrough QUEUE SERVICE_ADDR PORT SECONDS [--no-gso] [--batch N]".into(),
+        );
     }
     let queue_num: u16 = args[0].parse()?;
     let addr: IpAddr = args[1].parse()?;
@@ -28,12 +30,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => 64,
     };
 
-    let mut q = Queue::open(&QueueConfig { queue_num, gso, ..QueueConfig::default() })?;
-    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-BENCH", queue_num.into()), queue_num, 0x1);
+    let mut q = Queue::open(&QueueConfig {
+        queue_num,
+        gso,
+        ..QueueConfig::default()
+    })?;
+    let mut spec = RuleSpec::new(
+        RuleSpec::chain_name("UNBROKEN-BENCH", queue_num.into()),
+        queue_num,
+        0x1,
+    );
     spec.hooks = vec![BuiltinChain::Forward];
     spec.services = vec![Service::tcp(addr, port)];
     let rules = Rules::install(&spec)?;
-    eprintln!("queue {queue_num} bound (gso {gso}, batch {batch}); forwarding {addr}:{port} for {secs}s");
+    eprintln!(
+        "queue {queue_num} bound (gso {gso}, batch {batch}); forwarding {addr}:{port} for {secs}s"
+    );
 
     let end = Instant::now() + Duration::from_secs(secs);
     let mut pkts = Vec::new();

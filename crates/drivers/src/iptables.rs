@@ -21,7 +21,8 @@
 //! **Crash safety.** [`Rules::install`] first removes whatever a previous run left under the
 //! same chain name (jumps from every built-in chain of the table, then the chain) in both
 //! families, so installing is idempotent. [`Rules::remove`] and `Drop` undo an installation.
-//! Commands run with `-w` so concurrent iptables users wait for the lock instead of failing.
+//! Commands run with `-w 30` so concurrent iptables users wait for the lock (up to 30 s)
+//! instead of failing.
 
 use std::ffi::OsString;
 use std::io;
@@ -112,12 +113,20 @@ pub struct Service {
 impl Service {
     /// A TCP service.
     pub fn tcp(addr: IpAddr, port: u16) -> Service {
-        Service { addr, port, proto: Proto::Tcp }
+        Service {
+            addr,
+            port,
+            proto: Proto::Tcp,
+        }
     }
 
     /// A UDP service.
     pub fn udp(addr: IpAddr, port: u16) -> Service {
-        Service { addr, port, proto: Proto::Udp }
+        Service {
+            addr,
+            port,
+            proto: Proto::Udp,
+        }
     }
 }
 
@@ -177,9 +186,13 @@ impl RuleSpec {
 
     fn validate(&self) -> io::Result<()> {
         let c = &self.chain;
-        let ok_chars = c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+        let ok_chars = c
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
         if c.is_empty() || c.len() > 28 || c.starts_with('-') || !ok_chars {
-            return Err(invalid(format!("bad chain name {c:?}: 1-28 characters of [A-Za-z0-9_.-], not starting with '-'")));
+            return Err(invalid(format!(
+                "bad chain name {c:?}: 1-28 characters of [A-Za-z0-9_.-], not starting with '-'"
+            )));
         }
         if self.table.builtin_chains().iter().any(|b| b.as_str() == c) {
             return Err(invalid(format!("chain name {c:?} is a built-in chain")));
@@ -187,14 +200,24 @@ impl RuleSpec {
         if self.hooks.is_empty() {
             return Err(invalid("no built-in chain to jump from".into()));
         }
-        if let Some(h) = self.hooks.iter().find(|h| !self.table.builtin_chains().contains(h)) {
-            return Err(invalid(format!("table {} has no {} chain", self.table.as_str(), h.as_str())));
+        if let Some(h) = self
+            .hooks
+            .iter()
+            .find(|h| !self.table.builtin_chains().contains(h))
+        {
+            return Err(invalid(format!(
+                "table {} has no {} chain",
+                self.table.as_str(),
+                h.as_str()
+            )));
         }
         if self.services.is_empty() {
             return Err(invalid("no service to protect".into()));
         }
         if self.mark & self.mark_mask == 0 {
-            return Err(invalid("the injection mark must be nonzero under its mask".into()));
+            return Err(invalid(
+                "the injection mark must be nonzero under its mask".into(),
+            ));
         }
         Ok(())
     }
@@ -224,7 +247,11 @@ impl RuleSpec {
             ]),
         ];
         let queue = self.queue_num.to_string();
-        for s in self.services.iter().filter(|s| Family::of(s.addr) == family) {
+        for s in self
+            .services
+            .iter()
+            .filter(|s| Family::of(s.addr) == family)
+        {
             let port = s.port.to_string();
             let addr = s.addr.to_string();
             for (addr_flag, port_flag) in [("-s", "--sport"), ("-d", "--dport")] {
@@ -232,7 +259,14 @@ impl RuleSpec {
                 if !s.addr.is_unspecified() {
                     c.extend(args(&[addr_flag, &addr]));
                 }
-                c.extend(args(&[port_flag, &port, "-j", "NFQUEUE", "--queue-num", &queue]));
+                c.extend(args(&[
+                    port_flag,
+                    &port,
+                    "-j",
+                    "NFQUEUE",
+                    "--queue-num",
+                    &queue,
+                ]));
                 if self.queue_bypass {
                     c.push("--queue-bypass".into());
                 }
@@ -285,7 +319,10 @@ impl Rules {
     pub fn install(spec: &RuleSpec) -> io::Result<Rules> {
         spec.validate()?;
         Self::remove_leftovers(spec)?;
-        let mut rules = Rules { spec: spec.clone(), installed: Vec::new() };
+        let mut rules = Rules {
+            spec: spec.clone(),
+            installed: Vec::new(),
+        };
         for family in spec.families() {
             rules.installed.push(family);
             for cmd in spec.install_commands(family) {
@@ -348,7 +385,10 @@ impl Drop for Rules {
 /// Removes jumps to the chain, then flushes and deletes it. Absent chain: nothing to do.
 fn remove_chain(spec: &RuleSpec, family: Family) -> io::Result<()> {
     let chain = spec.chain.as_str();
-    if !try_run(spec, family, &args(&["-S", chain]))?.status.success() {
+    if !try_run(spec, family, &args(&["-S", chain]))?
+        .status
+        .success()
+    {
         // No such chain, hence no jumps to it either (iptables refuses both otherwise).
         return Ok(());
     }
@@ -356,7 +396,10 @@ fn remove_chain(spec: &RuleSpec, family: Family) -> io::Result<()> {
         // Each -D removes one matching jump; a crashed run may have left several. The bound
         // keeps a misbehaving binary from looping forever.
         for _ in 0..64 {
-            if !try_run(spec, family, &args(&["-D", b.as_str(), "-j", chain]))?.status.success() {
+            if !try_run(spec, family, &args(&["-D", b.as_str(), "-j", chain]))?
+                .status
+                .success()
+            {
                 break;
             }
         }
@@ -365,6 +408,9 @@ fn remove_chain(spec: &RuleSpec, family: Family) -> io::Result<()> {
     run(spec, family, &args(&["-X", chain]))?;
     Ok(())
 }
+
+/// How long a command waits for the xtables lock held by another iptables user.
+const LOCK_WAIT_SECS: &str = "30";
 
 fn command(spec: &RuleSpec, family: Family, a: &[String]) -> Command {
     let bin = match family {
@@ -379,7 +425,13 @@ fn command(spec: &RuleSpec, family: Family, a: &[String]) -> Command {
         }
         None => Command::new(bin),
     };
-    argv.extend(["-w".into(), "-t".into(), spec.table.as_str().into()]);
+    // Wait for the xtables lock (iptables-legacy), but not forever.
+    argv.extend([
+        "-w".into(),
+        LOCK_WAIT_SECS.into(),
+        "-t".into(),
+        spec.table.as_str().into(),
+    ]);
     argv.extend(a.iter().map(OsString::from));
     cmd.args(argv);
     cmd.env("LC_ALL", "C");
@@ -407,7 +459,10 @@ fn try_run(spec: &RuleSpec, family: Family, a: &[String]) -> io::Result<Output> 
     if !out.status.success() && spec.netns.is_some() {
         let err = String::from_utf8_lossy(&out.stderr);
         if err.contains("No such file or directory") && err.contains("exec") {
-            return Err(io::Error::new(io::ErrorKind::NotFound, format!("`{}`: {}", describe(&cmd), err.trim())));
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("`{}`: {}", describe(&cmd), err.trim()),
+            ));
         }
     }
     Ok(out)
@@ -447,7 +502,11 @@ mod tests {
     fn commands_for_each_family() {
         let mut s = spec();
         s.queue_bypass = true;
-        let v4: Vec<String> = s.install_commands(Family::V4).iter().map(|c| c.join(" ")).collect();
+        let v4: Vec<String> = s
+            .install_commands(Family::V4)
+            .iter()
+            .map(|c| c.join(" "))
+            .collect();
         assert_eq!(
             v4,
             vec![
@@ -461,8 +520,15 @@ mod tests {
                 "-I OUTPUT 1 -j UNBROKEN-Q2",
             ]
         );
-        let v6: Vec<String> = s.install_commands(Family::V6).iter().map(|c| c.join(" ")).collect();
-        assert_eq!(v6[2], "-A UNBROKEN-Q2 -p tcp -s fd00::2 --sport 443 -j NFQUEUE --queue-num 2 --queue-bypass");
+        let v6: Vec<String> = s
+            .install_commands(Family::V6)
+            .iter()
+            .map(|c| c.join(" "))
+            .collect();
+        assert_eq!(
+            v6[2],
+            "-A UNBROKEN-Q2 -p tcp -s fd00::2 --sport 443 -j NFQUEUE --queue-num 2 --queue-bypass"
+        );
         assert_eq!(v6.len(), 6);
         assert_eq!(s.families(), vec![Family::V4, Family::V6]);
     }
@@ -471,11 +537,14 @@ mod tests {
     fn command_lines() {
         let mut s = spec();
         let c = command(&s, Family::V6, &args(&["-S", "X"]));
-        assert_eq!(describe(&c), "ip6tables -w -t mangle -S X");
+        assert_eq!(describe(&c), "ip6tables -w 30 -t mangle -S X");
         s.netns = Some("ns1".into());
         s.table = Table::Filter;
         let c = command(&s, Family::V4, &args(&["-F", "X"]));
-        assert_eq!(describe(&c), "ip netns exec ns1 iptables -w -t filter -F X");
+        assert_eq!(
+            describe(&c),
+            "ip netns exec ns1 iptables -w 30 -t filter -F X"
+        );
     }
 
     #[test]
@@ -487,9 +556,18 @@ mod tests {
             s.validate().unwrap_err().kind()
         };
         assert_eq!(bad(&|s| s.chain = "-X".into()), io::ErrorKind::InvalidInput);
-        assert_eq!(bad(&|s| s.chain = "A B".into()), io::ErrorKind::InvalidInput);
-        assert_eq!(bad(&|s| s.chain = "X".repeat(29)), io::ErrorKind::InvalidInput);
-        assert_eq!(bad(&|s| s.chain = "INPUT".into()), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            bad(&|s| s.chain = "A B".into()),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|s| s.chain = "X".repeat(29)),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|s| s.chain = "INPUT".into()),
+            io::ErrorKind::InvalidInput
+        );
         assert_eq!(bad(&|s| s.hooks.clear()), io::ErrorKind::InvalidInput);
         assert_eq!(bad(&|s| s.services.clear()), io::ErrorKind::InvalidInput);
         assert_eq!(bad(&|s| s.mark = 0), io::ErrorKind::InvalidInput);

@@ -244,7 +244,11 @@ pub(crate) fn parse_error(msg: &Msg<'_>) -> Result<ErrorMsg, ParseError> {
             }
         }
     }
-    Ok(ErrorMsg { errno: error.saturating_neg(), request_seq, text })
+    Ok(ErrorMsg {
+        errno: error.saturating_neg(),
+        request_seq,
+        text,
+    })
 }
 
 #[cfg(test)]
@@ -274,7 +278,13 @@ mod tests {
         let m = msgs[0].unwrap();
         assert_eq!((m.ty, m.flags, m.seq), (0x0302, 5, 7));
         let attrs: Vec<_> = attributes(&m.payload[4..]).map(Result::unwrap).collect();
-        assert_eq!(attrs, vec![(1, &[1u8, 0, 0, 0][..]), (2, &[0xaa, 0xbb, 0xcc, 0xdd, 0xee][..])]);
+        assert_eq!(
+            attrs,
+            vec![
+                (1, &[1u8, 0, 0, 0][..]),
+                (2, &[0xaa, 0xbb, 0xcc, 0xdd, 0xee][..])
+            ]
+        );
     }
 
     #[test]
@@ -291,15 +301,27 @@ mod tests {
 
     #[test]
     fn malformed_framing_is_an_error_not_a_panic() {
-        assert_eq!(messages(&[1, 2, 3]).next(), Some(Err(ParseError::Truncated)));
+        assert_eq!(
+            messages(&[1, 2, 3]).next(),
+            Some(Err(ParseError::Truncated))
+        );
         let mut short_len = [0u8; 16];
         short_len[0] = 8;
-        assert_eq!(messages(&short_len).next(), Some(Err(ParseError::BadLength)));
+        assert_eq!(
+            messages(&short_len).next(),
+            Some(Err(ParseError::BadLength))
+        );
         let mut long_len = [0u8; 16];
         long_len[0] = 200;
         assert_eq!(messages(&long_len).next(), Some(Err(ParseError::Truncated)));
-        assert_eq!(attributes(&[2, 0, 1, 0]).next(), Some(Err(ParseError::BadLength)));
-        assert_eq!(attributes(&[9, 0, 1, 0, 1]).next(), Some(Err(ParseError::Truncated)));
+        assert_eq!(
+            attributes(&[2, 0, 1, 0]).next(),
+            Some(Err(ParseError::BadLength))
+        );
+        assert_eq!(
+            attributes(&[9, 0, 1, 0, 1]).next(),
+            Some(Err(ParseError::Truncated))
+        );
         // Short trailing garbage after a valid attribute is ignored, as the kernel does.
         assert_eq!(attributes(&[4, 0, 1, 0, 0, 0]).count(), 1);
         // Every prefix of a valid buffer walks without panicking.
@@ -331,7 +353,14 @@ mod tests {
         w.raw(&echoed);
         w.finish();
         let m = messages(&buf).next().unwrap().unwrap();
-        assert_eq!(parse_error(&m).unwrap(), ErrorMsg { errno: 0, request_seq: 9, text: None });
+        assert_eq!(
+            parse_error(&m).unwrap(),
+            ErrorMsg {
+                errno: 0,
+                request_seq: 9,
+                text: None
+            }
+        );
 
         // EPERM with an ext-ack message.
         let mut buf = vec![];
@@ -345,8 +374,20 @@ mod tests {
         let m = messages(&buf).next().unwrap().unwrap();
         assert_eq!(
             parse_error(&m).unwrap(),
-            ErrorMsg { errno: libc::EPERM, request_seq: 3, text: Some("queue busy".into()) }
+            ErrorMsg {
+                errno: libc::EPERM,
+                request_seq: 3,
+                text: Some("queue busy".into())
+            }
         );
-        assert_eq!(parse_error(&Msg { ty: 2, flags: 0, seq: 0, payload: &[0; 8] }), Err(ParseError::Truncated));
+        assert_eq!(
+            parse_error(&Msg {
+                ty: 2,
+                flags: 0,
+                seq: 0,
+                payload: &[0; 8]
+            }),
+            Err(ParseError::Truncated)
+        );
     }
 }

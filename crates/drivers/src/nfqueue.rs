@@ -201,7 +201,8 @@ pub struct Stats {
     /// Most recent errno of a rejected verdict.
     pub last_verdict_errno: i32,
     /// Messages that could not be decoded. A packet whose id could still be read was
-    /// accepted unchanged so it does not stall.
+    /// dropped so it does not stall: for a consumer that rewrites packets, letting one pass
+    /// unexamined can do more harm than losing it (TCP retransmits a lost segment).
     pub parse_errors: u64,
 }
 
@@ -221,7 +222,12 @@ pub struct NetlinkError {
 
 impl core::fmt::Display for NetlinkError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "{}: {}", self.operation, io::Error::from_raw_os_error(self.errno))?;
+        write!(
+            f,
+            "{}: {}",
+            self.operation,
+            io::Error::from_raw_os_error(self.errno)
+        )?;
         if let Some(d) = &self.detail {
             write!(f, " ({d})")?;
         }
@@ -252,7 +258,8 @@ pub struct Queue {
     /// Pending verdict messages.
     sendbuf: Vec<u8>,
     pending_verdicts: u64,
-    /// Packets that arrived while `open` waited for its acknowledgement.
+    /// Packets received but not handed out yet: those that arrived while `open` waited for
+    /// its acknowledgement, or beyond a batch's `max`.
     early: VecDeque<QueuedPacket>,
     /// Payload buffers recycled from the caller's previous batch.
     spare: Vec<Vec<u8>>,
@@ -293,7 +300,12 @@ impl Queue {
         sys::cvt(unsafe { libc::connect(raw, (&addr as *const libc::sockaddr_nl).cast(), alen) })?;
 
         sys::set_buffer(&fd, libc::SO_RCVBUFFORCE, libc::SO_RCVBUF, cfg.rcvbuf)?;
-        sys::set_buffer(&fd, libc::SO_SNDBUFFORCE, libc::SO_SNDBUF, 4 * SEND_FLUSH_BYTES)?;
+        sys::set_buffer(
+            &fd,
+            libc::SO_SNDBUFFORCE,
+            libc::SO_SNDBUF,
+            4 * SEND_FLUSH_BYTES,
+        )?;
         // Acks echo only the request's header, not a 64 KiB verdict payload. Best effort:
         // both options exist since Linux 4.2/4.12.
         let _ = sys::setsockopt_int(raw, libc::SOL_NETLINK, libc::NETLINK_CAP_ACK, 1);
@@ -318,7 +330,8 @@ impl Queue {
         let mut msg = Vec::with_capacity(128);
         build_config(&mut msg, seq, cfg);
         q.send_all(&msg)?;
-        q.wait_ack(seq).map_err(|e| explain_config_error(e, cfg.queue_num))?;
+        q.wait_ack(seq)
+            .map_err(|e| explain_config_error(e, cfg.queue_num))?;
         Ok(q)
     }
 
@@ -361,6 +374,12 @@ impl Queue {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             self.drain(out, max)?;
+            // A datagram holding several packet messages may overshoot `max`; keep the rest.
+            while out.len() > max {
+                if let Some(p) = out.pop() {
+                    self.early.push_front(p);
+                }
+            }
             if !out.is_empty() {
                 break;
             }
@@ -379,7 +398,12 @@ impl Queue {
     /// (from the network header on, at most [`MAX_PAYLOAD`] bytes; transport checksums are the
     /// caller's job). Sent at the next [`Queue::flush`] or `recv_batch`, or at once when the
     /// send buffer is full.
-    pub fn set_verdict(&mut self, id: u32, verdict: Verdict, new_payload: Option<&[u8]>) -> io::Result<()> {
+    pub fn set_verdict(
+        &mut self,
+        id: u32,
+        verdict: Verdict,
+        new_payload: Option<&[u8]>,
+    ) -> io::Result<()> {
         self.set_verdict_mark(id, verdict, None, new_payload)
     }
 
@@ -395,7 +419,10 @@ impl Queue {
             if p.len() > MAX_PAYLOAD {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
-                    format!("replacement payload of {} bytes exceeds {MAX_PAYLOAD}", p.len()),
+                    format!(
+                        "replacement payload of {} bytes exceeds {MAX_PAYLOAD}",
+                        p.len()
+                    ),
                 ));
             }
         }
@@ -404,7 +431,15 @@ impl Queue {
             self.flush()?;
         }
         let seq = self.next_seq();
-        build_verdict(&mut self.sendbuf, seq, self.queue_num, id, verdict, mark, new_payload);
+        build_verdict(
+            &mut self.sendbuf,
+            seq,
+            self.queue_num,
+            id,
+            verdict,
+            mark,
+            new_payload,
+        );
         self.pending_verdicts += 1;
         Ok(())
     }
@@ -461,11 +496,23 @@ impl Queue {
             let left = deadline.saturating_duration_since(Instant::now());
             match sys::wait_readable(self.fd.as_raw_fd(), Some(left)) {
                 Ok(true) => {}
-                Ok(false) => return Err(fail(libc::ETIMEDOUT, Some("no acknowledgement from the kernel".into()))),
+                Ok(false) => {
+                    return Err(fail(
+                        libc::ETIMEDOUT,
+                        Some("no acknowledgement from the kernel".into()),
+                    ))
+                }
                 Err(e) => return Err(fail(e.raw_os_error().unwrap_or(libc::EIO), None)),
             }
             // SAFETY: `buf` is live and writable for its length.
-            let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.raw_os_error() {
@@ -498,7 +545,11 @@ impl Queue {
                 }
             }
             if let Some(e) = result {
-                return if e.errno == 0 { Ok(()) } else { Err(fail(e.errno, e.text)) };
+                return if e.errno == 0 {
+                    Ok(())
+                } else {
+                    Err(fail(e.errno, e.text))
+                };
             }
         }
     }
@@ -564,12 +615,17 @@ impl Queue {
         }
         let mut data = self.spare.pop().unwrap_or_default();
         data.clear();
-        let mut pkt = QueuedPacket { data, ..QueuedPacket::default() };
+        let mut pkt = QueuedPacket {
+            data,
+            ..QueuedPacket::default()
+        };
         match parse_packet(m.payload, &mut pkt) {
             Ok(has_payload) => {
                 if out.is_none() && !has_payload {
-                    // Arrived during open() before the copy mode applied: nothing to show.
-                    let _ = self.set_verdict(pkt.id, Verdict::Accept, None);
+                    // Queued during open() before the copy mode applied, so without its bytes:
+                    // nothing to show the caller. Dropped rather than passed unexamined (see
+                    // `Stats::parse_errors`).
+                    let _ = self.set_verdict(pkt.id, Verdict::Drop, None);
                     self.spare.push(pkt.data);
                     return;
                 }
@@ -581,7 +637,7 @@ impl Queue {
             Err(e) => {
                 self.stats.parse_errors += 1;
                 if let Some(id) = e.id {
-                    let _ = self.set_verdict(id, Verdict::Accept, None);
+                    let _ = self.set_verdict(id, Verdict::Drop, None);
                 }
                 self.spare.push(pkt.data);
             }
@@ -637,7 +693,10 @@ fn send_all_fd(fd: RawFd, buf: &[u8]) -> io::Result<()> {
 fn recvmmsg_dontwait(fd: RawFd, bufs: &mut [Vec<u8>]) -> io::Result<Vec<(usize, bool)>> {
     let mut iovs: Vec<libc::iovec> = bufs
         .iter_mut()
-        .map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: b.len() })
+        .map(|b| libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        })
         .collect();
     let mut hdrs: Vec<libc::mmsghdr> = iovs
         .iter_mut()
@@ -651,14 +710,25 @@ fn recvmmsg_dontwait(fd: RawFd, bufs: &mut [Vec<u8>]) -> io::Result<Vec<(usize, 
         .collect();
     // SAFETY: every header points at one live iovec that points at a live buffer.
     let n = unsafe {
-        libc::recvmmsg(fd, hdrs.as_mut_ptr(), hdrs.len() as libc::c_uint, libc::MSG_DONTWAIT, std::ptr::null_mut())
+        libc::recvmmsg(
+            fd,
+            hdrs.as_mut_ptr(),
+            hdrs.len() as libc::c_uint,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
     };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(hdrs[..n as usize]
         .iter()
-        .map(|h| (h.msg_len as usize, h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0))
+        .map(|h| {
+            (
+                h.msg_len as usize,
+                h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0,
+            )
+        })
         .collect())
 }
 
@@ -667,13 +737,21 @@ fn recvmmsg_dontwait(fd: RawFd, bufs: &mut [Vec<u8>]) -> io::Result<Vec<(usize, 
 /// Appends the one configuration message `open` sends: bind, copy mode, queue length, flags.
 /// All in one message so the queue never runs with the default (metadata-only) copy mode.
 fn build_config(buf: &mut Vec<u8>, seq: u32, cfg: &QueueConfig) {
-    let mut w = MsgWriter::begin(buf, msg_type(NFQNL_MSG_CONFIG), NLM_F_REQUEST | NLM_F_ACK, seq);
+    let mut w = MsgWriter::begin(
+        buf,
+        msg_type(NFQNL_MSG_CONFIG),
+        NLM_F_REQUEST | NLM_F_ACK,
+        seq,
+    );
     nfgen(&mut w, cfg.queue_num);
     // struct nfqnl_msg_config_cmd { u8 command; u8 _pad; be16 pf; }
     w.attr(NFQA_CFG_CMD, &[NFQNL_CFG_CMD_BIND, 0, 0, 0]);
     // struct nfqnl_msg_config_params { be32 copy_range; u8 copy_mode; } __packed
     let range = (MAX_PAYLOAD as u32).to_be_bytes();
-    w.attr(NFQA_CFG_PARAMS, &[range[0], range[1], range[2], range[3], NFQNL_COPY_PACKET]);
+    w.attr(
+        NFQA_CFG_PARAMS,
+        &[range[0], range[1], range[2], range[3], NFQNL_COPY_PACKET],
+    );
     w.attr_be32(NFQA_CFG_QUEUE_MAXLEN, cfg.max_len);
     let mut flags = 0;
     if cfg.gso {
@@ -743,7 +821,10 @@ fn be32(v: &[u8]) -> Option<u32> {
 /// packet bytes into `pkt.data` (which the caller cleared). Returns whether a payload was
 /// present.
 fn parse_packet(payload: &[u8], pkt: &mut QueuedPacket) -> Result<bool, PacketError> {
-    let attrs = payload.get(4..).ok_or(PacketError { id: None, cause: ParseError::Truncated })?;
+    let attrs = payload.get(4..).ok_or(PacketError {
+        id: None,
+        cause: ParseError::Truncated,
+    })?;
     let mut id = None;
     let mut has_payload = false;
     let mut cap_len = None;
@@ -792,8 +873,14 @@ fn parse_packet(payload: &[u8], pkt: &mut QueuedPacket) -> Result<bool, PacketEr
     }
     pkt.orig_len = cap_len.unwrap_or(pkt.data.len() as u32);
     match (id, first_err) {
-        (None, e) => Err(PacketError { id: None, cause: e.unwrap_or(ParseError::Missing("NFQA_PACKET_HDR")) }),
-        (Some(id), Some(e)) => Err(PacketError { id: Some(id), cause: e }),
+        (None, e) => Err(PacketError {
+            id: None,
+            cause: e.unwrap_or(ParseError::Missing("NFQA_PACKET_HDR")),
+        }),
+        (Some(id), Some(e)) => Err(PacketError {
+            id: Some(id),
+            cause: e,
+        }),
         (Some(_), None) => Ok(has_payload),
     }
 }
@@ -827,7 +914,13 @@ mod tests {
     #[test]
     fn config_message_bytes() {
         let mut buf = vec![];
-        let cfg = QueueConfig { queue_num: 0x0102, max_len: 4096, gso: true, fail_open: false, ..Default::default() };
+        let cfg = QueueConfig {
+            queue_num: 0x0102,
+            max_len: 4096,
+            gso: true,
+            fail_open: false,
+            ..Default::default()
+        };
         build_config(&mut buf, 5, &cfg);
         let len = 16 + 4 + 8 + 12 + 8 + 8 + 8;
         assert_eq!(hdr(&buf), (len, 0x0302, 0x5, 5));
@@ -860,15 +953,30 @@ mod tests {
     fn verdict_messages_concatenate() {
         let mut buf = vec![];
         build_verdict(&mut buf, 1, 3, 0x11223344, Verdict::Accept, None, None);
-        build_verdict(&mut buf, 2, 3, 7, Verdict::Drop, Some(0xabcd), Some(&[0x45, 0, 0]));
+        build_verdict(
+            &mut buf,
+            2,
+            3,
+            7,
+            Verdict::Drop,
+            Some(0xabcd),
+            Some(&[0x45, 0, 0]),
+        );
         let msgs: Vec<_> = netlink::messages(&buf).map(Result::unwrap).collect();
         assert_eq!(msgs.len(), 2);
         assert_eq!(msgs[0].ty, 0x0301);
         assert_eq!(msgs[0].flags, NLM_F_REQUEST);
         assert_eq!(&msgs[0].payload[..4], &[0, 0, 0, 3]);
-        let a0: Vec<_> = netlink::attributes(&msgs[0].payload[4..]).map(Result::unwrap).collect();
-        assert_eq!(a0, vec![(NFQA_VERDICT_HDR, &[0, 0, 0, 1, 0x11, 0x22, 0x33, 0x44][..])]);
-        let a1: Vec<_> = netlink::attributes(&msgs[1].payload[4..]).map(Result::unwrap).collect();
+        let a0: Vec<_> = netlink::attributes(&msgs[0].payload[4..])
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(
+            a0,
+            vec![(NFQA_VERDICT_HDR, &[0, 0, 0, 1, 0x11, 0x22, 0x33, 0x44][..])]
+        );
+        let a1: Vec<_> = netlink::attributes(&msgs[1].payload[4..])
+            .map(Result::unwrap)
+            .collect();
         assert_eq!(
             a1,
             vec![
@@ -887,7 +995,9 @@ mod tests {
         build_unbind(&mut buf, 9, 4);
         let m = netlink::messages(&buf).next().unwrap().unwrap();
         assert_eq!((m.ty, m.flags), (0x0302, NLM_F_REQUEST));
-        let a: Vec<_> = netlink::attributes(&m.payload[4..]).map(Result::unwrap).collect();
+        let a: Vec<_> = netlink::attributes(&m.payload[4..])
+            .map(Result::unwrap)
+            .collect();
         assert_eq!(a, vec![(NFQA_CFG_CMD, &[2, 0, 0, 0][..])]);
     }
 
@@ -972,11 +1082,20 @@ mod tests {
 
     #[test]
     fn error_text_names_the_cause() {
-        let e = NetlinkError { operation: "binding NFQUEUE 3".into(), errno: libc::EPERM, detail: Some("x".into()) };
+        let e = NetlinkError {
+            operation: "binding NFQUEUE 3".into(),
+            errno: libc::EPERM,
+            detail: Some("x".into()),
+        };
         let io = e.clone().into_io();
         assert_eq!(io.kind(), io::ErrorKind::PermissionDenied);
-        assert!(io.to_string().starts_with("binding NFQUEUE 3: Operation not permitted"));
-        let back = io.get_ref().and_then(|e| e.downcast_ref::<NetlinkError>()).unwrap();
+        assert!(io
+            .to_string()
+            .starts_with("binding NFQUEUE 3: Operation not permitted"));
+        let back = io
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<NetlinkError>())
+            .unwrap();
         assert_eq!(back, &e);
     }
 }

@@ -41,7 +41,12 @@ pub struct RawSenderConfig {
 
 impl Default for RawSenderConfig {
     fn default() -> Self {
-        RawSenderConfig { mark: 0, sndbuf: 4 << 20, device: None, require_both: false }
+        RawSenderConfig {
+            mark: 0,
+            sndbuf: 4 << 20,
+            device: None,
+            require_both: false,
+        }
     }
 }
 
@@ -57,7 +62,10 @@ impl RawSender {
     /// Opens raw sockets for both families in the calling thread's network namespace, with
     /// `mark` as `SO_MARK` and the other settings at their defaults.
     pub fn new(mark: u32) -> io::Result<RawSender> {
-        Self::open(&RawSenderConfig { mark, ..RawSenderConfig::default() })
+        Self::open(&RawSenderConfig {
+            mark,
+            ..RawSenderConfig::default()
+        })
     }
 
     /// Opens raw sockets as configured.
@@ -65,12 +73,19 @@ impl RawSender {
         let v4 = open_family(libc::AF_INET, cfg, cfg.require_both)?;
         let v6 = open_family(libc::AF_INET6, cfg, cfg.require_both)?;
         if v4.is_none() && v6.is_none() {
-            return Err(io::Error::new(io::ErrorKind::Unsupported, "neither IPv4 nor IPv6 raw sockets are available"));
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "neither IPv4 nor IPv6 raw sockets are available",
+            ));
         }
         if let Some(fd) = &v6 {
             ensure_ipv6_hdrincl(fd)?;
         }
-        Ok(RawSender { v4, v6, mark: cfg.mark })
+        Ok(RawSender {
+            v4,
+            v6,
+            mark: cfg.mark,
+        })
     }
 
     /// The mark injected packets carry.
@@ -104,7 +119,12 @@ impl RawSender {
         let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
         sa.sin_family = libc::AF_INET as libc::sa_family_t;
         sa.sin_addr.s_addr = u32::from_ne_bytes(dst.octets());
-        send_to(fd, packet, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of_val(&sa))
+        send_to(
+            fd,
+            packet,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of_val(&sa),
+        )
     }
 
     fn send_v6(&self, packet: &[u8], scope_id: u32) -> io::Result<()> {
@@ -121,7 +141,12 @@ impl RawSender {
         sa.sin6_addr.s6_addr = dst.octets();
         sa.sin6_scope_id = scope_id;
         // sin6_port must be 0 for IPPROTO_RAW (the kernel rejects anything else with EINVAL).
-        send_to(fd, packet, (&sa as *const libc::sockaddr_in6).cast(), std::mem::size_of_val(&sa))
+        send_to(
+            fd,
+            packet,
+            (&sa as *const libc::sockaddr_in6).cast(),
+            std::mem::size_of_val(&sa),
+        )
     }
 }
 
@@ -130,14 +155,24 @@ fn invalid(what: &str) -> io::Error {
 }
 
 fn unsupported(family: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::Unsupported, format!("no {family} raw socket (the kernel lacks the family)"))
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("no {family} raw socket (the kernel lacks the family)"),
+    )
 }
 
 fn send_to(fd: &OwnedFd, packet: &[u8], sa: *const libc::sockaddr, salen: usize) -> io::Result<()> {
     loop {
         // SAFETY: `packet` is live for its length; `sa` points at a live sockaddr of `salen`.
         let n = unsafe {
-            libc::sendto(fd.as_raw_fd(), packet.as_ptr().cast(), packet.len(), 0, sa, salen as libc::socklen_t)
+            libc::sendto(
+                fd.as_raw_fd(),
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                sa,
+                salen as libc::socklen_t,
+            )
         };
         if n >= 0 {
             return Ok(());
@@ -149,7 +184,11 @@ fn send_to(fd: &OwnedFd, packet: &[u8], sa: *const libc::sockaddr, salen: usize)
     }
 }
 
-fn open_family(domain: libc::c_int, cfg: &RawSenderConfig, required: bool) -> io::Result<Option<OwnedFd>> {
+fn open_family(
+    domain: libc::c_int,
+    cfg: &RawSenderConfig,
+    required: bool,
+) -> io::Result<Option<OwnedFd>> {
     let fd = match sys::socket(domain, libc::SOCK_RAW, libc::IPPROTO_RAW) {
         Ok(fd) => fd,
         Err(e) if !required && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => return Ok(None),
@@ -157,8 +196,13 @@ fn open_family(domain: libc::c_int, cfg: &RawSenderConfig, required: bool) -> io
     };
     let raw = fd.as_raw_fd();
     if cfg.mark != 0 {
-        sys::setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_MARK, cfg.mark as libc::c_int)
-            .map_err(|e| io::Error::new(e.kind(), format!("setting SO_MARK {:#x}: {e}", cfg.mark)))?;
+        sys::setsockopt_int(
+            raw,
+            libc::SOL_SOCKET,
+            libc::SO_MARK,
+            cfg.mark as libc::c_int,
+        )
+        .map_err(|e| io::Error::new(e.kind(), format!("setting SO_MARK {:#x}: {e}", cfg.mark)))?;
     }
     sys::set_buffer(&fd, libc::SO_SNDBUFFORCE, libc::SO_SNDBUF, cfg.sndbuf)?;
     if let Some(dev) = &cfg.device {
@@ -166,7 +210,13 @@ fn open_family(domain: libc::c_int, cfg: &RawSenderConfig, required: bool) -> io
         let bytes = name.as_bytes_with_nul();
         // SAFETY: `bytes` is a live NUL-terminated buffer of the given length.
         sys::cvt(unsafe {
-            libc::setsockopt(raw, libc::SOL_SOCKET, libc::SO_BINDTODEVICE, bytes.as_ptr().cast(), bytes.len() as libc::socklen_t)
+            libc::setsockopt(
+                raw,
+                libc::SOL_SOCKET,
+                libc::SO_BINDTODEVICE,
+                bytes.as_ptr().cast(),
+                bytes.len() as libc::socklen_t,
+            )
         })
         .map_err(|e| io::Error::new(e.kind(), format!("binding raw socket to {dev}: {e}")))?;
     }
@@ -191,12 +241,19 @@ mod tests {
 
     #[test]
     fn rejects_garbage_before_any_syscall() {
-        let s = RawSender { v4: None, v6: None, mark: 0 };
+        let s = RawSender {
+            v4: None,
+            v6: None,
+            mark: 0,
+        };
         for bad in [&[][..], &[0x00; 40][..], &[0x50; 40][..]] {
             assert_eq!(s.send(bad).unwrap_err().kind(), io::ErrorKind::InvalidInput);
         }
         // Missing family is reported as such.
-        assert_eq!(s.send(&[0x45; 20]).unwrap_err().kind(), io::ErrorKind::Unsupported);
+        assert_eq!(
+            s.send(&[0x45; 20]).unwrap_err().kind(),
+            io::ErrorKind::Unsupported
+        );
     }
 
     /// Linux implies header inclusion for `AF_INET6`/`IPPROTO_RAW` sockets: the flag reads 1

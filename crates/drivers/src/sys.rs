@@ -14,7 +14,11 @@ pub(crate) fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
 }
 
 /// `socket(2)` with `SOCK_CLOEXEC`, owned.
-pub(crate) fn socket(domain: libc::c_int, ty: libc::c_int, proto: libc::c_int) -> io::Result<OwnedFd> {
+pub(crate) fn socket(
+    domain: libc::c_int,
+    ty: libc::c_int,
+    proto: libc::c_int,
+) -> io::Result<OwnedFd> {
     // SAFETY: plain syscall; on success we own the returned descriptor.
     let fd = cvt(unsafe { libc::socket(domain, ty | libc::SOCK_CLOEXEC, proto) })?;
     // SAFETY: `fd` is a fresh descriptor nobody else owns.
@@ -22,7 +26,12 @@ pub(crate) fn socket(domain: libc::c_int, ty: libc::c_int, proto: libc::c_int) -
 }
 
 /// `setsockopt(2)` for an `int` option.
-pub(crate) fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
+pub(crate) fn setsockopt_int(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: libc::c_int,
+) -> io::Result<()> {
     // SAFETY: we pass a pointer to a live c_int and its exact size.
     cvt(unsafe {
         libc::setsockopt(
@@ -37,17 +46,34 @@ pub(crate) fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, v
 }
 
 /// `getsockopt(2)` for an `int` option.
-pub(crate) fn getsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
+pub(crate) fn getsockopt_int(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+) -> io::Result<libc::c_int> {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: `v` and `len` are live and sized for an int option.
-    cvt(unsafe { libc::getsockopt(fd, level, name, (&mut v as *mut libc::c_int).cast(), &mut len) })?;
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            name,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    })?;
     Ok(v)
 }
 
 /// Sets a socket buffer size: first the privileged `*FORCE` option (ignores `rmem_max` /
 /// `wmem_max`), falling back to the ordinary one (capped by the sysctl) without privilege.
-pub(crate) fn set_buffer(fd: &OwnedFd, force: libc::c_int, plain: libc::c_int, bytes: usize) -> io::Result<()> {
+pub(crate) fn set_buffer(
+    fd: &OwnedFd,
+    force: libc::c_int,
+    plain: libc::c_int,
+    bytes: usize,
+) -> io::Result<()> {
     let v = bytes.min(libc::c_int::MAX as usize / 2) as libc::c_int;
     match setsockopt_int(fd.as_raw_fd(), libc::SOL_SOCKET, force, v) {
         Ok(()) => Ok(()),
@@ -72,11 +98,15 @@ pub(crate) fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> io::Result<
                 ms.min(libc::c_int::MAX as u128) as libc::c_int
             }
         };
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one live pollfd.
         match cvt(unsafe { libc::poll(&mut pfd, 1, ms) }) {
             Ok(0) => {
-                if deadline.map_or(false, |d| Instant::now() >= d) {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Ok(false);
                 }
             }
@@ -93,7 +123,10 @@ pub(crate) fn has_capability(cap: u32) -> Option<bool> {
     let status = std::fs::read_to_string("/proc/thread-self/status")
         .or_else(|_| std::fs::read_to_string("/proc/self/status"))
         .ok()?;
-    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim();
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))?
+        .trim();
     let bits = u64::from_str_radix(hex, 16).ok()?;
     Some(bits & (1u64 << cap) != 0)
 }

@@ -18,7 +18,13 @@ fn queue_in(pair: &NetnsPair, ns: &str, cfg: QueueConfig) -> Queue {
     pair.run_in(ns, || Queue::open(&cfg)).expect("open queue")
 }
 
-fn spec_in(ns: &str, queue: u16, mark: u32, hooks: &[BuiltinChain], services: &[Service]) -> RuleSpec {
+fn spec_in(
+    ns: &str,
+    queue: u16,
+    mark: u32,
+    hooks: &[BuiltinChain],
+    services: &[Service],
+) -> RuleSpec {
     let mut s = RuleSpec::new(RuleSpec::chain_name("UBTEST-Q", queue.into()), queue, mark);
     s.hooks = hooks.to_vec();
     s.services = services.to_vec();
@@ -39,7 +45,11 @@ fn recv_text(s: &UdpSocket) -> String {
 }
 
 fn accept_within(l: &TcpListener, t: Duration) -> io::Result<TcpStream> {
-    let mut pfd = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd: l.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one live pollfd.
     let r = unsafe { libc::poll(&mut pfd, 1, t.as_millis() as libc::c_int) };
     if r <= 0 {
@@ -55,8 +65,17 @@ fn sock(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
 /// (a) A few MB each way through a GSO-enabled queue on INPUT and OUTPUT arrive byte-exact.
 #[test]
 fn tcp_pass_through_is_byte_exact() {
-    let Some(pair) = NetnsPair::setup("tcp_pass_through_is_byte_exact") else { return };
-    let q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 3, ..QueueConfig::default() });
+    let Some(pair) = NetnsPair::setup("tcp_pass_through_is_byte_exact") else {
+        return;
+    };
+    let q = queue_in(
+        &pair,
+        &pair.b,
+        QueueConfig {
+            queue_num: 3,
+            ..QueueConfig::default()
+        },
+    );
     let consumer = Consumer::spawn(q, |_| (Verdict::Accept, None));
     let spec = spec_in(
         &pair.b,
@@ -69,7 +88,9 @@ fn tcp_pass_through_is_byte_exact() {
 
     const UP: usize = 6 << 20;
     const DOWN: usize = 3 << 20;
-    let listener = pair.run_in(&pair.b, || TcpListener::bind(sock(B4, 5001))).unwrap();
+    let listener = pair
+        .run_in(&pair.b, || TcpListener::bind(sock(B4, 5001)))
+        .unwrap();
     let server = std::thread::spawn(move || -> io::Result<u64> {
         let mut s = accept_within(&listener, TIMEOUT)?;
         s.set_read_timeout(Some(TIMEOUT))?;
@@ -88,7 +109,11 @@ fn tcp_pass_through_is_byte_exact() {
     });
 
     let started = Instant::now();
-    let mut c = pair.run_in(&pair.a, || TcpStream::connect_timeout(&sock(B4, 5001), TIMEOUT)).unwrap();
+    let mut c = pair
+        .run_in(&pair.a, || {
+            TcpStream::connect_timeout(&sock(B4, 5001), TIMEOUT)
+        })
+        .unwrap();
     c.set_read_timeout(Some(TIMEOUT)).unwrap();
     c.set_write_timeout(Some(TIMEOUT)).unwrap();
     let up = pattern(UP, 1);
@@ -108,7 +133,10 @@ fn tcp_pass_through_is_byte_exact() {
     rules.remove().expect("remove rules");
     let seen = consumer.seen.lock().unwrap().clone();
     let stats = consumer.finish();
-    eprintln!("tcp pass-through: {:.1} MB in {elapsed:?}; {seen:?}; {stats:?}", (UP + DOWN) as f64 / 1e6);
+    eprintln!(
+        "tcp pass-through: {:.1} MB in {elapsed:?}; {seen:?}; {stats:?}",
+        (UP + DOWN) as f64 / 1e6
+    );
     assert!(seen.packets > 0, "the consumer saw no packets");
     assert_eq!(stats.received, seen.packets);
     assert_eq!(stats.verdicts, seen.packets);
@@ -120,9 +148,19 @@ fn tcp_pass_through_is_byte_exact() {
 /// receiver gets the rewritten datagram.
 #[test]
 fn mangled_udp_payload_is_delivered() {
-    let Some(pair) = NetnsPair::setup("mangled_udp_payload_is_delivered") else { return };
+    let Some(pair) = NetnsPair::setup("mangled_udp_payload_is_delivered") else {
+        return;
+    };
     // Without GSO: the kernel segments before queueing; the config message carries no flag.
-    let q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 4, gso: false, ..QueueConfig::default() });
+    let q = queue_in(
+        &pair,
+        &pair.b,
+        QueueConfig {
+            queue_num: 4,
+            gso: false,
+            ..QueueConfig::default()
+        },
+    );
     let consumer = Consumer::spawn(q, |p| {
         let mut pkt = p.data.clone();
         let off = udp_offset(&pkt).expect("udp") + 8;
@@ -146,7 +184,10 @@ fn mangled_udp_payload_is_delivered() {
     let r4 = udp_socket(&pair, &pair.b, sock(B4, 6000));
     let r6 = udp_socket(&pair, &pair.b, sock(B6, 6000));
     let (s4, s6) = pair.run_in(&pair.a, || {
-        (UdpSocket::bind(sock(A4, 0)).unwrap(), UdpSocket::bind(sock(A6, 0)).unwrap())
+        (
+            UdpSocket::bind(sock(A4, 0)).unwrap(),
+            UdpSocket::bind(sock(A6, 0)).unwrap(),
+        )
     });
     s4.send_to(b"say hello over v4", sock(B4, 6000)).unwrap();
     s6.send_to(b"say hello over v6", sock(B6, 6000)).unwrap();
@@ -162,22 +203,42 @@ fn mangled_udp_payload_is_delivered() {
 /// (c) A drop verdict drops: the datagram sent first never arrives, the one after it does.
 #[test]
 fn drop_verdict_drops() {
-    let Some(pair) = NetnsPair::setup("drop_verdict_drops") else { return };
-    let q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 5, fail_open: true, ..QueueConfig::default() });
+    let Some(pair) = NetnsPair::setup("drop_verdict_drops") else {
+        return;
+    };
+    let q = queue_in(
+        &pair,
+        &pair.b,
+        QueueConfig {
+            queue_num: 5,
+            fail_open: true,
+            ..QueueConfig::default()
+        },
+    );
     let consumer = Consumer::spawn(q, |p| {
-        let drop = udp_payload(&p.data).map_or(false, |d| d.starts_with(b"DROP"));
+        let drop = udp_payload(&p.data).is_some_and(|d| d.starts_with(b"DROP"));
         (if drop { Verdict::Drop } else { Verdict::Accept }, None)
     });
-    let spec = spec_in(&pair.b, 5, 0x55, &[BuiltinChain::Input], &[Service::udp(B4.into(), 6001)]);
+    let spec = spec_in(
+        &pair.b,
+        5,
+        0x55,
+        &[BuiltinChain::Input],
+        &[Service::udp(B4.into(), 6001)],
+    );
     let _rules = Rules::install(&spec).expect("install rules");
     let r = udp_socket(&pair, &pair.b, sock(B4, 6001));
-    let s = pair.run_in(&pair.a, || UdpSocket::bind(sock(A4, 0))).unwrap();
+    let s = pair
+        .run_in(&pair.a, || UdpSocket::bind(sock(A4, 0)))
+        .unwrap();
     s.send_to(b"DROP-1", sock(B4, 6001)).unwrap();
     s.send_to(b"KEEP-2", sock(B4, 6001)).unwrap();
     // Both pass the queue in order, so the first datagram to arrive proves DROP-1 was dropped.
     assert_eq!(recv_text(&r), "KEEP-2");
     assert_eq!(consumer.packets(), 2);
-    let dropped = rule_packets(&pair, &pair.b, "iptables", "mangle", "UBTEST-Q5", &|l| l.contains("dpt:6001"));
+    let dropped = rule_packets(&pair, &pair.b, "iptables", "mangle", "UBTEST-Q5", &|l| {
+        l.contains("dpt:6001")
+    });
     assert_eq!(dropped, 2, "both datagrams went through the queue rule");
 }
 
@@ -185,9 +246,18 @@ fn drop_verdict_drops() {
 /// guard's mark the OUTPUT queue rule is skipped, without it the packet is queued.
 #[test]
 fn raw_injection_with_mark_skips_the_queue() {
-    let Some(pair) = NetnsPair::setup("raw_injection_with_mark_skips_the_queue") else { return };
+    let Some(pair) = NetnsPair::setup("raw_injection_with_mark_skips_the_queue") else {
+        return;
+    };
     const MARK: u32 = 0x77;
-    let q = queue_in(&pair, &pair.a, QueueConfig { queue_num: 6, ..QueueConfig::default() });
+    let q = queue_in(
+        &pair,
+        &pair.a,
+        QueueConfig {
+            queue_num: 6,
+            ..QueueConfig::default()
+        },
+    );
     let consumer = Consumer::spawn(q, |_| (Verdict::Accept, None));
     let spec = spec_in(
         &pair.a,
@@ -199,20 +269,45 @@ fn raw_injection_with_mark_skips_the_queue() {
     let _rules = Rules::install(&spec).expect("install rules");
     let r4 = udp_socket(&pair, &pair.b, sock(B4, 6002));
     let r6 = udp_socket(&pair, &pair.b, sock(B6, 6002));
-    let (marked, unmarked) = pair.run_in(&pair.a, || (RawSender::new(MARK).unwrap(), RawSender::new(0).unwrap()));
+    let (marked, unmarked) = pair.run_in(&pair.a, || {
+        (RawSender::new(MARK).unwrap(), RawSender::new(0).unwrap())
+    });
     assert_eq!(marked.mark(), MARK);
 
-    for (src, dst, r) in [(IpAddr::from(A4), IpAddr::from(B4), &r4), (A6.into(), B6.into(), &r6)] {
+    for (src, dst, r) in [
+        (IpAddr::from(A4), IpAddr::from(B4), &r4),
+        (A6.into(), B6.into(), &r6),
+    ] {
         let before = consumer.packets();
-        marked.send(&udp_packet((src, 40000), (dst, 6002), b"raw marked")).unwrap();
+        marked
+            .send(&udp_packet((src, 40000), (dst, 6002), b"raw marked"))
+            .unwrap();
         assert_eq!(recv_text(r), "raw marked");
         // Had it been queued, the consumer would have counted it before accepting it.
-        assert_eq!(consumer.packets(), before, "a marked packet was queued ({dst})");
+        assert_eq!(
+            consumer.packets(),
+            before,
+            "a marked packet was queued ({dst})"
+        );
 
-        unmarked.send(&udp_packet((src, 40001), (dst, 6002), b"raw unmarked")).unwrap();
+        unmarked
+            .send(&udp_packet((src, 40001), (dst, 6002), b"raw unmarked"))
+            .unwrap();
         assert_eq!(recv_text(r), "raw unmarked");
-        assert_eq!(consumer.packets(), before + 1, "an unmarked packet bypassed the queue ({dst})");
+        assert_eq!(
+            consumer.packets(),
+            before + 1,
+            "an unmarked packet bypassed the queue ({dst})"
+        );
     }
+    // Raw sockets do not fragment header-included packets nor send GSO super-packets.
+    let big = udp_packet((A4.into(), 40002), (B4.into(), 6002), &[7; 3000]);
+    let err = marked.send(&big).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EMSGSIZE), "{err}");
+    let big6 = udp_packet((A6.into(), 40002), (B6.into(), 6002), &[7; 3000]);
+    let err = marked.send(&big6).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EMSGSIZE), "{err}");
+
     let stats = consumer.finish();
     assert_eq!(stats.received, 2);
 }
@@ -221,11 +316,29 @@ fn raw_injection_with_mark_skips_the_queue() {
 /// namespace's own address (loopback), and across a veth into another namespace?
 #[test]
 fn mark_survives_loopback_but_not_veth() {
-    let Some(pair) = NetnsPair::setup("mark_survives_loopback_but_not_veth") else { return };
+    let Some(pair) = NetnsPair::setup("mark_survives_loopback_but_not_veth") else {
+        return;
+    };
     const MARK: u32 = 0x99;
-    for (ns, bin) in [(&pair.a, "iptables"), (&pair.a, "ip6tables"), (&pair.b, "iptables"), (&pair.b, "ip6tables")] {
-        pair.exec_ok(ns, &[bin, "-w", "-t", "mangle", "-A", "INPUT", "-p", "udp", "--dport", "6003", "-m", "mark", "--mark", "0x99"]);
-        pair.exec_ok(ns, &[bin, "-w", "-t", "mangle", "-A", "INPUT", "-p", "udp", "--dport", "6003"]);
+    for (ns, bin) in [
+        (&pair.a, "iptables"),
+        (&pair.a, "ip6tables"),
+        (&pair.b, "iptables"),
+        (&pair.b, "ip6tables"),
+    ] {
+        pair.exec_ok(
+            ns,
+            &[
+                bin, "-w", "-t", "mangle", "-A", "INPUT", "-p", "udp", "--dport", "6003", "-m",
+                "mark", "--mark", "0x99",
+            ],
+        );
+        pair.exec_ok(
+            ns,
+            &[
+                bin, "-w", "-t", "mangle", "-A", "INPUT", "-p", "udp", "--dport", "6003",
+            ],
+        );
     }
     let local4 = udp_socket(&pair, &pair.a, sock(A4, 6003));
     let local6 = udp_socket(&pair, &pair.a, sock(A6, 6003));
@@ -233,10 +346,18 @@ fn mark_survives_loopback_but_not_veth() {
     let remote6 = udp_socket(&pair, &pair.b, sock(B6, 6003));
     let sender = pair.run_in(&pair.a, || RawSender::new(MARK).unwrap());
 
-    sender.send(&udp_packet((A4.into(), 40000), (A4.into(), 6003), b"loop4")).unwrap();
-    sender.send(&udp_packet((A6.into(), 40000), (A6.into(), 6003), b"loop6")).unwrap();
-    sender.send(&udp_packet((A4.into(), 40000), (B4.into(), 6003), b"veth4")).unwrap();
-    sender.send(&udp_packet((A6.into(), 40000), (B6.into(), 6003), b"veth6")).unwrap();
+    sender
+        .send(&udp_packet((A4.into(), 40000), (A4.into(), 6003), b"loop4"))
+        .unwrap();
+    sender
+        .send(&udp_packet((A6.into(), 40000), (A6.into(), 6003), b"loop6"))
+        .unwrap();
+    sender
+        .send(&udp_packet((A4.into(), 40000), (B4.into(), 6003), b"veth4"))
+        .unwrap();
+    sender
+        .send(&udp_packet((A6.into(), 40000), (B6.into(), 6003), b"veth6"))
+        .unwrap();
     assert_eq!(recv_text(&local4), "loop4");
     assert_eq!(recv_text(&local6), "loop6");
     assert_eq!(recv_text(&remote4), "veth4");
@@ -246,34 +367,122 @@ fn mark_survives_loopback_but_not_veth() {
     let all = |l: &str| l.contains("dpt:6003") && !l.contains("mark match");
     // The second rule (no mark match) counts every delivery; the first only marked ones.
     for bin in ["iptables", "ip6tables"] {
-        let count = |ns: &str, which: &dyn Fn(&str) -> bool| rule_packets(&pair, ns, bin, "mangle", "INPUT", which);
+        let count = |ns: &str, which: &dyn Fn(&str) -> bool| {
+            rule_packets(&pair, ns, bin, "mangle", "INPUT", which)
+        };
         let (lm, la) = (count(&pair.a, &marked), count(&pair.a, &all));
         let (rm, ra) = (count(&pair.b, &marked), count(&pair.b, &all));
         eprintln!("{bin}: loopback marked {lm} of {la}; across veth marked {rm} of {ra}");
         assert_eq!(la, 1);
         assert_eq!(lm, 1, "{bin}: the mark did not survive loopback delivery");
         assert_eq!(ra, 1);
-        assert_eq!(rm, 0, "{bin}: the mark crossed the veth into another namespace");
+        assert_eq!(
+            rm, 0,
+            "{bin}: the mark crossed the veth into another namespace"
+        );
     }
+}
+
+/// A verdict can set the mark, and `Repeat` with the guard's mark sends the packet through the
+/// hook again, past the guard's chain (which returns it) to the rules behind it.
+#[test]
+fn verdict_mark_and_repeat() {
+    let Some(pair) = NetnsPair::setup("verdict_mark_and_repeat") else {
+        return;
+    };
+    const GUARD: u32 = 0x66;
+    let q = queue_in(
+        &pair,
+        &pair.b,
+        QueueConfig {
+            queue_num: 15,
+            ..QueueConfig::default()
+        },
+    );
+    let consumer = Consumer::spawn_marking(q, |p| match udp_payload(&p.data) {
+        Some(b"repeat") => (Verdict::Repeat, Some(GUARD), None),
+        _ => (Verdict::Accept, Some(0x33), None),
+    });
+    let spec = spec_in(
+        &pair.b,
+        15,
+        GUARD,
+        &[BuiltinChain::Input],
+        &[Service::udp(B4.into(), 6005)],
+    );
+    let _rules = Rules::install(&spec).expect("install rules");
+    // Counters behind the guard's jump in mangle INPUT, and in the next table (filter INPUT).
+    let ipt = |table: &str, mark: &str| {
+        pair.exec_ok(
+            &pair.b,
+            &[
+                "iptables", "-w", "-t", table, "-A", "INPUT", "-p", "udp", "--dport", "6005", "-m",
+                "mark", "--mark", mark,
+            ],
+        );
+    };
+    ipt("mangle", "0x66");
+    ipt("filter", "0x33");
+    ipt("filter", "0x66");
+    let r = udp_socket(&pair, &pair.b, sock(B4, 6005));
+    let s = pair
+        .run_in(&pair.a, || UdpSocket::bind(sock(A4, 0)))
+        .unwrap();
+    s.send_to(b"accept", sock(B4, 6005)).unwrap();
+    assert_eq!(recv_text(&r), "accept");
+    s.send_to(b"repeat", sock(B4, 6005)).unwrap();
+    assert_eq!(recv_text(&r), "repeat");
+    let count = |table: &str, mark: &str| {
+        rule_packets(&pair, &pair.b, "iptables", table, "INPUT", &|l: &str| {
+            l.contains("dpt:6005") && l.contains(&format!("mark match {mark}"))
+        })
+    };
+    // Accept skips the rest of mangle INPUT; the mark set by the verdict is seen by filter.
+    // Repeat re-runs mangle INPUT: the guard's chain returns the marked packet, the counter
+    // behind it sees it, and it is queued only once.
+    assert_eq!(count("filter", "0x33"), 1, "mark from an Accept verdict");
+    assert_eq!(
+        count("mangle", "0x66"),
+        1,
+        "Repeat re-ran the hook past the guard's chain"
+    );
+    assert_eq!(count("filter", "0x66"), 1);
+    assert_eq!(consumer.finish().received, 2);
 }
 
 /// (e) A queue held by one socket cannot be bound by another; the error says why. After the
 /// holder goes away the queue can be bound again.
 #[test]
 fn second_bind_fails_clearly() {
-    let Some(pair) = NetnsPair::setup("second_bind_fails_clearly") else { return };
-    let cfg = QueueConfig { queue_num: 9, ..QueueConfig::default() };
+    let Some(pair) = NetnsPair::setup("second_bind_fails_clearly") else {
+        return;
+    };
+    let cfg = QueueConfig {
+        queue_num: 9,
+        ..QueueConfig::default()
+    };
     let first = queue_in(&pair, &pair.a, cfg.clone());
     // The kernel's view: queue 9, copy mode 2 (NFQNL_COPY_PACKET), copy range 65531.
     let procfs = pair.exec_ok(&pair.a, &["cat", "/proc/net/netfilter/nfnetlink_queue"]);
-    let cols: Vec<&str> = procfs.lines().find(|l| l.split_whitespace().next() == Some("9")).expect("queue 9").split_whitespace().collect();
+    let cols: Vec<&str> = procfs
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("9"))
+        .expect("queue 9")
+        .split_whitespace()
+        .collect();
     assert_eq!((cols[3], cols[4]), ("2", "65531"), "{procfs}");
     let err = pair.run_in(&pair.a, || Queue::open(&cfg)).unwrap_err();
     eprintln!("second bind: {err}");
     assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
-    let nl = err.get_ref().and_then(|e| e.downcast_ref::<NetlinkError>()).expect("a NetlinkError");
+    let nl = err
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<NetlinkError>())
+        .expect("a NetlinkError");
     assert_eq!(nl.errno, libc::EPERM);
-    assert!(err.to_string().contains("queue 9 is already bound"), "{err}");
+    assert!(
+        err.to_string().contains("queue 9 is already bound"),
+        "{err}"
+    );
 
     // Same queue number in another namespace is a different queue.
     let other_ns = queue_in(&pair, &pair.b, cfg.clone());
@@ -288,7 +497,9 @@ fn second_bind_fails_clearly() {
 /// per thread, so one thread drops it from its effective set.
 #[test]
 fn bind_without_cap_net_admin_fails_clearly() {
-    let Some(pair) = NetnsPair::setup("bind_without_cap_net_admin_fails_clearly") else { return };
+    let Some(pair) = NetnsPair::setup("bind_without_cap_net_admin_fails_clearly") else {
+        return;
+    };
     let err = pair.run_in(&pair.a, || {
         #[repr(C)]
         struct Header {
@@ -302,15 +513,28 @@ fn bind_without_cap_net_admin_fails_clearly() {
             permitted: u32,
             inheritable: u32,
         }
-        let mut h = Header { version: 0x2008_0522, pid: 0 };
+        let mut h = Header {
+            version: 0x2008_0522,
+            pid: 0,
+        };
         let mut d = [Data::default(); 2];
         // SAFETY: capget/capset with a v3 header and two data slots, on this thread only.
         unsafe {
-            assert_eq!(libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()), 0);
+            assert_eq!(
+                libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()),
+                0
+            );
             d[0].effective &= !(1 << 12); // CAP_NET_ADMIN
-            assert_eq!(libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()), 0);
+            assert_eq!(
+                libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()),
+                0
+            );
         }
-        Queue::open(&QueueConfig { queue_num: 11, ..QueueConfig::default() }).unwrap_err()
+        Queue::open(&QueueConfig {
+            queue_num: 11,
+            ..QueueConfig::default()
+        })
+        .unwrap_err()
     });
     eprintln!("unprivileged bind: {err}");
     assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
@@ -321,11 +545,29 @@ fn bind_without_cap_net_admin_fails_clearly() {
 /// counted; the consumer carries on and answers the packets that did fit.
 #[test]
 fn receive_overflow_is_counted() {
-    let Some(pair) = NetnsPair::setup("receive_overflow_is_counted") else { return };
-    let mut q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 10, rcvbuf: 4096, ..QueueConfig::default() });
-    let spec = spec_in(&pair.b, 10, 0x55, &[BuiltinChain::Input], &[Service::udp(B4.into(), 6004)]);
+    let Some(pair) = NetnsPair::setup("receive_overflow_is_counted") else {
+        return;
+    };
+    let mut q = queue_in(
+        &pair,
+        &pair.b,
+        QueueConfig {
+            queue_num: 10,
+            rcvbuf: 4096,
+            ..QueueConfig::default()
+        },
+    );
+    let spec = spec_in(
+        &pair.b,
+        10,
+        0x55,
+        &[BuiltinChain::Input],
+        &[Service::udp(B4.into(), 6004)],
+    );
     let _rules = Rules::install(&spec).expect("install rules");
-    let s = pair.run_in(&pair.a, || UdpSocket::bind(sock(A4, 0))).unwrap();
+    let s = pair
+        .run_in(&pair.a, || UdpSocket::bind(sock(A4, 0)))
+        .unwrap();
     for i in 0..200u32 {
         s.send_to(&[i as u8; 1000], sock(B4, 6004)).unwrap();
     }
@@ -333,8 +575,13 @@ fn receive_overflow_is_counted() {
     let deadline = Instant::now() + TIMEOUT;
     let mut answered = 0;
     while q.stats().enobufs == 0 {
-        assert!(Instant::now() < deadline, "no ENOBUFS reported: {:?}", q.stats());
-        q.recv_batch(&mut batch, 64, Some(Duration::from_millis(100))).unwrap();
+        assert!(
+            Instant::now() < deadline,
+            "no ENOBUFS reported: {:?}",
+            q.stats()
+        );
+        q.recv_batch(&mut batch, 64, Some(Duration::from_millis(100)))
+            .unwrap();
         for p in &batch {
             q.set_verdict(p.id, Verdict::Accept, None).unwrap();
             answered += 1;
@@ -358,19 +605,32 @@ fn receive_overflow_is_counted() {
 /// Verdicts for unknown packet ids are reported back by the kernel and counted.
 #[test]
 fn bad_verdicts_are_counted() {
-    let Some(pair) = NetnsPair::setup("bad_verdicts_are_counted") else { return };
-    let mut q = queue_in(&pair, &pair.a, QueueConfig { queue_num: 12, ..QueueConfig::default() });
+    let Some(pair) = NetnsPair::setup("bad_verdicts_are_counted") else {
+        return;
+    };
+    let mut q = queue_in(
+        &pair,
+        &pair.a,
+        QueueConfig {
+            queue_num: 12,
+            ..QueueConfig::default()
+        },
+    );
     q.set_verdict(12345, Verdict::Accept, None).unwrap();
-    q.set_verdict(12346, Verdict::Drop, Some(&[0x45; 20])).unwrap();
+    q.set_verdict(12346, Verdict::Drop, Some(&[0x45; 20]))
+        .unwrap();
     q.flush().unwrap();
     let mut batch = Vec::new();
     wait_for("verdict errors", || {
-        q.recv_batch(&mut batch, 8, Some(Duration::from_millis(20))).unwrap();
+        q.recv_batch(&mut batch, 8, Some(Duration::from_millis(20)))
+            .unwrap();
         q.stats().verdict_errors == 2
     });
     assert_eq!(q.stats().last_verdict_errno, libc::ENOENT);
     assert_eq!(q.stats().verdicts, 2);
-    let err = q.set_verdict(1, Verdict::Accept, Some(&vec![0u8; 70000])).unwrap_err();
+    let err = q
+        .set_verdict(1, Verdict::Accept, Some(&vec![0u8; 70000]))
+        .unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
 }
 
@@ -378,8 +638,13 @@ fn bad_verdicts_are_counted() {
 /// jumps), and are removed completely. Runs with the default binaries and the legacy ones.
 #[test]
 fn rules_are_idempotent_and_removed() {
-    let Some(pair) = NetnsPair::setup("rules_are_idempotent_and_removed") else { return };
-    for (v4, v6, table) in [("iptables", "ip6tables", Table::Mangle), ("iptables-legacy", "ip6tables-legacy", Table::Filter)] {
+    let Some(pair) = NetnsPair::setup("rules_are_idempotent_and_removed") else {
+        return;
+    };
+    for (v4, v6, table) in [
+        ("iptables", "ip6tables", Table::Mangle),
+        ("iptables-legacy", "ip6tables-legacy", Table::Filter),
+    ] {
         if pair.exec(&pair.a, &[v4, "-w", "-S"]).status.code() != Some(0) {
             eprintln!("skipping {v4}: not usable here");
             continue;
@@ -388,7 +653,11 @@ fn rules_are_idempotent_and_removed() {
             &pair.a,
             13,
             0x4242,
-            &[BuiltinChain::Input, BuiltinChain::Output, BuiltinChain::Forward],
+            &[
+                BuiltinChain::Input,
+                BuiltinChain::Output,
+                BuiltinChain::Forward,
+            ],
             &[Service::tcp(A4.into(), 80), Service::tcp(A6.into(), 443)],
         );
         spec.table = table;
@@ -407,14 +676,24 @@ fn rules_are_idempotent_and_removed() {
             assert!(chain.contains("--queue-num 13 --queue-bypass"), "{chain}");
             for hook in ["INPUT", "OUTPUT", "FORWARD"] {
                 let rules = pair.exec_ok(&pair.a, &[bin, "-w", "-t", t, "-S", hook]);
-                assert_eq!(rules.matches("-j UBTEST-Q13").count(), 1, "{bin} {hook}:\n{rules}");
+                assert_eq!(
+                    rules.matches("-j UBTEST-Q13").count(),
+                    1,
+                    "{bin} {hook}:\n{rules}"
+                );
                 // Our jump is the first rule.
-                assert!(rules.lines().nth(1).unwrap_or("").contains("-j UBTEST-Q13"), "{rules}");
+                assert!(
+                    rules.lines().nth(1).unwrap_or("").contains("-j UBTEST-Q13"),
+                    "{rules}"
+                );
             }
         }
         rules.remove().expect("remove");
         for bin in [v4, v6] {
-            assert!(!pair.exec(&pair.a, &[bin, "-w", "-t", t, "-S", "UBTEST-Q13"]).status.success());
+            assert!(!pair
+                .exec(&pair.a, &[bin, "-w", "-t", t, "-S", "UBTEST-Q13"])
+                .status
+                .success());
             let all = pair.exec_ok(&pair.a, &[bin, "-w", "-t", t, "-S"]);
             assert!(!all.contains("UBTEST"), "{bin}:\n{all}");
         }
@@ -422,12 +701,25 @@ fn rules_are_idempotent_and_removed() {
         let mut v4_only = spec.clone();
         v4_only.services.truncate(1);
         v4_only.ip6tables = "/nonexistent/ip6tables".into();
-        Rules::install(&v4_only).expect("v4-only install").remove().expect("v4-only remove");
+        Rules::install(&v4_only)
+            .expect("v4-only install")
+            .remove()
+            .expect("v4-only remove");
     }
     // Errors name the command and carry stderr.
-    let mut bad = spec_in(&pair.a, 14, 1, &[BuiltinChain::Input], &[Service::tcp(A4.into(), 1)]);
+    let mut bad = spec_in(
+        &pair.a,
+        14,
+        1,
+        &[BuiltinChain::Input],
+        &[Service::tcp(A4.into(), 1)],
+    );
     bad.table = Table::Filter;
     bad.iptables = "false".into();
     let err = Rules::install(&bad).unwrap_err();
-    assert!(err.to_string().contains("false -w -t filter -N UBTEST-Q14"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("false -w 30 -t filter -N UBTEST-Q14"),
+        "{err}"
+    );
 }

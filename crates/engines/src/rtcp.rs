@@ -20,13 +20,18 @@
 //!   expects, instead of waiting a second for *A* to retransmit the SYN.
 //! - Recovery (O5) also clears `ack_everything`: the paper returns to "its default behavior before
 //!   the RTCP_SHUTDOWN", which must include not acknowledging everything.
-//! - After a recovery, ackB stays at the point where the new socket's stream begins (the
-//!   synthesized SYN-ACK's origin) until the application's RTCP_TELL has read it
-//!   ([`flag::ORIGIN_PINNED`]): otherwise acknowledgments of the dead incarnation's output that
-//!   arrive between the SYN-ACK and the TELL would make the application resume its output past
-//!   the new socket's first byte (found by tests/sim.rs, `o5_tell_after_peer_acknowledged_more`).
+//! - After a recovery and until the application's RTCP_TELL, the new socket's stream origin
+//!   moves with ackB ([`flag::ORIGIN_PINNED`]): when *B* acknowledges more of the dead
+//!   incarnation's output, Δ shrinks by as much, so the TELL reports exactly where the new
+//!   socket's stream begins, and *B*'s acknowledgments never run ahead of what the new socket
+//!   sent (found by tests/sim.rs, `o5_tell_after_peer_acknowledged_more` and
+//!   `s2_4_shutdown_then_crash_twice_at_every_packet`).
 //! - O7 never raises the ACK above what *A*'s TCP itself acknowledges (`min(ackA, ACK)`), so a
 //!   buggy or hostile ACKNOWLEDGE cannot make the peer drop bytes *A* never received.
+//! - When O7 lowers the ACK, the window grows by the same amount, so the right edge *B* sees is
+//!   *A*'s real one. Without it, an application that stops reading while it writes (its kernel
+//!   holding more than a window beyond ackA) deadlocks: *B*'s ACKs arrive with a SEQ *A*'s TCP
+//!   discards as old, so *A*'s output never drains (found by the >4 GiB echo test).
 
 use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
 use unbroken_wire::ip::{self, IpInfo};
@@ -64,11 +69,13 @@ pub mod flag {
     pub const PEND_SACK: u16 = 1 << 10;
     pub const PEND_TS: u16 = 1 << 11;
     /// Not `SYN_PENDING` (the bit is `PEND_SACK`'s, which only means something while a SYN is
-    /// pending): `ackB` is the origin of the recovered socket's stream (Δ = its ISN + 1 - ackB)
-    /// and stays there until RTCP_TELL reports it. The application resumes its output at
-    /// `ackB - ackB0`; the new socket's first byte goes out at `ackB`: the two must agree even
-    /// when *B* acknowledges more of the old incarnation's output meanwhile (those ACKs are still
-    /// shifted and forwarded; *A*'s TCP ignores them until it has resent that far).
+    /// pending): a recovered socket has sent no data yet, and its stream origin is pinned to
+    /// `ackB` (Δ = its ISN + 1 - ackB). Set by the SYN-ACK (O5, section 6), cleared by
+    /// RTCP_TELL or the socket's first data. Meanwhile, when *B* acknowledges more of the dead
+    /// incarnation's output, Δ follows ackB. Without it, either TELL reports a later ackB than
+    /// the origin (the application resumes past the socket's first byte: a corrupt stream), or
+    /// ackB stays behind *B* and *B*'s ACKs acknowledge data the new socket never sent (which
+    /// *A*'s TCP discards, stalling it when Nagle or its congestion window waits for them).
     pub const ORIGIN_PINNED: u16 = PEND_SACK;
     /// `a_win` holds the last window field *B* saw from *A*.
     pub const A_WIN_KNOWN: u16 = 1 << 12;
@@ -450,10 +457,11 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 
     if f & F::ACK != 0 {
         let ack = t.ack();
-        // ackB ← ACK, unless it is pinned at a recovered socket's origin (see ORIGIN_PINNED; a
-        // pending SYN reuses the bit, and its answer must take B's latest ACK).
-        let pinned = c.has(flag::ORIGIN_PINNED) && !c.has(flag::SYN_PENDING);
-        if !c.has(flag::RECOVERABLE) || (ack.ge(Seq(c.ack_b)) && !pinned) {
+        if c.has(flag::RECOVERABLE) && ack.gt(Seq(c.ack_b)) && c.has(flag::ORIGIN_PINNED) && !c.has(flag::SYN_PENDING) {
+            // The recovered socket has sent nothing yet: its stream now begins where B is.
+            c.delta = c.delta.wrapping_sub(ack - Seq(c.ack_b));
+            c.ack_b = ack.0;
+        } else if !c.has(flag::RECOVERABLE) || ack.ge(Seq(c.ack_b)) {
             c.ack_b = ack.0;
         }
         c.set(flag::RECOVERABLE);
@@ -586,14 +594,21 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         c.set(flag::OPTS_KNOWN);
     }
 
-    // O7. Checkpoint ACK, never above what A's TCP acknowledges itself.
+    // O7. Checkpoint ACK, never above what A's TCP acknowledges itself. `held` bytes A's TCP
+    // has but the application has not checkpointed stay unacknowledged.
+    let mut held: u32 = 0;
     if !c.has(flag::ACK_EVERYTHING) {
         let ack = t.ack();
         let ck = Seq(c.ack_a);
         if ck.lt(ack) {
+            held = ack - ck;
             t.rewrite_ack(ck);
             modified = true;
         }
+    }
+    // A recovered socket's first data fixes its stream origin (see ORIGIN_PINNED).
+    if c.has(flag::ORIGIN_PINNED) && !c.has(flag::SYN_PENDING) && (!t.payload().is_empty() || f & F::FIN != 0) {
+        c.clear(flag::ORIGIN_PINNED);
     }
     // O8. Fix SEQ.
     if c.delta != 0 {
@@ -612,14 +627,18 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
             c.set(flag::TS_A_KNOWN);
         }
     }
-    // Window: rescale if the new socket's shift differs from the one B applies.
+    // Window: keep the right edge B sees where A's TCP put it. The ACK was lowered by `held`
+    // bytes, so the window grows by as much (otherwise, once A holds more than a window of
+    // unconsumed data, B's pure ACKs carry a SEQ at B's idea of the window's end, which A's TCP
+    // discards as old, and A never learns B's acknowledgments: a deadlock when the application
+    // blocks writing). Also rescale if the new socket's shift differs from the one B applies.
     if f & F::SYN == 0 {
         let (cur, old) = (c.a_ws_cur(), c.a_ws_b());
         let w = t.window();
-        let w2 = if cur != old {
+        let w2 = if cur != old || held != 0 {
             let s_cur = if cur == WS_NONE { 0 } else { cur as u32 };
             let s_old = if old == WS_NONE { 0 } else { old as u32 };
-            (((w as u64) << s_cur) >> s_old).min(0xffff) as u16
+            ((((w as u64) << s_cur) + held as u64) >> s_old).min(0xffff) as u16
         } else {
             w
         };
@@ -659,14 +678,14 @@ pub fn command(c: &mut Conn, cmd: &Command, ack_buf: &mut [u8]) -> CommandResult
     let mut ack_len = None;
     match cmd.op {
         // C1. Tell: answered below from the state. The application has now read where its
-        // recovered socket's stream begins: ackB may follow B again.
+        // recovered socket's stream begins, and writes from there: the origin is fixed.
         Op::Tell => {
             if !c.has(flag::SYN_PENDING) {
                 c.clear(flag::ORIGIN_PINNED);
             }
         }
         // ADOPT (unbroken's addition): a read of the state, like TELL, for a connection no
-        // application has claimed yet; it leaves the origin pinned for the TELL that follows.
+        // application has claimed yet; the origin stays pinned to ackB for the TELL that follows.
         Op::Adopt => {}
         // C2. Acknowledge.
         Op::Acknowledge => {

@@ -190,7 +190,10 @@ fn o7_ack_is_checkpointed_and_never_raised() {
     // A's TCP acknowledges 1000 bytes of B's data the app has not checkpointed.
     let r = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1001), flags: F::ACK, window: 500, ..Default::default() };
     let (o, p) = out(&mut c, from_a(r, b""));
-    assert_eq!(parse(&p, o.len).1.ack, Seq(B_ISN + 1), "ACK <- ackA");
+    let r = parse(&p, o.len).1;
+    assert_eq!(r.ack, Seq(B_ISN + 1), "ACK <- ackA");
+    // Right edge kept: 500 << 7 bytes beyond B_ISN + 1001 is (500 << 7) + 1000 beyond ackA.
+    assert_eq!(r.window, (((500u32 << 7) + 1000) >> 7) as u16, "window widened by the held bytes");
     // The app checkpoints 600 bytes: C2.
     let mut ackbuf = [0u8; 128];
     let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 2, 2);
@@ -201,7 +204,7 @@ fn o7_ack_is_checkpointed_and_never_raised() {
     let ackp = P { buf: ackbuf.to_vec(), len: n };
     let (info, r, _) = parse(&ackp, n);
     assert_eq!((info.src, info.dst, r.src_port, r.dst_port), (a_ip(), b_ip(), A_PORT, B_PORT));
-    assert_eq!((r.seq, r.ack, r.flags, r.window), (Seq(A_ISN + 1), Seq(B_ISN + 601), F::ACK, 500));
+    assert_eq!((r.seq, r.ack, r.flags, r.window), (Seq(A_ISN + 1), Seq(B_ISN + 601), F::ACK, 507), "the window B last saw");
     // An ACKNOWLEDGE beyond what A's TCP acknowledges never raises the ACK (O7 takes the min).
     cmd.ack_a = B_ISN + 5000;
     rtcp::command(&mut c, &cmd, &mut ackbuf);

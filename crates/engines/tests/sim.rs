@@ -27,13 +27,28 @@
 //! - PAWS (RFC 7323): smoltcp does not check TSval at all; the link drops what Linux would drop,
 //!   so a TSval that jumps backwards after a crash would stall the transfer.
 //!
-//! Every run asserts: no RST ever reaches *B*; *B*'s socket never closes before *B* closes it;
-//! *B* receives exactly *A*'s output journal, and that journal is the expected function of the
-//! input; *A*'s input journal equals *B*'s payload; the run ends within a virtual time bound.
-//! A failing run prints its scenario (seed, crash positions) and the last packets on the link.
+//! Every run asserts: no RST ever reaches *B*; *B*'s socket never closes before *B* closes it,
+//! and never sees the end of *A*'s stream early; *B* receives exactly *A*'s output journal, and
+//! that journal is the expected function of the input; *A*'s input journal equals *B*'s
+//! payload; the run ends within a virtual time bound. Every packet the engine forwards or
+//! builds is checked independently: IPv4 and TCP checksums; no ACK *B* sees covers input *A*
+//! has not persisted (the checkpoint, measured from *B*'s ISN); O8's SEQ - Δ and I3's ACK + Δ
+//! and SACK + Δ; *A*'s own SACK blocks untouched; optionally that the window *B* computes never
+//! exceeds what *A*'s current socket offers.
 //!
-//! `SIM_SCALE` (default 1) multiplies the number of seeds and the transfer sizes of the
-//! randomized scenarios; the every-packet crash sweeps always cover every position.
+//! The application *A* beyond the letter of section 4 (each choice is commented where made):
+//! an *A* that dies before it accepted asks RTCP_ADOPT; it takes its RTCP_SHUTDOWN as soon as
+//! its last send() returned, but closes once its output is acknowledged; a reset of its socket
+//! before TIME-WAIT ran out means "recover", like any ECONNRESET.
+//!
+//! Known limits, reported rather than failed: the filter losing its state between *B*'s SYN
+//! and *A*'s first TELL loses the connection (see `Report::filter_restart_before_first_tell`);
+//! *B*'s stack may stay in LAST-ACK after its application finished (see `Sim::b_step`).
+//!
+//! `SIM_SCALE` (default 1) multiplies the seeds of the randomized scenarios and of the lossy
+//! sweeps (and the sizes of some transfers); the every-packet crash sweeps always cover every
+//! position. `SIM_VERBOSE=1` prints each run's report, `SIM_TRACE=1` every packet. A failing run
+//! names its scenario (seed, fault positions) and prints the last 80 packets.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -291,6 +306,16 @@ struct Scenario {
     filter_restart_after: Vec<u64>,
     crash_modes: Vec<CrashMode>,
     restart_delay_ms: u64,
+    /// Which unclaimed connection RTCP_ADOPT hands to an application that crashed before it
+    /// accepted: `true` is the guard's rule (SYNCED, RECOVERABLE and ACK_ALLOWED: the handshake
+    /// completed at the guard); `false` adopts as soon as the guard saw B's SYN (ACK_ALLOWED) and
+    /// takes ackB0 from the TELL after reconnecting.
+    adopt_needs_recoverable: bool,
+    /// *A* calls close() right after RTCP_SHUTDOWN, its FIN riding on its last data (only on a
+    /// loss-free link: see the smoltcp FIN issue at `Sim::a_io`).
+    close_at_once: bool,
+    /// A stall (only a stall) ends the run with `Err` instead of a panic.
+    stall_is_err: bool,
     /// Crash *A* this many times the moment a recovered socket connects (before its TELL).
     crash_on_reconnect: u32,
     /// Delay between *A*'s socket reconnecting and its TELL (0: in the same step).
@@ -330,6 +355,9 @@ impl Scenario {
             restart_delay_ms: 30,
             tell_delay_ms: 0,
             crash_on_reconnect: 0,
+            adopt_needs_recoverable: false,
+            stall_is_err: false,
+            close_at_once: false,
             a_rx: vec![65535],
             a_seeds: vec![],
             b_seed: None,
@@ -382,6 +410,8 @@ struct Report {
     /// SYN's question "which ACK?": the connection is lost. Not a bug of the engine, a window of
     /// the protocol; the tests accept a stall only in that case.
     filter_restart_before_first_tell: bool,
+    /// B's stack was left in LAST-ACK after its application closed (see `Sim::b_step`).
+    b_stuck_in_last_ack: bool,
     /// Packets that had crossed when A's first TELL was answered.
     first_tell_at: Option<u64>,
 }
@@ -441,6 +471,7 @@ struct AppA {
     /// Output bytes handed to the current socket, as an offset in the output journal.
     sent: usize,
     shutdown_sent: bool,
+    close_called: bool,
     /// When the current socket entered TIME-WAIT: until TIME-WAIT ends, a reset still means
     /// recovery (the filter may restart after *A*'s close and reset its TIME-WAIT socket).
     timewait_since: Option<Instant>,
@@ -469,6 +500,7 @@ struct AppB {
     last_win: u16,
     /// PAWS: TS.Recent.
     ts_recent: Option<u32>,
+    lastack_since: Option<Instant>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -540,7 +572,7 @@ fn repr_of(pkt: &[u8]) -> wtcp::Repr {
 
 /// smoltcp's window shift for a receive buffer (`Socket::new`).
 fn win_shift(rx: usize) -> u32 {
-    ((usize::BITS - rx.leading_zeros()) as u32).saturating_sub(16)
+    (usize::BITS - rx.leading_zeros()).saturating_sub(16)
 }
 
 /// IPv4 header checksum and TCP checksum of a packet the engine wrote.
@@ -615,8 +647,9 @@ impl Sim {
             rcv_nxt: Seq(0),
             last_win: 0,
             ts_recent: None,
+            lastack_since: None,
         };
-        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, timewait_since: None, prev_state: None, tell_at: None };
+        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None };
         let mut sim = Sim {
             sc,
             now,
@@ -801,14 +834,16 @@ impl Sim {
         if (r1.sack_len, r1.sack) != (r0.sack_len, r0.sack) {
             self.fail("outgoing SACK blocks changed");
         }
-        // The window B computes (with the shift of A's first SYN-ACK) never promises more than
-        // A's current socket offers.
+        // The right edge B computes (its ACK plus the window, with the shift of A's first
+        // SYN-ACK) never lies beyond the one A's current socket offers (A's own ACK plus its
+        // window). The engine widens the window by what O7 held back, so the edges coincide.
         if self.sc.check_window && r1.flags & F::SYN == 0 {
             let old = win_shift(self.sc.a_rx[0]);
             let cur = win_shift(self.a_rx());
-            let (seen, offered) = ((r1.window as u64) << old, (r0.window as u64) << cur);
+            let held = (r0.ack - r1.ack) as u64;
+            let (seen, offered) = ((r1.window as u64) << old, ((r0.window as u64) << cur) + held);
             if seen > offered {
-                self.fail(&format!("B sees a window of {seen} bytes, A offers {offered}"));
+                self.fail(&format!("B sees a window of {seen} bytes past its ACK, A offers {offered} past that ACK"));
             }
             if offered >= 1 << (16 + old) && seen < 0xffff << old {
                 self.fail(&format!("window not rescaled: B sees {seen} bytes, A offers {offered}"));
@@ -969,8 +1004,7 @@ impl Sim {
     fn deliver_due(&mut self) -> bool {
         self.release_held();
         let mut moved = false;
-        loop {
-            let Some(i) = (0..self.q.len()).filter(|&i| self.q[i].at <= self.now).min_by_key(|&i| (self.q[i].at, self.q[i].id)) else { break };
+        while let Some(i) = (0..self.q.len()).filter(|&i| self.q[i].at <= self.now).min_by_key(|&i| (self.q[i].at, self.q[i].id)) {
             let p = self.q.swap_remove(i);
             moved = true;
             match p.to {
@@ -1183,13 +1217,18 @@ impl Sim {
             let n = host.sockets.get_mut::<tcp::Socket>(h).send_slice(&self.a.dur.output[sent..]).unwrap_or(0);
             self.a.sent += n;
         }
-        // Finished: all input consumed, the last send() returned (section 2.4.2: the TCP sends
-        // what it holds before its FIN; nothing waits for B's acknowledgments). SHUTDOWN, then
-        // close().
+        // Finished: all input consumed and the last send() returned: RTCP_SHUTDOWN (section
+        // 2.4.2: nothing waits for B's acknowledgments, the TCP sends what it holds before its
+        // FIN). The close() itself waits until the output is acknowledged, only to keep the FIN
+        // off data segments: smoltcp 0.14 drops a retransmitted FIN whose data B already has
+        // (its acceptability test leaves the FIN out of SEG.LEN) and then never resends it.
         let done = self.a.dur.input.len() == self.b.payload.len() && self.a.sent == self.a.dur.output.len();
         if done && !self.a.shutdown_sent {
             self.command(Op::Shutdown, 0, None);
             self.a.shutdown_sent = true;
+        }
+        if self.a.shutdown_sent && !self.a.close_called && (self.sc.close_at_once || self.a_tcp().send_queue() == 0) {
+            self.a.close_called = true;
             self.a_tcp().close();
         }
     }
@@ -1216,6 +1255,7 @@ impl Sim {
         s.connect(host.iface.context(), IpEndpoint::new(IpAddress::Ipv4(B_IP), B_PORT), A_PORT).unwrap();
         self.a.sock = Some(host.sockets.add(s));
         self.a.shutdown_sent = false;
+        self.a.close_called = false;
         self.a.timewait_since = None;
         self.a.prev_state = None;
         self.a.phase = Phase::Connecting { pre_accept };
@@ -1240,12 +1280,23 @@ impl Sim {
             self.a_recover(false);
             return;
         }
-        // Crashed before accepting: *A* knows its peer a priori (like a BGP speaker) and asks the
-        // filter whether a connection with it exists.
-        let r = self.command(Op::Tell, 0, None);
-        if r.flags & ctl::flag::ACK_ALLOWED != 0 {
+        // Crashed before accepting (no record): RTCP_ADOPT asks the filter for a connection no
+        // application has claimed. The engine answers it like TELL; which connections the guard
+        // offers is the driver's rule, emulated here (see `Scenario::adopt_needs_recoverable`).
+        let r = self.command(Op::Adopt, 0, None);
+        let need = if self.sc.adopt_needs_recoverable { rtcp::flag::SYNCED | rtcp::flag::RECOVERABLE | rtcp::flag::ACK_ALLOWED } else { rtcp::flag::ACK_ALLOWED };
+        if self.conn.flags & need == need && !self.conn.is_closed() {
             self.rep.pre_accept_recoveries += 1;
-            self.a_recover(true);
+            if self.sc.adopt_needs_recoverable {
+                // The SDK's way: the record straight from ADOPT (nothing consumed or sent yet).
+                self.a.dur.record = Some(Record { ack_a0: r.ack_a, ack_b0: r.ack_b, opts: r.options });
+                self.rep.first_tell_at = Some(self.rep.packets);
+                self.a_recover(false);
+            } else {
+                // ackB may not be known yet (B's ACK of the SYN-ACK has not reached the filter):
+                // take the record from the TELL after reconnecting (section 6 answers the SYN).
+                self.a_recover(true);
+            }
         } else {
             let ts = if self.sc.timestamps { Some(tsval_a as fn() -> u32) } else { None };
             let mut s = new_socket(self.a_rx(), 65535, ts);
@@ -1293,10 +1344,19 @@ impl Sim {
         }
         self.a.sent = 0;
         self.a.shutdown_sent = false;
+        self.a.close_called = false;
         self.a.timewait_since = None;
         self.a.prev_state = None;
         self.a.tell_at = None;
         self.a.phase = Phase::Down { until: self.now + Duration::from_millis(self.sc.restart_delay_ms) };
+    }
+
+    /// *A* is finished too: done, or its close under way past its FIN's acknowledgment — or *B*'s
+    /// stack has forgotten the connection, so nothing *A* does can complete it (its recovery
+    /// SYNs meet RSTs from *B*'s stack; a real application gives up after a few).
+    fn a_finished(&self) -> bool {
+        let b_gone = self.b.host.sockets.get::<tcp::Socket>(self.b.sock).state() == State::Closed;
+        b_gone || self.a.phase == Phase::Done || (self.a.close_called && matches!(self.a_state(), Some(State::FinWait2 | State::TimeWait | State::Closing)))
     }
 
     // ----- application B -----
@@ -1325,6 +1385,9 @@ impl Sim {
         if self.b.received.len() > self.b.expected {
             self.fail("B received more than the expected output");
         }
+        if self.b.ever_established && !self.b.host.sockets.get::<tcp::Socket>(self.b.sock).may_recv() && self.b.received.len() < self.b.expected {
+            self.fail(&format!("B saw the end of A's stream after {} of {} bytes", self.b.received.len(), self.b.expected));
+        }
         let s = self.b.host.sockets.get_mut::<tcp::Socket>(self.b.sock);
         if !self.b.close_called && st == State::CloseWait && self.b.received.len() == self.b.expected && self.b.sent == self.b.payload.len() && s.send_queue() == 0 {
             s.close();
@@ -1332,6 +1395,17 @@ impl Sim {
         }
         if self.b.close_called && matches!(s.state(), State::Closed | State::TimeWait) {
             self.b.done = true;
+        }
+        // B's application is finished once it closed; its stack may still wait in LAST-ACK for an
+        // ACK of its FIN that never comes: when A's TIME-WAIT (smoltcp: 10 s) ended before B's
+        // backed-off FIN retransmission arrived, A's stack answers it with a RST, which O1 drops.
+        // Invisible to B's application; reported, not failed.
+        if self.b.close_called && s.state() == State::LastAck {
+            let since = *self.b.lastack_since.get_or_insert(self.now);
+            if self.now - since >= Duration::from_secs(30) {
+                self.rep.b_stuck_in_last_ack = true;
+                self.b.done = true;
+            }
         }
     }
 
@@ -1389,12 +1463,15 @@ impl Sim {
                 }
                 self.last_progress = self.now;
             }
-            if self.b.done {
+            if self.b.done && self.a_finished() {
                 break;
             }
             if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
                 if self.rep.filter_restart_before_first_tell {
                     return Err(format!("stalled: the filter restarted before A's first TELL ({})", self.sc.name));
+                }
+                if self.sc.stall_is_err {
+                    return Err(format!("stalled ({})", self.sc.name));
                 }
                 self.fail("virtual time bound exceeded (stalled)");
             }
@@ -1528,6 +1605,7 @@ fn common_case_clean_link() {
     let r = run(Scenario::new("clean", 1, 200_000 * scale()));
     assert_eq!((r.crashes, r.recoveries_completed, r.resets_seen), (0, 0, 0));
     assert!(r.events.is_empty(), "no engine event expected: {:?}", r.events);
+    assert!(!r.b_stuck_in_last_ack);
     assert!(r.virtual_ms < 20_000, "{r:?}");
 }
 
@@ -1558,13 +1636,52 @@ fn o5_recovery_syn_answered_at_every_packet() {
     assert!(reps.iter().any(|r| r.delivered_at_recovery.iter().any(|&d| d > 0)), "a crash after some output");
 }
 
-/// The same with a lossy link (each position with its own seed).
+/// Crashes inside the handshake, restarting at once (before B's ACK of the SYN-ACK reaches the
+/// filter), with RTCP_ADOPT as the guard offers it (only connections whose handshake the guard
+/// saw complete) and as the simulated application uses it by default (as soon as the guard saw
+/// B's SYN). Positions the guard's rule cannot recover are counted and printed, not failed: they
+/// are a known gap of that rule, not of the engine.
+#[test]
+fn adopt_after_crash_inside_handshake() {
+    for guard_rule in [false, true] {
+        let mut base = Scenario::new("", 31, 10_000);
+        base.restart_delay_ms = 0;
+        base.adopt_needs_recoverable = guard_rule;
+        base.max_virtual = Duration::from_secs(60);
+        let first_tell = baseline(&base).first_tell_at.unwrap();
+        let mut lost = vec![];
+        let mut adopted = 0;
+        for k in 1..=first_tell + 2 {
+            let mut sc = base.clone();
+            sc.name = format!("adopt guard_rule={guard_rule} k={k}");
+            sc.crash_after = vec![k];
+            if guard_rule {
+                // A stall is the expected outcome of the gap: count it.
+                sc.stall_is_err = true;
+                if try_run(sc).is_err() {
+                    lost.push(k);
+                }
+            } else {
+                adopted += run(sc).pre_accept_recoveries;
+            }
+        }
+        assert!(guard_rule || adopted >= 2, "crashes before accept adopted: {adopted}");
+        if guard_rule {
+            eprintln!("ADOPT with the guard's rule (RECOVERABLE required) loses the connection when A restarts before B's handshake ACK reaches the guard: k = {lost:?} of 1..={}", first_tell + 2);
+            assert!(lost.iter().all(|&k| k < first_tell), "{lost:?}");
+        }
+    }
+}
+
+/// The same with a lossy link (each position with its own seed; `SIM_SCALE` seeds each).
 #[test]
 fn o5_recovery_at_every_packet_lossy() {
-    sweep("o5-every-packet-lossy", Scenario::new("", 17, 20_000).lossy(0.02, 0.01, 0.02), false, |sc, k| {
-        sc.crash_after = vec![k];
-        sc.seed = 1000 + k;
-    });
+    for round in 0..scale() as u64 {
+        sweep(&format!("o5-every-packet-lossy round {round}"), Scenario::new("", 17 + round, 20_000).lossy(0.02, 0.01, 0.02), false, |sc, k| {
+            sc.crash_after = vec![k];
+            sc.seed = 1000 + 100_000 * round + k;
+        });
+    }
 }
 
 /// Section 4's TELL comes a little after the reconnection (the application is not instant, and
@@ -1573,11 +1690,15 @@ fn o5_recovery_at_every_packet_lossy() {
 /// socket's stream begins (the SYN-ACK's ackB), or *A* resumes its output at the wrong place.
 #[test]
 fn o5_tell_after_peer_acknowledged_more() {
-    for (restart, tell) in [(0, 3), (0, 12), (2, 25)] {
-        let mut base = Scenario::new("", 21, 20_000);
-        base.restart_delay_ms = restart;
-        base.tell_delay_ms = tell;
-        sweep(&format!("o5-late-tell restart={restart} tell={tell}"), base, false, |sc, k| sc.crash_after = vec![k]);
+    // With CloseOnExit the dead process's kernel even keeps sending its output meanwhile.
+    for mode in [CrashMode::Wipe, CrashMode::CloseOnExit] {
+        for (restart, tell) in [(0, 3), (0, 12), (2, 25)] {
+            let mut base = Scenario::new("", 21, 20_000);
+            base.crash_modes = vec![mode];
+            base.restart_delay_ms = restart;
+            base.tell_delay_ms = tell;
+            sweep(&format!("o5-late-tell {mode:?} restart={restart} tell={tell}"), base, false, |sc, k| sc.crash_after = vec![k]);
+        }
     }
 }
 
@@ -1598,12 +1719,28 @@ fn s2_4_spurious_fin_on_exit_at_every_packet() {
 /// end of the stream before the rest of the output.
 #[test]
 fn s2_4_shutdown_then_crash_twice_at_every_packet() {
-    let mut base = Scenario::new("", 10, 20_000);
-    base.crash_modes = vec![CrashMode::CloseOnExit];
-    base.crash_on_reconnect = 1;
-    base.restart_delay_ms = 1;
-    let reps = sweep("s2.4-shutdown-crash-twice", base, false, |sc, k| sc.crash_after = vec![k]);
-    assert!(reps.iter().filter(|r| r.crashes == 2).count() > 10);
+    // First death: the process (its kernel sends what it holds, then a FIN), or the whole host
+    // (what was not on the wire is lost); second death, right after reconnecting: the process.
+    for (name, modes, loss, per_k_seed, close_at_once) in [
+        ("exit+exit", vec![CrashMode::CloseOnExit], 0.0, false, false),
+        ("exit+exit close-at-once", vec![CrashMode::CloseOnExit], 0.0, false, true),
+        ("exit+exit-seeds", vec![CrashMode::CloseOnExit], 0.0, true, false),
+        ("host+exit", vec![CrashMode::Silent, CrashMode::CloseOnExit], 0.0, true, false),
+        ("exit+exit-lossy", vec![CrashMode::CloseOnExit], 0.05, true, false),
+    ] {
+        let mut base = Scenario::new("", 10, 20_000).lossy(loss, 0.0, 0.0);
+        base.close_at_once = close_at_once;
+        base.crash_modes = modes;
+        base.crash_on_reconnect = 1;
+        base.restart_delay_ms = 1;
+        let reps = sweep(&format!("s2.4-shutdown-crash-twice {name}"), base, false, |sc, k| {
+            sc.crash_after = vec![k];
+            if per_k_seed {
+                sc.seed = 3000 + k;
+            }
+        });
+        assert!(reps.iter().filter(|r| r.crashes == 2).count() > 10);
+    }
 }
 
 /// A machine that is silent while down (nothing answers *B*) at every packet position.
@@ -1663,6 +1800,23 @@ fn s2_7_filter_restart_at_every_packet() {
     let reps = sweep("s2.7-filter-restart", Scenario::new("", 11, 20_000), true, |sc, k| sc.filter_restart_after = vec![k]);
     assert!(reps.iter().map(|r| r.count(Event::NoCheckpointReset)).sum::<u32>() > 0);
     assert!(reps.iter().map(|r| r.resets_seen).sum::<u32>() > 0);
+}
+
+/// The filter restarting at every position of a lossy transfer, alone and with A.
+#[test]
+fn s2_7_filter_restart_at_every_packet_lossy() {
+    for round in 0..scale() as u64 {
+        for with_app in [false, true] {
+            let base = Scenario::new("", 40 + round, 20_000).lossy(0.02, 0.01, 0.02);
+            sweep(&format!("s2.7-lossy app={with_app} round {round}"), base, true, |sc, k| {
+                sc.filter_restart_after = vec![k];
+                if with_app {
+                    sc.crash_after = vec![k];
+                }
+                sc.seed = 2000 + 100_000 * round + k;
+            });
+        }
+    }
 }
 
 /// The filter and A fail at the same moment: A's recovery is the filter's too. With an
@@ -1758,6 +1912,24 @@ fn paws_filter_restart_with_app_crash_at_every_packet() {
     assert!(reps.iter().map(|r| r.raw_clock_behind_peer).sum::<u32>() > 10);
     for r in &reps {
         assert_eq!(r.paws_drops, 0, "{r:?}");
+    }
+}
+
+/// Timestamps on a lossy, reordering, duplicating link with repeated crashes and a filter
+/// restart: reordering makes B's PAWS drop a few stale segments (as Linux would), but never one
+/// that is behind by a clock jump.
+#[test]
+fn paws_lossy_reordered_repeated_crashes() {
+    for seed in 0..(4 * scale() as u64) {
+        let mut sc = Scenario::new(&format!("paws-lossy-{seed}"), 540 + seed, 100_000).lossy(0.02, 0.01, 0.02);
+        sc.timestamps = true;
+        let mut rng = Rng::new(seed);
+        sc.a_ts_bases = (0..5).map(|_| rng.next() as u32).collect();
+        sc.crash_at_input = spread_input(&sc, 3);
+        sc.crash_modes = vec![CrashMode::Wipe, CrashMode::CloseOnExit, CrashMode::Silent];
+        sc.filter_restart_after = vec![baseline(&sc).packets / 3];
+        let r = run(sc);
+        assert!(r.paws_max_regression < 1_000, "a TSval jumped backwards: {r:?}");
     }
 }
 

@@ -1,5 +1,6 @@
 //! The `unbroken` toolkit's top floor: the unmodified peer used by demos and tests, and the
 //! lab scenarios that drive guard, application and peer in network namespaces.
 
+pub mod bench;
 pub mod peer;
 pub mod scenario;

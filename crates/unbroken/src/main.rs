@@ -9,7 +9,7 @@ const USAGE: &str = "\
 unbroken: TCP connections that outlive the server that serves them
 
 usage:
-  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6]
+  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
         LIST is comma-separated from app,host,guard,guard+app (default app,app,host,app).
@@ -44,6 +44,9 @@ fn main() -> ExitCode {
         "guard" => guard(args),
         "status" => status(args),
         "bench" => bench(args),
+        "bench-app" => ExitCode::from(unbroken::bench::app_main(args) as u8),
+        "bench-peer" => ExitCode::from(unbroken::bench::peer_main(args) as u8),
+        "bench-passthrough" => ExitCode::from(unbroken::bench::passthrough_main(args) as u8),
         "peer" => peer(args),
         "journal-server" => ExitCode::from(unbroken_journal::server::main_with_args(args.into_iter()) as u8),
         "lab" => lab(args),
@@ -88,6 +91,7 @@ fn demo(args: Vec<String>) -> ExitCode {
                 "--rate" => s.rate = num("--rate", it.next())?,
                 "--crashes" => s.crashes = parse_crashes(&it.next().ok_or("--crashes needs a value")?)?,
                 "--ipv6" => s.ipv6 = true,
+                "--echo" => s.echo = true,
                 "--seed" => s.seed = num("--seed", it.next())?,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
                 o => return Err(format!("demo: unknown argument {o:?}")),
@@ -185,8 +189,40 @@ fn status(args: Vec<String>) -> ExitCode {
     }
 }
 
-fn bench(_args: Vec<String>) -> ExitCode {
-    fail("bench: not built yet in this version")
+fn bench(args: Vec<String>) -> ExitCode {
+    use unbroken::bench;
+    if args.first().map(String::as_str) != Some("checkpoint") {
+        return fail("bench: usage: unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--read BYTES] [--sweep|--no-sweep] [--no-micro] [--micro-only] [--no-passthrough] [--tests LIST] [--retries N] [--save FILE]");
+    }
+    let o = match bench::Opts::parse(&args) {
+        Ok(o) => o,
+        Err(e) => return fail(e),
+    };
+    match bench::run_checkpoint(&o) {
+        Ok(v) => {
+            if let Some(f) = &o.save {
+                if let Err(e) = std::fs::write(f, format!("{v}\n")) {
+                    eprintln!("unbroken: bench: --save {}: {e}", f.display());
+                }
+            }
+            if o.json {
+                println!("{v}");
+            } else {
+                bench::print_table(&v);
+            }
+            if v["ok"].as_bool() == Some(true) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            if o.json {
+                println!("{}", serde_json::json!({"ok": false, "error": e}));
+            }
+            fail(e)
+        }
+    }
 }
 
 fn peer(args: Vec<String>) -> ExitCode {

@@ -159,27 +159,27 @@ const GUARD_PORT: u16 = 7900;
 const SERVICE_PORT: u16 = 7000;
 const QUEUE: u16 = 7;
 
-struct World {
-    lab: CheckpointLab,
-    dir: PathBuf,
-    exe: PathBuf,
-    ipv6: bool,
-    echo: bool,
+pub(crate) struct World {
+    pub(crate) lab: CheckpointLab,
+    pub(crate) dir: PathBuf,
+    pub(crate) exe: PathBuf,
+    pub(crate) ipv6: bool,
+    pub(crate) echo: bool,
 }
 
 impl World {
-    fn service(&self) -> SocketAddr {
+    pub(crate) fn service(&self) -> SocketAddr {
         let ip: IpAddr = if self.ipv6 { addr::SERVICE_V6.into() } else { addr::SERVICE_V4.into() };
         SocketAddr::new(ip, SERVICE_PORT)
     }
-    fn guard_ctl(&self) -> SocketAddr {
+    pub(crate) fn guard_ctl(&self) -> SocketAddr {
         let ip: IpAddr = if self.ipv6 { addr::GUARD_LAN_V6.into() } else { addr::GUARD_LAN_V4.into() };
         SocketAddr::new(ip, GUARD_PORT)
     }
-    fn status_path(&self) -> PathBuf {
+    pub(crate) fn status_path(&self) -> PathBuf {
         self.dir.join("guard-status.json")
     }
-    fn write_config(&self) -> Result<PathBuf, String> {
+    pub(crate) fn write_config(&self) -> Result<PathBuf, String> {
         let cfg = format!(
             "[guard]\nqueue = {QUEUE}\nplacement = \"gateway\"\ncontrol = [\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"]\nkey = \"{KEY_HEX}\"\nallowed_sources = [\"10.77.2.0/24\", \"fd77:2::/64\"]\nstatus_file = \"{}\"\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
             addr::GUARD_LAN_V4,
@@ -204,10 +204,11 @@ impl World {
         if let Some(p) = crash_point {
             cmd.env("JOURNAL_CRASH_AT", p);
         }
+        cmd.arg("journal-server");
         if self.echo {
             cmd.arg("--echo");
         }
-        cmd.arg("journal-server")
+        cmd
             .arg("--listen")
             .arg(self.service().to_string())
             .arg("--guard")

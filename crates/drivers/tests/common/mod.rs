@@ -38,7 +38,12 @@ fn ip(args: &[&str]) -> Output {
 
 fn must(args: &[&str]) {
     let out = ip(args);
-    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 impl NetnsPair {
@@ -56,13 +61,24 @@ impl NetnsPair {
         let b = format!("ubdrv-{pid}-{n}-b");
         let out = ip(&["netns", "add", &a]);
         if !out.status.success() {
-            eprintln!("SKIPPED {test}: `ip netns add` failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+            eprintln!(
+                "SKIPPED {test}: `ip netns add` failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
             return None;
         }
-        let pair = NetnsPair { a: a.clone(), b: b.clone() };
+        let pair = NetnsPair {
+            a: a.clone(),
+            b: b.clone(),
+        };
         must(&["netns", "add", &b]);
-        must(&["-n", &a, "link", "add", "va", "type", "veth", "peer", "name", "vb", "netns", &b]);
-        for (ns, dev, v4, v6) in [(&a, "va", "10.201.0.1/24", "fd00:201::1/64"), (&b, "vb", "10.201.0.2/24", "fd00:201::2/64")] {
+        must(&[
+            "-n", &a, "link", "add", "va", "type", "veth", "peer", "name", "vb", "netns", &b,
+        ]);
+        for (ns, dev, v4, v6) in [
+            (&a, "va", "10.201.0.1/24", "fd00:201::1/64"),
+            (&b, "vb", "10.201.0.2/24", "fd00:201::2/64"),
+        ] {
             must(&["-n", ns, "addr", "add", v4, "dev", dev]);
             must(&["-n", ns, "addr", "add", v6, "dev", dev, "nodad"]);
             must(&["-n", ns, "link", "set", "lo", "up"]);
@@ -72,7 +88,10 @@ impl NetnsPair {
         wait_for("veth up", || {
             [(&a, "va"), (&b, "vb")].iter().all(|(ns, dev)| {
                 let out = ip(&["-n", ns, "-br", "link", "show", dev]);
-                String::from_utf8_lossy(&out.stdout).split_whitespace().nth(1) == Some("UP")
+                String::from_utf8_lossy(&out.stdout)
+                    .split_whitespace()
+                    .nth(1)
+                    == Some("UP")
             })
         });
         Some(pair)
@@ -97,13 +116,22 @@ impl NetnsPair {
 
     /// Runs a command inside `ns` and returns its output.
     pub fn exec(&self, ns: &str, args: &[&str]) -> Output {
-        Command::new("ip").args(["netns", "exec", ns]).args(args).output().expect("ip netns exec")
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .args(args)
+            .output()
+            .expect("ip netns exec")
     }
 
     /// Like `exec` but asserts success and returns stdout.
     pub fn exec_ok(&self, ns: &str, args: &[&str]) -> String {
         let out = self.exec(ns, args);
-        assert!(out.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
@@ -122,7 +150,7 @@ pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::yield_now();
         // Back off a little without using sleep as synchronisation: the condition is rechecked.
-        let _ = std::thread::park_timeout(Duration::from_millis(5));
+        std::thread::park_timeout(Duration::from_millis(5));
     }
 }
 
@@ -144,10 +172,27 @@ pub struct Consumer {
     handle: Option<JoinHandle<io::Result<Stats>>>,
 }
 
+/// A verdict and an optional replacement packet.
 pub type Decision = (Verdict, Option<Vec<u8>>);
+/// A verdict, an optional new mark and an optional replacement packet.
+pub type MarkDecision = (Verdict, Option<u32>, Option<Vec<u8>>);
 
 impl Consumer {
-    pub fn spawn(mut q: Queue, mut decide: impl FnMut(&QueuedPacket) -> Decision + Send + 'static) -> Consumer {
+    pub fn spawn(
+        q: Queue,
+        mut decide: impl FnMut(&QueuedPacket) -> Decision + Send + 'static,
+    ) -> Consumer {
+        Self::spawn_marking(q, move |p| {
+            let (v, payload) = decide(p);
+            (v, None, payload)
+        })
+    }
+
+    /// Like `spawn`, but the decision may also set the packet's mark.
+    pub fn spawn_marking(
+        mut q: Queue,
+        mut decide: impl FnMut(&QueuedPacket) -> MarkDecision + Send + 'static,
+    ) -> Consumer {
         let stop = Arc::new(AtomicBool::new(false));
         let count = Arc::new(AtomicU64::new(0));
         let seen = Arc::new(Mutex::new(Seen::default()));
@@ -170,8 +215,8 @@ impl Consumer {
                     // Counted before the verdict: whoever sees the packet's effect after the
                     // verdict also sees the count.
                     count2.fetch_add(1, Ordering::SeqCst);
-                    let (v, payload) = decide(p);
-                    q.set_verdict(p.id, v, payload.as_deref())?;
+                    let (v, mark, payload) = decide(p);
+                    q.set_verdict_mark(p.id, v, mark, payload.as_deref())?;
                 }
                 q.flush()?;
             }
@@ -179,13 +224,23 @@ impl Consumer {
             q.close()?;
             Ok(stats)
         });
-        Consumer { stop, count, seen, handle: Some(handle) }
+        Consumer {
+            stop,
+            count,
+            seen,
+            handle: Some(handle),
+        }
     }
 
     /// Stops the thread and returns the queue's final counters.
     pub fn finish(mut self) -> Stats {
         self.stop.store(true, Ordering::SeqCst);
-        self.handle.take().unwrap().join().expect("consumer panicked").expect("consumer failed")
+        self.handle
+            .take()
+            .unwrap()
+            .join()
+            .expect("consumer panicked")
+            .expect("consumer failed")
     }
 
     pub fn packets(&self) -> u64 {
@@ -316,7 +371,14 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 
 /// Reads the packet counter of the first rule in `chain` of `table` whose text satisfies
 /// `which`, from `iptables -L -v -x -n` (or ip6tables).
-pub fn rule_packets(pair: &NetnsPair, ns: &str, bin: &str, table: &str, chain: &str, which: &dyn Fn(&str) -> bool) -> u64 {
+pub fn rule_packets(
+    pair: &NetnsPair,
+    ns: &str,
+    bin: &str,
+    table: &str,
+    chain: &str,
+    which: &dyn Fn(&str) -> bool,
+) -> u64 {
     let out = pair.exec_ok(ns, &[bin, "-w", "-t", table, "-L", chain, "-v", "-x", "-n"]);
     out.lines()
         .skip(2)

@@ -690,6 +690,18 @@ pub fn command(c: &mut Conn, cmd: &Command, ack_buf: &mut [u8]) -> CommandResult
         // C2. Acknowledge.
         Op::Acknowledge => {
             if !c.has(flag::ACK_ALLOWED) || Seq(cmd.ack_a).ge(Seq(c.ack_a)) {
+                // The fresh ACK must not move the right edge B sees beyond the one A's TCP last
+                // offered (ackA + window): the window shrinks by as much as ackA advances.
+                // Offering more would let B send past A's buffer; A's next real ACK would then
+                // move the edge left, and B's window updates would carry a SEQ A's TCP drops as
+                // old (a stall until zero-window probes, found by the >4 GiB echo test).
+                if c.has(flag::ACK_ALLOWED) && c.has(flag::A_WIN_KNOWN) {
+                    let s = if c.a_ws_b() == WS_NONE { 0 } else { c.a_ws_b() as u32 };
+                    let edge = c.ack_a as u64 + ((c.a_win as u64) << s);
+                    let advance = Seq(cmd.ack_a) - Seq(c.ack_a);
+                    let left = (edge - c.ack_a as u64).saturating_sub(advance as u64);
+                    c.a_win = (left >> s).min(0xffff) as u16;
+                }
                 c.ack_a = cmd.ack_a;
             }
             c.set(flag::ACK_ALLOWED);

@@ -311,9 +311,13 @@ struct Scenario {
     /// completed at the guard); `false` adopts as soon as the guard saw B's SYN (ACK_ALLOWED) and
     /// takes ackB0 from the TELL after reconnecting.
     adopt_needs_recoverable: bool,
-    /// *A* calls close() right after RTCP_SHUTDOWN, its FIN riding on its last data (only on a
-    /// loss-free link: see the smoltcp FIN issue at `Sim::a_io`).
-    close_at_once: bool,
+    /// Whether *A* waits for its output to be acknowledged between RTCP_SHUTDOWN and close().
+    /// `None`: only on a faulty link (the paper's application closes at once; see the smoltcp
+    /// FIN issue at `Sim::a_io` for why a lossy link needs the wait).
+    close_after_acks: Option<bool>,
+    /// A slow application: reads at most this many bytes per virtual millisecond (its TCP holds
+    /// the rest, which O7 must not acknowledge).
+    read_rate: Option<usize>,
     /// A stall (only a stall) ends the run with `Err` instead of a panic.
     stall_is_err: bool,
     /// Crash *A* this many times the moment a recovered socket connects (before its TELL).
@@ -357,7 +361,8 @@ impl Scenario {
             crash_on_reconnect: 0,
             adopt_needs_recoverable: false,
             stall_is_err: false,
-            close_at_once: false,
+            close_after_acks: None,
+            read_rate: None,
             a_rx: vec![65535],
             a_seeds: vec![],
             b_seed: None,
@@ -390,6 +395,8 @@ struct Report {
     pre_accept_recoveries: u32,
     events: Vec<(Event, u32)>,
     paws_drops: u32,
+    /// Packets whose ACK O7 lowered (A's TCP had more than the application checkpointed).
+    acks_held_back: u32,
     /// SACK blocks from B checked to be shifted by a non-zero Δ.
     sack_blocks_shifted: u32,
     /// Recoveries whose new socket's raw TSval was behind what B last accepted.
@@ -478,6 +485,9 @@ struct AppA {
     prev_state: Option<State>,
     /// When the delayed TELL after a reconnection is due (`Scenario::tell_delay_ms`).
     tell_at: Option<Instant>,
+    /// `Scenario::read_rate`: bytes the application may still read, and when it last did.
+    read_budget: usize,
+    read_at: Instant,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -649,7 +659,7 @@ impl Sim {
             ts_recent: None,
             lastack_since: None,
         };
-        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None };
+        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None, read_budget: 0, read_at: now };
         let mut sim = Sim {
             sc,
             now,
@@ -825,6 +835,9 @@ impl Sim {
             if r1.ack.gt(r0.ack) {
                 self.fail("O7 raised A's acknowledgment");
             }
+            if r1.ack.lt(r0.ack) {
+                self.rep.acks_held_back += 1;
+            }
         }
         // O8: SEQ - Δ.
         if r1.flags & F::SYN == 0 && r1.seq != r0.seq - self.conn.delta {
@@ -845,8 +858,9 @@ impl Sim {
             if seen > offered {
                 self.fail(&format!("B sees a window of {seen} bytes past its ACK, A offers {offered} past that ACK"));
             }
-            if offered >= 1 << (16 + old) && seen < 0xffff << old {
-                self.fail(&format!("window not rescaled: B sees {seen} bytes, A offers {offered}"));
+            // Nor short of it, except for the rounding to B's shift, or where the field is full.
+            if seen < 0xffff << old && offered - seen >= 1 << old {
+                self.fail(&format!("window not kept: B sees {seen} bytes past its ACK, A offers {offered}"));
             }
         }
     }
@@ -1182,12 +1196,25 @@ impl Sim {
     fn a_io(&mut self) {
         let mut buf = [0u8; 8192];
         let mut got = 0;
+        // A slow application reads at most `read_rate` bytes per virtual millisecond.
+        let mut budget = usize::MAX;
+        if let Some(rate) = self.sc.read_rate {
+            let ms = (self.now - self.a.read_at).total_millis() as usize;
+            self.a.read_budget = (self.a.read_budget + ms * rate).min(64 * 1024);
+            self.a.read_at = self.now;
+            budget = self.a.read_budget;
+        }
         loop {
             let s = self.a_tcp();
-            if !s.can_recv() {
+            if !s.can_recv() || budget == 0 {
                 break;
             }
-            let n = s.recv_slice(&mut buf).unwrap();
+            let want = buf.len().min(budget);
+            let n = s.recv_slice(&mut buf[..want]).unwrap();
+            budget -= n;
+            if self.sc.read_rate.is_some() {
+                self.a.read_budget -= n;
+            }
             if n == 0 {
                 break;
             }
@@ -1217,17 +1244,19 @@ impl Sim {
             let n = host.sockets.get_mut::<tcp::Socket>(h).send_slice(&self.a.dur.output[sent..]).unwrap_or(0);
             self.a.sent += n;
         }
-        // Finished: all input consumed and the last send() returned: RTCP_SHUTDOWN (section
-        // 2.4.2: nothing waits for B's acknowledgments, the TCP sends what it holds before its
-        // FIN). The close() itself waits until the output is acknowledged, only to keep the FIN
-        // off data segments: smoltcp 0.14 drops a retransmitted FIN whose data B already has
-        // (its acceptability test leaves the FIN out of SEG.LEN) and then never resends it.
+        // Finished: all input consumed and the last send() returned: RTCP_SHUTDOWN, then close()
+        // (section 4; the TCP sends what it holds before its FIN, section 2.4.2). On a faulty
+        // link close() waits until the output is acknowledged, to keep the FIN off data
+        // segments: smoltcp 0.14 drops a retransmitted FIN whose data B already has (its
+        // acceptability test leaves the FIN out of SEG.LEN), and the sender does not resend it.
         let done = self.a.dur.input.len() == self.b.payload.len() && self.a.sent == self.a.dur.output.len();
         if done && !self.a.shutdown_sent {
             self.command(Op::Shutdown, 0, None);
             self.a.shutdown_sent = true;
         }
-        if self.a.shutdown_sent && !self.a.close_called && (self.sc.close_at_once || self.a_tcp().send_queue() == 0) {
+        let faulty = self.sc.loss > 0.0 || self.sc.dup > 0.0 || self.sc.reorder > 0.0;
+        let wait = self.sc.close_after_acks.unwrap_or(faulty);
+        if self.a.shutdown_sent && !self.a.close_called && (!wait || self.a_tcp().send_queue() == 0) {
             self.a.close_called = true;
             self.a_tcp().close();
         }
@@ -1495,6 +1524,12 @@ impl Sim {
                 consider(Some(until));
             }
             consider(self.a.tell_at);
+            if self.sc.read_rate.is_some() && self.a.phase == Phase::Running && self.a_state().is_some() {
+                let s = self.a.host.as_ref().unwrap().sockets.get::<tcp::Socket>(self.a.sock.unwrap());
+                if s.can_recv() {
+                    consider(Some(self.now + Duration::from_millis(1)));
+                }
+            }
             match next {
                 Some(t) if t > self.now => {
                     self.now = t;
@@ -1702,6 +1737,28 @@ fn o5_tell_after_peer_acknowledged_more() {
     }
 }
 
+/// KNOWN GAP, ignored until the engine handles it (run with `--ignored`): the origin stops
+/// following ackB at the TELL, but acknowledgments of the dead incarnation's output can still
+/// arrive after it. Here the dead process's kernel had sent all output and its (genuine, after
+/// SHUTDOWN) FIN; B's ACK of that FIN reaches the filter after the TELL. The new socket resends
+/// the output, B acknowledges up to the old FIN + 1, one beyond anything the new socket sent:
+/// *A*'s TCP discards every such ACK, and an application that waits for its output to be
+/// acknowledged before close() (as this one does with `close_after_acks`) waits forever. An
+/// application that closes at once sends its FIN at the same place and completes. The same
+/// mechanism with data instead of a FIN would stall a sender whose congestion window is smaller
+/// than the old data still in flight (Linux's initial window; smoltcp has none, so it is not
+/// reproduced here). Clamping incoming ACKs to what *A* sent needs *A*'s SND.MAX in the state.
+#[test]
+#[ignore]
+fn known_gap_peer_acks_old_fin_after_tell() {
+    let mut base = Scenario::new("", 21, 20_000);
+    base.crash_modes = vec![CrashMode::CloseOnExit];
+    base.restart_delay_ms = 0;
+    base.tell_delay_ms = 3;
+    base.close_after_acks = Some(true);
+    sweep("gap-old-fin", base, false, |sc, k| sc.crash_after = vec![k]);
+}
+
 /// Section 2.4.2: the process dies but its kernel survives and closes the socket; O6 turns the
 /// spurious FIN into a RST for *A*, O1 drops *A*'s RSTs, and the restarted process recovers on
 /// the same stack.
@@ -1721,15 +1778,16 @@ fn s2_4_spurious_fin_on_exit_at_every_packet() {
 fn s2_4_shutdown_then_crash_twice_at_every_packet() {
     // First death: the process (its kernel sends what it holds, then a FIN), or the whole host
     // (what was not on the wire is lost); second death, right after reconnecting: the process.
-    for (name, modes, loss, per_k_seed, close_at_once) in [
-        ("exit+exit", vec![CrashMode::CloseOnExit], 0.0, false, false),
-        ("exit+exit close-at-once", vec![CrashMode::CloseOnExit], 0.0, false, true),
-        ("exit+exit-seeds", vec![CrashMode::CloseOnExit], 0.0, true, false),
-        ("host+exit", vec![CrashMode::Silent, CrashMode::CloseOnExit], 0.0, true, false),
-        ("exit+exit-lossy", vec![CrashMode::CloseOnExit], 0.05, true, false),
+    // `wait`: the application lingers between RTCP_SHUTDOWN and close() (here: until its output
+    // is acknowledged), which keeps the window for the race open.
+    for (name, modes, loss, per_k_seed, wait) in [
+        ("exit+exit", vec![CrashMode::CloseOnExit], 0.0, false, None),
+        ("exit+exit-seeds", vec![CrashMode::CloseOnExit], 0.0, true, None),
+        ("host+exit", vec![CrashMode::Silent, CrashMode::CloseOnExit], 0.0, true, Some(true)),
+        ("exit+exit-lossy", vec![CrashMode::CloseOnExit], 0.05, true, None),
     ] {
         let mut base = Scenario::new("", 10, 20_000).lossy(loss, 0.0, 0.0);
-        base.close_at_once = close_at_once;
+        base.close_after_acks = wait;
         base.crash_modes = modes;
         base.crash_on_reconnect = 1;
         base.restart_delay_ms = 1;
@@ -1786,6 +1844,28 @@ fn window_scale_changes_across_crashes() {
         sc.crash_at_input = spread_input(&sc, 3);
         let r = run(sc);
         assert_eq!((r.crashes, r.recoveries_completed), (3, 3), "{r:?}");
+    }
+}
+
+/// O7 with a slow application: its TCP holds data the application has not consumed (O7 keeps
+/// it unacknowledged, the window keeps A's right edge), while the application keeps writing;
+/// with crashes, and with the window-scale change.
+#[test]
+fn o7_slow_reader_with_crashes() {
+    for (i, (rate, rx)) in [(20usize, vec![65535usize]), (50, vec![256 * 1024, 65535, 1024 * 1024])].into_iter().enumerate() {
+        for lossy in [false, true] {
+            let mut sc = Scenario::new(&format!("slow-reader-{i} lossy={lossy}"), 310 + i as u64, 100_000);
+            if lossy {
+                sc = sc.lossy(0.02, 0.01, 0.02);
+            }
+            sc.read_rate = Some(rate);
+            sc.a_rx = rx.clone();
+            sc.check_window = true;
+            sc.crash_at_input = spread_input(&sc, 2);
+            let r = run(sc);
+            assert_eq!(r.crashes, 2, "{r:?}");
+            assert!(r.acks_held_back > 50, "O7 must have held data back: {r:?}");
+        }
     }
 }
 

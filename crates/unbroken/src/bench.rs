@@ -186,11 +186,14 @@ pub struct WorkerArgs {
     pub rcvbuf: Option<usize>,
     pub ack: AckMode,
     pub cycles: usize,
+    /// STREAM / MAERTS on a connection that was crashed and recovered once first (Δ != 0: the
+    /// guard rewrites every packet). The MAERTS peer waits for a 1-byte go from the app.
+    pub recover_first: bool,
 }
 
 impl WorkerArgs {
     fn new(mode: Mode, addr: SocketAddr, secs: f64) -> WorkerArgs {
-        WorkerArgs { mode, addr, secs, guard: None, key: KEY_HEX.to_string(), read: DEFAULT_READ, rcvbuf: None, ack: AckMode::Blocking, cycles: 0 }
+        WorkerArgs { mode, addr, secs, guard: None, key: KEY_HEX.to_string(), read: DEFAULT_READ, rcvbuf: None, ack: AckMode::Blocking, cycles: 0, recover_first: false }
     }
     fn to_args(&self) -> Vec<String> {
         let mut v = vec!["--mode".into(), self.mode.as_str().into(), "--addr".into(), self.addr.to_string(), "--secs".into(), self.secs.to_string()];
@@ -204,6 +207,9 @@ impl WorkerArgs {
         if self.ack == AckMode::Thread {
             v.push("--ack-thread".into());
         }
+        if self.recover_first {
+            v.push("--recover-first".into());
+        }
         v
     }
     fn parse(args: &[String]) -> Result<WorkerArgs, String> {
@@ -214,6 +220,10 @@ impl WorkerArgs {
             i += 1;
             if a == "--ack-thread" {
                 w.ack = AckMode::Thread;
+                continue;
+            }
+            if a == "--recover-first" {
+                w.recover_first = true;
                 continue;
             }
             let v = args.get(i).ok_or(format!("{a} needs a value"))?;
@@ -269,15 +279,27 @@ extern "C" fn on_stop(_: libc::c_int) {
     STOP.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
-fn passthrough(args: &[String]) -> Result<u64, String> {
-    use unbroken_drivers::nfqueue::{Queue, QueueConfig, Verdict as QVerdict};
-    let path = args.iter().position(|a| a == "--config").and_then(|i| args.get(i + 1)).ok_or("--config FILE is required")?;
-    let cfg = unbroken_control::config::Guard::load(Path::new(path))?;
+fn on_stop_signals() {
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGTERM, on_stop as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_stop as *const () as libc::sighandler_t);
     }
+}
+
+/// `Err` once SIGINT or SIGTERM arrived (the orchestrator then tears its lab down).
+fn interrupted() -> Result<(), String> {
+    if STOP.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err("interrupted".into());
+    }
+    Ok(())
+}
+
+fn passthrough(args: &[String]) -> Result<u64, String> {
+    use unbroken_drivers::nfqueue::{Queue, QueueConfig, Verdict as QVerdict};
+    let path = args.iter().position(|a| a == "--config").and_then(|i| args.get(i + 1)).ok_or("--config FILE is required")?;
+    let cfg = unbroken_control::config::Guard::load(Path::new(path))?;
+    on_stop_signals();
     // The guard's own queue settings (GSO on, 16 MiB socket buffer) and rules.
     let qcfg = QueueConfig { queue_num: cfg.raw.guard.queue, ..QueueConfig::default() };
     let mut q = Queue::open(&qcfg).map_err(|e| format!("NFQUEUE {}: {e}", qcfg.queue_num))?;
@@ -382,6 +404,18 @@ fn app_run(a: &WorkerArgs) -> Result<Value, String> {
         None => None,
     };
     let prot = client.as_ref().zip(rec.as_ref());
+    let mut recovered_first = Value::Null;
+    if a.recover_first && a.mode != Mode::Recover {
+        let (c, r) = prot.ok_or("--recover-first needs --guard")?;
+        let (ns, f, rt) = crash_and_recover(s, c, r, 0, 0)?;
+        s = ns;
+        recovered_first = json!({ "fail_us": f.as_micros() as u64, "recover_us": rt.as_micros() as u64 });
+        if a.mode == Mode::Maerts {
+            s.write_all(b"g").map_err(|e| format!("go: {e}"))?;
+        }
+    } else if a.recover_first && a.mode == Mode::Maerts {
+        s.write_all(b"g").map_err(|e| format!("go: {e}"))?;
+    }
     let rcvbuf = get_rcvbuf(s.as_raw_fd());
     let mut v = match a.mode {
         Mode::Stream => app_stream(a, &mut s, prot)?,
@@ -394,6 +428,7 @@ fn app_run(a: &WorkerArgs) -> Result<Value, String> {
     };
     v["protected"] = json!(prot.is_some());
     v["so_rcvbuf"] = json!(rcvbuf);
+    v["recovered_first"] = recovered_first;
     if let Some(c) = &client {
         let st = c.stats();
         v["side_channel"] = json!({ "requests": st.requests, "retransmissions": st.retransmissions, "timeouts": st.timeouts });
@@ -559,6 +594,30 @@ fn app_rr(s: &mut TcpStream, prot: Prot) -> Result<Value, String> {
     Ok(json!({ "transactions": n, "ack_us": summary(&mut lat) }))
 }
 
+/// One crash and recovery of the app's connection: the FIN the kernel sends on close (nothing
+/// unread, so close would send exactly this FIN), which the guard turns into a RST for the app;
+/// then `unbroken_sdk::recover`. Waiting for the guard's RST before closing frees the 4-tuple as
+/// a crashed process's socket is freed (connect() fails with EADDRNOTAVAIL while the old socket
+/// still sits in FIN-WAIT-1). Returns the new stream, the FIN->RST time and the recover() time.
+fn crash_and_recover(s: TcpStream, c: &unbroken_sdk::GuardClient, rec: &unbroken_sdk::ConnRecord, consumed: u64, sent: u64) -> Result<(TcpStream, Duration, Duration), String> {
+    let t0 = Instant::now();
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 1];
+    match (&s).read(&mut b) {
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        other => return Err(format!("expected the guard's RST after the FIN, got {other:?}")),
+    }
+    drop(s);
+    let t1 = Instant::now();
+    let (ns, delivered) = unbroken_sdk::recover(rec, c, consumed, sent).map_err(|e| format!("recover: {e}"))?;
+    let t2 = Instant::now();
+    if delivered != sent {
+        return Err(format!("recover says the peer received {delivered} bytes, {sent} were sent"));
+    }
+    Ok((ns, t1 - t0, t2 - t1))
+}
+
 /// The paper's recovery benchmark: "crash" by sending the FIN a close would send (the guard
 /// turns it into a RST for the app), then `recover`; one 1-byte RR through the peer's echo
 /// checks the recovered connection between cycles.
@@ -583,30 +642,12 @@ fn app_recover(a: &WorkerArgs, mut s: TcpStream, c: &unbroken_sdk::GuardClient, 
     rr(&mut s, &mut consumed, &mut sent, 0)?;
     let (mut fail, mut recov, mut cycle) = (Vec::new(), Vec::new(), Vec::new());
     for i in 1..=a.cycles {
-        let t0 = Instant::now();
-        // The crash: the FIN the kernel sends on close (nothing unread, so close would send
-        // exactly this FIN). Waiting for the guard's RST before closing frees the 4-tuple, as
-        // a crashed process's socket is freed; connect() would fail with EADDRNOTAVAIL while
-        // the old socket still sits in FIN-WAIT-1.
-        s.shutdown(Shutdown::Write).map_err(|e| format!("cycle {i}: shutdown: {e}"))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-        let mut b = [0u8; 1];
-        match s.read(&mut b) {
-            Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
-            other => return Err(format!("cycle {i}: expected the guard's RST after the FIN, got {other:?}")),
-        }
-        drop(s);
-        let t1 = Instant::now();
-        let (ns, delivered) = unbroken_sdk::recover(rec, c, consumed, sent).map_err(|e| format!("cycle {i}: recover: {e}"))?;
-        let t2 = Instant::now();
-        if delivered != sent {
-            return Err(format!("cycle {i}: recover says the peer received {delivered} bytes, {sent} were sent"));
-        }
+        let (ns, f, r) = crash_and_recover(s, c, rec, consumed, sent).map_err(|e| format!("cycle {i}: {e}"))?;
         s = ns;
         s.set_nodelay(true).map_err(|e| e.to_string())?;
-        fail.push((t1 - t0).as_secs_f64() * 1e6);
-        recov.push((t2 - t1).as_secs_f64() * 1e6);
-        cycle.push((t2 - t0).as_secs_f64() * 1e6);
+        fail.push(f.as_secs_f64() * 1e6);
+        recov.push(r.as_secs_f64() * 1e6);
+        cycle.push((f + r).as_secs_f64() * 1e6);
         rr(&mut s, &mut consumed, &mut sent, i)?;
     }
     // The side channel's round trip on its own: TELLs.
@@ -652,6 +693,11 @@ fn peer_run(a: &WorkerArgs) -> Result<Value, String> {
             Ok(json!({ "bytes": total, "secs": secs, "mbps": if secs > 0.0 { total as f64 * 8.0 / secs / 1e6 } else { 0.0 } }))
         }
         Mode::Maerts => {
+            if a.recover_first {
+                let mut g = [0u8; 1];
+                s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+                s.read_exact(&mut g).map_err(|e| format!("waiting for go: {e}"))?;
+            }
             let buf = vec![0xa5u8; 256 << 10];
             let start = Instant::now();
             let end = start + Duration::from_secs_f64(a.secs);
@@ -752,9 +798,11 @@ impl Proc {
     fn wait_line(&mut self, prefix: &str, within: Duration) -> Result<String, String> {
         let end = Instant::now() + within;
         loop {
-            match self.lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            interrupted()?;
+            match self.lines.recv_timeout(end.saturating_duration_since(Instant::now()).min(Duration::from_millis(200))) {
                 Ok(l) if l.starts_with(prefix) => return Ok(l),
                 Ok(_) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < end => continue,
                 Err(_) => return Err(format!("no {prefix:?} line within {within:?} (exit status {:?})", self.child.try_wait().ok().flatten())),
             }
         }
@@ -973,6 +1021,7 @@ impl Bench<'_> {
             }
             self.progress(&format!("    other processes used {:.2} CPUs during the test: repeating it", r.foreign));
             std::thread::sleep(Duration::from_secs(3)); // let the other work pass
+            interrupted()?;
         }
     }
 
@@ -986,8 +1035,10 @@ impl Bench<'_> {
 fn wait_json(p: &mut Proc, role: &str, within: Duration) -> Result<Value, String> {
     let end = Instant::now() + within;
     loop {
-        let l = match p.lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+        interrupted()?;
+        let l = match p.lines.recv_timeout(end.saturating_duration_since(Instant::now()).min(Duration::from_millis(200))) {
             Ok(l) => l,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < end => continue,
             Err(_) => return Err(format!("bench-{role}: no result within {within:?} (exit status {:?})", p.child.try_wait().ok().flatten())),
         };
         let Ok(v) = serde_json::from_str::<Value>(&l) else { continue };
@@ -1036,6 +1087,7 @@ pub fn run_checkpoint(o: &Opts) -> Result<Value, String> {
         return Ok(json!({ "ok": true, "machine": machine(), "engine": engine }));
     }
     lab::lab_available()?;
+    on_stop_signals();
     let mut opts = CheckpointOpts::default();
     opts.apps.truncate(1);
     for h in [&mut opts.apps[0], &mut opts.peer] {
@@ -1151,13 +1203,20 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
             w.rcvbuf = Some(256 << 10);
             variants.push((setup, w, format!("read {} KiB, SO_RCVBUF 256 KiB (no autotuning)", o.read >> 10)));
         }
+        for mode in [Mode::Stream, Mode::Maerts] {
+            let mut w = mk(mode);
+            w.recover_first = true;
+            variants.push((Setup::Protected, w, "after one crash and recovery (Δ≠0: every packet rewritten)".to_string()));
+        }
         for (setup, wa, what) in variants {
             b.start(setup)?;
-            b.progress(&format!("variant: TCP_MAERTS {} {what}", setup.as_str()));
+            let tname = if wa.mode == Mode::Stream { "TCP_STREAM" } else { "TCP_MAERTS" };
+            b.progress(&format!("variant: {tname} {} {what}", setup.as_str()));
             let r0 = rst_count(b)?;
             let m = b.measure(&wa)?;
             rsts[setup as usize] += rst_count(b)? - r0;
-            sweep.push(json!({ "test": "maerts", "variant": what, "setup": setup.as_str(), "mbps": m.app["mbps"], "app": m.app, "cpus_busy": round3(m.cpus_busy), "filter_cpu": m.filter_cpu.map(round3), "foreign_cpu": round3(m.foreign) }));
+            let mbps = if wa.mode == Mode::Stream { m.peer["mbps"].clone() } else { m.app["mbps"].clone() };
+            sweep.push(json!({ "test": wa.mode.as_str(), "variant": what, "setup": setup.as_str(), "mbps": mbps, "peer": m.peer, "app": m.app, "cpus_busy": round3(m.cpus_busy), "filter_cpu": m.filter_cpu.map(round3), "foreign_cpu": round3(m.foreign) }));
             b.max_foreign = b.max_foreign.max(m.foreign);
             if let Some(st) = b.stop()? {
                 guard_status = st;
@@ -1283,10 +1342,11 @@ fn print_lab(v: &Value, c: &Value) {
         println!("({rep} test(s) were repeated because other processes were busy)");
     }
     if let Some(sw) = v["sweep"].as_array().filter(|s| !s.is_empty()) {
-        println!("\nTCP_MAERTS variants (one run each)");
+        println!("\nvariants (one run each)");
         for s in sw {
             println!(
-                "  {:<12} {:<50} {:>7.0} Mbit/s  ({} reads of {} B on average, ACKNOWLEDGE p50 {} µs)",
+                "  {:<7} {:<20} {:<58} {:>7.0} Mbit/s  ({} reads of {} B on average, ACKNOWLEDGE p50 {} µs)",
+                s["test"].as_str().unwrap_or("").to_uppercase(),
                 s["setup"].as_str().unwrap_or(""),
                 s["variant"].as_str().unwrap_or(""),
                 s["mbps"].as_f64().unwrap_or(0.0),

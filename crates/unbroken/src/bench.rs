@@ -60,6 +60,9 @@ pub struct Opts {
     pub retries: usize,
     /// Also write the JSON report to this file.
     pub save: Option<std::path::PathBuf>,
+    /// Hold /dev/cpu_dma_latency at 0 during the lab tests, so idle CPUs poll instead of
+    /// halting (on a VM, waking a halted vCPU costs tens of microseconds per wakeup).
+    pub cpu_qos: bool,
 }
 
 impl Opts {
@@ -79,6 +82,7 @@ impl Opts {
             dummy: true,
             retries: if quick { 1 } else { 5 },
             save: None,
+            cpu_qos: true,
         }
     }
 
@@ -101,6 +105,7 @@ impl Opts {
                 "--no-micro" => o.micro = false,
                 "--micro-only" => o.micro_only = true,
                 "--no-passthrough" => o.dummy = false,
+                "--no-cpu-qos" => o.cpu_qos = false,
                 "--save" => o.save = Some(val(&mut it, "--save")?.into()),
                 "--retries" => o.retries = parse_num("--retries", &val(&mut it, "--retries")?)?,
                 "--tests" => o.tests = val(&mut it, "--tests")?.split(',').map(|t| Mode::parse(t.trim())).collect::<Result<_, _>>()?,
@@ -618,6 +623,43 @@ fn crash_and_recover(s: TcpStream, c: &unbroken_sdk::GuardClient, rec: &unbroken
     Ok((ns, t1 - t0, t2 - t1))
 }
 
+/// Steps (2) and (3) of `recover`, by hand: a socket with SO_REUSEADDR and SO_REUSEPORT bound to
+/// the application's address and port, connected (blocking) to the peer. IPv4 only.
+fn connect_from(local: SocketAddr, remote: SocketAddr) -> Result<TcpStream, String> {
+    use std::os::fd::FromRawFd;
+    let (SocketAddr::V4(l), SocketAddr::V4(r)) = (local, remote) else { return Err("IPv4 only".into()) };
+    let sin = |a: std::net::SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+        sin_zero: [0; 8],
+    };
+    let err = |w: &str| format!("{w}: {}", std::io::Error::last_os_error());
+    // SAFETY: plain socket calls on a descriptor owned by the TcpStream (or closed) below.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(err("socket"));
+        }
+        let s = TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        for o in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
+            if libc::setsockopt(fd, libc::SOL_SOCKET, o, (&one as *const libc::c_int).cast(), 4) != 0 {
+                return Err(err("setsockopt"));
+            }
+        }
+        let (la, ra) = (sin(l), sin(r));
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        if libc::bind(fd, (&la as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(err("bind"));
+        }
+        if libc::connect(fd, (&ra as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(err("connect"));
+        }
+        Ok(s)
+    }
+}
+
 /// The paper's recovery benchmark: "crash" by sending the FIN a close would send (the guard
 /// turns it into a RST for the app), then `recover`; one 1-byte RR through the peer's echo
 /// checks the recovered connection between cycles.
@@ -650,6 +692,33 @@ fn app_recover(a: &WorkerArgs, mut s: TcpStream, c: &unbroken_sdk::GuardClient, 
         cycle.push((f + r).as_secs_f64() * 1e6);
         rr(&mut s, &mut consumed, &mut sent, i)?;
     }
+    // Where recover()'s time goes: the same steps by hand, timed one by one.
+    let (mut b_ack, mut b_conn, mut b_tell) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..a.cycles.min(50) {
+        s.shutdown(Shutdown::Write).map_err(|e| format!("breakdown {i}: shutdown: {e}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+        match s.read(&mut [0u8; 1]) {
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+            other => return Err(format!("breakdown {i}: expected the guard's RST, got {other:?}")),
+        }
+        drop(s);
+        let t0 = Instant::now();
+        unbroken_sdk::acknowledge(rec, c, consumed).map_err(|e| format!("breakdown {i}: acknowledge: {e}"))?;
+        let t1 = Instant::now();
+        s = connect_from(rec.app(), rec.peer()).map_err(|e| format!("breakdown {i}: connect: {e}"))?;
+        let t2 = Instant::now();
+        let reply = c.tell(rec.app(), rec.peer()).map_err(|e| format!("breakdown {i}: tell: {e}"))?;
+        let t3 = Instant::now();
+        let delivered = rec.delivered(reply.ack_b, sent).map_err(|e| format!("breakdown {i}: {e}"))?;
+        if delivered != sent {
+            return Err(format!("breakdown {i}: the peer received {delivered} bytes, {sent} were sent"));
+        }
+        b_ack.push((t1 - t0).as_secs_f64() * 1e6);
+        b_conn.push((t2 - t1).as_secs_f64() * 1e6);
+        b_tell.push((t3 - t2).as_secs_f64() * 1e6);
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        rr(&mut s, &mut consumed, &mut sent, a.cycles + 1 + i)?;
+    }
     // The side channel's round trip on its own: TELLs.
     let mut tell = Vec::new();
     for _ in 0..if a.cycles > 0 { 1000 } else { 0 } {
@@ -666,6 +735,7 @@ fn app_recover(a: &WorkerArgs, mut s: TcpStream, c: &unbroken_sdk::GuardClient, 
         "fail_us": summary(&mut fail),
         "recover_us": summary(&mut recov),
         "tell_us": summary(&mut tell),
+        "breakdown_us": { "acknowledge": summary(&mut b_ack), "connect": summary(&mut b_conn), "tell": summary(&mut b_tell) },
         "side_channel": { "requests": st.requests, "retransmissions": st.retransmissions, "timeouts": st.timeouts },
     }))
 }
@@ -1088,6 +1158,7 @@ pub fn run_checkpoint(o: &Opts) -> Result<Value, String> {
     }
     lab::lab_available()?;
     on_stop_signals();
+    let _qos = if o.cpu_qos { Some(cpu_latency_zero()?) } else { None };
     let mut opts = CheckpointOpts::default();
     opts.apps.truncate(1);
     for h in [&mut opts.apps[0], &mut opts.peer] {
@@ -1132,6 +1203,13 @@ impl Setup {
             Setup::Protected => "protected",
         }
     }
+}
+
+/// Requests a CPU wakeup latency of 0 (PM QoS) for as long as the returned file stays open.
+fn cpu_latency_zero() -> Result<std::fs::File, String> {
+    let mut f = std::fs::OpenOptions::new().write(true).open("/dev/cpu_dma_latency").map_err(|e| format!("/dev/cpu_dma_latency: {e} (use --no-cpu-qos)"))?;
+    f.write_all(&0i32.to_ne_bytes()).map_err(|e| format!("/dev/cpu_dma_latency: {e}"))?;
+    Ok(f)
 }
 
 fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
@@ -1251,12 +1329,17 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
         "fail_us_p50": med_min_max(&pick("fail_us", "p50")),
         "recover_us_p50": med_min_max(&pick("recover_us", "p50")),
         "tell_us_p50": med_min_max(&pick("tell_us", "p50")),
+        "breakdown_p50_us": {
+            "acknowledge": med_min_max(&recoveries.iter().filter_map(|r| r["breakdown_us"]["acknowledge"]["p50"].as_f64()).collect::<Vec<_>>()),
+            "connect": med_min_max(&recoveries.iter().filter_map(|r| r["breakdown_us"]["connect"]["p50"].as_f64()).collect::<Vec<_>>()),
+            "tell": med_min_max(&recoveries.iter().filter_map(|r| r["breakdown_us"]["tell"]["p50"].as_f64()).collect::<Vec<_>>()),
+        },
         "paper_us": 378,
     });
     Ok(json!({
         "ok": rsts[Setup::Protected as usize] == 0,
         "machine": machine(),
-        "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true },
+        "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true, "cpu_dma_latency_0": o.cpu_qos },
         "stream": test(&vals[0], "Mbit/s", 0.977),
         "maerts": test(&vals[1], "Mbit/s", 0.714),
         "rr": test(&vals[2], "transactions/s", 0.619),
@@ -1292,7 +1375,8 @@ pub fn print_table(v: &Value) {
 
 fn print_lab(v: &Value, c: &Value) {
     println!("{} run(s) of {} s per test, MAERTS read size {} KiB, {} recovery cycles per run; median [min..max] over runs", c["runs"], c["secs"], c["read_size"].as_u64().unwrap_or(0) >> 10, c["cycles"]);
-    println!("ratio = protected / unprotected (per-run min..max); pass = NFQUEUE pass-through filter / unprotected\n");
+    println!("ratio = protected / unprotected (per-run min..max); pass = NFQUEUE pass-through filter / unprotected");
+    println!("CPU idle states: {}\n", if c["cpu_dma_latency_0"].as_bool() == Some(true) { "polling (/dev/cpu_dma_latency held at 0)" } else { "as configured (halting)" });
     println!("{:<28} {:>22} {:>22} {:>22} {:>17} {:>6} {:>6}", "test", "unprotected", "NFQUEUE pass-through", "protected", "ratio", "pass", "paper");
     let mm = |x: &Value| {
         if x.is_null() {
@@ -1329,7 +1413,9 @@ fn print_lab(v: &Value, c: &Value) {
         println!("{:<28} {:>22} {:>22} {:>22} {:>17} {:>6} {:>6}", "recovery cycle µs, mean", "-", "-", mm(&rc["cycle_us"]["mean"]), "", "", "378");
         println!("{:<28} {:>22} {:>22} {:>22}", "  p50 / p99", "", "", format!("{:.0} / {:.0}", med(&rc["cycle_us"]["p50"]), med(&rc["cycle_us"]["p99"])));
         println!("{:<28} {:>22} {:>22} {:>22}", "  FIN->RST / recover() p50", "", "", format!("{:.0} / {:.0}", med(&rc["fail_us_p50"]), med(&rc["recover_us_p50"])));
-        println!("{:<28} {:>22} {:>22} {:>22}", "  side-channel TELL p50 µs", "", "", format!("{:.0}", med(&rc["tell_us_p50"])));
+        let bd = &rc["breakdown_p50_us"];
+        println!("{:<28} {:>22} {:>22} {:>22}", "  recover(): ACK/connect/TELL", "", "", format!("{:.0} / {:.0} / {:.0}", med(&bd["acknowledge"]), med(&bd["connect"]), med(&bd["tell"])));
+        println!("{:<28} {:>22} {:>22} {:>22}", "  idle side-channel TELL p50", "", "", format!("{:.0}", med(&rc["tell_us_p50"])));
     }
     let r = &v["rsts_seen_by_peer"];
     println!("{:<28} {:>22} {:>22} {:>22}", "RSTs seen by the peer", r["unprotected"], r["nfqueue_passthrough"], r["protected"]);

@@ -114,3 +114,25 @@ fn crash_during_the_handshake() {
     let r = check("handshake", &Scenario { crashes: vec![Crash::App], app_crash_point: Some("accepted".into()), ..base(10_000) });
     assert!(r.guard["counters"]["adopted"].as_u64().unwrap_or(0) >= 1, "{}", r.guard["counters"]);
 }
+
+#[test]
+fn more_than_4_gib_each_way_through_one_connection() {
+    // 4.4 GB in each direction (echo): both sequence spaces wrap past 2^32 at least once, with
+    // an app crash and a host crash on the way. The journal holds the input once (~4.4 GB).
+    let Some(_g) = lab_or_skip("seq_wrap") else { return };
+    let records = 44_000_000u64;
+    assert!(records * unbroken_journal::RECORD_LEN as u64 > (1u64 << 32) + (1 << 26));
+    let free = fs_free_bytes(&std::env::temp_dir());
+    assert!(free > 8 << 30, "seq_wrap needs 8 GiB free in {} for the journal, found {free} bytes", std::env::temp_dir().display());
+    let r = check("seq_wrap", &Scenario { records, rate: 0, echo: true, crashes: vec![Crash::App, Crash::Host], timeout: Duration::from_secs(900), ..base(records) });
+    assert_eq!(r.bytes_verified, 4_400_000_000);
+}
+
+fn fs_free_bytes(p: &std::path::Path) -> u64 {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return 0;
+    }
+    s.f_bavail as u64 * s.f_frsize as u64
+}

@@ -4,9 +4,10 @@
 use crate::config::Guard as Config;
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
 
-/// Installs the rules for `cfg` jumping from the named built-in chains.
+/// Installs the rules for `cfg` jumping from the named built-in chains, replacing those of a
+/// crashed predecessor atomically (no moment without steering).
 pub fn install(cfg: &Config, chains: &[&str]) -> std::io::Result<Rules> {
-    Rules::install(&spec(cfg, chains))
+    Rules::install_or_replace(&spec(cfg, chains))
 }
 
 /// The rule specification for `cfg`.

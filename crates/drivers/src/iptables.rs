@@ -333,6 +333,42 @@ impl Rules {
         Ok(rules)
     }
 
+    /// Like [`Rules::install`], but when the chain is already there (a guard restarting after
+    /// a crash) its rules are replaced in one `iptables-restore --noflush` transaction and the
+    /// existing jumps stay: traffic is never left unsteered, not even for a moment. A gap
+    /// would let the application host's RSTs (answers to the peer's retransmissions while
+    /// nobody rewrites) reach the peer. Jumps missing from a hook are added in the same
+    /// transaction.
+    pub fn install_or_replace(spec: &RuleSpec) -> io::Result<Rules> {
+        spec.validate()?;
+        let mut rules = Rules {
+            spec: spec.clone(),
+            installed: Vec::new(),
+        };
+        for family in spec.families() {
+            let mut text = format!("*{}\n:{} - [0:0]\n", spec.table.as_str(), spec.chain);
+            for cmd in spec.install_commands(family) {
+                match cmd.first().map(String::as_str) {
+                    Some("-N") => continue, // the declaration above creates or flushes it
+                    Some("-I") => {
+                        // Keep an existing jump in place; add it only where it is missing.
+                        let check: Vec<String> = std::iter::once("-C".to_string()).chain(cmd[1..].iter().filter(|a| a.as_str() != "1").cloned()).collect();
+                        if try_run(spec, family, &check)?.status.success() {
+                            continue;
+                        }
+                    }
+                    _ => {}
+                }
+                text.push_str(&cmd.join(" "));
+                text.push('\n');
+            }
+            text.push_str("COMMIT\n");
+            rules.installed.push(family);
+            restore(spec, family, &text)?;
+        }
+        Ok(rules)
+    }
+
     /// Removes the chain named in `spec` and every plain jump to it from the built-in chains
     /// of its table, in both families; does nothing where the chain does not exist. A family
     /// whose binary is missing is skipped unless `spec` has services in it.
@@ -436,6 +472,33 @@ fn command(spec: &RuleSpec, family: Family, a: &[String]) -> Command {
     cmd.args(argv);
     cmd.env("LC_ALL", "C");
     cmd
+}
+
+/// Feeds `text` to `iptables-restore --noflush` (or the `-restore` of the configured binary).
+fn restore(spec: &RuleSpec, family: Family, text: &str) -> io::Result<()> {
+    use std::io::Write;
+    let bin = match family {
+        Family::V4 => &spec.iptables,
+        Family::V6 => &spec.ip6tables,
+    };
+    let restore_bin = format!("{bin}-restore");
+    let mut cmd = match &spec.netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns.as_str(), restore_bin.as_str()]);
+            c
+        }
+        None => Command::new(&restore_bin),
+    };
+    cmd.args(["--noflush", "-w", LOCK_WAIT_SECS]).env("LC_ALL", "C");
+    cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| io::Error::new(e.kind(), format!("running `{}`: {e}", describe(&cmd))))?;
+    child.stdin.take().expect("piped").write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!("`{}` failed ({}): {}\ninput:\n{text}", describe(&cmd), out.status, String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    Ok(())
 }
 
 fn describe(cmd: &Command) -> String {

@@ -723,3 +723,35 @@ fn rules_are_idempotent_and_removed() {
         "{err}"
     );
 }
+
+#[test]
+fn rules_are_replaced_in_place_after_a_crash() {
+    // A guard restarting after a crash must never leave its services unsteered: the jumps of
+    // the crashed run stay (same nftables rule handles) while the chain's rules are replaced.
+    let Some(pair) = NetnsPair::setup("rules_are_replaced_in_place_after_a_crash") else {
+        return;
+    };
+    let old = spec_in(&pair.a, 14, 0x4343, &[BuiltinChain::Forward, BuiltinChain::Input], &[Service::tcp(A4.into(), 80)]);
+    std::mem::forget(Rules::install(&old).expect("first install")); // the guard dies
+    let handles = |pair: &NetnsPair| {
+        let out = pair.exec(&pair.a, &["nft", "-a", "list", "chain", "ip", "mangle", "FORWARD"]);
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("UBTEST-Q14")).map(|l| l.trim().to_string()).collect::<Vec<_>>()
+    };
+    let before = handles(&pair);
+    let new = spec_in(&pair.a, 14, 0x4343, &[BuiltinChain::Forward, BuiltinChain::Input], &[Service::tcp(A4.into(), 80), Service::tcp(A4.into(), 81)]);
+    let rules = Rules::install_or_replace(&new).expect("replace");
+    let chain = pair.exec_ok(&pair.a, &["iptables", "-w", "-t", "mangle", "-S", "UBTEST-Q14"]);
+    assert_eq!(chain.lines().count(), 6, "declaration, mark return, 2 rules per service:\n{chain}");
+    assert!(chain.contains("--dport 81"), "{chain}");
+    for hook in ["FORWARD", "INPUT"] {
+        let r = pair.exec_ok(&pair.a, &["iptables", "-w", "-t", "mangle", "-S", hook]);
+        assert_eq!(r.matches("-j UBTEST-Q14").count(), 1, "{hook}:\n{r}");
+    }
+    if !before.is_empty() {
+        assert_eq!(before, handles(&pair), "the jump was deleted and re-created");
+    } else {
+        eprintln!("nft not available: jump identity not checked");
+    }
+    rules.remove().expect("remove");
+    assert!(!pair.exec(&pair.a, &["iptables", "-w", "-t", "mangle", "-S", "UBTEST-Q14"]).status.success());
+}

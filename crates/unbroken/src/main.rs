@@ -9,7 +9,7 @@ const USAGE: &str = "\
 unbroken: TCP connections that outlive the server that serves them
 
 usage:
-  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo] [--same-hosts]
+  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo] [--same-hosts] [--local-guard]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
         LIST is comma-separated from app,host,guard,guard+app (default app,app,host,app).
@@ -93,6 +93,7 @@ fn demo(args: Vec<String>) -> ExitCode {
                 "--ipv6" => s.ipv6 = true,
                 "--echo" => s.echo = true,
                 "--same-hosts" => s.heterogeneous = false,
+                "--local-guard" => s.local_guard = true,
                 "--seed" => s.seed = num("--seed", it.next())?,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
                 o => return Err(format!("demo: unknown argument {o:?}")),

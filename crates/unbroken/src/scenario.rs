@@ -48,6 +48,10 @@ pub struct Scenario {
     pub app_crash_point: Option<String>,
     /// The server echoes the input (both directions carry the same volume).
     pub echo: bool,
+    /// Run the guard on the application's own host (OUTPUT and INPUT chains, side channel on
+    /// loopback) instead of on the gateway. Host crashes then take the guard along and are not
+    /// supported.
+    pub local_guard: bool,
 }
 
 impl Default for Scenario {
@@ -64,6 +68,7 @@ impl Default for Scenario {
             crash_at: None,
             app_crash_point: None,
             echo: false,
+            local_guard: false,
         }
     }
 }
@@ -165,6 +170,7 @@ pub(crate) struct World {
     pub(crate) exe: PathBuf,
     pub(crate) ipv6: bool,
     pub(crate) echo: bool,
+    pub(crate) local_guard: bool,
 }
 
 impl World {
@@ -173,6 +179,9 @@ impl World {
         SocketAddr::new(ip, SERVICE_PORT)
     }
     pub(crate) fn guard_ctl(&self) -> SocketAddr {
+        if self.local_guard {
+            return SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), GUARD_PORT);
+        }
         let ip: IpAddr = if self.ipv6 { addr::GUARD_LAN_V6.into() } else { addr::GUARD_LAN_V4.into() };
         SocketAddr::new(ip, GUARD_PORT)
     }
@@ -180,10 +189,13 @@ impl World {
         self.dir.join("guard-status.json")
     }
     pub(crate) fn write_config(&self) -> Result<PathBuf, String> {
+        let (placement, control, allowed) = if self.local_guard {
+            ("local", format!("\"127.0.0.1:{GUARD_PORT}\""), "\"127.0.0.0/8\"".to_string())
+        } else {
+            ("gateway", format!("\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"", addr::GUARD_LAN_V4, addr::GUARD_LAN_V6), "\"10.77.2.0/24\", \"fd77:2::/64\"".to_string())
+        };
         let cfg = format!(
-            "[guard]\nqueue = {QUEUE}\nplacement = \"gateway\"\ncontrol = [\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"]\nkey = \"{KEY_HEX}\"\nallowed_sources = [\"10.77.2.0/24\", \"fd77:2::/64\"]\nstatus_file = \"{}\"\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
-            addr::GUARD_LAN_V4,
-            addr::GUARD_LAN_V6,
+            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\ncontrol = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
             self.status_path().display(),
             addr::SERVICE_V4,
             addr::SERVICE_V6,
@@ -195,7 +207,8 @@ impl World {
     fn start_guard(&self, cfg: &Path) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.exe);
         cmd.arg("guard").arg("--config").arg(cfg);
-        let mut p = Proc::spawn(&self.lab.guard, &mut cmd)?;
+        let ns = if self.local_guard { self.lab.app(1) } else { &self.lab.guard };
+        let mut p = Proc::spawn(ns, &mut cmd)?;
         p.wait_line("unbroken guard: ready", Duration::from_secs(10)).map_err(|e| format!("guard: {e}"))?;
         Ok(p)
     }
@@ -234,7 +247,7 @@ pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
     let lab = Lab::checkpoint(opts).map_err(|e| format!("lab: {e}"))?;
     let dir = std::env::temp_dir().join(format!("unbroken-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo };
+    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard };
     let res = run_in(&mut w, s);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);
@@ -243,6 +256,9 @@ pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
 
 fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let start = Instant::now();
+    if s.local_guard && s.crashes.contains(&Crash::Host) {
+        return Err("a host crash takes a local guard along: use a gateway guard for host crashes".into());
+    }
     let cfg = w.write_config()?;
     let mut guard = w.start_guard(&cfg)?;
     let mut app_host = w.lab.app(1).to_string();

@@ -136,3 +136,13 @@ fn fs_free_bytes(p: &std::path::Path) -> u64 {
     }
     s.f_bavail as u64 * s.f_frsize as u64
 }
+
+#[test]
+fn guard_on_the_application_host() {
+    // Placement "local": the guard queues from OUTPUT and INPUT on the app's own host and the
+    // side channel runs over loopback; injected packets to the app loop back with the guard's
+    // mark and are not queued again.
+    let Some(_g) = lab_or_skip("local_guard") else { return };
+    let r = check("local_guard", &Scenario { crashes: vec![Crash::App, Crash::GuardAndApp, Crash::App], local_guard: true, ..base(30_000) });
+    assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 1);
+}

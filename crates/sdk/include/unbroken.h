@@ -33,6 +33,7 @@
 #ifndef UNBROKEN_H
 #define UNBROKEN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -135,6 +136,16 @@ int ub_clear(ub_client *c, const ub_record *rec);
  */
 int ub_recover(ub_client *c, const ub_record *rec, uint64_t consumed, uint64_t sent,
                int *fd_out, uint64_t *delivered_out);
+
+/*
+ * ADOPT (unbroken's addition to RTCP): the connections to app_addr ("ip:port", the service)
+ * that the guard holds but no application has told about -- the application died after its
+ * kernel accepted them and before ub_establish(). Up to `max` records are written to out[];
+ * *count is how many the guard offered (call again with a larger array if it exceeds max).
+ * Persist each record, then ub_recover() it with consumed = 0 and sent = 0. Call at start-up,
+ * before accepting, only when this process is the service's sole owner.
+ */
+int ub_adopt(ub_client *c, const char *app_addr, ub_record *out, size_t max, size_t *count);
 
 /*
  * A listening TCP socket on addr ("ip:port") with SO_REUSEADDR and SO_REUSEPORT, so that

@@ -278,6 +278,33 @@ pub unsafe extern "C" fn ub_recover(c: *const UbClient, rec: *const UbRecord, co
     })
 }
 
+/// `int ub_adopt(ub_client *c, const char *app_addr, ub_record *out, size_t max, size_t *count)`:
+/// ADOPT ([`adopt`](crate::adopt)): the connections to `app_addr` (`"ip:port"`, the service)
+/// that the guard holds but no application has told about, written as records into
+/// `out[0..max]`; `*count` is how many the guard offered (may exceed `max`: call again with a
+/// larger array). Persist each, then `ub_recover` it with `consumed = 0` and `sent = 0`.
+///
+/// # Safety
+/// `c` from `ub_client_new`; `app_addr` a NUL-terminated string; `out` writable for `max`
+/// records (may be null when `max` is 0); `count` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ub_adopt(c: *const UbClient, app_addr: *const c_char, out: *mut UbRecord, max: usize, count: *mut usize) -> c_int {
+    guarded(|| {
+        let c = client(c)?;
+        let app: SocketAddr = c_str(app_addr).and_then(|s| s.trim().parse().ok()).ok_or(UB_EINVAL)?;
+        let count = count.as_mut().ok_or(UB_EINVAL)?;
+        if out.is_null() && max > 0 {
+            return Err(UB_EINVAL);
+        }
+        let recs = crate::adopt(c, app).map_err(|e| error_code(&e))?;
+        *count = recs.len();
+        for (i, r) in recs.iter().take(max).enumerate() {
+            (*out.add(i)).bytes = r.to_bytes();
+        }
+        Ok(())
+    })
+}
+
 /// `int ub_listen(const char *addr, int backlog, int *fd_out)`: a listening socket on
 /// `addr` (`"ip:port"`) with `SO_REUSEADDR` and `SO_REUSEPORT`
 /// ([`reuseport_listener`](crate::reuseport_listener)), so that `ub_recover` can bind its

@@ -1659,34 +1659,40 @@ pub mod micro {
     }
 
     /// Measures every case: ns per call with the copy cost subtracted, and calls per second.
+    /// Five passes over all cases, the fastest pass of each case kept (a burst of other work
+    /// on the machine then spoils one pass, not one case).
     pub fn run(iters: u64) -> Value {
         let reps = 5;
         let mut out = Vec::new();
         let mut buf = vec![0u8; 2048];
         let mut ack = [0u8; 128];
-        for case in cases() {
-            let seen = run_once(&case);
-            let plen = match &case.input {
-                Input::Incoming(p) | Input::Outgoing(p) => p.len(),
-                Input::Command(_) => 0,
-            };
-            let empty = Vec::new();
-            let pkt = match &case.input {
-                Input::Incoming(p) | Input::Outgoing(p) => p,
-                Input::Command(_) => &empty,
-            };
-            // The copy alone: packet bytes and the 32-byte state.
-            let copy = min_of(reps, iters, || {
-                let mut c = black_box(case.conn);
-                buf[..plen].copy_from_slice(black_box(pkt));
-                black_box(&mut c);
-                black_box(&mut buf);
-            });
-            let total = min_of(reps, iters, || {
-                let mut c = black_box(case.conn);
-                black_box(step(&mut c, black_box(&case.input), &mut buf, &mut ack));
-                black_box(&mut c);
-            });
+        let cases = cases();
+        let mut best = vec![(f64::INFINITY, f64::INFINITY); cases.len()];
+        for _ in 0..reps {
+            for (i, case) in cases.iter().enumerate() {
+                let empty = Vec::new();
+                let pkt = match &case.input {
+                    Input::Incoming(p) | Input::Outgoing(p) => p,
+                    Input::Command(_) => &empty,
+                };
+                let plen = pkt.len();
+                // The copy alone: packet bytes and the 32-byte state.
+                let copy = per_iter(iters, || {
+                    let mut c = black_box(case.conn);
+                    buf[..plen].copy_from_slice(black_box(pkt));
+                    black_box(&mut c);
+                    black_box(&mut buf);
+                });
+                let total = per_iter(iters, || {
+                    let mut c = black_box(case.conn);
+                    black_box(step(&mut c, black_box(&case.input), &mut buf, &mut ack));
+                    black_box(&mut c);
+                });
+                best[i] = (best[i].0.min(copy), best[i].1.min(total));
+            }
+        }
+        for (case, (copy, total)) in cases.iter().zip(best) {
+            let seen = run_once(case);
             let ns = (total - copy).max(0.0);
             out.push(json!({
                 "case": case.name,

@@ -35,7 +35,7 @@
 
 use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
 use unbroken_wire::ip::{self, IpInfo};
-use unbroken_wire::tcp::{self, flags as F, kind, Packet as Tcp, Repr};
+use unbroken_wire::tcp::{self, flags as F, Packet as Tcp, Repr};
 use unbroken_wire::{Error, Result, Seq};
 
 /// Window scale nibble meaning "no window scaling on this connection / not known".
@@ -294,8 +294,6 @@ fn scan_options(t: &mut Tcp<&mut [u8]>) -> Result<(Opts, bool)> {
             tcp::TcpOption::NoOp | tcp::TcpOption::EndOfList => {}
         }
     }
-    debug_assert!(n <= 40);
-    let _ = kind::EOL;
     Ok((o, modified))
 }
 

@@ -218,6 +218,16 @@ impl Core {
             .min_by_key(|p| order(*p))
     }
 
+    /// Drops a packet that could not be processed, counted by why.
+    fn refuse(&mut self, e: Error, len: usize) -> (Action, usize) {
+        match e {
+            Error::Unsupported(_) => self.counters.unsupported += 1,
+            _ => self.counters.malformed += 1,
+        }
+        self.counters.dropped += 1;
+        (Action::Drop, len)
+    }
+
     /// Forgets connections closed both ways for longer than the grace period.
     pub fn expire(&mut self, now_ms: u64) {
         let grace = self.grace_ms;
@@ -242,18 +252,9 @@ impl Core {
         self.counters.packets += 1;
         let info = match IpInfo::parse(&buf[..len]) {
             Ok(i) => i,
-            Err(Error::Unsupported(_)) => {
-                // Cannot tell whether it belongs to a protected flow without its TCP header;
-                // the rules only queue protected TCP, so refuse it (never forward unrewritten).
-                self.counters.unsupported += 1;
-                self.counters.dropped += 1;
-                return (Action::Drop, len);
-            }
-            Err(_) => {
-                self.counters.malformed += 1;
-                self.counters.dropped += 1;
-                return (Action::Drop, len);
-            }
+            // Without its TCP header a packet cannot be told apart from a protected one; the
+            // rules queue only protected TCP, so refuse it (never forward unrewritten).
+            Err(e) => return self.refuse(e, len),
         };
         if info.protocol != ip::PROTO_TCP || info.l4_len < 4 {
             self.counters.unprotected += 1;
@@ -281,16 +282,7 @@ impl Core {
         let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming(&mut e.conn, buf, len) };
         let o = match res {
             Ok(o) => o,
-            Err(Error::Unsupported(_)) => {
-                self.counters.unsupported += 1;
-                self.counters.dropped += 1;
-                return (Action::Drop, len);
-            }
-            Err(_) => {
-                self.counters.malformed += 1;
-                self.counters.dropped += 1;
-                return (Action::Drop, len);
-            }
+            Err(e) => return self.refuse(e, len),
         };
         if let Some(ev) = o.event {
             self.count(ev);

@@ -1,6 +1,8 @@
 //! `unbroken bench checkpoint`: the paper's evaluation (seed 004, section 5) on the checkpoint
-//! lab. One lab is built once; every test runs on it twice, UNPROTECTED (no guard process, no
-//! NFQUEUE rule: the guard namespace only routes) and PROTECTED (the guard runs with its rules,
+//! lab; results and their discussion in `docs/benchmarks.md`. One lab is built once; every test
+//! runs on it in three configurations ([`Setup`]): UNPROTECTED (no guard process, no NFQUEUE
+//! rule: the guard namespace only routes), the NFQUEUE pass-through filter (the paper's "dummy
+//! RTCP": the guard's queue and rules, no engine) and PROTECTED (the guard runs with its rules,
 //! the application uses the SDK and checkpoints its acknowledgments):
 //!
 //! | test | paper | here |
@@ -11,20 +13,20 @@
 //! | recovery | 378 µs | "crash" (the app's FIN becomes a RST) + `unbroken_sdk::recover`, verified by a 1-byte RR |
 //! | Figure 7 | ~30 M packets/s | ns per packet / command in `unbroken_engines::rtcp`, copy cost subtracted |
 //!
-//! The application and the peer are this binary's hidden subcommands `bench-app` and
-//! `bench-peer` ([`app_main`], [`peer_main`]), spawned in the `app1` and `peer` namespaces;
-//! they print one JSON line with their result. The microbenchmark ([`micro`]) runs in-process.
-//! Nothing here is a timed test: `cargo test` only checks that each microbenchmark case takes
-//! the code path it claims to measure.
+//! The application, the peer and the pass-through filter are this binary's hidden subcommands
+//! `bench-app`, `bench-peer` and `bench-passthrough` ([`app_main`], [`peer_main`],
+//! [`passthrough_main`]), spawned in the `app1`, `peer` and `guard` namespaces; the workers print
+//! one JSON line with their result. The microbenchmark ([`micro`]) runs in-process. Nothing here
+//! is a timed test: `cargo test` only checks that each microbenchmark case takes the code path it
+//! claims to measure.
 
-use crate::scenario::{self, World, KEY_HEX};
+use crate::scenario::{self, Proc, World, KEY_HEX};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use unbroken_control::lab::{self, CheckpointOpts, Lab};
 
@@ -60,6 +62,10 @@ pub struct Opts {
     pub retries: usize,
     /// Also write the JSON report to this file.
     pub save: Option<std::path::PathBuf>,
+    /// SO_RCVBUF of the app's sockets in the main tests (none: autotuning).
+    pub rcvbuf: Option<usize>,
+    /// The MAERTS receiver acknowledges from a helper thread in the main tests.
+    pub ack_thread: bool,
     /// Hold /dev/cpu_dma_latency at 0 during the lab tests, so idle CPUs poll instead of
     /// halting (on a VM, waking a halted vCPU costs tens of microseconds per wakeup).
     pub cpu_qos: bool,
@@ -83,6 +89,8 @@ impl Opts {
             retries: if quick { 1 } else { 5 },
             save: None,
             cpu_qos: true,
+            rcvbuf: None,
+            ack_thread: false,
         }
     }
 
@@ -106,6 +114,8 @@ impl Opts {
                 "--micro-only" => o.micro_only = true,
                 "--no-passthrough" => o.dummy = false,
                 "--no-cpu-qos" => o.cpu_qos = false,
+                "--rcvbuf" => o.rcvbuf = Some(parse_num("--rcvbuf", &val(&mut it, "--rcvbuf")?)?),
+                "--ack-thread" => o.ack_thread = true,
                 "--save" => o.save = Some(val(&mut it, "--save")?.into()),
                 "--retries" => o.retries = parse_num("--retries", &val(&mut it, "--retries")?)?,
                 "--tests" => o.tests = val(&mut it, "--tests")?.split(',').map(|t| Mode::parse(t.trim())).collect::<Result<_, _>>()?,
@@ -337,10 +347,12 @@ fn passthrough(args: &[String]) -> Result<u64, String> {
 }
 
 fn worker_main(role: &str, args: Vec<String>, f: fn(&WorkerArgs) -> Result<Value, String>) -> i32 {
+    let c0 = tcp_counters();
     let r = WorkerArgs::parse(&args).and_then(|w| f(&w));
     let (v, code) = match r {
         Ok(mut v) => {
             v["cpu_s"] = json!(self_cpu_secs());
+            v["tcp_counters"] = tcp_counters_delta(&c0);
             (json!({ role: v }), 0)
         }
         Err(e) => (json!({ "error": format!("bench-{role}: {e}") }), 1),
@@ -375,6 +387,54 @@ fn get_rcvbuf(fd: i32) -> i64 {
     // SAFETY: v is a c_int of l bytes.
     unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&mut v as *mut libc::c_int).cast(), &mut l) };
     v as i64
+}
+
+/// The sender's view of a connection from `TCP_INFO` (Linux): smoothed RTT and its variance
+/// (µs), congestion window (segments) and retransmitted segments. Checkpointed
+/// acknowledgments show up here as a longer RTT (section 5 of the paper).
+fn sender_tcp_info(s: &TcpStream) -> Value {
+    let mut b = [0u8; 256];
+    let mut len = b.len() as libc::socklen_t;
+    // SAFETY: the kernel writes at most len bytes into b.
+    let r = unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, b.as_mut_ptr().cast(), &mut len) };
+    if r != 0 || (len as usize) < 104 {
+        return Value::Null;
+    }
+    let u = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+    json!({ "srtt_us": u(68), "rttvar_us": u(72), "snd_cwnd": u(80), "total_retrans": u(100) })
+}
+
+/// TCP counters of this process's network namespace (`/proc/net/snmp` Tcp and
+/// `/proc/net/netstat` TcpExt), by name.
+fn tcp_counters() -> std::collections::BTreeMap<String, i64> {
+    let mut m = std::collections::BTreeMap::new();
+    for f in ["/proc/net/snmp", "/proc/net/netstat"] {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        for pair in lines.chunks(2) {
+            let [names, values] = pair else { continue };
+            let (Some((p, n)), Some((_, v))) = (names.split_once(':'), values.split_once(':')) else { continue };
+            if p != "Tcp" && p != "TcpExt" {
+                continue;
+            }
+            for (k, x) in n.split_whitespace().zip(v.split_whitespace()) {
+                if let Ok(x) = x.parse::<i64>() {
+                    m.insert(k.to_string(), x);
+                }
+            }
+        }
+    }
+    m
+}
+
+/// The counters that moved since `before`.
+fn tcp_counters_delta(before: &std::collections::BTreeMap<String, i64>) -> Value {
+    let after = tcp_counters();
+    let d: serde_json::Map<String, Value> = after.iter().filter_map(|(k, v)| {
+        let x = v - before.get(k).copied().unwrap_or(0);
+        (x != 0 && k != "CurrEstab").then(|| (k.clone(), json!(x)))
+    }).collect();
+    Value::Object(d)
 }
 
 /// Reads until EOF (or `limit`), returning the byte count.
@@ -453,10 +513,12 @@ fn app_finish(s: &mut TcpStream, prot: Prot) -> Result<(), String> {
     drain(s, Duration::from_secs(30)).map(|_| ())
 }
 
-fn app_stream(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, String> {
+/// Writes 256 KiB buffers as fast as `s` takes them for `secs` seconds; returns the bytes
+/// written and the time it took.
+fn send_for(s: &mut TcpStream, secs: f64) -> Result<(u64, f64), String> {
     let buf = vec![0x5au8; 256 << 10];
     let start = Instant::now();
-    let end = start + Duration::from_secs_f64(a.secs);
+    let end = start + Duration::from_secs_f64(secs);
     let mut sent = 0u64;
     while Instant::now() < end {
         match s.write(&buf) {
@@ -465,9 +527,14 @@ fn app_stream(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, St
             Err(e) => return Err(format!("write: {e}")),
         }
     }
-    let secs = start.elapsed().as_secs_f64();
+    Ok((sent, start.elapsed().as_secs_f64()))
+}
+
+fn app_stream(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, String> {
+    let (sent, secs) = send_for(s, a.secs)?;
+    let info = sender_tcp_info(s);
     app_finish(s, prot)?;
-    Ok(json!({ "bytes_sent": sent, "send_secs": secs }))
+    Ok(json!({ "bytes_sent": sent, "send_secs": secs, "tcp_info": info }))
 }
 
 fn app_maerts(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, String> {
@@ -565,7 +632,7 @@ fn app_maerts(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, St
         "secs": secs,
         "mbps": if secs > 0.0 { total as f64 * 8.0 / secs / 1e6 } else { 0.0 },
         "reads": reads,
-        "mean_read_bytes": if reads > 0 { total / reads } else { 0 },
+        "mean_read_bytes": total.checked_div(reads).unwrap_or(0),
         "read_size": a.read,
         "ack_mode": if a.ack == AckMode::Thread { "thread" } else { "blocking" },
         "acks": acks,
@@ -802,20 +869,11 @@ fn peer_run(a: &WorkerArgs) -> Result<Value, String> {
                 s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
                 s.read_exact(&mut g).map_err(|e| format!("waiting for go: {e}"))?;
             }
-            let buf = vec![0xa5u8; 256 << 10];
-            let start = Instant::now();
-            let end = start + Duration::from_secs_f64(a.secs);
-            let mut sent = 0u64;
-            while Instant::now() < end {
-                match s.write(&buf) {
-                    Ok(n) => sent += n as u64,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(format!("write: {e}")),
-                }
-            }
+            let (sent, _) = send_for(&mut s, a.secs)?;
+            let info = sender_tcp_info(&s);
             s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
             drain(&mut s, Duration::from_secs(60))?;
-            Ok(json!({ "bytes_sent": sent }))
+            Ok(json!({ "bytes_sent": sent, "tcp_info": info }))
         }
         Mode::Rr => {
             s.set_nodelay(true).map_err(|e| e.to_string())?;
@@ -877,64 +935,27 @@ fn round3(x: f64) -> f64 {
 // ---------------------------------------------------------------------------------------------
 // The orchestrator
 
-/// A child whose stdout lines arrive on a channel; SIGKILLed when dropped.
-struct Proc {
-    child: Child,
-    lines: Receiver<String>,
+/// Starts `cmd` in `ns` with its stderr appended to the log file `stderr` (the workers' and the
+/// filter's complaints, shown if the benchmark fails).
+fn spawn(ns: &str, cmd: &mut Command, stderr: &Path) -> Result<Proc, String> {
+    let err = std::fs::OpenOptions::new().create(true).append(true).open(stderr).map_err(|e| format!("{}: {e}", stderr.display()))?;
+    cmd.stderr(err);
+    Proc::spawn(ns, cmd)
 }
 
-impl Proc {
-    fn spawn(ns: &str, cmd: &mut Command, stderr: &Path) -> Result<Proc, String> {
-        let err = std::fs::OpenOptions::new().create(true).append(true).open(stderr).map_err(|e| format!("{}: {e}", stderr.display()))?;
-        cmd.stdout(Stdio::piped()).stdin(Stdio::null()).stderr(err);
-        let mut child = lab::spawn(ns, cmd).map_err(|e| format!("spawn in {ns}: {e}"))?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Proc { child, lines: rx })
-    }
-    fn wait_line(&mut self, prefix: &str, within: Duration) -> Result<String, String> {
-        let end = Instant::now() + within;
-        loop {
-            interrupted()?;
-            match self.lines.recv_timeout(end.saturating_duration_since(Instant::now()).min(Duration::from_millis(200))) {
-                Ok(l) if l.starts_with(prefix) => return Ok(l),
-                Ok(_) => continue,
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < end => continue,
-                Err(_) => return Err(format!("no {prefix:?} line within {within:?} (exit status {:?})", self.child.try_wait().ok().flatten())),
-            }
+/// SIGTERM, then wait up to `within` (SIGKILL after that, and an error).
+fn terminate(p: &mut Proc, within: Duration) -> Result<(), String> {
+    unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if let Ok(Some(_)) = p.child.try_wait() {
+            return Ok(());
         }
+        std::thread::sleep(Duration::from_millis(10)); // polling a child's exit with a deadline
     }
-    /// SIGTERM, then wait up to `within` (SIGKILL after that, and an error).
-    fn terminate(&mut self, within: Duration) -> Result<(), String> {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let end = Instant::now() + within;
-        while Instant::now() < end {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(10)); // polling a child's exit with a deadline
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        Err(format!("did not exit within {within:?} of SIGTERM"))
-    }
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    let _ = p.child.kill();
+    let _ = p.child.wait();
+    Err(format!("did not exit within {within:?} of SIGTERM"))
 }
 
 /// CPU time (user + system, seconds) of a process, from /proc (clock ticks: coarse).
@@ -1014,6 +1035,8 @@ struct PairResult {
     filter_cpu: Option<f64>,
     /// CPUs used by unrelated processes during the test (should be about 0).
     foreign: f64,
+    /// Packets the guard decided (and full checksums it computed) during the test.
+    guard_packets: Value,
 }
 
 impl Bench<'_> {
@@ -1045,7 +1068,7 @@ impl Bench<'_> {
                 "bench-passthrough: ready"
             }
         };
-        let mut p = Proc::spawn(&self.w.lab.guard, &mut cmd, &self.log)?;
+        let mut p = spawn(&self.w.lab.guard, &mut cmd, &self.log)?;
         p.wait_line(ready, Duration::from_secs(10)).map_err(|e| format!("{}: {e}; see {}", setup.as_str(), self.log.display()))?;
         self.filter = Some((setup, p));
         Ok(())
@@ -1055,7 +1078,7 @@ impl Bench<'_> {
     /// Returns the guard's last status.
     fn stop(&mut self) -> Result<Option<Value>, String> {
         let Some((setup, mut p)) = self.filter.take() else { return Ok(None) };
-        p.terminate(Duration::from_secs(5)).map_err(|e| format!("{}: {e}", setup.as_str()))?;
+        terminate(&mut p, Duration::from_secs(5)).map_err(|e| format!("{}: {e}", setup.as_str()))?;
         self.check_no_rules()?;
         if setup != Setup::Protected {
             return Ok(None);
@@ -1081,32 +1104,48 @@ impl Bench<'_> {
         let mut acmd = Command::new(&self.w.exe);
         acmd.arg("bench-app").args(wa.to_args());
         let app_ns = self.w.lab.app(1).to_string();
-        let mut app = Proc::spawn(&app_ns, &mut acmd, &self.log)?;
+        let mut app = spawn(&app_ns, &mut acmd, &self.log)?;
         app.wait_line("bench-app: listening", Duration::from_secs(10)).map_err(|e| format!("bench-app: {e}"))?;
+        let guard_counters = |me: &Self| -> Option<(u64, u64)> {
+            if !me.protected() {
+                return None;
+            }
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(me.w.status_path()).ok()?).ok()?;
+            Some((v["counters"]["packets"].as_u64()?, v["counters"]["full_checksums"].as_u64()?))
+        };
+        let k0 = guard_counters(self);
         let (b0, t0) = cpu_jiffies();
         let ps0 = process_ticks();
         let w0 = Instant::now();
-        let g0 = self.filter.as_ref().and_then(|(_, g)| proc_cpu_secs(g.pid()));
+        let g0 = self.filter.as_ref().and_then(|(_, g)| proc_cpu_secs(g.child.id()));
         let mut pcmd = Command::new(&self.w.exe);
         pcmd.arg("bench-peer").args(wa.to_args());
-        let mut peer = Proc::spawn(&self.w.lab.peer, &mut pcmd, &self.log)?;
+        let mut peer = spawn(&self.w.lab.peer, &mut pcmd, &self.log)?;
         let within = Duration::from_secs_f64(wa.secs + 60.0 + wa.cycles as f64 * 0.05);
         let pv = wait_json(&mut peer, "peer", within)?;
         let av = wait_json(&mut app, "app", within)?;
         let (b1, t1) = cpu_jiffies();
         let ps1 = process_ticks();
-        let mut ours = vec![app.pid(), peer.pid()];
-        ours.extend(self.filter.as_ref().map(|(_, g)| g.pid()));
+        let mut ours = vec![app.child.id(), peer.child.id()];
+        ours.extend(self.filter.as_ref().map(|(_, g)| g.child.id()));
         let foreign = foreign_cpus(&ps0, &ps1, &ours, w0.elapsed().as_secs_f64());
-        let g1 = self.filter.as_ref().and_then(|(_, g)| proc_cpu_secs(g.pid()));
+        let g1 = self.filter.as_ref().and_then(|(_, g)| proc_cpu_secs(g.child.id()));
         let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
         let cpus_busy = if t1 > t0 { (b1 - b0) as f64 / (t1 - t0) as f64 * ncpu } else { 0.0 };
         let wall = if t1 > t0 { (t1 - t0) as f64 / ncpu / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64 } else { 0.0 };
+        // The guard writes its status every 250 ms.
+        if k0.is_some() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let guard_packets = match (k0, guard_counters(self)) {
+            (Some(a), Some(b)) => json!({ "packets": b.0.saturating_sub(a.0), "full_checksums": b.1.saturating_sub(a.1) }),
+            _ => Value::Null,
+        };
         let filter_cpu = match (g0, g1) {
             (Some(a), Some(b)) if wall > 0.0 => Some((b - a) / wall),
             _ => None,
         };
-        Ok(PairResult { app: av, peer: pv, cpus_busy, filter_cpu, foreign })
+        Ok(PairResult { app: av, peer: pv, cpus_busy, filter_cpu, foreign, guard_packets })
     }
 
     /// [`pair`](Self::pair), repeated (up to `--retries` times, after a pause) while other
@@ -1207,7 +1246,7 @@ pub fn run_checkpoint(o: &Opts) -> Result<Value, String> {
     let mut b = Bench { w, o, log: log.clone(), filter: None, max_foreign: 0.0, retried: 0, disturbed: 0 };
     let res = run_in(&mut b, engine);
     if let Some((_, mut g)) = b.filter.take() {
-        let _ = g.terminate(Duration::from_secs(5));
+        let _ = terminate(&mut g, Duration::from_secs(5));
     }
     if res.is_err() {
         if let Ok(t) = std::fs::read_to_string(&log) {
@@ -1252,6 +1291,10 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
     let mk = |m: Mode| {
         let mut w = WorkerArgs::new(m, svc, o.secs);
         w.read = o.read;
+        w.rcvbuf = o.rcvbuf;
+        if o.ack_thread {
+            w.ack = AckMode::Thread;
+        }
         w
     };
     let setups: Vec<Setup> = if o.dummy { vec![Setup::Unprotected, Setup::Dummy, Setup::Protected] } else { vec![Setup::Unprotected, Setup::Protected] };
@@ -1280,7 +1323,7 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
                     _ => r.peer["tps"].as_f64(),
                 };
                 vals[ti][si].push(x.unwrap_or(0.0));
-                details.push(json!({ "run": run, "test": mode.as_str(), "setup": label, "app": r.app, "peer": r.peer, "cpus_busy": round3(r.cpus_busy), "filter_cpu": r.filter_cpu.map(round3), "foreign_cpu": round3(r.foreign) }));
+                details.push(json!({ "run": run, "test": mode.as_str(), "setup": label, "app": r.app, "peer": r.peer, "cpus_busy": round3(r.cpus_busy), "filter_cpu": r.filter_cpu.map(round3), "foreign_cpu": round3(r.foreign), "guard": r.guard_packets }));
                 b.max_foreign = b.max_foreign.max(r.foreign);
             }
             if setup == Setup::Protected && o.tests.contains(&Mode::Recover) {
@@ -1328,7 +1371,7 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
             let m = b.measure(&wa)?;
             rsts[setup as usize] += rst_count(b)? - r0;
             let mbps = if wa.mode == Mode::Stream { m.peer["mbps"].clone() } else { m.app["mbps"].clone() };
-            sweep.push(json!({ "test": wa.mode.as_str(), "variant": what, "setup": setup.as_str(), "mbps": mbps, "peer": m.peer, "app": m.app, "cpus_busy": round3(m.cpus_busy), "filter_cpu": m.filter_cpu.map(round3), "foreign_cpu": round3(m.foreign) }));
+            sweep.push(json!({ "test": wa.mode.as_str(), "variant": what, "setup": setup.as_str(), "mbps": mbps, "peer": m.peer, "app": m.app, "cpus_busy": round3(m.cpus_busy), "filter_cpu": m.filter_cpu.map(round3), "foreign_cpu": round3(m.foreign), "guard": m.guard_packets }));
             b.max_foreign = b.max_foreign.max(m.foreign);
             if let Some(st) = b.stop()? {
                 guard_status = st;
@@ -1375,7 +1418,7 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
     Ok(json!({
         "ok": rsts[Setup::Protected as usize] == 0,
         "machine": machine(),
-        "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true, "cpu_dma_latency_0": o.cpu_qos },
+        "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "rcvbuf": o.rcvbuf, "ack_thread": o.ack_thread, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true, "cpu_dma_latency_0": o.cpu_qos },
         "stream": test(&vals[0], "Mbit/s", 0.977),
         "maerts": test(&vals[1], "Mbit/s", 0.714),
         "rr": test(&vals[2], "transactions/s", 0.619),
@@ -1467,15 +1510,19 @@ fn print_lab(v: &Value, c: &Value) {
     if let Some(sw) = v["sweep"].as_array().filter(|s| !s.is_empty()) {
         println!("\nvariants (one run each)");
         for s in sw {
+            let detail = if s["app"]["reads"].is_null() {
+                String::new()
+            } else {
+                let ack = &s["app"]["ack_us"]["p50"];
+                let ack = if ack.is_null() { String::new() } else { format!(", ACKNOWLEDGE p50 {ack} µs") };
+                format!("  ({} reads of {} B on average{ack})", s["app"]["reads"], s["app"]["mean_read_bytes"])
+            };
             println!(
-                "  {:<7} {:<20} {:<58} {:>7.0} Mbit/s  ({} reads of {} B on average, ACKNOWLEDGE p50 {} µs)",
+                "  {:<7} {:<20} {:<58} {:>7.0} Mbit/s{detail}",
                 s["test"].as_str().unwrap_or("").to_uppercase(),
                 s["setup"].as_str().unwrap_or(""),
                 s["variant"].as_str().unwrap_or(""),
                 s["mbps"].as_f64().unwrap_or(0.0),
-                s["app"]["reads"],
-                s["app"]["mean_read_bytes"],
-                s["app"]["ack_us"]["p50"]
             );
         }
     }

@@ -17,8 +17,10 @@ usage:
         Run the checkpoint guard (RTCP) with the given TOML config.
   unbroken status --file STATUS.json
         Print a guard's status file (counters, connections).
-  unbroken bench checkpoint [--json] [--quick]
-        Benchmark checkpoint mode against unprotected TCP in the lab (root).
+  unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--save FILE]
+        Benchmark checkpoint mode against unprotected TCP in the lab (root): the paper's
+        TCP_STREAM, TCP_MAERTS, TCP_RR, recovery cycle and engine microbenchmark
+        (docs/benchmarks.md lists every option).
   unbroken journal-server --listen A:P --guard A:P --key HEX --dir DIR [--fsync]
         The example recoverable application.
   unbroken peer --connect A:P --records N [--seed S] [--rate R]
@@ -194,7 +196,7 @@ fn status(args: Vec<String>) -> ExitCode {
 fn bench(args: Vec<String>) -> ExitCode {
     use unbroken::bench;
     if args.first().map(String::as_str) != Some("checkpoint") {
-        return fail("bench: usage: unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--read BYTES] [--sweep|--no-sweep] [--no-micro] [--micro-only] [--no-passthrough] [--tests LIST] [--retries N] [--save FILE]");
+        return fail("bench: usage: unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--read BYTES] [--sweep|--no-sweep] [--no-micro] [--micro-only] [--micro-iters N] [--no-passthrough] [--no-cpu-qos] [--tests LIST] [--retries N] [--save FILE]");
     }
     let o = match bench::Opts::parse(&args) {
         Ok(o) => o,

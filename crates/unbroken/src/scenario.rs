@@ -104,13 +104,13 @@ pub struct Report {
 }
 
 /// A child process whose stdout lines arrive on a channel.
-struct Proc {
-    child: Child,
-    lines: Receiver<String>,
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    pub(crate) lines: Receiver<String>,
 }
 
 impl Proc {
-    fn spawn(ns: &str, cmd: &mut Command) -> Result<Proc, String> {
+    pub(crate) fn spawn(ns: &str, cmd: &mut Command) -> Result<Proc, String> {
         cmd.stdout(Stdio::piped()).stdin(Stdio::null());
         let mut child = lab::spawn(ns, cmd).map_err(|e| format!("spawn in {ns}: {e}"))?;
         let out = child.stdout.take().ok_or("no stdout")?;
@@ -125,7 +125,7 @@ impl Proc {
         Ok(Proc { child, lines: rx })
     }
     /// Waits for a stdout line starting with `prefix`.
-    fn wait_line(&mut self, prefix: &str, deadline: Duration) -> Result<String, String> {
+    pub(crate) fn wait_line(&mut self, prefix: &str, deadline: Duration) -> Result<String, String> {
         let end = Instant::now() + deadline;
         loop {
             let left = end.saturating_duration_since(Instant::now());

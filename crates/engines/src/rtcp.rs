@@ -35,7 +35,7 @@
 
 use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
 use unbroken_wire::ip::{self, IpInfo};
-use unbroken_wire::tcp::{self, flags as F, Packet as Tcp, Repr};
+use unbroken_wire::tcp::{self, flags as F, kind, Packet as Tcp, Repr};
 use unbroken_wire::{Error, Result, Seq};
 
 /// Window scale nibble meaning "no window scaling on this connection / not known".
@@ -264,17 +264,13 @@ struct Opts {
 
 /// I1 / O2: scan the options, suppress the unrecognized ones with NOPs.
 fn scan_options(t: &mut Tcp<&mut [u8]>) -> Result<(Opts, bool)> {
-    let mut slots = [tcp::OptionSlot { offset: 0, kind: 0, len: 0 }; 40];
-    let mut n = 0;
-    for s in t.option_slots() {
-        slots[n] = s?;
-        n += 1;
-    }
+    // One read-only walk. Unrecognized options are rare (mostly on SYNs): count them here and
+    // overwrite them afterwards, one walk each, instead of keeping slots on every packet's path.
     let mut o = Opts::default();
-    let mut modified = false;
-    for s in &slots[..n] {
-        let opt = tcp::parse_option(&t.as_bytes()[s.offset..s.offset + s.len])?;
-        match opt {
+    let mut n_unknown = 0;
+    for s in t.option_slots() {
+        let s = s?;
+        match tcp::parse_option(&t.as_bytes()[s.offset..s.offset + s.len])? {
             tcp::TcpOption::Mss(m) => o.mss = Some(m),
             tcp::TcpOption::WindowScale(w) => o.ws = Some(w.min(14)),
             tcp::TcpOption::SackPermitted => o.sack_perm = true,
@@ -287,14 +283,18 @@ fn scan_options(t: &mut Tcp<&mut [u8]>) -> Result<(Opts, bool)> {
                 o.sack_at = Some(s.offset);
                 o.sack_n = k as usize;
             }
-            tcp::TcpOption::Unknown { .. } => {
-                t.nop_option(*s);
-                modified = true;
-            }
+            tcp::TcpOption::Unknown { .. } => n_unknown += 1,
             tcp::TcpOption::NoOp | tcp::TcpOption::EndOfList => {}
         }
     }
-    Ok((o, modified))
+    for _ in 0..n_unknown {
+        let known = |k: u8| matches!(k, kind::EOL | kind::NOP | kind::MSS | kind::WSCALE | kind::SACK_PERM | kind::SACK | kind::TIMESTAMP);
+        // The walk above validated every slot, so this one cannot fail.
+        if let Some(s) = t.option_slots().flatten().find(|s| !known(s.kind)) {
+            t.nop_option(s);
+        }
+    }
+    Ok((o, n_unknown > 0))
 }
 
 /// Splits a packet buffer into its IP facts and a TCP view of the segment.

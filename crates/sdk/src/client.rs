@@ -316,6 +316,32 @@ impl GuardClient {
 
     /// The response to `req` if `dgram` is one (authenticated, response, same op, one of the
     /// request's nonces, same connection).
+    /// Sends a command once and returns without waiting for the guard's answer (which a later
+    /// request skips as `ignored`). For commands whose loss is harmless because a later one
+    /// supersedes it: an ACKNOWLEDGE on the data path ([`crate::acknowledge_nowait`]). Answers
+    /// to earlier posts still queued on the socket are discarded first, so they cannot pile up.
+    pub fn post(&self, op: Op, app: SocketAddr, peer: SocketAddr, ack_a: u32, options: Option<ConnOptions>) -> Result<()> {
+        if app.is_ipv4() != peer.is_ipv4() {
+            return Err(Error::InvalidArgument("application and peer addresses of different families"));
+        }
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut buf = [0u8; RECV_BUF];
+        self.sock.set_nonblocking(true)?;
+        while self.sock.recv_from(&mut buf).is_ok() {
+            self.ignored.fetch_add(1, Relaxed);
+        }
+        self.sock.set_nonblocking(false)?;
+        let mut cmd = Command::request(op, app, peer, random_u64()?, now_ms());
+        cmd.ack_a = ack_a;
+        cmd.options = options;
+        let bytes = cmd.encode(&self.key)?;
+        self.sent.fetch_add(1, Relaxed);
+        match self.sock.send_to(&bytes, self.guard) {
+            Err(e) if !transient(&e) => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
     fn accept(&self, dgram: &[u8], req: &Command, nonces: &[u64]) -> Option<Command> {
         let c = Command::decode(dgram, &self.key).ok()?;
         let same = |a: SocketAddr, b: SocketAddr| a.ip() == b.ip() && a.port() == b.port();

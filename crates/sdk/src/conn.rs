@@ -90,6 +90,15 @@ pub fn acknowledge(rec: &ConnRecord, client: &GuardClient, consumed_total: u64) 
     client.acknowledge(rec.app(), rec.peer(), rec.ack_a(consumed_total), rec.options())
 }
 
+/// Like [`acknowledge`], but without waiting for the guard's answer: the application's read
+/// loop never stalls on the side channel. Safe on the data path because checkpoints only grow:
+/// a lost datagram is superseded by the next one, and the peer keeps (and resends) every byte
+/// until a checkpoint covering it arrives. Use the blocking [`acknowledge`] where you must
+/// know the guard has the checkpoint (before [`recover`] does that itself, for instance).
+pub fn acknowledge_nowait(rec: &ConnRecord, client: &GuardClient, consumed_total: u64) -> Result<()> {
+    client.post(unbroken_wire::ctl::Op::Acknowledge, rec.app(), rec.peer(), rec.ack_a(consumed_total), rec.options())
+}
+
 /// Like [`acknowledge`], but also covers the peer's FIN (ackA = `ack_a0 + consumed_total +
 /// 1`): call it when `recv` returned 0 (end of input) and everything before it is persisted,
 /// so the peer's FIN gets acknowledged while the guard still checkpoints. The application must

@@ -66,6 +66,8 @@ pub struct Opts {
     pub rcvbuf: Option<usize>,
     /// The MAERTS receiver acknowledges from a helper thread in the main tests.
     pub ack_thread: bool,
+    /// MAERTS and RR acknowledge with `acknowledge_nowait` in the main tests.
+    pub ack_nowait: bool,
     /// Hold /dev/cpu_dma_latency at 0 during the lab tests, so idle CPUs poll instead of
     /// halting (on a VM, waking a halted vCPU costs tens of microseconds per wakeup).
     pub cpu_qos: bool,
@@ -91,6 +93,7 @@ impl Opts {
             cpu_qos: true,
             rcvbuf: None,
             ack_thread: false,
+            ack_nowait: false,
         }
     }
 
@@ -116,6 +119,7 @@ impl Opts {
                 "--no-cpu-qos" => o.cpu_qos = false,
                 "--rcvbuf" => o.rcvbuf = Some(parse_num("--rcvbuf", &val(&mut it, "--rcvbuf")?)?),
                 "--ack-thread" => o.ack_thread = true,
+                "--ack-nowait" => o.ack_nowait = true,
                 "--save" => o.save = Some(val(&mut it, "--save")?.into()),
                 "--retries" => o.retries = parse_num("--retries", &val(&mut it, "--retries")?)?,
                 "--tests" => o.tests = val(&mut it, "--tests")?.split(',').map(|t| Mode::parse(t.trim())).collect::<Result<_, _>>()?,
@@ -184,6 +188,9 @@ pub enum AckMode {
     Blocking,
     /// A helper thread acknowledges the latest consumed count while the reader goes on.
     Thread,
+    /// `unbroken_sdk::acknowledge_nowait` after each read: the datagram goes out, the reader
+    /// does not wait for the guard's answer (MAERTS and RR).
+    NoWait,
 }
 
 /// Arguments of a worker (both sides).
@@ -219,8 +226,10 @@ impl WorkerArgs {
         if let Some(r) = self.rcvbuf {
             v.extend(["--rcvbuf".into(), r.to_string()]);
         }
-        if self.ack == AckMode::Thread {
-            v.push("--ack-thread".into());
+        match self.ack {
+            AckMode::Thread => v.push("--ack-thread".into()),
+            AckMode::NoWait => v.push("--ack-nowait".into()),
+            AckMode::Blocking => {}
         }
         if self.recover_first {
             v.push("--recover-first".into());
@@ -235,6 +244,10 @@ impl WorkerArgs {
             i += 1;
             if a == "--ack-thread" {
                 w.ack = AckMode::Thread;
+                continue;
+            }
+            if a == "--ack-nowait" {
+                w.ack = AckMode::NoWait;
                 continue;
             }
             if a == "--recover-first" {
@@ -485,7 +498,7 @@ fn app_run(a: &WorkerArgs) -> Result<Value, String> {
     let mut v = match a.mode {
         Mode::Stream => app_stream(a, &mut s, prot)?,
         Mode::Maerts => app_maerts(a, &mut s, prot)?,
-        Mode::Rr => app_rr(&mut s, prot)?,
+        Mode::Rr => app_rr(&mut s, prot, a.ack == AckMode::NoWait)?,
         Mode::Recover => {
             let (c, r) = prot.ok_or("the recovery benchmark needs --guard")?;
             return app_recover(a, s, c, r);
@@ -613,7 +626,11 @@ fn app_maerts(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, St
                         reads += 1;
                         if let Some((c, r)) = prot {
                             let t = Instant::now();
-                            unbroken_sdk::acknowledge(r, c, total).map_err(|e| format!("acknowledge: {e}"))?;
+                            if a.ack == AckMode::NoWait {
+                                unbroken_sdk::acknowledge_nowait(r, c, total).map_err(|e| format!("acknowledge: {e}"))?;
+                            } else {
+                                unbroken_sdk::acknowledge(r, c, total).map_err(|e| format!("acknowledge: {e}"))?;
+                            }
                             ack_ns.push(t.elapsed().as_nanos().min(u32::MAX as u128) as u32);
                             acks += 1;
                         }
@@ -634,13 +651,13 @@ fn app_maerts(a: &WorkerArgs, s: &mut TcpStream, prot: Prot) -> Result<Value, St
         "reads": reads,
         "mean_read_bytes": total.checked_div(reads).unwrap_or(0),
         "read_size": a.read,
-        "ack_mode": if a.ack == AckMode::Thread { "thread" } else { "blocking" },
+        "ack_mode": match a.ack { AckMode::Thread => "thread", AckMode::NoWait => "nowait", AckMode::Blocking => "blocking" },
         "acks": acks,
         "ack_us": summary(&mut lat),
     }))
 }
 
-fn app_rr(s: &mut TcpStream, prot: Prot) -> Result<Value, String> {
+fn app_rr(s: &mut TcpStream, prot: Prot, nowait: bool) -> Result<Value, String> {
     s.set_nodelay(true).map_err(|e| e.to_string())?;
     let mut b = [0u8; 1];
     let mut n = 0u64;
@@ -652,7 +669,11 @@ fn app_rr(s: &mut TcpStream, prot: Prot) -> Result<Value, String> {
                 n += 1;
                 if let Some((c, r)) = prot {
                     let t = Instant::now();
-                    unbroken_sdk::acknowledge(r, c, n).map_err(|e| format!("acknowledge: {e}"))?;
+                    if nowait {
+                        unbroken_sdk::acknowledge_nowait(r, c, n).map_err(|e| format!("acknowledge: {e}"))?;
+                    } else {
+                        unbroken_sdk::acknowledge(r, c, n).map_err(|e| format!("acknowledge: {e}"))?;
+                    }
                     ack_ns.push(t.elapsed().as_nanos().min(u32::MAX as u128) as u32);
                 }
                 s.write_all(&b).map_err(|e| format!("write: {e}"))?;
@@ -1295,6 +1316,9 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
         if o.ack_thread {
             w.ack = AckMode::Thread;
         }
+        if o.ack_nowait {
+            w.ack = AckMode::NoWait;
+        }
         w
     };
     let setups: Vec<Setup> = if o.dummy { vec![Setup::Unprotected, Setup::Dummy, Setup::Protected] } else { vec![Setup::Unprotected, Setup::Protected] };
@@ -1418,7 +1442,7 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
     Ok(json!({
         "ok": rsts[Setup::Protected as usize] == 0,
         "machine": machine(),
-        "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "rcvbuf": o.rcvbuf, "ack_thread": o.ack_thread, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true, "cpu_dma_latency_0": o.cpu_qos },
+        "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "rcvbuf": o.rcvbuf, "ack_thread": o.ack_thread, "ack_nowait": o.ack_nowait, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true, "cpu_dma_latency_0": o.cpu_qos },
         "stream": test(&vals[0], "Mbit/s", 0.977),
         "maerts": test(&vals[1], "Mbit/s", 0.714),
         "rr": test(&vals[2], "transactions/s", 0.619),

@@ -52,6 +52,8 @@ pub struct Scenario {
     /// loopback) instead of on the gateway. Host crashes then take the guard along and are not
     /// supported.
     pub local_guard: bool,
+    /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]).
+    pub hostile: bool,
 }
 
 impl Default for Scenario {
@@ -69,6 +71,7 @@ impl Default for Scenario {
             app_crash_point: None,
             echo: false,
             local_guard: false,
+            hostile: false,
         }
     }
 }
@@ -278,6 +281,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         cmd.arg("--echo");
     }
     let mut peer = Proc::spawn(&w.lab.peer, &mut cmd)?;
+    let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service()));
 
     let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
     let total = s.records * unit as u64;
@@ -359,6 +363,9 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         eprintln!();
     }
     let peer_exit_code = peer.child.wait().ok().and_then(|st| st.code());
+    if let Some(h) = hostile {
+        h.join().map_err(|_| "hostile traffic thread panicked".to_string())??;
+    }
     // A self-crash at a late point (after-fin) may come after the peer's last progress line.
     if s.app_crash_point.is_some() && self_crashes == 0 {
         let end = Instant::now() + Duration::from_secs(10);
@@ -402,5 +409,87 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         peer_exit_code,
         peer: Some(result),
         guard: status,
+    })
+}
+
+/// Hostile input for the guard while a protected transfer runs; returns how many datagrams and
+/// packets were sent. From an allowed source (the app host): garbage datagrams, commands under
+/// a wrong key, stale commands, and one TELL replayed 200 times. From the peer's side (not an
+/// allowed source): correctly keyed CLEARs for the service, the way an insider holding the key
+/// but sitting in the wrong place would try to kill connections. And TCP segments toward the
+/// service with a malformed option (MSS of length 0), which pass iptables' tcp match and reach
+/// the engine.
+pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, service: SocketAddr) -> std::thread::JoinHandle<Result<u64, String>> {
+    use std::net::UdpSocket;
+    use unbroken_wire::ctl::{Command, Key, Op};
+    std::thread::spawn(move || {
+        let key = Key::from_hex(KEY_HEX).map_err(|e| e.to_string())?;
+        let wrong = Key::from_hex("00112233445566778899aabbccddeeff").map_err(|e| e.to_string())?;
+        let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let peer_ip: IpAddr = if service.is_ipv4() { addr::PEER_V4.into() } else { addr::PEER_V6.into() };
+        let any = if service.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+        let inside = lab::in_ns(&app_ns, || -> std::io::Result<u64> {
+            let s = UdpSocket::bind(any)?;
+            let mut n = 0;
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            for _ in 0..2000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let junk: Vec<u8> = (0..(x % 200) as usize).map(|k| (x >> (k % 56)) as u8).collect();
+                let fake = SocketAddr::new(peer_ip, 1 + (x % 60000) as u16);
+                let wrong_key = Command::request(Op::Clear, service, fake, x, now()).encode(&wrong).map_err(std::io::Error::other)?;
+                let stale = Command::request(Op::Shutdown, service, fake, x ^ 1, now() - 120_000).encode(&key).map_err(std::io::Error::other)?;
+                for d in [&junk[..], &wrong_key[..], &stale[..]] {
+                    s.send_to(d, guard)?;
+                    n += 1;
+                }
+            }
+            let tell = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 1), 42, now()).encode(&key).map_err(std::io::Error::other)?;
+            for _ in 0..200 {
+                s.send_to(&tell, guard)?;
+                n += 1;
+            }
+            Ok(n)
+        });
+        let outside = lab::in_ns(&peer_ns, || -> std::io::Result<u64> {
+            let s = UdpSocket::bind(any)?;
+            let mut n = 0;
+            for p in 0..500u16 {
+                let c = Command::request(Op::Clear, service, SocketAddr::new(peer_ip, 1024 + p), 7000 + p as u64, now()).encode(&key).map_err(std::io::Error::other)?;
+                s.send_to(&c, guard)?;
+                n += 1;
+            }
+            // Malformed TCP options toward the service (IPv4 only: a raw IPPROTO_RAW socket).
+            if let (IpAddr::V4(src), IpAddr::V4(dst)) = (peer_ip, service.ip()) {
+                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+                for p in 0..500u16 {
+                    let mut b = [0u8; 44];
+                    unbroken_wire::ipv4::emit_header(&mut b, src.octets(), dst.octets(), 6, 24);
+                    let t = &mut b[20..];
+                    t[0..2].copy_from_slice(&(20000 + p).to_be_bytes());
+                    t[2..4].copy_from_slice(&service.port().to_be_bytes());
+                    t[12] = 6 << 4; // 24-byte header: 4 bytes of options
+                    t[13] = 0x10; // ACK
+                    t[14..16].copy_from_slice(&1000u16.to_be_bytes());
+                    t[20..24].copy_from_slice(&[2, 0, 0, 0]); // MSS with length 0: malformed
+                    unbroken_wire::tcp::Packet::new_checked(&mut t[..]).map_err(std::io::Error::other)?.fill_checksum(unbroken_wire::checksum::pseudo_v4(src.octets(), dst.octets(), 6, 24));
+                    let sa = libc::sockaddr_in { sin_family: libc::AF_INET as u16, sin_port: 0, sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.octets()) }, sin_zero: [0; 8] };
+                    let r = unsafe { libc::sendto(std::os::fd::AsRawFd::as_raw_fd(&sock), b.as_ptr().cast(), b.len(), 0, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+                    if r < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    n += 1;
+                }
+            }
+            Ok(n)
+        });
+        let a = inside.and_then(|r| r).map_err(|e| format!("hostile traffic (app side): {e}"))?;
+        let b = outside.and_then(|r| r).map_err(|e| format!("hostile traffic (peer side): {e}"))?;
+        Ok(a + b)
     })
 }

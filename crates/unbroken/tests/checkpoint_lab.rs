@@ -146,3 +146,18 @@ fn guard_on_the_application_host() {
     let r = check("local_guard", &Scenario { crashes: vec![Crash::App, Crash::GuardAndApp, Crash::App], local_guard: true, ..base(30_000) });
     assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 1);
 }
+
+#[test]
+fn hostile_input_never_reaches_the_connection() {
+    // While the peer streams (and the app crashes twice), the running guard gets garbage
+    // datagrams, wrong-key, stale and replayed commands from an allowed source, correctly keyed
+    // CLEARs from a source that is not allowed, and TCP with malformed options toward the
+    // service. The transfer must finish byte-exact with 0 RSTs, and every refusal is counted.
+    let Some(_g) = lab_or_skip("hostile") else { return };
+    let r = check("hostile", &Scenario { crashes: vec![Crash::App, Crash::Host], hostile: true, ..base(30_000) });
+    let c = &r.guard["counters"];
+    for k in ["cmd_malformed", "cmd_rejected_auth", "cmd_rejected_stale", "cmd_rejected_replay", "cmd_rejected_source", "malformed"] {
+        assert!(c[k].as_u64().unwrap_or(0) > 0, "{k} not counted: {c}");
+    }
+    assert!(c["cmd_rejected_source"].as_u64().unwrap() >= 100, "keyed CLEARs from the wrong source: {c}");
+}

@@ -219,7 +219,7 @@ impl Core {
     }
 
     /// Drops a packet that could not be processed, counted by why.
-    fn refuse(&mut self, e: Error, len: usize) -> (Action, usize) {
+    pub fn refuse(&mut self, e: Error, len: usize) -> (Action, usize) {
         match e {
             Error::Unsupported(_) => self.counters.unsupported += 1,
             _ => self.counters.malformed += 1,

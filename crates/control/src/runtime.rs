@@ -89,7 +89,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
             if p.truncated() {
                 // Should not happen with a 64 KiB copy range; never forward a half-read packet
                 // with a replacement, and never let a protected packet pass unrewritten.
-                c.counters.malformed += 1;
+                c.refuse(unbroken_wire::Error::Truncated, len);
                 let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
                 continue;
             }

@@ -562,7 +562,9 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 
     if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
         // Our SYN is pending and A's TCP sends a non-SYN: it cannot be synchronized yet.
-        let n = reflect_rst(buf, &info, a_port, b_port, t_ack_of(buf, &info))?;
+        let a_rcv_nxt = t.ack();
+        drop(t);
+        let n = reflect_rst(buf, &info, a_port, b_port, a_rcv_nxt)?;
         return Ok(Outcome::with(Verdict::Reflect, n, Event::NoCheckpointReset));
     }
 
@@ -652,12 +654,6 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
     }
     // O9. Forward.
     Ok(Outcome::forward(len, modified))
-}
-
-/// The ACK field of the TCP segment in `buf` (already validated by the caller).
-fn t_ack_of(buf: &[u8], info: &IpInfo) -> Seq {
-    let o = info.l4_offset + 8;
-    Seq(u32::from_be_bytes(buf[o..o + 4].try_into().unwrap()))
 }
 
 /// What [`command`] produced.

@@ -256,6 +256,18 @@ fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: b
     }
 }
 
+/// Writes a connection's record atomically (temporary file, optional fsync, rename), so a
+/// crash leaves either no record or a whole one.
+fn persist_record(dir: &Path, rec: &ConnRecord, fsync: bool) -> std::io::Result<()> {
+    fs::create_dir_all(dir)?;
+    let tmp = dir.join("record.tmp");
+    fs::write(&tmp, rec.to_bytes())?;
+    if fsync {
+        File::open(&tmp)?.sync_all()?;
+    }
+    fs::rename(&tmp, dir.join("record"))
+}
+
 fn conn_dir(base: &Path, peer: SocketAddr) -> PathBuf {
     base.join("conns").join(format!("{}_{}", peer.ip(), peer.port()).replace(':', "-"))
 }
@@ -271,17 +283,7 @@ fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync:
         Err(e) => return log(&format!("{peer}: not protected, closing: {e}")),
     };
     let dir = conn_dir(&base, peer);
-    let res = (|| {
-        fs::create_dir_all(&dir)?;
-        let tmp = dir.join("record.tmp");
-        fs::write(&tmp, rec.to_bytes())?;
-        if fsync {
-            File::open(&tmp)?.sync_all()?;
-        }
-        fs::rename(&tmp, dir.join("record"))?;
-        Ok::<(), std::io::Error>(())
-    })();
-    if let Err(e) = res {
+    if let Err(e) = persist_record(&dir, &rec, fsync) {
         return log(&format!("{peer}: journal: {e}"));
     }
     log(&format!("{peer}: connected and protected"));
@@ -341,8 +343,7 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
                 if dir.join("record").exists() {
                     continue;
                 }
-                let res = fs::create_dir_all(&dir).and_then(|_| fs::write(dir.join("record.tmp"), rec.to_bytes())).and_then(|_| fs::rename(dir.join("record.tmp"), dir.join("record")));
-                if let Err(e) = res {
+                if let Err(e) = persist_record(&dir, &rec, args.fsync) {
                     log(&format!("{}: cannot journal adopted connection: {e}", rec.peer()));
                     continue;
                 }

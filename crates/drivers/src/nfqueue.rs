@@ -47,6 +47,7 @@ const NFQNL_MSG_CONFIG: u16 = 2;
 const NFQA_PACKET_HDR: u16 = 1;
 const NFQA_VERDICT_HDR: u16 = 2;
 const NFQA_MARK: u16 = 3;
+const NFQA_HWADDR: u16 = 9;
 const NFQA_IFINDEX_INDEV: u16 = 5;
 const NFQA_IFINDEX_OUTDEV: u16 = 6;
 const NFQA_PAYLOAD: u16 = 10;
@@ -149,6 +150,9 @@ pub struct QueuedPacket {
     pub csum_not_verified: bool,
     /// Input interface index (0 when none, e.g. on LOCAL_OUT).
     pub indev: u32,
+    /// Source link-layer (Ethernet) address of a received frame (`NFQA_HWADDR`), when the
+    /// kernel reports one (incoming packets on Ethernet-like devices).
+    pub hw_src: Option<[u8; 6]>,
     /// Output interface index (0 when none, e.g. on LOCAL_IN).
     pub outdev: u32,
     /// Length of the packet in the kernel. Larger than `data.len()` when the copy was cut at
@@ -856,6 +860,14 @@ fn parse_packet(payload: &[u8], pkt: &mut QueuedPacket) -> Result<bool, PacketEr
                 }
             },
             NFQA_IFINDEX_INDEV => pkt.indev = be32(v).unwrap_or(0),
+            NFQA_HWADDR => {
+                // struct nfqnl_msg_packet_hw { be16 hw_addrlen; u16 pad; u8 hw_addr[8]; }
+                if v.len() >= 10 && u16::from_be_bytes([v[0], v[1]]) == 6 {
+                    let mut mac = [0u8; 6];
+                    mac.copy_from_slice(&v[4..10]);
+                    pkt.hw_src = Some(mac);
+                }
+            }
             NFQA_IFINDEX_OUTDEV => pkt.outdev = be32(v).unwrap_or(0),
             NFQA_CAP_LEN => cap_len = be32(v),
             NFQA_SKB_INFO => {
@@ -1013,7 +1025,7 @@ mod tests {
         w.attr_be32(NFQA_IFINDEX_INDEV, 2);
         w.attr_be32(NFQA_MARK, 0x42);
         w.attr(4, &[0; 16]); // NFQA_TIMESTAMP, ignored
-        w.attr(9, &[0, 6, 0, 0, 1, 2, 3, 4, 5, 6, 0, 0]); // NFQA_HWADDR, ignored
+        w.attr(NFQA_HWADDR, &[0, 6, 0, 0, 1, 2, 3, 4, 5, 6, 0, 0]);
         if let Some(c) = cap_len {
             w.attr_be32(NFQA_CAP_LEN, c);
         }
@@ -1040,6 +1052,7 @@ mod tests {
                 gso: true,
                 csum_not_verified: false,
                 indev: 2,
+                hw_src: Some([1, 2, 3, 4, 5, 6]),
                 outdev: 0,
                 orig_len: 5,
                 data: vec![0x45, 1, 2, 3, 4],

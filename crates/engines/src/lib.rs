@@ -4,5 +4,9 @@
 //! and be checked against the same test vectors.
 //!
 //! - [`rtcp`]: checkpoint mode, RTCP (seed 004, Surton et al., "Man-in-the-Middle TCP Recovery").
+//! - [`trods`] (with [`http`]): object mode, TRODS-KV (seed 000, Lloyd & Freedman, "Transparent
+//!   Recovery for Object Delivery Services"). Unlike rtcp it buffers headers, so it allocates.
 
+pub mod http;
 pub mod rtcp;
+pub mod trods;

@@ -1,0 +1,1226 @@
+//! Object mode: TRODS-KV (seed 000, Lloyd & Freedman, "Transparent Recovery for Object
+//! Delivery Services", sections 2.3, 3 and 4.1), sans-I/O.
+//!
+//! The engine sits under an unmodified HTTP server (nginx) and sees every packet of the
+//! service in both directions. It implements the paper's Table 1 ("normal operation"):
+//!
+//! | packet | TRODS operation | here |
+//! |---|---|---|
+//! | client SYN | | [`Engine::packet`] remembers the client's options |
+//! | server SYN-ACK | locally store knowledge of this connection | a [`Conn`]; its handshake is stored asynchronously |
+//! | client request | extract and locally save the objectID | [`http::parse_request`], in byte order, across segments |
+//! | server ACK of the request | drop | pure ACKs beyond the stored hold are dropped |
+//! | Resp₁ | extract objectISN; block until objectID/objectISN are durably stored; do not ack the request | the response header is parsed (it may span segments); every response segment is held until the record naming it is stored |
+//! | Resp₂… | do not ack the client's request | ACK fields are lowered to the stored hold, SACK blocks above it removed |
+//! | server FIN, client FIN/ACK | delete objectID/objectISN, delete local state | [`Action::Delete`] (off the critical path) |
+//!
+//! Beyond the paper's assumptions (its section 3.3), the engine keeps a *list* of responses per
+//! connection (persistent and pipelined requests), stores the whole response header (so a
+//! header spanning segments, or a failover inside the header, resumes byte-exactly), tracks
+//! byte positions as 64-bit stream offsets (objects over 4 GiB; the record carries a progress
+//! mark refreshed every [`Config::progress_step`] bytes so a 32-bit ACK can be placed), and
+//! stops protecting a connection — visibly, with a counter — when a response cannot be
+//! resumed byte-exactly (chunked, close-delimited, multipart).
+//!
+//! Recovery (section 3.2, cases ① to ④) is planned by [`plan_recovery`] from the stored
+//! [`Record`] and the client packet that reached a server without the connection; the agent
+//! rebuilds the socket and resumes the bytes, then hands the connection back to the engine
+//! with [`Engine::adopt`] so a second failure is survived too.
+//!
+//! Unlike [`crate::rtcp`], this engine allocates: request and response headers are buffered
+//! (bounded by [`Config`]) and held packets are copied until their record is stored.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+
+use unbroken_wire::ip::IpInfo;
+use unbroken_wire::seq::{unwrap_near, Seq};
+use unbroken_wire::tcp::{self, flags, kind, TcpOption};
+
+use crate::http;
+
+/// Limits and periods.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Longest request header block (bytes) before the connection goes unprotected.
+    pub max_request_head: usize,
+    /// Longest response header block.
+    pub max_response_head: usize,
+    /// Most responses a connection may have in flight (pipelining) while protected.
+    pub max_entries: usize,
+    /// Refresh the record's progress mark every this many response bytes.
+    pub progress_step: u64,
+    /// A closed connection is forgotten after this long (ms).
+    pub linger_ms: u64,
+    /// A connection with no packet for this long is forgotten and its record deleted (ms).
+    pub idle_ms: u64,
+    /// A client SYN without the server's SYN-ACK is forgotten after this long (ms).
+    pub syn_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_request_head: 8 << 10,
+            max_response_head: 16 << 10,
+            max_entries: 16,
+            progress_step: 256 << 20,
+            linger_ms: 30_000,
+            idle_ms: 15 * 60_000,
+            syn_ms: 10_000,
+        }
+    }
+}
+
+/// A connection: the client's and the service's address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub client: SocketAddr,
+    pub service: SocketAddr,
+}
+
+impl Key {
+    /// The store key (TRODS section 4.1: the client's address and port), with the service's
+    /// to keep several services apart: `c/<client>/<service>`.
+    pub fn store_key(&self) -> String {
+        format!("c/{}/{}", self.client, self.service)
+    }
+}
+
+/// Which way a packet goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    /// From the client to the service (PREROUTING/INPUT).
+    FromClient,
+    /// From the service to the client (OUTPUT).
+    ToClient,
+}
+
+/// What was negotiated in the three-way handshake: what a rebuilt socket needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Handshake {
+    /// The server's initial sequence number.
+    pub iss: u32,
+    /// The client's initial sequence number.
+    pub irs: u32,
+    pub client_mss: u16,
+    /// The client's window scale; `None` when window scaling is off.
+    pub client_ws: Option<u8>,
+    /// The server's window scale as announced in the SYN-ACK.
+    pub server_ws: u8,
+    pub sack: bool,
+    pub timestamps: bool,
+}
+
+/// One response of the connection (objectID + objectISN, generalised).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Entry {
+    /// Client stream offset of the request (from irs+1).
+    pub req_off: u64,
+    pub req_len: u32,
+    /// Server stream offset of the response's first byte (from iss+1): the objectISN minus
+    /// the header length.
+    pub resp_off: u64,
+    pub status: u16,
+    pub head: bool,
+    /// The server closed the connection after this response.
+    pub close: bool,
+    pub body_len: u64,
+    /// The representation byte the body starts at (206 responses).
+    pub range_start: u64,
+    /// The response header as sent, byte for byte.
+    pub header: Vec<u8>,
+    /// The request line and the headers that select the object.
+    pub object_id: Vec<u8>,
+    pub etag: Vec<u8>,
+    pub last_modified: Vec<u8>,
+}
+
+impl Entry {
+    /// Server stream offset of the objectISN (first body byte).
+    pub fn body_off(&self) -> u64 {
+        self.resp_off + self.header.len() as u64
+    }
+    /// Server stream offset just past the response.
+    pub fn end_off(&self) -> u64 {
+        self.body_off() + self.body_len
+    }
+}
+
+/// What the store holds for one connection.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Record {
+    pub hs: Handshake,
+    /// Client stream offset the recovered socket expects next: the client has been told of
+    /// nothing beyond it, and every request before it has been answered.
+    pub hold_off: u64,
+    /// Server stream offset sent when this record was written (places 32-bit ACKs).
+    pub sent_off: u64,
+    /// Responses not yet known to be fully acknowledged, in order.
+    pub entries: Vec<Entry>,
+}
+
+const MAGIC: &[u8; 4] = b"UBT1";
+
+impl Record {
+    /// Binary encoding (version 1): magic, handshake, offsets, entries.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(64 + self.entries.iter().map(|e| 64 + e.header.len() + e.object_id.len()).sum::<usize>());
+        b.extend_from_slice(MAGIC);
+        let h = &self.hs;
+        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2;
+        b.push(fl);
+        b.extend_from_slice(&h.client_mss.to_be_bytes());
+        b.push(h.client_ws.unwrap_or(0));
+        b.push(h.server_ws);
+        b.extend_from_slice(&h.iss.to_be_bytes());
+        b.extend_from_slice(&h.irs.to_be_bytes());
+        b.extend_from_slice(&self.hold_off.to_be_bytes());
+        b.extend_from_slice(&self.sent_off.to_be_bytes());
+        b.extend_from_slice(&(self.entries.len() as u16).to_be_bytes());
+        for e in &self.entries {
+            b.extend_from_slice(&e.req_off.to_be_bytes());
+            b.extend_from_slice(&e.req_len.to_be_bytes());
+            b.extend_from_slice(&e.resp_off.to_be_bytes());
+            b.extend_from_slice(&e.status.to_be_bytes());
+            b.push(e.head as u8 | (e.close as u8) << 1);
+            b.extend_from_slice(&e.body_len.to_be_bytes());
+            b.extend_from_slice(&e.range_start.to_be_bytes());
+            for f in [&e.header, &e.object_id, &e.etag, &e.last_modified] {
+                b.extend_from_slice(&(f.len() as u32).to_be_bytes());
+                b.extend_from_slice(f);
+            }
+        }
+        b
+    }
+
+    /// Decodes [`Record::encode`]'s output; anything else is an error, never a panic.
+    pub fn decode(b: &[u8]) -> Result<Record, &'static str> {
+        let mut r = Reader { b, pos: 0 };
+        if r.take(4)? != MAGIC {
+            return Err("bad record magic");
+        }
+        let fl = r.u8()?;
+        let client_mss = r.u16()?;
+        let ws = r.u8()?;
+        let server_ws = r.u8()?;
+        if ws > 14 || server_ws > 14 {
+            return Err("window scale over 14");
+        }
+        let hs = Handshake {
+            iss: r.u32()?,
+            irs: r.u32()?,
+            client_mss,
+            client_ws: (fl & 4 != 0).then_some(ws),
+            server_ws,
+            sack: fl & 1 != 0,
+            timestamps: fl & 2 != 0,
+        };
+        let hold_off = r.u64()?;
+        let sent_off = r.u64()?;
+        let n = r.u16()? as usize;
+        let mut entries = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            let mut e = Entry {
+                req_off: r.u64()?,
+                req_len: r.u32()?,
+                resp_off: r.u64()?,
+                status: r.u16()?,
+                ..Entry::default()
+            };
+            let f = r.u8()?;
+            e.head = f & 1 != 0;
+            e.close = f & 2 != 0;
+            e.body_len = r.u64()?;
+            e.range_start = r.u64()?;
+            e.header = r.field()?;
+            e.object_id = r.field()?;
+            e.etag = r.field()?;
+            e.last_modified = r.field()?;
+            entries.push(e);
+        }
+        if r.pos != b.len() {
+            return Err("trailing bytes in record");
+        }
+        for w in entries.windows(2) {
+            if w[1].resp_off != w[0].end_off() || w[1].req_off < w[0].req_off + w[0].req_len as u64 {
+                return Err("record entries out of order");
+            }
+        }
+        Ok(Record {
+            hs,
+            hold_off,
+            sent_off,
+            entries,
+        })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.b.len()).ok_or("truncated record")?;
+        let s = &self.b[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, &'static str> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, &'static str> {
+        Ok(u16::from_be_bytes(self.take(2)?.try_into().unwrap()))
+    }
+    fn u32(&mut self) -> Result<u32, &'static str> {
+        Ok(u32::from_be_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> Result<u64, &'static str> {
+        Ok(u64::from_be_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    fn field(&mut self) -> Result<Vec<u8>, &'static str> {
+        let n = self.u32()? as usize;
+        if n > 1 << 20 {
+            return Err("record field over 1 MiB");
+        }
+        Ok(self.take(n)?.to_vec())
+    }
+}
+
+// ---- recovery planning (section 3.2) ----------------------------------------------------------
+
+/// The client packet that reached a server that does not know its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trigger {
+    pub seq: u32,
+    pub ack: u32,
+    pub payload_len: u32,
+    pub flags: u8,
+    /// The client's window field (unscaled) and timestamp, for the rebuilt socket.
+    pub window: u16,
+    pub tsval: Option<u32>,
+    pub tsecr: Option<u32>,
+}
+
+impl Trigger {
+    /// Reads a trigger from an IP packet.
+    pub fn parse(pkt: &[u8]) -> Option<(Key, Trigger)> {
+        let ip = IpInfo::parse(pkt).ok()?;
+        if ip.protocol != 6 {
+            return None;
+        }
+        let seg = pkt.get(ip.l4_offset..ip.l4_offset + ip.l4_len)?;
+        let t = tcp::Packet::new_checked(seg).ok()?;
+        let (mut tsval, mut tsecr) = (None, None);
+        for o in t.options_iter().flatten() {
+            if let TcpOption::Timestamp { tsval: v, tsecr: e } = o {
+                tsval = Some(v);
+                tsecr = Some(e);
+            }
+        }
+        Some((
+            Key {
+                client: SocketAddr::new(ip.src, t.src_port()),
+                service: SocketAddr::new(ip.dst, t.dst_port()),
+            },
+            Trigger {
+                seq: t.seq().0,
+                ack: t.ack().0,
+                payload_len: t.payload().len() as u32,
+                flags: t.flags(),
+                window: t.window(),
+                tsval,
+                tsecr,
+            },
+        ))
+    }
+}
+
+/// Part of one response to send again on the new server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    /// Index into the record's entries.
+    pub entry: usize,
+    /// First byte of the stored header still to send (`header.len()`: none).
+    pub header_from: usize,
+    /// First body byte still to send.
+    pub body_from: u64,
+}
+
+/// Which of the paper's cases a recovery is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Case {
+    /// ② during setup: no response had started; the client's request comes again.
+    DuringSetup,
+    /// ③ during download.
+    DuringDownload,
+    /// ④ after download: everything sent was acknowledged (the 416 case).
+    AfterDownload,
+}
+
+/// How to rebuild and resume a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub case: Case,
+    /// The rebuilt socket's next sequence number to send (the client's ACK).
+    pub snd_nxt: u32,
+    /// The rebuilt socket's next expected client byte (the stored hold).
+    pub rcv_nxt: u32,
+    /// Client bytes after `rcv_nxt` that belong to requests already answered (skip them).
+    pub skip_client: u64,
+    /// Responses to send from `snd_nxt` on, in order.
+    pub resume: Vec<Resume>,
+    /// The server had closed and the client acknowledged the FIN: send the FIN again.
+    pub refin: bool,
+    /// After the resumed bytes the server would have closed: shut down writing.
+    pub close_after: bool,
+    /// Server stream offset the client acknowledged.
+    pub acked_off: u64,
+}
+
+/// Why a connection cannot be recovered byte-exactly (it is reset instead, and counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal(pub &'static str);
+
+/// TRODS section 3.2: decide from the stored record and the client's packet what the new
+/// server sends. Never guesses: a client position the record does not explain is a refusal.
+pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
+    if t.flags & flags::RST != 0 || t.flags & flags::SYN != 0 {
+        return Err(Refusal("not a failover packet (SYN or RST)"));
+    }
+    if t.flags & flags::ACK == 0 {
+        return Err(Refusal("no ACK in the client's packet"));
+    }
+    let hs = &rec.hs;
+    let seq_off = unwrap_near(t.seq.wrapping_sub(hs.irs.wrapping_add(1)), rec.hold_off);
+    let seq_end = seq_off + t.payload_len as u64 + (t.flags & flags::FIN != 0) as u64;
+    if seq_end < rec.hold_off {
+        return Err(Refusal("client packet ends before the stored hold"));
+    }
+    let a = unwrap_near(t.ack.wrapping_sub(hs.iss.wrapping_add(1)), rec.sent_off);
+    let rcv_nxt = hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32);
+    let mut plan = Plan {
+        case: Case::AfterDownload,
+        snd_nxt: t.ack,
+        rcv_nxt,
+        skip_client: 0,
+        resume: Vec::new(),
+        refin: false,
+        close_after: false,
+        acked_off: a,
+    };
+    let Some(last) = rec.entries.last() else {
+        // Case ②, or ④ with every response acknowledged and pruned.
+        if a == rec.sent_off {
+            plan.case = if rec.sent_off == 0 { Case::DuringSetup } else { Case::AfterDownload };
+            return Ok(plan);
+        }
+        return Err(Refusal("client acknowledged bytes the record does not describe"));
+    };
+    let first = &rec.entries[0];
+    plan.skip_client = (last.req_off + last.req_len as u64).saturating_sub(rec.hold_off);
+    let end = last.end_off();
+    if a < first.resp_off {
+        return Err(Refusal("client acknowledged less than the first stored response"));
+    }
+    if a > end + 1 || (a == end + 1 && !last.close) {
+        return Err(Refusal("client acknowledged bytes the record does not describe"));
+    }
+    if a == end + 1 {
+        plan.refin = true;
+        plan.snd_nxt = t.ack.wrapping_sub(1);
+        return Ok(plan);
+    }
+    plan.close_after = last.close;
+    for (i, e) in rec.entries.iter().enumerate() {
+        if e.end_off() <= a {
+            continue;
+        }
+        let from = a.max(e.resp_off) - e.resp_off;
+        let hl = e.header.len() as u64;
+        plan.resume.push(Resume {
+            entry: i,
+            header_from: from.min(hl) as usize,
+            body_from: from.saturating_sub(hl),
+        });
+    }
+    if !plan.resume.is_empty() {
+        plan.case = Case::DuringDownload;
+    }
+    Ok(plan)
+}
+
+// ---- the engine ---------------------------------------------------------------------------------
+
+/// Counters (all monotonic except `connections`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counters {
+    pub connections: u64,
+    pub syns: u64,
+    pub protected: u64,
+    pub unprotected: u64,
+    pub unprotected_store: u64,
+    pub unprotected_http: u64,
+    pub unprotected_no_syn: u64,
+    pub entries: u64,
+    pub stores: u64,
+    pub stores_ok: u64,
+    pub stores_failed: u64,
+    pub deletes: u64,
+    pub held: u64,
+    pub released: u64,
+    pub acks_lowered: u64,
+    pub pure_acks_dropped: u64,
+    pub sack_removed: u64,
+    pub client_gaps: u64,
+    pub unknown_from_client: u64,
+    pub unknown_from_server: u64,
+    pub malformed: u64,
+    pub adopted: u64,
+    pub closed: u64,
+    pub expired: u64,
+}
+
+/// What the engine asks its driver to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Write `value` under `key`; report with [`Engine::store_done`]`(token, ok)`.
+    Store { token: u64, key: String, value: Vec<u8> },
+    /// Delete `key`; report with [`Engine::store_done`] too (the result matters only for
+    /// ordering, see [`Engine::store_done`]).
+    Delete { token: u64, key: String },
+}
+
+/// The verdict for one packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Let it go, `modified` if its bytes changed (checksums updated incrementally).
+    Accept { modified: bool },
+    Drop,
+    /// The engine kept a copy; it comes back from [`Engine::take_released`].
+    Held,
+    /// A client packet of a connection this server does not know: a failover candidate.
+    Unknown,
+}
+
+#[derive(Debug)]
+enum SrvParse {
+    /// Between responses.
+    Idle,
+    /// Collecting a response header that started at `start`.
+    Header { start: u64, buf: Vec<u8> },
+    /// Inside a body with `left` bytes to go.
+    Body { left: u64 },
+}
+
+struct PendingReq {
+    off: u64,
+    len: u32,
+    req: http::Request,
+}
+
+struct Held {
+    id: u64,
+    bytes: Vec<u8>,
+    /// Generation of the record that must be stored first (`u64::MAX`: not yet known).
+    need: u64,
+}
+
+struct Conn {
+    hs: Handshake,
+    protected: bool,
+    closed_at: Option<u64>,
+    last_seen: u64,
+    // client stream
+    cli_next: u64,
+    req_buf: Vec<u8>,
+    reqs: VecDeque<PendingReq>,
+    client_acked: u64,
+    // server stream
+    srv_next: u64,
+    parse: SrvParse,
+    entries: VecDeque<Entry>,
+    // store
+    /// Client stream offset beyond which no ACK may leave (`None`: no limit).
+    ack_limit: Option<u64>,
+    gen: u64,
+    stored_gen: u64,
+    in_flight: Option<InFlight>,
+    progress_stored: u64,
+    progress_asked: u64,
+    held: VecDeque<Held>,
+    /// A Delete is in flight; the ACK limit is lifted when it completes.
+    deleting: Option<u64>,
+}
+
+struct InFlight {
+    token: u64,
+    gen: u64,
+    hold_off: u64,
+    sent_off: u64,
+}
+
+#[derive(Clone, Copy)]
+struct SynInfo {
+    irs: u32,
+    mss: u16,
+    ws: Option<u8>,
+    sack: bool,
+    ts: bool,
+    at: u64,
+}
+
+/// The TRODS engine for one server: every connection of its services.
+pub struct Engine {
+    cfg: Config,
+    conns: HashMap<Key, Conn>,
+    syns: HashMap<Key, SynInfo>,
+    tokens: HashMap<u64, Key>,
+    next_token: u64,
+    actions: VecDeque<Action>,
+    released: VecDeque<(u64, Vec<u8>, bool)>,
+    pub counters: Counters,
+}
+
+struct Seg<'a> {
+    key: Key,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    payload: &'a [u8],
+}
+
+fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
+    let ip = IpInfo::parse(pkt).ok()?;
+    if ip.protocol != 6 {
+        return None;
+    }
+    let seg = pkt.get(ip.l4_offset..ip.l4_offset + ip.l4_len)?;
+    let t = tcp::Packet::new_checked(seg).ok()?;
+    let (c, s) = match dir {
+        Dir::FromClient => (SocketAddr::new(ip.src, t.src_port()), SocketAddr::new(ip.dst, t.dst_port())),
+        Dir::ToClient => (SocketAddr::new(ip.dst, t.dst_port()), SocketAddr::new(ip.src, t.src_port())),
+    };
+    let hl = t.header_len();
+    Some(Seg {
+        key: Key { client: c, service: s },
+        seq: t.seq().0,
+        ack: t.ack().0,
+        flags: t.flags(),
+        payload: &seg[hl..],
+    })
+}
+
+fn syn_options(pkt: &[u8]) -> (u16, Option<u8>, bool, bool) {
+    let (mut mss, mut ws, mut sack, mut ts) = (536, None, false, false);
+    if let Ok(ip) = IpInfo::parse(pkt) {
+        if let Some(seg) = pkt.get(ip.l4_offset..ip.l4_offset + ip.l4_len) {
+            if let Ok(t) = tcp::Packet::new_checked(seg) {
+                for o in t.options_iter().flatten() {
+                    match o {
+                        TcpOption::Mss(m) => mss = m,
+                        TcpOption::WindowScale(w) => ws = Some(w.min(14)),
+                        TcpOption::SackPermitted => sack = true,
+                        TcpOption::Timestamp { .. } => ts = true,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    (mss, ws, sack, ts)
+}
+
+/// Lowers the ACK field to `limit` (when above it) and removes SACK blocks reaching above it.
+/// Returns whether the packet changed.
+fn limit_ack(pkt: &mut [u8], limit: Seq, counters: &mut Counters) -> bool {
+    let Ok(ip) = IpInfo::parse(pkt) else { return false };
+    let Some(seg) = pkt.get_mut(ip.l4_offset..ip.l4_offset + ip.l4_len) else { return false };
+    let Ok(mut t) = tcp::Packet::new_checked(seg) else { return false };
+    let mut modified = false;
+    if t.has(flags::ACK) && t.ack().gt(limit) {
+        t.rewrite_ack(limit);
+        counters.acks_lowered += 1;
+        modified = true;
+    }
+    let mut sack_slot = None;
+    for o in t.option_slots().flatten() {
+        if o.kind == kind::SACK {
+            sack_slot = Some(o);
+        }
+    }
+    if let Some(slot) = sack_slot {
+        let reaches_above = match t.options_iter().flatten().find(|o| matches!(o, TcpOption::Sack(..))) {
+            Some(TcpOption::Sack(blocks, n)) => blocks[..n as usize].iter().any(|&(_, r)| r.gt(limit)),
+            _ => false,
+        };
+        if reaches_above {
+            t.nop_option(slot);
+            counters.sack_removed += 1;
+            modified = true;
+        }
+    }
+    modified
+}
+
+impl Engine {
+    pub fn new(cfg: Config) -> Engine {
+        Engine {
+            cfg,
+            conns: HashMap::new(),
+            syns: HashMap::new(),
+            tokens: HashMap::new(),
+            next_token: 1,
+            actions: VecDeque::new(),
+            released: VecDeque::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Connections known (protected or not).
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Protected connections.
+    pub fn protected(&self) -> usize {
+        self.conns.values().filter(|c| c.protected && c.closed_at.is_none()).count()
+    }
+
+    /// Whether the engine knows `key` (the agent skips failover for those).
+    pub fn knows(&self, key: &Key) -> bool {
+        self.conns.contains_key(key)
+    }
+
+    /// Next store or delete to perform.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Next held packet now released: (id, bytes, modified).
+    pub fn take_released(&mut self) -> Option<(u64, Vec<u8>, bool)> {
+        self.released.pop_front()
+    }
+
+    fn token(&mut self, key: Key) -> u64 {
+        let t = self.next_token;
+        self.next_token += 1;
+        self.tokens.insert(t, key);
+        t
+    }
+
+    /// One packet of a service. `id` names it if it is held. The packet may be rewritten in
+    /// place (ACK field lowered, a SACK option replaced by NOPs); its length never changes.
+    pub fn packet(&mut self, id: u64, pkt: &mut [u8], dir: Dir, now: u64) -> Verdict {
+        let Some(seg) = parse_seg(pkt, dir) else {
+            self.counters.malformed += 1;
+            return Verdict::Accept { modified: false };
+        };
+        let (key, seq, ack, fl) = (seg.key, seg.seq, seg.ack, seg.flags);
+        let payload_len = seg.payload.len();
+        match dir {
+            Dir::FromClient => {
+                if fl & flags::SYN != 0 && fl & flags::ACK == 0 {
+                    let (mss, ws, sack, ts) = syn_options(pkt);
+                    self.counters.syns += 1;
+                    if let Some(c) = self.conns.get(&key) {
+                        if c.hs.irs == seq {
+                            return Verdict::Accept { modified: false };
+                        }
+                        self.forget(key, true);
+                    }
+                    self.syns.insert(key, SynInfo { irs: seq, mss, ws, sack, ts, at: now });
+                    return Verdict::Accept { modified: false };
+                }
+                if !self.conns.contains_key(&key) {
+                    if fl & flags::RST != 0 || self.syns.contains_key(&key) {
+                        return Verdict::Accept { modified: false };
+                    }
+                    self.counters.unknown_from_client += 1;
+                    return Verdict::Unknown;
+                }
+                let payload = seg.payload.to_vec();
+                self.from_client(key, seq, ack, fl, &payload, now);
+                Verdict::Accept { modified: false }
+            }
+            Dir::ToClient => {
+                if fl & flags::SYN != 0 && fl & flags::ACK != 0 {
+                    self.syn_ack(key, seq, pkt, now);
+                    return Verdict::Accept { modified: false };
+                }
+                let Some(c) = self.conns.get_mut(&key) else {
+                    self.counters.unknown_from_server += 1;
+                    return Verdict::Accept { modified: false };
+                };
+                c.last_seen = now;
+                if fl & flags::RST != 0 {
+                    self.forget(key, true);
+                    return Verdict::Accept { modified: false };
+                }
+                if !c.protected || c.closed_at.is_some() {
+                    return Verdict::Accept { modified: false };
+                }
+                let payload = seg.payload.to_vec();
+                self.to_client(id, key, seq, ack, fl, &payload, payload_len, pkt, now)
+            }
+        }
+    }
+
+    fn syn_ack(&mut self, key: Key, iss: u32, pkt: &[u8], now: u64) {
+        let Some(syn) = self.syns.remove(&key) else {
+            if !self.conns.contains_key(&key) {
+                self.counters.unprotected += 1;
+                self.counters.unprotected_no_syn += 1;
+                let mut c = Conn::new(Handshake { iss, ..Handshake::default() }, now);
+                c.protected = false;
+                c.ack_limit = None;
+                self.conns.insert(key, c);
+            }
+            return;
+        };
+        let (_mss, sws, sack, ts) = syn_options(pkt);
+        let hs = Handshake {
+            iss,
+            irs: syn.irs,
+            client_mss: syn.mss,
+            client_ws: if sws.is_some() { syn.ws } else { None },
+            server_ws: if syn.ws.is_some() { sws.unwrap_or(0) } else { 0 },
+            sack: syn.sack && sack,
+            timestamps: syn.ts && ts,
+        };
+        self.counters.connections += 1;
+        self.counters.protected += 1;
+        self.conns.insert(key, Conn::new(hs, now));
+        // The handshake is stored off the critical path (case ② needs it); the first
+        // response waits for whichever store includes its entry.
+        self.conns.get_mut(&key).unwrap().gen += 1;
+        self.maybe_store(key);
+    }
+
+    fn from_client(&mut self, key: Key, seq: u32, ack: u32, fl: u8, payload: &[u8], now: u64) {
+        let max_req = self.cfg.max_request_head;
+        let c = self.conns.get_mut(&key).unwrap();
+        c.last_seen = now;
+        if fl & flags::RST != 0 {
+            self.forget(key, true);
+            return;
+        }
+        if c.closed_at.is_some() || !c.protected {
+            if fl & flags::FIN != 0 && c.closed_at.is_none() {
+                c.closed_at = Some(now);
+            }
+            return;
+        }
+        let mut why = None;
+        // Requests, in byte order.
+        if !payload.is_empty() {
+            let off = unwrap_near(seq.wrapping_sub(c.hs.irs.wrapping_add(1)), c.cli_next);
+            let end = off + payload.len() as u64;
+            if off > c.cli_next {
+                self.counters.client_gaps += 1;
+            } else if end > c.cli_next {
+                let skip = (c.cli_next - off) as usize;
+                let start = c.cli_next - c.req_buf.len() as u64;
+                c.req_buf.extend_from_slice(&payload[skip..]);
+                c.cli_next = end;
+                let mut base = start;
+                while let Some(n) = http::header_end(&c.req_buf) {
+                    match http::parse_request(&c.req_buf[..n]) {
+                        Ok(req) => c.reqs.push_back(PendingReq { off: base, len: n as u32, req }),
+                        Err(e) => {
+                            why = Some(e.0);
+                            break;
+                        }
+                    }
+                    c.req_buf.drain(..n);
+                    base += n as u64;
+                }
+                if why.is_none() && c.req_buf.len() > max_req {
+                    why = Some("request header too long");
+                }
+            }
+        }
+        // What the client acknowledged: prune fully received responses.
+        if fl & flags::ACK != 0 {
+            let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.srv_next);
+            if a > c.client_acked && a <= c.srv_next + 1 {
+                c.client_acked = a;
+                let before = c.entries.len();
+                while c.entries.front().is_some_and(|e| e.end_off() <= a) {
+                    c.entries.pop_front();
+                }
+                if c.entries.len() != before {
+                    c.gen += 1;
+                }
+            }
+        }
+        if fl & flags::FIN != 0 {
+            // Table 1: the client's FIN ends the connection's need for protection.
+            c.closed_at = Some(now);
+            c.ack_limit = None;
+            self.counters.closed += 1;
+            self.release_all(key);
+            self.delete(key);
+            return;
+        }
+        if let Some(why) = why {
+            self.unprotect(key, why, false);
+            return;
+        }
+        self.maybe_store(key);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn to_client(&mut self, id: u64, key: Key, seq: u32, _ack: u32, fl: u8, payload: &[u8], len: usize, pkt: &mut [u8], _now: u64) -> Verdict {
+        let cfg_max_entries = self.cfg.max_entries;
+        let max_head = self.cfg.max_response_head;
+        let step = self.cfg.progress_step;
+        let c = self.conns.get_mut(&key).unwrap();
+        let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.srv_next);
+        let end = off + len as u64;
+        let mut why = None;
+        let mut new_entry = false;
+        let mut header_pending = false;
+        if off > c.srv_next {
+            why = Some("gap in the server's byte stream");
+        } else if end > c.srv_next {
+            let mut data = &payload[(c.srv_next - off) as usize..];
+            let mut pos = c.srv_next;
+            while !data.is_empty() && why.is_none() {
+                match &mut c.parse {
+                    SrvParse::Idle => {
+                        c.parse = SrvParse::Header { start: pos, buf: Vec::new() };
+                    }
+                    SrvParse::Header { start, buf } => {
+                        let old = buf.len();
+                        let scan_from = old.saturating_sub(3);
+                        buf.extend_from_slice(data);
+                        match http::header_end(&buf[scan_from..]).map(|e| e + scan_from) {
+                            None => {
+                                if buf.len() > max_head {
+                                    why = Some("response header too long");
+                                }
+                                pos += data.len() as u64;
+                                data = &[];
+                                header_pending = true;
+                            }
+                            Some(n) => {
+                                buf.truncate(n);
+                                let header = std::mem::take(buf);
+                                let start = *start;
+                                let used = n - old;
+                                data = &data[used..];
+                                pos += used as u64;
+                                let Some(req) = c.reqs.pop_front() else {
+                                    why = Some("response without a request seen");
+                                    break;
+                                };
+                                match http::parse_response(&header, req.req.head) {
+                                    Err(e) => why = Some(e.0),
+                                    Ok(r) if c.entries.len() >= cfg_max_entries => {
+                                        let _ = r;
+                                        why = Some("too many pipelined responses");
+                                    }
+                                    Ok(r) => {
+                                        c.entries.push_back(Entry {
+                                            req_off: req.off,
+                                            req_len: req.len,
+                                            resp_off: start,
+                                            status: r.status,
+                                            head: req.req.head,
+                                            close: r.close,
+                                            body_len: r.body_len,
+                                            range_start: r.range_start,
+                                            header,
+                                            object_id: req.req.object_id,
+                                            etag: r.etag,
+                                            last_modified: r.last_modified,
+                                        });
+                                        new_entry = true;
+                                        c.gen += 1;
+                                        self.counters.entries += 1;
+                                        c.parse = if r.body_len > 0 { SrvParse::Body { left: r.body_len } } else { SrvParse::Idle };
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    SrvParse::Body { left } => {
+                        let n = (*left).min(data.len() as u64);
+                        *left -= n;
+                        pos += n;
+                        data = &data[n as usize..];
+                        if *left == 0 {
+                            c.parse = SrvParse::Idle;
+                        }
+                    }
+                }
+            }
+            c.srv_next = end.max(c.srv_next);
+            if why.is_none() && c.srv_next >= c.progress_asked + step {
+                c.progress_asked = c.srv_next;
+                c.gen += 1;
+            }
+        }
+        if let Some(why) = why {
+            self.unprotect(key, why, true);
+            return self.packet_after_unprotect(key, pkt);
+        }
+        let c = self.conns.get_mut(&key).unwrap();
+        // Does this packet wait for a store? Its own new entry, an unfinished header, the
+        // progress mark too far behind, or an earlier held packet (order is kept).
+        let far = c.srv_next.saturating_sub(c.progress_stored) > 3 << 29;
+        let need = if header_pending {
+            Some(u64::MAX)
+        } else if new_entry || far {
+            Some(c.gen)
+        } else {
+            c.held.back().map(|h| h.need)
+        };
+        if new_entry {
+            for h in c.held.iter_mut().filter(|h| h.need == u64::MAX) {
+                h.need = c.gen;
+            }
+        }
+        let stores = c.gen != c.stored_gen;
+        if let Some(need) = need.filter(|&n| n > c.stored_gen) {
+            c.held.push_back(Held { id, bytes: pkt.to_vec(), need });
+            self.counters.held += 1;
+            if stores {
+                self.maybe_store(key);
+            }
+            return Verdict::Held;
+        }
+        let is_pure_ack = len == 0 && fl & (flags::FIN | flags::SYN) == 0;
+        let limit = c.ack_limit.map(|l| Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32)));
+        let mut verdict = Verdict::Accept { modified: false };
+        if let Some(limit) = limit {
+            let ack = Seq(_ack);
+            if is_pure_ack && ack.gt(limit) {
+                self.counters.pure_acks_dropped += 1;
+                verdict = Verdict::Drop;
+            } else if limit_ack(pkt, limit, &mut self.counters) {
+                verdict = Verdict::Accept { modified: true };
+            }
+        }
+        if stores {
+            self.maybe_store(key);
+        }
+        verdict
+    }
+
+    /// The packet that ended protection: still under the old ACK limit until the record's
+    /// delete completes.
+    fn packet_after_unprotect(&mut self, key: Key, pkt: &mut [u8]) -> Verdict {
+        let Some(c) = self.conns.get(&key) else { return Verdict::Accept { modified: false } };
+        let limit = c.ack_limit.map(|l| Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32)));
+        let modified = limit.is_some_and(|l| limit_ack(pkt, l, &mut self.counters));
+        Verdict::Accept { modified }
+    }
+
+    /// Issue a store of the current record if none is in flight and it changed.
+    fn maybe_store(&mut self, key: Key) {
+        let Some(c) = self.conns.get(&key) else { return };
+        if c.in_flight.is_some() || c.gen == c.stored_gen || !c.protected || c.closed_at.is_some() {
+            return;
+        }
+        let rec = Record {
+            hs: c.hs,
+            hold_off: c.hold_off(),
+            sent_off: c.srv_next,
+            entries: c.entries.iter().cloned().collect(),
+        };
+        let (gen, hold_off, sent_off) = (c.gen, rec.hold_off, rec.sent_off);
+        let token = self.token(key);
+        let c = self.conns.get_mut(&key).unwrap();
+        c.in_flight = Some(InFlight { token, gen, hold_off, sent_off });
+        self.counters.stores += 1;
+        self.actions.push_back(Action::Store {
+            token,
+            key: key.store_key(),
+            value: rec.encode(),
+        });
+    }
+
+    fn delete(&mut self, key: Key) {
+        let token = self.token(key);
+        self.counters.deletes += 1;
+        if let Some(c) = self.conns.get_mut(&key) {
+            c.deleting = Some(token);
+        }
+        self.actions.push_back(Action::Delete { token, key: key.store_key() });
+    }
+
+    /// The result of an [`Action`]. A failed store leaves the connection unprotected (its held
+    /// packets go out at once: a slow or dead store never stalls a client).
+    pub fn store_done(&mut self, token: u64, ok: bool) {
+        let Some(key) = self.tokens.remove(&token) else { return };
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if c.deleting == Some(token) {
+            c.deleting = None;
+            c.ack_limit = None;
+            self.release_all(key);
+            return;
+        }
+        let Some(f) = c.in_flight.take().filter(|f| f.token == token) else { return };
+        if !ok {
+            self.counters.stores_failed += 1;
+            self.counters.unprotected_store += 1;
+            c.protected = false;
+            c.ack_limit = None;
+            self.counters.unprotected += 1;
+            self.release_all(key);
+            return;
+        }
+        self.counters.stores_ok += 1;
+        c.stored_gen = c.stored_gen.max(f.gen);
+        c.progress_stored = f.sent_off;
+        if c.ack_limit.is_some() {
+            c.ack_limit = Some(f.hold_off.max(c.ack_limit.unwrap_or(0)));
+        }
+        self.release_ready(key);
+        self.maybe_store(key);
+    }
+
+    fn release_ready(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        let limit = c.ack_limit.map(|l| Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32)));
+        while c.held.front().is_some_and(|h| h.need <= c.stored_gen) {
+            let mut h = c.held.pop_front().unwrap();
+            let modified = limit.is_some_and(|l| limit_ack(&mut h.bytes, l, &mut self.counters));
+            self.counters.released += 1;
+            self.released.push_back((h.id, h.bytes, modified));
+        }
+    }
+
+    fn release_all(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        let limit = c.ack_limit.map(|l| Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32)));
+        while let Some(mut h) = c.held.pop_front() {
+            let modified = limit.is_some_and(|l| limit_ack(&mut h.bytes, l, &mut self.counters));
+            self.counters.released += 1;
+            self.released.push_back((h.id, h.bytes, modified));
+        }
+    }
+
+    /// Stop protecting `key` (counted). Its record is deleted first, so a failover cannot
+    /// resume from a stale one; ACKs stay limited until that delete completes.
+    fn unprotect(&mut self, key: Key, why: &'static str, _server_side: bool) {
+        let _ = why;
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if !c.protected {
+            return;
+        }
+        c.protected = false;
+        c.entries.clear();
+        self.counters.unprotected += 1;
+        self.counters.unprotected_http += 1;
+        self.release_all(key);
+        self.delete(key);
+    }
+
+    fn forget(&mut self, key: Key, delete_record: bool) {
+        if let Some(c) = self.conns.get(&key) {
+            if delete_record && (c.protected || c.stored_gen > 0) {
+                let token = self.next_token;
+                self.next_token += 1;
+                self.counters.deletes += 1;
+                self.actions.push_back(Action::Delete { token, key: key.store_key() });
+            }
+        }
+        self.release_all(key);
+        self.conns.remove(&key);
+    }
+
+    /// Periodic housekeeping: forget closed connections after the linger time, idle ones
+    /// after the idle time (deleting their records), unanswered SYNs.
+    pub fn expire(&mut self, now: u64) {
+        let (linger, idle, syn_ms) = (self.cfg.linger_ms, self.cfg.idle_ms, self.cfg.syn_ms);
+        self.syns.retain(|_, s| now.saturating_sub(s.at) < syn_ms);
+        let dead: Vec<(Key, bool)> = self
+            .conns
+            .iter()
+            .filter_map(|(k, c)| match c.closed_at {
+                Some(t) if now.saturating_sub(t) >= linger => Some((*k, false)),
+                None if now.saturating_sub(c.last_seen) >= idle => Some((*k, true)),
+                _ => None,
+            })
+            .collect();
+        for (k, idle) in dead {
+            if idle {
+                self.counters.expired += 1;
+            }
+            self.forget(k, idle);
+        }
+    }
+
+    /// Take over a connection rebuilt from `rec` according to `plan` (after a failover). The
+    /// record is already stored, so the connection is protected at once.
+    pub fn adopt(&mut self, key: Key, rec: &Record, plan: &Plan, now: u64) {
+        let entries: VecDeque<Entry> = rec.entries.iter().filter(|e| e.end_off() > plan.acked_off).cloned().collect();
+        let srv_next = rec.entries.last().map_or(rec.sent_off, |e| e.end_off()).max(rec.sent_off);
+        let cli_next = rec.entries.last().map_or(rec.hold_off, |e| e.req_off + e.req_len as u64).max(rec.hold_off);
+        let mut c = Conn::new(rec.hs, now);
+        c.entries = entries;
+        c.srv_next = srv_next;
+        c.cli_next = cli_next;
+        c.client_acked = plan.acked_off;
+        c.ack_limit = Some(rec.hold_off);
+        c.gen = 1;
+        c.stored_gen = 1;
+        c.progress_stored = rec.sent_off;
+        c.progress_asked = rec.sent_off;
+        self.counters.adopted += 1;
+        self.counters.connections += 1;
+        self.syns.remove(&key);
+        self.conns.insert(key, c);
+    }
+}
+
+impl Conn {
+    fn new(hs: Handshake, now: u64) -> Conn {
+        Conn {
+            hs,
+            protected: true,
+            closed_at: None,
+            last_seen: now,
+            cli_next: 0,
+            req_buf: Vec::new(),
+            reqs: VecDeque::new(),
+            client_acked: 0,
+            srv_next: 0,
+            parse: SrvParse::Idle,
+            entries: VecDeque::new(),
+            ack_limit: Some(0),
+            gen: 0,
+            stored_gen: 0,
+            in_flight: None,
+            progress_stored: 0,
+            progress_asked: 0,
+            held: VecDeque::new(),
+            deleting: None,
+        }
+    }
+
+    /// The client stream offset the record may let the client know about: the first request
+    /// whose response is not known to be fully received (TRODS: the client keeps one request
+    /// unacknowledged so it retransmits it to a new server).
+    fn hold_off(&self) -> u64 {
+        let partial = self.cli_next - self.req_buf.len() as u64;
+        let mut h = partial;
+        if let Some(r) = self.reqs.front() {
+            h = h.min(r.off);
+        }
+        if let Some(e) = self.entries.front() {
+            h = h.min(e.req_off);
+        }
+        h
+    }
+}
+
+/// The address family's "any" for a key's service, for diagnostics.
+pub fn is_v6(key: &Key) -> bool {
+    matches!(key.service.ip(), IpAddr::V6(_))
+}

@@ -1,0 +1,429 @@
+//! The TRODS engine against the paper's Table 1 (normal operation) and section 3.2 (failure
+//! recovery, cases ② to ④), plus the section 3.3 extensions. *C* = 10.77.0.2:40000 (client),
+//! *S* = 10.77.0.100:80 (service). Every rewritten packet must keep valid checksums.
+
+use std::net::{IpAddr, SocketAddr};
+use unbroken_engines::trods::{self, plan_recovery, Action, Case, Config, Dir, Engine, Key, Record, Trigger, Verdict};
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
+use unbroken_wire::Seq;
+
+const C_ISN: u32 = 1_000_000;
+const S_ISN: u32 = 4_294_960_000; // wraps during the tests
+
+fn c_ip() -> IpAddr {
+    "10.77.0.2".parse().unwrap()
+}
+fn s_ip() -> IpAddr {
+    "10.77.0.100".parse().unwrap()
+}
+fn key() -> Key {
+    Key { client: SocketAddr::new(c_ip(), 40000), service: SocketAddr::new(s_ip(), 80) }
+}
+
+fn build(src: IpAddr, dst: IpAddr, r: Repr, payload: &[u8]) -> Vec<u8> {
+    let tl = r.header_len() + payload.len();
+    let mut buf = vec![0u8; 60 + tl];
+    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).unwrap();
+    r.emit(&mut buf[hl..]).unwrap();
+    buf[hl + r.header_len()..hl + tl].copy_from_slice(payload);
+    Tcp::new_checked(&mut buf[hl..hl + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+    buf.truncate(hl + tl);
+    buf
+}
+
+fn from_c(seq: u32, ack: u32, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let r = Repr { src_port: 40000, dst_port: 80, seq: Seq(seq), ack: Seq(ack), flags, window: 500, timestamp: Some((77, 88)), ..Default::default() };
+    build(c_ip(), s_ip(), r, payload)
+}
+fn from_s(seq: u32, ack: u32, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let r = Repr { src_port: 80, dst_port: 40000, seq: Seq(seq), ack: Seq(ack), flags, window: 1000, timestamp: Some((99, 77)), ..Default::default() };
+    build(s_ip(), c_ip(), r, payload)
+}
+
+fn repr(p: &[u8]) -> Repr {
+    let info = IpInfo::parse(p).unwrap();
+    let t = Tcp::new_checked(&p[info.l4_offset..info.l4_offset + info.l4_len]).unwrap();
+    assert!(t.verify_checksum(info.pseudo_sum(info.l4_len)), "bad TCP checksum");
+    Repr::parse(&t).unwrap()
+}
+
+/// Client-side sequence number of client stream offset `o`; server side likewise.
+fn cs(o: u32) -> u32 {
+    C_ISN.wrapping_add(1).wrapping_add(o)
+}
+fn ss(o: u32) -> u32 {
+    S_ISN.wrapping_add(1).wrapping_add(o)
+}
+
+struct T {
+    e: Engine,
+    id: u64,
+    now: u64,
+}
+
+impl T {
+    fn new() -> T {
+        T { e: Engine::new(Config::default()), id: 0, now: 1000 }
+    }
+    fn send(&mut self, dir: Dir, mut p: Vec<u8>) -> (Verdict, Vec<u8>) {
+        self.id += 1;
+        let v = self.e.packet(self.id, &mut p, dir, self.now);
+        (v, p)
+    }
+    fn c(&mut self, seq: u32, ack: u32, fl: u8, pl: &[u8]) -> Verdict {
+        self.send(Dir::FromClient, from_c(seq, ack, fl, pl)).0
+    }
+    fn s(&mut self, seq: u32, ack: u32, fl: u8, pl: &[u8]) -> (Verdict, Vec<u8>) {
+        self.send(Dir::ToClient, from_s(seq, ack, fl, pl))
+    }
+    /// Complete every pending store successfully; returns the stored values.
+    fn store_all(&mut self) -> Vec<Vec<u8>> {
+        let mut out = vec![];
+        while let Some(a) = self.e.poll_action() {
+            match a {
+                Action::Store { token, value, key } => {
+                    assert_eq!(key, "c/10.77.0.2:40000/10.77.0.100:80");
+                    out.push(value);
+                    self.e.store_done(token, true);
+                }
+                Action::Delete { token, .. } => self.e.store_done(token, true),
+            }
+        }
+        out
+    }
+    fn released(&mut self) -> Vec<(u64, Vec<u8>)> {
+        let mut v = vec![];
+        while let Some((id, b, _)) = self.e.take_released() {
+            v.push((id, b));
+        }
+        v
+    }
+    /// SYN (MSS 1400, WS 7, SACK, TS) and SYN-ACK (WS 9).
+    fn handshake(&mut self) {
+        let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN), flags: F::SYN, window: 64240, mss: Some(1400), wscale: Some(7), sack_perm: true, timestamp: Some((5, 0)), ..Default::default() };
+        let (v, _) = self.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b""));
+        assert_eq!(v, Verdict::Accept { modified: false });
+        let sa = Repr { src_port: 80, dst_port: 40000, seq: Seq(S_ISN), ack: Seq(cs(0)), flags: F::SYN | F::ACK, window: 65160, mss: Some(1460), wscale: Some(9), sack_perm: true, timestamp: Some((9, 5)), ..Default::default() };
+        let (v, _) = self.send(Dir::ToClient, build(s_ip(), c_ip(), sa, b""));
+        assert_eq!(v, Verdict::Accept { modified: false });
+        assert_eq!(self.c(cs(0), ss(0), F::ACK, b""), Verdict::Accept { modified: false });
+    }
+}
+
+const REQ: &[u8] = b"GET /big.bin HTTP/1.1\r\nHost: s\r\nUser-Agent: t\r\n\r\n";
+const HDR: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\nETag: \"e1\"\r\n\r\n";
+
+fn body(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+#[test]
+fn table1_syn_ack_stores_handshake_off_the_critical_path() {
+    let mut t = T::new();
+    t.handshake();
+    let stored = t.store_all();
+    assert_eq!(stored.len(), 1, "the handshake record");
+    let rec = Record::decode(&stored[0]).unwrap();
+    assert_eq!((rec.hs.iss, rec.hs.irs, rec.hs.client_mss, rec.hs.client_ws, rec.hs.server_ws), (S_ISN, C_ISN, 1400, Some(7), 9));
+    assert!(rec.hs.sack && rec.hs.timestamps);
+    assert_eq!((rec.hold_off, rec.sent_off, rec.entries.len()), (0, 0, 0));
+}
+
+#[test]
+fn table1_request_ack_dropped_resp1_held_until_stored_then_acks_lowered() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    assert_eq!(t.c(cs(0), ss(0), F::ACK | F::PSH, REQ), Verdict::Accept { modified: false });
+    // The server's ACK of the request: dropped.
+    let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, b"");
+    assert_eq!(v, Verdict::Drop);
+    // Resp1: header + the start of the body, held.
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(1000, 1));
+    let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
+    assert_eq!(v, Verdict::Held);
+    // Resp2 queues behind it (order is kept).
+    let (v, _) = t.s(ss(p1.len() as u32), cs(REQ.len() as u32), F::ACK, &body(1000, 2));
+    assert_eq!(v, Verdict::Held);
+    assert!(t.released().is_empty());
+    let stored = t.store_all();
+    let rec = Record::decode(stored.last().unwrap()).unwrap();
+    assert_eq!(rec.hold_off, 0, "the request stays unacknowledged");
+    assert_eq!(rec.entries.len(), 1);
+    let e = &rec.entries[0];
+    assert_eq!((e.req_off, e.req_len as usize, e.resp_off, e.status, e.body_len), (0, REQ.len(), 0, 200, 3000));
+    assert_eq!(e.header, HDR.to_vec());
+    assert_eq!(e.object_id, b"GET /big.bin HTTP/1.1\r\nHost: s\r\n".to_vec());
+    assert_eq!(e.etag, b"\"e1\"".to_vec());
+    let rel = t.released();
+    assert_eq!(rel.iter().map(|r| r.0).collect::<Vec<_>>(), vec![6, 7]);
+    for (_, b) in &rel {
+        assert_eq!(repr(b).ack, Seq(cs(0)), "Resp does not acknowledge the request");
+    }
+    // Later segments go straight out, ACK lowered.
+    let (v, p) = t.s(ss(p1.len() as u32 + 1000), cs(REQ.len() as u32), F::ACK, &body(1000, 3));
+    assert_eq!(v, Verdict::Accept { modified: true });
+    assert_eq!(repr(&p).ack, Seq(cs(0)));
+    assert_eq!((t.e.counters.entries, t.e.counters.held, t.e.counters.pure_acks_dropped), (1, 2, 1));
+}
+
+#[test]
+fn table1_client_fin_deletes_record_and_lifts_the_limit() {
+    let mut t = T::new();
+    t.handshake();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    let _ = t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH | F::FIN, &p1);
+    t.store_all();
+    t.released();
+    let end = p1.len() as u32;
+    t.c(cs(REQ.len() as u32), ss(end + 1), F::ACK | F::FIN, b"");
+    let mut deletes = 0;
+    while let Some(a) = t.e.poll_action() {
+        if let Action::Delete { token, .. } = a {
+            deletes += 1;
+            t.e.store_done(token, true);
+        }
+    }
+    assert_eq!(deletes, 1);
+    // The server's last ACK acknowledges the request and the FIN, unmodified.
+    let (v, p) = t.s(ss(end + 1), cs(REQ.len() as u32 + 1), F::ACK, b"");
+    assert_eq!(v, Verdict::Accept { modified: false });
+    assert_eq!(repr(&p).ack, Seq(cs(REQ.len() as u32 + 1)));
+}
+
+#[test]
+fn extension_headers_spanning_segments_and_keep_alive_pipelining() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let r2 = b"HEAD /b HTTP/1.1\r\nHost: s\r\n\r\n";
+    // Request 1 split over two segments, request 2 pipelined behind it.
+    t.c(cs(0), ss(0), F::ACK, &REQ[..10]);
+    let mut rest = REQ[10..].to_vec();
+    rest.extend_from_slice(r2);
+    t.c(cs(10), ss(0), F::ACK | F::PSH, &rest);
+    // Response 1 header split over two segments.
+    let (v, _) = t.s(ss(0), cs(0), F::ACK, &HDR[..20]);
+    assert_eq!(v, Verdict::Held, "an unfinished header waits");
+    let mut seg2 = HDR[20..].to_vec();
+    seg2.extend(body(3000, 9));
+    let h2 = b"HTTP/1.1 200 OK\r\nContent-Length: 77\r\n\r\n";
+    seg2.extend_from_slice(h2); // HEAD: no body follows
+    let (v, _) = t.s(ss(20), cs(0), F::ACK, &seg2);
+    assert_eq!(v, Verdict::Held);
+    let stored = t.store_all();
+    let rec = Record::decode(stored.last().unwrap()).unwrap();
+    assert_eq!(rec.entries.len(), 2);
+    assert_eq!(rec.entries[1].resp_off, (HDR.len() + 3000) as u64);
+    assert_eq!(rec.entries[1].body_len, 0);
+    assert!(rec.entries[1].head);
+    assert_eq!(rec.entries[1].req_off, REQ.len() as u64);
+    assert_eq!(t.released().len(), 2);
+    // The client acknowledges everything and sends request 3: entries pruned, hold moves on.
+    let total = (HDR.len() + 3000 + h2.len()) as u32;
+    let r3 = b"GET /c HTTP/1.1\r\nHost: s\r\n\r\n";
+    let off3 = (REQ.len() + r2.len()) as u32;
+    t.c(cs(off3), ss(total), F::ACK | F::PSH, r3);
+    let stored = t.store_all();
+    let rec = Record::decode(stored.last().unwrap()).unwrap();
+    assert_eq!(rec.entries.len(), 0);
+    assert_eq!(rec.hold_off, off3 as u64, "request 3 has no response yet");
+}
+
+#[test]
+fn extension_chunked_response_is_unprotected_counted_and_its_record_deleted() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n");
+    assert!(matches!(v, Verdict::Accept { .. }), "never held: {v:?}");
+    assert_eq!(t.e.counters.unprotected_http, 1);
+    let mut deleted = false;
+    while let Some(a) = t.e.poll_action() {
+        match a {
+            Action::Delete { token, .. } => {
+                deleted = true;
+                t.e.store_done(token, true)
+            }
+            Action::Store { token, .. } => t.e.store_done(token, true),
+        }
+    }
+    assert!(deleted);
+    let (v, p) = t.s(ss(60), cs(REQ.len() as u32), F::ACK, b"0\r\n\r\n");
+    assert_eq!(v, Verdict::Accept { modified: false });
+    assert_eq!(repr(&p).ack, Seq(cs(REQ.len() as u32)));
+}
+
+#[test]
+fn store_down_releases_held_packets_and_leaves_connection_unprotected() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(100, 1));
+    assert_eq!(t.s(ss(0), cs(REQ.len() as u32), F::ACK, &p1).0, Verdict::Held);
+    while let Some(a) = t.e.poll_action() {
+        if let Action::Store { token, .. } = a {
+            t.e.store_done(token, false);
+        }
+    }
+    let rel = t.released();
+    assert_eq!(rel.len(), 1);
+    assert_eq!(repr(&rel[0].1).ack, Seq(cs(REQ.len() as u32)), "no limit once unprotected");
+    assert_eq!(t.e.counters.unprotected_store, 1);
+}
+
+#[test]
+fn sack_blocks_above_the_hold_are_removed() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let r = Repr { src_port: 80, dst_port: 40000, seq: Seq(ss(0)), ack: Seq(cs(REQ.len() as u32)), flags: F::ACK, window: 1000, sack: [(Seq(cs(0)), Seq(cs(10))), Default::default(), Default::default(), Default::default()], sack_len: 1, ..Default::default() };
+    let mut p = build(s_ip(), c_ip(), r, b"HTTP/1.1 304 Not Modified\r\n\r\n");
+    let v = t.e.packet(99, &mut p, Dir::ToClient, 1);
+    assert_eq!(v, Verdict::Held);
+    t.store_all();
+    let rel = t.released();
+    let r = repr(&rel[0].1);
+    assert_eq!(r.sack_len, 0, "D-SACK of the request removed");
+    assert_eq!(r.ack, Seq(cs(0)));
+}
+
+fn record_with_download() -> Record {
+    let mut t = T::new();
+    t.handshake();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(1000, 1));
+    let _ = t.s(ss(0), cs(REQ.len() as u32), F::ACK, &p1);
+    Record::decode(t.store_all().last().unwrap()).unwrap()
+}
+
+fn trig(seq: u32, ack: u32, fl: u8, len: u32) -> Trigger {
+    Trigger { seq, ack, payload_len: len, flags: fl, window: 500, tsval: Some(1), tsecr: Some(2) }
+}
+
+#[test]
+fn case2_during_setup_request_retransmitted() {
+    let rec = Record { hs: record_with_download().hs, ..Default::default() };
+    let p = plan_recovery(&rec, &trig(cs(0), ss(0), F::ACK | F::PSH, REQ.len() as u32)).unwrap();
+    assert_eq!(p.case, Case::DuringSetup);
+    assert_eq!((p.snd_nxt, p.rcv_nxt, p.skip_client), (ss(0), cs(0), 0));
+    assert!(p.resume.is_empty());
+}
+
+#[test]
+fn case3_during_download_in_body_and_in_header() {
+    let rec = record_with_download();
+    let hl = HDR.len() as u32;
+    // Retransmitted request, client acknowledged 700 body bytes.
+    let p = plan_recovery(&rec, &trig(cs(0), ss(hl + 700), F::ACK | F::PSH, REQ.len() as u32)).unwrap();
+    assert_eq!(p.case, Case::DuringDownload);
+    assert_eq!((p.snd_nxt, p.rcv_nxt, p.skip_client), (ss(hl + 700), cs(0), REQ.len() as u64));
+    assert_eq!(p.resume, vec![trods::Resume { entry: 0, header_from: HDR.len(), body_from: 700 }]);
+    // A pure ACK in flight, inside the header.
+    let p = plan_recovery(&rec, &trig(cs(REQ.len() as u32), ss(10), F::ACK, 0)).unwrap();
+    assert_eq!(p.resume, vec![trods::Resume { entry: 0, header_from: 10, body_from: 0 }]);
+}
+
+#[test]
+fn case4_after_download_and_fin() {
+    let mut rec = record_with_download();
+    let end = (HDR.len() + 3000) as u32;
+    let p = plan_recovery(&rec, &trig(cs(0), ss(end), F::ACK | F::PSH, REQ.len() as u32)).unwrap();
+    assert_eq!(p.case, Case::AfterDownload);
+    assert!(p.resume.is_empty());
+    assert_eq!(plan_recovery(&rec, &trig(cs(0), ss(end + 1), F::ACK, 0)).unwrap_err().0, "client acknowledged bytes the record does not describe");
+    rec.entries[0].close = true;
+    let p = plan_recovery(&rec, &trig(cs(REQ.len() as u32), ss(end + 1), F::ACK | F::FIN, 0)).unwrap();
+    assert!(p.refin);
+    assert_eq!(p.snd_nxt, ss(end));
+}
+
+#[test]
+fn refusals_never_guess() {
+    let rec = record_with_download();
+    let end = (HDR.len() + 3000) as u32;
+    assert!(plan_recovery(&rec, &trig(cs(0), ss(end + 50), F::ACK, 0)).is_err());
+    assert!(plan_recovery(&rec, &trig(cs(0), ss(0), F::SYN, 0)).is_err());
+    assert!(plan_recovery(&rec, &trig(cs(0), ss(0), F::RST | F::ACK, 0)).is_err());
+    let empty = Record { hs: rec.hs, sent_off: 500, ..Default::default() };
+    assert!(plan_recovery(&empty, &trig(cs(0), ss(900), F::ACK, 0)).is_err());
+}
+
+#[test]
+fn adopted_connection_is_protected_for_a_second_failure() {
+    let rec = record_with_download();
+    let hl = HDR.len() as u32;
+    let plan = plan_recovery(&rec, &trig(cs(0), ss(hl + 700), F::ACK | F::PSH, REQ.len() as u32)).unwrap();
+    let mut t = T::new();
+    t.e.adopt(key(), &rec, &plan, 1);
+    assert!(t.e.knows(&key()));
+    // The rebuilt socket resends from the client's ACK: not parsed again, ACK lowered.
+    let (v, p) = t.s(ss(hl + 700), cs(REQ.len() as u32), F::ACK, &body(500, 5));
+    assert_eq!(v, Verdict::Accept { modified: true });
+    assert_eq!(repr(&p).ack, Seq(cs(0)));
+    // A new request after the download gets its own entry.
+    let end = hl + 3000;
+    t.c(cs(REQ.len() as u32), ss(end), F::ACK | F::PSH, b"GET /n HTTP/1.1\r\nHost: s\r\n\r\n");
+    let (v, _) = t.s(ss(end), cs(0), F::ACK, b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nnope!");
+    assert_eq!(v, Verdict::Held);
+    let rec2 = Record::decode(t.store_all().last().unwrap()).unwrap();
+    assert_eq!(rec2.entries.len(), 1);
+    assert_eq!(rec2.entries[0].status, 404);
+    assert_eq!(rec2.hold_off, REQ.len() as u64);
+}
+
+#[test]
+fn objects_over_4gib_place_acks_by_the_progress_mark() {
+    let mut rec = record_with_download();
+    rec.entries[0].body_len = 6 << 30;
+    rec.sent_off = 5 << 30; // progress mark
+    let hl = HDR.len() as u64;
+    let acked: u64 = (5 << 30) - 1000;
+    let plan = plan_recovery(&rec, &trig(cs(0), ss(acked as u32), F::ACK, 0)).unwrap();
+    assert_eq!(plan.acked_off, acked);
+    assert_eq!(plan.resume[0].body_from, acked - hl);
+}
+
+#[test]
+fn record_decode_rejects_garbage_without_panicking() {
+    let rec = record_with_download();
+    let enc = rec.encode();
+    assert_eq!(Record::decode(&enc).unwrap(), rec);
+    for cut in 0..enc.len() {
+        assert!(Record::decode(&enc[..cut]).is_err());
+    }
+    let mut bad = enc.clone();
+    bad.push(0);
+    assert!(Record::decode(&bad).is_err());
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    for _ in 0..2000 {
+        let mut b = enc.clone();
+        for _ in 0..4 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let i = (x as usize) % b.len();
+            b[i] = (x >> 32) as u8;
+        }
+        let _ = Record::decode(&b);
+    }
+}
+
+#[test]
+fn unknown_client_packets_are_failover_candidates_but_syn_and_rst_are_not() {
+    let mut t = T::new();
+    assert_eq!(t.c(cs(0), ss(0), F::ACK, b""), Verdict::Unknown);
+    assert_eq!(t.c(cs(0), ss(0), F::RST, b""), Verdict::Accept { modified: false });
+    let mut junk = vec![0x45, 0, 0];
+    assert_eq!(t.e.packet(1, &mut junk, Dir::FromClient, 1), Verdict::Accept { modified: false });
+    assert_eq!(t.e.counters.malformed, 1);
+}

@@ -2,8 +2,12 @@
 //! [`runtime`] I/O), its configuration, the steering rules, and the network-namespace [`lab`]
 //! the demos and tests run in.
 
+pub mod agent;
 pub mod config;
 pub mod guard;
 pub mod lab;
+pub mod lb;
+pub mod objlab;
 pub mod runtime;
 pub mod steer;
+pub mod store;

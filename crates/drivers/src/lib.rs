@@ -16,6 +16,7 @@ pub mod iptables;
 mod netlink;
 pub mod nfqueue;
 pub mod rawsend;
+pub mod repair;
 mod sys;
 
 pub use iptables::{BuiltinChain, Proto, RuleSpec, Rules, Service, Table};

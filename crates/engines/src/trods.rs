@@ -487,10 +487,10 @@ pub struct Counters {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Write `value` under `key`; report with [`Engine::store_done`]`(token, ok)`.
-    Store { token: u64, key: String, value: Vec<u8> },
+    Store { token: u64, conn: Key, key: String, value: Vec<u8> },
     /// Delete `key`; report with [`Engine::store_done`] too (the result matters only for
     /// ordering, see [`Engine::store_done`]).
-    Delete { token: u64, key: String },
+    Delete { token: u64, conn: Key, key: String },
 }
 
 /// The verdict for one packet.
@@ -742,7 +742,7 @@ impl Engine {
                     return Verdict::Unknown;
                 }
                 let payload = seg.payload.to_vec();
-                self.from_client(key, seq, ack, fl, &payload, now);
+                self.on_client(key, seq, ack, fl, &payload, now);
                 Verdict::Accept { modified: false }
             }
             Dir::ToClient => {
@@ -763,7 +763,7 @@ impl Engine {
                     return Verdict::Accept { modified: false };
                 }
                 let payload = seg.payload.to_vec();
-                self.to_client(id, key, seq, ack, fl, &payload, payload_len, pkt, now)
+                self.on_server(id, key, seq, ack, fl, &payload, payload_len, pkt, now)
             }
         }
     }
@@ -799,7 +799,7 @@ impl Engine {
         self.maybe_store(key);
     }
 
-    fn from_client(&mut self, key: Key, seq: u32, ack: u32, fl: u8, payload: &[u8], now: u64) {
+    fn on_client(&mut self, key: Key, seq: u32, ack: u32, fl: u8, payload: &[u8], now: u64) {
         let max_req = self.cfg.max_request_head;
         let c = self.conns.get_mut(&key).unwrap();
         c.last_seen = now;
@@ -873,7 +873,7 @@ impl Engine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn to_client(&mut self, id: u64, key: Key, seq: u32, _ack: u32, fl: u8, payload: &[u8], len: usize, pkt: &mut [u8], _now: u64) -> Verdict {
+    fn on_server(&mut self, id: u64, key: Key, seq: u32, _ack: u32, fl: u8, payload: &[u8], len: usize, pkt: &mut [u8], _now: u64) -> Verdict {
         let cfg_max_entries = self.cfg.max_entries;
         let max_head = self.cfg.max_response_head;
         let step = self.cfg.progress_step;
@@ -1039,6 +1039,7 @@ impl Engine {
         self.counters.stores += 1;
         self.actions.push_back(Action::Store {
             token,
+            conn: key,
             key: key.store_key(),
             value: rec.encode(),
         });
@@ -1050,7 +1051,7 @@ impl Engine {
         if let Some(c) = self.conns.get_mut(&key) {
             c.deleting = Some(token);
         }
-        self.actions.push_back(Action::Delete { token, key: key.store_key() });
+        self.actions.push_back(Action::Delete { token, conn: key, key: key.store_key() });
     }
 
     /// The result of an [`Action`]. A failed store leaves the connection unprotected (its held
@@ -1127,7 +1128,7 @@ impl Engine {
                 let token = self.next_token;
                 self.next_token += 1;
                 self.counters.deletes += 1;
-                self.actions.push_back(Action::Delete { token, key: key.store_key() });
+                self.actions.push_back(Action::Delete { token, conn: key, key: key.store_key() });
             }
         }
         self.release_all(key);

@@ -82,7 +82,7 @@ impl T {
         let mut out = vec![];
         while let Some(a) = self.e.poll_action() {
             match a {
-                Action::Store { token, value, key } => {
+                Action::Store { token, value, key, .. } => {
                     assert_eq!(key, "c/10.77.0.2:40000/10.77.0.100:80");
                     out.push(value);
                     self.e.store_done(token, true);

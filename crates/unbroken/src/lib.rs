@@ -2,5 +2,7 @@
 //! lab scenarios that drive guard, application and peer in network namespaces.
 
 pub mod bench;
+pub mod lbcmd;
+pub mod objdemo;
 pub mod peer;
 pub mod scenario;

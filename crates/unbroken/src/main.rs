@@ -25,6 +25,16 @@ usage:
         The example recoverable application.
   unbroken peer --connect A:P --records N [--seed S] [--rate R]
         The demo's unmodified peer (plain sockets): streams records, verifies replies.
+  unbroken demo object [--json] [--size MIB] [--client curl|wget] [--ipv6] [--crashes N] [--rate BYTES_PER_S] [--no-probe]
+        Run the object-mode demo in network namespaces (root): curl (or wget) downloads a 1 GiB
+        file from unmodified nginx through the nftables LB; the serving server loses power twice
+        mid-transfer; the download must finish byte-exact with 0 resets.
+  unbroken agent --config FILE
+        Run object mode's server agent (TRODS-KV) beside the local HTTP server;
+        configs/agent.example.toml shows every key.
+  unbroken lb --config FILE [--status-file PATH]
+        Run object mode's load balancer and liveness monitor (nftables, root) until
+        SIGINT/SIGTERM; configs/lb.example.toml shows every key.
   unbroken lab cleanup
         Remove network namespaces left behind by crashed runs.
 ";
@@ -52,6 +62,8 @@ fn main() -> ExitCode {
         "peer" => peer(args),
         "journal-server" => ExitCode::from(unbroken_journal::server::main_with_args(args.into_iter()) as u8),
         "lab" => lab(args),
+        "lb" => ExitCode::from(unbroken::lbcmd::main(args) as u8),
+        "agent" => agent(args),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             ExitCode::SUCCESS
@@ -80,7 +92,95 @@ fn num<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String>
     v.parse().map_err(|_| format!("{flag}: not a number: {v:?}"))
 }
 
+fn agent(args: Vec<String>) -> ExitCode {
+    let mut it = args.into_iter();
+    let mut config = None;
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--config" => config = it.next(),
+            o => return fail(format!("agent: unknown argument {o:?}")),
+        }
+    }
+    let Some(path) = config else { return fail("agent: --config FILE is required") };
+    let cfg = match unbroken_control::agent::Agent::load(std::path::Path::new(&path)) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    match unbroken_control::agent::run(cfg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("unbroken: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn demo_object(args: Vec<String>) -> ExitCode {
+    let mut s = unbroken::objdemo::ObjectScenario { live: true, ..Default::default() };
+    let mut json = false;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let r: Result<(), String> = (|| {
+            match a.as_str() {
+                "--json" => json = true,
+                "--size" => s.size = num::<u64>("--size", it.next())? << 20,
+                "--client" => s.client = it.next().ok_or("--client needs curl or wget")?,
+                "--ipv6" => s.ipv6 = true,
+                "--rate" => s.rate = num("--rate", it.next())?,
+                "--no-probe" => s.probe = false,
+                "--crashes" => {
+                    let n: usize = num("--crashes", it.next())?;
+                    s.crash_at = (1..=n).map(|k| k as f64 / (n + 1) as f64).collect();
+                }
+                "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
+                o => return Err(format!("demo object: unknown argument {o:?}")),
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            return fail(e);
+        }
+    }
+    if json {
+        s.live = false;
+    } else {
+        eprintln!("unbroken demo object: {} downloads {} MiB through the LB; {} server deaths", s.client, s.size >> 20, s.crash_at.len());
+    }
+    match unbroken::objdemo::run_object(&s) {
+        Ok(r) => {
+            if json {
+                println!("{}", serde_json::to_value(&r).unwrap_or_default());
+            } else {
+                println!("\nreport");
+                println!("  ok                      {}", r.ok);
+                if let Some(e) = &r.error {
+                    println!("  error                   {e}");
+                }
+                for c in &r.crashes {
+                    println!("  {:>7} ms  server {} lost power at {} MiB (LB detected after {:?} ms)", c.t_ms, c.server, c.at_bytes >> 20, c.detect_ms);
+                }
+                println!("  failovers               {} (refused {})", r.failovers, r.refused);
+                println!("  bytes                   {} of {}", r.bytes, r.expected_bytes);
+                println!("  sha256                  {}", if r.sha256_ok { "matches" } else { "MISMATCH" });
+                println!("  client exit status      {:?}", r.client_exit);
+                println!("  RSTs seen by the client {}", r.resets_seen_by_client);
+                println!("  longest stall           {} ms", r.max_stall_ms);
+                println!("  duration                {} ms", r.duration_ms);
+            }
+            if r.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => fail(e),
+    }
+}
+
 fn demo(args: Vec<String>) -> ExitCode {
+    if args.first().map(String::as_str) == Some("object") {
+        return demo_object(args[1..].to_vec());
+    }
     let mut s = Scenario { rate: 20_000, live: true, ..Scenario::default() };
     let mut json = false;
     let mut it = args.into_iter();

@@ -1,0 +1,966 @@
+//! `unbroken agent`: object mode (TRODS-KV, seed 000) beside an unmodified HTTP server.
+//!
+//! One packet loop runs the [`trods`](unbroken_engines::trods) engine over an NFQUEUE that
+//! sees the service's packets both ways (mangle PREROUTING for the client's, OUTPUT for the
+//! server's), and talks to the store through the asynchronous [`StoreHandle`]: a store that is
+//! down or slow completes operations with errors, and the engine then lets the connection go
+//! on unprotected (counted) instead of stalling it.
+//!
+//! A client packet of a connection this server does not know starts a failover (section 3.2)
+//! when the load balancer says its bucket changed hands recently (section 5.1; the bucket is
+//! read from the marker source MAC the LB writes, see [`crate::lb`]). A worker thread fetches
+//! the record, plans with [`plan_recovery`], rebuilds the client's connection with TCP_REPAIR,
+//! hands it to the engine (so it stays protected), resumes the interrupted responses from the
+//! local server with Range requests, and then relays further requests to the local server.
+//! The packets that arrived meanwhile wait in the queue and are released once the socket
+//! exists. A refusal (no record, a position the record does not explain, a store error) lets
+//! the packets reach the kernel, which has no socket for them and answers with a RST: the
+//! client learns at once, and the refusal is counted.
+
+use crate::lb::{bucket_of_mac, HeartbeatClient};
+use crate::store::{Op, OpKind, Reply, Store, StoreConfig, StoreHandle};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
+use unbroken_drivers::nfqueue::{Queue, QueueConfig, QueuedPacket, Verdict as QVerdict};
+use unbroken_drivers::repair::{self, RepairSpec};
+use unbroken_engines::trods::{self, plan_recovery, Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+// ---- configuration ------------------------------------------------------------------------------
+
+/// `[agent]` of the agent's TOML file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSection {
+    /// This server's id in the LB's `[[server]]` list.
+    pub server_id: u16,
+    /// The shared service addresses, `"10.77.0.100:80"`, `"[fd77::100]:80"`.
+    pub services: Vec<String>,
+    /// The local HTTP server the agent resumes from (`127.0.0.1:80`).
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// NFQUEUE number.
+    #[serde(default = "default_queue")]
+    pub queue: u16,
+    /// The LB's heartbeat address; without it no heartbeats are sent and `failover_gate`
+    /// must be `"open"`.
+    #[serde(default)]
+    pub lb: Option<String>,
+    #[serde(default = "default_hb_ms")]
+    pub heartbeat_interval_ms: u64,
+    /// Hex key shared with the LB (heartbeat MACs).
+    #[serde(default)]
+    pub key: String,
+    /// `"lb"`: start failover only for buckets the LB moved to this server recently (TRODS
+    /// section 5.1). `"open"`: for any unknown connection (labs without an LB).
+    #[serde(default = "default_gate")]
+    pub failover_gate: String,
+    /// Status JSON written every 500 ms.
+    #[serde(default)]
+    pub status_file: Option<PathBuf>,
+    /// Ask the clients of buckets that just moved here for an ACK instead of waiting for
+    /// their retransmission timeout.
+    #[serde(default = "default_true")]
+    pub probe: bool,
+}
+
+fn default_backend() -> String {
+    "127.0.0.1:80".into()
+}
+fn default_queue() -> u16 {
+    7
+}
+fn default_hb_ms() -> u64 {
+    5
+}
+fn default_gate() -> String {
+    "lb".into()
+}
+fn default_true() -> bool {
+    true
+}
+
+/// `[store]` of the agent's TOML file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    /// Redis nodes (`host:port`); one plain Redis, or seeds of a Redis Cluster.
+    pub nodes: Vec<String>,
+    /// Per-operation timeout (ms). A store that answers later leaves the connection
+    /// unprotected rather than stalling it.
+    #[serde(default = "default_store_ms")]
+    pub timeout_ms: u64,
+    #[serde(default)]
+    pub password: Option<String>,
+    /// Key prefix.
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// Records expire after this long without an update (s), in case a delete is lost.
+    #[serde(default = "default_ttl")]
+    pub ttl_s: u64,
+}
+
+fn default_store_ms() -> u64 {
+    20
+}
+fn default_prefix() -> String {
+    "ub:".into()
+}
+fn default_ttl() -> u64 {
+    24 * 3600
+}
+
+/// The agent's whole configuration file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub agent: AgentSection,
+    pub store: StoreSection,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    pub raw: AgentConfig,
+    pub services: Vec<SocketAddr>,
+    pub backend: SocketAddr,
+    pub lb: Option<SocketAddr>,
+    pub key: Vec<u8>,
+    pub gate_open: bool,
+}
+
+impl Agent {
+    /// Parses and validates a TOML text.
+    pub fn from_toml(text: &str) -> Result<Agent, String> {
+        let raw: AgentConfig = toml::from_str(text).map_err(|e| format!("agent config: {e}"))?;
+        let a = &raw.agent;
+        let services = a
+            .services
+            .iter()
+            .map(|s| s.parse::<SocketAddr>().map_err(|e| format!("agent.services: {s:?}: {e}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        if services.is_empty() {
+            return Err("agent.services: at least one service address is needed".into());
+        }
+        let backend = a.backend.parse().map_err(|e| format!("agent.backend: {:?}: {e}", a.backend))?;
+        let lb = match &a.lb {
+            Some(s) => Some(s.parse().map_err(|e| format!("agent.lb: {s:?}: {e}"))?),
+            None => None,
+        };
+        let gate_open = match a.failover_gate.as_str() {
+            "lb" => false,
+            "open" => true,
+            g => return Err(format!("agent.failover_gate: {g:?}: expected \"lb\" or \"open\"")),
+        };
+        if !gate_open && lb.is_none() {
+            return Err("agent.failover_gate = \"lb\" needs agent.lb (or use \"open\" without an LB)".into());
+        }
+        if a.heartbeat_interval_ms == 0 || a.heartbeat_interval_ms > 10_000 {
+            return Err("agent.heartbeat_interval_ms: 1..=10000".into());
+        }
+        let key = crate::lb::parse_key_hex(&a.key).map_err(|e| format!("agent.key: {e}"))?;
+        if raw.store.nodes.is_empty() {
+            return Err("store.nodes: at least one Redis address is needed".into());
+        }
+        if raw.store.timeout_ms == 0 || raw.store.timeout_ms > 60_000 {
+            return Err("store.timeout_ms: 1..=60000".into());
+        }
+        Ok(Agent { raw, services, backend, lb, key, gate_open })
+    }
+
+    /// Reads and validates a file.
+    pub fn load(path: &std::path::Path) -> Result<Agent, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::from_toml(&text)
+    }
+
+    fn store_config(&self) -> StoreConfig {
+        let s = &self.raw.store;
+        StoreConfig {
+            nodes: s.nodes.clone(),
+            timeout: Duration::from_millis(s.timeout_ms),
+            password: s.password.clone(),
+            ttl: (s.ttl_s > 0).then(|| Duration::from_secs(s.ttl_s)),
+            key_prefix: s.prefix.clone(),
+            ..StoreConfig::default()
+        }
+    }
+}
+
+/// The store key of a connection: its LB bucket first, so the clients of a bucket can be
+/// found when it moves (`b<bucket>/c/<client>/<service>`; `b-` without an LB).
+pub fn store_key(bucket: Option<u16>, key: &Key) -> String {
+    match bucket {
+        Some(b) => format!("b{b}/{}", key.store_key()),
+        None => format!("b-/{}", key.store_key()),
+    }
+}
+
+// ---- counters and status ------------------------------------------------------------------------
+
+/// What the agent itself counts (the engine's counters are reported beside these).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AgentCounters {
+    pub failovers_started: u64,
+    pub failovers: u64,
+    pub failovers_denied: u64,
+    pub refused: u64,
+    pub refused_no_record: u64,
+    pub refused_store: u64,
+    pub refused_plan: u64,
+    pub refused_rebuild: u64,
+    pub resume_mismatch: u64,
+    pub resume_errors: u64,
+    pub resumed_bytes: u64,
+    pub probes_sent: u64,
+    /// Trigger packet to rebuilt socket, microseconds.
+    pub failover_us_last: u64,
+    pub failover_us_max: u64,
+    pub queue_errors: u64,
+    pub store_submitted: u64,
+    pub recent_refusals: Vec<String>,
+}
+
+struct Shared {
+    counters: Mutex<AgentCounters>,
+}
+
+impl Shared {
+    fn count(&self, f: impl FnOnce(&mut AgentCounters)) {
+        f(&mut self.counters.lock().unwrap());
+    }
+}
+
+// ---- messages from failover workers -------------------------------------------------------------
+
+enum Msg {
+    /// The socket is rebuilt: adopt, release the waiting packets, then tell the worker.
+    Adopt { key: Key, bucket: Option<u16>, rec: Box<Record>, plan: Box<Plan>, started: Instant, go: Sender<()> },
+    /// Give up on this connection: the waiting packets reach the kernel (RST).
+    Refuse { key: Key, why: String },
+}
+
+/// How long a packet refused by the failover gate waits for the LB's news (ms).
+const GATE_WAIT_MS: u64 = 100;
+
+struct GateWait {
+    key: Key,
+    id: u32,
+    data: Vec<u8>,
+    bucket: Option<u16>,
+    since: u64,
+}
+
+struct Recovering {
+    held: Vec<(u32, Vec<u8>)>,
+}
+
+/// A Linux eventfd used to wake the packet loop from other threads.
+struct Wake(std::os::fd::OwnedFd);
+
+impl Wake {
+    fn new() -> io::Result<Wake> {
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Wake(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }))
+    }
+    fn ring(&self) {
+        let one: u64 = 1;
+        unsafe { libc::write(self.0.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+    }
+    fn clear(&self) {
+        let mut v: u64 = 0;
+        unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
+    }
+}
+
+fn poll_fds(fds: &[i32], timeout_ms: i32) -> Vec<bool> {
+    let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
+    if n <= 0 {
+        return vec![false; fds.len()];
+    }
+    p.iter().map(|x| x.revents != 0).collect()
+}
+
+// ---- the packet loop ----------------------------------------------------------------------------
+
+/// Runs the agent until SIGINT/SIGTERM. Prints one `ready` line once traffic is steered.
+pub fn run(cfg: Agent) -> Result<(), String> {
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    let a = &cfg.raw.agent;
+    let started = Instant::now();
+    let mono_ms = || started.elapsed().as_millis() as u64;
+    let store = Arc::new(StoreHandle::start(&cfg.store_config()).map_err(|e| format!("agent: store: {e}"))?);
+    let hb = match cfg.lb {
+        Some(lb) => Some(
+            HeartbeatClient::start(a.server_id, lb, Duration::from_millis(a.heartbeat_interval_ms), &cfg.key)
+                .map_err(|e| format!("agent: heartbeats to {lb}: {e}"))?,
+        ),
+        None => None,
+    };
+    let qcfg = QueueConfig { queue_num: a.queue, ..QueueConfig::default() };
+    let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
+    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, 0x7562);
+    spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
+    spec.services = cfg.services.iter().map(|s| Service::tcp(s.ip(), s.port())).collect();
+    let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
+
+    let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()) });
+    let wake = Arc::new(Wake::new().map_err(|e| format!("agent: eventfd: {e}"))?);
+    let (tx, rx): (Sender<Msg>, Receiver<Msg>) = channel();
+    let mut engine = Engine::new(trods::Config::default());
+    let engine_view: Arc<Mutex<(trods::Counters, usize, usize)>> = Arc::new(Mutex::new(Default::default()));
+    if let Some(path) = a.status_file.clone() {
+        let (shared, ev) = (shared.clone(), engine_view.clone());
+        let store = store.clone();
+        std::thread::spawn(move || status_loop(path, shared, ev, store, started));
+    }
+    println!("unbroken agent: ready server={} queue={} services={:?} gate={}", a.server_id, a.queue, a.services, a.failover_gate);
+    let _ = io::stdout().flush();
+
+    let mut batch: Vec<QueuedPacket> = Vec::with_capacity(64);
+    let mut buckets: HashMap<Key, Option<u16>> = HashMap::new();
+    let mut recovering: HashMap<Key, Recovering> = HashMap::new();
+    let mut refused: HashMap<Key, u64> = HashMap::new();
+    let mut csum: HashMap<u64, bool> = HashMap::new();
+    let mut completions = Vec::new();
+    let mut last_expire = 0;
+    let mut probed_epoch = 0u32;
+    let ctx = Arc::new(WorkerCtx {
+        store_cfg: cfg.store_config(),
+        backend: cfg.backend,
+        tx: tx.clone(),
+        wake: wake.clone(),
+        shared: shared.clone(),
+    });
+    let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
+    let mut gate_wait: Vec<GateWait> = Vec::new();
+    let res: Result<(), String> = loop {
+        if STOP.load(Ordering::SeqCst) {
+            break Ok(());
+        }
+        let ready = poll_fds(&fds, if gate_wait.is_empty() { 100 } else { 2 });
+        let now = mono_ms();
+        // 1. packets
+        if ready[0] {
+            match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(format!("agent: queue receive: {e}")),
+            }
+            for p in batch.iter_mut() {
+                if p.truncated() {
+                    let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
+                    continue;
+                }
+                let dir = if p.hook == 3 { Dir::ToClient } else { Dir::FromClient };
+                let bucket = p.hw_src.and_then(bucket_of_mac);
+                let key = Trigger::parse(&p.data).map(|(k, _)| k);
+                let key = match (key, dir) {
+                    (Some(k), Dir::FromClient) => Some(k),
+                    (Some(k), Dir::ToClient) => Some(Key { client: k.service, service: k.client }),
+                    (None, _) => None,
+                };
+                if let (Some(k), Dir::FromClient) = (key, dir) {
+                    if let Some(r) = recovering.get_mut(&k) {
+                        r.held.push((p.id, std::mem::take(&mut p.data)));
+                        continue;
+                    }
+                    if refused.contains_key(&k) && !engine.knows(&k) {
+                        let _ = queue.set_verdict(p.id, QVerdict::Accept, None);
+                        continue;
+                    }
+                }
+                let v = engine.packet(p.id as u64, &mut p.data, dir, now);
+                flush_released(&mut engine, &mut queue, &mut csum);
+                match v {
+                    Verdict::Accept { modified } => {
+                        if let (Some(k), Dir::FromClient) = (key, dir) {
+                            buckets.entry(k).or_insert(bucket);
+                        }
+                        accept(&mut queue, p.id, &mut p.data, modified, p.csum_not_ready);
+                    }
+                    Verdict::Drop => {
+                        let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
+                    }
+                    Verdict::Held => {
+                        csum.insert(p.id as u64, p.csum_not_ready);
+                    }
+                    Verdict::Unknown => {
+                        let k = key.expect("unknown packets parse");
+                        gate_wait.push(GateWait { key: k, id: p.id, data: std::mem::take(&mut p.data), bucket, since: now });
+                    }
+                }
+            }
+        }
+        // 1b. the failover gate (TRODS section 5.1). A packet of a connection this server does
+        // not know starts a failover only if the LB moved its bucket here recently. The LB's
+        // table can reach the kernel a few milliseconds before its news reaches this agent, so
+        // a refused packet waits up to GATE_WAIT_MS for the view to catch up; then it goes to
+        // the kernel, which answers it (RST) unless a socket of its own knows it.
+        if !gate_wait.is_empty() {
+            let view = hb.as_ref().and_then(|h| h.view());
+            let mut keep = Vec::new();
+            for g in gate_wait.drain(..) {
+                if let Some(r) = recovering.get_mut(&g.key) {
+                    r.held.push((g.id, g.data));
+                    continue;
+                }
+                if engine.knows(&g.key) {
+                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
+                    continue;
+                }
+                let allowed = cfg.gate_open || matches!((g.bucket, &view), (Some(b), Some(v)) if v.allowed(b));
+                if allowed {
+                    shared.count(|c| c.failovers_started += 1);
+                    let trigger_pkt = g.data.clone();
+                    recovering.insert(g.key, Recovering { held: vec![(g.id, g.data)] });
+                    let ctx = ctx.clone();
+                    let (k, bucket) = (g.key, g.bucket);
+                    let t0 = Instant::now();
+                    std::thread::spawn(move || failover(ctx, k, bucket, trigger_pkt, t0));
+                } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
+                    eprintln!("agent: failover denied for {} (bucket {:?}): not a recently moved bucket", g.key.client, g.bucket);
+                    shared.count(|c| c.failovers_denied += 1);
+                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
+                } else {
+                    keep.push(g);
+                }
+            }
+            gate_wait = keep;
+        }
+        // 2. worker messages
+        if ready[2] {
+            wake.clear();
+        }
+        while let Ok(m) = rx.try_recv() {
+            match m {
+                Msg::Adopt { key, bucket, rec, plan, started: t0, go } => {
+                    engine.adopt(key, &rec, &plan, now);
+                    buckets.insert(key, bucket);
+                    if let Some(r) = recovering.remove(&key) {
+                        for (id, mut data) in r.held {
+                            let v = engine.packet(id as u64, &mut data, Dir::FromClient, now);
+                            let modified = matches!(v, Verdict::Accept { modified: true });
+                            accept(&mut queue, id, &mut data, modified, false);
+                        }
+                    }
+                    let us = t0.elapsed().as_micros() as u64;
+                    shared.count(|c| {
+                        c.failovers += 1;
+                        c.failover_us_last = us;
+                        c.failover_us_max = c.failover_us_max.max(us);
+                    });
+                    let _ = go.send(());
+                }
+                Msg::Refuse { key, why } => {
+                    if let Some(r) = recovering.remove(&key) {
+                        for (id, _) in r.held {
+                            let _ = queue.set_verdict(id, QVerdict::Accept, None);
+                        }
+                    }
+                    refused.insert(key, now);
+                    eprintln!("agent: refused {} -> {}: {why}", key.client, key.service);
+                    shared.count(|c| {
+                        c.refused += 1;
+                        if c.recent_refusals.len() >= 16 {
+                            c.recent_refusals.remove(0);
+                        }
+                        c.recent_refusals.push(format!("{}: {why}", key.client));
+                    });
+                }
+            }
+        }
+        // 3. store completions
+        store.drain(&mut completions);
+        for c in completions.drain(..) {
+            engine.store_done(c.token, c.result.is_ok());
+        }
+        flush_released(&mut engine, &mut queue, &mut csum);
+        // 4. store actions
+        while let Some(act) = engine.poll_action() {
+            let (token, kind) = match act {
+                Action::Store { token, conn, value, .. } => {
+                    let b = buckets.get(&conn).copied().flatten();
+                    (token, OpKind::Set { key: store_key(b, &conn).into_bytes(), val: value })
+                }
+                Action::Delete { token, conn, .. } => {
+                    let b = buckets.get(&conn).copied().flatten();
+                    (token, OpKind::Del { key: store_key(b, &conn).into_bytes() })
+                }
+            };
+            store.submit(Op { token, kind });
+            shared.count(|c| c.store_submitted += 1);
+        }
+        // 5. housekeeping
+        if now.saturating_sub(last_expire) >= 1000 {
+            engine.expire(now);
+            refused.retain(|_, t| now.saturating_sub(*t) < 10_000);
+            buckets.retain(|k, _| engine.knows(k));
+            last_expire = now;
+        }
+        if let (true, Some(v)) = (a.probe, hb.as_ref().and_then(|h| h.view())) {
+            if v.epoch != probed_epoch {
+                probed_epoch = v.epoch;
+                let moved = v.allowed_buckets();
+                if !moved.is_empty() {
+                    let ctx = ctx.clone();
+                    std::thread::spawn(move || probe_buckets(ctx, moved));
+                }
+            }
+        }
+        {
+            let mut ev = engine_view.lock().unwrap();
+            *ev = (engine.counters, engine.connections(), engine.protected());
+        }
+        if let Err(e) = queue.flush() {
+            eprintln!("agent: verdict flush: {e}");
+        }
+    };
+    STOP.store(true, Ordering::SeqCst);
+    drop(rules);
+    drop(queue);
+    res
+}
+
+fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_not_ready: bool) {
+    let r = if modified {
+        if csum_not_ready {
+            let n = data.len();
+            crate::guard::fill_tcp_checksum(data, n);
+        }
+        queue.set_verdict(id, QVerdict::Accept, Some(data))
+    } else {
+        queue.set_verdict(id, QVerdict::Accept, None)
+    };
+    if let Err(e) = r {
+        eprintln!("agent: verdict: {e}");
+    }
+}
+
+fn flush_released(engine: &mut Engine, queue: &mut Queue, csum: &mut HashMap<u64, bool>) {
+    while let Some((id, mut bytes, modified)) = engine.take_released() {
+        let cnr = csum.remove(&id).unwrap_or(false);
+        accept(queue, id as u32, &mut bytes, modified, cnr);
+    }
+}
+
+fn status_loop(
+    path: PathBuf,
+    shared: Arc<Shared>,
+    ev: Arc<Mutex<(trods::Counters, usize, usize)>>,
+    store: Arc<StoreHandle>,
+    started: Instant,
+) {
+    let tmp = path.with_extension("tmp");
+    loop {
+        let stop = STOP.load(Ordering::SeqCst);
+        let agent = shared.counters.lock().unwrap().clone();
+        let (engine, conns, protected) = *ev.lock().unwrap();
+        let doc = serde_json::json!({
+            "pid": std::process::id(),
+            "uptime_ms": started.elapsed().as_millis() as u64,
+            "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            "stopped": stop,
+            "connections": conns,
+            "protected": protected,
+            "agent": agent,
+            "engine": engine,
+            "store": format!("{:?}", store.stats()),
+            "store_down": store.is_down(),
+        });
+        if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
+            eprintln!("agent: cannot write status file {}", path.display());
+        }
+        if stop {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(500)); // periodic status write, not a synchronisation
+    }
+}
+
+// ---- failover -----------------------------------------------------------------------------------
+
+struct WorkerCtx {
+    store_cfg: StoreConfig,
+    backend: SocketAddr,
+    tx: Sender<Msg>,
+    wake: Arc<Wake>,
+    shared: Arc<Shared>,
+}
+
+impl WorkerCtx {
+    fn send(&self, m: Msg) {
+        let _ = self.tx.send(m);
+        self.wake.ring();
+    }
+}
+
+fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0: Instant) {
+    let refuse = |why: String, f: fn(&mut AgentCounters)| {
+        ctx.shared.count(f);
+        ctx.send(Msg::Refuse { key, why });
+    };
+    let Some((_, trig)) = Trigger::parse(&pkt) else {
+        return refuse("unparsable trigger".into(), |c| c.refused_plan += 1);
+    };
+    let value = match Store::connect(&ctx.store_cfg).and_then(|mut s| s.get(store_key(bucket, &key).as_bytes())) {
+        Ok(Some(v)) => v,
+        Ok(None) => return refuse("no record: the connection was not protected".into(), |c| c.refused_no_record += 1),
+        Err(e) => return refuse(format!("store: {e}"), |c| c.refused_store += 1),
+    };
+    let rec = match Record::decode(&value) {
+        Ok(r) => r,
+        Err(e) => return refuse(format!("record: {e}"), |c| c.refused_plan += 1),
+    };
+    let plan = match plan_recovery(&rec, &trig) {
+        Ok(p) => p,
+        Err(r) => return refuse(format!("plan: {}", r.0), |c| c.refused_plan += 1),
+    };
+    let hs = rec.hs;
+    let ws = hs.client_ws.unwrap_or(0);
+    let spec = RepairSpec {
+        local: key.service,
+        remote: key.client,
+        snd_nxt: plan.snd_nxt,
+        rcv_nxt: plan.rcv_nxt,
+        mss: hs.client_mss,
+        snd_wscale: hs.client_ws,
+        rcv_wscale: hs.server_ws,
+        sack: hs.sack,
+        timestamp: if hs.timestamps { Some(trig.tsecr.unwrap_or(0).wrapping_add(1000) & !1) } else { None },
+        snd_wnd: (trig.window as u32) << ws,
+        rcv_wnd: (65535u32 << hs.server_ws.min(14)).min(1 << 20),
+        mark: 0,
+        sndbuf: None,
+    };
+    let sock = match repair::rebuild(&spec) {
+        Ok(s) => s,
+        Err(e) => return refuse(format!("rebuild: {e}"), |c| c.refused_rebuild += 1),
+    };
+    let (go_tx, go_rx) = channel();
+    ctx.send(Msg::Adopt { key, bucket, rec: Box::new(rec.clone()), plan: Box::new(plan.clone()), started: t0, go: go_tx });
+    if go_rx.recv_timeout(Duration::from_secs(5)).is_err() {
+        let _ = repair::close_silently(sock);
+        return;
+    }
+    serve_recovered(&ctx, sock, &rec, &plan);
+}
+
+/// Resume the interrupted responses, then relay further requests to the local server.
+fn serve_recovered(ctx: &WorkerCtx, mut sock: TcpStream, rec: &Record, plan: &Plan) {
+    let _ = sock.set_nodelay(true);
+    if plan.refin {
+        let _ = sock.shutdown(std::net::Shutdown::Write);
+        drain_until_eof(&mut sock);
+        return;
+    }
+    let mut backend: Option<BufConn> = None;
+    for r in &plan.resume {
+        let e = &rec.entries[r.entry];
+        match resume_entry(ctx, &mut sock, &mut backend, e, r.header_from, r.body_from) {
+            Ok(n) => ctx.shared.count(|c| c.resumed_bytes += n),
+            Err(ResumeError::Mismatch(why)) => {
+                eprintln!("agent: resume refused: {why}");
+                ctx.shared.count(|c| c.resume_mismatch += 1);
+                reset(sock);
+                return;
+            }
+            Err(ResumeError::Io(e)) => {
+                eprintln!("agent: resume: {e}");
+                ctx.shared.count(|c| c.resume_errors += 1);
+                reset(sock);
+                return;
+            }
+        }
+    }
+    if plan.close_after {
+        let _ = sock.shutdown(std::net::Shutdown::Write);
+        drain_until_eof(&mut sock);
+        return;
+    }
+    relay(ctx, sock, plan.skip_client);
+}
+
+fn reset(sock: TcpStream) {
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    unsafe {
+        libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, &l as *const _ as *const libc::c_void, std::mem::size_of::<libc::linger>() as u32);
+    }
+    drop(sock);
+}
+
+fn drain_until_eof(sock: &mut TcpStream) {
+    let _ = sock.set_read_timeout(Some(Duration::from_secs(120)));
+    let mut buf = [0u8; 4096];
+    while matches!(sock.read(&mut buf), Ok(n) if n > 0) {}
+}
+
+enum ResumeError {
+    Mismatch(String),
+    Io(io::Error),
+}
+
+impl From<io::Error> for ResumeError {
+    fn from(e: io::Error) -> Self {
+        ResumeError::Io(e)
+    }
+}
+
+/// A connection to the local server with a read buffer (response headers are read with
+/// lookahead; the body that follows stays in the buffer).
+struct BufConn {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl BufConn {
+    fn read_head(&mut self) -> io::Result<Vec<u8>> {
+        loop {
+            if let Some(n) = unbroken_engines::http::header_end(&self.buf) {
+                let head = self.buf[..n].to_vec();
+                self.buf.drain(..n);
+                return Ok(head);
+            }
+            if self.buf.len() > 64 << 10 {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "local response header over 64 KiB"));
+            }
+            let mut tmp = [0u8; 16 << 10];
+            let n = self.s.read(&mut tmp)?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "local server closed"));
+            }
+            self.buf.extend_from_slice(&tmp[..n]);
+        }
+    }
+    /// Copies exactly `n` body bytes to `out` after discarding `skip`.
+    fn copy_body(&mut self, mut skip: u64, mut n: u64, out: &mut TcpStream) -> io::Result<u64> {
+        let total = n;
+        let mut tmp = vec![0u8; 256 << 10];
+        loop {
+            if !self.buf.is_empty() {
+                let k = (skip.min(self.buf.len() as u64)) as usize;
+                self.buf.drain(..k);
+                skip -= k as u64;
+                let m = (n.min(self.buf.len() as u64)) as usize;
+                if m > 0 {
+                    out.write_all(&self.buf[..m])?;
+                    self.buf.drain(..m);
+                    n -= m as u64;
+                }
+            }
+            if n == 0 {
+                return Ok(total);
+            }
+            let r = self.s.read(&mut tmp)?;
+            if r == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "local server closed mid-body"));
+            }
+            self.buf.extend_from_slice(&tmp[..r]);
+        }
+    }
+}
+
+/// Sends the rest of one response: the stored header from `header_from`, then the body from
+/// `body_from`, fetched from the local server and checked to be the same representation.
+fn resume_entry(ctx: &WorkerCtx, sock: &mut TcpStream, backend: &mut Option<BufConn>, e: &trods::Entry, header_from: usize, body_from: u64) -> Result<u64, ResumeError> {
+    let mut sent = 0u64;
+    if header_from < e.header.len() {
+        sock.write_all(&e.header[header_from..])?;
+        sent += (e.header.len() - header_from) as u64;
+    }
+    if body_from >= e.body_len {
+        return Ok(sent);
+    }
+    if backend.is_none() {
+        let s = TcpStream::connect_timeout(&ctx.backend, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        *backend = Some(BufConn { s, buf: Vec::new() });
+    }
+    let b = backend.as_mut().unwrap();
+    let ranged = matches!(e.status, 200 | 206);
+    let mut req = e.object_id.clone();
+    let (skip, want_status) = if ranged {
+        let first = e.range_start + body_from;
+        let last = e.range_start + e.body_len - 1;
+        req.extend_from_slice(format!("Range: bytes={first}-{last}\r\n").as_bytes());
+        (0, 206)
+    } else {
+        (body_from, e.status)
+    };
+    req.extend_from_slice(b"Connection: keep-alive\r\n\r\n");
+    b.s.write_all(&req)?;
+    let head = b.read_head()?;
+    let r = unbroken_engines::http::parse_response(&head, false).map_err(|u| ResumeError::Mismatch(format!("local response: {}", u.0)))?;
+    if r.status != want_status {
+        return Err(ResumeError::Mismatch(format!("local server answered {} where {want_status} was expected", r.status)));
+    }
+    let expect_len = if ranged { e.body_len - body_from } else { e.body_len };
+    if r.body_len != expect_len {
+        return Err(ResumeError::Mismatch(format!("local body is {} bytes, expected {expect_len}", r.body_len)));
+    }
+    if ranged && r.range_start != e.range_start + body_from {
+        return Err(ResumeError::Mismatch("local Content-Range starts elsewhere".into()));
+    }
+    if ranged && e.status == 200 && r.total != Some(e.body_len) {
+        return Err(ResumeError::Mismatch("the local object has another length".into()));
+    }
+    if !e.etag.is_empty() && r.etag != e.etag {
+        return Err(ResumeError::Mismatch("the local object has another ETag".into()));
+    }
+    if e.etag.is_empty() && !e.last_modified.is_empty() && r.last_modified != e.last_modified {
+        return Err(ResumeError::Mismatch("the local object has another Last-Modified".into()));
+    }
+    sent += b.copy_body(skip, e.body_len - body_from, sock)?;
+    if r.close {
+        *backend = None;
+    }
+    Ok(sent)
+}
+
+/// After the resumed responses: skip the client's requests already answered, then relay both
+/// ways between the client and a fresh connection to the local server.
+fn relay(ctx: &WorkerCtx, client: TcpStream, mut skip: u64) {
+    let Ok(server) = TcpStream::connect_timeout(&ctx.backend, Duration::from_secs(2)) else {
+        reset(client);
+        return;
+    };
+    let (Ok(mut c_rd), Ok(mut s_wr)) = (client.try_clone(), server.try_clone()) else { return };
+    let up = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match c_rd.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let k = skip.min(n as u64) as usize;
+            skip -= k as u64;
+            if n > k && s_wr.write_all(&buf[k..n]).is_err() {
+                break;
+            }
+        }
+        let _ = s_wr.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut s_rd, mut c_wr) = (server, client);
+    let mut buf = vec![0u8; 256 << 10];
+    loop {
+        let n = match s_rd.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if c_wr.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = c_wr.shutdown(std::net::Shutdown::Write);
+    let _ = up.join();
+}
+
+// ---- eliciting the client's ACK -----------------------------------------------------------------
+
+/// TRODS waits for the client's retransmission to start a failover; with exponential backoff
+/// that can take seconds. For buckets that just moved here, find their connections in the
+/// store and send each client an old-sequence segment: the client answers with a duplicate
+/// ACK (RFC 9293 section 3.10.7.4), which reaches this server and starts the failover at once.
+fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
+    let Ok(mut store) = Store::connect(&ctx.store_cfg) else { return };
+    let raw = match unbroken_drivers::rawsend::RawSender::new(0) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("agent: probe: raw socket: {e}");
+            return;
+        }
+    };
+    for b in buckets {
+        let pattern = format!("b{b}/c/*");
+        let Ok(keys) = scan(&mut store, &ctx.store_cfg.key_prefix, &pattern) else { continue };
+        for k in keys {
+            let Ok(Some(v)) = store.get(&k) else { continue };
+            let Ok(rec) = Record::decode(&v) else { continue };
+            let Some(conn) = parse_store_key(&k) else { continue };
+            eprintln!("agent: probing {} (bucket {b})", conn.client);
+            if let Some(pkt) = probe_packet(&conn, &rec) {
+                if raw.send(&pkt).is_ok() {
+                    ctx.shared.count(|c| c.probes_sent += 1);
+                }
+            }
+        }
+    }
+}
+
+/// Every key matching `pattern` (without the prefix; returned without it too). Plain Redis
+/// only: a cluster's keys are spread over its nodes (probing then finds none and the failover
+/// waits for the client's own retransmission).
+fn scan(store: &mut Store, prefix: &str, pattern: &str) -> Result<Vec<Vec<u8>>, crate::store::StoreError> {
+    let full = format!("{prefix}{pattern}");
+    let mut cursor = b"0".to_vec();
+    let mut out = Vec::new();
+    for _ in 0..100_000 {
+        let r = store.command(&[b"SCAN", &cursor, b"MATCH", full.as_bytes(), b"COUNT", b"1000"])?;
+        let Reply::Array(Some(parts)) = r else { break };
+        let (Some(Reply::Bulk(Some(c))), Some(Reply::Array(Some(keys)))) = (parts.first(), parts.get(1)) else { break };
+        for k in keys {
+            if let Reply::Bulk(Some(k)) = k {
+                out.push(k[prefix.len().min(k.len())..].to_vec());
+            }
+        }
+        if c == b"0" {
+            break;
+        }
+        cursor = c.clone();
+    }
+    Ok(out)
+}
+
+fn parse_store_key(k: &[u8]) -> Option<Key> {
+    let s = std::str::from_utf8(k).ok()?;
+    let rest = s.split_once("/c/")?.1;
+    let (client, service) = rest.split_once('/')?;
+    Some(Key { client: client.parse().ok()?, service: service.parse().ok()? })
+}
+
+/// An ACK with the server's SYN sequence number (always old for the client, so answered with
+/// an ACK), acknowledging no more than the stored hold.
+fn probe_packet(key: &Key, rec: &Record) -> Option<Vec<u8>> {
+    use unbroken_wire::ip;
+    use unbroken_wire::tcp::{flags, Packet, Repr};
+    use unbroken_wire::Seq;
+    let hs = rec.hs;
+    let r = Repr {
+        src_port: key.service.port(),
+        dst_port: key.client.port(),
+        seq: Seq(hs.iss),
+        ack: Seq(hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32)),
+        flags: flags::ACK,
+        window: 65535,
+        ..Default::default()
+    };
+    let tl = r.header_len();
+    let mut buf = vec![0u8; 60 + tl];
+    let hl = ip::emit_header(&mut buf, key.service.ip(), key.client.ip(), ip::PROTO_TCP, tl).ok()?;
+    r.emit(&mut buf[hl..]).ok()?;
+    Packet::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(key.service.ip(), key.client.ip(), ip::PROTO_TCP, tl));
+    buf.truncate(hl + tl);
+    Some(buf)
+}

@@ -1,0 +1,2018 @@
+//! Object mode's load balancer and liveness monitor (TRODS, seed 000, sections 2.1, 2.3 and 5.1).
+//!
+//! A stateless flow-hash load balancer in nftables plus a heartbeat-driven liveness monitor.
+//! Servers share one service address (the VIP, on their `lo`); the balancer forwards each
+//! client frame at layer 2 to the server that owns the frame's *bucket*, so a server's death
+//! only needs a table update: the servers that inherit its buckets rebuild the connections
+//! (that part is the agent's job, not this module's).
+//!
+//! # Data path
+//!
+//! One nftables table (family `netdev`, default name `unbroken_lb`) with a chain on the
+//! `ingress` hook of the client-facing device. A TCP packet to a configured service
+//! address:port gets
+//!
+//! * bucket `b = jhash(ip saddr . tcp sport) mod N` (`ip6 saddr` for IPv6) with a fixed seed,
+//! * destination MAC `owner[b]` (the server that owns the bucket) and source MAC
+//!   `02:75:62:00:HH:LL` (`HHLL` = `b`, big endian: the *marker*, see [`bucket_of_mac`]), so the
+//!   server's agent learns the bucket without replicating the hash,
+//! * `fwd` to the server-side device (a bridge, which delivers by destination MAC).
+//!
+//! Everything else (other addresses, ports, protocols, non-first IPv4 fragments) falls through
+//! to normal routing. The generated ruleset ([`ruleset`]) for the lab looks like this:
+//!
+//! ```text
+//! table netdev unbroken_lb {
+//!     set svc4 { type ipv4_addr . inet_service; elements = { 10.77.0.100 . 80 } }
+//!     set svc6 { type ipv6_addr . inet_service; elements = { fd77::100 . 80 } }
+//!     map owner { type mark : ether_addr; }
+//!     map marker { type mark : ether_addr; }
+//!     chain ingress {
+//!         type filter hook ingress device "l0" priority 0; policy accept;
+//!         ip daddr . tcp dport @svc4 meta mark set jhash ip saddr . tcp sport mod 256 seed 0x75620001 goto steer
+//!         ip6 daddr . tcp dport @svc6 meta mark set jhash ip6 saddr . tcp sport mod 256 seed 0x75620001 goto steer
+//!     }
+//!     chain steer {
+//!         ether saddr set meta mark map @marker ether daddr set meta mark map @owner fwd to "lbr"
+//!         drop
+//!     }
+//! }
+//! ```
+//!
+//! **Why `meta mark`.** nft 1.0.6 rejects `ether daddr set jhash ... map @m` when `@m` is declared
+//! `type mark : ether_addr` ("datatype mismatch, map expects packet mark, mapping expression has
+//! type integer"), and a map declared `typeof jhash ... : ether daddr` loads but makes
+//! `nft list ruleset` crash (segfault). Hashing into the packet mark first and mapping the mark
+//! works, lists cleanly, and costs nothing: the mark is scrubbed when the frame crosses into the
+//! server's network namespace (or host). The bucket is hashed once and used twice. A bucket
+//! missing from `@owner` (never the case after start) hits the `drop`.
+//!
+//! Every table change is one atomic `nft -f -` transaction: the install replaces any table of
+//! the same name (`add table; delete table; table ... { }` plus both maps' elements); an update
+//! deletes and re-adds the owner-map elements that change (`delete element` + `add element`).
+//! After a failed update the whole table is installed again 100 ms later (which also repairs a
+//! table someone deleted). Measured here: 12 to 16 ms per update with 256 buckets (the `nft`
+//! process itself costs most of it), 24 to 34 ms with 4096; a whole-map rewrite costs 16 to 24
+//! and 36 to 51 ms. [`Lb::stop`] (and dropping an [`Lb`]) removes the table; [`cleanup`]
+//! removes a leftover by name.
+//!
+//! The balancer host must attract the VIP's traffic on the ingress device. In the lab
+//! ([`crate::objlab`]) the balancer namespace answers ARP and neighbour solicitations for the
+//! VIP with proxy entries (`ip neigh add proxy VIP dev l0`, `proxy_ndp`, `proxy_delay 0`) and
+//! routes the VIP toward the server bridge, so the proxy reply is legal; this module does not
+//! touch addresses, routes or neighbour entries.
+//!
+//! # Bucket ownership
+//!
+//! The home of bucket `b` is the `(b mod n)`-th configured server; it owns the bucket while it
+//! is alive. When a server is declared dead, only the buckets it owns move, spread round-robin
+//! (in bucket order) over the live servers; if no server is alive they stay where they are.
+//! When a server comes back, its home buckets return to it; buckets stranded on a dead owner
+//! move as soon as some server is alive. The time of each bucket's last owner change (when the
+//! kernel table changed) is kept: a bucket is *allowed* for its owner for
+//! `failover_window_s` after that (section 5.1: a server starts failover only for packets of
+//! buckets that recently changed hands).
+//!
+//! # Liveness (section 2.3)
+//!
+//! Agents send heartbeats every `interval` ([`DEFAULT_INTERVAL`], 5 ms); a server that stays
+//! silent for `dead_after_ms` (default 25, the paper's threshold) is declared dead, and alive
+//! again at its next valid heartbeat. Before its first heartbeat a server counts as alive for
+//! `startup_grace_ms`. The monitor is a dedicated thread (it asks for `SCHED_FIFO`, best
+//! effort; [`LbStatus::monitor_realtime`] says whether it got it) that only receives
+//! heartbeats, answers them and checks deadlines against the monotonic clock; it drains every
+//! queued heartbeat before it checks deadlines, so its own lateness can make a server look
+//! alive longer but never dead early. Table programming (`nft`) runs on a second thread, so
+//! the monitor never waits for it; replies describe the table that is in the kernel.
+//!
+//! # Heartbeat protocol, version 1
+//!
+//! UDP, all integers big endian, `mac` = the first 16 bytes of HMAC-SHA256(key, every byte
+//! before it). The key is shared by the balancer and the agents (hex in the config; the empty
+//! key is allowed and then only protects against corruption).
+//!
+//! Heartbeat, agent to balancer ([`HEARTBEAT_LEN`] = 28 bytes):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `"UBHB"` |
+//! | 4 | 1 | version = 1 |
+//! | 5 | 1 | kind = 1 (heartbeat) |
+//! | 6 | 2 | server id |
+//! | 8 | 4 | seq (the agent's counter) |
+//! | 12 | 16 | mac |
+//!
+//! Reply, balancer to the heartbeat's source address, `B = ceil(buckets / 8)`:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `"UBHB"` |
+//! | 4 | 1 | version = 1 |
+//! | 5 | 1 | kind = 2 (reply) |
+//! | 6 | 2 | server id (echoed) |
+//! | 8 | 4 | seq (echoed) |
+//! | 12 | 4 | table epoch (increases with every ownership change in the kernel table) |
+//! | 16 | 2 | bucket count N |
+//! | 18 | B | `owned`: bucket b is owned by this server iff bit `b % 8` of byte `b / 8` is set |
+//! | 18 + B | B | `allowed`: owned buckets whose owner changed within the failover window |
+//! | 18 + 2B | 16 | mac |
+//!
+//! Anything else (short or long datagram, bad magic, version, kind or mac, unknown server) is
+//! counted ([`LbCounters`]) and ignored. Version 1 has no replay protection beyond the mac: a
+//! captured heartbeat replayed from the server network keeps that server "alive", so the
+//! heartbeat network must be trusted like the balancer itself.
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+use std::io::{self, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Default nftables table name.
+pub const DEFAULT_TABLE: &str = "unbroken_lb";
+/// Default number of buckets.
+pub const DEFAULT_BUCKETS: u16 = 256;
+/// Largest number of buckets (the marker MAC and the reply bitmaps are sized for it).
+pub const MAX_BUCKETS: u16 = 4096;
+/// Default heartbeat interval of an agent ([`HeartbeatClient`]).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
+/// Default silence after which a server is declared dead (the paper's 25 ms).
+pub const DEFAULT_DEAD_AFTER_MS: u64 = 25;
+/// Default window after an owner change during which the new owner may start failover.
+pub const DEFAULT_FAILOVER_WINDOW_S: u64 = 60;
+/// Default time a never-heard server counts as alive after the balancer starts.
+pub const DEFAULT_STARTUP_GRACE_MS: u64 = 1000;
+/// The first four bytes of every marker MAC (`02:75:62:00:HH:LL`).
+pub const MARKER_PREFIX: [u8; 4] = [0x02, 0x75, 0x62, 0x00];
+/// Magic of every heartbeat datagram.
+pub const MAGIC: [u8; 4] = *b"UBHB";
+/// Protocol version.
+pub const VERSION: u8 = 1;
+/// Kind of an agent's heartbeat.
+pub const KIND_HEARTBEAT: u8 = 1;
+/// Kind of the balancer's reply.
+pub const KIND_REPLY: u8 = 2;
+/// Length of the truncated HMAC-SHA256 tag.
+pub const TAG_LEN: usize = 16;
+/// Length of a heartbeat datagram.
+pub const HEARTBEAT_LEN: usize = 12 + TAG_LEN;
+/// Events kept in [`LbStatus::events`]; older ones are dropped (and counted).
+const MAX_EVENTS: usize = 10_000;
+/// Longest sleep of the monitor between deadline checks (also bounds how long `stop` waits).
+const MONITOR_MAX_WAIT: Duration = Duration::from_millis(20);
+/// Retry delay after a failed table update.
+const NFT_RETRY: Duration = Duration::from_millis(100);
+
+/// The marker source MAC the balancer writes into frames of bucket `bucket`.
+pub fn marker_mac(bucket: u16) -> [u8; 6] {
+    let b = bucket.to_be_bytes();
+    [
+        MARKER_PREFIX[0],
+        MARKER_PREFIX[1],
+        MARKER_PREFIX[2],
+        MARKER_PREFIX[3],
+        b[0],
+        b[1],
+    ]
+}
+
+/// The bucket a marker MAC (`02:75:62:00:HH:LL`, the source MAC of a frame the balancer
+/// forwarded) stands for; `None` for any other MAC.
+pub fn bucket_of_mac(mac: [u8; 6]) -> Option<u16> {
+    (mac[..4] == MARKER_PREFIX).then(|| u16::from_be_bytes([mac[4], mac[5]]))
+}
+
+/// `aa:bb:cc:dd:ee:ff` to bytes.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.trim().split(':');
+    for b in &mut mac {
+        let p = parts.next()?;
+        if p.is_empty() || p.len() > 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// Bytes to `aa:bb:cc:dd:ee:ff`.
+pub fn mac_string(mac: [u8; 6]) -> String {
+    crate::lab::mac_string(mac)
+}
+
+/// Parses a hex key; the empty string is the empty key.
+pub fn parse_key_hex(s: &str) -> Result<Vec<u8>, String> {
+    let s = s.trim();
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return Err("key must be an even number of hex digits (or empty)".into());
+    }
+    Ok((0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or(0))
+        .collect())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration
+
+/// One balanced server.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// The id its agent puts into heartbeats (unique).
+    pub id: u16,
+    /// The MAC of its interface toward the forward device, `aa:bb:cc:dd:ee:ff` (unique).
+    pub mac: String,
+}
+
+/// Configuration of [`Lb`] (TOML; see `configs/lb.example.toml`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LbConfig {
+    /// The client-facing device whose ingress hook steers (e.g. `l0`).
+    pub ingress: String,
+    /// The server-side device frames are forwarded to (a bridge or a port toward the servers).
+    pub forward: String,
+    /// The balanced service endpoints, `"10.77.0.100:80"` or `"[fd77::100]:80"`.
+    pub services: Vec<String>,
+    /// Number of buckets, 1 to [`MAX_BUCKETS`].
+    #[serde(default = "default_buckets")]
+    pub buckets: u16,
+    /// jhash seed.
+    #[serde(default = "default_seed")]
+    pub seed: u32,
+    /// UDP address the monitor receives heartbeats on (use a specific address: replies leave
+    /// from it and agents only accept replies from the address they send to).
+    pub listen: SocketAddr,
+    /// Silence after which a server is declared dead, milliseconds.
+    #[serde(default = "default_dead_after")]
+    pub dead_after_ms: u64,
+    /// How long after an owner change the new owner is `allowed` to fail over, seconds.
+    #[serde(default = "default_window")]
+    pub failover_window_s: u64,
+    /// How long a never-heard server counts as alive after start, milliseconds.
+    #[serde(default = "default_grace")]
+    pub startup_grace_ms: u64,
+    /// Shared heartbeat key, hex (may be empty).
+    #[serde(default)]
+    pub key: String,
+    /// nftables table name (family netdev).
+    #[serde(default = "default_table")]
+    pub table: String,
+    /// The servers, in home order: bucket b's home is `servers[b % servers.len()]`.
+    pub servers: Vec<ServerConfig>,
+}
+
+fn default_buckets() -> u16 {
+    DEFAULT_BUCKETS
+}
+fn default_seed() -> u32 {
+    0x7562_0001
+}
+fn default_dead_after() -> u64 {
+    DEFAULT_DEAD_AFTER_MS
+}
+fn default_window() -> u64 {
+    DEFAULT_FAILOVER_WINDOW_S
+}
+fn default_grace() -> u64 {
+    DEFAULT_STARTUP_GRACE_MS
+}
+fn default_table() -> String {
+    DEFAULT_TABLE.to_string()
+}
+
+/// A configuration after validation.
+#[derive(Debug, Clone)]
+struct Parsed {
+    v4: Vec<(Ipv4Addr, u16)>,
+    v6: Vec<(Ipv6Addr, u16)>,
+    key: Vec<u8>,
+    macs: Vec<[u8; 6]>,
+}
+
+fn check_name(what: &str, s: &str, max: usize) -> Result<(), String> {
+    if s.is_empty() || s.len() > max {
+        return Err(format!(
+            "config: {what} {s:?} must be 1 to {max} characters"
+        ));
+    }
+    if !s
+        .bytes()
+        .all(|c| c.is_ascii_alphanumeric() || b"_-.@".contains(&c))
+    {
+        return Err(format!(
+            "config: {what} {s:?} may only contain letters, digits and _ - . @"
+        ));
+    }
+    Ok(())
+}
+
+impl LbConfig {
+    /// A configuration with the defaults for everything optional.
+    pub fn new(
+        ingress: &str,
+        forward: &str,
+        services: &[SocketAddr],
+        listen: SocketAddr,
+        servers: &[(u16, [u8; 6])],
+    ) -> LbConfig {
+        LbConfig {
+            ingress: ingress.to_string(),
+            forward: forward.to_string(),
+            services: services.iter().map(|s| s.to_string()).collect(),
+            buckets: DEFAULT_BUCKETS,
+            seed: default_seed(),
+            listen,
+            dead_after_ms: DEFAULT_DEAD_AFTER_MS,
+            failover_window_s: DEFAULT_FAILOVER_WINDOW_S,
+            startup_grace_ms: DEFAULT_STARTUP_GRACE_MS,
+            key: String::new(),
+            table: DEFAULT_TABLE.to_string(),
+            servers: servers
+                .iter()
+                .map(|&(id, mac)| ServerConfig {
+                    id,
+                    mac: mac_string(mac),
+                })
+                .collect(),
+        }
+    }
+
+    /// Parses and validates TOML text.
+    pub fn from_toml(text: &str) -> Result<LbConfig, String> {
+        let c: LbConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Reads, parses and validates a TOML file.
+    pub fn load(path: &std::path::Path) -> Result<LbConfig, String> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
+        LbConfig::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Checks every field; the error says what to fix.
+    pub fn validate(&self) -> Result<(), String> {
+        self.parse().map(|_| ())
+    }
+
+    /// The shared key's bytes.
+    pub fn key_bytes(&self) -> Result<Vec<u8>, String> {
+        parse_key_hex(&self.key).map_err(|e| format!("config: key: {e}"))
+    }
+
+    fn parse(&self) -> Result<Parsed, String> {
+        check_name("ingress device", &self.ingress, 15)?;
+        check_name("forward device", &self.forward, 15)?;
+        if self.ingress == self.forward {
+            return Err("config: ingress and forward must be different devices".into());
+        }
+        check_name("table", &self.table, 64)?;
+        if self.table.contains(['-', '.', '@']) {
+            return Err(format!(
+                "config: table {:?} may only contain letters, digits and _",
+                self.table
+            ));
+        }
+        if self.buckets == 0 || self.buckets > MAX_BUCKETS {
+            return Err(format!(
+                "config: buckets = {} (must be 1 to {MAX_BUCKETS})",
+                self.buckets
+            ));
+        }
+        if self.dead_after_ms == 0 {
+            return Err("config: dead_after_ms must be at least 1".into());
+        }
+        let key = self.key_bytes()?;
+        if self.services.is_empty() {
+            return Err("config: services is empty (give \"addr:port\" entries)".into());
+        }
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for s in &self.services {
+            let a: SocketAddr = s.parse().map_err(|_| {
+                format!("config: service {s:?} is not \"addr:port\" (IPv6: \"[addr]:port\")")
+            })?;
+            if a.port() == 0 {
+                return Err(format!("config: service {s:?} has port 0"));
+            }
+            match a.ip() {
+                IpAddr::V4(ip) if !v4.contains(&(ip, a.port())) => v4.push((ip, a.port())),
+                IpAddr::V6(ip) if !v6.contains(&(ip, a.port())) => v6.push((ip, a.port())),
+                _ => return Err(format!("config: service {s:?} listed twice")),
+            }
+        }
+        if self.servers.is_empty() {
+            return Err("config: no servers".into());
+        }
+        if self.servers.len() > self.buckets as usize {
+            return Err(format!(
+                "config: {} servers but only {} buckets (every server needs a home bucket)",
+                self.servers.len(),
+                self.buckets
+            ));
+        }
+        let mut macs = Vec::new();
+        for (i, s) in self.servers.iter().enumerate() {
+            let m = parse_mac(&s.mac)
+                .ok_or_else(|| format!("config: server id {}: bad mac {:?}", s.id, s.mac))?;
+            if m[0] & 1 != 0 || m == [0; 6] {
+                return Err(format!(
+                    "config: server id {}: mac {} is not a unicast address",
+                    s.id, s.mac
+                ));
+            }
+            if bucket_of_mac(m).is_some() {
+                return Err(format!(
+                    "config: server id {}: mac {} collides with the bucket markers 02:75:62:00:xx:xx",
+                    s.id, s.mac
+                ));
+            }
+            if self.servers[..i].iter().any(|o| o.id == s.id) {
+                return Err(format!("config: server id {} listed twice", s.id));
+            }
+            if macs.contains(&m) {
+                return Err(format!("config: mac {} listed twice", s.mac));
+            }
+            macs.push(m);
+        }
+        Ok(Parsed { v4, v6, key, macs })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wire format
+
+/// Why a datagram was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProtoError {
+    /// Wrong length for its kind (or too short to have one).
+    Length,
+    /// Not `"UBHB"`.
+    Magic,
+    /// Another protocol version.
+    Version,
+    /// Not the expected kind.
+    Kind,
+    /// The tag does not match (wrong key or corrupted).
+    Mac,
+}
+
+impl std::fmt::Display for ProtoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ProtoError::Length => "bad length",
+            ProtoError::Magic => "bad magic",
+            ProtoError::Version => "unsupported version",
+            ProtoError::Kind => "unexpected kind",
+            ProtoError::Mac => "bad mac",
+        })
+    }
+}
+
+impl std::error::Error for ProtoError {}
+
+fn hmac(key: &[u8], data: &[u8]) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(data);
+    m
+}
+
+fn tag(key: &[u8], data: &[u8]) -> [u8; TAG_LEN] {
+    let full = hmac(key, data).finalize().into_bytes();
+    let mut t = [0u8; TAG_LEN];
+    t.copy_from_slice(&full[..TAG_LEN]);
+    t
+}
+
+fn check_header(buf: &[u8], kind: u8) -> Result<(), ProtoError> {
+    if buf.len() < 6 {
+        return Err(ProtoError::Length);
+    }
+    if buf[..4] != MAGIC {
+        return Err(ProtoError::Magic);
+    }
+    if buf[4] != VERSION {
+        return Err(ProtoError::Version);
+    }
+    if buf[5] != kind {
+        return Err(ProtoError::Kind);
+    }
+    Ok(())
+}
+
+fn check_tag(key: &[u8], buf: &[u8]) -> Result<(), ProtoError> {
+    let (body, t) = buf.split_at(buf.len() - TAG_LEN);
+    hmac(key, body)
+        .verify_truncated_left(t)
+        .map_err(|_| ProtoError::Mac)
+}
+
+/// A verified heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The sender's server id.
+    pub server: u16,
+    /// The sender's counter.
+    pub seq: u32,
+}
+
+/// Builds a heartbeat datagram.
+pub fn encode_heartbeat(key: &[u8], server: u16, seq: u32) -> [u8; HEARTBEAT_LEN] {
+    let mut b = [0u8; HEARTBEAT_LEN];
+    b[..4].copy_from_slice(&MAGIC);
+    b[4] = VERSION;
+    b[5] = KIND_HEARTBEAT;
+    b[6..8].copy_from_slice(&server.to_be_bytes());
+    b[8..12].copy_from_slice(&seq.to_be_bytes());
+    let t = tag(key, &b[..12]);
+    b[12..].copy_from_slice(&t);
+    b
+}
+
+/// Parses and authenticates a heartbeat datagram.
+pub fn decode_heartbeat(key: &[u8], buf: &[u8]) -> Result<Heartbeat, ProtoError> {
+    check_header(buf, KIND_HEARTBEAT)?;
+    if buf.len() != HEARTBEAT_LEN {
+        return Err(ProtoError::Length);
+    }
+    check_tag(key, buf)?;
+    Ok(Heartbeat {
+        server: u16::from_be_bytes([buf[6], buf[7]]),
+        seq: u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]),
+    })
+}
+
+/// Length of a reply for `buckets` buckets.
+pub fn reply_len(buckets: u16) -> usize {
+    18 + 2 * (buckets as usize).div_ceil(8) + TAG_LEN
+}
+
+/// A verified reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// The server id the reply is for.
+    pub server: u16,
+    /// The heartbeat's seq, echoed.
+    pub seq: u32,
+    /// The kernel table's epoch.
+    pub epoch: u32,
+    /// Number of buckets.
+    pub buckets: u16,
+    /// Owned buckets, wire layout (bit `b % 8` of byte `b / 8`).
+    pub owned: Vec<u8>,
+    /// Allowed buckets, wire layout.
+    pub allowed: Vec<u8>,
+}
+
+/// Builds a reply datagram; `owned` and `allowed` must be `ceil(buckets / 8)` bytes.
+pub fn encode_reply(key: &[u8], r: &Reply) -> Vec<u8> {
+    let bl = (r.buckets as usize).div_ceil(8);
+    assert!(
+        r.owned.len() == bl && r.allowed.len() == bl,
+        "bitmap length must be ceil(buckets / 8)"
+    );
+    let mut b = Vec::with_capacity(reply_len(r.buckets));
+    b.extend_from_slice(&MAGIC);
+    b.push(VERSION);
+    b.push(KIND_REPLY);
+    b.extend_from_slice(&r.server.to_be_bytes());
+    b.extend_from_slice(&r.seq.to_be_bytes());
+    b.extend_from_slice(&r.epoch.to_be_bytes());
+    b.extend_from_slice(&r.buckets.to_be_bytes());
+    b.extend_from_slice(&r.owned);
+    b.extend_from_slice(&r.allowed);
+    let t = tag(key, &b);
+    b.extend_from_slice(&t);
+    b
+}
+
+/// Parses and authenticates a reply datagram.
+pub fn decode_reply(key: &[u8], buf: &[u8]) -> Result<Reply, ProtoError> {
+    check_header(buf, KIND_REPLY)?;
+    if buf.len() < 18 + TAG_LEN {
+        return Err(ProtoError::Length);
+    }
+    let buckets = u16::from_be_bytes([buf[16], buf[17]]);
+    if buckets == 0 || buckets > MAX_BUCKETS || buf.len() != reply_len(buckets) {
+        return Err(ProtoError::Length);
+    }
+    check_tag(key, buf)?;
+    let bl = (buckets as usize).div_ceil(8);
+    Ok(Reply {
+        server: u16::from_be_bytes([buf[6], buf[7]]),
+        seq: u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]),
+        epoch: u32::from_be_bytes([buf[12], buf[13], buf[14], buf[15]]),
+        buckets,
+        owned: buf[18..18 + bl].to_vec(),
+        allowed: buf[18 + bl..18 + 2 * bl].to_vec(),
+    })
+}
+
+fn bit(bytes: &[u8], b: usize) -> bool {
+    bytes.get(b / 8).is_some_and(|x| x & (1 << (b % 8)) != 0)
+}
+
+fn set_bit(bytes: &mut [u8], b: usize) {
+    bytes[b / 8] |= 1 << (b % 8);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ownership decisions (no I/O)
+
+/// Recomputes bucket owners (server indices) for the liveness vector `alive`, following the
+/// rules in the module docs; returns the buckets whose owner changed.
+pub fn reassign(owners: &mut [u16], alive: &[bool]) -> Vec<u16> {
+    let n = alive.len();
+    let live: Vec<u16> = (0..n as u16).filter(|&i| alive[i as usize]).collect();
+    let mut rr = 0usize;
+    let mut changed = Vec::new();
+    for (b, o) in owners.iter_mut().enumerate() {
+        let home = (b % n) as u16;
+        let new = if alive[home as usize] {
+            home
+        } else if alive[*o as usize] || live.is_empty() {
+            *o
+        } else {
+            let s = live[rr % live.len()];
+            rr += 1;
+            s
+        };
+        if new != *o {
+            *o = new;
+            changed.push(b as u16);
+        }
+    }
+    changed
+}
+
+/// The initial owners: every bucket at home.
+pub fn home_owners(buckets: u16, servers: usize) -> Vec<u16> {
+    (0..buckets as usize)
+        .map(|b| (b % servers) as u16)
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// nftables
+
+/// The whole table, as [`Lb::start`] installs it (without the map elements).
+pub fn ruleset(cfg: &LbConfig) -> Result<String, String> {
+    let p = cfg.parse()?;
+    Ok(ruleset_of(cfg, &p))
+}
+
+fn ruleset_of(cfg: &LbConfig, p: &Parsed) -> String {
+    let mut s = format!("table netdev {} {{\n", cfg.table);
+    let elems = |v: Vec<String>| v.join(", ");
+    if !p.v4.is_empty() {
+        let e = elems(
+            p.v4.iter()
+                .map(|(a, port)| format!("{a} . {port}"))
+                .collect(),
+        );
+        s += &format!("\tset svc4 {{ type ipv4_addr . inet_service; elements = {{ {e} }} }}\n");
+    }
+    if !p.v6.is_empty() {
+        let e = elems(
+            p.v6.iter()
+                .map(|(a, port)| format!("{a} . {port}"))
+                .collect(),
+        );
+        s += &format!("\tset svc6 {{ type ipv6_addr . inet_service; elements = {{ {e} }} }}\n");
+    }
+    s += "\tmap owner { type mark : ether_addr; }\n";
+    s += "\tmap marker { type mark : ether_addr; }\n";
+    s += "\tchain ingress {\n";
+    s += &format!(
+        "\t\ttype filter hook ingress device \"{}\" priority 0; policy accept;\n",
+        cfg.ingress
+    );
+    let (n, seed) = (cfg.buckets, cfg.seed);
+    if !p.v4.is_empty() {
+        s += &format!("\t\tip daddr . tcp dport @svc4 meta mark set jhash ip saddr . tcp sport mod {n} seed {seed:#010x} goto steer\n");
+    }
+    if !p.v6.is_empty() {
+        s += &format!("\t\tip6 daddr . tcp dport @svc6 meta mark set jhash ip6 saddr . tcp sport mod {n} seed {seed:#010x} goto steer\n");
+    }
+    s += "\t}\n\tchain steer {\n";
+    s += &format!(
+        "\t\tether saddr set meta mark map @marker ether daddr set meta mark map @owner fwd to \"{}\"\n",
+        cfg.forward
+    );
+    s += "\t\tdrop\n\t}\n}\n";
+    s
+}
+
+/// The whole table with its maps (replacing any table of the same name), one transaction.
+fn install_script(cfg: &LbConfig, rules: &str, macs: &[[u8; 6]], owners: &[u16]) -> String {
+    let t = &cfg.table;
+    let mut script = format!("add table netdev {t}\ndelete table netdev {t}\n{rules}");
+    script += &map_elements(t, "marker", (0..cfg.buckets).map(|b| (b, marker_mac(b))));
+    script += &map_elements(
+        t,
+        "owner",
+        owners
+            .iter()
+            .enumerate()
+            .map(|(b, &o)| (b as u16, macs[o as usize])),
+    );
+    script
+}
+
+fn map_elements(table: &str, map: &str, macs: impl Iterator<Item = (u16, [u8; 6])>) -> String {
+    let e: Vec<String> = macs
+        .map(|(b, m)| format!("{b} : {}", mac_string(m)))
+        .collect();
+    format!("add element netdev {table} {map} {{ {} }}\n", e.join(", "))
+}
+
+/// Runs `nft -f -` with `script` (one atomic transaction) in the calling thread's namespace.
+pub fn nft_apply(script: &str) -> io::Result<()> {
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run nft: {e}")))?;
+    let w = child
+        .stdin
+        .take()
+        .map(|mut i| i.write_all(script.as_bytes()));
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "nft failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    if let Some(Err(e)) = w {
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Whether `table netdev <table>` exists in the calling thread's namespace.
+pub fn table_exists(table: &str) -> io::Result<bool> {
+    let out = Command::new("nft")
+        .args(["list", "tables", "netdev"])
+        .stdin(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "nft list tables: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let want = format!("table netdev {table}");
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == want))
+}
+
+/// Removes a leftover `table netdev <table>` in the calling thread's namespace; `Ok(true)` if
+/// there was one.
+pub fn cleanup(table: &str) -> io::Result<bool> {
+    check_name("table", table, 64).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    if !table_exists(table)? {
+        return Ok(false);
+    }
+    nft_apply(&format!("delete table netdev {table}\n"))?;
+    Ok(true)
+}
+
+/// Reads the kernel's owner map of `table` (calling thread's namespace): the destination MAC
+/// per bucket, `None` for a bucket without an entry. For tests and diagnostics.
+pub fn kernel_owners(table: &str, buckets: u16) -> io::Result<Vec<Option<[u8; 6]>>> {
+    let out = Command::new("nft")
+        .args(["-j", "list", "map", "netdev", table, "owner"])
+        .stdin(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "nft list map: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let mut owners = vec![None; buckets as usize];
+    let items = v["nftables"].as_array().cloned().unwrap_or_default();
+    for it in items {
+        let Some(elems) = it["map"]["elem"].as_array() else {
+            continue;
+        };
+        for e in elems {
+            let (Some(k), Some(m)) = (e[0].as_u64(), e[1].as_str().and_then(parse_mac)) else {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("unexpected map element {e}"),
+                ));
+            };
+            if let Some(slot) = owners.get_mut(k as usize) {
+                *slot = Some(m);
+            }
+        }
+    }
+    Ok(owners)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Status
+
+/// Kind of a liveness event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventKind {
+    /// The server was declared dead.
+    Down,
+    /// The server is alive again.
+    Up,
+}
+
+/// A liveness change and what it did to the table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LbEvent {
+    /// Event number, from 1.
+    pub n: u64,
+    /// Milliseconds since the balancer started.
+    pub t_ms: u64,
+    /// Server id.
+    pub server: u16,
+    /// Down or up.
+    pub kind: EventKind,
+    /// Buckets that changed owner.
+    pub buckets_moved: usize,
+    /// Down: the silence observed when the server was declared dead, milliseconds
+    /// (`dead_after_ms` plus the detection delay). Up: the silence that ended.
+    pub detect_ms: Option<u64>,
+    /// Table epoch after the change.
+    pub epoch: u32,
+    /// Milliseconds from the decision until the kernel table had it (None: not yet).
+    pub applied_ms: Option<u64>,
+}
+
+/// One server in [`LbStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerStatus {
+    /// Server id.
+    pub id: u16,
+    /// Its MAC.
+    pub mac: String,
+    /// Currently considered alive.
+    pub alive: bool,
+    /// Milliseconds since its last valid heartbeat (None: never heard).
+    pub last_heartbeat_age_ms: Option<u64>,
+    /// Seq of its last valid heartbeat.
+    pub last_seq: Option<u32>,
+    /// Valid heartbeats received.
+    pub heartbeats: u64,
+    /// Buckets it owns in the kernel table.
+    pub buckets_owned: usize,
+    /// Buckets whose home it is.
+    pub home_buckets: usize,
+    /// Owned buckets whose owner changed within the failover window.
+    pub buckets_allowed: usize,
+}
+
+/// Counters of the monitor and the table programmer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LbCounters {
+    /// Valid heartbeats.
+    pub heartbeats: u64,
+    /// Replies sent.
+    pub replies: u64,
+    /// Datagrams refused for their length.
+    pub bad_length: u64,
+    /// ... for their magic.
+    pub bad_magic: u64,
+    /// ... for their version.
+    pub bad_version: u64,
+    /// ... for their kind.
+    pub bad_kind: u64,
+    /// ... for their mac.
+    pub bad_mac: u64,
+    /// Valid heartbeats from a server id not in the config.
+    pub unknown_server: u64,
+    /// Receive errors.
+    pub recv_errors: u64,
+    /// Replies that could not be sent.
+    pub send_errors: u64,
+    /// Successful table updates (after the install).
+    pub nft_updates: u64,
+    /// Failed table updates (retried).
+    pub nft_errors: u64,
+    /// Events dropped from the retained list.
+    pub events_dropped: u64,
+}
+
+/// What [`Lb::status`] reports (also the JSON of `unbroken lb --status-file`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LbStatus {
+    /// nftables table name.
+    pub table: String,
+    /// Number of buckets.
+    pub buckets: u16,
+    /// Epoch of the latest ownership decision.
+    pub epoch: u32,
+    /// Epoch of the table in the kernel (equal to `epoch` once applied).
+    pub applied_epoch: u32,
+    /// Milliseconds since start.
+    pub uptime_ms: u64,
+    /// Whether the monitor thread runs with SCHED_FIFO.
+    pub monitor_realtime: bool,
+    /// Per server, in config order.
+    pub servers: Vec<ServerStatus>,
+    /// Owner (server id) of each bucket in the kernel table.
+    pub owners: Vec<u16>,
+    /// Per bucket: milliseconds since its owner last changed (None: never).
+    pub owner_changed_ms_ago: Vec<Option<u64>>,
+    /// Liveness events, oldest first (the latest 10000).
+    pub events: Vec<LbEvent>,
+    /// Counters.
+    pub counters: LbCounters,
+    /// The last failed table update, if the latest one failed.
+    pub last_nft_error: Option<String>,
+}
+
+impl LbStatus {
+    /// The server with id `id`.
+    pub fn server(&self, id: u16) -> Option<&ServerStatus> {
+        self.servers.iter().find(|s| s.id == id)
+    }
+
+    /// Buckets owned by server `id` in the kernel table.
+    pub fn buckets_of(&self, id: u16) -> Vec<u16> {
+        (0..self.owners.len() as u16)
+            .filter(|&b| self.owners[b as usize] == id)
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The running balancer
+
+struct ServerState {
+    id: u16,
+    mac: [u8; 6],
+    alive: bool,
+    /// Last valid heartbeat; before the first one, the start plus the grace.
+    last: Instant,
+    heard: bool,
+    last_seq: Option<u32>,
+    heartbeats: u64,
+}
+
+struct State {
+    servers: Vec<ServerState>,
+    /// Desired owners (server index per bucket) and their epoch.
+    desired: Vec<u16>,
+    epoch: u32,
+    /// When each desired epoch was decided (for `applied_ms`), oldest first.
+    decided: Vec<(u32, Instant)>,
+    /// In the kernel.
+    applied: Vec<u16>,
+    applied_epoch: u32,
+    changed_at: Vec<Option<Instant>>,
+    /// Per server index: owned bitmap (wire layout) and owned buckets with their change time.
+    owned_bits: Vec<Vec<u8>>,
+    recent: Vec<Vec<(u16, Instant)>>,
+    events: Vec<LbEvent>,
+    next_event: u64,
+    counters: LbCounters,
+    last_nft_error: Option<String>,
+    monitor_realtime: bool,
+    stop: bool,
+    /// Incremented on every event and every applied table.
+    generation: u64,
+}
+
+struct Shared {
+    cfg: LbConfig,
+    /// The table text (without elements).
+    rules: String,
+    key: Vec<u8>,
+    started: Instant,
+    state: Mutex<State>,
+    /// Signals the programmer (new epoch or stop).
+    work: Condvar,
+    /// Signals watchers (new generation).
+    changed: Condvar,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+impl State {
+    /// Rebuild the per-server reply material from `applied`.
+    fn refresh_replies(&mut self, buckets: u16) {
+        let bl = (buckets as usize).div_ceil(8);
+        let n = self.servers.len();
+        self.owned_bits = vec![vec![0u8; bl]; n];
+        self.recent = vec![Vec::new(); n];
+        for (b, &o) in self.applied.iter().enumerate() {
+            set_bit(&mut self.owned_bits[o as usize], b);
+            if let Some(t) = self.changed_at[b] {
+                self.recent[o as usize].push((b as u16, t));
+            }
+        }
+    }
+
+    fn push_event(&mut self, e: LbEvent) {
+        if self.events.len() >= MAX_EVENTS {
+            self.events.remove(0);
+            self.counters.events_dropped += 1;
+        }
+        self.events.push(e);
+        self.generation += 1;
+    }
+}
+
+/// A running load balancer: the nft table, the liveness monitor and the table programmer.
+/// Start it in the namespace (thread) that holds the devices; its threads stay there.
+pub struct Lb {
+    shared: Arc<Shared>,
+    local: SocketAddr,
+    ruleset: String,
+    monitor: Option<JoinHandle<()>>,
+    programmer: Option<JoinHandle<io::Result<()>>>,
+}
+
+impl std::fmt::Debug for Lb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lb")
+            .field("table", &self.shared.cfg.table)
+            .field("listen", &self.local)
+            .finish()
+    }
+}
+
+impl Lb {
+    /// Validates `cfg`, installs the table (replacing a leftover of the same name) with every
+    /// bucket at home, binds the heartbeat socket and starts the monitor and programmer
+    /// threads, all in the calling thread's network namespace.
+    pub fn start(cfg: LbConfig) -> io::Result<Lb> {
+        let p = cfg
+            .parse()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // nft accepts netdev hooks on devices that do not exist (yet): check ourselves.
+        for d in [&cfg.ingress, &cfg.forward] {
+            let c = std::ffi::CString::new(d.as_str())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            // SAFETY: a valid NUL-terminated name; looked up in this thread's namespace.
+            if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("device {d:?} does not exist in this network namespace"),
+                ));
+            }
+        }
+        let sock = UdpSocket::bind(cfg.listen).map_err(|e| {
+            io::Error::new(e.kind(), format!("heartbeat socket {}: {e}", cfg.listen))
+        })?;
+        sock.set_nonblocking(true)?;
+        let local = sock.local_addr()?;
+        let n = cfg.servers.len();
+        let owners = home_owners(cfg.buckets, n);
+        let rules = ruleset_of(&cfg, &p);
+        let t = &cfg.table.clone();
+        let script = install_script(&cfg, &rules, &p.macs, &owners);
+        nft_apply(&script)?;
+
+        let now = Instant::now();
+        let grace = Duration::from_millis(cfg.startup_grace_ms);
+        let servers = cfg
+            .servers
+            .iter()
+            .zip(&p.macs)
+            .map(|(s, &mac)| ServerState {
+                id: s.id,
+                mac,
+                alive: true,
+                last: now + grace,
+                heard: false,
+                last_seq: None,
+                heartbeats: 0,
+            })
+            .collect();
+        let mut st = State {
+            servers,
+            desired: owners.clone(),
+            epoch: 1,
+            decided: Vec::new(),
+            applied: owners,
+            applied_epoch: 1,
+            changed_at: vec![None; cfg.buckets as usize],
+            owned_bits: Vec::new(),
+            recent: Vec::new(),
+            events: Vec::new(),
+            next_event: 1,
+            counters: LbCounters::default(),
+            last_nft_error: None,
+            monitor_realtime: false,
+            stop: false,
+            generation: 1,
+        };
+        st.refresh_replies(cfg.buckets);
+        let shared = Arc::new(Shared {
+            rules: rules.clone(),
+            key: p.key,
+            cfg,
+            started: now,
+            state: Mutex::new(st),
+            work: Condvar::new(),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let s1 = shared.clone();
+        let programmer = std::thread::Builder::new()
+            .name("lb-nft".into())
+            .spawn(move || programmer(&s1));
+        let programmer = match programmer {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = nft_apply(&format!("delete table netdev {t}\n"));
+                return Err(e);
+            }
+        };
+        let s2 = shared.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let monitor = std::thread::Builder::new()
+            .name("lb-monitor".into())
+            .spawn(move || monitor(&s2, sock, tx));
+        let mut lb = Lb {
+            shared,
+            local,
+            ruleset: rules,
+            monitor: None,
+            programmer: Some(programmer),
+        };
+        lb.monitor = Some(monitor?); // on error, dropping `lb` stops the programmer
+                                     // The monitor is running once it has settled its scheduling policy.
+        let _ = rx.recv_timeout(Duration::from_secs(1));
+        Ok(lb)
+    }
+
+    /// The address the monitor receives heartbeats on.
+    pub fn heartbeat_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &LbConfig {
+        &self.shared.cfg
+    }
+
+    /// The table text it installed (without the map elements).
+    pub fn ruleset(&self) -> &str {
+        &self.ruleset
+    }
+
+    /// A snapshot of servers, table, events and counters.
+    pub fn status(&self) -> LbStatus {
+        let sh = &self.shared;
+        let st = sh.lock();
+        let now = Instant::now();
+        let window = Duration::from_secs(sh.cfg.failover_window_s);
+        let n = st.servers.len();
+        let mut owned = vec![0usize; n];
+        for &o in &st.applied {
+            owned[o as usize] += 1;
+        }
+        let servers = st
+            .servers
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ServerStatus {
+                id: s.id,
+                mac: mac_string(s.mac),
+                alive: s.alive,
+                last_heartbeat_age_ms: s.heard.then(|| ms(now.saturating_duration_since(s.last))),
+                last_seq: s.last_seq,
+                heartbeats: s.heartbeats,
+                buckets_owned: owned[i],
+                home_buckets: (0..sh.cfg.buckets as usize).filter(|b| b % n == i).count(),
+                buckets_allowed: st.recent[i]
+                    .iter()
+                    .filter(|(_, t)| now.saturating_duration_since(*t) < window)
+                    .count(),
+            })
+            .collect();
+        LbStatus {
+            table: sh.cfg.table.clone(),
+            buckets: sh.cfg.buckets,
+            epoch: st.epoch,
+            applied_epoch: st.applied_epoch,
+            uptime_ms: ms(sh.started.elapsed()),
+            monitor_realtime: st.monitor_realtime,
+            servers,
+            owners: st
+                .applied
+                .iter()
+                .map(|&o| st.servers[o as usize].id)
+                .collect(),
+            owner_changed_ms_ago: st
+                .changed_at
+                .iter()
+                .map(|t| t.map(|t| ms(now.saturating_duration_since(t))))
+                .collect(),
+            events: st.events.clone(),
+            counters: st.counters.clone(),
+            last_nft_error: st.last_nft_error.clone(),
+        }
+    }
+
+    /// Blocks until the generation (bumped by every event and every table update) differs from
+    /// `seen`, or `timeout` passes; returns the current generation.
+    pub fn wait_change(&self, seen: u64, timeout: Duration) -> u64 {
+        let st = self.shared.lock();
+        let (st, _) = self
+            .shared
+            .changed
+            .wait_timeout_while(st, timeout, |s| s.generation == seen && !s.stop)
+            .unwrap_or_else(|p| p.into_inner());
+        st.generation
+    }
+
+    /// Stops both threads and removes the table (from the balancer's namespace). Idempotent.
+    pub fn stop(&mut self) -> io::Result<()> {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let mut st = self.shared.lock();
+            st.stop = true;
+        }
+        self.shared.work.notify_all();
+        self.shared.changed.notify_all();
+        if let Some(m) = self.monitor.take() {
+            let _ = m.join();
+        }
+        match self.programmer.take() {
+            Some(p) => p
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("table programmer panicked"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Lb {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            eprintln!("lb: removing table {}: {e}", self.shared.cfg.table);
+        }
+    }
+}
+
+/// Try to give the calling thread SCHED_FIFO priority `prio`; false when not permitted.
+fn try_realtime(prio: i32) -> bool {
+    let p = libc::sched_param {
+        sched_priority: prio,
+    };
+    // SAFETY: plain system call on the calling thread (pid 0).
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) == 0 }
+}
+
+fn programmer(sh: &Shared) -> io::Result<()> {
+    let cfg = &sh.cfg;
+    let t = &cfg.table;
+    let macs: Vec<[u8; 6]> = sh.lock().servers.iter().map(|s| s.mac).collect();
+    // What the kernel holds as far as we know; None after a failure (then rewrite it all).
+    let mut kernel: Option<Vec<u16>> = Some(sh.lock().applied.clone());
+    loop {
+        let (epoch, owners) = {
+            let st = sh.lock();
+            let (st, _) = if kernel.is_none() {
+                // back off after a failed update
+                sh.work.wait_timeout_while(st, NFT_RETRY, |s| !s.stop)
+            } else {
+                sh.work
+                    .wait_timeout_while(st, Duration::from_secs(3600), |s| {
+                        s.epoch == s.applied_epoch && !s.stop
+                    })
+            }
+            .unwrap_or_else(|p| p.into_inner());
+            if st.stop {
+                break;
+            }
+            if st.epoch == st.applied_epoch {
+                continue;
+            }
+            (st.epoch, st.desired.clone())
+        };
+        // One transaction: replace only the changed elements, or the whole map after a failure.
+        let script = match &kernel {
+            Some(k) => {
+                let changed: Vec<u16> = (0..owners.len() as u16)
+                    .filter(|&b| k[b as usize] != owners[b as usize])
+                    .collect();
+                let keys: Vec<String> = changed.iter().map(|b| b.to_string()).collect();
+                if changed.is_empty() {
+                    String::new() // decisions that cancelled out: nothing to do
+                } else {
+                    format!(
+                        "delete element netdev {t} owner {{ {} }}\n",
+                        keys.join(", ")
+                    ) + &map_elements(
+                        t,
+                        "owner",
+                        changed
+                            .iter()
+                            .map(|&b| (b, macs[owners[b as usize] as usize])),
+                    )
+                }
+            }
+            None => install_script(cfg, &sh.rules, &macs, &owners),
+        };
+        let r = if script.is_empty() {
+            Ok(())
+        } else {
+            nft_apply(&script)
+        };
+        let now = Instant::now();
+        let mut st = sh.lock();
+        match r {
+            Ok(()) => {
+                kernel = Some(owners.clone());
+                for (b, o) in owners.iter().enumerate() {
+                    if *o != st.applied[b] {
+                        st.changed_at[b] = Some(now);
+                    }
+                }
+                st.applied = owners;
+                st.applied_epoch = epoch;
+                st.counters.nft_updates += 1;
+                st.last_nft_error = None;
+                st.refresh_replies(cfg.buckets);
+                let decided = std::mem::take(&mut st.decided);
+                let (done, pending): (Vec<_>, Vec<_>) =
+                    decided.into_iter().partition(|(e, _)| *e <= epoch);
+                st.decided = pending;
+                for (e, at) in done {
+                    let d = ms(now.saturating_duration_since(at));
+                    for ev in st.events.iter_mut().rev().take(64) {
+                        if ev.epoch == e && ev.applied_ms.is_none() {
+                            ev.applied_ms = Some(d);
+                        }
+                    }
+                }
+                st.generation += 1;
+            }
+            Err(e) => {
+                kernel = None;
+                st.counters.nft_errors += 1;
+                st.last_nft_error = Some(e.to_string());
+            }
+        }
+        drop(st);
+        sh.changed.notify_all();
+    }
+    nft_apply(&format!("delete table netdev {t}\n"))
+}
+
+/// Liveness change of server `i` at `now`; updates the desired table and records the event.
+fn set_alive(sh: &Shared, st: &mut State, i: usize, alive: bool, now: Instant, silence: Duration) {
+    st.servers[i].alive = alive;
+    let alive_v: Vec<bool> = st.servers.iter().map(|s| s.alive).collect();
+    let moved = reassign(&mut st.desired, &alive_v);
+    if !moved.is_empty() {
+        st.epoch = st.epoch.wrapping_add(1);
+        let e = st.epoch;
+        st.decided.push((e, now));
+    }
+    let e = LbEvent {
+        n: st.next_event,
+        t_ms: ms(now.saturating_duration_since(sh.started)),
+        server: st.servers[i].id,
+        kind: if alive {
+            EventKind::Up
+        } else {
+            EventKind::Down
+        },
+        buckets_moved: moved.len(),
+        detect_ms: Some(ms(silence)),
+        epoch: st.epoch,
+        applied_ms: if moved.is_empty() { Some(0) } else { None },
+    };
+    st.next_event += 1;
+    st.push_event(e);
+}
+
+fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
+    let rt = try_realtime(10);
+    sh.lock().monitor_realtime = rt;
+    let _ = started.send(());
+    let dead_after = Duration::from_millis(sh.cfg.dead_after_ms);
+    let window = Duration::from_secs(sh.cfg.failover_window_s);
+    let mut buf = vec![0u8; 2048];
+    let bl = (sh.cfg.buckets as usize).div_ceil(8);
+    while !sh.stop.load(Ordering::Relaxed) {
+        // 1. Drain every queued datagram first: a late monitor must not kill a live server.
+        let mut notify = false;
+        loop {
+            let (len, src) = match sock.recv_from(&mut buf) {
+                Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    sh.lock().counters.recv_errors += 1;
+                    break;
+                }
+            };
+            let now = Instant::now();
+            let hb = decode_heartbeat(&sh.key, &buf[..len]);
+            let mut st = sh.lock();
+            let hb = match hb {
+                Ok(h) => h,
+                Err(e) => {
+                    let c = &mut st.counters;
+                    match e {
+                        ProtoError::Length => c.bad_length += 1,
+                        ProtoError::Magic => c.bad_magic += 1,
+                        ProtoError::Version => c.bad_version += 1,
+                        ProtoError::Kind => c.bad_kind += 1,
+                        ProtoError::Mac => c.bad_mac += 1,
+                    }
+                    continue;
+                }
+            };
+            let Some(i) = st.servers.iter().position(|s| s.id == hb.server) else {
+                st.counters.unknown_server += 1;
+                continue;
+            };
+            st.counters.heartbeats += 1;
+            let silence = now.saturating_duration_since(st.servers[i].last);
+            {
+                let s = &mut st.servers[i];
+                s.last = now;
+                s.heard = true;
+                s.last_seq = Some(hb.seq);
+                s.heartbeats += 1;
+            }
+            if !st.servers[i].alive {
+                set_alive(sh, &mut st, i, true, now, silence);
+                sh.work.notify_one();
+                notify = true;
+            }
+            let mut allowed = vec![0u8; bl];
+            for &(b, t) in &st.recent[i] {
+                if now.saturating_duration_since(t) < window {
+                    set_bit(&mut allowed, b as usize);
+                }
+            }
+            let reply = Reply {
+                server: hb.server,
+                seq: hb.seq,
+                epoch: st.applied_epoch,
+                buckets: sh.cfg.buckets,
+                owned: st.owned_bits[i].clone(),
+                allowed,
+            };
+            drop(st);
+            let r = encode_reply(&sh.key, &reply);
+            let sent = sock.send_to(&r, src);
+            let mut st = sh.lock();
+            match sent {
+                Ok(_) => st.counters.replies += 1,
+                Err(_) => st.counters.send_errors += 1,
+            }
+        }
+
+        // 2. Deadlines.
+        let now = Instant::now();
+        let mut next = now + MONITOR_MAX_WAIT;
+        {
+            let mut st = sh.lock();
+            for i in 0..st.servers.len() {
+                if !st.servers[i].alive {
+                    continue;
+                }
+                let due = st.servers[i].last + dead_after;
+                if now >= due {
+                    let silence = now.saturating_duration_since(st.servers[i].last);
+                    set_alive(sh, &mut st, i, false, now, silence);
+                    sh.work.notify_one();
+                    notify = true;
+                } else {
+                    next = next.min(due);
+                }
+            }
+        }
+        if notify {
+            sh.changed.notify_all();
+        }
+
+        // 3. Sleep until a datagram arrives or the next deadline.
+        let wait = next.saturating_duration_since(Instant::now());
+        let ts = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
+        let mut pfd = libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+        unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agent's side
+
+/// The latest table view an agent received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketView {
+    /// The kernel table's epoch.
+    pub epoch: u32,
+    /// Number of buckets.
+    pub buckets: u16,
+    /// Owned buckets: bit `b % 64` of word `b / 64`.
+    pub owned: Vec<u64>,
+    /// Allowed buckets (recently moved to this server), same layout.
+    pub allowed: Vec<u64>,
+    /// The seq of the heartbeat this answers.
+    pub seq: u32,
+    /// When the reply arrived.
+    pub received_at: Instant,
+}
+
+fn words(bytes: &[u8], buckets: u16) -> Vec<u64> {
+    let mut w = vec![0u64; (buckets as usize).div_ceil(64)];
+    for b in 0..buckets as usize {
+        if bit(bytes, b) {
+            w[b / 64] |= 1 << (b % 64);
+        }
+    }
+    w
+}
+
+fn word_bit(w: &[u64], b: u16) -> bool {
+    w.get(b as usize / 64)
+        .is_some_and(|x| x & (1 << (b % 64)) != 0)
+}
+
+impl BucketView {
+    /// Whether this server owns `bucket`.
+    pub fn owns(&self, bucket: u16) -> bool {
+        word_bit(&self.owned, bucket)
+    }
+
+    /// Whether this server may start failover for `bucket` (it owns it and the owner changed
+    /// within the failover window).
+    pub fn allowed(&self, bucket: u16) -> bool {
+        word_bit(&self.allowed, bucket)
+    }
+
+    /// The owned buckets, ascending.
+    pub fn owned_buckets(&self) -> Vec<u16> {
+        (0..self.buckets).filter(|&b| self.owns(b)).collect()
+    }
+
+    /// The allowed buckets, ascending.
+    pub fn allowed_buckets(&self) -> Vec<u16> {
+        (0..self.buckets).filter(|&b| self.allowed(b)).collect()
+    }
+}
+
+/// Counters of a [`HeartbeatClient`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeartbeatStats {
+    /// Heartbeats sent.
+    pub sent: u64,
+    /// Valid replies accepted.
+    pub replies: u64,
+    /// Replies refused (bad mac, wrong server, stale seq, malformed).
+    pub bad_replies: u64,
+    /// Send or receive errors (e.g. ICMP unreachable while the balancer is down).
+    pub errors: u64,
+}
+
+struct ClientShared {
+    view: Mutex<Option<BucketView>>,
+    stop: AtomicBool,
+    sent: AtomicU64,
+    replies: AtomicU64,
+    bad: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// An agent's heartbeat sender: a thread that sends a heartbeat every interval to the
+/// balancer and keeps the latest reply. Stops when dropped.
+pub struct HeartbeatClient {
+    shared: Arc<ClientShared>,
+    thread: Option<JoinHandle<()>>,
+    server: u16,
+}
+
+impl std::fmt::Debug for HeartbeatClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeartbeatClient")
+            .field("server", &self.server)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl HeartbeatClient {
+    /// Binds a UDP socket connected to `lb` (in the calling thread's network namespace) and
+    /// starts the sender thread (which asks for SCHED_FIFO, best effort: a starved sender looks
+    /// like a dead server).
+    pub fn start(
+        server_id: u16,
+        lb: SocketAddr,
+        interval: Duration,
+        key: &[u8],
+    ) -> io::Result<HeartbeatClient> {
+        if interval.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "heartbeat interval must be positive",
+            ));
+        }
+        let any: SocketAddr = match lb {
+            SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+            SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+        };
+        let sock = UdpSocket::bind(any)?;
+        sock.connect(lb)?;
+        let shared = Arc::new(ClientShared {
+            view: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            sent: AtomicU64::new(0),
+            replies: AtomicU64::new(0),
+            bad: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+        });
+        let sh = shared.clone();
+        let key = key.to_vec();
+        let thread = std::thread::Builder::new()
+            .name(format!("hb-{server_id}"))
+            .spawn(move || client_loop(&sh, sock, server_id, interval, &key))?;
+        Ok(HeartbeatClient {
+            shared,
+            thread: Some(thread),
+            server: server_id,
+        })
+    }
+
+    /// The latest valid reply, if any.
+    pub fn view(&self) -> Option<BucketView> {
+        self.shared
+            .view
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> HeartbeatStats {
+        HeartbeatStats {
+            sent: self.shared.sent.load(Ordering::Relaxed),
+            replies: self.shared.replies.load(Ordering::Relaxed),
+            bad_replies: self.shared.bad.load(Ordering::Relaxed),
+            errors: self.shared.errors.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops the thread (also done on drop).
+    pub fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for HeartbeatClient {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, key: &[u8]) {
+    try_realtime(5);
+    let mut seq: u32 = 0;
+    let mut next = Instant::now();
+    let mut buf = vec![0u8; 2048];
+    let mut last_accepted: Option<u32> = None;
+    while !sh.stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if now >= next {
+            seq = seq.wrapping_add(1);
+            match sock.send(&encode_heartbeat(key, id, seq)) {
+                Ok(_) => sh.sent.fetch_add(1, Ordering::Relaxed),
+                Err(_) => sh.errors.fetch_add(1, Ordering::Relaxed),
+            };
+            next += interval;
+            if next <= now {
+                next = now + interval;
+            }
+        }
+        let wait = next
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_micros(50));
+        if sock.set_read_timeout(Some(wait)).is_err() {
+            sh.errors.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(wait);
+            continue;
+        }
+        match sock.recv(&mut buf) {
+            Ok(n) => {
+                let ok = decode_reply(key, &buf[..n]).ok().filter(|r| {
+                    // Only replies to what we sent, newer than what we have.
+                    r.server == id
+                        && seq.wrapping_sub(r.seq) < 1 << 20
+                        && last_accepted
+                            .is_none_or(|l| r.seq.wrapping_sub(l).wrapping_sub(1) < 1 << 20)
+                });
+                match ok {
+                    Some(r) => {
+                        last_accepted = Some(r.seq);
+                        let v = BucketView {
+                            epoch: r.epoch,
+                            buckets: r.buckets,
+                            owned: words(&r.owned, r.buckets),
+                            allowed: words(&r.allowed, r.buckets),
+                            seq: r.seq,
+                            received_at: Instant::now(),
+                        };
+                        *sh.view.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+                        sh.replies.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => {
+                        sh.bad.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => {
+                // ECONNREFUSED from an ICMP unreachable: the balancer is not up (yet).
+                sh.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+ingress = "l0"
+forward = "lbr"
+services = ["10.77.0.100:80", "[fd77::100]:80"]
+listen = "10.78.0.1:7950"
+key = "00112233445566778899aabbccddeeff"
+
+[[servers]]
+id = 1
+mac = "02:75:62:01:00:01"
+
+[[servers]]
+id = 2
+mac = "02:75:62:01:00:02"
+
+[[servers]]
+id = 3
+mac = "02:75:62:01:00:03"
+"#;
+
+    #[test]
+    fn config_parses_with_defaults() {
+        let c = LbConfig::from_toml(GOOD).unwrap();
+        assert_eq!(c.buckets, 256);
+        assert_eq!(c.dead_after_ms, 25);
+        assert_eq!(c.failover_window_s, 60);
+        assert_eq!(c.table, "unbroken_lb");
+        assert_eq!(c.servers.len(), 3);
+        assert_eq!(c.key_bytes().unwrap().len(), 16);
+        let example = include_str!("../../../configs/lb.example.toml");
+        LbConfig::from_toml(example).unwrap();
+    }
+
+    #[test]
+    fn config_errors_are_clear() {
+        let bad = |from: &str, to: &str, want: &str| {
+            let e = LbConfig::from_toml(&GOOD.replace(from, to)).unwrap_err();
+            assert!(e.contains(want), "{e:?} lacks {want:?}");
+        };
+        bad(
+            "ingress = \"l0\"",
+            "ingress = \"l0\"\nbogus = 1",
+            "unknown field",
+        );
+        bad("\"lbr\"", "\"l0\"", "different devices");
+        bad("\"lbr\"", "\"lb\\\"r\"", "may only contain");
+        bad("10.77.0.100:80\"", "10.77.0.100\"", "addr:port");
+        bad("10.77.0.100:80\"", "10.77.0.100:0\"", "port 0");
+        bad("\"[fd77::100]:80\"", "\"10.77.0.100:80\"", "twice");
+        bad("key = \"0011", "key = \"zz11", "hex");
+        bad("02:75:62:01:00:02", "02:75:62:01:00:01", "listed twice");
+        bad("id = 3", "id = 2", "listed twice");
+        bad("02:75:62:01:00:03", "03:75:62:01:00:03", "unicast");
+        bad("02:75:62:01:00:03", "02:75:62:00:00:03", "markers");
+        bad("02:75:62:01:00:03", "02:75:62:01:00", "bad mac");
+        bad("listen = ", "buckets = 5000\nlisten = ", "1 to 4096");
+        bad("listen = ", "buckets = 2\nlisten = ", "home bucket");
+        bad("listen = ", "dead_after_ms = 0\nlisten = ", "at least 1");
+        bad(
+            "listen = ",
+            "table = \"a-b\"\nlisten = ",
+            "only contain letters, digits and _",
+        );
+        let mut c = LbConfig::from_toml(GOOD).unwrap();
+        c.key = String::new();
+        c.validate().unwrap();
+        c.servers.clear();
+        assert!(c.validate().unwrap_err().contains("no servers"));
+    }
+
+    #[test]
+    fn ruleset_text() {
+        let c = LbConfig::from_toml(GOOD).unwrap();
+        let r = ruleset(&c).unwrap();
+        assert!(r.contains("elements = { 10.77.0.100 . 80 }"), "{r}");
+        assert!(r.contains("elements = { fd77::100 . 80 }"), "{r}");
+        assert!(r.contains("jhash ip6 saddr . tcp sport mod 256 seed 0x75620001 goto steer"));
+        assert!(r.contains("device \"l0\""));
+        assert!(r.contains("fwd to \"lbr\""));
+        let mut c4 = c.clone();
+        c4.services.pop();
+        let r = ruleset(&c4).unwrap();
+        assert!(!r.contains("svc6") && r.contains("svc4"), "{r}");
+    }
+
+    #[test]
+    fn marker_roundtrip() {
+        for b in [0u16, 1, 255, 256, 4095] {
+            assert_eq!(bucket_of_mac(marker_mac(b)), Some(b));
+        }
+        assert_eq!(marker_mac(0x0102), [2, 0x75, 0x62, 0, 1, 2]);
+        assert_eq!(bucket_of_mac([2, 0x75, 0x62, 1, 0, 1]), None);
+        assert_eq!(parse_mac("02:75:62:00:0f:ff"), Some(marker_mac(0x0fff)));
+        assert_eq!(parse_mac("02:75:62:00:0f"), None);
+        assert_eq!(parse_mac("02:75:62:00:0f:ff:00"), None);
+        assert_eq!(parse_mac("02:75:62:00:0f:fff"), None);
+    }
+
+    #[test]
+    fn heartbeat_wire_roundtrip_and_refusals() {
+        let k = b"k".as_slice();
+        let hb = encode_heartbeat(k, 7, 0xdead_beef);
+        assert_eq!(&hb[..12], b"UBHB\x01\x01\x00\x07\xde\xad\xbe\xef");
+        assert_eq!(
+            decode_heartbeat(k, &hb),
+            Ok(Heartbeat {
+                server: 7,
+                seq: 0xdead_beef
+            })
+        );
+        assert_eq!(decode_heartbeat(b"other", &hb), Err(ProtoError::Mac));
+        assert_eq!(decode_heartbeat(k, &hb[..27]), Err(ProtoError::Length));
+        assert_eq!(decode_heartbeat(k, &[]), Err(ProtoError::Length));
+        let mut x = hb;
+        x[0] = b'X';
+        assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Magic));
+        let mut x = hb;
+        x[4] = 2;
+        assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Version));
+        let mut x = hb;
+        x[9] ^= 1;
+        assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Mac));
+        // the empty key works and differs from others
+        let e = encode_heartbeat(b"", 7, 1);
+        assert!(decode_heartbeat(b"", &e).is_ok());
+        assert_eq!(decode_heartbeat(k, &e), Err(ProtoError::Mac));
+        // a heartbeat is not a reply and vice versa
+        assert_eq!(decode_reply(k, &hb), Err(ProtoError::Kind));
+
+        let mut owned = vec![0u8; 2];
+        set_bit(&mut owned, 0);
+        set_bit(&mut owned, 9);
+        let mut allowed = vec![0u8; 2];
+        set_bit(&mut allowed, 9);
+        let r = Reply {
+            server: 7,
+            seq: 5,
+            epoch: 3,
+            buckets: 10,
+            owned,
+            allowed,
+        };
+        let w = encode_reply(k, &r);
+        assert_eq!(w.len(), reply_len(10));
+        assert_eq!(w.len(), 18 + 4 + 16);
+        assert_eq!(decode_reply(k, &w), Ok(r.clone()));
+        assert_eq!(decode_heartbeat(k, &w), Err(ProtoError::Kind));
+        assert_eq!(decode_reply(b"x", &w), Err(ProtoError::Mac));
+        assert_eq!(decode_reply(k, &w[..w.len() - 1]), Err(ProtoError::Length));
+        let mut x = w.clone();
+        x[17] = 11; // claims more buckets than the bitmaps hold (same byte count: 2)
+        assert_eq!(decode_reply(k, &x), Err(ProtoError::Mac));
+        x[17] = 17; // 3 bytes per bitmap: wrong length
+        assert_eq!(decode_reply(k, &x), Err(ProtoError::Length));
+        let v = BucketView {
+            epoch: r.epoch,
+            buckets: 10,
+            owned: words(&r.owned, 10),
+            allowed: words(&r.allowed, 10),
+            seq: 5,
+            received_at: Instant::now(),
+        };
+        assert_eq!(v.owned_buckets(), vec![0, 9]);
+        assert_eq!(v.allowed_buckets(), vec![9]);
+        assert!(v.owns(9) && !v.owns(1) && !v.owns(4000) && v.allowed(9) && !v.allowed(0));
+        // max size fits one datagram
+        assert_eq!(reply_len(MAX_BUCKETS), 18 + 1024 + 16);
+    }
+
+    #[test]
+    fn decoding_arbitrary_bytes_never_panics() {
+        let mut x: u64 = 0x1234_5678;
+        for len in 0..300usize {
+            let mut buf: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            if len >= 6 {
+                buf[..4].copy_from_slice(&MAGIC);
+                buf[4] = VERSION;
+                buf[5] = if len % 2 == 0 {
+                    KIND_REPLY
+                } else {
+                    KIND_HEARTBEAT
+                };
+            }
+            let _ = decode_heartbeat(b"k", &buf);
+            let _ = decode_reply(b"k", &buf);
+        }
+    }
+
+    #[test]
+    fn reassign_moves_only_the_dead_servers_buckets_and_returns_them() {
+        let n = 3;
+        let mut o = home_owners(256, n);
+        let home = o.clone();
+        // server index 1 dies
+        let moved = reassign(&mut o, &[true, false, true]);
+        assert_eq!(
+            moved,
+            (0..256u16).filter(|b| b % 3 == 1).collect::<Vec<_>>()
+        );
+        for b in 0..256 {
+            if b % 3 == 1 {
+                assert_ne!(o[b], 1);
+            } else {
+                assert_eq!(o[b], home[b]);
+            }
+        }
+        // spread evenly over 0 and 2
+        let to0 = moved.iter().filter(|&&b| o[b as usize] == 0).count();
+        let to2 = moved.len() - to0;
+        assert!(to0.abs_diff(to2) <= 1, "{to0} {to2}");
+        // server 0 dies too: its home buckets and the ones it inherited go to 2
+        let before = o.clone();
+        let moved2 = reassign(&mut o, &[false, false, true]);
+        assert!(moved2.iter().all(|&b| before[b as usize] == 0));
+        assert!(o.iter().all(|&x| x == 2));
+        // everybody dies: nothing moves
+        assert!(reassign(&mut o, &[false, false, false]).is_empty());
+        // 1 comes back: only its home buckets return
+        let moved3 = reassign(&mut o, &[false, true, false]);
+        // buckets stranded on dead server 2 move to 1 as well
+        assert_eq!(moved3.len(), 256);
+        assert!(o.iter().all(|&x| x == 1));
+        let moved4 = reassign(&mut o, &[true, true, true]);
+        assert_eq!(o, home);
+        assert_eq!(moved4.len(), 256 - 85); // all but server 1's own home buckets (b % 3 == 1: 85)
+    }
+}

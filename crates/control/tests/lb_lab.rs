@@ -1,0 +1,719 @@
+//! Object mode's load balancer and liveness monitor in the object lab (network namespaces,
+//! root): real nginx servers behind the nftables balancer, heartbeat clients inside the
+//! server namespaces, curl as the unmodified client. Skips with a message when namespaces are
+//! not available.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::net::UdpSocket;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+use unbroken_control::lab;
+use unbroken_control::lb::{
+    self, encode_heartbeat, BucketView, EventKind, HeartbeatClient, Lb, LbConfig, LbStatus,
+};
+use unbroken_control::objlab::{addr, server_mac as lab_mac, ObjectLab, ObjectOpts};
+
+const KEY_HEX: &str = "00112233445566778899aabbccddeeff";
+const INTERVAL: Duration = Duration::from_millis(5);
+const DEADLINE: Duration = Duration::from_secs(10);
+static DIRS: AtomicU32 = AtomicU32::new(0);
+
+fn skip() -> bool {
+    match lab::lab_available() {
+        Ok(()) => false,
+        Err(e) => {
+            eprintln!("skipping lb lab test: {e}");
+            true
+        }
+    }
+}
+
+fn key() -> Vec<u8> {
+    lb::parse_key_hex(KEY_HEX).unwrap()
+}
+
+/// Poll `f` every millisecond until it returns Some, at most `DEADLINE`.
+fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let end = Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A lab with nginx on every server, the balancer in the lb namespace and heartbeat clients.
+/// Fields drop in order: heartbeats, balancer, nginx, lab, then the temp dir.
+struct World {
+    hb: Vec<Option<HeartbeatClient>>,
+    lb: Option<Lb>,
+    nginx: Vec<Option<Child>>,
+    lab: ObjectLab,
+    dir: PathBuf,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.hb.clear();
+        self.lb = None;
+        for c in self.nginx.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl World {
+    fn new(nginx: bool, tweak: impl FnOnce(&mut LbConfig)) -> World {
+        let lab = ObjectLab::build(ObjectOpts::default()).expect("object lab");
+        let dir = std::env::temp_dir().join(format!(
+            "ub-lblab-{}-{}",
+            std::process::id(),
+            DIRS.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut w = World {
+            hb: Vec::new(),
+            lb: None,
+            nginx: Vec::new(),
+            lab,
+            dir,
+        };
+        if nginx {
+            for i in 1..=w.lab.n_servers() {
+                let c = w.start_nginx(i);
+                w.nginx.push(Some(c));
+            }
+        }
+        let mut cfg = w.lab.lb_config();
+        cfg.key = KEY_HEX.to_string();
+        tweak(&mut cfg);
+        let l = lab::in_ns(w.lab.lb(), || Lb::start(cfg))
+            .unwrap()
+            .expect("start lb");
+        eprintln!("ruleset:\n{}", l.ruleset());
+        w.lb = Some(l);
+        w
+    }
+
+    fn start_nginx(&self, i: usize) -> Child {
+        let docroot = self.dir.join(format!("www{i}"));
+        std::fs::create_dir_all(&docroot).unwrap();
+        std::fs::write(docroot.join("who"), format!("srv{i}\n")).unwrap();
+        self.lab
+            .start_nginx(i, &docroot, &self.dir.join(format!("run{i}")))
+            .expect("nginx")
+    }
+
+    fn lb(&self) -> &Lb {
+        self.lb.as_ref().unwrap()
+    }
+
+    fn status(&self) -> LbStatus {
+        self.lb().status()
+    }
+
+    fn start_hb(&mut self, i: usize) {
+        let ns = self.lab.server(i).to_string();
+        let k = key();
+        let c = lab::in_ns(&ns, || {
+            HeartbeatClient::start(i as u16, addr::HEARTBEAT, INTERVAL, &k)
+        })
+        .unwrap()
+        .expect("heartbeat client");
+        while self.hb.len() < i {
+            self.hb.push(None);
+        }
+        self.hb[i - 1] = Some(c);
+    }
+
+    fn stop_hb(&mut self, i: usize) {
+        self.hb[i - 1] = None;
+    }
+
+    fn view(&self, i: usize) -> Option<BucketView> {
+        self.hb[i - 1].as_ref().and_then(|c| c.view())
+    }
+
+    /// Wait until the kernel table has the latest decision and `pred` holds.
+    fn wait_status(&self, what: &str, pred: impl Fn(&LbStatus) -> bool) -> LbStatus {
+        wait_for(what, || {
+            let s = self.status();
+            (s.applied_epoch == s.epoch && pred(&s)).then_some(s)
+        })
+    }
+
+    /// Wait until server `i`'s client holds a view of the kernel table's current epoch.
+    fn wait_view(&self, i: usize) -> BucketView {
+        wait_for(&format!("server {i}'s view of the current epoch"), || {
+            let e = self.status().applied_epoch;
+            self.view(i).filter(|v| v.epoch == e)
+        })
+    }
+
+    /// `n` HTTP requests from the client to `url`; returns how often each server answered.
+    fn requests(&self, url: &str, n: usize) -> BTreeMap<String, usize> {
+        let mut hits = BTreeMap::new();
+        for k in 0..n {
+            let out = lab::run(
+                self.lab.client(),
+                Command::new("curl").args(["-sS", "-g", "-m", "5", "-w", " %{local_port}", url]),
+            )
+            .expect("run curl");
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            assert!(
+                out.status.success(),
+                "request {k} to {url} failed ({}): {} {}",
+                out.status,
+                text,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let who = text.split_whitespace().next().unwrap_or("").to_string();
+            assert!(who.starts_with("srv"), "unexpected body {text:?}");
+            *hits.entry(who).or_insert(0) += 1;
+        }
+        hits
+    }
+
+    fn table_exists(&self, table: &str) -> bool {
+        lab::in_ns(self.lab.lb(), || lb::table_exists(table))
+            .unwrap()
+            .unwrap()
+    }
+
+    fn kernel_owners(&self, table: &str, buckets: u16) -> Vec<Option<[u8; 6]>> {
+        lab::in_ns(self.lab.lb(), || lb::kernel_owners(table, buckets))
+            .unwrap()
+            .unwrap()
+    }
+
+    /// The kernel's owner map equals the status's owners.
+    fn check_kernel_matches(&self, s: &LbStatus) {
+        let k = self.kernel_owners(&s.table, s.buckets);
+        for (b, m) in k.iter().enumerate() {
+            let want = self.lab.server_mac(s.owners[b] as usize);
+            assert_eq!(
+                *m,
+                Some(want),
+                "bucket {b}: kernel {m:?}, status owner {}",
+                s.owners[b]
+            );
+        }
+    }
+}
+
+const URL4: &str = "http://10.77.0.100/who";
+const URL6: &str = "http://[fd77::100]/who";
+
+fn all_three(hits: &BTreeMap<String, usize>) -> bool {
+    ["srv1", "srv2", "srv3"]
+        .iter()
+        .all(|s| hits.contains_key(*s))
+}
+
+fn stats(v: &mut [u64]) -> String {
+    v.sort_unstable();
+    format!(
+        "n={} min={} median={} max={}",
+        v.len(),
+        v[0],
+        v[v.len() / 2],
+        v[v.len() - 1]
+    )
+}
+
+/// Test 1 + 2 + 4: balancing over all servers (IPv4 and IPv6), failure detection moves exactly
+/// the dead server's buckets, `allowed` names exactly the moved buckets, recovery brings them
+/// home, power loss is detected too, and the table is gone after stop.
+#[test]
+fn balances_detects_failure_moves_only_its_buckets_and_returns_them() {
+    if skip() {
+        return;
+    }
+    let mut w = World::new(true, |_| {});
+    for i in 1..=3 {
+        w.start_hb(i);
+    }
+    let s0 = w.wait_status("every server heard", |s| {
+        s.servers.iter().all(|x| x.alive && x.heartbeats > 0)
+    });
+    eprintln!("monitor realtime: {}", s0.monitor_realtime);
+    assert!(s0.events.is_empty(), "{:?}", s0.events);
+    let home: Vec<u16> = (0..256u16).map(|b| b % 3 + 1).collect();
+    assert_eq!(s0.owners, home);
+    w.check_kernel_matches(&s0);
+    for i in 1..=3 {
+        let v = w.wait_view(i);
+        let want: Vec<u16> = (0..256u16)
+            .filter(|b| home[*b as usize] == i as u16)
+            .collect();
+        assert_eq!(v.owned_buckets(), want, "server {i}");
+        assert!(
+            v.allowed_buckets().is_empty(),
+            "server {i}: nothing moved yet"
+        );
+    }
+
+    // 1. 60 requests over IPv4 and 60 over IPv6 hit all three servers.
+    let h4 = w.requests(URL4, 60);
+    let h6 = w.requests(URL6, 60);
+    eprintln!("IPv4 hits {h4:?}, IPv6 hits {h6:?}");
+    assert!(all_three(&h4) && all_three(&h6), "{h4:?} {h6:?}");
+
+    // 2. Server 2's heartbeats stop (several times, to measure detection).
+    let mut detect = Vec::new();
+    let mut observed = Vec::new();
+    let mut applied = Vec::new();
+    let mut epoch = s0.epoch;
+    for cycle in 0..5 {
+        let before = w.status();
+        let stopped = Instant::now();
+        w.stop_hb(2);
+        let s = w.wait_status("server 2 declared dead", |s| !s.server(2).unwrap().alive);
+        observed.push(stopped.elapsed().as_millis() as u64);
+        let ev = s
+            .events
+            .iter()
+            .rev()
+            .find(|e| e.server == 2 && e.kind == EventKind::Down)
+            .expect("down event")
+            .clone();
+        eprintln!("cycle {cycle}: {ev:?}");
+        detect.push(ev.detect_ms.unwrap());
+        applied.push(ev.applied_ms.unwrap());
+        assert!(ev.detect_ms.unwrap() >= 25, "{ev:?}");
+        assert!(s.epoch > epoch);
+        epoch = s.epoch;
+        let moved: BTreeSet<u16> = (0..256u16)
+            .filter(|&b| before.owners[b as usize] == 2)
+            .collect();
+        assert_eq!(ev.buckets_moved, moved.len());
+        assert_eq!(moved.len(), 85);
+        for b in 0..256usize {
+            if moved.contains(&(b as u16)) {
+                assert_ne!(s.owners[b], 2, "bucket {b} still on the dead server");
+            } else {
+                assert_eq!(
+                    s.owners[b], before.owners[b],
+                    "bucket {b} moved but was not server 2's"
+                );
+            }
+        }
+        // round-robin: evenly over 1 and 3
+        let to1 = moved.iter().filter(|&&b| s.owners[b as usize] == 1).count();
+        assert!(
+            to1.abs_diff(moved.len() - to1) <= 1,
+            "{to1} of {}",
+            moved.len()
+        );
+        w.check_kernel_matches(&s);
+        assert_eq!(s.server(2).unwrap().buckets_owned, 0);
+        assert_eq!(
+            s.server(1).unwrap().buckets_allowed + s.server(3).unwrap().buckets_allowed,
+            85
+        );
+        // Only server 2 changed state.
+        assert!(s.events.iter().all(|e| e.server == 2), "{:?}", s.events);
+        // The survivors' allowed bitmaps hold exactly the moved buckets, and only their own.
+        let v1 = w.wait_view(1);
+        let v3 = w.wait_view(3);
+        let allowed: BTreeSet<u16> = v1
+            .allowed_buckets()
+            .into_iter()
+            .chain(v3.allowed_buckets())
+            .collect();
+        assert_eq!(allowed, moved);
+        for (i, v) in [(1u16, &v1), (3, &v3)] {
+            assert!(v
+                .allowed_buckets()
+                .iter()
+                .all(|&b| s.owners[b as usize] == i));
+            assert_eq!(v.owned_buckets(), s.buckets_of(i));
+        }
+        if cycle == 0 {
+            // Every new request succeeds, on 1 and 3 only (server 2's nginx still runs: only
+            // the balancer keeps traffic away from it).
+            let h4 = w.requests(URL4, 60);
+            let h6 = w.requests(URL6, 60);
+            eprintln!("server 2 dead: IPv4 hits {h4:?}, IPv6 hits {h6:?}");
+            assert!(!h4.contains_key("srv2") && !h6.contains_key("srv2"));
+            assert!(h4.len() == 2 && h6.len() == 2, "{h4:?} {h6:?}");
+        }
+
+        // Resume: buckets return home, epoch increases.
+        w.start_hb(2);
+        let s = w.wait_status("server 2 alive again", |s| s.server(2).unwrap().alive);
+        assert_eq!(s.owners, home);
+        assert!(s.epoch > epoch);
+        epoch = s.epoch;
+        w.check_kernel_matches(&s);
+        let up = s.events.last().unwrap();
+        assert_eq!(
+            (up.server, up.kind, up.buckets_moved),
+            (2, EventKind::Up, 85)
+        );
+        let v2 = w.wait_view(2);
+        assert_eq!(v2.owned_buckets(), s.buckets_of(2));
+        assert_eq!(
+            v2.allowed_buckets(),
+            s.buckets_of(2),
+            "returned buckets changed hands"
+        );
+        assert!(w.wait_view(1).allowed_buckets().is_empty());
+        assert!(w.wait_view(3).allowed_buckets().is_empty());
+    }
+    eprintln!(
+        "detection (silence when declared dead, ms): {}; from stop to status (ms): {}; decision to kernel table (ms): {}",
+        stats(&mut detect),
+        stats(&mut observed),
+        stats(&mut applied)
+    );
+    let h4 = w.requests(URL4, 60);
+    assert!(all_three(&h4), "{h4:?}");
+
+    // Power loss of server 2 (its heartbeat thread keeps trying; its link is down).
+    let before = w.status();
+    let t = Instant::now();
+    w.lab.crash_server(2).unwrap();
+    if let Some(mut c) = w.nginx[1].take() {
+        let _ = c.wait(); // killed with the host
+    }
+    let s = w.wait_status("crashed server 2 declared dead", |s| {
+        !s.server(2).unwrap().alive
+    });
+    let ev = s.events.last().unwrap().clone();
+    eprintln!("power loss: {ev:?}, observed after {:?}", t.elapsed());
+    assert_eq!(
+        (ev.server, ev.kind, ev.buckets_moved),
+        (2, EventKind::Down, 85)
+    );
+    for b in 0..256usize {
+        if before.owners[b] != 2 {
+            assert_eq!(s.owners[b], before.owners[b]);
+        }
+    }
+    let h4 = w.requests(URL4, 30);
+    let h6 = w.requests(URL6, 30);
+    assert!(
+        !h4.contains_key("srv2") && !h6.contains_key("srv2"),
+        "{h4:?} {h6:?}"
+    );
+    w.lab.revive_server(2).unwrap();
+    let c = w.start_nginx(2);
+    w.nginx[1] = Some(c);
+    // The same heartbeat client reaches the balancer again once the link is back.
+    let s = w.wait_status("revived server 2 alive", |s| s.server(2).unwrap().alive);
+    assert_eq!(s.owners, home);
+    let h4 = w.requests(URL4, 60);
+    assert!(all_three(&h4), "{h4:?}");
+    assert_eq!(lab::rsts_seen(w.lab.client()).unwrap(), 0);
+
+    // 4. The table is gone after stop.
+    let table = s.table.clone();
+    assert!(w.table_exists(&table));
+    let mut l = w.lb.take().unwrap();
+    l.stop().unwrap();
+    assert!(!w.table_exists(&table), "table {table} survived stop");
+    l.stop().unwrap(); // idempotent
+    drop(l);
+    // Without the table, VIP traffic is not balanced any more (routed toward the bridge,
+    // where nobody answers ARP for the VIP).
+    let out = lab::run(
+        w.lab.client(),
+        Command::new("curl").args(["-sS", "-m", "2", URL4]),
+    )
+    .unwrap();
+    assert!(!out.status.success());
+}
+
+/// Test 3: garbage heartbeats are counted, never keep a dead server alive, never crash the
+/// monitor; a valid heartbeat still revives the server afterwards.
+#[test]
+fn garbage_heartbeats_are_counted_and_ignored() {
+    if skip() {
+        return;
+    }
+    let mut w = World::new(false, |c| {
+        c.startup_grace_ms = 50;
+        c.failover_window_s = 1;
+    });
+    w.start_hb(1);
+    w.start_hb(3);
+    let s = w.wait_status("server 2 (never heard) declared dead", |s| {
+        !s.server(2).unwrap().alive
+    });
+    assert_eq!(s.buckets_of(2).len(), 0);
+    let down_events = s.events.iter().filter(|e| e.server == 2).count();
+    assert_eq!(down_events, 1, "{:?}", s.events);
+
+    let k = key();
+    let good = encode_heartbeat(&k, 2, 1);
+    let mut cases: Vec<(&str, Vec<u8>)> = vec![
+        ("wrong key", encode_heartbeat(b"wrong key", 2, 7).to_vec()),
+        ("empty key", encode_heartbeat(b"", 2, 8).to_vec()),
+        ("short", good[..20].to_vec()),
+        ("tiny", vec![b'U']),
+        ("empty", vec![]),
+        ("long", [good.as_slice(), &[0u8]].concat()),
+        ("bad magic", {
+            let mut g = good.to_vec();
+            g[0] = b'X';
+            g
+        }),
+        ("bad version", {
+            let mut g = good.to_vec();
+            g[4] = 9;
+            g
+        }),
+        ("reply kind", {
+            let mut g = good.to_vec();
+            g[5] = 2;
+            g
+        }),
+        ("flipped id", {
+            let mut g = good.to_vec();
+            g[7] ^= 1;
+            g
+        }),
+        ("unknown server", encode_heartbeat(&k, 99, 1).to_vec()),
+        (
+            "random",
+            (0..300u32).map(|i| (i * 7919 % 251) as u8).collect(),
+        ),
+    ];
+    // longer than the monitor's buffer (2048): arrives truncated, still a length error
+    cases.push(("huge", [&good[..12], &[0x55; 4000][..]].concat()));
+    let rounds = 20u64;
+    let ns = w.lab.server(2).to_string();
+    let before = w.status().counters;
+    let start = Instant::now();
+    lab::in_ns(&ns, || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..rounds {
+            for (_, d) in &cases {
+                s.send_to(d, addr::HEARTBEAT).unwrap();
+            }
+            // a garbage stream over > dead_after: must not keep server 2 alive
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    })
+    .unwrap();
+    eprintln!(
+        "sent {} garbage datagrams in {:?}",
+        rounds as usize * cases.len(),
+        start.elapsed()
+    );
+    let want = |c: &lb::LbCounters| {
+        (
+            c.bad_mac - before.bad_mac,
+            c.bad_length - before.bad_length,
+            c.bad_magic - before.bad_magic,
+            c.bad_version - before.bad_version,
+            c.bad_kind - before.bad_kind,
+            c.unknown_server - before.unknown_server,
+        )
+    };
+    // wrong key, empty key, flipped id: mac; short, tiny, empty, long, huge: length;
+    // bad magic and random: magic; version; kind; unknown server.
+    let expect = (3 * rounds, 5 * rounds, 2 * rounds, rounds, rounds, rounds);
+    let s = wait_for("every garbage datagram counted", || {
+        let s = w.status();
+        (want(&s.counters) == expect).then_some(s)
+    });
+    eprintln!("counters after garbage: {:?}", s.counters);
+    assert!(!s.server(2).unwrap().alive, "garbage revived server 2");
+    assert_eq!(s.events.iter().filter(|e| e.server == 2).count(), 1);
+    assert!(s.server(1).unwrap().alive && s.server(3).unwrap().alive);
+
+    // The monitor still works: one valid heartbeat revives server 2.
+    w.start_hb(2);
+    let s = w.wait_status("server 2 alive", |s| s.server(2).unwrap().alive);
+    assert_eq!(s.buckets_of(2).len(), 85);
+    assert_eq!(want(&s.counters), expect);
+
+    // The returned buckets are allowed on server 2 for the failover window (1 s here), then
+    // no longer.
+    let t = Instant::now();
+    let v = w.wait_view(2);
+    assert_eq!(v.allowed_buckets(), s.buckets_of(2));
+    wait_for("the failover window to close", || {
+        w.view(2).filter(|v| v.allowed_buckets().is_empty())
+    });
+    let closed = t.elapsed();
+    eprintln!("allowed bitmap emptied after {closed:?}");
+    assert!(closed < Duration::from_millis(1100), "{closed:?}");
+    assert_eq!(w.view(2).unwrap().owned_buckets(), s.buckets_of(2));
+    assert_eq!(w.status().server(2).unwrap().buckets_allowed, 0);
+}
+
+/// Test 4b: `cleanup` removes a leftover table; `Lb::start` replaces one atomically; bad
+/// configs are refused before anything is installed.
+#[test]
+fn cleanup_and_replace_leftover_tables() {
+    if skip() {
+        return;
+    }
+    let lab = ObjectLab::build(ObjectOpts::default()).unwrap();
+    let ns = lab.lb().to_string();
+    let mut cfg = lab.lb_config();
+    cfg.table = "unbroken_lb_test".into();
+    let exists = |t: &str| lab::in_ns(&ns, || lb::table_exists(t)).unwrap().unwrap();
+    // a leftover, as a killed balancer leaves it
+    let text = lb::ruleset(&cfg).unwrap();
+    lab::in_ns(&ns, || lb::nft_apply(&text)).unwrap().unwrap();
+    assert!(exists(&cfg.table));
+    assert!(lab::in_ns(&ns, || lb::cleanup("unbroken_lb_test"))
+        .unwrap()
+        .unwrap());
+    assert!(!exists(&cfg.table));
+    assert!(!lab::in_ns(&ns, || lb::cleanup("unbroken_lb_test"))
+        .unwrap()
+        .unwrap());
+
+    lab::in_ns(&ns, || lb::nft_apply(&text)).unwrap().unwrap();
+    let c2 = cfg.clone();
+    let mut l = lab::in_ns(&ns, || Lb::start(c2)).unwrap().unwrap();
+    let owners = lab::in_ns(&ns, || lb::kernel_owners("unbroken_lb_test", 256))
+        .unwrap()
+        .unwrap();
+    assert!(owners.iter().all(|o| o.is_some()));
+    l.stop().unwrap();
+    assert!(!exists(&cfg.table));
+
+    // A table deleted behind the balancer's back is installed again at the next change (here:
+    // no server ever sends a heartbeat, so all are declared dead after the grace period and
+    // every bucket ends on server 3, the last one declared dead).
+    let mut c3 = cfg.clone();
+    c3.startup_grace_ms = 300;
+    let l = lab::in_ns(&ns, || Lb::start(c3)).unwrap().unwrap();
+    assert!(lab::in_ns(&ns, || lb::cleanup("unbroken_lb_test"))
+        .unwrap()
+        .unwrap());
+    let s = wait_for("the table repaired", || {
+        let s = l.status();
+        (s.applied_epoch == s.epoch && s.servers.iter().all(|x| !x.alive)).then_some(s)
+    });
+    eprintln!("after repair: {:?} {:?}", s.counters, s.last_nft_error);
+    assert!(s.counters.nft_errors >= 1);
+    assert!(s.owners.iter().all(|&o| o == 3), "{:?}", s.owners);
+    let owners = lab::in_ns(&ns, || lb::kernel_owners("unbroken_lb_test", 256))
+        .unwrap()
+        .unwrap();
+    assert!(owners.iter().all(|o| *o == Some(lab_mac(3))), "{owners:?}");
+    drop(l);
+    assert!(!exists(&cfg.table));
+
+    let mut bad = cfg.clone();
+    bad.ingress = "l0\"; flush ruleset; \"".into();
+    let e = lab::in_ns(&ns, || Lb::start(bad)).unwrap().unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+    let mut nodev = cfg.clone();
+    nodev.ingress = "nosuchdev".into();
+    let e = lab::in_ns(&ns, || Lb::start(nodev)).unwrap().unwrap_err();
+    eprintln!("missing device: {e}");
+    assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+    assert!(!exists(&cfg.table));
+}
+
+/// The `unbroken lb` binary (when built next to this test: `cargo build --release -p unbroken`):
+/// bad config exits 2; a run prints events, writes the status file and removes its table on
+/// SIGTERM.
+#[test]
+fn unbroken_lb_command() {
+    if skip() {
+        return;
+    }
+    let bin = std::env::var_os("UNBROKEN_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().unwrap().parent().unwrap().join("unbroken")
+        });
+    if !bin.exists() {
+        eprintln!(
+            "skipping: {} not built (cargo build --release -p unbroken)",
+            bin.display()
+        );
+        return;
+    }
+    let mut w = World::new(false, |_| {});
+    w.lb = None; // this test runs the binary instead
+    let dir = w.dir.clone();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "ingress = \"l0\"\n").unwrap();
+    let out = Command::new(&bin)
+        .args(["lb", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("missing field"), "{err}");
+
+    let mut cfg = w.lab.lb_config();
+    cfg.key = KEY_HEX.into();
+    cfg.startup_grace_ms = 2000;
+    let cfg_path = dir.join("lb.toml");
+    std::fs::write(&cfg_path, toml::to_string(&cfg).unwrap()).unwrap();
+    let status = dir.join("lb.json");
+    let mut child = lab::spawn(
+        w.lab.lb(),
+        Command::new(&bin)
+            .args(["lb", "--config"])
+            .arg(&cfg_path)
+            .arg("--status-file")
+            .arg(&status)
+            .stdout(Stdio::piped()),
+    )
+    .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let next_line = |want: &str| -> String {
+        let end = Instant::now() + DEADLINE;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let l = rx
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no line containing {want:?}"));
+            eprintln!("unbroken lb: {l}");
+            if l.contains(want) {
+                return l;
+            }
+        }
+    };
+    next_line("ready");
+    for i in 1..=3 {
+        w.start_hb(i);
+    }
+    let read_status = |p: &Path| -> Option<LbStatus> {
+        serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+    };
+    wait_for("status file with every server heard", || {
+        read_status(&status).filter(|s| s.servers.iter().all(|x| x.heartbeats > 0))
+    });
+    w.stop_hb(3);
+    let line = next_line("down");
+    assert!(line.contains("server=3"), "{line}");
+    wait_for("status file shows server 3 dead", || {
+        read_status(&status).filter(|s| !s.server(3).unwrap().alive && s.applied_epoch == s.epoch)
+    });
+    assert!(w.table_exists(&cfg.table));
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let st = wait_for("unbroken lb to exit", || child.try_wait().unwrap());
+    assert!(st.success(), "{st}");
+    reader.join().unwrap();
+    assert!(!w.table_exists(&cfg.table), "table survived SIGTERM");
+    assert!(read_status(&status).is_some());
+}

@@ -1,0 +1,160 @@
+//! `unbroken lb --config FILE [--status-file PATH]`: object mode's load balancer and liveness
+//! monitor ([`unbroken_control::lb`]) as a command.
+//!
+//! Prints `ready ...` once the table is installed, then one line per liveness event
+//! (`down server=2 t_ms=... detect_ms=... buckets_moved=85 epoch=2`), until SIGINT or SIGTERM.
+//! The status JSON ([`unbroken_control::lb::LbStatus`]) is written atomically (temporary file
+//! plus rename) on every change and every 500 ms. The nft table is removed on exit. Exit codes:
+//! 0 after a signal, 1 when the balancer cannot start or stop cleanly, 2 for usage and config
+//! errors.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use unbroken_control::lb::{EventKind, Lb, LbConfig, LbEvent, LbStatus};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// How often the status file is rewritten without a change.
+const STATUS_PERIOD: Duration = Duration::from_millis(500);
+/// Longest wait between checks of the stop flag.
+const TICK: Duration = Duration::from_millis(50);
+
+fn usage(msg: &str) -> i32 {
+    eprintln!("unbroken lb: {msg}\nusage: unbroken lb --config FILE [--status-file PATH]");
+    2
+}
+
+/// Write `s` as JSON to `path` atomically (temporary file in the same directory + rename).
+pub fn write_status(path: &Path, s: &LbStatus) -> std::io::Result<()> {
+    let text = serde_json::to_vec_pretty(s).map_err(std::io::Error::other)?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// One line for an event.
+pub fn event_line(e: &LbEvent) -> String {
+    let kind = match e.kind {
+        EventKind::Down => "down",
+        EventKind::Up => "up",
+    };
+    let detect = e
+        .detect_ms
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| "-".into());
+    format!(
+        "{kind} server={} t_ms={} detect_ms={detect} buckets_moved={} epoch={}",
+        e.server, e.t_ms, e.buckets_moved, e.epoch
+    )
+}
+
+/// Runs the subcommand; returns the exit code.
+pub fn main(args: Vec<String>) -> i32 {
+    let mut config: Option<PathBuf> = None;
+    let mut status_file: Option<PathBuf> = None;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--config" => match it.next() {
+                Some(v) => config = Some(v.into()),
+                None => return usage("--config needs a FILE"),
+            },
+            "--status-file" => match it.next() {
+                Some(v) => status_file = Some(v.into()),
+                None => return usage("--status-file needs a PATH"),
+            },
+            "-h" | "--help" => {
+                println!("usage: unbroken lb --config FILE [--status-file PATH]");
+                return 0;
+            }
+            o => return usage(&format!("unknown argument {o:?}")),
+        }
+    }
+    let Some(config) = config else {
+        return usage("--config FILE is required");
+    };
+    let cfg = match LbConfig::load(&config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("unbroken lb: {e}");
+            return 2;
+        }
+    };
+    // SAFETY: installs a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let table = cfg.table.clone();
+    let mut lb = match Lb::start(cfg) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("unbroken lb: cannot start: {e}");
+            return 1;
+        }
+    };
+    let s = lb.status();
+    println!(
+        "ready table={table} buckets={} servers={} heartbeats={} epoch={} monitor_realtime={}",
+        s.buckets,
+        s.servers.len(),
+        lb.heartbeat_addr(),
+        s.epoch,
+        s.monitor_realtime
+    );
+    let mut printed = 0u64;
+    let mut gen = 0u64;
+    let mut last_write: Option<Instant> = None;
+    let mut write_failed = false;
+    while !STOP.load(Ordering::SeqCst) {
+        let g = lb.wait_change(gen, TICK);
+        let changed = g != gen;
+        gen = g;
+        let due = last_write.is_none_or(|t| t.elapsed() >= STATUS_PERIOD);
+        if !changed && !due {
+            continue;
+        }
+        let s = lb.status();
+        let from = printed;
+        for e in s.events.iter().filter(|e| e.n > from) {
+            println!("{}", event_line(e));
+            printed = e.n;
+        }
+        if let Some(p) = &status_file {
+            match write_status(p, &s) {
+                Ok(()) => write_failed = false,
+                Err(e) if !write_failed => {
+                    eprintln!("unbroken lb: status file {}: {e}", p.display());
+                    write_failed = true;
+                }
+                Err(_) => {}
+            }
+        }
+        last_write = Some(Instant::now());
+    }
+    let s = lb.status();
+    for e in s.events.iter().filter(|e| e.n > printed) {
+        println!("{}", event_line(e));
+    }
+    let r = lb.stop();
+    if let Some(p) = &status_file {
+        let _ = write_status(p, &lb.status());
+    }
+    match r {
+        Ok(()) => {
+            println!("stopped: table {table} removed");
+            0
+        }
+        Err(e) => {
+            eprintln!("unbroken lb: removing table {table}: {e}");
+            1
+        }
+    }
+}

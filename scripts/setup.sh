@@ -19,7 +19,7 @@ fi
 
 # iputils-ping is not in the lab's own needs list but its tests ping across namespaces.
 PKGS=(iproute2 iptables nftables socat tcpdump iputils-arping iputils-ping ethtool redis-server nginx
-      curl wget iperf3 procps ca-certificates build-essential pkg-config)
+      curl wget iperf3 wrk procps ca-certificates build-essential pkg-config)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 

@@ -1141,6 +1141,9 @@ impl StoreHandle {
         }
     }
 
+    /// Resets the wake fd. The fd is read before the flag is cleared: the other order could
+    /// swallow a signal sent in between and leave the flag set, so that no later completion
+    /// would signal again (a lost wake-up).
     fn clear_wake(&self) {
         self.shared.wake_signaled.store(false, Ordering::SeqCst);
         eventfd_clear(self.shared.wake_fd.as_raw_fd());
@@ -1586,6 +1589,8 @@ impl Worker {
                 continue;
             }
             if fds[0].revents != 0 {
+                // Read, then clear the flag (see `StoreHandle::clear_wake`); the queue is
+                // drained after both, so an op sent before a swallowed signal is taken below.
                 self.shared.worker_notified.store(false, Ordering::SeqCst);
                 eventfd_clear(self.shared.worker_fd.as_raw_fd());
             }

@@ -377,6 +377,51 @@ fn async_10k_pipelined_sets_complete_exactly_once() {
     assert_eq!(cli(r.port, &["dbsize"]), n.to_string());
 }
 
+/// Many small rounds of submit-then-wait, the consumer blocking on the wake fd alone: a lost
+/// wake-up (of the worker or of the consumer) shows as a round stuck for a second or more.
+#[test]
+fn no_lost_wakeups() {
+    require_redis!();
+    let dir = TempDir::new("wake");
+    let r = Redis::start(&dir.0, free_port(false), &[]);
+    let cfg = StoreConfig { timeout: Duration::from_secs(5), ..config(r.port) };
+    let h = StoreHandle::start(&cfg).unwrap();
+    let mut token = 0u64;
+    let mut worst = Duration::ZERO;
+    let mut out = Vec::new();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    for round in 0..4000 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let k = 1 + (rng % 24) as usize;
+        let t0 = Instant::now();
+        for _ in 0..k {
+            assert!(h.submit(Op { token, kind: set(b"w", &token.to_le_bytes()) }));
+            token += 1;
+        }
+        out.clear();
+        while out.len() < k {
+            assert!(
+                poll_readable(h.wake_fd(), Duration::from_secs(3)),
+                "round {round}: {} of {k} completions, then no wake-up for 3 s",
+                out.len()
+            );
+            h.drain(&mut out);
+        }
+        assert_eq!(out.len(), k);
+        worst = worst.max(t0.elapsed());
+        if rng % 8 == 0 {
+            std::thread::sleep(Duration::from_micros(rng % 300));
+        }
+    }
+    let st = h.stats();
+    eprintln!("{token} ops in 4000 rounds: worst round {worst:?}; {st:?}");
+    assert_eq!(st.errors, 0);
+    // The worker's poll wakes at least every second anyway: a lost wake-up costs ~1 s.
+    assert!(st.max_latency < Duration::from_millis(500), "{st:?}");
+}
+
 #[test]
 fn store_down_fails_fast_then_recovers() {
     require_redis!();

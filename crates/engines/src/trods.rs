@@ -590,6 +590,8 @@ struct Seg<'a> {
     ack: u32,
     flags: u8,
     payload: &'a [u8],
+    /// Where the payload starts in the packet.
+    payload_at: usize,
 }
 
 fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
@@ -610,6 +612,7 @@ fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
         ack: t.ack().0,
         flags: t.flags(),
         payload: &seg[hl..],
+        payload_at: ip.l4_offset + hl,
     })
 }
 
@@ -720,6 +723,7 @@ impl Engine {
         };
         let (key, seq, ack, fl) = (seg.key, seg.seq, seg.ack, seg.flags);
         let payload_len = seg.payload.len();
+        let payload_at = seg.payload_at;
         match dir {
             Dir::FromClient => {
                 if fl & flags::SYN != 0 && fl & flags::ACK == 0 {
@@ -762,8 +766,7 @@ impl Engine {
                 if !c.protected || c.closed_at.is_some() {
                     return Verdict::Accept { modified: false };
                 }
-                let payload = seg.payload.to_vec();
-                self.on_server(id, key, seq, ack, fl, &payload, payload_len, pkt, now)
+                self.on_server(id, key, seq, ack, fl, payload_at, payload_len, pkt, now)
             }
         }
     }
@@ -873,7 +876,9 @@ impl Engine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn on_server(&mut self, id: u64, key: Key, seq: u32, _ack: u32, fl: u8, payload: &[u8], len: usize, pkt: &mut [u8], _now: u64) -> Verdict {
+    /// A server segment; its payload is `pkt[payload_at..payload_at + len]` (not copied: a
+    /// body segment is only counted).
+    fn on_server(&mut self, id: u64, key: Key, seq: u32, _ack: u32, fl: u8, payload_at: usize, len: usize, pkt: &mut [u8], _now: u64) -> Verdict {
         let cfg_max_entries = self.cfg.max_entries;
         let max_head = self.cfg.max_response_head;
         let step = self.cfg.progress_step;
@@ -886,6 +891,7 @@ impl Engine {
         if off > c.srv_next {
             why = Some("gap in the server's byte stream");
         } else if end > c.srv_next {
+            let payload = &pkt[payload_at..payload_at + len];
             let mut data = &payload[(c.srv_next - off) as usize..];
             let mut pos = c.srv_next;
             while !data.is_empty() && why.is_none() {

@@ -15,8 +15,9 @@ usage:
         LIST is comma-separated from app,host,guard,guard+app (default app,app,host,app).
   unbroken guard --config FILE [--remove-rules]
         Run the checkpoint guard (RTCP) with the given TOML config.
-  unbroken status --file STATUS.json
-        Print a guard's status file (counters, connections).
+  unbroken status --file STATUS.json [--json]
+        Print a guard's or an agent's status file (agent: protected connections, failovers,
+        failover times, refusals, store state; --json prints the file as it is).
   unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--save FILE]
         Benchmark checkpoint mode against unprotected TCP in the lab (root): the paper's
         TCP_STREAM, TCP_MAERTS, TCP_RR, recovery cycle and engine microbenchmark
@@ -277,14 +278,36 @@ fn guard(args: Vec<String>) -> ExitCode {
 fn status(args: Vec<String>) -> ExitCode {
     let mut it = args.into_iter();
     let mut file = None;
+    let mut json = false;
     while let Some(a) = it.next() {
         match a.as_str() {
             "--file" => file = it.next(),
+            "--json" => json = true,
             o => return fail(format!("status: unknown argument {o:?}")),
         }
     }
     let Some(f) = file else { return fail("status: --file STATUS.json is required") };
     match std::fs::read_to_string(&f).map_err(|e| e.to_string()).and_then(|t| serde_json::from_str::<serde_json::Value>(&t).map_err(|e| e.to_string())) {
+        Ok(v) if !json && v.get("agent").is_some() && v.get("engine").is_some() => {
+            let (a, e) = (&v["agent"], &v["engine"]);
+            let n = |x: &serde_json::Value| x.as_u64().unwrap_or(0);
+            println!("unbroken agent (pid {}, up {} s{})", v["pid"], n(&v["uptime_ms"]) / 1000, if v["stopped"] == true { ", stopped" } else { "" });
+            println!("  connections            {} ({} protected)", n(&v["connections"]), n(&v["protected"]));
+            println!("  unprotected so far     {} (store {}, http {}, no SYN seen {})", n(&e["unprotected"]), n(&e["unprotected_store"]), n(&e["unprotected_http"]), n(&e["unprotected_no_syn"]));
+            println!("  records stored         {} ok, {} failed; held packets {}", n(&e["stores_ok"]), n(&e["stores_failed"]), n(&e["held"]));
+            println!("  failovers              {} done, {} started, {} refused, {} denied by the LB gate", n(&a["failovers"]), n(&a["failovers_started"]), n(&a["refused"]), n(&a["failovers_denied"]));
+            println!("  failover time          last {} us, max {} us (client packet to rebuilt socket)", n(&a["failover_us_last"]), n(&a["failover_us_max"]));
+            println!("  resumed bytes          {} (mismatches {}, errors {})", n(&a["resumed_bytes"]), n(&a["resume_mismatch"]), n(&a["resume_errors"]));
+            println!("  probes sent            {}", n(&a["probes_sent"]));
+            println!("  store                  {}{}", v["store"].as_str().unwrap_or("?"), if v["store_down"] == true { " DOWN" } else { "" });
+            if let Some(r) = a["recent_refusals"].as_array().filter(|r| !r.is_empty()) {
+                println!("  recent refusals");
+                for x in r {
+                    println!("    {}", x.as_str().unwrap_or(""));
+                }
+            }
+            ExitCode::SUCCESS
+        }
         Ok(v) => {
             println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             ExitCode::SUCCESS

@@ -625,7 +625,20 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
     let Some((_, trig)) = Trigger::parse(&pkt) else {
         return refuse("unparsable trigger".into(), |c| c.refused_plan += 1);
     };
-    let value = match Store::connect(&ctx.store_cfg).and_then(|mut s| s.get(store_key(bucket, &key).as_bytes())) {
+    // Many connections of a dead server fail over at once: retry the store for a moment
+    // rather than reset a connection for a transient error.
+    let skey = store_key(bucket, &key);
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    let got = loop {
+        match Store::connect(&ctx.store_cfg).and_then(|mut s| s.get(skey.as_bytes())) {
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20)); // back-off between store retries
+            }
+            r => break r,
+        }
+    };
+    let value = match got {
         Ok(Some(v)) => v,
         Ok(None) => return refuse("no record: the connection was not protected".into(), |c| c.refused_no_record += 1),
         Err(e) => return refuse(format!("store: {e}"), |c| c.refused_store += 1),

@@ -4,10 +4,43 @@
 //! callers can chain [`data`] over several slices (pseudo-header, header, payload) before [`fold`].
 
 /// Adds the bytes of `data` as big-endian 16-bit words to `acc` (an odd last byte is padded with 0).
+///
+/// Eight bytes at a time in native order (RFC 1071 section 2(B): the one's-complement sum is
+/// independent of byte order up to a final swap), so a 64 KiB GSO segment is summed at memory
+/// speed rather than two bytes per step.
 #[inline]
-pub fn data(mut acc: u32, data: &[u8]) -> u32 {
+pub fn data(acc: u32, data: &[u8]) -> u32 {
+    let mut chunks = data.chunks_exact(8);
+    // Native-order sum of 32-bit halves: each step adds < 2^33, so 2^30 steps cannot overflow.
+    let mut native: u64 = 0;
+    for c in &mut chunks {
+        let v = u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        native += (v & 0xffff_ffff) + (v >> 32);
+    }
+    // Fold to 16 bits (one's complement), then to big-endian order.
+    while native >> 16 != 0 {
+        native = (native & 0xffff) + (native >> 16);
+    }
+    let n16 = native as u16;
+    let be16 = if cfg!(target_endian = "little") { n16.swap_bytes() } else { n16 };
+    let mut wide: u64 = acc as u64 + be16 as u64;
+    let mut rest = chunks.remainder().chunks_exact(2);
+    for c in &mut rest {
+        wide += u16::from_be_bytes([c[0], c[1]]) as u64;
+    }
+    if let [last] = rest.remainder() {
+        wide += (*last as u64) << 8;
+    }
+    while wide >> 32 != 0 {
+        wide = (wide & 0xffff_ffff) + (wide >> 32);
+    }
+    wide as u32
+}
+
+/// The two-bytes-per-step definition of [`data`], kept as the reference for tests.
+#[doc(hidden)]
+pub fn data_reference(acc: u32, data: &[u8]) -> u32 {
     let mut chunks = data.chunks_exact(2);
-    // Sum in u64 to defer carries; 2^32 words of 0xffff would be needed to overflow.
     let mut wide: u64 = acc as u64;
     for c in &mut chunks {
         wide += u16::from_be_bytes([c[0], c[1]]) as u64;
@@ -18,8 +51,7 @@ pub fn data(mut acc: u32, data: &[u8]) -> u32 {
     while wide >> 32 != 0 {
         wide = (wide & 0xffff_ffff) + (wide >> 32);
     }
-    acc = wide as u32;
-    acc
+    wide as u32
 }
 
 /// Folds a 32-bit accumulator into a 16-bit one's-complement sum (not yet complemented).
@@ -158,6 +190,13 @@ mod tests {
             let c2 = update_u32(c, old, new);
             buf[0..2].copy_from_slice(&c2.to_be_bytes());
             prop_assert_eq!(fold(data(0, &buf)), 0xffff);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn fast_sum_folds_like_the_reference(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3000), acc in proptest::prelude::any::<u32>()) {
+            proptest::prop_assert_eq!(fold(data(acc, &bytes)), fold(data_reference(acc, &bytes)));
         }
     }
 }

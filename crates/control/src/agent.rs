@@ -227,6 +227,8 @@ pub struct AgentCounters {
     pub resume_errors: u64,
     pub resumed_bytes: u64,
     pub probes_sent: u64,
+    /// Connections silenced because the LB gave their bucket to another server.
+    pub muted: u64,
     /// Trigger packet to rebuilt socket, microseconds.
     pub failover_us_last: u64,
     pub failover_us_max: u64,
@@ -348,6 +350,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let mut last_expire = 0;
     let mut probed_epoch = 0u32;
     let ctx = Arc::new(WorkerCtx {
+        adopted: Mutex::new(HashMap::new()),
         store_cfg: cfg.store_config(),
         backend: cfg.backend,
         tx: tx.clone(),
@@ -356,6 +359,8 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     });
     let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
     let mut gate_wait: Vec<GateWait> = Vec::new();
+    let mut not_owned: HashMap<Key, u64> = HashMap::new();
+    let mut last_owner_check = 0u64;
     let res: Result<(), String> = loop {
         if STOP.load(Ordering::SeqCst) {
             break Ok(());
@@ -520,6 +525,42 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             buckets.retain(|k, _| engine.knows(k));
             last_expire = now;
         }
+        // Connections whose bucket the LB gave to another server while this one lives (it
+        // came back, or a failure was falsely detected): the new owner speaks for them now.
+        if now.saturating_sub(last_owner_check) >= 100 {
+            last_owner_check = now;
+            if let Some(v) = hb.as_ref().and_then(|h| h.view()).filter(|v| v.received_at.elapsed() < Duration::from_millis(100)) {
+                let mut still = HashMap::new();
+                for (k, b) in buckets.iter() {
+                    if let Some(b) = *b {
+                        if !v.owns(b) && engine.knows(k) {
+                            let since = *not_owned.get(k).unwrap_or(&now);
+                            if now.saturating_sub(since) >= 100 {
+                                if engine.mute(*k) {
+                                    // A socket this agent rebuilt: stop its worker. Whatever
+                                    // the socket still sends is dropped (muted).
+                                    // Repair mode first: its close is then silent and frees
+                                    // the address pair at once (tcp_close in repair mode).
+                                    if let Some(fd) = ctx.adopted.lock().unwrap().get(k) {
+                                        let on: libc::c_int = 1;
+                                        unsafe {
+                                            libc::setsockopt(fd.as_raw_fd(), libc::SOL_TCP, repair::TCP_REPAIR, &on as *const _ as *const libc::c_void, 4);
+                                            libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR);
+                                        }
+                                    }
+                                    eprintln!("agent: {} moved to another server (bucket {b}): muted", k.client);
+                                    shared.count(|c| c.muted += 1);
+                                }
+                            } else {
+                                still.insert(*k, since);
+                            }
+                        }
+                    }
+                }
+                not_owned = still;
+            }
+            flush_released(&mut engine, &mut queue, &mut csum);
+        }
         if let (true, Some(v)) = (a.probe, hb.as_ref().and_then(|h| h.view())) {
             if v.epoch != probed_epoch {
                 probed_epoch = v.epoch;
@@ -560,6 +601,10 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
 }
 
 fn flush_released(engine: &mut Engine, queue: &mut Queue, csum: &mut HashMap<u64, bool>) {
+    while let Some(id) = engine.take_dropped() {
+        csum.remove(&id);
+        let _ = queue.set_verdict(id as u32, QVerdict::Drop, None);
+    }
     while let Some((id, mut bytes, modified)) = engine.take_released() {
         let cnr = csum.remove(&id).unwrap_or(false);
         accept(queue, id as u32, &mut bytes, modified, cnr);
@@ -603,6 +648,8 @@ fn status_loop(
 // ---- failover -----------------------------------------------------------------------------------
 
 struct WorkerCtx {
+    /// Rebuilt sockets being served, so a muted connection's worker can be stopped.
+    adopted: Mutex<HashMap<Key, std::os::fd::OwnedFd>>,
     store_cfg: StoreConfig,
     backend: SocketAddr,
     tx: Sender<Msg>,
@@ -668,9 +715,17 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
         mark: 0,
         sndbuf: None,
     };
-    let sock = match repair::rebuild(&spec) {
-        Ok(s) => s,
-        Err(e) => return refuse(format!("rebuild: {e}"), |c| c.refused_rebuild += 1),
+    // A socket of this connection muted here earlier may take a moment to go (its worker
+    // closes it): retry while the address pair is still taken.
+    let deadline = Instant::now() + Duration::from_millis(500);
+    let sock = loop {
+        match repair::rebuild(&spec) {
+            Ok(s) => break s,
+            Err(e) if e.kind() == io::ErrorKind::AddrNotAvailable && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5)); // waiting for the old socket to close
+            }
+            Err(e) => return refuse(format!("rebuild: {e}"), |c| c.refused_rebuild += 1),
+        }
     };
     let (go_tx, go_rx) = channel();
     ctx.send(Msg::Adopt { key, bucket, rec: Box::new(rec.clone()), plan: Box::new(plan.clone()), started: t0, go: go_tx });
@@ -678,7 +733,11 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
         let _ = repair::close_silently(sock);
         return;
     }
+    if let Ok(dup) = sock.try_clone() {
+        ctx.adopted.lock().unwrap().insert(key, dup.into());
+    }
     serve_recovered(&ctx, sock, &rec, &plan);
+    ctx.adopted.lock().unwrap().remove(&key);
 }
 
 /// Resume the interrupted responses, then relay further requests to the local server.

@@ -481,6 +481,8 @@ pub struct Counters {
     pub adopted: u64,
     pub closed: u64,
     pub expired: u64,
+    pub muted: u64,
+    pub muted_dropped: u64,
 }
 
 /// What the engine asks its driver to do.
@@ -532,6 +534,9 @@ struct Conn {
     hs: Handshake,
     protected: bool,
     closed_at: Option<u64>,
+    /// The LB moved this connection's bucket to another server while this one lives: its
+    /// packets to the client are dropped, and its record is the new owner's business.
+    muted: bool,
     last_seen: u64,
     // client stream
     cli_next: u64,
@@ -581,6 +586,7 @@ pub struct Engine {
     next_token: u64,
     actions: VecDeque<Action>,
     released: VecDeque<(u64, Vec<u8>, bool)>,
+    dropped: VecDeque<u64>,
     pub counters: Counters,
 }
 
@@ -678,6 +684,7 @@ impl Engine {
             next_token: 1,
             actions: VecDeque::new(),
             released: VecDeque::new(),
+            dropped: VecDeque::new(),
             counters: Counters::default(),
         }
     }
@@ -692,9 +699,10 @@ impl Engine {
         self.conns.values().filter(|c| c.protected && c.closed_at.is_none()).count()
     }
 
-    /// Whether the engine knows `key` (the agent skips failover for those).
+    /// Whether the engine speaks for `key` (known and not muted; the agent starts no
+    /// failover for those).
     pub fn knows(&self, key: &Key) -> bool {
-        self.conns.contains_key(key)
+        self.conns.get(key).is_some_and(|c| !c.muted)
     }
 
     /// Next store or delete to perform.
@@ -738,6 +746,11 @@ impl Engine {
                     self.syns.insert(key, SynInfo { irs: seq, mss, ws, sack, ts, at: now });
                     return Verdict::Accept { modified: false };
                 }
+                if self.conns.get(&key).is_some_and(|c| c.muted) && fl & flags::RST == 0 {
+                    // The bucket came back: the connection must be rebuilt here again.
+                    self.counters.unknown_from_client += 1;
+                    return Verdict::Unknown;
+                }
                 if !self.conns.contains_key(&key) {
                     if fl & flags::RST != 0 || self.syns.contains_key(&key) {
                         return Verdict::Accept { modified: false };
@@ -759,6 +772,10 @@ impl Engine {
                     return Verdict::Accept { modified: false };
                 };
                 c.last_seen = now;
+                if c.muted {
+                    self.counters.muted_dropped += 1;
+                    return Verdict::Drop;
+                }
                 if fl & flags::RST != 0 {
                     self.forget(key, true);
                     return Verdict::Accept { modified: false };
@@ -806,6 +823,9 @@ impl Engine {
         let max_req = self.cfg.max_request_head;
         let c = self.conns.get_mut(&key).unwrap();
         c.last_seen = now;
+        if c.muted {
+            return;
+        }
         if fl & flags::RST != 0 {
             self.forget(key, true);
             return;
@@ -1029,7 +1049,7 @@ impl Engine {
     /// Issue a store of the current record if none is in flight and it changed.
     fn maybe_store(&mut self, key: Key) {
         let Some(c) = self.conns.get(&key) else { return };
-        if c.in_flight.is_some() || c.gen == c.stored_gen || !c.protected || c.closed_at.is_some() {
+        if c.in_flight.is_some() || c.gen == c.stored_gen || !c.protected || c.closed_at.is_some() || c.muted {
             return;
         }
         let rec = Record {
@@ -1130,7 +1150,7 @@ impl Engine {
 
     fn forget(&mut self, key: Key, delete_record: bool) {
         if let Some(c) = self.conns.get(&key) {
-            if delete_record && (c.protected || c.stored_gen > 0) {
+            if delete_record && !c.muted && (c.protected || c.stored_gen > 0) {
                 let token = self.next_token;
                 self.next_token += 1;
                 self.counters.deletes += 1;
@@ -1150,6 +1170,7 @@ impl Engine {
             .conns
             .iter()
             .filter_map(|(k, c)| match c.closed_at {
+                _ if c.muted && now.saturating_sub(c.last_seen) >= linger => Some((*k, false)),
                 Some(t) if now.saturating_sub(t) >= linger => Some((*k, false)),
                 None if now.saturating_sub(c.last_seen) >= idle => Some((*k, true)),
                 _ => None,
@@ -1161,6 +1182,31 @@ impl Engine {
             }
             self.forget(k, idle);
         }
+    }
+
+    /// The LB gave this connection's bucket to another server while this one is alive (a
+    /// returning server takes its buckets back, or a false failure detection): stop speaking
+    /// for it. Held packets are dropped ([`Engine::take_dropped`]); outgoing packets are
+    /// dropped from now on; no store operation is issued for it again (the new owner has
+    /// adopted the record). Returns whether the connection was known and not muted yet.
+    pub fn mute(&mut self, key: Key) -> bool {
+        let Some(c) = self.conns.get_mut(&key) else { return false };
+        if c.muted {
+            return false;
+        }
+        c.muted = true;
+        c.in_flight = None;
+        c.deleting = None;
+        self.counters.muted += 1;
+        while let Some(h) = c.held.pop_front() {
+            self.dropped.push_back(h.id);
+        }
+        true
+    }
+
+    /// Next held packet to drop (of a muted connection).
+    pub fn take_dropped(&mut self) -> Option<u64> {
+        self.dropped.pop_front()
     }
 
     /// Take over a connection rebuilt from `rec` according to `plan` (after a failover). The
@@ -1192,6 +1238,7 @@ impl Conn {
             hs,
             protected: true,
             closed_at: None,
+            muted: false,
             last_seen: now,
             cli_next: 0,
             req_buf: Vec::new(),

@@ -427,3 +427,30 @@ fn unknown_client_packets_are_failover_candidates_but_syn_and_rst_are_not() {
     assert_eq!(t.e.packet(1, &mut junk, Dir::FromClient, 1), Verdict::Accept { modified: false });
     assert_eq!(t.e.counters.malformed, 1);
 }
+
+#[test]
+fn muted_connection_goes_silent_and_leaves_its_record_alone() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(100, 1));
+    assert_eq!(t.s(ss(0), cs(REQ.len() as u32), F::ACK, &p1).0, Verdict::Held);
+    assert!(t.e.mute(key()));
+    assert!(!t.e.mute(key()));
+    assert_eq!(t.e.take_dropped(), Some(5));
+    assert!(t.released().is_empty());
+    assert_eq!(t.s(ss(p1.len() as u32), cs(REQ.len() as u32), F::ACK, &body(10, 2)).0, Verdict::Drop);
+    // Its store result (in flight when muted) is ignored; nothing new is stored or deleted.
+    while let Some(a) = t.e.poll_action() {
+        if let Action::Store { token, .. } = a {
+            t.e.store_done(token, true);
+        }
+    }
+    t.c(cs(REQ.len() as u32), ss(50), F::ACK | F::FIN, b"");
+    t.now += 60_000;
+    t.e.expire(t.now);
+    assert!(!t.e.knows(&key()));
+    assert!(t.e.poll_action().is_none(), "no delete for a muted connection");
+}

@@ -26,7 +26,7 @@ usage:
         The example recoverable application.
   unbroken peer --connect A:P --records N [--seed S] [--rate R]
         The demo's unmodified peer (plain sockets): streams records, verifies replies.
-  unbroken demo object [--json] [--size MIB] [--client curl|wget] [--ipv6] [--crashes N] [--rate BYTES_PER_S] [--no-probe]
+  unbroken demo object [--json] [--size MIB] [--client curl|wget] [--ipv6] [--crashes N] [--rate BYTES_PER_S] [--no-probe] [--revive]
         Run the object-mode demo in network namespaces (root): curl (or wget) downloads a 1 GiB
         file from unmodified nginx through the nftables LB; the serving server loses power twice
         mid-transfer; the download must finish byte-exact with 0 resets.
@@ -129,6 +129,7 @@ fn demo_object(args: Vec<String>) -> ExitCode {
                 "--ipv6" => s.ipv6 = true,
                 "--rate" => s.rate = num("--rate", it.next())?,
                 "--no-probe" => s.probe = false,
+                "--revive" => s.revive = true,
                 "--crashes" => {
                     let n: usize = num("--crashes", it.next())?;
                     s.crash_at = (1..=n).map(|k| k as f64 / (n + 1) as f64).collect();
@@ -318,6 +319,9 @@ fn status(args: Vec<String>) -> ExitCode {
 
 fn bench(args: Vec<String>) -> ExitCode {
     use unbroken::bench;
+    if args.first().map(String::as_str) == Some("object") {
+        return ExitCode::from(unbroken::objbench::main(args) as u8);
+    }
     if args.first().map(String::as_str) != Some("checkpoint") {
         return fail("bench: usage: unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--read BYTES] [--sweep|--no-sweep] [--no-micro] [--micro-only] [--micro-iters N] [--no-passthrough] [--no-cpu-qos] [--tests LIST] [--retries N] [--save FILE]");
     }

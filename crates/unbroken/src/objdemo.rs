@@ -360,11 +360,14 @@ pub struct ObjectScenario {
     pub timeout: Duration,
     pub live: bool,
     pub probe: bool,
+    /// Boot the first dead server again during the download (its buckets return to it, and
+    /// the connection moves back if it was one of them).
+    pub revive: bool,
 }
 
 impl Default for ObjectScenario {
     fn default() -> Self {
-        ObjectScenario { size: 1 << 30, crash_at: vec![0.3, 0.65], client: "curl".into(), ipv6: false, rate: 150 << 20, servers: 3, timeout: Duration::from_secs(300), live: false, probe: true }
+        ObjectScenario { size: 1 << 30, crash_at: vec![0.3, 0.65], client: "curl".into(), ipv6: false, rate: 0, servers: 3, timeout: Duration::from_secs(300), live: false, probe: true, revive: false }
     }
 }
 
@@ -396,6 +399,10 @@ pub struct ObjectReport {
     pub crashes: Vec<CrashLog>,
     pub duration_ms: u64,
     pub unprotected: u64,
+    /// Servers booted again during the download.
+    pub revived: Vec<usize>,
+    /// Connections silenced on a server whose bucket went back home.
+    pub muted: u64,
 }
 
 /// `unbroken demo object`.
@@ -441,11 +448,28 @@ pub fn run_object(s: &ObjectScenario) -> Result<ObjectReport, String> {
         let _ = stderr.read_to_string(&mut t);
         *et.lock().unwrap() = t;
     });
-    let mut crashes = Vec::new();
+    let mut crashes: Vec<CrashLog> = Vec::new();
     let mut error = None;
     let mut next = 0;
     let mut last_print = Instant::now();
+    let mut revived = Vec::new();
     let status = loop {
+        if s.revive && revived.is_empty() && !crashes.is_empty() && next < s.crash_at.len() {
+            let dead = crashes[0].server;
+            let down = env.lb_status().ok().is_some_and(|l| l["events"].as_array().is_some_and(|e| e.iter().any(|x| x["server"] == dead as u64 && x["kind"] == "down")));
+            if down {
+                if s.live {
+                    eprintln!("[demo] {:>6} ms  server {dead} boots again", t0.elapsed().as_millis());
+                }
+                match env.revive(dead).and_then(|_| env.wait_alive(&[dead], Duration::from_secs(10))) {
+                    Ok(()) => revived.push(dead),
+                    Err(e) => {
+                        error = Some(format!("revive: {e}"));
+                        revived.push(dead);
+                    }
+                }
+            }
+        }
         if let Ok(Some(st)) = child.try_wait() {
             break Some(st);
         }
@@ -516,6 +540,8 @@ pub fn run_object(s: &ObjectScenario) -> Result<ObjectReport, String> {
         crashes,
         duration_ms,
         unprotected: env.engine_sum("unprotected"),
+        revived,
+        muted: env.agent_sum("muted"),
     })
 }
 

@@ -665,6 +665,12 @@ impl WorkerCtx {
 }
 
 fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0: Instant) {
+    // TRODS section 5.1: failover work runs below normal traffic (the packet loop keeps the
+    // default priority), so a flood of failover attempts cannot starve protected connections.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 5);
+    }
     let refuse = |why: String, f: fn(&mut AgentCounters)| {
         ctx.shared.count(f);
         ctx.send(Msg::Refuse { key, why });

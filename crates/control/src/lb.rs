@@ -18,8 +18,8 @@
 //!   server's agent learns the bucket without replicating the hash,
 //! * `fwd` to the server-side device (a bridge, which delivers by destination MAC).
 //!
-//! Everything else (other addresses, ports, protocols, non-first IPv4 fragments) falls through
-//! to normal routing. The generated ruleset ([`ruleset`]) for the lab looks like this:
+//! Everything else (other addresses, ports and protocols; IPv4 fragments after the first, on
+//! which the `tcp` expressions never match) falls through to normal routing. The generated ruleset ([`ruleset`]) for the lab looks like this:
 //!
 //! ```text
 //! table netdev unbroken_lb {
@@ -51,10 +51,11 @@
 //! the same name (`add table; delete table; table ... { }` plus both maps' elements); an update
 //! deletes and re-adds the owner-map elements that change (`delete element` + `add element`).
 //! After a failed update the whole table is installed again 100 ms later (which also repairs a
-//! table someone deleted). Measured here: 12 to 16 ms per update with 256 buckets (the `nft`
-//! process itself costs most of it), 24 to 34 ms with 4096; a whole-map rewrite costs 16 to 24
-//! and 36 to 51 ms. [`Lb::stop`] (and dropping an [`Lb`]) removes the table; [`cleanup`]
-//! removes a leftover by name.
+//! table someone deleted). Measured in the lab (`tests/lb_lab.rs`): 11 to 23 ms from the
+//! decision until the kernel has it with 256 buckets, most of it the `nft` process itself
+//! (about 12 ms even for a tiny update); by hand with 4096 buckets, 24 to 34 ms per update
+//! against 36 to 51 ms for a whole-map rewrite. [`Lb::stop`] (and dropping an [`Lb`]) removes
+//! the table; [`cleanup`] removes a leftover by name.
 //!
 //! The balancer host must attract the VIP's traffic on the ingress device. In the lab
 //! ([`crate::objlab`]) the balancer namespace answers ARP and neighbour solicitations for the

@@ -121,12 +121,17 @@ impl StoreConfig {
         for (i, n) in self.nodes.iter().enumerate() {
             parse_host_port(n).map_err(|e| format!("store: nodes[{i}] = {n:?}: {e}"))?;
         }
-        for (name, d) in [("timeout", self.timeout), ("connect_timeout", self.connect_timeout)] {
+        for (name, d) in [
+            ("timeout", self.timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
             if d.is_zero() {
                 return Err(format!("store: {name} is zero; it must be positive"));
             }
             if d > Duration::from_secs(60) {
-                return Err(format!("store: {name} = {d:?} is above the maximum of 60 s"));
+                return Err(format!(
+                    "store: {name} = {d:?} is above the maximum of 60 s"
+                ));
             }
         }
         if let Some(ttl) = self.ttl {
@@ -168,21 +173,32 @@ impl DurationRepr {
 }
 
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    DurationRepr::deserialize(d)?.into_duration().map_err(serde::de::Error::custom)
+    DurationRepr::deserialize(d)?
+        .into_duration()
+        .map_err(serde::de::Error::custom)
 }
 
 fn de_opt_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     match Option::<DurationRepr>::deserialize(d)? {
         None => Ok(None),
-        Some(r) => r.into_duration().map(Some).map_err(serde::de::Error::custom),
+        Some(r) => r
+            .into_duration()
+            .map(Some)
+            .map_err(serde::de::Error::custom),
     }
 }
 
 /// Parses `"20ms"`, `"1.5s"`, `"500us"`, `"10m"`, `"1h"`, `"250ns"`; a bare number is milliseconds.
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let s = text.trim();
-    let bad = || format!("bad duration {text:?}: expected e.g. \"20ms\", \"1.5s\" or an integer of milliseconds");
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let bad = || {
+        format!(
+            "bad duration {text:?}: expected e.g. \"20ms\", \"1.5s\" or an integer of milliseconds"
+        )
+    };
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let nanos_per_unit: u64 = match unit.trim() {
         "ns" => 1,
@@ -197,7 +213,10 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(bad());
     }
     if let Ok(n) = num.parse::<u64>() {
-        return n.checked_mul(nanos_per_unit).map(Duration::from_nanos).ok_or_else(bad);
+        return n
+            .checked_mul(nanos_per_unit)
+            .map(Duration::from_nanos)
+            .ok_or_else(bad);
     }
     let v: f64 = num.parse().map_err(|_| bad())?;
     let ns = v * nanos_per_unit as f64;
@@ -235,7 +254,11 @@ fn resolve_seeds(nodes: &[String]) -> Result<Vec<SocketAddr>, String> {
     let mut errs = Vec::new();
     for n in nodes {
         let resolved = parse_host_port(n).and_then(|(h, p)| {
-            (h.as_str(), p).to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or_else(|| "no address".to_string())
+            (h.as_str(), p)
+                .to_socket_addrs()
+                .map_err(|e| e.to_string())?
+                .next()
+                .ok_or_else(|| "no address".to_string())
         });
         match resolved {
             Ok(a) if !out.contains(&a) => out.push(a),
@@ -372,7 +395,12 @@ fn parse_int(line: &[u8]) -> Result<i64, String> {
     std::str::from_utf8(line)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("bad integer {:?}", String::from_utf8_lossy(&line[..line.len().min(40)])))
+        .ok_or_else(|| {
+            format!(
+                "bad integer {:?}",
+                String::from_utf8_lossy(&line[..line.len().min(40)])
+            )
+        })
 }
 
 /// Parses one reply at the start of `buf`: `Ok(None)` while incomplete, else the reply and the
@@ -413,7 +441,10 @@ fn parse_at(buf: &[u8], pos: usize, depth: usize) -> Result<Option<(Reply, usize
             if &buf[next + n..next + n + 2] != b"\r\n" {
                 return Err("bulk string not terminated by CRLF".into());
             }
-            Ok(Some((Reply::Bulk(Some(buf[next..next + n].to_vec())), next + n + 2)))
+            Ok(Some((
+                Reply::Bulk(Some(buf[next..next + n].to_vec())),
+                next + n + 2,
+            )))
         }
         b'*' => {
             let n = parse_int(line)?;
@@ -454,7 +485,11 @@ const fn crc16_table() -> [u16; 256] {
         let mut c = (i as u16) << 8;
         let mut j = 0;
         while j < 8 {
-            c = if c & 0x8000 != 0 { (c << 1) ^ 0x1021 } else { c << 1 };
+            c = if c & 0x8000 != 0 {
+                (c << 1) ^ 0x1021
+            } else {
+                c << 1
+            };
             j += 1;
         }
         t[i] = c;
@@ -515,21 +550,36 @@ fn resolve_node(host: &str, port: u16, asked: IpAddr) -> Option<SocketAddr> {
 }
 
 /// `CLUSTER SLOTS` reply to `(first, last, master)` ranges.
-fn parse_cluster_slots(reply: &Reply, asked: SocketAddr) -> Result<Vec<(u16, u16, SocketAddr)>, String> {
+fn parse_cluster_slots(
+    reply: &Reply,
+    asked: SocketAddr,
+) -> Result<Vec<(u16, u16, SocketAddr)>, String> {
     let Reply::Array(Some(items)) = reply else {
-        return Err(format!("CLUSTER SLOTS: expected an array, got {}", describe(reply)));
+        return Err(format!(
+            "CLUSTER SLOTS: expected an array, got {}",
+            describe(reply)
+        ));
     };
     let mut out = Vec::with_capacity(items.len());
     for it in items {
         let bad = || format!("CLUSTER SLOTS: malformed entry {}", describe(it));
-        let Reply::Array(Some(f)) = it else { return Err(bad()) };
-        let (Some(Reply::Int(a)), Some(Reply::Int(b)), Some(Reply::Array(Some(master)))) = (f.first(), f.get(1), f.get(2)) else {
+        let Reply::Array(Some(f)) = it else {
             return Err(bad());
         };
-        let (Some(Reply::Bulk(Some(host))), Some(Reply::Int(port))) = (master.first(), master.get(1)) else {
+        let (Some(Reply::Int(a)), Some(Reply::Int(b)), Some(Reply::Array(Some(master)))) =
+            (f.first(), f.get(1), f.get(2))
+        else {
             return Err(bad());
         };
-        if !(0..SLOTS as i64).contains(a) || !(*a..SLOTS as i64).contains(b) || !(1..=65535).contains(port) {
+        let (Some(Reply::Bulk(Some(host))), Some(Reply::Int(port))) =
+            (master.first(), master.get(1))
+        else {
+            return Err(bad());
+        };
+        if !(0..SLOTS as i64).contains(a)
+            || !(*a..SLOTS as i64).contains(b)
+            || !(1..=65535).contains(port)
+        {
             return Err(bad());
         }
         let host = String::from_utf8_lossy(host);
@@ -557,7 +607,12 @@ fn parse_redirect(msg: &str) -> Option<Redirect> {
     };
     let slot: u16 = it.next()?.parse().ok().filter(|&s| (s as usize) < SLOTS)?;
     let (host, port) = it.next()?.rsplit_once(':')?;
-    Some(Redirect { ask, slot, host: host.to_string(), port: port.parse().ok()? })
+    Some(Redirect {
+        ask,
+        slot,
+        host: host.to_string(),
+        port: port.parse().ok()?,
+    })
 }
 
 // ------------------------------------------------------------------------------------------
@@ -581,17 +636,26 @@ struct SyncConn {
 
 impl SyncConn {
     fn open(addr: SocketAddr, cfg: &StoreConfig) -> Result<SyncConn, StoreError> {
-        let sock = TcpStream::connect_timeout(&addr, cfg.connect_timeout).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                StoreError::Down(format!("connect to {addr}: timed out after {:?}", cfg.connect_timeout))
-            }
-            _ => StoreError::Down(format!("connect to {addr}: {e}")),
-        })?;
+        let sock =
+            TcpStream::connect_timeout(&addr, cfg.connect_timeout).map_err(|e| match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => StoreError::Down(format!(
+                    "connect to {addr}: timed out after {:?}",
+                    cfg.connect_timeout
+                )),
+                _ => StoreError::Down(format!("connect to {addr}: {e}")),
+            })?;
         let _ = sock.set_nodelay(true);
-        let mut c = SyncConn { addr, sock, buf: Vec::new(), pos: 0 };
+        let mut c = SyncConn {
+            addr,
+            sock,
+            buf: Vec::new(),
+            pos: 0,
+        };
         if let Some(pw) = &cfg.password {
             let deadline = Instant::now() + cfg.connect_timeout.max(cfg.timeout);
-            if let Some(Reply::Error(m)) = c.roundtrip(&[&[b"AUTH", pw.as_bytes()]], deadline)?.pop() {
+            if let Some(Reply::Error(m)) =
+                c.roundtrip(&[&[b"AUTH", pw.as_bytes()]], deadline)?.pop()
+            {
                 return Err(StoreError::Server(format!("AUTH at {addr}: {m}")));
             }
         }
@@ -599,21 +663,31 @@ impl SyncConn {
     }
 
     /// Writes all commands in one write, then reads one reply per command.
-    fn roundtrip(&mut self, cmds: &[&[&[u8]]], deadline: Instant) -> Result<Vec<Reply>, StoreError> {
+    fn roundtrip(
+        &mut self,
+        cmds: &[&[&[u8]]],
+        deadline: Instant,
+    ) -> Result<Vec<Reply>, StoreError> {
         let mut out = Vec::new();
         for c in cmds {
             encode_command(&mut out, c);
         }
         let left = remaining(deadline)?;
-        self.sock.set_write_timeout(Some(left)).map_err(|e| io_error(&e, "write to", self.addr))?;
-        self.sock.write_all(&out).map_err(|e| io_error(&e, "write to", self.addr))?;
+        self.sock
+            .set_write_timeout(Some(left))
+            .map_err(|e| io_error(&e, "write to", self.addr))?;
+        self.sock
+            .write_all(&out)
+            .map_err(|e| io_error(&e, "write to", self.addr))?;
         (0..cmds.len()).map(|_| self.recv(deadline)).collect()
     }
 
     fn recv(&mut self, deadline: Instant) -> Result<Reply, StoreError> {
         let mut tmp = [0u8; 64 * 1024];
         loop {
-            if let Some((r, used)) = parse_reply(&self.buf[self.pos..]).map_err(StoreError::Protocol)? {
+            if let Some((r, used)) =
+                parse_reply(&self.buf[self.pos..]).map_err(StoreError::Protocol)?
+            {
                 self.pos += used;
                 if self.pos == self.buf.len() {
                     self.buf.clear();
@@ -622,9 +696,16 @@ impl SyncConn {
                 return Ok(r);
             }
             let left = remaining(deadline)?;
-            self.sock.set_read_timeout(Some(left)).map_err(|e| io_error(&e, "read from", self.addr))?;
+            self.sock
+                .set_read_timeout(Some(left))
+                .map_err(|e| io_error(&e, "read from", self.addr))?;
             match self.sock.read(&mut tmp) {
-                Ok(0) => return Err(StoreError::Down(format!("{} closed the connection", self.addr))),
+                Ok(0) => {
+                    return Err(StoreError::Down(format!(
+                        "{} closed the connection",
+                        self.addr
+                    )))
+                }
                 Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(io_error(&e, "read from", self.addr)),
@@ -670,9 +751,16 @@ impl Store {
     /// a single node or a cluster (`CLUSTER SLOTS`). Fails with [`StoreError::Down`] when the
     /// configuration is invalid or no seed answers.
     pub fn connect(cfg: &StoreConfig) -> Result<Store, StoreError> {
-        cfg.validate().map_err(|e| StoreError::Down(format!("invalid configuration: {e}")))?;
+        cfg.validate()
+            .map_err(|e| StoreError::Down(format!("invalid configuration: {e}")))?;
         let seeds = resolve_seeds(&cfg.nodes).map_err(StoreError::Down)?;
-        let mut store = Store { cfg: cfg.clone(), single: seeds[0], seeds, conns: HashMap::new(), slots: None };
+        let mut store = Store {
+            cfg: cfg.clone(),
+            single: seeds[0],
+            seeds,
+            conns: HashMap::new(),
+            slots: None,
+        };
         let mut errs = Vec::new();
         for seed in store.seeds.clone() {
             match store.discover(seed) {
@@ -680,7 +768,10 @@ impl Store {
                 Err(e) => errs.push(format!("{seed}: {e}")),
             }
         }
-        Err(StoreError::Down(format!("no store node answers ({})", errs.join("; "))))
+        Err(StoreError::Down(format!(
+            "no store node answers ({})",
+            errs.join("; ")
+        )))
     }
 
     /// Whether the store is a Redis Cluster.
@@ -690,7 +781,10 @@ impl Store {
 
     /// Asks `addr` for `CLUSTER SLOTS` and adopts the answer.
     fn discover(&mut self, addr: SocketAddr) -> Result<(), StoreError> {
-        let reply = self.roundtrip(addr, &[&[b"CLUSTER", b"SLOTS"]])?.pop().unwrap_or(Reply::Array(None));
+        let reply = self
+            .roundtrip(addr, &[&[b"CLUSTER", b"SLOTS"]])?
+            .pop()
+            .unwrap_or(Reply::Array(None));
         match &reply {
             Reply::Array(Some(items)) if !items.is_empty() => {
                 let ranges = parse_cluster_slots(&reply, addr).map_err(StoreError::Protocol)?;
@@ -731,7 +825,12 @@ impl Store {
             (Some(table), Some(k)) => table[key_slot(k) as usize]
                 .or_else(|| table.iter().flatten().next().copied())
                 .unwrap_or(self.single),
-            (Some(table), None) => table.iter().flatten().next().copied().unwrap_or(self.single),
+            (Some(table), None) => table
+                .iter()
+                .flatten()
+                .next()
+                .copied()
+                .unwrap_or(self.single),
             (None, _) => self.single,
         }
     }
@@ -747,8 +846,12 @@ impl Store {
                 self.roundtrip(addr, &[args])?.pop()
             };
             let reply = reply.ok_or_else(|| StoreError::Protocol("no reply".into()))?;
-            let Reply::Error(msg) = reply else { return Ok(reply) };
-            let Some(r) = parse_redirect(&msg) else { return Err(StoreError::Server(msg)) };
+            let Reply::Error(msg) = reply else {
+                return Ok(reply);
+            };
+            let Some(r) = parse_redirect(&msg) else {
+                return Err(StoreError::Server(msg));
+            };
             let target = resolve_node(&r.host, r.port, addr.ip())
                 .ok_or_else(|| StoreError::Server(format!("{msg} (cannot resolve the target)")))?;
             if r.ask {
@@ -781,7 +884,10 @@ impl Store {
         };
         match reply {
             Reply::Status(s) if s == "OK" => Ok(()),
-            r => Err(StoreError::Protocol(format!("unexpected reply to SET: {}", describe(&r)))),
+            r => Err(StoreError::Protocol(format!(
+                "unexpected reply to SET: {}",
+                describe(&r)
+            ))),
         }
     }
 
@@ -790,7 +896,10 @@ impl Store {
         let k = self.full_key(key);
         match self.exec(Some(&k), &[b"GET", &k])? {
             Reply::Bulk(v) => Ok(v),
-            r => Err(StoreError::Protocol(format!("unexpected reply to GET: {}", describe(&r)))),
+            r => Err(StoreError::Protocol(format!(
+                "unexpected reply to GET: {}",
+                describe(&r)
+            ))),
         }
     }
 
@@ -799,7 +908,10 @@ impl Store {
         let k = self.full_key(key);
         match self.exec(Some(&k), &[b"DEL", &k])? {
             Reply::Int(n) => Ok(n > 0),
-            r => Err(StoreError::Protocol(format!("unexpected reply to DEL: {}", describe(&r)))),
+            r => Err(StoreError::Protocol(format!(
+                "unexpected reply to DEL: {}",
+                describe(&r)
+            ))),
         }
     }
 
@@ -1003,7 +1115,10 @@ impl Shared {
                 c.fast_fails.fetch_add(1, Ordering::Relaxed);
             }
         }
-        c.max_latency_ns.fetch_max(latency.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        c.max_latency_ns.fetch_max(
+            latency.as_nanos().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
     }
 
     fn done(&self) -> MutexGuard<'_, VecDeque<Completion>> {
@@ -1055,7 +1170,9 @@ pub struct StoreHandle {
 
 impl fmt::Debug for StoreHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreHandle").field("stats", &self.stats()).finish()
+        f.debug_struct("StoreHandle")
+            .field("stats", &self.stats())
+            .finish()
     }
 }
 
@@ -1085,16 +1202,25 @@ impl StoreHandle {
         let (tx, rx) = mpsc::sync_channel(QUEUE_CAPACITY);
         let (ready_tx, ready_rx) = mpsc::channel();
         let worker = Worker::new(cfg, &seeds, shared.clone(), rx, ready_tx);
-        let worker = thread::Builder::new().name("ub-store".into()).spawn(move || worker.run())?;
+        let worker = thread::Builder::new()
+            .name("ub-store".into())
+            .spawn(move || worker.run())?;
         let _ = ready_rx.recv_timeout(cfg.connect_timeout + Duration::from_millis(50));
-        Ok(StoreHandle { shared, tx, worker: Some(worker) })
+        Ok(StoreHandle {
+            shared,
+            tx,
+            worker: Some(worker),
+        })
     }
 
     /// Why an op for `key` would fail right now without touching the network.
     fn fast_fail(&self, key: &[u8]) -> Option<String> {
         let sh = &self.shared;
         match sh.mode.load(Ordering::Acquire) {
-            MODE_SINGLE => sh.down.load(Ordering::Relaxed).then(|| "store node is down".to_string()),
+            MODE_SINGLE => sh
+                .down
+                .load(Ordering::Relaxed)
+                .then(|| "store node is down".to_string()),
             MODE_CLUSTER => {
                 let slot = prefixed_slot(&sh.prefix, key);
                 sh.slot_down[slot as usize]
@@ -1109,7 +1235,11 @@ impl StoreHandle {
         let latency = at.elapsed();
         let result = Err(err);
         self.shared.record(&result, latency, true);
-        self.shared.done().push_back(Completion { token, result, latency });
+        self.shared.done().push_back(Completion {
+            token,
+            result,
+            latency,
+        });
         self.shared.signal_completions();
     }
 
@@ -1131,11 +1261,19 @@ impl StoreHandle {
             }
             Err(mpsc::TrySendError::Full(q)) => {
                 self.shared.c.queue_full.fetch_add(1, Ordering::Relaxed);
-                self.complete_now(q.op.token, at, StoreError::Down(format!("request queue full ({QUEUE_CAPACITY} ops)")));
+                self.complete_now(
+                    q.op.token,
+                    at,
+                    StoreError::Down(format!("request queue full ({QUEUE_CAPACITY} ops)")),
+                );
                 false
             }
             Err(mpsc::TrySendError::Disconnected(q)) => {
-                self.complete_now(q.op.token, at, StoreError::Down("store worker stopped".into()));
+                self.complete_now(
+                    q.op.token,
+                    at,
+                    StoreError::Down("store worker stopped".into()),
+                );
                 false
             }
         }
@@ -1145,8 +1283,8 @@ impl StoreHandle {
     /// swallow a signal sent in between and leave the flag set, so that no later completion
     /// would signal again (a lost wake-up).
     fn clear_wake(&self) {
-        self.shared.wake_signaled.store(false, Ordering::SeqCst);
         eventfd_clear(self.shared.wake_fd.as_raw_fd());
+        self.shared.wake_signaled.store(false, Ordering::SeqCst);
     }
 
     /// Takes one completion, if any. A call that returns `None` also resets
@@ -1173,10 +1311,10 @@ impl StoreHandle {
     /// An eventfd that polls readable (`POLLIN`) while completions are pending, for `poll()`
     /// next to the caller's other descriptors. To clear it, take the completions with
     /// [`drain`](Self::drain), or with [`try_recv`](Self::try_recv) until it returns `None`:
-    /// both reset it first, so no completion is left behind unsignalled. (Reading its 8-byte
-    /// counter yourself also clears it, but then call `drain` afterwards.) It may be readable
-    /// with nothing pending after such a race; that is harmless. Owned by the handle: do not
-    /// close it.
+    /// both reset it before taking, so no completion is ever left behind unsignalled. It may
+    /// poll readable once with nothing pending (a completion taken by the same `drain` that
+    /// reset it); that is harmless. Do not read or close the fd yourself: reading it directly
+    /// would bypass the handle's signalling state and could lose later wake-ups.
     pub fn wake_fd(&self) -> RawFd {
         self.shared.wake_fd.as_raw_fd()
     }
@@ -1184,7 +1322,8 @@ impl StoreHandle {
     /// True while some operations fail fast: no node reachable, the (single) node down, or,
     /// for a cluster, the node of at least one slot down.
     pub fn is_down(&self) -> bool {
-        self.shared.mode.load(Ordering::Acquire) == MODE_NONE || self.shared.down.load(Ordering::Relaxed)
+        self.shared.mode.load(Ordering::Acquire) == MODE_NONE
+            || self.shared.down.load(Ordering::Relaxed)
     }
 
     /// Whether the store was found to be a Redis Cluster.
@@ -1337,7 +1476,11 @@ impl Conn {
 
     /// Reads what is there and parses the complete replies, pairing each with its request.
     /// Returns true at end of stream.
-    fn read_replies(&mut self, scratch: &mut [u8], replies: &mut Vec<(Pending, Reply)>) -> Result<bool, Failure> {
+    fn read_replies(
+        &mut self,
+        scratch: &mut [u8],
+        replies: &mut Vec<(Pending, Reply)>,
+    ) -> Result<bool, Failure> {
         let mut eof = false;
         loop {
             match self.sock.read(scratch) {
@@ -1360,7 +1503,9 @@ impl Conn {
             match parse_reply(&self.inb[self.in_pos..]) {
                 Ok(Some((r, used))) => {
                     self.in_pos += used;
-                    let p = self.pop().ok_or_else(|| Failure::Protocol("reply without a request".into()))?;
+                    let p = self
+                        .pop()
+                        .ok_or_else(|| Failure::Protocol("reply without a request".into()))?;
                     replies.push((p, r));
                 }
                 Ok(None) => break,
@@ -1446,7 +1591,9 @@ fn connect_nonblocking(addr: &SocketAddr) -> io::Result<(TcpStream, bool)> {
             let sin = libc::sockaddr_in {
                 sin_family: libc::AF_INET as libc::sa_family_t,
                 sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
                 sin_zero: [0; 8],
             };
             // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
@@ -1458,7 +1605,9 @@ fn connect_nonblocking(addr: &SocketAddr) -> io::Result<(TcpStream, bool)> {
                 sin6_family: libc::AF_INET6 as libc::sa_family_t,
                 sin6_port: a.port().to_be(),
                 sin6_flowinfo: a.flowinfo(),
-                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
                 sin6_scope_id: a.scope_id(),
             };
             // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
@@ -1467,14 +1616,26 @@ fn connect_nonblocking(addr: &SocketAddr) -> io::Result<(TcpStream, bool)> {
         }
     };
     // SAFETY: plain socket creation; the result is checked.
-    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    let fd = unsafe {
+        libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` is a fresh TCP socket that nothing else owns.
     let sock = unsafe { TcpStream::from_raw_fd(fd) };
     // SAFETY: `ss` holds a valid address of `len` bytes.
-    let r = unsafe { libc::connect(fd, &ss as *const _ as *const libc::sockaddr, len as libc::socklen_t) };
+    let r = unsafe {
+        libc::connect(
+            fd,
+            &ss as *const _ as *const libc::sockaddr,
+            len as libc::socklen_t,
+        )
+    };
     if r == 0 {
         return Ok((sock, true));
     }
@@ -1566,20 +1727,38 @@ impl Worker {
             let wait = self.poll_timeout(now);
             fds.clear();
             owners.clear();
-            fds.push(libc::pollfd { fd: self.shared.worker_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            fds.push(libc::pollfd {
+                fd: self.shared.worker_fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
             for (i, n) in self.nodes.iter().enumerate() {
                 if let Some(c) = &n.conn {
                     let mut events = libc::POLLIN;
                     if c.connecting || c.out_pos < c.out.len() {
                         events |= libc::POLLOUT;
                     }
-                    fds.push(libc::pollfd { fd: c.sock.as_raw_fd(), events, revents: 0 });
+                    fds.push(libc::pollfd {
+                        fd: c.sock.as_raw_fd(),
+                        events,
+                        revents: 0,
+                    });
                     owners.push((i, c.id));
                 }
             }
-            let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+            let ts = libc::timespec {
+                tv_sec: wait.as_secs() as libc::time_t,
+                tv_nsec: wait.subsec_nanos() as libc::c_long,
+            };
             // SAFETY: `fds` is a live array of `fds.len()` pollfds; `ts` outlives the call.
-            let r = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+            let r = unsafe {
+                libc::ppoll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    &ts,
+                    std::ptr::null(),
+                )
+            };
             if r < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {
@@ -1591,8 +1770,8 @@ impl Worker {
             if fds[0].revents != 0 {
                 // Read, then clear the flag (see `StoreHandle::clear_wake`); the queue is
                 // drained after both, so an op sent before a swallowed signal is taken below.
-                self.shared.worker_notified.store(false, Ordering::SeqCst);
                 eventfd_clear(self.shared.worker_fd.as_raw_fd());
+                self.shared.worker_notified.store(false, Ordering::SeqCst);
             }
             for (k, &(i, id)) in owners.iter().enumerate() {
                 let revents = fds[k + 1].revents;
@@ -1619,7 +1798,9 @@ impl Worker {
                         next = next.min(d);
                     }
                 }
-                None if n.state == NodeState::Down && self.probe_eligible(i) => next = next.min(n.next_probe),
+                None if n.state == NodeState::Down && self.probe_eligible(i) => {
+                    next = next.min(n.next_probe)
+                }
                 None => {}
             }
         }
@@ -1644,18 +1825,31 @@ impl Worker {
     fn maintenance(&mut self, now: Instant) {
         for i in 0..self.nodes.len() {
             let n = &self.nodes[i];
-            if n.state == NodeState::Down && n.conn.is_none() && now >= n.next_probe && self.probe_eligible(i) {
+            if n.state == NodeState::Down
+                && n.conn.is_none()
+                && now >= n.next_probe
+                && self.probe_eligible(i)
+            {
                 self.start_probe(i, now);
             }
         }
-        if self.mode == Mode::Cluster && !self.refresh_inflight && self.refresh_due.is_some_and(|d| d <= now) {
+        if self.mode == Mode::Cluster
+            && !self.refresh_inflight
+            && self.refresh_due.is_some_and(|d| d <= now)
+        {
             let pick = (0..self.nodes.len())
                 .filter(|&i| self.nodes[i].state == NodeState::Up)
-                .min_by_key(|&i| self.nodes[i].conn.as_ref().map_or(true, |c| c.connecting));
+                .min_by_key(|&i| match &self.nodes[i].conn {
+                    Some(c) => c.connecting,
+                    None => true,
+                });
             if let Some(i) = pick {
                 let seq = self.next_seq();
                 let deadline = now + self.timeout.max(self.connect_timeout);
-                let conn = self.nodes[i].conn.as_mut().expect("an up node has a connection");
+                let conn = self.nodes[i]
+                    .conn
+                    .as_mut()
+                    .expect("an up node has a connection");
                 encode_command(&mut conn.out, &[b"CLUSTER", b"SLOTS"]);
                 conn.push(seq, deadline, What::Slots { probe: false });
                 self.refresh_inflight = true;
@@ -1666,7 +1860,9 @@ impl Worker {
     }
 
     fn schedule_refresh(&mut self, now: Instant) {
-        let at = self.last_refresh.map_or(now, |l| (l + RECONNECT_INTERVAL).max(now));
+        let at = self
+            .last_refresh
+            .map_or(now, |l| (l + RECONNECT_INTERVAL).max(now));
         self.refresh_due = Some(self.refresh_due.map_or(at, |d| d.min(at)));
     }
 
@@ -1732,22 +1928,30 @@ impl Worker {
         let mut failure = None;
         {
             let addr = self.nodes[i].addr;
-            let Some(conn) = self.nodes[i].conn.as_mut().filter(|c| c.id == id) else { return };
+            let Some(conn) = self.nodes[i].conn.as_mut().filter(|c| c.id == id) else {
+                return;
+            };
             if conn.connecting && revents & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 {
                 match conn.sock.take_error() {
                     Ok(None) => {
                         conn.connecting = false;
                         let _ = conn.sock.set_nodelay(true);
                     }
-                    Ok(Some(e)) | Err(e) => failure = Some(Failure::Down(format!("connect to {addr}: {e}"))),
+                    Ok(Some(e)) | Err(e) => {
+                        failure = Some(Failure::Down(format!("connect to {addr}: {e}")))
+                    }
                 }
             }
             if failure.is_none() && !conn.connecting {
                 if revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
                     match conn.read_replies(&mut self.scratch, &mut replies) {
                         Ok(false) => {}
-                        Ok(true) => failure = Some(Failure::Down(format!("{addr} closed the connection"))),
-                        Err(Failure::Down(e)) => failure = Some(Failure::Down(format!("{addr}: {e}"))),
+                        Ok(true) => {
+                            failure = Some(Failure::Down(format!("{addr} closed the connection")))
+                        }
+                        Err(Failure::Down(e)) => {
+                            failure = Some(Failure::Down(format!("{addr}: {e}")))
+                        }
                         Err(f) => failure = Some(f),
                     }
                 }
@@ -1777,7 +1981,10 @@ impl Worker {
             What::Auth | What::Ping => {
                 if let Reply::Error(m) = reply {
                     if self.conn_is(i, id) {
-                        self.fail_node(i, Failure::Down(format!("{addr} refused the connection setup: {m}")));
+                        self.fail_node(
+                            i,
+                            Failure::Down(format!("{addr} refused the connection setup: {m}")),
+                        );
                     }
                 }
             }
@@ -1854,7 +2061,9 @@ impl Worker {
     }
 
     fn check_ready(&mut self) {
-        if self.ready_tx.is_some() && (self.mode != Mode::None || self.nodes.iter().filter(|n| n.seed).all(|n| n.probed)) {
+        if self.ready_tx.is_some()
+            && (self.mode != Mode::None || self.nodes.iter().filter(|n| n.seed).all(|n| n.probed))
+        {
             let _ = self.ready_tx.take().expect("checked").send(());
         }
     }
@@ -1864,12 +2073,19 @@ impl Worker {
         let sh = &self.shared;
         match self.mode {
             Mode::None => sh.down.store(true, Ordering::Relaxed),
-            Mode::Single => sh.down.store(self.nodes[self.single].state == NodeState::Down, Ordering::Relaxed),
+            Mode::Single => sh.down.store(
+                self.nodes[self.single].state == NodeState::Down,
+                Ordering::Relaxed,
+            ),
             Mode::Cluster => {
                 let any_up = self.nodes.iter().any(|n| n.state != NodeState::Down);
                 let mut degraded = false;
                 for (s, &o) in self.slots.iter().enumerate() {
-                    let d = if o == NO_NODE { !any_up } else { self.nodes[o as usize].state == NodeState::Down };
+                    let d = if o == NO_NODE {
+                        !any_up
+                    } else {
+                        self.nodes[o as usize].state == NodeState::Down
+                    };
                     degraded |= d;
                     sh.slot_down[s].store(d, Ordering::Relaxed);
                 }
@@ -1895,7 +2111,11 @@ impl Worker {
             node.ever_up = true;
         }
         node.state = NodeState::Down;
-        node.next_probe = if was_probe { node.probe_started + RECONNECT_INTERVAL } else { now + RECONNECT_INTERVAL };
+        node.next_probe = if was_probe {
+            node.probe_started + RECONNECT_INTERVAL
+        } else {
+            now + RECONNECT_INTERVAL
+        };
         if was_probe {
             node.probed = true;
         }
@@ -1929,7 +2149,10 @@ impl Worker {
                 (Cmd::Set, Reply::Status(s)) if s == "OK" => Ok(None),
                 (Cmd::Get, Reply::Bulk(v)) => Ok(v),
                 (Cmd::Del, Reply::Int(_)) => Ok(None),
-                (c, r) => Err(StoreError::Protocol(format!("unexpected reply to {c:?}: {}", describe(&r)))),
+                (c, r) => Err(StoreError::Protocol(format!(
+                    "unexpected reply to {c:?}: {}",
+                    describe(&r)
+                ))),
             },
         };
         self.complete(op.token, op.at, result, false);
@@ -1944,7 +2167,11 @@ impl Worker {
         if !r.ask {
             if self.mode != Mode::Cluster {
                 // A single node that turns out to be a cluster node.
-                let owner = if self.mode == Mode::Single { self.single as u16 } else { from as u16 };
+                let owner = if self.mode == Mode::Single {
+                    self.single as u16
+                } else {
+                    from as u16
+                };
                 self.slots = vec![owner; SLOTS];
                 self.nodes[owner as usize].in_map = true;
                 self.mode = Mode::Cluster;
@@ -1958,10 +2185,20 @@ impl Worker {
         self.dispatch(t, op, r.ask);
     }
 
-    fn complete(&mut self, token: u64, at: Instant, result: Result<Option<Vec<u8>>, StoreError>, fast: bool) {
+    fn complete(
+        &mut self,
+        token: u64,
+        at: Instant,
+        result: Result<Option<Vec<u8>>, StoreError>,
+        fast: bool,
+    ) {
         let latency = at.elapsed();
         self.shared.record(&result, latency, fast);
-        self.done.push(Completion { token, result, latency });
+        self.done.push(Completion {
+            token,
+            result,
+            latency,
+        });
     }
 
     fn deliver(&mut self) {
@@ -1990,7 +2227,15 @@ impl Worker {
             OpKind::Get { key } => (Cmd::Get, key, Vec::new()),
             OpKind::Del { key } => (Cmd::Del, key, Vec::new()),
         };
-        let op = UserOp { token: op.token, cmd, key, val, at, deadline: at + self.timeout, redirects: 0 };
+        let op = UserOp {
+            token: op.token,
+            cmd,
+            key,
+            val,
+            at,
+            deadline: at + self.timeout,
+            redirects: 0,
+        };
         let target = match self.mode {
             Mode::None => None,
             Mode::Single => Some(self.single),
@@ -2041,7 +2286,10 @@ impl Worker {
         let s1 = self.next_seq();
         let s2 = self.next_seq();
         let prefix = &self.shared.prefix;
-        let conn = self.nodes[t].conn.as_mut().expect("an up node has a connection");
+        let conn = self.nodes[t]
+            .conn
+            .as_mut()
+            .expect("an up node has a connection");
         if asking {
             encode_command(&mut conn.out, &[b"ASKING"]);
             conn.push(s1, op.deadline, What::Asking);
@@ -2073,7 +2321,9 @@ impl Worker {
 
     fn flush_all(&mut self) {
         for i in 0..self.nodes.len() {
-            let Some(c) = self.nodes[i].conn.as_mut() else { continue };
+            let Some(c) = self.nodes[i].conn.as_mut() else {
+                continue;
+            };
             if c.out_pos < c.out.len() {
                 if let Err(e) = c.flush() {
                     let f = Failure::Down(format!("write to {}: {e}", self.nodes[i].addr));
@@ -2085,7 +2335,9 @@ impl Worker {
 
     fn check_deadlines(&mut self, now: Instant) {
         for i in 0..self.nodes.len() {
-            let Some(c) = &self.nodes[i].conn else { continue };
+            let Some(c) = &self.nodes[i].conn else {
+                continue;
+            };
             if c.earliest().is_some_and(|d| d <= now) {
                 let f = if c.probe {
                     Failure::Down(format!("reconnection to {} timed out", self.nodes[i].addr))
@@ -2107,7 +2359,10 @@ mod tests {
         assert_eq!(crc16(b"123456789"), 0x31c3);
         assert_eq!(key_slot(b"foo"), 12182);
         assert_eq!(key_slot(b"bar"), 5061);
-        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"{user1000}.followers"));
+        assert_eq!(
+            key_slot(b"{user1000}.following"),
+            key_slot(b"{user1000}.followers")
+        );
         assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
         // Empty tag: the whole key is hashed; only the first '{' counts.
         assert_eq!(key_slot(b"foo{}{bar}"), crc16(b"foo{}{bar}") & 16383);
@@ -2141,14 +2396,19 @@ mod tests {
                 Reply::Int(-7),
                 Reply::Bulk(None),
                 Reply::Bulk(Some(b"a\r\nb".to_vec())),
-                Reply::Array(Some(vec![Reply::Bulk(Some(b"z".to_vec())), Reply::Array(None)])),
+                Reply::Array(Some(vec![
+                    Reply::Bulk(Some(b"z".to_vec())),
+                    Reply::Array(None)
+                ])),
                 Reply::Array(Some(vec![])),
             ]
         );
         // Every strict prefix is incomplete, never an error.
         for cut in 0..wire.len() {
             let r = parse_reply(&wire[..cut]).unwrap();
-            assert!(r.map_or(true, |(_, used)| used <= cut));
+            if let Some((_, used)) = r {
+                assert!(used <= cut);
+            }
         }
         assert!(parse_reply(b"$3\r\nabcXY").is_err());
         assert!(parse_reply(b"?\r\n").is_err());
@@ -2164,8 +2424,14 @@ mod tests {
         assert!(parse_redirect("ERR wrong").is_none());
         assert!(parse_redirect("MOVED 16384 a:1").is_none());
         let asked: IpAddr = "10.0.0.1".parse().unwrap();
-        assert_eq!(resolve_node("", 7000, asked), Some("10.0.0.1:7000".parse().unwrap()));
-        assert_eq!(resolve_node("::1", 7000, asked), Some("[::1]:7000".parse().unwrap()));
+        assert_eq!(
+            resolve_node("", 7000, asked),
+            Some("10.0.0.1:7000".parse().unwrap())
+        );
+        assert_eq!(
+            resolve_node("::1", 7000, asked),
+            Some("[::1]:7000".parse().unwrap())
+        );
     }
 
     #[test]
@@ -2189,15 +2455,56 @@ mod tests {
         assert!(toml::from_str::<File>("[store]\nnodez = []\n").is_err());
         assert!(toml::from_str::<File>("[store]\ntimeout = \"5 parsecs\"\n").is_err());
         let err = |c: StoreConfig| c.validate().unwrap_err();
-        assert!(err(StoreConfig { nodes: vec![], ..Default::default() }).contains("nodes is empty"));
-        assert!(err(StoreConfig { nodes: vec!["localhost".into()], ..Default::default() }).contains("nodes[0]"));
-        assert!(err(StoreConfig { nodes: vec!["::1:6379".into()], ..Default::default() }).contains("[addr]:port"));
-        assert!(err(StoreConfig { timeout: Duration::ZERO, ..Default::default() }).contains("timeout is zero"));
-        assert!(err(StoreConfig { ttl: Some(Duration::from_micros(10)), ..Default::default() }).contains("ttl"));
-        assert!(err(StoreConfig { password: Some(String::new()), ..Default::default() }).contains("password"));
-        assert!(err(StoreConfig { key_prefix: "{ub}:".into(), ..Default::default() }).contains("key_prefix"));
-        let dbg = format!("{:?}", StoreConfig { password: Some("hunter2".into()), ..Default::default() });
+        assert!(err(StoreConfig {
+            nodes: vec![],
+            ..Default::default()
+        })
+        .contains("nodes is empty"));
+        assert!(err(StoreConfig {
+            nodes: vec!["localhost".into()],
+            ..Default::default()
+        })
+        .contains("nodes[0]"));
+        assert!(err(StoreConfig {
+            nodes: vec!["::1:6379".into()],
+            ..Default::default()
+        })
+        .contains("[addr]:port"));
+        assert!(err(StoreConfig {
+            timeout: Duration::ZERO,
+            ..Default::default()
+        })
+        .contains("timeout is zero"));
+        assert!(err(StoreConfig {
+            ttl: Some(Duration::from_micros(10)),
+            ..Default::default()
+        })
+        .contains("ttl"));
+        assert!(err(StoreConfig {
+            password: Some(String::new()),
+            ..Default::default()
+        })
+        .contains("password"));
+        assert!(err(StoreConfig {
+            key_prefix: "{ub}:".into(),
+            ..Default::default()
+        })
+        .contains("key_prefix"));
+        let dbg = format!(
+            "{:?}",
+            StoreConfig {
+                password: Some("hunter2".into()),
+                ..Default::default()
+            }
+        );
         assert!(!dbg.contains("hunter2"));
+    }
+
+    #[test]
+    fn handle_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<StoreHandle>();
+        check::<Store>();
     }
 
     #[test]

@@ -244,7 +244,10 @@ fn balances_detects_failure_moves_only_its_buckets_and_returns_them() {
     let s0 = w.wait_status("every server heard", |s| {
         s.servers.iter().all(|x| x.alive && x.heartbeats > 0)
     });
-    eprintln!("monitor realtime: {}", s0.monitor_realtime);
+    eprintln!(
+        "monitor realtime: {}, programmer realtime: {}",
+        s0.monitor_realtime, s0.programmer_realtime
+    );
     assert!(s0.events.is_empty(), "{:?}", s0.events);
     let home: Vec<u16> = (0..256u16).map(|b| b % 3 + 1).collect();
     assert_eq!(s0.owners, home);
@@ -424,13 +427,19 @@ fn balances_detects_failure_moves_only_its_buckets_and_returns_them() {
     l.stop().unwrap(); // idempotent
     drop(l);
     // Without the table, VIP traffic is not balanced any more (routed toward the bridge,
-    // where nobody answers ARP for the VIP).
-    let out = lab::run(
-        w.lab.client(),
-        Command::new("curl").args(["-sS", "-m", "2", URL4]),
-    )
-    .unwrap();
-    assert!(!out.status.success());
+    // where no server answers ARP or neighbour solicitations for the VIP).
+    for url in [URL4, URL6] {
+        let out = lab::run(
+            w.lab.client(),
+            Command::new("curl").args(["-sS", "-g", "-m", "2", url]),
+        )
+        .unwrap();
+        assert!(
+            !out.status.success(),
+            "{url} answered without the balancer: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
 }
 
 /// Test 3: garbage heartbeats are counted, never keep a dead server alive, never crash the
@@ -716,4 +725,38 @@ fn unbroken_lb_command() {
     reader.join().unwrap();
     assert!(!w.table_exists(&cfg.table), "table survived SIGTERM");
     assert!(read_status(&status).is_some());
+}
+
+/// The store: redis in the store namespace answers servers over IPv4 and IPv6.
+#[test]
+fn redis_in_the_store_namespace() {
+    if skip() {
+        return;
+    }
+    use std::io::{Read, Write};
+    let lab = ObjectLab::build(ObjectOpts {
+        servers: 1,
+        ..ObjectOpts::default()
+    })
+    .unwrap();
+    let mut redis = lab.start_redis(addr::REDIS_PORT).expect("redis");
+    for ip in [
+        std::net::IpAddr::V4(addr::STORE_V4),
+        std::net::IpAddr::V6(addr::STORE_V6),
+    ] {
+        let reply = lab::in_ns(lab.server(1), || -> std::io::Result<String> {
+            let to = std::net::SocketAddr::new(ip, addr::REDIS_PORT);
+            let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(b"SET k v\r\nGET k\r\n")?;
+            let mut buf = [0u8; 12]; // "+OK\r\n" "$1\r\nv\r\n"
+            s.read_exact(&mut buf)?;
+            Ok(String::from_utf8_lossy(&buf).into_owned())
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(reply, "+OK\r\n$1\r\nv\r\n", "via {ip}");
+    }
+    redis.kill().unwrap();
+    redis.wait().unwrap();
 }

@@ -25,7 +25,9 @@ fn have_redis() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: redis-server is not installed (apt-get install redis-server redis-tools)");
+        eprintln!(
+            "SKIPPED: redis-server is not installed (apt-get install redis-server redis-tools)"
+        );
     }
     ok
 }
@@ -80,7 +82,9 @@ fn pong(port: u16) -> bool {
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
     let mut buf = [0u8; 64];
-    s.write_all(b"*1\r\n$4\r\nPING\r\n").is_ok() && s.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+    s.write_all(b"*1\r\n$4\r\nPING\r\n").is_ok()
+        && s.read(&mut buf)
+            .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
 }
 
 /// A redis-server child process, killed and reaped on drop.
@@ -93,7 +97,12 @@ struct Redis {
 
 impl Redis {
     fn start(dir: &Path, port: u16, extra: &[String]) -> Redis {
-        let mut r = Redis { port, dir: dir.to_path_buf(), extra: extra.to_vec(), child: None };
+        let mut r = Redis {
+            port,
+            dir: dir.to_path_buf(),
+            extra: extra.to_vec(),
+            child: None,
+        };
         r.spawn();
         r
     }
@@ -123,7 +132,11 @@ impl Redis {
                 let log = std::fs::read_to_string(&log).unwrap_or_default();
                 panic!("redis-server on port {} exited ({st}):\n{log}", self.port);
             }
-            assert!(Instant::now() < deadline, "redis-server on port {} not ready after 10 s", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on port {} not ready after 10 s",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -147,7 +160,11 @@ impl Drop for Redis {
 }
 
 fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().expect("redis-cli");
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
@@ -161,7 +178,11 @@ fn config(port: u16) -> StoreConfig {
 }
 
 fn poll_readable(fd: RawFd, wait: Duration) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one live pollfd.
     unsafe { libc::poll(&mut p, 1, wait.as_millis() as libc::c_int) > 0 }
 }
@@ -178,7 +199,10 @@ fn collect(h: &StoreHandle, n: usize, limit: Duration) -> Vec<Completion> {
 }
 
 fn set(key: &[u8], val: &[u8]) -> OpKind {
-    OpKind::Set { key: key.to_vec(), val: val.to_vec() }
+    OpKind::Set {
+        key: key.to_vec(),
+        val: val.to_vec(),
+    }
 }
 
 fn get(key: &[u8]) -> OpKind {
@@ -210,16 +234,26 @@ impl Tracker {
         h.drain(&mut v);
         let now = Instant::now();
         for c in v {
-            let sent = *self.sent.get(&c.token).unwrap_or_else(|| panic!("unknown token {}", c.token));
+            let sent = *self
+                .sent
+                .get(&c.token)
+                .unwrap_or_else(|| panic!("unknown token {}", c.token));
             let token = c.token;
-            assert!(self.done.insert(token, (c, now - sent)).is_none(), "token {token} completed twice");
+            assert!(
+                self.done.insert(token, (c, now - sent)).is_none(),
+                "token {token} completed twice"
+            );
         }
     }
 
     fn wait_all(&mut self, h: &StoreHandle, limit: Duration) {
         let deadline = Instant::now() + limit;
         while self.done.len() < self.sent.len() {
-            assert!(Instant::now() < deadline, "{} ops never completed", self.sent.len() - self.done.len());
+            assert!(
+                Instant::now() < deadline,
+                "{} ops never completed",
+                self.sent.len() - self.done.len()
+            );
             poll_readable(h.wake_fd(), Duration::from_millis(5));
             self.drain(h);
         }
@@ -234,7 +268,10 @@ impl Tracker {
             if self.done[&t].0.result.is_ok() {
                 return t0.elapsed();
             }
-            assert!(t0.elapsed() < limit, "store did not recover within {limit:?}");
+            assert!(
+                t0.elapsed() < limit,
+                "store did not recover within {limit:?}"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -250,7 +287,9 @@ fn round_trip_binary_blocking_and_async() {
     let mut s = Store::connect(&cfg).unwrap();
     assert!(!s.is_cluster());
     s.ping().unwrap();
-    let big: Vec<u8> = (0..65_536u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let big: Vec<u8> = (0..65_536u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     let mut big_crlf = big.clone();
     big_crlf.extend_from_slice(b"\r\n\0\r\n");
     let mut nasty = b"a\r\nb\0c\r\n\r\n$3\r\n*1\r\n-ERR\r\n".to_vec();
@@ -269,14 +308,22 @@ fn round_trip_binary_blocking_and_async() {
     // The prefix is applied to every key.
     let mut full = b"ub:".to_vec();
     full.extend_from_slice(&cases[0].0);
-    assert_eq!(s.command(&[b"GET", &full]).unwrap(), Reply::Bulk(Some(nasty.clone())));
-    assert_eq!(s.command(&[b"STRLEN", b"ub:big\r\n"]).unwrap(), Reply::Int(big_crlf.len() as i64));
+    assert_eq!(
+        s.command(&[b"GET", &full]).unwrap(),
+        Reply::Bulk(Some(nasty.clone()))
+    );
+    assert_eq!(
+        s.command(&[b"STRLEN", b"ub:big\r\n"]).unwrap(),
+        Reply::Int(big_crlf.len() as i64)
+    );
     for (k, _) in &cases {
         assert!(s.del(k).unwrap());
         assert_eq!(s.get(k).unwrap(), None);
         assert!(!s.del(k).unwrap());
     }
-    assert!(matches!(s.command(&[b"NOSUCHCOMMAND"]), Err(StoreError::Server(m)) if m.contains("unknown command")));
+    assert!(
+        matches!(s.command(&[b"NOSUCHCOMMAND"]), Err(StoreError::Server(m)) if m.contains("unknown command"))
+    );
     s.ping().unwrap();
 
     let h = StoreHandle::start(&cfg).unwrap();
@@ -284,7 +331,10 @@ fn round_trip_binary_blocking_and_async() {
     for (k, v) in &cases {
         let ops = [set(k, v), get(k), OpKind::Del { key: k.clone() }, get(k)];
         for (t, kind) in ops.into_iter().enumerate() {
-            assert!(h.submit(Op { token: t as u64, kind }));
+            assert!(h.submit(Op {
+                token: t as u64,
+                kind
+            }));
         }
         let got = collect(&h, 4, Duration::from_secs(5));
         let tokens: Vec<u64> = got.iter().map(|c| c.token).collect();
@@ -305,21 +355,35 @@ fn ttl_expires_keys() {
     let dir = TempDir::new("ttl");
     let r = Redis::start(&dir.0, free_port(false), &[]);
     let ttl = Duration::from_millis(400);
-    let cfg = StoreConfig { ttl: Some(ttl), ..config(r.port) };
+    let cfg = StoreConfig {
+        ttl: Some(ttl),
+        ..config(r.port)
+    };
 
     let mut plain = Store::connect(&config(r.port)).unwrap();
     plain.set(b"forever", b"v").unwrap();
-    assert_eq!(plain.command(&[b"PTTL", b"ub:forever"]).unwrap(), Reply::Int(-1));
+    assert_eq!(
+        plain.command(&[b"PTTL", b"ub:forever"]).unwrap(),
+        Reply::Int(-1)
+    );
 
     let t0 = Instant::now();
     let mut s = Store::connect(&cfg).unwrap();
     s.set(b"ttl-sync", b"v").unwrap();
     let h = StoreHandle::start(&cfg).unwrap();
-    h.submit(Op { token: 7, kind: set(b"ttl-async", b"w") });
+    h.submit(Op {
+        token: 7,
+        kind: set(b"ttl-async", b"w"),
+    });
     assert_eq!(collect(&h, 1, Duration::from_secs(5))[0].result, Ok(None));
     for key in [&b"ub:ttl-sync"[..], b"ub:ttl-async"] {
-        let Reply::Int(ms) = s.command(&[b"PTTL", key]).unwrap() else { panic!("PTTL reply") };
-        assert!(ms > 0 && ms <= ttl.as_millis() as i64, "PTTL {key:?} = {ms}");
+        let Reply::Int(ms) = s.command(&[b"PTTL", key]).unwrap() else {
+            panic!("PTTL reply")
+        };
+        assert!(
+            ms > 0 && ms <= ttl.as_millis() as i64,
+            "PTTL {key:?} = {ms}"
+        );
     }
     // Gone after the TTL (bounded wait), and not before it.
     let deadline = t0 + ttl + Duration::from_secs(5);
@@ -327,8 +391,15 @@ fn ttl_expires_keys() {
         assert!(Instant::now() < deadline, "keys did not expire");
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(t0.elapsed() >= ttl, "expired after {:?}, before the TTL", t0.elapsed());
-    assert_eq!(s.command(&[b"PTTL", b"ub:ttl-sync"]).unwrap(), Reply::Int(-2));
+    assert!(
+        t0.elapsed() >= ttl,
+        "expired after {:?}, before the TTL",
+        t0.elapsed()
+    );
+    assert_eq!(
+        s.command(&[b"PTTL", b"ub:ttl-sync"]).unwrap(),
+        Reply::Int(-2)
+    );
     assert_eq!(plain.get(b"forever").unwrap().as_deref(), Some(&b"v"[..]));
 }
 
@@ -338,14 +409,23 @@ fn async_10k_pipelined_sets_complete_exactly_once() {
     let dir = TempDir::new("pipe");
     let r = Redis::start(&dir.0, free_port(false), &[]);
     // Generous timeout: this test is about completeness, not timing, on a shared 2-core box.
-    let cfg = StoreConfig { timeout: Duration::from_secs(10), ..config(r.port) };
+    let cfg = StoreConfig {
+        timeout: Duration::from_secs(10),
+        ..config(r.port)
+    };
     let h = StoreHandle::start(&cfg).unwrap();
     let n = 10_000u64;
     let t0 = Instant::now();
     for t in 0..n {
         let key = format!("p/{t}");
         let val = format!("value-{t}-").repeat(1 + (t % 7) as usize);
-        assert!(h.submit(Op { token: t, kind: set(key.as_bytes(), val.as_bytes()) }), "op {t} refused");
+        assert!(
+            h.submit(Op {
+                token: t,
+                kind: set(key.as_bytes(), val.as_bytes())
+            }),
+            "op {t} refused"
+        );
     }
     let got = collect(&h, n as usize, Duration::from_secs(30));
     let elapsed = t0.elapsed();
@@ -356,14 +436,27 @@ fn async_10k_pipelined_sets_complete_exactly_once() {
     }
     let missing = seen.iter().filter(|&&x| x == 0).count();
     let twice = seen.iter().filter(|&&x| x > 1).count();
-    assert_eq!((missing, twice), (0, 0), "each of {n} tokens must complete exactly once");
+    assert_eq!(
+        (missing, twice),
+        (0, 0),
+        "each of {n} tokens must complete exactly once"
+    );
     std::thread::sleep(Duration::from_millis(50));
-    assert!(h.try_recv().is_none(), "no completion beyond the ops submitted");
-    eprintln!("10000 pipelined SETs: {elapsed:?}, max latency {:?}", h.stats().max_latency);
+    assert!(
+        h.try_recv().is_none(),
+        "no completion beyond the ops submitted"
+    );
+    eprintln!(
+        "10000 pipelined SETs: {elapsed:?}, max latency {:?}",
+        h.stats().max_latency
+    );
 
     // Read them back through the handle too.
     for t in 0..n {
-        h.submit(Op { token: n + t, kind: get(format!("p/{t}").as_bytes()) });
+        h.submit(Op {
+            token: n + t,
+            kind: get(format!("p/{t}").as_bytes()),
+        });
     }
     let got = collect(&h, n as usize, Duration::from_secs(30));
     assert_eq!(got.len(), n as usize);
@@ -373,7 +466,11 @@ fn async_10k_pipelined_sets_complete_exactly_once() {
         assert_eq!(c.result.unwrap().as_deref(), Some(want.as_bytes()));
     }
     let st = h.stats();
-    assert_eq!((st.ops, st.completed, st.errors, st.fast_fails), (2 * n, 2 * n, 0, 0), "{st:?}");
+    assert_eq!(
+        (st.ops, st.completed, st.errors, st.fast_fails),
+        (2 * n, 2 * n, 0, 0),
+        "{st:?}"
+    );
     assert_eq!(cli(r.port, &["dbsize"]), n.to_string());
 }
 
@@ -384,21 +481,45 @@ fn no_lost_wakeups() {
     require_redis!();
     let dir = TempDir::new("wake");
     let r = Redis::start(&dir.0, free_port(false), &[]);
-    let cfg = StoreConfig { timeout: Duration::from_secs(5), ..config(r.port) };
+    let cfg = StoreConfig {
+        timeout: Duration::from_secs(5),
+        ..config(r.port)
+    };
     let h = StoreHandle::start(&cfg).unwrap();
+    // CPU hogs, so that the worker and this thread get preempted at arbitrary points (the
+    // narrow windows in which a wake-up could be lost).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hogs: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
     let mut token = 0u64;
     let mut worst = Duration::ZERO;
     let mut out = Vec::new();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    for round in 0..4000 {
+    for round in 0..3000 {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let k = 1 + (rng % 24) as usize;
+        let k = 1 + (rng % 64) as usize;
         let t0 = Instant::now();
-        for _ in 0..k {
-            assert!(h.submit(Op { token, kind: set(b"w", &token.to_le_bytes()) }));
+        for j in 0..k {
+            assert!(h.submit(Op {
+                token,
+                kind: set(b"w", &token.to_le_bytes())
+            }));
             token += 1;
+            // Spread the burst over the worker's wake-up, where the races are.
+            let spin = Instant::now() + Duration::from_nanos((rng >> (j % 32)) % 3000);
+            while Instant::now() < spin {
+                std::hint::spin_loop();
+            }
         }
         out.clear();
         while out.len() < k {
@@ -410,16 +531,26 @@ fn no_lost_wakeups() {
             h.drain(&mut out);
         }
         assert_eq!(out.len(), k);
-        worst = worst.max(t0.elapsed());
-        if rng % 8 == 0 {
+        // The worker's poll wakes at least every second anyway: a lost wake-up costs ~1 s
+        // (and, with the flag stuck, every round after it too).
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(700),
+            "round {round} took {took:?}: a lost wake-up"
+        );
+        worst = worst.max(took);
+        if rng & 7 == 0 {
             std::thread::sleep(Duration::from_micros(rng % 300));
         }
     }
+    stop.store(true, Ordering::Relaxed);
+    for t in hogs {
+        t.join().unwrap();
+    }
     let st = h.stats();
-    eprintln!("{token} ops in 4000 rounds: worst round {worst:?}; {st:?}");
+    eprintln!("{token} ops in 3000 rounds: worst round {worst:?}; {st:?}");
     assert_eq!(st.errors, 0);
-    // The worker's poll wakes at least every second anyway: a lost wake-up costs ~1 s.
-    assert!(st.max_latency < Duration::from_millis(500), "{st:?}");
+    assert!(st.max_latency < Duration::from_millis(700), "{st:?}");
 }
 
 #[test]
@@ -429,7 +560,11 @@ fn store_down_fails_fast_then_recovers() {
     let mut r = Redis::start(&dir.0, free_port(false), &[]);
     let timeout = Duration::from_millis(50);
     let slack = Duration::from_millis(200);
-    let cfg = StoreConfig { timeout, connect_timeout: Duration::from_millis(50), ..config(r.port) };
+    let cfg = StoreConfig {
+        timeout,
+        connect_timeout: Duration::from_millis(50),
+        ..config(r.port)
+    };
     let h = StoreHandle::start(&cfg).unwrap();
     let mut tr = Tracker::default();
     for i in 0..200u32 {
@@ -477,9 +612,18 @@ fn store_down_fails_fast_then_recovers() {
         tr.refused_at_submit
     );
     assert!(down > 0 && other == 0);
-    assert!(st.fast_fails > 0 && tr.refused_at_submit > 0, "the fast-fail path must be taken");
-    assert!(max_latency <= timeout + slack, "a completion took {max_latency:?}");
-    assert!(max_wall <= timeout + slack, "a completion was seen after {max_wall:?}");
+    assert!(
+        st.fast_fails > 0 && tr.refused_at_submit > 0,
+        "the fast-fail path must be taken"
+    );
+    assert!(
+        max_latency <= timeout + slack,
+        "a completion took {max_latency:?}"
+    );
+    assert!(
+        max_wall <= timeout + slack,
+        "a completion was seen after {max_wall:?}"
+    );
 
     // Same port again: the handle reconnects by itself.
     r.spawn();
@@ -501,19 +645,36 @@ fn start_while_down_then_store_comes_up() {
     require_redis!();
     let dir = TempDir::new("late");
     let port = free_port(false);
-    let cfg = StoreConfig { timeout: Duration::from_millis(50), connect_timeout: Duration::from_millis(100), ..config(port) };
+    let cfg = StoreConfig {
+        timeout: Duration::from_millis(50),
+        connect_timeout: Duration::from_millis(100),
+        ..config(port)
+    };
     assert!(matches!(Store::connect(&cfg), Err(StoreError::Down(_))));
     let t0 = Instant::now();
     let h = StoreHandle::start(&cfg).unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(1), "start took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "start took {:?}",
+        t0.elapsed()
+    );
     assert!(h.is_down());
     let mut tr = Tracker::default();
     let t = tr.submit(&h, set(b"k", b"v"));
     assert_eq!(tr.refused_at_submit, 1);
-    assert!(poll_readable(h.wake_fd(), Duration::ZERO), "wake fd set by the fast failure");
+    assert!(
+        poll_readable(h.wake_fd(), Duration::ZERO),
+        "wake fd set by the fast failure"
+    );
     tr.drain(&h);
-    assert!(matches!(tr.done[&t].0.result, Err(StoreError::Down(_))), "completed at once");
-    assert!(!poll_readable(h.wake_fd(), Duration::ZERO), "drain resets the wake fd");
+    assert!(
+        matches!(tr.done[&t].0.result, Err(StoreError::Down(_))),
+        "completed at once"
+    );
+    assert!(
+        !poll_readable(h.wake_fd(), Duration::ZERO),
+        "drain resets the wake fd"
+    );
     let _r = Redis::start(&dir.0, port, &[]);
     let took = tr.until_ok(&h, Duration::from_secs(5));
     eprintln!("up {took:?} after redis started");
@@ -526,7 +687,11 @@ fn slow_store_times_out_never_hangs() {
     let r = Redis::start(&dir.0, free_port(false), &[]);
     let timeout = Duration::from_millis(20);
     let slack = Duration::from_millis(200);
-    let cfg = StoreConfig { timeout, connect_timeout: Duration::from_millis(500), ..config(r.port) };
+    let cfg = StoreConfig {
+        timeout,
+        connect_timeout: Duration::from_millis(500),
+        ..config(r.port)
+    };
     let h = StoreHandle::start(&cfg).unwrap();
     let mut tr = Tracker::default();
     tr.until_ok(&h, Duration::from_secs(2));
@@ -534,15 +699,19 @@ fn slow_store_times_out_never_hangs() {
     // Stall redis for 200 ms, and make sure it is stalled: a PING on a third connection goes
     // unanswered for 15 ms.
     let mut dbg = TcpStream::connect(r.addr()).unwrap();
-    dbg.write_all(b"*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$3\r\n0.2\r\n").unwrap();
+    dbg.write_all(b"*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$3\r\n0.2\r\n")
+        .unwrap();
     let mut check = TcpStream::connect(r.addr()).unwrap();
-    check.set_read_timeout(Some(Duration::from_millis(15))).unwrap();
+    check
+        .set_read_timeout(Some(Duration::from_millis(15)))
+        .unwrap();
     let mut stalled = false;
     for _ in 0..100 {
         check.write_all(b"*1\r\n$4\r\nPING\r\n").unwrap();
         let mut buf = [0u8; 16];
         match check.read(&mut buf) {
-            Ok(_) => continue, // answered: not asleep yet
+            // Answered: not asleep yet.
+            Ok(n) => assert!(n > 0, "connection closed"),
             Err(_) => {
                 stalled = true;
                 break;
@@ -565,7 +734,10 @@ fn slow_store_times_out_never_hangs() {
             Ok(n) if n > 0 => break,
             _ => {}
         }
-        assert!(t0.elapsed() < Duration::from_secs(5), "DEBUG SLEEP never returned");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "DEBUG SLEEP never returned"
+        );
         tr.submit(&h, set(b"during", b"v"));
         std::thread::sleep(Duration::from_millis(3));
         tr.drain(&h);
@@ -573,7 +745,11 @@ fn slow_store_times_out_never_hangs() {
     tr.wait_all(&h, Duration::from_secs(2));
     let st = h.stats();
     for t in first..first_end {
-        assert_eq!(tr.done[&t].0.result, Err(StoreError::Timeout), "op {t} on the stalled store");
+        assert_eq!(
+            tr.done[&t].0.result,
+            Err(StoreError::Timeout),
+            "op {t} on the stalled store"
+        );
     }
     let mut max = Duration::ZERO;
     let mut fast = 0;
@@ -594,7 +770,10 @@ fn slow_store_times_out_never_hangs() {
 /// The slot ranges `cluster nodes` lists for the node itself.
 fn my_slots(port: u16) -> Vec<std::ops::RangeInclusive<u16>> {
     let nodes = cli(port, &["cluster", "nodes"]);
-    let me = nodes.lines().find(|l| l.contains("myself")).expect("myself line");
+    let me = nodes
+        .lines()
+        .find(|l| l.contains("myself"))
+        .expect("myself line");
     me.split_whitespace()
         .skip(8)
         .filter(|f| !f.starts_with('['))
@@ -635,8 +814,6 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
                 "2000",
                 "--cluster-require-full-coverage",
                 "no",
-                "--latency-monitor-threshold",
-                "50",
             ];
             Redis::start(&dir.0, p, &extra.map(String::from))
         })
@@ -656,7 +833,10 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
         String::from_utf8_lossy(&out.stderr)
     );
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !ports.iter().all(|&p| cli(p, &["cluster", "info"]).contains("cluster_state:ok")) {
+    while !ports
+        .iter()
+        .all(|&p| cli(p, &["cluster", "info"]).contains("cluster_state:ok"))
+    {
         assert!(Instant::now() < deadline, "cluster_state never ok");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -670,27 +850,57 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
     let h = StoreHandle::start(&cfg).unwrap();
     assert!(h.is_cluster() && !h.is_down());
     let n = 1000u64;
-    let key = |i: u64| if i % 10 == 0 { format!("{{tag}}/{i}") } else { format!("c/{i}") };
+    let key = |i: u64| {
+        if matches!(i % 10, 0) {
+            format!("{{tag}}/{i}")
+        } else {
+            format!("c/{i}")
+        }
+    };
     for i in 0..n {
-        h.submit(Op { token: i, kind: set(key(i).as_bytes(), format!("v{i}").as_bytes()) });
+        h.submit(Op {
+            token: i,
+            kind: set(key(i).as_bytes(), format!("v{i}").as_bytes()),
+        });
     }
     let got = collect(&h, n as usize, Duration::from_secs(20));
     assert_eq!(got.len(), n as usize);
-    assert!(got.iter().all(|c| c.result == Ok(None)), "{:?}", got.iter().find(|c| c.result.is_err()));
+    assert!(
+        got.iter().all(|c| c.result == Ok(None)),
+        "{:?}",
+        got.iter().find(|c| c.result.is_err())
+    );
     for i in 0..n {
-        h.submit(Op { token: n + i, kind: get(key(i).as_bytes()) });
+        h.submit(Op {
+            token: n + i,
+            kind: get(key(i).as_bytes()),
+        });
     }
     let got = collect(&h, n as usize, Duration::from_secs(20));
     assert_eq!(got.len(), n as usize);
     for c in got {
         let i = c.token - n;
-        assert_eq!(c.result.unwrap(), Some(format!("v{i}").into_bytes()), "key {}", key(i));
+        assert_eq!(
+            c.result.unwrap(),
+            Some(format!("v{i}").into_bytes()),
+            "key {}",
+            key(i)
+        );
     }
-    eprintln!("DBG after 2n: {:?}", h.stats());
-    assert_eq!(h.stats().redirects, 0, "routed by the slot map, no redirection needed");
-    let per_node: Vec<u64> = ports.iter().map(|&p| cli(p, &["dbsize"]).parse().unwrap()).collect();
+    assert_eq!(
+        h.stats().redirects,
+        0,
+        "routed by the slot map, no redirection needed"
+    );
+    let per_node: Vec<u64> = ports
+        .iter()
+        .map(|&p| cli(p, &["dbsize"]).parse().unwrap())
+        .collect();
     assert_eq!(per_node.iter().sum::<u64>(), n);
-    assert!(per_node.iter().all(|&k| k > 0), "keys on every node: {per_node:?}");
+    assert!(
+        per_node.iter().all(|&k| k > 0),
+        "keys on every node: {per_node:?}"
+    );
 
     // Our CRC16 agrees with redis, hash tags included.
     let mut s = Store::connect(&cfg).unwrap();
@@ -704,14 +914,20 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
             2 => format!("k{{}}{{{i}}}").into_bytes(),
             _ => format!("ub:c/{i}").into_bytes(),
         };
-        let r = s.command_at(masters[0], &[b"CLUSTER", b"KEYSLOT", &k]).unwrap();
+        let r = s
+            .command_at(masters[0], &[b"CLUSTER", b"KEYSLOT", &k])
+            .unwrap();
         assert_eq!(r, Reply::Int(key_slot(&k) as i64), "{k:?}");
     }
     for i in 0..300u32 {
-        s.set(format!("sync/{i}").as_bytes(), &i.to_be_bytes()).unwrap();
+        s.set(format!("sync/{i}").as_bytes(), &i.to_be_bytes())
+            .unwrap();
     }
     for i in 0..300u32 {
-        assert_eq!(s.get(format!("sync/{i}").as_bytes()).unwrap(), Some(i.to_be_bytes().to_vec()));
+        assert_eq!(
+            s.get(format!("sync/{i}").as_bytes()).unwrap(),
+            Some(i.to_be_bytes().to_vec())
+        );
     }
 
     // Migrate the (empty) slot of one key from its owner A to B: ASK during the migration,
@@ -722,34 +938,84 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
     let b = *ports.iter().find(|&&p| p != a).unwrap();
     let id = |p: u16| cli(p, &["cluster", "myid"]);
     let slot_s = slot.to_string();
-    assert_eq!(cli(b, &["cluster", "setslot", &slot_s, "importing", &id(a)]), "OK");
-    assert_eq!(cli(a, &["cluster", "setslot", &slot_s, "migrating", &id(b)]), "OK");
+    assert_eq!(
+        cli(b, &["cluster", "setslot", &slot_s, "importing", &id(a)]),
+        "OK"
+    );
+    assert_eq!(
+        cli(a, &["cluster", "setslot", &slot_s, "migrating", &id(b)]),
+        "OK"
+    );
     let before = h.stats().redirects;
-    h.submit(Op { token: 1, kind: set(k, b"moved-value") });
+    h.submit(Op {
+        token: 1,
+        kind: set(k, b"moved-value"),
+    });
     assert_eq!(collect(&h, 1, Duration::from_secs(5))[0].result, Ok(None));
-    h.submit(Op { token: 2, kind: get(k) });
-    assert_eq!(collect(&h, 1, Duration::from_secs(5))[0].result, Ok(Some(b"moved-value".to_vec())));
+    h.submit(Op {
+        token: 2,
+        kind: get(k),
+    });
+    assert_eq!(
+        collect(&h, 1, Duration::from_secs(5))[0].result,
+        Ok(Some(b"moved-value".to_vec()))
+    );
     assert_eq!(h.stats().redirects, before + 2, "two -ASK followed");
-    assert_eq!(cli(b, &["cluster", "countkeysinslot", &slot_s]), "1", "the key went to B");
-    assert_eq!(s.get(k).unwrap(), Some(b"moved-value".to_vec()), "blocking client follows ASK");
+    assert_eq!(
+        cli(b, &["cluster", "countkeysinslot", &slot_s]),
+        "1",
+        "the key went to B"
+    );
+    assert_eq!(
+        s.get(k).unwrap(),
+        Some(b"moved-value".to_vec()),
+        "blocking client follows ASK"
+    );
     for p in [b, a, *ports.iter().find(|&&p| p != a && p != b).unwrap()] {
-        assert_eq!(cli(p, &["cluster", "setslot", &slot_s, "node", &id(b)]), "OK");
+        assert_eq!(
+            cli(p, &["cluster", "setslot", &slot_s, "node", &id(b)]),
+            "OK"
+        );
     }
-    h.submit(Op { token: 3, kind: get(k) });
-    assert_eq!(collect(&h, 1, Duration::from_secs(5))[0].result, Ok(Some(b"moved-value".to_vec())));
+    h.submit(Op {
+        token: 3,
+        kind: get(k),
+    });
+    assert_eq!(
+        collect(&h, 1, Duration::from_secs(5))[0].result,
+        Ok(Some(b"moved-value".to_vec()))
+    );
     assert_eq!(h.stats().redirects, before + 3, "one -MOVED followed");
-    h.submit(Op { token: 4, kind: get(k) });
-    assert_eq!(collect(&h, 1, Duration::from_secs(5))[0].result, Ok(Some(b"moved-value".to_vec())));
+    h.submit(Op {
+        token: 4,
+        kind: get(k),
+    });
+    assert_eq!(
+        collect(&h, 1, Duration::from_secs(5))[0].result,
+        Ok(Some(b"moved-value".to_vec()))
+    );
     assert_eq!(h.stats().redirects, before + 3, "the map was updated");
-    assert_eq!(s.get(k).unwrap(), Some(b"moved-value".to_vec()), "blocking client follows MOVED");
+    assert_eq!(
+        s.get(k).unwrap(),
+        Some(b"moved-value".to_vec()),
+        "blocking client follows MOVED"
+    );
     let st = h.stats();
-    assert_eq!((st.errors, st.ops, st.completed), (0, st.completed, 2 * n + 4), "{st:?}");
+    assert_eq!(
+        (st.errors, st.ops, st.completed),
+        (0, st.completed, 2 * n + 4),
+        "{st:?}"
+    );
 
     // A master dies: the keys of its slots fail fast, the other masters' keys still work. It
     // restarts (same port and cluster config, no data) and the handle uses it again.
     let dead = ports[2];
     let dead_slots = my_slots(dead);
-    let on_dead = |i: u64| dead_slots.iter().any(|r| r.contains(&key_slot(format!("ub:{}", key(i)).as_bytes())));
+    let on_dead = |i: u64| {
+        dead_slots
+            .iter()
+            .any(|r| r.contains(&key_slot(format!("ub:{}", key(i)).as_bytes())))
+    };
     nodes[2].kill();
     let deadline = Instant::now() + Duration::from_secs(2);
     while !h.is_down() {
@@ -766,15 +1032,21 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
         let r = &tr.done[&i].0.result;
         if on_dead(i) {
             dead_n += 1;
-            assert!(matches!(r, Err(StoreError::Down(_))), "key {} on the dead master: {r:?}", key(i));
+            assert!(
+                matches!(r, Err(StoreError::Down(_))),
+                "key {} on the dead master: {r:?}",
+                key(i)
+            );
         } else {
             live_n += 1;
             assert_eq!(*r, Ok(None), "key {} on a live master", key(i));
         }
     }
     assert!(dead_n > 0 && live_n > 0);
-    assert_eq!(tr.refused_at_submit, dead_n, "the dead master's keys fail fast at submit");
-    eprintln!("DBG after kill: {:?}", h.stats());
+    assert_eq!(
+        tr.refused_at_submit, dead_n,
+        "the dead master's keys fail fast at submit"
+    );
     nodes[2].spawn();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -783,14 +1055,15 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
             tr.submit(&h, set(key(i).as_bytes(), b"back"));
         }
         tr.wait_all(&h, Duration::from_secs(5));
-        eprintln!("DBG round: {:?} {:?}", h.stats(), tr.done.values().find(|(c, _)| c.result.is_err()));
         if tr.done.values().all(|(c, _)| c.result.is_ok()) {
             break;
         }
-        assert!(Instant::now() < deadline, "the restarted master was not used again");
+        assert!(
+            Instant::now() < deadline,
+            "the restarted master was not used again"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("DBG latency C: {}", cli(dead, &["latency", "latest"]));
     assert!(!h.is_down() && h.stats().reconnects >= 1, "{:?}", h.stats());
     drop(nodes);
 }
@@ -798,7 +1071,13 @@ fn cluster_routing_moved_and_ask_from_one_seed() {
 fn percentiles(mut v: Vec<Duration>) -> String {
     v.sort();
     let p = |q: f64| v[((v.len() as f64 * q) as usize).min(v.len() - 1)];
-    format!("p50 {:?}  p99 {:?}  p99.9 {:?}  max {:?}", p(0.5), p(0.99), p(0.999), v[v.len() - 1])
+    format!(
+        "p50 {:?}  p99 {:?}  p99.9 {:?}  max {:?}",
+        p(0.5),
+        p(0.99),
+        p(0.999),
+        v[v.len() - 1]
+    )
 }
 
 /// Not a timed test: prints round-trip latencies of single SETs on loopback.
@@ -819,20 +1098,32 @@ fn latency_report() {
         s.set(format!("lat/{i}").as_bytes(), &val).unwrap();
         v.push(t.elapsed());
     }
-    eprintln!("blocking Store::set, 100 B, {n} ops:       {}", percentiles(v));
+    eprintln!(
+        "blocking Store::set, 100 B, {n} ops:       {}",
+        percentiles(v)
+    );
 
     let h = StoreHandle::start(&cfg).unwrap();
     let (mut lat, mut wall) = (Vec::new(), Vec::new());
     for i in 0..n {
         let t = Instant::now();
-        h.submit(Op { token: i as u64, kind: set(format!("lat/{i}").as_bytes(), &val) });
+        h.submit(Op {
+            token: i as u64,
+            kind: set(format!("lat/{i}").as_bytes(), &val),
+        });
         let c = collect(&h, 1, Duration::from_secs(1)).pop().unwrap();
         wall.push(t.elapsed());
         assert!(c.result.is_ok());
         lat.push(c.latency);
     }
-    eprintln!("StoreHandle SET, one at a time (latency):    {}", percentiles(lat));
-    eprintln!("StoreHandle SET, one at a time (poll+drain): {}", percentiles(wall));
+    eprintln!(
+        "StoreHandle SET, one at a time (latency):    {}",
+        percentiles(lat)
+    );
+    eprintln!(
+        "StoreHandle SET, one at a time (poll+drain): {}",
+        percentiles(wall)
+    );
 
     let m = 100_000u64;
     let t = Instant::now();
@@ -844,7 +1135,10 @@ fn latency_report() {
             poll_readable(h.wake_fd(), Duration::from_millis(10));
             got += h.drain(&mut out);
         }
-        assert!(h.submit(Op { token: i, kind: set(b"tp", &val) }));
+        assert!(h.submit(Op {
+            token: i,
+            kind: set(b"tp", &val)
+        }));
     }
     while got < m as usize {
         poll_readable(h.wake_fd(), Duration::from_millis(10));
@@ -852,5 +1146,9 @@ fn latency_report() {
     }
     assert!(out.iter().all(|c| c.result.is_ok()));
     let el = t.elapsed();
-    eprintln!("StoreHandle pipelined: {m} SETs in {el:?} ({:.0} ops/s); {:?}", m as f64 / el.as_secs_f64(), h.stats());
+    eprintln!(
+        "StoreHandle pipelined: {m} SETs in {el:?} ({:.0} ops/s); {:?}",
+        m as f64 / el.as_secs_f64(),
+        h.stats()
+    );
 }

@@ -158,3 +158,54 @@ pub fn main(args: Vec<String>) -> i32 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_lines_and_atomic_status() {
+        let e = LbEvent {
+            n: 1,
+            t_ms: 12,
+            server: 2,
+            kind: EventKind::Down,
+            buckets_moved: 85,
+            detect_ms: Some(25),
+            epoch: 2,
+            applied_ms: None,
+        };
+        assert_eq!(
+            event_line(&e),
+            "down server=2 t_ms=12 detect_ms=25 buckets_moved=85 epoch=2"
+        );
+        let dir = std::env::temp_dir().join(format!("ub-lbcmd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("lb.json");
+        let s = LbStatus {
+            table: "t".into(),
+            buckets: 1,
+            epoch: 1,
+            applied_epoch: 1,
+            uptime_ms: 0,
+            monitor_realtime: false,
+            programmer_realtime: false,
+            servers: Vec::new(),
+            owners: vec![1],
+            owner_changed_ms_ago: vec![None],
+            events: vec![e],
+            counters: Default::default(),
+            last_nft_error: None,
+        };
+        write_status(&p, &s).unwrap();
+        write_status(&p, &s).unwrap();
+        let back: LbStatus = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        assert_eq!(back.events, s.events);
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "temporary file left: {names:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

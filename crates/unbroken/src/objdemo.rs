@@ -363,11 +363,13 @@ pub struct ObjectScenario {
     /// Boot the first dead server again during the download (its buckets return to it, and
     /// the connection moves back if it was one of them).
     pub revive: bool,
+    /// The `unbroken` binary for the agents and the LB (default: this executable).
+    pub bin: Option<PathBuf>,
 }
 
 impl Default for ObjectScenario {
     fn default() -> Self {
-        ObjectScenario { size: 1 << 30, crash_at: vec![0.3, 0.65], client: "curl".into(), ipv6: false, rate: 0, servers: 3, timeout: Duration::from_secs(300), live: false, probe: true, revive: false }
+        ObjectScenario { size: 1 << 30, crash_at: vec![0.3, 0.65], client: "curl".into(), ipv6: false, rate: 0, servers: 3, timeout: Duration::from_secs(300), live: false, probe: true, revive: false, bin: None }
     }
 }
 
@@ -408,7 +410,11 @@ pub struct ObjectReport {
 /// `unbroken demo object`.
 pub fn run_object(s: &ObjectScenario) -> Result<ObjectReport, String> {
     lab::lab_available().map_err(|e| format!("the lab is not available: {e}"))?;
-    let mut env = ObjectEnv::start(EnvOpts { servers: s.servers, probe: s.probe, ..EnvOpts::default() }).map_err(|e| format!("starting the system: {e}"))?;
+    let mut opts = EnvOpts { servers: s.servers, probe: s.probe, ..EnvOpts::default() };
+    if let Some(b) = &s.bin {
+        opts.bin = b.clone();
+    }
+    let mut env = ObjectEnv::start(opts).map_err(|e| format!("starting the system: {e}"))?;
     if s.live {
         eprintln!("[demo] writing a {} MiB object", s.size >> 20);
     }

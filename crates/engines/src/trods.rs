@@ -545,6 +545,10 @@ struct Conn {
     client_acked: u64,
     // server stream
     srv_next: u64,
+    /// Server stream offset just past the highest byte actually sent. Equal to `srv_next`
+    /// except after a failover, when the rebuilt socket sends again from the client's ACK
+    /// bytes that were parsed long ago. The reference for placing 32-bit numbers.
+    sent_next: u64,
     parse: SrvParse,
     entries: VecDeque<Entry>,
     // store
@@ -867,8 +871,11 @@ impl Engine {
         }
         // What the client acknowledged: prune fully received responses.
         if fl & flags::ACK != 0 {
-            let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.srv_next);
-            if a > c.client_acked && a <= c.srv_next + 1 {
+            let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
+            // After a failover the client may acknowledge bytes the old server sent and the
+            // rebuilt socket has not yet resent (they sat in the client's out-of-order queue).
+            if a > c.client_acked && a <= c.sent_next.max(c.srv_next) + 1 {
+                c.sent_next = c.sent_next.max(a.min(c.srv_next));
                 c.client_acked = a;
                 let before = c.entries.len();
                 while c.entries.front().is_some_and(|e| e.end_off() <= a) {
@@ -903,7 +910,7 @@ impl Engine {
         let max_head = self.cfg.max_response_head;
         let step = self.cfg.progress_step;
         let c = self.conns.get_mut(&key).unwrap();
-        let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.srv_next);
+        let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
         let end = off + len as u64;
         let mut why = None;
         let mut new_entry = false;
@@ -985,10 +992,11 @@ impl Engine {
                 }
             }
             c.srv_next = end.max(c.srv_next);
-            if why.is_none() && c.srv_next >= c.progress_asked + step {
-                c.progress_asked = c.srv_next;
-                c.gen += 1;
-            }
+        }
+        c.sent_next = c.sent_next.max(end);
+        if why.is_none() && c.sent_next >= c.progress_asked + step {
+            c.progress_asked = c.sent_next;
+            c.gen += 1;
         }
         if let Some(why) = why {
             self.unprotect(key, why, true);
@@ -997,7 +1005,7 @@ impl Engine {
         let c = self.conns.get_mut(&key).unwrap();
         // Does this packet wait for a store? Its own new entry, an unfinished header, the
         // progress mark too far behind, or an earlier held packet (order is kept).
-        let far = c.srv_next.saturating_sub(c.progress_stored) > 3 << 29;
+        let far = c.sent_next.saturating_sub(c.progress_stored) > 3 << 29;
         let need = if header_pending {
             Some(u64::MAX)
         } else if new_entry || far {
@@ -1055,7 +1063,7 @@ impl Engine {
         let rec = Record {
             hs: c.hs,
             hold_off: c.hold_off(),
-            sent_off: c.srv_next,
+            sent_off: c.sent_next,
             entries: c.entries.iter().cloned().collect(),
         };
         let (gen, hold_off, sent_off) = (c.gen, rec.hold_off, rec.sent_off);
@@ -1218,6 +1226,7 @@ impl Engine {
         let mut c = Conn::new(rec.hs, now);
         c.entries = entries;
         c.srv_next = srv_next;
+        c.sent_next = plan.acked_off;
         c.cli_next = cli_next;
         c.client_acked = plan.acked_off;
         c.ack_limit = Some(rec.hold_off);
@@ -1245,6 +1254,7 @@ impl Conn {
             reqs: VecDeque::new(),
             client_acked: 0,
             srv_next: 0,
+            sent_next: 0,
             parse: SrvParse::Idle,
             entries: VecDeque::new(),
             ack_limit: Some(0),

@@ -454,3 +454,45 @@ fn muted_connection_goes_silent_and_leaves_its_record_alone() {
     assert!(!t.e.knows(&key()));
     assert!(t.e.poll_action().is_none(), "no delete for a muted connection");
 }
+
+#[test]
+fn objects_over_4gib_after_a_failover_keep_the_progress_mark_moving() {
+    // Adopt inside a 6 GiB body at 1 GiB, then send 3.3 GiB more from the rebuilt socket.
+    let mut rec = record_with_download();
+    rec.entries[0].body_len = 6 << 30;
+    rec.sent_off = 1 << 30;
+    let hl = HDR.len() as u64;
+    let acked: u64 = (1 << 30) - 5000;
+    let plan = plan_recovery(&rec, &trig(cs(0), ss(acked as u32), F::ACK, 0)).unwrap();
+    assert_eq!(plan.resume[0].body_from, acked - hl);
+    let mut t = T::new();
+    t.e.adopt(key(), &rec, &plan, 1);
+    let seg = 65000usize;
+    let mut p = from_s(ss(acked as u32), cs(REQ.len() as u32), F::ACK, &vec![7u8; seg]);
+    let info = IpInfo::parse(&p).unwrap();
+    let mut off = acked;
+    let mut last = None;
+    while off < acked + (3 << 30) + (300 << 20) {
+        let s = ss(off as u32).to_be_bytes();
+        p[info.l4_offset + 4..info.l4_offset + 8].copy_from_slice(&s);
+        let v = t.e.packet(1, &mut p, Dir::ToClient, 2);
+        assert!(matches!(v, Verdict::Accept { .. }), "{v:?} at {off}");
+        off += seg as u64;
+        while let Some(a) = t.e.poll_action() {
+            match a {
+                Action::Store { token, value, .. } => {
+                    last = Some(value);
+                    t.e.store_done(token, true);
+                }
+                Action::Delete { .. } => panic!("no delete expected"),
+            }
+        }
+    }
+    let rec2 = Record::decode(&last.expect("progress stores")).unwrap();
+    assert!(rec2.sent_off + (512 << 20) > off, "progress mark {} near what was sent {off}", rec2.sent_off);
+    let ack2 = off - 100_000;
+    let plan2 = plan_recovery(&rec2, &trig(cs(0), ss(ack2 as u32), F::ACK, 0)).unwrap();
+    assert_eq!(plan2.acked_off, ack2);
+    assert_eq!(plan2.resume[0].body_from, ack2 - hl);
+    assert_eq!(t.e.counters.unprotected, 0);
+}

@@ -115,7 +115,7 @@ pub struct StoreSection {
 }
 
 fn default_store_ms() -> u64 {
-    20
+    50
 }
 fn default_prefix() -> String {
     "ub:".into()
@@ -232,6 +232,7 @@ pub struct AgentCounters {
     /// Trigger packet to rebuilt socket, microseconds.
     pub failover_us_last: u64,
     pub failover_us_max: u64,
+    /// Queue overflows (each lost one or more packets) and rejected verdicts.
     pub queue_errors: u64,
     pub store_submitted: u64,
     pub recent_refusals: Vec<String>,
@@ -252,6 +253,10 @@ impl Shared {
 enum Msg {
     /// The socket is rebuilt: adopt, release the waiting packets, then tell the worker.
     Adopt { key: Key, bucket: Option<u16>, rec: Box<Record>, plan: Box<Plan>, started: Instant, go: Sender<()> },
+    /// A stale local socket holds the connection's address pair (e.g. nginx's socket, muted
+    /// when the bucket went elsewhere): make sure the engine drops whatever it sends, then
+    /// answer, so the worker can destroy it.
+    Quiesce { key: Key, go: Sender<()> },
     /// Give up on this connection: the waiting packets reach the kernel (RST).
     Refuse { key: Key, why: String },
 }
@@ -321,7 +326,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         ),
         None => None,
     };
-    let qcfg = QueueConfig { queue_num: a.queue, ..QueueConfig::default() };
+    // Room for bursts of 64 KiB GSO segments from hundreds of connections: a packet the
+    // kernel cannot queue is dropped before it is sent (the engine then drops what follows
+    // until the server's TCP resends it).
+    let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
     let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, 0x7562);
     spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
@@ -479,6 +487,11 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     });
                     let _ = go.send(());
                 }
+                Msg::Quiesce { key, go } => {
+                    engine.mute_or_insert(key, now);
+                    flush_released(&mut engine, &mut queue, &mut csum);
+                    let _ = go.send(());
+                }
                 Msg::Refuse { key, why } => {
                     if let Some(r) = recovering.remove(&key) {
                         for (id, _) in r.held {
@@ -571,6 +584,8 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 }
             }
         }
+        let qs = queue.stats();
+        shared.count(|c| c.queue_errors = qs.enobufs + qs.verdict_errors);
         {
             let mut ev = engine_view.lock().unwrap();
             *ev = (engine.counters, engine.connections(), engine.protected());
@@ -722,12 +737,22 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
         sndbuf: None,
     };
     // A socket of this connection muted here earlier may take a moment to go (its worker
-    // closes it): retry while the address pair is still taken.
+    // closes it): retry while the address pair is still taken. A socket that stays (one the
+    // local server owns) is destroyed, its RST dropped by the muted engine entry.
     let deadline = Instant::now() + Duration::from_millis(500);
+    let mut destroyed = false;
     let sock = loop {
         match repair::rebuild(&spec) {
             Ok(s) => break s,
             Err(e) if e.kind() == io::ErrorKind::AddrNotAvailable && Instant::now() < deadline => {
+                if !destroyed && Instant::now() + Duration::from_millis(450) > deadline {
+                    destroyed = true;
+                    let (go_tx, go_rx) = channel();
+                    ctx.send(Msg::Quiesce { key, go: go_tx });
+                    if go_rx.recv_timeout(Duration::from_secs(2)).is_ok() {
+                        destroy_socket(&key);
+                    }
+                }
                 std::thread::sleep(Duration::from_millis(5)); // waiting for the old socket to close
             }
             Err(e) => return refuse(format!("rebuild: {e}"), |c| c.refused_rebuild += 1),
@@ -744,6 +769,24 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
     }
     serve_recovered(&ctx, sock, &rec, &plan);
     ctx.adopted.lock().unwrap().remove(&key);
+}
+
+/// Destroys the local TCP socket of `key` (`ss -K`, SOCK_DESTROY).
+fn destroy_socket(key: &Key) {
+    let (s, c) = (key.service, key.client);
+    let filter = format!("src {} and sport = :{} and dst {} and dport = :{}", bracket(s.ip()), s.port(), bracket(c.ip()), c.port());
+    match std::process::Command::new("ss").args(["-K", "-tn", "state", "all"]).arg(&filter).output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => eprintln!("agent: ss -K {filter}: {}", String::from_utf8_lossy(&o.stderr).trim()),
+        Err(e) => eprintln!("agent: ss -K: {e}"),
+    }
+}
+
+fn bracket(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V6(a) => format!("[{a}]"),
+        a => a.to_string(),
+    }
 }
 
 /// Resume the interrupted responses, then relay further requests to the local server.

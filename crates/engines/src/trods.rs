@@ -158,6 +158,9 @@ pub struct Record {
     pub sent_off: u64,
     /// Responses not yet known to be fully acknowledged, in order.
     pub entries: Vec<Entry>,
+    /// A tombstone: the connection stopped being protected (e.g. a chunked response). A new
+    /// server that finds it resets the client at once instead of leaving it waiting.
+    pub unprotected: bool,
 }
 
 const MAGIC: &[u8; 4] = b"UBT1";
@@ -168,7 +171,7 @@ impl Record {
         let mut b = Vec::with_capacity(64 + self.entries.iter().map(|e| 64 + e.header.len() + e.object_id.len()).sum::<usize>());
         b.extend_from_slice(MAGIC);
         let h = &self.hs;
-        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2;
+        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2 | (self.unprotected as u8) << 3;
         b.push(fl);
         b.extend_from_slice(&h.client_mss.to_be_bytes());
         b.push(h.client_ws.unwrap_or(0));
@@ -252,6 +255,7 @@ impl Record {
             hold_off,
             sent_off,
             entries,
+            unprotected: fl & 8 != 0,
         })
     }
 }
@@ -393,6 +397,9 @@ pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
     if t.flags & flags::ACK == 0 {
         return Err(Refusal("no ACK in the client's packet"));
     }
+    if rec.unprotected {
+        return Err(Refusal("the connection had stopped being protected"));
+    }
     let hs = &rec.hs;
     let seq_off = unwrap_near(t.seq.wrapping_sub(hs.irs.wrapping_add(1)), rec.hold_off);
     let seq_end = seq_off + t.payload_len as u64 + (t.flags & flags::FIN != 0) as u64;
@@ -417,6 +424,12 @@ pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
             plan.case = if rec.sent_off == 0 { Case::DuringSetup } else { Case::AfterDownload };
             return Ok(plan);
         }
+        if a == rec.sent_off + 1 && rec.sent_off > 0 {
+            // One sequence number past the last byte: the server's FIN, acknowledged.
+            plan.refin = true;
+            plan.snd_nxt = t.ack.wrapping_sub(1);
+            return Ok(plan);
+        }
         return Err(Refusal("client acknowledged bytes the record does not describe"));
     };
     let first = &rec.entries[0];
@@ -425,7 +438,7 @@ pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
     if a < first.resp_off {
         return Err(Refusal("client acknowledged less than the first stored response"));
     }
-    if a > end + 1 || (a == end + 1 && !last.close) {
+    if a > end + 1 {
         return Err(Refusal("client acknowledged bytes the record does not describe"));
     }
     if a == end + 1 {
@@ -483,6 +496,8 @@ pub struct Counters {
     pub expired: u64,
     pub muted: u64,
     pub muted_dropped: u64,
+    /// Server segments dropped because an earlier one never reached the engine.
+    pub server_gaps: u64,
 }
 
 /// What the engine asks its driver to do.
@@ -549,6 +564,8 @@ struct Conn {
     /// except after a failover, when the rebuilt socket sends again from the client's ACK
     /// bytes that were parsed long ago. The reference for placing 32-bit numbers.
     sent_next: u64,
+    /// Server stream offset of its FIN, once sent.
+    srv_fin: Option<u64>,
     parse: SrvParse,
     entries: VecDeque<Entry>,
     // store
@@ -591,6 +608,7 @@ pub struct Engine {
     actions: VecDeque<Action>,
     released: VecDeque<(u64, Vec<u8>, bool)>,
     dropped: VecDeque<u64>,
+    last_unprotect_reason: &'static str,
     pub counters: Counters,
 }
 
@@ -689,6 +707,7 @@ impl Engine {
             actions: VecDeque::new(),
             released: VecDeque::new(),
             dropped: VecDeque::new(),
+            last_unprotect_reason: "",
             counters: Counters::default(),
         }
     }
@@ -784,8 +803,21 @@ impl Engine {
                     self.forget(key, true);
                     return Verdict::Accept { modified: false };
                 }
-                if !c.protected || c.closed_at.is_some() {
+                if c.closed_at.is_some() {
                     return Verdict::Accept { modified: false };
+                }
+                if !c.protected {
+                    // Still under its ACK limit (until its tombstone is stored, or for good
+                    // when the store failed): the client keeps its request, so a server death
+                    // reaches the client as a visible RST rather than silence.
+                    let Some(l) = c.ack_limit else { return Verdict::Accept { modified: false } };
+                    let limit = Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32));
+                    if payload_len == 0 && fl & (flags::FIN | flags::SYN) == 0 && Seq(ack).gt(limit) {
+                        self.counters.pure_acks_dropped += 1;
+                        return Verdict::Drop;
+                    }
+                    let modified = limit_ack(pkt, limit, &mut self.counters);
+                    return Verdict::Accept { modified };
                 }
                 self.on_server(id, key, seq, ack, fl, payload_at, payload_len, pkt, now)
             }
@@ -915,9 +947,16 @@ impl Engine {
         let mut why = None;
         let mut new_entry = false;
         let mut header_pending = false;
-        if off > c.srv_next {
-            why = Some("gap in the server's byte stream");
-        } else if end > c.srv_next {
+        // The server's FIN takes one sequence number: its later segments (the ACK of a
+        // retransmitted request) start one past the last byte.
+        let after_fin = (c.srv_fin == Some(c.srv_next)) as u64;
+        if off > c.srv_next + after_fin {
+            // A segment before this one never reached the engine (the queue was full and the
+            // kernel dropped it, so it was never sent either). Drop this one too: the server's
+            // TCP sends the missing bytes again, and the stream is parsed in order.
+            self.counters.server_gaps += 1;
+            return Verdict::Drop;
+        } else if end > c.srv_next && off <= c.srv_next {
             let payload = &pkt[payload_at..payload_at + len];
             let mut data = &payload[(c.srv_next - off) as usize..];
             let mut pos = c.srv_next;
@@ -994,6 +1033,9 @@ impl Engine {
             c.srv_next = end.max(c.srv_next);
         }
         c.sent_next = c.sent_next.max(end);
+        if fl & flags::FIN != 0 && why.is_none() && end >= c.srv_next {
+            c.srv_fin = Some(end);
+        }
         if why.is_none() && c.sent_next >= c.progress_asked + step {
             c.progress_asked = c.sent_next;
             c.gen += 1;
@@ -1065,6 +1107,7 @@ impl Engine {
             hold_off: c.hold_off(),
             sent_off: c.sent_next,
             entries: c.entries.iter().cloned().collect(),
+            unprotected: false,
         };
         let (gen, hold_off, sent_off) = (c.gen, rec.hold_off, rec.sent_off);
         let token = self.token(key);
@@ -1095,7 +1138,9 @@ impl Engine {
         let Some(c) = self.conns.get_mut(&key) else { return };
         if c.deleting == Some(token) {
             c.deleting = None;
-            c.ack_limit = None;
+            if ok {
+                c.ack_limit = None;
+            }
             self.release_all(key);
             return;
         }
@@ -1104,7 +1149,6 @@ impl Engine {
             self.counters.stores_failed += 1;
             self.counters.unprotected_store += 1;
             c.protected = false;
-            c.ack_limit = None;
             self.counters.unprotected += 1;
             self.release_all(key);
             return;
@@ -1143,17 +1187,30 @@ impl Engine {
     /// Stop protecting `key` (counted). Its record is deleted first, so a failover cannot
     /// resume from a stale one; ACKs stay limited until that delete completes.
     fn unprotect(&mut self, key: Key, why: &'static str, _server_side: bool) {
-        let _ = why;
         let Some(c) = self.conns.get_mut(&key) else { return };
         if !c.protected {
             return;
         }
         c.protected = false;
         c.entries.clear();
+        c.in_flight = None;
         self.counters.unprotected += 1;
         self.counters.unprotected_http += 1;
+        self.last_unprotect_reason = why;
         self.release_all(key);
-        self.delete(key);
+        // A tombstone, not a delete: a new server finds it (also by probing) and resets the
+        // client at once. The ACK limit is lifted when it is stored (see store_done).
+        let c = self.conns.get(&key).unwrap();
+        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_next, entries: Vec::new(), unprotected: true };
+        let token = self.token(key);
+        self.counters.stores += 1;
+        self.conns.get_mut(&key).unwrap().deleting = Some(token);
+        self.actions.push_back(Action::Store { token, conn: key, key: key.store_key(), value: rec.encode() });
+    }
+
+    /// Why the last connection stopped being protected (diagnostics).
+    pub fn last_unprotect_reason(&self) -> &'static str {
+        self.last_unprotect_reason
     }
 
     fn forget(&mut self, key: Key, delete_record: bool) {
@@ -1212,6 +1269,21 @@ impl Engine {
         true
     }
 
+    /// Make sure `key` is muted, inserting a muted placeholder when it is unknown: the agent
+    /// does this before destroying a stale local socket of the connection, whose RST must
+    /// never leave.
+    pub fn mute_or_insert(&mut self, key: Key, now: u64) {
+        if !self.conns.contains_key(&key) {
+            let mut c = Conn::new(Handshake::default(), now);
+            c.protected = false;
+            c.ack_limit = None;
+            c.muted = true;
+            self.conns.insert(key, c);
+            return;
+        }
+        self.mute(key);
+    }
+
     /// Next held packet to drop (of a muted connection).
     pub fn take_dropped(&mut self) -> Option<u64> {
         self.dropped.pop_front()
@@ -1255,6 +1327,7 @@ impl Conn {
             client_acked: 0,
             srv_next: 0,
             sent_next: 0,
+            srv_fin: None,
             parse: SrvParse::Idle,
             entries: VecDeque::new(),
             ack_limit: Some(0),

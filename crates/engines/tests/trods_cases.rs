@@ -243,17 +243,19 @@ fn extension_chunked_response_is_unprotected_counted_and_its_record_deleted() {
     let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n");
     assert!(matches!(v, Verdict::Accept { .. }), "never held: {v:?}");
     assert_eq!(t.e.counters.unprotected_http, 1);
-    let mut deleted = false;
+    let mut tombstone = None;
     while let Some(a) = t.e.poll_action() {
         match a {
-            Action::Delete { token, .. } => {
-                deleted = true;
+            Action::Delete { token, .. } => t.e.store_done(token, true),
+            Action::Store { token, value, .. } => {
+                tombstone = Some(Record::decode(&value).unwrap());
                 t.e.store_done(token, true)
             }
-            Action::Store { token, .. } => t.e.store_done(token, true),
         }
     }
-    assert!(deleted);
+    let tomb = tombstone.expect("a tombstone record");
+    assert!(tomb.unprotected && tomb.entries.is_empty());
+    assert_eq!(plan_recovery(&tomb, &trig(cs(0), ss(60), F::ACK, 0)).unwrap_err().0, "the connection had stopped being protected");
     let (v, p) = t.s(ss(60), cs(REQ.len() as u32), F::ACK, b"0\r\n\r\n");
     assert_eq!(v, Verdict::Accept { modified: false });
     assert_eq!(repr(&p).ack, Seq(cs(REQ.len() as u32)));
@@ -275,8 +277,12 @@ fn store_down_releases_held_packets_and_leaves_connection_unprotected() {
     }
     let rel = t.released();
     assert_eq!(rel.len(), 1);
-    assert_eq!(repr(&rel[0].1).ack, Seq(cs(REQ.len() as u32)), "no limit once unprotected");
+    assert_eq!(repr(&rel[0].1).ack, Seq(cs(0)), "the request stays held: a later server death resets the client visibly");
     assert_eq!(t.e.counters.unprotected_store, 1);
+    let (v, p) = t.s(ss(p1.len() as u32), cs(REQ.len() as u32), F::ACK, &body(10, 3));
+    assert_eq!(v, Verdict::Accept { modified: true });
+    assert_eq!(repr(&p).ack, Seq(cs(0)));
+    assert!(t.e.poll_action().is_none(), "no more store traffic for it");
 }
 
 #[test]
@@ -340,7 +346,11 @@ fn case4_after_download_and_fin() {
     let p = plan_recovery(&rec, &trig(cs(0), ss(end), F::ACK | F::PSH, REQ.len() as u32)).unwrap();
     assert_eq!(p.case, Case::AfterDownload);
     assert!(p.resume.is_empty());
-    assert_eq!(plan_recovery(&rec, &trig(cs(0), ss(end + 1), F::ACK, 0)).unwrap_err().0, "client acknowledged bytes the record does not describe");
+    assert!(plan_recovery(&rec, &trig(cs(0), ss(end + 1), F::ACK, 0)).unwrap().refin, "the FIN (keep-alive timeout) was acknowledged");
+    assert_eq!(plan_recovery(&rec, &trig(cs(0), ss(end + 2), F::ACK, 0)).unwrap_err().0, "client acknowledged bytes the record does not describe");
+    let pruned = Record { hs: rec.hs, hold_off: REQ.len() as u64, sent_off: end as u64, ..Default::default() };
+    let p = plan_recovery(&pruned, &trig(cs(REQ.len() as u32), ss(end + 1), F::ACK | F::FIN, 0)).unwrap();
+    assert!(p.refin && p.resume.is_empty());
     rec.entries[0].close = true;
     let p = plan_recovery(&rec, &trig(cs(REQ.len() as u32), ss(end + 1), F::ACK | F::FIN, 0)).unwrap();
     assert!(p.refin);
@@ -494,5 +504,74 @@ fn objects_over_4gib_after_a_failover_keep_the_progress_mark_moving() {
     let plan2 = plan_recovery(&rec2, &trig(cs(0), ss(ack2 as u32), F::ACK, 0)).unwrap();
     assert_eq!(plan2.acked_off, ack2);
     assert_eq!(plan2.resume[0].body_from, ack2 - hl);
+    assert_eq!(t.e.counters.unprotected, 0);
+}
+
+#[test]
+fn server_ack_after_its_fin_is_not_a_gap() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    let _ = t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH | F::FIN, &p1);
+    t.store_all();
+    t.released();
+    let end = p1.len() as u32;
+    t.c(cs(REQ.len() as u32), ss(end + 1), F::ACK, b"");
+    t.store_all();
+    t.c(cs(0), ss(end + 1), F::ACK | F::PSH, REQ); // the held request, retransmitted
+    let (v, _) = t.s(ss(end + 1), cs(REQ.len() as u32), F::ACK, b""); // seq = FIN + 1
+    assert!(matches!(v, Verdict::Accept { .. } | Verdict::Drop), "{v:?}");
+    assert_eq!(t.e.counters.unprotected, 0);
+    assert_eq!(t.e.counters.deletes, 0);
+}
+
+proptest::proptest! {
+    /// Hostile or nonsensical segment sequences (any flags, numbers, payloads, both ways,
+    /// store results in any order) never make the engine panic.
+    #[test]
+    fn arbitrary_segments_never_panic(steps in proptest::collection::vec((0u8..4, proptest::prelude::any::<u32>(), proptest::prelude::any::<u32>(), proptest::prelude::any::<u8>(), proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80)), 1..60)) {
+        let mut t = T::new();
+        t.handshake();
+        for (kind, seq, ack, fl, payload) in steps {
+            match kind {
+                0 => { t.c(cs(seq % 5000), ss(ack % 9000), fl, &payload); }
+                1 => { let _ = t.s(ss(seq % 9000), cs(ack % 5000), fl, &payload); }
+                2 => { let _ = t.s(ss(0), cs(0), F::ACK, b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"); t.c(cs(0), ss(0), F::ACK, b"GET / HTTP/1.1\r\n\r\n"); }
+                _ => {
+                    while let Some(a) = t.e.poll_action() {
+                        match a {
+                            Action::Store { token, .. } | Action::Delete { token, .. } => t.e.store_done(token, seq % 2 == 0),
+                        }
+                    }
+                    t.released();
+                    t.now += (ack % 100_000) as u64;
+                    t.e.expire(t.now);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_segment_after_one_the_queue_lost_is_dropped_not_misparsed() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(1000, 1));
+    let _ = t.s(ss(0), cs(REQ.len() as u32), F::ACK, &p1);
+    t.store_all();
+    t.released();
+    // The segment at p1.len() never arrives; the next one does.
+    let (v, _) = t.s(ss(p1.len() as u32 + 1000), cs(REQ.len() as u32), F::ACK, &body(1000, 3));
+    assert_eq!(v, Verdict::Drop);
+    assert_eq!(t.e.counters.server_gaps, 1);
+    // The server's retransmission fills the gap; the stream goes on, still protected.
+    let (v, _) = t.s(ss(p1.len() as u32), cs(REQ.len() as u32), F::ACK, &body(2000, 2));
+    assert_eq!(v, Verdict::Accept { modified: true });
     assert_eq!(t.e.counters.unprotected, 0);
 }

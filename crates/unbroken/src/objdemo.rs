@@ -39,7 +39,7 @@ impl Default for EnvOpts {
         EnvOpts {
             servers: 3,
             bin: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("unbroken")),
-            store_timeout_ms: 20,
+            store_timeout_ms: 50,
             dead_after_ms: 25,
             gate: "lb".into(),
             probe: true,
@@ -148,6 +148,9 @@ impl ObjectEnv {
             env.start_server(i)?;
         }
         env.wait_alive(&(1..=n).collect::<Vec<_>>(), Duration::from_secs(20))?;
+        if env.opts.store {
+            env.wait_store(Duration::from_secs(10))?;
+        }
         Ok(env)
     }
 
@@ -225,6 +228,21 @@ impl ObjectEnv {
                 return Err(err(format!("servers {ids:?} not alive at the LB: {:?}", self.lb_status().ok())));
             }
             std::thread::sleep(Duration::from_millis(20)); // polling a status file with a deadline
+        }
+    }
+
+    /// Waits until every live agent reports its store connected.
+    pub fn wait_store(&self, timeout: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ok = (1..=self.opts.servers).filter(|&i| self.agents[i - 1].is_some()).all(|i| self.agent_status(i).is_some_and(|v| v["store_down"] == false));
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(err("the agents did not report the store connected"));
+            }
+            std::thread::sleep(Duration::from_millis(20)); // polling status files with a deadline
         }
     }
 

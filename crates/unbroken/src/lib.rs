@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod lbcmd;
+pub mod objbench;
 pub mod objdemo;
 pub mod peer;
 pub mod scenario;

@@ -1030,15 +1030,29 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
     }
 }
 
-/// Every key matching `pattern` (without the prefix; returned without it too). Plain Redis
-/// only: a cluster's keys are spread over its nodes (probing then finds none and the failover
-/// waits for the client's own retransmission).
+/// Every key matching `pattern` (without the prefix; returned without it too), on every
+/// master of a Redis Cluster, or on the one Redis.
 fn scan(store: &mut Store, prefix: &str, pattern: &str) -> Result<Vec<Vec<u8>>, crate::store::StoreError> {
+    if store.is_cluster() {
+        let mut out = Vec::new();
+        for node in store.masters() {
+            out.extend(scan_node(store, Some(node), prefix, pattern)?);
+        }
+        return Ok(out);
+    }
+    scan_node(store, None, prefix, pattern)
+}
+
+fn scan_node(store: &mut Store, node: Option<SocketAddr>, prefix: &str, pattern: &str) -> Result<Vec<Vec<u8>>, crate::store::StoreError> {
     let full = format!("{prefix}{pattern}");
     let mut cursor = b"0".to_vec();
     let mut out = Vec::new();
     for _ in 0..100_000 {
-        let r = store.command(&[b"SCAN", &cursor, b"MATCH", full.as_bytes(), b"COUNT", b"1000"])?;
+        let args: [&[u8]; 6] = [b"SCAN", &cursor, b"MATCH", full.as_bytes(), b"COUNT", b"1000"];
+        let r = match node {
+            Some(n) => store.command_at(n, &args)?,
+            None => store.command(&args)?,
+        };
         let Reply::Array(Some(parts)) = r else { break };
         let (Some(Reply::Bulk(Some(c))), Some(Reply::Array(Some(keys)))) = (parts.first(), parts.get(1)) else { break };
         for k in keys {

@@ -27,9 +27,9 @@ log "network-namespace lab: $lab"
 out="$(mktemp -t unbroken-test.XXXXXX)"
 trap 'rm -f "$out"' EXIT
 cd "$ROOT"
-log "cargo test --workspace --release"
+log "cargo test --workspace --release --no-fail-fast"
 status=0
-cargo test --workspace --release 2>&1 | tee "$out" || status=$?
+cargo test --workspace --release --no-fail-fast 2>&1 | tee "$out" || status=$?
 
 read -r passed failed ignored suites < <(awk '
     /^test result:/ {

@@ -240,6 +240,8 @@ pub struct AgentCounters {
 
 struct Shared {
     counters: Mutex<AgentCounters>,
+    /// A failover or refusal happened: write the status file now, not at the next period.
+    dirty: AtomicBool,
 }
 
 impl Shared {
@@ -336,7 +338,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     spec.services = cfg.services.iter().map(|s| Service::tcp(s.ip(), s.port())).collect();
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
 
-    let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()) });
+    let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()), dirty: AtomicBool::new(false) });
     let wake = Arc::new(Wake::new().map_err(|e| format!("agent: eventfd: {e}"))?);
     let (tx, rx): (Sender<Msg>, Receiver<Msg>) = channel();
     let mut engine = Engine::new(trods::Config::default());
@@ -485,6 +487,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                         c.failover_us_last = us;
                         c.failover_us_max = c.failover_us_max.max(us);
                     });
+                    shared.dirty.store(true, Ordering::Relaxed);
                     let _ = go.send(());
                 }
                 Msg::Quiesce { key, go } => {
@@ -499,6 +502,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                         }
                     }
                     refused.insert(key, now);
+                    shared.dirty.store(true, Ordering::Relaxed);
                     eprintln!("agent: refused {} -> {}: {why}", key.client, key.service);
                     shared.count(|c| {
                         c.refused += 1;
@@ -656,7 +660,15 @@ fn status_loop(
         if stop {
             return;
         }
-        std::thread::sleep(Duration::from_millis(500)); // periodic status write, not a synchronisation
+        // Every 500 ms, or within 10 ms of a failover or refusal.
+        for _ in 0..50 {
+            std::thread::sleep(Duration::from_millis(10)); // periodic status write, not a synchronisation
+            if shared.dirty.swap(false, Ordering::Relaxed) {
+                // Let the engine view catch up with the failover the loop just handled.
+                std::thread::sleep(Duration::from_millis(5)); // coalesce a burst of failovers into one write
+                break;
+            }
+        }
     }
 }
 

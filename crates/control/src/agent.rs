@@ -536,7 +536,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             shared.count(|c| c.store_submitted += 1);
         }
         // 5. housekeeping
-        if now.saturating_sub(last_expire) >= 1000 {
+        if now.saturating_sub(last_expire) >= 250 {
             engine.expire(now);
             refused.retain(|_, t| now.saturating_sub(*t) < 10_000);
             buckets.retain(|k, _| engine.knows(k));

@@ -39,6 +39,11 @@ use unbroken_wire::tcp::{self, flags, kind, TcpOption};
 
 use crate::http;
 
+/// How far past its last stored progress mark a connection whose record may be stale may
+/// send before a tombstone is stored (half the distance at which a 32-bit ACK turns ambiguous,
+/// with room for what was in flight).
+pub const STALE_SEND_LIMIT: u64 = 1 << 30;
+
 /// Limits and periods.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -579,6 +584,11 @@ struct Conn {
     held: VecDeque<Held>,
     /// A Delete is in flight; the ACK limit is lifted when it completes.
     deleting: Option<u64>,
+    /// The connection's record may be stale (it stopped being protected) and no tombstone is
+    /// stored yet: until one is, the server may not run more than [`STALE_SEND_LIMIT`] past
+    /// the last stored progress mark, or a new server could place the client's 32-bit ACK
+    /// in the wrong 4 GiB of a large object.
+    stale_record: bool,
 }
 
 struct InFlight {
@@ -608,6 +618,7 @@ pub struct Engine {
     actions: VecDeque<Action>,
     released: VecDeque<(u64, Vec<u8>, bool)>,
     dropped: VecDeque<u64>,
+    tomb_retry: Vec<Key>,
     last_unprotect_reason: &'static str,
     pub counters: Counters,
 }
@@ -707,6 +718,7 @@ impl Engine {
             actions: VecDeque::new(),
             released: VecDeque::new(),
             dropped: VecDeque::new(),
+            tomb_retry: Vec::new(),
             last_unprotect_reason: "",
             counters: Counters::default(),
         }
@@ -807,6 +819,15 @@ impl Engine {
                     return Verdict::Accept { modified: false };
                 }
                 if !c.protected {
+                    // A stale record must never become ambiguous: hold what would run too far
+                    // past its progress mark until the tombstone is stored.
+                    let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
+                    c.sent_next = c.sent_next.max(off + payload_len as u64);
+                    if c.stale_record && (!c.held.is_empty() || c.sent_next.saturating_sub(c.progress_stored) > STALE_SEND_LIMIT) {
+                        c.held.push_back(Held { id, bytes: pkt.to_vec(), need: u64::MAX });
+                        self.counters.held += 1;
+                        return Verdict::Held;
+                    }
                     // Still under its ACK limit (until its tombstone is stored, or for good
                     // when the store failed): the client keeps its request, so a server death
                     // reaches the client as a visible RST rather than silence.
@@ -1140,8 +1161,11 @@ impl Engine {
             c.deleting = None;
             if ok {
                 c.ack_limit = None;
+                c.stale_record = false;
+                self.release_all(key);
+            } else if c.stale_record {
+                self.tomb_retry.push(key);
             }
-            self.release_all(key);
             return;
         }
         let Some(f) = c.in_flight.take().filter(|f| f.token == token) else { return };
@@ -1149,8 +1173,33 @@ impl Engine {
             self.counters.stores_failed += 1;
             self.counters.unprotected_store += 1;
             c.protected = false;
+            c.stale_record = true;
             self.counters.unprotected += 1;
-            self.release_all(key);
+            self.tomb_retry.push(key);
+            let c = self.conns.get_mut(&key).unwrap();
+            // Held packets go out, except what would run too far past the stored mark.
+            let limit = c.ack_limit.map(|l| Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32)));
+            let mut keep = VecDeque::new();
+            while let Some(mut h) = c.held.pop_front() {
+                let far = !keep.is_empty() || {
+                    let hs = c.hs;
+                    IpInfo::parse(&h.bytes).ok().and_then(|ip| {
+                        let seg = h.bytes.get(ip.l4_offset..ip.l4_offset + ip.l4_len)?;
+                        let t = tcp::Packet::new_checked(seg).ok()?;
+                        let off = unwrap_near(t.seq().0.wrapping_sub(hs.iss.wrapping_add(1)), c.sent_next);
+                        Some(off + t.payload().len() as u64)
+                    }).is_some_and(|end| end.saturating_sub(c.progress_stored) > STALE_SEND_LIMIT)
+                };
+                if far {
+                    h.need = u64::MAX;
+                    keep.push_back(h);
+                    continue;
+                }
+                let modified = limit.is_some_and(|l| limit_ack(&mut h.bytes, l, &mut self.counters));
+                self.counters.released += 1;
+                self.released.push_back((h.id, h.bytes, modified));
+            }
+            c.held = keep;
             return;
         }
         self.counters.stores_ok += 1;
@@ -1197,10 +1246,18 @@ impl Engine {
         self.counters.unprotected += 1;
         self.counters.unprotected_http += 1;
         self.last_unprotect_reason = why;
+        c.stale_record = true;
         self.release_all(key);
         // A tombstone, not a delete: a new server finds it (also by probing) and resets the
         // client at once. The ACK limit is lifted when it is stored (see store_done).
-        let c = self.conns.get(&key).unwrap();
+        self.store_tombstone(key);
+    }
+
+    fn store_tombstone(&mut self, key: Key) {
+        let Some(c) = self.conns.get(&key) else { return };
+        if c.deleting.is_some() || !c.stale_record || c.muted {
+            return;
+        }
         let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_next, entries: Vec::new(), unprotected: true };
         let token = self.token(key);
         self.counters.stores += 1;
@@ -1229,6 +1286,10 @@ impl Engine {
     /// Periodic housekeeping: forget closed connections after the linger time, idle ones
     /// after the idle time (deleting their records), unanswered SYNs.
     pub fn expire(&mut self, now: u64) {
+        // Tombstones whose store failed: try again (the store may be back).
+        for key in std::mem::take(&mut self.tomb_retry) {
+            self.store_tombstone(key);
+        }
         let (linger, idle, syn_ms) = (self.cfg.linger_ms, self.cfg.idle_ms, self.cfg.syn_ms);
         self.syns.retain(|_, s| now.saturating_sub(s.at) < syn_ms);
         let dead: Vec<(Key, bool)> = self
@@ -1338,6 +1399,7 @@ impl Conn {
             progress_asked: 0,
             held: VecDeque::new(),
             deleting: None,
+            stale_record: false,
         }
     }
 

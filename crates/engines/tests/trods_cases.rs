@@ -575,3 +575,52 @@ fn a_segment_after_one_the_queue_lost_is_dropped_not_misparsed() {
     assert_eq!(v, Verdict::Accept { modified: true });
     assert_eq!(t.e.counters.unprotected, 0);
 }
+
+#[test]
+fn a_failed_store_never_lets_a_stale_record_turn_ambiguous() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let hdr = b"HTTP/1.1 200 OK\r\nContent-Length: 6000000000\r\n\r\n";
+    assert_eq!(t.s(ss(0), cs(REQ.len() as u32), F::ACK, hdr).0, Verdict::Held);
+    t.store_all();
+    t.released();
+    let seg = 65000usize;
+    let mut p = from_s(ss(hdr.len() as u32), cs(REQ.len() as u32), F::ACK, &vec![7u8; seg]);
+    let info = IpInfo::parse(&p).unwrap();
+    let mut off = hdr.len() as u64;
+    let mut failed = false;
+    let mut held = 0;
+    while off < (1u64 << 30) + (400 << 20) {
+        p[info.l4_offset + 4..info.l4_offset + 8].copy_from_slice(&ss(off as u32).to_be_bytes());
+        match t.e.packet(1, &mut p, Dir::ToClient, 2) {
+            Verdict::Held => held += 1,
+            v => assert!(held == 0, "{v:?} after a held packet at {off}"),
+        }
+        off += seg as u64;
+        while let Some(a) = t.e.poll_action() {
+            if let Action::Store { token, .. } = a {
+                // The first progress store fails (store down); later tombstone attempts too.
+                failed = true;
+                t.e.store_done(token, false);
+            }
+        }
+    }
+    assert!(failed && t.e.counters.unprotected_store == 1);
+    assert!(held > 0, "sending past the stale mark is held");
+    // The store comes back: the tombstone is written, the held segments go out.
+    t.now += 1000;
+    t.e.expire(t.now);
+    let mut tomb = None;
+    while let Some(a) = t.e.poll_action() {
+        if let Action::Store { token, value, .. } = a {
+            tomb = Some(Record::decode(&value).unwrap());
+            t.e.store_done(token, true);
+        }
+    }
+    assert!(tomb.expect("tombstone").unprotected);
+    assert_eq!(t.released().len(), held);
+    p[info.l4_offset + 4..info.l4_offset + 8].copy_from_slice(&ss(off as u32).to_be_bytes());
+    assert!(matches!(t.e.packet(2, &mut p, Dir::ToClient, 3), Verdict::Accept { .. }));
+}

@@ -411,8 +411,8 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 flush_released(&mut engine, &mut queue, &mut csum);
                 match v {
                     Verdict::Accept { modified } => {
-                        if let (Some(k), Dir::FromClient) = (key, dir) {
-                            buckets.entry(k).or_insert(bucket);
+                        if let (Some(k), Dir::FromClient, Some(b)) = (key, dir, bucket) {
+                            buckets.insert(k, Some(b));
                         }
                         accept(&mut queue, p.id, &mut p.data, modified, p.csum_not_ready);
                     }
@@ -539,7 +539,9 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         if now.saturating_sub(last_expire) >= 250 {
             engine.expire(now);
             refused.retain(|_, t| now.saturating_sub(*t) < 10_000);
-            buckets.retain(|k, _| engine.knows(k));
+            // Keep the bucket of every connection the engine still tracks (also between the
+            // client's SYN and the SYN-ACK, whose store needs it, and while muted).
+            buckets.retain(|k, _| engine.tracks(k));
             last_expire = now;
         }
         // Connections whose bucket the LB gave to another server while this one lives (it

@@ -740,6 +740,12 @@ impl Engine {
         self.conns.get(key).is_some_and(|c| !c.muted)
     }
 
+    /// Whether the engine holds any state for `key` (a connection, muted or not, or a client
+    /// SYN waiting for the SYN-ACK).
+    pub fn tracks(&self, key: &Key) -> bool {
+        self.conns.contains_key(key) || self.syns.contains_key(key)
+    }
+
     /// Next store or delete to perform.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()

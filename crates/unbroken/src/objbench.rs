@@ -15,16 +15,19 @@
 //!    against the VIP for a 1-byte and a 16 KiB file, with keep-alive (wrk's default) and with a
 //!    new connection per request (`-H "Connection: close"`); ratio protected / unprotected per
 //!    round. The agents' engine counters are read around every protected run (a connection
-//!    that went unprotected, e.g. because the store answered late, is reported).
+//!    that went unprotected, e.g. because the store answered late, is reported). A pair of runs
+//!    during which other processes used more than 0.05 CPUs is repeated.
 //! 2. **First-byte latency**: serial requests from a Rust client in the client namespace, each
 //!    over a new connection: time from the start of `connect()` to the first response byte;
 //!    and, on one kept-alive connection, from the request's `write()` to the first byte.
 //! 3. **Stall after a server death** (protected only): per trial, a Rust client downloads a
-//!    large object (512 MiB, 256 with `--quick`) as fast as it reads; once it has a random 16 MiB to 3/4 of it,
-//!    the serving server loses power ([`ObjectEnv::crash`]); the client's stall is the longest gap between two
-//!    reads that ends after the crash. Every byte is compared with the file, and RSTs reaching
-//!    the client are counted. The server is then revived and the next trial waits until the LB
-//!    has it alive and its buckets back.
+//!    large object (512 MiB, 256 with `--quick`, kept in tmpfs) as fast as it reads; once it
+//!    has a random 16 MiB to 3/4 of it, the serving server loses power ([`ObjectEnv::crash`]).
+//!    The client's stall is the longest gap between two reads that ends after the crash. Every
+//!    byte is compared with the file, and RSTs to the download's port are counted by an
+//!    iptables rule of its own. The server is then revived, and the next trial waits until the
+//!    LB has every server alive and every bucket home (the system is rebuilt only if that
+//!    fails).
 //!
 //! `wrk` must be installed (`apt-get install wrk`; `scripts/setup.sh`); the benchmark installs
 //! nothing itself.
@@ -64,6 +67,8 @@ pub struct Opts {
     pub object_mib: u64,
     /// Hold /dev/cpu_dma_latency at 0 (idle vCPUs poll instead of halting).
     pub cpu_qos: bool,
+    /// How often a wrk pair or latency block disturbed by other processes is repeated.
+    pub retries: usize,
     /// Skip parts: `rps`, `latency`, `stall`.
     pub skip: Vec<String>,
     /// Also write the JSON report here.
@@ -82,6 +87,7 @@ impl Opts {
             trials: if quick { 10 } else { 50 },
             object_mib: if quick { 256 } else { 512 },
             cpu_qos: true,
+            retries: if quick { 1 } else { 2 },
             skip: Vec::new(),
             save: None,
         }
@@ -110,6 +116,7 @@ impl Opts {
                 "--trials" => o.trials = val(&mut it, "--trials")?,
                 "--size" => o.object_mib = val(&mut it, "--size")?,
                 "--no-cpu-qos" => o.cpu_qos = false,
+                "--retries" => o.retries = val(&mut it, "--retries")?,
                 "--skip" => {
                     o.skip = it
                         .next()
@@ -148,7 +155,7 @@ impl Opts {
     }
 }
 
-const USAGE: &str = "usage: unbroken bench object [--json] [--quick] [--trials N] [--secs S] [--runs N] [--requests N] [--connections C] [--size MIB] [--skip rps,latency,stall] [--no-cpu-qos] [--save FILE]";
+const USAGE: &str = "usage: unbroken bench object [--json] [--quick] [--trials N] [--secs S] [--runs N] [--requests N] [--connections C] [--size MIB] [--skip rps,latency,stall] [--retries N] [--no-cpu-qos] [--save FILE]";
 
 /// `unbroken bench object ...` (the arguments after `bench`); returns the exit code.
 pub fn main(args: Vec<String>) -> i32 {
@@ -386,6 +393,17 @@ fn roles(l: &ObjectLab) -> Vec<(String, String)> {
     for i in 1..=l.n_servers() {
         v.push((l.server(i).to_string(), "servers".to_string()));
     }
+    v
+}
+
+/// The namespaces of the measured system (`<role>`) and of the idle one (`idle/<role>`).
+fn both(measured: &ObjectLab, idle: &ObjectLab) -> Vec<(String, String)> {
+    let mut v = roles(measured);
+    v.extend(
+        roles(idle)
+            .into_iter()
+            .map(|(ns, r)| (ns, format!("idle/{r}"))),
+    );
     v
 }
 
@@ -1050,6 +1068,7 @@ fn bench_rps(
         run_wrk(wrk, ns, o.connections, 1, PAGE, true)?;
     }
     let mut res: BTreeMap<&str, (Vec<Value>, Vec<Value>)> = BTreeMap::new();
+    let mut repeated = 0;
     for r in 0..o.runs {
         for (name, path, close) in VARIANTS {
             // Alternate which configuration goes first.
@@ -1058,78 +1077,91 @@ fn bench_rps(
             } else {
                 [true, false]
             };
-            for protected in order {
-                let v = if protected {
-                    std::thread::sleep(STATUS_SETTLE);
-                    let before = counters(prot);
-                    let cpu = CpuWatch::start(roles(&prot.lab));
-                    let mut v = run_wrk(wrk, &xc, o.connections, o.secs, path, close)?;
-                    v["cpu"] = cpu.stop();
-                    std::thread::sleep(STATUS_SETTLE);
-                    let d = counters_delta(&before, &counters(prot));
-                    let unprot = d["engine.unprotected"].as_i64().unwrap_or(0);
-                    if unprot > 0 {
-                        warnings.push(format!(
-                            "rps {name} run {}: {unprot} connection(s) went unprotected ({d})",
-                            r + 1
-                        ));
+            // A pair during which other processes used the CPU is repeated (the unprotected
+            // system, which needs the CPU most, would otherwise be handicapped by chance).
+            let mut attempt = 0;
+            let pair = loop {
+                let mut pair: [Option<Value>; 2] = [None, None];
+                for protected in order {
+                    let v = if protected {
+                        std::thread::sleep(STATUS_SETTLE);
+                        let before = counters(prot);
+                        let cpu = CpuWatch::start(both(&prot.lab, &plain.lab));
+                        let mut v = run_wrk(wrk, &xc, o.connections, o.secs, path, close)?;
+                        v["cpu"] = cpu.stop();
+                        std::thread::sleep(STATUS_SETTLE);
+                        v["counters"] = counters_delta(&before, &counters(prot));
+                        v
+                    } else {
+                        let cpu = CpuWatch::start(both(&plain.lab, &prot.lab));
+                        let mut v = run_wrk(wrk, &pc, o.connections, o.secs, path, close)?;
+                        v["cpu"] = cpu.stop();
+                        v
+                    };
+                    log(format!(
+                        "run {} {name:<14} {:<11} {:>9.0} req/s  p50 {} us  (other processes {} CPUs)",
+                        r + 1,
+                        if protected { "protected" } else { "unprotected" },
+                        v["rps"].as_f64().unwrap_or(0.0),
+                        v["latency_us"]["p50"],
+                        v["cpu"]["other_cpus"]
+                    ));
+                    pair[protected as usize] = Some(v);
+                }
+                let other = pair
+                    .iter()
+                    .flatten()
+                    .map(|v| v["cpu"]["other_cpus"].as_f64().unwrap_or(0.0))
+                    .fold(0.0, f64::max);
+                if other <= OTHER_LIMIT || attempt >= o.retries {
+                    if other > OTHER_LIMIT {
+                        warnings.push(format!("rps {name} run {}: other processes used up to {other:.2} CPUs (still after {attempt} repetition(s))", r + 1));
                     }
-                    v["counters"] = d;
-                    v
+                    break pair;
+                }
+                attempt += 1;
+                repeated += 1;
+                log(format!(
+                    "other processes used {other:.2} CPUs: repeating the pair"
+                ));
+                std::thread::sleep(Duration::from_secs(2));
+            };
+            for (protected, v) in pair.into_iter().enumerate() {
+                let Some(mut v) = v else { continue };
+                let cfg = if protected == 1 {
+                    "protected"
                 } else {
-                    let cpu = CpuWatch::start(roles(&plain.lab));
-                    let mut v = run_wrk(wrk, &pc, o.connections, o.secs, path, close)?;
-                    v["cpu"] = cpu.stop();
-                    v
+                    "unprotected"
                 };
+                v["attempts"] = json!(attempt + 1);
+                let unprot = v["counters"]["engine.unprotected"].as_i64().unwrap_or(0);
+                if unprot > 0 {
+                    warnings.push(format!(
+                        "rps {name} run {}: {unprot} connection(s) went unprotected ({})",
+                        r + 1,
+                        v["counters"]
+                    ));
+                }
                 let errs: u64 = ["connect", "read", "write", "timeout"]
                     .iter()
                     .map(|k| v["socket_errors"][k].as_u64().unwrap_or(0))
                     .sum();
-                let other = v["cpu"]["other_cpus"].as_f64().unwrap_or(0.0);
-                if other > OTHER_LIMIT {
-                    warnings.push(format!(
-                        "rps {name} {} run {}: other processes used {other:.2} CPUs during the run",
-                        if protected {
-                            "protected"
-                        } else {
-                            "unprotected"
-                        },
-                        r + 1
-                    ));
-                }
                 if errs > 0 || v["non_2xx"].as_u64().unwrap_or(0) > 0 {
-                    warnings.push(format!(
-                        "rps {name} {} run {}: wrk saw socket errors {} and {} non-2xx responses",
-                        if protected {
-                            "protected"
-                        } else {
-                            "unprotected"
-                        },
-                        r + 1,
-                        v["socket_errors"],
-                        v["non_2xx"]
-                    ));
+                    warnings.push(format!("rps {name} {cfg} run {}: wrk saw socket errors {} and {} non-2xx responses", r + 1, v["socket_errors"], v["non_2xx"]));
                 }
-                log(format!(
-                    "run {} {name:<14} {:<11} {:>9.0} req/s  p50 {} us",
-                    r + 1,
-                    if protected {
-                        "protected"
-                    } else {
-                        "unprotected"
-                    },
-                    v["rps"].as_f64().unwrap_or(0.0),
-                    v["latency_us"]["p50"]
-                ));
                 let e = res.entry(name).or_default();
-                if protected {
+                if protected == 1 {
                     e.1.push(v);
                 } else {
                     e.0.push(v);
                 }
             }
         }
+    }
+    if repeated > 0 {
+        warnings.push(format!(
+            "{repeated} wrk pair(s) were repeated because other processes used the CPU"
+        ));
     }
     let mut out = serde_json::Map::new();
     for (name, path, close) in VARIANTS {
@@ -1191,30 +1223,53 @@ fn bench_latency(
     for ns in [&pc, &xc] {
         lab::in_ns(ns, || serial_new_conns(20, SMALL)).map_err(|e| e.to_string())?;
     }
-    let mut nss = roles(&plain.lab);
-    nss.extend(roles(&sys.prot.lab));
-    let cpu = CpuWatch::start(nss);
+    let mut nss: Vec<(String, String)> = roles(&plain.lab)
+        .into_iter()
+        .map(|(ns, r)| (ns, format!("unprotected/{r}")))
+        .collect();
+    nss.extend(
+        roles(&sys.prot.lab)
+            .into_iter()
+            .map(|(ns, r)| (ns, format!("protected/{r}"))),
+    );
+    let cpu_all = CpuWatch::start(nss.clone());
+    let mut repeated = 0;
     while done < o.requests {
         let n = block.min(o.requests - done);
         let order = if k % 2 == 0 { [0usize, 1] } else { [1, 0] };
-        for p in order {
-            let ns = if p == 1 { &xc } else { &pc };
-            let a = lab::in_ns(ns, || serial_new_conns(n, SMALL)).map_err(|e| e.to_string())?;
-            res[0][p].samples.extend(a.samples);
-            res[0][p].errors.extend(a.errors);
-            let b = lab::in_ns(ns, || serial_keepalive(n, SMALL)).map_err(|e| e.to_string())?;
-            res[1][p].samples.extend(b.samples);
-            res[1][p].errors.extend(b.errors);
+        // A block pair during which other processes used the CPU is repeated.
+        let mut attempt = 0;
+        loop {
+            let cpu = CpuWatch::start(nss.clone());
+            let mut got: [[Serial; 2]; 2] = Default::default();
+            for p in order {
+                let ns = if p == 1 { &xc } else { &pc };
+                got[0][p] =
+                    lab::in_ns(ns, || serial_new_conns(n, SMALL)).map_err(|e| e.to_string())?;
+                got[1][p] =
+                    lab::in_ns(ns, || serial_keepalive(n, SMALL)).map_err(|e| e.to_string())?;
+            }
+            let other = cpu.stop()["other_cpus"].as_f64().unwrap_or(0.0);
+            if other <= OTHER_LIMIT || attempt >= o.retries {
+                for (m, g) in got.into_iter().enumerate() {
+                    for (p, x) in g.into_iter().enumerate() {
+                        res[m][p].samples.extend(x.samples);
+                        res[m][p].errors.extend(x.errors);
+                    }
+                }
+                break;
+            }
+            attempt += 1;
+            repeated += 1;
+            std::thread::sleep(Duration::from_millis(500));
         }
         done += n;
         k += 1;
     }
-    let cpu = cpu.stop();
+    let cpu = cpu_all.stop();
     let other = cpu["other_cpus"].as_f64().unwrap_or(0.0);
     if other > OTHER_LIMIT {
-        warnings.push(format!(
-            "latency: other processes used {other:.2} CPUs during the test"
-        ));
+        warnings.push(format!("latency: other processes used {other:.2} CPUs during the test ({repeated} block(s) repeated for it)"));
     }
     std::thread::sleep(STATUS_SETTLE);
     let d = counters_delta(&before, &counters(&sys.prot));
@@ -1510,6 +1565,8 @@ fn bench_stall(
         "failover_us": dist(&col("failover_us", true)),
         "throughput_mib_s": dist(&col("throughput_mib_s", true)),
         "disturbed_by_false_deaths": trials.iter().filter(|r| r["lb_other_events"].as_u64().unwrap_or(0) > 0).count(),
+        "trials_with_other_failovers": trials.iter().filter(|r| r["failovers_on_survivors"].as_i64().unwrap_or(1) > 1).count(),
+        "other_failovers": trials.iter().map(|r| (r["failovers_on_survivors"].as_i64().unwrap_or(1) - 1).max(0)).sum::<i64>(),
         "unprotected_before_crash": trials.iter().filter(|r| r["record_before_crash"] == json!(false)).count(),
         "rsts_on_download": trials.iter().map(|r| r["rsts"].as_u64().unwrap_or(0)).sum::<u64>(),
         "rsts_in_client_namespace": trials.iter().map(|r| r["rsts_client_ns"].as_u64().unwrap_or(0)).sum::<u64>(),
@@ -1582,6 +1639,27 @@ fn store_keys(env: &ObjectEnv) -> Value {
     json!({ "dbsize": n, "some_keys": keys })
 }
 
+/// The live servers holding an established socket on :80 from the client's `port`.
+fn servers_with_port(env: &ObjectEnv, port: u16) -> Vec<usize> {
+    let crashed: Vec<String> = env.lab.crashed().map(String::from).collect();
+    let peer = format!("{}:{port}", addr::CLIENT_V4);
+    let mapped = format!("[::ffff:{}]:{port}", addr::CLIENT_V4);
+    (1..=env.lab.n_servers())
+        .filter(|&i| !crashed.iter().any(|c| c == env.lab.server(i)))
+        .filter(|&i| {
+            lab::run(
+                env.lab.server(i),
+                Command::new("ss").args(["-Htn", "state", "established", "( sport = :80 )"]),
+            )
+            .is_ok_and(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .any(|l| l.split_whitespace().any(|w| w == peer || w == mapped))
+            })
+        })
+        .collect()
+}
+
 /// Whether the store holds a record for the client's `port` (None: the store did not answer).
 fn has_record(env: &ObjectEnv, port: u16) -> Option<bool> {
     let host = addr::STORE_V4.to_string();
@@ -1610,22 +1688,37 @@ fn stall_trial(sys: &mut Systems, crash_at: u64, size: u64) -> Value {
     let rf0: Vec<i64> = (1..=n_srv).map(|i| agent(env, i, "refused")).collect();
     let client = env.lab.client().to_string();
     let mut r = json!({ "ok": false, "crash_at_bytes": crash_at, "server": null, "stall_ms": null, "lb_detect_ms": null, "failover_us": null, "error": null });
-    let s = match lab::in_ns(&client, || {
-        TcpStream::connect_timeout(&VIP, Duration::from_secs(5))
-    }) {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) | Err(e) => {
-            r["error"] = json!(format!("connect: {e}"));
-            return r;
+    // The serving server is the one with an established socket from the client's port. A
+    // server may also hold a socket from an older connection of the same port (rebuilt for a
+    // finished connection whose client answered a probe): then that port is not used.
+    let mut found = None;
+    let mut ambiguous = 0;
+    for _ in 0..5 {
+        let s = match lab::in_ns(&client, || {
+            TcpStream::connect_timeout(&VIP, Duration::from_secs(5))
+        }) {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) | Err(e) => {
+                r["error"] = json!(format!("connect: {e}"));
+                return r;
+            }
+        };
+        let port = s.local_addr().map(|a| a.port()).unwrap_or(0);
+        let holders = servers_with_port(env, port);
+        if holders.len() == 1 {
+            found = Some((s, port, holders[0]));
+            break;
         }
-    };
-    let port = s.local_addr().map(|a| a.port()).unwrap_or(0);
-    r["client_port"] = json!(port);
-    let rule = port_rst_rule(&client, port, "-I").is_ok();
-    let Some(srv) = env.serving(port) else {
+        ambiguous += 1;
+        r["ambiguous_ports"] = json!(ambiguous);
+        r["last_ambiguous"] = json!([port, holders]);
+    }
+    let Some((s, port, srv)) = found else {
         r["error"] = json!("could not find the serving server");
         return r;
     };
+    r["client_port"] = json!(port);
+    let rule = port_rst_rule(&client, port, "-I").is_ok();
     r["server"] = json!(srv);
     let (tx, rx) = mpsc::channel();
     let t0 = Instant::now();
@@ -1742,10 +1835,18 @@ fn stall_trial(sys: &mut Systems, crash_at: u64, size: u64) -> Value {
     }
     match fo {
         Some((i, us, n)) => {
-            r["adopted_by"] = json!(i);
-            r["failover_us"] = json!(us);
-            if n != 1 {
-                errors.push(format!("{n} failovers on server {i}"));
+            // Failovers of other connections (finished ones whose clients answered a probe)
+            // may happen at the same time; then failover_us_last is not known to be ours.
+            let all: i64 = (1..=n_srv)
+                .filter(|&j| j != srv)
+                .map(|j| (agent(env, j, "failovers") - fo0[j - 1]).max(0))
+                .sum();
+            r["failovers_on_survivors"] = json!(all);
+            if all == 1 {
+                r["adopted_by"] = json!(i);
+                r["failover_us"] = json!(us);
+            } else {
+                r["failover_us_ambiguous"] = json!([i, us, n]);
             }
         }
         None => errors.push("no failover reported by a surviving agent".into()),
@@ -1768,6 +1869,9 @@ fn stall_trial(sys: &mut Systems, crash_at: u64, size: u64) -> Value {
             "{n} RST(s) reached the client on the download's connection"
         )),
         None => errors.push("could not count the RSTs on the download's connection".into()),
+    }
+    if tc > 0 && errors.is_empty() && stall < EnvOpts::default().dead_after_ms * 1_000_000 {
+        errors.push(format!("a stall of {} ms is shorter than the LB's detection time: the crashed server was probably not serving this download", ms(stall)));
     }
     if !errors.is_empty() && r["record_before_crash"] == json!(false) {
         errors.push("the store held no record of the connection just before the crash (it had gone unprotected)".into());
@@ -1930,6 +2034,10 @@ pub fn print_table(v: &Value) {
         println!(
             "  trials during which the LB also declared a live server dead (late heartbeats): {}",
             s["disturbed_by_false_deaths"]
+        );
+        println!(
+            "  failovers of other (finished) connections during the trials: {} in {} trial(s) (failover µs above: only trials with exactly one)",
+            s["other_failovers"], s["trials_with_other_failovers"]
         );
     }
     if let Some(p) = v["warnings"].as_array().filter(|p| !p.is_empty()) {

@@ -22,6 +22,9 @@ usage:
         Benchmark checkpoint mode against unprotected TCP in the lab (root): the paper's
         TCP_STREAM, TCP_MAERTS, TCP_RR, recovery cycle and engine microbenchmark
         (docs/benchmarks.md lists every option).
+  unbroken bench object [--json] [--quick] [--runs N] [--secs S] [--requests N] [--trials N] [--size MIB] [--skip rps,latency,stall] [--save FILE]
+        Benchmark object mode against unprotected nginx in the lab (root, needs wrk): requests/s
+        for 1 B and 16 KiB pages, first-byte latency, the stall after a server death.
   unbroken journal-server --listen A:P --guard A:P --key HEX --dir DIR [--fsync]
         The example recoverable application.
   unbroken peer --connect A:P --records N [--seed S] [--rate R]

@@ -561,11 +561,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                                     // Repair mode first: its close is then silent and frees
                                     // the address pair at once (tcp_close in repair mode).
                                     if let Some(fd) = ctx.adopted.lock().unwrap().get(k) {
-                                        let on: libc::c_int = 1;
-                                        unsafe {
-                                            libc::setsockopt(fd.as_raw_fd(), libc::SOL_TCP, repair::TCP_REPAIR, &on as *const _ as *const libc::c_void, 4);
-                                            libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR);
+                                        if let Err(e) = repair::enter_repair(fd.as_raw_fd()) {
+                                            eprintln!("agent: muting {}: {e}", k.client);
                                         }
+                                        unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
                                     }
                                     eprintln!("agent: {} moved to another server (bucket {b}): muted", k.client);
                                     shared.count(|c| c.muted += 1);

@@ -49,6 +49,7 @@
 //! Everything here needs `CAP_NET_ADMIN` in the socket's network namespace. The socket is
 //! created in the calling thread's network namespace.
 
+use crate::sys::{cvt, getsockopt_int as get_int, setsockopt_int as set_int};
 use std::io;
 use std::mem::{size_of, MaybeUninit};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
@@ -181,14 +182,6 @@ fn step(name: impl std::fmt::Display) -> impl FnOnce(io::Error) -> io::Error {
     move |e| io::Error::new(e.kind(), format!("{name}: {e}"))
 }
 
-fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
-
 fn setsockopt<T>(fd: RawFd, level: libc::c_int, name: libc::c_int, v: &T) -> io::Result<()> {
     // SAFETY: `v` is a live `T` and we pass its exact size.
     cvt(unsafe {
@@ -230,14 +223,6 @@ fn getsockopt<T: Copy>(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::
     // `#[repr(C)]` structs of integers or byte arrays), so every bit pattern is valid.
     cvt(unsafe { libc::getsockopt(fd, level, name, v.as_mut_ptr().cast(), &mut len) })?;
     Ok((unsafe { v.assume_init() }, len as usize))
-}
-
-fn set_int(fd: RawFd, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
-    setsockopt(fd, level, name, &v)
-}
-
-fn get_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
-    getsockopt::<libc::c_int>(fd, level, name).map(|(v, _)| v)
 }
 
 fn ioctl_int(fd: RawFd, req: libc::c_ulong) -> io::Result<libc::c_int> {
@@ -462,7 +447,7 @@ pub fn rebuild(spec: &RepairSpec) -> io::Result<TcpStream> {
 /// stays intact. Other descriptors of the same socket (from `try_clone`) keep it open.
 pub fn close_silently(s: TcpStream) -> io::Result<()> {
     let fd = s.as_raw_fd();
-    match set_int(fd, libc::SOL_TCP, TCP_REPAIR, TCP_REPAIR_ON) {
+    match enter_repair(fd) {
         Ok(()) => {
             drop(s);
             Ok(())
@@ -472,6 +457,13 @@ pub fn close_silently(s: TcpStream) -> io::Result<()> {
             Err(step("close_silently: TCP_REPAIR=1 (socket left open)")(e))
         }
     }
+}
+
+/// Puts the socket `fd` (any descriptor of it) in repair mode: from then on it sends nothing,
+/// and its last close is silent (no FIN, no RST) and frees the address pair at once. The agent
+/// uses it on a socket whose worker still holds other descriptors, before shutting it down.
+pub fn enter_repair(fd: RawFd) -> io::Result<()> {
+    set_int(fd, libc::SOL_TCP, TCP_REPAIR, TCP_REPAIR_ON)
 }
 
 /// Leaves repair mode without a window probe when dropped.

@@ -537,8 +537,12 @@ pub fn run_object(s: &ObjectScenario) -> Result<ObjectReport, String> {
             }
         }
     }
-    // The agents write their status every 500 ms; wait for the newest.
-    std::thread::sleep(Duration::from_millis(600)); // let the status files catch up before reading counters
+    // The agents write their status within 10 ms of a failover: poll (bounded) until every
+    // crash's failover shows, rather than sleeping for a guessed time.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while env.agent_sum("failovers") < crashes.len() as u64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10)); // polling status files with a deadline
+    }
     let code = status.and_then(|s| s.code());
     let rsts = env.client_rsts();
     let sha_ok = recv.sha256 == want && recv.bytes == s.size;

@@ -4,6 +4,7 @@
 
 pub mod agent;
 pub mod config;
+pub mod detector;
 pub mod guard;
 pub mod lab;
 pub mod lb;

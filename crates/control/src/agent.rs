@@ -17,7 +17,7 @@
 //! the packets reach the kernel, which has no socket for them and answers with a RST: the
 //! client learns at once, and the refusal is counted.
 
-use crate::lb::{bucket_of_mac, HeartbeatClient};
+use crate::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
 use crate::store::{Op, OpKind, Reply, Store, StoreConfig, StoreHandle};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -76,6 +76,14 @@ pub struct AgentSection {
     /// their retransmission timeout.
     #[serde(default = "default_true")]
     pub probe: bool,
+    /// The packet loop counts as wedged (and heartbeats stop, so the LB moves this server's
+    /// buckets) after this long in one iteration, milliseconds.
+    #[serde(default = "default_wedged_ms")]
+    pub wedged_after_ms: u64,
+}
+
+fn default_wedged_ms() -> u64 {
+    50
 }
 
 fn default_backend() -> String {
@@ -169,6 +177,9 @@ impl Agent {
         if !gate_open && lb.is_none() {
             return Err("agent.failover_gate = \"lb\" needs agent.lb (or use \"open\" without an LB)".into());
         }
+        if a.wedged_after_ms == 0 || a.wedged_after_ms > 60_000 {
+            return Err("agent.wedged_after_ms: 1..=60000".into());
+        }
         if a.heartbeat_interval_ms == 0 || a.heartbeat_interval_ms > 10_000 {
             return Err("agent.heartbeat_interval_ms: 1..=10000".into());
         }
@@ -235,6 +246,15 @@ pub struct AgentCounters {
     /// Queue overflows (each lost one or more packets) and rejected verdicts.
     pub queue_errors: u64,
     pub store_submitted: u64,
+    /// Server packets held because this server's lease from the LB had lapsed (fencing).
+    pub fenced_held: u64,
+    /// Server packets dropped by the fence: their bucket belongs to another server now, or
+    /// the lease stayed lapsed for FENCE_MAX_MS.
+    pub fenced_dropped: u64,
+    /// Heartbeats not sent because the packet loop was wedged.
+    pub heartbeats_skipped_wedged: u64,
+    /// The packet loop runs with SCHED_FIFO.
+    pub loop_realtime: bool,
     pub recent_refusals: Vec<String>,
 }
 
@@ -265,6 +285,17 @@ enum Msg {
 
 /// How long a packet refused by the failover gate waits for the LB's news (ms).
 const GATE_WAIT_MS: u64 = 100;
+
+/// How long a server packet waits for this server's lease to be renewed before it is dropped
+/// (its TCP sends it again), milliseconds; and how many may wait.
+const FENCE_MAX_MS: u64 = 1000;
+const FENCE_MAX_PACKETS: usize = 4096;
+
+/// A server packet held by the fence.
+struct Fenced {
+    since: u64,
+    p: QueuedPacket,
+}
 
 struct GateWait {
     key: Key,
@@ -321,9 +352,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let started = Instant::now();
     let mono_ms = || started.elapsed().as_millis() as u64;
     let store = Arc::new(StoreHandle::start(&cfg.store_config()).map_err(|e| format!("agent: store: {e}"))?);
+    let watch = Arc::new(LoopWatch::new(Duration::from_millis(a.wedged_after_ms)));
     let hb = match cfg.lb {
         Some(lb) => Some(
-            HeartbeatClient::start(a.server_id, lb, Duration::from_millis(a.heartbeat_interval_ms), &cfg.key)
+            HeartbeatClient::start_watched(a.server_id, lb, Duration::from_millis(a.heartbeat_interval_ms), &cfg.key, Some(watch.clone()))
                 .map_err(|e| format!("agent: heartbeats to {lb}: {e}"))?,
         ),
         None => None,
@@ -371,18 +403,63 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let mut gate_wait: Vec<GateWait> = Vec::new();
     let mut not_owned: HashMap<Key, u64> = HashMap::new();
     let mut last_owner_check = 0u64;
+    let mut fenced: Vec<Fenced> = Vec::new();
+    // The packet loop is the data path and its progress is what the heartbeats vouch for
+    // (LoopWatch): ordinary work must not starve it. SCHED_FIFO below the heartbeat sender;
+    // threads it spawns (failover workers, relays, probes) start as ordinary threads again.
+    let loop_realtime = {
+        let p = libc::sched_param { sched_priority: 4 };
+        // SAFETY: plain system call on the calling thread.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &p) == 0 }
+    };
+    if !loop_realtime {
+        eprintln!("agent: the packet loop runs without SCHED_FIFO (not permitted): under CPU load its heartbeats may stop and the LB may move this server's buckets");
+    }
+    shared.count(|c| c.loop_realtime = loop_realtime);
     let res: Result<(), String> = loop {
         if STOP.load(Ordering::SeqCst) {
             break Ok(());
         }
-        let ready = poll_fds(&fds, if gate_wait.is_empty() { 100 } else { 2 });
+        watch.idle();
+        let wait = if !gate_wait.is_empty() || !fenced.is_empty() { 2 } else { 100 };
+        let ready = poll_fds(&fds, wait);
+        watch.busy();
         let now = mono_ms();
+        // 0. The fence (leases, see crate::detector): this server sends on a connection only
+        // while the LB's lease on its bucket holds. While the lease has lapsed (the LB may be
+        // moving this server's buckets) server packets wait; once it is renewed they go on in
+        // order, or are dropped if their bucket went to another server meanwhile.
+        let lease = hb.as_ref().map(|h| h.view());
+        let now_i = Instant::now();
+        let lease_ok = match &lease {
+            None => true, // no LB: no fencing
+            Some(v) => v.as_ref().is_some_and(|v| now_i < v.lease_until),
+        };
+        if !fenced.is_empty() {
+            let (old, keep): (Vec<Fenced>, Vec<Fenced>) = fenced.drain(..).partition(|f| now.saturating_sub(f.since) >= FENCE_MAX_MS);
+            for f in old {
+                let _ = queue.set_verdict(f.p.id, QVerdict::Drop, None);
+                shared.count(|c| c.fenced_dropped += 1);
+            }
+            fenced = keep;
+        }
+        let mut released: Vec<QueuedPacket> = Vec::new();
+        if lease_ok && !fenced.is_empty() {
+            released = fenced.drain(..).map(|f| f.p).collect();
+        }
         // 1. packets
-        if ready[0] {
-            match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => break Err(format!("agent: queue receive: {e}")),
+        if ready[0] || !released.is_empty() {
+            if ready[0] {
+                match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => break Err(format!("agent: queue receive: {e}")),
+                }
+            } else {
+                batch.clear();
+            }
+            if !released.is_empty() {
+                batch.splice(0..0, released.drain(..));
             }
             for p in batch.iter_mut() {
                 if p.truncated() {
@@ -397,6 +474,27 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     (Some(k), Dir::ToClient) => Some(Key { client: k.service, service: k.client }),
                     (None, _) => None,
                 };
+                if let (Dir::ToClient, Some(lease)) = (dir, &lease) {
+                    if !lease_ok {
+                        if fenced.len() < FENCE_MAX_PACKETS {
+                            fenced.push(Fenced { since: now, p: std::mem::take(p) });
+                            shared.count(|c| c.fenced_held += 1);
+                        } else {
+                            let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
+                            shared.count(|c| c.fenced_dropped += 1);
+                        }
+                        continue;
+                    }
+                    let b = key.and_then(|k| buckets.get(&k).copied().flatten());
+                    if let (Some(v), Some(b)) = (lease, b) {
+                        if !v.owns(b) {
+                            // Another server speaks for this connection now.
+                            let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
+                            shared.count(|c| c.fenced_dropped += 1);
+                            continue;
+                        }
+                    }
+                }
                 if let (Some(k), Dir::FromClient) = (key, dir) {
                     if let Some(r) = recovering.get_mut(&k) {
                         r.held.push((p.id, std::mem::take(&mut p.data)));
@@ -590,7 +688,11 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             }
         }
         let qs = queue.stats();
-        shared.count(|c| c.queue_errors = qs.enobufs + qs.verdict_errors);
+        let skipped = hb.as_ref().map_or(0, |h| h.stats().skipped_wedged);
+        shared.count(|c| {
+            c.queue_errors = qs.enobufs + qs.verdict_errors;
+            c.heartbeats_skipped_wedged = skipped;
+        });
         {
             let mut ev = engine_view.lock().unwrap();
             *ev = (engine.counters, engine.connections(), engine.protected());

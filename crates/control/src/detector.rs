@@ -153,6 +153,7 @@ pub struct Detector {
     applied_epoch: u32,
     /// A want the programmer is installing (taken by [`Detector::take_want`]).
     inflight: Option<Vec<u16>>,
+    common_mode_stalls: u64,
     changed_at: Vec<Option<u64>>,
 }
 
@@ -225,6 +226,7 @@ impl Detector {
             want_epoch: 1,
             applied_epoch: 1,
             inflight: None,
+            common_mode_stalls: 0,
             changed_at: vec![None; applied.len()],
             applied,
             target: Vec::new(),
@@ -285,18 +287,40 @@ impl Detector {
     /// Deadlines at `now`: servers silent for `dead_after_ms` die, pending moves whose leases
     /// ran out become due. Returns the liveness changes.
     pub fn tick(&mut self, now: u64) -> Vec<Liveness> {
-        let mut out = Vec::new();
-        for i in 0..self.srv.len() {
-            let s = &self.srv[i];
-            if s.alive && now >= s.last_ms.saturating_add(self.cfg.dead_after_ms) {
-                let silence = now.saturating_sub(s.last_ms);
-                out.push(self.set_alive(i, false, silence, now));
-            } else if !s.alive && s.returning_since.is_some() && now >= s.last_ms.saturating_add(self.cfg.dead_after_ms) {
-                self.srv[i].returning_since = None;
+        let dead_after = self.cfg.dead_after_ms;
+        for s in self.srv.iter_mut() {
+            if !s.alive && s.returning_since.is_some() && now >= s.last_ms.saturating_add(dead_after) {
+                s.returning_since = None;
             }
         }
+        let alive: Vec<usize> = (0..self.srv.len()).filter(|&i| self.srv[i].alive).collect();
+        let overdue: Vec<usize> = alive.iter().copied().filter(|&i| now >= self.srv[i].last_ms.saturating_add(dead_after)).collect();
+        let mut out = Vec::new();
+        // Common mode: when every live server is overdue at once, the silence is most likely
+        // this balancer's own (its host stalled, its heartbeat network, its socket), and if it
+        // is not, no server is left to take over anyway. Nobody is declared dead; the agents'
+        // leases run out meanwhile, so nobody sends unfenced either.
+        if !overdue.is_empty() && overdue.len() == alive.len() && alive.len() > 1 {
+            self.common_mode_stalls += 1;
+        } else if !overdue.is_empty() {
+            // Decide the deaths of one tick together, so that no bucket moves to a server
+            // that dies in the same instant.
+            for &i in &overdue {
+                let silence = now.saturating_sub(self.srv[i].last_ms);
+                self.srv[i].alive = false;
+                out.push((i, silence));
+            }
+            let out: Vec<Liveness> = out.into_iter().map(|(i, silence)| self.set_alive(i, false, silence, now)).collect();
+            self.recompute_want(now);
+            return out;
+        }
         self.recompute_want(now);
-        out
+        Vec::new()
+    }
+
+    /// Ticks at which every live server was overdue at once and nobody was declared dead.
+    pub fn common_mode_stalls(&self) -> u64 {
+        self.common_mode_stalls
     }
 
     fn set_alive(&mut self, i: usize, alive: bool, silence_ms: u64, now: u64) -> Liveness {
@@ -388,6 +412,11 @@ impl Detector {
         self.recompute_want(now);
     }
 
+    /// No move is pending: the kernel holds every desired owner.
+    pub fn settled(&self) -> bool {
+        self.inflight.is_none() && self.target == self.applied
+    }
+
     /// The kernel table as far as the detector knows, and its epoch.
     pub fn applied_table(&self) -> (u32, &[u16]) {
         (self.applied_epoch, &self.applied)
@@ -402,8 +431,11 @@ impl Detector {
     pub fn next_deadline(&self, now: u64) -> u64 {
         let mut next = u64::MAX;
         for s in &self.srv {
-            if s.alive || s.returning_since.is_some() {
-                next = next.min(s.last_ms.saturating_add(self.cfg.dead_after_ms));
+            let due = s.last_ms.saturating_add(self.cfg.dead_after_ms);
+            // An overdue server (common mode: nobody declared dead) is looked at again when
+            // a heartbeat arrives; its past deadline must not make the caller spin.
+            if (s.alive || s.returning_since.is_some()) && due > now {
+                next = next.min(due);
             }
         }
         for b in 0..self.target.len() {
@@ -546,6 +578,24 @@ mod tests {
         let g = d.grant(1, 3576);
         assert!(owned(&g).contains(&1));
         assert!(g.allowed[0] & 0b10 != 0, "a recently moved bucket is allowed");
+    }
+
+    #[test]
+    fn when_every_server_falls_silent_at_once_nobody_is_declared_dead() {
+        let c = cfg();
+        let mut d = Detector::new(c.clone(), home(&c), 0).unwrap();
+        run(&mut d, 0, 2000, &[]);
+        // The balancer's host stalls for 300 ms: every server overdue together.
+        let ev = d.tick(2300);
+        assert!(ev.is_empty(), "{ev:?}");
+        assert_eq!(d.common_mode_stalls(), 1);
+        assert!(d.next_deadline(2300) > 2300, "an overdue server must not make the monitor spin");
+        assert!(run(&mut d, 2300, 3000, &[]).is_empty());
+        // Two of three silent at once (one still heard): both die, and their buckets all go
+        // to the survivor, none to each other.
+        let ev = run(&mut d, 3000, 3200, &[0, 1]);
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        assert!(d.applied_table().1.iter().all(|&o| o == 2));
     }
 
     #[test]

@@ -88,7 +88,7 @@
 //! which the `nft` processes inherit: under full CPU load an update took 54 to 78 ms without
 //! it); replies describe the table that is in the kernel.
 //!
-//! # Heartbeat protocol, version 1
+//! # Heartbeat protocol, version 2
 //!
 //! UDP, all integers big endian, `mac` = the first 16 bytes of HMAC-SHA256(key, every byte
 //! before it). The key is shared by the balancer and the agents (hex in the config; the empty
@@ -99,7 +99,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `"UBHB"` |
-//! | 4 | 1 | version = 1 |
+//! | 4 | 1 | version = 2 |
 //! | 5 | 1 | kind = 1 (heartbeat) |
 //! | 6 | 2 | server id |
 //! | 8 | 4 | seq (the agent's counter) |
@@ -110,18 +110,19 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `"UBHB"` |
-//! | 4 | 1 | version = 1 |
+//! | 4 | 1 | version = 2 |
 //! | 5 | 1 | kind = 2 (reply) |
 //! | 6 | 2 | server id (echoed) |
 //! | 8 | 4 | seq (echoed) |
 //! | 12 | 4 | table epoch (increases with every ownership change in the kernel table) |
 //! | 16 | 2 | bucket count N |
-//! | 18 | B | `owned`: bucket b is owned by this server iff bit `b % 8` of byte `b / 8` is set |
-//! | 18 + B | B | `allowed`: owned buckets whose owner changed within the failover window |
-//! | 18 + 2B | 16 | mac |
+//! | 18 | 2 | lease, milliseconds from the heartbeat's sending, on the `owned` buckets |
+//! | 20 | B | `owned`: bucket b is owned by this server iff bit `b % 8` of byte `b / 8` is set |
+//! | 20 + B | B | `allowed`: owned buckets whose owner changed within the failover window |
+//! | 20 + 2B | 16 | mac |
 //!
 //! Anything else (short or long datagram, bad magic, version, kind or mac, unknown server) is
-//! counted ([`LbCounters`]) and ignored. Version 1 has no replay protection beyond the mac: a
+//! counted ([`LbCounters`]) and ignored. Version 2 has no replay protection beyond the mac: a
 //! captured heartbeat replayed from the server network keeps that server "alive", so the
 //! heartbeat network must be trusted like the balancer itself.
 
@@ -137,6 +138,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::detector::{Detector, Liveness, GAP_EDGES_MS};
+
 /// Default nftables table name.
 pub const DEFAULT_TABLE: &str = "unbroken_lb";
 /// Default number of buckets.
@@ -146,17 +149,19 @@ pub const MAX_BUCKETS: u16 = 4096;
 /// Default heartbeat interval of an agent ([`HeartbeatClient`]).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
 /// Default silence after which a server is declared dead (the paper's 25 ms).
-pub const DEFAULT_DEAD_AFTER_MS: u64 = 25;
+pub const DEFAULT_DEAD_AFTER_MS: u64 = 100;
 /// Default window after an owner change during which the new owner may start failover.
 pub const DEFAULT_FAILOVER_WINDOW_S: u64 = 60;
 /// Default time a never-heard server counts as alive after the balancer starts.
 pub const DEFAULT_STARTUP_GRACE_MS: u64 = 1000;
+/// Default revive hold (see [`crate::detector`]).
+pub const DEFAULT_REVIVE_HOLD_MS: u64 = 500;
 /// The first four bytes of every marker MAC (`02:75:62:00:HH:LL`).
 pub const MARKER_PREFIX: [u8; 4] = [0x02, 0x75, 0x62, 0x00];
 /// Magic of every heartbeat datagram.
 pub const MAGIC: [u8; 4] = *b"UBHB";
 /// Protocol version.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Kind of an agent's heartbeat.
 pub const KIND_HEARTBEAT: u8 = 1;
 /// Kind of the balancer's reply.
@@ -263,6 +268,16 @@ pub struct LbConfig {
     /// How long a never-heard server counts as alive after start, milliseconds.
     #[serde(default = "default_grace")]
     pub startup_grace_ms: u64,
+    /// Lease a reply grants on the buckets it lists, milliseconds from the heartbeat's
+    /// sending (agents send only while they hold one; a bucket moves only after its old
+    /// owner's lease ran out). Default: `dead_after_ms` minus two heartbeat intervals
+    /// (see [`crate::detector`]); must stay below `dead_after_ms - 2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
+    /// A dead server that beats again is up only after beating steadily this long
+    /// (milliseconds; doubled for each further death within ten minutes).
+    #[serde(default = "default_revive_hold")]
+    pub revive_hold_ms: u64,
     /// Shared heartbeat key, hex (may be empty).
     #[serde(default)]
     pub key: String,
@@ -287,6 +302,9 @@ fn default_window() -> u64 {
 }
 fn default_grace() -> u64 {
     DEFAULT_STARTUP_GRACE_MS
+}
+fn default_revive_hold() -> u64 {
+    DEFAULT_REVIVE_HOLD_MS
 }
 fn default_table() -> String {
     DEFAULT_TABLE.to_string()
@@ -337,6 +355,8 @@ impl LbConfig {
             dead_after_ms: DEFAULT_DEAD_AFTER_MS,
             failover_window_s: DEFAULT_FAILOVER_WINDOW_S,
             startup_grace_ms: DEFAULT_STARTUP_GRACE_MS,
+            lease_ms: None,
+            revive_hold_ms: DEFAULT_REVIVE_HOLD_MS,
             key: String::new(),
             table: DEFAULT_TABLE.to_string(),
             servers: servers
@@ -373,6 +393,31 @@ impl LbConfig {
         parse_key_hex(&self.key).map_err(|e| format!("config: key: {e}"))
     }
 
+    /// The lease in force: `lease_ms`, or `dead_after_ms` minus two heartbeat intervals (at
+    /// least 1 ms, and at most `dead_after_ms - 3`).
+    pub fn lease(&self) -> u64 {
+        self.lease_ms.unwrap_or_else(|| {
+            let two_beats = 2 * DEFAULT_INTERVAL.as_millis() as u64;
+            self.dead_after_ms
+                .saturating_sub(two_beats)
+                .min(self.dead_after_ms.saturating_sub(crate::detector::LEASE_MARGIN_MS + 1))
+                .max(1)
+        })
+    }
+
+    /// What the detector core needs.
+    pub fn detector_config(&self) -> crate::detector::DetectorConfig {
+        crate::detector::DetectorConfig {
+            servers: self.servers.len(),
+            buckets: self.buckets,
+            dead_after_ms: self.dead_after_ms,
+            lease_ms: self.lease(),
+            revive_hold_ms: self.revive_hold_ms,
+            startup_grace_ms: self.startup_grace_ms,
+            failover_window_ms: self.failover_window_s.saturating_mul(1000),
+        }
+    }
+
     fn parse(&self) -> Result<Parsed, String> {
         check_name("ingress device", &self.ingress, 15)?;
         check_name("forward device", &self.forward, 15)?;
@@ -395,6 +440,7 @@ impl LbConfig {
         if self.dead_after_ms == 0 {
             return Err("config: dead_after_ms must be at least 1".into());
         }
+
         let key = self.key_bytes()?;
         if self.services.is_empty() {
             return Err("config: services is empty (give \"addr:port\" entries)".into());
@@ -447,6 +493,9 @@ impl LbConfig {
             }
             macs.push(m);
         }
+        self.detector_config()
+            .validate()
+            .map_err(|e| format!("config: {e}"))?;
         Ok(Parsed { v4, v6, key, macs })
     }
 }
@@ -556,8 +605,11 @@ pub fn decode_heartbeat(key: &[u8], buf: &[u8]) -> Result<Heartbeat, ProtoError>
 
 /// Length of a reply for `buckets` buckets.
 pub fn reply_len(buckets: u16) -> usize {
-    18 + 2 * (buckets as usize).div_ceil(8) + TAG_LEN
+    REPLY_HEAD + 2 * (buckets as usize).div_ceil(8) + TAG_LEN
 }
+
+/// Bytes before the bitmaps in a reply.
+const REPLY_HEAD: usize = 20;
 
 /// A verified reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -574,6 +626,8 @@ pub struct Reply {
     pub owned: Vec<u8>,
     /// Allowed buckets, wire layout.
     pub allowed: Vec<u8>,
+    /// The lease on `owned`, milliseconds from the heartbeat's sending.
+    pub lease_ms: u16,
 }
 
 /// Builds a reply datagram; `owned` and `allowed` must be `ceil(buckets / 8)` bytes.
@@ -591,6 +645,7 @@ pub fn encode_reply(key: &[u8], r: &Reply) -> Vec<u8> {
     b.extend_from_slice(&r.seq.to_be_bytes());
     b.extend_from_slice(&r.epoch.to_be_bytes());
     b.extend_from_slice(&r.buckets.to_be_bytes());
+    b.extend_from_slice(&r.lease_ms.to_be_bytes());
     b.extend_from_slice(&r.owned);
     b.extend_from_slice(&r.allowed);
     let t = tag(key, &b);
@@ -601,7 +656,7 @@ pub fn encode_reply(key: &[u8], r: &Reply) -> Vec<u8> {
 /// Parses and authenticates a reply datagram.
 pub fn decode_reply(key: &[u8], buf: &[u8]) -> Result<Reply, ProtoError> {
     check_header(buf, KIND_REPLY)?;
-    if buf.len() < 18 + TAG_LEN {
+    if buf.len() < REPLY_HEAD + TAG_LEN {
         return Err(ProtoError::Length);
     }
     let buckets = u16::from_be_bytes([buf[16], buf[17]]);
@@ -615,8 +670,9 @@ pub fn decode_reply(key: &[u8], buf: &[u8]) -> Result<Reply, ProtoError> {
         seq: u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]),
         epoch: u32::from_be_bytes([buf[12], buf[13], buf[14], buf[15]]),
         buckets,
-        owned: buf[18..18 + bl].to_vec(),
-        allowed: buf[18 + bl..18 + 2 * bl].to_vec(),
+        lease_ms: u16::from_be_bytes([buf[18], buf[19]]),
+        owned: buf[REPLY_HEAD..REPLY_HEAD + bl].to_vec(),
+        allowed: buf[REPLY_HEAD + bl..REPLY_HEAD + 2 * bl].to_vec(),
     })
 }
 
@@ -624,6 +680,7 @@ fn bit(bytes: &[u8], b: usize) -> bool {
     bytes.get(b / 8).is_some_and(|x| x & (1 << (b % 8)) != 0)
 }
 
+#[cfg(test)]
 fn set_bit(bytes: &mut [u8], b: usize) {
     bytes[b / 8] |= 1 << (b % 8);
 }
@@ -631,31 +688,7 @@ fn set_bit(bytes: &mut [u8], b: usize) {
 // ---------------------------------------------------------------------------------------------
 // Ownership decisions (no I/O)
 
-/// Recomputes bucket owners (server indices) for the liveness vector `alive`, following the
-/// rules in the module docs; returns the buckets whose owner changed.
-pub fn reassign(owners: &mut [u16], alive: &[bool]) -> Vec<u16> {
-    let n = alive.len();
-    let live: Vec<u16> = (0..n as u16).filter(|&i| alive[i as usize]).collect();
-    let mut rr = 0usize;
-    let mut changed = Vec::new();
-    for (b, o) in owners.iter_mut().enumerate() {
-        let home = (b % n) as u16;
-        let new = if alive[home as usize] {
-            home
-        } else if alive[*o as usize] || live.is_empty() {
-            *o
-        } else {
-            let s = live[rr % live.len()];
-            rr += 1;
-            s
-        };
-        if new != *o {
-            *o = new;
-            changed.push(b as u16);
-        }
-    }
-    changed
-}
+pub use crate::detector::reassign;
 
 /// The initial owners: every bucket at home.
 pub fn home_owners(buckets: u16, servers: usize) -> Vec<u16> {
@@ -886,6 +919,18 @@ pub struct ServerStatus {
     pub home_buckets: usize,
     /// Owned buckets whose owner changed within the failover window.
     pub buckets_allowed: usize,
+    /// Dead but beating again: milliseconds left of its revive hold.
+    #[serde(default)]
+    pub returning_hold_left_ms: Option<u64>,
+    /// Deaths within the last ten minutes (each doubles the revive hold).
+    #[serde(default)]
+    pub recent_downs: usize,
+    /// The longest gap between two of its heartbeats, milliseconds.
+    #[serde(default)]
+    pub max_gap_ms: u64,
+    /// Gaps between its heartbeats, counted per bin of `gap_edges_ms`.
+    #[serde(default)]
+    pub gap_histogram: Vec<u64>,
 }
 
 /// Counters of the monitor and the table programmer.
@@ -917,6 +962,10 @@ pub struct LbCounters {
     pub nft_errors: u64,
     /// Events dropped from the retained list.
     pub events_dropped: u64,
+    /// Deadline checks at which every live server was overdue at once (the balancer's own
+    /// stall, or a total outage): nobody was declared dead.
+    #[serde(default)]
+    pub common_mode_stalls: u64,
 }
 
 /// What [`Lb::status`] reports (also the JSON of `unbroken lb --status-file`).
@@ -936,6 +985,12 @@ pub struct LbStatus {
     pub monitor_realtime: bool,
     /// Whether the table programmer (and the `nft` it runs) runs with SCHED_FIFO.
     pub programmer_realtime: bool,
+    /// The lease replies grant, milliseconds.
+    #[serde(default)]
+    pub lease_ms: u64,
+    /// Lower edges of the heartbeat-gap histogram bins, milliseconds.
+    #[serde(default)]
+    pub gap_edges_ms: Vec<u64>,
     /// Per server, in config order.
     pub servers: Vec<ServerStatus>,
     /// Owner (server id) of each bucket in the kernel table.
@@ -967,31 +1022,17 @@ impl LbStatus {
 // ---------------------------------------------------------------------------------------------
 // The running balancer
 
-struct ServerState {
+struct ServerInfo {
     id: u16,
     mac: [u8; 6],
-    alive: bool,
-    /// Last valid heartbeat; before the first one, the start plus the grace.
-    last: Instant,
-    heard: bool,
-    last_seq: Option<u32>,
-    heartbeats: u64,
 }
 
 struct State {
-    servers: Vec<ServerState>,
-    /// Desired owners (server index per bucket) and their epoch.
-    desired: Vec<u16>,
-    epoch: u32,
-    /// When each desired epoch was decided (for `applied_ms`), oldest first.
-    decided: Vec<(u32, Instant)>,
-    /// In the kernel.
-    applied: Vec<u16>,
-    applied_epoch: u32,
-    changed_at: Vec<Option<Instant>>,
-    /// Per server index: owned bitmap (wire layout) and owned buckets with their change time.
-    owned_bits: Vec<Vec<u8>>,
-    recent: Vec<Vec<(u16, Instant)>>,
+    /// Liveness and ownership decisions (no I/O).
+    det: Detector,
+    servers: Vec<ServerInfo>,
+    /// Events whose moves the kernel does not have yet, with their decision time.
+    decided: Vec<(u64, Instant)>,
     events: Vec<LbEvent>,
     next_event: u64,
     counters: LbCounters,
@@ -1010,7 +1051,7 @@ struct Shared {
     key: Vec<u8>,
     started: Instant,
     state: Mutex<State>,
-    /// Signals the programmer (new epoch or stop).
+    /// Signals the programmer (new want or stop).
     work: Condvar,
     /// Signals watchers (new generation).
     changed: Condvar,
@@ -1021,6 +1062,11 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// The detector's clock: milliseconds since start.
+    fn now_ms(&self, at: Instant) -> u64 {
+        ms(at.saturating_duration_since(self.started))
+    }
 }
 
 fn ms(d: Duration) -> u64 {
@@ -1028,20 +1074,6 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl State {
-    /// Rebuild the per-server reply material from `applied`.
-    fn refresh_replies(&mut self, buckets: u16) {
-        let bl = (buckets as usize).div_ceil(8);
-        let n = self.servers.len();
-        self.owned_bits = vec![vec![0u8; bl]; n];
-        self.recent = vec![Vec::new(); n];
-        for (b, &o) in self.applied.iter().enumerate() {
-            set_bit(&mut self.owned_bits[o as usize], b);
-            if let Some(t) = self.changed_at[b] {
-                self.recent[o as usize].push((b as u16, t));
-            }
-        }
-    }
-
     fn push_event(&mut self, e: LbEvent) {
         if self.events.len() >= MAX_EVENTS {
             self.events.remove(0);
@@ -1049,6 +1081,26 @@ impl State {
         }
         self.events.push(e);
         self.generation += 1;
+    }
+
+    /// Records a liveness change the detector made at `now`.
+    fn record(&mut self, l: Liveness, now: Instant, t_ms: u64) {
+        let pending = l.retargeted > 0;
+        if pending {
+            self.decided.push((self.next_event, now));
+        }
+        let e = LbEvent {
+            n: self.next_event,
+            t_ms,
+            server: self.servers[l.server].id,
+            kind: if l.alive { EventKind::Up } else { EventKind::Down },
+            buckets_moved: l.retargeted,
+            detect_ms: Some(l.silence_ms),
+            epoch: l.epoch,
+            applied_ms: if pending { None } else { Some(0) },
+        };
+        self.next_event += 1;
+        self.push_event(e);
     }
 }
 
@@ -1104,31 +1156,18 @@ impl Lb {
         nft_apply(&script)?;
 
         let now = Instant::now();
-        let grace = Duration::from_millis(cfg.startup_grace_ms);
+        let det = Detector::new(cfg.detector_config(), owners, 0)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let servers = cfg
             .servers
             .iter()
             .zip(&p.macs)
-            .map(|(s, &mac)| ServerState {
-                id: s.id,
-                mac,
-                alive: true,
-                last: now + grace,
-                heard: false,
-                last_seq: None,
-                heartbeats: 0,
-            })
+            .map(|(s, &mac)| ServerInfo { id: s.id, mac })
             .collect();
-        let mut st = State {
+        let st = State {
+            det,
             servers,
-            desired: owners.clone(),
-            epoch: 1,
             decided: Vec::new(),
-            applied: owners,
-            applied_epoch: 1,
-            changed_at: vec![None; cfg.buckets as usize],
-            owned_bits: Vec::new(),
-            recent: Vec::new(),
             events: Vec::new(),
             next_event: 1,
             counters: LbCounters::default(),
@@ -1138,7 +1177,6 @@ impl Lb {
             stop: false,
             generation: 1,
         };
-        st.refresh_replies(cfg.buckets);
         let shared = Arc::new(Shared {
             rules: rules.clone(),
             key: p.key,
@@ -1197,53 +1235,63 @@ impl Lb {
     pub fn status(&self) -> LbStatus {
         let sh = &self.shared;
         let st = sh.lock();
-        let now = Instant::now();
-        let window = Duration::from_secs(sh.cfg.failover_window_s);
+        let now = sh.now_ms(Instant::now());
+        let window = sh.cfg.failover_window_s.saturating_mul(1000);
         let n = st.servers.len();
+        let (applied_epoch, applied) = st.det.applied_table();
+        let changed_at = st.det.changed_at();
         let mut owned = vec![0usize; n];
-        for &o in &st.applied {
+        let mut allowed = vec![0usize; n];
+        for (b, &o) in applied.iter().enumerate() {
             owned[o as usize] += 1;
+            if changed_at[b].is_some_and(|t| now.saturating_sub(t) < window) {
+                allowed[o as usize] += 1;
+            }
         }
         let servers = st
             .servers
             .iter()
             .enumerate()
-            .map(|(i, s)| ServerStatus {
-                id: s.id,
-                mac: mac_string(s.mac),
-                alive: s.alive,
-                last_heartbeat_age_ms: s.heard.then(|| ms(now.saturating_duration_since(s.last))),
-                last_seq: s.last_seq,
-                heartbeats: s.heartbeats,
-                buckets_owned: owned[i],
-                home_buckets: (0..sh.cfg.buckets as usize).filter(|b| b % n == i).count(),
-                buckets_allowed: st.recent[i]
-                    .iter()
-                    .filter(|(_, t)| now.saturating_duration_since(*t) < window)
-                    .count(),
+            .map(|(i, s)| {
+                let v = st.det.server(i, now);
+                ServerStatus {
+                    id: s.id,
+                    mac: mac_string(s.mac),
+                    alive: v.alive,
+                    last_heartbeat_age_ms: v.heard.then(|| now.saturating_sub(v.last_ms)),
+                    last_seq: v.last_seq,
+                    heartbeats: v.beats,
+                    buckets_owned: owned[i],
+                    home_buckets: (0..sh.cfg.buckets as usize).filter(|b| b % n == i).count(),
+                    buckets_allowed: allowed[i],
+                    returning_hold_left_ms: v.returning_hold_left_ms,
+                    recent_downs: v.recent_downs,
+                    max_gap_ms: v.max_gap_ms,
+                    gap_histogram: v.gaps,
+                }
             })
             .collect();
         LbStatus {
             table: sh.cfg.table.clone(),
             buckets: sh.cfg.buckets,
-            epoch: st.epoch,
-            applied_epoch: st.applied_epoch,
+            epoch: st.det.want().0,
+            applied_epoch,
             uptime_ms: ms(sh.started.elapsed()),
             monitor_realtime: st.monitor_realtime,
             programmer_realtime: st.programmer_realtime,
+            lease_ms: sh.cfg.lease(),
+            gap_edges_ms: GAP_EDGES_MS.to_vec(),
             servers,
-            owners: st
-                .applied
+            owners: applied.iter().map(|&o| st.servers[o as usize].id).collect(),
+            owner_changed_ms_ago: changed_at
                 .iter()
-                .map(|&o| st.servers[o as usize].id)
-                .collect(),
-            owner_changed_ms_ago: st
-                .changed_at
-                .iter()
-                .map(|t| t.map(|t| ms(now.saturating_duration_since(t))))
+                .map(|t| t.map(|t| now.saturating_sub(t)))
                 .collect(),
             events: st.events.clone(),
-            counters: st.counters.clone(),
+            counters: LbCounters {
+                common_mode_stalls: st.det.common_mode_stalls(),
+                ..st.counters.clone()
+            },
             last_nft_error: st.last_nft_error.clone(),
         }
     }
@@ -1306,28 +1354,22 @@ fn programmer(sh: &Shared) -> io::Result<()> {
     let t = &cfg.table;
     let macs: Vec<[u8; 6]> = sh.lock().servers.iter().map(|s| s.mac).collect();
     // What the kernel holds as far as we know; None after a failure (then rewrite it all).
-    let mut kernel: Option<Vec<u16>> = Some(sh.lock().applied.clone());
+    let mut kernel: Option<Vec<u16>> = Some(sh.lock().det.applied_table().1.to_vec());
+    let mut st = sh.lock();
     loop {
-        let (epoch, owners) = {
-            let st = sh.lock();
-            let (st, _) = if kernel.is_none() {
-                // back off after a failed update
-                sh.work.wait_timeout_while(st, NFT_RETRY, |s| !s.stop)
-            } else {
-                sh.work
-                    .wait_timeout_while(st, Duration::from_secs(3600), |s| {
-                        s.epoch == s.applied_epoch && !s.stop
-                    })
-            }
-            .unwrap_or_else(|p| p.into_inner());
-            if st.stop {
-                break;
-            }
-            if st.epoch == st.applied_epoch {
-                continue;
-            }
-            (st.epoch, st.desired.clone())
+        if st.stop {
+            break;
+        }
+        // The monitor ticks the detector and wakes us when a want is due.
+        let Some((epoch, owners)) = st.det.take_want() else {
+            st = sh
+                .work
+                .wait_timeout(st, Duration::from_secs(1))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            continue;
         };
+        drop(st);
         // One transaction: replace only the changed elements, or the whole map after a failure.
         let script = match &kernel {
             Some(k) => {
@@ -1358,28 +1400,19 @@ fn programmer(sh: &Shared) -> io::Result<()> {
             nft_apply(&script)
         };
         let now = Instant::now();
-        let mut st = sh.lock();
+        st = sh.lock();
         match r {
             Ok(()) => {
                 kernel = Some(owners.clone());
-                for (b, o) in owners.iter().enumerate() {
-                    if *o != st.applied[b] {
-                        st.changed_at[b] = Some(now);
-                    }
-                }
-                st.applied = owners;
-                st.applied_epoch = epoch;
+                let t_ms = sh.now_ms(now);
+                st.det.applied(epoch, &owners, t_ms);
                 st.counters.nft_updates += 1;
                 st.last_nft_error = None;
-                st.refresh_replies(cfg.buckets);
-                let decided = std::mem::take(&mut st.decided);
-                let (done, pending): (Vec<_>, Vec<_>) =
-                    decided.into_iter().partition(|(e, _)| *e <= epoch);
-                st.decided = pending;
-                for (e, at) in done {
-                    let d = ms(now.saturating_duration_since(at));
-                    for ev in st.events.iter_mut().rev().take(64) {
-                        if ev.epoch == e && ev.applied_ms.is_none() {
+                if st.det.settled() {
+                    let decided = std::mem::take(&mut st.decided);
+                    for (n, at) in decided {
+                        let d = ms(now.saturating_duration_since(at));
+                        if let Some(ev) = st.events.iter_mut().rev().find(|e| e.n == n) {
                             ev.applied_ms = Some(d);
                         }
                     }
@@ -1388,52 +1421,28 @@ fn programmer(sh: &Shared) -> io::Result<()> {
             }
             Err(e) => {
                 kernel = None;
+                st.det.apply_failed();
                 st.counters.nft_errors += 1;
                 st.last_nft_error = Some(e.to_string());
+                // back off before the whole table is written again
+                st = sh
+                    .work
+                    .wait_timeout_while(st, NFT_RETRY, |s| !s.stop)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
         }
-        drop(st);
         sh.changed.notify_all();
     }
+    drop(st);
     nft_apply(&format!("delete table netdev {t}\n"))
-}
-
-/// Liveness change of server `i` at `now`; updates the desired table and records the event.
-fn set_alive(sh: &Shared, st: &mut State, i: usize, alive: bool, now: Instant, silence: Duration) {
-    st.servers[i].alive = alive;
-    let alive_v: Vec<bool> = st.servers.iter().map(|s| s.alive).collect();
-    let moved = reassign(&mut st.desired, &alive_v);
-    if !moved.is_empty() {
-        st.epoch = st.epoch.wrapping_add(1);
-        let e = st.epoch;
-        st.decided.push((e, now));
-    }
-    let e = LbEvent {
-        n: st.next_event,
-        t_ms: ms(now.saturating_duration_since(sh.started)),
-        server: st.servers[i].id,
-        kind: if alive {
-            EventKind::Up
-        } else {
-            EventKind::Down
-        },
-        buckets_moved: moved.len(),
-        detect_ms: Some(ms(silence)),
-        epoch: st.epoch,
-        applied_ms: if moved.is_empty() { Some(0) } else { None },
-    };
-    st.next_event += 1;
-    st.push_event(e);
 }
 
 fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
     let rt = try_realtime(10);
     sh.lock().monitor_realtime = rt;
     let _ = started.send(());
-    let dead_after = Duration::from_millis(sh.cfg.dead_after_ms);
-    let window = Duration::from_secs(sh.cfg.failover_window_s);
     let mut buf = vec![0u8; 2048];
-    let bl = (sh.cfg.buckets as usize).div_ceil(8);
     while !sh.stop.load(Ordering::Relaxed) {
         // 1. Drain every queued datagram first: a late monitor must not kill a live server.
         let mut notify = false;
@@ -1448,6 +1457,7 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
                 }
             };
             let now = Instant::now();
+            let t_ms = sh.now_ms(now);
             let hb = decode_heartbeat(&sh.key, &buf[..len]);
             let mut st = sh.lock();
             let hb = match hb {
@@ -1469,34 +1479,25 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
                 continue;
             };
             st.counters.heartbeats += 1;
-            let silence = now.saturating_duration_since(st.servers[i].last);
-            {
-                let s = &mut st.servers[i];
-                s.last = now;
-                s.heard = true;
-                s.last_seq = Some(hb.seq);
-                s.heartbeats += 1;
-            }
-            if !st.servers[i].alive {
-                set_alive(sh, &mut st, i, true, now, silence);
-                sh.work.notify_one();
+            let before = st.det.want().0;
+            if let Some(l) = st.det.heartbeat(i, hb.seq, t_ms) {
+                st.record(l, now, t_ms);
                 notify = true;
             }
-            let mut allowed = vec![0u8; bl];
-            for &(b, t) in &st.recent[i] {
-                if now.saturating_duration_since(t) < window {
-                    set_bit(&mut allowed, b as usize);
-                }
+            if st.det.want().0 != before {
+                sh.work.notify_one();
             }
+            let g = st.det.grant(i, t_ms);
+            drop(st);
             let reply = Reply {
                 server: hb.server,
                 seq: hb.seq,
-                epoch: st.applied_epoch,
+                epoch: g.epoch,
                 buckets: sh.cfg.buckets,
-                owned: st.owned_bits[i].clone(),
-                allowed,
+                owned: g.owned,
+                allowed: g.allowed,
+                lease_ms: g.lease_ms.min(u16::MAX as u64) as u16,
             };
-            drop(st);
             let r = encode_reply(&sh.key, &reply);
             let sent = sock.send_to(&r, src);
             let mut st = sh.lock();
@@ -1506,32 +1507,28 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
             }
         }
 
-        // 2. Deadlines.
+        // 2. Deadlines: deaths, and moves whose old owner's lease ran out.
         let now = Instant::now();
-        let mut next = now + MONITOR_MAX_WAIT;
-        {
+        let t_ms = sh.now_ms(now);
+        let next = {
             let mut st = sh.lock();
-            for i in 0..st.servers.len() {
-                if !st.servers[i].alive {
-                    continue;
-                }
-                let due = st.servers[i].last + dead_after;
-                if now >= due {
-                    let silence = now.saturating_duration_since(st.servers[i].last);
-                    set_alive(sh, &mut st, i, false, now, silence);
-                    sh.work.notify_one();
-                    notify = true;
-                } else {
-                    next = next.min(due);
-                }
+            let before = st.det.want().0;
+            for l in st.det.tick(t_ms) {
+                st.record(l, now, t_ms);
+                notify = true;
             }
-        }
+            if st.det.want().0 != before {
+                sh.work.notify_one();
+            }
+            st.det.next_deadline(t_ms)
+        };
         if notify {
             sh.changed.notify_all();
         }
 
         // 3. Sleep until a datagram arrives or the next deadline.
-        let wait = next.saturating_duration_since(Instant::now());
+        let wait = Duration::from_millis(next.saturating_sub(sh.now_ms(Instant::now())))
+            .min(MONITOR_MAX_WAIT);
         let ts = libc::timespec {
             tv_sec: wait.as_secs() as libc::time_t,
             tv_nsec: wait.subsec_nanos() as libc::c_long,
@@ -1564,6 +1561,9 @@ pub struct BucketView {
     pub seq: u32,
     /// When the reply arrived.
     pub received_at: Instant,
+    /// Until when this server may send on connections of its owned buckets: the send time
+    /// of the heartbeat this answers plus the reply's lease (see [`crate::detector`]).
+    pub lease_until: Instant,
 }
 
 fn words(bytes: &[u8], buckets: u16) -> Vec<u64> {
@@ -1585,6 +1585,12 @@ impl BucketView {
     /// Whether this server owns `bucket`.
     pub fn owns(&self, bucket: u16) -> bool {
         word_bit(&self.owned, bucket)
+    }
+
+    /// Whether this server may send on a connection of `bucket` at `now`: it owns the
+    /// bucket and its lease holds.
+    pub fn may_send(&self, bucket: u16, now: Instant) -> bool {
+        now < self.lease_until && self.owns(bucket)
     }
 
     /// Whether this server may start failover for `bucket` (it owns it and the owner changed
@@ -1615,6 +1621,48 @@ pub struct HeartbeatStats {
     pub bad_replies: u64,
     /// Send or receive errors (e.g. ICMP unreachable while the balancer is down).
     pub errors: u64,
+    /// Heartbeats not sent because the packet loop was wedged (see [`LoopWatch`]).
+    pub skipped_wedged: u64,
+}
+
+/// The packet loop's pulse, read by the heartbeat thread: a server whose packet loop is stuck
+/// in one iteration for longer than `wedged_after` stops beating, so the balancer moves its
+/// buckets instead of leaving its clients with a server that cannot serve them.
+#[derive(Debug)]
+pub struct LoopWatch {
+    started: Instant,
+    /// Microseconds since `started` (+1) when the current iteration began; 0 while idle.
+    busy_since: AtomicU64,
+    wedged_after: Duration,
+}
+
+impl LoopWatch {
+    /// A watch that calls the loop wedged after `wedged_after` in one iteration.
+    pub fn new(wedged_after: Duration) -> LoopWatch {
+        LoopWatch { started: Instant::now(), busy_since: AtomicU64::new(0), wedged_after }
+    }
+
+    /// The loop starts working on what it was woken for.
+    pub fn busy(&self) {
+        let us = self.started.elapsed().as_micros() as u64 + 1;
+        self.busy_since.store(us, Ordering::Release);
+    }
+
+    /// The loop is about to wait for work.
+    pub fn idle(&self) {
+        self.busy_since.store(0, Ordering::Release);
+    }
+
+    /// Whether the loop has been inside one iteration for longer than allowed.
+    pub fn wedged(&self) -> bool {
+        match self.busy_since.load(Ordering::Acquire) {
+            0 => false,
+            t => {
+                let now = self.started.elapsed().as_micros() as u64 + 1;
+                now.saturating_sub(t) > self.wedged_after.as_micros() as u64
+            }
+        }
+    }
 }
 
 struct ClientShared {
@@ -1624,6 +1672,8 @@ struct ClientShared {
     replies: AtomicU64,
     bad: AtomicU64,
     errors: AtomicU64,
+    skipped: AtomicU64,
+    watch: Option<Arc<LoopWatch>>,
 }
 
 /// An agent's heartbeat sender: a thread that sends a heartbeat every interval to the
@@ -1653,6 +1703,18 @@ impl HeartbeatClient {
         interval: Duration,
         key: &[u8],
     ) -> io::Result<HeartbeatClient> {
+        Self::start_watched(server_id, lb, interval, key, None)
+    }
+
+    /// Like [`HeartbeatClient::start`], but beats only while `watch` says the packet loop is
+    /// not wedged.
+    pub fn start_watched(
+        server_id: u16,
+        lb: SocketAddr,
+        interval: Duration,
+        key: &[u8],
+        watch: Option<Arc<LoopWatch>>,
+    ) -> io::Result<HeartbeatClient> {
         if interval.is_zero() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -1665,6 +1727,7 @@ impl HeartbeatClient {
         };
         let sock = UdpSocket::bind(any)?;
         sock.connect(lb)?;
+        sock.set_nonblocking(true)?;
         let shared = Arc::new(ClientShared {
             view: Mutex::new(None),
             stop: AtomicBool::new(false),
@@ -1672,6 +1735,8 @@ impl HeartbeatClient {
             replies: AtomicU64::new(0),
             bad: AtomicU64::new(0),
             errors: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            watch,
         });
         let sh = shared.clone();
         let key = key.to_vec();
@@ -1701,6 +1766,7 @@ impl HeartbeatClient {
             replies: self.shared.replies.load(Ordering::Relaxed),
             bad_replies: self.shared.bad.load(Ordering::Relaxed),
             errors: self.shared.errors.load(Ordering::Relaxed),
+            skipped_wedged: self.shared.skipped.load(Ordering::Relaxed),
         }
     }
 
@@ -1725,25 +1791,42 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, 
     let mut next = Instant::now();
     let mut buf = vec![0u8; 2048];
     let mut last_accepted: Option<u32> = None;
+    // Send times of the latest heartbeats (a reply's lease runs from its heartbeat's sending).
+    const SENT_RING: usize = 256;
+    let mut sent_at: Vec<(u32, Instant)> = vec![(0, Instant::now()); SENT_RING];
     while !sh.stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         if now >= next {
-            seq = seq.wrapping_add(1);
-            match sock.send(&encode_heartbeat(key, id, seq)) {
-                Ok(_) => sh.sent.fetch_add(1, Ordering::Relaxed),
-                Err(_) => sh.errors.fetch_add(1, Ordering::Relaxed),
-            };
+            if sh.watch.as_ref().is_some_and(|w| w.wedged()) {
+                sh.skipped.fetch_add(1, Ordering::Relaxed);
+            } else {
+                seq = seq.wrapping_add(1);
+                let at = Instant::now();
+                sent_at[seq as usize % SENT_RING] = (seq, at);
+                match sock.send(&encode_heartbeat(key, id, seq)) {
+                    Ok(_) => sh.sent.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => sh.errors.fetch_add(1, Ordering::Relaxed),
+                };
+            }
             next += interval;
             if next <= now {
                 next = now + interval;
             }
         }
-        let wait = next
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_micros(50));
-        if sock.set_read_timeout(Some(wait)).is_err() {
-            sh.errors.fetch_add(1, Ordering::Relaxed);
-            std::thread::sleep(wait);
+        // Wait for a reply or the next beat with ppoll (an hrtimer): SO_RCVTIMEO is rounded up
+        // to whole jiffies (10 ms with HZ=100), which stretched a 5 ms cadence to 10 ms.
+        let wait = next.saturating_duration_since(Instant::now());
+        let ts = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
+        let mut pfd = libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+        if unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) } <= 0 {
             continue;
         }
         match sock.recv(&mut buf) {
@@ -1755,10 +1838,16 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, 
                         && last_accepted
                             .is_none_or(|l| r.seq.wrapping_sub(l).wrapping_sub(1) < 1 << 20)
                 });
+                // The lease runs from when that heartbeat was sent (unknown: too old to count).
+                let ok = ok.and_then(|r| {
+                    let (s, at) = sent_at[r.seq as usize % SENT_RING];
+                    (s == r.seq).then_some((r, at))
+                });
                 match ok {
-                    Some(r) => {
+                    Some((r, at)) => {
                         last_accepted = Some(r.seq);
                         let v = BucketView {
+                            lease_until: at + Duration::from_millis(r.lease_ms as u64),
                             epoch: r.epoch,
                             buckets: r.buckets,
                             owned: words(&r.owned, r.buckets),
@@ -1817,7 +1906,7 @@ mac = "02:75:62:01:00:03"
     fn config_parses_with_defaults() {
         let c = LbConfig::from_toml(GOOD).unwrap();
         assert_eq!(c.buckets, 256);
-        assert_eq!(c.dead_after_ms, 25);
+        assert_eq!(c.dead_after_ms, DEFAULT_DEAD_AFTER_MS);
         assert_eq!(c.failover_window_s, 60);
         assert_eq!(c.table, "unbroken_lb");
         assert_eq!(c.servers.len(), 3);
@@ -1895,7 +1984,7 @@ mac = "02:75:62:01:00:03"
     fn heartbeat_wire_roundtrip_and_refusals() {
         let k = b"k".as_slice();
         let hb = encode_heartbeat(k, 7, 0xdead_beef);
-        assert_eq!(&hb[..12], b"UBHB\x01\x01\x00\x07\xde\xad\xbe\xef");
+        assert_eq!(&hb[..12], b"UBHB\x02\x01\x00\x07\xde\xad\xbe\xef");
         assert_eq!(
             decode_heartbeat(k, &hb),
             Ok(Heartbeat {
@@ -1910,7 +1999,7 @@ mac = "02:75:62:01:00:03"
         x[0] = b'X';
         assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Magic));
         let mut x = hb;
-        x[4] = 2;
+        x[4] = 1; // version 1 (no leases) is refused
         assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Version));
         let mut x = hb;
         x[9] ^= 1;
@@ -1928,6 +2017,7 @@ mac = "02:75:62:01:00:03"
         let mut allowed = vec![0u8; 2];
         set_bit(&mut allowed, 9);
         let r = Reply {
+            lease_ms: 20,
             server: 7,
             seq: 5,
             epoch: 3,
@@ -1937,7 +2027,7 @@ mac = "02:75:62:01:00:03"
         };
         let w = encode_reply(k, &r);
         assert_eq!(w.len(), reply_len(10));
-        assert_eq!(w.len(), 18 + 4 + 16);
+        assert_eq!(w.len(), 20 + 4 + 16);
         assert_eq!(decode_reply(k, &w), Ok(r.clone()));
         assert_eq!(decode_heartbeat(k, &w), Err(ProtoError::Kind));
         assert_eq!(decode_reply(b"x", &w), Err(ProtoError::Mac));
@@ -1954,12 +2044,15 @@ mac = "02:75:62:01:00:03"
             allowed: words(&r.allowed, 10),
             seq: 5,
             received_at: Instant::now(),
+            lease_until: Instant::now() + Duration::from_secs(60),
         };
         assert_eq!(v.owned_buckets(), vec![0, 9]);
+        assert!(v.may_send(9, Instant::now()) && !v.may_send(1, Instant::now()));
+        assert!(!v.may_send(9, v.lease_until), "not once the lease ran out");
         assert_eq!(v.allowed_buckets(), vec![9]);
         assert!(v.owns(9) && !v.owns(1) && !v.owns(4000) && v.allowed(9) && !v.allowed(0));
         // max size fits one datagram
-        assert_eq!(reply_len(MAX_BUCKETS), 18 + 1024 + 16);
+        assert_eq!(reply_len(MAX_BUCKETS), 20 + 1024 + 16);
     }
 
     #[test]

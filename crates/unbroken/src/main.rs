@@ -25,6 +25,10 @@ usage:
   unbroken bench object [--json] [--quick] [--runs N] [--secs S] [--requests N] [--trials N] [--size MIB] [--skip rps,latency,stall] [--save FILE]
         Benchmark object mode against unprotected nginx in the lab (root, needs wrk): requests/s
         for 1 B and 16 KiB pages, first-byte latency, the stall after a server death.
+  unbroken bench detector [--secs S] [--load] [--clients N] [--every S] [--json] [--save FILE]
+        Measure the gaps between heartbeats at the LB on the object-mode lab (root), idle or
+        with both cores loaded (busy loops plus curl downloads through the agents): how many
+        false failovers each dead_after_ms would have caused.
   unbroken journal-server --listen A:P --guard A:P --key HEX --dir DIR [--fsync]
         The example recoverable application.
   unbroken peer --connect A:P --records N [--seed S] [--rate R]
@@ -324,6 +328,9 @@ fn bench(args: Vec<String>) -> ExitCode {
     use unbroken::bench;
     if args.first().map(String::as_str) == Some("object") {
         return ExitCode::from(unbroken::objbench::main(args) as u8);
+    }
+    if args.first().map(String::as_str) == Some("detector") {
+        return ExitCode::from(unbroken::detbench::main(args) as u8);
     }
     if args.first().map(String::as_str) != Some("checkpoint") {
         return fail("bench: usage: unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--read BYTES] [--sweep|--no-sweep] [--no-micro] [--micro-only] [--micro-iters N] [--no-passthrough] [--no-cpu-qos] [--tests LIST] [--retries N] [--save FILE]");

@@ -515,7 +515,7 @@ impl PlainEnv {
             nginx: Vec::new(),
             heartbeats: Vec::new(),
         };
-        // The same LB settings as ObjectEnv (dead_after 25 ms, the lab's config otherwise).
+        // The same LB settings as ObjectEnv (the default dead_after, the lab's config otherwise).
         let mut lbc = env.lab.lb_config();
         lbc.dead_after_ms = EnvOpts::default().dead_after_ms;
         std::fs::write(

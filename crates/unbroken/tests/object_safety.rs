@@ -6,7 +6,8 @@
 //! visible failure is the right outcome, that what arrived is a prefix of the original), the
 //! client's exit status, and the RSTs that reached the client namespace. Stalls are printed.
 //!
-//! Needs root; without it each test prints why and passes without running.
+//! Needs root; without it each test prints why and passes without running (fails instead with
+//! UNBROKEN_REQUIRE_LAB=1).
 
 use sha2::{Digest, Sha256};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -26,8 +27,7 @@ use unbroken_control::objlab::addr;
 static LAB: Mutex<()> = Mutex::new(());
 
 fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
-    if let Err(why) = lab::lab_available() {
-        eprintln!("SKIP {name}: network-namespace lab unavailable: {why}");
+    if !lab::lab_or_skip(name) {
         return None;
     }
     Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))

@@ -931,6 +931,15 @@ const OBJ: u64 = 2 << 20;
 /// Each client reads at most 64 KiB per read, paced to 64 KiB per 100 ms (2 MiB in ~3.2 s).
 const READ: usize = 64 << 10;
 const PACE: Duration = Duration::from_millis(100);
+/// Until the crash, a client stops reading once it holds this much of its body (it then reads
+/// on), so no client can finish, or be sent its whole object, before the crash: every
+/// connection is provably mid-transfer when the server dies, whatever the machine's speed.
+const HOLD: u64 = 1 << 20;
+/// The clients' receive buffer (`SO_RCVBUF`; the kernel doubles it). It bounds what a server
+/// can have sent beyond a client's position: HOLD + READ + 2 * RCVBUF < OBJ.
+const RCVBUF: libc::c_int = 64 << 10;
+/// The crash waits until every client has read this much of its body (an event, not a time).
+const CRASH_AFTER: u64 = 512 << 10;
 
 struct Client {
     s: Option<TcpStream>,
@@ -1010,6 +1019,8 @@ struct Progress {
     /// Clients done or failed.
     ended: AtomicU64,
     stop: AtomicBool,
+    /// Set after the crash: the clients held at [`HOLD`] read on.
+    released: AtomicBool,
 }
 
 /// The clients' poll loop.
@@ -1017,8 +1028,16 @@ fn run_clients(cs: &mut [Client], objs: &[Arc<Vec<u8>>], pr: &Progress, deadline
     let mut buf = vec![0u8; READ];
     let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(cs.len());
     let mut idx: Vec<usize> = Vec::with_capacity(cs.len());
+    let mut released = false;
     loop {
         let now = Instant::now();
+        if !released && pr.released.load(Ordering::Relaxed) {
+            released = true;
+            // A held client's next read is due now: its wait at HOLD is not a stall.
+            for c in cs.iter_mut().filter(|c| c.pos >= HOLD) {
+                c.next = c.next.max(now);
+            }
+        }
         pfds.clear();
         idx.clear();
         let mut wake = now + Duration::from_millis(20);
@@ -1032,6 +1051,9 @@ fn run_clients(cs: &mut [Client], objs: &[Arc<Vec<u8>>], pr: &Progress, deadline
             }
             active += 1;
             minp = minp.min(c.pos);
+            if !released && c.pos >= HOLD {
+                continue; // held until the crash
+            }
             if c.next <= now {
                 pfds.push(libc::pollfd {
                     fd: c.s.as_ref().unwrap().as_raw_fd(),
@@ -1128,6 +1150,23 @@ fn queue_drops(env: &ObjectEnv, i: usize) -> String {
         .join(",")
 }
 
+fn set_rcvbuf(s: &TcpStream, bytes: libc::c_int) -> io::Result<()> {
+    // SAFETY: a plain int option on a socket we own.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            &bytes as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// LB liveness events other than the one crash (false failure detections).
 fn lb_flaps(env: &ObjectEnv) -> usize {
     env.lb_status()
@@ -1138,7 +1177,8 @@ fn lb_flaps(env: &ObjectEnv) -> usize {
 }
 
 /// `n` paced clients downloading 2 MiB objects concurrently; the server with the most
-/// connections loses power once every client is well into its body.
+/// connections loses power once every client is well into its body. No client can get past
+/// [`HOLD`] before the crash, so every connection is mid-transfer when the server dies.
 fn many_downloads(name: &str, n: usize, o: EnvOpts) {
     let t = Instant::now();
     let mut env = start(name, o);
@@ -1159,6 +1199,7 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
                     )
                     .as_bytes(),
                 )?;
+                set_rcvbuf(&s, RCVBUF)?;
                 s.set_nonblocking(true)?;
                 Ok(s)
             })
@@ -1193,9 +1234,9 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
     let mut crash_log = None;
     std::thread::scope(|s| {
         let h = s.spawn(|| run_clients(&mut cs, &objs, &pr, deadline));
-        // Crash once every client is well into its body (and none is near the end).
+        // Crash once every client is well into its body (none is past HOLD).
         let due = wait_for(Duration::from_secs(60), || {
-            h.is_finished() || pr.min.load(Ordering::Relaxed) >= 512 << 10
+            h.is_finished() || pr.min.load(Ordering::Relaxed) >= CRASH_AFTER
         });
         if due && !h.is_finished() && pr.min.load(Ordering::Relaxed) != u64::MAX {
             let drops: Vec<String> = (1..=3).map(|i| queue_drops(&env, i)).collect();
@@ -1214,6 +1255,7 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
             );
             let ended = pr.ended.load(Ordering::Relaxed);
             env.crash(victim).expect("crash");
+            pr.released.store(true, Ordering::Relaxed);
             crash_log = Some((victim, per.clone(), ended));
             eprintln!("{name}: connections per server {per:?}; server {victim} lost power at {} ms (clients between {lo} and {hi} body bytes, {ended} ended)", start_at.elapsed().as_millis());
         } else {
@@ -1222,9 +1264,13 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
         h.join().expect("client loop");
     });
     let took = start_at.elapsed();
-    let (victim, per, ended) = crash_log
-        .clone()
-        .expect("the crash never happened: clients too slow or finished");
+    let (victim, per, ended) = crash_log.clone().unwrap_or_else(|| {
+        panic!(
+            "{name}: the crash never happened: not every client reached {CRASH_AFTER} body bytes (slowest at {}, {} ended)",
+            pr.min.load(Ordering::Relaxed),
+            pr.ended.load(Ordering::Relaxed)
+        )
+    });
     let ok = cs.iter().filter(|c| c.done && c.err.is_none()).count();
     let wrong = cs.iter().filter(|c| c.wrong).count();
     let errs: Vec<String> = cs
@@ -1267,7 +1313,11 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
         counters(&env),
         lb_flaps(&env)
     );
-    assert_eq!(ended, 0, "{name}: clients had ended before the crash");
+    // No client can finish before the crash (HOLD): one that ended before it failed.
+    assert_eq!(
+        ended, 0,
+        "{name}: clients failed before the crash: {errs:?}"
+    );
     assert_eq!(wrong, 0, "{name}: WRONG BYTES delivered");
     assert_eq!(ok, n, "{name}: not every download completed: {errs:?}");
     assert_eq!(rsts, 0, "{name}: RSTs reached the clients");

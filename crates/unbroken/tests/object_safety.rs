@@ -925,6 +925,67 @@ fn recovery_of_a_dead_server() {
     eprintln!("{name}: ok in {} ms", t.elapsed().as_millis());
 }
 
+// ---- 7. a live server taken for dead ------------------------------------------------------------
+
+/// LB down events for server `i` so far.
+fn lb_downs(env: &ObjectEnv, i: usize) -> usize {
+    env.lb_status()
+        .ok()
+        .and_then(|s| {
+            s["events"].as_array().map(|v| {
+                v.iter()
+                    .filter(|e| e["server"] == i as u64 && e["kind"] == "down")
+                    .count()
+            })
+        })
+        .unwrap_or(0)
+}
+
+/// The serving server's agent stalls (SIGSTOP, as under CPU starvation) until the LB has
+/// declared the server dead and another server has failed the connection over and sent the
+/// client 8 MiB more, then runs on: a false death. The bucket comes back to a server whose
+/// connection is now behind the client; the client must still get every byte, exit 0 and see
+/// no RST. Ignored: today the download hangs after such a false death (found while
+/// making object_big robust against the LB's flapping; see the test's output).
+#[test]
+#[ignore = "known product bug: a false death of the serving server hangs the download"]
+fn false_death_of_the_serving_server() {
+    let name = "false_death";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let env = start(name, opts());
+    let size = 256u64 << 20;
+    let want = object(&env, "big.bin", size, 23);
+    let mut dl = curl(&env, "/big.bin", 41005, RATE, want.clone());
+    assert!(
+        dl.wait_bytes(size / 5, Duration::from_secs(30)),
+        "{name}: download did not reach 20 %"
+    );
+    let srv = dl.server(&env);
+    let pid = env.agent_status(srv).and_then(|v| v["pid"].as_i64()).expect("agent pid") as i32;
+    let downs = lb_downs(&env, srv);
+    let at = dl.got();
+    // SAFETY: signals to the agent process this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let f0 = env.agent_sum("failovers");
+    let declared = wait_for(Duration::from_secs(5), || lb_downs(&env, srv) > downs);
+    // With the agent stopped, its server sends nothing (its packets wait in its queue): bytes
+    // reaching the client now come from the server that took the connection over.
+    let moved = declared
+        && wait_for(Duration::from_secs(10), || {
+            env.agent_sum("failovers") > f0 && dl.got() >= at + (8 << 20)
+        });
+    let at2 = dl.got();
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(declared, "{name}: the LB never declared the stalled server {srv} dead");
+    assert!(moved, "{name}: no other server took the connection over: {}", counters(&env));
+    eprintln!("{name}: server {srv}'s agent stalled from {at} to {at2} bytes (LB: dead; taken over)");
+    env.wait_alive(&[srv], Duration::from_secs(10)).expect("server alive again");
+    let d = dl.finish(Duration::from_secs(60));
+    show(name, &d);
+    eprintln!("{name}: {}; LB events {}", counters(&env), env.lb_status().map(|s| s["events"].to_string()).unwrap_or_default());
+    assert_exact(name, &env, &d, &want);
+}
+
 // ---- 1. 1000 concurrent downloads ---------------------------------------------------------------
 
 const OBJ: u64 = 2 << 20;

@@ -13,16 +13,24 @@ if ! command -v cargo >/dev/null 2>&1 && [ -f "$HOME/.cargo/env" ]; then
     . "$HOME/.cargo/env"
 fi
 
-# Network-namespace tests skip themselves when they cannot build a lab: say so up front, so a
-# green run that skipped them is not mistaken for a full one.
+# Network-namespace tests skip themselves when they cannot build a lab (or find a tool such as
+# redis-server or gcc), unless UNBROKEN_REQUIRE_LAB=1 (.ci/run sets it), which makes every such
+# skip a failure. Say up front which it is, so a green run that skipped them is not mistaken
+# for a full one.
+if [ "${UNBROKEN_REQUIRE_LAB:-}" = 1 ]; then
+    require="UNBROKEN_REQUIRE_LAB=1: a test that cannot run FAILS"
+else
+    require="UNBROKEN_REQUIRE_LAB not set: a test that cannot run prints SKIP and passes"
+fi
 probe="ubtest$$"
 if [ "$(id -u)" -eq 0 ] && ip netns add "$probe" 2>/dev/null; then
     ip netns del "$probe"
     lab="available (namespace tests run)"
 else
-    lab="NOT available: not root or 'ip netns add' fails (namespace tests skip)"
+    lab="NOT available: not root or 'ip netns add' fails (namespace tests skip, or fail with UNBROKEN_REQUIRE_LAB=1)"
 fi
 log "network-namespace lab: $lab"
+log "$require"
 
 out="$(mktemp -t unbroken-test.XXXXXX)"
 trap 'rm -f "$out"' EXIT
@@ -45,6 +53,9 @@ read -r passed failed ignored suites < <(awk '
 echo
 log "summary: $passed passed, $failed failed, $ignored ignored in $suites test binaries; $(( $(date +%s) - start )) s"
 log "network-namespace lab: $lab"
+log "$require"
+skips=$(grep -c "^SKIP " "$out" || true)
+log "tests that printed SKIP: $skips"
 if [ "$status" -ne 0 ]; then
     awk '/^test .* FAILED|^error(\[|:)/ { print "[test]   " $0 }' "$out"
     log "FAILED (cargo test exit status $status)"

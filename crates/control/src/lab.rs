@@ -97,7 +97,41 @@ pub mod dev {
     pub const BRIDGE: &str = "br0";
 }
 
-/// `Ok` when this process can build labs; otherwise why not (tests print it and skip).
+/// The environment variable that forbids skipping: with `UNBROKEN_REQUIRE_LAB=1` (`.ci/run`
+/// sets it) a test that cannot build its lab or find a tool it needs fails instead of skipping.
+pub const REQUIRE_LAB_VAR: &str = "UNBROKEN_REQUIRE_LAB";
+
+/// Whether `UNBROKEN_REQUIRE_LAB=1`.
+pub fn lab_required() -> bool {
+    std::env::var(REQUIRE_LAB_VAR).is_ok_and(|v| v == "1")
+}
+
+/// Test `test` cannot run here because `why`: prints `SKIP test: why` (uncaptured) for the
+/// caller to return, or, with `UNBROKEN_REQUIRE_LAB=1`, fails the test (panics) with the
+/// reason. The one place of the skip rule for the tests of this crate and the crates above.
+pub fn skip_or_fail(test: &str, why: &str) {
+    if lab_required() {
+        panic!("{test} cannot run and {REQUIRE_LAB_VAR}=1 forbids skipping it: {why}");
+    }
+    // Straight to stderr, past the test harness's capture: a skip shows in every run's output
+    // (scripts/test.sh counts these lines).
+    let line = format!("SKIP {test}: {why} (with {REQUIRE_LAB_VAR}=1 this fails)\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+}
+
+/// `true` when test `test` can build labs; otherwise [`skip_or_fail`] with the reason (the
+/// caller returns on `false`).
+pub fn lab_or_skip(test: &str) -> bool {
+    match lab_available() {
+        Ok(()) => true,
+        Err(e) => {
+            skip_or_fail(test, &format!("network-namespace lab unavailable: {e}"));
+            false
+        }
+    }
+}
+
+/// `Ok` when this process can build labs; otherwise why not (tests pass it to [`lab_or_skip`]).
 pub fn lab_available() -> Result<(), String> {
     let euid = unsafe { libc::geteuid() };
     if euid != 0 {
@@ -1294,13 +1328,7 @@ mod tests {
     const T: Duration = Duration::from_secs(5);
 
     fn skip() -> bool {
-        match lab_available() {
-            Ok(()) => false,
-            Err(e) => {
-                eprintln!("skipping lab test: {e}");
-                true
-            }
-        }
+        !lab_or_skip(std::thread::current().name().unwrap_or("lab test"))
     }
 
     fn ping(ns: &str, ip: IpAddr) -> Output {

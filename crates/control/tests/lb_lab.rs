@@ -22,13 +22,7 @@ const DEADLINE: Duration = Duration::from_secs(10);
 static DIRS: AtomicU32 = AtomicU32::new(0);
 
 fn skip() -> bool {
-    match lab::lab_available() {
-        Ok(()) => false,
-        Err(e) => {
-            eprintln!("skipping lb lab test: {e}");
-            true
-        }
-    }
+    !lab::lab_or_skip(std::thread::current().name().unwrap_or("lb lab test"))
 }
 
 fn key() -> Vec<u8> {
@@ -679,9 +673,12 @@ fn unbroken_lb_command() {
             exe.parent().unwrap().parent().unwrap().join("unbroken")
         });
     if !bin.exists() {
-        eprintln!(
-            "skipping: {} not built (cargo build --release -p unbroken)",
-            bin.display()
+        lab::skip_or_fail(
+            "unbroken_lb_command",
+            &format!(
+                "{} not built (cargo build --release -p unbroken)",
+                bin.display()
+            ),
         );
         return;
     }

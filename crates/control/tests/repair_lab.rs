@@ -4,7 +4,8 @@
 //! stream: every byte of a deterministic pattern in order, no EOF before the server's real
 //! close, and no RST.
 //!
-//! Needs root; without it each test prints why and passes without running.
+//! Needs root; without it each test prints why and passes without running (fails instead with
+//! UNBROKEN_REQUIRE_LAB=1).
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -26,8 +27,7 @@ const PORT: u16 = 7000;
 static LAB: Mutex<()> = Mutex::new(());
 
 fn lab_or_skip(name: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
-    if let Err(why) = lab::lab_available() {
-        eprintln!("SKIP {name}: network-namespace lab unavailable: {why}");
+    if !lab::lab_or_skip(name) {
         return None;
     }
     Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))

@@ -1,6 +1,6 @@
 //! The store client (`unbroken_control::store`) against real redis-server processes, each test
 //! starting its own on free loopback ports (killed on drop, also when a test panics). Skipped,
-//! with a message, when redis-server is not installed.
+//! with a message, when redis-server is not installed (a failure with UNBROKEN_REQUIRE_LAB=1).
 //!
 //! `cargo test --release -p unbroken-control --test store_redis`; the ignored `latency_report`
 //! prints SET round-trip percentiles (`-- --ignored --nocapture latency_report`).
@@ -25,8 +25,9 @@ fn have_redis() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!(
-            "SKIPPED: redis-server is not installed (apt-get install redis-server redis-tools)"
+        unbroken_control::lab::skip_or_fail(
+            std::thread::current().name().unwrap_or("store_redis"),
+            "redis-server is not installed (apt-get install redis-server redis-tools)",
         );
     }
     ok

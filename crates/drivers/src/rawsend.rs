@@ -256,14 +256,21 @@ mod tests {
         );
     }
 
+    // The skip rule of this crate's tests (UNBROKEN_REQUIRE_LAB=1 turns a skip into a failure).
+    include!(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/common/require.rs"));
+
     /// Linux implies header inclusion for `AF_INET6`/`IPPROTO_RAW` sockets: the flag reads 1
-    /// before anyone sets it. Needs CAP_NET_RAW; skipped without.
+    /// before anyone sets it. Needs CAP_NET_RAW; skipped without (fails with
+    /// UNBROKEN_REQUIRE_LAB=1).
     #[test]
     fn ipv6_ipproto_raw_implies_hdrincl() {
         let fd = match sys::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW) {
             Ok(fd) => fd,
             Err(e) => {
-                eprintln!("SKIPPED ipv6_ipproto_raw_implies_hdrincl: {e}");
+                skip_or_fail(
+                    "ipv6_ipproto_raw_implies_hdrincl",
+                    &format!("no raw IPv6 socket: {e}"),
+                );
                 return;
             }
         };

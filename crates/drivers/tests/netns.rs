@@ -1,6 +1,7 @@
 //! Root tests in throw-away network namespaces: NFQUEUE pass-through, mangling and dropping,
 //! raw injection with a mark, queue ownership errors, overflow accounting and rule handling.
-//! Each test prints "SKIPPED" and passes when it cannot run (not root, no `ip netns`).
+//! Each test prints "SKIP" and passes when it cannot run (not root, no `ip netns`), or fails
+//! with the reason when UNBROKEN_REQUIRE_LAB=1 (tests/common/require.rs).
 
 mod common;
 
@@ -646,7 +647,10 @@ fn rules_are_idempotent_and_removed() {
         ("iptables-legacy", "ip6tables-legacy", Table::Filter),
     ] {
         if pair.exec(&pair.a, &[v4, "-w", "-S"]).status.code() != Some(0) {
-            eprintln!("skipping {v4}: not usable here");
+            common::skip_or_fail(
+                &format!("rules_are_idempotent_and_removed with {v4}"),
+                &format!("`{v4} -w -S` fails here"),
+            );
             continue;
         }
         let mut spec = spec_in(

@@ -1,10 +1,11 @@
 //! The C ABI from C: compiles tests/c/abi_test.c against include/unbroken.h (strict C99) and
 //! the cdylib cargo built for this test run, runs it against the in-test guard, then checks
-//! what the guard saw. Skipped (with a message) when gcc is missing.
+//! what the guard saw. Skipped (with a message) when gcc is missing; with UNBROKEN_REQUIRE_LAB=1
+//! that is a failure instead (`common::skip_or_fail`).
 
 mod common;
 
-use common::{TestGuard, KEY_HEX, WRONG_KEY_HEX};
+use common::{skip_or_fail, TestGuard, KEY_HEX, WRONG_KEY_HEX};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use unbroken_sdk::ConnRecord;
@@ -31,7 +32,7 @@ fn out_dir(test: &str) -> PathBuf {
 #[test]
 fn c_program_against_the_cdylib() {
     let Some(cc) = gcc() else {
-        eprintln!("SKIPPED c_program_against_the_cdylib: no gcc/cc on PATH");
+        skip_or_fail("c_program_against_the_cdylib", "no gcc/cc on PATH");
         return;
     };
     let lib = cdylib().expect("libunbroken_sdk.so not found next to the test binary (crate-type cdylib)");
@@ -78,7 +79,7 @@ fn c_program_against_the_cdylib() {
 fn header_compiles_as_cpp() {
     let ok = Command::new("g++").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
     if !ok {
-        eprintln!("SKIPPED header_compiles_as_cpp: no g++ on PATH");
+        skip_or_fail("header_compiles_as_cpp", "no g++ on PATH");
         return;
     }
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));

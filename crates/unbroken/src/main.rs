@@ -169,6 +169,9 @@ fn demo_object(args: Vec<String>) -> ExitCode {
                     println!("  {:>7} ms  server {} lost power at {} MiB (LB detected after {:?} ms)", c.t_ms, c.server, c.at_bytes >> 20, c.detect_ms);
                 }
                 println!("  failovers               {} (refused {})", r.failovers, r.refused);
+                if r.lb_false_deaths > 0 {
+                    println!("  LB false deaths         {} (live servers declared dead)", r.lb_false_deaths);
+                }
                 println!("  bytes                   {} of {}", r.bytes, r.expected_bytes);
                 println!("  sha256                  {}", if r.sha256_ok { "matches" } else { "MISMATCH" });
                 println!("  client exit status      {:?}", r.client_exit);

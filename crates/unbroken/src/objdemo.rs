@@ -423,6 +423,9 @@ pub struct ObjectReport {
     pub revived: Vec<usize>,
     /// Connections silenced on a server whose bucket went back home.
     pub muted: u64,
+    /// Deaths the LB declared beyond the crashes (live servers it falsely took for dead, e.g.
+    /// heartbeats late on an overloaded machine): each may move the connection once more.
+    pub lb_false_deaths: u64,
 }
 
 /// `unbroken demo object`.
@@ -530,11 +533,17 @@ pub fn run_object(s: &ObjectScenario) -> Result<ObjectReport, String> {
     };
     let recv = rx.join().unwrap_or_default();
     let duration_ms = t0.elapsed().as_millis() as u64;
+    let mut lb_false_deaths = 0;
     if let Ok(lbs) = env.lb_status() {
         if let Some(evs) = lbs["events"].as_array() {
             for c in crashes.iter_mut() {
-                c.detect_ms = evs.iter().find(|e| e["server"] == c.server as u64 && e["kind"] == "down").and_then(|e| e["detect_ms"].as_u64());
+                // The last down event: earlier ones of a server that flapped were false.
+                c.detect_ms = evs.iter().rev().find(|e| e["server"] == c.server as u64 && e["kind"] == "down").and_then(|e| e["detect_ms"].as_u64());
             }
+            // A crashed server stays dead (a revived one is not crashed again): one true down
+            // event per crash, every other one is false.
+            let downs = evs.iter().filter(|e| e["kind"] == "down").count() as u64;
+            lb_false_deaths = downs.saturating_sub(crashes.len() as u64) + lbs["counters"]["events_dropped"].as_u64().unwrap_or(0);
         }
     }
     // The agents write their status within 10 ms of a failover: poll (bounded) until every
@@ -570,6 +579,7 @@ pub fn run_object(s: &ObjectScenario) -> Result<ObjectReport, String> {
         unprotected: env.engine_sum("unprotected"),
         revived,
         muted: env.agent_sum("muted"),
+        lb_false_deaths,
     })
 }
 

@@ -5,7 +5,8 @@
 //! the client saw: every byte (sha256 or a full compare), the client's exit status, no RST, and
 //! the agents' counters. The longest stall the client saw is printed.
 //!
-//! Needs root; without it each test prints why and passes without running.
+//! Needs root; without it each test prints why and passes without running (fails instead with
+//! UNBROKEN_REQUIRE_LAB=1).
 
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
@@ -25,8 +26,7 @@ static LAB: Mutex<()> = Mutex::new(());
 const MIB: u64 = 1 << 20;
 
 fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
-    if let Err(why) = lab::lab_available() {
-        eprintln!("SKIP {name}: network-namespace lab unavailable: {why}");
+    if !lab::lab_or_skip(name) {
         return None;
     }
     Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))

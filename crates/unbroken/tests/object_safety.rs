@@ -6,7 +6,8 @@
 //! visible failure is the right outcome, that what arrived is a prefix of the original), the
 //! client's exit status, and the RSTs that reached the client namespace. Stalls are printed.
 //!
-//! Needs root; without it each test prints why and passes without running.
+//! Needs root; without it each test prints why and passes without running (fails instead with
+//! UNBROKEN_REQUIRE_LAB=1).
 
 use sha2::{Digest, Sha256};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -26,8 +27,7 @@ use unbroken_control::objlab::addr;
 static LAB: Mutex<()> = Mutex::new(());
 
 fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
-    if let Err(why) = lab::lab_available() {
-        eprintln!("SKIP {name}: network-namespace lab unavailable: {why}");
+    if !lab::lab_or_skip(name) {
         return None;
     }
     Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))
@@ -925,12 +925,82 @@ fn recovery_of_a_dead_server() {
     eprintln!("{name}: ok in {} ms", t.elapsed().as_millis());
 }
 
+// ---- 7. a live server taken for dead ------------------------------------------------------------
+
+/// LB down events for server `i` so far.
+fn lb_downs(env: &ObjectEnv, i: usize) -> usize {
+    env.lb_status()
+        .ok()
+        .and_then(|s| {
+            s["events"].as_array().map(|v| {
+                v.iter()
+                    .filter(|e| e["server"] == i as u64 && e["kind"] == "down")
+                    .count()
+            })
+        })
+        .unwrap_or(0)
+}
+
+/// The serving server's agent stalls (SIGSTOP, as under CPU starvation) until the LB has
+/// declared the server dead and another server has failed the connection over and sent the
+/// client 8 MiB more, then runs on: a false death. The bucket comes back to a server whose
+/// connection is now behind the client; the client must still get every byte, exit 0 and see
+/// no RST. Ignored: today the download hangs after such a false death (found while
+/// making object_big robust against the LB's flapping; see the test's output).
+#[test]
+#[ignore = "known product bug: a false death of the serving server hangs the download"]
+fn false_death_of_the_serving_server() {
+    let name = "false_death";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let env = start(name, opts());
+    let size = 256u64 << 20;
+    let want = object(&env, "big.bin", size, 23);
+    let mut dl = curl(&env, "/big.bin", 41005, RATE, want.clone());
+    assert!(
+        dl.wait_bytes(size / 5, Duration::from_secs(30)),
+        "{name}: download did not reach 20 %"
+    );
+    let srv = dl.server(&env);
+    let pid = env.agent_status(srv).and_then(|v| v["pid"].as_i64()).expect("agent pid") as i32;
+    let downs = lb_downs(&env, srv);
+    let at = dl.got();
+    // SAFETY: signals to the agent process this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let f0 = env.agent_sum("failovers");
+    let declared = wait_for(Duration::from_secs(5), || lb_downs(&env, srv) > downs);
+    // With the agent stopped, its server sends nothing (its packets wait in its queue): bytes
+    // reaching the client now come from the server that took the connection over.
+    let moved = declared
+        && wait_for(Duration::from_secs(10), || {
+            env.agent_sum("failovers") > f0 && dl.got() >= at + (8 << 20)
+        });
+    let at2 = dl.got();
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(declared, "{name}: the LB never declared the stalled server {srv} dead");
+    assert!(moved, "{name}: no other server took the connection over: {}", counters(&env));
+    eprintln!("{name}: server {srv}'s agent stalled from {at} to {at2} bytes (LB: dead; taken over)");
+    env.wait_alive(&[srv], Duration::from_secs(10)).expect("server alive again");
+    let d = dl.finish(Duration::from_secs(60));
+    show(name, &d);
+    eprintln!("{name}: {}; LB events {}", counters(&env), env.lb_status().map(|s| s["events"].to_string()).unwrap_or_default());
+    assert_exact(name, &env, &d, &want);
+}
+
 // ---- 1. 1000 concurrent downloads ---------------------------------------------------------------
 
 const OBJ: u64 = 2 << 20;
 /// Each client reads at most 64 KiB per read, paced to 64 KiB per 100 ms (2 MiB in ~3.2 s).
 const READ: usize = 64 << 10;
 const PACE: Duration = Duration::from_millis(100);
+/// Until the crash, a client stops reading once it holds this much of its body (it then reads
+/// on), so no client can finish, or be sent its whole object, before the crash: every
+/// connection is provably mid-transfer when the server dies, whatever the machine's speed.
+const HOLD: u64 = 1 << 20;
+/// The clients' receive buffer (`SO_RCVBUF`; the kernel doubles it). It bounds what a server
+/// can have sent beyond a client's position: HOLD + READ + 2 * RCVBUF < OBJ.
+const RCVBUF: libc::c_int = 64 << 10;
+/// The crash waits until every client has read this much of its body (an event, not a time).
+const CRASH_AFTER: u64 = 512 << 10;
 
 struct Client {
     s: Option<TcpStream>,
@@ -1010,6 +1080,8 @@ struct Progress {
     /// Clients done or failed.
     ended: AtomicU64,
     stop: AtomicBool,
+    /// Set after the crash: the clients held at [`HOLD`] read on.
+    released: AtomicBool,
 }
 
 /// The clients' poll loop.
@@ -1017,8 +1089,16 @@ fn run_clients(cs: &mut [Client], objs: &[Arc<Vec<u8>>], pr: &Progress, deadline
     let mut buf = vec![0u8; READ];
     let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(cs.len());
     let mut idx: Vec<usize> = Vec::with_capacity(cs.len());
+    let mut released = false;
     loop {
         let now = Instant::now();
+        if !released && pr.released.load(Ordering::Relaxed) {
+            released = true;
+            // A held client's next read is due now: its wait at HOLD is not a stall.
+            for c in cs.iter_mut().filter(|c| c.pos >= HOLD) {
+                c.next = c.next.max(now);
+            }
+        }
         pfds.clear();
         idx.clear();
         let mut wake = now + Duration::from_millis(20);
@@ -1032,6 +1112,9 @@ fn run_clients(cs: &mut [Client], objs: &[Arc<Vec<u8>>], pr: &Progress, deadline
             }
             active += 1;
             minp = minp.min(c.pos);
+            if !released && c.pos >= HOLD {
+                continue; // held until the crash
+            }
             if c.next <= now {
                 pfds.push(libc::pollfd {
                     fd: c.s.as_ref().unwrap().as_raw_fd(),
@@ -1128,6 +1211,23 @@ fn queue_drops(env: &ObjectEnv, i: usize) -> String {
         .join(",")
 }
 
+fn set_rcvbuf(s: &TcpStream, bytes: libc::c_int) -> io::Result<()> {
+    // SAFETY: a plain int option on a socket we own.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            &bytes as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// LB liveness events other than the one crash (false failure detections).
 fn lb_flaps(env: &ObjectEnv) -> usize {
     env.lb_status()
@@ -1138,7 +1238,8 @@ fn lb_flaps(env: &ObjectEnv) -> usize {
 }
 
 /// `n` paced clients downloading 2 MiB objects concurrently; the server with the most
-/// connections loses power once every client is well into its body.
+/// connections loses power once every client is well into its body. No client can get past
+/// [`HOLD`] before the crash, so every connection is mid-transfer when the server dies.
 fn many_downloads(name: &str, n: usize, o: EnvOpts) {
     let t = Instant::now();
     let mut env = start(name, o);
@@ -1159,6 +1260,7 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
                     )
                     .as_bytes(),
                 )?;
+                set_rcvbuf(&s, RCVBUF)?;
                 s.set_nonblocking(true)?;
                 Ok(s)
             })
@@ -1193,9 +1295,9 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
     let mut crash_log = None;
     std::thread::scope(|s| {
         let h = s.spawn(|| run_clients(&mut cs, &objs, &pr, deadline));
-        // Crash once every client is well into its body (and none is near the end).
+        // Crash once every client is well into its body (none is past HOLD).
         let due = wait_for(Duration::from_secs(60), || {
-            h.is_finished() || pr.min.load(Ordering::Relaxed) >= 512 << 10
+            h.is_finished() || pr.min.load(Ordering::Relaxed) >= CRASH_AFTER
         });
         if due && !h.is_finished() && pr.min.load(Ordering::Relaxed) != u64::MAX {
             let drops: Vec<String> = (1..=3).map(|i| queue_drops(&env, i)).collect();
@@ -1214,6 +1316,7 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
             );
             let ended = pr.ended.load(Ordering::Relaxed);
             env.crash(victim).expect("crash");
+            pr.released.store(true, Ordering::Relaxed);
             crash_log = Some((victim, per.clone(), ended));
             eprintln!("{name}: connections per server {per:?}; server {victim} lost power at {} ms (clients between {lo} and {hi} body bytes, {ended} ended)", start_at.elapsed().as_millis());
         } else {
@@ -1222,9 +1325,13 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
         h.join().expect("client loop");
     });
     let took = start_at.elapsed();
-    let (victim, per, ended) = crash_log
-        .clone()
-        .expect("the crash never happened: clients too slow or finished");
+    let (victim, per, ended) = crash_log.clone().unwrap_or_else(|| {
+        panic!(
+            "{name}: the crash never happened: not every client reached {CRASH_AFTER} body bytes (slowest at {}, {} ended)",
+            pr.min.load(Ordering::Relaxed),
+            pr.ended.load(Ordering::Relaxed)
+        )
+    });
     let ok = cs.iter().filter(|c| c.done && c.err.is_none()).count();
     let wrong = cs.iter().filter(|c| c.wrong).count();
     let errs: Vec<String> = cs
@@ -1267,7 +1374,11 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
         counters(&env),
         lb_flaps(&env)
     );
-    assert_eq!(ended, 0, "{name}: clients had ended before the crash");
+    // No client can finish before the crash (HOLD): one that ended before it failed.
+    assert_eq!(
+        ended, 0,
+        "{name}: clients failed before the crash: {errs:?}"
+    );
     assert_eq!(wrong, 0, "{name}: WRONG BYTES delivered");
     assert_eq!(ok, n, "{name}: not every download completed: {errs:?}");
     assert_eq!(rsts, 0, "{name}: RSTs reached the clients");

@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 
 use unbroken_drivers::{Queue, QueuedPacket, Stats, Verdict};
 
+// The skip rule of this crate's tests (also included by the unit tests in src/).
+include!("require.rs");
+
 pub const A4: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 1);
 pub const B4: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 2);
 pub const A6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x201, 0, 0, 0, 0, 0, 1);
@@ -47,12 +50,12 @@ fn must(args: &[&str]) {
 }
 
 impl NetnsPair {
-    /// Creates the pair, or prints why the test is skipped and returns `None` (not root, or
-    /// `ip netns add` does not work here).
+    /// Creates the pair, or [`skip_or_fail`]s and returns `None` (not root, or `ip netns add`
+    /// does not work here).
     pub fn setup(test: &str) -> Option<NetnsPair> {
         // SAFETY: trivial syscall.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("SKIPPED {test}: needs root (network namespaces, iptables, NFQUEUE)");
+            skip_or_fail(test, "needs root (network namespaces, iptables, NFQUEUE)");
             return None;
         }
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
@@ -61,9 +64,12 @@ impl NetnsPair {
         let b = format!("ubdrv-{pid}-{n}-b");
         let out = ip(&["netns", "add", &a]);
         if !out.status.success() {
-            eprintln!(
-                "SKIPPED {test}: `ip netns add` failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
+            skip_or_fail(
+                test,
+                &format!(
+                    "`ip netns add` failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
             );
             return None;
         }

@@ -15,6 +15,20 @@ use unbroken_wire::ctl::{Command, Key, Op, Status};
 use unbroken_wire::tcp::{self, Repr};
 use unbroken_wire::{ip, Seq};
 
+/// Test `test` cannot run here because `why` (a tool is missing): prints `SKIP test: why` for
+/// the caller to return, or, with `UNBROKEN_REQUIRE_LAB=1` (`.ci/run` sets it), fails the test
+/// with the reason. The skip rule of the SDK's tests (the SDK cannot depend on
+/// unbroken-control, whose `lab::skip_or_fail` is the same rule for the crates above).
+pub fn skip_or_fail(test: &str, why: &str) {
+    if std::env::var("UNBROKEN_REQUIRE_LAB").is_ok_and(|v| v == "1") {
+        panic!("{test} cannot run and UNBROKEN_REQUIRE_LAB=1 forbids skipping it: {why}");
+    }
+    // Straight to stderr, past the test harness's capture: a skip shows in every run's output
+    // (scripts/test.sh counts these lines).
+    let line = format!("SKIP {test}: {why} (with UNBROKEN_REQUIRE_LAB=1 this fails)\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+}
+
 pub const KEY_HEX: &str = "00112233445566778899aabbccddeeff";
 pub const WRONG_KEY_HEX: &str = "ffeeddccbbaa99887766554433221100";
 

@@ -130,7 +130,11 @@ fn keepalive_consecutive_and_pipelined_no_stall() {
     }
     let _g = LAB.lock().unwrap_or_else(|e| e.into_inner());
     let t = Instant::now();
-    let env = ObjectEnv::start(EnvOpts { bin: PathBuf::from(env!("CARGO_BIN_EXE_unbroken")), ..Default::default() })
+    // No fault may be present: on a loaded machine the lab's usual 50 ms store deadline and
+    // 25 ms failure detector fail stores and declare live servers dead (faults of their own,
+    // with their own tests). Generous ones keep this run fault-free; the premise is checked.
+    let opts = EnvOpts { bin: PathBuf::from(env!("CARGO_BIN_EXE_unbroken")), store_timeout_ms: 1000, dead_after_ms: 1000, ..Default::default() };
+    let env = ObjectEnv::start(opts)
         .unwrap_or_else(|e| panic!("{NAME}: starting the object-mode system: {e}"));
     eprintln!("{NAME}: system up in {} ms ({})", t.elapsed().as_millis(), env.dir.display());
     make_object(&env.docroot.join("s1k"), 1 << 10, 91).unwrap();
@@ -141,6 +145,7 @@ fn keepalive_consecutive_and_pipelined_no_stall() {
     // The same requests straight to server 1's own address (not steered to its agent): what
     // the client sees without protection, for the log.
     let plain = run_client(&env, &addr::server_v4(1).to_string());
+    let rsts_plain = env.client_rsts();
     let prot = run_client(&env, &addr::VIP_V4.to_string());
     for (p, u) in prot.iter().zip(plain.iter().map(Some).chain(std::iter::repeat(None))) {
         eprintln!(
@@ -175,6 +180,19 @@ fn keepalive_consecutive_and_pipelined_no_stall() {
         e("unprotected"),
         env.client_rsts()
     );
+    let down: Vec<serde_json::Value> = env
+        .lb_status()
+        .ok()
+        .and_then(|s| s["events"].as_array().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e["kind"] == "down")
+        .collect();
+    let failovers: u64 = (1..=env.lab.n_servers()).filter_map(|i| env.agent_status(i)).map(|v| v["agent"]["failovers"].as_u64().unwrap_or(0)).sum();
+    eprintln!("{NAME}: LB down events {down:?}, failovers {failovers}, failed stores {}", e("stores_failed"));
+    // The premise: every server healthy, every store in time.
+    assert!(down.is_empty() && failovers == 0, "{NAME}: the LB declared a live server dead (overloaded machine?): not a fault-free run");
+    assert_eq!(e("stores_failed"), 0, "{NAME}: a store missed its deadline (overloaded machine?): not a fault-free run");
     assert!(plain.iter().all(|r| r.ok), "{NAME}: the unprotected baseline failed: {plain:?}");
     assert_eq!(prot.len(), plain.len(), "{NAME}: not every request ran");
     for r in &prot {
@@ -187,5 +205,6 @@ fn keepalive_consecutive_and_pipelined_no_stall() {
         assert!(r.gap_ms < BOUND_MS, "{NAME}: {} {}: a {:.1} ms wait inside the response (bound {BOUND_MS} ms): a wait for a retransmission", r.conn, r.what, r.gap_ms);
     }
     assert_eq!(e("unprotected"), 0, "{NAME}: a connection went unprotected");
-    assert_eq!(env.client_rsts(), 0, "{NAME}: RSTs reached the client");
+    // Counted apart: an RST on the unprotected connections is nginx's business, not ours.
+    assert_eq!(env.client_rsts() - rsts_plain, 0, "{NAME}: RSTs reached the protected client ({rsts_plain} on the unprotected run)");
 }

@@ -297,6 +297,10 @@ struct Fenced {
     p: QueuedPacket,
 }
 
+/// The agent's queue rules let packets with this mark pass (`-m mark --mark ... -j RETURN`):
+/// the ACKs the engine builds ([`Engine::take_injected`]) are sent with it.
+const INJECT_MARK: u32 = 0x7562;
+
 struct GateWait {
     key: Key,
     id: u32,
@@ -365,10 +369,14 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
-    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, 0x7562);
+    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, INJECT_MARK);
     spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
     spec.services = cfg.services.iter().map(|s| Service::tcp(s.ip(), s.port())).collect();
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
+    // Without it a kept-alive client may wait for its retransmission timer between requests
+    // (see the engine's docs), but it is served correctly.
+    let inject = unbroken_drivers::rawsend::RawSender::new(INJECT_MARK).map_err(|e| eprintln!("agent: raw socket for injected ACKs: {e}")).ok();
+    let mut inject_errors = 0u64;
 
     let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()), dirty: AtomicBool::new(false) });
     let wake = Arc::new(Wake::new().map_err(|e| format!("agent: eventfd: {e}"))?);
@@ -699,6 +707,27 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         }
         if let Err(e) = queue.flush() {
             eprintln!("agent: verdict flush: {e}");
+        }
+        // After the verdicts: an injected ACK never overtakes the segments released with it.
+        while let Some(pkt) = engine.take_injected() {
+            // The fence holds for injected ACKs too: only under a lease on the bucket.
+            if let Some(lease) = &lease {
+                let b = Trigger::parse(&pkt).and_then(|(k, _)| buckets.get(&Key { client: k.service, service: k.client }).copied().flatten());
+                let may = lease_ok && match (lease, b) {
+                    (Some(v), Some(b)) => v.owns(b),
+                    _ => true,
+                };
+                if !may {
+                    shared.count(|c| c.fenced_dropped += 1);
+                    continue;
+                }
+            }
+            if let Some(Err(e)) = inject.as_ref().map(|r| r.send(&pkt)) {
+                inject_errors += 1;
+                if inject_errors.is_power_of_two() {
+                    eprintln!("agent: injecting an ACK ({inject_errors} failures): {e}");
+                }
+            }
         }
     };
     STOP.store(true, Ordering::SeqCst);

@@ -12,6 +12,7 @@
 //! | server ACK of the request | drop | pure ACKs beyond the stored hold are dropped |
 //! | Resp₁ | extract objectISN; block until objectID/objectISN are durably stored; do not ack the request | the response header is parsed (it may span segments); every response segment is held until the record naming it is stored |
 //! | Resp₂… | do not ack the client's request | ACK fields are lowered to the stored hold, SACK blocks above it removed |
+//! | client ACK of the whole response | (the paper has one request per connection) | the hold moves past the request once stored; a pure ACK tells the client at once ([`Engine::take_injected`]) |
 //! | server FIN, client FIN/ACK | delete objectID/objectISN, delete local state | [`Action::Delete`] (off the critical path) |
 //!
 //! Beyond the paper's assumptions (its section 3.3), the engine keeps a *list* of responses per
@@ -21,6 +22,15 @@
 //! mark refreshed every [`Config::progress_step`] bytes so a 32-bit ACK can be placed), and
 //! stops protecting a connection — visibly, with a counter — when a response cannot be
 //! resumed byte-exactly (chunked, close-delimited, multipart).
+//!
+//! On a kept-alive connection the client must learn promptly that a request is acknowledged
+//! once the hold has moved past it: the server acknowledged it long ago, but that ACK was
+//! dropped or lowered. Otherwise a client whose retransmission timer fired during a long
+//! response (it stays in loss recovery with a congestion window of one), or one whose next
+//! small request Nagle's algorithm keeps back, cannot send its next request until its backed-off
+//! timer retransmits the old one. So when a stored hold lets the client know more than any
+//! packet has told it, and no server packet waits to carry the news, the engine hands its
+//! driver a pure ACK to inject, built like the server's own (its latest window and timestamps).
 //!
 //! Recovery (section 3.2, cases ① to ④) is planned by [`plan_recovery`] from the stored
 //! [`Record`] and the client packet that reached a server without the connection; the agent
@@ -503,6 +513,9 @@ pub struct Counters {
     pub muted_dropped: u64,
     /// Server segments dropped because an earlier one never reached the engine.
     pub server_gaps: u64,
+    /// Pure ACKs the engine built to tell a client that the hold moved past its request
+    /// ([`Engine::take_injected`]).
+    pub acks_injected: u64,
 }
 
 /// What the engine asks its driver to do.
@@ -589,6 +602,15 @@ struct Conn {
     /// the last stored progress mark, or a new server could place the client's 32-bit ACK
     /// in the wrong 4 GiB of a large object.
     stale_record: bool,
+    // what the client was told
+    /// Client stream offset the server acknowledged (its highest ACK field seen).
+    srv_ack: u64,
+    /// Client stream offset the highest ACK that left for the client acknowledged.
+    told: u64,
+    /// Window field and timestamps of the server's latest segment: an injected ACK carries
+    /// them, as the server's own next ACK would.
+    last_window: u16,
+    last_ts: Option<(u32, u32)>,
 }
 
 struct InFlight {
@@ -618,6 +640,7 @@ pub struct Engine {
     actions: VecDeque<Action>,
     released: VecDeque<(u64, Vec<u8>, bool)>,
     dropped: VecDeque<u64>,
+    injected: VecDeque<Vec<u8>>,
     tomb_retry: Vec<Key>,
     last_unprotect_reason: &'static str,
     pub counters: Counters,
@@ -631,6 +654,8 @@ struct Seg<'a> {
     payload: &'a [u8],
     /// Where the payload starts in the packet.
     payload_at: usize,
+    window: u16,
+    ts: Option<(u32, u32)>,
 }
 
 fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
@@ -645,6 +670,10 @@ fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
         Dir::ToClient => (SocketAddr::new(ip.dst, t.dst_port()), SocketAddr::new(ip.src, t.src_port())),
     };
     let hl = t.header_len();
+    let ts = t.options_iter().flatten().find_map(|o| match o {
+        TcpOption::Timestamp { tsval, tsecr } => Some((tsval, tsecr)),
+        _ => None,
+    });
     Some(Seg {
         key: Key { client: c, service: s },
         seq: t.seq().0,
@@ -652,6 +681,8 @@ fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
         flags: t.flags(),
         payload: &seg[hl..],
         payload_at: ip.l4_offset + hl,
+        window: t.window(),
+        ts,
     })
 }
 
@@ -707,6 +738,18 @@ fn limit_ack(pkt: &mut [u8], limit: Seq, counters: &mut Counters) -> bool {
     modified
 }
 
+/// A complete IP packet with the TCP header `r` and no payload, checksums filled in.
+fn build_packet(src: IpAddr, dst: IpAddr, r: &tcp::Repr) -> Option<Vec<u8>> {
+    use unbroken_wire::ip;
+    let tl = r.header_len();
+    let mut buf = vec![0u8; 40 + tl];
+    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).ok()?;
+    r.emit(&mut buf[hl..]).ok()?;
+    tcp::Packet::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+    buf.truncate(hl + tl);
+    Some(buf)
+}
+
 impl Engine {
     pub fn new(cfg: Config) -> Engine {
         Engine {
@@ -718,6 +761,7 @@ impl Engine {
             actions: VecDeque::new(),
             released: VecDeque::new(),
             dropped: VecDeque::new(),
+            injected: VecDeque::new(),
             tomb_retry: Vec::new(),
             last_unprotect_reason: "",
             counters: Counters::default(),
@@ -754,6 +798,14 @@ impl Engine {
     /// Next held packet now released: (id, bytes, modified).
     pub fn take_released(&mut self) -> Option<(u64, Vec<u8>, bool)> {
         self.released.pop_front()
+    }
+
+    /// Next packet the engine itself sends to a client: a complete IP packet (a pure ACK
+    /// telling the client that the hold moved past its request) for the driver to inject
+    /// toward the client, after the verdicts it already has. Only [`Engine::store_done`]
+    /// produces them.
+    pub fn take_injected(&mut self) -> Option<Vec<u8>> {
+        self.injected.pop_front()
     }
 
     fn token(&mut self, key: Key) -> u64 {
@@ -817,6 +869,12 @@ impl Engine {
                     self.counters.muted_dropped += 1;
                     return Verdict::Drop;
                 }
+                c.last_window = seg.window;
+                c.last_ts = seg.ts;
+                let ack_off = (fl & flags::ACK != 0).then(|| unwrap_near(ack.wrapping_sub(c.hs.irs.wrapping_add(1)), c.cli_next));
+                if let Some(a) = ack_off {
+                    c.srv_ack = c.srv_ack.max(a.min(c.cli_next));
+                }
                 if fl & flags::RST != 0 {
                     self.forget(key, true);
                     return Verdict::Accept { modified: false };
@@ -837,12 +895,16 @@ impl Engine {
                     // Still under its ACK limit (until its tombstone is stored, or for good
                     // when the store failed): the client keeps its request, so a server death
                     // reaches the client as a visible RST rather than silence.
-                    let Some(l) = c.ack_limit else { return Verdict::Accept { modified: false } };
+                    let Some(l) = c.ack_limit else {
+                        c.told = c.told.max(ack_off.unwrap_or(0));
+                        return Verdict::Accept { modified: false };
+                    };
                     let limit = Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32));
                     if payload_len == 0 && fl & (flags::FIN | flags::SYN) == 0 && Seq(ack).gt(limit) {
                         self.counters.pure_acks_dropped += 1;
                         return Verdict::Drop;
                     }
+                    c.told = c.told.max(ack_off.unwrap_or(0).min(l));
                     let modified = limit_ack(pkt, limit, &mut self.counters);
                     return Verdict::Accept { modified };
                 }
@@ -1108,6 +1170,10 @@ impl Engine {
                 verdict = Verdict::Accept { modified: true };
             }
         }
+        if verdict != Verdict::Drop && fl & flags::ACK != 0 {
+            let a = unwrap_near(_ack.wrapping_sub(c.hs.irs.wrapping_add(1)), c.cli_next);
+            c.told = c.told.max(c.ack_limit.map_or(a, |l| a.min(l)));
+        }
         if stores {
             self.maybe_store(key);
         }
@@ -1169,6 +1235,7 @@ impl Engine {
                 c.ack_limit = None;
                 c.stale_record = false;
                 self.release_all(key);
+                self.announce_hold(key);
             } else if c.stale_record {
                 self.tomb_retry.push(key);
             }
@@ -1202,6 +1269,7 @@ impl Engine {
                     continue;
                 }
                 let modified = limit.is_some_and(|l| limit_ack(&mut h.bytes, l, &mut self.counters));
+                c.note_told(&h.bytes);
                 self.counters.released += 1;
                 self.released.push_back((h.id, h.bytes, modified));
             }
@@ -1215,7 +1283,41 @@ impl Engine {
             c.ack_limit = Some(f.hold_off.max(c.ack_limit.unwrap_or(0)));
         }
         self.release_ready(key);
+        self.announce_hold(key);
         self.maybe_store(key);
+    }
+
+    /// The ACK limit rose (a stored hold, or a lifted limit): when the server acknowledged
+    /// more than any packet has told the client, and no held server packet waits to carry the
+    /// news, build the pure ACK the server's TCP would send (see the module docs: without it
+    /// the client may wait for its retransmission timer before its next request).
+    fn announce_hold(&mut self, key: Key) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if c.muted || c.closed_at.is_some() || !c.held.is_empty() {
+            return;
+        }
+        let target = c.ack_limit.map_or(c.srv_ack, |l| c.srv_ack.min(l));
+        if target <= c.told {
+            return;
+        }
+        // The server's send edge as the client sees it: everything seen left (nothing is
+        // held), and its FIN takes one sequence number.
+        let fin = (c.srv_fin == Some(c.sent_next)) as u32;
+        let hs = c.hs;
+        let r = tcp::Repr {
+            src_port: key.service.port(),
+            dst_port: key.client.port(),
+            seq: Seq(hs.iss.wrapping_add(1).wrapping_add(c.sent_next as u32).wrapping_add(fin)),
+            ack: Seq(hs.irs.wrapping_add(1).wrapping_add(target as u32)),
+            flags: flags::ACK,
+            window: c.last_window,
+            timestamp: if hs.timestamps { c.last_ts } else { None },
+            ..Default::default()
+        };
+        let Some(pkt) = build_packet(key.service.ip(), key.client.ip(), &r) else { return };
+        c.told = target;
+        self.counters.acks_injected += 1;
+        self.injected.push_back(pkt);
     }
 
     fn release_ready(&mut self, key: Key) {
@@ -1224,6 +1326,7 @@ impl Engine {
         while c.held.front().is_some_and(|h| h.need <= c.stored_gen) {
             let mut h = c.held.pop_front().unwrap();
             let modified = limit.is_some_and(|l| limit_ack(&mut h.bytes, l, &mut self.counters));
+            c.note_told(&h.bytes);
             self.counters.released += 1;
             self.released.push_back((h.id, h.bytes, modified));
         }
@@ -1234,6 +1337,7 @@ impl Engine {
         let limit = c.ack_limit.map(|l| Seq(c.hs.irs.wrapping_add(1).wrapping_add(l as u32)));
         while let Some(mut h) = c.held.pop_front() {
             let modified = limit.is_some_and(|l| limit_ack(&mut h.bytes, l, &mut self.counters));
+            c.note_told(&h.bytes);
             self.counters.released += 1;
             self.released.push_back((h.id, h.bytes, modified));
         }
@@ -1373,6 +1477,9 @@ impl Engine {
         c.stored_gen = 1;
         c.progress_stored = rec.sent_off;
         c.progress_asked = rec.sent_off;
+        // The client may know of everything up to the stored hold, never more.
+        c.told = rec.hold_off;
+        c.srv_ack = rec.hold_off;
         self.counters.adopted += 1;
         self.counters.connections += 1;
         self.syns.remove(&key);
@@ -1406,6 +1513,19 @@ impl Conn {
             held: VecDeque::new(),
             deleting: None,
             stale_record: false,
+            srv_ack: 0,
+            told: 0,
+            last_window: 0,
+            last_ts: None,
+        }
+    }
+
+    /// A server packet left for the client: what its ACK field told the client.
+    fn note_told(&mut self, pkt: &[u8]) {
+        let Some(seg) = parse_seg(pkt, Dir::ToClient) else { return };
+        if seg.flags & flags::ACK != 0 {
+            let a = unwrap_near(seg.ack.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
+            self.told = self.told.max(a);
         }
     }
 

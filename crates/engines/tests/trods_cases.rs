@@ -624,3 +624,208 @@ fn a_failed_store_never_lets_a_stale_record_turn_ambiguous() {
     p[info.l4_offset + 4..info.l4_offset + 8].copy_from_slice(&ss(off as u32).to_be_bytes());
     assert!(matches!(t.e.packet(2, &mut p, Dir::ToClient, 3), Verdict::Accept { .. }));
 }
+
+// ---- kept-alive connections: the client learns at once that its request is acknowledged ------
+//
+// Issue 8 item 5: with no fault present, the next request on a kept-alive connection waited
+// 200 ms to seconds. The server's ACK of a request is dropped (or lowered) until the client
+// has received the whole response and the moved hold is stored; nothing told the client
+// afterwards. A client whose retransmission timer fired during a long response (loss
+// recovery, congestion window one), or whose small next request Nagle keeps back, then waits
+// for its backed-off timer to retransmit the old request. The engine now injects the pure ACK
+// the server's TCP would have sent.
+
+const REQ2: &[u8] = b"GET /two HTTP/1.1\r\nHost: s\r\nRange: bytes=10-19\r\n\r\n";
+const HDR2: &[u8] = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 10-19/3000\r\n\r\n";
+
+impl T {
+    fn injected(&mut self) -> Vec<Vec<u8>> {
+        let mut v = vec![];
+        while let Some(p) = self.e.take_injected() {
+            v.push(p);
+        }
+        v
+    }
+    /// A server segment with its own window and timestamps.
+    fn s_with(&mut self, seq: u32, ack: u32, fl: u8, window: u16, ts: (u32, u32), sack: Option<(u32, u32)>, pl: &[u8]) -> (Verdict, Vec<u8>) {
+        let mut r = Repr { src_port: 80, dst_port: 40000, seq: Seq(seq), ack: Seq(ack), flags: fl, window, timestamp: Some(ts), ..Default::default() };
+        if let Some((a, b)) = sack {
+            r.sack[0] = (Seq(a), Seq(b));
+            r.sack_len = 1;
+        }
+        self.send(Dir::ToClient, build(s_ip(), c_ip(), r, pl))
+    }
+}
+
+/// Checks an injected packet: S -> C, a pure ACK with valid checksums, no SACK.
+fn injected_ack(p: &[u8]) -> Repr {
+    let info = IpInfo::parse(p).unwrap();
+    assert_eq!((info.src, info.dst), (s_ip(), c_ip()));
+    assert_eq!(info.l4_len, p.len() - info.l4_offset);
+    let r = repr(p);
+    let t = Tcp::new_checked(&p[info.l4_offset..]).unwrap();
+    assert!(t.payload().is_empty(), "a pure ACK");
+    assert_eq!((r.src_port, r.dst_port, r.flags, r.sack_len), (80, 40000, F::ACK, 0));
+    r
+}
+
+/// Request 1, the server's ACK of it (dropped), response 1 (held, stored, released): returns
+/// the response's length.
+fn first_exchange(t: &mut T) -> u32 {
+    t.handshake();
+    t.store_all();
+    let l1 = REQ.len() as u32;
+    assert_eq!(t.c(cs(0), ss(0), F::ACK | F::PSH, REQ), Verdict::Accept { modified: false });
+    assert_eq!(t.s(ss(0), cs(l1), F::ACK, b"").0, Verdict::Drop);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    assert_eq!(t.s(ss(0), cs(l1), F::ACK | F::PSH, &p1).0, Verdict::Held);
+    t.store_all();
+    let rel = t.released();
+    assert_eq!(rel.len(), 1);
+    assert_eq!(repr(&rel[0].1).ack, Seq(cs(0)), "the request stays unacknowledged during its response");
+    assert!(t.injected().is_empty(), "nothing to tell while the response is not received");
+    p1.len() as u32
+}
+
+/// The client's timer fired during the response (it retransmitted the request; the server's
+/// duplicate ACK with a D-SACK was dropped). Once it acknowledges the whole response, and the
+/// hold is stored, an ACK of the request reaches it with no further server packet: its next
+/// request is not kept waiting for another retransmission.
+#[test]
+fn keepalive_request_acknowledged_once_its_response_is_received() {
+    let mut t = T::new();
+    let end = first_exchange(&mut t);
+    let (l1, l2) = (REQ.len() as u32, REQ2.len() as u32);
+    // The client's retransmission of request 1, and the server's duplicate ACK (D-SACK).
+    assert!(matches!(t.c(cs(0), ss(end), F::ACK | F::PSH, REQ), Verdict::Accept { .. }));
+    let (v, _) = t.s_with(ss(end), cs(l1), F::ACK, 1001, (100, 78), Some((cs(0), cs(l1))), b"");
+    assert_eq!(v, Verdict::Drop);
+    // The client has the whole response: a pure ACK (its next request waits in its TCP).
+    assert_eq!(t.c(cs(l1), ss(end), F::ACK, b""), Verdict::Accept { modified: false });
+    let stored = t.store_all();
+    assert_eq!(Record::decode(stored.last().unwrap()).unwrap().hold_off, l1 as u64);
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1, "the client is told its request is acknowledged");
+    let r = injected_ack(&inj[0]);
+    assert_eq!((r.seq, r.ack), (Seq(ss(end)), Seq(cs(l1))));
+    assert_eq!((r.window, r.timestamp), (1001, Some((100, 78))), "the server's latest window and timestamps");
+    assert_eq!(t.e.counters.acks_injected, 1);
+    // Request 2: its own ACK is dropped again, its response goes out acknowledging request 1
+    // only, and nothing more is injected until the client has received it.
+    assert_eq!(t.c(cs(l1), ss(end), F::ACK | F::PSH, REQ2), Verdict::Accept { modified: false });
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK, b"").0, Verdict::Drop);
+    t.store_all();
+    assert!(t.injected().is_empty(), "request 2 stays unacknowledged");
+    let mut p2 = HDR2.to_vec();
+    p2.extend(body(10, 2));
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK | F::PSH, &p2).0, Verdict::Held);
+    t.store_all();
+    let rel = t.released();
+    assert_eq!(rel.len(), 1);
+    assert_eq!(repr(&rel[0].1).ack, Seq(cs(l1)));
+    assert!(t.injected().is_empty(), "the response told the client what there was to tell");
+    let end2 = end + p2.len() as u32;
+    t.c(cs(l1 + l2), ss(end2), F::ACK, b"");
+    t.store_all();
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1);
+    let r = injected_ack(&inj[0]);
+    assert_eq!((r.seq, r.ack), (Seq(ss(end2)), Seq(cs(l1 + l2))));
+    assert_eq!(t.e.counters.unprotected, 0);
+}
+
+/// A client that sends its next request with its ACK of the response (TCP_NODELAY, as
+/// python's http.client): request 1 is acknowledged as soon as the hold is stored, request 2
+/// is not, although the server acknowledged both.
+#[test]
+fn keepalive_next_request_piggybacked_on_the_ack_of_the_response() {
+    let mut t = T::new();
+    let end = first_exchange(&mut t);
+    let (l1, l2) = (REQ.len() as u32, REQ2.len() as u32);
+    assert_eq!(t.c(cs(l1), ss(end), F::ACK | F::PSH, REQ2), Verdict::Accept { modified: false });
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK, b"").0, Verdict::Drop, "request 2 stays unacknowledged");
+    t.store_all();
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1);
+    let r = injected_ack(&inj[0]);
+    assert_eq!(r.ack, Seq(cs(l1)), "request 1 only");
+    assert_eq!(r.seq, Seq(ss(end)));
+    let mut p2 = HDR2.to_vec();
+    p2.extend(body(10, 2));
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK | F::PSH, &p2).0, Verdict::Held);
+    t.store_all();
+    assert_eq!(repr(&t.released()[0].1).ack, Seq(cs(l1)));
+    assert!(t.injected().is_empty(), "told once");
+}
+
+/// Two pipelined requests in one segment, both responses in one segment: once the client has
+/// both, one ACK acknowledges both requests.
+#[test]
+fn keepalive_pipelined_requests_acknowledged_together() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let (l1, l2) = (REQ.len() as u32, REQ2.len() as u32);
+    let mut both = REQ.to_vec();
+    both.extend_from_slice(REQ2);
+    t.c(cs(0), ss(0), F::ACK | F::PSH, &both);
+    assert_eq!(t.s(ss(0), cs(l1 + l2), F::ACK, b"").0, Verdict::Drop);
+    let mut p = HDR.to_vec();
+    p.extend(body(3000, 1));
+    p.extend_from_slice(HDR2);
+    p.extend(body(10, 2));
+    assert_eq!(t.s(ss(0), cs(l1 + l2), F::ACK | F::PSH, &p).0, Verdict::Held);
+    t.store_all();
+    assert_eq!(repr(&t.released()[0].1).ack, Seq(cs(0)));
+    assert!(t.injected().is_empty());
+    let end = p.len() as u32;
+    t.c(cs(l1 + l2), ss(end), F::ACK, b"");
+    t.store_all();
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1);
+    let r = injected_ack(&inj[0]);
+    assert_eq!((r.seq, r.ack), (Seq(ss(end)), Seq(cs(l1 + l2))));
+}
+
+/// When a held server segment goes out with the new hold, it carries the news: nothing is
+/// injected. Response 2's header arrives while the store that moves the hold is in flight.
+#[test]
+fn keepalive_no_injection_when_a_released_segment_carries_the_ack() {
+    let mut t = T::new();
+    let end = first_exchange(&mut t);
+    let (l1, l2) = (REQ.len() as u32, REQ2.len() as u32);
+    t.c(cs(l1), ss(end), F::ACK | F::PSH, REQ2); // store of hold l1 issued
+    let mut p2 = HDR2.to_vec();
+    p2.extend(body(10, 2));
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK | F::PSH, &p2).0, Verdict::Held);
+    t.store_all();
+    let rel = t.released();
+    assert_eq!(rel.len(), 1);
+    assert_eq!(repr(&rel[0].1).ack, Seq(cs(l1)));
+    assert!(t.injected().is_empty());
+    assert_eq!(t.e.counters.acks_injected, 0);
+}
+
+/// The server closed after the response (keep-alive timeout, or Connection: close): the
+/// injected ACK's sequence number is past the FIN.
+#[test]
+fn keepalive_injected_ack_after_the_server_fin() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let l1 = REQ.len() as u32;
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    assert_eq!(t.s(ss(0), cs(l1), F::ACK | F::PSH | F::FIN, &p1).0, Verdict::Held);
+    t.store_all();
+    t.released();
+    let end = p1.len() as u32;
+    t.c(cs(l1), ss(end + 1), F::ACK, b"");
+    t.store_all();
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1);
+    let r = injected_ack(&inj[0]);
+    assert_eq!((r.seq, r.ack), (Seq(ss(end + 1)), Seq(cs(l1))));
+}

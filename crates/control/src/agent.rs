@@ -240,6 +240,11 @@ pub struct AgentCounters {
     pub probes_sent: u64,
     /// Connections silenced because the LB gave their bucket to another server.
     pub muted: u64,
+    /// Rebuilt connections rebuilt again because the client acknowledged bytes another server
+    /// sent after this one planned (a stand-in that had not stopped yet).
+    pub superseded: u64,
+    /// Workers of rebuilt sockets stopped because their connection was muted or superseded.
+    pub workers_stopped: u64,
     /// Trigger packet to rebuilt socket, microseconds.
     pub failover_us_last: u64,
     pub failover_us_max: u64,
@@ -283,6 +288,9 @@ enum Msg {
     Refuse { key: Key, why: String },
 }
 
+/// Packets with this mark skip the agent's queue (its own probes).
+const AGENT_MARK: u32 = 0x7562;
+
 /// How long a packet refused by the failover gate waits for the LB's news (ms).
 const GATE_WAIT_MS: u64 = 100;
 
@@ -299,7 +307,7 @@ struct Fenced {
 
 /// The agent's queue rules let packets with this mark pass (`-m mark --mark ... -j RETURN`):
 /// the ACKs the engine builds ([`Engine::take_injected`]) are sent with it.
-const INJECT_MARK: u32 = 0x7562;
+const INJECT_MARK: u32 = AGENT_MARK;
 
 struct GateWait {
     key: Key,
@@ -369,7 +377,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
-    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, INJECT_MARK);
+    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, AGENT_MARK);
     spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
     spec.services = cfg.services.iter().map(|s| Service::tcp(s.ip(), s.port())).collect();
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
@@ -401,6 +409,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let mut probed_epoch = 0u32;
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
+        next_gen: std::sync::atomic::AtomicU64::new(1),
         store_cfg: cfg.store_config(),
         backend: cfg.backend,
         tx: tx.clone(),
@@ -409,7 +418,6 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     });
     let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
     let mut gate_wait: Vec<GateWait> = Vec::new();
-    let mut not_owned: HashMap<Key, u64> = HashMap::new();
     let mut last_owner_check = 0u64;
     let mut fenced: Vec<Fenced> = Vec::new();
     // The packet loop is the data path and its progress is what the heartbeats vouch for
@@ -424,6 +432,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         eprintln!("agent: the packet loop runs without SCHED_FIFO (not permitted): under CPU load its heartbeats may stop and the LB may move this server's buckets");
     }
     shared.count(|c| c.loop_realtime = loop_realtime);
+    let mut owner_epoch = 0u32;
     let res: Result<(), String> = loop {
         if STOP.load(Ordering::SeqCst) {
             break Ok(());
@@ -530,6 +539,13 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     }
                     Verdict::Unknown => {
                         let k = key.expect("unknown packets parse");
+                        if silence_adopted(&ctx, &k) {
+                            // The engine found the client acknowledging bytes this server's
+                            // rebuilt socket never sent (another server sent them after the
+                            // plan): stop that socket; this packet rebuilds it from its ACK.
+                            eprintln!("agent: {} acknowledged bytes not sent from here: rebuilding from its ACK", k.client);
+                            shared.count(|c| c.superseded += 1);
+                        }
                         gate_wait.push(GateWait { key: k, id: p.id, data: std::mem::take(&mut p.data), bucket, since: now });
                     }
                 }
@@ -652,36 +668,25 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         }
         // Connections whose bucket the LB gave to another server while this one lives (it
         // came back, or a failure was falsely detected): the new owner speaks for them now.
-        if now.saturating_sub(last_owner_check) >= 100 {
+        // They are silenced as soon as a fresh view shows it (checked at every new table epoch,
+        // and every 100 ms): the client's packets already go to the new owner, and every byte
+        // sent from here after that point would only race the new owner's rebuild.
+        let view = hb.as_ref().and_then(|h| h.view()).filter(|v| v.received_at.elapsed() < Duration::from_millis(100));
+        if view.as_ref().is_some_and(|v| v.epoch != owner_epoch) || now.saturating_sub(last_owner_check) >= 100 {
             last_owner_check = now;
-            if let Some(v) = hb.as_ref().and_then(|h| h.view()).filter(|v| v.received_at.elapsed() < Duration::from_millis(100)) {
-                let mut still = HashMap::new();
+            if let Some(v) = view {
+                owner_epoch = v.epoch;
                 for (k, b) in buckets.iter() {
                     if let Some(b) = *b {
-                        if !v.owns(b) && engine.knows(k) {
-                            let since = *not_owned.get(k).unwrap_or(&now);
-                            if now.saturating_sub(since) >= 100 {
-                                if engine.mute(*k) {
-                                    // A socket this agent rebuilt: stop its worker. Whatever
-                                    // the socket still sends is dropped (muted).
-                                    // Repair mode first: its close is then silent and frees
-                                    // the address pair at once (tcp_close in repair mode).
-                                    if let Some(fd) = ctx.adopted.lock().unwrap().get(k) {
-                                        if let Err(e) = repair::enter_repair(fd.as_raw_fd()) {
-                                            eprintln!("agent: muting {}: {e}", k.client);
-                                        }
-                                        unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
-                                    }
-                                    eprintln!("agent: {} moved to another server (bucket {b}): muted", k.client);
-                                    shared.count(|c| c.muted += 1);
-                                }
-                            } else {
-                                still.insert(*k, since);
-                            }
+                        if !v.owns(b) && engine.knows(k) && engine.mute(*k) {
+                            // A socket this agent rebuilt: stop its worker (whatever the socket
+                            // still sends is dropped: muted).
+                            silence_adopted(&ctx, k);
+                            eprintln!("agent: {} moved to another server (bucket {b}): muted", k.client);
+                            shared.count(|c| c.muted += 1);
                         }
                     }
                 }
-                not_owned = still;
             }
             flush_released(&mut engine, &mut queue, &mut csum);
         }
@@ -807,8 +812,10 @@ fn status_loop(
 // ---- failover -----------------------------------------------------------------------------------
 
 struct WorkerCtx {
-    /// Rebuilt sockets being served, so a muted connection's worker can be stopped.
-    adopted: Mutex<HashMap<Key, std::os::fd::OwnedFd>>,
+    /// Rebuilt sockets being served (with the generation of their worker), so a muted or
+    /// superseded connection's worker can be stopped.
+    adopted: Mutex<HashMap<Key, (u64, std::os::fd::OwnedFd)>>,
+    next_gen: std::sync::atomic::AtomicU64,
     store_cfg: StoreConfig,
     backend: SocketAddr,
     tx: Sender<Msg>,
@@ -908,11 +915,35 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
         let _ = repair::close_silently(sock);
         return;
     }
+    let gen = ctx.next_gen.fetch_add(1, Ordering::Relaxed);
     if let Ok(dup) = sock.try_clone() {
-        ctx.adopted.lock().unwrap().insert(key, dup.into());
+        ctx.adopted.lock().unwrap().insert(key, (gen, dup.into()));
     }
-    serve_recovered(&ctx, sock, &rec, &plan);
-    ctx.adopted.lock().unwrap().remove(&key);
+    serve_recovered(&ctx, sock, &rec, &plan, key, gen);
+    // Only this worker's entry: a silenced socket's entry is gone already, and a new failover
+    // of the same connection may have put its own there.
+    let mut adopted = ctx.adopted.lock().unwrap();
+    if adopted.get(&key).is_some_and(|(g, _)| *g == gen) {
+        adopted.remove(&key);
+    }
+}
+
+/// Stops the worker of a socket this agent rebuilt for `key`, if any: repair mode first, so
+/// nothing it still does reaches the wire and its close is silent and frees the address pair
+/// at once (tcp_close in repair mode); then shutdown, which wakes the worker (EPIPE, EOF) and
+/// makes it close the socket. Returns whether there was one.
+fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
+    let Some((_, fd)) = ctx.adopted.lock().unwrap().remove(key) else { return false };
+    if let Err(e) = repair::enter_repair(fd.as_raw_fd()) {
+        eprintln!("agent: silencing {}: {e}", key.client);
+    }
+    unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+    true
+}
+
+/// Whether the worker of generation `gen` still serves `key` (it was not silenced).
+fn still_adopted(ctx: &WorkerCtx, key: &Key, gen: u64) -> bool {
+    ctx.adopted.lock().unwrap().get(key).is_some_and(|(g, _)| *g == gen)
 }
 
 /// Destroys the local TCP socket of `key` (`ss -K`, SOCK_DESTROY).
@@ -934,7 +965,7 @@ fn bracket(ip: std::net::IpAddr) -> String {
 }
 
 /// Resume the interrupted responses, then relay further requests to the local server.
-fn serve_recovered(ctx: &WorkerCtx, mut sock: TcpStream, rec: &Record, plan: &Plan) {
+fn serve_recovered(ctx: &WorkerCtx, mut sock: TcpStream, rec: &Record, plan: &Plan, key: Key, gen: u64) {
     let _ = sock.set_nodelay(true);
     if plan.refin {
         let _ = sock.shutdown(std::net::Shutdown::Write);
@@ -949,6 +980,14 @@ fn serve_recovered(ctx: &WorkerCtx, mut sock: TcpStream, rec: &Record, plan: &Pl
             Err(ResumeError::Mismatch(why)) => {
                 eprintln!("agent: resume refused: {why}");
                 ctx.shared.count(|c| c.resume_mismatch += 1);
+                reset(sock);
+                return;
+            }
+            Err(ResumeError::Io(_)) if !still_adopted(ctx, &key, gen) => {
+                // Silenced (muted or superseded): the socket is in repair mode, its close is
+                // silent; another server serves the client now.
+                eprintln!("agent: {}: stopped resuming (the connection is served elsewhere now)", key.client);
+                ctx.shared.count(|c| c.workers_stopped += 1);
                 reset(sock);
                 return;
             }
@@ -1150,7 +1189,10 @@ fn relay(ctx: &WorkerCtx, client: TcpStream, mut skip: u64) {
 /// ACK (RFC 9293 section 3.10.7.4), which reaches this server and starts the failover at once.
 fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
     let Ok(mut store) = Store::connect(&ctx.store_cfg) else { return };
-    let raw = match unbroken_drivers::rawsend::RawSender::new(0) {
+    // Marked to skip this agent's own queue: a probe is not the server's TCP speaking, and a
+    // muted entry of the connection (left from when its bucket went to another server) would
+    // drop it.
+    let raw = match unbroken_drivers::rawsend::RawSender::new(AGENT_MARK) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("agent: probe: raw socket: {e}");

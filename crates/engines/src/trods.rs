@@ -511,6 +511,10 @@ pub struct Counters {
     pub expired: u64,
     pub muted: u64,
     pub muted_dropped: u64,
+    /// Adopted connections whose client acknowledged bytes this server never sent: another
+    /// server (the stand-in it took the connection back from) sent them after the plan. The
+    /// connection is silenced here and the packet starts a new failover from that ACK.
+    pub superseded: u64,
     /// Server segments dropped because an earlier one never reached the engine.
     pub server_gaps: u64,
     /// Pure ACKs the engine built to tell a client that the hold moved past its request
@@ -570,6 +574,8 @@ struct Conn {
     /// The LB moved this connection's bucket to another server while this one lives: its
     /// packets to the client are dropped, and its record is the new owner's business.
     muted: bool,
+    /// Rebuilt here by a failover ([`Engine::adopt`]).
+    adopted: bool,
     last_seen: u64,
     // client stream
     cli_next: u64,
@@ -844,6 +850,17 @@ impl Engine {
                     self.counters.unknown_from_client += 1;
                     return Verdict::Unknown;
                 }
+                if fl & flags::ACK != 0 && fl & flags::RST == 0 && self.conns.get(&key).is_some_and(|c| c.acks_unsent(seq, ack)) {
+                    // The client acknowledged bytes this rebuilt socket never sent: another
+                    // server sent them after this server planned its resume point (a stand-in
+                    // still sending when its bucket came home). The kernel would discard this
+                    // ACK (RFC 9293: it acknowledges unsent data) and every later one, and the
+                    // socket would retransmit forever: silence it and rebuild from this ACK.
+                    self.silence(key);
+                    self.counters.superseded += 1;
+                    self.counters.unknown_from_client += 1;
+                    return Verdict::Unknown;
+                }
                 if !self.conns.contains_key(&key) {
                     if fl & flags::RST != 0 || self.syns.contains_key(&key) {
                         return Verdict::Accept { modified: false };
@@ -993,10 +1010,10 @@ impl Engine {
         // What the client acknowledged: prune fully received responses.
         if fl & flags::ACK != 0 {
             let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
-            // After a failover the client may acknowledge bytes the old server sent and the
-            // rebuilt socket has not yet resent (they sat in the client's out-of-order queue).
-            if a > c.client_acked && a <= c.sent_next.max(c.srv_next) + 1 {
-                c.sent_next = c.sent_next.max(a.min(c.srv_next));
+            // Never past what this server sent (one more: its FIN). A plausible ACK past it on
+            // an adopted connection rebuilds the connection from that ACK (`acks_unsent`);
+            // an implausible one is ignored, as the kernel ignores it.
+            if a > c.client_acked && a <= c.sent_next + 1 {
                 c.client_acked = a;
                 let before = c.entries.len();
                 while c.entries.front().is_some_and(|e| e.end_off() <= a) {
@@ -1426,6 +1443,16 @@ impl Engine {
     /// dropped from now on; no store operation is issued for it again (the new owner has
     /// adopted the record). Returns whether the connection was known and not muted yet.
     pub fn mute(&mut self, key: Key) -> bool {
+        let muted = self.silence(key);
+        if muted {
+            self.counters.muted += 1;
+        }
+        muted
+    }
+
+    /// Drops the connection's held and future packets to the client and stops its store
+    /// operations (see [`Engine::mute`]). Returns whether it was known and not silent yet.
+    fn silence(&mut self, key: Key) -> bool {
         let Some(c) = self.conns.get_mut(&key) else { return false };
         if c.muted {
             return false;
@@ -1433,7 +1460,6 @@ impl Engine {
         c.muted = true;
         c.in_flight = None;
         c.deleting = None;
-        self.counters.muted += 1;
         while let Some(h) = c.held.pop_front() {
             self.dropped.push_back(h.id);
         }
@@ -1480,6 +1506,7 @@ impl Engine {
         // The client may know of everything up to the stored hold, never more.
         c.told = rec.hold_off;
         c.srv_ack = rec.hold_off;
+        c.adopted = true;
         self.counters.adopted += 1;
         self.counters.connections += 1;
         self.syns.remove(&key);
@@ -1494,6 +1521,7 @@ impl Conn {
             protected: true,
             closed_at: None,
             muted: false,
+            adopted: false,
             last_seen: now,
             cli_next: 0,
             req_buf: Vec::new(),
@@ -1527,6 +1555,23 @@ impl Conn {
             let a = unwrap_near(seg.ack.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
             self.told = self.told.max(a);
         }
+    }
+
+    /// Whether a client packet (`seq`, `ack`) acknowledges bytes this server never sent on a
+    /// connection it rebuilt (and still serves): proof that another server sent them after
+    /// the plan. Only adopted connections are judged (their socket's every byte passes the
+    /// engine before it reaches the wire; one past the last byte is its FIN), and only a
+    /// plausible packet: its ACK within the responses this connection knows and its sequence
+    /// number where the client's stream stands, so a blind forgery is as unlikely to cause a
+    /// rebuild as an in-window RST is to be accepted.
+    fn acks_unsent(&self, seq: u32, ack: u32) -> bool {
+        if !self.adopted || self.muted || self.closed_at.is_some() {
+            return false;
+        }
+        let a = unwrap_near(ack.wrapping_sub(self.hs.iss.wrapping_add(1)), self.sent_next);
+        let s = unwrap_near(seq.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
+        let lo = self.ack_limit.unwrap_or(self.cli_next).min(self.cli_next);
+        a > self.sent_next + self.srv_fin.is_some() as u64 && a <= self.srv_next.max(self.sent_next) + 1 && (lo..=self.cli_next).contains(&s)
     }
 
     /// The client stream offset the record may let the client know about: the first request

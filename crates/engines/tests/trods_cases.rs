@@ -380,8 +380,10 @@ fn adopted_connection_is_protected_for_a_second_failure() {
     let (v, p) = t.s(ss(hl + 700), cs(REQ.len() as u32), F::ACK, &body(500, 5));
     assert_eq!(v, Verdict::Accept { modified: true });
     assert_eq!(repr(&p).ack, Seq(cs(0)));
-    // A new request after the download gets its own entry.
+    // The rest of the body, then a new request after the download gets its own entry.
     let end = hl + 3000;
+    let (v, _) = t.s(ss(hl + 1200), cs(REQ.len() as u32), F::ACK, &body(1800, 6));
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
     t.c(cs(REQ.len() as u32), ss(end), F::ACK | F::PSH, b"GET /n HTTP/1.1\r\nHost: s\r\n\r\n");
     let (v, _) = t.s(ss(end), cs(0), F::ACK, b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nnope!");
     assert_eq!(v, Verdict::Held);
@@ -828,4 +830,40 @@ fn keepalive_injected_ack_after_the_server_fin() {
     assert_eq!(inj.len(), 1);
     let r = injected_ack(&inj[0]);
     assert_eq!((r.seq, r.ack), (Seq(ss(end + 1)), Seq(cs(l1))));
+/// A stand-in still sending when the bucket came home: the client acknowledges bytes the
+/// rebuilt socket never sent. The connection is silenced and the packet is a failover trigger
+/// again (rebuilt from that ACK); ACKs up to what was sent, and of the FIN, are normal.
+#[test]
+fn adopted_connection_superseded_by_an_ack_of_unsent_bytes() {
+    let rec = record_with_download();
+    let hl = HDR.len() as u32;
+    let plan = plan_recovery(&rec, &trig(cs(0), ss(hl + 700), F::ACK, 0)).unwrap();
+    let mut t = T::new();
+    t.e.adopt(key(), &rec, &plan, 1);
+    let (v, _) = t.s(ss(hl + 700), cs(REQ.len() as u32), F::ACK, &body(500, 5));
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    // Up to what the rebuilt socket sent: an ordinary ACK.
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(hl + 1200), F::ACK, b""), Verdict::Accept { modified: false });
+    assert!(t.e.knows(&key()));
+    assert_eq!(t.e.counters.superseded, 0);
+    // Implausible packets past it are not (a forged sequence number, an ACK past every
+    // response this connection knows): the kernel discards them as before.
+    assert_eq!(t.c(cs(REQ.len() as u32 + 70_000), ss(hl + 1300), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(hl + 9000), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.e.counters.superseded, 0);
+    // Past it: another server's bytes reached the client.
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(hl + 1201), F::ACK, b""), Verdict::Unknown);
+    assert_eq!(t.e.counters.superseded, 1);
+    assert_eq!(t.e.counters.muted, 0, "superseded is not a bucket move");
+    assert!(!t.e.knows(&key()), "silenced: the agent starts a failover");
+    assert_eq!(t.s(ss(hl + 1200), cs(REQ.len() as u32), F::ACK, &body(10, 7)).0, Verdict::Drop);
+    // The new failover adopts it again from the client's ACK.
+    let plan2 = plan_recovery(&rec, &trig(cs(REQ.len() as u32), ss(hl + 2000), F::ACK, 0)).unwrap();
+    t.e.adopt(key(), &rec, &plan2, 2);
+    assert!(t.e.knows(&key()));
+    let (v, _) = t.s(ss(hl + 2000), cs(REQ.len() as u32), F::ACK | F::FIN, &body(1000, 8));
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    // The ACK of the FIN (one past the last byte) is not a supersede.
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(hl + 3001), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.e.counters.superseded, 1);
 }

@@ -1223,3 +1223,169 @@ fn reassigned_connection_fails_back_after_a_crash() {
     }
     check_counters(NAME, &env, 2 * moved.len() as u64);
 }
+
+// ---- revive: a dead server comes back during a download -------------------------------------------
+
+/// A keep-alive client: two consecutive Range GETs (first half, second half) on one
+/// `http.client` connection, both bodies to stdout, read as fast as they come. Exits 3 if
+/// http.client had to open a second connection, 2 on a status other than 206, 4 on a short
+/// body (http.client's read(n) takes an early end of the connection for the body's end).
+const PY_TWO_RANGES: &str = r#"
+import http.client, sys
+host, path, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+c = http.client.HTTPConnection(host, 80, timeout=60)
+out = sys.stdout.buffer
+half = size // 2
+ports = []
+for first, last in ((0, half - 1), (half, size - 1)):
+    c.request("GET", path, headers={"Range": "bytes=%d-%d" % (first, last)})
+    ports.append(c.sock.getsockname()[1])
+    r = c.getresponse()
+    if r.status != 206:
+        sys.stderr.write("status %d\n" % r.status)
+        sys.exit(2)
+    want, n = last - first + 1, 0
+    while True:
+        b = r.read(256 * 1024)
+        if not b:
+            break
+        out.write(b)
+        out.flush()
+        n += len(b)
+    if n != want:
+        sys.stderr.write("short body: %d of %d bytes (range %d-%d)\n" % (n, want, first, last))
+        sys.exit(4)
+if len(set(ports)) != 1:
+    sys.stderr.write("reconnected: ports %r\n" % ports)
+    sys.exit(3)
+"#;
+
+/// Runs `cmd` (a download of `size` bytes, read as fast as it comes: the stand-in must be
+/// sending at full speed when the bucket goes home) in the client namespace; when 15 % has
+/// arrived, the serving server loses power; once the LB has declared it dead and the
+/// connection failed over to a stand-in, it boots again, its buckets return home, and the connection must
+/// move back to it (the stand-in stops, the home server rebuilds it). Checks what the client
+/// saw: exit 0, every byte (sha256), no RST, no hang (a generous deadline), the stalls; and
+/// that the connection really went home (muted on the stand-in, established on the home
+/// server).
+fn revive_during_download(name: &'static str, size: u64, seed: u64, cmd: impl FnOnce(&ObjectEnv) -> Command) {
+    let mut env_ = start(name);
+    let env = &mut *env_;
+    let want = make_object(&env.docroot.join("r.bin"), size, seed).unwrap();
+    let mut cmd = cmd(env);
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(60);
+    let mut child = env.client_cmd(&mut cmd).unwrap_or_else(|e| panic!("{name}: starting the client: {e}"));
+    let progress = Arc::new(AtomicU64::new(0));
+    let rx = receive(child.stdout.take().unwrap(), progress.clone());
+    let mut err = child.stderr.take().unwrap();
+    let errt = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let wait_until = |what: &str, child: &mut std::process::Child, f: &mut dyn FnMut() -> bool| {
+        while !f() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{name}: timeout waiting for {what} ({} bytes received)", progress.load(Ordering::Relaxed));
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("{name}: the client ended ({st}) while waiting for {what}");
+            }
+            std::thread::sleep(Duration::from_millis(5)); // polling with a deadline
+        }
+    };
+    wait_until("15 % of the object", &mut child, &mut || progress.load(Ordering::Relaxed) >= size * 15 / 100);
+    let port = client_port(env).unwrap_or_else(|| panic!("{name}: no client connection"));
+    let home = serving(env, port);
+    let at_crash = progress.load(Ordering::Relaxed);
+    env.crash(home).unwrap_or_else(|e| panic!("{name}: crashing server {home}: {e}"));
+    eprintln!("{name}: {:>5} ms  server {home} loses power at {at_crash} bytes", t0.elapsed().as_millis());
+    wait_until("the LB to declare the death", &mut child, &mut || {
+        env.lb_status().is_ok_and(|s| s["events"].as_array().is_some_and(|e| e.iter().any(|x| x["server"] == home as u64 && x["kind"] == "down")))
+    });
+    wait_until("the failover to a stand-in", &mut child, &mut || env.agent_sum("failovers") >= 1 && env.serving(port).is_some());
+    let stand_in = env.serving(port).unwrap();
+    // The client pauses while the server's links come back (so this machine's speed cannot
+    // let the download end first) and reads at full speed again before nginx and the agent
+    // start: the bucket goes home while the stand-in is sending as fast as it can.
+    let pid = child.id() as i32;
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let revived = env.lab.revive_server(home);
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    if let Err(e) = revived.and_then(|_| env.start_server(home)) {
+        let _ = child.kill();
+        panic!("{name}: reviving server {home}: {e}");
+    }
+    env.wait_alive(&[home], Duration::from_secs(10)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let at_revive = progress.load(Ordering::Relaxed);
+    eprintln!("{name}: {:>5} ms  server {home} is back at {at_revive} bytes (stand-in {stand_in})", t0.elapsed().as_millis());
+    assert!(at_revive < size, "{name}: the download ended before the revive (a faster machine: use a larger object)");
+    wait_until("the connection to move home", &mut child, &mut || env.agent_sum("muted") >= 1 && env.serving(port) == Some(home));
+    eprintln!("{name}: {:>5} ms  the connection is home again", t0.elapsed().as_millis());
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{name}: HANG: the client did not finish within 60 s ({} of {size} bytes)", progress.load(Ordering::Relaxed));
+        }
+        std::thread::sleep(Duration::from_millis(10)); // polling the client's exit with a deadline
+    };
+    let recv = rx.join().unwrap();
+    let stderr = errt.join().unwrap();
+    eprintln!(
+        "{name}: exit {:?}, {} bytes in {} ms, longest gap {} ms, gaps over 50 ms {:?}, superseded {}",
+        status.code(),
+        recv.bytes,
+        t0.elapsed().as_millis(),
+        recv.max_gap_ms,
+        recv.gaps,
+        env.agent_sum("superseded")
+    );
+    assert_eq!(status.code(), Some(0), "{name}: client exit status; it said: {}", stderr.trim());
+    assert_eq!(recv.bytes, size, "{name}: byte count");
+    assert_eq!(recv.sha256, want, "{name}: sha256 of the received bytes");
+    check_counters(name, env, 2);
+    // The stall: a failover (crash) or a move home costs a probe round trip plus a rebuild,
+    // tens of milliseconds; waiting for the client's retransmission timer instead would cost
+    // seconds this late in a download, and the bug this guards against never ended.
+    let worst = recv.gaps.iter().filter(|&&(b, _)| b >= at_crash).map(|&(_, ms)| ms).max().unwrap_or(0);
+    assert!(worst < 1500, "{name}: a stall of {worst} ms after the crash or the revive");
+}
+
+#[test]
+fn revive_during_download_curl() {
+    const NAME: &str = "revive_during_download_curl";
+    let Some(_g) = lab_or_skip(NAME) else { return };
+    revive_during_download(NAME, 384 * MIB, 21, |env| curl(&env.url(false, "/r.bin"), "100G"));
+}
+
+#[test]
+fn revive_during_download_wget() {
+    const NAME: &str = "revive_during_download_wget";
+    let Some(_g) = lab_or_skip(NAME) else { return };
+    revive_during_download(NAME, 384 * MIB, 22, |env| {
+        let mut cmd = Command::new("wget");
+        cmd.args(["-q", "-O", "-", "--tries=1", "--timeout=30", &env.url(false, "/r.bin")]);
+        cmd
+    });
+}
+
+/// Two Range GETs on one kept-alive connection (python3 `http.client`); the revive lands in
+/// the first, the second is relayed by the server the connection went home to.
+#[test]
+#[ignore = "open: 128-192 KiB missing at the end of the first response in 3 of 4 runs although python counted both bodies complete and exited 0; under investigation"]
+fn revive_keepalive_two_range_gets_python() {
+    const NAME: &str = "revive_keepalive_two_range_gets_python";
+    let Some(_g) = lab_or_skip(NAME) else { return };
+    let size = 384 * MIB;
+    revive_during_download(NAME, size, 23, |_| {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-c", PY_TWO_RANGES, &unbroken_control::objlab::addr::VIP_V4.to_string(), "/r.bin", &size.to_string()]);
+        cmd
+    });
+}

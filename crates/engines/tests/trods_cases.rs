@@ -830,6 +830,8 @@ fn keepalive_injected_ack_after_the_server_fin() {
     assert_eq!(inj.len(), 1);
     let r = injected_ack(&inj[0]);
     assert_eq!((r.seq, r.ack), (Seq(ss(end + 1)), Seq(cs(l1))));
+}
+
 /// A stand-in still sending when the bucket came home: the client acknowledges bytes the
 /// rebuilt socket never sent. The connection is silenced and the packet is a failover trigger
 /// again (rebuilt from that ACK); ACKs up to what was sent, and of the FIN, are normal.

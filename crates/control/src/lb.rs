@@ -77,9 +77,11 @@
 //! # Liveness (section 2.3)
 //!
 //! Agents send heartbeats every `interval` ([`DEFAULT_INTERVAL`], 5 ms); a server that stays
-//! silent for `dead_after_ms` (default 25, the paper's threshold) is declared dead, and alive
-//! again at its next valid heartbeat. Before its first heartbeat a server counts as alive for
-//! `startup_grace_ms`. The monitor is a dedicated thread (it asks for `SCHED_FIFO`, best
+//! silent for `dead_after_ms` (default 100; the paper's 25 flapped under load, see
+//! docs/benchmarks.md) is declared dead, and alive again after beating steadily for the revive
+//! hold. Before its first heartbeat a server counts as alive for `startup_grace_ms`. The
+//! decisions (deaths, revive hold, common-mode stalls, leases and when a bucket may move) live
+//! in [`crate::detector`], which has no I/O; this module feeds it and does the I/O. The monitor is a dedicated thread (it asks for `SCHED_FIFO`, best
 //! effort; [`LbStatus::monitor_realtime`] says whether it got it) that only receives
 //! heartbeats, answers them and checks deadlines against the monotonic clock; it drains every
 //! queued heartbeat before it checks deadlines, so its own lateness can make a server look

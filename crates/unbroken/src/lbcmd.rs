@@ -190,6 +190,8 @@ mod tests {
             uptime_ms: 0,
             monitor_realtime: false,
             programmer_realtime: false,
+            lease_ms: 90,
+            gap_edges_ms: vec![0, 5],
             servers: Vec::new(),
             owners: vec![1],
             owner_changed_ms_ago: vec![None],

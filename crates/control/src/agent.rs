@@ -258,7 +258,7 @@ pub struct AgentCounters {
     pub fenced_dropped: u64,
     /// Heartbeats not sent because the packet loop was wedged.
     pub heartbeats_skipped_wedged: u64,
-    /// The packet loop runs with SCHED_FIFO.
+    /// The packet loop runs at nice -10.
     pub loop_realtime: bool,
     pub recent_refusals: Vec<String>,
 }
@@ -421,15 +421,19 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let mut last_owner_check = 0u64;
     let mut fenced: Vec<Fenced> = Vec::new();
     // The packet loop is the data path and its progress is what the heartbeats vouch for
-    // (LoopWatch): ordinary work must not starve it. SCHED_FIFO below the heartbeat sender;
-    // threads it spawns (failover workers, relays, probes) start as ordinary threads again.
+    // (LoopWatch): ordinary work must not starve it. Nice -10 (weight ~9x a normal thread);
+    // SCHED_FIFO was tried and starves the agent's own store thread and Redis on a 2-core host
+    // at full speed (a connection went unprotected on a store timeout). Failover workers set
+    // their own lower priority.
     let loop_realtime = {
-        let p = libc::sched_param { sched_priority: 4 };
         // SAFETY: plain system call on the calling thread.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &p) == 0 }
+        unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, -10) == 0
+        }
     };
     if !loop_realtime {
-        eprintln!("agent: the packet loop runs without SCHED_FIFO (not permitted): under CPU load its heartbeats may stop and the LB may move this server's buckets");
+        eprintln!("agent: cannot raise the packet loop's priority (nice -10): under CPU load its heartbeats may stop and the LB may move this server's buckets");
     }
     shared.count(|c| c.loop_realtime = loop_realtime);
     let mut owner_epoch = 0u32;

@@ -1359,16 +1359,18 @@ fn revive_during_download(name: &'static str, size: u64, seed: u64, cmd: impl Fn
 
 #[test]
 fn revive_during_download_curl() {
+    // 1 GiB: after the revive the LB holds the server back for its revive hold (500 ms) and
+    // the stand-in's lease before the bucket goes home; the download must still be running.
     const NAME: &str = "revive_during_download_curl";
     let Some(_g) = lab_or_skip(NAME) else { return };
-    revive_during_download(NAME, 384 * MIB, 21, |env| curl(&env.url(false, "/r.bin"), "100G"));
+    revive_during_download(NAME, 1024 * MIB, 21, |env| curl(&env.url(false, "/r.bin"), "100G"));
 }
 
 #[test]
 fn revive_during_download_wget() {
     const NAME: &str = "revive_during_download_wget";
     let Some(_g) = lab_or_skip(NAME) else { return };
-    revive_during_download(NAME, 384 * MIB, 22, |env| {
+    revive_during_download(NAME, 1024 * MIB, 22, |env| {
         let mut cmd = Command::new("wget");
         cmd.args(["-q", "-O", "-", "--tries=1", "--timeout=30", &env.url(false, "/r.bin")]);
         cmd

@@ -450,6 +450,8 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         // while the LB's lease on its bucket holds. While the lease has lapsed (the LB may be
         // moving this server's buckets) server packets wait; once it is renewed they go on in
         // order, or are dropped if their bucket went to another server meanwhile.
+        // The view of this iteration (one copy per iteration; the owner check and the probes
+        // below use it too).
         let lease = hb.as_ref().map(|h| h.view());
         let now_i = Instant::now();
         let lease_ok = match &lease {
@@ -675,7 +677,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         // They are silenced as soon as a fresh view shows it (checked at every new table epoch,
         // and every 100 ms): the client's packets already go to the new owner, and every byte
         // sent from here after that point would only race the new owner's rebuild.
-        let view = hb.as_ref().and_then(|h| h.view()).filter(|v| v.received_at.elapsed() < Duration::from_millis(100));
+        let view = lease.as_ref().and_then(|v| v.as_ref()).filter(|v| v.received_at.elapsed() < Duration::from_millis(100));
         if view.as_ref().is_some_and(|v| v.epoch != owner_epoch) || now.saturating_sub(last_owner_check) >= 100 {
             last_owner_check = now;
             if let Some(v) = view {
@@ -694,7 +696,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             }
             flush_released(&mut engine, &mut queue, &mut csum);
         }
-        if let (true, Some(v)) = (a.probe, hb.as_ref().and_then(|h| h.view())) {
+        if let (true, Some(v)) = (a.probe, lease.as_ref().and_then(|v| v.as_ref())) {
             if v.epoch != probed_epoch {
                 probed_epoch = v.epoch;
                 let moved = v.allowed_buckets();

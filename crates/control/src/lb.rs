@@ -1440,6 +1440,22 @@ fn programmer(sh: &Shared) -> io::Result<()> {
     nft_apply(&format!("delete table netdev {t}\n"))
 }
 
+/// Waits up to `wait` for `sock` to become readable (or report an error), with ppoll's
+/// hrtimer precision (SO_RCVTIMEO rounds to whole jiffies). True when it is.
+fn wait_readable(sock: &UdpSocket, wait: Duration) -> bool {
+    let ts = libc::timespec {
+        tv_sec: wait.as_secs() as libc::time_t,
+        tv_nsec: wait.subsec_nanos() as libc::c_long,
+    };
+    let mut pfd = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+    unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) > 0 }
+}
+
 fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
     let rt = try_realtime(10);
     sh.lock().monitor_realtime = rt;
@@ -1531,17 +1547,7 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
         // 3. Sleep until a datagram arrives or the next deadline.
         let wait = Duration::from_millis(next.saturating_sub(sh.now_ms(Instant::now())))
             .min(MONITOR_MAX_WAIT);
-        let ts = libc::timespec {
-            tv_sec: wait.as_secs() as libc::time_t,
-            tv_nsec: wait.subsec_nanos() as libc::c_long,
-        };
-        let mut pfd = libc::pollfd {
-            fd: sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
-        unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        wait_readable(&sock, wait);
     }
 }
 
@@ -1818,17 +1824,7 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, 
         // Wait for a reply or the next beat with ppoll (an hrtimer): SO_RCVTIMEO is rounded up
         // to whole jiffies (10 ms with HZ=100), which stretched a 5 ms cadence to 10 ms.
         let wait = next.saturating_duration_since(Instant::now());
-        let ts = libc::timespec {
-            tv_sec: wait.as_secs() as libc::time_t,
-            tv_nsec: wait.subsec_nanos() as libc::c_long,
-        };
-        let mut pfd = libc::pollfd {
-            fd: sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
-        if unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) } <= 0 {
+        if !wait_readable(&sock, wait) {
             continue;
         }
         match sock.recv(&mut buf) {

@@ -310,13 +310,14 @@ fn poll_fds(fds: &[i32], timeout_ms: i32) -> Vec<bool> {
 
 // ---- the packet loop ----------------------------------------------------------------------------
 
-/// Runs the agent until SIGINT/SIGTERM. Prints one `ready` line once traffic is steered.
+/// Runs the agent until SIGINT/SIGTERM (SIGHUP is ignored, see [`crate::signals`]). Prints one `ready` line once traffic is steered.
 pub fn run(cfg: Agent) -> Result<(), String> {
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
+    crate::signals::ignore_hangup("agent");
     let a = &cfg.raw.agent;
     let started = Instant::now();
     let mono_ms = || started.elapsed().as_millis() as u64;
@@ -648,6 +649,7 @@ fn status_loop(
             "uptime_ms": started.elapsed().as_millis() as u64,
             "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
             "stopped": stop,
+            "sighup_ignored": crate::signals::hangups(),
             "connections": conns,
             "protected": protected,
             "agent": agent,

@@ -229,6 +229,11 @@ pub struct AgentCounters {
     pub probes_sent: u64,
     /// Connections silenced because the LB gave their bucket to another server.
     pub muted: u64,
+    /// Connections this agent never saw set up whose packets a local socket owns (the agent
+    /// restarted under them): passed at once and known from then on, unprotected.
+    pub passed_local_socket: u64,
+    /// Lookups of local sockets that failed (the packet then waits at the gate as before).
+    pub sockdiag_errors: u64,
     /// Trigger packet to rebuilt socket, microseconds.
     pub failover_us_last: u64,
     pub failover_us_max: u64,
@@ -370,6 +375,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     });
     let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
     let mut gate_wait: Vec<GateWait> = Vec::new();
+    let mut diag = unbroken_drivers::sockdiag::SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
     let mut not_owned: HashMap<Key, u64> = HashMap::new();
     let mut last_owner_check = 0u64;
     let res: Result<(), String> = loop {
@@ -448,7 +454,33 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     continue;
                 }
                 let allowed = cfg.gate_open || matches!((g.bucket, &view), (Some(b), Some(v)) if v.allowed(b));
-                if allowed {
+                // Not a failover candidate, and a socket of the local server owns the address
+                // pair: a connection set up before this agent started (a restart). It passes at
+                // once and is known, unprotected, from now on (never held at the gate again).
+                let local = !allowed
+                    && g.since == now
+                    && !engine.tracks(&g.key)
+                    && match diag.lookup(g.key.service, g.key.client) {
+                        Ok(i) => i.is_some_and(|i| i.owned_and_receiving()),
+                        Err(e) => {
+                            shared.count(|c| c.sockdiag_errors += 1);
+                            eprintln!("agent: sock_diag lookup of {}: {e}", g.key.client);
+                            false
+                        }
+                    };
+                if local {
+                    engine.learn_unprotected(g.key, now);
+                    buckets.insert(g.key, g.bucket);
+                    let mut n = 0;
+                    shared.count(|c| {
+                        c.passed_local_socket += 1;
+                        n = c.passed_local_socket;
+                    });
+                    if n <= 10 {
+                        eprintln!("agent: {} -> {} is served by a local socket set up before this agent started: passed, unprotected{}", g.key.client, g.key.service, if n == 10 { " (further ones are only counted)" } else { "" });
+                    }
+                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
+                } else if allowed {
                     shared.count(|c| c.failovers_started += 1);
                     let trigger_pkt = g.data.clone();
                     recovering.insert(g.key, Recovering { held: vec![(g.id, g.data)] });
@@ -601,6 +633,15 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         }
     };
     STOP.store(true, Ordering::SeqCst);
+    // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
+    // would end the download, a RST the connection): in repair mode their close is silent, and
+    // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
+    let adopted = ctx.adopted.lock().unwrap();
+    if !adopted.is_empty() {
+        let failed = adopted.values().filter(|fd| repair::enter_repair(fd.as_raw_fd()).is_err()).count();
+        eprintln!("agent: stopping: {} rebuilt connection(s) left silently{}", adopted.len(), if failed > 0 { format!(" ({failed} could not enter repair mode)") } else { String::new() });
+    }
+    drop(adopted);
     drop(rules);
     drop(queue);
     res

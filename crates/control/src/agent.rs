@@ -245,6 +245,11 @@ pub struct AgentCounters {
     pub superseded: u64,
     /// Workers of rebuilt sockets stopped because their connection was muted or superseded.
     pub workers_stopped: u64,
+    /// Connections this agent never saw set up whose packets a local socket owns (the agent
+    /// restarted under them): passed at once and known from then on, unprotected.
+    pub passed_local_socket: u64,
+    /// Lookups of local sockets that failed (the packet then waits at the gate as before).
+    pub sockdiag_errors: u64,
     /// Trigger packet to rebuilt socket, microseconds.
     pub failover_us_last: u64,
     pub failover_us_max: u64,
@@ -353,13 +358,14 @@ fn poll_fds(fds: &[i32], timeout_ms: i32) -> Vec<bool> {
 
 // ---- the packet loop ----------------------------------------------------------------------------
 
-/// Runs the agent until SIGINT/SIGTERM. Prints one `ready` line once traffic is steered.
+/// Runs the agent until SIGINT/SIGTERM (SIGHUP is ignored, see [`crate::signals`]). Prints one `ready` line once traffic is steered.
 pub fn run(cfg: Agent) -> Result<(), String> {
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
+    crate::signals::ignore_hangup("agent");
     let a = &cfg.raw.agent;
     let started = Instant::now();
     let mono_ms = || started.elapsed().as_millis() as u64;
@@ -418,6 +424,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     });
     let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
     let mut gate_wait: Vec<GateWait> = Vec::new();
+    let mut diag = unbroken_drivers::sockdiag::SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
     let mut last_owner_check = 0u64;
     let mut fenced: Vec<Fenced> = Vec::new();
     // The packet loop is the data path and its progress is what the heartbeats vouch for
@@ -575,7 +582,33 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     continue;
                 }
                 let allowed = cfg.gate_open || matches!((g.bucket, &view), (Some(b), Some(v)) if v.allowed(b));
-                if allowed {
+                // Not a failover candidate, and a socket of the local server owns the address
+                // pair: a connection set up before this agent started (a restart). It passes at
+                // once and is known, unprotected, from now on (never held at the gate again).
+                let local = !allowed
+                    && g.since == now
+                    && !engine.tracks(&g.key)
+                    && match diag.lookup(g.key.service, g.key.client) {
+                        Ok(i) => i.is_some_and(|i| i.owned_and_receiving()),
+                        Err(e) => {
+                            shared.count(|c| c.sockdiag_errors += 1);
+                            eprintln!("agent: sock_diag lookup of {}: {e}", g.key.client);
+                            false
+                        }
+                    };
+                if local {
+                    engine.learn_unprotected(g.key, now);
+                    buckets.insert(g.key, g.bucket);
+                    let mut n = 0;
+                    shared.count(|c| {
+                        c.passed_local_socket += 1;
+                        n = c.passed_local_socket;
+                    });
+                    if n <= 10 {
+                        eprintln!("agent: {} -> {} is served by a local socket set up before this agent started: passed, unprotected{}", g.key.client, g.key.service, if n == 10 { " (further ones are only counted)" } else { "" });
+                    }
+                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
+                } else if allowed {
                     shared.count(|c| c.failovers_started += 1);
                     let trigger_pkt = g.data.clone();
                     recovering.insert(g.key, Recovering { held: vec![(g.id, g.data)] });
@@ -742,6 +775,15 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         }
     };
     STOP.store(true, Ordering::SeqCst);
+    // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
+    // would end the download, a RST the connection): in repair mode their close is silent, and
+    // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
+    let adopted = ctx.adopted.lock().unwrap();
+    if !adopted.is_empty() {
+        let failed = adopted.values().filter(|(_, fd)| repair::enter_repair(fd.as_raw_fd()).is_err()).count();
+        eprintln!("agent: stopping: {} rebuilt connection(s) left silently{}", adopted.len(), if failed > 0 { format!(" ({failed} could not enter repair mode)") } else { String::new() });
+    }
+    drop(adopted);
     drop(rules);
     drop(queue);
     res
@@ -790,6 +832,7 @@ fn status_loop(
             "uptime_ms": started.elapsed().as_millis() as u64,
             "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
             "stopped": stop,
+            "sighup_ignored": crate::signals::hangups(),
             "connections": conns,
             "protected": protected,
             "agent": agent,

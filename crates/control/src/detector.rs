@@ -423,6 +423,19 @@ impl Detector {
     }
 
     /// When each bucket's owner last changed in the kernel.
+    /// Continues an adopted table's history: its epoch (the next change gets `epoch + 1`) and
+    /// per bucket the time of its last owner change (None: never; entries beyond the table
+    /// are ignored).
+    pub fn adopt_history(&mut self, epoch: u32, changed_at: Vec<Option<u64>>) {
+        let epoch = epoch.max(1);
+        let bump = self.want_epoch != self.applied_epoch;
+        self.applied_epoch = epoch;
+        self.want_epoch = if bump { epoch.wrapping_add(1) } else { epoch };
+        for (c, t) in self.changed_at.iter_mut().zip(changed_at) {
+            *c = t;
+        }
+    }
+
     pub fn changed_at(&self) -> &[Option<u64>] {
         &self.changed_at
     }

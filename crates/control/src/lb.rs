@@ -54,8 +54,15 @@
 //! table someone deleted). Measured in the lab (`tests/lb_lab.rs`): 11 to 23 ms from the
 //! decision until the kernel has it with 256 buckets, most of it the `nft` process itself
 //! (about 12 ms even for a tiny update); by hand with 4096 buckets, 24 to 34 ms per update
-//! against 36 to 51 ms for a whole-map rewrite. [`Lb::stop`] (and dropping an [`Lb`]) removes
-//! the table; [`cleanup`] removes a leftover by name.
+//! against 36 to 51 ms for a whole-map rewrite.
+//!
+//! **Restarts.** [`Lb::stop`] (and dropping an [`Lb`], and the death of the process) leaves the
+//! table in the kernel: traffic keeps flowing to the current owners while no balancer runs
+//! (nothing watches liveness then). The table also holds the epoch (set `epoch`) and each
+//! bucket's last change time (map `changed`, CLOCK_MONOTONIC deciseconds plus one), which the
+//! rules do not use: the next [`Lb::start`] with the same table name *adopts* owners, epoch and
+//! change times instead of sending every bucket home (which would move buckets to a server that
+//! died meanwhile, see [`Lb::start`]). [`Lb::stop_and_remove`] and [`cleanup`] remove the table.
 //!
 //! The balancer host must attract the VIP's traffic on the ingress device. In the lab
 //! ([`crate::objlab`]) the balancer namespace answers ARP and neighbour solicitations for the
@@ -729,6 +736,10 @@ fn ruleset_of(cfg: &LbConfig, p: &Parsed) -> String {
     }
     s += "\tmap owner { type mark : ether_addr; }\n";
     s += "\tmap marker { type mark : ether_addr; }\n";
+    // State for a restarted balancer (not used by the rules): the table epoch, and per bucket
+    // the CLOCK_MONOTONIC time of its last owner change in deciseconds plus one (0: never).
+    s += "\tset epoch { type mark; }\n";
+    s += "\tmap changed { type mark : mark; }\n";
     s += "\tchain ingress {\n";
     s += &format!(
         "\t\ttype filter hook ingress device \"{}\" priority 0; policy accept;\n",
@@ -751,7 +762,15 @@ fn ruleset_of(cfg: &LbConfig, p: &Parsed) -> String {
 }
 
 /// The whole table with its maps (replacing any table of the same name), one transaction.
-fn install_script(cfg: &LbConfig, rules: &str, macs: &[[u8; 6]], owners: &[u16]) -> String {
+/// `changed`: per bucket, the value of the `changed` map ([`mono_ds`] plus one, 0: never).
+fn install_script(
+    cfg: &LbConfig,
+    rules: &str,
+    macs: &[[u8; 6]],
+    owners: &[u16],
+    epoch: u32,
+    changed: &[u32],
+) -> String {
     let t = &cfg.table;
     let mut script = format!("add table netdev {t}\ndelete table netdev {t}\n{rules}");
     script += &map_elements(t, "marker", (0..cfg.buckets).map(|b| (b, marker_mac(b))));
@@ -763,7 +782,35 @@ fn install_script(cfg: &LbConfig, rules: &str, macs: &[[u8; 6]], owners: &[u16])
             .enumerate()
             .map(|(b, &o)| (b as u16, macs[o as usize])),
     );
+    script += &format!("add element netdev {t} epoch {{ {epoch} }}\n");
+    let c: Vec<String> = changed
+        .iter()
+        .enumerate()
+        .map(|(b, v)| format!("{b} : {v}"))
+        .collect();
+    script += &format!("add element netdev {t} changed {{ {} }}\n", c.join(", "));
     script
+}
+
+/// Deciseconds of CLOCK_MONOTONIC at `t` (shared by every process of the host, so a restarted
+/// balancer can tell how long ago its predecessor changed a bucket).
+fn mono_ds(t: Instant) -> u32 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now_ms = ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000;
+    let ms = now_ms.saturating_sub(Instant::now().saturating_duration_since(t).as_millis() as u64);
+    (ms / 100) as u32
+}
+
+/// The [`Instant`] of a `changed` map value (None for 0, "never", or a time before boot).
+fn instant_of_ds(v: u32) -> Option<Instant> {
+    let then = v.checked_sub(1)?;
+    let now = mono_ds(Instant::now());
+    Instant::now().checked_sub(Duration::from_millis(100 * now.saturating_sub(then) as u64))
 }
 
 fn map_elements(table: &str, map: &str, macs: impl Iterator<Item = (u16, [u8; 6])>) -> String {
@@ -829,40 +876,156 @@ pub fn cleanup(table: &str) -> io::Result<bool> {
     Ok(true)
 }
 
-/// Reads the kernel's owner map of `table` (calling thread's namespace): the destination MAC
-/// per bucket, `None` for a bucket without an entry. For tests and diagnostics.
-pub fn kernel_owners(table: &str, buckets: u16) -> io::Result<Vec<Option<[u8; 6]>>> {
+/// The elements of set or map (`kind`) `name` of `table`, as nft's JSON gives them.
+fn list_elements(table: &str, kind: &str, name: &str) -> io::Result<Vec<serde_json::Value>> {
     let out = Command::new("nft")
-        .args(["-j", "list", "map", "netdev", table, "owner"])
+        .args(["-j", "list", kind, "netdev", table, name])
         .stdin(Stdio::null())
         .output()?;
     if !out.status.success() {
         return Err(io::Error::other(format!(
-            "nft list map: {}",
+            "nft list {kind} {name}: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    let mut owners = vec![None; buckets as usize];
     let items = v["nftables"].as_array().cloned().unwrap_or_default();
-    for it in items {
-        let Some(elems) = it["map"]["elem"].as_array() else {
-            continue;
+    Ok(items
+        .iter()
+        .filter_map(|it| it[kind]["elem"].as_array())
+        .flatten()
+        .cloned()
+        .collect())
+}
+
+fn bad_element(e: &serde_json::Value) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("unexpected element {e}"),
+    )
+}
+
+/// Reads the kernel's owner map of `table` (calling thread's namespace): the destination MAC
+/// per bucket, `None` for a bucket without an entry (keys at or above `buckets` are ignored).
+pub fn kernel_owners(table: &str, buckets: u16) -> io::Result<Vec<Option<[u8; 6]>>> {
+    let mut owners = vec![None; buckets as usize];
+    for e in list_elements(table, "map", "owner")? {
+        let (Some(k), Some(m)) = (e[0].as_u64(), e[1].as_str().and_then(parse_mac)) else {
+            return Err(bad_element(&e));
         };
-        for e in elems {
-            let (Some(k), Some(m)) = (e[0].as_u64(), e[1].as_str().and_then(parse_mac)) else {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("unexpected map element {e}"),
-                ));
-            };
-            if let Some(slot) = owners.get_mut(k as usize) {
-                *slot = Some(m);
-            }
+        if let Some(slot) = owners.get_mut(k as usize) {
+            *slot = Some(m);
         }
     }
     Ok(owners)
+}
+
+/// What a balancer left in the kernel (see [`read_kernel_table`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelTable {
+    /// The text of the `ingress` chain (`nft list chain`), to check buckets and seed.
+    pub ingress: String,
+    /// Owner map: (bucket, MAC), as listed.
+    pub owners: Vec<(u64, [u8; 6])>,
+    /// The `epoch` set's element (None: no such set, a table of an older version).
+    pub epoch: Option<u32>,
+    /// The `changed` map: (bucket, deciseconds + 1).
+    pub changed: Vec<(u64, u32)>,
+}
+
+/// Reads `table` as a previous balancer left it; `Ok(None)` when there is no such table.
+pub fn read_kernel_table(table: &str) -> io::Result<Option<KernelTable>> {
+    if !table_exists(table)? {
+        return Ok(None);
+    }
+    let out = Command::new("nft")
+        .args(["list", "chain", "netdev", table, "ingress"])
+        .stdin(Stdio::null())
+        .output()?;
+    let ingress = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut owners = Vec::new();
+    for e in list_elements(table, "map", "owner")? {
+        match (e[0].as_u64(), e[1].as_str().and_then(parse_mac)) {
+            (Some(k), Some(m)) => owners.push((k, m)),
+            _ => return Err(bad_element(&e)),
+        }
+    }
+    let epoch = list_elements(table, "set", "epoch")
+        .ok()
+        .and_then(|v| v.first().and_then(|e| e.as_u64()))
+        .map(|e| e as u32);
+    let mut changed = Vec::new();
+    for e in list_elements(table, "map", "changed").unwrap_or_default() {
+        match (e[0].as_u64(), e[1].as_u64()) {
+            (Some(k), Some(v)) => changed.push((k, v as u32)),
+            _ => return Err(bad_element(&e)),
+        }
+    }
+    Ok(Some(KernelTable {
+        ingress,
+        owners,
+        epoch,
+        changed,
+    }))
+}
+
+/// The state a starting balancer takes over from a table its predecessor left (decided
+/// without I/O: [`adopt_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adopted {
+    /// Owner (server index) per bucket.
+    pub owners: Vec<u16>,
+    /// The table epoch to continue from.
+    pub epoch: u32,
+    /// Per bucket, the `changed` value (deciseconds + 1, 0: never).
+    pub changed: Vec<u32>,
+    /// Buckets whose listed owner is not a configured server (or that had none): put home.
+    pub rehomed: Vec<u16>,
+}
+
+/// Decides whether `k` (what the kernel holds) can be adopted under `cfg`: the same bucket
+/// count and seed (or every connection would hash elsewhere), one owner entry per bucket.
+/// Buckets whose owner MAC is no configured server go home. `Err` says why not.
+pub fn adopt_state(cfg: &LbConfig, k: &KernelTable) -> Result<Adopted, String> {
+    let p = cfg.parse()?;
+    let want = format!("mod {} seed {:#010x}", cfg.buckets, cfg.seed);
+    if !k.ingress.contains(&want) {
+        return Err(format!("its ingress chain does not hash with \"{want}\""));
+    }
+    let n = cfg.buckets as usize;
+    let mut owners: Vec<Option<u16>> = vec![None; n];
+    for &(b, m) in &k.owners {
+        if b as usize >= n {
+            return Err(format!("it has an owner for bucket {b} of {n}"));
+        }
+        owners[b as usize] = p.macs.iter().position(|x| *x == m).map(|i| i as u16);
+    }
+    let mut changed = vec![0u32; n];
+    for &(b, v) in &k.changed {
+        if let Some(c) = changed.get_mut(b as usize) {
+            *c = v;
+        }
+    }
+    let home = home_owners(cfg.buckets, p.macs.len());
+    let mut rehomed = Vec::new();
+    let owners = owners
+        .iter()
+        .enumerate()
+        .map(|(b, o)| match o {
+            Some(o) => *o,
+            None => {
+                rehomed.push(b as u16);
+                home[b]
+            }
+        })
+        .collect();
+    Ok(Adopted {
+        owners,
+        epoch: k.epoch.unwrap_or(1).max(1),
+        changed,
+        rehomed,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1005,6 +1168,10 @@ pub struct LbStatus {
     pub counters: LbCounters,
     /// The last failed table update, if the latest one failed.
     pub last_nft_error: Option<String>,
+    /// At start, the owners, epoch and change times were taken over from a table a previous
+    /// balancer left in the kernel (see [`Lb::start`]).
+    #[serde(default)]
+    pub adopted: bool,
 }
 
 impl LbStatus {
@@ -1041,6 +1208,7 @@ struct State {
     last_nft_error: Option<String>,
     monitor_realtime: bool,
     programmer_realtime: bool,
+    adopted: bool,
     stop: bool,
     /// Incremented on every event and every applied table.
     generation: u64,
@@ -1065,11 +1233,26 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The detector's clock: milliseconds since start.
+    /// The detector's clock: milliseconds since start, plus [`CLOCK_BASE_MS`].
     fn now_ms(&self, at: Instant) -> u64 {
-        ms(at.saturating_duration_since(self.started))
+        CLOCK_BASE_MS + ms(at.saturating_duration_since(self.started))
+    }
+
+    /// The [`Instant`] of a detector time `t` (see [`Shared::now_ms`]).
+    fn instant_of(&self, t: u64) -> Instant {
+        if t >= CLOCK_BASE_MS {
+            self.started + Duration::from_millis(t - CLOCK_BASE_MS)
+        } else {
+            self.started
+                .checked_sub(Duration::from_millis(CLOCK_BASE_MS - t))
+                .unwrap_or(self.started)
+        }
     }
 }
+
+/// Where the detector's clock starts: far enough above 0 that the change times of an adopted
+/// table (made by the previous balancer, before this one started) are representable.
+const CLOCK_BASE_MS: u64 = 1 << 32;
 
 fn ms(d: Duration) -> u64 {
     d.as_millis() as u64
@@ -1093,7 +1276,7 @@ impl State {
         }
         let e = LbEvent {
             n: self.next_event,
-            t_ms,
+            t_ms: t_ms.saturating_sub(CLOCK_BASE_MS),
             server: self.servers[l.server].id,
             kind: if l.alive { EventKind::Up } else { EventKind::Down },
             buckets_moved: l.retargeted,
@@ -1110,6 +1293,8 @@ impl State {
 /// Start it in the namespace (thread) that holds the devices; its threads stay there.
 pub struct Lb {
     shared: Arc<Shared>,
+    /// The network namespace it started in (for [`Lb::stop_and_remove`]).
+    netns: std::fs::File,
     local: SocketAddr,
     ruleset: String,
     monitor: Option<JoinHandle<()>>,
@@ -1126,9 +1311,18 @@ impl std::fmt::Debug for Lb {
 }
 
 impl Lb {
-    /// Validates `cfg`, installs the table (replacing a leftover of the same name) with every
-    /// bucket at home, binds the heartbeat socket and starts the monitor and programmer
-    /// threads, all in the calling thread's network namespace.
+    /// Validates `cfg`, installs the table, binds the heartbeat socket and starts the monitor
+    /// and programmer threads, all in the calling thread's network namespace.
+    ///
+    /// A table of the same name that a previous balancer left (see [`Lb::stop`]) is
+    /// *adopted*: its owners, epoch and change times become this balancer's applied state, so
+    /// a restart or an upgrade moves no bucket (traffic kept flowing to the current owners
+    /// while no balancer ran). Every server counts as alive for the startup grace; a server
+    /// that stays silent is then declared dead as usual, and a server first heard while its
+    /// home buckets are elsewhere takes them back (an `up` event). The table is replaced in
+    /// one transaction with the same owners (so a changed config's services apply). A table
+    /// that cannot be adopted (another bucket count or seed) is replaced with every bucket at
+    /// home, as is the table when there is none.
     pub fn start(cfg: LbConfig) -> io::Result<Lb> {
         let p = cfg
             .parse()
@@ -1145,21 +1339,75 @@ impl Lb {
                 ));
             }
         }
+        let netns = std::fs::File::open("/proc/thread-self/ns/net")?;
         let sock = UdpSocket::bind(cfg.listen).map_err(|e| {
             io::Error::new(e.kind(), format!("heartbeat socket {}: {e}", cfg.listen))
         })?;
         sock.set_nonblocking(true)?;
         let local = sock.local_addr()?;
         let n = cfg.servers.len();
-        let owners = home_owners(cfg.buckets, n);
+        let adopted = match read_kernel_table(&cfg.table) {
+            Ok(Some(k)) => match adopt_state(&cfg, &k) {
+                Ok(a) => Some(a),
+                Err(why) => {
+                    eprintln!(
+                        "lb: table {} exists but cannot be adopted ({why}): replacing it with every bucket at home",
+                        cfg.table
+                    );
+                    None
+                }
+            },
+            Ok(None) => None,
+            Err(e) => {
+                eprintln!(
+                    "lb: cannot read table {} ({e}): replacing it with every bucket at home",
+                    cfg.table
+                );
+                None
+            }
+        };
+        let (owners, epoch, changed_ds) = match &adopted {
+            Some(a) => {
+                eprintln!(
+                    "lb: adopted table {} from the kernel: epoch {}, {} bucket(s) away from home{}",
+                    cfg.table,
+                    a.epoch,
+                    a.owners
+                        .iter()
+                        .enumerate()
+                        .filter(|(b, &o)| o as usize != b % n)
+                        .count(),
+                    if a.rehomed.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", {} without a configured owner sent home", a.rehomed.len())
+                    }
+                );
+                (a.owners.clone(), a.epoch, a.changed.clone())
+            }
+            None => (
+                home_owners(cfg.buckets, n),
+                1,
+                vec![0; cfg.buckets as usize],
+            ),
+        };
         let rules = ruleset_of(&cfg, &p);
         let t = &cfg.table.clone();
-        let script = install_script(&cfg, &rules, &p.macs, &owners);
+        let script = install_script(&cfg, &rules, &p.macs, &owners, epoch, &changed_ds);
         nft_apply(&script)?;
 
         let now = Instant::now();
-        let det = Detector::new(cfg.detector_config(), owners, 0)
+        let mut det = Detector::new(cfg.detector_config(), owners, CLOCK_BASE_MS)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        if adopted.is_some() {
+            // Continue the predecessor's epochs (agents see a new table as a new epoch) and its
+            // change times (a bucket moved just before the restart still admits failovers).
+            let changed = changed_ds
+                .iter()
+                .map(|&v| instant_of_ds(v).map(|t| CLOCK_BASE_MS.saturating_sub(ms(now.saturating_duration_since(t)))))
+                .collect();
+            det.adopt_history(epoch, changed);
+        }
         let servers = cfg
             .servers
             .iter()
@@ -1176,6 +1424,7 @@ impl Lb {
             last_nft_error: None,
             monitor_realtime: false,
             programmer_realtime: false,
+            adopted: adopted.is_some(),
             stop: false,
             generation: 1,
         };
@@ -1196,7 +1445,9 @@ impl Lb {
         let programmer = match programmer {
             Ok(h) => h,
             Err(e) => {
-                let _ = nft_apply(&format!("delete table netdev {t}\n"));
+                if adopted.is_none() {
+                    let _ = nft_apply(&format!("delete table netdev {t}\n"));
+                }
                 return Err(e);
             }
         };
@@ -1207,6 +1458,7 @@ impl Lb {
             .spawn(move || monitor(&s2, sock, tx));
         let mut lb = Lb {
             shared,
+            netns,
             local,
             ruleset: rules,
             monitor: None,
@@ -1295,6 +1547,7 @@ impl Lb {
                 ..st.counters.clone()
             },
             last_nft_error: st.last_nft_error.clone(),
+            adopted: st.adopted,
         }
     }
 
@@ -1310,8 +1563,34 @@ impl Lb {
         st.generation
     }
 
-    /// Stops both threads and removes the table (from the balancer's namespace). Idempotent.
+    /// Stops both threads and leaves the table in the kernel: traffic keeps flowing to the
+    /// current owners, and the next [`Lb::start`] with the same table name adopts it (a
+    /// restart or an upgrade is no outage). Idempotent. [`Lb::stop_and_remove`] removes it.
     pub fn stop(&mut self) -> io::Result<()> {
+        self.stop_threads()
+    }
+
+    /// Stops both threads and removes the table (from the balancer's namespace): the VIP's
+    /// traffic is no longer balanced. Idempotent.
+    pub fn stop_and_remove(&mut self) -> io::Result<()> {
+        let r = self.stop_threads();
+        // In the namespace the balancer started in (the caller may be elsewhere).
+        let (fd, table) = (self.netns.as_raw_fd(), self.shared.cfg.table.clone());
+        let removed = std::thread::scope(|s| {
+            s.spawn(move || {
+                // SAFETY: plain system call on a thread of our own that ends right after.
+                if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                cleanup(&table)
+            })
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("table removal panicked")))
+        });
+        r.and(removed.map(|_| ()))
+    }
+
+    fn stop_threads(&mut self) -> io::Result<()> {
         self.shared.stop.store(true, Ordering::SeqCst);
         {
             let mut st = self.shared.lock();
@@ -1332,9 +1611,10 @@ impl Lb {
 }
 
 impl Drop for Lb {
+    /// Like [`Lb::stop`]: the table stays (as it does when the process dies).
     fn drop(&mut self) {
         if let Err(e) = self.stop() {
-            eprintln!("lb: removing table {}: {e}", self.shared.cfg.table);
+            eprintln!("lb: stopping: {e}");
         }
     }
 }
@@ -1373,6 +1653,8 @@ fn programmer(sh: &Shared) -> io::Result<()> {
         };
         drop(st);
         // One transaction: replace only the changed elements, or the whole map after a failure.
+        // The epoch and the change times go along, for a balancer that adopts the table.
+        let stamp = mono_ds(Instant::now()).wrapping_add(1).max(1);
         let script = match &kernel {
             Some(k) => {
                 let changed: Vec<u16> = (0..owners.len() as u16)
@@ -1382,19 +1664,37 @@ fn programmer(sh: &Shared) -> io::Result<()> {
                 if changed.is_empty() {
                     String::new() // decisions that cancelled out: nothing to do
                 } else {
-                    format!(
-                        "delete element netdev {t} owner {{ {} }}\n",
-                        keys.join(", ")
-                    ) + &map_elements(
-                        t,
-                        "owner",
-                        changed
-                            .iter()
-                            .map(|&b| (b, macs[owners[b as usize] as usize])),
-                    )
+                    let keys = keys.join(", ");
+                    let stamps: Vec<String> =
+                        changed.iter().map(|b| format!("{b} : {stamp}")).collect();
+                    format!("delete element netdev {t} owner {{ {keys} }}\n")
+                        + &map_elements(
+                            t,
+                            "owner",
+                            changed
+                                .iter()
+                                .map(|&b| (b, macs[owners[b as usize] as usize])),
+                        )
+                        + &format!("flush set netdev {t} epoch\nadd element netdev {t} epoch {{ {epoch} }}\n")
+                        + &format!("delete element netdev {t} changed {{ {keys} }}\n")
+                        + &format!("add element netdev {t} changed {{ {} }}\n", stamps.join(", "))
                 }
             }
-            None => install_script(cfg, &sh.rules, &macs, &owners),
+            None => {
+                let st = sh.lock();
+                let ds: Vec<u32> = (0..owners.len())
+                    .map(|b| {
+                        if owners[b] != st.det.applied_table().1[b] {
+                            stamp
+                        } else {
+                            st.det.changed_at()[b]
+                                .map_or(0, |t| mono_ds(sh.instant_of(t)).wrapping_add(1).max(1))
+                        }
+                    })
+                    .collect();
+                drop(st);
+                install_script(cfg, &sh.rules, &macs, &owners, epoch, &ds)
+            }
         };
         let r = if script.is_empty() {
             Ok(())
@@ -1436,8 +1736,8 @@ fn programmer(sh: &Shared) -> io::Result<()> {
         }
         sh.changed.notify_all();
     }
-    drop(st);
-    nft_apply(&format!("delete table netdev {t}\n"))
+    // The table stays: see Lb::stop.
+    Ok(())
 }
 
 /// Waits up to `wait` for `sock` to become readable (or report an error), with ppoll's
@@ -2077,6 +2377,67 @@ mac = "02:75:62:01:00:03"
             let _ = decode_heartbeat(b"k", &buf);
             let _ = decode_reply(b"k", &buf);
         }
+    }
+
+    #[test]
+    fn adopting_a_leftover_table() {
+        let c = LbConfig::from_toml(GOOD).unwrap();
+        let macs: Vec<[u8; 6]> = c.servers.iter().map(|s| parse_mac(&s.mac).unwrap()).collect();
+        let ingress = "ip daddr . tcp dport @svc4 meta mark set jhash ip saddr . tcp sport mod 256 seed 0x75620001 goto steer".to_string();
+        // Server 2's (index 1) buckets are with 1 and 3; bucket 7 has a foreign MAC.
+        let mut owners: Vec<(u64, [u8; 6])> = (0..256u64)
+            .map(|b| (b, macs[if b % 3 == 1 { (b as usize / 3) % 2 * 2 } else { b as usize % 3 }]))
+            .collect();
+        owners[7].1 = [2, 0, 0, 0, 0, 9];
+        let k = KernelTable { ingress: ingress.clone(), owners, epoch: Some(9), changed: vec![(4, 77)] };
+        let a = adopt_state(&c, &k).unwrap();
+        assert_eq!(a.epoch, 9);
+        assert_eq!(a.rehomed, vec![7]);
+        assert_eq!(a.owners[7], 1);
+        assert!((0..256).filter(|b| b % 3 == 1 && *b != 7).all(|b| a.owners[b] != 1));
+        assert_eq!((a.changed[4], a.changed[5]), (77, 0));
+        // Adopted by the detector: the servers that own their home bucket start alive; server
+        // 2 (index 1) starts dead and pulls nothing home until it has beaten steadily for the
+        // revive hold; then its home buckets return, under a continued epoch.
+        let base = 1u64 << 32;
+        let mut det = Detector::new(c.detector_config(), a.owners.clone(), base).unwrap();
+        det.adopt_history(a.epoch, vec![None; 256]);
+        assert_eq!(det.applied_table().0, 9);
+        assert!((0..256).filter(|b| b % 3 == 1 && *b != 7).all(|b| det.want().1[b] != 1));
+        let mut seq = 0;
+        let mut epochs = vec![];
+        for step in 0..2000u64 {
+            let now = base + step * 5;
+            seq += 1;
+            for i in 0..3 {
+                det.heartbeat(i, seq, now);
+                det.grant(i, now);
+            }
+            det.tick(now);
+            if let Some((e, o)) = det.take_want() {
+                epochs.push(e);
+                det.applied(e, &o, now);
+            }
+        }
+        assert_eq!(det.applied_table().1, &home_owners(256, 3)[..]);
+        assert!(!epochs.is_empty() && epochs.iter().all(|&e| e > 9), "{epochs:?}");
+        // Another bucket count or seed: refused; an older table without epoch: epoch 1.
+        let mut c2 = c.clone();
+        c2.buckets = 512;
+        assert!(adopt_state(&c2, &k).unwrap_err().contains("mod 512"));
+        let mut c3 = c.clone();
+        c3.seed = 5;
+        assert!(adopt_state(&c3, &k).is_err());
+        let old = KernelTable { epoch: None, changed: Vec::new(), ..k.clone() };
+        assert_eq!(adopt_state(&c, &old).unwrap().epoch, 1);
+        let big = KernelTable { owners: vec![(300, macs[0])], ..k };
+        assert!(adopt_state(&c, &big).unwrap_err().contains("bucket 300"));
+        // change times survive as CLOCK_MONOTONIC deciseconds
+        let t = Instant::now() - Duration::from_secs(5);
+        let back = instant_of_ds(mono_ds(t) + 1).unwrap();
+        let d = if back > t { back - t } else { t - back };
+        assert!(d < Duration::from_millis(250), "{d:?}");
+        assert_eq!(instant_of_ds(0), None);
     }
 
     #[test]

@@ -10,5 +10,6 @@ pub mod lab;
 pub mod lb;
 pub mod objlab;
 pub mod runtime;
+pub mod signals;
 pub mod steer;
 pub mod store;

@@ -1,5 +1,6 @@
 //! `unbroken guard` at run time: binds the queue, installs the steering rules, then runs the
 //! packet loop, one command loop per listen address, and a status writer until SIGINT/SIGTERM.
+//! SIGHUP is ignored (logged and counted, see [`crate::signals`]).
 
 use crate::config::{Guard as Config, Placement};
 use crate::guard::{fill_tcp_checksum, Action, Core};
@@ -37,6 +38,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    crate::signals::ignore_hangup("guard");
     let core = Arc::new(Mutex::new(Core::from_config(&cfg)));
     let started = Instant::now();
     let mono_ms = move || started.elapsed().as_millis() as u64;
@@ -179,6 +181,7 @@ fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
             "pid": std::process::id(),
             "uptime_ms": started.elapsed().as_millis() as u64,
             "stopped": stop,
+            "sighup_ignored": crate::signals::hangups(),
             "counters": counters,
         });
         if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {

@@ -435,13 +435,17 @@ fn balances_detects_failure_moves_only_its_buckets_and_returns_them() {
     assert!(all_three(&h4), "{h4:?}");
     assert_eq!(lab::rsts_seen(w.lab.client()).unwrap(), 0);
 
-    // 4. The table is gone after stop.
+    // 4. stop leaves the table (traffic keeps flowing); stop_and_remove removes it.
     let table = s.table.clone();
     assert!(w.table_exists(&table));
     let mut l = w.lb.take().unwrap();
     l.stop().unwrap();
-    assert!(!w.table_exists(&table), "table {table} survived stop");
-    l.stop().unwrap(); // idempotent
+    assert!(w.table_exists(&table), "table {table} gone after stop");
+    let h4 = w.requests(URL4, 30);
+    assert!(all_three(&h4), "stopped balancer's table still balances: {h4:?}");
+    l.stop_and_remove().unwrap();
+    assert!(!w.table_exists(&table), "table {table} survived stop_and_remove");
+    l.stop_and_remove().unwrap(); // idempotent
     drop(l);
     // Without the table, VIP traffic is not balanced any more (routed toward the bridge,
     // where no server answers ARP or neighbour solicitations for the VIP).
@@ -613,7 +617,7 @@ fn cleanup_and_replace_leftover_tables() {
         .unwrap()
         .unwrap();
     assert!(owners.iter().all(|o| o.is_some()));
-    l.stop().unwrap();
+    l.stop_and_remove().unwrap();
     assert!(!exists(&cfg.table));
 
     // A table deleted behind the balancer's back is installed again at the next change (here:
@@ -643,7 +647,8 @@ fn cleanup_and_replace_leftover_tables() {
         .unwrap()
         .unwrap();
     assert!(owners.iter().all(|o| *o == Some(lab_mac(3))), "{owners:?}");
-    drop(l);
+    let mut l = l;
+    l.stop_and_remove().unwrap();
     assert!(!exists(&cfg.table));
 
     let mut bad = cfg.clone();
@@ -658,14 +663,8 @@ fn cleanup_and_replace_leftover_tables() {
     assert!(!exists(&cfg.table));
 }
 
-/// The `unbroken lb` binary (when built next to this test: `cargo build --release -p unbroken`):
-/// bad config exits 2; a run prints events, writes the status file and removes its table on
-/// SIGTERM.
-#[test]
-fn unbroken_lb_command() {
-    if skip() {
-        return;
-    }
+/// The `unbroken` binary next to this test (`cargo build --release -p unbroken`), or None.
+fn unbroken_bin() -> Option<PathBuf> {
     let bin = std::env::var_os("UNBROKEN_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -680,10 +679,100 @@ fn unbroken_lb_command() {
                 bin.display()
             ),
         );
+        return None;
+    }
+    Some(bin)
+}
+
+/// A running `unbroken lb` with its stdout and stderr lines.
+struct LbProc {
+    child: Child,
+    out: std::sync::mpsc::Receiver<String>,
+    err: std::sync::mpsc::Receiver<String>,
+}
+
+impl LbProc {
+    fn spawn(w: &World, bin: &Path, cfg: &Path, status: &Path) -> LbProc {
+        let mut child = lab::spawn(
+            w.lab.lb(),
+            Command::new(bin)
+                .args(["lb", "--config"])
+                .arg(cfg)
+                .arg("--status-file")
+                .arg(status)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped()),
+        )
+        .unwrap();
+        let lines = |r: Box<dyn std::io::Read + Send>| {
+            let (tx, rx) = std::sync::mpsc::channel::<String>();
+            std::thread::spawn(move || {
+                for l in BufReader::new(r).lines().map_while(Result::ok) {
+                    let _ = tx.send(l);
+                }
+            });
+            rx
+        };
+        let out = lines(Box::new(child.stdout.take().unwrap()));
+        let err = lines(Box::new(child.stderr.take().unwrap()));
+        LbProc { child, out, err }
+    }
+
+    /// The next line of `rx` containing `want` (bounded by `DEADLINE`).
+    fn line(rx: &std::sync::mpsc::Receiver<String>, want: &str) -> String {
+        let end = Instant::now() + DEADLINE;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let l = rx
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no line containing {want:?}"));
+            eprintln!("unbroken lb: {l}");
+            if l.contains(want) {
+                return l;
+            }
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+
+    fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// SIGTERM, then wait for a successful exit.
+    fn terminate(mut self) {
+        self.signal(libc::SIGTERM);
+        let st = wait_for("unbroken lb to exit", || self.child.try_wait().unwrap());
+        assert!(st.success(), "{st}");
+        Self::line(&self.out, "stopped: table");
+    }
+}
+
+impl Drop for LbProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn read_status(p: &Path) -> Option<LbStatus> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+/// The `unbroken lb` binary: bad config exits 2; a run prints events and writes the status
+/// file; SIGHUP is logged and ignored (it keeps detecting); SIGTERM leaves the table, and
+/// `--cleanup` removes it.
+#[test]
+fn unbroken_lb_command() {
+    if skip() {
         return;
     }
+    let Some(bin) = unbroken_bin() else { return };
     let mut w = World::new(false, |_| {});
-    w.lb = None; // this test runs the binary instead
+    w.lb.take().unwrap().stop_and_remove().unwrap(); // this test runs the binary instead
     let dir = w.dir.clone();
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "ingress = \"l0\"\n").unwrap();
@@ -702,59 +791,160 @@ fn unbroken_lb_command() {
     let cfg_path = dir.join("lb.toml");
     std::fs::write(&cfg_path, toml::to_string(&cfg).unwrap()).unwrap();
     let status = dir.join("lb.json");
-    let mut child = lab::spawn(
-        w.lab.lb(),
-        Command::new(&bin)
-            .args(["lb", "--config"])
-            .arg(&cfg_path)
-            .arg("--status-file")
-            .arg(&status)
-            .stdout(Stdio::piped()),
-    )
-    .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
-    let next_line = |want: &str| -> String {
-        let end = Instant::now() + DEADLINE;
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            let l = rx
-                .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("no line containing {want:?}"));
-            eprintln!("unbroken lb: {l}");
-            if l.contains(want) {
-                return l;
-            }
-        }
-    };
-    next_line("ready");
+    let mut p = LbProc::spawn(&w, &bin, &cfg_path, &status);
+    let ready = LbProc::line(&p.out, "ready");
+    assert!(ready.contains("adopted=false"), "{ready}");
     for i in 1..=3 {
         w.start_hb(i);
     }
-    let read_status = |p: &Path| -> Option<LbStatus> {
-        serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
-    };
     wait_for("status file with every server heard", || {
         read_status(&status).filter(|s| s.servers.iter().all(|x| x.heartbeats > 0))
     });
+    // SIGHUP: one log line, and the balancer keeps running and detecting.
+    p.signal(libc::SIGHUP);
+    LbProc::line(&p.err, "SIGHUP: reload not supported, ignored");
+    assert!(p.running(), "SIGHUP killed unbroken lb");
     w.stop_hb(3);
-    let line = next_line("down");
+    let line = LbProc::line(&p.out, "down");
     assert!(line.contains("server=3"), "{line}");
     wait_for("status file shows server 3 dead", || {
         read_status(&status).filter(|s| !s.server(3).unwrap().alive && s.applied_epoch == s.epoch)
     });
+    assert!(p.running());
     assert!(w.table_exists(&cfg.table));
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let st = wait_for("unbroken lb to exit", || child.try_wait().unwrap());
-    assert!(st.success(), "{st}");
-    reader.join().unwrap();
-    assert!(!w.table_exists(&cfg.table), "table survived SIGTERM");
+    p.terminate();
+    assert!(w.table_exists(&cfg.table), "table removed on SIGTERM");
     assert!(read_status(&status).is_some());
+    let out = lab::run(
+        w.lab.lb(),
+        Command::new(&bin).args(["lb", "--cleanup", "--config"]).arg(&cfg_path),
+    )
+    .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("removed table"));
+    assert!(!w.table_exists(&cfg.table), "table survived --cleanup");
+}
+
+/// Restart and upgrade keep the data path: a client downloads through the balancer while
+/// `unbroken lb` is SIGTERM-ed and started again. The table stays in the kernel meanwhile;
+/// the new process adopts it (same epoch, same owners: the dead server's buckets stay with
+/// the survivors instead of going home to it); the download is byte-exact with 0 RSTs.
+#[test]
+fn lb_restart_keeps_the_data_path() {
+    if skip() {
+        return;
+    }
+    let Some(bin) = unbroken_bin() else { return };
+    let mut w = World::new(true, |_| {});
+    w.lb.take().unwrap().stop_and_remove().unwrap(); // the binary instead
+    let dir = w.dir.clone();
+    // The same object on every server: 24 MiB, downloaded at 6 MB/s (about 4 s).
+    let size = 24usize << 20;
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let obj: Vec<u8> = (0..size)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    for i in 1..=3 {
+        std::fs::write(dir.join(format!("www{i}")).join("big"), &obj).unwrap();
+    }
+    let mut cfg = w.lab.lb_config();
+    cfg.key = KEY_HEX.into();
+    let cfg_path = dir.join("lb.toml");
+    std::fs::write(&cfg_path, toml::to_string(&cfg).unwrap()).unwrap();
+    let status = dir.join("lb.json");
+    let p = LbProc::spawn(&w, &bin, &cfg_path, &status);
+    LbProc::line(&p.out, "ready");
+    for i in [1, 2] {
+        w.start_hb(i);
+    }
+    // Server 3 never speaks: declared dead after the grace, its buckets go to 1 and 2.
+    let before = wait_for("server 3 dead, table applied", || {
+        read_status(&status).filter(|s| {
+            !s.server(3).unwrap().alive
+                && s.server(1).unwrap().alive
+                && s.server(2).unwrap().alive
+                && s.applied_epoch == s.epoch
+                && s.buckets_of(3).is_empty()
+        })
+    });
+    let kernel_before = w.kernel_owners(&cfg.table, cfg.buckets);
+    eprintln!("before restart: epoch {}", before.epoch);
+
+    let out_file = dir.join("download");
+    let mut curl = lab::spawn(
+        w.lab.client(),
+        Command::new("curl")
+            .args(["-sS", "-g", "--limit-rate", "6M", "-m", "60", "-o"])
+            .arg(&out_file)
+            .args(["-w", "%{size_download}", "http://10.77.0.100/big"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .unwrap();
+    // Restart once the download is under way.
+    wait_for("the download to start", || {
+        std::fs::metadata(&out_file)
+            .ok()
+            .filter(|m| m.len() > 1 << 20)
+    });
+    let t = Instant::now();
+    p.terminate();
+    assert!(w.table_exists(&cfg.table), "table removed on SIGTERM");
+    assert_eq!(w.kernel_owners(&cfg.table, cfg.buckets), kernel_before);
+    let got = std::fs::metadata(&out_file).unwrap().len();
+    std::fs::remove_file(&status).unwrap(); // only the new process's status from here on
+    let mut p = LbProc::spawn(&w, &bin, &cfg_path, &status);
+    let ready = LbProc::line(&p.out, "ready");
+    eprintln!("restarted after {:?} (download at {got} bytes)", t.elapsed());
+    assert!(ready.contains("adopted=true"), "{ready}");
+    assert!(ready.contains(&format!("epoch={}", before.epoch)), "{ready}");
+    LbProc::line(&p.err, "adopted table");
+    // Adopted: the same owners (server 3's buckets stay with 1 and 2 during the grace, when
+    // server 3 counts as alive), then server 3 is declared dead with nothing to move.
+    let after = wait_for("server 3 declared dead by the new process", || {
+        read_status(&status).filter(|s| !s.server(3).unwrap().alive && s.applied_epoch == s.epoch)
+    });
+    assert!(after.adopted);
+    assert_eq!(after.owners, before.owners, "the restart moved buckets");
+    assert_eq!(after.epoch, before.epoch, "{:?}", after.events);
+    assert!(after.events.iter().all(|e| e.buckets_moved == 0), "{:?}", after.events);
+    assert_eq!(w.kernel_owners(&cfg.table, cfg.buckets), kernel_before);
+    // SIGHUP to the new process: ignored, and the download carries on.
+    p.signal(libc::SIGHUP);
+    LbProc::line(&p.err, "SIGHUP: reload not supported, ignored");
+    assert!(p.running(), "SIGHUP killed unbroken lb");
+
+    let end = Instant::now() + Duration::from_secs(90);
+    let st = loop {
+        if let Some(st) = curl.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < end, "the download did not finish");
+        std::thread::sleep(Duration::from_millis(20)); // polling a child's exit with a deadline
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    curl.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(st.success(), "curl: {st} {err}");
+    let data = std::fs::read(&out_file).unwrap();
+    assert_eq!(data.len(), obj.len(), "download length");
+    assert!(data == obj, "download differs from the object");
+    assert!(got < obj.len() as u64, "the restart came after the download ended");
+    assert_eq!(lab::rsts_seen(w.lab.client()).unwrap(), 0, "RSTs reached the client");
+    // Server 3 comes back: its home buckets return, in the epoch after the adopted one.
+    w.start_hb(3);
+    let s = wait_for("server 3 back with its home buckets", || {
+        read_status(&status).filter(|s| {
+            s.server(3).unwrap().alive && s.applied_epoch == s.epoch && s.buckets_of(3).len() == 85
+        })
+    });
+    assert!(s.epoch > before.epoch);
+    p.terminate();
 }
 
 /// The store: redis in the store namespace answers servers over IPv4 and IPv6.

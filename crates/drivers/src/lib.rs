@@ -5,6 +5,7 @@
 //!   verdicts.
 //! - [`rawsend`]: injection of complete IPv4/IPv6 packets through `IPPROTO_RAW` sockets with an
 //!   `SO_MARK`, so the guard's own packets can be told apart by the firewall.
+//! - [`sockdiag`]: looking up one local TCP socket by its address pair (`NETLINK_SOCK_DIAG`).
 //! - [`iptables`]: installation and removal of the `iptables`/`ip6tables` rules that steer a
 //!   guard's traffic into its queue and let its injected packets through.
 //!
@@ -17,6 +18,7 @@ mod netlink;
 pub mod nfqueue;
 pub mod rawsend;
 pub mod repair;
+pub mod sockdiag;
 mod sys;
 
 pub use iptables::{BuiltinChain, Proto, RuleSpec, Rules, Service, Table};

@@ -515,6 +515,9 @@ pub struct Counters {
     /// server (the stand-in it took the connection back from) sent them after the plan. The
     /// connection is silenced here and the packet starts a new failover from that ACK.
     pub superseded: u64,
+    /// Connections entered unprotected because a local socket already served them (the
+    /// agent restarted under them): see [`Engine::learn_unprotected`].
+    pub learned: u64,
     /// Server segments dropped because an earlier one never reached the engine.
     pub server_gaps: u64,
     /// Pure ACKs the engine built to tell a client that the hold moved past its request
@@ -1479,6 +1482,29 @@ impl Engine {
             return;
         }
         self.mute(key);
+    }
+
+    /// Enter `key` as a known, unprotected connection: a local socket serves it that this
+    /// engine never saw set up (its agent restarted). Its packets pass unchanged from now on
+    /// and it is never a failover candidate here; its old record (whose positions are now
+    /// stale) is replaced by a tombstone, so a failover elsewhere refuses instead of guessing.
+    /// Returns false (and does nothing) when the engine already tracks `key`.
+    pub fn learn_unprotected(&mut self, key: Key, now: u64) -> bool {
+        if self.tracks(&key) {
+            return false;
+        }
+        let mut c = Conn::new(Handshake::default(), now);
+        c.protected = false;
+        c.ack_limit = None;
+        self.conns.insert(key, c);
+        self.counters.learned += 1;
+        self.counters.unprotected += 1;
+        let rec = Record { hs: Handshake::default(), hold_off: 0, sent_off: 0, entries: Vec::new(), unprotected: true };
+        let token = self.token(key);
+        self.counters.stores += 1;
+        self.conns.get_mut(&key).unwrap().deleting = Some(token);
+        self.actions.push_back(Action::Store { token, conn: key, key: key.store_key(), value: rec.encode() });
+        true
     }
 
     /// Next held packet to drop (of a muted connection).

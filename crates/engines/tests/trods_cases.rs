@@ -869,3 +869,33 @@ fn adopted_connection_superseded_by_an_ack_of_unsent_bytes() {
     assert_eq!(t.c(cs(REQ.len() as u32), ss(hl + 3001), F::ACK, b""), Verdict::Accept { modified: false });
     assert_eq!(t.e.counters.superseded, 1);
 }
+
+#[test]
+fn restart_a_connection_served_by_a_local_socket_is_learned_unprotected() {
+    // A fresh engine (the agent restarted) sees the middle of a download it never saw set up.
+    let mut t = T::new();
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(5000), F::ACK, b""), Verdict::Unknown);
+    assert!(t.e.learn_unprotected(key(), t.now));
+    assert!(!t.e.learn_unprotected(key(), t.now), "learned twice");
+    assert!(t.e.knows(&key()));
+    // Its old record is replaced by a tombstone, which a failover refuses.
+    let stored = t.store_all();
+    assert_eq!(stored.len(), 1);
+    let rec = Record::decode(&stored[0]).unwrap();
+    assert!(rec.unprotected);
+    assert!(plan_recovery(&rec, &trig(cs(REQ.len() as u32), ss(5000), F::ACK, 0)).is_err());
+    // Every later packet passes at once, unchanged, both ways, however many there are.
+    for k in 0..50u32 {
+        assert_eq!(t.c(cs(REQ.len() as u32), ss(5000 + k * 1000), F::ACK, b""), Verdict::Accept { modified: false });
+        let (v, _) = t.s(ss(5000 + k * 1000), cs(REQ.len() as u32), F::ACK, &body(1000, k as u8));
+        assert_eq!(v, Verdict::Accept { modified: false });
+        // a pure ACK of the server beyond any hold is not dropped either
+        let (v, _) = t.s(ss(6000 + k * 1000), cs(REQ.len() as u32 + 77), F::ACK, b"");
+        assert_eq!(v, Verdict::Accept { modified: false });
+    }
+    assert!(t.e.poll_action().is_none(), "an unprotected connection issues no store");
+    assert_eq!((t.e.counters.learned, t.e.protected()), (1, 0));
+    // The client's FIN ends it without a delete of anything (there is nothing to protect).
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(60000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert!(t.e.poll_action().is_none());
+}

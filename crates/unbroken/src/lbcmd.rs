@@ -1,12 +1,18 @@
-//! `unbroken lb --config FILE [--status-file PATH]`: object mode's load balancer and liveness
-//! monitor ([`unbroken_control::lb`]) as a command.
+//! `unbroken lb --config FILE [--status-file PATH] [--cleanup]`: object mode's load balancer
+//! and liveness monitor ([`unbroken_control::lb`]) as a command.
 //!
-//! Prints `ready ...` once the table is installed, then one line per liveness event
+//! Prints `ready ...` once the table is installed (`adopted=true` when it took over the table
+//! a previous `unbroken lb` left), then one line per liveness event
 //! (`down server=2 t_ms=... detect_ms=... buckets_moved=85 epoch=2`), until SIGINT or SIGTERM.
-//! The status JSON ([`unbroken_control::lb::LbStatus`]) is written atomically (temporary file
-//! plus rename) on every change and every 500 ms. The nft table is removed on exit. Exit codes:
-//! 0 after a signal, 1 when the balancer cannot start or stop cleanly, 2 for usage and config
-//! errors.
+//! SIGHUP is ignored (one log line). The status JSON ([`unbroken_control::lb::LbStatus`]) is
+//! written atomically (temporary file plus rename) on every change and every 500 ms.
+//!
+//! On SIGINT or SIGTERM the nft table stays in the kernel: traffic keeps flowing to the
+//! current owners, and the next `unbroken lb` adopts it, so a restart or an upgrade is no
+//! outage (nothing watches liveness in between). `--cleanup` removes the config's table and
+//! exits, for when the balancer is taken away for good. Exit codes: 0 after a signal (or a
+//! cleanup), 1 when the balancer cannot start or stop cleanly (or the cleanup fails), 2 for
+//! usage and config errors.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,8 +30,10 @@ const STATUS_PERIOD: Duration = Duration::from_millis(500);
 /// Longest wait between checks of the stop flag.
 const TICK: Duration = Duration::from_millis(50);
 
+const USAGE: &str = "usage: unbroken lb --config FILE [--status-file PATH] [--cleanup]";
+
 fn usage(msg: &str) -> i32 {
-    eprintln!("unbroken lb: {msg}\nusage: unbroken lb --config FILE [--status-file PATH]");
+    eprintln!("unbroken lb: {msg}\n{USAGE}");
     2
 }
 
@@ -59,6 +67,7 @@ pub fn event_line(e: &LbEvent) -> String {
 pub fn main(args: Vec<String>) -> i32 {
     let mut config: Option<PathBuf> = None;
     let mut status_file: Option<PathBuf> = None;
+    let mut remove = false;
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -70,8 +79,9 @@ pub fn main(args: Vec<String>) -> i32 {
                 Some(v) => status_file = Some(v.into()),
                 None => return usage("--status-file needs a PATH"),
             },
+            "--cleanup" => remove = true,
             "-h" | "--help" => {
-                println!("usage: unbroken lb --config FILE [--status-file PATH]");
+                println!("{USAGE}");
                 return 0;
             }
             o => return usage(&format!("unknown argument {o:?}")),
@@ -87,11 +97,28 @@ pub fn main(args: Vec<String>) -> i32 {
             return 2;
         }
     };
+    if remove {
+        return match unbroken_control::lb::cleanup(&cfg.table) {
+            Ok(true) => {
+                println!("removed table {}", cfg.table);
+                0
+            }
+            Ok(false) => {
+                println!("no table {}", cfg.table);
+                0
+            }
+            Err(e) => {
+                eprintln!("unbroken lb: removing table {}: {e}", cfg.table);
+                1
+            }
+        };
+    }
     // SAFETY: installs a handler that only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    unbroken_control::signals::ignore_hangup("unbroken lb");
     let table = cfg.table.clone();
     let mut lb = match Lb::start(cfg) {
         Ok(l) => l,
@@ -102,12 +129,13 @@ pub fn main(args: Vec<String>) -> i32 {
     };
     let s = lb.status();
     println!(
-        "ready table={table} buckets={} servers={} heartbeats={} epoch={} monitor_realtime={}",
+        "ready table={table} buckets={} servers={} heartbeats={} epoch={} monitor_realtime={} adopted={}",
         s.buckets,
         s.servers.len(),
         lb.heartbeat_addr(),
         s.epoch,
-        s.monitor_realtime
+        s.monitor_realtime,
+        s.adopted
     );
     let mut printed = 0u64;
     let mut gen = 0u64;
@@ -149,11 +177,11 @@ pub fn main(args: Vec<String>) -> i32 {
     }
     match r {
         Ok(()) => {
-            println!("stopped: table {table} removed");
+            println!("stopped: table {table} left in the kernel (traffic keeps flowing to the current owners; the next unbroken lb adopts it, unbroken lb --cleanup removes it)");
             0
         }
         Err(e) => {
-            eprintln!("unbroken lb: removing table {table}: {e}");
+            eprintln!("unbroken lb: stopping: {e}");
             1
         }
     }
@@ -198,6 +226,7 @@ mod tests {
             events: vec![e],
             counters: Default::default(),
             last_nft_error: None,
+            adopted: false,
         };
         write_status(&p, &s).unwrap();
         write_status(&p, &s).unwrap();

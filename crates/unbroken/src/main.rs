@@ -12,7 +12,7 @@ usage:
   unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo] [--same-hosts] [--local-guard]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
-        LIST is comma-separated from app,host,guard,guard+app (default app,app,host,app).
+        LIST is comma-separated from app,host,guard,guard+app,guard-hup (default app,app,host,app).
   unbroken guard --config FILE [--remove-rules]
         Run the checkpoint guard (RTCP) with the given TOML config.
   unbroken status --file STATUS.json [--json]
@@ -40,9 +40,11 @@ usage:
   unbroken agent --config FILE
         Run object mode's server agent (TRODS-KV) beside the local HTTP server;
         configs/agent.example.toml shows every key.
-  unbroken lb --config FILE [--status-file PATH]
+  unbroken lb --config FILE [--status-file PATH] [--cleanup]
         Run object mode's load balancer and liveness monitor (nftables, root) until
-        SIGINT/SIGTERM; configs/lb.example.toml shows every key.
+        SIGINT/SIGTERM; configs/lb.example.toml shows every key. The table stays in the
+        kernel on exit (traffic keeps flowing; the next run adopts it); --cleanup removes it.
+        SIGHUP is ignored by lb, agent and guard (no reload).
   unbroken lab cleanup
         Remove network namespaces left behind by crashed runs.
 ";
@@ -90,7 +92,8 @@ fn parse_crashes(s: &str) -> Result<Vec<Crash>, String> {
             "host" => Ok(Crash::Host),
             "guard" => Ok(Crash::Guard),
             "guard+app" | "both" => Ok(Crash::GuardAndApp),
-            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app)")),
+            "guard-hup" => Ok(Crash::GuardHangup),
+            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app, guard-hup)")),
         })
         .collect()
 }

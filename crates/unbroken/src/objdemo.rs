@@ -178,6 +178,36 @@ impl ObjectEnv {
     pub fn start_server(&mut self, i: usize) -> io::Result<()> {
         let run = self.dir.join(format!("nginx{i}"));
         self.nginx[i - 1] = Some(self.lab.start_nginx(i, &self.docroot, &run)?);
+        self.start_agent(i)
+    }
+
+    /// Sends `sig` to agent `i` (false when it does not run).
+    pub fn signal_agent(&self, i: usize, sig: i32) -> bool {
+        // SAFETY: a signal to our own child.
+        self.agents[i - 1].as_ref().is_some_and(|c| unsafe { libc::kill(c.id() as i32, sig) } == 0)
+    }
+
+    /// Restarts agent `i` alone (nginx keeps running): `sig` (SIGTERM, SIGKILL), a wait for
+    /// its exit (bounded), then a new agent, returning once it is ready.
+    pub fn restart_agent(&mut self, i: usize, sig: i32) -> io::Result<()> {
+        if let Some(mut c) = self.agents[i - 1].take() {
+            // SAFETY: a signal to our own child.
+            unsafe { libc::kill(c.id() as i32, sig) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while c.try_wait()?.is_none() {
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    return Err(err(format!("agent {i} did not exit within 10 s of signal {sig}")));
+                }
+                std::thread::sleep(Duration::from_millis(2)); // polling a child's exit with a deadline
+            }
+        }
+        self.start_agent(i)
+    }
+
+    /// Starts agent `i` (its status file is removed first); returns once it printed ready.
+    pub fn start_agent(&mut self, i: usize) -> io::Result<()> {
         let conf = self.dir.join(format!("agent{i}.toml"));
         std::fs::write(&conf, self.agent_toml(i))?;
         let _ = std::fs::remove_file(self.agent_status_path(i));

@@ -24,6 +24,9 @@ pub enum Crash {
     Guard,
     /// The guard and the application die at the same moment.
     GuardAndApp,
+    /// Not a crash: SIGHUP to the guard, which must log it, count it (`sighup_ignored` in
+    /// its status file) and keep running.
+    GuardHangup,
 }
 
 #[derive(Debug, Clone)]
@@ -351,6 +354,18 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                         guard = w.start_guard(&cfg)?;
                         app = w.start_app(&app_host, None)?;
                     }
+                    Crash::GuardHangup => {
+                        let before = read_status(&w.status_path())["sighup_ignored"].as_u64().unwrap_or(0);
+                        // SAFETY: a signal to our own child.
+                        unsafe { libc::kill(guard.child.id() as i32, libc::SIGHUP) };
+                        let end = Instant::now() + Duration::from_secs(10);
+                        while read_status(&w.status_path())["sighup_ignored"].as_u64().unwrap_or(0) <= before {
+                            if !matches!(guard.child.try_wait(), Ok(None)) || Instant::now() > end {
+                                return Err(format!("SIGHUP: the guard did not count it (exit status {:?})", guard.child.try_wait()));
+                            }
+                            std::thread::sleep(Duration::from_millis(10)); // polling the status file with a deadline
+                        }
+                    }
                 }
                 log.push(CrashRecord { kind, point: None, at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
                 next += 1;
@@ -377,6 +392,9 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         }
     }
     let rsts = lab::rsts_seen(&w.lab.peer).map_err(|e| format!("rst counter: {e}"))?;
+    if !matches!(guard.child.try_wait(), Ok(None)) {
+        return Err(format!("the guard exited during the transfer: {:?}", guard.child.try_wait()));
+    }
     let status = read_status(&w.status_path());
     drop(app);
     drop(guard);

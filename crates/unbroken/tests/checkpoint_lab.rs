@@ -67,6 +67,16 @@ fn guard_crash_is_turned_into_app_recovery() {
 }
 
 #[test]
+fn sighup_never_kills_the_guard() {
+    // SIGHUP (no reload) is logged, counted and ignored: the guard keeps renumbering through an
+    // app crash after it, the transfer ends byte-exact with 0 RSTs and the guard still runs.
+    let Some(_g) = lab_or_skip("guard_hup") else { return };
+    let r = check("guard_hup", &Scenario { crashes: vec![Crash::GuardHangup, Crash::App], ..base(30_000) });
+    assert!(r.guard["sighup_ignored"].as_u64().unwrap_or(0) >= 1, "{}", r.guard);
+    assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 1, "{}", r.guard["counters"]);
+}
+
+#[test]
 fn guard_and_app_crash_together() {
     let Some(_g) = lab_or_skip("guard_and_app") else { return };
     check("guard_and_app", &Scenario { crashes: vec![Crash::App, Crash::GuardAndApp], ..base(30_000) });

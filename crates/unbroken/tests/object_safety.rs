@@ -1399,3 +1399,61 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
         "{name}: RSTs reached the clients while closing"
     );
 }
+
+/// Our own restarts: a curl download while its server's agent gets SIGHUP (ignored, counted),
+/// then is restarted with SIGTERM, then with SIGKILL. The new agent knows the connection again
+/// at once, one of two ways: its heartbeats resumed before the LB's deadline (100 ms), and it
+/// finds the local socket that owns the connection and passes its packets (never a 100 ms
+/// gate wait per packet); or the LB declared the server dead meanwhile and gave the bucket
+/// back, and the new agent rebuilds the connection from its record (failover). The download
+/// finishes byte-exact with 0 RSTs, and never crawls.
+#[test]
+fn agent_restart_and_sighup_during_a_download() {
+    let name = "agent_restart";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let size = 96u64 << 20;
+    let want = object(&env, "restart.bin", size, 11);
+    let t = Instant::now();
+    let mut c = curl(&env, "/restart.bin", 42_101, 12 << 20, want.clone());
+    assert!(c.wait_bytes(size / 10, Duration::from_secs(30)), "{name}: the download did not start");
+    let srv = c.server(&env);
+    eprintln!("{name}: served by server {srv}");
+
+    // SIGHUP: logged, counted, and the agent keeps running.
+    assert!(env.signal_agent(srv, libc::SIGHUP));
+    assert!(
+        wait_for(Duration::from_secs(10), || env.agent_status(srv).is_some_and(|v| v["sighup_ignored"].as_u64() >= Some(1))),
+        "{name}: SIGHUP not counted: {:?}",
+        env.agent_status(srv)
+    );
+    assert!(agent_alive(&env, srv), "{name}: SIGHUP killed the agent");
+
+    for (k, sig) in [(1u64, libc::SIGTERM), (2, libc::SIGKILL)] {
+        assert!(c.wait_bytes(size * (1 + 3 * k) / 10, Duration::from_secs(30)), "{name}: the download stalled before restart {k}");
+        let at = c.got();
+        let r = Instant::now();
+        env.restart_agent(srv, sig).unwrap_or_else(|e| panic!("{name}: restart {k}: {e}"));
+        eprintln!("{name}: agent {srv} restarted ({}) at {at} bytes in {} ms", if sig == libc::SIGTERM { "SIGTERM" } else { "SIGKILL" }, r.elapsed().as_millis());
+        // The new agent knows the connection: learned from its local socket, or rebuilt.
+        assert!(
+            wait_for(Duration::from_secs(10), || agent_counter(&env, srv, "passed_local_socket") + agent_counter(&env, srv, "failovers") >= 1),
+            "{name}: restart {k}: the new agent does not know the connection: {:?}",
+            env.agent_status(srv)
+        );
+        // ... and keeps it moving: the next 10 % arrive while the new agent runs.
+        assert!(c.wait_bytes(at + size / 10, Duration::from_secs(30)), "{name}: restart {k}: the download crawls");
+        let st = env.agent_status(srv).unwrap();
+        eprintln!("{name}: after restart {k}: agent {} engine learned {}", st["agent"], st["engine"]["learned"]);
+        assert_eq!(st["agent"]["failovers_denied"].as_u64(), Some(0), "{name}: packets waited at the gate");
+        assert_eq!(st["agent"]["refused"].as_u64(), Some(0), "{name}: refused");
+        let learned = st["engine"]["learned"].as_u64().unwrap_or(0);
+        let rebuilt = st["agent"]["failovers"].as_u64().unwrap_or(0);
+        eprintln!("{name}: restart {k}: {}", if learned > 0 { "learned from the local socket" } else { "the LB saw a death: rebuilt from the record" });
+        assert_eq!(learned + rebuilt, 1, "{name}: restart {k}");
+    }
+    let d = c.finish(Duration::from_secs(60));
+    show(name, &d);
+    assert_exact(name, &env, &d, &want);
+    eprintln!("{name}: {} MiB in {} ms; {}", size >> 20, t.elapsed().as_millis(), counters(&env));
+}

@@ -117,7 +117,9 @@ pub struct StoreSection {
     /// Key prefix.
     #[serde(default = "default_prefix")]
     pub prefix: String,
-    /// Records expire after this long without an update (s), in case a delete is lost.
+    /// A record expires after this long without being stored (s; 0: never). Records of live
+    /// connections are stored again every third of it, so a record outlives its connection
+    /// by at most this long when its delete is lost (a crash, a store outage). At least 30.
     #[serde(default = "default_ttl")]
     pub ttl_s: u64,
 }
@@ -129,7 +131,7 @@ fn default_prefix() -> String {
     "ub:".into()
 }
 fn default_ttl() -> u64 {
-    24 * 3600
+    600
 }
 
 /// The agent's whole configuration file.
@@ -189,6 +191,9 @@ impl Agent {
         }
         if raw.store.timeout_ms == 0 || raw.store.timeout_ms > 60_000 {
             return Err("store.timeout_ms: 1..=60000".into());
+        }
+        if raw.store.ttl_s != 0 && !(30..=30 * 86_400).contains(&raw.store.ttl_s) {
+            return Err(format!("store.ttl_s: {}: 0 (records never expire) or 30..=2592000 (records of live connections are stored again every third of it)", raw.store.ttl_s));
         }
         Ok(Agent { raw, services, backend, lb, key, gate_open })
     }
@@ -250,6 +255,8 @@ pub struct AgentCounters {
     pub passed_local_socket: u64,
     /// Lookups of local sockets that failed (the packet then waits at the gate as before).
     pub sockdiag_errors: u64,
+    /// Times the store became unreachable (each logged once, and its return too).
+    pub store_outages: u64,
     /// Trigger packet to rebuilt socket, microseconds.
     pub failover_us_last: u64,
     pub failover_us_max: u64,
@@ -395,7 +402,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()), dirty: AtomicBool::new(false) });
     let wake = Arc::new(Wake::new().map_err(|e| format!("agent: eventfd: {e}"))?);
     let (tx, rx): (Sender<Msg>, Receiver<Msg>) = channel();
-    let mut engine = Engine::new(trods::Config::default());
+    let mut engine = Engine::new(trods::Config { refresh_ms: cfg.raw.store.ttl_s * 1000 / 3, ..trods::Config::default() });
     let engine_view: Arc<Mutex<(trods::Counters, usize, usize)>> = Arc::new(Mutex::new(Default::default()));
     if let Some(path) = a.status_file.clone() {
         let (shared, ev) = (shared.clone(), engine_view.clone());
@@ -823,10 +830,28 @@ fn status_loop(
     started: Instant,
 ) {
     let tmp = path.with_extension("tmp");
+    let mut was_down = false;
     loop {
         let stop = STOP.load(Ordering::SeqCst);
-        let agent = shared.counters.lock().unwrap().clone();
         let (engine, conns, protected) = *ev.lock().unwrap();
+        // A store outage is said once when it starts and once when it ends: connections whose
+        // store fails run unprotected meanwhile, and are protected again when it answers.
+        let down = store.is_down();
+        if down != was_down {
+            was_down = down;
+            if down {
+                shared.count(|c| c.store_outages += 1);
+                eprintln!(
+                    "agent: store unreachable: connections whose record cannot be stored run unprotected until it answers again (a death then resets them); {protected} of {conns} protected now"
+                );
+            } else {
+                eprintln!(
+                    "agent: store reachable again: protection re-arms ({} connection(s) left unprotected by store failures so far, {} re-armed)",
+                    engine.unprotected_store, engine.rearmed
+                );
+            }
+        }
+        let agent = shared.counters.lock().unwrap().clone();
         let doc = serde_json::json!({
             "pid": std::process::id(),
             "uptime_ms": started.elapsed().as_millis() as u64,

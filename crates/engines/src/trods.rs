@@ -71,6 +71,10 @@ pub struct Config {
     pub idle_ms: u64,
     /// A client SYN without the server's SYN-ACK is forgotten after this long (ms).
     pub syn_ms: u64,
+    /// Store a protected connection's record again when it has not changed for this long
+    /// (ms; 0: never), so a store that expires records (the agent's `ttl_s`) keeps those of
+    /// live connections, and a record whose delete was lost expires with its connection.
+    pub refresh_ms: u64,
 }
 
 impl Default for Config {
@@ -83,6 +87,7 @@ impl Default for Config {
             linger_ms: 30_000,
             idle_ms: 15 * 60_000,
             syn_ms: 10_000,
+            refresh_ms: 0,
         }
     }
 }
@@ -518,6 +523,11 @@ pub struct Counters {
     /// Connections entered unprotected because a local socket already served them (the
     /// agent restarted under them): see [`Engine::learn_unprotected`].
     pub learned: u64,
+    /// Records stored again only to keep them from expiring ([`Config::refresh_ms`]).
+    pub refreshed: u64,
+    /// Connections protected again after a store failure had left them unprotected: the store
+    /// came back and took a full new record.
+    pub rearmed: u64,
     /// Server segments dropped because an earlier one never reached the engine.
     pub server_gaps: u64,
     /// Pure ACKs the engine built to tell a client that the hold moved past its request
@@ -611,6 +621,13 @@ struct Conn {
     /// the last stored progress mark, or a new server could place the client's 32-bit ACK
     /// in the wrong 4 GiB of a large object.
     stale_record: bool,
+    /// Unprotected because a store failed, not because of what the connection carries: its
+    /// streams are still parsed, and protection re-arms once a tombstone reaches the store
+    /// (the store is back), with a full new record ([`Counters::rearmed`]).
+    degraded: bool,
+    /// The stored generation [`Engine::expire`] last saw, and when it first saw it.
+    refresh_gen: u64,
+    refresh_at: u64,
     // what the client was told
     /// Client stream offset the server acknowledged (its highest ACK field seen).
     srv_ack: u64,
@@ -902,7 +919,7 @@ impl Engine {
                 if c.closed_at.is_some() {
                     return Verdict::Accept { modified: false };
                 }
-                if !c.protected {
+                if !c.protected && !c.degraded {
                     // A stale record must never become ambiguous: hold what would run too far
                     // past its progress mark until the tombstone is stored.
                     let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
@@ -975,7 +992,7 @@ impl Engine {
             self.forget(key, true);
             return;
         }
-        if c.closed_at.is_some() || !c.protected {
+        if c.closed_at.is_some() || (!c.protected && !c.degraded) {
             if fl & flags::FIN != 0 && c.closed_at.is_none() {
                 c.closed_at = Some(now);
             }
@@ -1157,14 +1174,19 @@ impl Engine {
         // Does this packet wait for a store? Its own new entry, an unfinished header, the
         // progress mark too far behind, or an earlier held packet (order is kept).
         let far = c.sent_next.saturating_sub(c.progress_stored) > 3 << 29;
-        let need = if header_pending {
+        let need = if c.degraded {
+            // Nothing waits for a store that failed, except what would run too far past the
+            // stale record's progress mark before its tombstone is stored.
+            let stale_far = !c.held.is_empty() || c.sent_next.saturating_sub(c.progress_stored) > STALE_SEND_LIMIT;
+            (c.stale_record && stale_far).then_some(u64::MAX)
+        } else if header_pending {
             Some(u64::MAX)
         } else if new_entry || far {
             Some(c.gen)
         } else {
             c.held.back().map(|h| h.need)
         };
-        if new_entry {
+        if new_entry && !c.degraded {
             for h in c.held.iter_mut().filter(|h| h.need == u64::MAX) {
                 h.need = c.gen;
             }
@@ -1251,7 +1273,21 @@ impl Engine {
         let Some(c) = self.conns.get_mut(&key) else { return };
         if c.deleting == Some(token) {
             c.deleting = None;
+            if ok && c.degraded && c.closed_at.is_none() && !c.muted {
+                // The store is back and holds a tombstone: protect the connection again with a
+                // full record of what it is now (its streams were parsed all along). Until
+                // that record is stored a death still finds the tombstone (a visible reset).
+                c.degraded = false;
+                c.protected = true;
+                c.stale_record = false;
+                c.gen += 1;
+                self.counters.rearmed += 1;
+                self.release_all(key);
+                self.maybe_store(key);
+                return;
+            }
             if ok {
+                c.degraded = false;
                 c.ack_limit = None;
                 c.stale_record = false;
                 self.release_all(key);
@@ -1266,6 +1302,7 @@ impl Engine {
             self.counters.stores_failed += 1;
             self.counters.unprotected_store += 1;
             c.protected = false;
+            c.degraded = true;
             c.stale_record = true;
             self.counters.unprotected += 1;
             self.tomb_retry.push(key);
@@ -1367,13 +1404,16 @@ impl Engine {
     /// resume from a stale one; ACKs stay limited until that delete completes.
     fn unprotect(&mut self, key: Key, why: &'static str, _server_side: bool) {
         let Some(c) = self.conns.get_mut(&key) else { return };
-        if !c.protected {
+        if !c.protected && !c.degraded {
             return;
         }
+        if !c.degraded {
+            self.counters.unprotected += 1;
+        }
         c.protected = false;
+        c.degraded = false;
         c.entries.clear();
         c.in_flight = None;
-        self.counters.unprotected += 1;
         self.counters.unprotected_http += 1;
         self.last_unprotect_reason = why;
         c.stale_record = true;
@@ -1422,6 +1462,26 @@ impl Engine {
         }
         let (linger, idle, syn_ms) = (self.cfg.linger_ms, self.cfg.idle_ms, self.cfg.syn_ms);
         self.syns.retain(|_, s| now.saturating_sub(s.at) < syn_ms);
+        if self.cfg.refresh_ms > 0 {
+            let refresh = self.cfg.refresh_ms;
+            let mut due = Vec::new();
+            for (k, c) in self.conns.iter_mut() {
+                if c.stored_gen != c.refresh_gen {
+                    c.refresh_gen = c.stored_gen;
+                    c.refresh_at = now;
+                } else if now.saturating_sub(c.refresh_at) >= refresh {
+                    c.refresh_at = now;
+                    if c.protected && c.closed_at.is_none() && !c.muted && c.in_flight.is_none() && c.gen == c.stored_gen {
+                        c.gen += 1;
+                        due.push(*k);
+                    }
+                }
+            }
+            for k in due {
+                self.counters.refreshed += 1;
+                self.maybe_store(k);
+            }
+        }
         let dead: Vec<(Key, bool)> = self
             .conns
             .iter()
@@ -1567,6 +1627,9 @@ impl Conn {
             held: VecDeque::new(),
             deleting: None,
             stale_record: false,
+            degraded: false,
+            refresh_gen: 0,
+            refresh_at: now,
             srv_ack: 0,
             told: 0,
             last_window: 0,

@@ -611,20 +611,103 @@ fn a_failed_store_never_lets_a_stale_record_turn_ambiguous() {
     }
     assert!(failed && t.e.counters.unprotected_store == 1);
     assert!(held > 0, "sending past the stale mark is held");
-    // The store comes back: the tombstone is written, the held segments go out.
+    // The store comes back: the tombstone is written, the held segments go out, and the
+    // connection is protected again by a full record with the current progress mark.
     t.now += 1000;
     t.e.expire(t.now);
-    let mut tomb = None;
+    let mut recs = vec![];
     while let Some(a) = t.e.poll_action() {
         if let Action::Store { token, value, .. } = a {
-            tomb = Some(Record::decode(&value).unwrap());
+            recs.push(Record::decode(&value).unwrap());
             t.e.store_done(token, true);
         }
     }
-    assert!(tomb.expect("tombstone").unprotected);
+    assert_eq!(recs.len(), 2, "a tombstone, then the re-armed record");
+    assert!(recs[0].unprotected);
+    assert!(!recs[1].unprotected);
+    assert_eq!(recs[1].sent_off, off, "the re-armed record's progress mark is where the stream is");
+    assert_eq!(t.e.counters.rearmed, 1);
     assert_eq!(t.released().len(), held);
     p[info.l4_offset + 4..info.l4_offset + 8].copy_from_slice(&ss(off as u32).to_be_bytes());
     assert!(matches!(t.e.packet(2, &mut p, Dir::ToClient, 3), Verdict::Accept { .. }));
+}
+
+// ---- a store outage: unprotected while it lasts, protected again when it returns --------------
+
+/// Store fails on the record of a response (its header goes out unprotected); meanwhile the
+/// streams are still parsed (a second, kept-alive request and its response). When the store
+/// answers again, a tombstone, then a full record of the connection as it is now; a failover
+/// from that record resumes byte-exactly. While the store is down a failover would find the
+/// tombstone (or the older record was never newer than what the client saw).
+#[test]
+fn store_outage_degrades_then_protection_rearms() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let l1 = REQ.len() as u32;
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    assert_eq!(t.s(ss(0), cs(l1), F::ACK | F::PSH, &p1).0, Verdict::Held);
+    // The store of the entry fails: the response goes out at once (a dead store never
+    // stalls a client), the connection is unprotected, a tombstone is due.
+    let mut n = 0;
+    while let Some(a) = t.e.poll_action() {
+        if let Action::Store { token, .. } = a {
+            t.e.store_done(token, false);
+            n += 1;
+        }
+    }
+    assert!(n >= 1);
+    assert_eq!(t.released().len(), 1);
+    assert_eq!((t.e.counters.unprotected_store, t.e.protected()), (1, 0));
+    // Still down: the tombstone attempts fail too.
+    t.now += 300;
+    t.e.expire(t.now);
+    while let Some(a) = t.e.poll_action() {
+        if let Action::Store { token, value, .. } = a {
+            assert!(Record::decode(&value).unwrap().unprotected, "only a tombstone while down");
+            t.e.store_done(token, false);
+        }
+    }
+    // The client receives response 1 and asks for a second range on the same connection;
+    // its response passes (unprotected, not held) and is parsed.
+    let end1 = p1.len() as u32;
+    const REQ2: &[u8] = b"GET /two HTTP/1.1\r\nHost: s\r\nRange: bytes=10-19\r\n\r\n";
+    const HDR2: &[u8] = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 10-19/3000\r\n\r\n";
+    let l2 = REQ2.len() as u32;
+    assert!(matches!(t.c(cs(l1), ss(end1), F::ACK | F::PSH, REQ2), Verdict::Accept { .. }));
+    let mut p2 = HDR2.to_vec();
+    p2.extend(body(4, 2));
+    assert!(matches!(t.s(ss(end1), cs(l1 + l2), F::ACK | F::PSH, &p2).0, Verdict::Accept { .. }));
+    assert!(t.e.poll_action().is_none(), "no store of a degraded connection");
+    // The store is back: tombstone, then the re-armed record with response 2 in it.
+    t.now += 300;
+    t.e.expire(t.now);
+    let recs = t.store_all();
+    assert_eq!(recs.len(), 2, "tombstone, re-armed record");
+    assert!(Record::decode(&recs[0]).unwrap().unprotected);
+    let rec = Record::decode(&recs[1]).unwrap();
+    assert!(!rec.unprotected);
+    assert_eq!(rec.hold_off, l1 as u64, "request 2 is the one whose response is not received");
+    assert_eq!(rec.entries.len(), 1);
+    assert_eq!(rec.sent_off, (p1.len() + p2.len()) as u64);
+    assert_eq!((t.e.counters.rearmed, t.e.protected()), (1, 1));
+    // A failover from it: the client has 4 body bytes of response 2 and retransmits nothing;
+    // the new server sends the rest of response 2, from its 5th body byte.
+    let acked = end1 + p2.len() as u32;
+    let plan = plan_recovery(&rec, &trig(cs(l1 + l2), ss(acked), F::ACK, 0)).unwrap();
+    assert_eq!(plan.case, Case::DuringDownload);
+    assert_eq!(plan.snd_nxt, ss(acked));
+    assert_eq!(plan.resume.len(), 1);
+    assert_eq!((plan.resume[0].header_from, plan.resume[0].body_from), (HDR2.len(), 4));
+    // Protected again: the rest of response 2 waits for nothing new (no new entry) but the
+    // next response's header waits for its store, as on any protected connection.
+    assert!(matches!(t.s(ss(acked), cs(l1 + l2), F::ACK | F::PSH, &body(6, 3)).0, Verdict::Accept { .. }));
+    assert!(matches!(t.c(cs(l1 + l2), ss(acked + 6), F::ACK | F::PSH, REQ), Verdict::Accept { .. }));
+    let mut p3 = HDR.to_vec();
+    p3.extend(body(10, 4));
+    assert_eq!(t.s(ss(acked + 6), cs(l1 + l2 + l1), F::ACK | F::PSH, &p3).0, Verdict::Held);
 }
 
 // ---- kept-alive connections: the client learns at once that its request is acknowledged ------
@@ -898,4 +981,38 @@ fn restart_a_connection_served_by_a_local_socket_is_learned_unprotected() {
     // The client's FIN ends it without a delete of anything (there is nothing to protect).
     assert_eq!(t.c(cs(REQ.len() as u32), ss(60000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
     assert!(t.e.poll_action().is_none());
+}
+
+/// Records of live connections are stored again before the store would expire them; a
+/// closed connection's record is not (it was deleted, or expires with it).
+#[test]
+fn records_of_quiet_live_connections_are_refreshed() {
+    let mut t = T { e: Engine::new(Config { refresh_ms: 100_000, ..Config::default() }), id: 0, now: 1000 };
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
+    let want = Record::decode(t.store_all().last().unwrap()).unwrap();
+    t.released();
+    // The download pauses (a slow client): no packet, no store, until the refresh is due.
+    let mut stored = vec![];
+    for _ in 0..40 {
+        t.now += 5_000;
+        t.e.expire(t.now);
+        stored.extend(t.store_all().into_iter().map(|v| (t.now, Record::decode(&v).unwrap())));
+    }
+    assert_eq!(stored.len(), 1, "one refresh in 200 s: {:?}", stored.iter().map(|s| s.0).collect::<Vec<_>>());
+    assert!(stored[0].0 >= 1000 + 100_000 && stored[0].0 <= 1000 + 110_000);
+    assert_eq!(stored[0].1, want, "the same record, stored again");
+    assert_eq!(t.e.counters.refreshed, 1);
+    // The client's FIN: its record is deleted, and never refreshed again.
+    t.c(cs(REQ.len() as u32), ss(p1.len() as u32), F::ACK | F::FIN, b"");
+    assert!(matches!(t.e.poll_action(), Some(Action::Delete { .. })));
+    for _ in 0..30 {
+        t.now += 5_000;
+        t.e.expire(t.now);
+        assert!(t.e.poll_action().is_none(), "no store after the connection ended");
+    }
 }

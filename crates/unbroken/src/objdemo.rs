@@ -333,6 +333,15 @@ impl ObjectEnv {
         }
     }
 
+    /// Freezes (SIGSTOP, `pause = true`) or thaws (SIGCONT) Redis: a store that stops
+    /// answering without closing its connections, as a stalled host would. False when no
+    /// Redis runs.
+    pub fn pause_store(&self, pause: bool) -> bool {
+        let Some(r) = &self.redis else { return false };
+        // SAFETY: a signal to our own child, which has not been reaped.
+        unsafe { libc::kill(r.id() as i32, if pause { libc::SIGSTOP } else { libc::SIGCONT }) == 0 }
+    }
+
     /// RSTs that reached the client namespace so far.
     pub fn client_rsts(&self) -> u64 {
         lab::rsts_seen(self.lab.client()).unwrap_or(u64::MAX)

@@ -17,8 +17,9 @@
 //! the packets reach the kernel, which has no socket for them and answers with a RST: the
 //! client learns at once, and the refusal is counted.
 
+use crate::agentcore::{Core, LbView, Out, Pkt};
 use crate::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
-use crate::store::{Op, OpKind, Reply, Store, StoreConfig, StoreHandle};
+use crate::store::{Reply, Store, StoreConfig, StoreHandle};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -32,7 +33,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
 use unbroken_drivers::nfqueue::{Queue, QueueConfig, QueuedPacket, Verdict as QVerdict};
 use unbroken_drivers::repair::{self, RepairSpec};
-use unbroken_engines::trods::{self, plan_recovery, Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict};
+use unbroken_engines::trods::{self, plan_recovery, Dir, Engine, Key, Plan, Record, Trigger};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -303,35 +304,12 @@ enum Msg {
 /// Packets with this mark skip the agent's queue (its own probes).
 const AGENT_MARK: u32 = 0x7562;
 
-/// How long a packet refused by the failover gate waits for the LB's news (ms).
-const GATE_WAIT_MS: u64 = 100;
-
-/// How long a server packet waits for this server's lease to be renewed before it is dropped
-/// (its TCP sends it again), milliseconds; and how many may wait.
-const FENCE_MAX_MS: u64 = 1000;
-const FENCE_MAX_PACKETS: usize = 4096;
-
-/// A server packet held by the fence.
-struct Fenced {
-    since: u64,
-    p: QueuedPacket,
-}
 
 /// The agent's queue rules let packets with this mark pass (`-m mark --mark ... -j RETURN`):
 /// the ACKs the engine builds ([`Engine::take_injected`]) are sent with it.
 const INJECT_MARK: u32 = AGENT_MARK;
 
-struct GateWait {
-    key: Key,
-    id: u32,
-    data: Vec<u8>,
-    bucket: Option<u16>,
-    since: u64,
-}
 
-struct Recovering {
-    held: Vec<(u32, Vec<u8>)>,
-}
 
 /// A Linux eventfd used to wake the packet loop from other threads.
 struct Wake(std::os::fd::OwnedFd);
@@ -402,7 +380,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()), dirty: AtomicBool::new(false) });
     let wake = Arc::new(Wake::new().map_err(|e| format!("agent: eventfd: {e}"))?);
     let (tx, rx): (Sender<Msg>, Receiver<Msg>) = channel();
-    let mut engine = Engine::new(trods::Config { refresh_ms: cfg.raw.store.ttl_s * 1000 / 3, ..trods::Config::default() });
+    let engine = Engine::new(trods::Config { refresh_ms: cfg.raw.store.ttl_s * 1000 / 3, ..trods::Config::default() });
     let engine_view: Arc<Mutex<(trods::Counters, usize, usize)>> = Arc::new(Mutex::new(Default::default()));
     if let Some(path) = a.status_file.clone() {
         let (shared, ev) = (shared.clone(), engine_view.clone());
@@ -413,13 +391,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let _ = io::stdout().flush();
 
     let mut batch: Vec<QueuedPacket> = Vec::with_capacity(64);
-    let mut buckets: HashMap<Key, Option<u16>> = HashMap::new();
-    let mut recovering: HashMap<Key, Recovering> = HashMap::new();
-    let mut refused: HashMap<Key, u64> = HashMap::new();
-    let mut csum: HashMap<u64, bool> = HashMap::new();
+    let mut pkts: Vec<Pkt> = Vec::with_capacity(64);
+    let mut injects: Vec<Vec<u8>> = Vec::new();
     let mut completions = Vec::new();
-    let mut last_expire = 0;
-    let mut probed_epoch = 0u32;
+    let mut core = Core::new(engine, cfg.gate_open, a.probe);
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
         next_gen: std::sync::atomic::AtomicU64::new(1),
@@ -430,10 +405,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         shared: shared.clone(),
     });
     let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
-    let mut gate_wait: Vec<GateWait> = Vec::new();
     let mut diag = unbroken_drivers::sockdiag::SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
-    let mut last_owner_check = 0u64;
-    let mut fenced: Vec<Fenced> = Vec::new();
     // The packet loop is the data path and its progress is what the heartbeats vouch for
     // (LoopWatch): ordinary work must not starve it. Nice -10 (weight ~9x a normal thread);
     // SCHED_FIFO was tried and starves the agent's own store thread and Redis on a 2-core host
@@ -450,53 +422,30 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         eprintln!("agent: cannot raise the packet loop's priority (nice -10): under CPU load its heartbeats may stop and the LB may move this server's buckets");
     }
     shared.count(|c| c.loop_realtime = loop_realtime);
-    let mut owner_epoch = 0u32;
+    // The loop only does I/O; every decision is the core's (crate::agentcore).
     let res: Result<(), String> = loop {
         if STOP.load(Ordering::SeqCst) {
             break Ok(());
         }
         watch.idle();
-        let wait = if !gate_wait.is_empty() || !fenced.is_empty() { 2 } else { 100 };
-        let ready = poll_fds(&fds, wait);
+        let ready = poll_fds(&fds, core.wait_ms() as i32);
         watch.busy();
         let now = mono_ms();
-        // 0. The fence (leases, see crate::detector): this server sends on a connection only
-        // while the LB's lease on its bucket holds. While the lease has lapsed (the LB may be
-        // moving this server's buckets) server packets wait; once it is renewed they go on in
-        // order, or are dropped if their bucket went to another server meanwhile.
-        // The view of this iteration (one copy per iteration; the owner check and the probes
-        // below use it too).
-        let lease = hb.as_ref().map(|h| h.view());
+        // The heartbeat view of this iteration (one copy per iteration).
+        let view = hb.as_ref().map(|h| h.view());
         let now_i = Instant::now();
-        let lease_ok = match &lease {
-            None => true, // no LB: no fencing
-            Some(v) => v.as_ref().is_some_and(|v| now_i < v.lease_until),
+        let lb = match &view {
+            None => LbView::NoLb,
+            Some(None) => LbView::Waiting,
+            Some(Some(v)) => LbView::View { v, lease_ok: now_i < v.lease_until, fresh: v.received_at.elapsed() < Duration::from_millis(100) },
         };
-        if !fenced.is_empty() {
-            let (old, keep): (Vec<Fenced>, Vec<Fenced>) = fenced.drain(..).partition(|f| now.saturating_sub(f.since) >= FENCE_MAX_MS);
-            for f in old {
-                let _ = queue.set_verdict(f.p.id, QVerdict::Drop, None);
-                shared.count(|c| c.fenced_dropped += 1);
-            }
-            fenced = keep;
-        }
-        let mut released: Vec<QueuedPacket> = Vec::new();
-        if lease_ok && !fenced.is_empty() {
-            released = fenced.drain(..).map(|f| f.p).collect();
-        }
-        // 1. packets
-        if ready[0] || !released.is_empty() {
-            if ready[0] {
-                match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => break Err(format!("agent: queue receive: {e}")),
-                }
-            } else {
-                batch.clear();
-            }
-            if !released.is_empty() {
-                batch.splice(0..0, released.drain(..));
+        // 0-1. the fence and the packets
+        pkts.clear();
+        if ready[0] {
+            match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(format!("agent: queue receive: {e}")),
             }
             for p in batch.iter_mut() {
                 if p.truncated() {
@@ -504,151 +453,23 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     continue;
                 }
                 let dir = if p.hook == 3 { Dir::ToClient } else { Dir::FromClient };
-                let bucket = p.hw_src.and_then(bucket_of_mac);
-                let key = Trigger::parse(&p.data).map(|(k, _)| k);
-                let key = match (key, dir) {
-                    (Some(k), Dir::FromClient) => Some(k),
-                    (Some(k), Dir::ToClient) => Some(Key { client: k.service, service: k.client }),
-                    (None, _) => None,
-                };
-                if let (Dir::ToClient, Some(lease)) = (dir, &lease) {
-                    if !lease_ok {
-                        if fenced.len() < FENCE_MAX_PACKETS {
-                            fenced.push(Fenced { since: now, p: std::mem::take(p) });
-                            shared.count(|c| c.fenced_held += 1);
-                        } else {
-                            let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
-                            shared.count(|c| c.fenced_dropped += 1);
-                        }
-                        continue;
-                    }
-                    let b = key.and_then(|k| buckets.get(&k).copied().flatten());
-                    if let (Some(v), Some(b)) = (lease, b) {
-                        if !v.owns(b) {
-                            // Another server speaks for this connection now.
-                            let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
-                            shared.count(|c| c.fenced_dropped += 1);
-                            continue;
-                        }
-                    }
-                }
-                if let (Some(k), Dir::FromClient) = (key, dir) {
-                    if let Some(r) = recovering.get_mut(&k) {
-                        r.held.push((p.id, std::mem::take(&mut p.data)));
-                        continue;
-                    }
-                    if refused.contains_key(&k) && !engine.knows(&k) {
-                        let _ = queue.set_verdict(p.id, QVerdict::Accept, None);
-                        continue;
-                    }
-                }
-                let v = engine.packet(p.id as u64, &mut p.data, dir, now);
-                flush_released(&mut engine, &mut queue, &mut csum);
-                match v {
-                    Verdict::Accept { modified } => {
-                        if let (Some(k), Dir::FromClient, Some(b)) = (key, dir, bucket) {
-                            buckets.insert(k, Some(b));
-                        }
-                        accept(&mut queue, p.id, &mut p.data, modified, p.csum_not_ready);
-                    }
-                    Verdict::Drop => {
-                        let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
-                    }
-                    Verdict::Held => {
-                        csum.insert(p.id as u64, p.csum_not_ready);
-                    }
-                    Verdict::Unknown => {
-                        let k = key.expect("unknown packets parse");
-                        if silence_adopted(&ctx, &k) {
-                            // The engine found the client acknowledging bytes this server's
-                            // rebuilt socket never sent (another server sent them after the
-                            // plan): stop that socket; this packet rebuilds it from its ACK.
-                            eprintln!("agent: {} acknowledged bytes not sent from here: rebuilding from its ACK", k.client);
-                            shared.count(|c| c.superseded += 1);
-                        }
-                        gate_wait.push(GateWait { key: k, id: p.id, data: std::mem::take(&mut p.data), bucket, since: now });
-                    }
-                }
+                pkts.push(Pkt { id: p.id, data: std::mem::take(&mut p.data), dir, bucket: p.hw_src.and_then(bucket_of_mac), csum_not_ready: p.csum_not_ready });
             }
         }
-        // 1b. the failover gate (TRODS section 5.1). A packet of a connection this server does
-        // not know starts a failover only if the LB moved its bucket here recently. The LB's
-        // table can reach the kernel a few milliseconds before its news reaches this agent, so
-        // a refused packet waits up to GATE_WAIT_MS for the view to catch up; then it goes to
-        // the kernel, which answers it (RST) unless a socket of its own knows it.
-        if !gate_wait.is_empty() {
-            let view = hb.as_ref().and_then(|h| h.view());
-            let mut keep = Vec::new();
-            for g in gate_wait.drain(..) {
-                if let Some(r) = recovering.get_mut(&g.key) {
-                    r.held.push((g.id, g.data));
-                    continue;
-                }
-                if engine.knows(&g.key) {
-                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
-                    continue;
-                }
-                let allowed = cfg.gate_open || matches!((g.bucket, &view), (Some(b), Some(v)) if v.allowed(b));
-                // Not a failover candidate, and a socket of the local server owns the address
-                // pair: a connection set up before this agent started (a restart). It passes at
-                // once and is known, unprotected, from now on (never held at the gate again).
-                let local = !allowed
-                    && g.since == now
-                    && !engine.tracks(&g.key)
-                    && match diag.lookup(g.key.service, g.key.client) {
-                        Ok(i) => i.is_some_and(|i| i.owned_and_receiving()),
-                        Err(e) => {
-                            shared.count(|c| c.sockdiag_errors += 1);
-                            eprintln!("agent: sock_diag lookup of {}: {e}", g.key.client);
-                            false
-                        }
-                    };
-                if local {
-                    engine.learn_unprotected(g.key, now);
-                    buckets.insert(g.key, g.bucket);
-                    let mut n = 0;
-                    shared.count(|c| {
-                        c.passed_local_socket += 1;
-                        n = c.passed_local_socket;
-                    });
-                    if n <= 10 {
-                        eprintln!("agent: {} -> {} is served by a local socket set up before this agent started: passed, unprotected{}", g.key.client, g.key.service, if n == 10 { " (further ones are only counted)" } else { "" });
-                    }
-                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
-                } else if allowed {
-                    shared.count(|c| c.failovers_started += 1);
-                    let trigger_pkt = g.data.clone();
-                    recovering.insert(g.key, Recovering { held: vec![(g.id, g.data)] });
-                    let ctx = ctx.clone();
-                    let (k, bucket) = (g.key, g.bucket);
-                    let t0 = Instant::now();
-                    std::thread::spawn(move || failover(ctx, k, bucket, trigger_pkt, t0));
-                } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
-                    eprintln!("agent: failover denied for {} (bucket {:?}): not a recently moved bucket", g.key.client, g.bucket);
-                    shared.count(|c| c.failovers_denied += 1);
-                    let _ = queue.set_verdict(g.id, QVerdict::Accept, None);
-                } else {
-                    keep.push(g);
-                }
-            }
-            gate_wait = keep;
-        }
-        // 2. worker messages
+        core.packets(now, lb, pkts.drain(..));
+        drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+        // 2. the failover gate (TRODS section 5.1)
+        core.gate(now, lb, |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.owned_and_receiving())).map_err(|e| e.to_string()));
+        drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+        // 3. worker messages, store completions
         if ready[2] {
             wake.clear();
         }
         while let Ok(m) = rx.try_recv() {
             match m {
                 Msg::Adopt { key, bucket, rec, plan, started: t0, go } => {
-                    engine.adopt(key, &rec, &plan, now);
-                    buckets.insert(key, bucket);
-                    if let Some(r) = recovering.remove(&key) {
-                        for (id, mut data) in r.held {
-                            let v = engine.packet(id as u64, &mut data, Dir::FromClient, now);
-                            let modified = matches!(v, Verdict::Accept { modified: true });
-                            accept(&mut queue, id, &mut data, modified, false);
-                        }
-                    }
+                    core.adopted(now, key, bucket, &rec, &plan);
+                    drive(&mut core, &mut queue, &ctx, &store, &mut injects);
                     let us = t0.elapsed().as_micros() as u64;
                     shared.count(|c| {
                         c.failovers += 1;
@@ -659,17 +480,12 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     let _ = go.send(());
                 }
                 Msg::Quiesce { key, go } => {
-                    engine.mute_or_insert(key, now);
-                    flush_released(&mut engine, &mut queue, &mut csum);
+                    core.quiesce(now, key);
+                    drive(&mut core, &mut queue, &ctx, &store, &mut injects);
                     let _ = go.send(());
                 }
                 Msg::Refuse { key, why } => {
-                    if let Some(r) = recovering.remove(&key) {
-                        for (id, _) in r.held {
-                            let _ = queue.set_verdict(id, QVerdict::Accept, None);
-                        }
-                    }
-                    refused.insert(key, now);
+                    core.refused(now, key);
                     shared.dirty.store(true, Ordering::Relaxed);
                     eprintln!("agent: refused {} -> {}: {why}", key.client, key.service);
                     shared.count(|c| {
@@ -682,97 +498,37 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 }
             }
         }
-        // 3. store completions
         store.drain(&mut completions);
         for c in completions.drain(..) {
-            engine.store_done(c.token, c.result.is_ok());
+            core.store_done(c.token, c.result.is_ok());
         }
-        flush_released(&mut engine, &mut queue, &mut csum);
-        // 4. store actions
-        while let Some(act) = engine.poll_action() {
-            let (token, kind) = match act {
-                Action::Store { token, conn, value, .. } => {
-                    let b = buckets.get(&conn).copied().flatten();
-                    (token, OpKind::Set { key: store_key(b, &conn).into_bytes(), val: value })
-                }
-                Action::Delete { token, conn, .. } => {
-                    let b = buckets.get(&conn).copied().flatten();
-                    (token, OpKind::Del { key: store_key(b, &conn).into_bytes() })
-                }
-            };
-            store.submit(Op { token, kind });
-            shared.count(|c| c.store_submitted += 1);
-        }
-        // 5. housekeeping
-        if now.saturating_sub(last_expire) >= 250 {
-            engine.expire(now);
-            refused.retain(|_, t| now.saturating_sub(*t) < 10_000);
-            // Keep the bucket of every connection the engine still tracks (also between the
-            // client's SYN and the SYN-ACK, whose store needs it, and while muted).
-            buckets.retain(|k, _| engine.tracks(k));
-            last_expire = now;
-        }
-        // Connections whose bucket the LB gave to another server while this one lives (it
-        // came back, or a failure was falsely detected): the new owner speaks for them now.
-        // They are silenced as soon as a fresh view shows it (checked at every new table epoch,
-        // and every 100 ms): the client's packets already go to the new owner, and every byte
-        // sent from here after that point would only race the new owner's rebuild.
-        let view = lease.as_ref().and_then(|v| v.as_ref()).filter(|v| v.received_at.elapsed() < Duration::from_millis(100));
-        if view.as_ref().is_some_and(|v| v.epoch != owner_epoch) || now.saturating_sub(last_owner_check) >= 100 {
-            last_owner_check = now;
-            if let Some(v) = view {
-                owner_epoch = v.epoch;
-                for (k, b) in buckets.iter() {
-                    if let Some(b) = *b {
-                        if !v.owns(b) && engine.knows(k) && engine.mute(*k) {
-                            // A socket this agent rebuilt: stop its worker (whatever the socket
-                            // still sends is dropped: muted).
-                            silence_adopted(&ctx, k);
-                            eprintln!("agent: {} moved to another server (bucket {b}): muted", k.client);
-                            shared.count(|c| c.muted += 1);
-                        }
-                    }
-                }
-            }
-            flush_released(&mut engine, &mut queue, &mut csum);
-        }
-        if let (true, Some(v)) = (a.probe, lease.as_ref().and_then(|v| v.as_ref())) {
-            if v.epoch != probed_epoch {
-                probed_epoch = v.epoch;
-                let moved = v.allowed_buckets();
-                if !moved.is_empty() {
-                    let ctx = ctx.clone();
-                    std::thread::spawn(move || probe_buckets(ctx, moved));
-                }
-            }
-        }
+        // 4. store requests, housekeeping, muting, probes, injected ACKs
+        core.after(now, lb);
+        drive(&mut core, &mut queue, &ctx, &store, &mut injects);
         let qs = queue.stats();
         let skipped = hb.as_ref().map_or(0, |h| h.stats().skipped_wedged);
+        let cc = core.counters;
         shared.count(|c| {
             c.queue_errors = qs.enobufs + qs.verdict_errors;
             c.heartbeats_skipped_wedged = skipped;
+            c.failovers_started = cc.failovers_started;
+            c.failovers_denied = cc.failovers_denied;
+            c.passed_local_socket = cc.passed_local_socket;
+            c.sockdiag_errors = cc.sockdiag_errors;
+            c.muted = cc.muted;
+            c.fenced_held = cc.fenced_held;
+            c.fenced_dropped = cc.fenced_dropped;
+            c.store_submitted = cc.store_submitted;
         });
         {
             let mut ev = engine_view.lock().unwrap();
-            *ev = (engine.counters, engine.connections(), engine.protected());
+            *ev = (core.engine.counters, core.engine.connections(), core.engine.protected());
         }
         if let Err(e) = queue.flush() {
             eprintln!("agent: verdict flush: {e}");
         }
         // After the verdicts: an injected ACK never overtakes the segments released with it.
-        while let Some(pkt) = engine.take_injected() {
-            // The fence holds for injected ACKs too: only under a lease on the bucket.
-            if let Some(lease) = &lease {
-                let b = Trigger::parse(&pkt).and_then(|(k, _)| buckets.get(&Key { client: k.service, service: k.client }).copied().flatten());
-                let may = lease_ok && match (lease, b) {
-                    (Some(v), Some(b)) => v.owns(b),
-                    _ => true,
-                };
-                if !may {
-                    shared.count(|c| c.fenced_dropped += 1);
-                    continue;
-                }
-            }
+        for pkt in injects.drain(..) {
             if let Some(Err(e)) = inject.as_ref().map(|r| r.send(&pkt)) {
                 inject_errors += 1;
                 if inject_errors.is_power_of_two() {
@@ -796,6 +552,44 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     res
 }
 
+/// Carries out the core's requests (crate::agentcore::Out); injected ACKs wait in `injects`
+/// until the verdicts are flushed.
+fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &StoreHandle, injects: &mut Vec<Vec<u8>>) {
+    while let Some(o) = core.poll() {
+        match o {
+            Out::Accept { id, mut data, modified, csum_not_ready } => accept(queue, id, &mut data, modified, csum_not_ready),
+            Out::Drop { id } => {
+                let _ = queue.set_verdict(id, QVerdict::Drop, None);
+            }
+            Out::Failover { key, bucket, trigger } => {
+                let ctx = ctx.clone();
+                let t0 = Instant::now();
+                std::thread::spawn(move || failover(ctx, key, bucket, trigger, t0));
+            }
+            Out::Supersede { key } => {
+                if silence_adopted(ctx, &key) {
+                    eprintln!("agent: {} acknowledged bytes not sent from here: rebuilding from its ACK", key.client);
+                    ctx.shared.count(|c| c.superseded += 1);
+                }
+            }
+            Out::Silence { key } => {
+                // A socket this agent rebuilt: stop its worker (whatever the socket still
+                // sends is dropped: muted).
+                let _ = silence_adopted(ctx, &key);
+            }
+            Out::Store(op) => {
+                let _ = store.submit(op);
+            }
+            Out::Inject(pkt) => injects.push(pkt),
+            Out::Probe(moved) => {
+                let ctx = ctx.clone();
+                std::thread::spawn(move || probe_buckets(ctx, moved));
+            }
+            Out::Log(line) => eprintln!("{line}"),
+        }
+    }
+}
+
 fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_not_ready: bool) {
     let r = if modified {
         if csum_not_ready {
@@ -811,16 +605,6 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
     }
 }
 
-fn flush_released(engine: &mut Engine, queue: &mut Queue, csum: &mut HashMap<u64, bool>) {
-    while let Some(id) = engine.take_dropped() {
-        csum.remove(&id);
-        let _ = queue.set_verdict(id as u32, QVerdict::Drop, None);
-    }
-    while let Some((id, mut bytes, modified)) = engine.take_released() {
-        let cnr = csum.remove(&id).unwrap_or(false);
-        accept(queue, id as u32, &mut bytes, modified, cnr);
-    }
-}
 
 fn status_loop(
     path: PathBuf,

@@ -3,6 +3,7 @@
 //! the demos and tests run in.
 
 pub mod agent;
+pub mod agentcore;
 pub mod config;
 pub mod detector;
 pub mod guard;

@@ -1000,7 +1000,7 @@ pub enum OpKind {
 }
 
 impl OpKind {
-    fn key(&self) -> &[u8] {
+    pub fn key(&self) -> &[u8] {
         match self {
             OpKind::Set { key, .. } | OpKind::Get { key } | OpKind::Del { key } => key,
         }

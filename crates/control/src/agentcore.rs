@@ -1,0 +1,467 @@
+//! The agent's decisions, without I/O (issue 8 item 1): what happens to each queued packet,
+//! which connection starts a failover, which is fenced, muted or learned, what goes to the
+//! store and which ACKs are injected. Packets, heartbeat views, store completions, worker
+//! results and the clock go in; verdicts and requests ([`Out`]) come out. The daemon loop in
+//! [`crate::agent`] only does the I/O around it (NFQUEUE, the store client, sock_diag, raw
+//! sends, failover workers); a simulation drives the same core with a simulated network.
+//!
+//! The steps, in the order the loop runs them each iteration:
+//!
+//! 0. **Fence** ([`Core::packets`]): server packets leave only while the LB's lease on their
+//!    bucket holds (see [`crate::detector`]); while it has lapsed they wait (at most
+//!    [`FENCE_MAX_MS`], [`FENCE_MAX_PACKETS`]), and are dropped once their bucket is another
+//!    server's.
+//! 1. **Packets** go through the TRODS engine; a client packet of a connection the engine does
+//!    not know waits at the gate.
+//! 2. **Gate** ([`Core::gate`], TRODS section 5.1): an unknown connection starts a failover only
+//!    when the LB moved its bucket here recently; a connection a local socket already serves
+//!    (the agent restarted under it) is learned, unprotected; anything else goes to the kernel
+//!    after [`GATE_WAIT_MS`].
+//! 3. **Worker results** ([`Core::adopted`], [`Core::refused`], [`Core::quiesce`]) and **store
+//!    completions** ([`Core::store_done`]).
+//! 4. **After** ([`Core::after`]): store requests, housekeeping, muting connections whose
+//!    bucket went elsewhere, probes of moved buckets, injected ACKs (fenced too).
+
+use crate::agent::store_key;
+use crate::lb::BucketView;
+use crate::store::{Op, OpKind};
+use std::collections::{HashMap, VecDeque};
+use unbroken_engines::trods::{Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict};
+
+/// How long a packet of an unknown connection waits for the LB's view to allow its failover
+/// (the kernel table can change a few ms before the news reaches the agent).
+pub const GATE_WAIT_MS: u64 = 100;
+/// Longest a server packet waits for a lapsed lease to be renewed.
+pub const FENCE_MAX_MS: u64 = 1000;
+/// Most server packets waiting for a lease.
+pub const FENCE_MAX_PACKETS: usize = 4096;
+/// Refusals are remembered this long (a refused connection's packets pass to the kernel).
+const REFUSED_MS: u64 = 10_000;
+/// Housekeeping period.
+const EXPIRE_EVERY_MS: u64 = 250;
+/// Owner check period (and: a view older than this is not used to mute).
+const OWNER_CHECK_MS: u64 = 100;
+
+/// One queued packet.
+#[derive(Debug, Clone)]
+pub struct Pkt {
+    pub id: u32,
+    pub data: Vec<u8>,
+    pub dir: Dir,
+    /// The LB bucket (from the marker MAC), client packets only.
+    pub bucket: Option<u16>,
+    /// The kernel has not computed the checksum yet (offload).
+    pub csum_not_ready: bool,
+}
+
+/// What the LB's heartbeat replies say, as of now.
+#[derive(Debug, Clone, Copy)]
+pub enum LbView<'a> {
+    /// No LB configured: no fencing, the gate is open or closed by configuration.
+    NoLb,
+    /// An LB is configured but no reply arrived yet.
+    Waiting,
+    /// The latest reply: `lease_ok` while its lease holds, `fresh` while it is recent enough to
+    /// mute connections by.
+    View { v: &'a BucketView, lease_ok: bool, fresh: bool },
+}
+
+impl<'a> LbView<'a> {
+    fn lease_ok(&self) -> bool {
+        match self {
+            LbView::NoLb => true,
+            LbView::Waiting => false,
+            LbView::View { lease_ok, .. } => *lease_ok,
+        }
+    }
+    fn view(&self) -> Option<&'a BucketView> {
+        match self {
+            LbView::View { v, .. } => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// What the core asks its driver to do, in order.
+#[derive(Debug)]
+pub enum Out {
+    /// Let the packet through (`data` rewritten when `modified`).
+    Accept { id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool },
+    /// Drop the packet.
+    Drop { id: u32 },
+    /// Start rebuilding `key` from its record; `trigger` is the client packet that asked.
+    Failover { key: Key, bucket: Option<u16>, trigger: Vec<u8> },
+    /// A client packet the engine does not know (it waits at the gate): if a socket was rebuilt
+    /// here for `key`, the client acknowledged bytes it never sent (another server sent them
+    /// after the plan), so stop that socket; the packet rebuilds the connection.
+    Supersede { key: Key },
+    /// The connection's bucket went to another server: stop the worker of its rebuilt socket.
+    Silence { key: Key },
+    /// A store operation.
+    Store(Op),
+    /// Send this packet (an ACK the engine built) to the client.
+    Inject(Vec<u8>),
+    /// Look for records of these buckets (they just moved here).
+    Probe(Vec<u16>),
+    /// A line for the log.
+    Log(String),
+}
+
+/// Decisions counted by the core (the driver adds them to the agent's status).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreCounters {
+    pub failovers_started: u64,
+    pub failovers_denied: u64,
+    pub passed_local_socket: u64,
+    pub sockdiag_errors: u64,
+    pub muted: u64,
+    pub fenced_held: u64,
+    pub fenced_dropped: u64,
+    pub store_submitted: u64,
+}
+
+struct GateWait {
+    key: Key,
+    p: Pkt,
+    since: u64,
+}
+
+struct Fenced {
+    since: u64,
+    p: Pkt,
+}
+
+/// The agent's decisions (see the module docs).
+pub struct Core {
+    pub engine: Engine,
+    gate_open: bool,
+    probe: bool,
+    buckets: HashMap<Key, Option<u16>>,
+    recovering: HashMap<Key, Vec<Pkt>>,
+    refused: HashMap<Key, u64>,
+    csum: HashMap<u64, bool>,
+    gate_wait: Vec<GateWait>,
+    fenced: Vec<Fenced>,
+    owner_epoch: u32,
+    last_owner_check: u64,
+    last_expire: u64,
+    probed_epoch: u32,
+    out: VecDeque<Out>,
+    pub counters: CoreCounters,
+}
+
+impl Core {
+    /// `gate_open`: every unknown connection may start a failover (no LB). `probe`: probe the
+    /// records of buckets that move here.
+    pub fn new(engine: Engine, gate_open: bool, probe: bool) -> Core {
+        Core {
+            engine,
+            gate_open,
+            probe,
+            buckets: HashMap::new(),
+            recovering: HashMap::new(),
+            refused: HashMap::new(),
+            csum: HashMap::new(),
+            gate_wait: Vec::new(),
+            fenced: Vec::new(),
+            owner_epoch: 0,
+            last_owner_check: 0,
+            last_expire: 0,
+            probed_epoch: 0,
+            out: VecDeque::new(),
+            counters: CoreCounters::default(),
+        }
+    }
+
+    /// The next request, in order.
+    pub fn poll(&mut self) -> Option<Out> {
+        self.out.pop_front()
+    }
+
+    /// How long the driver may sleep before the core has something to do without input (ms).
+    pub fn wait_ms(&self) -> u64 {
+        if !self.gate_wait.is_empty() || !self.fenced.is_empty() {
+            2
+        } else {
+            100
+        }
+    }
+
+    /// Whether packets of `key` are waiting for a failover.
+    pub fn recovering(&self, key: &Key) -> bool {
+        self.recovering.contains_key(key)
+    }
+
+    /// The bucket recorded for `key`.
+    pub fn bucket(&self, key: &Key) -> Option<u16> {
+        self.buckets.get(key).copied().flatten()
+    }
+
+    fn accept(&mut self, id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool) {
+        self.out.push_back(Out::Accept { id, data, modified, csum_not_ready });
+    }
+
+    fn flush_released(&mut self) {
+        while let Some(id) = self.engine.take_dropped() {
+            self.csum.remove(&id);
+            self.out.push_back(Out::Drop { id: id as u32 });
+        }
+        while let Some((id, bytes, modified)) = self.engine.take_released() {
+            let cnr = self.csum.remove(&id).unwrap_or(false);
+            self.accept(id as u32, bytes, modified, cnr);
+        }
+    }
+
+    fn key_of(p: &Pkt) -> Option<Key> {
+        let (k, _) = Trigger::parse(&p.data)?;
+        Some(match p.dir {
+            Dir::FromClient => k,
+            Dir::ToClient => Key { client: k.service, service: k.client },
+        })
+    }
+
+    /// Steps 0 and 1: the fence, then the packets (those released by a renewed lease first).
+    pub fn packets(&mut self, now: u64, lb: LbView<'_>, batch: impl IntoIterator<Item = Pkt>) {
+        let lease_ok = lb.lease_ok();
+        if !self.fenced.is_empty() {
+            let (old, keep): (Vec<Fenced>, Vec<Fenced>) = self.fenced.drain(..).partition(|f| now.saturating_sub(f.since) >= FENCE_MAX_MS);
+            for f in old {
+                self.out.push_back(Out::Drop { id: f.p.id });
+                self.counters.fenced_dropped += 1;
+            }
+            self.fenced = keep;
+        }
+        let released: Vec<Pkt> = if lease_ok { self.fenced.drain(..).map(|f| f.p).collect() } else { Vec::new() };
+        for p in released.into_iter().chain(batch) {
+            self.packet(now, lb, lease_ok, p);
+        }
+    }
+
+    fn packet(&mut self, now: u64, lb: LbView<'_>, lease_ok: bool, mut p: Pkt) {
+        let key = Self::key_of(&p);
+        if p.dir == Dir::ToClient && !matches!(lb, LbView::NoLb) {
+            if !lease_ok {
+                if self.fenced.len() < FENCE_MAX_PACKETS {
+                    self.fenced.push(Fenced { since: now, p });
+                    self.counters.fenced_held += 1;
+                } else {
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.fenced_dropped += 1;
+                }
+                return;
+            }
+            let b = key.and_then(|k| self.bucket(&k));
+            if let (Some(v), Some(b)) = (lb.view(), b) {
+                if !v.owns(b) {
+                    // Another server speaks for this connection now.
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.fenced_dropped += 1;
+                    return;
+                }
+            }
+        }
+        if let (Some(k), Dir::FromClient) = (key, p.dir) {
+            if let Some(r) = self.recovering.get_mut(&k) {
+                r.push(p);
+                return;
+            }
+            if self.refused.contains_key(&k) && !self.engine.knows(&k) {
+                self.accept(p.id, p.data, false, p.csum_not_ready);
+                return;
+            }
+        }
+        let v = self.engine.packet(p.id as u64, &mut p.data, p.dir, now);
+        self.flush_released();
+        match v {
+            Verdict::Accept { modified } => {
+                if let (Some(k), Dir::FromClient, Some(b)) = (key, p.dir, p.bucket) {
+                    self.buckets.insert(k, Some(b));
+                }
+                self.accept(p.id, p.data, modified, p.csum_not_ready);
+            }
+            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+            Verdict::Held => {
+                self.csum.insert(p.id as u64, p.csum_not_ready);
+            }
+            Verdict::Unknown => {
+                let Some(k) = key else {
+                    // The engine parsed it, so this does not happen; never strand a packet.
+                    self.accept(p.id, p.data, false, p.csum_not_ready);
+                    return;
+                };
+                self.out.push_back(Out::Supersede { key: k });
+                self.gate_wait.push(GateWait { key: k, since: now, p });
+            }
+        }
+    }
+
+    /// Step 2: the failover gate. `local_socket(key)` says whether a socket of the local server
+    /// owns the connection's address pair (`Err`: the lookup failed).
+    pub fn gate(&mut self, now: u64, lb: LbView<'_>, mut local_socket: impl FnMut(&Key) -> Result<bool, String>) {
+        if self.gate_wait.is_empty() {
+            return;
+        }
+        let view = lb.view();
+        let mut keep = Vec::new();
+        for g in std::mem::take(&mut self.gate_wait) {
+            if let Some(r) = self.recovering.get_mut(&g.key) {
+                r.push(g.p);
+                continue;
+            }
+            if self.engine.knows(&g.key) {
+                self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
+                continue;
+            }
+            let allowed = self.gate_open || matches!((g.p.bucket, view), (Some(b), Some(v)) if v.allowed(b));
+            // Not a failover candidate, and a socket of the local server owns the address
+            // pair: a connection set up before this agent started (a restart). It passes at
+            // once and is known, unprotected, from now on (never held at the gate again).
+            let local = !allowed
+                && g.since == now
+                && !self.engine.tracks(&g.key)
+                && match local_socket(&g.key) {
+                    Ok(owned) => owned,
+                    Err(e) => {
+                        self.counters.sockdiag_errors += 1;
+                        self.out.push_back(Out::Log(format!("agent: sock_diag lookup of {}: {e}", g.key.client)));
+                        false
+                    }
+                };
+            if local {
+                self.engine.learn_unprotected(g.key, now);
+                self.buckets.insert(g.key, g.p.bucket);
+                self.counters.passed_local_socket += 1;
+                let n = self.counters.passed_local_socket;
+                if n <= 10 {
+                    self.out.push_back(Out::Log(format!(
+                        "agent: {} -> {} is served by a local socket set up before this agent started: passed, unprotected{}",
+                        g.key.client,
+                        g.key.service,
+                        if n == 10 { " (further ones are only counted)" } else { "" }
+                    )));
+                }
+                self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
+            } else if allowed {
+                self.counters.failovers_started += 1;
+                let trigger = g.p.data.clone();
+                let bucket = g.p.bucket;
+                self.recovering.insert(g.key, vec![g.p]);
+                self.out.push_back(Out::Failover { key: g.key, bucket, trigger });
+            } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
+                self.out.push_back(Out::Log(format!(
+                    "agent: failover denied for {} (bucket {:?}): not a recently moved bucket",
+                    g.key.client, g.p.bucket
+                )));
+                self.counters.failovers_denied += 1;
+                self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
+            } else {
+                keep.push(g);
+            }
+        }
+        self.gate_wait = keep;
+    }
+
+    /// A worker rebuilt `key`'s socket: the engine adopts it, and the packets that waited go
+    /// through it.
+    pub fn adopted(&mut self, now: u64, key: Key, bucket: Option<u16>, rec: &Record, plan: &Plan) {
+        self.engine.adopt(key, rec, plan, now);
+        self.buckets.insert(key, bucket);
+        for mut p in self.recovering.remove(&key).unwrap_or_default() {
+            let v = self.engine.packet(p.id as u64, &mut p.data, Dir::FromClient, now);
+            let modified = matches!(v, Verdict::Accept { modified: true });
+            self.accept(p.id, p.data, modified, false);
+        }
+    }
+
+    /// A worker is about to destroy a stale local socket of `key`: make sure nothing it sends
+    /// leaves.
+    pub fn quiesce(&mut self, now: u64, key: Key) {
+        self.engine.mute_or_insert(key, now);
+        self.flush_released();
+    }
+
+    /// A worker gave up on `key`: its waiting packets go to the kernel (which resets it).
+    pub fn refused(&mut self, now: u64, key: Key) {
+        for p in self.recovering.remove(&key).unwrap_or_default() {
+            self.accept(p.id, p.data, false, p.csum_not_ready);
+        }
+        self.refused.insert(key, now);
+    }
+
+    /// A store operation completed.
+    pub fn store_done(&mut self, token: u64, ok: bool) {
+        self.engine.store_done(token, ok);
+    }
+
+    /// Step 4 (see the module docs).
+    pub fn after(&mut self, now: u64, lb: LbView<'_>) {
+        self.flush_released();
+        while let Some(act) = self.engine.poll_action() {
+            let (token, kind) = match act {
+                Action::Store { token, conn, value, .. } => (token, OpKind::Set { key: store_key(self.bucket(&conn), &conn).into_bytes(), val: value }),
+                Action::Delete { token, conn, .. } => (token, OpKind::Del { key: store_key(self.bucket(&conn), &conn).into_bytes() }),
+            };
+            self.out.push_back(Out::Store(Op { token, kind }));
+            self.counters.store_submitted += 1;
+        }
+        if now.saturating_sub(self.last_expire) >= EXPIRE_EVERY_MS {
+            self.engine.expire(now);
+            self.refused.retain(|_, t| now.saturating_sub(*t) < REFUSED_MS);
+            // Keep the bucket of every connection the engine still tracks (also between the
+            // client's SYN and the SYN-ACK, whose store needs it, and while muted).
+            let engine = &self.engine;
+            self.buckets.retain(|k, _| engine.tracks(k));
+            self.last_expire = now;
+        }
+        // Connections whose bucket the LB gave to another server while this one lives (it
+        // came back, or a failure was falsely detected): the new owner speaks for them now.
+        // They are silenced as soon as a fresh view shows it (at every new table epoch, and
+        // every 100 ms): the client's packets already go to the new owner, and every byte
+        // sent from here after that point would only race the new owner's rebuild.
+        let fresh = match lb {
+            LbView::View { v, fresh: true, .. } => Some(v),
+            _ => None,
+        };
+        if fresh.is_some_and(|v| v.epoch != self.owner_epoch) || now.saturating_sub(self.last_owner_check) >= OWNER_CHECK_MS {
+            self.last_owner_check = now;
+            if let Some(v) = fresh {
+                self.owner_epoch = v.epoch;
+                let moved: Vec<(Key, u16)> = self.buckets.iter().filter_map(|(k, b)| b.filter(|&b| !v.owns(b)).map(|b| (*k, b))).collect();
+                for (k, b) in moved {
+                    if self.engine.knows(&k) && self.engine.mute(k) {
+                        self.out.push_back(Out::Silence { key: k });
+                        self.out.push_back(Out::Log(format!("agent: {} moved to another server (bucket {b}): muted", k.client)));
+                        self.counters.muted += 1;
+                    }
+                }
+            }
+            self.flush_released();
+        }
+        if let (true, Some(v)) = (self.probe, lb.view()) {
+            if v.epoch != self.probed_epoch {
+                self.probed_epoch = v.epoch;
+                let moved = v.allowed_buckets();
+                if !moved.is_empty() {
+                    self.out.push_back(Out::Probe(moved));
+                }
+            }
+        }
+        // After the verdicts: an injected ACK never overtakes the segments released with it.
+        // The fence holds for injected ACKs too: only under a lease on the bucket.
+        while let Some(pkt) = self.engine.take_injected() {
+            if !matches!(lb, LbView::NoLb) {
+                let b = Trigger::parse(&pkt).and_then(|(k, _)| self.bucket(&Key { client: k.service, service: k.client }));
+                let may = lb.lease_ok()
+                    && match (lb.view(), b) {
+                        (Some(v), Some(b)) => v.owns(b),
+                        _ => true,
+                    };
+                if !may {
+                    self.counters.fenced_dropped += 1;
+                    continue;
+                }
+            }
+            self.out.push_back(Out::Inject(pkt));
+        }
+    }
+}

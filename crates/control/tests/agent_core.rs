@@ -1,0 +1,290 @@
+//! The agent's decisions without I/O (`control::agentcore::Core`): the failover gate (TRODS
+//! section 5.1), learning connections of local sockets after a restart, the lease fence, and
+//! muting connections whose bucket went elsewhere. Packets are built byte by byte; the LB's
+//! view is a plain `BucketView`; the clock is a number.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+use unbroken_control::agentcore::{Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_WAIT_MS};
+use unbroken_control::lb::BucketView;
+use unbroken_engines::trods::{Config, Dir, Engine, Key};
+use unbroken_wire::ip;
+use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
+use unbroken_wire::Seq;
+
+const C_ISN: u32 = 1_000_000;
+const S_ISN: u32 = 7_000_000;
+const B: u16 = 5; // the connection's bucket
+
+fn c_ip() -> IpAddr {
+    "10.77.0.2".parse().unwrap()
+}
+fn s_ip() -> IpAddr {
+    "10.77.0.100".parse().unwrap()
+}
+fn key(port: u16) -> Key {
+    Key { client: SocketAddr::new(c_ip(), port), service: SocketAddr::new(s_ip(), 80) }
+}
+
+fn build(src: IpAddr, dst: IpAddr, r: Repr, payload: &[u8]) -> Vec<u8> {
+    let tl = r.header_len() + payload.len();
+    let mut buf = vec![0u8; 60 + tl];
+    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).unwrap();
+    r.emit(&mut buf[hl..]).unwrap();
+    buf[hl + r.header_len()..hl + tl].copy_from_slice(payload);
+    Tcp::new_checked(&mut buf[hl..hl + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+    buf.truncate(hl + tl);
+    buf
+}
+
+struct T {
+    core: Core,
+    id: u32,
+    now: u64,
+    view: Option<BucketView>,
+    lease_ok: bool,
+    outs: Vec<Out>,
+}
+
+fn view(epoch: u32, owned: &[u16], allowed: &[u16]) -> BucketView {
+    let mut o = vec![0u64; 4];
+    let mut a = vec![0u64; 4];
+    for &b in owned {
+        o[b as usize / 64] |= 1 << (b % 64);
+    }
+    for &b in allowed {
+        a[b as usize / 64] |= 1 << (b % 64);
+    }
+    let now = Instant::now();
+    BucketView { epoch, buckets: 256, owned: o, allowed: a, seq: 1, received_at: now, lease_until: now + Duration::from_secs(3600) }
+}
+
+impl T {
+    fn new() -> T {
+        T { core: Core::new(Engine::new(Config::default()), false, true), id: 0, now: 1000, view: Some(view(1, &[B], &[])), lease_ok: true, outs: vec![] }
+    }
+    fn lb(&self) -> LbView<'_> {
+        match &self.view {
+            Some(v) => LbView::View { v, lease_ok: self.lease_ok, fresh: true },
+            None => LbView::Waiting,
+        }
+    }
+    fn pkt(&mut self, dir: Dir, port: u16, seq: u32, ack: u32, fl: u8, payload: &[u8]) -> u32 {
+        self.id += 1;
+        let data = match dir {
+            Dir::FromClient => build(c_ip(), s_ip(), Repr { src_port: port, dst_port: 80, seq: Seq(seq), ack: Seq(ack), flags: fl, window: 500, ..Default::default() }, payload),
+            Dir::ToClient => build(s_ip(), c_ip(), Repr { src_port: 80, dst_port: port, seq: Seq(seq), ack: Seq(ack), flags: fl, window: 500, ..Default::default() }, payload),
+        };
+        let p = Pkt { id: self.id, data, dir, bucket: (dir == Dir::FromClient).then_some(B), csum_not_ready: false };
+        let (now, view, lease_ok) = (self.now, self.view.take(), self.lease_ok);
+        {
+            let lb = match &view {
+                Some(v) => LbView::View { v, lease_ok, fresh: true },
+                None => LbView::Waiting,
+            };
+            self.core.packets(now, lb, [p]);
+        }
+        self.view = view;
+        self.collect();
+        self.id
+    }
+    /// One loop iteration without packets: the fence, the gate (`local` answers sock_diag),
+    /// and step 4.
+    fn tick(&mut self, local: bool) {
+        let (now, view, lease_ok) = (self.now, self.view.take(), self.lease_ok);
+        {
+            let lb = match &view {
+                Some(v) => LbView::View { v, lease_ok, fresh: true },
+                None => LbView::Waiting,
+            };
+            self.core.packets(now, lb, []);
+            self.core.gate(now, lb, |_| Ok(local));
+            self.core.after(now, lb);
+        }
+        self.view = view;
+        self.collect();
+    }
+    fn collect(&mut self) {
+        while let Some(o) = self.core.poll() {
+            self.outs.push(o);
+        }
+    }
+    fn take(&mut self) -> Vec<Out> {
+        std::mem::take(&mut self.outs)
+    }
+    /// Answers every store request with success.
+    fn store_ok(&mut self) {
+        for o in self.take() {
+            match o {
+                Out::Store(op) => self.core.store_done(op.token, true),
+                o => self.outs.push(o),
+            }
+        }
+    }
+    fn accepted(&self, id: u32) -> bool {
+        self.outs.iter().any(|o| matches!(o, Out::Accept { id: i, .. } if *i == id))
+    }
+    fn dropped(&self, id: u32) -> bool {
+        self.outs.iter().any(|o| matches!(o, Out::Drop { id: i } if *i == id))
+    }
+    /// A connection set up through this core (so the engine knows it).
+    fn connect(&mut self, port: u16) {
+        let syn = self.pkt(Dir::FromClient, port, C_ISN, 0, F::SYN, b"");
+        assert!(self.accepted(syn));
+        let sa = self.pkt(Dir::ToClient, port, S_ISN, C_ISN + 1, F::SYN | F::ACK, b"");
+        assert!(self.accepted(sa));
+        let ack = self.pkt(Dir::FromClient, port, C_ISN + 1, S_ISN + 1, F::ACK, b"");
+        assert!(self.accepted(ack));
+        self.tick(false);
+        self.store_ok();
+        self.take();
+    }
+}
+
+/// A packet of a connection this server does not know, whose bucket the LB did not move here:
+/// it waits for the LB's news, then goes to the kernel (which answers it) and is counted. It
+/// starts no failover.
+#[test]
+fn gate_denies_an_unknown_connection_after_the_wait() {
+    let mut t = T::new();
+    let id = t.pkt(Dir::FromClient, 40000, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    assert!(!t.accepted(id), "it waits for the LB's view");
+    t.now += GATE_WAIT_MS - 1;
+    t.tick(false);
+    assert!(!t.accepted(id));
+    t.now += 1;
+    t.tick(false);
+    assert!(t.accepted(id), "after the wait, to the kernel");
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { .. })));
+    assert_eq!((t.core.counters.failovers_denied, t.core.counters.failovers_started), (1, 0));
+}
+
+/// The LB moved the bucket here: a failover starts; the client's next packets wait with the
+/// trigger, and go through the engine once the socket is rebuilt; a refusal lets them reach
+/// the kernel, and so do later ones without waiting again.
+#[test]
+fn gate_starts_a_failover_in_a_moved_bucket_and_holds_the_connection() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let id = t.pkt(Dir::FromClient, 40000, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    let fo: Vec<_> = t.outs.iter().filter(|o| matches!(o, Out::Failover { .. })).collect();
+    assert_eq!(fo.len(), 1);
+    assert!(matches!(fo[0], Out::Failover { key: k, bucket: Some(B), .. } if *k == key(40000)));
+    assert!(!t.accepted(id), "the trigger waits for the rebuild");
+    let id2 = t.pkt(Dir::FromClient, 40000, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    assert!(t.core.recovering(&key(40000)));
+    assert!(!t.accepted(id2));
+    assert_eq!(t.outs.iter().filter(|o| matches!(o, Out::Failover { .. })).count(), 1, "one failover per connection");
+    t.core.refused(t.now, key(40000));
+    t.collect();
+    assert!(t.accepted(id) && t.accepted(id2), "refused: to the kernel");
+    t.take();
+    let id3 = t.pkt(Dir::FromClient, 40000, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    assert!(t.accepted(id3), "a refused connection's packets pass at once");
+}
+
+/// After an agent restart: a connection a local socket serves is learned (unprotected) on its
+/// first packet, and its packets never wait at the gate again.
+#[test]
+fn restart_a_local_socket_connection_is_learned_and_never_waits_again() {
+    let mut t = T::new();
+    let id = t.pkt(Dir::FromClient, 40001, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(true);
+    assert!(t.accepted(id), "passed at once");
+    assert_eq!(t.core.counters.passed_local_socket, 1);
+    t.take();
+    for k in 0..20 {
+        let id = t.pkt(Dir::FromClient, 40001, C_ISN + 100, S_ISN + 5000 + k, F::ACK, b"");
+        assert!(t.accepted(id), "packet {k} waited");
+        let id = t.pkt(Dir::ToClient, 40001, S_ISN + 5000 + k, C_ISN + 100, F::ACK, b"x");
+        assert!(t.accepted(id));
+        t.take();
+    }
+    assert_eq!((t.core.counters.passed_local_socket, t.core.counters.failovers_denied), (1, 0));
+}
+
+/// The lease fence: while this server's lease has lapsed its server packets wait, in order,
+/// and leave once the lease is renewed; after FENCE_MAX_MS they are dropped; a packet of a
+/// bucket the view says is another server's is dropped at once; client packets are never
+/// fenced.
+#[test]
+fn fence_holds_server_packets_while_the_lease_has_lapsed() {
+    let mut t = T::new();
+    t.connect(40002);
+    t.lease_ok = false;
+    let a = t.pkt(Dir::ToClient, 40002, S_ISN + 1, C_ISN + 1, F::ACK, b"");
+    let b = t.pkt(Dir::ToClient, 40002, S_ISN + 1, C_ISN + 1, F::ACK, b"");
+    let c = t.pkt(Dir::FromClient, 40002, C_ISN + 1, S_ISN + 1, F::ACK, b"");
+    assert!(!t.accepted(a) && !t.accepted(b), "server packets wait");
+    assert!(t.accepted(c), "client packets are not fenced");
+    assert_eq!(t.core.counters.fenced_held, 2);
+    t.take();
+    t.now += 10;
+    t.lease_ok = true;
+    t.tick(false);
+    let order: Vec<u32> = t.outs.iter().filter_map(|o| if let Out::Accept { id, .. } = o { Some(*id) } else { None }).collect();
+    assert_eq!(order, vec![a, b], "released in order");
+    t.take();
+    // Lapsed for good: dropped after FENCE_MAX_MS.
+    t.lease_ok = false;
+    let d = t.pkt(Dir::ToClient, 40002, S_ISN + 1, C_ISN + 1, F::ACK, b"");
+    t.now += FENCE_MAX_MS;
+    t.tick(false);
+    assert!(t.dropped(d));
+    assert_eq!(t.core.counters.fenced_dropped, 1);
+    t.take();
+    // The bucket is another server's now: dropped at once, even under a valid lease.
+    t.lease_ok = true;
+    t.view = Some(view(3, &[], &[]));
+    let e = t.pkt(Dir::ToClient, 40002, S_ISN + 1, C_ISN + 1, F::ACK, b"");
+    assert!(t.dropped(e));
+    // Without any reply yet (LB configured): server packets wait too.
+    t.take();
+    t.view = None;
+    let f = t.pkt(Dir::ToClient, 40002, S_ISN + 1, C_ISN + 1, F::ACK, b"");
+    assert!(!t.accepted(f) && !t.dropped(f));
+}
+
+/// The LB gave a live connection's bucket to another server (a revive, a false suspicion): at
+/// the new epoch the connection is muted and a socket rebuilt for it is silenced.
+#[test]
+fn a_connection_whose_bucket_moved_away_is_muted_at_the_new_epoch() {
+    let mut t = T::new();
+    t.connect(40003);
+    t.tick(false);
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Silence { .. })));
+    t.view = Some(view(2, &[], &[]));
+    t.now += 1;
+    t.tick(false);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Silence { key: k } if *k == key(40003))));
+    assert_eq!(t.core.counters.muted, 1);
+    t.take();
+    // Its server packets are dropped from now on (fence: bucket not owned).
+    let id = t.pkt(Dir::ToClient, 40003, S_ISN + 1, C_ISN + 1, F::ACK, b"");
+    assert!(t.dropped(id));
+    t.now += 200;
+    t.tick(false);
+    assert_eq!(t.core.counters.muted, 1, "muted once");
+}
+
+/// Store requests carry the bucket in the key (probing lists a bucket's records by prefix).
+#[test]
+fn store_keys_carry_the_bucket() {
+    let mut t = T::new();
+    let syn = t.pkt(Dir::FromClient, 40004, C_ISN, 0, F::SYN, b"");
+    assert!(t.accepted(syn));
+    t.pkt(Dir::ToClient, 40004, S_ISN, C_ISN + 1, F::SYN | F::ACK, b"");
+    t.tick(false);
+    let keys: Vec<String> = t
+        .outs
+        .iter()
+        .filter_map(|o| match o {
+            Out::Store(op) => Some(String::from_utf8_lossy(op.kind.key()).into_owned()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(keys, vec![format!("b{B}/{}", key(40004).store_key())]);
+}

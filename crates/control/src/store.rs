@@ -1000,6 +1000,7 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// The store key the operation acts on.
     pub fn key(&self) -> &[u8] {
         match self {
             OpKind::Set { key, .. } | OpKind::Get { key } | OpKind::Del { key } => key,

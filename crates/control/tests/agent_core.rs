@@ -63,12 +63,6 @@ impl T {
     fn new() -> T {
         T { core: Core::new(Engine::new(Config::default()), false, true), id: 0, now: 1000, view: Some(view(1, &[B], &[])), lease_ok: true, outs: vec![] }
     }
-    fn lb(&self) -> LbView<'_> {
-        match &self.view {
-            Some(v) => LbView::View { v, lease_ok: self.lease_ok, fresh: true },
-            None => LbView::Waiting,
-        }
-    }
     fn pkt(&mut self, dir: Dir, port: u16, seq: u32, ack: u32, fl: u8, payload: &[u8]) -> u32 {
         self.id += 1;
         let data = match dir {

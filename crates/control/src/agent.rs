@@ -2,7 +2,7 @@
 //!
 //! One packet loop runs the [`trods`](unbroken_engines::trods) engine over an NFQUEUE that
 //! sees the service's packets both ways (mangle PREROUTING for the client's, OUTPUT for the
-//! server's), and talks to the store through the asynchronous [`StoreHandle`]: a store that is
+//! server's), and talks to the store through [`crate::kv::KvStore`] (Redis: the asynchronous [`crate::store::StoreHandle`]): a store that is
 //! down or slow completes operations with errors, and the engine then lets the connection go
 //! on unprotected (counted) instead of stalling it.
 //!
@@ -19,7 +19,8 @@
 
 use crate::agentcore::{Core, LbView, Out, Pkt};
 use crate::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
-use crate::store::{Reply, Store, StoreConfig, StoreHandle};
+use crate::kv::{KvStore, RedisKv};
+use crate::store::StoreConfig;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -354,7 +355,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let a = &cfg.raw.agent;
     let started = Instant::now();
     let mono_ms = || started.elapsed().as_millis() as u64;
-    let store = Arc::new(StoreHandle::start(&cfg.store_config()).map_err(|e| format!("agent: store: {e}"))?);
+    let store: Arc<dyn KvStore> = Arc::new(RedisKv::start(&cfg.store_config()).map_err(|e| format!("agent: store: {e}"))?);
     let watch = Arc::new(LoopWatch::new(Duration::from_millis(a.wedged_after_ms)));
     let hb = match cfg.lb {
         Some(lb) => Some(
@@ -398,13 +399,14 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
         next_gen: std::sync::atomic::AtomicU64::new(1),
-        store_cfg: cfg.store_config(),
+        kv: store.clone(),
         backend: cfg.backend,
         tx: tx.clone(),
         wake: wake.clone(),
         shared: shared.clone(),
     });
-    let fds = [queue.as_raw_fd(), store.wake_fd(), wake.0.as_raw_fd()];
+    // (poll skips a negative fd: a store without a wake fd is drained every iteration)
+    let fds = [queue.as_raw_fd(), store.wake_fd().unwrap_or(-1), wake.0.as_raw_fd()];
     let mut diag = unbroken_drivers::sockdiag::SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
     // The packet loop is the data path and its progress is what the heartbeats vouch for
     // (LoopWatch): ordinary work must not starve it. Nice -10 (weight ~9x a normal thread);
@@ -457,10 +459,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             }
         }
         core.packets(now, lb, pkts.drain(..));
-        drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+        drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
         // 2. the failover gate (TRODS section 5.1)
         core.gate(now, lb, |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.owned_and_receiving())).map_err(|e| e.to_string()));
-        drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+        drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
         // 3. worker messages, store completions
         if ready[2] {
             wake.clear();
@@ -469,7 +471,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             match m {
                 Msg::Adopt { key, bucket, rec, plan, started: t0, go } => {
                     core.adopted(now, key, bucket, &rec, &plan);
-                    drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                     let us = t0.elapsed().as_micros() as u64;
                     shared.count(|c| {
                         c.failovers += 1;
@@ -481,7 +483,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 }
                 Msg::Quiesce { key, go } => {
                     core.quiesce(now, key);
-                    drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                     let _ = go.send(());
                 }
                 Msg::Refuse { key, why } => {
@@ -504,7 +506,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         }
         // 4. store requests, housekeeping, muting, probes, injected ACKs
         core.after(now, lb);
-        drive(&mut core, &mut queue, &ctx, &store, &mut injects);
+        drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
         let qs = queue.stats();
         let skipped = hb.as_ref().map_or(0, |h| h.stats().skipped_wedged);
         let cc = core.counters;
@@ -554,7 +556,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
 
 /// Carries out the core's requests (crate::agentcore::Out); injected ACKs wait in `injects`
 /// until the verdicts are flushed.
-fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &StoreHandle, injects: &mut Vec<Vec<u8>>) {
+fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>) {
     while let Some(o) = core.poll() {
         match o {
             Out::Accept { id, mut data, modified, csum_not_ready } => accept(queue, id, &mut data, modified, csum_not_ready),
@@ -610,7 +612,7 @@ fn status_loop(
     path: PathBuf,
     shared: Arc<Shared>,
     ev: Arc<Mutex<(trods::Counters, usize, usize)>>,
-    store: Arc<StoreHandle>,
+    store: Arc<dyn KvStore>,
     started: Instant,
 ) {
     let tmp = path.with_extension("tmp");
@@ -646,7 +648,7 @@ fn status_loop(
             "protected": protected,
             "agent": agent,
             "engine": engine,
-            "store": format!("{:?}", store.stats()),
+            "store": store.describe(),
             "store_down": store.is_down(),
         });
         if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
@@ -674,7 +676,7 @@ struct WorkerCtx {
     /// superseded connection's worker can be stopped.
     adopted: Mutex<HashMap<Key, (u64, std::os::fd::OwnedFd)>>,
     next_gen: std::sync::atomic::AtomicU64,
-    store_cfg: StoreConfig,
+    kv: Arc<dyn KvStore>,
     backend: SocketAddr,
     tx: Sender<Msg>,
     wake: Arc<Wake>,
@@ -707,7 +709,7 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
     let skey = store_key(bucket, &key);
     let deadline = Instant::now() + Duration::from_millis(1500);
     let got = loop {
-        match Store::connect(&ctx.store_cfg).and_then(|mut s| s.get(skey.as_bytes())) {
+        match ctx.kv.get(skey.as_bytes()) {
             Err(e) if Instant::now() < deadline => {
                 let _ = e;
                 std::thread::sleep(Duration::from_millis(20)); // back-off between store retries
@@ -1046,7 +1048,6 @@ fn relay(ctx: &WorkerCtx, client: TcpStream, mut skip: u64) {
 /// store and send each client an old-sequence segment: the client answers with a duplicate
 /// ACK (RFC 9293 section 3.10.7.4), which reaches this server and starts the failover at once.
 fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
-    let Ok(mut store) = Store::connect(&ctx.store_cfg) else { return };
     // Marked to skip this agent's own queue: a probe is not the server's TCP speaking, and a
     // muted entry of the connection (left from when its bucket went to another server) would
     // drop it.
@@ -1058,10 +1059,9 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
         }
     };
     for b in buckets {
-        let pattern = format!("b{b}/c/*");
-        let Ok(keys) = scan(&mut store, &ctx.store_cfg.key_prefix, &pattern) else { continue };
+        let Ok(keys) = ctx.kv.keys_with_prefix(&format!("b{b}/c/")) else { continue };
         for k in keys {
-            let Ok(Some(v)) = store.get(&k) else { continue };
+            let Ok(Some(v)) = ctx.kv.get(&k) else { continue };
             let Ok(rec) = Record::decode(&v) else { continue };
             let Some(conn) = parse_store_key(&k) else { continue };
             eprintln!("agent: probing {} (bucket {b})", conn.client);
@@ -1072,44 +1072,6 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
             }
         }
     }
-}
-
-/// Every key matching `pattern` (without the prefix; returned without it too), on every
-/// master of a Redis Cluster, or on the one Redis.
-fn scan(store: &mut Store, prefix: &str, pattern: &str) -> Result<Vec<Vec<u8>>, crate::store::StoreError> {
-    if store.is_cluster() {
-        let mut out = Vec::new();
-        for node in store.masters() {
-            out.extend(scan_node(store, Some(node), prefix, pattern)?);
-        }
-        return Ok(out);
-    }
-    scan_node(store, None, prefix, pattern)
-}
-
-fn scan_node(store: &mut Store, node: Option<SocketAddr>, prefix: &str, pattern: &str) -> Result<Vec<Vec<u8>>, crate::store::StoreError> {
-    let full = format!("{prefix}{pattern}");
-    let mut cursor = b"0".to_vec();
-    let mut out = Vec::new();
-    for _ in 0..100_000 {
-        let args: [&[u8]; 6] = [b"SCAN", &cursor, b"MATCH", full.as_bytes(), b"COUNT", b"1000"];
-        let r = match node {
-            Some(n) => store.command_at(n, &args)?,
-            None => store.command(&args)?,
-        };
-        let Reply::Array(Some(parts)) = r else { break };
-        let (Some(Reply::Bulk(Some(c))), Some(Reply::Array(Some(keys)))) = (parts.first(), parts.get(1)) else { break };
-        for k in keys {
-            if let Reply::Bulk(Some(k)) = k {
-                out.push(k[prefix.len().min(k.len())..].to_vec());
-            }
-        }
-        if c == b"0" {
-            break;
-        }
-        cursor = c.clone();
-    }
-    Ok(out)
 }
 
 fn parse_store_key(k: &[u8]) -> Option<Key> {

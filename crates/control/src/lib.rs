@@ -7,6 +7,7 @@ pub mod agentcore;
 pub mod config;
 pub mod detector;
 pub mod guard;
+pub mod kv;
 pub mod lab;
 pub mod lb;
 pub mod objlab;

@@ -65,7 +65,7 @@
 //! died meanwhile, see [`Lb::start`]). [`Lb::stop_and_remove`] and [`cleanup`] remove the table.
 //!
 //! The balancer host must attract the VIP's traffic on the ingress device. In the lab
-//! ([`crate::objlab`]) the balancer namespace answers ARP and neighbour solicitations for the
+//! (`unbroken_lab::objlab`) the balancer namespace answers ARP and neighbour solicitations for the
 //! VIP with proxy entries (`ip neigh add proxy VIP dev l0`, `proxy_ndp`, `proxy_delay 0`) and
 //! routes the VIP toward the server bridge, so the proxy reply is legal; this module does not
 //! touch addresses, routes or neighbour entries.
@@ -221,7 +221,7 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 
 /// Bytes to `aa:bb:cc:dd:ee:ff`.
 pub fn mac_string(mac: [u8; 6]) -> String {
-    crate::lab::mac_string(mac)
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
 /// Parses a hex key; the empty string is the empty key.

@@ -1,6 +1,7 @@
 //! `unbroken-control`: the control floor. The checkpoint guard ([`guard`] decisions,
-//! [`runtime`] I/O), its configuration, the steering rules, and the network-namespace [`lab`]
-//! the demos and tests run in.
+//! [`runtime`] I/O), its configuration, the steering rules; object mode's agent ([`agentcore`] decisions, [`agent`]
+//! I/O), load balancer ([`lb`], [`detector`]) and store ([`store`], [`kv`]). The network-namespace
+//! labs live in the `unbroken-lab` crate.
 
 pub mod agent;
 pub mod agentcore;
@@ -8,9 +9,7 @@ pub mod config;
 pub mod detector;
 pub mod guard;
 pub mod kv;
-pub mod lab;
 pub mod lb;
-pub mod objlab;
 pub mod runtime;
 pub mod signals;
 pub mod steer;

@@ -28,7 +28,7 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use unbroken_control::lab::{self, CheckpointOpts, Lab};
+use unbroken_lab::lab::{self, CheckpointOpts, Lab};
 
 // ---------------------------------------------------------------------------------------------
 // Options
@@ -1578,10 +1578,10 @@ pub mod micro {
     const A_ISN2: u32 = 77_000_000;
 
     fn a_ip() -> IpAddr {
-        IpAddr::V4(unbroken_control::lab::addr::SERVICE_V4)
+        IpAddr::V4(unbroken_lab::lab::addr::SERVICE_V4)
     }
     fn b_ip() -> IpAddr {
-        IpAddr::V4(unbroken_control::lab::addr::PEER_V4)
+        IpAddr::V4(unbroken_lab::lab::addr::PEER_V4)
     }
 
     fn build(src: IpAddr, dst: IpAddr, r: Repr, payload: usize) -> Vec<u8> {

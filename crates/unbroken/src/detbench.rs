@@ -67,7 +67,7 @@ impl Drop for Hogs {
 
 /// Runs the measurement; the JSON report.
 pub fn run(o: &Opts) -> Result<Value, String> {
-    unbroken_control::lab::lab_available()?;
+    unbroken_lab::lab::lab_available()?;
     // Nothing may fail over during the run: a threshold far above any gap (the lease follows).
     let env = ObjectEnv::start(EnvOpts { dead_after_ms: 30_000, ..EnvOpts::default() }).map_err(|e| format!("lab: {e}"))?;
     let mut hogs = Hogs(Vec::new());

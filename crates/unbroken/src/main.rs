@@ -411,7 +411,7 @@ fn peer(args: Vec<String>) -> ExitCode {
 
 fn lab(args: Vec<String>) -> ExitCode {
     match args.first().map(String::as_str) {
-        Some("cleanup") => match unbroken_control::lab::cleanup_orphans() {
+        Some("cleanup") => match unbroken_lab::lab::cleanup_orphans() {
             Ok(n) => {
                 println!("removed {n} leftover namespace(s)");
                 ExitCode::SUCCESS

@@ -1,5 +1,5 @@
 //! `unbroken bench object`: object mode (TRODS-KV, seed 000) against unprotected nginx, in the
-//! object lab ([`unbroken_control::objlab`]): client namespace, nftables LB, three servers.
+//! object lab ([`unbroken_lab::objlab`]): client namespace, nftables LB, three servers.
 //!
 //! Two systems are built side by side, identical but for object mode:
 //!
@@ -41,9 +41,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use unbroken_control::lab;
+use unbroken_lab::lab;
 use unbroken_control::lb::HeartbeatClient;
-use unbroken_control::objlab::{addr, ObjectLab, ObjectOpts};
+use unbroken_lab::objlab::{addr, ObjectLab, ObjectOpts};
 
 // ---------------------------------------------------------------------------------------------
 // Options

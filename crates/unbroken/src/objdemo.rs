@@ -13,8 +13,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use unbroken_control::lab;
-use unbroken_control::objlab::{addr, ObjectLab, ObjectOpts};
+use unbroken_lab::lab;
+use unbroken_lab::objlab::{addr, ObjectLab, ObjectOpts};
 
 /// Options of [`ObjectEnv::start`].
 #[derive(Debug, Clone)]

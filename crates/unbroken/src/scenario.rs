@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
-use unbroken_control::lab::{self, addr, CheckpointLab, CheckpointOpts, Lab};
+use unbroken_lab::lab::{self, addr, CheckpointLab, CheckpointOpts, Lab};
 
 /// A failure to inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -14,7 +14,7 @@ use unbroken::scenario::{run_checkpoint, Crash, Report, Scenario};
 static LAB: Mutex<()> = Mutex::new(());
 
 fn lab_or_skip(name: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
-    if !unbroken_control::lab::lab_or_skip(name) {
+    if !unbroken_lab::lab::lab_or_skip(name) {
         return None;
     }
     std::env::set_var("UNBROKEN_BIN", env!("CARGO_BIN_EXE_unbroken"));

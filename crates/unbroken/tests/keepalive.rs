@@ -12,8 +12,8 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Instant;
 use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
-use unbroken_control::lab;
-use unbroken_control::objlab::addr;
+use unbroken_lab::lab;
+use unbroken_lab::objlab::addr;
 
 /// One lab at a time: the machine has two cores.
 static LAB: Mutex<()> = Mutex::new(());
@@ -104,7 +104,7 @@ fn capture(env: &ObjectEnv, name: &str) -> Option<Capture> {
     let mut child = lab::spawn(
         env.lab.client(),
         Command::new("tcpdump")
-            .args(["-i", unbroken_control::objlab::dev::CLIENT, "-s", "128", "-U", "-w"])
+            .args(["-i", unbroken_lab::objlab::dev::CLIENT, "-s", "128", "-U", "-w"])
             .arg(&file)
             .args(["tcp", "port", "80"])
             .stdin(std::process::Stdio::null())

@@ -14,7 +14,7 @@ use unbroken::objdemo::{run_object, ObjectScenario};
 
 #[test]
 fn object_over_4gib_two_deaths_one_after_the_wrap() {
-    if !unbroken_control::lab::lab_or_skip("object_over_4gib_two_deaths_one_after_the_wrap") {
+    if !unbroken_lab::lab::lab_or_skip("object_over_4gib_two_deaths_one_after_the_wrap") {
         return;
     }
     let size: u64 = (4 << 30) + (512 << 20);

@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use unbroken::objdemo::{make_object, receive, service, EnvOpts, ObjectEnv, Received};
-use unbroken_control::lab;
+use unbroken_lab::lab;
 
 /// One lab at a time: each test builds a whole system, and the machine has two cores.
 static LAB: Mutex<()> = Mutex::new(());
@@ -224,7 +224,7 @@ fn capture(env: &ObjectEnv, name: &str) -> Option<Capture> {
         Command::new("tcpdump")
             .args([
                 "-i",
-                unbroken_control::objlab::dev::CLIENT,
+                unbroken_lab::objlab::dev::CLIENT,
                 "-s",
                 "256",
                 "-U",
@@ -1408,7 +1408,7 @@ fn revive_keepalive_two_range_gets_python() {
     let size = 1024 * MIB;
     revive_during_download(NAME, size, 23, |_| {
         let mut cmd = Command::new("python3");
-        cmd.args(["-c", PY_TWO_RANGES, &unbroken_control::objlab::addr::VIP_V4.to_string(), "/r.bin", &size.to_string()]);
+        cmd.args(["-c", PY_TWO_RANGES, &unbroken_lab::objlab::addr::VIP_V4.to_string(), "/r.bin", &size.to_string()]);
         cmd
     });
 }

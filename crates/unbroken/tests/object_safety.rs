@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
-use unbroken_control::lab;
-use unbroken_control::objlab::addr;
+use unbroken_lab::lab;
+use unbroken_lab::objlab::addr;
 
 /// One lab at a time: two cores, and the stall figures mean more without contention.
 static LAB: Mutex<()> = Mutex::new(());

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
-use unbroken_control::lab;
+use unbroken_lab::lab;
 use unbroken_control::lb::{
     self, encode_heartbeat, BucketView, EventKind, HeartbeatClient, Lb, LbConfig, LbStatus,
 };
-use unbroken_control::objlab::{addr, server_mac as lab_mac, ObjectLab, ObjectOpts};
+use unbroken_lab::objlab::{addr, server_mac as lab_mac, ObjectLab, ObjectOpts};
 
 const KEY_HEX: &str = "00112233445566778899aabbccddeeff";
 const INTERVAL: Duration = Duration::from_millis(5);

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use unbroken_control::lab::{self, addr, Lab, PairLab};
+use unbroken_lab::lab::{self, addr, Lab, PairLab};
 use unbroken_drivers::repair::{self, RepairSpec};
 
 /// Bound on every blocking read and write.

@@ -399,12 +399,7 @@ pub fn cleanup_orphans() -> io::Result<usize> {
 // The generic lab
 
 /// `aa:bb:cc:dd:ee:ff`.
-pub fn mac_string(mac: [u8; 6]) -> String {
-    mac.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
-}
+pub use unbroken_control::lb::mac_string;
 
 fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];

@@ -25,7 +25,7 @@ fn have_redis() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        unbroken_control::lab::skip_or_fail(
+        unbroken_lab::lab::skip_or_fail(
             std::thread::current().name().unwrap_or("store_redis"),
             "redis-server is not installed (apt-get install redis-server redis-tools)",
         );

@@ -1585,3 +1585,40 @@ fn store_blip_then_death_protection_rearmed() {
 fn agent_engine(env: &ObjectEnv, i: usize, name: &str) -> u64 {
     env.agent_status(i).and_then(|v| v["engine"][name].as_u64()).unwrap_or(0)
 }
+
+/// Issue 8 item 7: an agent stopped with SIGTERM while it serves a connection it rebuilt
+/// (after a failover) leaves that socket in repair mode, so its close sends the client neither
+/// FIN nor RST; the restarted agent rebuilds the connection from its record (its bucket is
+/// still in the failover window). The download finishes byte-exact with 0 RSTs.
+#[test]
+fn agent_sigterm_leaves_a_rebuilt_connection_silently() {
+    let name = "agent_sigterm_rebuilt";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let size = 128u64 << 20;
+    let want = object(&env, "rebuilt.bin", size, 29);
+    let mut c = curl(&env, "/rebuilt.bin", 42_111, RATE, want.clone());
+    assert!(c.wait_bytes(size / 10, Duration::from_secs(30)), "{name}: the download did not start");
+    let home = c.server(&env);
+    env.crash(home).expect("crash");
+    assert!(
+        wait_for(Duration::from_secs(10), || env.agent_sum("failovers") >= 1 && env.serving(42_111).is_some_and(|s| s != home)),
+        "{name}: no failover after the crash: {}",
+        counters(&env)
+    );
+    let stand_in = env.serving(42_111).unwrap();
+    let at = c.got();
+    eprintln!("{name}: server {home} lost power; server {stand_in} rebuilt the connection; SIGTERM to its agent at {at} bytes");
+    env.restart_agent(stand_in, libc::SIGTERM).unwrap_or_else(|e| panic!("{name}: restart: {e}"));
+    // The new agent knows nothing: the client's next packets start a failover from the record.
+    assert!(
+        wait_for(Duration::from_secs(10), || agent_counter(&env, stand_in, "failovers") >= 1),
+        "{name}: the restarted agent did not rebuild the connection: {:?}",
+        env.agent_status(stand_in)
+    );
+    assert!(c.wait_bytes(at + size / 10, Duration::from_secs(30)), "{name}: the download did not go on after the restart");
+    let d = c.finish(Duration::from_secs(60));
+    show(name, &d);
+    assert_exact(name, &env, &d, &want);
+    eprintln!("{name}: ok; {}", counters(&env));
+}

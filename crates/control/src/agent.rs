@@ -583,9 +583,9 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
                 let _ = store.submit(op);
             }
             Out::Inject(pkt) => injects.push(pkt),
-            Out::Probe(moved) => {
+            Out::Probe { buckets, skip } => {
                 let ctx = ctx.clone();
-                std::thread::spawn(move || probe_buckets(ctx, moved));
+                std::thread::spawn(move || probe_buckets(ctx, buckets, skip));
             }
             Out::Log(line) => eprintln!("{line}"),
         }
@@ -1047,7 +1047,8 @@ fn relay(ctx: &WorkerCtx, client: TcpStream, mut skip: u64) {
 /// that can take seconds. For buckets that just moved here, find their connections in the
 /// store and send each client an old-sequence segment: the client answers with a duplicate
 /// ACK (RFC 9293 section 3.10.7.4), which reaches this server and starts the failover at once.
-fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
+fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
+    let skip: std::collections::HashSet<Key> = skip.into_iter().collect();
     // Marked to skip this agent's own queue: a probe is not the server's TCP speaking, and a
     // muted entry of the connection (left from when its bucket went to another server) would
     // drop it.
@@ -1061,9 +1062,12 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
     for b in buckets {
         let Ok(keys) = ctx.kv.keys_with_prefix(&format!("b{b}/c/")) else { continue };
         for k in keys {
+            let Some(conn) = parse_store_key(&k) else { continue };
+            if skip.contains(&conn) {
+                continue;
+            }
             let Ok(Some(v)) = ctx.kv.get(&k) else { continue };
             let Ok(rec) = Record::decode(&v) else { continue };
-            let Some(conn) = parse_store_key(&k) else { continue };
             eprintln!("agent: probing {} (bucket {b})", conn.client);
             if let Some(pkt) = probe_packet(&conn, &rec) {
                 if raw.send(&pkt).is_ok() {

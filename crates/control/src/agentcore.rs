@@ -41,6 +41,11 @@ const REFUSED_MS: u64 = 10_000;
 const EXPIRE_EVERY_MS: u64 = 250;
 /// Owner check period (and: a view older than this is not used to mute).
 const OWNER_CHECK_MS: u64 = 100;
+/// A moved bucket's connections that have not shown up are probed again after these delays
+/// (ms after the move): a lost probe, or a client that answered another probe less than
+/// `net.ipv4.tcp_invalid_ratelimit` (500 ms) before and stays silent, would otherwise leave a
+/// connection with nothing to send waiting for its own retransmission timer, or for good.
+pub const PROBE_RETRY_MS: [u64; 2] = [600, 1800];
 
 /// One queued packet.
 #[derive(Debug, Clone)]
@@ -101,8 +106,9 @@ pub enum Out {
     Store(Op),
     /// Send this packet (an ACK the engine built) to the client.
     Inject(Vec<u8>),
-    /// Look for records of these buckets (they just moved here).
-    Probe(Vec<u16>),
+    /// Look for records of these buckets (they just moved here) and elicit an ACK from each
+    /// client, except the connections in `skip` (already known here).
+    Probe { buckets: Vec<u16>, skip: Vec<Key> },
     /// A line for the log.
     Log(String),
 }
@@ -146,6 +152,8 @@ pub struct Core {
     last_owner_check: u64,
     last_expire: u64,
     probed_epoch: u32,
+    /// Probe retries due: (when, buckets).
+    probe_retries: Vec<(u64, Vec<u16>)>,
     out: VecDeque<Out>,
     pub counters: CoreCounters,
 }
@@ -168,6 +176,7 @@ impl Core {
             last_owner_check: 0,
             last_expire: 0,
             probed_epoch: 0,
+            probe_retries: Vec::new(),
             out: VecDeque::new(),
             counters: CoreCounters::default(),
         }
@@ -393,6 +402,12 @@ impl Core {
         self.engine.store_done(token, ok);
     }
 
+    /// Probe `buckets`, skipping the connections this agent already knows.
+    fn probe(&mut self, buckets: Vec<u16>) {
+        let skip = self.buckets.iter().filter(|(k, b)| b.is_some_and(|b| buckets.contains(&b)) && self.engine.knows(k)).map(|(k, _)| *k).collect();
+        self.out.push_back(Out::Probe { buckets, skip });
+    }
+
     /// Step 4 (see the module docs).
     pub fn after(&mut self, now: u64, lb: LbView<'_>) {
         self.flush_released();
@@ -442,7 +457,22 @@ impl Core {
                 self.probed_epoch = v.epoch;
                 let moved = v.allowed_buckets();
                 if !moved.is_empty() {
-                    self.out.push_back(Out::Probe(moved));
+                    for d in PROBE_RETRY_MS {
+                        self.probe_retries.push((now + d, moved.clone()));
+                    }
+                    self.probe(moved);
+                }
+            }
+            // Retries, for the buckets still moved here.
+            let due: Vec<Vec<u16>> = {
+                let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.probe_retries).into_iter().partition(|(t, _)| *t <= now);
+                self.probe_retries = keep;
+                due.into_iter().map(|(_, b)| b).collect()
+            };
+            for buckets in due {
+                let still: Vec<u16> = buckets.into_iter().filter(|&b| v.allowed(b) && v.owns(b)).collect();
+                if !still.is_empty() {
+                    self.probe(still);
                 }
             }
         }

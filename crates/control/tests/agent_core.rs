@@ -282,3 +282,37 @@ fn store_keys_carry_the_bucket() {
         .collect();
     assert_eq!(keys, vec![format!("b{B}/{}", key(40004).store_key())]);
 }
+
+/// A bucket that moved here is probed at once and again after PROBE_RETRY_MS (a lost probe, or
+/// a client whose answer Linux rate-limits because another server probed it moments before,
+/// must not leave a connection waiting for good); a retry skips connections already known
+/// here and buckets that are no longer moved here.
+#[test]
+fn moved_buckets_are_probed_again_until_their_connections_show_up() {
+    use unbroken_control::agentcore::PROBE_RETRY_MS;
+    let mut t = T::new();
+    t.connect(40005); // known here, in bucket B
+    t.view = Some(view(2, &[B, 9], &[B, 9]));
+    t.tick(false);
+    let probes = |t: &mut T| -> Vec<(Vec<u16>, Vec<Key>)> {
+        t.take().into_iter().filter_map(|o| if let Out::Probe { buckets, skip } = o { Some((buckets, skip)) } else { None }).collect()
+    };
+    let p = probes(&mut t);
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].0, vec![B, 9]);
+    assert_eq!(p[0].1, vec![key(40005)], "the known connection is not probed");
+    t.now += PROBE_RETRY_MS[0] - 1;
+    t.tick(false);
+    assert!(probes(&mut t).is_empty(), "not before the retry is due");
+    t.now += 1;
+    t.tick(false);
+    assert_eq!(probes(&mut t).iter().map(|p| p.0.clone()).collect::<Vec<_>>(), vec![vec![B, 9]]);
+    // Bucket 9 left the failover window (no longer allowed): the last retry probes B only.
+    t.view = Some(view(2, &[B, 9], &[B]));
+    t.now = 1000 + PROBE_RETRY_MS[1];
+    t.tick(false);
+    assert_eq!(probes(&mut t).iter().map(|p| p.0.clone()).collect::<Vec<_>>(), vec![vec![B]]);
+    t.now += 10_000;
+    t.tick(false);
+    assert!(probes(&mut t).is_empty(), "two retries, no more");
+}

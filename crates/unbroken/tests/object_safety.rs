@@ -1588,8 +1588,9 @@ fn agent_engine(env: &ObjectEnv, i: usize, name: &str) -> u64 {
 
 /// Issue 8 item 7: an agent stopped with SIGTERM while it serves a connection it rebuilt
 /// (after a failover) leaves that socket in repair mode, so its close sends the client neither
-/// FIN nor RST; the restarted agent rebuilds the connection from its record (its bucket is
-/// still in the failover window). The download finishes byte-exact with 0 RSTs.
+/// FIN nor RST; the restarted agent (or, when the restart outlasts the LB's deadline, the
+/// server the bucket moves to) rebuilds the connection from its record. The download
+/// finishes byte-exact with 0 RSTs.
 #[test]
 fn agent_sigterm_leaves_a_rebuilt_connection_silently() {
     let name = "agent_sigterm_rebuilt";
@@ -1609,13 +1610,18 @@ fn agent_sigterm_leaves_a_rebuilt_connection_silently() {
     let stand_in = env.serving(42_111).unwrap();
     let at = c.got();
     eprintln!("{name}: server {home} lost power; server {stand_in} rebuilt the connection; SIGTERM to its agent at {at} bytes");
+    let others = |env: &ObjectEnv| (1..=3).filter(|&i| i != stand_in).map(|i| agent_counter(env, i, "failovers")).sum::<u64>();
+    let f0 = others(&env);
     env.restart_agent(stand_in, libc::SIGTERM).unwrap_or_else(|e| panic!("{name}: restart: {e}"));
-    // The new agent knows nothing: the client's next packets start a failover from the record.
+    // Nobody knows the connection now: the client's next packets start a failover from the
+    // record, at the restarted agent, or at another server when the restart outlasted the
+    // LB's deadline and the bucket moved on (it does not go back: the stand-in is not its home).
     assert!(
-        wait_for(Duration::from_secs(10), || agent_counter(&env, stand_in, "failovers") >= 1),
-        "{name}: the restarted agent did not rebuild the connection: {:?}",
-        env.agent_status(stand_in)
+        wait_for(Duration::from_secs(10), || agent_counter(&env, stand_in, "failovers") >= 1 || others(&env) > f0),
+        "{name}: nobody rebuilt the connection after the restart: {}",
+        counters(&env)
     );
+    eprintln!("{name}: rebuilt by server {:?}", env.serving(42_111));
     assert!(c.wait_bytes(at + size / 10, Duration::from_secs(30)), "{name}: the download did not go on after the restart");
     let d = c.finish(Duration::from_secs(60));
     show(name, &d);

@@ -330,6 +330,16 @@ impl Detector {
         if !alive {
             s.downs.retain(|&t| now.saturating_sub(t) < FLAP_WINDOW_MS);
             s.downs.push(now);
+        } else {
+            // Buckets it still holds in the kernel table came back with it (nobody could take
+            // them while it was dead: every other server was dead too). Their connections died
+            // with it and are unknown to it now: they may fail over here, like those of a
+            // bucket that moved (without this the gate denies them and the kernel resets them).
+            for b in 0..self.applied.len() {
+                if self.applied[b] as usize == i {
+                    self.changed_at[b] = Some(now);
+                }
+            }
         }
         let alive_v: Vec<bool> = self.srv.iter().map(|s| s.alive).collect();
         let before = self.target.clone();
@@ -631,6 +641,26 @@ mod tests {
         }
         assert!(holds[0] >= 500 && holds[0] < 520, "{holds:?}");
         assert!(holds[1] >= 1000 && holds[2] >= 2000 && holds[3] >= 4000, "{holds:?}");
+    }
+
+    /// The last live server dies while another is already dead; it returns to the buckets
+    /// it kept: allowed.
+    #[test]
+    fn the_last_server_to_die_returns_to_its_kept_buckets_allowed() {
+        let c = DetectorConfig { servers: 2, buckets: 4, ..cfg() };
+        let mut d = Detector::new(c.clone(), home(&c), 0).unwrap();
+        run(&mut d, 0, 2000, &[]);
+        run(&mut d, 2000, 2200, &[1]);
+        assert!(!d.alive(1) && d.applied_table().1.iter().all(|&o| o == 0));
+        // Server 0 falls silent too: the only live server, so it is declared dead.
+        let ev = run(&mut d, 2200, 2400, &[0, 1]);
+        assert!(ev.iter().any(|e| e.server == 0 && !e.alive), "{ev:?}");
+        assert!(d.applied_table().1.iter().all(|&o| o == 0), "nobody to move them to");
+        let ev = run(&mut d, 2400, 3000, &[1]);
+        assert!(ev.iter().any(|e| e.server == 0 && e.alive), "{ev:?}");
+        let g = d.grant(0, 3000);
+        assert_eq!(owned(&g), vec![0, 1, 2, 3]);
+        assert_eq!(g.allowed, g.owned, "its connections died with it: they may fail over");
     }
 
     #[test]

@@ -347,6 +347,13 @@ impl Core {
                 let bucket = g.p.bucket;
                 self.recovering.insert(g.key, vec![g.p]);
                 self.out.push_back(Out::Failover { key: g.key, bucket, trigger });
+            } else if now.saturating_sub(g.since) >= GATE_WAIT_MS && matches!((g.p.bucket, view), (Some(b), Some(v)) if !v.owns(b)) {
+                // The bucket went to another server while the packet waited: the kernel's
+                // answer (a RST) would be a second server speaking on the connection. The
+                // client sends again, to the new owner.
+                self.counters.failovers_denied += 1;
+                self.counters.fenced_dropped += 1;
+                self.out.push_back(Out::Drop { id: g.p.id });
             } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
                 self.out.push_back(Out::Log(format!(
                     "agent: failover denied for {} (bucket {:?}): not a recently moved bucket",

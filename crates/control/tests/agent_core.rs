@@ -288,3 +288,24 @@ fn store_keys_carry_the_bucket() {
         .collect();
     assert_eq!(keys, vec![format!("b{B}/{}", key(40004).store_key())]);
 }
+
+/// A packet waiting at the gate whose bucket goes to another server meanwhile is dropped, not
+/// given to the kernel: the kernel's RST would be a second server speaking on the connection
+/// (found by the object-mode simulation, tests/object_sim.rs, `SIM_KIND=hb SIM_SEED=166`).
+#[test]
+fn gate_drops_a_waiting_packet_whose_bucket_moved_away() {
+    let mut t = T::new();
+    let id = t.pkt(Dir::FromClient, 40005, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    t.view = Some(view(2, &[], &[]));
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    assert!(t.dropped(id) && !t.accepted(id), "to the kernel while another server owns the bucket");
+    assert_eq!(t.core.counters.failovers_denied, 1);
+    // Still owned: to the kernel, as before.
+    t.view = Some(view(3, &[B], &[]));
+    let id = t.pkt(Dir::FromClient, 40006, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    assert!(t.accepted(id));
+}

@@ -356,6 +356,13 @@ impl Core {
                 let bucket = g.p.bucket;
                 self.recovering.insert(g.key, vec![g.p]);
                 self.out.push_back(Out::Failover { key: g.key, bucket, trigger });
+            } else if now.saturating_sub(g.since) >= GATE_WAIT_MS && matches!((g.p.bucket, view), (Some(b), Some(v)) if !v.owns(b)) {
+                // The bucket went to another server while the packet waited: the kernel's
+                // answer (a RST) would be a second server speaking on the connection. The
+                // client sends again, to the new owner.
+                self.counters.failovers_denied += 1;
+                self.counters.fenced_dropped += 1;
+                self.out.push_back(Out::Drop { id: g.p.id });
             } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
                 self.out.push_back(Out::Log(format!(
                     "agent: failover denied for {} (bucket {:?}): not a recently moved bucket",
@@ -377,8 +384,23 @@ impl Core {
         self.buckets.insert(key, bucket);
         for mut p in self.recovering.remove(&key).unwrap_or_default() {
             let v = self.engine.packet(p.id as u64, &mut p.data, Dir::FromClient, now);
-            let modified = matches!(v, Verdict::Accept { modified: true });
-            self.accept(p.id, p.data, modified, false);
+            self.flush_released();
+            match v {
+                // The client acknowledged bytes this plan's socket never sent (another server
+                // sent them after the record was read, or the client had them out of order):
+                // the engine silenced the connection; rebuild it from this ACK, as in
+                // `packet`. Given to the kernel instead, it left the connection muted and
+                // silent for good (object sim seed 15223: a hang).
+                Verdict::Unknown => {
+                    self.out.push_back(Out::Supersede { key });
+                    self.gate_wait.push(GateWait { key, since: now, p });
+                }
+                Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+                Verdict::Held => {
+                    self.csum.insert(p.id as u64, p.csum_not_ready);
+                }
+                Verdict::Accept { modified } => self.accept(p.id, p.data, modified, false),
+            }
         }
     }
 

@@ -277,6 +277,12 @@ impl Detector {
             _ => now,
         };
         s.returning_since = Some(since);
+        if since == now {
+            // Beating again: its replies list the buckets it kept (nobody could take them)
+            // from now on, during the revive hold too, and its connections there died with it.
+            self.kept_buckets_allowed(i, now);
+        }
+        let s = &self.srv[i];
         let dead_for = s.downs.last().map_or(silence, |&t| now.saturating_sub(t));
         if now.saturating_sub(since) < self.hold_ms(i, now) {
             return None;
@@ -330,6 +336,8 @@ impl Detector {
         if !alive {
             s.downs.retain(|&t| now.saturating_sub(t) < FLAP_WINDOW_MS);
             s.downs.push(now);
+        } else {
+            self.kept_buckets_allowed(i, now);
         }
         let alive_v: Vec<bool> = self.srv.iter().map(|s| s.alive).collect();
         let before = self.target.clone();
@@ -344,6 +352,18 @@ impl Detector {
         }
         self.recompute_want(now);
         Liveness { server: i, alive, silence_ms, retargeted: moved.len(), epoch: self.want_epoch }
+    }
+
+    /// Buckets a dead server still holds in the kernel table (nobody could take them: every
+    /// other server was dead too) come back with it. Their connections died with it and are
+    /// unknown to it now: they may fail over there, like those of a bucket that moved (without
+    /// this the gate denies them and the kernel resets them).
+    fn kept_buckets_allowed(&mut self, i: usize, now: u64) {
+        for b in 0..self.applied.len() {
+            if self.applied[b] as usize == i {
+                self.changed_at[b] = Some(now);
+            }
+        }
     }
 
     fn recompute_want(&mut self, now: u64) {
@@ -631,6 +651,32 @@ mod tests {
         }
         assert!(holds[0] >= 500 && holds[0] < 520, "{holds:?}");
         assert!(holds[1] >= 1000 && holds[2] >= 2000 && holds[3] >= 4000, "{holds:?}");
+    }
+
+    /// The last live server dies while another is already dead; it returns to the buckets
+    /// it kept: allowed from its first beat (object sim seeds 166 and 9085).
+    #[test]
+    fn the_last_server_to_die_returns_to_its_kept_buckets_allowed() {
+        let c = DetectorConfig { servers: 2, buckets: 4, ..cfg() };
+        let mut d = Detector::new(c.clone(), home(&c), 0).unwrap();
+        run(&mut d, 0, 2000, &[]);
+        run(&mut d, 2000, 2200, &[1]);
+        assert!(!d.alive(1) && d.applied_table().1.iter().all(|&o| o == 0));
+        // Server 0 falls silent too: the only live server, so it is declared dead.
+        let ev = run(&mut d, 2200, 2400, &[0, 1]);
+        assert!(ev.iter().any(|e| e.server == 0 && !e.alive), "{ev:?}");
+        assert!(d.applied_table().1.iter().all(|&o| o == 0), "nobody to move them to");
+        // Its first beat: the buckets it kept are listed and allowed at once (the LB sends
+        // their clients to it during the revive hold too).
+        assert!(d.heartbeat(0, 1, 2400).is_none(), "the revive hold");
+        let g = d.grant(0, 2400);
+        assert_eq!(owned(&g), vec![0, 1, 2, 3]);
+        assert_eq!(g.allowed, g.owned, "during the hold");
+        let ev = run(&mut d, 2405, 3000, &[1]);
+        assert!(ev.iter().any(|e| e.server == 0 && e.alive), "{ev:?}");
+        let g = d.grant(0, 3000);
+        assert_eq!(owned(&g), vec![0, 1, 2, 3]);
+        assert_eq!(g.allowed, g.owned, "its connections died with it: they may fail over");
     }
 
     #[test]

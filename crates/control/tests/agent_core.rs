@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 use unbroken_control::agentcore::{Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_WAIT_MS};
 use unbroken_control::lb::BucketView;
-use unbroken_engines::trods::{Config, Dir, Engine, Key};
+use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
 use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
 use unbroken_wire::Seq;
@@ -315,4 +315,64 @@ fn moved_buckets_are_probed_again_until_their_connections_show_up() {
     t.now += 10_000;
     t.tick(false);
     assert!(probes(&mut t).is_empty(), "two retries, no more");
+}
+
+/// A packet waiting at the gate whose bucket goes to another server meanwhile is dropped, not
+/// given to the kernel: the kernel's RST would be a second server speaking on the connection
+/// (found by the object-mode simulation, tests/object_sim.rs, `SIM_KIND=hb SIM_SEED=166`).
+#[test]
+fn gate_drops_a_waiting_packet_whose_bucket_moved_away() {
+    let mut t = T::new();
+    let id = t.pkt(Dir::FromClient, 40005, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    t.view = Some(view(2, &[], &[]));
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    assert!(t.dropped(id) && !t.accepted(id), "to the kernel while another server owns the bucket");
+    assert_eq!(t.core.counters.failovers_denied, 1);
+    // Still owned: to the kernel, as before.
+    t.view = Some(view(3, &[B], &[]));
+    let id = t.pkt(Dir::FromClient, 40006, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    assert!(t.accepted(id));
+}
+
+/// A client packet that waited for a failover and acknowledges bytes beyond the plan's resume
+/// point (the client had them from another server, or out of order) is not given to the
+/// rebuilt socket (whose kernel would discard it, its engine entry silenced): the connection
+/// is rebuilt again from that ACK (found by the object-mode simulation, seed 15223, where it
+/// hung).
+#[test]
+fn a_waiting_packet_acknowledging_beyond_the_plan_rebuilds_from_its_ack() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
+    let header = b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n".to_vec();
+    let entry = Entry { req_off: 0, req_len: 50, resp_off: 0, status: 200, body_len: 10000, header, object_id: b"GET /x HTTP/1.1\r\n".to_vec(), ..Entry::default() };
+    let rec = Record { hs, hold_off: 0, sent_off: 5000, entries: vec![entry], unprotected: false };
+    let (seq, ack1, ack2) = (C_ISN + 51, S_ISN + 1 + 1000, S_ISN + 1 + 3000);
+    let id1 = t.pkt(Dir::FromClient, 40007, seq, ack1, F::ACK, b"");
+    t.tick(false);
+    let trigger = t.outs.iter().find_map(|o| match o {
+        Out::Failover { trigger, .. } => Some(trigger.clone()),
+        _ => None,
+    });
+    let (_, trig) = Trigger::parse(&trigger.expect("a failover")).unwrap();
+    let plan = plan_recovery(&rec, &trig).unwrap();
+    t.take();
+    let id2 = t.pkt(Dir::FromClient, 40007, seq, ack2, F::ACK, b"");
+    assert!(!t.accepted(id2), "waits with the trigger");
+    t.core.adopted(t.now, key(40007), Some(B), &rec, &plan);
+    t.collect();
+    assert!(t.accepted(id1), "the trigger goes through the rebuilt socket");
+    assert!(!t.accepted(id2), "not to the rebuilt socket: it never sent what this acknowledges");
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Supersede { key: k } if *k == key(40007))));
+    t.take();
+    t.tick(false);
+    let again: Vec<_> = t.outs.iter().filter_map(|o| match o {
+        Out::Failover { key: k, trigger, .. } if *k == key(40007) => Trigger::parse(trigger).map(|(_, g)| g.ack),
+        _ => None,
+    }).collect();
+    assert_eq!(again, vec![ack2], "rebuilt again from the later ACK");
 }

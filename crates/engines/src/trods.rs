@@ -816,6 +816,12 @@ impl Engine {
         self.conns.contains_key(key) || self.syns.contains_key(key)
     }
 
+    /// Whether `key` is a protected connection (its record in the store describes it), or
+    /// `None` when the engine does not track it (for simulations and status pages).
+    pub fn is_protected(&self, key: &Key) -> Option<bool> {
+        self.conns.get(key).map(|c| c.protected && !c.muted)
+    }
+
     /// Next store or delete to perform.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
@@ -1070,6 +1076,17 @@ impl Engine {
         let c = self.conns.get_mut(&key).unwrap();
         let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
         let end = off + len as u64;
+        // A retransmission of bytes that all lie before the first held packet: they left once
+        // already, under records stored then, and wait for nothing. Held behind a packet that
+        // waits (the start of a response header cut at the client's window edge), the
+        // retransmission the client needs would never leave, the window never open, and the
+        // rest of that header never come: a deadlock.
+        let hs = c.hs;
+        let sent_next = c.sent_next;
+        let before_held = end <= c.srv_next
+            && c.held.front().is_some_and(|h| {
+                parse_seg(&h.bytes, Dir::ToClient).is_some_and(|g| end <= unwrap_near(g.seq.wrapping_sub(hs.iss.wrapping_add(1)), sent_next))
+            });
         let mut why = None;
         let mut new_entry = false;
         let mut header_pending = false;
@@ -1183,6 +1200,8 @@ impl Engine {
             Some(u64::MAX)
         } else if new_entry || far {
             Some(c.gen)
+        } else if before_held {
+            None
         } else {
             c.held.back().map(|h| h.need)
         };

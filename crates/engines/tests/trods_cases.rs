@@ -1016,3 +1016,52 @@ fn records_of_quiet_live_connections_are_refreshed() {
         assert!(t.e.poll_action().is_none(), "no store after the connection ended");
     }
 }
+
+/// A pipelined second response whose header is cut at the client's window edge waits for the
+/// rest of its header; a segment the client lost earlier must still be retransmitted meanwhile
+/// (the client's window only opens when it gets it, and only then can the rest of the header
+/// be sent). Found by the object-mode simulation (tests/object_sim.rs in unbroken-control,
+/// seed 856): the retransmission waited behind the cut header, and the download hung.
+#[test]
+fn a_retransmission_never_waits_behind_a_header_cut_at_the_window_edge() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let req2 = b"GET /b.bin HTTP/1.1\r\nHost: s\r\n\r\n";
+    let mut reqs = REQ.to_vec();
+    reqs.extend_from_slice(req2);
+    assert_eq!(t.c(cs(0), ss(0), F::ACK | F::PSH, &reqs), Verdict::Accept { modified: false });
+    let rl = reqs.len() as u32;
+    // Response 1: header + 3000 body bytes, in segments of 1000 (held until its record is
+    // stored, then released).
+    let mut resp1 = HDR.to_vec();
+    resp1.extend_from_slice(&body(3000, 1));
+    let n1 = resp1.len() as u32;
+    let (v, _) = t.s(ss(0), cs(rl), F::ACK, &resp1[..1000]);
+    assert_eq!(v, Verdict::Held);
+    t.store_all();
+    assert_eq!(t.released().len(), 1);
+    let (v, _) = t.s(ss(1000), cs(rl), F::ACK, &resp1[1000..2000]);
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    // The last segment of response 1 carries the first 8 bytes of response 2's header: it
+    // waits for the rest of that header.
+    let mut last = resp1[2000..].to_vec();
+    last.extend_from_slice(b"HTTP/1.1");
+    let (v, _) = t.s(ss(2000), cs(rl), F::ACK, &last);
+    assert_eq!(v, Verdict::Held, "a cut header waits");
+    // The client lost [1000, 2000): the server retransmits it. It must leave now.
+    let (v, p) = t.s(ss(1000), cs(rl), F::ACK, &resp1[1000..2000]);
+    assert!(matches!(v, Verdict::Accept { .. }), "the retransmission waited behind the cut header: {v:?}");
+    assert!(repr(&p).ack.0 != 0);
+    // So must a retransmission of bytes the held segment also carries? No: those wait with it.
+    let (v, _) = t.s(ss(2000), cs(rl), F::ACK, &resp1[2000..2100]);
+    assert_eq!(v, Verdict::Held, "bytes of a held segment wait with it");
+    // The rest of the header arrives: the new entry is stored and everything goes, in order.
+    let hdr2 = b" 200 OK\r\nContent-Length: 10\r\n\r\n0123456789";
+    let (v, _) = t.s(ss(n1 + 8), cs(rl), F::ACK, hdr2);
+    assert_eq!(v, Verdict::Held);
+    let stored = t.store_all();
+    let rec = Record::decode(stored.last().unwrap()).unwrap();
+    assert_eq!(rec.entries.len(), 2, "the second response is recorded");
+    assert_eq!(t.released().len(), 3);
+}

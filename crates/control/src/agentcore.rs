@@ -148,6 +148,12 @@ pub struct Core {
     csum: HashMap<u64, bool>,
     gate_wait: Vec<GateWait>,
     fenced: Vec<Fenced>,
+    /// Server packets of connections whose bucket this core does not know yet (it restarted
+    /// under them): they wait for the client's next packet, which names the bucket.
+    unbucketed: Vec<Fenced>,
+    /// Buckets of connections whose packets went to the kernel (refused or denied
+    /// failovers): the kernel's answer (a RST) is that server's, under that bucket's lease.
+    handed: HashMap<Key, (u64, Option<u16>)>,
     owner_epoch: u32,
     last_owner_check: u64,
     last_expire: u64,
@@ -172,6 +178,8 @@ impl Core {
             csum: HashMap::new(),
             gate_wait: Vec::new(),
             fenced: Vec::new(),
+            unbucketed: Vec::new(),
+            handed: HashMap::new(),
             owner_epoch: 0,
             last_owner_check: 0,
             last_expire: 0,
@@ -189,7 +197,7 @@ impl Core {
 
     /// How long the driver may sleep before the core has something to do without input (ms).
     pub fn wait_ms(&self) -> u64 {
-        if !self.gate_wait.is_empty() || !self.fenced.is_empty() {
+        if !self.gate_wait.is_empty() || !self.fenced.is_empty() || !self.unbucketed.is_empty() {
             2
         } else {
             100
@@ -201,9 +209,9 @@ impl Core {
         self.recovering.contains_key(key)
     }
 
-    /// The bucket recorded for `key`.
+    /// The bucket recorded for `key` (also of a connection whose packets went to the kernel).
     pub fn bucket(&self, key: &Key) -> Option<u16> {
-        self.buckets.get(key).copied().flatten()
+        self.buckets.get(key).copied().flatten().or_else(|| self.handed.get(key).and_then(|h| h.1))
     }
 
     fn accept(&mut self, id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool) {
@@ -240,7 +248,19 @@ impl Core {
             }
             self.fenced = keep;
         }
-        let released: Vec<Pkt> = if lease_ok { self.fenced.drain(..).map(|f| f.p).collect() } else { Vec::new() };
+        let mut released: Vec<Pkt> = if lease_ok { self.fenced.drain(..).map(|f| f.p).collect() } else { Vec::new() };
+        if !self.unbucketed.is_empty() {
+            for f in std::mem::take(&mut self.unbucketed) {
+                if Self::key_of(&f.p).is_some_and(|k| self.bucket(&k).is_some()) {
+                    released.push(f.p);
+                } else if now.saturating_sub(f.since) >= FENCE_MAX_MS {
+                    self.out.push_back(Out::Drop { id: f.p.id });
+                    self.counters.fenced_dropped += 1;
+                } else {
+                    self.unbucketed.push(f);
+                }
+            }
+        }
         for p in released.into_iter().chain(batch) {
             self.packet(now, lb, lease_ok, p);
         }
@@ -267,6 +287,20 @@ impl Core {
                     self.counters.fenced_dropped += 1;
                     return;
                 }
+            }
+            if b.is_none() && key.is_some_and(|k| !self.engine.tracks(&k)) {
+                // A connection this core never saw (it restarted under it): nobody can tell
+                // whose bucket it is until its client's next packet says so, and the lease may
+                // be another bucket's. Wait for that packet (the client of a live connection
+                // sends one within a round trip).
+                if self.unbucketed.len() < FENCE_MAX_PACKETS {
+                    self.unbucketed.push(Fenced { since: now, p });
+                    self.counters.fenced_held += 1;
+                } else {
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.fenced_dropped += 1;
+                }
+                return;
             }
         }
         if let (Some(k), Dir::FromClient) = (key, p.dir) {
@@ -369,6 +403,7 @@ impl Core {
                     g.key.client, g.p.bucket
                 )));
                 self.counters.failovers_denied += 1;
+                self.handed.insert(g.key, (now, g.p.bucket));
                 self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
             } else {
                 keep.push(g);
@@ -413,7 +448,11 @@ impl Core {
 
     /// A worker gave up on `key`: its waiting packets go to the kernel (which resets it).
     pub fn refused(&mut self, now: u64, key: Key) {
-        for p in self.recovering.remove(&key).unwrap_or_default() {
+        let waiting = self.recovering.remove(&key).unwrap_or_default();
+        if let Some(b) = waiting.iter().find_map(|p| p.bucket) {
+            self.handed.insert(key, (now, Some(b)));
+        }
+        for p in waiting {
             self.accept(p.id, p.data, false, p.csum_not_ready);
         }
         self.refused.insert(key, now);
@@ -444,6 +483,7 @@ impl Core {
         if now.saturating_sub(self.last_expire) >= EXPIRE_EVERY_MS {
             self.engine.expire(now);
             self.refused.retain(|_, t| now.saturating_sub(*t) < REFUSED_MS);
+            self.handed.retain(|_, h| now.saturating_sub(h.0) < REFUSED_MS);
             // Keep the bucket of every connection the engine still tracks (also between the
             // client's SYN and the SYN-ACK, whose store needs it, and while muted).
             let engine = &self.engine;

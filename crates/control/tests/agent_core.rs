@@ -376,3 +376,26 @@ fn a_waiting_packet_acknowledging_beyond_the_plan_rebuilds_from_its_ack() {
     }).collect();
     assert_eq!(again, vec![ack2], "rebuilt again from the later ACK");
 }
+
+/// After an agent restart the core does not know a connection's bucket until its client sends:
+/// the kernel's packets of that connection wait for that packet (then pass under the lease and
+/// owner checks), or are dropped after FENCE_MAX_MS; never sent under another bucket's lease
+/// (found by the object-mode simulation, seeds 25 and 251).
+#[test]
+fn server_packets_of_a_connection_of_unknown_bucket_wait_for_its_client() {
+    let mut t = T::new();
+    let a = t.pkt(Dir::ToClient, 40008, S_ISN + 100, C_ISN + 1, F::ACK, b"data");
+    assert!(!t.accepted(a) && !t.dropped(a), "it waits");
+    // The client's packet names the bucket (B, owned here); the local socket owns it.
+    let c = t.pkt(Dir::FromClient, 40008, C_ISN + 1, S_ISN + 104, F::ACK, b"");
+    t.tick(true);
+    assert!(t.accepted(c));
+    t.tick(true);
+    assert!(t.accepted(a), "released once the bucket is known");
+    t.take();
+    // Another connection's packet whose client never shows up: dropped after FENCE_MAX_MS.
+    let d = t.pkt(Dir::ToClient, 40009, S_ISN + 100, C_ISN + 1, F::ACK, b"data");
+    t.now += FENCE_MAX_MS;
+    t.tick(false);
+    assert!(t.dropped(d));
+}

@@ -43,10 +43,10 @@
 //!
 //! Known gaps, counted in the report instead of failing the run (`SIM_STRICT=1` makes them
 //! fatal; `known_gaps_strict` lists seeds that show each), see docs/architecture.md:
-//! - *unfenced after an agent restart*: a restarted core learns a connection's bucket only
-//!   from its client's packets; until then the kernel's packets of that connection pass under
-//!   any lease, also once the bucket went to another server (seeds 25, 251). What follows on
-//!   that connection (RSTs, hangs) is put down to the gap. Likewise a connection an agent
+//! - *unfenced after an agent restart* (fixed: such packets now wait for the bucket; seeds 25,
+//!   251 stay in `known_gaps_strict` as regression cases): a restarted core learns a
+//!   connection's bucket only from its client's packets; the kernel's packets of that
+//!   connection passed under any lease before. Likewise a connection an agent
 //!   restarted under runs unprotected (its record goes stale): a RST or a hang after a later
 //!   fault is put down to the restart (seed 15223);
 //! - *an unprotected connection whose bucket leaves its live server* (store failures, learned

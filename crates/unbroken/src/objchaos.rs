@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use unbroken_control::lab;
@@ -198,13 +198,19 @@ fn stats(v: &[u64]) -> Value {
 /// Sender bookkeeping of one connection (trial, family, client port).
 #[derive(Default)]
 struct ConnSenders {
-    epoch: u32,
-    /// Senders in this epoch, consecutive repeats collapsed.
+    /// The server the LB forwards the client's segments to (the latest one seen).
+    owner: Option<u8>,
+    /// Servers that sent since the owner last changed, consecutive repeats collapsed.
     seq: Vec<u8>,
+    last: Option<u8>,
     interleaved: Option<String>,
 }
 
-/// What the capture saw.
+/// What the capture on the LB's server bridge saw. The epoch of a connection is the time
+/// the LB forwards its client's segments to one server (a change of that server starts a new
+/// one; it is the kernel table's decision, seen in-band, so no status file lags behind it).
+/// Two senders in one epoch: within one epoch, a server sent again after another one had
+/// sent (A, B, A); a clean handover (A's last frames, then B) is one switch, not two senders.
 #[derive(Default)]
 pub struct SenderLog {
     conns: HashMap<(usize, u8, u16), ConnSenders>,
@@ -214,24 +220,28 @@ pub struct SenderLog {
 }
 
 impl SenderLog {
-    /// A frame from server `srv` to the client's port at LB epoch `epoch`, in trial `trial`.
-    pub fn frame(&mut self, trial: usize, fam: u8, port: u16, srv: u8, epoch: u32) {
+    /// The LB forwarded the client's segment on `port` to `srv`.
+    pub fn to_server(&mut self, trial: usize, fam: u8, port: u16, srv: u8) {
+        let c = self.conns.entry((trial, fam, port)).or_default();
+        if c.owner != Some(srv) {
+            c.owner = Some(srv);
+            c.seq.clear();
+        }
+    }
+
+    /// Server `srv` sent to the client's `port`.
+    pub fn from_server(&mut self, trial: usize, fam: u8, port: u16, srv: u8) {
         self.frames += 1;
         let c = self.conns.entry((trial, fam, port)).or_default();
-        if c.epoch != epoch {
-            c.epoch = epoch;
-            let last = c.seq.last().copied();
-            c.seq.clear();
-            c.seq.extend(last);
+        if c.last.is_some_and(|l| l != srv) {
+            self.switches += 1;
         }
+        c.last = Some(srv);
         if c.seq.last() == Some(&srv) {
             return;
         }
-        if !c.seq.is_empty() {
-            self.switches += 1;
-        }
         if c.seq.contains(&srv) && c.interleaved.is_none() {
-            c.interleaved = Some(format!("trial {trial} port {port}: senders {:?} then {srv} again in epoch {epoch}", c.seq));
+            c.interleaved = Some(format!("trial {trial} port {port}: LB forwarding to server {:?}, senders {:?} then {srv} again", c.owner, c.seq));
         }
         c.seq.push(srv);
     }
@@ -242,30 +252,75 @@ impl SenderLog {
     }
 }
 
-/// Classic BPF: IPv4 or IPv6 TCP with source port 80, first 128 bytes; everything else dropped.
-fn sport80_filter() -> Vec<libc::sock_filter> {
+/// Classic BPF: IPv4 or IPv6 TCP from or to port 80, first 128 bytes; everything else dropped.
+fn port80_filter() -> Vec<libc::sock_filter> {
     let f = |code: u16, jt: u8, jf: u8, k: u32| libc::sock_filter { code, jt, jf, k };
     vec![
-        f(0x28, 0, 0, 12),     // 0: ldh [12]
-        f(0x15, 6, 0, 0x86dd), // 1: ipv6 -> 8
-        f(0x15, 0, 10, 0x0800), // 2: not ipv4 -> drop
-        f(0x30, 0, 0, 23),     // 3: ldb [23] (protocol)
-        f(0x15, 0, 8, 6),      // 4: not tcp -> drop
-        f(0xb1, 0, 0, 14),     // 5: ldxb 4*([14]&0xf)
-        f(0x48, 0, 0, 14),     // 6: ldh [x+14] (source port)
-        f(0x15, 4, 5, 80),     // 7: 80 -> accept, else drop
-        f(0x30, 0, 0, 20),     // 8: ldb [20] (next header)
-        f(0x15, 0, 3, 6),      // 9: not tcp -> drop
-        f(0x28, 0, 0, 54),     // 10: ldh [54] (source port)
-        f(0x15, 0, 1, 80),     // 11: 80 -> accept, else drop
-        f(0x06, 0, 0, 128),    // 12: accept 128 bytes
-        f(0x06, 0, 0, 0),      // 13: drop
+        f(0x28, 0, 0, 12),      // 0: ldh [12]
+        f(0x15, 8, 0, 0x86dd),  // 1: ipv6 -> 10
+        f(0x15, 0, 14, 0x0800), // 2: not ipv4 -> drop
+        f(0x30, 0, 0, 23),      // 3: ldb [23] (protocol)
+        f(0x15, 0, 12, 6),      // 4: not tcp -> drop
+        f(0xb1, 0, 0, 14),      // 5: ldxb 4*([14]&0xf)
+        f(0x48, 0, 0, 14),      // 6: ldh [x+14] (source port)
+        f(0x15, 8, 0, 80),      // 7: 80 -> accept
+        f(0x48, 0, 0, 16),      // 8: ldh [x+16] (destination port)
+        f(0x15, 6, 7, 80),      // 9: 80 -> accept, else drop
+        f(0x30, 0, 0, 20),      // 10: ldb [20] (next header)
+        f(0x15, 0, 5, 6),       // 11: not tcp -> drop
+        f(0x28, 0, 0, 54),      // 12: ldh [54] (source port)
+        f(0x15, 2, 0, 80),      // 13: 80 -> accept
+        f(0x28, 0, 0, 56),      // 14: ldh [56] (destination port)
+        f(0x15, 0, 1, 80),      // 15: 80 -> accept, else drop
+        f(0x06, 0, 0, 128),     // 16: accept 128 bytes
+        f(0x06, 0, 0, 0),       // 17: drop
     ]
 }
 
-/// Opens the capture socket on the LB's server bridge.
-fn open_capture(lb_ns: &str) -> std::io::Result<i32> {
-    lab::in_ns(lb_ns, || -> std::io::Result<i32> {
+/// Classic BPF: IPv4 or IPv6 TCP segments with RST set, first 128 bytes.
+fn rst_filter() -> Vec<libc::sock_filter> {
+    let f = |code: u16, jt: u8, jf: u8, k: u32| libc::sock_filter { code, jt, jf, k };
+    vec![
+        f(0x28, 0, 0, 12),      // 0: ldh [12]
+        f(0x15, 6, 0, 0x86dd),  // 1: ipv6 -> 8
+        f(0x15, 0, 10, 0x0800), // 2: not ipv4 -> drop
+        f(0x30, 0, 0, 23),      // 3: ldb [23] (protocol)
+        f(0x15, 0, 8, 6),       // 4: not tcp -> drop
+        f(0xb1, 0, 0, 14),      // 5: ldxb 4*([14]&0xf)
+        f(0x50, 0, 0, 27),      // 6: ldb [x+27] (TCP flags)
+        f(0x45, 4, 5, 4),       // 7: RST -> accept, else drop
+        f(0x30, 0, 0, 20),      // 8: ldb [20] (next header)
+        f(0x15, 0, 3, 6),       // 9: not tcp -> drop
+        f(0x30, 0, 0, 67),      // 10: ldb [67] (TCP flags)
+        f(0x45, 0, 1, 4),       // 11: RST -> accept, else drop
+        f(0x06, 0, 0, 128),     // 12: accept 128 bytes
+        f(0x06, 0, 0, 0),       // 13: drop
+    ]
+}
+
+/// One RST frame as text: family, addresses, ports, sequence number.
+fn describe_rst(b: &[u8]) -> Option<String> {
+    match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
+        0x0800 => {
+            let ihl = ((b.get(14)? & 0xf) as usize) * 4;
+            let t = 14 + ihl;
+            let ip = |o: usize| std::net::Ipv4Addr::new(b[o], b[o + 1], b[o + 2], b[o + 3]);
+            let g = b.get(t..t + 14)?;
+            Some(format!("{}:{} > {}:{} flags {:#04x} seq {}", ip(26), u16::from_be_bytes([g[0], g[1]]), ip(30), u16::from_be_bytes([g[2], g[3]]), g[13], u32::from_be_bytes([g[4], g[5], g[6], g[7]])))
+        }
+        0x86dd => {
+            let a = |o: usize| -> Option<std::net::Ipv6Addr> { Some(std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b.get(o..o + 16)?).ok()?)) };
+            let g = b.get(54..68)?;
+            Some(format!("[{}]:{} > [{}]:{} flags {:#04x} seq {}", a(22)?, u16::from_be_bytes([g[0], g[1]]), a(38)?, u16::from_be_bytes([g[2], g[3]]), g[13], u32::from_be_bytes([g[4], g[5], g[6], g[7]])))
+        }
+        _ => None,
+    }
+}
+
+/// Opens a capture socket on `dev` in `ns` with the filter `prog`.
+fn open_capture(ns: &str, devname: &str, prog: Vec<libc::sock_filter>) -> std::io::Result<i32> {
+    let devname = devname.to_string();
+    lab::in_ns(ns, move || -> std::io::Result<i32> {
         let proto = (libc::ETH_P_ALL as u16).to_be();
         // SAFETY: plain socket calls on a descriptor we own; closed on every error path.
         unsafe {
@@ -278,7 +333,6 @@ fn open_capture(lb_ns: &str) -> std::io::Result<i32> {
                 libc::close(fd);
                 Err(e)
             };
-            let prog = sport80_filter();
             let fp = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut _ };
             if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fp as *const _ as *const libc::c_void, std::mem::size_of::<libc::sock_fprog>() as u32) != 0 {
                 return fail(fd);
@@ -287,7 +341,7 @@ fn open_capture(lb_ns: &str) -> std::io::Result<i32> {
             libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &rcv as *const _ as *const libc::c_void, 4);
             let tv = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
             libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32);
-            let name = std::ffi::CString::new(dev::BRIDGE).unwrap();
+            let name = std::ffi::CString::new(devname).map_err(std::io::Error::other)?;
             let ifindex = libc::if_nametoindex(name.as_ptr());
             if ifindex == 0 {
                 return fail(fd);
@@ -304,25 +358,38 @@ fn open_capture(lb_ns: &str) -> std::io::Result<i32> {
     })?
 }
 
-/// Parses one captured frame: (family 4/6, client port, server id).
-fn parse_frame(b: &[u8]) -> Option<(u8, u16, u8)> {
+/// One frame on the LB's server bridge.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// Server `srv` (its source MAC) sends to the client's `port`.
+    FromServer { fam: u8, port: u16, srv: u8 },
+    /// The LB forwards the client's segment from `port` to server `srv` (its destination MAC).
+    ToServer { fam: u8, port: u16, srv: u8 },
+}
+
+fn server_of(mac: &[u8]) -> Option<u8> {
+    let m = server_mac(1);
+    (mac.len() == 6 && mac[..5] == m[..5]).then(|| mac[5])
+}
+
+/// Parses one captured frame.
+pub fn parse_frame(b: &[u8]) -> Option<Frame> {
     if b.len() < 14 {
         return None;
     }
-    let src = &b[6..12];
-    let m = server_mac(1);
-    if src[..5] != m[..5] {
-        return None;
-    }
-    let srv = src[5];
-    match u16::from_be_bytes([b[12], b[13]]) {
-        0x0800 => {
-            let ihl = ((b.get(14)? & 0xf) as usize) * 4;
-            let p = 14 + ihl + 2;
-            Some((4, u16::from_be_bytes([*b.get(p)?, *b.get(p + 1)?]), srv))
-        }
-        0x86dd => Some((6, u16::from_be_bytes([*b.get(56)?, *b.get(57)?]), srv)),
-        _ => None,
+    let (fam, t) = match u16::from_be_bytes([b[12], b[13]]) {
+        0x0800 => (4, 14 + ((b.get(14)? & 0xf) as usize) * 4),
+        0x86dd => (6, 54),
+        _ => return None,
+    };
+    let g = b.get(t..t + 4)?;
+    let (sport, dport) = (u16::from_be_bytes([g[0], g[1]]), u16::from_be_bytes([g[2], g[3]]));
+    if sport == 80 {
+        server_of(&b[6..12]).map(|srv| Frame::FromServer { fam, port: dport, srv })
+    } else if dport == 80 {
+        server_of(&b[0..6]).map(|srv| Frame::ToServer { fam, port: sport, srv })
+    } else {
+        None
     }
 }
 
@@ -330,13 +397,36 @@ struct Capture {
     stop: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<()>>,
     log: Arc<Mutex<SenderLog>>,
+    /// RSTs that reached the client's link: (trial, ms since the run's start, what).
+    rsts: Arc<Mutex<Vec<String>>>,
+    rst_handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Capture {
-    fn start(lb_ns: &str, trial: Arc<AtomicU64>, epoch: Arc<AtomicU32>) -> std::io::Result<Capture> {
-        let fd = open_capture(lb_ns)?;
+    fn start(lb_ns: &str, client_ns: &str, trial: Arc<AtomicU64>) -> std::io::Result<Capture> {
+        let fd = open_capture(lb_ns, dev::BRIDGE, port80_filter())?;
+        let rfd = open_capture(client_ns, dev::CLIENT, rst_filter())?;
         let stop = Arc::new(AtomicBool::new(false));
         let log = Arc::new(Mutex::new(SenderLog::default()));
+        let rsts = Arc::new(Mutex::new(Vec::new()));
+        let (st, rs, tr) = (stop.clone(), rsts.clone(), trial.clone());
+        let t0 = Instant::now();
+        let rst_handle = std::thread::spawn(move || {
+            let mut buf = [0u8; 256];
+            while !st.load(Ordering::Relaxed) {
+                let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+                let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+                // SAFETY: recvfrom into our buffer and address.
+                let n = unsafe { libc::recvfrom(rfd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0, &mut sll as *mut _ as *mut libc::sockaddr, &mut len) };
+                if n > 0 {
+                    let what = describe_rst(&buf[..n as usize]).unwrap_or_else(|| "unparsed".into());
+                    let dir = if sll.sll_pkttype == libc::PACKET_OUTGOING as u8 { "sent by the client" } else { "reached the client" };
+                    rs.lock().unwrap().push(format!("trial {} t {} ms: {dir}: {what}", tr.load(Ordering::Relaxed), t0.elapsed().as_millis()));
+                }
+            }
+            // SAFETY: our descriptor, closed once.
+            unsafe { libc::close(rfd) };
+        });
         let (st, lg) = (stop.clone(), log.clone());
         let handle = std::thread::spawn(move || {
             let mut buf = [0u8; 256];
@@ -345,25 +435,27 @@ impl Capture {
                 let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
                 // SAFETY: recvfrom into our buffer and address.
                 let n = unsafe { libc::recvfrom(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0, &mut sll as *mut _ as *mut libc::sockaddr, &mut len) };
-                if n <= 0 || sll.sll_pkttype == libc::PACKET_OUTGOING as u8 {
+                if n <= 0 {
                     continue;
                 }
-                if let Some((fam, port, srv)) = parse_frame(&buf[..n as usize]) {
-                    let t = trial.load(Ordering::Relaxed) as usize;
-                    lg.lock().unwrap().frame(t, fam, port, srv, epoch.load(Ordering::Relaxed));
+                let t = trial.load(Ordering::Relaxed) as usize;
+                match parse_frame(&buf[..n as usize]) {
+                    Some(Frame::FromServer { fam, port, srv }) if sll.sll_pkttype != libc::PACKET_OUTGOING as u8 => lg.lock().unwrap().from_server(t, fam, port, srv),
+                    Some(Frame::ToServer { fam, port, srv }) if sll.sll_pkttype == libc::PACKET_OUTGOING as u8 => lg.lock().unwrap().to_server(t, fam, port, srv),
+                    _ => {}
                 }
             }
             // SAFETY: our descriptor, closed once.
             unsafe { libc::close(fd) };
         });
-        Ok(Capture { stop, handle: Some(handle), log })
+        Ok(Capture { stop, handle: Some(handle), log, rsts, rst_handle: Some(rst_handle) })
     }
 }
 
 impl Drop for Capture {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
+        for h in [self.handle.take(), self.rst_handle.take()].into_iter().flatten() {
             let _ = h.join();
         }
     }
@@ -671,21 +763,8 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     let mut env = ObjectEnv::start(opts).map_err(|e| format!("starting the system: {e}"))?;
     lab::sysctls(env.lab.client(), &[("net.ipv4.tcp_rmem", CLIENT_RMEM)]).map_err(|e| format!("client tcp_rmem: {e}"))?;
     let want = make_object(&env.docroot.join("big.bin"), o.size, 42).map_err(|e| e.to_string())?;
-    let epoch = Arc::new(AtomicU32::new(0));
     let trial_no = Arc::new(AtomicU64::new(0));
-    let capture = Capture::start(env.lab.lb(), trial_no.clone(), epoch.clone()).map_err(|e| format!("capture on the LB's server bridge: {e}"))?;
-    // The LB's epoch, followed by a thread (the main thread blocks during faults).
-    let stop = Arc::new(AtomicBool::new(false));
-    let status_path = env.dir.join("lb.json");
-    let (st, ep) = (stop.clone(), epoch.clone());
-    let poller = std::thread::spawn(move || {
-        while !st.load(Ordering::Relaxed) {
-            if let Some(e) = std::fs::read_to_string(&status_path).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).and_then(|v| v["epoch"].as_u64()) {
-                ep.store(e as u32, Ordering::Relaxed);
-            }
-            std::thread::sleep(Duration::from_millis(5)); // sampling the LB's epoch
-        }
-    });
+    let capture = Capture::start(env.lab.lb(), env.lab.client(), trial_no.clone()).map_err(|e| format!("capture on the LB's server bridge: {e}"))?;
     let mut rng = Rng::new(o.seed);
     let mut faults: Vec<FaultLog> = Vec::new();
     let mut transfers: Vec<TransferLog> = Vec::new();
@@ -713,12 +792,11 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
             }
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    let _ = poller.join();
     let (two, switches, frames) = {
         let l = capture.log.lock().unwrap();
         (l.two_senders(), l.switches, l.frames)
     };
+    let rst_log = capture.rsts.lock().unwrap().clone();
     drop(capture);
     let exact = transfers.iter().filter(|t| t.byte_exact).count();
     let hangs = transfers.iter().filter(|t| t.hang).count();
@@ -746,6 +824,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "trials": trials_run,
         "byte_exact": {"exact": exact, "total": transfers.len()},
         "resets_seen_by_client": rsts,
+        "resets": rst_log,
         "hangs": hangs,
         "stall_ms": stats(&all),
         "stall_ms_by_client": by_client,
@@ -773,15 +852,26 @@ mod tests {
     #[test]
     fn interleaved_senders_count_a_clean_handover_does_not() {
         let mut l = SenderLog::default();
-        // A clean failover 1 -> 2 within one epoch as observed (epoch lag), then home in epoch 3.
-        for (s, e) in [(1, 1), (1, 1), (2, 1), (2, 2), (1, 3)] {
-            l.frame(1, 4, 5000, s, e);
-        }
+        // Failover 1 -> 2, then home to 1: each handover clean.
+        l.to_server(1, 4, 5000, 1);
+        l.from_server(1, 4, 5000, 1);
+        l.from_server(1, 4, 5000, 1);
+        l.to_server(1, 4, 5000, 2);
+        l.from_server(1, 4, 5000, 2);
+        l.to_server(1, 4, 5000, 1);
+        l.from_server(1, 4, 5000, 1);
         assert!(l.two_senders().is_empty());
         assert_eq!(l.switches, 2);
-        // 1, 2, 1 within epoch 2: two senders.
+        // The LB forwards to 2; 1 sends, 2 sends, 1 sends again: two senders.
+        l.to_server(1, 4, 5001, 2);
         for s in [1, 2, 1] {
-            l.frame(1, 4, 5001, s, 2);
+            l.from_server(1, 4, 5001, s);
+        }
+        assert_eq!(l.two_senders().len(), 1);
+        // The old owner's last frames after the move, then only the new one: a handover.
+        l.to_server(1, 6, 5002, 2);
+        for s in [1, 2, 2] {
+            l.from_server(1, 6, 5002, s);
         }
         assert_eq!(l.two_senders().len(), 1);
     }
@@ -802,14 +892,22 @@ mod tests {
         f[6..12].copy_from_slice(&server_mac(2));
         f[12] = 0x08;
         f[14] = 0x45;
+        f[34] = 0;
+        f[35] = 80;
         f[36] = 0x9c;
         f[37] = 0x40;
-        assert_eq!(parse_frame(&f), Some((4, 40000, 2)));
+        assert_eq!(parse_frame(&f), Some(Frame::FromServer { fam: 4, port: 40000, srv: 2 }));
         f[12..14].copy_from_slice(&[0x86, 0xdd]);
+        f[54] = 0;
+        f[55] = 80;
         f[56] = 0x9c;
         f[57] = 0x41;
-        assert_eq!(parse_frame(&f), Some((6, 40001, 2)));
+        assert_eq!(parse_frame(&f), Some(Frame::FromServer { fam: 6, port: 40001, srv: 2 }));
         f[6] = 0x12;
         assert_eq!(parse_frame(&f), None);
+        // The client's segment forwarded to server 3.
+        f[0..6].copy_from_slice(&server_mac(3));
+        f[54..58].copy_from_slice(&[0x9c, 0x41, 0, 80]);
+        assert_eq!(parse_frame(&f), Some(Frame::ToServer { fam: 6, port: 40001, srv: 3 }));
     }
 }

@@ -61,11 +61,16 @@ pub struct ChaosOpts {
     pub parts: u64,
     pub live: bool,
     pub bin: Option<PathBuf>,
+    /// The fault kinds to draw from (default: all of [`FAULT_KINDS`]).
+    pub kinds: Vec<String>,
 }
+
+/// Every fault kind, and its weight in the draw.
+pub const FAULT_KINDS: [(&str, u64); 5] = [("crash", 30), ("revive", 25), ("false_suspicion", 20), ("store_blip", 15), ("agent_restart", 15)];
 
 impl Default for ChaosOpts {
     fn default() -> Self {
-        ChaosOpts { trials: 10, seed: 1, size: 64 << 20, rate: 8 << 20, parts: 4, live: false, bin: None }
+        ChaosOpts { trials: 10, seed: 1, size: 64 << 20, rate: 8 << 20, parts: 4, live: false, bin: None, kinds: FAULT_KINDS.iter().map(|k| k.0.to_string()).collect() }
     }
 }
 
@@ -555,24 +560,32 @@ fn settle(env: &mut ObjectEnv) -> Result<(), String> {
     env.wait_store(Duration::from_secs(10)).map_err(|e| e.to_string())
 }
 
-fn fault_kinds(rng: &mut Rng, env: &ObjectEnv, dead: &[usize]) -> &'static str {
+/// Draws the next fault's kind among `kinds`: a crash only while two servers are alive, a
+/// revive only while one is dead. None when no kind is possible now.
+fn draw_kind(rng: &mut Rng, env: &ObjectEnv, dead: &[usize], kinds: &[String]) -> Option<&'static str> {
     let alive = (1..=env.servers()).filter(|i| !dead.contains(i)).count();
-    let mut w: Vec<(&'static str, u64)> = vec![("false_suspicion", 20), ("store_blip", 15), ("agent_restart", 15)];
-    if alive >= 2 {
-        w.push(("crash", 30));
-    }
-    if !dead.is_empty() {
-        w.push(("revive", 25));
+    let w: Vec<(&'static str, u64)> = FAULT_KINDS
+        .iter()
+        .copied()
+        .filter(|(k, _)| kinds.iter().any(|x| x == k))
+        .filter(|(k, _)| match *k {
+            "crash" => alive >= 2,
+            "revive" => !dead.is_empty(),
+            _ => true,
+        })
+        .collect();
+    if w.is_empty() {
+        return None;
     }
     let total: u64 = w.iter().map(|x| x.1).sum();
     let mut r = rng.range(0, total - 1);
     for (k, x) in &w {
         if r < *x {
-            return k;
+            return Some(k);
         }
         r -= x;
     }
-    w[0].0
+    Some(w[0].0)
 }
 
 fn iptables_heartbeats(env: &ObjectEnv, server: usize, op: &str) -> Result<(), String> {
@@ -636,7 +649,11 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
         let running: Vec<u64> = clients.iter().filter(|c| c.status.is_none()).map(|c| c.progress.load(Ordering::Relaxed)).collect();
         let slowest = running.iter().copied().min().unwrap_or(o.size);
         if faults.len() < at.len() && slowest as f64 >= at[faults.len()] * o.size as f64 {
-            let kind = fault_kinds(rng, env, &dead);
+            let Some(kind) = draw_kind(rng, env, &dead, &o.kinds) else {
+                // Nothing possible now (only revives asked for, nobody dead): the plan shrinks.
+                at.truncate(faults.len());
+                continue;
+            };
             let at_bytes: Vec<u64> = clients.iter().map(|c| c.progress.load(Ordering::Relaxed)).collect();
             let mid = at_bytes.iter().all(|&b| b > 0 && b < o.size);
             let alive: Vec<usize> = (1..=env.servers()).filter(|i| !dead.contains(i)).collect();
@@ -754,6 +771,12 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
 
 /// `unbroken demo object --chaos N`: runs the trials and returns the report (`ok` inside).
 pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
+    if let Some(k) = o.kinds.iter().find(|k| !FAULT_KINDS.iter().any(|f| f.0 == k.as_str())) {
+        return Err(format!("unknown fault kind {k:?} ({})", FAULT_KINDS.map(|f| f.0).join(", ")));
+    }
+    if o.kinds.is_empty() {
+        return Err("no fault kind to draw from".into());
+    }
     lab::lab_available().map_err(|e| format!("the lab is not available: {e}"))?;
     let mut opts = EnvOpts { servers: 3, ..EnvOpts::default() };
     if let Some(b) = &o.bin {
@@ -816,6 +839,14 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         *kinds.entry(f.kind.clone()).or_default() += 1;
     }
     let failed: Vec<&TransferLog> = transfers.iter().filter(|t| !t.byte_exact || t.hang).collect();
+    // The fault kinds of the trials with a failed transfer, in order ("agent_restart+crash").
+    let mut failed_by: BTreeMap<String, u64> = BTreeMap::new();
+    let mut trials_failed: Vec<usize> = failed.iter().map(|t| t.trial).collect();
+    trials_failed.dedup();
+    for k in &trials_failed {
+        let combo: Vec<&str> = faults.iter().filter(|f| f.trial == *k).map(|f| f.kind.as_str()).collect();
+        *failed_by.entry(combo.join("+")).or_default() += 1;
+    }
     let trials_run = transfers.iter().map(|t| t.trial).max().unwrap_or(0);
     let ok = errors.is_empty() && trials_run == o.trials && exact == transfers.len() && rsts == 0 && hangs == 0 && two.is_empty();
     Ok(json!({
@@ -839,8 +870,9 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "faults_mid_transfer": faults.iter().filter(|f| f.mid_transfer).count(),
         "errors": errors,
         "failed_transfers": failed,
+        "failed_trials_by_faults": failed_by,
         "fault_log": faults,
-        "settings": {"size": o.size, "rate": o.rate, "parts": o.parts, "dead_after_ms": unbroken_control::lb::DEFAULT_DEAD_AFTER_MS},
+        "settings": {"kinds": o.kinds, "size": o.size, "rate": o.rate, "parts": o.parts, "dead_after_ms": unbroken_control::lb::DEFAULT_DEAD_AFTER_MS},
         "duration_ms": t_all.elapsed().as_millis() as u64,
     }))
 }

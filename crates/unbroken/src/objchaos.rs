@@ -38,6 +38,8 @@ use unbroken_control::objlab::{addr, dev, server_mac};
 
 /// No byte for this long: the transfer hangs (the client is killed).
 pub const HANG_AFTER: Duration = Duration::from_secs(30);
+/// How long the system may take to be whole again between trials.
+const SETTLE_DEADLINE: Duration = Duration::from_secs(120);
 /// Added to every fault's window for the stall (the recovery after the fault's end).
 const SETTLE_MS: u64 = 500;
 /// The pacing reader's piece size.
@@ -404,6 +406,8 @@ struct Capture {
     log: Arc<Mutex<SenderLog>>,
     /// RSTs that reached the client's link: (trial, ms since the run's start, what).
     rsts: Arc<Mutex<Vec<String>>>,
+    /// RSTs the client's kernel sent (answers to segments of connections it no longer has).
+    rsts_sent: Arc<AtomicU64>,
     rst_handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -414,7 +418,8 @@ impl Capture {
         let stop = Arc::new(AtomicBool::new(false));
         let log = Arc::new(Mutex::new(SenderLog::default()));
         let rsts = Arc::new(Mutex::new(Vec::new()));
-        let (st, rs, tr) = (stop.clone(), rsts.clone(), trial.clone());
+        let rsts_sent = Arc::new(AtomicU64::new(0));
+        let (st, rs, tr, sent) = (stop.clone(), rsts.clone(), trial.clone(), rsts_sent.clone());
         let t0 = Instant::now();
         let rst_handle = std::thread::spawn(move || {
             let mut buf = [0u8; 256];
@@ -423,10 +428,11 @@ impl Capture {
                 let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
                 // SAFETY: recvfrom into our buffer and address.
                 let n = unsafe { libc::recvfrom(rfd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0, &mut sll as *mut _ as *mut libc::sockaddr, &mut len) };
-                if n > 0 {
+                if n > 0 && sll.sll_pkttype == libc::PACKET_OUTGOING as u8 {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                } else if n > 0 {
                     let what = describe_rst(&buf[..n as usize]).unwrap_or_else(|| "unparsed".into());
-                    let dir = if sll.sll_pkttype == libc::PACKET_OUTGOING as u8 { "sent by the client" } else { "reached the client" };
-                    rs.lock().unwrap().push(format!("trial {} t {} ms: {dir}: {what}", tr.load(Ordering::Relaxed), t0.elapsed().as_millis()));
+                    rs.lock().unwrap().push(format!("trial {} t {} ms: {what}", tr.load(Ordering::Relaxed), t0.elapsed().as_millis()));
                 }
             }
             // SAFETY: our descriptor, closed once.
@@ -453,7 +459,7 @@ impl Capture {
             // SAFETY: our descriptor, closed once.
             unsafe { libc::close(fd) };
         });
-        Ok(Capture { stop, handle: Some(handle), log, rsts, rst_handle: Some(rst_handle) })
+        Ok(Capture { stop, handle: Some(handle), log, rsts, rsts_sent, rst_handle: Some(rst_handle) })
     }
 }
 
@@ -520,11 +526,18 @@ fn event_n(e: &Value) -> u64 {
     e["n"].as_u64().unwrap_or(0)
 }
 
-/// Waits (bounded) until the LB reported server `i` down after event number `after`.
+/// Waits (bounded) until the LB reported server `i` down after event number `after`, or
+/// reports it not alive (it may have been declared dead before the crash: a false suspicion
+/// or an agent restart, and not yet back).
 fn wait_down(env: &ObjectEnv, i: usize, after: u64, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
-        if lb_events(env).iter().any(|e| event_n(e) > after && e["server"] == i as u64 && e["kind"] == "down") {
+        let s = env.lb_status().unwrap_or_default();
+        let evs = s["events"].as_array().cloned().unwrap_or_default();
+        if evs.iter().any(|e| event_n(e) > after && e["server"] == i as u64 && e["kind"] == "down") {
+            return true;
+        }
+        if s["servers"].as_array().is_some_and(|v| v.iter().any(|x| x["id"] == i as u64 && x["alive"] == false)) {
             return true;
         }
         if Instant::now() > deadline {
@@ -542,8 +555,9 @@ fn settle(env: &mut ObjectEnv) -> Result<(), String> {
             env.revive(i).map_err(|e| format!("reviving server {i}: {e}"))?;
         }
     }
-    env.wait_alive(&(1..=n).collect::<Vec<_>>(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // The LB damps flapping: a server with many recent deaths is held back longer on return.
+    env.wait_alive(&(1..=n).collect::<Vec<_>>(), SETTLE_DEADLINE).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + SETTLE_DEADLINE;
     loop {
         let owners_ok = env.lb_status().ok().is_some_and(|s| {
             let o = s["owners"].as_array().cloned().unwrap_or_default();
@@ -553,7 +567,7 @@ fn settle(env: &mut ObjectEnv) -> Result<(), String> {
             break;
         }
         if Instant::now() > deadline {
-            return Err("the LB did not give every server its buckets back within 20 s".into());
+            return Err(format!("the LB did not give every server its buckets back within {SETTLE_DEADLINE:?}"));
         }
         std::thread::sleep(Duration::from_millis(20)); // polling the LB's status file with a deadline
     }
@@ -820,6 +834,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         (l.two_senders(), l.switches, l.frames)
     };
     let rst_log = capture.rsts.lock().unwrap().clone();
+    let rsts_sent = capture.rsts_sent.load(Ordering::Relaxed);
     drop(capture);
     let exact = transfers.iter().filter(|t| t.byte_exact).count();
     let hangs = transfers.iter().filter(|t| t.hang).count();
@@ -828,6 +843,26 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     for kind in CLIENTS {
         let v: Vec<u64> = transfers.iter().filter(|t| t.client == kind).flat_map(|t| t.stalls_ms.iter().flatten().copied()).collect();
         by_client.insert(kind.to_string(), stats(&v));
+    }
+    let mut by_fault = serde_json::Map::new();
+    for (kind, _) in FAULT_KINDS {
+        let v: Vec<u64> = transfers
+            .iter()
+            .flat_map(|t| faults.iter().filter(|f| f.trial == t.trial).zip(&t.stalls_ms).filter(|(f, _)| f.kind == kind).filter_map(|(_, s)| *s))
+            .collect();
+        if !v.is_empty() {
+            by_fault.insert(kind.to_string(), stats(&v));
+        }
+    }
+    // Item 6 of issue 8: the stall after a server death, per client kind.
+    let mut after_crash = serde_json::Map::new();
+    for kind in CLIENTS {
+        let v: Vec<u64> = transfers
+            .iter()
+            .filter(|t| t.client == kind)
+            .flat_map(|t| faults.iter().filter(|f| f.trial == t.trial).zip(&t.stalls_ms).filter(|(f, _)| f.kind == "crash").filter_map(|(_, s)| *s))
+            .collect();
+        after_crash.insert(kind.to_string(), stats(&v));
     }
     let mut baseline = serde_json::Map::new();
     for kind in CLIENTS {
@@ -856,9 +891,12 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "byte_exact": {"exact": exact, "total": transfers.len()},
         "resets_seen_by_client": rsts,
         "resets": rst_log,
+        "resets_sent_by_client": rsts_sent,
         "hangs": hangs,
         "stall_ms": stats(&all),
         "stall_ms_by_client": by_client,
+        "stall_ms_by_fault": by_fault,
+        "stall_ms_after_crash_by_client": after_crash,
         "baseline_gap_ms_by_client": baseline,
         "false_failovers": false_failovers,
         "false_failovers_provoked": provoked,

@@ -547,6 +547,21 @@ fn wait_down(env: &ObjectEnv, i: usize, after: u64, timeout: Duration) -> bool {
     }
 }
 
+/// Waits (bounded) until the LB hears server `i`'s heartbeats.
+fn wait_heard(env: &ObjectEnv, i: usize, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let heard = env.lb_status().ok().is_some_and(|s| s["servers"].as_array().is_some_and(|v| v.iter().any(|x| x["id"] == i as u64 && x["last_heartbeat_age_ms"].as_u64().is_some_and(|a| a < 1000))));
+        if heard {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the LB did not hear revived server {i} within {timeout:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(10)); // polling the LB's status file with a deadline
+    }
+}
+
 /// Between trials: every server up, alive at the LB, owning buckets, the store connected.
 fn settle(env: &mut ObjectEnv) -> Result<(), String> {
     let n = env.servers();
@@ -556,7 +571,7 @@ fn settle(env: &mut ObjectEnv) -> Result<(), String> {
         }
     }
     // The LB damps flapping: a server with many recent deaths is held back longer on return.
-    env.wait_alive(&(1..=n).collect::<Vec<_>>(), SETTLE_DEADLINE).map_err(|e| e.to_string())?;
+    env.wait_alive(&(1..=n).collect::<Vec<_>>(), SETTLE_DEADLINE).map_err(|_| format!("servers not all alive at the LB within {SETTLE_DEADLINE:?}"))?;
     let deadline = Instant::now() + SETTLE_DEADLINE;
     loop {
         let owners_ok = env.lb_status().ok().is_some_and(|s| {
@@ -694,7 +709,9 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
                     server = rng.pick(&dead).unwrap_or(target);
                     detail = "boot".to_string();
                     dead.retain(|&d| d != server);
-                    env.revive(server).and_then(|_| env.wait_alive(&[server], Duration::from_secs(10))).map_err(|e| format!("revive {server}: {e}"))
+                    // Done once the LB hears it again: when its buckets return is the LB's choice
+                    // (the revive hold, longer for a server that died often recently).
+                    env.revive(server).map_err(|e| format!("revive {server}: {e}")).and_then(|_| wait_heard(env, server, Duration::from_secs(10)))
                 }
                 "false_suspicion" => {
                     let d = rng.range(150, 300);
@@ -802,6 +819,13 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     let want = make_object(&env.docroot.join("big.bin"), o.size, 42).map_err(|e| e.to_string())?;
     let trial_no = Arc::new(AtomicU64::new(0));
     let capture = Capture::start(env.lab.lb(), env.lab.client(), trial_no.clone()).map_err(|e| format!("capture on the LB's server bridge: {e}"))?;
+    // UB_CHAOS_PCAP=1: tcpdump on the client's link (headers only) into the run's directory
+    // (kept with UNBROKEN_KEEP=1), to see what a long stall was waiting for.
+    let mut pcap = if std::env::var("UB_CHAOS_PCAP").is_ok_and(|v| v == "1") {
+        lab::spawn(env.lab.client(), Command::new("tcpdump").args(["-i", dev::CLIENT, "-s", "96", "-U", "-w"]).arg(env.dir.join("client.pcap")).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null())).ok()
+    } else {
+        None
+    };
     let mut rng = Rng::new(o.seed);
     let mut faults: Vec<FaultLog> = Vec::new();
     let mut transfers: Vec<TransferLog> = Vec::new();
@@ -828,6 +852,11 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
                 break;
             }
         }
+    }
+    if let Some(mut p) = pcap.take() {
+        // SAFETY: a signal to our own child (tcpdump flushes and exits on SIGINT).
+        unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+        let _ = p.wait();
     }
     let (two, switches, frames) = {
         let l = capture.log.lock().unwrap();

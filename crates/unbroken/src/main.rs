@@ -37,7 +37,7 @@ usage:
         Run the object-mode demo in network namespaces (root): curl (or wget) downloads a 1 GiB
         file from unmodified nginx through the nftables LB; the serving server loses power twice
         mid-transfer; the download must finish byte-exact with 0 resets.
-  unbroken demo object --chaos N [--seed S] [--faults LIST] [--size MIB] [--rate BYTES_PER_S] [--json]
+  unbroken demo object --chaos N [--seed S] [--faults LIST] [--size MIB] [--rate BYTES_PER_S] [--parts N] [--json]
         N trials: curl, wget and a python keep-alive Range client download concurrently (64 MiB
         at 8 MiB/s each by default) while 1-3 seeded random faults hit (server death, revive,
         false suspicion, store blip, agent restart). Reports byte-exact transfers, RSTs, hangs,
@@ -45,7 +45,7 @@ usage:
         the faults; exits 1 unless every transfer is byte-exact with 0 RSTs, 0 hangs and 0
         two-sender connections. The seed is printed; --seed replays the same fault draws.
         LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
-        (default all).
+        (default all). --parts: Range GETs of the keep-alive client per download (default 4).
   unbroken agent --config FILE
         Run object mode's server agent (TRODS-KV) beside the local HTTP server;
         configs/agent.example.toml shows every key.
@@ -142,6 +142,7 @@ fn demo_object(args: Vec<String>) -> ExitCode {
     let mut seed: Option<u64> = None;
     let mut size_set = false;
     let mut kinds: Option<Vec<String>> = None;
+    let mut parts: Option<u64> = None;
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let r: Result<(), String> = (|| {
@@ -153,6 +154,7 @@ fn demo_object(args: Vec<String>) -> ExitCode {
                 }
                 "--chaos" => chaos = Some(num("--chaos", it.next())?),
                 "--seed" => seed = Some(num("--seed", it.next())?),
+                "--parts" => parts = Some(num("--parts", it.next())?),
                 "--faults" => kinds = Some(it.next().ok_or("--faults needs a list")?.split(',').map(|k| k.trim().to_string()).collect()),
                 "--client" => s.client = it.next().ok_or("--client needs curl or wget")?,
                 "--ipv6" => s.ipv6 = true,
@@ -173,7 +175,7 @@ fn demo_object(args: Vec<String>) -> ExitCode {
         }
     }
     if let Some(n) = chaos {
-        return demo_object_chaos(n, seed, if size_set { Some(s.size) } else { None }, s.rate, kinds, json);
+        return demo_object_chaos(n, seed, if size_set { Some(s.size) } else { None }, s.rate, kinds, parts, json);
     }
     if json {
         s.live = false;
@@ -214,7 +216,7 @@ fn demo_object(args: Vec<String>) -> ExitCode {
     }
 }
 
-fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: u64, kinds: Option<Vec<String>>, json: bool) -> ExitCode {
+fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: u64, kinds: Option<Vec<String>>, parts: Option<u64>, json: bool) -> ExitCode {
     let seed = seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1));
     let mut o = unbroken::objchaos::ChaosOpts { trials, seed, live: !json, ..Default::default() };
     if let Some(s) = size {
@@ -225,6 +227,9 @@ fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: 
     }
     if let Some(k) = kinds {
         o.kinds = k;
+    }
+    if let Some(p) = parts {
+        o.parts = p.max(1);
     }
     eprintln!("unbroken demo object --chaos {trials}: seed {seed} (replay with --seed {seed}); curl, wget and a python keep-alive client download {} MiB each at {} KiB/s", o.size >> 20, o.rate >> 10);
     match unbroken::objchaos::run_chaos(&o) {

@@ -134,6 +134,8 @@ pub struct TransferLog {
     pub hang: bool,
     /// Stall per fault of the trial (ms), in fault order (None: not mid-transfer then).
     pub stalls_ms: Vec<Option<u64>>,
+    /// The client's local port (its connection; python keeps one for all its requests).
+    pub port: Option<u16>,
     /// The longest gap between reads outside every fault's window (the no-fault baseline).
     pub baseline_gap_ms: u64,
     pub stderr: String,
@@ -324,6 +326,29 @@ fn describe_rst(b: &[u8]) -> Option<String> {
     }
 }
 
+/// The destination (client) port of a captured RST.
+fn rst_client_port(b: &[u8]) -> Option<u16> {
+    let t = match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
+        0x0800 => 14 + ((b.get(14)? & 0xf) as usize) * 4,
+        0x86dd => 54,
+        _ => return None,
+    };
+    Some(u16::from_be_bytes([*b.get(t + 2)?, *b.get(t + 3)?]))
+}
+
+/// The local port of each client's connection (by its process id), from `ss` in the client
+/// namespace; None for a client without an established connection to port 80.
+fn client_ports(env: &ObjectEnv, pids: &[u32]) -> Vec<Option<u16>> {
+    let out = lab::run(env.lab.client(), Command::new("ss").args(["-Htnp", "state", "established", "( dport = :80 )"])).ok();
+    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+    pids.iter()
+        .map(|pid| {
+            let tag = format!("pid={pid},");
+            text.lines().find(|l| l.contains(&tag)).and_then(|l| l.split_whitespace().find(|w| w.contains(':') && !w.ends_with(":80"))).and_then(|a| a.rsplit(':').next()).and_then(|p| p.parse().ok())
+        })
+        .collect()
+}
+
 /// Opens a capture socket on `dev` in `ns` with the filter `prog`.
 fn open_capture(ns: &str, devname: &str, prog: Vec<libc::sock_filter>) -> std::io::Result<i32> {
     let devname = devname.to_string();
@@ -405,7 +430,7 @@ struct Capture {
     handle: Option<std::thread::JoinHandle<()>>,
     log: Arc<Mutex<SenderLog>>,
     /// RSTs that reached the client's link: (trial, ms since the run's start, what).
-    rsts: Arc<Mutex<Vec<String>>>,
+    rsts: Arc<Mutex<Vec<(u16, String)>>>,
     /// RSTs the client's kernel sent (answers to segments of connections it no longer has).
     rsts_sent: Arc<AtomicU64>,
     rst_handle: Option<std::thread::JoinHandle<()>>,
@@ -431,8 +456,10 @@ impl Capture {
                 if n > 0 && sll.sll_pkttype == libc::PACKET_OUTGOING as u8 {
                     sent.fetch_add(1, Ordering::Relaxed);
                 } else if n > 0 {
-                    let what = describe_rst(&buf[..n as usize]).unwrap_or_else(|| "unparsed".into());
-                    rs.lock().unwrap().push(format!("trial {} t {} ms: {what}", tr.load(Ordering::Relaxed), t0.elapsed().as_millis()));
+                    let b = &buf[..n as usize];
+                    let what = describe_rst(b).unwrap_or_else(|| "unparsed".into());
+                    let port = rst_client_port(b).unwrap_or(0);
+                    rs.lock().unwrap().push((port, format!("trial {} t {} ms: {what}", tr.load(Ordering::Relaxed), t0.elapsed().as_millis())));
                 }
             }
             // SAFETY: our descriptor, closed once.
@@ -656,6 +683,8 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
         clients.push(start_client(env, kind, o, t0)?);
     }
     let ms = |t0: Instant| t0.elapsed().as_millis() as u64;
+    let pids: Vec<u32> = clients.iter().map(|c| c.child.id()).collect();
+    let mut ports: Vec<Option<u16>> = vec![None; clients.len()];
     let mut faults: Vec<FaultLog> = Vec::new();
     let mut dead: Vec<usize> = Vec::new();
     let mut error = None;
@@ -674,6 +703,12 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
         }
         if clients.iter().all(|c| c.status.is_some()) {
             break;
+        }
+        if ports.iter().any(Option::is_none) && ms(t0) < 10_000 {
+            // Each client's connection, once it exists (RSTs are judged by port).
+            for (p, q) in ports.iter_mut().zip(client_ports(env, &pids)) {
+                *p = p.or(q);
+            }
         }
         let running: Vec<u64> = clients.iter().filter(|c| c.status.is_none()).map(|c| c.progress.load(Ordering::Relaxed)).collect();
         let slowest = running.iter().copied().min().unwrap_or(o.size);
@@ -757,7 +792,7 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
     // Results.
     let rsts = env.client_rsts().saturating_sub(rst0);
     let mut transfers = Vec::new();
-    for mut c in clients {
+    for (mut c, port) in clients.into_iter().zip(ports) {
         let reads = c.rx.take().and_then(|h| h.join().ok()).unwrap_or_default();
         let stalls = faults
             .iter()
@@ -778,6 +813,7 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
             byte_exact: reads.bytes == o.size && reads.sha256 == want && exit == Some(0),
             hang: c.hang,
             stalls_ms: stalls,
+            port,
             baseline_gap_ms,
             stderr: c.err.lock().unwrap().trim().chars().take(300).collect(),
         });
@@ -862,7 +898,11 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         let l = capture.log.lock().unwrap();
         (l.two_senders(), l.switches, l.frames)
     };
-    let rst_log = capture.rsts.lock().unwrap().clone();
+    let rst_log: Vec<(u16, String)> = capture.rsts.lock().unwrap().clone();
+    let transfer_ports: Vec<u16> = transfers.iter().filter_map(|t| t.port).collect();
+    let rsts_on_transfers = rst_log.iter().filter(|(p, _)| transfer_ports.contains(p)).count();
+    let ports_known = transfers.iter().filter(|t| t.port.is_some()).count();
+    let rst_log: Vec<String> = rst_log.into_iter().map(|(p, s)| if transfer_ports.contains(&p) { format!("{s} (a transfer's connection)") } else { s }).collect();
     let rsts_sent = capture.rsts_sent.load(Ordering::Relaxed);
     drop(capture);
     let exact = transfers.iter().filter(|t| t.byte_exact).count();
@@ -920,6 +960,8 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "byte_exact": {"exact": exact, "total": transfers.len()},
         "resets_seen_by_client": rsts,
         "resets": rst_log,
+        "resets_on_transfer_connections": rsts_on_transfers,
+        "transfer_ports_known": ports_known,
         "resets_sent_by_client": rsts_sent,
         "hangs": hangs,
         "stall_ms": stats(&all),
@@ -937,6 +979,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "faults_mid_transfer": faults.iter().filter(|f| f.mid_transfer).count(),
         "errors": errors,
         "failed_transfers": failed,
+        "transfers": transfers.iter().map(|t| json!({"trial": t.trial, "client": t.client, "exit": t.exit, "byte_exact": t.byte_exact, "hang": t.hang, "port": t.port, "stalls_ms": t.stalls_ms, "baseline_gap_ms": t.baseline_gap_ms})).collect::<Vec<_>>(),
         "failed_trials_by_faults": failed_by,
         "fault_log": faults,
         "settings": {"kinds": o.kinds, "size": o.size, "rate": o.rate, "parts": o.parts, "dead_after_ms": unbroken_control::lb::DEFAULT_DEAD_AFTER_MS},

@@ -238,6 +238,9 @@ pub struct AgentCounters {
     pub resume_errors: u64,
     pub resumed_bytes: u64,
     pub probes_sent: u64,
+    /// Probes sent again for connections not rebuilt here yet (see `probe_buckets`).
+    #[serde(default)]
+    pub probes_repeated: u64,
     /// Connections silenced because the LB gave their bucket to another server.
     pub muted: u64,
     /// Rebuilt connections rebuilt again because the client acknowledged bytes another server
@@ -1248,6 +1251,8 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
             return;
         }
     };
+    let t0 = Instant::now();
+    let mut sent: Vec<(Key, Vec<u8>)> = Vec::new();
     for b in buckets {
         let pattern = format!("b{b}/c/*");
         let Ok(keys) = scan(&mut store, &ctx.store_cfg.key_prefix, &pattern) else { continue };
@@ -1259,11 +1264,41 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>) {
             if let Some(pkt) = probe_packet(&conn, &rec) {
                 if raw.send(&pkt).is_ok() {
                     ctx.shared.count(|c| c.probes_sent += 1);
+                    sent.push((conn, pkt));
                 }
             }
         }
     }
+    // A probe can go unanswered: the client's answer may reach the old owner when the probe
+    // overtook the kernel table's change, and the client's kernel answers at most one such
+    // segment per connection every 500 ms (net.ipv4.tcp_invalid_ratelimit), so the next
+    // epoch's probe is often ignored. A client that is itself waiting (its window reopened
+    // toward the dead server, nothing unacknowledged) then never sends again: the download
+    // hangs. So probes are repeated, spaced beyond the rate limit, until the connection has
+    // been rebuilt here (or the last retry).
+    for at in PROBE_RETRY_MS {
+        if STOP.load(Ordering::Relaxed) {
+            return;
+        }
+        let due = t0 + Duration::from_millis(at);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait); // the retry schedule (the client's rate limit), not synchronisation
+        }
+        sent.retain(|(k, _)| !ctx.adopted.lock().unwrap().contains_key(k));
+        for (_, pkt) in &sent {
+            if raw.send(pkt).is_ok() {
+                ctx.shared.count(|c| {
+                    c.probes_sent += 1;
+                    c.probes_repeated += 1;
+                });
+            }
+        }
+    }
 }
+
+/// When probes of connections not yet rebuilt here are sent again, milliseconds after the
+/// first (beyond the client's 500 ms limit on answering old segments).
+const PROBE_RETRY_MS: [u64; 3] = [600, 1250, 2500];
 
 /// Every key matching `pattern` (without the prefix; returned without it too), on every
 /// master of a Redis Cluster, or on the one Redis.

@@ -855,6 +855,9 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     let want = make_object(&env.docroot.join("big.bin"), o.size, 42).map_err(|e| e.to_string())?;
     let trial_no = Arc::new(AtomicU64::new(0));
     let capture = Capture::start(env.lab.lb(), env.lab.client(), trial_no.clone()).map_err(|e| format!("capture on the LB's server bridge: {e}"))?;
+    // RSTs are counted over the whole run: one may reach a client between trials (a stale
+    // server socket answering after the transfer ended).
+    let rsts_at_start = env.client_rsts();
     // UB_CHAOS_PCAP=1: tcpdump on the client's link (headers only) into the run's directory
     // (kept with UNBROKEN_KEEP=1), to see what a long stall was waiting for.
     let mut pcap = if std::env::var("UB_CHAOS_PCAP").is_ok_and(|v| v == "1") {
@@ -865,7 +868,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     let mut rng = Rng::new(o.seed);
     let mut faults: Vec<FaultLog> = Vec::new();
     let mut transfers: Vec<TransferLog> = Vec::new();
-    let (mut false_failovers, mut provoked, mut rsts) = (0u64, 0u64, 0u64);
+    let (mut false_failovers, mut provoked, mut rsts_in_trials) = (0u64, 0u64, 0u64);
     let mut errors: Vec<String> = Vec::new();
     for k in 1..=o.trials {
         match trial(&mut env, o, k, &mut rng, &want, &trial_no) {
@@ -878,7 +881,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
                 transfers.extend(t.transfers);
                 false_failovers += t.false_failovers;
                 provoked += t.provoked;
-                rsts += t.rsts;
+                rsts_in_trials += t.rsts;
                 if let Some(e) = t.error {
                     errors.push(format!("trial {k}: {e}"));
                 }
@@ -898,6 +901,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         let l = capture.log.lock().unwrap();
         (l.two_senders(), l.switches, l.frames)
     };
+    let rsts = env.client_rsts().saturating_sub(rsts_at_start);
     let rst_log: Vec<(u16, String)> = capture.rsts.lock().unwrap().clone();
     let transfer_ports: Vec<u16> = transfers.iter().filter_map(|t| t.port).collect();
     let rsts_on_transfers = rst_log.iter().filter(|(p, _)| transfer_ports.contains(p)).count();
@@ -959,6 +963,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "trials": trials_run,
         "byte_exact": {"exact": exact, "total": transfers.len()},
         "resets_seen_by_client": rsts,
+        "resets_during_trials": rsts_in_trials,
         "resets": rst_log,
         "resets_on_transfer_connections": rsts_on_transfers,
         "transfer_ports_known": ports_known,

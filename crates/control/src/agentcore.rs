@@ -45,7 +45,7 @@ const OWNER_CHECK_MS: u64 = 100;
 /// (ms after the move): a lost probe, or a client that answered another probe less than
 /// `net.ipv4.tcp_invalid_ratelimit` (500 ms) before and stays silent, would otherwise leave a
 /// connection with nothing to send waiting for its own retransmission timer, or for good.
-pub const PROBE_RETRY_MS: [u64; 2] = [600, 1800];
+pub const PROBE_RETRY_MS: [u64; 3] = [600, 1250, 2500];
 
 /// One queued packet.
 #[derive(Debug, Clone)]

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod detbench;
 pub mod lbcmd;
 pub mod objbench;
+pub mod objchaos;
 pub mod objdemo;
 pub mod peer;
 pub mod scenario;

@@ -37,6 +37,15 @@ usage:
         Run the object-mode demo in network namespaces (root): curl (or wget) downloads a 1 GiB
         file from unmodified nginx through the nftables LB; the serving server loses power twice
         mid-transfer; the download must finish byte-exact with 0 resets.
+  unbroken demo object --chaos N [--seed S] [--faults LIST] [--size MIB] [--rate BYTES_PER_S] [--parts N] [--json]
+        N trials: curl, wget and a python keep-alive Range client download concurrently (64 MiB
+        at 8 MiB/s each by default) while 1-3 seeded random faults hit (server death, revive,
+        false suspicion, store blip, agent restart). Reports byte-exact transfers, RSTs, hangs,
+        stalls (p50/p99/max, per client), false failovers, two senders on one connection and
+        the faults; exits 1 unless every transfer is byte-exact with 0 RSTs, 0 hangs and 0
+        two-sender connections. The seed is printed; --seed replays the same fault draws.
+        LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
+        (default all). --parts: Range GETs of the keep-alive client per download (default 4).
   unbroken agent --config FILE
         Run object mode's server agent (TRODS-KV) beside the local HTTP server;
         configs/agent.example.toml shows every key.
@@ -129,12 +138,24 @@ fn agent(args: Vec<String>) -> ExitCode {
 fn demo_object(args: Vec<String>) -> ExitCode {
     let mut s = unbroken::objdemo::ObjectScenario { live: true, ..Default::default() };
     let mut json = false;
+    let mut chaos: Option<usize> = None;
+    let mut seed: Option<u64> = None;
+    let mut size_set = false;
+    let mut kinds: Option<Vec<String>> = None;
+    let mut parts: Option<u64> = None;
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let r: Result<(), String> = (|| {
             match a.as_str() {
                 "--json" => json = true,
-                "--size" => s.size = num::<u64>("--size", it.next())? << 20,
+                "--size" => {
+                    s.size = num::<u64>("--size", it.next())? << 20;
+                    size_set = true;
+                }
+                "--chaos" => chaos = Some(num("--chaos", it.next())?),
+                "--seed" => seed = Some(num("--seed", it.next())?),
+                "--parts" => parts = Some(num("--parts", it.next())?),
+                "--faults" => kinds = Some(it.next().ok_or("--faults needs a list")?.split(',').map(|k| k.trim().to_string()).collect()),
                 "--client" => s.client = it.next().ok_or("--client needs curl or wget")?,
                 "--ipv6" => s.ipv6 = true,
                 "--rate" => s.rate = num("--rate", it.next())?,
@@ -152,6 +173,9 @@ fn demo_object(args: Vec<String>) -> ExitCode {
         if let Err(e) = r {
             return fail(e);
         }
+    }
+    if let Some(n) = chaos {
+        return demo_object_chaos(n, seed, if size_set { Some(s.size) } else { None }, s.rate, kinds, parts, json);
     }
     if json {
         s.live = false;
@@ -189,6 +213,45 @@ fn demo_object(args: Vec<String>) -> ExitCode {
             }
         }
         Err(e) => fail(e),
+    }
+}
+
+fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: u64, kinds: Option<Vec<String>>, parts: Option<u64>, json: bool) -> ExitCode {
+    let seed = seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1));
+    let mut o = unbroken::objchaos::ChaosOpts { trials, seed, live: !json, ..Default::default() };
+    if let Some(s) = size {
+        o.size = s;
+    }
+    if rate > 0 {
+        o.rate = rate;
+    }
+    if let Some(k) = kinds {
+        o.kinds = k;
+    }
+    if let Some(p) = parts {
+        o.parts = p.max(1);
+    }
+    eprintln!("unbroken demo object --chaos {trials}: seed {seed} (replay with --seed {seed}); curl, wget and a python keep-alive client download {} MiB each at {} KiB/s", o.size >> 20, o.rate >> 10);
+    match unbroken::objchaos::run_chaos(&o) {
+        Ok(v) => {
+            if json {
+                println!("{v}");
+            } else {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            }
+            if v["ok"] == true {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("unbroken demo object --chaos: NOT ok (seed {seed})");
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({"ok": false, "seed": seed, "error": e}));
+            }
+            fail(e)
+        }
     }
 }
 

@@ -342,6 +342,23 @@ impl ObjectEnv {
         unsafe { libc::kill(r.id() as i32, if pause { libc::SIGSTOP } else { libc::SIGCONT }) == 0 }
     }
 
+    /// Sends `sig` to Redis (false when it does not run): SIGSTOP/SIGCONT make a store blip.
+    pub fn signal_store(&self, sig: i32) -> bool {
+        // SAFETY: a signal to our own child.
+        self.redis.as_ref().is_some_and(|c| unsafe { libc::kill(c.id() as i32, sig) } == 0)
+    }
+
+    /// Whether server `i` is crashed (powered off and not revived).
+    pub fn is_crashed(&self, i: usize) -> bool {
+        let ns = self.lab.server(i);
+        self.lab.crashed().any(|c| c == ns)
+    }
+
+    /// Number of servers.
+    pub fn servers(&self) -> usize {
+        self.opts.servers
+    }
+
     /// RSTs that reached the client namespace so far.
     pub fn client_rsts(&self) -> u64 {
         lab::rsts_seen(self.lab.client()).unwrap_or(u64::MAX)

@@ -1618,8 +1618,10 @@ fn agent_sigterm_leaves_a_rebuilt_connection_silently() {
     // LB's deadline and the bucket moved on (it does not go back: the stand-in is not its home).
     assert!(
         wait_for(Duration::from_secs(10), || agent_counter(&env, stand_in, "failovers") >= 1 || others(&env) > f0),
-        "{name}: nobody rebuilt the connection after the restart: {}",
-        counters(&env)
+        "{name}: nobody rebuilt the connection after the restart: {}; statuses {:?}; LB events {}",
+        counters(&env),
+        (1..=3).map(|i| env.agent_status(i).map(|v| (v["agent"].clone(), v["engine"]["unknown_from_client"].clone()))).collect::<Vec<_>>(),
+        env.lb_status().map(|s| s["events"].to_string()).unwrap_or_default()
     );
     eprintln!("{name}: rebuilt by server {:?}", env.serving(42_111));
     assert!(c.wait_bytes(at + size / 10, Duration::from_secs(30)), "{name}: the download did not go on after the restart");

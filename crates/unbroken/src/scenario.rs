@@ -246,6 +246,25 @@ fn read_status(p: &Path) -> serde_json::Value {
     std::fs::read_to_string(p).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(serde_json::Value::Null)
 }
 
+/// The guard's status as written after this call: the file is rewritten every 250 ms, so the
+/// one on disk may predate the last packets and commands the guard handled. Waits (generous
+/// deadline) for the next write, told apart by its pid and uptime.
+fn fresh_status(p: &Path, guard: &mut Proc) -> Result<serde_json::Value, String> {
+    let stamp = |v: &serde_json::Value| (v["pid"].as_u64(), v["uptime_ms"].as_u64());
+    let before = stamp(&read_status(p));
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = read_status(p);
+        if !v.is_null() && stamp(&v) != before {
+            return Ok(v);
+        }
+        if !matches!(guard.child.try_wait(), Ok(None)) || Instant::now() > end {
+            return Err(format!("the guard wrote no status file within 20 s (exit status {:?})", guard.child.try_wait()));
+        }
+        std::thread::sleep(Duration::from_millis(10)); // polling the status file with a deadline
+    }
+}
+
 /// Runs a scenario end to end. Needs root (network namespaces); see [`lab::lab_available`].
 pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
     lab::lab_available()?;
@@ -284,7 +303,9 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         cmd.arg("--echo");
     }
     let mut peer = Proc::spawn(&w.lab.peer, &mut cmd)?;
-    let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service()));
+    let (hostile_tx, hostile_app_side) = channel();
+    let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service(), hostile_tx));
+    let mut hostile_pending = s.hostile;
 
     let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
     let total = s.records * unit as u64;
@@ -330,6 +351,12 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
             }
             while next < thresholds.len() && last_verified >= thresholds[next] {
                 let kind = s.crashes[next];
+                // The hostile sender's datagrams from the app host must all have reached the
+                // guard before that host loses power or the guard (and its counters) restarts.
+                if hostile_pending && matches!(kind, Crash::Host | Crash::Guard | Crash::GuardAndApp) {
+                    let _ = hostile_app_side.recv_timeout(Duration::from_secs(120));
+                    hostile_pending = false;
+                }
                 match kind {
                     Crash::App => {
                         app.kill();
@@ -395,7 +422,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     if !matches!(guard.child.try_wait(), Ok(None)) {
         return Err(format!("the guard exited during the transfer: {:?}", guard.child.try_wait()));
     }
-    let status = read_status(&w.status_path());
+    let status = fresh_status(&w.status_path(), &mut guard)?;
     drop(app);
     drop(guard);
     let crashes_done = log.len();
@@ -437,7 +464,14 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
 /// but sitting in the wrong place would try to kill connections. And TCP segments toward the
 /// service with a malformed option (MSS of length 0), which pass iptables' tcp match and reach
 /// the engine.
-pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, service: SocketAddr) -> std::thread::JoinHandle<Result<u64, String>> {
+///
+/// Refused datagrams get no answer, and a burst of thousands overflows the guard's socket buffer
+/// when its command thread is slow (the kernel drops them silently): so the datagrams go in
+/// batches, each followed by a keyed probe from the app host (a TELL for a connection that does
+/// not exist) whose answer shows the guard has handled everything sent before it. The replayed
+/// TELL is sent only once the guard answered the original. `app_side_done` is told when nothing
+/// more will be sent from the app host (a host crash of it must wait for that).
+pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, service: SocketAddr, app_side_done: std::sync::mpsc::Sender<()>) -> std::thread::JoinHandle<Result<u64, String>> {
     use std::net::UdpSocket;
     use unbroken_wire::ctl::{Command, Key, Op};
     std::thread::spawn(move || {
@@ -446,39 +480,86 @@ pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, servi
         let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         let peer_ip: IpAddr = if service.is_ipv4() { addr::PEER_V4.into() } else { addr::PEER_V6.into() };
         let any = if service.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
-        let inside = lab::in_ns(&app_ns, || -> std::io::Result<u64> {
-            let s = UdpSocket::bind(any)?;
-            let mut n = 0;
-            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-            for _ in 0..2000 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let junk: Vec<u8> = (0..(x % 200) as usize).map(|k| (x >> (k % 56)) as u8).collect();
-                let fake = SocketAddr::new(peer_ip, 1 + (x % 60000) as u16);
-                let wrong_key = Command::request(Op::Clear, service, fake, x, now()).encode(&wrong).map_err(std::io::Error::other)?;
-                let stale = Command::request(Op::Shutdown, service, fake, x ^ 1, now() - 120_000).encode(&key).map_err(std::io::Error::other)?;
-                for d in [&junk[..], &wrong_key[..], &stale[..]] {
-                    s.send_to(d, guard)?;
-                    n += 1;
+        let io = |what: &'static str| move |e: std::io::Error| format!("hostile traffic ({what}): {e}");
+        // Sockets keep the namespace they were made in.
+        let inside = lab::in_ns(&app_ns, || UdpSocket::bind(any)).and_then(|r| r).map_err(io("app side"))?;
+        let outside = lab::in_ns(&peer_ns, || UdpSocket::bind(any)).and_then(|r| r).map_err(io("peer side"))?;
+        inside.set_read_timeout(Some(Duration::from_millis(500))).map_err(io("app side"))?;
+        let mut nonce = 1u64 << 62;
+        // Sends a fresh keyed TELL for a connection that does not exist and waits for its answer
+        // (resent with a new nonce when none came), within a generous deadline.
+        let mut probe = |s: &UdpSocket| -> Result<(), String> {
+            let end = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < end {
+                nonce += 1;
+                let c = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 2), nonce, now()).encode(&key).map_err(|e| e.to_string())?;
+                s.send_to(&c, guard).map_err(io("probe"))?;
+                let mut b = [0u8; 256];
+                while let Ok((n, _)) = s.recv_from(&mut b) {
+                    if Command::decode(&b[..n], &key).is_ok_and(|r| r.response && r.nonce == nonce) {
+                        return Ok(());
+                    }
                 }
             }
-            let tell = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 1), 42, now()).encode(&key).map_err(std::io::Error::other)?;
-            for _ in 0..200 {
-                s.send_to(&tell, guard)?;
+            Err("hostile traffic: the guard answered no probe within 60 s".into())
+        };
+        let mut n = 0;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for i in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let junk: Vec<u8> = (0..(x % 200) as usize).map(|k| (x >> (k % 56)) as u8).collect();
+            let fake = SocketAddr::new(peer_ip, 1 + (x % 60000) as u16);
+            let wrong_key = Command::request(Op::Clear, service, fake, x, now()).encode(&wrong).map_err(|e| e.to_string())?;
+            let stale = Command::request(Op::Shutdown, service, fake, x ^ 1, now() - 120_000).encode(&key).map_err(|e| e.to_string())?;
+            for d in [&junk[..], &wrong_key[..], &stale[..]] {
+                inside.send_to(d, guard).map_err(io("app side"))?;
                 n += 1;
             }
-            Ok(n)
-        });
-        let outside = lab::in_ns(&peer_ns, || -> std::io::Result<u64> {
-            let s = UdpSocket::bind(any)?;
+            if i % 16 == 15 {
+                probe(&inside)?;
+            }
+        }
+        // The original TELL is answered (no such connection) after its nonce was recorded.
+        let tell = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 1), 42, now()).encode(&key).map_err(|e| e.to_string())?;
+        let end = Instant::now() + Duration::from_secs(60);
+        'answered: loop {
+            inside.send_to(&tell, guard).map_err(io("app side"))?;
+            n += 1;
+            let mut b = [0u8; 256];
+            while let Ok((k, _)) = inside.recv_from(&mut b) {
+                if Command::decode(&b[..k], &key).is_ok_and(|r| r.response && r.nonce == 42) {
+                    break 'answered;
+                }
+            }
+            if Instant::now() > end {
+                return Err("hostile traffic: the guard never answered the TELL to be replayed".into());
+            }
+        }
+        for i in 0..200 {
+            inside.send_to(&tell, guard).map_err(io("app side"))?;
+            n += 1;
+            if i % 32 == 31 {
+                probe(&inside)?;
+            }
+        }
+        probe(&inside)?;
+        let mut p = 0u16;
+        while p < 500 {
+            let c = Command::request(Op::Clear, service, SocketAddr::new(peer_ip, 1024 + p), 7000 + p as u64, now()).encode(&key).map_err(|e| e.to_string())?;
+            outside.send_to(&c, guard).map_err(io("peer side"))?;
+            n += 1;
+            p += 1;
+            if p % 32 == 0 {
+                probe(&inside)?;
+            }
+        }
+        probe(&inside)?;
+        let _ = app_side_done.send(());
+        // Malformed TCP options toward the service (IPv4 only: a raw IPPROTO_RAW socket).
+        let raw = lab::in_ns(&peer_ns, || -> std::io::Result<u64> {
             let mut n = 0;
-            for p in 0..500u16 {
-                let c = Command::request(Op::Clear, service, SocketAddr::new(peer_ip, 1024 + p), 7000 + p as u64, now()).encode(&key).map_err(std::io::Error::other)?;
-                s.send_to(&c, guard)?;
-                n += 1;
-            }
-            // Malformed TCP options toward the service (IPv4 only: a raw IPPROTO_RAW socket).
             if let (IpAddr::V4(src), IpAddr::V4(dst)) = (peer_ip, service.ip()) {
                 let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
                 if fd < 0 {
@@ -506,8 +587,7 @@ pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, servi
             }
             Ok(n)
         });
-        let a = inside.and_then(|r| r).map_err(|e| format!("hostile traffic (app side): {e}"))?;
-        let b = outside.and_then(|r| r).map_err(|e| format!("hostile traffic (peer side): {e}"))?;
-        Ok(a + b)
+        let b = raw.and_then(|r| r).map_err(io("peer side"))?;
+        Ok(n + b)
     })
 }

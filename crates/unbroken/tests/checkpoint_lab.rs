@@ -165,8 +165,10 @@ fn hostile_input_never_reaches_the_connection() {
     let Some(_g) = lab_or_skip("hostile") else { return };
     let r = check("hostile", &Scenario { crashes: vec![Crash::App, Crash::Host], hostile: true, ..base(30_000) });
     let c = &r.guard["counters"];
-    for k in ["cmd_malformed", "cmd_rejected_auth", "cmd_rejected_stale", "cmd_rejected_replay", "cmd_rejected_source", "malformed"] {
-        assert!(c[k].as_u64().unwrap_or(0) > 0, "{k} not counted: {c}");
+    // The side-channel datagrams go in batches the guard acknowledges (see hostile_traffic), and
+    // the status is read after a write that followed the last of them: every one is counted.
+    for (k, sent) in [("cmd_malformed", 2000), ("cmd_rejected_auth", 2000), ("cmd_rejected_stale", 2000), ("cmd_rejected_replay", 200), ("cmd_rejected_source", 500)] {
+        assert_eq!(c[k].as_u64(), Some(sent), "{k}: {c}");
     }
-    assert!(c["cmd_rejected_source"].as_u64().unwrap() >= 100, "keyed CLEARs from the wrong source: {c}");
+    assert!(c["malformed"].as_u64().unwrap_or(0) > 0, "malformed TCP options not counted: {c}");
 }

@@ -149,7 +149,8 @@ pub enum Event {
     RecoverySynForwarded,
     /// Section 6: *B*'s ACK was rewritten into the SYN-ACK for a pending recovery SYN.
     RecoveredFromPeerAck,
-    /// *B*'s ACK arrived for a pending SYN, but no checkpoint is known yet: dropped.
+    /// *B*'s ACK arrived for a pending SYN, but no checkpoint is known yet: rewritten into a
+    /// RST for *A*'s SYN, so the application recovers again (ACKNOWLEDGE first).
     PendingWithoutCheckpoint,
     /// A packet without SYN or ACK from *A*: not valid TCP, dropped.
     BogusFlags,
@@ -467,7 +468,19 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         // Section 6: B's answer to a forwarded recovery SYN becomes the SYN-ACK A waits for.
         if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
             if !c.has(flag::ACK_ALLOWED) && !c.has(flag::ACK_EVERYTHING) {
-                return Ok(Outcome::with(Verdict::Drop, len, Event::PendingWithoutCheckpoint));
+                // No checkpoint: the filter restarted after the application's ACKNOWLEDGE and
+                // before its SYN. Nothing would ever teach us ackA (the SDK sends ACKNOWLEDGE
+                // once per recovery), so the SYN would be retransmitted in vain until the
+                // application's connect timed out (10 s by default). Reset the SYN instead: the
+                // application recovers again at once, ACKNOWLEDGE first.
+                let syn_seq = Seq(c.delta);
+                c.delta = 0;
+                c.ts_off = 0;
+                c.clear(flag::SYN_PENDING | flag::PEND_SACK | flag::PEND_TS);
+                drop(t);
+                let r = Repr { src_port: b_port, dst_port: a_port, seq: Seq(0), ack: syn_seq + 1, flags: F::RST | F::ACK, ..Default::default() };
+                let n = emit_segment(buf, info.src, info.dst, &r)?;
+                return Ok(Outcome::with(Verdict::Forward, n, Event::PendingWithoutCheckpoint));
             }
             let syn = SynOffer {
                 seq: Seq(c.delta),

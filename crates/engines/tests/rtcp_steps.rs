@@ -358,6 +358,37 @@ fn section6_filter_restart_answers_from_the_peers_ack() {
 }
 
 #[test]
+fn section6_filter_restart_between_acknowledge_and_syn_resets_the_syn() {
+    // The application's ACKNOWLEDGE reached the old filter, which then restarted: the new one
+    // sees the recovery SYN without a checkpoint. B's challenge ACK cannot become a SYN-ACK; it
+    // becomes a RST for A's SYN (not a silent drop: nothing would ever teach this filter ackA,
+    // and A's connect would hang until its timeout), so A recovers again, ACKNOWLEDGE first.
+    let mut c = Conn::default();
+    // B keeps streaming: the new filter learns ackB from it.
+    let data = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 100, timestamp: Some((169, 9600)), ..Default::default() };
+    assert_eq!(inc(&mut c, from_b(data, b"xyz")).0.verdict, Verdict::Forward);
+    let syn = Repr { seq: Seq(555), flags: F::SYN, ..syn_opts(30) };
+    let (o, _) = out(&mut c, from_a(syn, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::RecoverySynForwarded)));
+    let chal = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 100, timestamp: Some((170, 9600)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(chal, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::PendingWithoutCheckpoint)));
+    let (info, r, _) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst, r.src_port, r.dst_port), (b_ip(), a_ip(), B_PORT, A_PORT));
+    assert_eq!((r.flags, r.ack, r.timestamp), (F::RST | F::ACK, Seq(556), None), "acceptable to A's SYN-SENT socket");
+    assert_eq!((c.flags & flag::SYN_PENDING, c.delta, c.ts_off), (0, 0, 0), "nothing pending, nothing shifted");
+    // The second attempt: ACKNOWLEDGE, then the SYN is answered at once (O5).
+    let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 8, 8);
+    cmd.ack_a = B_ISN + 4001;
+    cmd.options = Some(ConnOptions { peer_mss: 1400, peer_wscale: Some(7), app_wscale: Some(7), sack: true, timestamps: true });
+    rtcp::command(&mut c, &cmd, &mut [0u8; 128]);
+    let (o, p) = out(&mut c, from_a(Repr { seq: Seq(777), flags: F::SYN, ..syn_opts(40) }, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::Recovered)));
+    let (_, r, _) = parse(&p, o.len);
+    assert_eq!((r.flags, r.seq, r.ack), (F::SYN | F::ACK, Seq(B_ISN + 4000), Seq(778)));
+}
+
+#[test]
 fn first_connection_as_client_is_not_a_recovery() {
     let mut c = Conn::default();
     let (o, _) = out(&mut c, from_a(Repr { seq: Seq(A_ISN), flags: F::SYN, ..syn_opts(5) }, b""));

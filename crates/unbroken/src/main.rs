@@ -12,7 +12,9 @@ usage:
   unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo] [--same-hosts] [--local-guard]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
-        LIST is comma-separated from app,host,guard,guard+app,guard-hup (default app,app,host,app).
+        LIST is comma-separated from app,host,guard,guard+app,guard-hup,app-in-recovery (the app
+        killed again while it recovers), guard-in-recovery (the guard killed while the app
+        recovers) (default app,app,host,app).
   unbroken guard --config FILE [--remove-rules]
         Run the checkpoint guard (RTCP) with the given TOML config.
   unbroken status --file STATUS.json [--json]
@@ -93,7 +95,9 @@ fn parse_crashes(s: &str) -> Result<Vec<Crash>, String> {
             "guard" => Ok(Crash::Guard),
             "guard+app" | "both" => Ok(Crash::GuardAndApp),
             "guard-hup" => Ok(Crash::GuardHangup),
-            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app, guard-hup)")),
+            "app-in-recovery" => Ok(Crash::AppDuringRecovery),
+            "guard-in-recovery" => Ok(Crash::GuardDuringRecovery),
+            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app, guard-hup, app-in-recovery, guard-in-recovery)")),
         })
         .collect()
 }

@@ -24,6 +24,14 @@ pub enum Crash {
     Guard,
     /// The guard and the application die at the same moment.
     GuardAndApp,
+    /// A second crash during recovery: SIGKILL the application, restart it, and kill that
+    /// instance again while it recovers its connections (at its `recovered` point: a recovered
+    /// socket is connected through the guard, nothing is resent yet); then restart it again.
+    AppDuringRecovery,
+    /// The guard dies while the application recovers: SIGKILL the application, restart it and
+    /// stop it at its `recovered` point (`JOURNAL_PAUSE_AT`), SIGKILL and restart the guard,
+    /// then let the application go on. The new guard knows neither Δ nor the checkpoint.
+    GuardDuringRecovery,
     /// Not a crash: SIGHUP to the guard, which must log it, count it (`sighup_ignored` in
     /// its status file) and keep running.
     GuardHangup,
@@ -219,9 +227,34 @@ impl World {
         Ok(p)
     }
     fn start_app(&self, ns: &str, crash_point: Option<&str>) -> Result<Proc, String> {
+        let mut p = self.spawn_app(ns, crash_point, None)?;
+        p.wait_line("journal-server: listening", Duration::from_secs(10)).map_err(|e| format!("app: {e}"))?;
+        Ok(p)
+    }
+    /// Starts the application and waits until it kills itself at `point` during its recovery,
+    /// or stops itself there when `pause` (then it is returned stopped: SIGCONT it).
+    fn start_app_at(&self, ns: &str, point: &str, pause: bool) -> Result<Proc, String> {
+        let mut p = if pause { self.spawn_app(ns, None, Some(point))? } else { self.spawn_app(ns, Some(point), None)? };
+        let end = Instant::now() + Duration::from_secs(30);
+        if pause {
+            p.wait_line(&format!("journal-server: paused at {point}"), Duration::from_secs(30)).map_err(|e| format!("app: {e}"))?;
+            return Ok(p);
+        }
+        while matches!(p.child.try_wait(), Ok(None)) {
+            if Instant::now() > end {
+                return Err(format!("app: never reached its crash point {point} within 30 s"));
+            }
+            std::thread::sleep(Duration::from_millis(2)); // polling a child's exit with a deadline
+        }
+        Ok(p)
+    }
+    fn spawn_app(&self, ns: &str, crash_point: Option<&str>, pause_point: Option<&str>) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.exe);
         if let Some(p) = crash_point {
             cmd.env("JOURNAL_CRASH_AT", p);
+        }
+        if let Some(p) = pause_point {
+            cmd.env("JOURNAL_PAUSE_AT", p);
         }
         cmd.arg("journal-server");
         if self.echo {
@@ -236,9 +269,7 @@ impl World {
             .arg(KEY_HEX)
             .arg("--dir")
             .arg(self.dir.join("journal"));
-        let mut p = Proc::spawn(ns, &mut cmd)?;
-        p.wait_line("journal-server: listening", Duration::from_secs(10)).map_err(|e| format!("app: {e}"))?;
-        Ok(p)
+        Proc::spawn(ns, &mut cmd)
     }
 }
 
@@ -380,6 +411,20 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                         app.kill();
                         guard = w.start_guard(&cfg)?;
                         app = w.start_app(&app_host, None)?;
+                    }
+                    Crash::AppDuringRecovery => {
+                        app.kill();
+                        let mut dying = w.start_app_at(&app_host, "recovered", false)?;
+                        dying.kill();
+                        app = w.start_app(&app_host, None)?;
+                    }
+                    Crash::GuardDuringRecovery => {
+                        app.kill();
+                        app = w.start_app_at(&app_host, "recovered", true)?;
+                        guard.kill();
+                        guard = w.start_guard(&cfg)?;
+                        // SAFETY: a signal to our own child.
+                        unsafe { libc::kill(app.child.id() as i32, libc::SIGCONT) };
                     }
                     Crash::GuardHangup => {
                         let before = read_status(&w.status_path())["sighup_ignored"].as_u64().unwrap_or(0);

@@ -67,6 +67,37 @@ fn guard_crash_is_turned_into_app_recovery() {
 }
 
 #[test]
+fn guard_restarts_alone() {
+    // Section 2.7 on its own: the guard is SIGKILLed and restarted twice while the app runs.
+    // The new guard knows no Δ: it resets the app's next packet, and the app recovers.
+    let Some(_g) = lab_or_skip("guard_restart") else { return };
+    let r = check("guard_restart", &Scenario { crashes: vec![Crash::Guard, Crash::Guard], ..base(30_000) });
+    assert_eq!(r.crashes, 2);
+    let c = &r.guard["counters"];
+    assert!(c["no_checkpoint_reset"].as_u64().unwrap_or(0) >= 1 && c["recovered"].as_u64().unwrap_or(0) >= 1, "the last guard forced a recovery and answered it: {c}");
+}
+
+#[test]
+fn app_killed_again_during_recovery() {
+    // The app is killed, restarted, and killed again in the middle of recovering its
+    // connection (new socket connected through the guard, nothing resent yet), twice.
+    let Some(_g) = lab_or_skip("app_in_recovery") else { return };
+    let r = check("app_in_recovery", &Scenario { crashes: vec![Crash::AppDuringRecovery, Crash::App, Crash::AppDuringRecovery], ..base(30_000) });
+    assert_eq!(r.crashes, 3);
+    assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 5, "five recoveries (two cut short): {}", r.guard["counters"]);
+}
+
+#[test]
+fn guard_killed_during_app_recovery() {
+    // The guard dies while the app is recovering (its recovered socket connected through the
+    // old guard, nothing resent yet): the new guard knows neither Δ nor the checkpoint.
+    let Some(_g) = lab_or_skip("guard_in_recovery") else { return };
+    let r = check("guard_in_recovery", &Scenario { crashes: vec![Crash::GuardDuringRecovery, Crash::App, Crash::GuardDuringRecovery], ..base(30_000) });
+    assert_eq!(r.crashes, 3);
+    assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 1, "{}", r.guard["counters"]);
+}
+
+#[test]
 fn sighup_never_kills_the_guard() {
     // SIGHUP (no reload) is logged, counted and ignored: the guard keeps renumbering through an
     // app crash after it, the transfer ends byte-exact with 0 RSTs and the guard still runs.

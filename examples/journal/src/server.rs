@@ -152,12 +152,30 @@ fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
 
 /// Fault injection for tests: when `JOURNAL_CRASH_AT` names this point, the process kills
 /// itself with SIGKILL there (the way a crash would), e.g. `after-eof`, `after-shutdown`,
-/// `after-fin`, or `after-bytes:N` (once N input bytes are journaled).
+/// `after-fin`, `after-bytes:N` (once N input bytes are journaled), or the recovery points of
+/// [`pause_point`]: `recovering`, `recovered`.
 fn crash_point(name: &str) {
     if std::env::var("JOURNAL_CRASH_AT").map(|v| v == name).unwrap_or(false) {
         log(&format!("crash point {name}: SIGKILL"));
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// Fault injection for tests: when `JOURNAL_PAUSE_AT` names this point, the first thread to
+/// reach it prints `journal-server: paused at NAME` on stdout and stops the whole process
+/// (SIGSTOP), so a test can inject another fault at that exact moment and then let the process
+/// go on (SIGCONT). Points: `recovering` (a connection's recovery is about to start: nothing
+/// sent to the guard yet) and `recovered` (its new socket is connected through the guard and
+/// TELL answered; nothing resent yet).
+fn pause_point(name: &str) {
+    static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if std::env::var("JOURNAL_PAUSE_AT").map(|v| v == name).unwrap_or(false) && !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        println!("journal-server: paused at {name}");
+        let _ = std::io::stdout().flush();
+        unsafe {
+            libc::raise(libc::SIGSTOP);
         }
     }
 }
@@ -231,9 +249,15 @@ fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: b
         let mut j = Journal::open(dir, fsync, echo).map_err(|e| format!("journal: {e}"))?;
         let (s, resend_from) = match stream.take() {
             Some(s) => (s, 0),
-            None => match unbroken_sdk::recover(rec, client, j.consumed(), j.out_len) {
+            None => match {
+                crash_point("recovering");
+                pause_point("recovering");
+                unbroken_sdk::recover(rec, client, j.consumed(), j.out_len)
+            } {
                 Ok((s, delivered)) => {
                     log(&format!("{}: recovered; peer had {delivered} of {} reply bytes, input resumes at {}", rec.peer(), j.out_len, j.in_len));
+                    crash_point("recovered");
+                    pause_point("recovered");
                     (s, delivered)
                 }
                 Err(e) => {

@@ -58,6 +58,15 @@ pub struct GuardSection {
     /// Accepted clock difference for commands (replay window), milliseconds.
     #[serde(default = "default_skew")]
     pub max_clock_skew_ms: u64,
+    /// After a recovery, send the peer an ACK with a SACK block of its last segment when the
+    /// application TELLs, so it resends what the dead socket lost at once instead of at its
+    /// retransmission timeout (see `guard::nudge`). On by default.
+    #[serde(default = "default_true")]
+    pub recovery_nudge: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_mark() -> u32 {

@@ -9,7 +9,7 @@ const USAGE: &str = "\
 unbroken: TCP connections that outlive the server that serves them
 
 usage:
-  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo] [--same-hosts] [--local-guard]
+  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--connections N] [--ipv6] [--echo] [--same-hosts] [--local-guard] [--no-nudge]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
         LIST is comma-separated from app,host,guard,guard+app,guard-hup,app-in-recovery (the app
@@ -216,6 +216,8 @@ fn demo(args: Vec<String>) -> ExitCode {
                 "--same-hosts" => s.heterogeneous = false,
                 "--local-guard" => s.local_guard = true,
                 "--seed" => s.seed = num("--seed", it.next())?,
+                "--connections" => s.connections = num("--connections", it.next())?,
+                "--no-nudge" => s.nudge = false,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
                 o => return Err(format!("demo: unknown argument {o:?}")),
             }

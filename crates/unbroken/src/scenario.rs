@@ -65,6 +65,11 @@ pub struct Scenario {
     pub local_guard: bool,
     /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]).
     pub hostile: bool,
+    /// Protected connections, one peer process each (every one streams `records` records at
+    /// `rate`); crashes are placed by the first one's progress.
+    pub connections: usize,
+    /// The guard's `recovery_nudge` (on by default; off to measure what it changes).
+    pub nudge: bool,
 }
 
 impl Default for Scenario {
@@ -83,6 +88,8 @@ impl Default for Scenario {
             echo: false,
             local_guard: false,
             hostile: false,
+            connections: 1,
+            nudge: true,
         }
     }
 }
@@ -96,6 +103,18 @@ pub struct CrashRecord {
     pub t_ms: u64,
     /// Host the application runs on after this crash.
     pub app_host: String,
+}
+
+/// A gap in one connection's replies of at least [`crate::peer::STALL_REPORT_MS`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stall {
+    /// Which connection (peer process), from 0.
+    pub conn: usize,
+    pub ms: u64,
+    /// When the stall ended, on the scenario's clock (as `CrashRecord::t_ms`).
+    pub end_t_ms: u64,
+    /// Reply bytes the connection had received when the stall began.
+    pub at_bytes: u64,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -113,8 +132,46 @@ pub struct Report {
     pub duration_ms: u64,
     /// The peer process's exit status (0 when it verified everything).
     pub peer_exit_code: Option<i32>,
+    /// The first connection's peer.
     pub peer: Option<PeerResult>,
+    /// Every peer, when there is more than one connection.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<PeerResult>,
+    pub connections: usize,
+    /// Every gap in the replies of any connection of at least 20 ms, in the order they ended.
+    pub stalls: Vec<Stall>,
+    /// The peer host's TCP counters that moved (its namespace is fresh): how its stalls were
+    /// ended (`TCPTimeouts`: retransmission timer; `TCPLossProbes`: tail loss probes;
+    /// `TCPSackRecovery`, `TCPFastRetrans`: loss recovery from SACKs; `RetransSegs`).
+    pub peer_tcp: serde_json::Value,
     pub guard: serde_json::Value,
+}
+
+/// TCP counters of a namespace (`Tcp` and `TcpExt` of /proc/net/snmp and netstat), non-zero.
+pub fn tcp_counters(ns: &str) -> serde_json::Value {
+    let read = || {
+        let mut m = serde_json::Map::new();
+        for f in ["/proc/thread-self/net/snmp", "/proc/thread-self/net/netstat"] {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            for pair in lines.chunks(2) {
+                let [names, values] = pair else { continue };
+                let (Some((p, n)), Some((_, v))) = (names.split_once(':'), values.split_once(':')) else { continue };
+                if p != "Tcp" && p != "TcpExt" {
+                    continue;
+                }
+                for (k, x) in n.split_whitespace().zip(v.split_whitespace()) {
+                    if let Ok(x) = x.parse::<i64>() {
+                        if x != 0 && !matches!(k, "RtoAlgorithm" | "RtoMin" | "RtoMax" | "MaxConn" | "CurrEstab") {
+                            m.insert(k.to_string(), x.into());
+                        }
+                    }
+                }
+            }
+        }
+        serde_json::Value::Object(m)
+    };
+    lab::in_ns(ns, read).unwrap_or(serde_json::Value::Null)
 }
 
 /// A child process whose stdout lines arrive on a channel.
@@ -153,9 +210,27 @@ impl Proc {
             }
         }
     }
+    /// The child and its lines, without the kill on drop.
+    fn into_parts(self) -> (Child, Receiver<String>) {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped; each field is moved out exactly once.
+        unsafe { (std::ptr::read(&me.child), std::ptr::read(&me.lines)) }
+    }
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Peer processes, killed if still running when dropped.
+struct Peers(Vec<Child>);
+
+impl Drop for Peers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -185,6 +260,7 @@ pub(crate) struct World {
     pub(crate) ipv6: bool,
     pub(crate) echo: bool,
     pub(crate) local_guard: bool,
+    pub(crate) nudge: bool,
 }
 
 impl World {
@@ -209,8 +285,9 @@ impl World {
             ("gateway", format!("\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"", addr::GUARD_LAN_V4, addr::GUARD_LAN_V6), "\"10.77.2.0/24\", \"fd77:2::/64\"".to_string())
         };
         let cfg = format!(
-            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\ncontrol = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
+            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\ncontrol = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\nrecovery_nudge = {}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
             self.status_path().display(),
+            self.nudge,
             addr::SERVICE_V4,
             addr::SERVICE_V6,
         );
@@ -303,7 +380,7 @@ pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
     let lab = Lab::checkpoint(opts).map_err(|e| format!("lab: {e}"))?;
     let dir = std::env::temp_dir().join(format!("unbroken-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard };
+    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard, nudge: s.nudge };
     let res = run_in(&mut w, s);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);
@@ -320,20 +397,38 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let mut app_host = w.lab.app(1).to_string();
     let mut app = w.start_app(&app_host, s.app_crash_point.as_deref())?;
 
-    let mut cmd = Command::new(&w.exe);
-    cmd.arg("peer")
-        .arg("--connect")
-        .arg(w.service().to_string())
-        .arg("--records")
-        .arg(s.records.to_string())
-        .arg("--seed")
-        .arg(s.seed.to_string())
-        .arg("--rate")
-        .arg(s.rate.to_string());
-    if s.echo {
-        cmd.arg("--echo");
+    let nconn = s.connections.max(1);
+    let (peer_tx, peer_lines) = channel::<(usize, String)>();
+    let mut peers = Peers(Vec::new());
+    for i in 0..nconn {
+        let mut cmd = Command::new(&w.exe);
+        cmd.arg("peer")
+            .arg("--connect")
+            .arg(w.service().to_string())
+            .arg("--records")
+            .arg(s.records.to_string())
+            .arg("--seed")
+            .arg((s.seed + i as u64).to_string())
+            .arg("--rate")
+            .arg(s.rate.to_string());
+        if s.echo {
+            cmd.arg("--echo");
+        }
+        let p = Proc::spawn(&w.lab.peer, &mut cmd)?;
+        let tx = peer_tx.clone();
+        let (child, lines) = p.into_parts();
+        std::thread::spawn(move || {
+            for l in lines.iter() {
+                if tx.send((i, l)).is_err() {
+                    break;
+                }
+            }
+        });
+        peers.0.push(child);
     }
-    let mut peer = Proc::spawn(&w.lab.peer, &mut cmd)?;
+    drop(peer_tx);
+    let mut results: Vec<Option<PeerResult>> = vec![None; nconn];
+    let mut stalls = Vec::new();
     let (hostile_tx, hostile_app_side) = channel();
     let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service(), hostile_tx));
     let mut hostile_pending = s.hostile;
@@ -351,7 +446,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let mut log = Vec::new();
     let mut last_verified = 0;
     let deadline = start + s.timeout;
-    let result: PeerResult = loop {
+    loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!("scenario timed out after {:?} at {} of {} bytes verified", s.timeout, last_verified, total));
@@ -366,16 +461,21 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                 return Err(format!("the application exited unexpectedly: {:?}", app.child.try_wait()));
             }
         }
-        let line = match peer.lines.recv_timeout(left.min(Duration::from_millis(50))) {
+        let (from, line) = match peer_lines.recv_timeout(left.min(Duration::from_millis(50))) {
             Ok(l) => l,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(_) => return Err(format!("peer exited without a result (status {:?})", peer.child.try_wait().ok().flatten())),
+            Err(_) => {
+                let missing: Vec<usize> = (0..nconn).filter(|i| results[*i].is_none()).collect();
+                return Err(format!("peer(s) {missing:?} exited without a result (status {:?})", missing.iter().map(|i| peers.0[*i].try_wait().ok().flatten()).collect::<Vec<_>>()));
+            }
         };
         let v: serde_json::Value = match serde_json::from_str(&line) {
             Ok(v) => v,
             Err(_) => continue,
         };
-        if let Some(p) = v.get("progress") {
+        if let Some(st) = v.get("stall") {
+            stalls.push(Stall { conn: from, ms: st["ms"].as_u64().unwrap_or(0), end_t_ms: start.elapsed().as_millis() as u64, at_bytes: st["at_bytes"].as_u64().unwrap_or(0) });
+        } else if let (Some(p), 0) = (v.get("progress"), from) {
             last_verified = p["bytes_verified"].as_u64().unwrap_or(0);
             if s.live {
                 eprint!("\r  {:>6.1} s  verified {:>12} / {} bytes  crashes {}/{}  longest stall {} ms   ", start.elapsed().as_secs_f64(), last_verified, total, next, n, p["max_stall_ms"]);
@@ -443,13 +543,31 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                 next += 1;
             }
         } else if v.get("ok").is_some() {
-            break serde_json::from_value(v).map_err(|e| format!("peer result: {e}"))?;
+            results[from] = Some(serde_json::from_value(v).map_err(|e| format!("peer result: {e}"))?);
+            if results.iter().all(Option::is_some) {
+                break;
+            }
         }
-    };
+    }
+    let results: Vec<PeerResult> = results.into_iter().flatten().collect();
     if s.live {
         eprintln!();
     }
-    let peer_exit_code = peer.child.wait().ok().and_then(|st| st.code());
+    let codes: Vec<Option<i32>> = peers.0.iter_mut().map(|c| c.wait().ok().and_then(|st| st.code())).collect();
+    let peer_exit_code = codes.iter().copied().find(|c| *c != Some(0)).unwrap_or(Some(0));
+    let result = PeerResult {
+        ok: results.iter().all(|r| r.ok),
+        error: results.iter().enumerate().find_map(|(i, r)| r.error.as_ref().map(|e| if nconn > 1 { format!("connection {i}: {e}") } else { e.clone() })),
+        records: results.iter().map(|r| r.records).sum(),
+        bytes_sent: results.iter().map(|r| r.bytes_sent).sum(),
+        bytes_received: results.iter().map(|r| r.bytes_received).sum(),
+        bytes_verified: results.iter().map(|r| r.bytes_verified).sum(),
+        sha256_received: String::new(),
+        sha256_expected: String::new(),
+        max_stall_ms: results.iter().map(|r| r.max_stall_ms).max().unwrap_or(0),
+        duration_ms: results.iter().map(|r| r.duration_ms).max().unwrap_or(0),
+    };
+    let sha256_ok = results.iter().all(|r| r.sha256_received == r.sha256_expected && r.bytes_verified == total);
     if let Some(h) = hostile {
         h.join().map_err(|_| "hostile traffic thread panicked".to_string())??;
     }
@@ -492,12 +610,16 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         bytes_sent: result.bytes_sent,
         bytes_received: result.bytes_received,
         bytes_verified: result.bytes_verified,
-        sha256_ok: result.sha256_received == result.sha256_expected && result.bytes_verified == total,
+        sha256_ok,
         resets_seen_by_peer: rsts,
         max_stall_ms: result.max_stall_ms,
         duration_ms: start.elapsed().as_millis() as u64,
         peer_exit_code,
-        peer: Some(result),
+        peer: results.first().cloned(),
+        peers: if nconn > 1 { results } else { Vec::new() },
+        connections: nconn,
+        stalls,
+        peer_tcp: tcp_counters(&w.lab.peer),
         guard: status,
     })
 }

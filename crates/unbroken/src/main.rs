@@ -10,11 +10,17 @@ unbroken: TCP connections that outlive the server that serves them
 
 usage:
   unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--connections N] [--ipv6] [--echo] [--same-hosts] [--local-guard] [--no-nudge]
+  unbroken demo checkpoint --chaos N [--seed S] [--json] [--records N] [--rate N] [--connections N]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
         LIST is comma-separated from app,host,guard,guard+app,guard-hup,app-in-recovery (the app
         killed again while it recovers), guard-in-recovery (the guard killed while the app
-        recovers) (default app,app,host,app).
+        recovers) (default app,app,host,app). --chaos N runs N trials instead, each on a fresh lab
+        with one fault drawn at random (seeded; the seed is printed) from app kill, host crash,
+        guard kill, guard+app kill, SIGHUP to the guard, app killed again during its recovery,
+        guard killed during the app's recovery; --json prints ok, trials, byte_exact,
+        resets_seen_by_client, hangs, stall_ms {p50,p99,max}, faults {kind: count}, seed.
+        Exit status 1 unless every trial is byte-exact with 0 resets and no hang.
   unbroken guard --config FILE [--remove-rules]
         Run the checkpoint guard (RTCP) with the given TOML config.
   unbroken status --file STATUS.json [--json]
@@ -81,6 +87,39 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         other => fail(format!("unknown command {other:?}\n\n{USAGE}")),
+    }
+}
+
+/// `demo checkpoint --chaos N`: N trials, one random fault each (see `unbroken::ckptchaos`).
+fn demo_chaos(s: &Scenario, trials: usize, seed_given: bool, json: bool) -> ExitCode {
+    use unbroken::ckptchaos::{run_chaos, ChaosOpts};
+    let seed = if seed_given { s.seed } else { std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1) };
+    let records = if s.records == Scenario::default().records { ChaosOpts::default().records } else { s.records };
+    let o = ChaosOpts { trials, seed, records, rate: s.rate, connections: s.connections, verbose: true, ..ChaosOpts::default() };
+    eprintln!("unbroken demo checkpoint --chaos {trials}: seed {seed} (replay with --seed {seed}), {} records per trial at {}/s, {} connection(s)", o.records, o.rate, o.connections);
+    match run_chaos(&o) {
+        Ok(r) => {
+            if json {
+                let mut v = serde_json::to_value(&r).unwrap_or_default();
+                if let Some(m) = v.as_object_mut() {
+                    m.remove("trial_log");
+                }
+                println!("{v}");
+            } else {
+                println!("\nchaos report (seed {})", r.seed);
+                println!("  ok                      {}", r.ok);
+                println!("  trials                  {} (byte-exact {}, hangs {})", r.trials, r.byte_exact, r.hangs);
+                println!("  RSTs seen by the client {}", r.resets_seen_by_client);
+                println!("  stall ms                p50 {} p99 {} max {}", r.stall_ms.p50, r.stall_ms.p99, r.stall_ms.max);
+                println!("  faults                  {:?}", r.faults);
+            }
+            if r.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => fail(e),
     }
 }
 
@@ -202,6 +241,8 @@ fn demo(args: Vec<String>) -> ExitCode {
     }
     let mut s = Scenario { rate: 20_000, live: true, ..Scenario::default() };
     let mut json = false;
+    let mut chaos: Option<usize> = None;
+    let mut seed_given = false;
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let r: Result<(), String> = (|| {
@@ -215,7 +256,11 @@ fn demo(args: Vec<String>) -> ExitCode {
                 "--echo" => s.echo = true,
                 "--same-hosts" => s.heterogeneous = false,
                 "--local-guard" => s.local_guard = true,
-                "--seed" => s.seed = num("--seed", it.next())?,
+                "--seed" => {
+                    s.seed = num("--seed", it.next())?;
+                    seed_given = true;
+                }
+                "--chaos" => chaos = Some(num("--chaos", it.next())?),
                 "--connections" => s.connections = num("--connections", it.next())?,
                 "--no-nudge" => s.nudge = false,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
@@ -226,6 +271,9 @@ fn demo(args: Vec<String>) -> ExitCode {
         if let Err(e) = r {
             return fail(e);
         }
+    }
+    if let Some(trials) = chaos {
+        return demo_chaos(&s, trials, seed_given, json);
     }
     if !json {
         eprintln!("unbroken demo checkpoint: {} records through the guard, crashes: {:?}", s.records, s.crashes);

@@ -209,3 +209,26 @@ fn hostile_input_never_reaches_the_connection() {
     }
     assert!(c["malformed"].as_u64().unwrap_or(0) > 0, "malformed TCP options not counted: {c}");
 }
+
+#[test]
+fn chaos_three_trials_through_the_binary() {
+    // `unbroken demo checkpoint --chaos 3 --json`: three fresh labs, one random fault each
+    // (seed fixed so a failure replays), every trial byte-exact with 0 RSTs and no hang, exit 0.
+    let Some(_g) = lab_or_skip("chaos") else { return };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_unbroken"))
+        .args(["demo", "checkpoint", "--chaos", "3", "--json", "--seed", "11"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run unbroken");
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("chaos: {text}");
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap_or_else(|e| panic!("chaos JSON ({e}): {text:?}"));
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(out.status.code(), Some(0), "exit status with ok: {v}");
+    assert_eq!((v["trials"].as_u64(), v["byte_exact"].as_u64(), v["resets_seen_by_client"].as_u64(), v["hangs"].as_u64(), v["seed"].as_u64()), (Some(3), Some(3), Some(0), Some(0), Some(11)), "{v}");
+    let faults: u64 = v["faults"].as_object().expect("faults").values().map(|n| n.as_u64().unwrap()).sum();
+    assert_eq!(faults, 3, "one fault per trial: {v}");
+    let s = &v["stall_ms"];
+    let (p50, p99, max) = (s["p50"].as_u64().unwrap(), s["p99"].as_u64().unwrap(), s["max"].as_u64().unwrap());
+    assert!(p50 <= p99 && p99 <= max && max < 60_000, "stall_ms {s}");
+}

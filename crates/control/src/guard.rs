@@ -292,8 +292,9 @@ impl Core {
             self.counters.incoming += 1;
         }
         // The peer's highest data segment, for the recovery nudge.
-        let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len])).flatten();
         let e = self.entry(key, now_ms);
+        let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
+        let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
         if let Some((start, end)) = seg {
             if e.peer_hi.is_none_or(|(_, hi)| Seq(end).gt(Seq(hi))) {
                 e.peer_hi = Some((start, end));
@@ -422,11 +423,20 @@ impl Core {
     }
 }
 
-/// Start and end (sequence numbers) of the payload of a TCP segment, if it carries any.
-fn peer_segment(seg: &[u8]) -> Option<(u32, u32)> {
+/// What a segment from the peer tells about the end of its data: a data segment's start and
+/// end; a pure ACK's SEQ is the peer's SND.NXT (its challenge ACK to a recovery SYN included,
+/// the only thing a restarted guard may see of it before its RTO), standing for a last segment
+/// of `mss` bytes ending there.
+fn peer_segment(seg: &[u8], mss: u16) -> Option<(u32, u32)> {
+    use unbroken_wire::tcp::flags as F;
     let t = Tcp::new_checked(seg).ok()?;
     let len = t.payload().len() as u32;
-    (len > 0).then(|| (t.seq().0, t.seq().0.wrapping_add(len)))
+    let seq = t.seq().0;
+    if len > 0 {
+        return Some((seq, seq.wrapping_add(len)));
+    }
+    let f = t.flags();
+    (f & F::ACK != 0 && f & (F::SYN | F::FIN | F::RST) == 0).then(|| (seq.wrapping_sub(mss.max(536) as u32), seq))
 }
 
 /// The recovery nudge. When the application dies, the bytes its kernel had received beyond the
@@ -445,7 +455,7 @@ fn peer_segment(seg: &[u8]) -> Option<(u32, u32)> {
 fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAddr, buf: &mut [u8]) -> Option<usize> {
     use unbroken_engines::rtcp::flag;
     use unbroken_wire::tcp::{flags as F, Repr};
-    let need = flag::SACK_OK | flag::RECOVERABLE | flag::ACK_ALLOWED | flag::A_WIN_KNOWN | flag::SYNCED;
+    let need = flag::SACK_OK | flag::RECOVERABLE | flag::ACK_ALLOWED | flag::SYNCED;
     if c.flags & need != need || c.flags & (flag::SYN_PENDING | flag::ACK_EVERYTHING) != 0 {
         return None;
     }
@@ -458,7 +468,16 @@ fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAdd
     let ts = (c.flags & (flag::TS_OK | flag::TS_A_KNOWN | flag::TS_B_KNOWN) == flag::TS_OK | flag::TS_A_KNOWN | flag::TS_B_KNOWN).then_some((c.ts_a, c.ts_b));
     let mut sack = [(Seq(0), Seq(0)); 4];
     sack[0] = (start, Seq(end));
-    let r = Repr { src_port: app.port(), dst_port: peer.port(), seq: Seq(c.ack_b), ack, flags: F::ACK, window: c.a_win, timestamp: ts, sack, sack_len: 1, ..Default::default() };
+    // A restarted guard may get the TELL before the new socket's first ACK: then announce the
+    // 64 KB a new Linux socket opens with (in the scale the peer applies); the socket's own
+    // ACKs follow at once.
+    let window = if c.flags & flag::A_WIN_KNOWN != 0 {
+        c.a_win
+    } else {
+        let ws = c.options().and_then(|o| o.app_wscale).unwrap_or(0);
+        (0xffff_u32 >> ws.min(14)) as u16
+    };
+    let r = Repr { src_port: app.port(), dst_port: peer.port(), seq: Seq(c.ack_b), ack, flags: F::ACK, window, timestamp: ts, sack, sack_len: 1, ..Default::default() };
     let tl = r.header_len();
     let hl = ip::emit_header(buf, app.ip(), peer.ip(), ip::PROTO_TCP, tl).ok()?;
     r.emit(&mut buf[hl..hl + tl]).ok()?;
@@ -697,6 +716,29 @@ mod tests {
         crashed_and_recovered(&mut c);
         c.command(from_app(), &cmd_ack(Op::Acknowledge, 33, 1101), 1, 0, &mut ack).unwrap();
         assert!(c.command(from_app(), &cmd_ack(Op::Tell, 34, 0), 1, 0, &mut ack).unwrap().ack_len.is_none());
+    }
+
+    #[test]
+    fn recovery_nudge_after_a_guard_restart_learns_the_peers_end_from_its_challenge_ack() {
+        // Guard and app died together: the new guard learns the checkpoint from ACKNOWLEDGE,
+        // forwards the recovery SYN, and the peer's challenge ACK (SEQ = its SND.NXT, 1101)
+        // becomes the SYN-ACK (section 6). The nudge names a last segment ending there.
+        let mut c = core();
+        let mut ack = [0u8; 128];
+        let mut a = Command::request(Op::Acknowledge, app(), peer(), 40, 1);
+        a.ack_a = 401;
+        a.options = Some(ctl::ConnOptions { peer_mss: 200, peer_wscale: None, app_wscale: None, sack: true, timestamps: false });
+        c.command(from_app(), &a.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(1101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: true });
+        assert_eq!(c.counters.recovered_from_peer_ack, 1);
+        let out = c.command(from_app(), &cmd_ack(Op::Tell, 41, 0), 1, 0, &mut ack).unwrap();
+        let n = out.ack_len.expect("a nudge");
+        let info = IpInfo::parse(&ack[..n]).unwrap();
+        let r = Repr::parse(&Tcp::new_checked(&ack[info.l4_offset..n]).unwrap()).unwrap();
+        assert_eq!((r.ack, r.sack_len, r.sack[0]), (Seq(401), 1, (Seq(1101 - 536), Seq(1101))), "a last segment of the peer's MSS, at least 536");
     }
 
     #[test]

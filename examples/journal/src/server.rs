@@ -232,10 +232,51 @@ fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, j: &mut 
     crash_point("after-shutdown");
     stream.shutdown(std::net::Shutdown::Write).map_err(sock("shutdown"))?;
     crash_point("after-fin");
-    // The peer's FIN was consumed already; wait for the kernel to finish our side.
-    let _ = stream.read(&mut buf);
+    // The peer's FIN was consumed already. The connection is done only once the peer has
+    // acknowledged every byte and our FIN: until then the output sits in this kernel's send
+    // queue, and a crash of the host (or of the guard, whose successor resets the orphaned
+    // socket) would lose it while a "done" journal keeps the next incarnation from resending it
+    // (a peer that waits forever: found by guard+app crashes on a bulk stream).
+    wait_fin_acknowledged(&stream).map_err(|e| Stop::Socket(format!("closing: {e}")))?;
     j.mark("done").map_err(fatal("journal done"))?;
     Ok(())
+}
+
+/// Waits until our FIN is acknowledged (FIN-WAIT-2, TIME-WAIT, or closed without error), so
+/// every byte sent before it was acknowledged too. A reset (the guard forcing a recovery) or
+/// no acknowledgment within 10 minutes is an error: the connection is then recovered.
+fn wait_fin_acknowledged(stream: &TcpStream) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    const FIN_WAIT2: u8 = 5;
+    const TIME_WAIT: u8 = 6;
+    const CLOSE: u8 = 7;
+    let fd = stream.as_raw_fd();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let mut err: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: err is a c_int of len bytes.
+        if unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut libc::c_int).cast(), &mut len) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if err != 0 {
+            return Err(std::io::Error::from_raw_os_error(err));
+        }
+        let mut info = [0u8; 104];
+        let mut len = info.len() as libc::socklen_t;
+        // SAFETY: the kernel writes at most len bytes into info.
+        if unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, info.as_mut_ptr().cast(), &mut len) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if matches!(info[0], FIN_WAIT2 | TIME_WAIT | CLOSE) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > end {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the peer never acknowledged our FIN"));
+        }
+        // Polling the kernel's state with a deadline: no event announces an acknowledgment.
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 /// Most recoveries tried in a row for one connection before giving up on it.

@@ -301,6 +301,13 @@ fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: b
                     pause_point("recovered");
                     (s, delivered)
                 }
+                // The peer acknowledged every byte and our FIN (one more sequence number): we
+                // died after it did and before the journal said "done". Nothing is left to do.
+                Err(unbroken_sdk::Error::DeliveredBeyondSent { delivered, sent }) if j.eof && delivered == sent + 1 && sent == j.out_len => {
+                    log(&format!("{}: the peer had acknowledged all {sent} reply bytes and our FIN: finished", rec.peer()));
+                    j.mark("done").map_err(|e| format!("journal done: {e}"))?;
+                    return Ok(());
+                }
                 Err(e) => {
                     failures += 1;
                     if failures >= MAX_RECOVERIES {

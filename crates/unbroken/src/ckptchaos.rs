@@ -2,7 +2,7 @@
 //! lab with one fault drawn at random (seeded) and injected at a random point of the transfer:
 //! an application kill, a host crash, a guard kill, guard and application together, SIGHUP to
 //! the guard, the application killed again during its recovery, or the guard killed during the
-//! application's recovery. Every trial checks what the peer saw (byte-exact, exit status, RSTs,
+//! application's recovery. A trial's stream is paced or bulk (drawn too). Every trial checks what the peer saw (byte-exact, exit status, RSTs,
 //! no hang, stall); the summary is `ok` only when every trial passed all of them.
 
 use crate::scenario::{run_checkpoint, Crash, Scenario};
@@ -24,9 +24,11 @@ pub const FAULTS: [(Crash, &str); 7] = [
 pub struct ChaosOpts {
     pub trials: usize,
     pub seed: u64,
-    /// Records each peer streams per trial, at `rate` per second.
-    pub records: u64,
-    pub rate: u64,
+    /// Records each peer streams per trial, at `rate` per second; `None`: each trial draws a
+    /// paced stream (30 000 records at 20 000/s) or a bulk one (1 000 000 records, as fast as the
+    /// path allows: the peer's window full, the most bytes in flight at the fault).
+    pub records: Option<u64>,
+    pub rate: Option<u64>,
     pub connections: usize,
     /// Deadline of one trial (a trial that misses it counts as a hang).
     pub trial_timeout: Duration,
@@ -36,7 +38,7 @@ pub struct ChaosOpts {
 
 impl Default for ChaosOpts {
     fn default() -> Self {
-        ChaosOpts { trials: 10, seed: 1, records: 30_000, rate: 20_000, connections: 1, trial_timeout: Duration::from_secs(180), verbose: false }
+        ChaosOpts { trials: 10, seed: 1, records: None, rate: None, connections: 1, trial_timeout: Duration::from_secs(180), verbose: false }
     }
 }
 
@@ -45,6 +47,8 @@ pub struct Trial {
     pub fault: &'static str,
     /// Where the fault was injected, as a fraction of the reply bytes.
     pub at: f64,
+    /// Records per second (0: bulk).
+    pub rate: u64,
     pub ok: bool,
     pub byte_exact: bool,
     pub resets_seen_by_client: u64,
@@ -110,9 +114,12 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<ChaosReport, String> {
         let (kind, name) = FAULTS[rng.below(FAULTS.len() as u64) as usize];
         // Between 20 % and 80 % of the transfer.
         let at = 0.2 + rng.below(601) as f64 / 1000.0;
+        let bulk = rng.below(2) == 1;
+        let rate = o.rate.unwrap_or(if bulk { 0 } else { 20_000 });
+        let records = o.records.unwrap_or(if rate == 0 { 1_000_000 } else { 30_000 });
         let s = Scenario {
-            records: o.records,
-            rate: o.rate,
+            records,
+            rate,
             crashes: vec![kind],
             crash_at: Some(vec![at]),
             seed: rng.next() % 1_000_000,
@@ -125,21 +132,22 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<ChaosReport, String> {
             Ok(r) => {
                 let hang = r.error.as_deref().is_some_and(|e| e.contains("no reply for") || e.contains("never closed"));
                 let byte_exact = r.sha256_ok && r.peer_exit_code == Some(0);
-                Trial { fault: name, at, ok: r.ok && byte_exact, byte_exact, resets_seen_by_client: r.resets_seen_by_peer, hang, stall_ms: r.max_stall_ms, error: r.error }
+                Trial { fault: name, at, rate, ok: r.ok && byte_exact, byte_exact, resets_seen_by_client: r.resets_seen_by_peer, hang, stall_ms: r.max_stall_ms, error: r.error }
             }
             Err(e) if e.starts_with("lab") || e.contains("needs root") => return Err(e),
             Err(e) => {
                 let hang = e.contains("timed out");
-                Trial { fault: name, at, ok: false, byte_exact: false, resets_seen_by_client: 0, hang, stall_ms: 0, error: Some(e) }
+                Trial { fault: name, at, rate, ok: false, byte_exact: false, resets_seen_by_client: 0, hang, stall_ms: 0, error: Some(e) }
             }
         };
         if o.verbose {
             eprintln!(
-                "chaos trial {:>3}/{}: {:<27} at {:>4.1} %  {}  stall {:>4} ms  RSTs {}{}",
+                "chaos trial {:>3}/{}: {:<27} at {:>4.1} % {}  {}  stall {:>4} ms  RSTs {}{}",
                 i + 1,
                 o.trials,
                 name,
                 at * 100.0,
+                if rate == 0 { "bulk " } else { "paced" },
                 if t.ok { "ok  " } else { "FAIL" },
                 t.stall_ms,
                 t.resets_seen_by_client,

@@ -91,12 +91,15 @@ fn main() -> ExitCode {
 }
 
 /// `demo checkpoint --chaos N`: N trials, one random fault each (see `unbroken::ckptchaos`).
-fn demo_chaos(s: &Scenario, trials: usize, seed_given: bool, json: bool) -> ExitCode {
+fn demo_chaos(s: &Scenario, trials: usize, seed_given: bool, records_given: bool, rate_given: bool, json: bool) -> ExitCode {
     use unbroken::ckptchaos::{run_chaos, ChaosOpts};
     let seed = if seed_given { s.seed } else { std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1) };
-    let records = if s.records == Scenario::default().records { ChaosOpts::default().records } else { s.records };
-    let o = ChaosOpts { trials, seed, records, rate: s.rate, connections: s.connections, verbose: true, ..ChaosOpts::default() };
-    eprintln!("unbroken demo checkpoint --chaos {trials}: seed {seed} (replay with --seed {seed}), {} records per trial at {}/s, {} connection(s)", o.records, o.rate, o.connections);
+    let o = ChaosOpts { trials, seed, records: records_given.then_some(s.records), rate: rate_given.then_some(s.rate), connections: s.connections, verbose: true, ..ChaosOpts::default() };
+    let stream = match (o.records, o.rate) {
+        (None, None) => "paced or bulk streams (drawn)".to_string(),
+        (n, r) => format!("{} records at {}", n.map_or("default".into(), |n| n.to_string()), r.map_or("a drawn rate".into(), |r| if r == 0 { "full speed".into() } else { format!("{r}/s") })),
+    };
+    eprintln!("unbroken demo checkpoint --chaos {trials}: seed {seed} (replay with --seed {seed}), {stream}, {} connection(s)", o.connections);
     match run_chaos(&o) {
         Ok(r) => {
             if json {
@@ -242,15 +245,21 @@ fn demo(args: Vec<String>) -> ExitCode {
     let mut s = Scenario { rate: 20_000, live: true, ..Scenario::default() };
     let mut json = false;
     let mut chaos: Option<usize> = None;
-    let mut seed_given = false;
+    let (mut seed_given, mut records_given, mut rate_given) = (false, false, false);
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let r: Result<(), String> = (|| {
             match a.as_str() {
                 "checkpoint" => {}
                 "--json" => json = true,
-                "--records" => s.records = num("--records", it.next())?,
-                "--rate" => s.rate = num("--rate", it.next())?,
+                "--records" => {
+                    s.records = num("--records", it.next())?;
+                    records_given = true;
+                }
+                "--rate" => {
+                    s.rate = num("--rate", it.next())?;
+                    rate_given = true;
+                }
                 "--crashes" => s.crashes = parse_crashes(&it.next().ok_or("--crashes needs a value")?)?,
                 "--ipv6" => s.ipv6 = true,
                 "--echo" => s.echo = true,
@@ -273,7 +282,7 @@ fn demo(args: Vec<String>) -> ExitCode {
         }
     }
     if let Some(trials) = chaos {
-        return demo_chaos(&s, trials, seed_given, json);
+        return demo_chaos(&s, trials, seed_given, records_given, rate_given, json);
     }
     if !json {
         eprintln!("unbroken demo checkpoint: {} records through the guard, crashes: {:?}", s.records, s.crashes);

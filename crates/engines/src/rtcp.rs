@@ -28,6 +28,9 @@
 //!   `s2_4_shutdown_then_crash_twice_at_every_packet`).
 //! - O7 never raises the ACK above what *A*'s TCP itself acknowledges (`min(ackA, ACK)`), so a
 //!   buggy or hostile ACKNOWLEDGE cannot make the peer drop bytes *A* never received.
+//! - A pure ACK from *B* whose SEQ (B's SND.NXT) lies beyond the right edge *B* last saw from
+//!   *A* is given that edge as SEQ, so a recovered socket with a smaller window than the dead one
+//!   still reads its ACK field (found with the guard's recovery nudge on bulk streams).
 //! - When O7 lowers the ACK, the window grows by the same amount, so the right edge *B* sees is
 //!   *A*'s real one. Without it, an application that stops reading while it writes (its kernel
 //!   holding more than a window beyond ackA) deadlocks: *B*'s ACKs arrive with a SEQ *A*'s TCP
@@ -507,6 +510,23 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
                     }
                 }
             }
+            modified = true;
+        }
+    }
+    // B's pure ACK carries B's SND.NXT as its SEQ. After a recovery that may lie far beyond the
+    // new socket's window (B had a full window in flight to the dead socket; a new Linux socket
+    // opens with 64 KB), and A's TCP drops an out-of-window segment unread, ACK field included:
+    // A would never learn that B received its output, and an application blocked writing it
+    // (not reading, so never checkpointing) deadlocks with a B that waits for acknowledgments
+    // (found with the recovery nudge on bulk streams). Such a SEQ is lowered to the right edge
+    // B last saw from A, which A's TCP accepts; it means nothing else in a pure ACK.
+    let pure = t.payload().is_empty() && f & (F::SYN | F::FIN | F::RST) == 0 && f & F::ACK != 0;
+    let need = flag::A_WIN_KNOWN | flag::SYNCED | flag::ACK_ALLOWED;
+    if pure && c.flags & need == need && !c.has(flag::SYN_PENDING) && !c.has(flag::ACK_EVERYTHING) {
+        let s = if c.a_ws_b() == WS_NONE { 0 } else { c.a_ws_b() as u32 };
+        let edge = Seq(c.ack_a) + ((c.a_win as u32) << s);
+        if t.seq().gt(edge) {
+            t.rewrite_seq(edge);
             modified = true;
         }
     }

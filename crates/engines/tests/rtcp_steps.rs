@@ -389,6 +389,30 @@ fn section6_filter_restart_between_acknowledge_and_syn_resets_the_syn() {
 }
 
 #[test]
+fn pure_acks_beyond_a_recovered_sockets_window_are_brought_inside() {
+    // After a recovery A's new socket advertises a small window; B's pure ACK (of A's resent
+    // output) carries B's SND.NXT, far beyond it: A's TCP would drop it, ACK field and all.
+    let (mut c, _, _) = recovered(9000);
+    let (o, p) = out(&mut c, from_a(Repr { seq: Seq(9001), ack: Seq(B_ISN + 2001), flags: F::ACK, window: 100, timestamp: Some((50, 170)), ..Default::default() }, b""));
+    // The right edge B now sees: the ACK and window it got, in the scale B applies to A.
+    let (_, r, _) = parse(&p, o.len);
+    let shift = match c.ws >> 4 { 15 => 0, s => s as u32 };
+    let edge = r.ack + ((r.window as u32) << shift);
+    assert!(edge.lt(Seq(B_ISN + 900_001)));
+    let far = Repr { seq: Seq(B_ISN + 900_001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 300, timestamp: Some((180, 60)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(far, b""));
+    let (_, r, _) = parse(&p, o.len);
+    assert_eq!((o.verdict, r.seq), (Verdict::Forward, edge), "SEQ lowered to the right edge B saw");
+    assert_eq!(r.ack, Seq(A_ISN + 3001) + c.delta, "the ACK field still shifted by Δ");
+    // Inside the window, and for data segments, SEQ is never touched.
+    let near = Repr { seq: Seq(B_ISN + 2001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 300, timestamp: Some((181, 60)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(near, b""));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(B_ISN + 2001));
+    let (o, p) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN + 900_001), ..far }, b"data"));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(B_ISN + 900_001));
+}
+
+#[test]
 fn first_connection_as_client_is_not_a_recovery() {
     let mut c = Conn::default();
     let (o, _) = out(&mut c, from_a(Repr { seq: Seq(A_ISN), flags: F::SYN, ..syn_opts(5) }, b""));

@@ -5,7 +5,7 @@ and, for each crash and each connection, takes the longest gap in that connectio
 ended before the next crash (0 when none reached 20 ms).
 
 usage: sudo scripts/recovery_stalls.py TRIALS CONNECTIONS RATE RECORDS CRASHES [demo options...]
-e.g.   sudo scripts/recovery_stalls.py 4 8 0 150000 app,app,app --no-nudge
+e.g.   sudo scripts/recovery_stalls.py 4 8 0 150000 app,app,app --nudge
 """
 import json, os, subprocess, sys
 trials,conns,rate,records,crashes=int(sys.argv[1]),int(sys.argv[2]),sys.argv[3],sys.argv[4],sys.argv[5]

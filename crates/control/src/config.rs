@@ -60,13 +60,10 @@ pub struct GuardSection {
     pub max_clock_skew_ms: u64,
     /// After a recovery, send the peer an ACK with a SACK block of its last segment when the
     /// application TELLs, so it resends what the dead socket lost at once instead of at its
-    /// retransmission timeout (see `guard::nudge`). On by default.
-    #[serde(default = "default_true")]
+    /// retransmission timeout (see `guard::nudge`). Experimental, off by default: bulk streams
+    /// hung in 2 of about 40 lab runs with it (docs/benchmarks.md).
+    #[serde(default)]
     pub recovery_nudge: bool,
-}
-
-fn default_true() -> bool {
-    true
 }
 
 fn default_mark() -> u32 {

@@ -127,7 +127,7 @@ pub struct Core {
     grace_ms: u64,
     max_conns: usize,
     replay: ReplayCache,
-    /// Send the recovery nudge (config `recovery_nudge`, on by default).
+    /// Send the recovery nudge (config `recovery_nudge`; experimental, off by default).
     pub recovery_nudge: bool,
     pub counters: Counters,
 }
@@ -149,7 +149,7 @@ impl Core {
             grace_ms,
             max_conns: max_conns.max(1),
             replay: ReplayCache::new(1 << 18),
-            recovery_nudge: true,
+            recovery_nudge: false,
             counters: Counters::default(),
         }
     }
@@ -687,6 +687,7 @@ mod tests {
     #[test]
     fn recovery_nudge_sacks_the_peers_last_segment_at_tell() {
         let mut c = core();
+        c.recovery_nudge = true;
         crashed_and_recovered(&mut c);
         let mut ack = [0u8; 128];
         let out = c.command(from_app(), &cmd_ack(Op::Tell, 31, 0), 1, 0, &mut ack).unwrap();
@@ -706,13 +707,14 @@ mod tests {
     #[test]
     fn recovery_nudge_only_when_enabled_and_data_is_in_flight() {
         let mut c = core();
-        c.recovery_nudge = false;
+        assert!(!c.recovery_nudge, "off by default");
         crashed_and_recovered(&mut c);
         let mut ack = [0u8; 128];
         assert!(c.command(from_app(), &cmd_ack(Op::Tell, 31, 0), 1, 0, &mut ack).unwrap().ack_len.is_none());
         assert_eq!(c.counters.recovery_nudges, 0);
         // Everything the peer sent is checkpointed: nothing to resend, no nudge.
         let mut c = core();
+        c.recovery_nudge = true;
         crashed_and_recovered(&mut c);
         c.command(from_app(), &cmd_ack(Op::Acknowledge, 33, 1101), 1, 0, &mut ack).unwrap();
         assert!(c.command(from_app(), &cmd_ack(Op::Tell, 34, 0), 1, 0, &mut ack).unwrap().ack_len.is_none());
@@ -724,6 +726,7 @@ mod tests {
         // forwards the recovery SYN, and the peer's challenge ACK (SEQ = its SND.NXT, 1101)
         // becomes the SYN-ACK (section 6). The nudge names a last segment ending there.
         let mut c = core();
+        c.recovery_nudge = true;
         let mut ack = [0u8; 128];
         let mut a = Command::request(Op::Acknowledge, app(), peer(), 40, 1);
         a.ack_a = 401;

@@ -9,7 +9,7 @@ const USAGE: &str = "\
 unbroken: TCP connections that outlive the server that serves them
 
 usage:
-  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--connections N] [--ipv6] [--echo] [--same-hosts] [--local-guard] [--no-nudge]
+  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--connections N] [--ipv6] [--echo] [--same-hosts] [--local-guard] [--nudge]
   unbroken demo checkpoint --chaos N [--seed S] [--json] [--records N] [--rate N] [--connections N]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
@@ -271,7 +271,7 @@ fn demo(args: Vec<String>) -> ExitCode {
                 }
                 "--chaos" => chaos = Some(num("--chaos", it.next())?),
                 "--connections" => s.connections = num("--connections", it.next())?,
-                "--no-nudge" => s.nudge = false,
+                "--nudge" => s.nudge = true,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
                 o => return Err(format!("demo: unknown argument {o:?}")),
             }

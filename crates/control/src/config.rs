@@ -58,6 +58,12 @@ pub struct GuardSection {
     /// Accepted clock difference for commands (replay window), milliseconds.
     #[serde(default = "default_skew")]
     pub max_clock_skew_ms: u64,
+    /// After a recovery, send the peer an ACK with a SACK block of its last segment when the
+    /// application TELLs, so it resends what the dead socket lost at once instead of at its
+    /// retransmission timeout (see `guard::nudge`). Experimental, off by default: bulk streams
+    /// hung in 2 of about 40 lab runs with it (docs/benchmarks.md).
+    #[serde(default)]
+    pub recovery_nudge: bool,
 }
 
 fn default_mark() -> u32 {

@@ -10,7 +10,7 @@ use unbroken_engines::rtcp::{self, Conn, Event, Verdict};
 use unbroken_wire::ctl::{self, Command, Key, Status};
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::Packet as Tcp;
-use unbroken_wire::Error;
+use unbroken_wire::{Error, Seq};
 
 /// A protected connection: the application's endpoint and the peer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -27,6 +27,11 @@ struct Entry {
     closed_ms: Option<u64>,
     /// An application claimed it with a TELL (or ADOPT walked past it): not offered by ADOPT.
     told: bool,
+    /// The highest-ending data segment seen from the peer (its sequence space): start, end.
+    peer_hi: Option<(u32, u32)>,
+    /// A recovery SYN was answered: the application's TELL that follows sends the peer an ACK
+    /// with a SACK block (see [`Core::command`], "nudge").
+    nudge: bool,
 }
 
 /// Counters exported in the status file. Every dropped or refused input lands in one of them.
@@ -57,6 +62,9 @@ pub struct Counters {
     pub commands: u64,
     pub commands_answered: u64,
     pub acks_injected: u64,
+    /// ACKs with a SACK block of the peer's last segment sent at a recovered connection's TELL
+    /// so that the peer retransmits what the dead socket lost at once (see [`Core::command`]).
+    pub recovery_nudges: u64,
     pub cmd_rejected_source: u64,
     pub cmd_rejected_auth: u64,
     pub cmd_rejected_stale: u64,
@@ -119,6 +127,8 @@ pub struct Core {
     grace_ms: u64,
     max_conns: usize,
     replay: ReplayCache,
+    /// Send the recovery nudge (config `recovery_nudge`; experimental, off by default).
+    pub recovery_nudge: bool,
     pub counters: Counters,
 }
 
@@ -139,13 +149,16 @@ impl Core {
             grace_ms,
             max_conns: max_conns.max(1),
             replay: ReplayCache::new(1 << 18),
+            recovery_nudge: false,
             counters: Counters::default(),
         }
     }
 
     pub fn from_config(cfg: &Config) -> Core {
         let g = &cfg.raw.guard;
-        Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs * 1000, g.max_connections)
+        let mut c = Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs * 1000, g.max_connections);
+        c.recovery_nudge = g.recovery_nudge;
+        c
     }
 
     pub fn connections(&self) -> usize {
@@ -181,7 +194,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false });
         e.last_ms = now_ms;
         e
     }
@@ -278,8 +291,21 @@ impl Core {
         } else {
             self.counters.incoming += 1;
         }
+        // The peer's highest data segment, for the recovery nudge.
         let e = self.entry(key, now_ms);
+        let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
+        let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
+        if let Some((start, end)) = seg {
+            if e.peer_hi.is_none_or(|(_, hi)| Seq(end).gt(Seq(hi))) {
+                e.peer_hi = Some((start, end));
+            }
+        }
         let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming(&mut e.conn, buf, len) };
+        if let Ok(o) = &res {
+            if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
+                e.nudge = true;
+            }
+        }
         let o = match res {
             Ok(o) => o,
             Err(e) => return self.refuse(e, len),
@@ -371,11 +397,20 @@ impl Core {
             self.counters.cmd_no_connection += 1;
             return status_reply(Status::NoConnection, &self.key);
         }
+        let nudging = self.recovery_nudge;
         let e = self.entry(key, now_ms);
         if cmd.op == ctl::Op::Tell {
             e.told = true;
         }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
+        if cmd.op == ctl::Op::Tell && std::mem::take(&mut e.nudge) && nudging {
+            if let Some(n) = nudge(&e.conn, e.peer_hi, cmd.app, cmd.peer, ack_buf) {
+                self.counters.recovery_nudges += 1;
+                self.counters.commands_answered += 1;
+                let reply = Command { time_ms: wall_ms, ..res.reply };
+                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: Some(n) });
+            }
+        }
         if cmd.op == ctl::Op::Clear {
             self.table.remove(&key);
         }
@@ -386,6 +421,68 @@ impl Core {
         self.counters.commands_answered += 1;
         reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: res.ack_len })
     }
+}
+
+/// What a segment from the peer tells about the end of its data: a data segment's start and
+/// end; a pure ACK's SEQ is the peer's SND.NXT (its challenge ACK to a recovery SYN included,
+/// the only thing a restarted guard may see of it before its RTO), standing for a last segment
+/// of `mss` bytes ending there.
+fn peer_segment(seg: &[u8], mss: u16) -> Option<(u32, u32)> {
+    use unbroken_wire::tcp::flags as F;
+    let t = Tcp::new_checked(seg).ok()?;
+    let len = t.payload().len() as u32;
+    let seq = t.seq().0;
+    if len > 0 {
+        return Some((seq, seq.wrapping_add(len)));
+    }
+    let f = t.flags();
+    (f & F::ACK != 0 && f & (F::SYN | F::FIN | F::RST) == 0).then(|| (seq.wrapping_sub(mss.max(536) as u32), seq))
+}
+
+/// The recovery nudge. When the application dies, the bytes its kernel had received beyond the
+/// checkpoint are lost with it, and the peer resends them only when its retransmission timer
+/// fires: its tail loss probe went out (and was lost) while the application was down, and pure
+/// duplicate ACKs do not count on a SACK connection, so nothing else makes it resend. That was
+/// the slow half of the recoveries (a further 60-390 ms: the peer's RTO, at least 200 ms on
+/// Linux). Once the recovered socket is connected (its TELL), an ACK of the checkpoint with a
+/// SACK block naming the peer's last segment makes the peer's loss detection (RACK, RFC 6675)
+/// mark everything before it lost and resend it at once. That block claims one segment the
+/// application has not got: the peer keeps it in its retransmission queue (SACKed bytes are
+/// released only when cumulatively acknowledged), and when the cumulative ACK reaches it the
+/// peer sees the SACK reneged and resends it (Linux: after max(srtt/16, 10 ms)). No byte is
+/// skipped or changed. Only on SACK connections, and only when the peer has data in flight
+/// beyond the checkpoint.
+fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAddr, buf: &mut [u8]) -> Option<usize> {
+    use unbroken_engines::rtcp::flag;
+    use unbroken_wire::tcp::{flags as F, Repr};
+    let need = flag::SACK_OK | flag::RECOVERABLE | flag::ACK_ALLOWED | flag::SYNCED;
+    if c.flags & need != need || c.flags & (flag::SYN_PENDING | flag::ACK_EVERYTHING) != 0 {
+        return None;
+    }
+    let (start, end) = peer_hi?;
+    let ack = Seq(c.ack_a);
+    if !Seq(end).gt(ack + 1) {
+        return None;
+    }
+    let start = if Seq(start).gt(ack) { Seq(start) } else { ack + 1 };
+    let ts = (c.flags & (flag::TS_OK | flag::TS_A_KNOWN | flag::TS_B_KNOWN) == flag::TS_OK | flag::TS_A_KNOWN | flag::TS_B_KNOWN).then_some((c.ts_a, c.ts_b));
+    let mut sack = [(Seq(0), Seq(0)); 4];
+    sack[0] = (start, Seq(end));
+    // A restarted guard may get the TELL before the new socket's first ACK: then announce the
+    // 64 KB a new Linux socket opens with (in the scale the peer applies); the socket's own
+    // ACKs follow at once.
+    let window = if c.flags & flag::A_WIN_KNOWN != 0 {
+        c.a_win
+    } else {
+        let ws = c.options().and_then(|o| o.app_wscale).unwrap_or(0);
+        (0xffff_u32 >> ws.min(14)) as u16
+    };
+    let r = Repr { src_port: app.port(), dst_port: peer.port(), seq: Seq(c.ack_b), ack, flags: F::ACK, window, timestamp: ts, sack, sack_len: 1, ..Default::default() };
+    let tl = r.header_len();
+    let hl = ip::emit_header(buf, app.ip(), peer.ip(), ip::PROTO_TCP, tl).ok()?;
+    r.emit(&mut buf[hl..hl + tl]).ok()?;
+    Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(app.ip(), peer.ip(), ip::PROTO_TCP, tl));
+    Some(hl + tl)
 }
 
 /// Recomputes the TCP checksum of the IP packet in `buf[..len]` from scratch (needed after
@@ -545,6 +642,106 @@ mod tests {
         assert_eq!(info.dst, app().ip());
         assert_eq!((c.counters.recovered, c.counters.spurious_fin_reset), (1, 1));
         assert!(c.any_translated());
+    }
+
+    fn pkt_data(src: SocketAddr, dst: SocketAddr, r: Repr, data: &[u8]) -> (Vec<u8>, usize) {
+        let r = Repr { src_port: src.port(), dst_port: dst.port(), ..r };
+        let tl = r.header_len();
+        let mut b = vec![0u8; 20 + tl + data.len() + 64];
+        ip::emit_header(&mut b, src.ip(), dst.ip(), 6, tl + data.len()).unwrap();
+        r.emit(&mut b[20..]).unwrap();
+        b[20 + tl..20 + tl + data.len()].copy_from_slice(data);
+        Tcp::new_checked(&mut b[20..20 + tl + data.len()]).unwrap().fill_checksum(ip::pseudo_sum(src.ip(), dst.ip(), 6, tl + data.len()));
+        (b, 20 + tl + data.len())
+    }
+
+    /// A SACK connection with 1000 bytes from the peer in two segments (101..601, 601..1101),
+    /// checkpointed at 401; the app dies (its FIN becomes a RST) and its recovery SYN is answered.
+    fn crashed_and_recovered(c: &mut Core) {
+        let syn = Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() };
+        let (mut b, n) = pkt(peer(), app(), syn);
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), sack_perm: true, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        for start in [101u32, 601] {
+            let (mut b, n) = pkt_data(peer(), app(), Repr { seq: Seq(start), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() }, &[7u8; 500]);
+            assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        }
+        let mut ack = [0u8; 128];
+        c.command(from_app(), &cmd_ack(Op::Acknowledge, 30, 401), 1, 0, &mut ack).unwrap();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(401), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+    }
+    fn cmd_ack(op: Op, nonce: u64, ack_a: u32) -> Vec<u8> {
+        let mut c = Command::request(op, app(), peer(), nonce, 1);
+        c.ack_a = ack_a;
+        c.encode(&key()).unwrap().to_vec()
+    }
+
+    #[test]
+    fn recovery_nudge_sacks_the_peers_last_segment_at_tell() {
+        let mut c = core();
+        c.recovery_nudge = true;
+        crashed_and_recovered(&mut c);
+        let mut ack = [0u8; 128];
+        let out = c.command(from_app(), &cmd_ack(Op::Tell, 31, 0), 1, 0, &mut ack).unwrap();
+        assert_eq!(Command::decode(&out.reply, &key()).unwrap().ack_a, 401, "the TELL is answered as usual");
+        let n = out.ack_len.expect("a nudge for the peer");
+        let info = IpInfo::parse(&ack[..n]).unwrap();
+        assert_eq!((info.src, info.dst), (app().ip(), peer().ip()));
+        let t = Tcp::new_checked(&ack[info.l4_offset..n]).unwrap();
+        let r = Repr::parse(&t).unwrap();
+        assert_eq!((r.flags, r.ack, r.seq), (F::ACK, Seq(401), Seq(5001)), "acknowledges the checkpoint, nothing more");
+        assert_eq!((r.sack_len, r.sack[0]), (1, (Seq(601), Seq(1101))), "the peer's last segment");
+        assert_eq!(c.counters.recovery_nudges, 1);
+        // Once per recovery: a second TELL sends no nudge.
+        assert!(c.command(from_app(), &cmd_ack(Op::Tell, 32, 0), 1, 0, &mut ack).unwrap().ack_len.is_none());
+    }
+
+    #[test]
+    fn recovery_nudge_only_when_enabled_and_data_is_in_flight() {
+        let mut c = core();
+        assert!(!c.recovery_nudge, "off by default");
+        crashed_and_recovered(&mut c);
+        let mut ack = [0u8; 128];
+        assert!(c.command(from_app(), &cmd_ack(Op::Tell, 31, 0), 1, 0, &mut ack).unwrap().ack_len.is_none());
+        assert_eq!(c.counters.recovery_nudges, 0);
+        // Everything the peer sent is checkpointed: nothing to resend, no nudge.
+        let mut c = core();
+        c.recovery_nudge = true;
+        crashed_and_recovered(&mut c);
+        c.command(from_app(), &cmd_ack(Op::Acknowledge, 33, 1101), 1, 0, &mut ack).unwrap();
+        assert!(c.command(from_app(), &cmd_ack(Op::Tell, 34, 0), 1, 0, &mut ack).unwrap().ack_len.is_none());
+    }
+
+    #[test]
+    fn recovery_nudge_after_a_guard_restart_learns_the_peers_end_from_its_challenge_ack() {
+        // Guard and app died together: the new guard learns the checkpoint from ACKNOWLEDGE,
+        // forwards the recovery SYN, and the peer's challenge ACK (SEQ = its SND.NXT, 1101)
+        // becomes the SYN-ACK (section 6). The nudge names a last segment ending there.
+        let mut c = core();
+        c.recovery_nudge = true;
+        let mut ack = [0u8; 128];
+        let mut a = Command::request(Op::Acknowledge, app(), peer(), 40, 1);
+        a.ack_a = 401;
+        a.options = Some(ctl::ConnOptions { peer_mss: 200, peer_wscale: None, app_wscale: None, sack: true, timestamps: false });
+        c.command(from_app(), &a.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(1101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: true });
+        assert_eq!(c.counters.recovered_from_peer_ack, 1);
+        let out = c.command(from_app(), &cmd_ack(Op::Tell, 41, 0), 1, 0, &mut ack).unwrap();
+        let n = out.ack_len.expect("a nudge");
+        let info = IpInfo::parse(&ack[..n]).unwrap();
+        let r = Repr::parse(&Tcp::new_checked(&ack[info.l4_offset..n]).unwrap()).unwrap();
+        assert_eq!((r.ack, r.sack_len, r.sack[0]), (Seq(401), 1, (Seq(1101 - 536), Seq(1101))), "a last segment of the peer's MSS, at least 536");
     }
 
     #[test]

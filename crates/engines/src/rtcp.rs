@@ -28,6 +28,9 @@
 //!   `s2_4_shutdown_then_crash_twice_at_every_packet`).
 //! - O7 never raises the ACK above what *A*'s TCP itself acknowledges (`min(ackA, ACK)`), so a
 //!   buggy or hostile ACKNOWLEDGE cannot make the peer drop bytes *A* never received.
+//! - A pure ACK from *B* whose SEQ (B's SND.NXT) lies beyond the right edge *B* last saw from
+//!   *A* is given that edge as SEQ, so a recovered socket with a smaller window than the dead one
+//!   still reads its ACK field (found with the guard's recovery nudge on bulk streams).
 //! - When O7 lowers the ACK, the window grows by the same amount, so the right edge *B* sees is
 //!   *A*'s real one. Without it, an application that stops reading while it writes (its kernel
 //!   holding more than a window beyond ackA) deadlocks: *B*'s ACKs arrive with a SEQ *A*'s TCP
@@ -149,7 +152,8 @@ pub enum Event {
     RecoverySynForwarded,
     /// Section 6: *B*'s ACK was rewritten into the SYN-ACK for a pending recovery SYN.
     RecoveredFromPeerAck,
-    /// *B*'s ACK arrived for a pending SYN, but no checkpoint is known yet: dropped.
+    /// *B*'s ACK arrived for a pending SYN, but no checkpoint is known yet: rewritten into a
+    /// RST for *A*'s SYN, so the application recovers again (ACKNOWLEDGE first).
     PendingWithoutCheckpoint,
     /// A packet without SYN or ACK from *A*: not valid TCP, dropped.
     BogusFlags,
@@ -467,7 +471,19 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         // Section 6: B's answer to a forwarded recovery SYN becomes the SYN-ACK A waits for.
         if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
             if !c.has(flag::ACK_ALLOWED) && !c.has(flag::ACK_EVERYTHING) {
-                return Ok(Outcome::with(Verdict::Drop, len, Event::PendingWithoutCheckpoint));
+                // No checkpoint: the filter restarted after the application's ACKNOWLEDGE and
+                // before its SYN. Nothing would ever teach us ackA (the SDK sends ACKNOWLEDGE
+                // once per recovery), so the SYN would be retransmitted in vain until the
+                // application's connect timed out (10 s by default). Reset the SYN instead: the
+                // application recovers again at once, ACKNOWLEDGE first.
+                let syn_seq = Seq(c.delta);
+                c.delta = 0;
+                c.ts_off = 0;
+                c.clear(flag::SYN_PENDING | flag::PEND_SACK | flag::PEND_TS);
+                drop(t);
+                let r = Repr { src_port: b_port, dst_port: a_port, seq: Seq(0), ack: syn_seq + 1, flags: F::RST | F::ACK, ..Default::default() };
+                let n = emit_segment(buf, info.src, info.dst, &r)?;
+                return Ok(Outcome::with(Verdict::Forward, n, Event::PendingWithoutCheckpoint));
             }
             let syn = SynOffer {
                 seq: Seq(c.delta),
@@ -494,6 +510,23 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
                     }
                 }
             }
+            modified = true;
+        }
+    }
+    // B's pure ACK carries B's SND.NXT as its SEQ. After a recovery that may lie far beyond the
+    // new socket's window (B had a full window in flight to the dead socket; a new Linux socket
+    // opens with 64 KB), and A's TCP drops an out-of-window segment unread, ACK field included:
+    // A would never learn that B received its output, and an application blocked writing it
+    // (not reading, so never checkpointing) deadlocks with a B that waits for acknowledgments
+    // (found with the recovery nudge on bulk streams). Such a SEQ is lowered to the right edge
+    // B last saw from A, which A's TCP accepts; it means nothing else in a pure ACK.
+    let pure = t.payload().is_empty() && f & (F::SYN | F::FIN | F::RST) == 0 && f & F::ACK != 0;
+    let need = flag::A_WIN_KNOWN | flag::SYNCED | flag::ACK_ALLOWED;
+    if pure && c.flags & need == need && !c.has(flag::SYN_PENDING) && !c.has(flag::ACK_EVERYTHING) {
+        let s = if c.a_ws_b() == WS_NONE { 0 } else { c.a_ws_b() as u32 };
+        let edge = Seq(c.ack_a) + ((c.a_win as u32) << s);
+        if t.seq().gt(edge) {
+            t.rewrite_seq(edge);
             modified = true;
         }
     }

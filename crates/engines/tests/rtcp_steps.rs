@@ -358,6 +358,61 @@ fn section6_filter_restart_answers_from_the_peers_ack() {
 }
 
 #[test]
+fn section6_filter_restart_between_acknowledge_and_syn_resets_the_syn() {
+    // The application's ACKNOWLEDGE reached the old filter, which then restarted: the new one
+    // sees the recovery SYN without a checkpoint. B's challenge ACK cannot become a SYN-ACK; it
+    // becomes a RST for A's SYN (not a silent drop: nothing would ever teach this filter ackA,
+    // and A's connect would hang until its timeout), so A recovers again, ACKNOWLEDGE first.
+    let mut c = Conn::default();
+    // B keeps streaming: the new filter learns ackB from it.
+    let data = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 100, timestamp: Some((169, 9600)), ..Default::default() };
+    assert_eq!(inc(&mut c, from_b(data, b"xyz")).0.verdict, Verdict::Forward);
+    let syn = Repr { seq: Seq(555), flags: F::SYN, ..syn_opts(30) };
+    let (o, _) = out(&mut c, from_a(syn, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::RecoverySynForwarded)));
+    let chal = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 100, timestamp: Some((170, 9600)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(chal, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::PendingWithoutCheckpoint)));
+    let (info, r, _) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst, r.src_port, r.dst_port), (b_ip(), a_ip(), B_PORT, A_PORT));
+    assert_eq!((r.flags, r.ack, r.timestamp), (F::RST | F::ACK, Seq(556), None), "acceptable to A's SYN-SENT socket");
+    assert_eq!((c.flags & flag::SYN_PENDING, c.delta, c.ts_off), (0, 0, 0), "nothing pending, nothing shifted");
+    // The second attempt: ACKNOWLEDGE, then the SYN is answered at once (O5).
+    let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 8, 8);
+    cmd.ack_a = B_ISN + 4001;
+    cmd.options = Some(ConnOptions { peer_mss: 1400, peer_wscale: Some(7), app_wscale: Some(7), sack: true, timestamps: true });
+    rtcp::command(&mut c, &cmd, &mut [0u8; 128]);
+    let (o, p) = out(&mut c, from_a(Repr { seq: Seq(777), flags: F::SYN, ..syn_opts(40) }, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::Recovered)));
+    let (_, r, _) = parse(&p, o.len);
+    assert_eq!((r.flags, r.seq, r.ack), (F::SYN | F::ACK, Seq(B_ISN + 4000), Seq(778)));
+}
+
+#[test]
+fn pure_acks_beyond_a_recovered_sockets_window_are_brought_inside() {
+    // After a recovery A's new socket advertises a small window; B's pure ACK (of A's resent
+    // output) carries B's SND.NXT, far beyond it: A's TCP would drop it, ACK field and all.
+    let (mut c, _, _) = recovered(9000);
+    let (o, p) = out(&mut c, from_a(Repr { seq: Seq(9001), ack: Seq(B_ISN + 2001), flags: F::ACK, window: 100, timestamp: Some((50, 170)), ..Default::default() }, b""));
+    // The right edge B now sees: the ACK and window it got, in the scale B applies to A.
+    let (_, r, _) = parse(&p, o.len);
+    let shift = match c.ws >> 4 { 15 => 0, s => s as u32 };
+    let edge = r.ack + ((r.window as u32) << shift);
+    assert!(edge.lt(Seq(B_ISN + 900_001)));
+    let far = Repr { seq: Seq(B_ISN + 900_001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 300, timestamp: Some((180, 60)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(far, b""));
+    let (_, r, _) = parse(&p, o.len);
+    assert_eq!((o.verdict, r.seq), (Verdict::Forward, edge), "SEQ lowered to the right edge B saw");
+    assert_eq!(r.ack, Seq(A_ISN + 3001) + c.delta, "the ACK field still shifted by Δ");
+    // Inside the window, and for data segments, SEQ is never touched.
+    let near = Repr { seq: Seq(B_ISN + 2001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 300, timestamp: Some((181, 60)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(near, b""));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(B_ISN + 2001));
+    let (o, p) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN + 900_001), ..far }, b"data"));
+    assert_eq!(parse(&p, o.len).1.seq, Seq(B_ISN + 900_001));
+}
+
+#[test]
 fn first_connection_as_client_is_not_a_recovery() {
     let mut c = Conn::default();
     let (o, _) = out(&mut c, from_a(Repr { seq: Seq(A_ISN), flags: F::SYN, ..syn_opts(5) }, b""));

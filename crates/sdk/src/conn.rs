@@ -184,6 +184,10 @@ pub fn adopt(client: &GuardClient, app: SocketAddr) -> Result<Vec<ConnRecord>> {
 /// `consumed_total` is the application's persisted count of input bytes consumed (what it
 /// last acknowledged or more); `sent_total` the count of output bytes it wrote to the old
 /// socket (journaled before sending).
+///
+/// [`Error::DeliveredBeyondSent`] with `delivered == sent_total + 1` means the peer
+/// acknowledged the application's FIN as well: the connection had finished before the crash
+/// (the application died between its FIN being acknowledged and recording that).
 pub fn recover(rec: &ConnRecord, client: &GuardClient, consumed_total: u64, sent_total: u64) -> Result<(TcpStream, u64)> {
     // (1) Checkpoint first: a restarted guard must know ackA before any packet of ours.
     acknowledge(rec, client, consumed_total)?;

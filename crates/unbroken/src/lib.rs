@@ -2,6 +2,7 @@
 //! lab scenarios that drive guard, application and peer in network namespaces.
 
 pub mod bench;
+pub mod ckptchaos;
 pub mod detbench;
 pub mod lbcmd;
 pub mod objbench;

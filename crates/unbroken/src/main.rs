@@ -9,10 +9,18 @@ const USAGE: &str = "\
 unbroken: TCP connections that outlive the server that serves them
 
 usage:
-  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--ipv6] [--echo] [--same-hosts] [--local-guard]
+  unbroken demo [checkpoint] [--json] [--records N] [--rate N] [--crashes LIST] [--connections N] [--ipv6] [--echo] [--same-hosts] [--local-guard] [--nudge]
+  unbroken demo checkpoint --chaos N [--seed S] [--json] [--records N] [--rate N] [--connections N]
         Run the checkpoint-mode demo in network namespaces (root): an unmodified peer streams to
         the example journal server while it is SIGKILLed and restarted, once on another host.
-        LIST is comma-separated from app,host,guard,guard+app,guard-hup (default app,app,host,app).
+        LIST is comma-separated from app,host,guard,guard+app,guard-hup,app-in-recovery (the app
+        killed again while it recovers), guard-in-recovery (the guard killed while the app
+        recovers) (default app,app,host,app). --chaos N runs N trials instead, each on a fresh lab
+        with one fault drawn at random (seeded; the seed is printed) from app kill, host crash,
+        guard kill, guard+app kill, SIGHUP to the guard, app killed again during its recovery,
+        guard killed during the app's recovery; --json prints ok, trials, byte_exact,
+        resets_seen_by_client, hangs, stall_ms {p50,p99,max}, faults {kind: count}, seed.
+        Exit status 1 unless every trial is byte-exact with 0 resets and no hang.
   unbroken guard --config FILE [--remove-rules]
         Run the checkpoint guard (RTCP) with the given TOML config.
   unbroken status --file STATUS.json [--json]
@@ -91,6 +99,42 @@ fn main() -> ExitCode {
     }
 }
 
+/// `demo checkpoint --chaos N`: N trials, one random fault each (see `unbroken::ckptchaos`).
+fn demo_chaos(s: &Scenario, trials: usize, seed_given: bool, records_given: bool, rate_given: bool, json: bool) -> ExitCode {
+    use unbroken::ckptchaos::{run_chaos, ChaosOpts};
+    let seed = if seed_given { s.seed } else { std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1) };
+    let o = ChaosOpts { trials, seed, records: records_given.then_some(s.records), rate: rate_given.then_some(s.rate), connections: s.connections, verbose: true, ..ChaosOpts::default() };
+    let stream = match (o.records, o.rate) {
+        (None, None) => "paced or bulk streams (drawn)".to_string(),
+        (n, r) => format!("{} records at {}", n.map_or("default".into(), |n| n.to_string()), r.map_or("a drawn rate".into(), |r| if r == 0 { "full speed".into() } else { format!("{r}/s") })),
+    };
+    eprintln!("unbroken demo checkpoint --chaos {trials}: seed {seed} (replay with --seed {seed}), {stream}, {} connection(s)", o.connections);
+    match run_chaos(&o) {
+        Ok(r) => {
+            if json {
+                let mut v = serde_json::to_value(&r).unwrap_or_default();
+                if let Some(m) = v.as_object_mut() {
+                    m.remove("trial_log");
+                }
+                println!("{v}");
+            } else {
+                println!("\nchaos report (seed {})", r.seed);
+                println!("  ok                      {}", r.ok);
+                println!("  trials                  {} (byte-exact {}, hangs {})", r.trials, r.byte_exact, r.hangs);
+                println!("  RSTs seen by the client {}", r.resets_seen_by_client);
+                println!("  stall ms                p50 {} p99 {} max {}", r.stall_ms.p50, r.stall_ms.p99, r.stall_ms.max);
+                println!("  faults                  {:?}", r.faults);
+            }
+            if r.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => fail(e),
+    }
+}
+
 fn parse_crashes(s: &str) -> Result<Vec<Crash>, String> {
     if s.trim().is_empty() {
         return Ok(Vec::new());
@@ -102,7 +146,9 @@ fn parse_crashes(s: &str) -> Result<Vec<Crash>, String> {
             "guard" => Ok(Crash::Guard),
             "guard+app" | "both" => Ok(Crash::GuardAndApp),
             "guard-hup" => Ok(Crash::GuardHangup),
-            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app, guard-hup)")),
+            "app-in-recovery" => Ok(Crash::AppDuringRecovery),
+            "guard-in-recovery" => Ok(Crash::GuardDuringRecovery),
+            o => Err(format!("unknown crash kind {o:?} (app, host, guard, guard+app, guard-hup, app-in-recovery, guard-in-recovery)")),
         })
         .collect()
 }
@@ -261,20 +307,34 @@ fn demo(args: Vec<String>) -> ExitCode {
     }
     let mut s = Scenario { rate: 20_000, live: true, ..Scenario::default() };
     let mut json = false;
+    let mut chaos: Option<usize> = None;
+    let (mut seed_given, mut records_given, mut rate_given) = (false, false, false);
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let r: Result<(), String> = (|| {
             match a.as_str() {
                 "checkpoint" => {}
                 "--json" => json = true,
-                "--records" => s.records = num("--records", it.next())?,
-                "--rate" => s.rate = num("--rate", it.next())?,
+                "--records" => {
+                    s.records = num("--records", it.next())?;
+                    records_given = true;
+                }
+                "--rate" => {
+                    s.rate = num("--rate", it.next())?;
+                    rate_given = true;
+                }
                 "--crashes" => s.crashes = parse_crashes(&it.next().ok_or("--crashes needs a value")?)?,
                 "--ipv6" => s.ipv6 = true,
                 "--echo" => s.echo = true,
                 "--same-hosts" => s.heterogeneous = false,
                 "--local-guard" => s.local_guard = true,
-                "--seed" => s.seed = num("--seed", it.next())?,
+                "--seed" => {
+                    s.seed = num("--seed", it.next())?;
+                    seed_given = true;
+                }
+                "--chaos" => chaos = Some(num("--chaos", it.next())?),
+                "--connections" => s.connections = num("--connections", it.next())?,
+                "--nudge" => s.nudge = true,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
                 o => return Err(format!("demo: unknown argument {o:?}")),
             }
@@ -283,6 +343,9 @@ fn demo(args: Vec<String>) -> ExitCode {
         if let Err(e) = r {
             return fail(e);
         }
+    }
+    if let Some(trials) = chaos {
+        return demo_chaos(&s, trials, seed_given, records_given, rate_given, json);
     }
     if !json {
         eprintln!("unbroken demo checkpoint: {} records through the guard, crashes: {:?}", s.records, s.crashes);

@@ -11,6 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use unbroken_journal::{record, reply, RECORD_LEN, REPLY_LEN};
 
+/// Gaps in the replies at least this long are reported as they end (a `stall` line).
+pub const STALL_REPORT_MS: u64 = 20;
+
 #[derive(Debug, Clone)]
 pub struct PeerArgs {
     pub connect: SocketAddr,
@@ -136,7 +139,11 @@ pub fn run(a: &PeerArgs, progress: &mut dyn FnMut(&serde_json::Value)) -> PeerRe
             Ok(n) => {
                 let now = Instant::now();
                 if first_data.is_some() {
-                    res.max_stall_ms = res.max_stall_ms.max(now.duration_since(last_data).as_millis() as u64);
+                    let gap = now.duration_since(last_data).as_millis() as u64;
+                    res.max_stall_ms = res.max_stall_ms.max(gap);
+                    if gap >= STALL_REPORT_MS {
+                        progress(&serde_json::json!({"stall": {"ms": gap, "t_ms": start.elapsed().as_millis() as u64, "at_bytes": res.bytes_received}}));
+                    }
                 }
                 first_data.get_or_insert(now);
                 last_data = now;

@@ -24,6 +24,14 @@ pub enum Crash {
     Guard,
     /// The guard and the application die at the same moment.
     GuardAndApp,
+    /// A second crash during recovery: SIGKILL the application, restart it, and kill that
+    /// instance again while it recovers its connections (at its `recovered` point: a recovered
+    /// socket is connected through the guard, nothing is resent yet); then restart it again.
+    AppDuringRecovery,
+    /// The guard dies while the application recovers: SIGKILL the application, restart it and
+    /// stop it at its `recovered` point (`JOURNAL_PAUSE_AT`), SIGKILL and restart the guard,
+    /// then let the application go on. The new guard knows neither Δ nor the checkpoint.
+    GuardDuringRecovery,
     /// Not a crash: SIGHUP to the guard, which must log it, count it (`sighup_ignored` in
     /// its status file) and keep running.
     GuardHangup,
@@ -57,6 +65,11 @@ pub struct Scenario {
     pub local_guard: bool,
     /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]).
     pub hostile: bool,
+    /// Protected connections, one peer process each (every one streams `records` records at
+    /// `rate`); crashes are placed by the first one's progress.
+    pub connections: usize,
+    /// The guard's `recovery_nudge` (experimental, off by default).
+    pub nudge: bool,
 }
 
 impl Default for Scenario {
@@ -75,6 +88,8 @@ impl Default for Scenario {
             echo: false,
             local_guard: false,
             hostile: false,
+            connections: 1,
+            nudge: false,
         }
     }
 }
@@ -88,6 +103,18 @@ pub struct CrashRecord {
     pub t_ms: u64,
     /// Host the application runs on after this crash.
     pub app_host: String,
+}
+
+/// A gap in one connection's replies of at least [`crate::peer::STALL_REPORT_MS`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stall {
+    /// Which connection (peer process), from 0.
+    pub conn: usize,
+    pub ms: u64,
+    /// When the stall ended, on the scenario's clock (as `CrashRecord::t_ms`).
+    pub end_t_ms: u64,
+    /// Reply bytes the connection had received when the stall began.
+    pub at_bytes: u64,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -105,8 +132,46 @@ pub struct Report {
     pub duration_ms: u64,
     /// The peer process's exit status (0 when it verified everything).
     pub peer_exit_code: Option<i32>,
+    /// The first connection's peer.
     pub peer: Option<PeerResult>,
+    /// Every peer, when there is more than one connection.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<PeerResult>,
+    pub connections: usize,
+    /// Every gap in the replies of any connection of at least 20 ms, in the order they ended.
+    pub stalls: Vec<Stall>,
+    /// The peer host's TCP counters that moved (its namespace is fresh): how its stalls were
+    /// ended (`TCPTimeouts`: retransmission timer; `TCPLossProbes`: tail loss probes;
+    /// `TCPSackRecovery`, `TCPFastRetrans`: loss recovery from SACKs; `RetransSegs`).
+    pub peer_tcp: serde_json::Value,
     pub guard: serde_json::Value,
+}
+
+/// TCP counters of a namespace (`Tcp` and `TcpExt` of /proc/net/snmp and netstat), non-zero.
+pub fn tcp_counters(ns: &str) -> serde_json::Value {
+    let read = || {
+        let mut m = serde_json::Map::new();
+        for f in ["/proc/thread-self/net/snmp", "/proc/thread-self/net/netstat"] {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            for pair in lines.chunks(2) {
+                let [names, values] = pair else { continue };
+                let (Some((p, n)), Some((_, v))) = (names.split_once(':'), values.split_once(':')) else { continue };
+                if p != "Tcp" && p != "TcpExt" {
+                    continue;
+                }
+                for (k, x) in n.split_whitespace().zip(v.split_whitespace()) {
+                    if let Ok(x) = x.parse::<i64>() {
+                        if x != 0 && !matches!(k, "RtoAlgorithm" | "RtoMin" | "RtoMax" | "MaxConn" | "CurrEstab") {
+                            m.insert(k.to_string(), x.into());
+                        }
+                    }
+                }
+            }
+        }
+        serde_json::Value::Object(m)
+    };
+    lab::in_ns(ns, read).unwrap_or(serde_json::Value::Null)
 }
 
 /// A child process whose stdout lines arrive on a channel.
@@ -145,9 +210,27 @@ impl Proc {
             }
         }
     }
+    /// The child and its lines, without the kill on drop.
+    fn into_parts(self) -> (Child, Receiver<String>) {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped; each field is moved out exactly once.
+        unsafe { (std::ptr::read(&me.child), std::ptr::read(&me.lines)) }
+    }
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Peer processes, killed if still running when dropped.
+struct Peers(Vec<Child>);
+
+impl Drop for Peers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -177,6 +260,7 @@ pub(crate) struct World {
     pub(crate) ipv6: bool,
     pub(crate) echo: bool,
     pub(crate) local_guard: bool,
+    pub(crate) nudge: bool,
 }
 
 impl World {
@@ -201,8 +285,9 @@ impl World {
             ("gateway", format!("\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"", addr::GUARD_LAN_V4, addr::GUARD_LAN_V6), "\"10.77.2.0/24\", \"fd77:2::/64\"".to_string())
         };
         let cfg = format!(
-            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\ncontrol = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
+            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\ncontrol = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\nrecovery_nudge = {}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
             self.status_path().display(),
+            self.nudge,
             addr::SERVICE_V4,
             addr::SERVICE_V6,
         );
@@ -219,9 +304,49 @@ impl World {
         Ok(p)
     }
     fn start_app(&self, ns: &str, crash_point: Option<&str>) -> Result<Proc, String> {
+        let mut p = self.spawn_app(ns, crash_point, None)?;
+        p.wait_line("journal-server: listening", Duration::from_secs(10)).map_err(|e| format!("app: {e}"))?;
+        Ok(p)
+    }
+    /// Starts the application and waits until it kills itself at `point` during its recovery,
+    /// or stops itself there when `pause` (then it is returned stopped: SIGCONT it). A point
+    /// not reached within 10 s (the connection had finished: the peer had acknowledged all of
+    /// it before the crash, so the restarted app only records that) returns the app running;
+    /// the caller's fault then hits it wherever it is, and the peer's result still judges.
+    fn start_app_at(&self, ns: &str, point: &str, pause: bool) -> Result<Proc, String> {
+        let mut p = if pause { self.spawn_app(ns, None, Some(point))? } else { self.spawn_app(ns, Some(point), None)? };
+        let end = Instant::now() + Duration::from_secs(10);
+        if pause {
+            if let Err(e) = p.wait_line(&format!("journal-server: paused at {point}"), Duration::from_secs(10)) {
+                if !matches!(p.child.try_wait(), Ok(None)) {
+                    return Err(format!("app: {e}"));
+                }
+                eprintln!("scenario: the app did not reach {point} within 10 s (nothing left to recover?): going on");
+            }
+            return Ok(p);
+        }
+        while matches!(p.child.try_wait(), Ok(None)) {
+            if Instant::now() > end {
+                eprintln!("scenario: the app did not reach {point} within 10 s (nothing left to recover?): going on");
+                return Ok(p);
+            }
+            // Nothing to recover (every connection had finished): the point cannot be reached.
+            if let Ok(l) = p.lines.try_recv() {
+                if l.starts_with("journal-server: listening") && l.contains("(0 connection(s) recovering)") {
+                    return Err(format!("app: nothing to recover, so no crash at {point}"));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2)); // polling a child's exit with a deadline
+        }
+        Ok(p)
+    }
+    fn spawn_app(&self, ns: &str, crash_point: Option<&str>, pause_point: Option<&str>) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.exe);
         if let Some(p) = crash_point {
             cmd.env("JOURNAL_CRASH_AT", p);
+        }
+        if let Some(p) = pause_point {
+            cmd.env("JOURNAL_PAUSE_AT", p);
         }
         cmd.arg("journal-server");
         if self.echo {
@@ -236,14 +361,31 @@ impl World {
             .arg(KEY_HEX)
             .arg("--dir")
             .arg(self.dir.join("journal"));
-        let mut p = Proc::spawn(ns, &mut cmd)?;
-        p.wait_line("journal-server: listening", Duration::from_secs(10)).map_err(|e| format!("app: {e}"))?;
-        Ok(p)
+        Proc::spawn(ns, &mut cmd)
     }
 }
 
 fn read_status(p: &Path) -> serde_json::Value {
     std::fs::read_to_string(p).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(serde_json::Value::Null)
+}
+
+/// The guard's status as written after this call: the file is rewritten every 250 ms, so the
+/// one on disk may predate the last packets and commands the guard handled. Waits (generous
+/// deadline) for the next write, told apart by its pid and uptime.
+fn fresh_status(p: &Path, guard: &mut Proc) -> Result<serde_json::Value, String> {
+    let stamp = |v: &serde_json::Value| (v["pid"].as_u64(), v["uptime_ms"].as_u64());
+    let before = stamp(&read_status(p));
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = read_status(p);
+        if !v.is_null() && stamp(&v) != before {
+            return Ok(v);
+        }
+        if !matches!(guard.child.try_wait(), Ok(None)) || Instant::now() > end {
+            return Err(format!("the guard wrote no status file within 20 s (exit status {:?})", guard.child.try_wait()));
+        }
+        std::thread::sleep(Duration::from_millis(10)); // polling the status file with a deadline
+    }
 }
 
 /// Runs a scenario end to end. Needs root (network namespaces); see [`lab::lab_available`].
@@ -253,7 +395,7 @@ pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
     let lab = Lab::checkpoint(opts).map_err(|e| format!("lab: {e}"))?;
     let dir = std::env::temp_dir().join(format!("unbroken-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard };
+    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard, nudge: s.nudge };
     let res = run_in(&mut w, s);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);
@@ -270,21 +412,41 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let mut app_host = w.lab.app(1).to_string();
     let mut app = w.start_app(&app_host, s.app_crash_point.as_deref())?;
 
-    let mut cmd = Command::new(&w.exe);
-    cmd.arg("peer")
-        .arg("--connect")
-        .arg(w.service().to_string())
-        .arg("--records")
-        .arg(s.records.to_string())
-        .arg("--seed")
-        .arg(s.seed.to_string())
-        .arg("--rate")
-        .arg(s.rate.to_string());
-    if s.echo {
-        cmd.arg("--echo");
+    let nconn = s.connections.max(1);
+    let (peer_tx, peer_lines) = channel::<(usize, String)>();
+    let mut peers = Peers(Vec::new());
+    for i in 0..nconn {
+        let mut cmd = Command::new(&w.exe);
+        cmd.arg("peer")
+            .arg("--connect")
+            .arg(w.service().to_string())
+            .arg("--records")
+            .arg(s.records.to_string())
+            .arg("--seed")
+            .arg((s.seed + i as u64).to_string())
+            .arg("--rate")
+            .arg(s.rate.to_string());
+        if s.echo {
+            cmd.arg("--echo");
+        }
+        let p = Proc::spawn(&w.lab.peer, &mut cmd)?;
+        let tx = peer_tx.clone();
+        let (child, lines) = p.into_parts();
+        std::thread::spawn(move || {
+            for l in lines.iter() {
+                if tx.send((i, l)).is_err() {
+                    break;
+                }
+            }
+        });
+        peers.0.push(child);
     }
-    let mut peer = Proc::spawn(&w.lab.peer, &mut cmd)?;
-    let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service()));
+    drop(peer_tx);
+    let mut results: Vec<Option<PeerResult>> = vec![None; nconn];
+    let mut stalls = Vec::new();
+    let (hostile_tx, hostile_app_side) = channel();
+    let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service(), hostile_tx));
+    let mut hostile_pending = s.hostile;
 
     let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
     let total = s.records * unit as u64;
@@ -299,7 +461,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let mut log = Vec::new();
     let mut last_verified = 0;
     let deadline = start + s.timeout;
-    let result: PeerResult = loop {
+    loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!("scenario timed out after {:?} at {} of {} bytes verified", s.timeout, last_verified, total));
@@ -314,22 +476,33 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                 return Err(format!("the application exited unexpectedly: {:?}", app.child.try_wait()));
             }
         }
-        let line = match peer.lines.recv_timeout(left.min(Duration::from_millis(50))) {
+        let (from, line) = match peer_lines.recv_timeout(left.min(Duration::from_millis(50))) {
             Ok(l) => l,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(_) => return Err(format!("peer exited without a result (status {:?})", peer.child.try_wait().ok().flatten())),
+            Err(_) => {
+                let missing: Vec<usize> = (0..nconn).filter(|i| results[*i].is_none()).collect();
+                return Err(format!("peer(s) {missing:?} exited without a result (status {:?})", missing.iter().map(|i| peers.0[*i].try_wait().ok().flatten()).collect::<Vec<_>>()));
+            }
         };
         let v: serde_json::Value = match serde_json::from_str(&line) {
             Ok(v) => v,
             Err(_) => continue,
         };
-        if let Some(p) = v.get("progress") {
+        if let Some(st) = v.get("stall") {
+            stalls.push(Stall { conn: from, ms: st["ms"].as_u64().unwrap_or(0), end_t_ms: start.elapsed().as_millis() as u64, at_bytes: st["at_bytes"].as_u64().unwrap_or(0) });
+        } else if let (Some(p), 0) = (v.get("progress"), from) {
             last_verified = p["bytes_verified"].as_u64().unwrap_or(0);
             if s.live {
                 eprint!("\r  {:>6.1} s  verified {:>12} / {} bytes  crashes {}/{}  longest stall {} ms   ", start.elapsed().as_secs_f64(), last_verified, total, next, n, p["max_stall_ms"]);
             }
             while next < thresholds.len() && last_verified >= thresholds[next] {
                 let kind = s.crashes[next];
+                // The hostile sender's datagrams from the app host must all have reached the
+                // guard before that host loses power or the guard (and its counters) restarts.
+                if hostile_pending && matches!(kind, Crash::Host | Crash::Guard | Crash::GuardAndApp) {
+                    let _ = hostile_app_side.recv_timeout(Duration::from_secs(120));
+                    hostile_pending = false;
+                }
                 match kind {
                     Crash::App => {
                         app.kill();
@@ -354,6 +527,20 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                         guard = w.start_guard(&cfg)?;
                         app = w.start_app(&app_host, None)?;
                     }
+                    Crash::AppDuringRecovery => {
+                        app.kill();
+                        let mut dying = w.start_app_at(&app_host, "recovered", false)?;
+                        dying.kill();
+                        app = w.start_app(&app_host, None)?;
+                    }
+                    Crash::GuardDuringRecovery => {
+                        app.kill();
+                        app = w.start_app_at(&app_host, "recovered", true)?;
+                        guard.kill();
+                        guard = w.start_guard(&cfg)?;
+                        // SAFETY: a signal to our own child.
+                        unsafe { libc::kill(app.child.id() as i32, libc::SIGCONT) };
+                    }
                     Crash::GuardHangup => {
                         let before = read_status(&w.status_path())["sighup_ignored"].as_u64().unwrap_or(0);
                         // SAFETY: a signal to our own child.
@@ -371,13 +558,31 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
                 next += 1;
             }
         } else if v.get("ok").is_some() {
-            break serde_json::from_value(v).map_err(|e| format!("peer result: {e}"))?;
+            results[from] = Some(serde_json::from_value(v).map_err(|e| format!("peer result: {e}"))?);
+            if results.iter().all(Option::is_some) {
+                break;
+            }
         }
-    };
+    }
+    let results: Vec<PeerResult> = results.into_iter().flatten().collect();
     if s.live {
         eprintln!();
     }
-    let peer_exit_code = peer.child.wait().ok().and_then(|st| st.code());
+    let codes: Vec<Option<i32>> = peers.0.iter_mut().map(|c| c.wait().ok().and_then(|st| st.code())).collect();
+    let peer_exit_code = codes.iter().copied().find(|c| *c != Some(0)).unwrap_or(Some(0));
+    let result = PeerResult {
+        ok: results.iter().all(|r| r.ok),
+        error: results.iter().enumerate().find_map(|(i, r)| r.error.as_ref().map(|e| if nconn > 1 { format!("connection {i}: {e}") } else { e.clone() })),
+        records: results.iter().map(|r| r.records).sum(),
+        bytes_sent: results.iter().map(|r| r.bytes_sent).sum(),
+        bytes_received: results.iter().map(|r| r.bytes_received).sum(),
+        bytes_verified: results.iter().map(|r| r.bytes_verified).sum(),
+        sha256_received: String::new(),
+        sha256_expected: String::new(),
+        max_stall_ms: results.iter().map(|r| r.max_stall_ms).max().unwrap_or(0),
+        duration_ms: results.iter().map(|r| r.duration_ms).max().unwrap_or(0),
+    };
+    let sha256_ok = results.iter().all(|r| r.sha256_received == r.sha256_expected && r.bytes_verified == total);
     if let Some(h) = hostile {
         h.join().map_err(|_| "hostile traffic thread panicked".to_string())??;
     }
@@ -395,7 +600,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     if !matches!(guard.child.try_wait(), Ok(None)) {
         return Err(format!("the guard exited during the transfer: {:?}", guard.child.try_wait()));
     }
-    let status = read_status(&w.status_path());
+    let status = fresh_status(&w.status_path(), &mut guard)?;
     drop(app);
     drop(guard);
     let crashes_done = log.len();
@@ -420,12 +625,16 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         bytes_sent: result.bytes_sent,
         bytes_received: result.bytes_received,
         bytes_verified: result.bytes_verified,
-        sha256_ok: result.sha256_received == result.sha256_expected && result.bytes_verified == total,
+        sha256_ok,
         resets_seen_by_peer: rsts,
         max_stall_ms: result.max_stall_ms,
         duration_ms: start.elapsed().as_millis() as u64,
         peer_exit_code,
-        peer: Some(result),
+        peer: results.first().cloned(),
+        peers: if nconn > 1 { results } else { Vec::new() },
+        connections: nconn,
+        stalls,
+        peer_tcp: tcp_counters(&w.lab.peer),
         guard: status,
     })
 }
@@ -437,7 +646,14 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
 /// but sitting in the wrong place would try to kill connections. And TCP segments toward the
 /// service with a malformed option (MSS of length 0), which pass iptables' tcp match and reach
 /// the engine.
-pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, service: SocketAddr) -> std::thread::JoinHandle<Result<u64, String>> {
+///
+/// Refused datagrams get no answer, and a burst of thousands overflows the guard's socket buffer
+/// when its command thread is slow (the kernel drops them silently): so the datagrams go in
+/// batches, each followed by a keyed probe from the app host (a TELL for a connection that does
+/// not exist) whose answer shows the guard has handled everything sent before it. The replayed
+/// TELL is sent only once the guard answered the original. `app_side_done` is told when nothing
+/// more will be sent from the app host (a host crash of it must wait for that).
+pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, service: SocketAddr, app_side_done: std::sync::mpsc::Sender<()>) -> std::thread::JoinHandle<Result<u64, String>> {
     use std::net::UdpSocket;
     use unbroken_wire::ctl::{Command, Key, Op};
     std::thread::spawn(move || {
@@ -446,39 +662,86 @@ pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, servi
         let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         let peer_ip: IpAddr = if service.is_ipv4() { addr::PEER_V4.into() } else { addr::PEER_V6.into() };
         let any = if service.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
-        let inside = lab::in_ns(&app_ns, || -> std::io::Result<u64> {
-            let s = UdpSocket::bind(any)?;
-            let mut n = 0;
-            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-            for _ in 0..2000 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let junk: Vec<u8> = (0..(x % 200) as usize).map(|k| (x >> (k % 56)) as u8).collect();
-                let fake = SocketAddr::new(peer_ip, 1 + (x % 60000) as u16);
-                let wrong_key = Command::request(Op::Clear, service, fake, x, now()).encode(&wrong).map_err(std::io::Error::other)?;
-                let stale = Command::request(Op::Shutdown, service, fake, x ^ 1, now() - 120_000).encode(&key).map_err(std::io::Error::other)?;
-                for d in [&junk[..], &wrong_key[..], &stale[..]] {
-                    s.send_to(d, guard)?;
-                    n += 1;
+        let io = |what: &'static str| move |e: std::io::Error| format!("hostile traffic ({what}): {e}");
+        // Sockets keep the namespace they were made in.
+        let inside = lab::in_ns(&app_ns, || UdpSocket::bind(any)).and_then(|r| r).map_err(io("app side"))?;
+        let outside = lab::in_ns(&peer_ns, || UdpSocket::bind(any)).and_then(|r| r).map_err(io("peer side"))?;
+        inside.set_read_timeout(Some(Duration::from_millis(500))).map_err(io("app side"))?;
+        let mut nonce = 1u64 << 62;
+        // Sends a fresh keyed TELL for a connection that does not exist and waits for its answer
+        // (resent with a new nonce when none came), within a generous deadline.
+        let mut probe = |s: &UdpSocket| -> Result<(), String> {
+            let end = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < end {
+                nonce += 1;
+                let c = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 2), nonce, now()).encode(&key).map_err(|e| e.to_string())?;
+                s.send_to(&c, guard).map_err(io("probe"))?;
+                let mut b = [0u8; 256];
+                while let Ok((n, _)) = s.recv_from(&mut b) {
+                    if Command::decode(&b[..n], &key).is_ok_and(|r| r.response && r.nonce == nonce) {
+                        return Ok(());
+                    }
                 }
             }
-            let tell = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 1), 42, now()).encode(&key).map_err(std::io::Error::other)?;
-            for _ in 0..200 {
-                s.send_to(&tell, guard)?;
+            Err("hostile traffic: the guard answered no probe within 60 s".into())
+        };
+        let mut n = 0;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for i in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let junk: Vec<u8> = (0..(x % 200) as usize).map(|k| (x >> (k % 56)) as u8).collect();
+            let fake = SocketAddr::new(peer_ip, 1 + (x % 60000) as u16);
+            let wrong_key = Command::request(Op::Clear, service, fake, x, now()).encode(&wrong).map_err(|e| e.to_string())?;
+            let stale = Command::request(Op::Shutdown, service, fake, x ^ 1, now() - 120_000).encode(&key).map_err(|e| e.to_string())?;
+            for d in [&junk[..], &wrong_key[..], &stale[..]] {
+                inside.send_to(d, guard).map_err(io("app side"))?;
                 n += 1;
             }
-            Ok(n)
-        });
-        let outside = lab::in_ns(&peer_ns, || -> std::io::Result<u64> {
-            let s = UdpSocket::bind(any)?;
+            if i % 16 == 15 {
+                probe(&inside)?;
+            }
+        }
+        // The original TELL is answered (no such connection) after its nonce was recorded.
+        let tell = Command::request(Op::Tell, service, SocketAddr::new(peer_ip, 1), 42, now()).encode(&key).map_err(|e| e.to_string())?;
+        let end = Instant::now() + Duration::from_secs(60);
+        'answered: loop {
+            inside.send_to(&tell, guard).map_err(io("app side"))?;
+            n += 1;
+            let mut b = [0u8; 256];
+            while let Ok((k, _)) = inside.recv_from(&mut b) {
+                if Command::decode(&b[..k], &key).is_ok_and(|r| r.response && r.nonce == 42) {
+                    break 'answered;
+                }
+            }
+            if Instant::now() > end {
+                return Err("hostile traffic: the guard never answered the TELL to be replayed".into());
+            }
+        }
+        for i in 0..200 {
+            inside.send_to(&tell, guard).map_err(io("app side"))?;
+            n += 1;
+            if i % 32 == 31 {
+                probe(&inside)?;
+            }
+        }
+        probe(&inside)?;
+        let mut p = 0u16;
+        while p < 500 {
+            let c = Command::request(Op::Clear, service, SocketAddr::new(peer_ip, 1024 + p), 7000 + p as u64, now()).encode(&key).map_err(|e| e.to_string())?;
+            outside.send_to(&c, guard).map_err(io("peer side"))?;
+            n += 1;
+            p += 1;
+            if p % 32 == 0 {
+                probe(&inside)?;
+            }
+        }
+        probe(&inside)?;
+        let _ = app_side_done.send(());
+        // Malformed TCP options toward the service (IPv4 only: a raw IPPROTO_RAW socket).
+        let raw = lab::in_ns(&peer_ns, || -> std::io::Result<u64> {
             let mut n = 0;
-            for p in 0..500u16 {
-                let c = Command::request(Op::Clear, service, SocketAddr::new(peer_ip, 1024 + p), 7000 + p as u64, now()).encode(&key).map_err(std::io::Error::other)?;
-                s.send_to(&c, guard)?;
-                n += 1;
-            }
-            // Malformed TCP options toward the service (IPv4 only: a raw IPPROTO_RAW socket).
             if let (IpAddr::V4(src), IpAddr::V4(dst)) = (peer_ip, service.ip()) {
                 let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
                 if fd < 0 {
@@ -506,8 +769,7 @@ pub fn hostile_traffic(app_ns: String, peer_ns: String, guard: SocketAddr, servi
             }
             Ok(n)
         });
-        let a = inside.and_then(|r| r).map_err(|e| format!("hostile traffic (app side): {e}"))?;
-        let b = outside.and_then(|r| r).map_err(|e| format!("hostile traffic (peer side): {e}"))?;
-        Ok(a + b)
+        let b = raw.and_then(|r| r).map_err(io("peer side"))?;
+        Ok(n + b)
     })
 }

@@ -152,12 +152,30 @@ fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
 
 /// Fault injection for tests: when `JOURNAL_CRASH_AT` names this point, the process kills
 /// itself with SIGKILL there (the way a crash would), e.g. `after-eof`, `after-shutdown`,
-/// `after-fin`, or `after-bytes:N` (once N input bytes are journaled).
+/// `after-fin`, `after-bytes:N` (once N input bytes are journaled), or the recovery points of
+/// [`pause_point`]: `recovering`, `recovered`.
 fn crash_point(name: &str) {
     if std::env::var("JOURNAL_CRASH_AT").map(|v| v == name).unwrap_or(false) {
         log(&format!("crash point {name}: SIGKILL"));
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// Fault injection for tests: when `JOURNAL_PAUSE_AT` names this point, the first thread to
+/// reach it prints `journal-server: paused at NAME` on stdout and stops the whole process
+/// (SIGSTOP), so a test can inject another fault at that exact moment and then let the process
+/// go on (SIGCONT). Points: `recovering` (a connection's recovery is about to start: nothing
+/// sent to the guard yet) and `recovered` (its new socket is connected through the guard and
+/// TELL answered; nothing resent yet).
+fn pause_point(name: &str) {
+    static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if std::env::var("JOURNAL_PAUSE_AT").map(|v| v == name).unwrap_or(false) && !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        println!("journal-server: paused at {name}");
+        let _ = std::io::stdout().flush();
+        unsafe {
+            libc::raise(libc::SIGSTOP);
         }
     }
 }
@@ -214,10 +232,51 @@ fn serve(client: &GuardClient, rec: &ConnRecord, mut stream: TcpStream, j: &mut 
     crash_point("after-shutdown");
     stream.shutdown(std::net::Shutdown::Write).map_err(sock("shutdown"))?;
     crash_point("after-fin");
-    // The peer's FIN was consumed already; wait for the kernel to finish our side.
-    let _ = stream.read(&mut buf);
+    // The peer's FIN was consumed already. The connection is done only once the peer has
+    // acknowledged every byte and our FIN: until then the output sits in this kernel's send
+    // queue, and a crash of the host (or of the guard, whose successor resets the orphaned
+    // socket) would lose it while a "done" journal keeps the next incarnation from resending it
+    // (a peer that waits forever: found by guard+app crashes on a bulk stream).
+    wait_fin_acknowledged(&stream).map_err(|e| Stop::Socket(format!("closing: {e}")))?;
     j.mark("done").map_err(fatal("journal done"))?;
     Ok(())
+}
+
+/// Waits until our FIN is acknowledged (FIN-WAIT-2, TIME-WAIT, or closed without error), so
+/// every byte sent before it was acknowledged too. A reset (the guard forcing a recovery) or
+/// no acknowledgment within 10 minutes is an error: the connection is then recovered.
+fn wait_fin_acknowledged(stream: &TcpStream) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    const FIN_WAIT2: u8 = 5;
+    const TIME_WAIT: u8 = 6;
+    const CLOSE: u8 = 7;
+    let fd = stream.as_raw_fd();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let mut err: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: err is a c_int of len bytes.
+        if unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut libc::c_int).cast(), &mut len) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if err != 0 {
+            return Err(std::io::Error::from_raw_os_error(err));
+        }
+        let mut info = [0u8; 104];
+        let mut len = info.len() as libc::socklen_t;
+        // SAFETY: the kernel writes at most len bytes into info.
+        if unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, info.as_mut_ptr().cast(), &mut len) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if matches!(info[0], FIN_WAIT2 | TIME_WAIT | CLOSE) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > end {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the peer never acknowledged our FIN"));
+        }
+        // Polling the kernel's state with a deadline: no event announces an acknowledgment.
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 /// Most recoveries tried in a row for one connection before giving up on it.
@@ -231,10 +290,23 @@ fn serve_recovering(client: &GuardClient, rec: &ConnRecord, dir: &Path, fsync: b
         let mut j = Journal::open(dir, fsync, echo).map_err(|e| format!("journal: {e}"))?;
         let (s, resend_from) = match stream.take() {
             Some(s) => (s, 0),
-            None => match unbroken_sdk::recover(rec, client, j.consumed(), j.out_len) {
+            None => match {
+                crash_point("recovering");
+                pause_point("recovering");
+                unbroken_sdk::recover(rec, client, j.consumed(), j.out_len)
+            } {
                 Ok((s, delivered)) => {
                     log(&format!("{}: recovered; peer had {delivered} of {} reply bytes, input resumes at {}", rec.peer(), j.out_len, j.in_len));
+                    crash_point("recovered");
+                    pause_point("recovered");
                     (s, delivered)
+                }
+                // The peer acknowledged every byte and our FIN (one more sequence number): we
+                // died after it did and before the journal said "done". Nothing is left to do.
+                Err(unbroken_sdk::Error::DeliveredBeyondSent { delivered, sent }) if j.eof && delivered == sent + 1 && sent == j.out_len => {
+                    log(&format!("{}: the peer had acknowledged all {sent} reply bytes and our FIN: finished", rec.peer()));
+                    j.mark("done").map_err(|e| format!("journal done: {e}"))?;
+                    return Ok(());
                 }
                 Err(e) => {
                     failures += 1;

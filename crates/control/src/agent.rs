@@ -1088,8 +1088,7 @@ fn parse_store_key(k: &[u8]) -> Option<Key> {
 /// An ACK with the server's SYN sequence number (always old for the client, so answered with
 /// an ACK), acknowledging no more than the stored hold.
 fn probe_packet(key: &Key, rec: &Record) -> Option<Vec<u8>> {
-    use unbroken_wire::ip;
-    use unbroken_wire::tcp::{flags, Packet, Repr};
+    use unbroken_wire::tcp::{flags, Repr};
     use unbroken_wire::Seq;
     let hs = rec.hs;
     let r = Repr {
@@ -1101,11 +1100,5 @@ fn probe_packet(key: &Key, rec: &Record) -> Option<Vec<u8>> {
         window: 65535,
         ..Default::default()
     };
-    let tl = r.header_len();
-    let mut buf = vec![0u8; 60 + tl];
-    let hl = ip::emit_header(&mut buf, key.service.ip(), key.client.ip(), ip::PROTO_TCP, tl).ok()?;
-    r.emit(&mut buf[hl..]).ok()?;
-    Packet::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(key.service.ip(), key.client.ip(), ip::PROTO_TCP, tl));
-    buf.truncate(hl + tl);
-    Some(buf)
+    unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, &[]).ok()
 }

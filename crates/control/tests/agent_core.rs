@@ -9,7 +9,7 @@ use unbroken_control::agentcore::{Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_WAI
 use unbroken_control::lb::BucketView;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
-use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
+use unbroken_wire::tcp::{flags as F, Repr};
 use unbroken_wire::Seq;
 
 const C_ISN: u32 = 1_000_000;
@@ -27,14 +27,7 @@ fn key(port: u16) -> Key {
 }
 
 fn build(src: IpAddr, dst: IpAddr, r: Repr, payload: &[u8]) -> Vec<u8> {
-    let tl = r.header_len() + payload.len();
-    let mut buf = vec![0u8; 60 + tl];
-    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).unwrap();
-    r.emit(&mut buf[hl..]).unwrap();
-    buf[hl + r.header_len()..hl + tl].copy_from_slice(payload);
-    Tcp::new_checked(&mut buf[hl..hl + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
-    buf.truncate(hl + tl);
-    buf
+    ip::tcp_packet(src, dst, &r, payload).unwrap()
 }
 
 struct T {

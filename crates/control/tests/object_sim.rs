@@ -232,15 +232,7 @@ fn object_of(object_id: &[u8]) -> Option<usize> {
 // ---------------------------------------------------------------------------------------------
 
 fn build(src: Ipv4Addr, dst: Ipv4Addr, r: Repr, payload: &[u8]) -> Vec<u8> {
-    let (src, dst) = (IpAddr::V4(src), IpAddr::V4(dst));
-    let tl = r.header_len() + payload.len();
-    let mut buf = vec![0u8; 60 + tl];
-    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).unwrap();
-    r.emit(&mut buf[hl..]).unwrap();
-    buf[hl + r.header_len()..hl + tl].copy_from_slice(payload);
-    Tcp::new_checked(&mut buf[hl..hl + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
-    buf.truncate(hl + tl);
-    buf
+    ip::tcp_packet(IpAddr::V4(src), IpAddr::V4(dst), &r, payload).unwrap()
 }
 
 struct Seg {

@@ -773,18 +773,6 @@ fn limit_ack(pkt: &mut [u8], limit: Seq, counters: &mut Counters) -> bool {
     modified
 }
 
-/// A complete IP packet with the TCP header `r` and no payload, checksums filled in.
-fn build_packet(src: IpAddr, dst: IpAddr, r: &tcp::Repr) -> Option<Vec<u8>> {
-    use unbroken_wire::ip;
-    let tl = r.header_len();
-    let mut buf = vec![0u8; 40 + tl];
-    let hl = ip::emit_header(&mut buf, src, dst, ip::PROTO_TCP, tl).ok()?;
-    r.emit(&mut buf[hl..]).ok()?;
-    tcp::Packet::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
-    buf.truncate(hl + tl);
-    Some(buf)
-}
-
 impl Engine {
     pub fn new(cfg: Config) -> Engine {
         Engine {
@@ -1399,7 +1387,7 @@ impl Engine {
             timestamp: if hs.timestamps { c.last_ts } else { None },
             ..Default::default()
         };
-        let Some(pkt) = build_packet(key.service.ip(), key.client.ip(), &r) else { return };
+        let Ok(pkt) = unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, &[]) else { return };
         c.told = target;
         self.counters.acks_injected += 1;
         self.injected.push_back(pkt);

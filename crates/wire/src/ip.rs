@@ -129,3 +129,16 @@ mod tests {
         assert_eq!(IpInfo::parse(&b).unwrap_err(), Error::Unsupported("ipv4 fragment"));
     }
 }
+
+/// A complete IP packet (IPv4 or IPv6, by the addresses) carrying the TCP header `r` and
+/// `payload`, with both checksums filled in: what injected ACKs, probes and tests send.
+pub fn tcp_packet(src: IpAddr, dst: IpAddr, r: &crate::tcp::Repr, payload: &[u8]) -> Result<Vec<u8>> {
+    let tl = r.header_len() + payload.len();
+    let mut buf = vec![0u8; ipv6::HEADER_LEN + tl];
+    let hl = emit_header(&mut buf, src, dst, PROTO_TCP, tl)?;
+    r.emit(&mut buf[hl..])?;
+    buf[hl + r.header_len()..hl + tl].copy_from_slice(payload);
+    crate::tcp::Packet::new_checked(&mut buf[hl..hl + tl])?.fill_checksum(pseudo_sum(src, dst, PROTO_TCP, tl));
+    buf.truncate(hl + tl);
+    Ok(buf)
+}

@@ -253,8 +253,11 @@ pub struct AgentCounters {
     /// Workers of rebuilt sockets stopped because their connection was muted or superseded.
     pub workers_stopped: u64,
     /// Connections this agent never saw set up whose packets a local socket owns (the agent
-    /// restarted under them): passed at once and known from then on, unprotected.
+    /// restarted under them): known again, protected from their record when it describes
+    /// them (the engine's `relearned`), unprotected otherwise.
     pub passed_local_socket: u64,
+    /// Of those, learned unprotected: their record did not describe them.
+    pub relearn_failed: u64,
     /// Lookups of local sockets that failed (the packet then waits at the gate as before).
     pub sockdiag_errors: u64,
     /// Times the store became unreachable (each logged once, and its return too).
@@ -300,6 +303,8 @@ enum Msg {
     Quiesce { key: Key, go: Sender<()> },
     /// Give up on this connection: the waiting packets reach the kernel (RST).
     Refuse { key: Key, why: String },
+    /// A connection a local socket serves: its record describes it (`Ok`), or why not.
+    Relearn { key: Key, bucket: Option<u16>, result: Result<(Box<Record>, Box<Plan>), String> },
 }
 
 /// Packets with this mark skip the agent's queue (its own probes).
@@ -369,9 +374,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
-    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, AGENT_MARK);
-    spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
-    spec.services = cfg.services.iter().map(|s| Service::tcp(s.ip(), s.port())).collect();
+    let spec = rule_spec(&cfg);
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
     // Without it a kept-alive client may wait for its retransmission timer between requests
     // (see the engine's docs), but it is served correctly.
@@ -486,6 +489,14 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                     let _ = go.send(());
                 }
+                Msg::Relearn { key, bucket, result } => {
+                    match result {
+                        Ok((rec, plan)) => core.relearned(now, key, bucket, &rec, &plan),
+                        Err(why) => core.relearn_failed(now, key, bucket, &why),
+                    }
+                    shared.dirty.store(true, Ordering::Relaxed);
+                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
+                }
                 Msg::Refuse { key, why } => {
                     core.refused(now, key);
                     shared.dirty.store(true, Ordering::Relaxed);
@@ -516,6 +527,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             c.failovers_started = cc.failovers_started;
             c.failovers_denied = cc.failovers_denied;
             c.passed_local_socket = cc.passed_local_socket;
+            c.relearn_failed = cc.relearn_failed;
             c.sockdiag_errors = cc.sockdiag_errors;
             c.muted = cc.muted;
             c.fenced_held = cc.fenced_held;
@@ -549,9 +561,37 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         eprintln!("agent: stopping: {} rebuilt connection(s) left silently{}", adopted.len(), if failed > 0 { format!(" ({failed} could not enter repair mode)") } else { String::new() });
     }
     drop(adopted);
-    drop(rules);
+    // The queue rules stay (fail closed, as when the agent is killed): until an agent reads
+    // the queue again the kernel drops the service's packets. Removed, they would let the
+    // server's TCP answer on its own: a RST for every rebuilt socket just closed silently, and
+    // the local server sending with no lease while the LB, hearing no heartbeats, gives its
+    // buckets to other servers that rebuild the same connections (two senders).
+    rules.leave_installed();
+    eprintln!("agent: stopping: queue rules left in place (the service's packets are dropped until an agent runs again; `unbroken agent --config FILE --remove-rules` removes them)");
     drop(queue);
     res
+}
+
+/// The agent's queue rules.
+fn rule_spec(cfg: &Agent) -> RuleSpec {
+    let a = &cfg.raw.agent;
+    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-A", a.queue as u32), a.queue, AGENT_MARK);
+    spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
+    spec.services = cfg.services.iter().map(|s| Service::tcp(s.ip(), s.port())).collect();
+    spec
+}
+
+/// Removes the queue rules a stopped agent left in place (`unbroken agent --remove-rules`):
+/// the service's packets reach the local server directly again, unprotected. Refused while an
+/// agent of this configuration still reads the queue (its rules are its own).
+pub fn remove_rules(cfg: &Agent) -> Result<(), String> {
+    let a = &cfg.raw.agent;
+    let qcfg = QueueConfig { queue_num: a.queue, ..QueueConfig::default() };
+    match Queue::open(&qcfg) {
+        Ok(q) => drop(q),
+        Err(e) => return Err(format!("agent: NFQUEUE {} is in use ({e}): stop the agent that reads it first", a.queue)),
+    }
+    unbroken_drivers::iptables::Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("agent: removing the queue rules: {e}"))
 }
 
 /// Carries out the core's requests (crate::agentcore::Out); injected ACKs wait in `injects`
@@ -567,6 +607,13 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
                 let ctx = ctx.clone();
                 let t0 = Instant::now();
                 std::thread::spawn(move || failover(ctx, key, bucket, trigger, t0));
+            }
+            Out::Relearn { key, bucket, trigger } => {
+                let ctx = ctx.clone();
+                std::thread::spawn(move || {
+                    let result = relearn(&ctx, key, bucket, &trigger);
+                    ctx.send(Msg::Relearn { key, bucket, result });
+                });
             }
             Out::Supersede { key } => {
                 if silence_adopted(ctx, &key) {
@@ -688,6 +735,25 @@ impl WorkerCtx {
         let _ = self.tx.send(m);
         self.wake.ring();
     }
+}
+
+/// Reads the record of a connection a local socket serves and plans from the client's packet
+/// (the plan succeeding proves the record describes the connection). Its packets wait
+/// meanwhile, so a store that does not answer is given only a moment.
+fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>, pkt: &[u8]) -> Result<(Box<Record>, Box<Plan>), String> {
+    let (_, trig) = Trigger::parse(pkt).ok_or("unparsable packet")?;
+    let skey = store_key(bucket, &key);
+    let deadline = Instant::now() + Duration::from_millis(300);
+    let got = loop {
+        match ctx.kv.get(skey.as_bytes()) {
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)), // back-off between store retries
+            r => break r,
+        }
+    };
+    let value = got.map_err(|e| format!("store: {e}"))?.ok_or("no record")?;
+    let rec = Record::decode(&value).map_err(|e| format!("record: {e}"))?;
+    let plan = plan_recovery(&rec, &trig).map_err(|r| format!("plan: {}", r.0))?;
+    Ok((Box::new(rec), Box::new(plan)))
 }
 
 fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0: Instant) {
@@ -1059,9 +1125,18 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
             return;
         }
     };
-    for b in buckets {
-        let Ok(keys) = ctx.kv.keys_with_prefix(&format!("b{b}/c/")) else { continue };
+    // A few buckets (a death): one scan each. Many (every owned bucket, after a start): one
+    // scan of every bucket's records, filtered (each scan walks the whole keyspace).
+    let scans: Vec<(String, Option<u16>)> = if buckets.len() <= 4 {
+        buckets.iter().map(|b| (format!("b{b}/c/"), Some(*b))).collect()
+    } else {
+        vec![("b".to_string(), None)]
+    };
+    let wanted: std::collections::HashSet<u16> = buckets.iter().copied().collect();
+    for (prefix, one) in scans {
+        let Ok(keys) = ctx.kv.keys_with_prefix(&prefix) else { continue };
         for k in keys {
+            let Some(b) = one.or_else(|| parse_store_bucket(&k)).filter(|b| wanted.contains(b)) else { continue };
             let Some(conn) = parse_store_key(&k) else { continue };
             if skip.contains(&conn) {
                 continue;
@@ -1076,6 +1151,12 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
             }
         }
     }
+}
+
+/// The bucket of a record's key (`b{bucket}/c/...`).
+fn parse_store_bucket(k: &[u8]) -> Option<u16> {
+    let s = std::str::from_utf8(k).ok()?;
+    s.strip_prefix('b')?.split_once("/c/")?.0.parse().ok()
 }
 
 fn parse_store_key(k: &[u8]) -> Option<Key> {

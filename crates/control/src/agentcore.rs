@@ -35,6 +35,11 @@ pub const GATE_WAIT_MS: u64 = 100;
 pub const FENCE_MAX_MS: u64 = 1000;
 /// Most server packets waiting for a lease.
 pub const FENCE_MAX_PACKETS: usize = 4096;
+/// For this long after the agent starts, every bucket it owns counts as just moved here (a
+/// failover candidate) and is probed: the agent does not know which connections its
+/// predecessor served with sockets it rebuilt (gone with it), whose clients may have nothing
+/// to send and would otherwise wait for good, or be reset by the kernel.
+pub const RESTART_GRACE_MS: u64 = 30_000;
 /// Refusals are remembered this long (a refused connection's packets pass to the kernel).
 const REFUSED_MS: u64 = 10_000;
 /// Housekeeping period.
@@ -96,6 +101,11 @@ pub enum Out {
     Drop { id: u32 },
     /// Start rebuilding `key` from its record; `trigger` is the client packet that asked.
     Failover { key: Key, bucket: Option<u16>, trigger: Vec<u8> },
+    /// A local socket serves `key`, which this core never saw set up (the agent restarted
+    /// under it): read its record and plan from `trigger`, then [`Core::relearned`] (the
+    /// record describes the connection: protected again) or [`Core::relearn_failed`]
+    /// (learned unprotected, with a tombstone).
+    Relearn { key: Key, bucket: Option<u16>, trigger: Vec<u8> },
     /// A client packet the engine does not know (it waits at the gate): if a socket was rebuilt
     /// here for `key`, the client acknowledged bytes it never sent (another server sent them
     /// after the plan), so stop that socket; the packet rebuilds the connection.
@@ -118,7 +128,11 @@ pub enum Out {
 pub struct CoreCounters {
     pub failovers_started: u64,
     pub failovers_denied: u64,
+    /// Connections of local sockets set up before this agent started, known again (protected
+    /// from their record, or unprotected).
     pub passed_local_socket: u64,
+    /// Of those, the ones whose record did not describe them (learned unprotected).
+    pub relearn_failed: u64,
     pub sockdiag_errors: u64,
     pub muted: u64,
     pub fenced_held: u64,
@@ -158,6 +172,8 @@ pub struct Core {
     last_owner_check: u64,
     last_expire: u64,
     probed_epoch: u32,
+    /// When this core first ran (see [`RESTART_GRACE_MS`]).
+    born: Option<u64>,
     /// Probe retries due: (when, buckets).
     probe_retries: Vec<(u64, Vec<u16>)>,
     out: VecDeque<Out>,
@@ -184,6 +200,7 @@ impl Core {
             last_owner_check: 0,
             last_expire: 0,
             probed_epoch: 0,
+            born: None,
             probe_retries: Vec::new(),
             out: VecDeque::new(),
             counters: CoreCounters::default(),
@@ -202,6 +219,10 @@ impl Core {
         } else {
             100
         }
+    }
+
+    fn in_grace(&self, now: u64) -> bool {
+        self.born.is_some_and(|b| now.saturating_sub(b) < RESTART_GRACE_MS)
     }
 
     /// Whether packets of `key` are waiting for a failover.
@@ -239,6 +260,7 @@ impl Core {
 
     /// Steps 0 and 1: the fence, then the packets (those released by a renewed lease first).
     pub fn packets(&mut self, now: u64, lb: LbView<'_>, batch: impl IntoIterator<Item = Pkt>) {
+        self.born.get_or_insert(now);
         let lease_ok = lb.lease_ok();
         if !self.fenced.is_empty() {
             let (old, keep): (Vec<Fenced>, Vec<Fenced>) = self.fenced.drain(..).partition(|f| now.saturating_sub(f.since) >= FENCE_MAX_MS);
@@ -355,11 +377,13 @@ impl Core {
                 self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
                 continue;
             }
-            let allowed = self.gate_open || matches!((g.p.bucket, view), (Some(b), Some(v)) if v.allowed(b));
-            // Not a failover candidate, and a socket of the local server owns the address
-            // pair: a connection set up before this agent started (a restart). It passes at
-            // once and is known, unprotected, from now on (never held at the gate again).
-            let local = !allowed
+            let moved = self.gate_open || matches!((g.p.bucket, view), (Some(b), Some(v)) if v.allowed(b));
+            // Not a moved bucket, and a socket of the local server owns the address pair: a
+            // connection set up before this agent started (a restart). Its record says where
+            // it stands: protected again from it, or known unprotected from now on (never held
+            // at the gate again). In a moved bucket a local socket is a stale one (from before
+            // the bucket went elsewhere and came back): the failover destroys it.
+            let local = !moved
                 && g.since == now
                 && !self.engine.tracks(&g.key)
                 && match local_socket(&g.key) {
@@ -370,20 +394,15 @@ impl Core {
                         false
                     }
                 };
+            // Just started: an owned bucket's connection that no local socket serves was
+            // served by a socket the previous agent rebuilt (gone with it).
+            let allowed = moved || (!local && self.in_grace(now) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b)));
             if local {
-                self.engine.learn_unprotected(g.key, now);
-                self.buckets.insert(g.key, g.p.bucket);
                 self.counters.passed_local_socket += 1;
-                let n = self.counters.passed_local_socket;
-                if n <= 10 {
-                    self.out.push_back(Out::Log(format!(
-                        "agent: {} -> {} is served by a local socket set up before this agent started: passed, unprotected{}",
-                        g.key.client,
-                        g.key.service,
-                        if n == 10 { " (further ones are only counted)" } else { "" }
-                    )));
-                }
-                self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
+                let trigger = g.p.data.clone();
+                let bucket = g.p.bucket;
+                self.recovering.insert(g.key, vec![g.p]);
+                self.out.push_back(Out::Relearn { key: g.key, bucket, trigger });
             } else if allowed {
                 self.counters.failovers_started += 1;
                 let trigger = g.p.data.clone();
@@ -417,6 +436,42 @@ impl Core {
     pub fn adopted(&mut self, now: u64, key: Key, bucket: Option<u16>, rec: &Record, plan: &Plan) {
         self.engine.adopt(key, rec, plan, now);
         self.buckets.insert(key, bucket);
+        self.replay(now, key);
+    }
+
+    /// The record of `key` (served by a local socket this core never saw set up) describes
+    /// it: protected again, and the packets that waited go through the engine.
+    pub fn relearned(&mut self, now: u64, key: Key, bucket: Option<u16>, rec: &Record, plan: &Plan) {
+        if !self.engine.relearn(key, rec, plan, now) {
+            // Known meanwhile (it cannot be: its packets waited): never strand them.
+            self.buckets.entry(key).or_insert(bucket);
+        } else {
+            self.buckets.insert(key, bucket);
+        }
+        self.replay(now, key);
+    }
+
+    /// The record of `key` is missing, a tombstone, unreadable or does not describe it: known
+    /// unprotected from now on (its record replaced by a tombstone, so a failover elsewhere
+    /// refuses instead of guessing), and the packets that waited pass.
+    pub fn relearn_failed(&mut self, now: u64, key: Key, bucket: Option<u16>, why: &str) {
+        self.engine.learn_unprotected(key, now);
+        self.buckets.insert(key, bucket);
+        self.counters.relearn_failed += 1;
+        let n = self.counters.relearn_failed;
+        if n <= 10 {
+            self.out.push_back(Out::Log(format!(
+                "agent: {} -> {} is served by a local socket set up before this agent started; its record does not describe it ({why}): passed, unprotected{}",
+                key.client,
+                key.service,
+                if n == 10 { " (further ones are only counted)" } else { "" }
+            )));
+        }
+        self.replay(now, key);
+    }
+
+    /// The packets of `key` that waited for a worker go through the engine.
+    fn replay(&mut self, now: u64, key: Key) {
         for mut p in self.recovering.remove(&key).unwrap_or_default() {
             let v = self.engine.packet(p.id as u64, &mut p.data, Dir::FromClient, now);
             self.flush_released();
@@ -434,7 +489,7 @@ impl Core {
                 Verdict::Held => {
                     self.csum.insert(p.id as u64, p.csum_not_ready);
                 }
-                Verdict::Accept { modified } => self.accept(p.id, p.data, modified, false),
+                Verdict::Accept { modified } => self.accept(p.id, p.data, modified, p.csum_not_ready),
             }
         }
     }
@@ -516,8 +571,10 @@ impl Core {
         }
         if let (true, Some(v)) = (self.probe, lb.view()) {
             if v.epoch != self.probed_epoch {
+                // The first view after a start: every owned bucket (see RESTART_GRACE_MS).
+                let first = self.probed_epoch == 0;
                 self.probed_epoch = v.epoch;
-                let moved = v.allowed_buckets();
+                let moved = if first { v.owned_buckets() } else { v.allowed_buckets() };
                 if !moved.is_empty() {
                     for d in PROBE_RETRY_MS {
                         self.probe_retries.push((now + d, moved.clone()));
@@ -532,7 +589,8 @@ impl Core {
                 due.into_iter().map(|(_, b)| b).collect()
             };
             for buckets in due {
-                let still: Vec<u16> = buckets.into_iter().filter(|&b| v.allowed(b) && v.owns(b)).collect();
+                let grace = self.in_grace(now);
+                let still: Vec<u16> = buckets.into_iter().filter(|&b| v.owns(b) && (grace || v.allowed(b))).collect();
                 if !still.is_empty() {
                     self.probe(still);
                 }

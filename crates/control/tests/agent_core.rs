@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
-use unbroken_control::agentcore::{Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_WAIT_MS};
+use unbroken_control::agentcore::{Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_WAIT_MS, RESTART_GRACE_MS};
 use unbroken_control::lb::BucketView;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
@@ -52,9 +52,24 @@ fn view(epoch: u32, owned: &[u16], allowed: &[u16]) -> BucketView {
     BucketView { epoch, buckets: 256, owned: o, allowed: a, seq: 1, received_at: now, lease_until: now + Duration::from_secs(3600) }
 }
 
+/// The clock of a core that has run for a while (past its start's grace).
+const T0: u64 = RESTART_GRACE_MS + 1000;
+
 impl T {
+    /// A core that started long ago (its first view's probes done, its grace over).
     fn new() -> T {
+        let mut t = T::restarted();
+        t.tick(false);
+        t.take();
+        t.now = T0;
+        t
+    }
+    /// A core that just started (an agent restart): within its grace.
+    fn restarted() -> T {
         T { core: Core::new(Engine::new(Config::default()), false, true), id: 0, now: 1000, view: Some(view(1, &[B], &[])), lease_ok: true, outs: vec![] }
+    }
+    fn relearns(&self) -> Vec<(Key, Option<u16>, Vec<u8>)> {
+        self.outs.iter().filter_map(|o| if let Out::Relearn { key, bucket, trigger } = o { Some((*key, *bucket, trigger.clone())) } else { None }).collect()
     }
     fn pkt(&mut self, dir: Dir, port: u16, seq: u32, ack: u32, fl: u8, payload: &[u8]) -> u32 {
         self.id += 1;
@@ -173,15 +188,26 @@ fn gate_starts_a_failover_in_a_moved_bucket_and_holds_the_connection() {
     assert!(t.accepted(id3), "a refused connection's packets pass at once");
 }
 
-/// After an agent restart: a connection a local socket serves is learned (unprotected) on its
-/// first packet, and its packets never wait at the gate again.
+/// After an agent restart: a connection a local socket serves is known again on its first
+/// packet. Its record is read (the packet waits meanwhile); when the record does not describe
+/// it (missing, a tombstone, stale) it is learned unprotected, its packets pass and never
+/// wait at the gate again.
 #[test]
-fn restart_a_local_socket_connection_is_learned_and_never_waits_again() {
-    let mut t = T::new();
+fn restart_a_local_socket_connection_without_a_usable_record_is_learned_unprotected() {
+    let mut t = T::restarted();
     let id = t.pkt(Dir::FromClient, 40001, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
     t.tick(true);
-    assert!(t.accepted(id), "passed at once");
-    assert_eq!(t.core.counters.passed_local_socket, 1);
+    assert!(!t.accepted(id), "waits for its record");
+    let r = t.relearns();
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].0, r[0].1), (key(40001), Some(B)));
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { .. })), "a live local socket is never rebuilt");
+    t.take();
+    t.core.relearn_failed(t.now, key(40001), Some(B), "no record");
+    t.collect();
+    assert!(t.accepted(id), "passed once the record was found wanting");
+    assert_eq!((t.core.counters.passed_local_socket, t.core.counters.relearn_failed), (1, 1));
+    assert_eq!(t.core.engine.counters.learned, 1);
     t.take();
     for k in 0..20 {
         let id = t.pkt(Dir::FromClient, 40001, C_ISN + 100, S_ISN + 5000 + k, F::ACK, b"");
@@ -191,6 +217,53 @@ fn restart_a_local_socket_connection_is_learned_and_never_waits_again() {
         t.take();
     }
     assert_eq!((t.core.counters.passed_local_socket, t.core.counters.failovers_denied), (1, 0));
+    assert!(t.relearns().is_empty());
+}
+
+/// After an agent restart: a connection a local socket serves whose record describes it is
+/// protected again from that record (not left unprotected for a later fault to lose), and the
+/// server packets that waited for its bucket leave once it is known.
+#[test]
+fn restart_a_local_socket_connection_is_protected_again_from_its_record() {
+    let mut t = T::restarted();
+    let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
+    let header = b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n".to_vec();
+    let hl = header.len() as u32;
+    let entry = Entry { req_off: 0, req_len: 50, resp_off: 0, status: 200, body_len: 10000, header, object_id: b"GET /x HTTP/1.1\r\n".to_vec(), ..Entry::default() };
+    let rec = Record { hs, hold_off: 0, sent_off: 3000, entries: vec![entry], unprotected: false };
+    // The server's socket sends on; the client's ACK names the bucket.
+    let s1 = t.pkt(Dir::ToClient, 40010, S_ISN + 1 + 4000, C_ISN + 51, F::ACK, &[7u8; 1000]);
+    let c1 = t.pkt(Dir::FromClient, 40010, C_ISN + 51, S_ISN + 1 + 2500, F::ACK, b"");
+    t.tick(true);
+    assert!(!t.accepted(s1) && !t.accepted(c1), "both wait for the record");
+    let r = t.relearns();
+    assert_eq!(r.len(), 1);
+    let (_, trig) = Trigger::parse(&r[0].2).unwrap();
+    let plan = plan_recovery(&rec, &trig).unwrap();
+    t.take();
+    t.core.relearned(t.now, key(40010), Some(B), &rec, &plan);
+    t.collect();
+    assert!(t.accepted(c1), "the waiting client packet passes");
+    t.tick(true);
+    assert!(t.accepted(s1), "the server packet leaves once the bucket is known");
+    assert_eq!((t.core.engine.counters.relearned, t.core.engine.counters.learned, t.core.engine.protected()), (1, 0, 1));
+    assert_eq!(t.core.counters.relearn_failed, 0);
+    t.take();
+    // The rest of the response passes; the connection's record moves on with its progress,
+    // a full record (a later failover can plan from it), never a tombstone.
+    let mut at = 5000u32;
+    while at < 10000 + hl {
+        let n = 1000.min(10000 + hl - at);
+        let id = t.pkt(Dir::ToClient, 40010, S_ISN + 1 + at, C_ISN + 51, F::ACK, &vec![7u8; n as usize]);
+        t.tick(true);
+        assert!(t.accepted(id), "segment at {at}");
+        at += n;
+    }
+    let stores: Vec<Record> = t.outs.iter().filter_map(|o| if let Out::Store(op) = o { Some(op) } else { None }).filter_map(|op| match &op.kind {
+        unbroken_control::store::OpKind::Set { val, .. } => Record::decode(val).ok(),
+        _ => None,
+    }).collect();
+    assert!(stores.iter().all(|r| !r.unprotected && r.entries.len() == 1), "{stores:?}");
 }
 
 /// The lease fence: while this server's lease has lapsed its server packets wait, in order,
@@ -303,7 +376,7 @@ fn moved_buckets_are_probed_again_until_their_connections_show_up() {
     // Bucket 9 left the failover window (no longer allowed): later retries probe B only.
     t.view = Some(view(2, &[B, 9], &[B]));
     for &d in &PROBE_RETRY_MS[1..] {
-        t.now = 1000 + d;
+        t.now = T0 + d;
         t.tick(false);
         assert_eq!(probes(&mut t).iter().map(|p| p.0.clone()).collect::<Vec<_>>(), vec![vec![B]]);
     }
@@ -378,12 +451,16 @@ fn a_waiting_packet_acknowledging_beyond_the_plan_rebuilds_from_its_ack() {
 /// (found by the object-mode simulation, seeds 25 and 251).
 #[test]
 fn server_packets_of_a_connection_of_unknown_bucket_wait_for_its_client() {
-    let mut t = T::new();
+    let mut t = T::restarted();
     let a = t.pkt(Dir::ToClient, 40008, S_ISN + 100, C_ISN + 1, F::ACK, b"data");
     assert!(!t.accepted(a) && !t.dropped(a), "it waits");
-    // The client's packet names the bucket (B, owned here); the local socket owns it.
+    // The client's packet names the bucket (B, owned here); the local socket owns it (no
+    // usable record: learned unprotected).
     let c = t.pkt(Dir::FromClient, 40008, C_ISN + 1, S_ISN + 104, F::ACK, b"");
     t.tick(true);
+    assert_eq!(t.relearns().len(), 1);
+    t.core.relearn_failed(t.now, key(40008), Some(B), "no record");
+    t.collect();
     assert!(t.accepted(c));
     t.tick(true);
     assert!(t.accepted(a), "released once the bucket is known");
@@ -393,4 +470,36 @@ fn server_packets_of_a_connection_of_unknown_bucket_wait_for_its_client() {
     t.now += FENCE_MAX_MS;
     t.tick(false);
     assert!(t.dropped(d));
+}
+
+/// Just after a start, an owned bucket's connection that no local socket serves was served by
+/// a socket the previous agent rebuilt (gone with it, silently): it starts a failover from its
+/// record instead of reaching the kernel (a RST), and every owned bucket is probed once the
+/// first view arrives, so a client with nothing to send is heard from. After the grace, the
+/// same packet waits at the gate and is denied.
+#[test]
+fn restart_grace_owned_buckets_are_failover_candidates_and_probed() {
+    let mut t = T::restarted();
+    t.view = Some(view(1, &[B, 9], &[]));
+    t.tick(false);
+    let probed: Vec<Vec<u16>> = t.take().into_iter().filter_map(|o| if let Out::Probe { buckets, .. } = o { Some(buckets) } else { None }).collect();
+    assert_eq!(probed, vec![vec![B, 9]], "every owned bucket probed at the first view");
+    let id = t.pkt(Dir::FromClient, 40011, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40011))), "a failover within the grace");
+    assert!(!t.accepted(id));
+    // Retries of the first probe still cover the owned buckets within the grace.
+    t.take();
+    t.now += unbroken_control::agentcore::PROBE_RETRY_MS[0];
+    t.tick(false);
+    assert!(t.take().iter().any(|o| matches!(o, Out::Probe { buckets, .. } if buckets == &vec![B, 9])));
+    // Past the grace: the same kind of packet is denied after the gate's wait.
+    t.now = 1000 + RESTART_GRACE_MS;
+    let id = t.pkt(Dir::FromClient, 40012, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40012))));
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    assert!(t.accepted(id), "denied: to the kernel");
+    assert_eq!(t.core.counters.failovers_denied, 1);
 }

@@ -399,6 +399,13 @@ impl Rules {
         self.remove_installed()
     }
 
+    /// Leaves the rules installed when this value goes away (a daemon stopping so that the
+    /// next instance takes over its traffic: with nobody reading the queue the kernel drops
+    /// the packets, instead of answering them without the daemon).
+    pub fn leave_installed(mut self) {
+        self.installed.clear();
+    }
+
     fn remove_installed(&mut self) -> io::Result<()> {
         let mut result = Ok(());
         for family in std::mem::take(&mut self.installed) {

@@ -532,6 +532,10 @@ pub struct Counters {
     /// Connections entered unprotected because a local socket already served them (the
     /// agent restarted under them): see [`Engine::learn_unprotected`].
     pub learned: u64,
+    /// Connections a local socket serves that this engine never saw set up (its agent
+    /// restarted under them), protected again from their stored record
+    /// ([`Engine::relearn`]).
+    pub relearned: u64,
     /// Records stored again only to keep them from expiring ([`Config::refresh_ms`]).
     pub refreshed: u64,
     /// Connections protected again after a store failure had left them unprotected: the store
@@ -1591,6 +1595,29 @@ impl Engine {
     /// Take over a connection rebuilt from `rec` according to `plan` (after a failover). The
     /// record is already stored, so the connection is protected at once.
     pub fn adopt(&mut self, key: Key, rec: &Record, plan: &Plan, now: u64) {
+        self.take_over(key, rec, plan, now, true);
+        self.counters.adopted += 1;
+    }
+
+    /// Protect again a connection a local socket still serves that this engine never saw set
+    /// up (its agent restarted under it), from its stored record and the plan
+    /// [`plan_recovery`] made of the client's packet. The plan succeeding is the proof that
+    /// the record describes where the connection stands: the client acknowledged nothing the
+    /// record does not know, and every request before the record's hold was answered. The
+    /// socket is the original one, so unlike [`Engine::adopt`] nothing it sends is suspect
+    /// (no `acks_unsent`); it is parsed from the end of the last recorded response on (a
+    /// response to a request the record does not hold finds no request and ends protection,
+    /// with a tombstone, as on any connection). Further stores carry on from the record.
+    pub fn relearn(&mut self, key: Key, rec: &Record, plan: &Plan, now: u64) -> bool {
+        if self.tracks(&key) {
+            return false;
+        }
+        self.take_over(key, rec, plan, now, false);
+        self.counters.relearned += 1;
+        true
+    }
+
+    fn take_over(&mut self, key: Key, rec: &Record, plan: &Plan, now: u64, adopted: bool) {
         let entries: VecDeque<Entry> = rec.entries.iter().filter(|e| e.end_off() > plan.acked_off).cloned().collect();
         let srv_next = rec.entries.last().map_or(rec.sent_off, |e| e.end_off()).max(rec.sent_off);
         let cli_next = rec.entries.last().map_or(rec.hold_off, |e| e.req_off + e.req_len as u64).max(rec.hold_off);
@@ -1611,8 +1638,7 @@ impl Engine {
         // `cli_next` (its receive point).
         c.told = rec.hold_off;
         c.srv_ack = cli_next;
-        c.adopted = true;
-        self.counters.adopted += 1;
+        c.adopted = adopted;
         self.counters.connections += 1;
         self.syns.remove(&key);
         self.conns.insert(key, c);

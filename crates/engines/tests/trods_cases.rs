@@ -985,6 +985,70 @@ fn restart_a_connection_served_by_a_local_socket_is_learned_unprotected() {
     assert!(t.e.poll_action().is_none());
 }
 
+/// An agent restart in the middle of a download whose record is stored: the new engine
+/// protects the connection again from that record (the client's packet proves the record
+/// describes where it stands), instead of leaving it unprotected with a tombstone. The
+/// original socket's segments pass unchanged; the next request on the connection is held and
+/// stored as on any connection, and a later failover from the new record resumes byte-exact.
+#[test]
+fn restart_a_connection_served_by_a_local_socket_is_protected_again_from_its_record() {
+    // The record the engine stored before the restart: request 1 and the first 1000 bytes of
+    // its 3000-byte response sent.
+    let rec = record_with_download();
+    assert!(!rec.unprotected && rec.entries.len() == 1, "{rec:?}");
+    let (l1, hl) = (REQ.len() as u32, HDR.len() as u32);
+    let end = hl + 3000;
+    // A fresh engine (the agent restarted) sees the client's ACK mid-body.
+    let mut t = T::new();
+    let trig_pkt = from_c(cs(l1), ss(hl + 500), F::ACK, b"");
+    assert_eq!(t.e.packet(1, &mut trig_pkt.clone(), Dir::FromClient, t.now), Verdict::Unknown);
+    let (_, g) = Trigger::parse(&trig_pkt).unwrap();
+    let plan = plan_recovery(&rec, &g).unwrap();
+    assert!(t.e.relearn(key(), &rec, &plan, t.now));
+    assert!(!t.e.relearn(key(), &rec, &plan, t.now), "relearned twice");
+    assert!(t.e.knows(&key()));
+    assert_eq!((t.e.counters.relearned, t.e.counters.learned, t.e.protected()), (1, 0, 1));
+    assert!(t.e.poll_action().is_none(), "the record is current: nothing to store, no tombstone");
+    // The original socket carries on. The client acknowledges bytes the socket sent before
+    // the restart, which this engine never saw: passed (no "unsent bytes" suspicion, which is
+    // only for rebuilt sockets).
+    assert_eq!(t.c(cs(l1), ss(hl + 1000), F::ACK, b""), Verdict::Accept { modified: false });
+    let (v, _) = t.s(ss(hl + 1000), cs(l1), F::ACK, &body(1000, 3));
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    assert_eq!(t.c(cs(l1), ss(hl + 2000), F::ACK, b""), Verdict::Accept { modified: false });
+    let (v, _) = t.s(ss(hl + 2000), cs(l1), F::ACK | F::PSH, &body(1000, 4));
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    assert_eq!(t.e.counters.superseded, 0);
+    // Request 2 on the same connection: held until its record is stored, as on any
+    // connection; the record is a full one, and a failover from it resumes response 2.
+    assert_eq!(t.c(cs(l1), ss(end), F::ACK | F::PSH, REQ2), Verdict::Accept { modified: false });
+    let l2 = REQ2.len() as u32;
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK, b"").0, Verdict::Drop, "the ACK of request 2 waits for its record");
+    let mut p2 = HDR2.to_vec();
+    p2.extend(body(10, 2));
+    assert_eq!(t.s(ss(end), cs(l1 + l2), F::ACK | F::PSH, &p2).0, Verdict::Held);
+    let rec2 = Record::decode(t.store_all().last().unwrap()).unwrap();
+    assert!(!rec2.unprotected);
+    assert_eq!(rec2.entries.last().map(|e| e.resp_off), Some(end as u64));
+    assert_eq!(t.released().len(), 1);
+    let plan2 = plan_recovery(&rec2, &trig(cs(l1 + l2), ss(end + 5), F::ACK, 0)).unwrap();
+    assert_eq!(plan2.case, Case::DuringDownload);
+    assert_eq!(t.e.counters.unprotected, 0);
+}
+
+/// A restarted engine protects a connection again only from a record that describes it: a
+/// tombstone, or a client that acknowledged bytes beyond the record, makes the plan fail, and
+/// the connection is learned unprotected instead (never a wrong record).
+#[test]
+fn restart_relearn_refused_by_a_record_that_does_not_describe_the_connection() {
+    let rec = record_with_download();
+    let l1 = REQ.len() as u32;
+    let end = rec.entries.last().unwrap().end_off() as u32;
+    assert!(plan_recovery(&rec, &trig(cs(l1), ss(end + 100), F::ACK, 0)).is_err(), "ACK beyond the record");
+    let tomb = Record { unprotected: true, ..rec.clone() };
+    assert!(plan_recovery(&tomb, &trig(cs(l1), ss(500), F::ACK, 0)).is_err(), "tombstone");
+}
+
 /// Records of live connections are stored again before the store would expire them; a
 /// closed connection's record is not (it was deleted, or expires with it).
 #[test]

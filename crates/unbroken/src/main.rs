@@ -54,9 +54,11 @@ usage:
         two-sender connections. The seed is printed; --seed replays the same fault draws.
         LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
         (default all). --parts: Range GETs of the keep-alive client per download (default 4).
-  unbroken agent --config FILE
+  unbroken agent --config FILE [--remove-rules]
         Run object mode's server agent (TRODS-KV) beside the local HTTP server;
-        configs/agent.example.toml shows every key.
+        configs/agent.example.toml shows every key. A stopped agent leaves its queue
+        rules in place (the service's packets are dropped until an agent runs again);
+        --remove-rules removes them (the service is then served unprotected).
   unbroken lb --config FILE [--status-file PATH] [--cleanup]
         Run object mode's load balancer and liveness monitor (nftables, root) until
         SIGINT/SIGTERM; configs/lb.example.toml shows every key. The table stays in the
@@ -161,9 +163,11 @@ fn num<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String>
 fn agent(args: Vec<String>) -> ExitCode {
     let mut it = args.into_iter();
     let mut config = None;
+    let mut remove_rules = false;
     while let Some(a) = it.next() {
         match a.as_str() {
             "--config" => config = it.next(),
+            "--remove-rules" => remove_rules = true,
             o => return fail(format!("agent: unknown argument {o:?}")),
         }
     }
@@ -172,6 +176,15 @@ fn agent(args: Vec<String>) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
+    if remove_rules {
+        return match unbroken_control::agent::remove_rules(&cfg) {
+            Ok(()) => {
+                println!("unbroken agent: queue rules removed (the service is served unprotected)");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        };
+    }
     match unbroken_control::agent::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

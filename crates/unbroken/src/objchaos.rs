@@ -858,13 +858,6 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     // RSTs are counted over the whole run: one may reach a client between trials (a stale
     // server socket answering after the transfer ended).
     let rsts_at_start = env.client_rsts();
-    // UB_CHAOS_PCAP=1: tcpdump on the client's link (headers only) into the run's directory
-    // (kept with UNBROKEN_KEEP=1), to see what a long stall was waiting for.
-    let mut pcap = if std::env::var("UB_CHAOS_PCAP").is_ok_and(|v| v == "1") {
-        lab::spawn(env.lab.client(), Command::new("tcpdump").args(["-i", dev::CLIENT, "-s", "96", "-U", "-w"]).arg(env.dir.join("client.pcap")).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null())).ok()
-    } else {
-        None
-    };
     let mut rng = Rng::new(o.seed);
     let mut faults: Vec<FaultLog> = Vec::new();
     let mut transfers: Vec<TransferLog> = Vec::new();
@@ -891,11 +884,6 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
                 break;
             }
         }
-    }
-    if let Some(mut p) = pcap.take() {
-        // SAFETY: a signal to our own child (tcpdump flushes and exits on SIGINT).
-        unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
-        let _ = p.wait();
     }
     let (two, switches, frames) = {
         let l = capture.log.lock().unwrap();

@@ -58,10 +58,18 @@ pub struct ObjectEnv {
     redis: Option<Child>,
     nginx: Vec<Option<Child>>,
     agents: Vec<Option<Child>>,
+    /// `UNBROKEN_PCAP=1`: tcpdump on the client's link (headers only) into `dir/client.pcap`
+    /// (kept with `UNBROKEN_KEEP=1`), to see what a stall was waiting for.
+    pcap: Option<Child>,
 }
 
 impl Drop for ObjectEnv {
     fn drop(&mut self) {
+        if let Some(mut p) = self.pcap.take() {
+            // SAFETY: a signal to our own child (tcpdump flushes and exits on SIGINT).
+            unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+            let _ = p.wait();
+        }
         for c in self.agents.iter_mut().chain(self.nginx.iter_mut()).chain([&mut self.lb, &mut self.redis]).flatten() {
             let _ = c.kill();
             let _ = c.wait();
@@ -123,7 +131,11 @@ impl ObjectEnv {
         let docroot = dir.join("www");
         std::fs::create_dir_all(&docroot)?;
         let n = opts.servers;
-        let mut env = ObjectEnv { lab, dir, docroot, opts, lb: None, redis: None, nginx: (0..n).map(|_| None).collect(), agents: (0..n).map(|_| None).collect() };
+        let mut env = ObjectEnv { lab, dir, docroot, opts, lb: None, redis: None, nginx: (0..n).map(|_| None).collect(), agents: (0..n).map(|_| None).collect(), pcap: None };
+        if std::env::var("UNBROKEN_PCAP").is_ok_and(|v| v == "1") {
+            let client = env.lab.client().to_string();
+            env.pcap = lab::spawn(&client, Command::new("tcpdump").args(["-i", unbroken_lab::objlab::dev::CLIENT, "-s", "96", "-U", "-w"]).arg(env.dir.join("client.pcap")).stdout(Stdio::null()).stderr(Stdio::null())).ok();
+        }
         if env.opts.store {
             env.redis = Some(env.lab.start_redis(addr::REDIS_PORT)?);
         }
@@ -190,6 +202,12 @@ impl ObjectEnv {
     /// Restarts agent `i` alone (nginx keeps running): `sig` (SIGTERM, SIGKILL), a wait for
     /// its exit (bounded), then a new agent, returning once it is ready.
     pub fn restart_agent(&mut self, i: usize, sig: i32) -> io::Result<()> {
+        self.stop_agent(i, sig)?;
+        self.start_agent(i)
+    }
+
+    /// Stops agent `i` alone (nginx keeps running): `sig`, then a wait for its exit (bounded).
+    pub fn stop_agent(&mut self, i: usize, sig: i32) -> io::Result<()> {
         if let Some(mut c) = self.agents[i - 1].take() {
             // SAFETY: a signal to our own child.
             unsafe { libc::kill(c.id() as i32, sig) };
@@ -203,7 +221,7 @@ impl ObjectEnv {
                 std::thread::sleep(Duration::from_millis(2)); // polling a child's exit with a deadline
             }
         }
-        self.start_agent(i)
+        Ok(())
     }
 
     /// Starts agent `i` (its status file is removed first); returns once it printed ready.

@@ -74,6 +74,12 @@ pub struct AgentSection {
     /// Status JSON written every 500 ms.
     #[serde(default)]
     pub status_file: Option<PathBuf>,
+    /// The list of connections this agent rebuilt, kept for the next agent on this server
+    /// (their sockets die with this one; it rebuilds them from their records). Default: the
+    /// status file's path with `.rebuilt` appended; none without a status file (then a
+    /// restarted agent's predecessor's rebuilt connections are reset).
+    #[serde(default)]
+    pub rebuilt_file: Option<PathBuf>,
     /// Ask the clients of buckets that just moved here for an ACK instead of waiting for
     /// their retransmission timeout.
     #[serde(default = "default_true")]
@@ -258,6 +264,8 @@ pub struct AgentCounters {
     pub passed_local_socket: u64,
     /// Of those, learned unprotected: their record did not describe them.
     pub relearn_failed: u64,
+    /// Probes built from server packets of connections whose bucket was not known yet.
+    pub elicited: u64,
     /// Lookups of local sockets that failed (the packet then waits at the gate as before).
     pub sockdiag_errors: u64,
     /// Times the store became unreachable (each logged once, and its return too).
@@ -399,8 +407,23 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let mut injects: Vec<Vec<u8>> = Vec::new();
     let mut completions = Vec::new();
     let mut core = Core::new(engine, cfg.gate_open, a.probe);
+    let rebuilt_file = a.rebuilt_file.clone().or_else(|| {
+        a.status_file.as_ref().map(|p| {
+            let mut s = p.clone().into_os_string();
+            s.push(".rebuilt");
+            PathBuf::from(s)
+        })
+    });
+    if let Some(path) = &rebuilt_file {
+        let (keys, bad) = read_rebuilt(path);
+        if !keys.is_empty() || bad > 0 {
+            eprintln!("agent: {} connection(s) rebuilt by the previous agent ({}){}: rebuilt again from their records when their clients send", keys.len(), path.display(), if bad > 0 { format!(", {bad} unreadable line(s) skipped") } else { String::new() });
+        }
+        core.inherit(keys);
+    }
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
+        rebuilt_file,
         next_gen: std::sync::atomic::AtomicU64::new(1),
         kv: store.clone(),
         backend: cfg.backend,
@@ -464,7 +487,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         core.packets(now, lb, pkts.drain(..));
         drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
         // 2. the failover gate (TRODS section 5.1)
-        core.gate(now, lb, |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.owned_and_receiving())).map_err(|e| e.to_string()));
+        core.gate(now, lb, |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.serves_connection())).map_err(|e| e.to_string()));
         drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
         // 3. worker messages, store completions
         if ready[2] {
@@ -528,6 +551,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             c.failovers_denied = cc.failovers_denied;
             c.passed_local_socket = cc.passed_local_socket;
             c.relearn_failed = cc.relearn_failed;
+            c.elicited = cc.elicited;
             c.sockdiag_errors = cc.sockdiag_errors;
             c.muted = cc.muted;
             c.fenced_held = cc.fenced_held;
@@ -556,8 +580,11 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // would end the download, a RST the connection): in repair mode their close is silent, and
     // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
     let adopted = ctx.adopted.lock().unwrap();
+    if let Some(path) = &ctx.rebuilt_file {
+        write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
+    }
     if !adopted.is_empty() {
-        let failed = adopted.values().filter(|(_, fd)| repair::enter_repair(fd.as_raw_fd()).is_err()).count();
+        let failed = adopted.values().filter(|(_, fd, _)| repair::enter_repair(fd.as_raw_fd()).is_err()).count();
         eprintln!("agent: stopping: {} rebuilt connection(s) left silently{}", adopted.len(), if failed > 0 { format!(" ({failed} could not enter repair mode)") } else { String::new() });
     }
     drop(adopted);
@@ -634,6 +661,8 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
                 let ctx = ctx.clone();
                 std::thread::spawn(move || probe_buckets(ctx, buckets, skip));
             }
+            // Sent like the injected ACKs (after the verdicts, outside the queue).
+            Out::Elicit(pkt) => injects.push(pkt),
             Out::Log(line) => eprintln!("{line}"),
         }
     }
@@ -721,7 +750,9 @@ fn status_loop(
 struct WorkerCtx {
     /// Rebuilt sockets being served (with the generation of their worker), so a muted or
     /// superseded connection's worker can be stopped.
-    adopted: Mutex<HashMap<Key, (u64, std::os::fd::OwnedFd)>>,
+    adopted: Mutex<HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>>,
+    /// Where the list of rebuilt connections is kept across restarts (see [`save_rebuilt`]).
+    rebuilt_file: Option<std::path::PathBuf>,
     next_gen: std::sync::atomic::AtomicU64,
     kv: Arc<dyn KvStore>,
     backend: SocketAddr,
@@ -843,15 +874,67 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
     }
     let gen = ctx.next_gen.fetch_add(1, Ordering::Relaxed);
     if let Ok(dup) = sock.try_clone() {
-        ctx.adopted.lock().unwrap().insert(key, (gen, dup.into()));
+        let mut adopted = ctx.adopted.lock().unwrap();
+        adopted.insert(key, (gen, dup.into(), bucket));
+        save_rebuilt(&ctx, &adopted);
     }
     serve_recovered(&ctx, sock, &rec, &plan, key, gen);
     // Only this worker's entry: a silenced socket's entry is gone already, and a new failover
     // of the same connection may have put its own there.
     let mut adopted = ctx.adopted.lock().unwrap();
-    if adopted.get(&key).is_some_and(|(g, _)| *g == gen) {
+    if adopted.get(&key).is_some_and(|(g, _, _)| *g == gen) {
         adopted.remove(&key);
+        save_rebuilt(&ctx, &adopted);
     }
+}
+
+/// Keeps the list of connections this agent rebuilt in `rebuilt_file` (one line each: client,
+/// service, bucket or `-`), replaced atomically at every change: their sockets die with the
+/// agent, and the next agent on this server rebuilds them from their records
+/// ([`Core::inherit`]). Not rewritten once the agent is stopping (its workers end then, and
+/// their connections must stay listed).
+fn save_rebuilt(ctx: &WorkerCtx, adopted: &HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>) {
+    let Some(path) = &ctx.rebuilt_file else { return };
+    if STOP.load(Ordering::SeqCst) {
+        return;
+    }
+    write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
+}
+
+fn write_rebuilt(path: &std::path::Path, keys: impl Iterator<Item = (Key, Option<u16>)>) {
+    let mut text = String::new();
+    for (k, b) in keys {
+        text.push_str(&format!("{} {} {}\n", k.client, k.service, b.map_or("-".to_string(), |b| b.to_string())));
+    }
+    let tmp = path.with_extension("tmp");
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
+        eprintln!("agent: keeping the list of rebuilt connections in {}: {e}", path.display());
+    }
+}
+
+/// Reads [`write_rebuilt`]'s list (a missing file is an empty list; bad lines are skipped and
+/// counted in the returned error text).
+fn read_rebuilt(path: &std::path::Path) -> (Vec<(Key, Option<u16>)>, usize) {
+    let Ok(text) = std::fs::read_to_string(path) else { return (Vec::new(), 0) };
+    let mut bad = 0;
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut f = line.split_whitespace();
+        let parsed = (|| {
+            let client = f.next()?.parse().ok()?;
+            let service = f.next()?.parse().ok()?;
+            let bucket = match f.next()? {
+                "-" => None,
+                b => Some(b.parse().ok()?),
+            };
+            Some((Key { client, service }, bucket))
+        })();
+        match parsed {
+            Some(x) => out.push(x),
+            None => bad += 1,
+        }
+    }
+    (out, bad)
 }
 
 /// Stops the worker of a socket this agent rebuilt for `key`, if any: repair mode first, so
@@ -859,7 +942,10 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
 /// at once (tcp_close in repair mode); then shutdown, which wakes the worker (EPIPE, EOF) and
 /// makes it close the socket. Returns whether there was one.
 fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
-    let Some((_, fd)) = ctx.adopted.lock().unwrap().remove(key) else { return false };
+    let mut adopted = ctx.adopted.lock().unwrap();
+    let Some((_, fd, _)) = adopted.remove(key) else { return false };
+    save_rebuilt(ctx, &adopted);
+    drop(adopted);
     if let Err(e) = repair::enter_repair(fd.as_raw_fd()) {
         eprintln!("agent: silencing {}: {e}", key.client);
     }
@@ -869,7 +955,7 @@ fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
 
 /// Whether the worker of generation `gen` still serves `key` (it was not silenced).
 fn still_adopted(ctx: &WorkerCtx, key: &Key, gen: u64) -> bool {
-    ctx.adopted.lock().unwrap().get(key).is_some_and(|(g, _)| *g == gen)
+    ctx.adopted.lock().unwrap().get(key).is_some_and(|(g, _, _)| *g == gen)
 }
 
 /// Destroys the local TCP socket of `key` (`ss -K`, SOCK_DESTROY).
@@ -1144,7 +1230,7 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
             let Ok(Some(v)) = ctx.kv.get(&k) else { continue };
             let Ok(rec) = Record::decode(&v) else { continue };
             eprintln!("agent: probing {} (bucket {b})", conn.client);
-            if let Some(pkt) = probe_packet(&conn, &rec) {
+            if let Some(pkt) = crate::agentcore::probe_packet(&conn, &rec) {
                 if raw.send(&pkt).is_ok() {
                     ctx.shared.count(|c| c.probes_sent += 1);
                 }
@@ -1164,22 +1250,4 @@ fn parse_store_key(k: &[u8]) -> Option<Key> {
     let rest = s.split_once("/c/")?.1;
     let (client, service) = rest.split_once('/')?;
     Some(Key { client: client.parse().ok()?, service: service.parse().ok()? })
-}
-
-/// An ACK with the server's SYN sequence number (always old for the client, so answered with
-/// an ACK), acknowledging no more than the stored hold.
-fn probe_packet(key: &Key, rec: &Record) -> Option<Vec<u8>> {
-    use unbroken_wire::tcp::{flags, Repr};
-    use unbroken_wire::Seq;
-    let hs = rec.hs;
-    let r = Repr {
-        src_port: key.service.port(),
-        dst_port: key.client.port(),
-        seq: Seq(hs.iss),
-        ack: Seq(hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32)),
-        flags: flags::ACK,
-        window: 65535,
-        ..Default::default()
-    };
-    unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, &[]).ok()
 }

@@ -26,7 +26,7 @@ use crate::agent::store_key;
 use crate::lb::BucketView;
 use crate::store::{Op, OpKind};
 use std::collections::{HashMap, VecDeque};
-use unbroken_engines::trods::{Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict};
+use unbroken_engines::trods::{Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict, FAR_PAST_PROGRESS};
 
 /// How long a packet of an unknown connection waits for the LB's view to allow its failover
 /// (the kernel table can change a few ms before the news reaches the agent).
@@ -35,11 +35,13 @@ pub const GATE_WAIT_MS: u64 = 100;
 pub const FENCE_MAX_MS: u64 = 1000;
 /// Most server packets waiting for a lease.
 pub const FENCE_MAX_PACKETS: usize = 4096;
-/// For this long after the agent starts, every bucket it owns counts as just moved here (a
-/// failover candidate) and is probed: the agent does not know which connections its
-/// predecessor served with sockets it rebuilt (gone with it), whose clients may have nothing
-/// to send and would otherwise wait for good, or be reset by the kernel.
+/// For this long after the agent starts, the connections its predecessor had rebuilt
+/// ([`Core::inherit`]; their sockets died with it) are failover candidates in the buckets it
+/// owns, and their buckets are probed: their clients may have nothing to send and would
+/// otherwise wait for good, or be reset by the kernel.
 pub const RESTART_GRACE_MS: u64 = 30_000;
+/// A connection whose server packets wait for their bucket is probed at most this often.
+pub const ELICIT_EVERY_MS: u64 = 200;
 /// Refusals are remembered this long (a refused connection's packets pass to the kernel).
 const REFUSED_MS: u64 = 10_000;
 /// Housekeeping period.
@@ -119,6 +121,10 @@ pub enum Out {
     /// Look for records of these buckets (they just moved here) and elicit an ACK from each
     /// client, except the connections in `skip` (already known here).
     Probe { buckets: Vec<u16>, skip: Vec<Key> },
+    /// Send this probe to the client (outside the queue, unfenced: it is not the server's TCP
+    /// speaking, and the client's answer goes to whoever owns its bucket). See
+    /// [`elicit_packet`].
+    Elicit(Vec<u8>),
     /// A line for the log.
     Log(String),
 }
@@ -138,6 +144,8 @@ pub struct CoreCounters {
     pub fenced_held: u64,
     pub fenced_dropped: u64,
     pub store_submitted: u64,
+    /// Probes built from server packets waiting for their connection's bucket ([`Out::Elicit`]).
+    pub elicited: u64,
 }
 
 struct GateWait {
@@ -174,6 +182,10 @@ pub struct Core {
     probed_epoch: u32,
     /// When this core first ran (see [`RESTART_GRACE_MS`]).
     born: Option<u64>,
+    /// Connections the previous agent had rebuilt, not known here yet, with their buckets.
+    inherited: HashMap<Key, Option<u16>>,
+    /// When each connection whose server packets wait for their bucket was last elicited.
+    elicited: HashMap<Key, u64>,
     /// Probe retries due: (when, buckets).
     probe_retries: Vec<(u64, Vec<u16>)>,
     out: VecDeque<Out>,
@@ -201,6 +213,8 @@ impl Core {
             last_expire: 0,
             probed_epoch: 0,
             born: None,
+            inherited: HashMap::new(),
+            elicited: HashMap::new(),
             probe_retries: Vec::new(),
             out: VecDeque::new(),
             counters: CoreCounters::default(),
@@ -219,6 +233,16 @@ impl Core {
         } else {
             100
         }
+    }
+
+    /// The connections the previous agent of this server had rebuilt when it stopped (it
+    /// keeps their list in a file): their sockets died with it, silently. Within
+    /// [`RESTART_GRACE_MS`] a client packet of one of them in a bucket this server owns starts
+    /// a failover (from its record, as after a move), and their buckets are probed at the
+    /// first view. Any other unknown connection of a bucket that did not move waits at the
+    /// gate and is denied, as ever (TRODS section 5.1).
+    pub fn inherit(&mut self, keys: impl IntoIterator<Item = (Key, Option<u16>)>) {
+        self.inherited.extend(keys);
     }
 
     fn in_grace(&self, now: u64) -> bool {
@@ -314,8 +338,17 @@ impl Core {
                 // A connection this core never saw (it restarted under it): nobody can tell
                 // whose bucket it is until its client's next packet says so, and the lease may
                 // be another bucket's. Wait for that packet (the client of a live connection
-                // sends one within a round trip).
+                // sends one within a round trip), and ask for it: the client of a download
+                // whose next data waits here has nothing to send.
                 if self.unbucketed.len() < FENCE_MAX_PACKETS {
+                    if let Some(k) = key {
+                        let due = self.elicited.get(&k).is_none_or(|t| now.saturating_sub(*t) >= ELICIT_EVERY_MS);
+                        if let Some(e) = due.then(|| elicit_packet(&p.data)).flatten() {
+                            self.elicited.insert(k, now);
+                            self.counters.elicited += 1;
+                            self.out.push_back(Out::Elicit(e));
+                        }
+                    }
                     self.unbucketed.push(Fenced { since: now, p });
                     self.counters.fenced_held += 1;
                 } else {
@@ -394,9 +427,10 @@ impl Core {
                         false
                     }
                 };
-            // Just started: an owned bucket's connection that no local socket serves was
-            // served by a socket the previous agent rebuilt (gone with it).
-            let allowed = moved || (!local && self.in_grace(now) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b)));
+            // Just started: a connection the previous agent had rebuilt (its socket gone with
+            // it), in a bucket this server owns.
+            let inherited = !local && self.in_grace(now) && self.inherited.contains_key(&g.key) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b));
+            let allowed = moved || inherited;
             if local {
                 self.counters.passed_local_socket += 1;
                 let trigger = g.p.data.clone();
@@ -436,6 +470,22 @@ impl Core {
     pub fn adopted(&mut self, now: u64, key: Key, bucket: Option<u16>, rec: &Record, plan: &Plan) {
         self.engine.adopt(key, rec, plan, now);
         self.buckets.insert(key, bucket);
+        self.inherited.remove(&key);
+        // Server packets of this connection that waited for its bucket came from a socket
+        // the rebuilt one replaced (an orphan of the previous agent's, closing): never theirs
+        // to send now.
+        let mut gone = Vec::new();
+        self.unbucketed.retain(|f| {
+            let stale = Self::key_of(&f.p) == Some(key);
+            if stale {
+                gone.push(f.p.id);
+            }
+            !stale
+        });
+        for id in gone {
+            self.out.push_back(Out::Drop { id });
+            self.counters.fenced_dropped += 1;
+        }
         self.replay(now, key);
     }
 
@@ -503,6 +553,7 @@ impl Core {
 
     /// A worker gave up on `key`: its waiting packets go to the kernel (which resets it).
     pub fn refused(&mut self, now: u64, key: Key) {
+        self.inherited.remove(&key);
         let waiting = self.recovering.remove(&key).unwrap_or_default();
         if let Some(b) = waiting.iter().find_map(|p| p.bucket) {
             self.handed.insert(key, (now, Some(b)));
@@ -516,6 +567,14 @@ impl Core {
     /// A store operation completed.
     pub fn store_done(&mut self, token: u64, ok: bool) {
         self.engine.store_done(token, ok);
+    }
+
+    /// The owned buckets of inherited connections not known here yet.
+    fn inherited_buckets(&self, v: &BucketView) -> Vec<u16> {
+        let mut b: Vec<u16> = self.inherited.iter().filter(|(k, _)| !self.engine.knows(k)).filter_map(|(_, b)| *b).filter(|&b| v.owns(b)).collect();
+        b.sort_unstable();
+        b.dedup();
+        b
     }
 
     /// Probe `buckets`, skipping the connections this agent already knows.
@@ -543,6 +602,10 @@ impl Core {
             // client's SYN and the SYN-ACK, whose store needs it, and while muted).
             let engine = &self.engine;
             self.buckets.retain(|k, _| engine.tracks(k));
+            if !self.in_grace(now) {
+                self.inherited.clear();
+            }
+            self.elicited.retain(|_, t| now.saturating_sub(*t) < FENCE_MAX_MS);
             self.last_expire = now;
         }
         // Connections whose bucket the LB gave to another server while this one lives (it
@@ -571,7 +634,12 @@ impl Core {
         }
         if let (true, Some(v)) = (self.probe, lb.view()) {
             if v.epoch != self.probed_epoch {
-                // The first view after a start: every owned bucket (see RESTART_GRACE_MS).
+                // The first view after a start: every owned bucket. The connections of the
+                // local server's sockets are known again (protected from their records) only
+                // once their clients send, and a download's client may have nothing to send:
+                // its server's next segments wait for the bucket its packet names (they must
+                // not leave under another bucket's lease), so without a probe neither side
+                // would speak. The inherited connections' clients likewise.
                 let first = self.probed_epoch == 0;
                 self.probed_epoch = v.epoch;
                 let moved = if first { v.owned_buckets() } else { v.allowed_buckets() };
@@ -589,8 +657,8 @@ impl Core {
                 due.into_iter().map(|(_, b)| b).collect()
             };
             for buckets in due {
-                let grace = self.in_grace(now);
-                let still: Vec<u16> = buckets.into_iter().filter(|&b| v.owns(b) && (grace || v.allowed(b))).collect();
+                let inherited = if self.in_grace(now) { self.inherited_buckets(v) } else { Vec::new() };
+                let still: Vec<u16> = buckets.into_iter().filter(|&b| v.owns(b) && (v.allowed(b) || inherited.contains(&b))).collect();
                 if !still.is_empty() {
                     self.probe(still);
                 }
@@ -614,4 +682,74 @@ impl Core {
             self.out.push_back(Out::Inject(pkt));
         }
     }
+}
+
+/// A probe of a connection from its record: a segment the client answers with an ACK (which
+/// then starts the failover where the client's packets go), sent from the service address.
+///
+/// When the record bounds the client's receive point tightly enough, the probe carries one
+/// byte of data the client surely has already: the byte just before what it had acknowledged
+/// when the record was written (`acked_off`, or the start of the oldest response the record
+/// keeps, since every response before it was acknowledged in full; the SYN's sequence number
+/// when nothing was). Its value does not matter: the client discards it.
+/// Linux answers an old data segment with an ACK at once, every time; it answers a pure ACK
+/// out of the window at most once per 500 ms per connection (`net.ipv4.tcp_invalid_ratelimit`,
+/// `tcp_oow_rate_limited` skips data segments), which left a connection moved twice within
+/// 500 ms waiting for the next probe. The byte is old for the client only while its receive
+/// point is less than 2^31 past it: the receive point is at most `sent_off` plus
+/// [`FAR_PAST_PROGRESS`] plus one segment, so the bound is checked, and otherwise the probe is
+/// the pure ACK at the SYN's sequence number, old under any wrap (rate-limited).
+pub fn probe_packet(key: &Key, rec: &Record) -> Option<Vec<u8>> {
+    use unbroken_wire::tcp::{flags, Repr};
+    use unbroken_wire::Seq;
+    let hs = rec.hs;
+    let ack = Seq(hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32));
+    // Never `sent_off` itself: it counts bytes the engine held back (a response header
+    // waiting for its record), which the client may not have.
+    let known = rec.entries.first().map_or(0, |e| e.resp_off);
+    let low = rec.acked_off.max(known).min(rec.sent_off);
+    let high = rec.sent_off.saturating_add(FAR_PAST_PROGRESS + (64 << 10));
+    // The byte at offset low - 1 (the SYN's sequence number when low is 0).
+    let data = !rec.unprotected && high - low < (1 << 31) - (16 << 20);
+    let r = Repr {
+        src_port: key.service.port(),
+        dst_port: key.client.port(),
+        seq: Seq(if data { hs.iss.wrapping_add(low as u32) } else { hs.iss }),
+        ack,
+        flags: flags::ACK,
+        window: 65535,
+        ..Default::default()
+    };
+    unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, if data { &[0u8] } else { &[] }).ok()
+}
+
+/// A probe built from a server packet of a connection this core knows nothing about yet (no
+/// record, no bucket): one byte of data 2^30 sequence numbers before the packet's. The
+/// client's receive point lies between the server's unacknowledged and next byte, within one
+/// window (less than 2^30) of the packet's sequence number, so that byte is old for the client
+/// under any wrap, and Linux answers an old data segment with an ACK at once, every time (see
+/// [`probe_packet`]). Its ACK field is 2^30 before the server packet's, below anything the
+/// client has sent and not had acknowledged: never the server packet's own, which may
+/// acknowledge a request no record holds yet (the engine would have lowered it), and a client
+/// told so never sends that request again to a server that rebuilds the connection. Nothing for
+/// a SYN, RST or a packet without ACK (a client in SYN-SENT would answer with a RST).
+pub fn elicit_packet(server_pkt: &[u8]) -> Option<Vec<u8>> {
+    use unbroken_wire::tcp::{flags, Repr};
+    use unbroken_wire::Seq;
+    let (k, t) = Trigger::parse(server_pkt)?;
+    if t.flags & (flags::SYN | flags::RST) != 0 || t.flags & flags::ACK == 0 {
+        return None;
+    }
+    // Trigger::parse names the packet's source `client`: here the service.
+    let (service, client) = (k.client, k.service);
+    let r = Repr {
+        src_port: service.port(),
+        dst_port: client.port(),
+        seq: Seq(t.seq.wrapping_sub(1 << 30)),
+        ack: Seq(t.ack.wrapping_sub(1 << 30)),
+        flags: flags::ACK,
+        window: t.window,
+        ..Default::default()
+    };
+    unbroken_wire::ip::tcp_packet(service.ip(), client.ip(), &r, &[0u8]).ok()
 }

@@ -230,7 +230,7 @@ fn restart_a_local_socket_connection_is_protected_again_from_its_record() {
     let header = b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n".to_vec();
     let hl = header.len() as u32;
     let entry = Entry { req_off: 0, req_len: 50, resp_off: 0, status: 200, body_len: 10000, header, object_id: b"GET /x HTTP/1.1\r\n".to_vec(), ..Entry::default() };
-    let rec = Record { hs, hold_off: 0, sent_off: 3000, entries: vec![entry], unprotected: false };
+    let rec = Record { hs, hold_off: 0, sent_off: 3000, entries: vec![entry], ..Record::default() };
     // The server's socket sends on; the client's ACK names the bucket.
     let s1 = t.pkt(Dir::ToClient, 40010, S_ISN + 1 + 4000, C_ISN + 51, F::ACK, &[7u8; 1000]);
     let c1 = t.pkt(Dir::FromClient, 40010, C_ISN + 51, S_ISN + 1 + 2500, F::ACK, b"");
@@ -418,7 +418,7 @@ fn a_waiting_packet_acknowledging_beyond_the_plan_rebuilds_from_its_ack() {
     let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
     let header = b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n".to_vec();
     let entry = Entry { req_off: 0, req_len: 50, resp_off: 0, status: 200, body_len: 10000, header, object_id: b"GET /x HTTP/1.1\r\n".to_vec(), ..Entry::default() };
-    let rec = Record { hs, hold_off: 0, sent_off: 5000, entries: vec![entry], unprotected: false };
+    let rec = Record { hs, hold_off: 0, sent_off: 5000, entries: vec![entry], ..Record::default() };
     let (seq, ack1, ack2) = (C_ISN + 51, S_ISN + 1 + 1000, S_ISN + 1 + 3000);
     let id1 = t.pkt(Dir::FromClient, 40007, seq, ack1, F::ACK, b"");
     t.tick(false);
@@ -472,34 +472,91 @@ fn server_packets_of_a_connection_of_unknown_bucket_wait_for_its_client() {
     assert!(t.dropped(d));
 }
 
-/// Just after a start, an owned bucket's connection that no local socket serves was served by
-/// a socket the previous agent rebuilt (gone with it, silently): it starts a failover from its
-/// record instead of reaching the kernel (a RST), and every owned bucket is probed once the
-/// first view arrives, so a client with nothing to send is heard from. After the grace, the
-/// same packet waits at the gate and is denied.
+/// Just after a start, a connection the previous agent had rebuilt (listed for this one: its
+/// socket died with it, silently) starts a failover from its record when its client sends,
+/// in a bucket this server owns, instead of reaching the kernel (a RST); its bucket is probed
+/// at the first view, since its client may have nothing to send. Any other unknown
+/// connection of a bucket that did not move still waits at the gate and is denied (a bogus
+/// ACK costs no store lookup), and so does an inherited one after the grace.
 #[test]
-fn restart_grace_owned_buckets_are_failover_candidates_and_probed() {
+fn restart_inherited_rebuilt_connections_are_failover_candidates_and_probed() {
     let mut t = T::restarted();
-    t.view = Some(view(1, &[B, 9], &[]));
+    t.core.inherit([(key(40011), Some(B)), (key(40013), Some(9))]);
+    t.view = Some(view(1, &[B, 9, 12], &[]));
     t.tick(false);
     let probed: Vec<Vec<u16>> = t.take().into_iter().filter_map(|o| if let Out::Probe { buckets, .. } = o { Some(buckets) } else { None }).collect();
-    assert_eq!(probed, vec![vec![B, 9]], "every owned bucket probed at the first view");
+    assert_eq!(probed, vec![vec![B, 9, 12]], "every owned bucket probed at the first view");
     let id = t.pkt(Dir::FromClient, 40011, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
     t.tick(false);
     assert!(t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40011))), "a failover within the grace");
     assert!(!t.accepted(id));
-    // Retries of the first probe still cover the owned buckets within the grace.
     t.take();
-    t.now += unbroken_control::agentcore::PROBE_RETRY_MS[0];
+    // Another unknown connection of the same bucket: the gate as ever.
+    let other = t.pkt(Dir::FromClient, 40012, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
     t.tick(false);
-    assert!(t.take().iter().any(|o| matches!(o, Out::Probe { buckets, .. } if buckets == &vec![B, 9])));
-    // Past the grace: the same kind of packet is denied after the gate's wait.
-    t.now = 1000 + RESTART_GRACE_MS;
-    let id = t.pkt(Dir::FromClient, 40012, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
-    t.tick(false);
-    assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40012))));
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { .. })), "not inherited: no failover");
     t.now += GATE_WAIT_MS;
     t.tick(false);
-    assert!(t.accepted(id), "denied: to the kernel");
+    assert!(t.accepted(other), "denied: to the kernel");
     assert_eq!(t.core.counters.failovers_denied, 1);
+    // Retries of the first probe cover the buckets of inherited connections not known yet.
+    t.take();
+    t.now = 1000 + unbroken_control::agentcore::PROBE_RETRY_MS[0];
+    t.tick(false);
+    let retried: Vec<Vec<u16>> = t.take().into_iter().filter_map(|o| if let Out::Probe { buckets, .. } = o { Some(buckets) } else { None }).collect();
+    assert_eq!(retried, vec![vec![B, 9]], "only the buckets of inherited connections not known yet (not 12)");
+    // Past the grace an inherited connection is like any other.
+    t.now = 1000 + RESTART_GRACE_MS;
+    let late = t.pkt(Dir::FromClient, 40013, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40013))));
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    assert!(t.accepted(late));
+}
+
+/// Probes: one byte of data the client surely has (answered by Linux every time, unlike a
+/// pure ACK out of the window, answered at most once per 500 ms), placed just before what the
+/// record says the client acknowledged; a pure ACK at the SYN's sequence number when the
+/// record cannot bound the client's receive point within 2^31 (a byte there could be new data
+/// for the client after a wrap of a large object), or for a tombstone.
+#[test]
+fn probes_carry_an_old_byte_only_where_the_record_proves_it_old() {
+    use unbroken_wire::ip::IpInfo;
+    use unbroken_wire::tcp::Packet as Tcp;
+    let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
+    let probe = |rec: &Record| -> (u32, u32, usize) {
+        let p = unbroken_control::agentcore::probe_packet(&key(40020), rec).unwrap();
+        let info = IpInfo::parse(&p).unwrap();
+        let t = Tcp::new_checked(&p[info.l4_offset..info.l4_offset + info.l4_len]).unwrap();
+        assert!(t.verify_checksum(info.pseudo_sum(info.l4_len)));
+        let r = Repr::parse(&t).unwrap();
+        assert_eq!((r.src_port, r.dst_port, r.flags), (80, 40020, F::ACK));
+        (r.seq.0, r.ack.0, info.l4_len - r.header_len())
+    };
+    let header = b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n".to_vec();
+    let entry = |resp_off: u64| Entry { req_off: 0, req_len: 50, resp_off, status: 200, body_len: 100_000_000, header: header.clone(), ..Entry::default() };
+    // Acknowledged 5000 bytes: the byte at offset 4999, sequence number ISS + 1 + 4999.
+    let r = Record { hs, hold_off: 50, sent_off: 9000, acked_off: 5000, entries: vec![entry(0)], ..Record::default() };
+    assert_eq!(probe(&r), (S_ISN + 5000, C_ISN + 51, 1));
+    // An older record (acked_off unknown): the start of its oldest response, here a second
+    // response after a first one of 700 bytes, acknowledged in full.
+    let r = Record { hs, hold_off: 50, sent_off: 9000, acked_off: 0, entries: vec![entry(700)], ..Record::default() };
+    assert_eq!(probe(&r), (S_ISN + 700, C_ISN + 51, 1));
+    // Nothing known acknowledged: the SYN's sequence number, with the byte.
+    let r = Record { hs, sent_off: 9000, entries: vec![entry(0)], ..Record::default() };
+    assert_eq!(probe(&r), (S_ISN, C_ISN + 1, 1));
+    // No entries: sent_off is no proof (it counts held bytes): the SYN's number.
+    let r = Record { hs, sent_off: 9000, ..Record::default() };
+    assert_eq!(probe(&r).0, S_ISN);
+    // 1.9 GiB sent, nothing known acknowledged: the receive point may be 2^31 past the SYN,
+    // so no byte, a pure ACK at the SYN's sequence number.
+    let r = Record { hs, sent_off: 19 << 27, entries: vec![entry(0)], ..Record::default() };
+    assert_eq!(probe(&r), (S_ISN, C_ISN + 1, 0));
+    // ... but with the client's acknowledgement close behind, the byte again (any wrap).
+    let r = Record { hs, sent_off: 5 << 32, acked_off: (5 << 32) - 1000, entries: vec![entry(0)], ..Record::default() };
+    assert_eq!(probe(&r), (S_ISN.wrapping_add(((5u64 << 32) - 1000) as u32), C_ISN + 1, 1));
+    // A tombstone: the pure ACK.
+    let r = Record { hs, sent_off: 9000, acked_off: 5000, unprotected: true, ..Record::default() };
+    assert_eq!(probe(&r).2, 0);
 }

@@ -643,6 +643,8 @@ struct Server {
     agent: Option<Agent>,
     /// An agent restart in progress: the new agent starts at this time.
     restart_at: Option<u64>,
+    /// The connections the stopped agent had rebuilt (its list file), for the next one.
+    rebuilt: Vec<(Key, Option<u16>)>,
     hb_loss_until: u64,
 }
 
@@ -1021,7 +1023,7 @@ impl Sim {
         for _ in 0..NSRV {
             let host = HostModel::new(sim.rng.next());
             let agent = sim.new_agent();
-            sim.srv.push(Server { host: Some(host), agent: Some(agent), restart_at: None, hb_loss_until: 0 });
+            sim.srv.push(Server { host: Some(host), agent: Some(agent), restart_at: None, rebuilt: Vec::new(), hb_loss_until: 0 });
         }
         sim
     }
@@ -1315,11 +1317,14 @@ impl Sim {
         while let Some(o) = agent.core.poll() {
             outs.push(o);
         }
-        if self.verbose && agent.core.engine.counters.held != held0 {
+        if self.verbose {
             for (id, d) in &copies {
                 let decided = outs.iter().any(|o| matches!(o, Out::Accept { id: i, .. } | Out::Drop { id: i } if i == id));
-                if !decided {
+                let dropped = outs.iter().any(|o| matches!(o, Out::Drop { id: i } if i == id));
+                if !decided && agent.core.engine.counters.held != held0 {
                     self.note(format!("srv{s} waits (held or fenced): {}", describe(d)));
+                } else if dropped {
+                    self.note(format!("srv{s} drops: {}", describe(d)));
                 }
             }
         }
@@ -1330,7 +1335,8 @@ impl Sim {
         // 2: the gate; sock_diag is answered from the TCP model.
         {
             let host = self.srv[s].host.as_ref().unwrap();
-            agent.core.gate(now, lb!(), |k| Ok(host.conns.get(k).is_some_and(|c| !c.done() && !c.syn_rcvd)));
+            // sock_diag: established, close-wait or a request socket (SYN-RECV).
+            agent.core.gate(now, lb!(), |k| Ok(host.conns.get(k).is_some_and(|c| !c.done())));
         }
         self.drive(s, &mut agent);
         // 3: workers, store completions
@@ -1408,6 +1414,12 @@ impl Sim {
                 Out::Probe { buckets, skip } => {
                     let at = self.now + self.store.latency(&mut self.rng).unwrap_or(0);
                     agent.probes.push((at, buckets, skip));
+                }
+                Out::Elicit(pkt) => {
+                    // A probe: exempt from the one-sender rule (not the server's TCP).
+                    self.report.probes += 1;
+                    self.note(format!("srv{s} elicit {}", describe(&pkt)));
+                    self.send_client_path(true, pkt);
                 }
                 Out::Log(l) => self.note(format!("srv{s} {l}")),
             }
@@ -1624,9 +1636,7 @@ impl Sim {
             if skip.iter().any(|k| k.client.port() == port) {
                 continue;
             }
-            let hs = rec.hs;
-            let r = Repr { src_port: 80, dst_port: port, seq: Seq(hs.iss), ack: Seq(hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32)), flags: F::ACK, window: 65535, ..Default::default() };
-            let pkt = build(VIP, CLIENT_IP, r, &[]);
+            let Some(pkt) = unbroken_control::agentcore::probe_packet(&key_of_port(port), &rec) else { continue };
             self.report.probes += 1;
             self.note(format!("srv{s} probe {}", describe(&pkt)));
             self.send_client_path(true, pkt);
@@ -1664,7 +1674,22 @@ impl Sim {
                 if self.srv[s].host.is_none() || self.srv[s].agent.is_none() {
                     return;
                 }
-                // SIGTERM: rebuilt sockets enter repair mode and close silently.
+                // SIGTERM: rebuilt sockets enter repair mode and close silently; their list
+                // stays for the next agent.
+                let rebuilt: Vec<(Key, Option<u16>)> = {
+                    let agent = self.srv[s].agent.as_ref().unwrap();
+                    self.srv[s].host.as_ref().unwrap().conns.iter().filter(|(_, c)| c.adopted).map(|(k, _)| (*k, agent.core.bucket(k))).collect()
+                };
+                self.srv[s].rebuilt = rebuilt;
+                // A connection the old engine had unprotected (a store failure) stays so: its
+                // record may be stale, the new agent learns it unprotected at best.
+                let unprotected: Vec<u16> = {
+                    let engine = &self.srv[s].agent.as_ref().unwrap().core.engine;
+                    self.clients.iter().map(|c| c.port).filter(|&p| engine.is_protected(&key_of_port(p)) == Some(false)).collect()
+                };
+                for p in unprotected {
+                    self.excuse(p, &format!("server {s}'s agent restarted under it while its engine had it unprotected"));
+                }
                 self.srv[s].host.as_mut().unwrap().conns.retain(|_, c| !c.adopted);
                 // The kernel's own sockets carry on (their packets dropped while no agent reads
                 // the queue); the new core protects them again from their records, or learns
@@ -1761,15 +1786,17 @@ impl Sim {
     }
 
     /// Linux checks a segment's sequence number before its ACK (tcp_validate_incoming): an
-    /// old-sequence segment is answered with a duplicate ACK (at most every 500 ms,
-    /// tcp_invalid_ratelimit) even when its ACK field is older than SND.UNA, where smoltcp
-    /// stays silent ("duplicate ACK"). A probe of a record whose handshake is unknown (a
-    /// tombstone) is such a segment. Emulated here with the client's latest ACK.
+    /// old-sequence segment is answered with a duplicate ACK even when its ACK field is older
+    /// than SND.UNA, where smoltcp stays silent ("duplicate ACK"); a pure ACK at most every
+    /// 500 ms (tcp_invalid_ratelimit), a data segment every time (`tcp_oow_rate_limited` skips
+    /// data), where smoltcp limits its challenge ACKs to one a second. Probes are such
+    /// segments. Emulated here with the client's latest ACK.
     fn linux_dupack(&mut self, pkt: &[u8]) {
         let Some(seg) = parse(pkt) else { return };
-        if !seg.payload.is_empty() || seg.flags & (F::SYN | F::RST | F::FIN) != 0 || seg.flags & F::ACK == 0 {
+        if seg.flags & (F::SYN | F::RST | F::FIN) != 0 || seg.flags & F::ACK == 0 {
             return;
         }
+        let data = !seg.payload.is_empty();
         let Some(ci) = self.client_idx(seg.dst_port) else { return };
         let now = self.now;
         let c = &mut self.clients[ci];
@@ -1779,11 +1806,13 @@ impl Sim {
         // SND.UNA..=SND.NXT): smoltcp drops it silently, Linux answers.
         let out_of_window = seg.seq.wrapping_sub(l.ack) >= (l.window as u32).max(1);
         let ack_taken = seg.ack.wrapping_sub(c.snd_una) <= l.seq.wrapping_sub(c.snd_una);
-        if c.outcome != Outcome::Running || !out_of_window || ack_taken || now < c.dupack_at {
+        if c.outcome != Outcome::Running || !out_of_window || (ack_taken && !data) || (now < c.dupack_at && !data) {
             return;
         }
         let _ = at;
-        c.dupack_at = now + 500;
+        if !data {
+            c.dupack_at = now + 500;
+        }
         self.note(format!("client (Linux dupack to an old segment) {}", describe(&last)));
         self.send_client_path(false, last);
     }
@@ -1925,7 +1954,8 @@ impl Sim {
         for s in 0..NSRV {
             if self.srv[s].restart_at.is_some_and(|t| t <= now) && self.srv[s].host.is_some() {
                 self.srv[s].restart_at = None;
-                let a = self.new_agent();
+                let mut a = self.new_agent();
+                a.core.inherit(std::mem::take(&mut self.srv[s].rebuilt));
                 self.srv[s].agent = Some(a);
                 self.note(format!("srv{s} agent started again"));
             }

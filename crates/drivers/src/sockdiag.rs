@@ -19,6 +19,10 @@ const SOCK_DIAG_BY_FAMILY: u16 = 20;
 /// `TCP_ESTABLISHED` and `TCP_CLOSE_WAIT` (`include/net/tcp_states.h`).
 pub const TCP_ESTABLISHED: u8 = 1;
 pub const TCP_CLOSE_WAIT: u8 = 8;
+/// A request socket: the server answered the SYN, the client's ACK has not arrived.
+pub const TCP_SYN_RECV: u8 = 3;
+/// A request socket as newer kernels report it.
+pub const TCP_NEW_SYN_RECV: u8 = 12;
 const TCP_LISTEN: u8 = 10;
 const REQ_LEN: usize = 56;
 const MSG_LEN: usize = 72;
@@ -37,6 +41,14 @@ impl SockInfo {
     /// its side (close-wait). An orphan (its process closed it, or died) is not.
     pub fn owned_and_receiving(&self) -> bool {
         self.inode != 0 && matches!(self.state, TCP_ESTABLISHED | TCP_CLOSE_WAIT)
+    }
+
+    /// A socket the local server will serve the connection with: an owned one that still
+    /// receives, one waiting in its listener's accept queue (no process yet: inode 0), or a
+    /// request socket whose handshake the client's next packet completes. An orphan (closing:
+    /// FIN-WAIT, LAST-ACK, CLOSING, TIME-WAIT) is not.
+    pub fn serves_connection(&self) -> bool {
+        matches!(self.state, TCP_ESTABLISHED | TCP_CLOSE_WAIT | TCP_SYN_RECV | TCP_NEW_SYN_RECV)
     }
 }
 
@@ -184,7 +196,11 @@ mod tests {
         let mut d = SockDiag::open().unwrap();
         let got = d.lookup(s.local_addr().unwrap(), peer).unwrap().unwrap();
         assert_eq!(got.state, TCP_ESTABLISHED);
-        assert!(got.inode != 0 && got.owned_and_receiving(), "{got:?}");
+        assert!(got.inode != 0 && got.owned_and_receiving() && got.serves_connection(), "{got:?}");
+        // A connection in the accept queue: no process owns it yet, the server will serve it.
+        let c2 = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let queued = d.lookup(l.local_addr().unwrap(), c2.local_addr().unwrap()).unwrap().unwrap();
+        assert!(queued.inode == 0 && !queued.owned_and_receiving() && queued.serves_connection(), "{queued:?}");
         let mut other = peer;
         other.set_port(if peer.port() == 1 { 2 } else { 1 });
         assert_eq!(d.lookup(s.local_addr().unwrap(), other).unwrap(), None);

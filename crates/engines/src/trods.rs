@@ -167,6 +167,12 @@ impl Entry {
     }
 }
 
+/// Most server stream bytes a connection may send past its last stored progress mark
+/// (`Record::sent_off`); further segments wait for the next store. Keeps a record's mark close
+/// enough to place the client's 32-bit ACK, and bounds where the client's receive point can be
+/// for whoever reads the record: at most this far past `sent_off`, plus one segment.
+pub const FAR_PAST_PROGRESS: u64 = 3 << 29;
+
 /// What the store holds for one connection.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Record {
@@ -176,6 +182,10 @@ pub struct Record {
     pub hold_off: u64,
     /// Server stream offset sent when this record was written (places 32-bit ACKs).
     pub sent_off: u64,
+    /// Server stream offset the client had acknowledged when this record was written (0:
+    /// unknown, e.g. a record of an older version). With `sent_off` it bounds where the
+    /// client's receive point can be, which a probe needs (see the agent's `probe_packet`).
+    pub acked_off: u64,
     /// Responses not yet known to be fully acknowledged, in order.
     pub entries: Vec<Entry>,
     /// A tombstone: the connection stopped being protected (e.g. a chunked response). A new
@@ -191,7 +201,8 @@ impl Record {
         let mut b = Vec::with_capacity(64 + self.entries.iter().map(|e| 64 + e.header.len() + e.object_id.len()).sum::<usize>());
         b.extend_from_slice(MAGIC);
         let h = &self.hs;
-        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2 | (self.unprotected as u8) << 3;
+        // Bit 4: `acked_off` follows `sent_off` (records without it decode with 0).
+        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2 | (self.unprotected as u8) << 3 | 1 << 4;
         b.push(fl);
         b.extend_from_slice(&h.client_mss.to_be_bytes());
         b.push(h.client_ws.unwrap_or(0));
@@ -200,6 +211,7 @@ impl Record {
         b.extend_from_slice(&h.irs.to_be_bytes());
         b.extend_from_slice(&self.hold_off.to_be_bytes());
         b.extend_from_slice(&self.sent_off.to_be_bytes());
+        b.extend_from_slice(&self.acked_off.to_be_bytes());
         b.extend_from_slice(&(self.entries.len() as u16).to_be_bytes());
         for e in &self.entries {
             b.extend_from_slice(&e.req_off.to_be_bytes());
@@ -241,6 +253,7 @@ impl Record {
         };
         let hold_off = r.u64()?;
         let sent_off = r.u64()?;
+        let acked_off = if fl & 16 != 0 { r.u64()? } else { 0 };
         let n = r.u16()? as usize;
         let mut entries = Vec::with_capacity(n.min(64));
         for _ in 0..n {
@@ -274,6 +287,7 @@ impl Record {
             hs,
             hold_off,
             sent_off,
+            acked_off,
             entries,
             unprotected: fl & 8 != 0,
         })
@@ -1191,7 +1205,7 @@ impl Engine {
         let c = self.conns.get_mut(&key).unwrap();
         // Does this packet wait for a store? Its own new entry, an unfinished header, the
         // progress mark too far behind, or an earlier held packet (order is kept).
-        let far = c.sent_next.saturating_sub(c.progress_stored) > 3 << 29;
+        let far = c.sent_next.saturating_sub(c.progress_stored) > FAR_PAST_PROGRESS;
         let need = if c.degraded {
             // Nothing waits for a store that failed, except what would run too far past the
             // stale record's progress mark before its tombstone is stored.
@@ -1261,6 +1275,7 @@ impl Engine {
             hs: c.hs,
             hold_off: c.hold_off(),
             sent_off: c.sent_next,
+            acked_off: c.client_acked,
             entries: c.entries.iter().cloned().collect(),
             unprotected: false,
         };
@@ -1448,7 +1463,7 @@ impl Engine {
         if c.deleting.is_some() || !c.stale_record || c.muted {
             return;
         }
-        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_next, entries: Vec::new(), unprotected: true };
+        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_next, acked_off: c.client_acked, entries: Vec::new(), unprotected: true };
         let token = self.token(key);
         self.counters.stores += 1;
         self.conns.get_mut(&key).unwrap().deleting = Some(token);
@@ -1579,7 +1594,7 @@ impl Engine {
         self.conns.insert(key, c);
         self.counters.learned += 1;
         self.counters.unprotected += 1;
-        let rec = Record { hs: Handshake::default(), hold_off: 0, sent_off: 0, entries: Vec::new(), unprotected: true };
+        let rec = Record { hs: Handshake::default(), hold_off: 0, sent_off: 0, acked_off: 0, entries: Vec::new(), unprotected: true };
         let token = self.token(key);
         self.counters.stores += 1;
         self.conns.get_mut(&key).unwrap().deleting = Some(token);

@@ -1169,3 +1169,27 @@ fn keepalive_after_failover_the_answered_request_is_acknowledged_at_once() {
     assert_eq!(plan2.rcv_nxt, cs((REQ.len() + req2.len()) as u32));
     assert_eq!(plan2.skip_client, 0);
 }
+
+/// Records carry what the client had acknowledged when they were written (for probes), and
+/// records written without it (bit 4 of the flags clear) still decode, with 0.
+#[test]
+fn records_carry_the_clients_acknowledgement_and_old_records_decode() {
+    let mut t = T::new();
+    let _ = first_exchange(&mut t);
+    // The client acknowledges 1234 bytes, then the whole response; each change of the
+    // response list is stored with the acknowledgement it came with.
+    assert_eq!(t.c(cs(0), ss(1234), F::ACK, b""), Verdict::Accept { modified: false });
+    let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
+    let hl = HDR.len() as u32;
+    assert_eq!(t.c(cs(0), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    let stored2: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
+    assert_eq!(stored2.last().map(|r| (r.acked_off, r.entries.len())), Some(((hl + 3000) as u64, 0)), "{stored:?} {stored2:?}");
+    let rec = Record { acked_off: 1234, sent_off: 5000, hold_off: 3, ..record_with_download() };
+    let enc = rec.encode();
+    assert_eq!(Record::decode(&enc).unwrap(), rec);
+    // The same record as the previous version wrote it: no bit 4, no acked_off field.
+    let mut old = enc.clone();
+    old[4] &= !16;
+    old.drain(4 + 1 + 2 + 1 + 1 + 4 + 4 + 8 + 8..4 + 1 + 2 + 1 + 1 + 4 + 4 + 8 + 8 + 8);
+    assert_eq!(Record::decode(&old).unwrap(), Record { acked_off: 0, ..rec });
+}

@@ -284,7 +284,11 @@ impl Detector {
         }
         let s = &self.srv[i];
         let dead_for = s.downs.last().map_or(silence, |&t| now.saturating_sub(t));
-        if now.saturating_sub(since) < self.hold_ms(i, now) {
+        // The hold keeps a flapping server from taking connections back and forth while
+        // others serve them; with no other server alive it would only leave every bucket
+        // without an owner, so the returning server is taken at once.
+        let others_alive = self.srv.iter().enumerate().any(|(j, o)| j != i && o.alive);
+        if others_alive && now.saturating_sub(since) < self.hold_ms(i, now) {
             return None;
         }
         Some(self.set_alive(i, true, dead_for, now))
@@ -305,8 +309,10 @@ impl Detector {
         // Common mode: when every live server is overdue at once, the silence is most likely
         // this balancer's own (its host stalled, its heartbeat network, its socket), and if it
         // is not, no server is left to take over anyway. Nobody is declared dead; the agents'
-        // leases run out meanwhile, so nobody sends unfenced either.
-        if !overdue.is_empty() && overdue.len() == alive.len() && alive.len() > 1 {
+        // leases run out meanwhile, so nobody sends unfenced either. Unless a returning
+        // server is heard meanwhile: then the balancer hears fine, and that server takes over.
+        let returning_heard = self.srv.iter().any(|s| !s.alive && s.returning_since.is_some() && now < s.last_ms.saturating_add(dead_after));
+        if !overdue.is_empty() && overdue.len() == alive.len() && alive.len() > 1 && !returning_heard {
             self.common_mode_stalls += 1;
         } else if !overdue.is_empty() {
             // Decide the deaths of one tick together, so that no bucket moves to a server
@@ -632,6 +638,38 @@ mod tests {
     }
 
     #[test]
+    fn the_only_server_beating_is_taken_without_its_revive_hold() {
+        // Server 2 flaps four times (its hold grows to 8 s), then returns while 0 and 1 serve;
+        // 0 and 1 fall silent and die during its hold: it is taken at once instead of
+        // leaving every bucket without an owner.
+        let c = cfg();
+        let mut d = Detector::new(c.clone(), home(&c), 0).unwrap();
+        run(&mut d, 0, 1000, &[]);
+        let mut t = 1000;
+        for _ in 0..4 {
+            run(&mut d, t, t + 200, &[2]);
+            t += 200;
+            while !d.alive(2) {
+                run(&mut d, t, t + 5, &[]);
+                t += 5;
+            }
+        }
+        run(&mut d, t, t + 200, &[2]);
+        t += 200;
+        assert!(!d.alive(2));
+        run(&mut d, t, t + 50, &[]);
+        t += 50;
+        assert!(d.server(2, t).returning_hold_left_ms.is_some_and(|h| h > 2000), "{:?}", d.server(2, t));
+        let start = t;
+        while !d.alive(2) && t < start + 2000 {
+            run(&mut d, t, t + 5, &[0, 1]);
+            t += 5;
+        }
+        assert!(d.alive(2) && !d.alive(0) && !d.alive(1), "server 2 alive at {t}: {}", d.alive(2));
+        assert!(t <= start + c.dead_after_ms + 20, "taken {} ms after the others fell silent", t - start);
+    }
+
+    #[test]
     fn a_flapping_server_waits_longer_each_time() {
         let c = cfg();
         let mut d = Detector::new(c.clone(), home(&c), 0).unwrap();
@@ -666,14 +704,16 @@ mod tests {
         let ev = run(&mut d, 2200, 2400, &[0, 1]);
         assert!(ev.iter().any(|e| e.server == 0 && !e.alive), "{ev:?}");
         assert!(d.applied_table().1.iter().all(|&o| o == 0), "nobody to move them to");
-        // Its first beat: the buckets it kept are listed and allowed at once (the LB sends
-        // their clients to it during the revive hold too).
-        assert!(d.heartbeat(0, 1, 2400).is_none(), "the revive hold");
+        // Its first beat: with no other server alive there is no revive hold (it would only
+        // leave every bucket without a live owner); the buckets it kept are listed and
+        // allowed at once.
+        let up = d.heartbeat(0, 1, 2400).expect("alive at once: nobody else is");
+        assert!(up.alive);
         let g = d.grant(0, 2400);
         assert_eq!(owned(&g), vec![0, 1, 2, 3]);
-        assert_eq!(g.allowed, g.owned, "during the hold");
-        let ev = run(&mut d, 2405, 3000, &[1]);
-        assert!(ev.iter().any(|e| e.server == 0 && e.alive), "{ev:?}");
+        assert_eq!(g.allowed, g.owned, "its connections died with it: they may fail over");
+        run(&mut d, 2405, 3000, &[1]);
+        assert!(d.alive(0));
         let g = d.grant(0, 3000);
         assert_eq!(owned(&g), vec![0, 1, 2, 3]);
         assert_eq!(g.allowed, g.owned, "its connections died with it: they may fail over");

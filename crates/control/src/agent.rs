@@ -266,6 +266,8 @@ pub struct AgentCounters {
     pub relearn_failed: u64,
     /// Probes built from server packets of connections whose bucket was not known yet.
     pub elicited: u64,
+    /// Local server sockets destroyed because their connection's bucket went to another server.
+    pub muted_destroyed: u64,
     /// Lookups of local sockets that failed (the packet then waits at the gate as before).
     pub sockdiag_errors: u64,
     /// Times the store became unreachable (each logged once, and its return too).
@@ -650,8 +652,15 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
             }
             Out::Silence { key } => {
                 // A socket this agent rebuilt: stop its worker (whatever the socket still
-                // sends is dropped: muted).
-                let _ = silence_adopted(ctx, &key);
+                // sends is dropped: muted). The local server's own socket: destroy it (its RST
+                // goes through the queue, where the muted entry drops it). Left alive it would
+                // retransmit for minutes after its muted entry expired, long after its client
+                // finished with the server that took the connection over, and the client's
+                // answers would draw RSTs from there (the object chaos demo counted one).
+                if !silence_adopted(ctx, &key) {
+                    ctx.shared.count(|c| c.muted_destroyed += 1);
+                    std::thread::spawn(move || destroy_socket(&key));
+                }
             }
             Out::Store(op) => {
                 let _ = store.submit(op);

@@ -1398,11 +1398,19 @@ impl Sim {
                     agent.workers.push(Worker { key, bucket, trigger, relearn: true, started: self.now, at: self.now, stage: WStage::Get });
                 }
                 Out::Supersede { key } | Out::Silence { key } => {
+                    let silence = matches!(o, Out::Silence { .. });
                     if let Some(h) = self.srv[s].host.as_mut() {
                         if h.conns.get(&key).is_some_and(|c| c.adopted) {
                             // Repair mode, then close: silent.
                             h.conns.remove(&key);
                             self.note(format!("srv{s} rebuilt socket of {} stopped silently", key.client.port()));
+                        } else if silence {
+                            // The local server's socket: destroyed (`ss -K`); its RST goes
+                            // through the queue, where the muted entry drops it.
+                            if let Some(c) = h.conns.remove(&key) {
+                                h.emit(key.client.port(), c.seq0.wrapping_add(c.nxt as u32), c.rcv_nxt, F::RST | F::ACK, &[], None);
+                                self.note(format!("srv{s} local socket of {} destroyed (muted)", key.client.port()));
+                            }
                         }
                     }
                 }

@@ -878,7 +878,11 @@ impl Engine {
                     let (mss, ws, sack, ts) = syn_options(pkt);
                     self.counters.syns += 1;
                     if let Some(c) = self.conns.get(&key) {
-                        if c.hs.irs == seq {
+                        // A retransmitted SYN of a live connection changes nothing. Of a muted
+                        // one (its bucket went elsewhere during the handshake and came back),
+                        // it starts the connection here afresh: the muted entry would drop
+                        // every answer of the server's new socket (its old one was destroyed).
+                        if c.hs.irs == seq && !c.muted {
                             return Verdict::Accept { modified: false };
                         }
                         self.forget(key, true);

@@ -1193,3 +1193,30 @@ fn records_carry_the_clients_acknowledgement_and_old_records_decode() {
     old.drain(4 + 1 + 2 + 1 + 1 + 4 + 4 + 8 + 8..4 + 1 + 2 + 1 + 1 + 4 + 4 + 8 + 8 + 8);
     assert_eq!(Record::decode(&old).unwrap(), Record { acked_off: 0, ..rec });
 }
+
+/// A connection muted during its handshake (its bucket went to another server before the
+/// client's ACK) whose client retransmits its SYN once the bucket is back: the SYN starts the
+/// connection afresh, and the server's answers (from a new socket: the old one was destroyed)
+/// reach the client instead of being dropped by the muted entry.
+#[test]
+fn a_retransmitted_syn_of_a_muted_connection_starts_it_afresh() {
+    let mut t = T::new();
+    let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN), flags: F::SYN, window: 64240, mss: Some(1400), ..Default::default() };
+    assert_eq!(t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b"")).0, Verdict::Accept { modified: false });
+    let sa = Repr { src_port: 80, dst_port: 40000, seq: Seq(S_ISN), ack: Seq(cs(0)), flags: F::SYN | F::ACK, window: 65160, mss: Some(1460), ..Default::default() };
+    assert_eq!(t.send(Dir::ToClient, build(s_ip(), c_ip(), sa, b"")).0, Verdict::Accept { modified: false });
+    t.store_all();
+    assert!(t.e.mute(key()));
+    // The same SYN again: the muted entry is gone, the new socket's SYN-ACK and data pass.
+    assert_eq!(t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b"")).0, Verdict::Accept { modified: false });
+    let new_isn = S_ISN.wrapping_add(777_777);
+    let sa2 = Repr { seq: Seq(new_isn), ..sa };
+    assert_eq!(t.send(Dir::ToClient, build(s_ip(), c_ip(), sa2, b"")).0, Verdict::Accept { modified: false });
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!(t.c(cs(0), new_isn.wrapping_add(1), F::ACK | F::PSH, REQ), Verdict::Accept { modified: false });
+    let (v, _) = t.send(Dir::ToClient, from_s(new_isn.wrapping_add(1), cs(REQ.len() as u32), F::ACK, b""));
+    assert_ne!(v, Verdict::Accept { modified: false }, "the request's ACK is held back as on any new connection, not passed by a stale entry");
+    // A retransmitted SYN of a live connection still changes nothing.
+    assert_eq!(t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b"")).0, Verdict::Accept { modified: false });
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+}

@@ -30,10 +30,15 @@ const CLIENT_PY: &str = include_str!("keepalive_client.py");
 /// store round trips (under 1 ms each; about 1 ms seen) and reads follow each other within
 /// milliseconds; the client with Nagle on also waits for its own delayed-ACK timer (40 ms,
 /// 43 to 48 ms seen: the hold moves only after the client's ACK of the previous response,
-/// see docs/architecture.md). 150 ms leaves a loaded two-core machine three times that and
-/// still catches any wait for a retransmission. The whole transfer is only logged: a 10 MiB body's
-/// time depends on the machine's load, not on this bug.
+/// see docs/architecture.md). A wait longer than 150 ms fails the test when the client's TCP
+/// retransmitted meanwhile (`tcpi_total_retrans`: it waited for its timer), or when it lasts
+/// `GROSS_MS` whatever the cause; a slow first byte without a retransmission is a loaded
+/// machine (162 ms was seen once in a fresh-clone CI run next to other builds), logged only.
+/// The whole transfer is only logged: a 10 MiB body's time depends on the machine's load, not
+/// on this bug.
 const BOUND_MS: f64 = 150.0;
+/// A wait this long fails the test even without a retransmission.
+const GROSS_MS: f64 = 1000.0;
 
 #[derive(Debug)]
 struct Res {
@@ -46,6 +51,8 @@ struct Res {
     why: String,
     /// The client read this body slowly on purpose: its time is the pacing's.
     paced: bool,
+    /// Segments the client's TCP retransmitted during this request.
+    retrans: u64,
 }
 
 /// Runs the client in the client namespace against `host`; returns its results.
@@ -83,6 +90,7 @@ fn run_client(env: &ObjectEnv, host: &str) -> Vec<Res> {
             ok: r["ok"].as_bool().unwrap_or(false),
             why: r["why"].as_str().unwrap_or("").into(),
             paced: r["paced"].as_bool().unwrap_or(false),
+            retrans: r["retrans"].as_u64().unwrap_or(u64::MAX),
         })
         .collect()
 }
@@ -198,11 +206,17 @@ fn keepalive_consecutive_and_pipelined_no_stall() {
     for r in &prot {
         assert!(r.ok, "{NAME}: {} {}: {}", r.conn, r.what, r.why);
     }
+    // A wait for a retransmission: over BOUND_MS with the client's TCP retransmitting
+    // meanwhile; or over GROSS_MS at all.
+    let waited = |ms: f64, r: &Res| ms >= GROSS_MS || (ms >= BOUND_MS && r.retrans > 0);
     for r in &prot {
-        assert!(r.ttfb_ms < BOUND_MS, "{NAME}: {} {}: first byte after {:.1} ms (bound {BOUND_MS} ms): a wait for a retransmission", r.conn, r.what, r.ttfb_ms);
+        if r.ttfb_ms >= BOUND_MS {
+            eprintln!("{NAME}: {} {}: first byte after {:.1} ms, {} retransmission(s) by the client", r.conn, r.what, r.ttfb_ms, r.retrans);
+        }
+        assert!(!waited(r.ttfb_ms, r), "{NAME}: {} {}: first byte after {:.1} ms with {} retransmission(s) by the client: a wait for a retransmission", r.conn, r.what, r.ttfb_ms, r.retrans);
     }
     for r in prot.iter().filter(|r| !r.paced) {
-        assert!(r.gap_ms < BOUND_MS, "{NAME}: {} {}: a {:.1} ms wait inside the response (bound {BOUND_MS} ms): a wait for a retransmission", r.conn, r.what, r.gap_ms);
+        assert!(!waited(r.gap_ms, r), "{NAME}: {} {}: a {:.1} ms wait inside the response with {} retransmission(s) by the client: a wait for a retransmission", r.conn, r.what, r.gap_ms, r.retrans);
     }
     assert_eq!(e("unprotected"), 0, "{NAME}: a connection went unprotected");
     // Counted apart: an RST on the unprotected connections is nginx's business, not ours.

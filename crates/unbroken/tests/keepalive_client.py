@@ -6,13 +6,14 @@ usage: keepalive_client.py HOST DOCROOT
 Prints one JSON object: {"results": [...]} where each result is {"conn", "what", "ok", "why",
 "ms" (send to last byte), "ttfb_ms" (send, or for a pipelined response the previous one's last
 byte, to first byte), "gap_ms" (longest wait between two reads of the response), "paced" (the client read this body slowly on purpose: its gaps are its
-own)}. Bodies are compared with the files
+own), "retrans" (segments the client's TCP retransmitted meanwhile: tcpi_total_retrans)}. Bodies are compared with the files
 in DOCROOT byte for byte. The order of requests is fixed: every run sends the same bytes.
 """
 import http.client
 import json
 import os
 import socket
+import struct
 import sys
 import time
 
@@ -39,13 +40,24 @@ def expected(name, method, rng):
     return 206, (b"" if method == "HEAD" else data[a:b + 1])
 
 
-def record(conn, what, t0, ok, why="", first=None, gap=0.0, since=None):
+def total_retrans(sock):
+    """tcpi_total_retrans of a connected socket (struct tcp_info, offset 100); 0 without one."""
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 100)[0]
+    except OSError:
+        return 0
+
+
+def record(conn, what, t0, ok, why="", first=None, gap=0.0, since=None, retrans=0):
     """`since`: when the client started waiting for this response's first byte (its write,
     or for a pipelined response the previous response's last byte); `t0` by default."""
     ms = lambda d: round(d * 1000, 3)  # noqa: E731
     results.append({"conn": conn, "what": what, "ms": ms(time.monotonic() - t0),
                     "ttfb_ms": ms((first if first is not None else time.monotonic()) - (since or t0)),
-                    "gap_ms": ms(gap), "ok": ok, "why": why, "paced": "(slow reader)" in what})
+                    "gap_ms": ms(gap), "ok": ok, "why": why, "paced": "(slow reader)" in what,
+                    "retrans": retrans})
 
 
 def range_header(rng):
@@ -90,6 +102,7 @@ def httpclient_run(conn_name, steps):
         what = "%s /%s%s%s" % (method, name, "" if rng is None else " " + range_header(rng), " (slow reader)" if slow else "")
         headers = {} if rng is None else {"Range": range_header(rng)}
         t0 = time.monotonic()
+        r0 = total_retrans(c.sock)
         try:
             c.request(method, "/" + name, headers=headers)
             r = c.getresponse()
@@ -99,13 +112,14 @@ def httpclient_run(conn_name, steps):
             record(conn_name, what, t0, False, "exception: %r" % e)
             c.close()
             return
+        rt = total_retrans(c.sock) - r0
         status, want = expected(name, method, rng)
         if r.status != status:
-            record(conn_name, what, t0, False, "status %d, expected %d" % (r.status, status), first, gap)
+            record(conn_name, what, t0, False, "status %d, expected %d" % (r.status, status), first, gap, retrans=rt)
         elif body != want:
-            record(conn_name, what, t0, False, "body of %d bytes differs (expected %d)" % (len(body), len(want)), first, gap)
+            record(conn_name, what, t0, False, "body of %d bytes differs (expected %d)" % (len(body), len(want)), first, gap, retrans=rt)
         else:
-            record(conn_name, what, t0, True, "", first, gap)
+            record(conn_name, what, t0, True, "", first, gap, retrans=rt)
     c.close()
 
 
@@ -171,6 +185,7 @@ def raw_run(conn_name, batches, nodelay):
         return
     for batch in batches:
         t0 = time.monotonic()
+        r0 = total_retrans(s.s)
         s.s.sendall(b"".join(req_bytes(*x) for x in batch))
         since = t0
         for method, name, rng in batch:
@@ -183,13 +198,14 @@ def raw_run(conn_name, batches, nodelay):
                 record(conn_name, what, t0, False, "exception: %r" % e)
                 s.s.close()
                 return
+            rt = total_retrans(s.s) - r0
             status, want = expected(name, method, rng)
             if st != status:
-                record(conn_name, what, t0, False, "status %d, expected %d" % (st, status), first, gap, since)
+                record(conn_name, what, t0, False, "status %d, expected %d" % (st, status), first, gap, since, rt)
             elif body != want:
-                record(conn_name, what, t0, False, "body of %d bytes differs (expected %d)" % (len(body), len(want)), first, gap, since)
+                record(conn_name, what, t0, False, "body of %d bytes differs (expected %d)" % (len(body), len(want)), first, gap, since, rt)
             else:
-                record(conn_name, what, t0, True, "", first, gap, since)
+                record(conn_name, what, t0, True, "", first, gap, since, rt)
             since = s.last
     s.s.close()
 

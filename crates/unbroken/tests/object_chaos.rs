@@ -5,9 +5,7 @@
 //! connection may see two servers sending in one epoch, and every fault must have landed
 //! mid-transfer (checked from the bytes each client had when it hit).
 //!
-//! Ignored until the defects it finds are fixed (it passed at 65ce173 and at 3d7a20d with
-//! seed 3; with seed 3 after the whole-run RST count an RST from a stale socket reached
-//! wget's finished connection). The seed is fixed (so a failure replays with `unbroken demo object --chaos 3 --seed 3`);
+//! The seed is fixed (so a failure replays with `unbroken demo object --chaos 3 --seed 3`);
 //! `UB_CHAOS_SEED` picks another one.
 //!
 //! Needs root; without it the test prints why and passes without running (fails instead with
@@ -17,7 +15,6 @@ use std::path::PathBuf;
 use unbroken::objchaos::{run_chaos, ChaosOpts};
 
 #[test]
-#[ignore = "open: fails on real defects the chaos runs found (docs/benchmarks.md, Object chaos: RSTs from stale server sockets after a transfer, hangs when flap damping holds back the only live server, agent restarts leave connections unprotected); run with --ignored"]
 fn object_chaos_three_trials() {
     if !unbroken_lab::lab::lab_or_skip("object_chaos_three_trials") {
         return;

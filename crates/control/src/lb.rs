@@ -158,7 +158,7 @@ pub const MAX_BUCKETS: u16 = 4096;
 /// Default heartbeat interval of an agent ([`HeartbeatClient`]).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
 /// Default silence after which a server is declared dead (the paper's 25 ms).
-pub const DEFAULT_DEAD_AFTER_MS: u64 = 100;
+pub const DEFAULT_DEAD_AFTER_MS: u64 = 150;
 /// Default window after an owner change during which the new owner may start failover.
 pub const DEFAULT_FAILOVER_WINDOW_S: u64 = 60;
 /// Default time a never-heard server counts as alive after the balancer starts.

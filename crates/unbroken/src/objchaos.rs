@@ -7,7 +7,8 @@
 //! * `crash`: power loss of a live server (one serving a client when there is one); at least
 //!   one server always stays alive;
 //! * `revive`: a server crashed earlier in the trial boots again (after the LB declared it dead);
-//! * `false_suspicion`: the LB namespace drops one live server's heartbeats for 150-300 ms
+//! * `false_suspicion`: the LB namespace drops one live server's heartbeats for 50-200 ms past
+//!   the LB's deadline (`dead_after_ms`)
 //!   (an iptables rule, removed afterwards); its agent keeps running;
 //! * `store_blip`: Redis is SIGSTOPped for 100-500 ms, then SIGCONTed;
 //! * `agent_restart`: SIGTERM or SIGKILL to one agent, then a new agent (nginx keeps running).
@@ -749,7 +750,9 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
                     env.revive(server).map_err(|e| format!("revive {server}: {e}")).and_then(|_| wait_heard(env, server, Duration::from_secs(10)))
                 }
                 "false_suspicion" => {
-                    let d = rng.range(150, 300);
+                    // Past the LB's deadline, so the LB does declare the server dead.
+                    let dead = unbroken_control::lb::DEFAULT_DEAD_AFTER_MS;
+                    let d = rng.range(dead + 50, dead + 200);
                     detail = format!("heartbeats dropped {d} ms");
                     suspected.push(target);
                     iptables_heartbeats(env, target, "-I").and_then(|_| {

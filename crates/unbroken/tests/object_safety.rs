@@ -1502,6 +1502,39 @@ fn agent_down_past_the_lb_deadline_during_a_download() {
     eprintln!("{name}: ok; {}", counters(&env));
 }
 
+/// A stopped agent (SIGTERM) leaves its queue rules, so the service's packets are dropped, not
+/// answered by the kernel, until an agent reads the queue again; `unbroken agent --config F
+/// --remove-rules` removes them, and refuses while an agent reads the queue.
+#[test]
+fn stopped_agent_leaves_its_rules_until_removed() {
+    let name = "agent_rules_left";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let ns = env.lab.server(1).to_string();
+    let chains = |ns: &str| -> usize {
+        let out = lab::run(ns, Command::new("iptables").args(["-t", "mangle", "-S"])).expect("iptables");
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("-N UNBROKEN-A")).count()
+    };
+    let remove = |env: &ObjectEnv| {
+        lab::run(&ns, Command::new(env!("CARGO_BIN_EXE_unbroken")).args(["agent", "--config"]).arg(env.dir.join("agent1.toml")).arg("--remove-rules")).expect("unbroken agent --remove-rules")
+    };
+    assert_eq!(chains(&ns), 1, "{name}: the running agent's chain");
+    let busy = remove(&env);
+    assert!(!busy.status.success(), "{name}: --remove-rules must refuse while the agent runs: {}", String::from_utf8_lossy(&busy.stdout));
+    assert!(String::from_utf8_lossy(&busy.stderr).contains("in use"), "{name}: {}", String::from_utf8_lossy(&busy.stderr));
+    assert_eq!(chains(&ns), 1, "{name}: a refused removal removed nothing");
+    env.stop_agent(1, libc::SIGTERM).expect("stop");
+    assert_eq!(chains(&ns), 1, "{name}: the stopped agent's rules stay");
+    let log = std::fs::read_to_string(env.dir.join("agent1.log")).unwrap_or_default();
+    assert!(log.contains("queue rules left in place"), "{name}: the agent said nothing: {log}");
+    let done = remove(&env);
+    assert!(done.status.success(), "{name}: --remove-rules: {}", String::from_utf8_lossy(&done.stderr));
+    assert_eq!(chains(&ns), 0, "{name}: the rules are gone");
+    // And the next agent installs them again.
+    env.start_agent(1).expect("start");
+    assert_eq!(chains(&ns), 1, "{name}: the new agent's chain");
+}
+
 /// Issue 8 item 7: a store outage degrades a connection to unprotected (counted, logged once)
 /// and protection re-arms when the store answers again, so a death after the outage is a
 /// failover, not a reset. One kept-alive connection of a plain Rust client: Range GET A; Redis

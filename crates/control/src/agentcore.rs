@@ -152,6 +152,9 @@ struct GateWait {
     key: Key,
     p: Pkt,
     since: u64,
+    /// Whether a socket of the local server owns the address pair (looked up once, when the
+    /// view first says this server owns the packet's bucket).
+    local: Option<bool>,
 }
 
 struct Fenced {
@@ -388,7 +391,7 @@ impl Core {
                     return;
                 };
                 self.out.push_back(Out::Supersede { key: k });
-                self.gate_wait.push(GateWait { key: k, since: now, p });
+                self.gate_wait.push(GateWait { key: k, since: now, p, local: None });
             }
         }
     }
@@ -401,7 +404,7 @@ impl Core {
         }
         let view = lb.view();
         let mut keep = Vec::new();
-        for g in std::mem::take(&mut self.gate_wait) {
+        for mut g in std::mem::take(&mut self.gate_wait) {
             if let Some(r) = self.recovering.get_mut(&g.key) {
                 r.push(g.p);
                 continue;
@@ -416,17 +419,29 @@ impl Core {
             // it stands: protected again from it, or known unprotected from now on (never held
             // at the gate again). In a moved bucket a local socket is a stale one (from before
             // the bucket went elsewhere and came back): the failover destroys it.
-            let local = !moved
-                && g.since == now
-                && !self.engine.tracks(&g.key)
-                && match local_socket(&g.key) {
+            //
+            // Only once the view says this server owns the bucket: the LB moves a bucket in its
+            // table before the new owner's view shows it, so a client packet can arrive here
+            // while the view still names another owner; if that bucket comes back from a
+            // stand-in, the local socket is a stale one (the stand-in served the connection
+            // meanwhile), and learning the connection back from it would leave the client
+            // acknowledging bytes that socket never sent: a hang. The packet waits for the view
+            // instead, which shows the bucket moved here (a failover) within a heartbeat.
+            let owned_here = match lb {
+                LbView::NoLb => true,
+                _ => matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b)),
+            };
+            if g.local.is_none() && !moved && owned_here && !self.engine.tracks(&g.key) {
+                g.local = Some(match local_socket(&g.key) {
                     Ok(owned) => owned,
                     Err(e) => {
                         self.counters.sockdiag_errors += 1;
                         self.out.push_back(Out::Log(format!("agent: sock_diag lookup of {}: {e}", g.key.client)));
                         false
                     }
-                };
+                });
+            }
+            let local = !moved && owned_here && g.local == Some(true) && !self.engine.tracks(&g.key);
             // Just started: a connection the previous agent had rebuilt (its socket gone with
             // it), in a bucket this server owns.
             let inherited = !local && self.in_grace(now) && self.inherited.contains_key(&g.key) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b));
@@ -533,7 +548,7 @@ impl Core {
                 // silent for good (object sim seed 15223: a hang).
                 Verdict::Unknown => {
                     self.out.push_back(Out::Supersede { key });
-                    self.gate_wait.push(GateWait { key, since: now, p });
+                    self.gate_wait.push(GateWait { key, since: now, p, local: None });
                 }
                 Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
                 Verdict::Held => {

@@ -560,3 +560,46 @@ fn probes_carry_an_old_byte_only_where_the_record_proves_it_old() {
     let r = Record { hs, sent_off: 9000, acked_off: 5000, unprotected: true, ..Record::default() };
     assert_eq!(probe(&r).2, 0);
 }
+
+/// A bucket handed back to this server after a stand-in served it (this agent was down past
+/// the LB's deadline): the LB moves the bucket in its table before this server's view shows
+/// it, so the client's packet can arrive while the view still names another owner. The local
+/// socket is then a stale one (the stand-in sent on meanwhile): it must not be learned back
+/// (the client would acknowledge bytes it never sent: a hang). The packet waits for the view,
+/// which shows the bucket moved here, and the failover rebuilds the connection.
+#[test]
+fn restart_a_stale_local_socket_in_a_bucket_handed_back_is_rebuilt_not_learned() {
+    let mut t = T::restarted();
+    t.view = Some(view(1, &[], &[]));
+    t.tick(true);
+    t.take();
+    let id = t.pkt(Dir::FromClient, 40020, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(true);
+    assert!(t.relearns().is_empty(), "learned back while the view names another owner: {:?}", t.outs);
+    assert!(!t.accepted(id) && !t.dropped(id), "the packet waits for the view");
+    t.now += GATE_WAIT_MS / 2;
+    t.view = Some(view(2, &[B], &[B]));
+    t.tick(true);
+    assert!(t.relearns().is_empty(), "{:?}", t.outs);
+    let fo = t.outs.iter().filter(|o| matches!(o, Out::Failover { key: k, bucket: Some(B), .. } if *k == key(40020))).count();
+    assert_eq!(fo, 1, "the bucket moved here: rebuilt from its record: {:?}", t.outs);
+    assert_eq!(t.core.counters.passed_local_socket, 0);
+}
+
+/// Just started, no view yet: a local socket's connection is learned back once the first view
+/// says this server owns its bucket (and did not just get it).
+#[test]
+fn restart_a_local_socket_connection_waits_for_the_first_view() {
+    let mut t = T::restarted();
+    t.view = None;
+    let id = t.pkt(Dir::FromClient, 40021, C_ISN + 100, S_ISN + 5000, F::ACK, b"");
+    t.tick(true);
+    assert!(t.relearns().is_empty() && !t.accepted(id), "{:?}", t.outs);
+    t.now += 5;
+    t.view = Some(view(1, &[B], &[]));
+    t.tick(true);
+    let r = t.relearns();
+    assert_eq!(r.len(), 1, "{:?}", t.outs);
+    assert_eq!((r[0].0, r[0].1), (key(40021), Some(B)));
+    assert_eq!(t.core.counters.passed_local_socket, 1);
+}

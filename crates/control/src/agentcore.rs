@@ -569,6 +569,10 @@ impl Core {
     /// A worker gave up on `key`: its waiting packets go to the kernel (which resets it).
     pub fn refused(&mut self, now: u64, key: Key) {
         self.inherited.remove(&key);
+        // A connection this server left muted when its bucket went away (its socket was
+        // destroyed) and that nobody could rebuild: the kernel's RST to the client's packets
+        // is its only visible end, which the muted entry would drop (sim seeds 136, 5515).
+        self.engine.forget_muted(&key);
         let waiting = self.recovering.remove(&key).unwrap_or_default();
         if let Some(b) = waiting.iter().find_map(|p| p.bucket) {
             self.handed.insert(key, (now, Some(b)));
@@ -638,7 +642,15 @@ impl Core {
                 self.owner_epoch = v.epoch;
                 let moved: Vec<(Key, u16)> = self.buckets.iter().filter_map(|(k, b)| b.filter(|&b| !v.owns(b)).map(|b| (*k, b))).collect();
                 for (k, b) in moved {
-                    if self.engine.knows(&k) && self.engine.mute(k) {
+                    // A handshake in progress too (sim seed 13544): the client's retransmitted
+                    // SYN sets the connection up at the new owner, and when the bucket comes
+                    // back the local request socket, its ISN unknown to the client, would take
+                    // the client's packets (Linux answers them with a RST) instead of a failover.
+                    let pending = self.engine.handshake_pending(&k);
+                    if pending {
+                        self.engine.mute_or_insert(k, now);
+                    }
+                    if pending || (self.engine.knows(&k) && self.engine.mute(k)) {
                         self.out.push_back(Out::Silence { key: k });
                         self.out.push_back(Out::Log(format!("agent: {} moved to another server (bucket {b}): muted", k.client)));
                         self.counters.muted += 1;

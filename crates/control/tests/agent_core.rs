@@ -603,3 +603,59 @@ fn restart_a_local_socket_connection_waits_for_the_first_view() {
     assert_eq!((r[0].0, r[0].1), (key(40021), Some(B)));
     assert_eq!(t.core.counters.passed_local_socket, 1);
 }
+
+/// A connection muted when its bucket left (its local socket destroyed), whose bucket comes
+/// back and whose failover is refused (no usable record): nobody serves it, and the kernel's
+/// RST to the client's packet is its visible end. The muted entry used to drop that RST: the
+/// client hung (object sim seeds 136, 5515).
+#[test]
+fn a_refused_failover_of_a_muted_connection_lets_the_kernels_reset_out() {
+    let mut t = T::new();
+    t.connect(40010);
+    t.view = Some(view(2, &[], &[]));
+    t.now += 1;
+    t.tick(false);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Silence { key: k } if *k == key(40010))));
+    t.take();
+    // The bucket comes back: the client's packet starts a failover (no local socket).
+    t.view = Some(view(3, &[B], &[B]));
+    t.now += 300;
+    let id = t.pkt(Dir::FromClient, 40010, C_ISN + 1, S_ISN + 5000, F::ACK, b"");
+    t.tick(false);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40010))));
+    t.core.refused(t.now, key(40010));
+    t.collect();
+    assert!(t.accepted(id), "refused: the trigger goes to the kernel");
+    t.take();
+    let rst = t.pkt(Dir::ToClient, 40010, S_ISN + 5000, 0, F::RST, b"");
+    assert!(t.accepted(rst), "the kernel's RST reaches the client");
+}
+
+/// A handshake in progress (the client's SYN seen, no SYN-ACK yet) when its bucket leaves is
+/// muted like a connection: the local request socket is destroyed, and its late SYN-ACK never
+/// leaves. When the bucket comes back, the client's packet (the handshake completed with the
+/// new owner meanwhile) starts a failover instead of reaching the stale request socket, whose
+/// ISN the client never saw (Linux would answer it with a RST; object sim seed 13544: a hang).
+#[test]
+fn a_pending_handshake_whose_bucket_leaves_is_muted_and_failed_over_when_it_returns() {
+    let mut t = T::new();
+    let syn = t.pkt(Dir::FromClient, 40011, C_ISN, 0, F::SYN, b"");
+    assert!(t.accepted(syn));
+    t.take();
+    t.view = Some(view(2, &[], &[]));
+    t.now += 1;
+    t.tick(false);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Silence { key: k } if *k == key(40011))), "the request socket is destroyed");
+    t.take();
+    let sa = t.pkt(Dir::ToClient, 40011, S_ISN, C_ISN + 1, F::SYN | F::ACK, b"");
+    assert!(!t.accepted(sa), "the stale SYN-ACK never leaves");
+    t.take();
+    t.view = Some(view(3, &[B], &[B]));
+    t.now += 300;
+    let id = t.pkt(Dir::FromClient, 40011, C_ISN + 1, S_ISN + 777_000, F::ACK, b"");
+    // sock_diag still lists a socket (the destroy raced the packet): the view moved the
+    // bucket here, so this is a failover, not the local socket's packet.
+    t.tick(true);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40011))), "{:?}", t.outs);
+    assert!(!t.accepted(id));
+}

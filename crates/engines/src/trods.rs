@@ -1568,11 +1568,29 @@ impl Engine {
         true
     }
 
-    /// Make sure `key` is muted, inserting a muted placeholder when it is unknown: the agent
-    /// does this before destroying a stale local socket of the connection, whose RST must
-    /// never leave.
+    /// Forgets `key` if its entry is muted (the agent's failover of it was refused where its
+    /// bucket is owned now: nobody serves the connection, and the kernel's answer, a RST, must
+    /// reach the client instead of being dropped as a stale socket's). Returns whether it did.
+    pub fn forget_muted(&mut self, key: &Key) -> bool {
+        if !self.conns.get(key).is_some_and(|c| c.muted) {
+            return false;
+        }
+        self.release_all(*key);
+        self.conns.remove(key);
+        true
+    }
+
+    /// Whether `key` is only a client SYN waiting for the server's SYN-ACK (no connection yet).
+    pub fn handshake_pending(&self, key: &Key) -> bool {
+        self.syns.contains_key(key) && !self.conns.contains_key(key)
+    }
+
+    /// Make sure `key` is muted, inserting a muted placeholder when it is unknown (or only a
+    /// pending handshake): the agent does this before destroying a stale local socket of the
+    /// connection (a request socket included), whose RST or SYN-ACK must never leave.
     pub fn mute_or_insert(&mut self, key: Key, now: u64) {
         if !self.conns.contains_key(&key) {
+            self.syns.remove(&key);
             let mut c = Conn::new(Handshake::default(), now);
             c.protected = false;
             c.ack_limit = None;

@@ -59,6 +59,9 @@ pub struct Counters {
     pub recovered_from_peer_ack: u64,
     pub pending_without_checkpoint: u64,
     pub bogus_flags: u64,
+    /// I0: packets from the peer on a connection whose state was lost (a restart, an
+    /// eviction), turned into an ACK-eliciting probe for the application's TCP.
+    pub peer_without_state: u64,
     pub commands: u64,
     pub commands_answered: u64,
     pub acks_injected: u64,
@@ -187,6 +190,7 @@ impl Core {
             Event::RecoveredFromPeerAck => c.recovered_from_peer_ack += 1,
             Event::PendingWithoutCheckpoint => c.pending_without_checkpoint += 1,
             Event::BogusFlags => c.bogus_flags += 1,
+            Event::PeerWithoutState => c.peer_without_state += 1,
         }
     }
 

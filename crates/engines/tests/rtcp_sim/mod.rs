@@ -456,6 +456,12 @@ pub struct Report {
     /// segments meet A's RSTs, which O1 drops). A known gap of that rule, accepted like
     /// `filter_restart_before_first_tell` and counted.
     pub adopt_declined: bool,
+    /// *B* acknowledged one byte more than *A* ever produced, the FIN of an earlier
+    /// incarnation (a TELL said so, or the filter's ackB at a stall). The new socket's FIN then lies one past *B*'s
+    /// acknowledgments, and *A*, waiting for its output to be acknowledged before close(),
+    /// may wait forever: the known gap of `known_gap_peer_acks_old_fin_after_tell` (sim.rs).
+    /// A stall after it is reported, not failed.
+    pub peer_acked_old_fin: bool,
     /// B's stack was left in LAST-ACK after its application closed (see `Sim::b_step`).
     pub b_stuck_in_last_ack: bool,
     /// Packets that had crossed when A's first TELL was answered.
@@ -1310,10 +1316,12 @@ impl<X: Filter> Sim<X> {
                         // Reconnected: TELL; delivered = ackB - ackB0 (mod 2^32, unwrapped near
                         // what was sent).
                         let r = self.command(Op::Tell, 0, None);
-                        if r.flags & ctl::flag::RECOVERABLE == 0 {
+                        let both = ctl::flag::RECOVERABLE | ctl::flag::ACK_ALLOWED;
+                        if r.flags & both != both {
                             // The filter lost the connection again between the SYN-ACK and the
-                            // TELL (its O6 reset for this socket is on the way): as the SDK's
-                            // `recover` (NotRecoverable), start over.
+                            // TELL (its O6 reset for this socket is on the way; a restarted one
+                            // may have relearned ackB from B, never the checkpoint): as the
+                            // SDK's `recover` (NotRecoverable), start over.
                             self.note("A: TELL says not recoverable: recovering again".into());
                             self.rep.resets_seen += 1;
                             self.a_recover(pre_accept);
@@ -1334,6 +1342,9 @@ impl<X: Filter> Sim<X> {
                         }
                         if r.ack_a != rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32) {
                             self.fail(&format!("after recovery the checkpoint is {} but ackA0+consumed is {}", r.ack_a, rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32)));
+                        }
+                        if delivered == out_len as u64 + 1 {
+                            self.rep.peer_acked_old_fin = true;
                         }
                         self.rep.delivered_at_recovery.push(delivered);
                         self.rep.recoveries_completed += 1;
@@ -1722,6 +1733,15 @@ impl<X: Filter> Sim<X> {
             if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
                 if self.rep.filter_restart_before_first_tell {
                     return Err(format!("stalled: the filter restarted before A's first TELL ({})", self.sc.name));
+                }
+                // Or B's ACK of that FIN came after the TELL (the filter's ackB says so).
+                if let Some(rec) = self.a.dur.record {
+                    if self.filter.conn().ack_b.wrapping_sub(rec.ack_b0) as usize == self.a.dur.output.len() + 1 {
+                        self.rep.peer_acked_old_fin = true;
+                    }
+                }
+                if self.rep.peer_acked_old_fin && self.a.shutdown_sent {
+                    return Err(format!("stalled: B had acknowledged an earlier incarnation's FIN (known gap) ({})", self.sc.name));
                 }
                 if self.rep.adopt_declined {
                     return Err(format!("stalled: ADOPT declined a connection inside its handshake ({})", self.sc.name));

@@ -32,7 +32,16 @@ struct Entry {
     /// A recovery SYN was answered: the application's TELL that follows sends the peer an ACK
     /// with a SACK block (see [`Core::command`], "nudge").
     nudge: bool,
+    /// Until when (monotonic ms) a recovery SYN for this connection is expected: set by the
+    /// application's authenticated ACKNOWLEDGE with the RECOVERY flag (the SDK's first step of
+    /// every recovery), cleared by its TELL. A SYN from the application's address for a connection the guard
+    /// could recover, outside this window, was not announced: dropped (issue 9, item 1).
+    recovery_armed_until: Option<u64>,
 }
+
+/// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
+/// default connect timeout (10 s) plus margin.
+pub const RECOVERY_WINDOW_MS: u64 = 15_000;
 
 /// Counters exported in the status file. Every dropped or refused input lands in one of them.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -75,6 +84,10 @@ pub struct Counters {
     pub cmd_malformed: u64,
     pub cmd_not_protected: u64,
     pub cmd_no_connection: u64,
+    /// SYNs from the application's address for a recoverable connection that no authenticated
+    /// ACKNOWLEDGE with the RECOVERY flag announced within [`RECOVERY_WINDOW_MS`]: dropped (a forged recovery SYN
+    /// would re-key the connection; issue 9, item 1).
+    pub hostile_recovery_syn: u64,
     pub adopted: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
@@ -173,6 +186,12 @@ impl Core {
         self.table.get(k).map(|e| &e.conn)
     }
 
+    /// Whether an ACKNOWLEDGE announced a recovery of `k` whose SYN may still come (see
+    /// `Entry::recovery_armed_until`).
+    pub fn recovery_armed(&self, k: &FlowKey, now_ms: u64) -> bool {
+        self.table.get(k).is_some_and(|e| e.recovery_armed_until.is_some_and(|t| now_ms <= t))
+    }
+
     /// True when some remembered connection needs renumbering or timestamp translation: its
     /// packets must not bypass the guard.
     pub fn any_translated(&self) -> bool {
@@ -198,7 +217,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None });
         e.last_ms = now_ms;
         e
     }
@@ -301,6 +320,28 @@ impl Core {
             self.counters.outgoing += 1;
         } else {
             self.counters.incoming += 1;
+        }
+        // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
+        // application's address, for a live connection this state witnessed (SYNCED: a forged
+        // SYN would re-key it), is answered (O5) only within the window an authenticated
+        // ACKNOWLEDGE opened. A brand-new connection is not affected, nor a state that did not
+        // witness the connection (a restarted guard: it cannot answer such a SYN itself, only
+        // forward it to the peer, section 6, and the app's earlier ACKNOWLEDGE went to its
+        // predecessor).
+        if outgoing && info.l4_len >= 14 {
+            let flags = buf[info.l4_offset + 13];
+            let syn_only = flags & 0x12 == 0x02;
+            if syn_only {
+                use unbroken_engines::rtcp::flag;
+                let known = self.table.get(&key).filter(|e| e.conn.flags & flag::SYNCED != 0 && e.conn.flags & (flag::RECOVERABLE | flag::ACK_ALLOWED) != 0 && !e.conn.is_closed());
+                if let Some(e) = known {
+                    if !e.recovery_armed_until.is_some_and(|t| now_ms <= t) {
+                        self.counters.hostile_recovery_syn += 1;
+                        self.counters.dropped += 1;
+                        return (Action::Drop, len);
+                    }
+                }
+            }
         }
         // The peer's highest data segment, for the recovery nudge.
         let e = self.entry(key, now_ms);
@@ -412,6 +453,10 @@ impl Core {
         let e = self.entry(key, now_ms);
         if cmd.op == ctl::Op::Tell {
             e.told = true;
+            e.recovery_armed_until = None;
+        }
+        if cmd.op == ctl::Op::Acknowledge && cmd.flags & ctl::flag::RECOVERY != 0 {
+            e.recovery_armed_until = Some(now_ms + RECOVERY_WINDOW_MS);
         }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
         if cmd.op == ctl::Op::Tell && std::mem::take(&mut e.nudge) && nudging {
@@ -547,6 +592,12 @@ mod tests {
         Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src.ip(), dst.ip(), 6, tl));
         (b, 20 + tl)
     }
+    fn recovery_ack(nonce: u64, t: u64) -> Vec<u8> {
+        let mut c = Command::request(Op::Acknowledge, app(), peer(), nonce, t);
+        c.ack_a = 1001;
+        c.flags = ctl::flag::RECOVERY;
+        c.encode(&key()).unwrap().to_vec()
+    }
     fn cmd(op: Op, nonce: u64, t: u64) -> Vec<u8> {
         let mut c = Command::request(op, app(), peer(), nonce, t);
         c.ack_a = 1001;
@@ -645,7 +696,9 @@ mod tests {
         // The app dies: its kernel sends FIN: turned into a RST for the app.
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
         assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
-        // The recovery SYN is answered with a SYN-ACK injected toward the app.
+        // The recovering app announces itself (ACKNOWLEDGE, the SDK's first step); its
+        // recovery SYN is answered with a SYN-ACK injected toward the app.
+        c.command(from_app(), &recovery_ack(50, 1), 1, 0, &mut [0u8; 128]).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), wscale: Some(7), ..Default::default() });
         let (a, len) = c.packet(&mut b, n, 0);
         assert_eq!(a, Action::Inject);
@@ -653,6 +706,51 @@ mod tests {
         assert_eq!(info.dst, app().ip());
         assert_eq!((c.counters.recovered, c.counters.spurious_fin_reset), (1, 1));
         assert!(c.any_translated());
+    }
+
+    /// Issue 9, item 1: a SYN that looks like the app's recovery SYN (its address and port,
+    /// e.g. spoofed from the wire in front of a bump-in-the-wire guard) is not answered, and
+    /// does not re-key the connection, unless the app announced the recovery with an
+    /// authenticated ACKNOWLEDGE within the window; the TELL that ends the recovery closes it.
+    #[test]
+    fn hostile_recovery_syn_needs_an_announced_recovery() {
+        let mut c = core();
+        let syn = Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() };
+        let (mut b, n) = pkt(peer(), app(), syn);
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let k = FlowKey { app: app(), peer: peer() };
+        let before = *c.conn(&k).unwrap();
+        let forged = |c: &mut Core, isn: u32, now: u64| {
+            let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(isn), flags: F::SYN, mss: Some(1460), ..Default::default() });
+            c.packet(&mut b, n, now).0
+        };
+        // Unannounced: dropped, counted, state untouched.
+        assert_eq!(forged(&mut c, 0xdead_0000, 10), Action::Drop);
+        assert_eq!(c.counters.hostile_recovery_syn, 1);
+        assert_eq!(*c.conn(&k).unwrap(), before, "no re-keying");
+        assert!(!c.any_translated());
+        // A plain ACKNOWLEDGE (a checkpoint, sent all the time) announces nothing.
+        c.command(from_app(), &cmd(Op::Acknowledge, 59, 1), 1, 15, &mut [0u8; 128]).unwrap();
+        assert_eq!(forged(&mut c, 0xdead_0001, 16), Action::Drop);
+        // Announced: answered.
+        c.command(from_app(), &recovery_ack(60, 1), 1, 20, &mut [0u8; 128]).unwrap();
+        assert_eq!(forged(&mut c, 77, 30), Action::Inject);
+        assert_eq!(c.counters.recovered, 1);
+        // The TELL ends the recovery: a later SYN is unannounced again.
+        c.command(from_app(), &cmd(Op::Tell, 61, 1), 1, 40, &mut [0u8; 128]).unwrap();
+        assert_eq!(forged(&mut c, 0xbeef_0000, 50), Action::Drop);
+        // And the window closes on its own.
+        c.command(from_app(), &recovery_ack(62, 1), 1, 60, &mut [0u8; 128]).unwrap();
+        assert_eq!(forged(&mut c, 0xbeef_0000, 60 + RECOVERY_WINDOW_MS + 1), Action::Drop);
+        assert_eq!(c.counters.hostile_recovery_syn, 4);
+        // A brand-new connection of the app (no state) is not affected.
+        let other = SocketAddr::new(peer().ip(), 42_000);
+        let (mut b, n) = pkt(app(), other, Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 70).0, Action::Accept { modified: false });
     }
 
     fn pkt_data(src: SocketAddr, dst: SocketAddr, r: Repr, data: &[u8]) -> (Vec<u8>, usize) {
@@ -683,7 +781,11 @@ mod tests {
             assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
         }
         let mut ack = [0u8; 128];
-        c.command(from_app(), &cmd_ack(Op::Acknowledge, 30, 401), 1, 0, &mut ack).unwrap();
+        // The recovering app's ACKNOWLEDGE (the SDK's: announces the recovery SYN).
+        let mut rec = Command::request(Op::Acknowledge, app(), peer(), 30, 1);
+        rec.ack_a = 401;
+        rec.flags = ctl::flag::RECOVERY;
+        c.command(from_app(), &rec.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(401), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
         assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });

@@ -66,6 +66,7 @@ struct GuardFilter {
     hostile_nonce: u64,
     noise_port: u16,
     noise_syns: u64,
+    forged_syns: u64,
     /// When the next burst of other clients' SYNs comes (virtual ms).
     next_noise: Option<u64>,
     /// The simulated connection had an entry after the last decision.
@@ -228,6 +229,35 @@ impl GuardFilter {
         }
     }
 
+    /// A forged recovery SYN (A's address and port, a random ISN, e.g. from the wire in front of
+    /// a bump-in-the-wire guard) for the live connection while no recovery is announced: it
+    /// must be dropped, counted, and leave the state as it was (issue 9, item 1). While the
+    /// application's own recovery is announced, none is sent: a forged SYN racing a genuine
+    /// recovery inside its window is out of this check's reach.
+    fn forged_syn(&mut self, now_ms: u64) {
+        use rtcp::flag;
+        let Some(before) = self.core.conn(&self.flow).copied() else { return };
+        if before.flags & flag::SYNCED == 0 || before.flags & (flag::RECOVERABLE | flag::ACK_ALLOWED) == 0 || before.is_closed() || self.core.recovery_armed(&self.flow, now_ms) {
+            return;
+        }
+        let (src, dst) = (IpAddr::V4(A_IP), IpAddr::V4(B_IP));
+        let r = Repr { src_port: A_PORT, dst_port: B_PORT, seq: Seq(self.rng.next() as u32), flags: TF::SYN, mss: Some(1460), ..Default::default() };
+        let tl = r.header_len();
+        let mut b = vec![0u8; 20 + tl + HEADROOM];
+        ip::emit_header(&mut b, src, dst, ip::PROTO_TCP, tl).unwrap();
+        r.emit(&mut b[20..20 + tl]).unwrap();
+        Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+        let n0 = self.core.counters.hostile_recovery_syn;
+        let (action, _) = self.core.packet(&mut b, 20 + tl, now_ms);
+        self.forged_syns += 1;
+        if action != Action::Drop || self.core.counters.hostile_recovery_syn != n0 + 1 {
+            self.violate(format!("a forged recovery SYN was not refused: {action:?}"));
+        }
+        if self.core.conn(&self.flow).copied() != Some(before) {
+            self.violate("a forged recovery SYN changed the connection's state".into());
+        }
+    }
+
     /// A SYN from another client, straight into the guard (not to *A*'s stack).
     fn noise_syn(&mut self, now_ms: u64) {
         self.noise_port = if self.noise_port >= 60_000 { 20_000 } else { self.noise_port + 1 };
@@ -266,6 +296,7 @@ impl Filter for GuardFilter {
             hostile_nonce: 1 << 60,
             noise_port: 20_000,
             noise_syns: 0,
+            forged_syns: 0,
             next_noise: None,
             present: false,
             lost: false,
@@ -317,6 +348,9 @@ impl Filter for GuardFilter {
             }
             notes.push(format!("  guard: {n} SYNs of other clients, table {} entries", self.core.connections()));
         }
+        if self.rng.chance(self.opts.forged_syns) {
+            self.forged_syn(now_ms);
+        }
         self.core.expire(now_ms);
         self.observe();
         notes
@@ -346,6 +380,7 @@ impl Filter for GuardFilter {
             ("stale", h.stale as u64),
             ("evicted_idle", self.evicted_idle),
             ("noise_syns", self.noise_syns),
+            ("forged_syns", self.forged_syns),
             ("nudges", self.nudges + self.core.counters.recovery_nudges),
         ]
     }
@@ -400,8 +435,8 @@ fn scenario(name: &str, seed: u64, payload: usize) -> Scenario {
 // 1. No crash
 // ---------------------------------------------------------------------------------------------
 
-/// I1-I4 / O1-O9 through the guard, clean and lossy, with a hostile datagram after each of
-/// A's commands: every one refused under its reason, nothing changed, no
+/// I1-I4 / O1-O9 through the guard, clean and lossy, with forged recovery SYNs (each dropped,
+/// nothing changed) and a hostile datagram after each of A's commands: every one refused under its reason, nothing changed, no
 /// engine event.
 #[test]
 fn guard_common_case_with_hostile_commands() {
@@ -414,6 +449,7 @@ fn guard_common_case_with_hostile_commands() {
         sc.guard.hostile_commands = 1.0;
         // The shipped grace (60 s), longer than A's TIME-WAIT: nothing is forgotten early.
         sc.guard.grace_ms = 60_000;
+        sc.guard.forged_syns = 0.3;
         let r = run(sc);
         assert_eq!((r.crashes, r.resets_seen, r.filter_state_dropped), (0, 0, 0), "{r:?}");
         assert!(r.events.is_empty(), "no engine event expected: {:?}", r.events);
@@ -422,6 +458,7 @@ fn guard_common_case_with_hostile_commands() {
     // The guard refused each hostile datagram under its reason, or the run failed.
     for r in &reps {
         assert!(r.filter_count("hostile") >= 3, "{}", r.filter_summary);
+        assert!(r.filter_count("forged_syns") >= 1, "{}", r.filter_summary);
     }
     for kind in ["replayed_now", "replayed_old", "forged", "foreign_key", "wrong_source", "stale"] {
         assert!(reps.iter().map(|r| r.filter_count(kind)).sum::<u64>() > 0, "no {kind} datagram sent");
@@ -585,6 +622,7 @@ fn guard_chaos() {
         sc.crash_on_reconnect = rng.below(2) as u32;
         sc.guard.nudge = rng.chance(0.5);
         sc.guard.hostile_commands = 0.1;
+        sc.guard.forged_syns = 0.02;
         if rng.chance(0.5) {
             // A small table under other clients' SYN bursts.
             sc.guard.max_conns = 8 + rng.below(8) as usize;

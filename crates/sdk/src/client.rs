@@ -233,6 +233,13 @@ impl GuardClient {
         self.request(Op::Acknowledge, app, peer, ack_a, options)
     }
 
+    /// ACKNOWLEDGE that begins a recovery ([`crate::recover`]'s first step): the guard then
+    /// answers the recovery SYN that follows (for 15 s, or until the TELL), and drops any SYN
+    /// for the connection that no such announcement preceded.
+    pub fn acknowledge_recovery(&self, app: SocketAddr, peer: SocketAddr, ack_a: u32, options: Option<ConnOptions>) -> Result<Reply> {
+        self.request_flags(Op::Acknowledge, app, peer, ack_a, options, unbroken_wire::ctl::flag::RECOVERY)
+    }
+
     /// C3 + C4, RTCP_SHUTDOWN: the application is about to close; its FIN is genuine and
     /// acknowledgments are no longer checkpointed.
     pub fn shutdown(&self, app: SocketAddr, peer: SocketAddr) -> Result<Reply> {
@@ -259,6 +266,11 @@ impl GuardClient {
     /// Any command: sends it, retransmits on timeout, and returns the first acceptable answer.
     /// A non-zero status is [`Error::Rejected`].
     pub fn request(&self, op: Op, app: SocketAddr, peer: SocketAddr, ack_a: u32, options: Option<ConnOptions>) -> Result<Reply> {
+        self.request_flags(op, app, peer, ack_a, options, 0)
+    }
+
+    /// [`request`](Self::request) with request flags (`ctl::flag::RECOVERY`).
+    pub fn request_flags(&self, op: Op, app: SocketAddr, peer: SocketAddr, ack_a: u32, options: Option<ConnOptions>, flags: u8) -> Result<Reply> {
         if app.is_ipv4() != peer.is_ipv4() {
             return Err(Error::InvalidArgument("application and peer addresses of different families"));
         }
@@ -274,6 +286,7 @@ impl GuardClient {
             let mut cmd = Command::request(op, app, peer, nonce, now_ms());
             cmd.ack_a = ack_a;
             cmd.options = options;
+            cmd.flags = flags;
             let bytes = cmd.encode(&self.key)?;
             if attempt > 0 {
                 self.retransmissions.fetch_add(1, Relaxed);

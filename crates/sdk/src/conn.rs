@@ -189,8 +189,9 @@ pub fn adopt(client: &GuardClient, app: SocketAddr) -> Result<Vec<ConnRecord>> {
 /// acknowledged the application's FIN as well: the connection had finished before the crash
 /// (the application died between its FIN being acknowledged and recording that).
 pub fn recover(rec: &ConnRecord, client: &GuardClient, consumed_total: u64, sent_total: u64) -> Result<(TcpStream, u64)> {
-    // (1) Checkpoint first: a restarted guard must know ackA before any packet of ours.
-    acknowledge(rec, client, consumed_total)?;
+    // (1) Checkpoint first: a restarted guard must know ackA before any packet of ours; the
+    // RECOVERY flag announces the recovery SYN that follows (the guard drops unannounced ones).
+    client.acknowledge_recovery(rec.app(), rec.peer(), rec.ack_a(consumed_total), rec.options())?;
     // (2) + (3)
     let stream = connect_retrying(rec.app(), rec.peer(), client.config().connect_timeout)?;
     // (4)

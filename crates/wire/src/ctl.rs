@@ -9,7 +9,7 @@
 //! | 4 | 1 | version, 1 |
 //! | 5 | 1 | op: 1 TELL, 2 ACKNOWLEDGE, 3 SHUTDOWN, 4 SHUTDOWN_READING, 5 SHUTDOWN_WRITING, 6 CLEAR, 7 ADOPT; responses set bit 7 |
 //! | 6 | 1 | status (responses): 0 ok, 1 no such connection, 2 bad request |
-//! | 7 | 1 | flags: bit 0 options present, bits 1-4 (responses) ack_allowed, recoverable, fin_allowed, ack_everything |
+//! | 7 | 1 | flags: bit 0 options present, bits 1-4 (responses) ack_allowed, recoverable, fin_allowed, ack_everything; bit 5 (ACKNOWLEDGE requests) recovery |
 //! | 8 | 8 | nonce, chosen by the sender of the request, echoed in the response |
 //! | 16 | 8 | sender's clock, milliseconds since the Unix epoch (replay window) |
 //! | 24 | 1 | address family, 4 or 6 |
@@ -91,6 +91,9 @@ pub mod flag {
     pub const RECOVERABLE: u8 = 1 << 2;
     pub const FIN_ALLOWED: u8 = 1 << 3;
     pub const ACK_EVERYTHING: u8 = 1 << 4;
+    /// In an ACKNOWLEDGE request: it begins a recovery (the SDK's `recover`); the guard answers
+    /// the recovery SYN that follows, and no unannounced one (issue 9, item 1).
+    pub const RECOVERY: u8 = 1 << 5;
 }
 
 /// TCP options negotiated on a connection, as the application's socket knows them

@@ -365,6 +365,9 @@ pub struct GuardOpts {
     /// Per genuine command, the chance that a hostile datagram follows it: a replay of it or of
     /// an earlier one, a forged MAC, a foreign key, a wrong source, a stale clock.
     pub hostile_commands: f64,
+    /// Per simulation step, the chance of a forged recovery SYN from *A*'s address (a random
+    /// ISN) while no recovery is announced: it must be dropped and change nothing.
+    pub forged_syns: f64,
 }
 
 impl Scenario {
@@ -1175,6 +1178,11 @@ impl<X: Filter> Sim<X> {
 
     /// A side-channel command, through the wire format as a driver would handle it.
     fn command(&mut self, op: Op, ack_a: u32, opts: Option<ConnOptions>) -> Command {
+        self.command_flags(op, ack_a, opts, 0)
+    }
+
+    /// [`Sim::command`] with request flags (the SDK's recovery ACKNOWLEDGE sets RECOVERY).
+    fn command_flags(&mut self, op: Op, ack_a: u32, opts: Option<ConnOptions>, flags: u8) -> Command {
         self.nonce += 1;
         let wall_ms = self.wall_ms();
         // ADOPT names no connection: its peer is the cursor, "from the first".
@@ -1182,6 +1190,7 @@ impl<X: Filter> Sim<X> {
         let mut cmd = Command::request(op, a_sockaddr(), peer, self.nonce, wall_ms);
         cmd.ack_a = ack_a;
         cmd.options = opts;
+        cmd.flags = flags;
         let dgram = cmd.encode(&self.key).unwrap();
         let mut ack_buf = [0u8; 128];
         let now_ms = self.now.total_millis() as u64;
@@ -1482,7 +1491,7 @@ impl<X: Filter> Sim<X> {
         }
         if let Some(rec) = self.a.dur.record {
             let ack = rec.ack_a0.wrapping_add(self.a.dur.input.len() as u32);
-            self.command(Op::Acknowledge, ack, rec.opts);
+            self.command_flags(Op::Acknowledge, ack, rec.opts, ctl::flag::RECOVERY);
         }
         let host = self.a.host.as_mut().unwrap();
         if let Some(h) = self.a.sock.take() {

@@ -1795,10 +1795,11 @@ pub mod micro {
 
     /// The guard's per-packet path without I/O: a Core with one recovered connection.
     fn core_packet(iters: u64, reps: usize) -> (f64, f64) {
-        use unbroken_control::config::Service;
+        use unbroken_control::config::{Prefix, Service};
         use unbroken_control::guard::{Action, Core};
         let key = Key::from_hex(super::KEY_HEX).unwrap();
-        let mut core = Core::new(&[Service { addr: a_ip(), port: A_PORT }], key, vec![], 30_000, 60_000, 1 << 20);
+        let allowed = vec![Prefix::parse(&format!("{}/32", a_ip())).unwrap()];
+        let mut core = Core::new(&[Service { addr: a_ip(), port: A_PORT }], key.clone(), allowed, 30_000, 60_000, 1 << 20);
         let mut buf = vec![0u8; 2048];
         let mut feed = |core: &mut Core, p: Vec<u8>| {
             buf[..p.len()].copy_from_slice(&p);
@@ -1808,6 +1809,12 @@ pub mod micro {
         feed(&mut core, from_a(Repr { seq: Seq(A_ISN), ack: Seq(B_ISN + 1), flags: F::SYN | F::ACK, timestamp: Some((9000, 100)), ..syn_opts(0) }, 0));
         feed(&mut core, from_b(Repr { seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 1), flags: F::ACK, window: 502, timestamp: Some((101, 9000)), ..Default::default() }, 0));
         feed(&mut core, from_a(Repr { seq: Seq(A_ISN + 1), ack: Seq(B_ISN + 1), flags: F::FIN | F::ACK, window: 509, timestamp: Some((9002, 101)), ..Default::default() }, 0));
+        // The recovering app announces its recovery SYN (the SDK's first step).
+        let (app, peer) = (sa(a_ip(), A_PORT), sa(b_ip(), B_PORT));
+        let mut ann = Command::request(Op::Acknowledge, app, peer, 7, 1);
+        ann.ack_a = B_ISN + 1;
+        ann.flags = unbroken_wire::ctl::flag::RECOVERY;
+        assert!(core.command(sa(a_ip(), 5555), &ann.encode(&key).unwrap(), 1, 0, &mut [0u8; 128]).is_some());
         let a = feed(&mut core, from_a(Repr { seq: Seq(A_ISN2), flags: F::SYN, ..syn_opts(40_000) }, 0));
         assert_eq!(a, Action::Inject);
         let data = from_a(Repr { seq: Seq(A_ISN2 + 1), ack: Seq(B_ISN + 1), flags: F::ACK | F::PSH, window: 509, timestamp: Some((40_100, 150)), ..Default::default() }, 1448);

@@ -39,6 +39,21 @@ struct Entry {
     recovery_armed_until: Option<u64>,
 }
 
+impl Entry {
+    /// The handshake completed at this state and the connection is not closed: what ADOPT
+    /// offers and what eviction spares while half-open entries remain.
+    fn established(&self) -> bool {
+        use unbroken_engines::rtcp::flag;
+        let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
+        self.conn.flags & need == need && !self.conn.is_closed()
+    }
+
+    /// A recovery SYN for this connection is announced at `now_ms`.
+    fn recovery_armed(&self, now_ms: u64) -> bool {
+        self.recovery_armed_until.is_some_and(|t| now_ms <= t)
+    }
+}
+
 /// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
 /// default connect timeout (10 s) plus margin.
 pub const RECOVERY_WINDOW_MS: u64 = 15_000;
@@ -189,7 +204,7 @@ impl Core {
     /// Whether an ACKNOWLEDGE announced a recovery of `k` whose SYN may still come (see
     /// `Entry::recovery_armed_until`).
     pub fn recovery_armed(&self, k: &FlowKey, now_ms: u64) -> bool {
-        self.table.get(k).is_some_and(|e| e.recovery_armed_until.is_some_and(|t| now_ms <= t))
+        self.table.get(k).is_some_and(|e| e.recovery_armed(now_ms))
     }
 
     /// True when some remembered connection needs renumbering or timestamp translation: its
@@ -230,9 +245,7 @@ impl Core {
     /// steady flood it would be evicted again at every idle moment (found by the guard's
     /// simulation: a close that never completes).
     fn evict_oldest(&mut self, _now_ms: u64) {
-        use unbroken_engines::rtcp::flag;
-        let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
-        let mut ages: Vec<(bool, u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.conn.flags & need == need && !e.conn.is_closed(), e.last_ms, *k)).collect();
+        let mut ages: Vec<(bool, u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.established(), e.last_ms, *k)).collect();
         ages.sort_unstable_by_key(|a| (a.0, a.1));
         let n = (ages.len() / 8).max(1);
         for (_, _, k) in ages.into_iter().take(n) {
@@ -244,7 +257,6 @@ impl Core {
     /// ADOPT: the first connection of `app` after `cursor` (by peer address and port) that no
     /// TELL claimed and that a recovery SYN could resynchronize.
     fn next_unclaimed(&self, app: SocketAddr, cursor: SocketAddr) -> Option<SocketAddr> {
-        use unbroken_engines::rtcp::flag;
         let order = |a: SocketAddr| {
             let ip = match a.ip() {
                 IpAddr::V4(v4) => v4.to_ipv6_mapped().into(),
@@ -252,10 +264,9 @@ impl Core {
             };
             (ip, a.port())
         };
-        let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
         self.table
             .iter()
-            .filter(|(k, e)| k.app == app && !e.told && e.conn.flags & need == need && !e.conn.is_closed())
+            .filter(|(k, e)| k.app == app && !e.told && e.established())
             .map(|(k, _)| k.peer)
             .filter(|p| order(*p) > order(cursor))
             .min_by_key(|p| order(*p))
@@ -329,18 +340,14 @@ impl Core {
         // forward it to the peer, section 6, and the app's earlier ACKNOWLEDGE went to its
         // predecessor).
         if outgoing && info.l4_len >= 14 {
-            let flags = buf[info.l4_offset + 13];
-            let syn_only = flags & 0x12 == 0x02;
-            if syn_only {
-                use unbroken_engines::rtcp::flag;
-                let known = self.table.get(&key).filter(|e| e.conn.flags & flag::SYNCED != 0 && e.conn.flags & (flag::RECOVERABLE | flag::ACK_ALLOWED) != 0 && !e.conn.is_closed());
-                if let Some(e) = known {
-                    if !e.recovery_armed_until.is_some_and(|t| now_ms <= t) {
-                        self.counters.hostile_recovery_syn += 1;
-                        self.counters.dropped += 1;
-                        return (Action::Drop, len);
-                    }
-                }
+            use unbroken_engines::rtcp::flag;
+            use unbroken_wire::tcp::flags as F;
+            let syn_only = buf[info.l4_offset + 13] & (F::SYN | F::ACK) == F::SYN;
+            let witnessed = |e: &Entry| e.conn.flags & flag::SYNCED != 0 && e.conn.flags & (flag::RECOVERABLE | flag::ACK_ALLOWED) != 0 && !e.conn.is_closed();
+            if syn_only && self.table.get(&key).is_some_and(|e| witnessed(e) && !e.recovery_armed(now_ms)) {
+                self.counters.hostile_recovery_syn += 1;
+                self.counters.dropped += 1;
+                return (Action::Drop, len);
             }
         }
         // The peer's highest data segment, for the recovery nudge.
@@ -592,9 +599,10 @@ mod tests {
         Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src.ip(), dst.ip(), 6, tl));
         (b, 20 + tl)
     }
-    fn recovery_ack(nonce: u64, t: u64) -> Vec<u8> {
-        let mut c = Command::request(Op::Acknowledge, app(), peer(), nonce, t);
-        c.ack_a = 1001;
+    /// The recovering app's ACKNOWLEDGE (the SDK's first step: announces the recovery SYN).
+    fn recovery_ack(nonce: u64, ack_a: u32) -> Vec<u8> {
+        let mut c = Command::request(Op::Acknowledge, app(), peer(), nonce, 1);
+        c.ack_a = ack_a;
         c.flags = ctl::flag::RECOVERY;
         c.encode(&key()).unwrap().to_vec()
     }
@@ -698,7 +706,7 @@ mod tests {
         assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
         // The recovering app announces itself (ACKNOWLEDGE, the SDK's first step); its
         // recovery SYN is answered with a SYN-ACK injected toward the app.
-        c.command(from_app(), &recovery_ack(50, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &recovery_ack(50, 1001), 1, 0, &mut [0u8; 128]).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), wscale: Some(7), ..Default::default() });
         let (a, len) = c.packet(&mut b, n, 0);
         assert_eq!(a, Action::Inject);
@@ -737,14 +745,14 @@ mod tests {
         c.command(from_app(), &cmd(Op::Acknowledge, 59, 1), 1, 15, &mut [0u8; 128]).unwrap();
         assert_eq!(forged(&mut c, 0xdead_0001, 16), Action::Drop);
         // Announced: answered.
-        c.command(from_app(), &recovery_ack(60, 1), 1, 20, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &recovery_ack(60, 1001), 1, 20, &mut [0u8; 128]).unwrap();
         assert_eq!(forged(&mut c, 77, 30), Action::Inject);
         assert_eq!(c.counters.recovered, 1);
         // The TELL ends the recovery: a later SYN is unannounced again.
         c.command(from_app(), &cmd(Op::Tell, 61, 1), 1, 40, &mut [0u8; 128]).unwrap();
         assert_eq!(forged(&mut c, 0xbeef_0000, 50), Action::Drop);
         // And the window closes on its own.
-        c.command(from_app(), &recovery_ack(62, 1), 1, 60, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &recovery_ack(62, 1001), 1, 60, &mut [0u8; 128]).unwrap();
         assert_eq!(forged(&mut c, 0xbeef_0000, 60 + RECOVERY_WINDOW_MS + 1), Action::Drop);
         assert_eq!(c.counters.hostile_recovery_syn, 4);
         // A brand-new connection of the app (no state) is not affected.
@@ -781,11 +789,7 @@ mod tests {
             assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
         }
         let mut ack = [0u8; 128];
-        // The recovering app's ACKNOWLEDGE (the SDK's: announces the recovery SYN).
-        let mut rec = Command::request(Op::Acknowledge, app(), peer(), 30, 1);
-        rec.ack_a = 401;
-        rec.flags = ctl::flag::RECOVERY;
-        c.command(from_app(), &rec.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
+        c.command(from_app(), &recovery_ack(30, 401), 1, 0, &mut ack).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(401), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
         assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });

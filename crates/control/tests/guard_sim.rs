@@ -88,6 +88,18 @@ fn new_core(o: &GuardOpts) -> Core {
     c
 }
 
+/// A bare SYN (MSS 1460) from `src` to `dst` with sequence number `isn`, in a buffer with
+/// `HEADROOM` to grow; returns the buffer and the packet's length.
+fn syn_packet(src: SocketAddr, dst: SocketAddr, isn: u32) -> (Vec<u8>, usize) {
+    let r = Repr { src_port: src.port(), dst_port: dst.port(), seq: Seq(isn), flags: TF::SYN, mss: Some(1460), ..Default::default() };
+    let tl = r.header_len();
+    let mut b = vec![0u8; 20 + tl + HEADROOM];
+    ip::emit_header(&mut b, src.ip(), dst.ip(), ip::PROTO_TCP, tl).unwrap();
+    r.emit(&mut b[20..20 + tl]).unwrap();
+    Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src.ip(), dst.ip(), ip::PROTO_TCP, tl));
+    (b, 20 + tl)
+}
+
 /// The engine event a packet caused, read from the guard's counters (one per packet at most).
 fn event_of(b: &Counters, a: &Counters) -> Result<Option<Event>, String> {
     let pairs = [
@@ -240,15 +252,9 @@ impl GuardFilter {
         if before.flags & flag::SYNCED == 0 || before.flags & (flag::RECOVERABLE | flag::ACK_ALLOWED) == 0 || before.is_closed() || self.core.recovery_armed(&self.flow, now_ms) {
             return;
         }
-        let (src, dst) = (IpAddr::V4(A_IP), IpAddr::V4(B_IP));
-        let r = Repr { src_port: A_PORT, dst_port: B_PORT, seq: Seq(self.rng.next() as u32), flags: TF::SYN, mss: Some(1460), ..Default::default() };
-        let tl = r.header_len();
-        let mut b = vec![0u8; 20 + tl + HEADROOM];
-        ip::emit_header(&mut b, src, dst, ip::PROTO_TCP, tl).unwrap();
-        r.emit(&mut b[20..20 + tl]).unwrap();
-        Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+        let (mut b, n) = syn_packet(a_sockaddr(), b_sockaddr(), self.rng.next() as u32);
         let n0 = self.core.counters.hostile_recovery_syn;
-        let (action, _) = self.core.packet(&mut b, 20 + tl, now_ms);
+        let (action, _) = self.core.packet(&mut b, n, now_ms);
         self.forged_syns += 1;
         if action != Action::Drop || self.core.counters.hostile_recovery_syn != n0 + 1 {
             self.violate(format!("a forged recovery SYN was not refused: {action:?}"));
@@ -261,17 +267,11 @@ impl GuardFilter {
     /// A SYN from another client, straight into the guard (not to *A*'s stack).
     fn noise_syn(&mut self, now_ms: u64) {
         self.noise_port = if self.noise_port >= 60_000 { 20_000 } else { self.noise_port + 1 };
-        let (src, dst) = (IpAddr::V4(NOISE_IP), IpAddr::V4(A_IP));
-        let r = Repr { src_port: self.noise_port, dst_port: A_PORT, seq: Seq(self.rng.next() as u32), flags: TF::SYN, mss: Some(1460), ..Default::default() };
-        let tl = r.header_len();
-        let mut b = vec![0u8; 20 + tl + HEADROOM];
-        ip::emit_header(&mut b, src, dst, ip::PROTO_TCP, tl).unwrap();
-        r.emit(&mut b[20..20 + tl]).unwrap();
-        Tcp::new_checked(&mut b[20..20 + tl]).unwrap().fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
+        let (mut b, n) = syn_packet(SocketAddr::new(IpAddr::V4(NOISE_IP), self.noise_port), a_sockaddr(), self.rng.next() as u32);
         let evicted = self.core.counters.evicted_idle;
         let need = rtcp::flag::SYNCED | rtcp::flag::RECOVERABLE | rtcp::flag::ACK_ALLOWED;
         let established = self.core.conn(&self.flow).is_some_and(|c| c.flags & need == need && !c.is_closed());
-        let (action, _) = self.core.packet(&mut b, 20 + tl, now_ms);
+        let (action, _) = self.core.packet(&mut b, n, now_ms);
         if established && self.core.conn(&self.flow).is_none() {
             self.violate("another client's SYN evicted an established connection while half-open entries were in the table".into());
         }
@@ -337,7 +337,7 @@ impl Filter for GuardFilter {
     fn adopted(&self, reply: &Command, _sc: &Scenario) -> bool {
         reply.status == Status::Ok as u8 && reply.peer == b_sockaddr()
     }
-    fn tick(&mut self, now_ms: u64, _wall_ms: u64) -> Vec<String> {
+    fn tick(&mut self, now_ms: u64) -> Vec<String> {
         let mut notes = vec![];
         if self.opts.noise_every_ms > 0 && now_ms >= *self.next_noise.get_or_insert(now_ms + self.opts.noise_every_ms) {
             self.next_noise = Some(now_ms + 1 + self.rng.below(2 * self.opts.noise_every_ms));

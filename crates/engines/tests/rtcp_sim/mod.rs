@@ -612,6 +612,13 @@ pub struct TcpFacts {
     ts: Option<(u32, u32)>,
 }
 
+impl TcpFacts {
+    /// The sequence number after the segment (SYN and FIN count one each).
+    pub fn end(&self) -> Seq {
+        self.seq + self.len + (self.flags & F::SYN != 0) as u32 + (self.flags & F::FIN != 0) as u32
+    }
+}
+
 pub fn facts(pkt: &[u8]) -> TcpFacts {
     let info = IpInfo::parse(pkt).expect("ip");
     let seg = &pkt[info.l4_offset..info.l4_offset + info.l4_len];
@@ -693,7 +700,7 @@ pub trait Filter {
         None
     }
     /// Once per simulation step: housekeeping and the filter's own faults. Returns trace lines.
-    fn tick(&mut self, _now_ms: u64, _wall_ms: u64) -> Vec<String> {
+    fn tick(&mut self, _now_ms: u64) -> Vec<String> {
         vec![]
     }
     /// True once after the filter dropped the simulated connection's state on its own (eviction).
@@ -1243,7 +1250,7 @@ impl<X: Filter> Sim<X> {
                 moved = true;
                 let f = facts(&p);
                 if f.flags & F::RST == 0 {
-                    let end = f.seq + f.len + (f.flags & F::SYN != 0) as u32 + (f.flags & F::FIN != 0) as u32;
+                    let end = f.end();
                     self.a_snd_max = Some(self.a_snd_max.map_or(end, |m| if end.gt(m) { end } else { m }));
                 }
                 self.filter_outgoing(p);
@@ -1262,7 +1269,7 @@ impl<X: Filter> Sim<X> {
             if f.flags & F::SYN != 0 && self.b_syn_seq.is_none() {
                 self.b_syn_seq = Some(f.seq);
             }
-            let end = f.seq + f.len + (f.flags & F::SYN != 0) as u32 + (f.flags & F::FIN != 0) as u32;
+            let end = f.end();
             self.b.snd_nxt = Some(self.b.snd_nxt.map_or(end, |s| s.max(end)));
             if f.flags & F::ACK != 0 {
                 self.b.rcv_nxt = f.ack;
@@ -1703,8 +1710,7 @@ impl<X: Filter> Sim<X> {
                     self.rep.filter_restart_before_first_tell = true;
                 }
             }
-            let wall_ms = self.wall_ms();
-            for line in self.filter.tick(self.now.total_millis() as u64, wall_ms) {
+            for line in self.filter.tick(self.now.total_millis() as u64) {
                 self.note(line);
             }
             if self.filter.take_lost() && !self.b.done {

@@ -140,6 +140,9 @@ pub struct Response {
     pub last_modified: Vec<u8>,
     /// The `Date` header (judges whether `Last-Modified` is a strong validator).
     pub date: Vec<u8>,
+    /// The header sets a cookie or carries authentication data (`Set-Cookie`,
+    /// `Authentication-Info`): it is stored byte for byte, so such a response is not protected.
+    pub credentials: bool,
     /// The server closes the connection after this response.
     pub close: bool,
 }
@@ -190,6 +193,7 @@ pub fn parse_response(head: &[u8], request_was_head: bool) -> Result<Response, U
             "etag" => r.etag = value.as_bytes().to_vec(),
             "last-modified" => r.last_modified = value.as_bytes().to_vec(),
             "date" => r.date = value.as_bytes().to_vec(),
+            "set-cookie" | "set-cookie2" | "authentication-info" | "proxy-authentication-info" => r.credentials = true,
             "connection" => {
                 let v = value.to_ascii_lowercase();
                 if v.split(',').any(|t| t.trim() == "close") {
@@ -387,6 +391,9 @@ mod tests {
             let req = format!("GET /a.bin HTTP/1.1\r\nHost: x\r\n{h}\r\n\r\n");
             assert_eq!(parse_request(req.as_bytes()), Err(CREDENTIALS), "{h}");
         }
+        let r = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nSet-Cookie: s=s3cret\r\n\r\n", false).unwrap();
+        assert!(r.credentials);
+        assert!(!parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n", false).unwrap().credentials);
         // Headers that are not credentials and do not select the object are dropped, not refused.
         let r = parse_request(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Api-Key: k\r\n\r\n").unwrap();
         assert_eq!(r.object_id, b"GET /a HTTP/1.1\r\nHost: x\r\n".to_vec());

@@ -1158,6 +1158,8 @@ impl Engine {
                                 };
                                 match http::parse_response(&header, req.req.head) {
                                     Err(e) => why = Some(e.0),
+                                    // Issue 9 item 7: the header is stored as sent, so never one that sets a cookie.
+                                    Ok(r) if r.credentials => why = Some(http::CREDENTIALS.0),
                                     // Issue 9 item 8: a body resumed with Range needs a validator.
                                     Ok(r) if http::needs_validator(&r, req.req.head) && http::if_range(&r.etag, &r.last_modified, &r.date).is_none() => {
                                         why = Some(http::NO_VALIDATOR.0);

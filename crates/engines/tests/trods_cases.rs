@@ -1258,12 +1258,28 @@ fn hostile_credentials_are_never_stored_and_the_request_is_not_protected() {
         });
         assert_eq!((t.e.counters.unprotected_credentials, t.e.counters.unprotected_http), (1, 1));
         assert!(!stored.is_empty(), "a tombstone is stored");
-        for v in &stored {
-            assert!(!v.windows(secret.len()).any(|w| w == secret), "a credential reached the store");
-            let rec = Record::decode(v).unwrap();
-            assert!(rec.unprotected && rec.entries.is_empty());
-        }
+        check_no_secret(&stored, secret);
     }
+    // A response that sets a cookie: its header would be stored byte for byte.
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let stored = stores_during(&mut t, |t| {
+        t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+        let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nETag: \"e\"\r\nSet-Cookie: sid=s3cr3t-set-cookie\r\n\r\nhello");
+        assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    });
+    assert_eq!(t.e.counters.unprotected_credentials, 1);
+    check_no_secret(&stored, b"s3cr3t-set-cookie");
+}
+
+/// No stored value holds `secret`; the last one is a tombstone.
+fn check_no_secret(stored: &[Vec<u8>], secret: &[u8]) {
+    for v in stored {
+        assert!(!v.windows(secret.len()).any(|w| w == secret), "a credential reached the store");
+    }
+    let rec = Record::decode(stored.last().expect("a tombstone is stored")).unwrap();
+    assert!(rec.unprotected && rec.entries.is_empty());
 }
 
 #[test]

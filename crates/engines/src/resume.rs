@@ -227,7 +227,7 @@ mod tests {
             assert!(request(&e, 10).is_err(), "{:?} accepted", String::from_utf8_lossy(id));
         }
         let mut long = b"GET /".to_vec();
-        long.extend(std::iter::repeat(b'a').take(http::MAX_OBJECT_ID));
+        long.extend(std::iter::repeat_n(b'a', http::MAX_OBJECT_ID));
         long.extend_from_slice(b" HTTP/1.1\r\n");
         assert!(request(&entry(&h, &long), 10).is_err(), "over MAX_OBJECT_ID accepted");
         // A validator with a line break is refused too (a record can be written by anyone

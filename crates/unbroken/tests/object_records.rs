@@ -281,6 +281,7 @@ fn hostile_credentials_never_reach_the_store() {
         counters(&env)
     );
     assert_eq!(&sealed[..4], b"UBR2", "{name}: the record is not sealed");
+    eprintln!("{name}: the sealed record of one download from nginx is {} bytes", sealed.len());
     // Every value in the store, read raw a few times while both downloads run.
     let mut read_with = 0;
     let mut values = 0;

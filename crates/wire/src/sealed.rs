@@ -86,7 +86,7 @@ impl RecordKey {
     /// A key written as hex digits (surrounding white space ignored).
     pub fn from_hex(s: &str) -> Result<RecordKey, KeyError> {
         let s = s.trim().as_bytes();
-        if s.len() % 2 != 0 || !s.iter().all(|c| c.is_ascii_hexdigit()) {
+        if !s.len().is_multiple_of(2) || !s.iter().all(|c| c.is_ascii_hexdigit()) {
             return Err(KeyError::NotHex);
         }
         let digit = |c: u8| (c as char).to_digit(16).unwrap_or(0) as u8;

@@ -173,7 +173,8 @@ impl Entry {
 /// for whoever reads the record: at most this far past `sent_off`, plus one segment.
 pub const FAR_PAST_PROGRESS: u64 = 3 << 29;
 
-/// What the store holds for one connection.
+/// What the store holds for one connection, inside the sealed envelope the agent adds
+/// (`unbroken_wire::sealed`; every field and its size: docs/store.md).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Record {
     pub hs: Handshake,

@@ -90,7 +90,8 @@ pub fn parse_request(head: &[u8]) -> Result<Request, Unresumable> {
     if !line.bytes().all(line_byte_ok) {
         return Err(CONTROL_BYTES);
     }
-    if !target.bytes().all(|b| (b'!'..=b'~').contains(&b)) {
+    // What a resumer will replay ([`check_object_id`]): an origin-form target, HTTP/1.0 or 1.1.
+    if !target.starts_with('/') || !target.bytes().all(|b| (b'!'..=b'~').contains(&b)) || !matches!(version, "HTTP/1.0" | "HTTP/1.1") {
         return Err(Unresumable("malformed request target"));
     }
     let mut object_id = Vec::with_capacity(line.len() + 64);
@@ -120,6 +121,10 @@ pub fn parse_request(head: &[u8]) -> Result<Request, Unresumable> {
             object_id.extend_from_slice(b"\r\n");
         }
     }
+    if object_id.len() > MAX_OBJECT_ID {
+        return Err(Unresumable("request header too long"));
+    }
+    debug_assert!(check_object_id(&object_id).is_ok(), "an objectID the resumer would refuse");
     Ok(Request {
         head: head_only,
         object_id,
@@ -412,6 +417,15 @@ mod tests {
             assert!(parse_request(req).is_err(), "{:?}", String::from_utf8_lossy(req));
         }
         assert!(parse_request(b"GET /a HTTP/1.1\r\nHost : x\r\n\r\n").is_err());
+        // Only what a resumer replays is protected: origin-form targets, HTTP/1.0 and 1.1, an
+        // objectID of at most MAX_OBJECT_ID bytes; every objectID kept passes check_object_id.
+        for req in [&b"GET http://evil/a HTTP/1.1\r\n\r\n"[..], b"GET * HTTP/1.1\r\n\r\n", b"GET /a HTTP/1.9\r\n\r\n"] {
+            assert!(parse_request(req).is_err(), "{:?}", String::from_utf8_lossy(req));
+        }
+        let long = format!("GET /a HTTP/1.1\r\nAccept: {}\r\n\r\n", "a".repeat(MAX_OBJECT_ID));
+        assert_eq!(parse_request(long.as_bytes()), Err(Unresumable("request header too long")));
+        let ok = parse_request(b"HEAD /a?b=c HTTP/1.0\r\nHost: x\r\nAccept: */*\r\nIf-None-Match: \"e\"\r\n\r\n").unwrap();
+        assert_eq!(check_object_id(&ok.object_id), Ok(()));
         assert!(parse_request(b"GET /a HTTP/1.1\r\nAccept: a\tb\r\n\r\n").is_ok());
     }
 

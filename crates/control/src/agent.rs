@@ -20,6 +20,7 @@
 use crate::agentcore::{Core, LbView, Out, Pkt};
 use crate::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
 use crate::kv::{KvStore, RedisKv};
+use crate::records::{Records, Refusal};
 use crate::store::StoreConfig;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -34,7 +35,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
 use unbroken_drivers::nfqueue::{Queue, QueueConfig, QueuedPacket, Verdict as QVerdict};
 use unbroken_drivers::repair::{self, RepairSpec};
+use unbroken_engines::resume::{self, Mismatch};
 use unbroken_engines::trods::{self, plan_recovery, Dir, Engine, Key, Plan, Record, Trigger};
+use unbroken_wire::sealed::{RecordKey, Refused};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -130,6 +133,13 @@ pub struct StoreSection {
     /// by at most this long when its delete is lost (a crash, a store outage). At least 30.
     #[serde(default = "default_ttl")]
     pub ttl_s: u64,
+    /// The cluster key that authenticates records (hex, at least 16 bytes; the same on every
+    /// agent of the cluster, different from `agent.key`). Give this or `record_key_file`.
+    #[serde(default)]
+    pub record_key: Option<String>,
+    /// A file holding the cluster key as hex (kept out of the config file and `ps`).
+    #[serde(default)]
+    pub record_key_file: Option<PathBuf>,
 }
 
 fn default_store_ms() -> u64 {
@@ -159,6 +169,8 @@ pub struct Agent {
     pub lb: Option<SocketAddr>,
     pub key: Vec<u8>,
     pub gate_open: bool,
+    /// The cluster key of the store's records (`store.record_key` or `store.record_key_file`).
+    pub record_key: RecordKey,
 }
 
 impl Agent {
@@ -203,7 +215,13 @@ impl Agent {
         if raw.store.ttl_s != 0 && !(30..=30 * 86_400).contains(&raw.store.ttl_s) {
             return Err(format!("store.ttl_s: {}: 0 (records never expire) or 30..=2592000 (records of live connections are stored again every third of it)", raw.store.ttl_s));
         }
-        Ok(Agent { raw, services, backend, lb, key, gate_open })
+        let record_key = record_key(&raw.store, &key)?;
+        Ok(Agent { raw, services, backend, lb, key, gate_open, record_key })
+    }
+
+    /// Seals and opens this agent's records.
+    pub fn records(&self) -> Records {
+        Records::new(self.record_key.clone(), &self.raw.store.prefix, self.raw.store.ttl_s.saturating_mul(1000))
     }
 
     /// Reads and validates a file.
@@ -223,6 +241,29 @@ impl Agent {
             ..StoreConfig::default()
         }
     }
+}
+
+/// The cluster key of the store's records, from exactly one of `record_key` and
+/// `record_key_file`; never the LB's heartbeat key.
+fn record_key(s: &StoreSection, lb_key: &[u8]) -> Result<RecordKey, String> {
+    let k = match (&s.record_key, &s.record_key_file) {
+        (Some(_), Some(_)) => return Err("store.record_key and store.record_key_file: give one of them, not both".into()),
+        (None, None) => {
+            return Err("store.record_key (hex, at least 16 bytes) or store.record_key_file is missing: it is the cluster key that \
+                        authenticates connection records in the store; give every agent of the cluster the same one, different from agent.key \
+                        (e.g. `head -c 32 /dev/urandom | xxd -p -c 64`)"
+                .into())
+        }
+        (Some(hex), None) => RecordKey::from_hex(hex).map_err(|e| format!("store.record_key: {e}"))?,
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("store.record_key_file: {}: {e}", path.display()))?;
+            RecordKey::from_hex(&text).map_err(|e| format!("store.record_key_file: {}: {e}", path.display()))?
+        }
+    };
+    if k.bytes() == lb_key {
+        return Err("store.record_key: the same as agent.key; use a key of its own (whoever holds the LB's heartbeat key must not be able to forge records)".into());
+    }
+    Ok(k)
 }
 
 /// The store key of a connection: its LB bucket first, so the clients of a bucket can be
@@ -248,6 +289,21 @@ pub struct AgentCounters {
     pub refused_plan: u64,
     pub refused_rebuild: u64,
     pub resume_mismatch: u64,
+    /// Of `resume_mismatch`: the local server's object is not the one being sent (it answered
+    /// 200 to If-Range, or another validator or length): the client got a RST, no byte of it.
+    pub resume_object_changed: u64,
+    /// Resumes refused before anything was sent to the local server: the record's objectID or
+    /// validator failed the checks of `engines::resume` (never happens with genuine records).
+    pub resume_refused: u64,
+    /// Failovers refused because the stored value was not a valid record (counted below by
+    /// reason): treated exactly as a connection without a record.
+    pub refused_bad_record: u64,
+    /// Values read from the store whose MAC did not verify (edited, moved to another key,
+    /// another cluster key), of version 1 (no MAC), or sealed longer ago than the TTL.
+    pub records_bad_mac: u64,
+    pub records_unversioned: u64,
+    pub records_expired: u64,
+    pub records_invalid: u64,
     pub resume_errors: u64,
     pub resumed_bytes: u64,
     pub probes_sent: u64,
@@ -428,6 +484,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         rebuilt_file,
         next_gen: std::sync::atomic::AtomicU64::new(1),
         kv: store.clone(),
+        records: cfg.records(),
         backend: cfg.backend,
         tx: tx.clone(),
         wake: wake.clone(),
@@ -663,7 +720,7 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
                 }
             }
             Out::Store(op) => {
-                let _ = store.submit(op);
+                let _ = store.submit(ctx.records.seal_op(op, unix_ms()));
             }
             Out::Inject(pkt) => injects.push(pkt),
             Out::Probe { buckets, skip } => {
@@ -764,6 +821,7 @@ struct WorkerCtx {
     rebuilt_file: Option<std::path::PathBuf>,
     next_gen: std::sync::atomic::AtomicU64,
     kv: Arc<dyn KvStore>,
+    records: Records,
     backend: SocketAddr,
     tx: Sender<Msg>,
     wake: Arc<Wake>,
@@ -775,6 +833,22 @@ impl WorkerCtx {
         let _ = self.tx.send(m);
         self.wake.ring();
     }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Opens the value read under `skey` (see [`Records::open`]), counting a refusal by reason.
+fn open_record(ctx: &WorkerCtx, skey: &str, value: &[u8]) -> Result<Record, Refusal> {
+    ctx.records.open(skey.as_bytes(), value, unix_ms()).inspect_err(|r| {
+        ctx.shared.count(|c| match r {
+            Refusal::Sealed(Refused::BadMac) => c.records_bad_mac += 1,
+            Refusal::Sealed(Refused::Unversioned) => c.records_unversioned += 1,
+            Refusal::Expired { .. } => c.records_expired += 1,
+            _ => c.records_invalid += 1,
+        })
+    })
 }
 
 /// Reads the record of a connection a local socket serves and plans from the client's packet
@@ -791,7 +865,7 @@ fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>, pkt: &[u8]) -> Result
         }
     };
     let value = got.map_err(|e| format!("store: {e}"))?.ok_or("no record")?;
-    let rec = Record::decode(&value).map_err(|e| format!("record: {e}"))?;
+    let rec = open_record(ctx, &skey, &value).map_err(|e| format!("record refused: {e}"))?;
     let plan = plan_recovery(&rec, &trig).map_err(|r| format!("plan: {}", r.0))?;
     Ok((Box::new(rec), Box::new(plan)))
 }
@@ -828,9 +902,11 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
         Ok(None) => return refuse("no record: the connection was not protected".into(), |c| c.refused_no_record += 1),
         Err(e) => return refuse(format!("store: {e}"), |c| c.refused_store += 1),
     };
-    let rec = match Record::decode(&value) {
+    // Issue 9 item 7: a value that is not this cluster's record for this key is treated as
+    // no record at all (the client gets the RST an unprotected server's death gives).
+    let rec = match open_record(&ctx, &skey, &value) {
         Ok(r) => r,
-        Err(e) => return refuse(format!("record: {e}"), |c| c.refused_plan += 1),
+        Err(e) => return refuse(format!("record refused: {e}"), |c| c.refused_bad_record += 1),
     };
     let plan = match plan_recovery(&rec, &trig) {
         Ok(p) => p,
@@ -998,9 +1074,20 @@ fn serve_recovered(ctx: &WorkerCtx, mut sock: TcpStream, rec: &Record, plan: &Pl
         let e = &rec.entries[r.entry];
         match resume_entry(ctx, &mut sock, &mut backend, e, r.header_from, r.body_from) {
             Ok(n) => ctx.shared.count(|c| c.resumed_bytes += n),
-            Err(ResumeError::Mismatch(why)) => {
+            Err(ResumeError::Mismatch(m)) => {
+                let changed = matches!(m, Mismatch::Changed(_));
+                let (Mismatch::Changed(why) | Mismatch::Other(why)) = m;
                 eprintln!("agent: resume refused: {why}");
-                ctx.shared.count(|c| c.resume_mismatch += 1);
+                ctx.shared.count(|c| {
+                    c.resume_mismatch += 1;
+                    c.resume_object_changed += changed as u64;
+                });
+                reset(sock);
+                return;
+            }
+            Err(ResumeError::Refused(why)) => {
+                eprintln!("agent: resume refused: the record's request: {why}");
+                ctx.shared.count(|c| c.resume_refused += 1);
                 reset(sock);
                 return;
             }
@@ -1043,7 +1130,9 @@ fn drain_until_eof(sock: &mut TcpStream) {
 }
 
 enum ResumeError {
-    Mismatch(String),
+    Mismatch(Mismatch),
+    /// The record's objectID or validator failed the replay checks.
+    Refused(&'static str),
     Io(io::Error),
 }
 
@@ -1108,56 +1197,29 @@ impl BufConn {
 }
 
 /// Sends the rest of one response: the stored header from `header_from`, then the body from
-/// `body_from`, fetched from the local server and checked to be the same representation.
+/// `body_from`, fetched from the local server with the request [`resume::request`] builds
+/// (checked objectID, `Range` with `If-Range`) and sent only if [`resume::check`] finds the
+/// local answer is the same representation.
 fn resume_entry(ctx: &WorkerCtx, sock: &mut TcpStream, backend: &mut Option<BufConn>, e: &trods::Entry, header_from: usize, body_from: u64) -> Result<u64, ResumeError> {
     let mut sent = 0u64;
+    // Checked before the first byte goes to the client.
+    let fetch = if body_from < e.body_len { Some(resume::request(e, body_from).map_err(|u| ResumeError::Refused(u.0))?) } else { None };
     if header_from < e.header.len() {
         sock.write_all(&e.header[header_from..])?;
         sent += (e.header.len() - header_from) as u64;
     }
-    if body_from >= e.body_len {
-        return Ok(sent);
-    }
+    let Some((req, expect)) = fetch else { return Ok(sent) };
     if backend.is_none() {
         let s = TcpStream::connect_timeout(&ctx.backend, Duration::from_secs(2))?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         *backend = Some(BufConn { s, buf: Vec::new() });
     }
     let b = backend.as_mut().unwrap();
-    let ranged = matches!(e.status, 200 | 206);
-    let mut req = e.object_id.clone();
-    let (skip, want_status) = if ranged {
-        let first = e.range_start + body_from;
-        let last = e.range_start + e.body_len - 1;
-        req.extend_from_slice(format!("Range: bytes={first}-{last}\r\n").as_bytes());
-        (0, 206)
-    } else {
-        (body_from, e.status)
-    };
-    req.extend_from_slice(b"Connection: keep-alive\r\n\r\n");
     b.s.write_all(&req)?;
     let head = b.read_head()?;
-    let r = unbroken_engines::http::parse_response(&head, false).map_err(|u| ResumeError::Mismatch(format!("local response: {}", u.0)))?;
-    if r.status != want_status {
-        return Err(ResumeError::Mismatch(format!("local server answered {} where {want_status} was expected", r.status)));
-    }
-    let expect_len = if ranged { e.body_len - body_from } else { e.body_len };
-    if r.body_len != expect_len {
-        return Err(ResumeError::Mismatch(format!("local body is {} bytes, expected {expect_len}", r.body_len)));
-    }
-    if ranged && r.range_start != e.range_start + body_from {
-        return Err(ResumeError::Mismatch("local Content-Range starts elsewhere".into()));
-    }
-    if ranged && e.status == 200 && r.total != Some(e.body_len) {
-        return Err(ResumeError::Mismatch("the local object has another length".into()));
-    }
-    if !e.etag.is_empty() && r.etag != e.etag {
-        return Err(ResumeError::Mismatch("the local object has another ETag".into()));
-    }
-    if e.etag.is_empty() && !e.last_modified.is_empty() && r.last_modified != e.last_modified {
-        return Err(ResumeError::Mismatch("the local object has another Last-Modified".into()));
-    }
-    sent += b.copy_body(skip, e.body_len - body_from, sock)?;
+    let r = unbroken_engines::http::parse_response(&head, false).map_err(|u| ResumeError::Mismatch(Mismatch::Other(format!("local response: {}", u.0))))?;
+    resume::check(&expect, &r).map_err(ResumeError::Mismatch)?;
+    sent += b.copy_body(expect.skip, expect.send, sock)?;
     if r.close {
         *backend = None;
     }
@@ -1237,7 +1299,7 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
                 continue;
             }
             let Ok(Some(v)) = ctx.kv.get(&k) else { continue };
-            let Ok(rec) = Record::decode(&v) else { continue };
+            let Ok(rec) = open_record(&ctx, &String::from_utf8_lossy(&k), &v) else { continue };
             eprintln!("agent: probing {} (bucket {b})", conn.client);
             if let Some(pkt) = crate::agentcore::probe_packet(&conn, &rec) {
                 if raw.send(&pkt).is_ok() {
@@ -1259,4 +1321,47 @@ fn parse_store_key(k: &[u8]) -> Option<Key> {
     let rest = s.split_once("/c/")?.1;
     let (client, service) = rest.split_once('/')?;
     Some(Key { client: client.parse().ok()?, service: service.parse().ok()? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "[agent]\nserver_id = 1\nservices = [\"10.77.0.100:80\"]\nlb = \"10.78.0.1:7950\"\nkey = \"00112233445566778899aabbccddeeff\"\n\n[store]\nnodes = [\"10.78.0.2:6379\"]\n";
+    const RKEY: &str = "8f1e2d3c4b5a69788796a5b4c3d2e1f0";
+
+    fn with(extra: &str) -> Result<Agent, String> {
+        Agent::from_toml(&format!("{BASE}{extra}"))
+    }
+
+    #[test]
+    fn the_record_key_comes_from_the_config_or_a_file() {
+        let a = with(&format!("record_key = \"{RKEY}\"\n")).unwrap();
+        assert_eq!(a.record_key, RecordKey::from_hex(RKEY).unwrap());
+        let dir = std::env::temp_dir().join(format!("ub-agent-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("record.key");
+        std::fs::write(&f, format!("{RKEY}\n")).unwrap();
+        let b = with(&format!("record_key_file = \"{}\"\n", f.display())).unwrap();
+        assert_eq!(b.record_key, a.record_key);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn hostile_config_without_a_usable_record_key_is_refused() {
+        let e = with("").unwrap_err();
+        assert!(e.starts_with("store.record_key (hex, at least 16 bytes) or store.record_key_file is missing"), "{e}");
+        let e = with(&format!("record_key = \"{RKEY}\"\nrecord_key_file = \"/x\"\n")).unwrap_err();
+        assert!(e.contains("give one of them, not both"), "{e}");
+        let e = with("record_key = \"0011\"\n").unwrap_err();
+        assert_eq!(e, "store.record_key: 2 bytes; at least 16 bytes (32 hex digits) are needed");
+        let e = with("record_key = \"not hex at all\"\n").unwrap_err();
+        assert_eq!(e, "store.record_key: not an even number of hex digits");
+        let e = with(&format!("record_key = \"{}\"\n", "ab".repeat(16))).unwrap_err();
+        assert!(e.starts_with("store.record_key: every byte is the same"), "{e}");
+        let e = with("record_key = \"00112233445566778899aabbccddeeff\"\n").unwrap_err();
+        assert!(e.starts_with("store.record_key: the same as agent.key"), "{e}");
+        let e = with("record_key_file = \"/nonexistent/unbroken/record.key\"\n").unwrap_err();
+        assert!(e.starts_with("store.record_key_file: /nonexistent/unbroken/record.key: "), "{e}");
+    }
 }

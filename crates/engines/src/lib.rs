@@ -8,5 +8,6 @@
 //!   Recovery for Object Delivery Services"). Unlike rtcp it buffers headers, so it allocates.
 
 pub mod http;
+pub mod resume;
 pub mod rtcp;
 pub mod trods;

@@ -173,7 +173,8 @@ impl Entry {
 /// for whoever reads the record: at most this far past `sent_off`, plus one segment.
 pub const FAR_PAST_PROGRESS: u64 = 3 << 29;
 
-/// What the store holds for one connection.
+/// What the store holds for one connection, inside the sealed envelope the agent adds
+/// (`unbroken_wire::sealed`; every field and its size: docs/store.md).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Record {
     pub hs: Handshake,
@@ -520,6 +521,11 @@ pub struct Counters {
     pub unprotected_store: u64,
     pub unprotected_http: u64,
     pub unprotected_no_syn: u64,
+    /// Of `unprotected_http`: requests with credentials (Authorization, Cookie), which are
+    /// never stored (issue 9 item 7).
+    pub unprotected_credentials: u64,
+    /// Of `unprotected_http`: 200/206 responses without a strong validator (issue 9 item 8).
+    pub unprotected_no_validator: u64,
     pub entries: u64,
     pub stores: u64,
     pub stores_ok: u64,
@@ -1153,6 +1159,12 @@ impl Engine {
                                 };
                                 match http::parse_response(&header, req.req.head) {
                                     Err(e) => why = Some(e.0),
+                                    // Issue 9 item 7: the header is stored as sent, so never one that sets a cookie.
+                                    Ok(r) if r.credentials => why = Some(http::CREDENTIALS.0),
+                                    // Issue 9 item 8: a body resumed with Range needs a validator.
+                                    Ok(r) if http::needs_validator(&r, req.req.head) && http::if_range(&r.etag, &r.last_modified, &r.date).is_none() => {
+                                        why = Some(http::NO_VALIDATOR.0);
+                                    }
                                     Ok(r) if c.entries.len() >= cfg_max_entries => {
                                         let _ = r;
                                         why = Some("too many pipelined responses");
@@ -1454,6 +1466,11 @@ impl Engine {
         c.entries.clear();
         c.in_flight = None;
         self.counters.unprotected_http += 1;
+        if why == http::CREDENTIALS.0 {
+            self.counters.unprotected_credentials += 1;
+        } else if why == http::NO_VALIDATOR.0 {
+            self.counters.unprotected_no_validator += 1;
+        }
         self.last_unprotect_reason = why;
         c.stale_record = true;
         self.release_all(key);

@@ -211,7 +211,7 @@ fn extension_headers_spanning_segments_and_keep_alive_pipelining() {
     assert_eq!(v, Verdict::Held, "an unfinished header waits");
     let mut seg2 = HDR[20..].to_vec();
     seg2.extend(body(3000, 9));
-    let h2 = b"HTTP/1.1 200 OK\r\nContent-Length: 77\r\n\r\n";
+    let h2 = b"HTTP/1.1 200 OK\r\nContent-Length: 77\r\nETag: \"e2\"\r\n\r\n";
     seg2.extend_from_slice(h2); // HEAD: no body follows
     let (v, _) = t.s(ss(20), cs(0), F::ACK, &seg2);
     assert_eq!(v, Verdict::Held);
@@ -543,7 +543,7 @@ proptest::proptest! {
             match kind {
                 0 => { t.c(cs(seq % 5000), ss(ack % 9000), fl, &payload); }
                 1 => { let _ = t.s(ss(seq % 9000), cs(ack % 5000), fl, &payload); }
-                2 => { let _ = t.s(ss(0), cs(0), F::ACK, b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"); t.c(cs(0), ss(0), F::ACK, b"GET / HTTP/1.1\r\n\r\n"); }
+                2 => { let _ = t.s(ss(0), cs(0), F::ACK, b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\nETag: \"e2\"\r\n\r\n"); t.c(cs(0), ss(0), F::ACK, b"GET / HTTP/1.1\r\n\r\n"); }
                 _ => {
                     while let Some(a) = t.e.poll_action() {
                         match a {
@@ -586,7 +586,7 @@ fn a_failed_store_never_lets_a_stale_record_turn_ambiguous() {
     t.handshake();
     t.store_all();
     t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
-    let hdr = b"HTTP/1.1 200 OK\r\nContent-Length: 6000000000\r\n\r\n";
+    let hdr = b"HTTP/1.1 200 OK\r\nContent-Length: 6000000000\r\nETag: \"e2\"\r\n\r\n";
     assert_eq!(t.s(ss(0), cs(REQ.len() as u32), F::ACK, hdr).0, Verdict::Held);
     t.store_all();
     t.released();
@@ -676,7 +676,7 @@ fn store_outage_degrades_then_protection_rearms() {
     // its response passes (unprotected, not held) and is parsed.
     let end1 = p1.len() as u32;
     const REQ2: &[u8] = b"GET /two HTTP/1.1\r\nHost: s\r\nRange: bytes=10-19\r\n\r\n";
-    const HDR2: &[u8] = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 10-19/3000\r\n\r\n";
+    const HDR2: &[u8] = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 10-19/3000\r\nETag: \"e1\"\r\n\r\n";
     let l2 = REQ2.len() as u32;
     assert!(matches!(t.c(cs(l1), ss(end1), F::ACK | F::PSH, REQ2), Verdict::Accept { .. }));
     let mut p2 = HDR2.to_vec();
@@ -723,7 +723,7 @@ fn store_outage_degrades_then_protection_rearms() {
 // the server's TCP would have sent.
 
 const REQ2: &[u8] = b"GET /two HTTP/1.1\r\nHost: s\r\nRange: bytes=10-19\r\n\r\n";
-const HDR2: &[u8] = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 10-19/3000\r\n\r\n";
+const HDR2: &[u8] = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 10-19/3000\r\nETag: \"e1\"\r\n\r\n";
 
 impl T {
     fn injected(&mut self) -> Vec<Vec<u8>> {
@@ -1123,7 +1123,7 @@ fn a_retransmission_never_waits_behind_a_header_cut_at_the_window_edge() {
     let (v, _) = t.s(ss(2000), cs(rl), F::ACK, &resp1[2000..2100]);
     assert_eq!(v, Verdict::Held, "bytes of a held segment wait with it");
     // The rest of the header arrives: the new entry is stored and everything goes, in order.
-    let hdr2 = b" 200 OK\r\nContent-Length: 10\r\n\r\n0123456789";
+    let hdr2 = b" 200 OK\r\nContent-Length: 10\r\nETag: \"e2\"\r\n\r\n0123456789";
     let (v, _) = t.s(ss(n1 + 8), cs(rl), F::ACK, hdr2);
     assert_eq!(v, Verdict::Held);
     let stored = t.store_all();
@@ -1219,4 +1219,109 @@ fn a_retransmitted_syn_of_a_muted_connection_starts_it_afresh() {
     // A retransmitted SYN of a live connection still changes nothing.
     assert_eq!(t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b"")).0, Verdict::Accept { modified: false });
     assert_eq!(t.e.is_protected(&key()), Some(true));
+}
+
+// ---- issue 9 items 7 and 8: what records hold, and which responses are protected ----------------
+
+/// Every value the engine asks to store while `steps` run, after the handshake.
+fn stores_during(t: &mut T, steps: impl FnOnce(&mut T)) -> Vec<Vec<u8>> {
+    let mut out = vec![];
+    steps(t);
+    while let Some(a) = t.e.poll_action() {
+        match a {
+            Action::Store { token, value, .. } => {
+                out.push(value);
+                t.e.store_done(token, true);
+            }
+            Action::Delete { token, .. } => t.e.store_done(token, true),
+        }
+    }
+    out
+}
+
+#[test]
+fn hostile_credentials_are_never_stored_and_the_request_is_not_protected() {
+    for (req, secret) in [
+        (&b"GET /big.bin HTTP/1.1\r\nHost: s\r\nAuthorization: Bearer s3cr3t-token\r\n\r\n"[..], &b"s3cr3t-token"[..]),
+        (b"GET /big.bin HTTP/1.1\r\nHost: s\r\nCookie: session=s3cr3t-cookie\r\n\r\n", b"s3cr3t-cookie"),
+        (b"GET /big.bin HTTP/1.1\r\nHost: s\r\nProxy-Authorization: Basic czNjcjN0\r\n\r\n", b"czNjcjN0"),
+    ] {
+        let mut t = T::new();
+        t.handshake();
+        t.store_all();
+        let stored = stores_during(&mut t, |t| {
+            t.c(cs(0), ss(0), F::ACK | F::PSH, req);
+            let mut resp = HDR.to_vec();
+            resp.extend_from_slice(&body(3000, 1));
+            let (v, _) = t.s(ss(0), cs(req.len() as u32), F::ACK, &resp);
+            assert!(matches!(v, Verdict::Accept { .. }), "an unprotected response is never held: {v:?}");
+        });
+        assert_eq!((t.e.counters.unprotected_credentials, t.e.counters.unprotected_http), (1, 1));
+        assert!(!stored.is_empty(), "a tombstone is stored");
+        check_no_secret(&stored, secret);
+    }
+    // A response that sets a cookie: its header would be stored byte for byte.
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let stored = stores_during(&mut t, |t| {
+        t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+        let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nETag: \"e\"\r\nSet-Cookie: sid=s3cr3t-set-cookie\r\n\r\nhello");
+        assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    });
+    assert_eq!(t.e.counters.unprotected_credentials, 1);
+    check_no_secret(&stored, b"s3cr3t-set-cookie");
+}
+
+/// No stored value holds `secret`; the last one is a tombstone.
+fn check_no_secret(stored: &[Vec<u8>], secret: &[u8]) {
+    for v in stored {
+        assert!(!v.windows(secret.len()).any(|w| w == secret), "a credential reached the store");
+    }
+    let rec = Record::decode(stored.last().expect("a tombstone is stored")).unwrap();
+    assert!(rec.unprotected && rec.entries.is_empty());
+}
+
+#[test]
+fn hostile_request_with_an_injected_header_line_is_not_protected() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let req = b"GET /big.bin HTTP/1.1\r\nHost: s\nX-Injected: 1\r\n\r\n";
+    let stored = stores_during(&mut t, |t| {
+        t.c(cs(0), ss(0), F::ACK | F::PSH, req);
+    });
+    assert_eq!(t.e.counters.unprotected_http, 1);
+    assert!(stored.iter().all(|v| !v.windows(10).any(|w| w == b"X-Injected")));
+}
+
+#[test]
+fn hostile_response_without_a_strong_validator_is_not_protected() {
+    for hdr in [
+        &b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\n\r\n"[..],
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\nETag: W/\"e1\"\r\n\r\n",
+        // Modified in the second it was served: a change within it keeps the Last-Modified.
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\nDate: Wed, 25 Nov 2026 08:00:00 GMT\r\nLast-Modified: Wed, 25 Nov 2026 08:00:00 GMT\r\n\r\n",
+    ] {
+        let mut t = T::new();
+        t.handshake();
+        t.store_all();
+        t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+        let mut resp = hdr.to_vec();
+        resp.extend_from_slice(&body(3000, 1));
+        let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, &resp);
+        assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+        assert_eq!(t.e.counters.unprotected_no_validator, 1, "{}", String::from_utf8_lossy(hdr));
+        let tomb = Record::decode(t.store_all().last().unwrap()).unwrap();
+        assert!(tomb.unprotected, "a failover must reset the client, not resume");
+    }
+    // A Last-Modified a second or more before Date is a validator; so is a strong ETag.
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let hdr = b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\nDate: Wed, 25 Nov 2026 08:00:01 GMT\r\nLast-Modified: Wed, 25 Nov 2026 08:00:00 GMT\r\n\r\n";
+    let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, hdr);
+    assert_eq!(v, Verdict::Held);
+    assert_eq!(t.e.counters.unprotected, 0);
 }

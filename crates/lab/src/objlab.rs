@@ -491,8 +491,8 @@ fn quoted(p: &Path) -> String {
 /// The nginx 1.22 configuration of a lab server: `daemon off` and `master_process off` (one
 /// process: the returned [`Child`] is the whole server, and killing it leaves no orphaned
 /// worker), `worker_processes 1`, pid and error log in `run_dir`, `access_log off`,
-/// `sendfile on`, `etag on`, `keepalive_timeout 65`, listening on `0.0.0.0:80` and `[::]:80`,
-/// every temp path inside `run_dir`, serving `docroot`.
+/// `sendfile on`, `etag on` (off under `/noetag/`), `keepalive_timeout 65`, listening on
+/// `0.0.0.0:80` and `[::]:80`, every temp path inside `run_dir`, serving `docroot`.
 pub fn nginx_conf(docroot: &Path, run_dir: &Path) -> String {
     let r = |s: &str| quoted(&run_dir.join(s));
     format!(
@@ -527,6 +527,10 @@ http {{
         listen [::]:80;
         server_name _;
         root {root};
+        # Objects served without an ETag (Last-Modified only): issue 9 item 8's lab test.
+        location /noetag/ {{
+            etag off;
+        }}
     }}
 }}
 ",
@@ -561,6 +565,7 @@ mod tests {
             "listen 0.0.0.0:80;",
             "listen [::]:80;",
             "root \"/srv/www\";",
+            "location /noetag/ {\n            etag off;",
             "client_body_temp_path \"/tmp/run 1/client_body\";",
         ] {
             assert!(c.contains(want), "{want} missing in\n{c}");

@@ -447,10 +447,12 @@ fn status(args: Vec<String>) -> ExitCode {
             println!("unbroken agent (pid {}, up {} s{})", v["pid"], n(&v["uptime_ms"]) / 1000, if v["stopped"] == true { ", stopped" } else { "" });
             println!("  connections            {} ({} protected)", n(&v["connections"]), n(&v["protected"]));
             println!("  unprotected so far     {} (store {}, http {}, no SYN seen {})", n(&e["unprotected"]), n(&e["unprotected_store"]), n(&e["unprotected_http"]), n(&e["unprotected_no_syn"]));
+            println!("    of which http:       credentials {}, no strong validator {}", n(&e["unprotected_credentials"]), n(&e["unprotected_no_validator"]));
+            println!("  records refused        {} failovers (bad MAC {}, version 1 {}, expired {}, invalid {})", n(&a["refused_bad_record"]), n(&a["records_bad_mac"]), n(&a["records_unversioned"]), n(&a["records_expired"]), n(&a["records_invalid"]));
             println!("  records stored         {} ok, {} failed; held packets {}", n(&e["stores_ok"]), n(&e["stores_failed"]), n(&e["held"]));
             println!("  failovers              {} done, {} started, {} refused, {} denied by the LB gate", n(&a["failovers"]), n(&a["failovers_started"]), n(&a["refused"]), n(&a["failovers_denied"]));
             println!("  failover time          last {} us, max {} us (client packet to rebuilt socket)", n(&a["failover_us_last"]), n(&a["failover_us_max"]));
-            println!("  resumed bytes          {} (mismatches {}, errors {})", n(&a["resumed_bytes"]), n(&a["resume_mismatch"]), n(&a["resume_errors"]));
+            println!("  resumed bytes          {} (mismatches {} of which object changed {}, refused requests {}, errors {})", n(&a["resumed_bytes"]), n(&a["resume_mismatch"]), n(&a["resume_object_changed"]), n(&a["resume_refused"]), n(&a["resume_errors"]));
             println!("  probes sent            {}", n(&a["probes_sent"]));
             println!("  store                  {}{}", v["store"].as_str().unwrap_or("?"), if v["store_down"] == true { " DOWN" } else { "" });
             if let Some(r) = a["recent_refusals"].as_array().filter(|r| !r.is_empty()) {

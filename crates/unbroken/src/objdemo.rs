@@ -118,6 +118,9 @@ pub fn make_object(path: &Path, size: u64, seed: u64) -> io::Result<String> {
     Ok(hex(&h.finalize()))
 }
 
+/// The lab's cluster key for store records (`[store] record_key` of every agent).
+pub const LAB_RECORD_KEY: &str = "6c61622d7265636f72642d6b65792d30313233343536373839";
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -167,6 +170,13 @@ impl ObjectEnv {
     }
 
     fn agent_toml(&self, i: usize) -> String {
+        let mut t = self.agent_toml_base(i);
+        // The cluster key of the store's records (issue 9 item 7), the same on every agent.
+        t.push_str(&format!("record_key = \"{LAB_RECORD_KEY}\"\n"));
+        t
+    }
+
+    fn agent_toml_base(&self, i: usize) -> String {
         format!(
             "[agent]\nserver_id = {i}\nservices = [\"{}:80\", \"[{}]:80\"]\nbackend = \"127.0.0.1:80\"\nqueue = 7\nlb = \"{}\"\nheartbeat_interval_ms = 5\nfailover_gate = \"{}\"\nstatus_file = \"{}\"\nprobe = {}\n\n[store]\nnodes = [\"{}:{}\"]\ntimeout_ms = {}\n",
             addr::VIP_V4,

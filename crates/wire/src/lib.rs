@@ -1,14 +1,15 @@
 //! `unbroken-wire`: the bottom floor. Zero-copy packet views in the style of smoltcp's
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
-//! modulo 2^32, and the checkpoint-mode side-channel format. Malformed input is an `Err`,
-//! never a panic.
+//! modulo 2^32, the checkpoint-mode side-channel format and the sealed envelope of object-mode
+//! store records. Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ctl;
 pub mod ip;
 pub mod ipv4;
 pub mod ipv6;
+pub mod sealed;
 pub mod seq;
 pub mod tcp;
 pub mod udp;

@@ -564,13 +564,15 @@ pub struct ReplyCheck {
     sent_at: Vec<(u32, u64)>,
     last_accepted: Option<u32>,
     cookie: (u64, u64),
+    /// The seq of the beat the held cookie's challenge answered.
+    cookie_seq: u32,
     buckets: Option<u16>,
 }
 
 impl ReplyCheck {
     /// A fresh sender for `server` with boot id `boot` (random per start).
     pub fn new(server: u16, boot: u64) -> ReplyCheck {
-        ReplyCheck { server, boot, seq: 0, sent_at: vec![(0, 0); SENT_RING], last_accepted: None, cookie: (0, 0), buckets: None }
+        ReplyCheck { server, boot, seq: 0, sent_at: vec![(0, 0); SENT_RING], last_accepted: None, cookie: (0, 0), cookie_seq: 0, buckets: None }
     }
 
     /// The boot id.
@@ -612,14 +614,17 @@ impl ReplyCheck {
         ReplyVerdict::Accept(at)
     }
 
-    /// A verified challenge: true when it is for this boot and a beat of it (its cookie is
-    /// then echoed from the next beat on).
+    /// A verified challenge: true when it is for this boot and a beat of it; its cookie is
+    /// echoed from the next beat on unless the held one answers a later beat (a replayed old
+    /// challenge changes nothing). The cookie's time is the balancer's and says nothing here: a
+    /// restarted balancer's clock starts again.
     pub fn challenge(&mut self, c: &Challenge) -> bool {
         if c.server != self.server || c.boot != self.boot || c.seq == 0 || c.seq > self.seq {
             return false;
         }
-        if c.cookie_t > self.cookie.0 {
+        if c.seq >= self.cookie_seq {
             self.cookie = (c.cookie_t, c.cookie);
+            self.cookie_seq = c.seq;
         }
         true
     }
@@ -861,6 +866,30 @@ mod tests {
         let mut g2 = BeatGuard::new(1, [8; 32]);
         let hb = beat(&mut new);
         assert!(matches!(g2.check(0, &hb, src(4100), 300), BeatVerdict::Challenge { stale_cookie: false, .. }));
+    }
+
+    #[test]
+    fn a_restarted_balancer_binds_the_running_agent_again() {
+        // The first balancer ran long (its cookie times are large); the next one starts its
+        // clock again: the agent must take its challenge all the same.
+        let mut g1 = BeatGuard::new(1, [1; 32]);
+        let mut c = ReplyCheck::new(1, 0xc0ffee);
+        bind(&mut g1, &mut c, src(4000), 50_000_000);
+        let mut g2 = BeatGuard::new(1, [2; 32]);
+        bind(&mut g2, &mut c, src(4000), 10);
+        // A replay of the first balancer's challenge does not make the agent forget the new
+        // cookie.
+        let old = Challenge { server: 1, boot: 0xc0ffee, seq: 1, cookie_t: 50_000_000, cookie: g1.cookie(1, 0xc0ffee, src(4000), 50_000_000) };
+        assert!(c.challenge(&old));
+        let hb = beat(&mut c);
+        assert_eq!(g2.check(0, &hb, src(4000), 20), BeatVerdict::Accept { rebound: false });
+        // Another source (the agent's address changed): rebound by a fresh cookie.
+        let hb = beat(&mut c);
+        let BeatVerdict::Challenge { challenge, .. } = g2.check(0, &hb, src(4001), 30) else { panic!() };
+        assert!(c.challenge(&challenge));
+        let hb = beat(&mut c);
+        assert_eq!(g2.check(0, &hb, src(4001), 31), BeatVerdict::Accept { rebound: true });
+        assert_eq!(g2.source(0), Some(src(4001)));
     }
 
     #[test]

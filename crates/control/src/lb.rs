@@ -393,7 +393,12 @@ impl LbConfig {
         check_name("ingress device", &self.ingress, 15)?;
         check_name("forward device", &self.forward, 15)?;
         if self.ingress == self.forward {
-            return Err("config: ingress and forward must be different devices".into());
+            return Err(format!(
+                "config: ingress and forward must be different devices (both are {:?}): the LB needs two legs, \
+                 `ingress` where clients' packets to the services arrive and `forward` on the servers' \
+                 layer-2 segment (see configs/lb.example.toml)",
+                self.ingress
+            ));
         }
         check_name("table", &self.table, 64)?;
         if self.table.contains(['-', '.', '@']) {
@@ -2339,6 +2344,14 @@ mac = "02:75:62:01:00:03"
             assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
             assert!(err.to_string().contains(want), "{err}");
         }
+    }
+
+    #[test]
+    fn hostile_lb_with_one_leg_is_refused_and_the_two_legs_are_documented() {
+        let e = LbConfig::from_toml(&GOOD.replace("\"lbr\"", "\"l0\"")).unwrap_err();
+        assert!(e.contains("different devices") && e.contains("two legs"), "{e}");
+        assert!(include_str!("../../../README.md").contains("The LB needs **two legs**"));
+        assert!(include_str!("../../../configs/lb.example.toml").contains("The LB needs two legs"));
     }
 
     #[test]

@@ -448,9 +448,6 @@ pub enum BeatVerdict {
         /// The beat carried an authentic but stale cookie.
         stale_cookie: bool,
     },
-    /// Like `Challenge`, but another challenge for this server went out less than a
-    /// millisecond ago: no answer.
-    Throttled,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -459,7 +456,6 @@ struct Binding {
     seq: u32,
     cookie_t: u64,
     src: Option<SocketAddr>,
-    last_challenge_ms: Option<u64>,
 }
 
 /// The balancer's replay and sender check (no I/O). Servers are indexed `0..n` (config order).
@@ -518,13 +514,12 @@ impl BeatGuard {
                 // The bound boot seen from another source must still move forward.
                 return BeatVerdict::Replay;
             }
-            self.peers[i] = Binding { boot: hb.boot, seq: hb.seq, cookie_t: hb.cookie_t, src: Some(src), last_challenge_ms: cur.last_challenge_ms };
+            self.peers[i] = Binding { boot: hb.boot, seq: hb.seq, cookie_t: hb.cookie_t, src: Some(src) };
             return BeatVerdict::Accept { rebound: true };
         }
-        if cur.last_challenge_ms.is_some_and(|t| now_ms.saturating_sub(t) < 1) {
-            return BeatVerdict::Throttled;
-        }
-        self.peers[i].last_challenge_ms = Some(now_ms);
+        // Not throttled: a challenge is no longer than the beat that drew it, and only an
+        // authenticated beat draws one; a throttle would let a stream of replays crowd out a
+        // restarting agent's challenge.
         // Unique and increasing cookie times, so that "younger than the binding's" is strict.
         let t = now_ms.max(self.last_t + 1);
         self.last_t = t;
@@ -854,7 +849,7 @@ mod tests {
         // cookie is authentic but older than the new binding's), never accepted.
         for hb in &captured {
             let v = g.check(0, hb, src(4000), 150);
-            assert!(matches!(v, BeatVerdict::Challenge { stale_cookie: true, .. } | BeatVerdict::Throttled), "{v:?}");
+            assert!(matches!(v, BeatVerdict::Challenge { stale_cookie: true, .. }), "{v:?}");
         }
         // Also long after the cookie's lifetime.
         let v = g.check(0, &captured[0], src(4000), 150 + COOKIE_TTL_MS + 10);
@@ -890,6 +885,27 @@ mod tests {
         let hb = beat(&mut c);
         assert_eq!(g2.check(0, &hb, src(4001), 31), BeatVerdict::Accept { rebound: true });
         assert_eq!(g2.source(0), Some(src(4001)));
+    }
+
+    #[test]
+    fn hostile_replay_stream_does_not_crowd_out_a_restarting_agent() {
+        let mut g = BeatGuard::new(1, [7; 32]);
+        let mut old = ReplyCheck::new(1, 1);
+        bind(&mut g, &mut old, src(4000), 10);
+        let captured: Vec<Heartbeat> = (0..50).map(|_| beat(&mut old)).collect();
+        // The agent restarts while replays of its old beats arrive, in the same millisecond.
+        let mut new = ReplyCheck::new(1, 2);
+        for hb in &captured {
+            let _ = g.check(0, hb, src(5000), 500);
+        }
+        let hb = beat(&mut new);
+        let BeatVerdict::Challenge { challenge, .. } = g.check(0, &hb, src(4001), 500) else { panic!("no challenge") };
+        for hb in &captured {
+            let _ = g.check(0, hb, src(5000), 500);
+        }
+        assert!(new.challenge(&challenge));
+        let hb = beat(&mut new);
+        assert_eq!(g.check(0, &hb, src(4001), 500), BeatVerdict::Accept { rebound: true });
     }
 
     #[test]

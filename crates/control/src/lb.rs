@@ -931,9 +931,6 @@ pub struct LbCounters {
     /// Of those, beats that carried an authentic but stale cookie (a replay of an earlier run).
     #[serde(default)]
     pub stale_cookies: u64,
-    /// Challenges not sent (another one for the same server less than 1 ms before).
-    #[serde(default)]
-    pub challenges_throttled: u64,
     /// Authenticated heartbeats shorter than the reply they would draw: no answer, no
     /// liveness (an agent must pad its beats; see [`crate::hbproto`]).
     #[serde(default)]
@@ -1799,10 +1796,6 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
             let answer = match st.guard.check(i, &hb, src, t_ms) {
                 BeatVerdict::Replay => {
                     st.counters.replayed += 1;
-                    Answer::None
-                }
-                BeatVerdict::Throttled => {
-                    st.counters.challenges_throttled += 1;
                     Answer::None
                 }
                 BeatVerdict::Challenge { challenge, stale_cookie } => {

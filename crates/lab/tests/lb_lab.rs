@@ -1075,19 +1075,24 @@ fn hostile_replayed_heartbeats_are_refused_and_counted() {
     let downs = s.events.iter().filter(|e| e.server == 2).count();
     let before = s.counters.clone();
     let beats2 = s.server(2).unwrap().heartbeats;
-    // Every captured beat replayed, ten times over (longer than dead_after + revive hold).
+    // Every captured beat replayed, ten times over (longer than dead_after + revive hold), a
+    // round at a time (a burst of hundreds could overflow the socket's buffer: lost, not
+    // refused).
     let captured = a.sent.clone();
     let t = Instant::now();
-    for _ in 0..10 {
+    let refused = |c: &lb::LbCounters| c.replayed - before.replayed + c.challenges - before.challenges;
+    let mut s = w.status();
+    for round in 1..=10u64 {
         for b in &captured {
             a.sock.send(b).unwrap();
         }
+        let want = round * captured.len() as u64;
+        s = wait_for("a round of replays counted", || {
+            let s = w.status();
+            (refused(&s.counters) >= want).then_some(s)
+        });
     }
     let n = 10 * captured.len() as u64;
-    let s = wait_for("every replay counted", || {
-        let s = w.status();
-        (s.counters.replayed - before.replayed + s.counters.challenges - before.challenges + s.counters.challenges_throttled - before.challenges_throttled >= n).then_some(s)
-    });
     eprintln!("{n} replays in {:?}: {:?}", t.elapsed(), s.counters);
     // All but the first (its challenge-drawing beat) come from the bound source and boot.
     assert!(s.counters.replayed - before.replayed >= n - 10, "{:?}", s.counters);
@@ -1103,7 +1108,7 @@ fn hostile_replayed_heartbeats_are_refused_and_counted() {
     }
     let s = wait_for("replays from another source counted", || {
         let s = w.status();
-        (s.counters.challenges - before.challenges + s.counters.challenges_throttled - before.challenges_throttled >= captured.len() as u64).then_some(s)
+        (s.counters.challenges - before.challenges >= captured.len() as u64).then_some(s)
     });
     assert_eq!(s.server(2).unwrap().heartbeats, beats2, "a replay counted as a heartbeat");
     assert!(!s.server(2).unwrap().alive);
@@ -1124,7 +1129,7 @@ fn hostile_replayed_heartbeats_are_refused_and_counted() {
     b.exchange(None);
     let s = wait_for("stale cookies counted", || {
         let s = w.status();
-        (s.counters.stale_cookies - before.stale_cookies + s.counters.challenges_throttled - before.challenges_throttled >= captured.len() as u64 - 2).then_some(s)
+        (s.counters.stale_cookies - before.stale_cookies >= captured.len() as u64 - 2).then_some(s)
     });
     assert!(s.counters.stale_cookies > before.stale_cookies, "{:?}", s.counters);
     assert_eq!(s.server(2).unwrap().heartbeat_source, Some(std::net::SocketAddr::new(lab_v4(2), b.local().port()).to_string()));

@@ -1589,31 +1589,38 @@ fn programmer(sh: &Shared) -> io::Result<()> {
 /// How often the servers' MACs are checked against the neighbour table.
 const NEIGH_PERIOD: Duration = Duration::from_secs(1);
 
-/// The MAC the neighbour table of device `dev` holds for `ip` (None: no entry with an
-/// address), from `ip -j neigh show`.
-pub fn neighbour_mac(dev: &str, ip: IpAddr) -> io::Result<Option<[u8; 6]>> {
+/// The neighbour table of device `dev` (address and MAC of every entry that has a MAC),
+/// from `ip -j neigh show dev DEV`.
+pub fn neighbours(dev: &str) -> io::Result<Vec<(IpAddr, [u8; 6])>> {
     let out = Command::new("ip")
-        .args(["-j", "neigh", "show", "to", &ip.to_string(), "dev", dev])
+        .args(["-j", "neigh", "show", "dev", dev])
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()?;
     if !out.status.success() {
         return Err(io::Error::other(format!("ip neigh show dev {dev}: {}", out.status)));
     }
-    Ok(parse_neigh_json(&out.stdout, ip))
+    Ok(parse_neigh_json(&out.stdout))
 }
 
-/// The `lladdr` of `ip`'s entry in `ip -j neigh show` output.
-fn parse_neigh_json(text: &[u8], ip: IpAddr) -> Option<[u8; 6]> {
-    let v: serde_json::Value = serde_json::from_slice(text).ok()?;
-    v.as_array()?
-        .iter()
-        .filter(|e| e["dst"].as_str().and_then(|d| d.parse::<IpAddr>().ok()) == Some(ip))
-        .find_map(|e| e["lladdr"].as_str().and_then(parse_mac))
+/// The entries with an address and a MAC in `ip -j neigh show` output.
+fn parse_neigh_json(text: &[u8]) -> Vec<(IpAddr, [u8; 6])> {
+    let v: serde_json::Value = serde_json::from_slice(text).unwrap_or_default();
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| {
+                    let ip = e["dst"].as_str()?.parse().ok()?;
+                    Some((ip, parse_mac(e["lladdr"].as_str()?)?))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
-/// The MAC-check thread: every [`NEIGH_PERIOD`], each server whose heartbeats are bound to a
-/// source is looked up on the forward device; a mismatch is said loudly (once per change).
+/// The MAC-check thread: every [`NEIGH_PERIOD`], one read of the forward device's neighbour
+/// table, where each server whose heartbeats are bound to a source is looked up; a mismatch is
+/// said loudly (once per change).
 fn neighbour_checker(sh: &Shared) {
     let mut next = Instant::now();
     while !sh.stop.load(Ordering::Relaxed) {
@@ -1626,11 +1633,12 @@ fn neighbour_checker(sh: &Shared) {
             let st = sh.lock();
             (0..st.servers.len()).filter_map(|i| st.guard.source(i).map(|a| (i, a))).collect()
         };
+        if sources.is_empty() {
+            continue;
+        }
+        let Ok(table) = neighbours(&sh.cfg.forward) else { continue };
         for (i, src) in sources {
-            let seen = match neighbour_mac(&sh.cfg.forward, src.ip()) {
-                Ok(m) => m,
-                Err(_) => continue,
-            };
+            let seen = table.iter().find(|(ip, _)| *ip == src.ip()).map(|&(_, m)| m);
             let mut st = sh.lock();
             let s = &mut st.servers[i];
             let before = s.observed;
@@ -2345,6 +2353,16 @@ mac = "02:75:62:01:00:03"
         assert!(e.contains("different devices") && e.contains("two legs"), "{e}");
         assert!(include_str!("../../../README.md").contains("The LB needs **two legs**"));
         assert!(include_str!("../../../configs/lb.example.toml").contains("The LB needs two legs"));
+    }
+
+    #[test]
+    fn neighbour_table_parses() {
+        let j = br#"[{"dst":"10.78.0.11","lladdr":"02:75:62:01:00:01","state":["REACHABLE"]},
+            {"dst":"10.78.0.12","state":["FAILED"]},{"dst":"fd78::11","lladdr":"02:75:62:01:00:01","router":null}]"#;
+        let t = parse_neigh_json(j);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0], ("10.78.0.11".parse().unwrap(), [2, 0x75, 0x62, 1, 0, 1]));
+        assert!(parse_neigh_json(b"garbage").is_empty());
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub struct AgentSection {
     pub lb: Option<String>,
     #[serde(default = "default_hb_ms")]
     pub heartbeat_interval_ms: u64,
-    /// Hex key shared with the LB (heartbeat MACs).
+    /// Hex key shared with the LB (heartbeat MACs), at least 16 bytes; mandatory with `lb`.
     #[serde(default)]
     pub key: String,
     /// `"lb"`: start failover only for buckets the LB moved to this server recently (TRODS
@@ -205,7 +205,10 @@ impl Agent {
         if a.heartbeat_interval_ms == 0 || a.heartbeat_interval_ms > 10_000 {
             return Err("agent.heartbeat_interval_ms: 1..=10000".into());
         }
-        let key = crate::lb::parse_key_hex(&a.key).map_err(|e| format!("agent.key: {e}"))?;
+        let key = match lb {
+            Some(_) => crate::hbproto::check_key("agent.key", &a.key)?,
+            None => crate::lb::parse_key_hex(&a.key).map_err(|e| format!("agent.key: {e}"))?,
+        };
         if raw.store.nodes.is_empty() {
             return Err("store.nodes: at least one Redis address is needed".into());
         }
@@ -426,6 +429,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let a = &cfg.raw.agent;
     let started = Instant::now();
     let mono_ms = || started.elapsed().as_millis() as u64;
+    let a_status_file = a.status_file.clone();
+    if let Some(path) = &a_status_file {
+        prepare_status_file(path)?;
+    }
     let store: Arc<dyn KvStore> = Arc::new(RedisKv::start(&cfg.store_config()).map_err(|e| format!("agent: store: {e}"))?);
     let watch = Arc::new(LoopWatch::new(Duration::from_millis(a.wedged_after_ms)));
     let hb = match cfg.lb {
@@ -452,10 +459,15 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let (tx, rx): (Sender<Msg>, Receiver<Msg>) = channel();
     let engine = Engine::new(trods::Config { refresh_ms: cfg.raw.store.ttl_s * 1000 / 3, ..trods::Config::default() });
     let engine_view: Arc<Mutex<(trods::Counters, usize, usize)>> = Arc::new(Mutex::new(Default::default()));
-    if let Some(path) = a.status_file.clone() {
+    {
+        // Always runs: it also says when the store or the LB's heartbeats go wrong.
         let (shared, ev) = (shared.clone(), engine_view.clone());
         let store = store.clone();
-        std::thread::spawn(move || status_loop(path, shared, ev, store, started));
+        let hbw = hb.as_ref().zip(cfg.lb).map(|(h, lb)| (h.probe(), crate::hbproto::HealthWatch::new(lb, &cfg.key, 0)));
+        std::thread::Builder::new()
+            .name("agent-status".into())
+            .spawn(move || status_loop(a_status_file, shared, ev, store, started, hbw))
+            .map_err(|e| format!("agent: status thread: {e}"))?;
     }
     println!("unbroken agent: ready server={} queue={} services={:?} gate={}", a.server_id, a.queue, a.services, a.failover_gate);
     let _ = io::stdout().flush();
@@ -750,51 +762,124 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
 }
 
 
+/// Creates the status file's directory and checks that the file can be written there: a
+/// wrong path is one clear error at start, not a complaint every 500 ms.
+fn prepare_status_file(path: &std::path::Path) -> Result<(), String> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("agent: status_file {}: cannot create its directory {}: {e}", path.display(), dir.display()))?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, b"{}").and_then(|_| std::fs::remove_file(&tmp)).map_err(|e| format!("agent: status_file {}: cannot write there: {e}", path.display()))
+}
+
+/// Says when something outside the agent stays wrong (no I/O): `Some(true)` when the
+/// condition has held for `after_ms` (said once), `Some(false)` when it ends after having
+/// been said, `None` otherwise. A blip shorter than `after_ms` (the store connecting at start)
+/// says nothing.
+#[derive(Debug, Clone)]
+pub struct OutageWatch {
+    after_ms: u64,
+    since: Option<u64>,
+    said: bool,
+}
+
+impl OutageWatch {
+    /// A watch that speaks after `after_ms` of a lasting condition.
+    pub fn new(after_ms: u64) -> OutageWatch {
+        OutageWatch { after_ms, since: None, said: false }
+    }
+
+    /// Whether the condition holds at `now_ms`; returns what to say.
+    pub fn observe(&mut self, bad: bool, now_ms: u64) -> Option<bool> {
+        if !bad {
+            self.since = None;
+            return std::mem::take(&mut self.said).then_some(false);
+        }
+        let since = *self.since.get_or_insert(now_ms);
+        if !self.said && now_ms.saturating_sub(since) >= self.after_ms {
+            self.said = true;
+            return Some(true);
+        }
+        None
+    }
+}
+
 fn status_loop(
-    path: PathBuf,
+    path: Option<PathBuf>,
     shared: Arc<Shared>,
     ev: Arc<Mutex<(trods::Counters, usize, usize)>>,
     store: Arc<dyn KvStore>,
     started: Instant,
+    mut hbw: Option<(crate::lb::HeartbeatProbe, crate::hbproto::HealthWatch)>,
 ) {
-    let tmp = path.with_extension("tmp");
-    let mut was_down = false;
+    let tmp = path.as_ref().map(|p| p.with_extension("tmp"));
+    let mut store_watch = OutageWatch::new(1_000);
+    let mut write_failed = false;
     loop {
         let stop = STOP.load(Ordering::SeqCst);
         let (engine, conns, protected) = *ev.lock().unwrap();
-        // A store outage is said once when it starts and once when it ends: connections whose
-        // store fails run unprotected meanwhile, and are protected again when it answers.
+        let now_ms = started.elapsed().as_millis() as u64;
+        // A store outage is said once when it has lasted a second (at start too) and once when
+        // it ends: connections whose store fails run unprotected meanwhile, and are protected
+        // again when it answers.
         let down = store.is_down();
-        if down != was_down {
-            was_down = down;
-            if down {
+        match store_watch.observe(down, now_ms) {
+            Some(true) => {
                 shared.count(|c| c.store_outages += 1);
                 eprintln!(
-                    "agent: store unreachable: connections whose record cannot be stored run unprotected until it answers again (a death then resets them); {protected} of {conns} protected now"
+                    "agent: store unreachable ({}): connections whose record cannot be stored run unprotected until it answers again (a death then resets them); {protected} of {conns} protected now",
+                    store.describe()
                 );
-            } else {
+            }
+            Some(false) => {
                 eprintln!(
                     "agent: store reachable again: protection re-arms ({} connection(s) left unprotected by store failures so far, {} re-armed)",
                     engine.unprotected_store, engine.rearmed
                 );
             }
+            None => {}
         }
-        let agent = shared.counters.lock().unwrap().clone();
-        let doc = serde_json::json!({
-            "pid": std::process::id(),
-            "uptime_ms": started.elapsed().as_millis() as u64,
-            "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
-            "stopped": stop,
-            "sighup_ignored": crate::signals::hangups(),
-            "connections": conns,
-            "protected": protected,
-            "agent": agent,
-            "engine": engine,
-            "store": store.describe(),
-            "store_down": store.is_down(),
+        // Heartbeats nobody accepts (a wrong key or LB address): said within seconds.
+        let lb = hbw.as_mut().map(|(probe, w)| {
+            let st = probe.stats();
+            if let Some(line) = w.observe(&st, now_ms) {
+                eprintln!("{line}");
+            }
+            serde_json::json!({
+                "state": w.state(),
+                "detail": w.describe(),
+                "last_reply_age_ms": w.last_ok_age_ms(now_ms),
+                "stats": st,
+            })
         });
-        if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
-            eprintln!("agent: cannot write status file {}", path.display());
+        if let (Some(path), Some(tmp)) = (&path, &tmp) {
+            let agent = shared.counters.lock().unwrap().clone();
+            let doc = serde_json::json!({
+                "pid": std::process::id(),
+                "uptime_ms": now_ms,
+                "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+                "stopped": stop,
+                "sighup_ignored": crate::signals::hangups(),
+                "connections": conns,
+                "protected": protected,
+                "agent": agent,
+                "engine": engine,
+                "store": store.describe(),
+                "store_down": down,
+                "lb_heartbeats": lb,
+            });
+            match std::fs::write(tmp, doc.to_string()).and_then(|_| std::fs::rename(tmp, path)) {
+                Ok(()) if write_failed => {
+                    write_failed = false;
+                    eprintln!("agent: status file {} written again", path.display());
+                }
+                Ok(()) => {}
+                Err(e) if !write_failed => {
+                    write_failed = true;
+                    eprintln!("agent: cannot write status file {}: {e} (said once; retried every 500 ms)", path.display());
+                }
+                Err(_) => {}
+            }
         }
         if stop {
             return;
@@ -1348,6 +1433,39 @@ mod tests {
     }
 
     #[test]
+    fn hostile_agent_config_without_a_good_key_is_refused() {
+        // The example config, with its record key given inline instead of from a file.
+        let example = include_str!("../../../configs/agent.example.toml");
+        let file_line = "record_key_file = \"/etc/unbroken/record.key\"";
+        assert!(example.contains(file_line));
+        let base = &example.replace(file_line, &format!("record_key = \"{RKEY}\""));
+        Agent::from_toml(base).unwrap();
+        let good = "key = \"00112233445566778899aabbccddeeff\"";
+        assert!(base.contains(good));
+        let e = Agent::from_toml(&base.replace(good, "")).unwrap_err();
+        assert!(e.starts_with("agent.key is missing or empty"), "{e}");
+        let e = Agent::from_toml(&base.replace(good, "key = \"0011\"")).unwrap_err();
+        assert!(e.starts_with("agent.key is 2 bytes") && e.contains("at least 16"), "{e}");
+        // Without an LB (gate "open") no key is needed.
+        let open = base.replace(good, "").replace("failover_gate = \"lb\"", "failover_gate = \"open\"").replace("lb = \"10.78.0.1:7950\"", "");
+        Agent::from_toml(&open).unwrap();
+    }
+
+    #[test]
+    fn hostile_status_directory_missing_is_created_or_refused_once() {
+        let dir = std::env::temp_dir().join(format!("unbroken-agent-status-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("deep/er/agent.json");
+        prepare_status_file(&path).unwrap();
+        assert!(path.parent().unwrap().is_dir());
+        // A path under a regular file cannot be created: one clear error naming it.
+        std::fs::write(dir.join("file"), b"x").unwrap();
+        let e = prepare_status_file(&dir.join("file/agent.json")).unwrap_err();
+        assert!(e.contains("status_file") && e.contains("cannot create its directory"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn hostile_config_without_a_usable_record_key_is_refused() {
         let e = with("").unwrap_err();
         assert!(e.starts_with("store.record_key (hex, at least 16 bytes) or store.record_key_file is missing"), "{e}");
@@ -1363,5 +1481,19 @@ mod tests {
         assert!(e.starts_with("store.record_key: the same as agent.key"), "{e}");
         let e = with("record_key_file = \"/nonexistent/unbroken/record.key\"\n").unwrap_err();
         assert!(e.starts_with("store.record_key_file: /nonexistent/unbroken/record.key: "), "{e}");
+    }
+
+    #[test]
+    fn hostile_store_down_at_start_is_said_within_a_second_and_its_return_too() {
+        let mut w = OutageWatch::new(1_000);
+        assert_eq!(w.observe(true, 0), None);
+        assert_eq!(w.observe(true, 500), None);
+        assert_eq!(w.observe(true, 1_000), Some(true), "said once it lasted a second");
+        assert_eq!(w.observe(true, 1_500), None, "said once");
+        assert_eq!(w.observe(false, 2_000), Some(false), "and when it ends");
+        assert_eq!(w.observe(false, 2_500), None);
+        // A blip (the store connecting at start) says nothing.
+        assert_eq!(w.observe(true, 3_000), None);
+        assert_eq!(w.observe(false, 3_100), None);
     }
 }

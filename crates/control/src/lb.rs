@@ -97,47 +97,28 @@
 //! which the `nft` processes inherit: under full CPU load an update took 54 to 78 ms without
 //! it); replies describe the table that is in the kernel.
 //!
-//! # Heartbeat protocol, version 2
+//! # Heartbeat protocol, version 3
 //!
-//! UDP, all integers big endian, `mac` = the first 16 bytes of HMAC-SHA256(key, every byte
-//! before it). The key is shared by the balancer and the agents (hex in the config; the empty
-//! key is allowed and then only protects against corruption).
+//! UDP; the layouts and the decisions on both ends live in [`crate::hbproto`]: a mandatory
+//! key of at least 16 bytes, beats bound to the agent's boot id, source address and a
+//! strictly growing counter (a replayed beat is refused and counted; an agent that restarted
+//! proves it is live with a stateless challenge cookie), replies bound to the beat they answer
+//! and never longer than it (agents pad their beats; a shorter beat gets no answer). Anything
+//! refused is counted ([`LbCounters`]) and the balancer's log says, rate-limited, when beats
+//! fail authentication (an agent with another key).
 //!
-//! Heartbeat, agent to balancer ([`HEARTBEAT_LEN`] = 28 bytes):
+//! # Checking the servers' MACs
 //!
-//! | offset | size | field |
-//! |---|---|---|
-//! | 0 | 4 | magic `"UBHB"` |
-//! | 4 | 1 | version = 2 |
-//! | 5 | 1 | kind = 1 (heartbeat) |
-//! | 6 | 2 | server id |
-//! | 8 | 4 | seq (the agent's counter) |
-//! | 12 | 16 | mac |
-//!
-//! Reply, balancer to the heartbeat's source address, `B = ceil(buckets / 8)`:
-//!
-//! | offset | size | field |
-//! |---|---|---|
-//! | 0 | 4 | magic `"UBHB"` |
-//! | 4 | 1 | version = 2 |
-//! | 5 | 1 | kind = 2 (reply) |
-//! | 6 | 2 | server id (echoed) |
-//! | 8 | 4 | seq (echoed) |
-//! | 12 | 4 | table epoch (increases with every ownership change in the kernel table) |
-//! | 16 | 2 | bucket count N |
-//! | 18 | 2 | lease, milliseconds from the heartbeat's sending, on the `owned` buckets |
-//! | 20 | B | `owned`: bucket b is owned by this server iff bit `b % 8` of byte `b / 8` is set |
-//! | 20 + B | B | `allowed`: owned buckets whose owner changed within the failover window |
-//! | 20 + 2B | 16 | mac |
-//!
-//! Anything else (short or long datagram, bad magic, version, kind or mac, unknown server) is
-//! counted ([`LbCounters`]) and ignored. Version 2 has no replay protection beyond the mac: a
-//! captured heartbeat replayed from the server network keeps that server "alive", so the
-//! heartbeat network must be trusted like the balancer itself.
+//! A server's configured `mac` is where its buckets' frames go; a wrong one black-holes them
+//! while the server looks alive. Once a server's heartbeats are bound to a source address, a
+//! low-priority thread looks that address up in the neighbour table of the `forward` device
+//! every second (the replies to its beats keep the entry resolved) and reports what it sees
+//! ([`ServerStatus::observed_mac`], [`ServerStatus::mac_ok`]); a mismatch is logged loudly
+//! (once per change) and counted (`mac_mismatches`). The balancer keeps forwarding to the
+//! configured MAC (a server whose heartbeats come from another network cannot be checked this
+//! way, and a guess would be worse than the operator's config): fix the config.
 
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
 use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -148,13 +129,16 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::detector::{Detector, Liveness, GAP_EDGES_MS};
+use crate::hbproto::{BeatGuard, BeatVerdict, ReplyCheck, ReplyVerdict};
+pub use crate::hbproto::{
+    decode_heartbeat, decode_reply, encode_heartbeat, encode_reply, parse_key_hex, reply_len,
+    Heartbeat, HeartbeatStats, ProtoError, Reply, MAX_BUCKETS, MIN_KEY_LEN,
+};
 
 /// Default nftables table name.
 pub const DEFAULT_TABLE: &str = "unbroken_lb";
 /// Default number of buckets.
 pub const DEFAULT_BUCKETS: u16 = 256;
-/// Largest number of buckets (the marker MAC and the reply bitmaps are sized for it).
-pub const MAX_BUCKETS: u16 = 4096;
 /// Default heartbeat interval of an agent ([`HeartbeatClient`]).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
 /// Default silence after which a server is declared dead (the paper's 25 ms).
@@ -167,18 +151,6 @@ pub const DEFAULT_STARTUP_GRACE_MS: u64 = 1000;
 pub const DEFAULT_REVIVE_HOLD_MS: u64 = 500;
 /// The first four bytes of every marker MAC (`02:75:62:00:HH:LL`).
 pub const MARKER_PREFIX: [u8; 4] = [0x02, 0x75, 0x62, 0x00];
-/// Magic of every heartbeat datagram.
-pub const MAGIC: [u8; 4] = *b"UBHB";
-/// Protocol version.
-pub const VERSION: u8 = 2;
-/// Kind of an agent's heartbeat.
-pub const KIND_HEARTBEAT: u8 = 1;
-/// Kind of the balancer's reply.
-pub const KIND_REPLY: u8 = 2;
-/// Length of the truncated HMAC-SHA256 tag.
-pub const TAG_LEN: usize = 16;
-/// Length of a heartbeat datagram.
-pub const HEARTBEAT_LEN: usize = 12 + TAG_LEN;
 /// Events kept in [`LbStatus::events`]; older ones are dropped (and counted).
 const MAX_EVENTS: usize = 10_000;
 /// Longest sleep of the monitor between deadline checks (also bounds how long `stop` waits).
@@ -222,18 +194,6 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 /// Bytes to `aa:bb:cc:dd:ee:ff`.
 pub fn mac_string(mac: [u8; 6]) -> String {
     mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
-}
-
-/// Parses a hex key; the empty string is the empty key.
-pub fn parse_key_hex(s: &str) -> Result<Vec<u8>, String> {
-    let s = s.trim();
-    if !s.len().is_multiple_of(2) || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
-        return Err("key must be an even number of hex digits (or empty)".into());
-    }
-    Ok((0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or(0))
-        .collect())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -287,7 +247,8 @@ pub struct LbConfig {
     /// (milliseconds; doubled for each further death within ten minutes).
     #[serde(default = "default_revive_hold")]
     pub revive_hold_ms: u64,
-    /// Shared heartbeat key, hex (may be empty).
+    /// Shared heartbeat key, hex, at least [`MIN_KEY_LEN`] bytes (mandatory; the same on
+    /// every agent).
     #[serde(default)]
     pub key: String,
     /// nftables table name (family netdev).
@@ -346,7 +307,8 @@ fn check_name(what: &str, s: &str, max: usize) -> Result<(), String> {
 }
 
 impl LbConfig {
-    /// A configuration with the defaults for everything optional.
+    /// A configuration with the defaults for everything optional and no key (set `key`: it
+    /// is mandatory).
     pub fn new(
         ingress: &str,
         forward: &str,
@@ -397,9 +359,9 @@ impl LbConfig {
         self.parse().map(|_| ())
     }
 
-    /// The shared key's bytes.
+    /// The shared key's bytes (refused when missing or shorter than [`MIN_KEY_LEN`] bytes).
     pub fn key_bytes(&self) -> Result<Vec<u8>, String> {
-        parse_key_hex(&self.key).map_err(|e| format!("config: key: {e}"))
+        crate::hbproto::check_key("key", &self.key).map_err(|e| format!("config: {e}"))
     }
 
     /// The lease in force: `lease_ms`, or `dead_after_ms` minus two heartbeat intervals (at
@@ -431,7 +393,12 @@ impl LbConfig {
         check_name("ingress device", &self.ingress, 15)?;
         check_name("forward device", &self.forward, 15)?;
         if self.ingress == self.forward {
-            return Err("config: ingress and forward must be different devices".into());
+            return Err(format!(
+                "config: ingress and forward must be different devices (both are {:?}): the LB needs two legs, \
+                 `ingress` where clients' packets to the services arrive and `forward` on the servers' \
+                 layer-2 segment (see configs/lb.example.toml)",
+                self.ingress
+            ));
         }
         check_name("table", &self.table, 64)?;
         if self.table.contains(['-', '.', '@']) {
@@ -511,179 +478,6 @@ impl LbConfig {
 
 // ---------------------------------------------------------------------------------------------
 // The wire format
-
-/// Why a datagram was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProtoError {
-    /// Wrong length for its kind (or too short to have one).
-    Length,
-    /// Not `"UBHB"`.
-    Magic,
-    /// Another protocol version.
-    Version,
-    /// Not the expected kind.
-    Kind,
-    /// The tag does not match (wrong key or corrupted).
-    Mac,
-}
-
-impl std::fmt::Display for ProtoError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ProtoError::Length => "bad length",
-            ProtoError::Magic => "bad magic",
-            ProtoError::Version => "unsupported version",
-            ProtoError::Kind => "unexpected kind",
-            ProtoError::Mac => "bad mac",
-        })
-    }
-}
-
-impl std::error::Error for ProtoError {}
-
-fn hmac(key: &[u8], data: &[u8]) -> Hmac<Sha256> {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    m.update(data);
-    m
-}
-
-fn tag(key: &[u8], data: &[u8]) -> [u8; TAG_LEN] {
-    let full = hmac(key, data).finalize().into_bytes();
-    let mut t = [0u8; TAG_LEN];
-    t.copy_from_slice(&full[..TAG_LEN]);
-    t
-}
-
-fn check_header(buf: &[u8], kind: u8) -> Result<(), ProtoError> {
-    if buf.len() < 6 {
-        return Err(ProtoError::Length);
-    }
-    if buf[..4] != MAGIC {
-        return Err(ProtoError::Magic);
-    }
-    if buf[4] != VERSION {
-        return Err(ProtoError::Version);
-    }
-    if buf[5] != kind {
-        return Err(ProtoError::Kind);
-    }
-    Ok(())
-}
-
-fn check_tag(key: &[u8], buf: &[u8]) -> Result<(), ProtoError> {
-    let (body, t) = buf.split_at(buf.len() - TAG_LEN);
-    hmac(key, body)
-        .verify_truncated_left(t)
-        .map_err(|_| ProtoError::Mac)
-}
-
-/// A verified heartbeat.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Heartbeat {
-    /// The sender's server id.
-    pub server: u16,
-    /// The sender's counter.
-    pub seq: u32,
-}
-
-/// Builds a heartbeat datagram.
-pub fn encode_heartbeat(key: &[u8], server: u16, seq: u32) -> [u8; HEARTBEAT_LEN] {
-    let mut b = [0u8; HEARTBEAT_LEN];
-    b[..4].copy_from_slice(&MAGIC);
-    b[4] = VERSION;
-    b[5] = KIND_HEARTBEAT;
-    b[6..8].copy_from_slice(&server.to_be_bytes());
-    b[8..12].copy_from_slice(&seq.to_be_bytes());
-    let t = tag(key, &b[..12]);
-    b[12..].copy_from_slice(&t);
-    b
-}
-
-/// Parses and authenticates a heartbeat datagram.
-pub fn decode_heartbeat(key: &[u8], buf: &[u8]) -> Result<Heartbeat, ProtoError> {
-    check_header(buf, KIND_HEARTBEAT)?;
-    if buf.len() != HEARTBEAT_LEN {
-        return Err(ProtoError::Length);
-    }
-    check_tag(key, buf)?;
-    Ok(Heartbeat {
-        server: u16::from_be_bytes([buf[6], buf[7]]),
-        seq: u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]),
-    })
-}
-
-/// Length of a reply for `buckets` buckets.
-pub fn reply_len(buckets: u16) -> usize {
-    REPLY_HEAD + 2 * (buckets as usize).div_ceil(8) + TAG_LEN
-}
-
-/// Bytes before the bitmaps in a reply.
-const REPLY_HEAD: usize = 20;
-
-/// A verified reply.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    /// The server id the reply is for.
-    pub server: u16,
-    /// The heartbeat's seq, echoed.
-    pub seq: u32,
-    /// The kernel table's epoch.
-    pub epoch: u32,
-    /// Number of buckets.
-    pub buckets: u16,
-    /// Owned buckets, wire layout (bit `b % 8` of byte `b / 8`).
-    pub owned: Vec<u8>,
-    /// Allowed buckets, wire layout.
-    pub allowed: Vec<u8>,
-    /// The lease on `owned`, milliseconds from the heartbeat's sending.
-    pub lease_ms: u16,
-}
-
-/// Builds a reply datagram; `owned` and `allowed` must be `ceil(buckets / 8)` bytes.
-pub fn encode_reply(key: &[u8], r: &Reply) -> Vec<u8> {
-    let bl = (r.buckets as usize).div_ceil(8);
-    assert!(
-        r.owned.len() == bl && r.allowed.len() == bl,
-        "bitmap length must be ceil(buckets / 8)"
-    );
-    let mut b = Vec::with_capacity(reply_len(r.buckets));
-    b.extend_from_slice(&MAGIC);
-    b.push(VERSION);
-    b.push(KIND_REPLY);
-    b.extend_from_slice(&r.server.to_be_bytes());
-    b.extend_from_slice(&r.seq.to_be_bytes());
-    b.extend_from_slice(&r.epoch.to_be_bytes());
-    b.extend_from_slice(&r.buckets.to_be_bytes());
-    b.extend_from_slice(&r.lease_ms.to_be_bytes());
-    b.extend_from_slice(&r.owned);
-    b.extend_from_slice(&r.allowed);
-    let t = tag(key, &b);
-    b.extend_from_slice(&t);
-    b
-}
-
-/// Parses and authenticates a reply datagram.
-pub fn decode_reply(key: &[u8], buf: &[u8]) -> Result<Reply, ProtoError> {
-    check_header(buf, KIND_REPLY)?;
-    if buf.len() < REPLY_HEAD + TAG_LEN {
-        return Err(ProtoError::Length);
-    }
-    let buckets = u16::from_be_bytes([buf[16], buf[17]]);
-    if buckets == 0 || buckets > MAX_BUCKETS || buf.len() != reply_len(buckets) {
-        return Err(ProtoError::Length);
-    }
-    check_tag(key, buf)?;
-    let bl = (buckets as usize).div_ceil(8);
-    Ok(Reply {
-        server: u16::from_be_bytes([buf[6], buf[7]]),
-        seq: u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]),
-        epoch: u32::from_be_bytes([buf[12], buf[13], buf[14], buf[15]]),
-        buckets,
-        lease_ms: u16::from_be_bytes([buf[18], buf[19]]),
-        owned: buf[REPLY_HEAD..REPLY_HEAD + bl].to_vec(),
-        allowed: buf[REPLY_HEAD + bl..REPLY_HEAD + 2 * bl].to_vec(),
-    })
-}
 
 fn bit(bytes: &[u8], b: usize) -> bool {
     bytes.get(b / 8).is_some_and(|x| x & (1 << (b % 8)) != 0)
@@ -1096,6 +890,15 @@ pub struct ServerStatus {
     /// Gaps between its heartbeats, counted per bin of `gap_edges_ms`.
     #[serde(default)]
     pub gap_histogram: Vec<u64>,
+    /// The source address its heartbeats are bound to (None: none accepted yet).
+    #[serde(default)]
+    pub heartbeat_source: Option<String>,
+    /// The MAC the forward device's neighbour table has for that source (None: no entry).
+    #[serde(default)]
+    pub observed_mac: Option<String>,
+    /// Whether `observed_mac` equals the configured `mac` (None: not checked yet).
+    #[serde(default)]
+    pub mac_ok: Option<bool>,
 }
 
 /// Counters of the monitor and the table programmer.
@@ -1117,6 +920,28 @@ pub struct LbCounters {
     pub bad_mac: u64,
     /// Valid heartbeats from a server id not in the config.
     pub unknown_server: u64,
+    /// Authenticated heartbeats from a server's bound sender that were not newer than its
+    /// latest one (replays, or reordering).
+    #[serde(default)]
+    pub replayed: u64,
+    /// Authenticated heartbeats of another boot or source than the server's binding, answered
+    /// with a challenge (each agent start, and each balancer start, draws one per server).
+    #[serde(default)]
+    pub challenges: u64,
+    /// Of those, beats that carried an authentic but stale cookie (a replay of an earlier run).
+    #[serde(default)]
+    pub stale_cookies: u64,
+    /// Authenticated heartbeats shorter than the reply they would draw: no answer, no
+    /// liveness (an agent must pad its beats; see [`crate::hbproto`]).
+    #[serde(default)]
+    pub short_beats: u64,
+    /// NACKs sent to beats that failed authentication (rate-limited).
+    #[serde(default)]
+    pub nacks: u64,
+    /// Times a server's neighbour entry on the forward device showed another MAC than its
+    /// configured one.
+    #[serde(default)]
+    pub mac_mismatches: u64,
     /// Receive errors.
     pub recv_errors: u64,
     /// Replies that could not be sent.
@@ -1194,11 +1019,16 @@ impl LbStatus {
 struct ServerInfo {
     id: u16,
     mac: [u8; 6],
+    /// The neighbour entry of its heartbeat source on the forward device (see "Checking the
+    /// servers' MACs"): None until checked, Some(None) when there is no entry.
+    observed: Option<Option<[u8; 6]>>,
 }
 
 struct State {
     /// Liveness and ownership decisions (no I/O).
     det: Detector,
+    /// Which authenticated heartbeats count (no I/O).
+    guard: BeatGuard,
     servers: Vec<ServerInfo>,
     /// Events whose moves the kernel does not have yet, with their decision time.
     decided: Vec<(u64, Instant)>,
@@ -1299,6 +1129,8 @@ pub struct Lb {
     ruleset: String,
     monitor: Option<JoinHandle<()>>,
     programmer: Option<JoinHandle<io::Result<()>>>,
+    /// Checks the servers' MACs against the neighbour table (see "Checking the servers' MACs").
+    neigh: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Lb {
@@ -1412,10 +1244,11 @@ impl Lb {
             .servers
             .iter()
             .zip(&p.macs)
-            .map(|(s, &mac)| ServerInfo { id: s.id, mac })
+            .map(|(s, &mac)| ServerInfo { id: s.id, mac, observed: None })
             .collect();
         let st = State {
             det,
+            guard: BeatGuard::new(n, random_secret()?),
             servers,
             decided: Vec::new(),
             events: Vec::new(),
@@ -1463,8 +1296,15 @@ impl Lb {
             ruleset: rules,
             monitor: None,
             programmer: Some(programmer),
+            neigh: None,
         };
         lb.monitor = Some(monitor?); // on error, dropping `lb` stops the programmer
+        let s3 = lb.shared.clone();
+        lb.neigh = Some(
+            std::thread::Builder::new()
+                .name("lb-neigh".into())
+                .spawn(move || neighbour_checker(&s3))?,
+        );
                                      // The monitor is running once it has settled its scheduling policy.
         let _ = rx.recv_timeout(Duration::from_secs(1));
         Ok(lb)
@@ -1522,6 +1362,9 @@ impl Lb {
                     recent_downs: v.recent_downs,
                     max_gap_ms: v.max_gap_ms,
                     gap_histogram: v.gaps,
+                    heartbeat_source: st.guard.source(i).map(|a| a.to_string()),
+                    observed_mac: s.observed.flatten().map(mac_string),
+                    mac_ok: s.observed.flatten().map(|m| m == s.mac),
                 }
             })
             .collect();
@@ -1599,6 +1442,9 @@ impl Lb {
         self.shared.work.notify_all();
         self.shared.changed.notify_all();
         if let Some(m) = self.monitor.take() {
+            let _ = m.join();
+        }
+        if let Some(m) = self.neigh.take() {
             let _ = m.join();
         }
         match self.programmer.take() {
@@ -1740,6 +1586,87 @@ fn programmer(sh: &Shared) -> io::Result<()> {
     Ok(())
 }
 
+/// How often the servers' MACs are checked against the neighbour table.
+const NEIGH_PERIOD: Duration = Duration::from_secs(1);
+
+/// The neighbour table of device `dev` (address and MAC of every entry that has a MAC),
+/// from `ip -j neigh show dev DEV`.
+pub fn neighbours(dev: &str) -> io::Result<Vec<(IpAddr, [u8; 6])>> {
+    let out = Command::new("ip")
+        .args(["-j", "neigh", "show", "dev", dev])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!("ip neigh show dev {dev}: {}", out.status)));
+    }
+    Ok(parse_neigh_json(&out.stdout))
+}
+
+/// The entries with an address and a MAC in `ip -j neigh show` output.
+fn parse_neigh_json(text: &[u8]) -> Vec<(IpAddr, [u8; 6])> {
+    let v: serde_json::Value = serde_json::from_slice(text).unwrap_or_default();
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| {
+                    let ip = e["dst"].as_str()?.parse().ok()?;
+                    Some((ip, parse_mac(e["lladdr"].as_str()?)?))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The MAC-check thread: every [`NEIGH_PERIOD`], one read of the forward device's neighbour
+/// table, where each server whose heartbeats are bound to a source is looked up; a mismatch is
+/// said loudly (once per change).
+fn neighbour_checker(sh: &Shared) {
+    let mut next = Instant::now();
+    while !sh.stop.load(Ordering::Relaxed) {
+        if Instant::now() < next {
+            std::thread::sleep(Duration::from_millis(20)); // periodic check, bounded stop latency
+            continue;
+        }
+        next = Instant::now() + NEIGH_PERIOD;
+        let sources: Vec<(usize, SocketAddr)> = {
+            let st = sh.lock();
+            (0..st.servers.len()).filter_map(|i| st.guard.source(i).map(|a| (i, a))).collect()
+        };
+        if sources.is_empty() {
+            continue;
+        }
+        let Ok(table) = neighbours(&sh.cfg.forward) else { continue };
+        for (i, src) in sources {
+            let seen = table.iter().find(|(ip, _)| *ip == src.ip()).map(|&(_, m)| m);
+            let mut st = sh.lock();
+            let s = &mut st.servers[i];
+            let before = s.observed;
+            s.observed = Some(seen);
+            let (id, mac) = (s.id, s.mac);
+            if before == Some(seen) {
+                continue;
+            }
+            match seen {
+                Some(m) if m != mac => {
+                    st.counters.mac_mismatches += 1;
+                    st.generation += 1;
+                    drop(st);
+                    sh.changed.notify_all();
+                    eprintln!(
+                        "lb: WARNING: server {id}: its heartbeats come from {} whose MAC on {} is {}, but the config says mac = {}: frames of its buckets go to the configured MAC and are lost; fix [[servers]] id = {id} mac (the balancer keeps using the configured one)",
+                        src.ip(), sh.cfg.forward, mac_string(m), mac_string(mac)
+                    );
+                }
+                Some(_) if before.flatten().is_some() => {
+                    eprintln!("lb: server {id}: MAC {} confirmed by the neighbour table of {}", mac_string(mac), sh.cfg.forward);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
 /// Waits up to `wait` for `sock` to become readable (or report an error), with ppoll's
 /// hrtimer precision (SO_RCVTIMEO rounds to whole jiffies). True when it is.
 fn wait_readable(sock: &UdpSocket, wait: Duration) -> bool {
@@ -1756,10 +1683,64 @@ fn wait_readable(sock: &UdpSocket, wait: Duration) -> bool {
     unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) > 0 }
 }
 
+/// 32 bytes from the kernel's CSPRNG (getrandom(2)).
+fn random_secret() -> io::Result<[u8; 32]> {
+    let mut b = [0u8; 32];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: writes at most `len - got` bytes into our buffer.
+        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        got += r as usize;
+    }
+    Ok(b)
+}
+
+/// A log line said at most once per `every` (with the count of what happened meanwhile).
+struct LogLimit {
+    every: Duration,
+    last: Option<Instant>,
+    pending: u64,
+}
+
+impl LogLimit {
+    fn new(every: Duration) -> LogLimit {
+        LogLimit { every, last: None, pending: 0 }
+    }
+
+    /// One more occurrence at `now`: Some(count since the last line) when a line is due.
+    fn hit(&mut self, now: Instant) -> Option<u64> {
+        self.pending += 1;
+        if self.last.is_some_and(|t| now.saturating_duration_since(t) < self.every) {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.pending))
+    }
+}
+
+/// What the monitor sends back for one datagram.
+enum Answer {
+    None,
+    Reply(Vec<u8>),
+    Small(Vec<u8>),
+}
+
 fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
     let rt = try_realtime(10);
     sh.lock().monitor_realtime = rt;
     let _ = started.send(());
+    let key_id = crate::hbproto::key_id(&sh.key);
+    let mut last_nack: Option<Instant> = None;
+    let mut log_bad_mac = LogLimit::new(Duration::from_secs(10));
+    let mut log_short = LogLimit::new(Duration::from_secs(10));
+    let mut log_stale = LogLimit::new(Duration::from_secs(10));
     let mut buf = vec![0u8; 2048];
     while !sh.stop.load(Ordering::Relaxed) {
         // 1. Drain every queued datagram first: a late monitor must not kill a live server.
@@ -1776,7 +1757,8 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
             };
             let now = Instant::now();
             let t_ms = sh.now_ms(now);
-            let hb = decode_heartbeat(&sh.key, &buf[..len]);
+            let dgram = &buf[..len];
+            let hb = decode_heartbeat(&sh.key, dgram);
             let mut st = sh.lock();
             let hb = match hb {
                 Ok(h) => h,
@@ -1789,6 +1771,29 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
                         ProtoError::Kind => c.bad_kind += 1,
                         ProtoError::Mac => c.bad_mac += 1,
                     }
+                    if e != ProtoError::Mac {
+                        continue;
+                    }
+                    // A heartbeat with another key: say so (rate-limited), and hint the
+                    // sender with a NACK no longer than its datagram (at most one per
+                    // NACK_GAP_MS for the whole balancer: no reflector).
+                    let total = c.bad_mac;
+                    let nack = crate::hbproto::looks_like_heartbeat(dgram)
+                        && last_nack.is_none_or(|t| {
+                            now.saturating_duration_since(t)
+                                >= Duration::from_millis(crate::hbproto::NACK_GAP_MS)
+                        });
+                    if nack {
+                        c.nacks += 1;
+                        last_nack = Some(now);
+                    }
+                    drop(st);
+                    if log_bad_mac.hit(now).is_some() {
+                        eprintln!("lb: heartbeat from {src} failed authentication ({total} so far): the agent there has another key than this balancer's `key`");
+                    }
+                    if nack {
+                        let _ = sock.send_to(&crate::hbproto::encode_nack(key_id), src);
+                    }
                     continue;
                 }
             };
@@ -1796,31 +1801,71 @@ fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
                 st.counters.unknown_server += 1;
                 continue;
             };
-            st.counters.heartbeats += 1;
-            let before = st.det.want().0;
-            if let Some(l) = st.det.heartbeat(i, hb.seq, t_ms) {
-                st.record(l, now, t_ms);
-                notify = true;
-            }
-            if st.det.want().0 != before {
-                sh.work.notify_one();
-            }
-            let g = st.det.grant(i, t_ms);
-            drop(st);
-            let reply = Reply {
-                server: hb.server,
-                seq: hb.seq,
-                epoch: g.epoch,
-                buckets: sh.cfg.buckets,
-                owned: g.owned,
-                allowed: g.allowed,
-                lease_ms: g.lease_ms.min(u16::MAX as u64) as u16,
+            let answer = match st.guard.check(i, &hb, src, t_ms) {
+                BeatVerdict::Replay => {
+                    st.counters.replayed += 1;
+                    Answer::None
+                }
+                BeatVerdict::Challenge { challenge, stale_cookie } => {
+                    st.counters.challenges += 1;
+                    if stale_cookie {
+                        st.counters.stale_cookies += 1;
+                        let total = st.counters.stale_cookies;
+                        if log_stale.hit(now).is_some() {
+                            eprintln!("lb: server {} : a heartbeat of an earlier agent run (or from another source) with a stale cookie from {src} ({total} so far): replayed?", hb.server);
+                        }
+                    }
+                    Answer::Small(crate::hbproto::encode_challenge(&sh.key, &challenge))
+                }
+                BeatVerdict::Accept { .. } if hb.len < reply_len(sh.cfg.buckets) => {
+                    // The reply would be longer than the beat: no answer, no liveness.
+                    st.counters.short_beats += 1;
+                    let total = st.counters.short_beats;
+                    if log_short.hit(now).is_some() {
+                        eprintln!("lb: server {}: heartbeat of {} bytes from {src} is shorter than its reply ({} bytes) and is not answered ({total} so far)", hb.server, hb.len, reply_len(sh.cfg.buckets));
+                    }
+                    Answer::None
+                }
+                BeatVerdict::Accept { .. } => {
+                    st.counters.heartbeats += 1;
+                    let before = st.det.want().0;
+                    if let Some(l) = st.det.heartbeat(i, hb.seq, t_ms) {
+                        st.record(l, now, t_ms);
+                        notify = true;
+                    }
+                    if st.det.want().0 != before {
+                        sh.work.notify_one();
+                    }
+                    let g = st.det.grant(i, t_ms);
+                    let reply = Reply {
+                        server: hb.server,
+                        boot: hb.boot,
+                        seq: hb.seq,
+                        epoch: g.epoch,
+                        buckets: sh.cfg.buckets,
+                        owned: g.owned,
+                        allowed: g.allowed,
+                        lease_ms: g.lease_ms.min(u16::MAX as u64) as u16,
+                    };
+                    Answer::Reply(encode_reply(&sh.key, &reply))
+                }
             };
-            let r = encode_reply(&sh.key, &reply);
+            drop(st);
+            let (r, is_reply) = match answer {
+                Answer::None => continue,
+                Answer::Reply(r) => (r, true),
+                Answer::Small(r) => (r, false),
+            };
+            // Never answer with more bytes than the beat had.
+            debug_assert!(r.len() <= len);
+            if r.len() > len {
+                continue;
+            }
             let sent = sock.send_to(&r, src);
             let mut st = sh.lock();
             match sent {
-                Ok(_) => st.counters.replies += 1,
+                Ok(_) if is_reply => st.counters.replies += 1,
+                Ok(_) => {}
                 Err(_) => st.counters.send_errors += 1,
             }
         }
@@ -1918,21 +1963,6 @@ impl BucketView {
     }
 }
 
-/// Counters of a [`HeartbeatClient`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HeartbeatStats {
-    /// Heartbeats sent.
-    pub sent: u64,
-    /// Valid replies accepted.
-    pub replies: u64,
-    /// Replies refused (bad mac, wrong server, stale seq, malformed).
-    pub bad_replies: u64,
-    /// Send or receive errors (e.g. ICMP unreachable while the balancer is down).
-    pub errors: u64,
-    /// Heartbeats not sent because the packet loop was wedged (see [`LoopWatch`]).
-    pub skipped_wedged: u64,
-}
-
 /// The packet loop's pulse, read by the heartbeat thread: a server whose packet loop is stuck
 /// in one iteration for longer than `wedged_after` stops beating, so the balancer moves its
 /// buckets instead of leaving its clients with a server that cannot serve them.
@@ -1979,9 +2009,39 @@ struct ClientShared {
     sent: AtomicU64,
     replies: AtomicU64,
     bad: AtomicU64,
+    challenges: AtomicU64,
+    nacks: AtomicU64,
+    lb_key_id: AtomicU64,
     errors: AtomicU64,
     skipped: AtomicU64,
     watch: Option<Arc<LoopWatch>>,
+}
+
+impl ClientShared {
+    fn stats(&self) -> HeartbeatStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HeartbeatStats {
+            sent: l(&self.sent),
+            replies: l(&self.replies),
+            bad_replies: l(&self.bad),
+            challenges: l(&self.challenges),
+            nacks: l(&self.nacks),
+            lb_key_id: l(&self.lb_key_id) as u32,
+            errors: l(&self.errors),
+            skipped_wedged: l(&self.skipped),
+        }
+    }
+}
+
+/// A handle on a [`HeartbeatClient`]'s counters that another thread can keep.
+#[derive(Clone)]
+pub struct HeartbeatProbe(Arc<ClientShared>);
+
+impl HeartbeatProbe {
+    /// Counters.
+    pub fn stats(&self) -> HeartbeatStats {
+        self.0.stats()
+    }
 }
 
 /// An agent's heartbeat sender: a thread that sends a heartbeat every interval to the
@@ -2029,6 +2089,13 @@ impl HeartbeatClient {
                 "heartbeat interval must be positive",
             ));
         }
+        if key.len() < MIN_KEY_LEN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the heartbeat key must have at least {MIN_KEY_LEN} bytes"),
+            ));
+        }
+        let boot = u64::from_ne_bytes(random_secret()?[..8].try_into().unwrap_or([1; 8]));
         let any: SocketAddr = match lb {
             SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
             SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
@@ -2042,6 +2109,9 @@ impl HeartbeatClient {
             sent: AtomicU64::new(0),
             replies: AtomicU64::new(0),
             bad: AtomicU64::new(0),
+            challenges: AtomicU64::new(0),
+            nacks: AtomicU64::new(0),
+            lb_key_id: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             watch,
@@ -2050,7 +2120,7 @@ impl HeartbeatClient {
         let key = key.to_vec();
         let thread = std::thread::Builder::new()
             .name(format!("hb-{server_id}"))
-            .spawn(move || client_loop(&sh, sock, server_id, interval, &key))?;
+            .spawn(move || client_loop(&sh, sock, ReplyCheck::new(server_id, boot), interval, &key))?;
         Ok(HeartbeatClient {
             shared,
             thread: Some(thread),
@@ -2069,13 +2139,12 @@ impl HeartbeatClient {
 
     /// Counters.
     pub fn stats(&self) -> HeartbeatStats {
-        HeartbeatStats {
-            sent: self.shared.sent.load(Ordering::Relaxed),
-            replies: self.shared.replies.load(Ordering::Relaxed),
-            bad_replies: self.shared.bad.load(Ordering::Relaxed),
-            errors: self.shared.errors.load(Ordering::Relaxed),
-            skipped_wedged: self.shared.skipped.load(Ordering::Relaxed),
-        }
+        self.shared.stats()
+    }
+
+    /// A handle on the counters for another thread.
+    pub fn probe(&self) -> HeartbeatProbe {
+        HeartbeatProbe(self.shared.clone())
     }
 
     /// Stops the thread (also done on drop).
@@ -2093,25 +2162,29 @@ impl Drop for HeartbeatClient {
     }
 }
 
-fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, key: &[u8]) {
+/// Beats are padded to the largest reply after this long without a valid reply (the
+/// balancer may have restarted with more buckets, and answers no beat shorter than its reply).
+const PAD_MAX_AFTER: Duration = Duration::from_millis(50);
+
+fn client_loop(sh: &ClientShared, sock: UdpSocket, mut rc: ReplyCheck, interval: Duration, key: &[u8]) {
     try_realtime(5);
-    let mut seq: u32 = 0;
+    let t0 = Instant::now();
+    let us = |t: Instant| t.saturating_duration_since(t0).as_micros() as u64;
     let mut next = Instant::now();
     let mut buf = vec![0u8; 2048];
-    let mut last_accepted: Option<u32> = None;
-    // Send times of the latest heartbeats (a reply's lease runs from its heartbeat's sending).
-    const SENT_RING: usize = 256;
-    let mut sent_at: Vec<(u32, Instant)> = vec![(0, Instant::now()); SENT_RING];
+    let mut last_ok: Option<Instant> = None;
     while !sh.stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         if now >= next {
             if sh.watch.as_ref().is_some_and(|w| w.wedged()) {
                 sh.skipped.fetch_add(1, Ordering::Relaxed);
             } else {
-                seq = seq.wrapping_add(1);
                 let at = Instant::now();
-                sent_at[seq as usize % SENT_RING] = (seq, at);
-                match sock.send(&encode_heartbeat(key, id, seq)) {
+                let pad_max = last_ok.is_none_or(|t| at.saturating_duration_since(t) > PAD_MAX_AFTER);
+                let hb = rc.next_beat(us(at), pad_max, || {
+                    random_secret().map_or(rc_fallback_boot(at), |b| u64::from_ne_bytes(b[..8].try_into().unwrap_or([1; 8])))
+                });
+                match sock.send(&encode_heartbeat(key, &hb)) {
                     Ok(_) => sh.sent.fetch_add(1, Ordering::Relaxed),
                     Err(_) => sh.errors.fetch_add(1, Ordering::Relaxed),
                 };
@@ -2129,21 +2202,13 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, 
         }
         match sock.recv(&mut buf) {
             Ok(n) => {
-                let ok = decode_reply(key, &buf[..n]).ok().filter(|r| {
-                    // Only replies to what we sent, newer than what we have.
-                    r.server == id
-                        && seq.wrapping_sub(r.seq) < 1 << 20
-                        && last_accepted
-                            .is_none_or(|l| r.seq.wrapping_sub(l).wrapping_sub(1) < 1 << 20)
-                });
-                // The lease runs from when that heartbeat was sent (unknown: too old to count).
-                let ok = ok.and_then(|r| {
-                    let (s, at) = sent_at[r.seq as usize % SENT_RING];
-                    (s == r.seq).then_some((r, at))
-                });
-                match ok {
-                    Some((r, at)) => {
-                        last_accepted = Some(r.seq);
+                let d = &buf[..n];
+                if let Ok(r) = decode_reply(key, d) {
+                    // Only replies to a recent beat of this run, newer than the last accepted;
+                    // the lease runs from when that beat was sent.
+                    if let ReplyVerdict::Accept(sent_us) = rc.reply(&r) {
+                        let at = t0 + Duration::from_micros(sent_us);
+                        last_ok = Some(Instant::now());
                         let v = BucketView {
                             lease_until: at + Duration::from_millis(r.lease_ms as u64),
                             epoch: r.epoch,
@@ -2155,11 +2220,19 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, 
                         };
                         *sh.view.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
                         sh.replies.fetch_add(1, Ordering::Relaxed);
+                        continue;
                     }
-                    None => {
-                        sh.bad.fetch_add(1, Ordering::Relaxed);
+                } else if let Ok(c) = crate::hbproto::decode_challenge(key, d) {
+                    if rc.challenge(&c) {
+                        sh.challenges.fetch_add(1, Ordering::Relaxed);
+                        continue;
                     }
+                } else if let Ok(id) = crate::hbproto::decode_nack(d) {
+                    sh.lb_key_id.store(id as u64, Ordering::Relaxed);
+                    sh.nacks.fetch_add(1, Ordering::Relaxed);
+                    continue;
                 }
+                sh.bad.fetch_add(1, Ordering::Relaxed);
             }
             Err(e)
                 if matches!(
@@ -2174,6 +2247,14 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, id: u16, interval: Duration, 
             }
         }
     }
+}
+
+/// A boot id when the CSPRNG fails (never seen): the clock, which differs between runs.
+fn rc_fallback_boot(at: Instant) -> u64 {
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    wall ^ (at.elapsed().as_nanos() as u64) | 1
 }
 
 #[cfg(test)]
@@ -2244,10 +2325,44 @@ mac = "02:75:62:01:00:03"
             "only contain letters, digits and _",
         );
         let mut c = LbConfig::from_toml(GOOD).unwrap();
-        c.key = String::new();
-        c.validate().unwrap();
         c.servers.clear();
         assert!(c.validate().unwrap_err().contains("no servers"));
+    }
+
+    #[test]
+    fn hostile_lb_without_a_key_refuses_to_start() {
+        for (line, want) in [
+            ("", "key is missing or empty"),
+            ("key = \"\"\n", "key is missing or empty"),
+            ("key = \"0011223344556677\"\n", "key is 8 bytes"),
+        ] {
+            let text = GOOD.replace("key = \"00112233445566778899aabbccddeeff\"\n", line);
+            let e = LbConfig::from_toml(&text).unwrap_err();
+            assert!(e.starts_with("config: key is") && e.contains(want), "{e}");
+            // Lb::start refuses it before it touches anything (no table, no socket).
+            let c: LbConfig = toml::from_str(&text).unwrap();
+            let err = Lb::start(c).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+            assert!(err.to_string().contains(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn hostile_lb_with_one_leg_is_refused_and_the_two_legs_are_documented() {
+        let e = LbConfig::from_toml(&GOOD.replace("\"lbr\"", "\"l0\"")).unwrap_err();
+        assert!(e.contains("different devices") && e.contains("two legs"), "{e}");
+        assert!(include_str!("../../../README.md").contains("The LB needs **two legs**"));
+        assert!(include_str!("../../../configs/lb.example.toml").contains("The LB needs two legs"));
+    }
+
+    #[test]
+    fn neighbour_table_parses() {
+        let j = br#"[{"dst":"10.78.0.11","lladdr":"02:75:62:01:00:01","state":["REACHABLE"]},
+            {"dst":"10.78.0.12","state":["FAILED"]},{"dst":"fd78::11","lladdr":"02:75:62:01:00:01","router":null}]"#;
+        let t = parse_neigh_json(j);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0], ("10.78.0.11".parse().unwrap(), [2, 0x75, 0x62, 1, 0, 1]));
+        assert!(parse_neigh_json(b"garbage").is_empty());
     }
 
     #[test]
@@ -2279,61 +2394,25 @@ mac = "02:75:62:01:00:03"
     }
 
     #[test]
-    fn heartbeat_wire_roundtrip_and_refusals() {
-        let k = b"k".as_slice();
-        let hb = encode_heartbeat(k, 7, 0xdead_beef);
-        assert_eq!(&hb[..12], b"UBHB\x02\x01\x00\x07\xde\xad\xbe\xef");
-        assert_eq!(
-            decode_heartbeat(k, &hb),
-            Ok(Heartbeat {
-                server: 7,
-                seq: 0xdead_beef
-            })
-        );
-        assert_eq!(decode_heartbeat(b"other", &hb), Err(ProtoError::Mac));
-        assert_eq!(decode_heartbeat(k, &hb[..27]), Err(ProtoError::Length));
-        assert_eq!(decode_heartbeat(k, &[]), Err(ProtoError::Length));
-        let mut x = hb;
-        x[0] = b'X';
-        assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Magic));
-        let mut x = hb;
-        x[4] = 1; // version 1 (no leases) is refused
-        assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Version));
-        let mut x = hb;
-        x[9] ^= 1;
-        assert_eq!(decode_heartbeat(k, &x), Err(ProtoError::Mac));
-        // the empty key works and differs from others
-        let e = encode_heartbeat(b"", 7, 1);
-        assert!(decode_heartbeat(b"", &e).is_ok());
-        assert_eq!(decode_heartbeat(k, &e), Err(ProtoError::Mac));
-        // a heartbeat is not a reply and vice versa
-        assert_eq!(decode_reply(k, &hb), Err(ProtoError::Kind));
-
+    fn reply_bitmaps_and_bucket_view() {
+        let k = b"0123456789abcdef".as_slice();
         let mut owned = vec![0u8; 2];
         set_bit(&mut owned, 0);
         set_bit(&mut owned, 9);
         let mut allowed = vec![0u8; 2];
         set_bit(&mut allowed, 9);
-        let r = Reply {
-            lease_ms: 20,
-            server: 7,
-            seq: 5,
-            epoch: 3,
-            buckets: 10,
-            owned,
-            allowed,
-        };
+        let r = Reply { lease_ms: 20, server: 7, boot: 1, seq: 5, epoch: 3, buckets: 10, owned, allowed };
         let w = encode_reply(k, &r);
         assert_eq!(w.len(), reply_len(10));
-        assert_eq!(w.len(), 20 + 4 + 16);
+        assert_eq!(w.len(), 28 + 4 + 16);
         assert_eq!(decode_reply(k, &w), Ok(r.clone()));
         assert_eq!(decode_heartbeat(k, &w), Err(ProtoError::Kind));
         assert_eq!(decode_reply(b"x", &w), Err(ProtoError::Mac));
         assert_eq!(decode_reply(k, &w[..w.len() - 1]), Err(ProtoError::Length));
         let mut x = w.clone();
-        x[17] = 11; // claims more buckets than the bitmaps hold (same byte count: 2)
+        x[25] = 11; // claims more buckets than the bitmaps hold (same byte count: 2)
         assert_eq!(decode_reply(k, &x), Err(ProtoError::Mac));
-        x[17] = 17; // 3 bytes per bitmap: wrong length
+        x[25] = 17; // 3 bytes per bitmap: wrong length
         assert_eq!(decode_reply(k, &x), Err(ProtoError::Length));
         let v = BucketView {
             epoch: r.epoch,
@@ -2350,33 +2429,7 @@ mac = "02:75:62:01:00:03"
         assert_eq!(v.allowed_buckets(), vec![9]);
         assert!(v.owns(9) && !v.owns(1) && !v.owns(4000) && v.allowed(9) && !v.allowed(0));
         // max size fits one datagram
-        assert_eq!(reply_len(MAX_BUCKETS), 20 + 1024 + 16);
-    }
-
-    #[test]
-    fn decoding_arbitrary_bytes_never_panics() {
-        let mut x: u64 = 0x1234_5678;
-        for len in 0..300usize {
-            let mut buf: Vec<u8> = (0..len)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect();
-            if len >= 6 {
-                buf[..4].copy_from_slice(&MAGIC);
-                buf[4] = VERSION;
-                buf[5] = if len % 2 == 0 {
-                    KIND_REPLY
-                } else {
-                    KIND_HEARTBEAT
-                };
-            }
-            let _ = decode_heartbeat(b"k", &buf);
-            let _ = decode_reply(b"k", &buf);
-        }
+        assert_eq!(reply_len(MAX_BUCKETS), 28 + 1024 + 16);
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod agentcore;
 pub mod config;
 pub mod detector;
 pub mod guard;
+pub mod hbproto;
 pub mod kv;
 pub mod lb;
 pub mod records;

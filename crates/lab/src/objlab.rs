@@ -36,6 +36,10 @@ use std::time::{Duration, Instant};
 const READY_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Addresses of the object lab.
+/// The heartbeat key of the lab's balancer and agents (hex, 32 bytes; a lab value, never a
+/// production one).
+pub const KEY_HEX: &str = "6c616220686561727462656174206b657920666f7220756e62726f6b656e2121";
+
 pub mod addr {
     use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 
@@ -321,12 +325,12 @@ impl ObjectLab {
     }
 
     /// A balancer config for this lab: `l0` -> `lbr`, the VIP's port 80 (both families),
-    /// heartbeats on [`addr::HEARTBEAT`], server ids 1..=n, the empty key, other defaults.
+    /// heartbeats on [`addr::HEARTBEAT`], server ids 1..=n, the key [`KEY_HEX`], other defaults.
     pub fn lb_config(&self) -> LbConfig {
         let servers: Vec<(u16, [u8; 6])> = (1..=self.servers.len())
             .map(|i| (i as u16, server_mac(i)))
             .collect();
-        LbConfig::new(
+        let mut c = LbConfig::new(
             dev::LB_CLIENT,
             dev::BRIDGE,
             &[
@@ -335,7 +339,9 @@ impl ObjectLab {
             ],
             addr::HEARTBEAT,
             &servers,
-        )
+        );
+        c.key = KEY_HEX.to_string();
+        c
     }
 
     /// Power loss of server `i` ([`Lab::crash_host`]).

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use unbroken_lab::lab;
+use unbroken_control::hbproto::{self, Heartbeat, HealthWatch, HbState, ReplyCheck, ReplyVerdict};
 use unbroken_control::lb::{
     self, encode_heartbeat, BucketView, EventKind, HeartbeatClient, Lb, LbConfig, LbStatus,
 };
@@ -484,14 +485,17 @@ fn garbage_heartbeats_are_counted_and_ignored() {
     assert_eq!(down_events, 1, "{:?}", s.events);
 
     let k = key();
-    let good = encode_heartbeat(&k, 2, 1);
+    let beat = |key: &[u8], server: u16, seq: u32| {
+        encode_heartbeat(key, &Heartbeat { server, boot: 1, seq, cookie_t: 0, cookie: 0, len: 200 })
+    };
+    let good = beat(&k, 2, 1);
     let mut cases: Vec<(&str, Vec<u8>)> = vec![
-        ("wrong key", encode_heartbeat(b"wrong key", 2, 7).to_vec()),
-        ("empty key", encode_heartbeat(b"", 2, 8).to_vec()),
+        ("wrong key", beat(b"wrong key", 2, 7)),
+        ("empty key", beat(b"", 2, 8)),
         ("short", good[..20].to_vec()),
         ("tiny", vec![b'U']),
         ("empty", vec![]),
-        ("long", [good.as_slice(), &[0u8]].concat()),
+        ("long", [good.as_slice(), &[0u8; hbproto::MAX_BEAT_LEN]].concat()),
         ("bad magic", {
             let mut g = good.to_vec();
             g[0] = b'X';
@@ -512,7 +516,7 @@ fn garbage_heartbeats_are_counted_and_ignored() {
             g[7] ^= 1;
             g
         }),
-        ("unknown server", encode_heartbeat(&k, 99, 1).to_vec()),
+        ("unknown server", beat(&k, 99, 1)),
         (
             "random",
             (0..300u32).map(|i| (i * 7919 % 251) as u8).collect(),
@@ -979,4 +983,259 @@ fn redis_in_the_store_namespace() {
     }
     redis.kill().unwrap();
     redis.wait().unwrap();
+}
+
+/// A hand-made agent speaking the heartbeat protocol on its own socket in a server namespace,
+/// so that a test can keep, replay and resize its beats.
+struct RawAgent {
+    sock: UdpSocket,
+    rc: ReplyCheck,
+    key: Vec<u8>,
+    /// Every beat sent, in order.
+    sent: Vec<Vec<u8>>,
+}
+
+impl RawAgent {
+    fn new(ns: &str, server: u16, boot: u64) -> RawAgent {
+        let sock = lab::in_ns(ns, || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.connect(addr::HEARTBEAT).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s
+        })
+        .unwrap();
+        RawAgent { sock, rc: ReplyCheck::new(server, boot), key: key(), sent: Vec::new() }
+    }
+
+    /// Sends the next beat (`len`: its length; default: padded as an agent pads it).
+    fn beat(&mut self, len: Option<usize>) -> Vec<u8> {
+        let mut hb = self.rc.next_beat(0, false, || unreachable!());
+        if let Some(l) = len {
+            hb.len = l;
+        }
+        let b = encode_heartbeat(&self.key, &hb);
+        self.sock.send(&b).unwrap();
+        self.sent.push(b.clone());
+        b
+    }
+
+    /// The next datagram (2 s at most).
+    fn recv(&self) -> Vec<u8> {
+        let mut buf = vec![0u8; 4096];
+        let n = self.sock.recv(&mut buf).expect("an answer from the balancer");
+        buf.truncate(n);
+        buf
+    }
+
+    /// First beat: a challenge comes back; second beat (echoing it): a reply.
+    fn bind(&mut self) {
+        let b = self.beat(None);
+        let c = self.recv();
+        assert!(c.len() <= b.len(), "challenge {} > beat {}", c.len(), b.len());
+        let c = hbproto::decode_challenge(&self.key, &c).expect("a challenge");
+        assert!(self.rc.challenge(&c));
+        self.exchange(None);
+    }
+
+    /// One beat and its reply (checked: for this beat, no longer than it).
+    fn exchange(&mut self, len: Option<usize>) -> hbproto::Reply {
+        let b = self.beat(len);
+        let r = self.recv();
+        assert!(r.len() <= b.len(), "reply {} > beat {}", r.len(), b.len());
+        let r = hbproto::decode_reply(&self.key, &r).expect("a reply");
+        assert!(matches!(self.rc.reply(&r), ReplyVerdict::Accept(_)), "reply {r:?} refused");
+        r
+    }
+
+    fn local(&self) -> std::net::SocketAddr {
+        self.sock.local_addr().unwrap()
+    }
+}
+
+/// Issue 9 item 9: a captured beat replayed (from its own source, from another, after the
+/// agent restarted) keeps no server alive and is counted.
+#[test]
+fn hostile_replayed_heartbeats_are_refused_and_counted() {
+    if skip() {
+        return;
+    }
+    let mut w = World::new(false, |c| c.startup_grace_ms = 50);
+    w.start_hb(1);
+    w.start_hb(3);
+    let ns = w.lab.server(2).to_string();
+    let mut a = RawAgent::new(&ns, 2, 0xa11ce);
+    a.bind();
+    for _ in 0..30 {
+        a.exchange(None);
+    }
+    w.wait_status("server 2 alive", |s| s.server(2).unwrap().alive);
+    assert_eq!(w.status().server(2).unwrap().heartbeat_source, Some(std::net::SocketAddr::new(lab_v4(2), a.local().port()).to_string()));
+    // The agent dies; server 2 is declared dead.
+    let s = w.wait_status("server 2 dead", |s| !s.server(2).unwrap().alive);
+    let downs = s.events.iter().filter(|e| e.server == 2).count();
+    let before = s.counters.clone();
+    let beats2 = s.server(2).unwrap().heartbeats;
+    // Every captured beat replayed, ten times over (longer than dead_after + revive hold), a
+    // round at a time (a burst of hundreds could overflow the socket's buffer: lost, not
+    // refused).
+    let captured = a.sent.clone();
+    let t = Instant::now();
+    let refused = |c: &lb::LbCounters| c.replayed - before.replayed + c.challenges - before.challenges;
+    let mut s = w.status();
+    for round in 1..=10u64 {
+        for b in &captured {
+            a.sock.send(b).unwrap();
+        }
+        let want = round * captured.len() as u64;
+        s = wait_for("a round of replays counted", || {
+            let s = w.status();
+            (refused(&s.counters) >= want).then_some(s)
+        });
+    }
+    let n = 10 * captured.len() as u64;
+    eprintln!("{n} replays in {:?}: {:?}", t.elapsed(), s.counters);
+    // All but the first (its challenge-drawing beat) come from the bound source and boot.
+    assert!(s.counters.replayed - before.replayed >= n - 10, "{:?}", s.counters);
+    assert_eq!(s.server(2).unwrap().heartbeats, beats2, "a replay counted as a heartbeat");
+    assert!(!s.server(2).unwrap().alive, "replays revived server 2");
+    assert_eq!(s.events.iter().filter(|e| e.server == 2).count(), downs);
+
+    // The same beats from another source: challenged, never accepted.
+    let other = RawAgent::new(&ns, 2, 0);
+    let before = w.status().counters;
+    for b in &captured {
+        other.sock.send(b).unwrap();
+    }
+    let s = wait_for("replays from another source counted", || {
+        let s = w.status();
+        (s.counters.challenges - before.challenges >= captured.len() as u64).then_some(s)
+    });
+    assert_eq!(s.server(2).unwrap().heartbeats, beats2, "a replay counted as a heartbeat");
+    assert!(!s.server(2).unwrap().alive);
+
+    // The agent restarts (new boot, new socket) and is alive again; then the old run's beats
+    // are replayed from the old source: their cookies are stale, they move nothing.
+    let mut b = RawAgent::new(&ns, 2, 0xb0b);
+    b.bind();
+    let s = wait_for("server 2 alive again", || {
+        b.exchange(None);
+        let s = w.status();
+        s.server(2).unwrap().alive.then_some(s)
+    });
+    let before = s.counters.clone();
+    for x in &captured[2..] {
+        a.sock.send(x).unwrap();
+    }
+    b.exchange(None);
+    let s = wait_for("stale cookies counted", || {
+        let s = w.status();
+        (s.counters.stale_cookies - before.stale_cookies >= captured.len() as u64 - 2).then_some(s)
+    });
+    assert!(s.counters.stale_cookies > before.stale_cookies, "{:?}", s.counters);
+    assert_eq!(s.server(2).unwrap().heartbeat_source, Some(std::net::SocketAddr::new(lab_v4(2), b.local().port()).to_string()));
+    // The restarted agent is still the one answered.
+    b.exchange(None);
+}
+
+fn lab_v4(i: usize) -> std::net::IpAddr {
+    std::net::IpAddr::V4(addr::server_v4(i as u8))
+}
+
+/// Issue 9 item 9: a beat shorter than its reply gets no answer (no amplification), and the
+/// replies are never longer than the beats.
+#[test]
+fn hostile_short_beat_gets_no_answer() {
+    if skip() {
+        return;
+    }
+    let w = World::new(false, |_| {});
+    let ns = w.lab.server(1).to_string();
+    let mut a = RawAgent::new(&ns, 1, 7);
+    a.bind();
+    let r = a.exchange(None);
+    let full = lb::reply_len(r.buckets);
+    assert_eq!(a.sent.last().unwrap().len(), full, "an agent pads its beat to the reply");
+    let before = w.status().counters;
+    // A valid, fresh, bound beat of the minimum length (52 < 108 bytes): counted, unanswered.
+    let short = a.beat(Some(hbproto::HEARTBEAT_MIN_LEN));
+    assert!(short.len() < full);
+    wait_for("the short beat counted", || {
+        (w.status().counters.short_beats == before.short_beats + 1).then_some(())
+    });
+    // The next datagram is the reply to the next (full) beat, not an answer to the short one.
+    let r = a.exchange(None);
+    assert_eq!(r.seq, a.rc.next_beat(0, false, || 0).seq - 1);
+    let s = w.status();
+    assert_eq!(s.counters.replies, before.replies + 1);
+    assert_eq!(s.counters.heartbeats, before.heartbeats + 1, "a short beat is no heartbeat");
+}
+
+/// Issue 9 misconfiguration: the balancer given a wrong server MAC says so (status and log).
+#[test]
+fn hostile_wrong_server_mac_is_reported() {
+    if skip() {
+        return;
+    }
+    let mut w = World::new(false, |c| c.servers[1].mac = "02:75:62:01:00:99".into());
+    for i in 1..=3 {
+        w.start_hb(i);
+    }
+    let s = wait_for("the MACs checked", || {
+        let s = w.status();
+        (s.servers.iter().all(|x| x.mac_ok.is_some())).then_some(s)
+    });
+    let s2 = s.server(2).unwrap();
+    assert_eq!(s2.mac_ok, Some(false), "{s2:?}");
+    assert_eq!(s2.observed_mac.as_deref(), Some(lb::mac_string(lab_mac(2)).as_str()));
+    assert_eq!(s.server(1).unwrap().mac_ok, Some(true));
+    assert_eq!(s.server(3).unwrap().mac_ok, Some(true));
+    assert!(s.counters.mac_mismatches >= 1);
+}
+
+/// Issue 9 misconfiguration: an agent with a wrong key or a wrong LB address learns within
+/// seconds that its beats are not accepted, and what is wrong.
+#[test]
+fn hostile_agent_with_wrong_key_or_address_is_told() {
+    if skip() {
+        return;
+    }
+    let w = World::new(false, |_| {});
+    let ns = w.lab.server(2).to_string();
+    let diagnose = |c: &HeartbeatClient, k: &[u8], lb: std::net::SocketAddr| {
+        let t0 = Instant::now();
+        let mut hw = HealthWatch::new(lb, k, 0);
+        let mut lines = Vec::new();
+        wait_for("a diagnosis", || {
+            if let Some(l) = hw.observe(&c.stats(), t0.elapsed().as_millis() as u64) {
+                lines.push(l);
+            }
+            std::thread::sleep(Duration::from_millis(10)); // a status loop's period
+            (hw.state() != HbState::Starting).then_some(())
+        });
+        (hw.state(), lines, t0.elapsed())
+    };
+    // Another key (long enough, but not the balancer's).
+    let wrong = b"not the key of this balancer!!".to_vec();
+    let c = lab::in_ns(&ns, || HeartbeatClient::start(2, addr::HEARTBEAT, INTERVAL, &wrong)).unwrap().unwrap();
+    let (state, lines, took) = diagnose(&c, &wrong, addr::HEARTBEAT);
+    eprintln!("wrong key: {state:?} after {took:?}: {lines:?}");
+    assert_eq!(state, HbState::WrongKey);
+    assert!(lines.len() == 1 && lines[0].contains("agent.key differs"), "{lines:?}");
+    assert!(c.stats().replies == 0 && c.stats().nacks > 0);
+    assert!(w.status().counters.bad_mac > 0);
+    drop(c);
+    // A wrong port: ICMP port unreachable.
+    let bad = std::net::SocketAddr::new(addr::HEARTBEAT.ip(), addr::HEARTBEAT.port() + 1);
+    let k = key();
+    let c = lab::in_ns(&ns, || HeartbeatClient::start(2, bad, INTERVAL, &k)).unwrap().unwrap();
+    let (state, lines, took) = diagnose(&c, &k, bad);
+    eprintln!("wrong address: {state:?} after {took:?}: {lines:?}");
+    assert_eq!(state, HbState::Unreachable);
+    assert!(lines[0].contains("nothing listens there"), "{lines:?}");
+    drop(c);
+    // The right key and address: accepted, nothing to say.
+    let c = lab::in_ns(&ns, || HeartbeatClient::start(2, addr::HEARTBEAT, INTERVAL, &k)).unwrap().unwrap();
+    let (state, lines, _) = diagnose(&c, &k, addr::HEARTBEAT);
+    assert_eq!(state, HbState::Ok);
+    assert!(lines.is_empty(), "{lines:?}");
 }

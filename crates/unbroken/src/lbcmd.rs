@@ -47,6 +47,21 @@ pub fn write_status(path: &Path, s: &LbStatus) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// Creates the status file's directory and checks that a file can be written there: a wrong
+/// `--status-file` is one clear error at start.
+pub fn prepare_status_file(path: &Path) -> Result<(), String> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            format!("--status-file {}: cannot create its directory {}: {e}", path.display(), dir.display())
+        })?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    std::fs::write(&tmp, b"{}")
+        .and_then(|_| std::fs::remove_file(&tmp))
+        .map_err(|e| format!("--status-file {}: cannot write there: {e}", path.display()))
+}
+
 /// One line for an event.
 pub fn event_line(e: &LbEvent) -> String {
     let kind = match e.kind {
@@ -112,6 +127,12 @@ pub fn main(args: Vec<String>) -> i32 {
                 1
             }
         };
+    }
+    if let Some(p) = &status_file {
+        if let Err(e) = prepare_status_file(p) {
+            eprintln!("unbroken lb: {e}");
+            return 2;
+        }
     }
     // SAFETY: installs a handler that only stores to an atomic.
     unsafe {
@@ -238,5 +259,29 @@ mod tests {
             .collect();
         assert_eq!(names.len(), 1, "temporary file left: {names:?}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod hostile {
+    use super::*;
+
+    #[test]
+    fn hostile_lb_status_directory_missing_is_created_or_refused_once() {
+        let dir = std::env::temp_dir().join(format!("ub-lbcmd-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let p = dir.join("not/yet/lb.json");
+        prepare_status_file(&p).unwrap();
+        assert!(p.parent().unwrap().is_dir());
+        assert!(!p.exists(), "only the directory, no file yet");
+        std::fs::write(dir.join("f"), b"x").unwrap();
+        let e = prepare_status_file(&dir.join("f/lb.json")).unwrap_err();
+        assert!(e.starts_with("--status-file") && e.contains("cannot create its directory"), "{e}");
+        // The command says it once and exits 2 (before touching the network).
+        let cfg = dir.join("lb.toml");
+        std::fs::write(&cfg, include_str!("../../../configs/lb.example.toml")).unwrap();
+        let code = main(vec!["--config".into(), cfg.display().to_string(), "--status-file".into(), dir.join("f/lb.json").display().to_string()]);
+        assert_eq!(code, 2);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

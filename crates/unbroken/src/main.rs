@@ -455,6 +455,9 @@ fn status(args: Vec<String>) -> ExitCode {
             println!("  resumed bytes          {} (mismatches {} of which object changed {}, refused requests {}, errors {})", n(&a["resumed_bytes"]), n(&a["resume_mismatch"]), n(&a["resume_object_changed"]), n(&a["resume_refused"]), n(&a["resume_errors"]));
             println!("  probes sent            {}", n(&a["probes_sent"]));
             println!("  store                  {}{}", v["store"].as_str().unwrap_or("?"), if v["store_down"] == true { " DOWN" } else { "" });
+            if let Some(d) = v["lb_heartbeats"]["detail"].as_str() {
+                println!("  LB heartbeats          {} ({})", v["lb_heartbeats"]["state"].as_str().unwrap_or("?"), d);
+            }
             if let Some(r) = a["recent_refusals"].as_array().filter(|r| !r.is_empty()) {
                 println!("  recent refusals");
                 for x in r {

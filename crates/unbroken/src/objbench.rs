@@ -534,13 +534,14 @@ impl PlainEnv {
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(env.dir.join("lb.log"))?),
         )?);
+        let key = lbc.key_bytes().map_err(io::Error::other)?;
         for i in 1..=servers {
             let run = env.dir.join(format!("nginx{i}"));
             let n = env.lab.start_nginx(i, &env.docroot, &run)?;
             env.nginx.push(n);
             let ns = env.lab.server(i).to_string();
             let hb = lab::in_ns(&ns, || {
-                HeartbeatClient::start(i as u16, addr::HEARTBEAT, Duration::from_millis(5), b"")
+                HeartbeatClient::start(i as u16, addr::HEARTBEAT, Duration::from_millis(5), &key)
             })??;
             env.heartbeats.push(hb);
         }

@@ -178,10 +178,11 @@ impl ObjectEnv {
 
     fn agent_toml_base(&self, i: usize) -> String {
         format!(
-            "[agent]\nserver_id = {i}\nservices = [\"{}:80\", \"[{}]:80\"]\nbackend = \"127.0.0.1:80\"\nqueue = 7\nlb = \"{}\"\nheartbeat_interval_ms = 5\nfailover_gate = \"{}\"\nstatus_file = \"{}\"\nprobe = {}\n\n[store]\nnodes = [\"{}:{}\"]\ntimeout_ms = {}\n",
+            "[agent]\nserver_id = {i}\nservices = [\"{}:80\", \"[{}]:80\"]\nbackend = \"127.0.0.1:80\"\nqueue = 7\nlb = \"{}\"\nkey = \"{}\"\nheartbeat_interval_ms = 5\nfailover_gate = \"{}\"\nstatus_file = \"{}\"\nprobe = {}\n\n[store]\nnodes = [\"{}:{}\"]\ntimeout_ms = {}\n",
             addr::VIP_V4,
             addr::VIP_V6,
             addr::HEARTBEAT,
+            unbroken_lab::objlab::KEY_HEX,
             self.opts.gate,
             self.agent_status_path(i).display(),
             self.opts.probe,

@@ -298,7 +298,7 @@ struct Shared {
 
 impl Shared {
     fn count(&self, f: impl FnOnce(&mut AgentCounters)) {
-        f(&mut self.counters.lock().unwrap());
+        f(&mut crate::sync::lock(&self.counters, "agent: counters"));
     }
 }
 
@@ -383,8 +383,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // kernel cannot queue is dropped before it is sent (the engine then drops what follows
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
-    let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
+    // Another agent that still runs owns these rules: say which, before touching anything.
     let spec = rule_spec(&cfg);
+    Rules::check_owner(&spec).map_err(|e| format!("agent: {e}"))?;
+    let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
     // Without it a kept-alive client may wait for its retransmission timer between requests
     // (see the engine's docs), but it is served correctly.
@@ -561,7 +563,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             c.store_submitted = cc.store_submitted;
         });
         {
-            let mut ev = engine_view.lock().unwrap();
+            let mut ev = crate::sync::lock(&engine_view, "agent: engine view");
             *ev = (core.engine.counters, core.engine.connections(), core.engine.protected());
         }
         if let Err(e) = queue.flush() {
@@ -581,7 +583,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
     // would end the download, a RST the connection): in repair mode their close is silent, and
     // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
-    let adopted = ctx.adopted.lock().unwrap();
+    let adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     if let Some(path) = &ctx.rebuilt_file {
         write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
     }
@@ -688,7 +690,9 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
         queue.set_verdict(id, QVerdict::Accept, None)
     };
     if let Err(e) = r {
-        eprintln!("agent: verdict: {e}");
+        // Never leave the packet without a verdict (issue 9, item 11): drop it instead.
+        eprintln!("agent: verdict: {e}; dropping the packet instead");
+        let _ = queue.set_verdict(id, QVerdict::Drop, None);
     }
 }
 
@@ -704,7 +708,7 @@ fn status_loop(
     let mut was_down = false;
     loop {
         let stop = STOP.load(Ordering::SeqCst);
-        let (engine, conns, protected) = *ev.lock().unwrap();
+        let (engine, conns, protected) = *crate::sync::lock(&ev, "agent: engine view");
         // A store outage is said once when it starts and once when it ends: connections whose
         // store fails run unprotected meanwhile, and are protected again when it answers.
         let down = store.is_down();
@@ -722,13 +726,14 @@ fn status_loop(
                 );
             }
         }
-        let agent = shared.counters.lock().unwrap().clone();
+        let agent = crate::sync::lock(&shared.counters, "agent: counters").clone();
         let doc = serde_json::json!({
             "pid": std::process::id(),
             "uptime_ms": started.elapsed().as_millis() as u64,
             "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
             "stopped": stop,
             "sighup_ignored": crate::signals::hangups(),
+            "locks_recovered": crate::sync::poisoned(),
             "connections": conns,
             "protected": protected,
             "agent": agent,
@@ -951,7 +956,7 @@ fn read_rebuilt(path: &std::path::Path) -> (Vec<(Key, Option<u16>)>, usize) {
 /// at once (tcp_close in repair mode); then shutdown, which wakes the worker (EPIPE, EOF) and
 /// makes it close the socket. Returns whether there was one.
 fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
-    let mut adopted = ctx.adopted.lock().unwrap();
+    let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     let Some((_, fd, _)) = adopted.remove(key) else { return false };
     save_rebuilt(ctx, &adopted);
     drop(adopted);
@@ -964,7 +969,7 @@ fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
 
 /// Whether the worker of generation `gen` still serves `key` (it was not silenced).
 fn still_adopted(ctx: &WorkerCtx, key: &Key, gen: u64) -> bool {
-    ctx.adopted.lock().unwrap().get(key).is_some_and(|(g, _, _)| *g == gen)
+    crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets").get(key).is_some_and(|(g, _, _)| *g == gen)
 }
 
 /// Destroys the local TCP socket of `key` (`ss -K`, SOCK_DESTROY).

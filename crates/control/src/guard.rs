@@ -104,6 +104,11 @@ pub struct Counters {
     /// would re-key the connection; issue 9, item 1).
     pub hostile_recovery_syn: u64,
     pub adopted: u64,
+    /// Verdicts the queue refused (a replacement it could not carry) or packets whose handling
+    /// panicked: dropped instead, so no packet waits in the kernel without a verdict.
+    pub verdict_fallbacks: u64,
+    /// Rewritten packets whose injection failed.
+    pub inject_errors: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
     pub connections: u64,

@@ -13,4 +13,5 @@ pub mod lb;
 pub mod runtime;
 pub mod signals;
 pub mod steer;
+pub mod sync;
 pub mod store;

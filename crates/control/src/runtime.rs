@@ -43,6 +43,14 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     let started = Instant::now();
     let mono_ms = move || started.elapsed().as_millis() as u64;
 
+    let chains: &[&str] = match g.placement {
+        Placement::Gateway => &["FORWARD"],
+        Placement::Local => &["OUTPUT", "INPUT"],
+    };
+    // Another guard that still runs owns these rules: say which, before touching anything.
+    let spec = crate::steer::spec(&cfg, chains);
+    unbroken_drivers::iptables::Rules::check_owner(&spec).map_err(|e| format!("guard: {e}"))?;
+    crate::steer::check_app_interface(&cfg).map_err(|e| format!("guard: config: {e}"))?;
     // The queue first, the rules second: rules without a bound consumer drop traffic.
     let qcfg = QueueConfig { queue_num: g.queue, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("guard: cannot bind NFQUEUE {}: {e}", g.queue))?;
@@ -52,10 +60,6 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         .iter()
         .map(|a| UdpSocket::bind(a).map_err(|e| format!("guard: side channel {a}: {e}")))
         .collect::<Result<Vec<_>, _>>()?;
-    let chains: &[&str] = match g.placement {
-        Placement::Gateway => &["FORWARD"],
-        Placement::Local => &["OUTPUT", "INPUT"],
-    };
     let rules = crate::steer::install(&cfg, chains).map_err(|e| format!("guard: installing rules: {e}"))?;
 
     let mut threads = Vec::new();
@@ -85,37 +89,19 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
             Err(e) => break Err(format!("guard: queue receive: {e}")),
         }
         let now = mono_ms();
-        let mut c = core.lock().unwrap();
+        let mut c = crate::sync::lock(&core, "guard: core");
         for p in batch.iter_mut() {
-            let len = p.data.len();
-            if p.truncated() {
-                // Should not happen with a 64 KiB copy range; never forward a half-read packet
-                // with a replacement, and never let a protected packet pass unrewritten.
-                c.refuse(unbroken_wire::Error::Truncated, len);
-                let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
-                continue;
-            }
-            p.data.resize(len + 64, 0);
-            let (action, n) = c.packet(&mut p.data, len, now);
-            let r = match action {
-                Action::Accept { modified: false } => queue.set_verdict(p.id, QVerdict::Accept, None),
-                Action::Accept { modified: true } => {
-                    if p.csum_not_ready && fill_tcp_checksum(&mut p.data, n) {
-                        c.counters.full_checksums += 1;
-                    }
-                    queue.set_verdict(p.id, QVerdict::Accept, Some(&p.data[..n]))
-                }
-                Action::Drop => queue.set_verdict(p.id, QVerdict::Drop, None),
-                Action::Inject => {
-                    let r = queue.set_verdict(p.id, QVerdict::Drop, None);
-                    if let Err(e) = raw.send(&p.data[..n]) {
-                        eprintln!("guard: inject failed: {e}");
-                    }
-                    r
-                }
-            };
+            // Every packet gets a verdict, whatever happens to it: a bug tripped by a hostile
+            // packet (a panic, caught) drops that packet; a verdict the queue refuses (a
+            // replacement it cannot carry) becomes a drop (issue 9, item 11).
+            let id = p.id;
+            let r = crate::sync::catch("guard: packet", || verdict(&mut c, &mut queue, &raw, p, now)).unwrap_or_else(|| queue.set_verdict(id, QVerdict::Drop, None));
             if let Err(e) = r {
-                eprintln!("guard: verdict: {e}");
+                c.counters.verdict_fallbacks += 1;
+                if c.counters.verdict_fallbacks.is_power_of_two() {
+                    eprintln!("guard: verdict refused ({e}); the packet is dropped instead ({} time(s) so far)", c.counters.verdict_fallbacks);
+                }
+                let _ = queue.set_verdict(id, QVerdict::Drop, None);
             }
         }
         if now.saturating_sub(last_expire) >= 1000 {
@@ -131,7 +117,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     for t in threads {
         let _ = t.join();
     }
-    let translated = core.lock().unwrap().any_translated();
+    let translated = crate::sync::lock(&core, "guard: core").any_translated();
     if translated && !opts.force_remove_rules {
         eprintln!("guard: leaving the steering rules in place: recovered connections need renumbering, and unrewritten packets must not reach their peers. Restart the guard to continue, or run with --remove-rules to remove them anyway.");
         std::mem::forget(rules);
@@ -140,6 +126,39 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     }
     drop(queue);
     res
+}
+
+/// The verdict for one queued packet: the core decides, this only does the I/O.
+fn verdict(c: &mut Core, queue: &mut Queue, raw: &RawSender, p: &mut QueuedPacket, now: u64) -> std::io::Result<()> {
+    let len = p.data.len();
+    if p.truncated() {
+        // Should not happen with a 64 KiB copy range; never forward a half-read packet
+        // with a replacement, and never let a protected packet pass unrewritten.
+        c.refuse(unbroken_wire::Error::Truncated, len);
+        return queue.set_verdict(p.id, QVerdict::Drop, None);
+    }
+    p.data.resize(len + 64, 0);
+    let (action, n) = c.packet(&mut p.data, len, now);
+    match action {
+        Action::Accept { modified: false } => queue.set_verdict(p.id, QVerdict::Accept, None),
+        Action::Accept { modified: true } => {
+            if p.csum_not_ready && fill_tcp_checksum(&mut p.data, n) {
+                c.counters.full_checksums += 1;
+            }
+            queue.set_verdict(p.id, QVerdict::Accept, Some(&p.data[..n]))
+        }
+        Action::Drop => queue.set_verdict(p.id, QVerdict::Drop, None),
+        Action::Inject => {
+            let r = queue.set_verdict(p.id, QVerdict::Drop, None);
+            if let Err(e) = raw.send(&p.data[..n]) {
+                c.counters.inject_errors += 1;
+                if c.counters.inject_errors.is_power_of_two() {
+                    eprintln!("guard: inject failed ({} time(s) so far): {e}", c.counters.inject_errors);
+                }
+            }
+            r
+        }
+    }
 }
 
 fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, mono_ms: impl Fn() -> u64) {
@@ -154,7 +173,8 @@ fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, mo
                 continue;
             }
         };
-        let out = core.lock().unwrap().command(src, &buf[..n], wall_ms(), mono_ms(), &mut ack);
+        // A datagram that trips a bug costs that datagram, not the side channel.
+        let Some(out) = crate::sync::catch("guard: side channel", || crate::sync::lock(&core, "guard: core").command(src, &buf[..n], wall_ms(), mono_ms(), &mut ack)) else { continue };
         if let Some(out) = out {
             if let Some(l) = out.ack_len {
                 if let Err(e) = raw.send(&ack[..l]) {
@@ -173,7 +193,7 @@ fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
     loop {
         let stop = STOP.load(Ordering::SeqCst);
         let (mut counters, conns) = {
-            let c = core.lock().unwrap();
+            let c = crate::sync::lock(&core, "guard: core");
             (c.counters.clone(), c.connections())
         };
         counters.connections = conns as u64;
@@ -182,6 +202,8 @@ fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
             "uptime_ms": started.elapsed().as_millis() as u64,
             "stopped": stop,
             "sighup_ignored": crate::signals::hangups(),
+            "locks_recovered": crate::sync::poisoned(),
+            "panics_caught": crate::sync::panics(),
             "counters": counters,
         });
         if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {

@@ -73,6 +73,11 @@ pub struct GuardSection {
     pub recovery_nudge: bool,
 }
 
+/// Upper bounds of the numeric settings (see [`Guard::from_toml`]).
+pub const MAX_GRACE_SECS: u64 = 86_400;
+pub const MAX_SKEW_MS: u64 = 3_600_000;
+pub const MAX_CONNECTIONS: usize = 1 << 24;
+
 fn default_mark() -> u32 {
     0x7562_0001
 }
@@ -171,6 +176,18 @@ impl Guard {
         if raw.guard.allowed_sources.is_empty() {
             return Err("config: guard.allowed_sources is empty: no application could send commands".into());
         }
+        // Bounds on every number, so that no later arithmetic on them can overflow (issue 9,
+        // item 11): a wrong value is a precise error, never a wrapped one.
+        let g = &raw.guard;
+        if g.closed_grace_secs > MAX_GRACE_SECS {
+            return Err(format!("config: guard.closed_grace_secs = {}: at most {MAX_GRACE_SECS} (a day)", g.closed_grace_secs));
+        }
+        if g.max_clock_skew_ms == 0 || g.max_clock_skew_ms > MAX_SKEW_MS {
+            return Err(format!("config: guard.max_clock_skew_ms = {}: 1 to {MAX_SKEW_MS} (an hour)", g.max_clock_skew_ms));
+        }
+        if g.max_connections == 0 || g.max_connections > MAX_CONNECTIONS {
+            return Err(format!("config: guard.max_connections = {}: 1 to {MAX_CONNECTIONS}", g.max_connections));
+        }
         match (raw.guard.placement, &raw.guard.app_interface) {
             (Placement::Gateway, None) => {
                 return Err("config: guard.app_interface is required with placement = \"gateway\": name the interface toward the application hosts (packets from a service are queued only when they arrive on it; one with a service's address arriving from the peers' side is forged and dropped)".into())
@@ -233,6 +250,29 @@ port = 7000
         assert!(e.starts_with("config:"), "{e}");
         let e = Guard::from_toml(&GOOD.replace("queue = 7", "queue = 7\nbogus = 1")).err().unwrap();
         assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn hostile_huge_numbers_are_refused_not_wrapped() {
+        // Issue 9 item 11: closed_grace_secs * 1000 wrapped to a tiny grace in release builds.
+        for (field, value, want) in [
+            ("closed_grace_secs", "9223372036854775807", "guard.closed_grace_secs"),
+            ("closed_grace_secs", "18446744073709552", "guard.closed_grace_secs"),
+            ("max_clock_skew_ms", "9223372036854775807", "guard.max_clock_skew_ms"),
+            ("max_clock_skew_ms", "0", "guard.max_clock_skew_ms"),
+            ("max_connections", "9223372036854775807", "guard.max_connections"),
+            ("max_connections", "0", "guard.max_connections"),
+        ] {
+            let e = Guard::from_toml(&GOOD.replace("queue = 7", &format!("queue = 7\n{field} = {value}"))).err().unwrap_or_else(|| panic!("{field} = {value} accepted"));
+            assert!(e.contains(want), "{field} = {value}: {e}");
+        }
+        // Out of the type's range at all: toml's own error, still an error.
+        for (field, value) in [("queue", "65536"), ("injection_mark", "4294967296"), ("closed_grace_secs", "-1"), ("closed_grace_secs", "1e30")] {
+            let e = Guard::from_toml(&GOOD.replace("queue = 7", &format!("queue = 7\n{field} = {value}")).replacen("queue = 7\nqueue = 65536", "queue = 65536", 1)).err().unwrap_or_else(|| panic!("{field} = {value} accepted"));
+            assert!(e.starts_with("config:"), "{e}");
+        }
+        let g = Guard::from_toml(&GOOD.replace("queue = 7", "queue = 7\nclosed_grace_secs = 86400")).unwrap();
+        assert_eq!(g.raw.guard.closed_grace_secs, MAX_GRACE_SECS);
     }
 
     #[test]

@@ -192,7 +192,7 @@ impl Core {
 
     pub fn from_config(cfg: &Config) -> Core {
         let g = &cfg.raw.guard;
-        let mut c = Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs * 1000, g.max_connections);
+        let mut c = Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs.saturating_mul(1000), g.max_connections);
         c.recovery_nudge = g.recovery_nudge;
         c
     }

@@ -927,3 +927,47 @@ fn hostile_failed_verdict_sends_strand_no_packet() {
     q.flush().unwrap();
     assert_eq!(recv_text(&r), "AFTER", "the first datagram to arrive is the one sent after");
 }
+
+/// The targets of this process's open descriptors (`socket:[123]`, `anon_inode:[eventfd]`...)
+/// by number.
+fn open_fds() -> std::collections::BTreeMap<i32, String> {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let n: i32 = e.file_name().to_str()?.parse().ok()?;
+            Some((n, std::fs::read_link(e.path()).ok()?.to_string_lossy().into_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn hostile_driver_fds_are_not_inherited() {
+    // Issue 9 item 11: every descriptor the drivers open is close-on-exec, so a child the
+    // daemon runs (iptables, ss, ip) never inherits a queue, raw or netlink socket (a child
+    // holding the NFQUEUE socket would keep the queue bound after the daemon died).
+    let Some(pair) = NetnsPair::setup("hostile_driver_fds_are_not_inherited") else {
+        return;
+    };
+    let before = open_fds();
+    let (q, raw, diag) = pair.run_in(&pair.a, || {
+        (
+            Queue::open(&QueueConfig { queue_num: 18, ..QueueConfig::default() }).expect("queue"),
+            RawSender::new(0x55).expect("raw sender"),
+            unbroken_drivers::sockdiag::SockDiag::open().expect("sock_diag"),
+        )
+    });
+    let new: Vec<(i32, String)> = open_fds().into_iter().filter(|(n, t)| before.get(n) != Some(t)).collect();
+    assert!(new.len() >= 3, "queue, raw (v4, v6) and sock_diag sockets: {new:?}");
+    for (n, target) in &new {
+        // SAFETY: F_GETFD on a descriptor number; a closed one just fails.
+        let flags = unsafe { libc::fcntl(*n, libc::F_GETFD) };
+        assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "fd {n} ({target}) is not close-on-exec");
+    }
+    let child = std::process::Command::new("ls").arg("-l").arg("/proc/self/fd/").output().expect("ls");
+    let listing = String::from_utf8_lossy(&child.stdout);
+    for (n, target) in &new {
+        assert!(!listing.contains(target.as_str()), "a child inherited fd {n} ({target}):\n{listing}");
+    }
+    drop((q, raw, diag));
+}

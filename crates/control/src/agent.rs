@@ -287,6 +287,8 @@ pub struct AgentCounters {
     pub heartbeats_skipped_wedged: u64,
     /// The packet loop runs at nice -10.
     pub loop_realtime: bool,
+    /// Log lines over their budget (per kind, [`crate::ratelog`]), counted instead of written.
+    pub log_suppressed: u64,
     pub recent_refusals: Vec<String>,
 }
 
@@ -539,7 +541,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 Msg::Refuse { key, why } => {
                     core.refused(now, key);
                     shared.dirty.store(true, Ordering::Relaxed);
-                    eprintln!("agent: refused {} -> {}: {why}", key.client, key.service);
+                    crate::ratelog::log("agent: refused", || format!("agent: refused {} -> {}: {why}", key.client, key.service));
                     shared.count(|c| {
                         c.refused += 1;
                         if c.recent_refusals.len() >= 16 {
@@ -573,13 +575,14 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             c.fenced_held = cc.fenced_held;
             c.fenced_dropped = cc.fenced_dropped;
             c.store_submitted = cc.store_submitted;
+            c.log_suppressed = cc.log_suppressed + crate::ratelog::global().suppressed();
         });
         {
             let mut ev = crate::sync::lock(&engine_view, "agent: engine view");
             *ev = (core.engine.counters, core.engine.connections(), core.engine.protected());
         }
         if let Err(e) = queue.flush() {
-            eprintln!("agent: verdict flush: {e}");
+            crate::ratelog::log("agent: verdict flush", || format!("agent: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
         }
         // After the verdicts: an injected ACK never overtakes the segments released with it.
         for pkt in injects.drain(..) {
@@ -642,7 +645,10 @@ pub fn remove_rules(cfg: &Agent) -> Result<(), String> {
 fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>) {
     while let Some(o) = core.poll() {
         match o {
-            Out::Accept { id, mut data, modified, csum_not_ready } => accept(queue, id, &mut data, modified, csum_not_ready),
+            Out::Accept { id, mut data, modified, csum_not_ready } => {
+                accept(queue, id, &mut data, modified, csum_not_ready);
+                queue.recycle(data);
+            }
             Out::Drop { id } => {
                 let _ = queue.set_verdict(id, QVerdict::Drop, None);
             }
@@ -703,7 +709,7 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
     };
     if let Err(e) = r {
         // Never leave the packet without a verdict (issue 9, item 11): drop it instead.
-        eprintln!("agent: verdict: {e}; dropping the packet instead");
+        crate::ratelog::log("agent: verdict", || format!("agent: verdict: {e}; dropping the packet instead"));
         let _ = queue.set_verdict(id, QVerdict::Drop, None);
     }
 }

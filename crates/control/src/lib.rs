@@ -10,6 +10,7 @@ pub mod detector;
 pub mod guard;
 pub mod kv;
 pub mod lb;
+pub mod ratelog;
 pub mod runtime;
 pub mod signals;
 pub mod steer;

@@ -98,9 +98,8 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
             let r = crate::sync::catch("guard: packet", || verdict(&mut c, &mut queue, &raw, p, now)).unwrap_or_else(|| queue.set_verdict(id, QVerdict::Drop, None));
             if let Err(e) = r {
                 c.counters.verdict_fallbacks += 1;
-                if c.counters.verdict_fallbacks.is_power_of_two() {
-                    eprintln!("guard: verdict refused ({e}); the packet is dropped instead ({} time(s) so far)", c.counters.verdict_fallbacks);
-                }
+                let n = c.counters.verdict_fallbacks;
+                crate::ratelog::log("guard: verdict", || format!("guard: verdict refused ({e}); the packet is dropped instead ({n} time(s) so far)"));
                 let _ = queue.set_verdict(id, QVerdict::Drop, None);
             }
         }
@@ -110,7 +109,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         }
         drop(c);
         if let Err(e) = queue.flush() {
-            eprintln!("guard: verdict flush: {e}");
+            crate::ratelog::log("guard: verdict flush", || format!("guard: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
         }
     };
     STOP.store(true, Ordering::SeqCst);
@@ -152,9 +151,8 @@ fn verdict(c: &mut Core, queue: &mut Queue, raw: &RawSender, p: &mut QueuedPacke
             let r = queue.set_verdict(p.id, QVerdict::Drop, None);
             if let Err(e) = raw.send(&p.data[..n]) {
                 c.counters.inject_errors += 1;
-                if c.counters.inject_errors.is_power_of_two() {
-                    eprintln!("guard: inject failed ({} time(s) so far): {e}", c.counters.inject_errors);
-                }
+                let n = c.counters.inject_errors;
+                crate::ratelog::log("guard: inject", || format!("guard: inject failed ({n} time(s) so far): {e}"));
             }
             r
         }
@@ -169,7 +167,7 @@ fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, mo
             Ok(x) => x,
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => continue,
             Err(e) => {
-                eprintln!("guard: side channel receive: {e}");
+                crate::ratelog::log("guard: side channel receive", || format!("guard: side channel receive: {e}"));
                 continue;
             }
         };
@@ -178,11 +176,11 @@ fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, mo
         if let Some(out) = out {
             if let Some(l) = out.ack_len {
                 if let Err(e) = raw.send(&ack[..l]) {
-                    eprintln!("guard: ACK inject failed: {e}");
+                    crate::ratelog::log("guard: ACK inject", || format!("guard: ACK inject failed: {e}"));
                 }
             }
             if let Err(e) = sock.send_to(&out.reply, src) {
-                eprintln!("guard: reply to {src}: {e}");
+                crate::ratelog::log("guard: reply", || format!("guard: reply to {src}: {e}"));
             }
         }
     }
@@ -204,6 +202,7 @@ fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
             "sighup_ignored": crate::signals::hangups(),
             "locks_recovered": crate::sync::poisoned(),
             "panics_caught": crate::sync::panics(),
+            "log_suppressed": crate::ratelog::global().suppressed(),
             "counters": counters,
         });
         if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {

@@ -249,6 +249,9 @@ impl NetlinkError {
     }
 }
 
+/// Most packet buffers [`Queue::recycle`] keeps.
+pub const MAX_SPARE: usize = 1024;
+
 /// A bound NFQUEUE consumer.
 ///
 /// The socket belongs to the network namespace of the thread that called [`Queue::open`];
@@ -466,6 +469,15 @@ impl Queue {
         );
         self.pending_verdicts += 1;
         self.pending_ids.push(id);
+    }
+
+    /// Gives a packet buffer back for the next packets (a caller that moved `data` out of its
+    /// batch returns it here once done, so the packet path does not allocate per packet).
+    /// At most [`MAX_SPARE`] are kept.
+    pub fn recycle(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < MAX_SPARE && buf.capacity() > 0 {
+            self.spare.push(buf);
+        }
     }
 
     /// Makes the next `n` sends of verdicts fail with `ENOBUFS` (fault injection for tests of

@@ -90,18 +90,20 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         }
         let now = mono_ms();
         let mut c = crate::sync::lock(&core, "guard: core");
-        for p in batch.iter_mut() {
-            // Every packet gets a verdict, whatever happens to it: a bug tripped by a hostile
-            // packet (a panic, caught) drops that packet; a verdict the queue refuses (a
-            // replacement it cannot carry) becomes a drop (issue 9, item 11).
-            let id = p.id;
-            let r = crate::sync::catch("guard: packet", || verdict(&mut c, &mut queue, &raw, p, now)).unwrap_or_else(|| queue.set_verdict(id, QVerdict::Drop, None));
-            if let Err(e) = r {
-                c.counters.verdict_fallbacks += 1;
-                let n = c.counters.verdict_fallbacks;
-                crate::ratelog::log("guard: verdict", || format!("guard: verdict refused ({e}); the packet is dropped instead ({n} time(s) so far)"));
-                let _ = queue.set_verdict(id, QVerdict::Drop, None);
-            }
+        {
+            let mut io = (&mut *c, &mut queue);
+            settle_each(
+                &mut io,
+                &mut batch,
+                |p| p.id,
+                |(c, queue), p| verdict(c, queue, &raw, p, now),
+                |(c, queue), id, why| {
+                    c.counters.verdict_fallbacks += 1;
+                    let n = c.counters.verdict_fallbacks;
+                    crate::ratelog::log("guard: verdict", || format!("guard: {why}; the packet is dropped instead ({n} time(s) so far)"));
+                    let _ = queue.set_verdict(id, QVerdict::Drop, None);
+                },
+            );
         }
         if now.saturating_sub(last_expire) >= 1000 {
             c.expire(now);
@@ -125,6 +127,22 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     }
     drop(queue);
     res
+}
+
+/// Gives every packet of a batch its verdict, whatever happens (issue 9, item 11): `decide`
+/// sets it; when `decide` panics (a bug a hostile packet trips; caught, see
+/// [`crate::sync::catch`]) or fails (a verdict the queue refuses, e.g. a replacement it cannot
+/// carry), `fallback` gets the packet's id and why, and must drop it. A packet already given a
+/// verdict before a panic gets a second one, which the kernel refuses harmlessly.
+pub(crate) fn settle_each<C, P>(ctx: &mut C, pkts: &mut [P], id_of: impl Fn(&P) -> u32, decide: impl Fn(&mut C, &mut P) -> std::io::Result<()>, fallback: impl Fn(&mut C, u32, &dyn std::fmt::Display)) {
+    for p in pkts.iter_mut() {
+        let id = id_of(p);
+        match crate::sync::catch("guard: packet", || decide(ctx, p)) {
+            Some(Ok(())) => {}
+            Some(Err(e)) => fallback(ctx, id, &format_args!("verdict refused ({e})")),
+            None => fallback(ctx, id, &"handling the packet panicked"),
+        }
+    }
 }
 
 /// The verdict for one queued packet: the core decides, this only does the I/O.
@@ -212,5 +230,47 @@ fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
             return;
         }
         std::thread::sleep(Duration::from_millis(250)); // periodic status write, not a synchronisation
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_every_packet_gets_a_verdict_even_when_handling_fails() {
+        // Issue 9 item 11: a batch where handling one packet panics and another's verdict is
+        // refused: each still gets exactly one verdict from the fallback (a drop), the others
+        // theirs, and the loop goes on.
+        #[derive(Default)]
+        struct Io {
+            verdicts: Vec<(u32, &'static str)>,
+            fallbacks: u32,
+        }
+        let mut pkts: Vec<u32> = (1..=8).collect();
+        let mut io = Io::default();
+        settle_each(
+            &mut io,
+            &mut pkts,
+            |p| *p,
+            |io, p| match *p {
+                3 => panic!("a bug reached by packet 3"),
+                5 => Err(std::io::Error::other("replacement too large")),
+                id => {
+                    io.verdicts.push((id, "accept"));
+                    Ok(())
+                }
+            },
+            |io, id, why| {
+                assert!(!why.to_string().is_empty());
+                io.fallbacks += 1;
+                io.verdicts.push((id, "drop"));
+            },
+        );
+        let mut ids: Vec<u32> = io.verdicts.iter().map(|v| v.0).collect();
+        ids.sort();
+        assert_eq!(ids, (1..=8).collect::<Vec<_>>(), "every packet exactly one verdict: {:?}", io.verdicts);
+        assert_eq!(io.fallbacks, 2);
+        assert!(io.verdicts.contains(&(3, "drop")) && io.verdicts.contains(&(5, "drop")));
     }
 }

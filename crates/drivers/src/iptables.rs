@@ -172,14 +172,15 @@ impl Owner {
         start_time(pid).map(|start| Owner { pid, start })
     }
 
-    /// Whether this process still runs.
+    /// Whether this process still runs (a zombie, killed but not reaped yet, does not: it
+    /// has closed its sockets and holds nothing any more).
     pub fn is_alive(&self) -> bool {
         if self.start == 0 {
             // SAFETY: signal 0 only checks that the pid exists.
             let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
             return r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
         }
-        start_time(self.pid) == Some(self.start)
+        proc_stat(self.pid).is_some_and(|(state, start)| start == self.start && !matches!(state, 'Z' | 'X' | 'x'))
     }
 
     /// The comment put on every rule: `unbroken-owner:PID:START` (no spaces or quotes, so it
@@ -214,12 +215,18 @@ impl Owner {
     }
 }
 
-/// Field 22 of `/proc/PID/stat` (after the command name, which may hold spaces and parens).
+/// Field 22 of `/proc/PID/stat`, the start time.
 fn start_time(pid: u32) -> Option<u64> {
+    proc_stat(pid).map(|(_, start)| start)
+}
+
+/// Fields 3 (state) and 22 (start time) of `/proc/PID/stat` (read after the command name,
+/// which may hold spaces and parens).
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 1..];
-    // Fields after the name start at field 3 (state); the start time is field 22.
-    after.split_whitespace().nth(22 - 3)?.parse().ok()
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.nth(22 - 4)?.parse().ok()?))
 }
 
 /// What to install. Build with [`RuleSpec::new`] and adjust the public fields.
@@ -907,5 +914,17 @@ mod tests {
             assert_eq!(Owner::parse_tag(bad), None, "{bad:?}");
         }
         assert!(me.describe().starts_with(&format!("pid {} (", me.pid)), "{}", me.describe());
+        // A killed process not reaped yet (a zombie) holds nothing: not an owner any more.
+        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let owner = Owner::of_pid(child.id()).unwrap();
+        assert!(owner.is_alive());
+        child.kill().unwrap();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while owner.is_alive() && std::time::Instant::now() < end {
+            std::thread::sleep(std::time::Duration::from_millis(5)); // waiting for the kill to land, with a deadline
+        }
+        assert!(matches!(proc_stat(child.id()), Some(('Z', _))), "still unreaped: a zombie");
+        assert!(!owner.is_alive(), "a zombie is not alive");
+        child.wait().unwrap();
     }
 }

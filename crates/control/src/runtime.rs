@@ -71,7 +71,8 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     }
     if let Some(path) = g.status_file.clone() {
         let core = core.clone();
-        threads.push(std::thread::spawn(move || status_loop(path, core, started)));
+        let spec = spec.clone();
+        threads.push(std::thread::spawn(move || status_loop(path, core, started, spec)));
     }
     println!("unbroken guard: ready queue={} placement={:?} services={} control={:?}", g.queue, g.placement, cfg.raw.services.len(), g.control);
     use std::io::Write;
@@ -204,9 +205,19 @@ fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, mo
     }
 }
 
-fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
+fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant, spec: unbroken_drivers::iptables::RuleSpec) {
     let tmp = path.with_extension("tmp");
+    let mut forged: u64 = 0;
+    let mut round: u64 = 0;
     loop {
+        // The rules' DROP counters (forged service sources from the peers' side): read once a
+        // second, not at every write (it runs iptables).
+        if spec.app_iface.is_some() && round % 4 == 0 {
+            if let Ok(n) = unbroken_drivers::iptables::dropped_by_rules(&spec) {
+                forged = n;
+            }
+        }
+        round += 1;
         let stop = STOP.load(Ordering::SeqCst);
         let (mut counters, conns) = {
             let c = crate::sync::lock(&core, "guard: core");
@@ -221,6 +232,7 @@ fn status_loop(path: PathBuf, core: Arc<Mutex<Core>>, started: Instant) {
             "locks_recovered": crate::sync::poisoned(),
             "panics_caught": crate::sync::panics(),
             "log_suppressed": crate::ratelog::global().suppressed(),
+            "forged_source_dropped": forged,
             "counters": counters,
         });
         if std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {

@@ -597,6 +597,25 @@ impl Drop for Rules {
     }
 }
 
+/// Packets the `DROP` rules of the chain of `spec` dropped so far (packets with a service's
+/// source address arriving from the wrong side, see [`RuleSpec::app_iface`]), all families.
+pub fn dropped_by_rules(spec: &RuleSpec) -> io::Result<u64> {
+    let mut n = 0u64;
+    for family in spec.families() {
+        let out = try_run(spec, family, &args(&["-L", &spec.chain, "-v", "-x", "-n"]))?;
+        if !out.status.success() {
+            continue;
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.get(2) == Some(&"DROP") {
+                n = n.saturating_add(f[0].parse::<u64>().unwrap_or(0));
+            }
+        }
+    }
+    Ok(n)
+}
+
 /// The owners named by the comments of the chain's rules in `family`; `None` when the chain
 /// does not exist.
 fn chain_owners(spec: &RuleSpec, family: Family) -> io::Result<Option<Vec<Owner>>> {

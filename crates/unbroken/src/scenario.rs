@@ -625,6 +625,14 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     if !matches!(guard.child.try_wait(), Ok(None)) {
         return Err(format!("the guard exited during the transfer: {:?}", guard.child.try_wait()));
     }
+    // The guard reads its rules' counters once a second: wait (generous deadline) until its
+    // status shows every forged packet the rules dropped.
+    if forged_dropped > 0 {
+        let end = Instant::now() + Duration::from_secs(20);
+        while read_status(&w.status_path())["forged_source_dropped"].as_u64().unwrap_or(0) < forged_dropped && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20)); // polling the status file with a deadline
+        }
+    }
     let status = fresh_status(&w.status_path(), &mut guard)?;
     drop(app);
     drop(guard);

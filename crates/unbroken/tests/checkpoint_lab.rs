@@ -262,6 +262,7 @@ fn hostile_forged_app_source_from_the_peer_side() {
     let c = &r.guard["counters"];
     assert_eq!(r.forged_sent, 200, "forged packets sent");
     assert_eq!(r.forged_dropped, r.forged_sent, "every forged packet dropped by the rules: {c}");
+    assert_eq!(r.guard["forged_source_dropped"].as_u64(), Some(r.forged_sent), "the guard's status counts them: {}", r.guard);
     assert_eq!(c["hostile_recovery_syn"].as_u64(), Some(0), "a forged SYN reached the guard: {c}");
     assert!(c["recovered"].as_u64().unwrap_or(0) >= 1, "{c}");
 }

@@ -346,6 +346,8 @@ pub struct AgentCounters {
     pub heartbeats_skipped_wedged: u64,
     /// The packet loop runs at nice -10.
     pub loop_realtime: bool,
+    /// Log lines over their budget (per kind, [`crate::ratelog`]), counted instead of written.
+    pub log_suppressed: u64,
     pub recent_refusals: Vec<String>,
 }
 
@@ -357,7 +359,7 @@ struct Shared {
 
 impl Shared {
     fn count(&self, f: impl FnOnce(&mut AgentCounters)) {
-        f(&mut self.counters.lock().unwrap());
+        f(&mut crate::sync::lock(&self.counters, "agent: counters"));
     }
 }
 
@@ -446,8 +448,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // kernel cannot queue is dropped before it is sent (the engine then drops what follows
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
-    let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
+    // Another agent that still runs owns these rules: say which, before touching anything.
     let spec = rule_spec(&cfg);
+    Rules::check_owner(&spec).map_err(|e| format!("agent: {e}"))?;
+    let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
     // Without it a kept-alive client may wait for its retransmission timer between requests
     // (see the engine's docs), but it is served correctly.
@@ -474,6 +478,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
 
     let mut batch: Vec<QueuedPacket> = Vec::with_capacity(64);
     let mut pkts: Vec<Pkt> = Vec::with_capacity(64);
+    let mut batch_ids: Vec<u32> = Vec::with_capacity(64);
     let mut injects: Vec<Vec<u8>> = Vec::new();
     let mut completions = Vec::new();
     let mut core = Core::new(engine, cfg.gate_open, a.probe);
@@ -540,6 +545,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         };
         // 0-1. the fence and the packets
         pkts.clear();
+        batch_ids.clear();
         if ready[0] {
             match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
                 Ok(_) => {}
@@ -551,11 +557,21 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
                     continue;
                 }
+                batch_ids.push(p.id);
                 let dir = if p.hook == 3 { Dir::ToClient } else { Dir::FromClient };
                 pkts.push(Pkt { id: p.id, data: std::mem::take(&mut p.data), dir, bucket: p.hw_src.and_then(bucket_of_mac), csum_not_ready: p.csum_not_ready });
             }
         }
-        core.packets(now, lb, pkts.drain(..));
+        if crate::sync::catch("agent: packets", || core.packets(now, lb, pkts.drain(..))).is_none() {
+            // A bug tripped by one of these packets: whatever the core decided goes out, and
+            // every packet of the batch still gets a verdict (a second one for a packet already
+            // decided is refused by the kernel and counted, harmless).
+            pkts.clear();
+            drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
+            for &id in &batch_ids {
+                let _ = queue.set_verdict(id, QVerdict::Drop, None);
+            }
+        }
         drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
         // 2. the failover gate (TRODS section 5.1)
         core.gate(now, lb, |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.serves_connection())).map_err(|e| e.to_string()));
@@ -594,7 +610,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 Msg::Refuse { key, why } => {
                     core.refused(now, key);
                     shared.dirty.store(true, Ordering::Relaxed);
-                    eprintln!("agent: refused {} -> {}: {why}", key.client, key.service);
+                    crate::ratelog::log("agent: refused", || format!("agent: refused {} -> {}: {why}", key.client, key.service));
                     shared.count(|c| {
                         c.refused += 1;
                         if c.recent_refusals.len() >= 16 {
@@ -628,13 +644,14 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             c.fenced_held = cc.fenced_held;
             c.fenced_dropped = cc.fenced_dropped;
             c.store_submitted = cc.store_submitted;
+            c.log_suppressed = cc.log_suppressed + crate::ratelog::global().suppressed();
         });
         {
-            let mut ev = engine_view.lock().unwrap();
+            let mut ev = crate::sync::lock(&engine_view, "agent: engine view");
             *ev = (core.engine.counters, core.engine.connections(), core.engine.protected());
         }
         if let Err(e) = queue.flush() {
-            eprintln!("agent: verdict flush: {e}");
+            crate::ratelog::log("agent: verdict flush", || format!("agent: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
         }
         // After the verdicts: an injected ACK never overtakes the segments released with it.
         for pkt in injects.drain(..) {
@@ -650,7 +667,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
     // would end the download, a RST the connection): in repair mode their close is silent, and
     // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
-    let adopted = ctx.adopted.lock().unwrap();
+    let adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     if let Some(path) = &ctx.rebuilt_file {
         write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
     }
@@ -697,7 +714,10 @@ pub fn remove_rules(cfg: &Agent) -> Result<(), String> {
 fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>) {
     while let Some(o) = core.poll() {
         match o {
-            Out::Accept { id, mut data, modified, csum_not_ready } => accept(queue, id, &mut data, modified, csum_not_ready),
+            Out::Accept { id, mut data, modified, csum_not_ready } => {
+                accept(queue, id, &mut data, modified, csum_not_ready);
+                queue.recycle(data);
+            }
             Out::Drop { id } => {
                 let _ = queue.set_verdict(id, QVerdict::Drop, None);
             }
@@ -757,7 +777,9 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
         queue.set_verdict(id, QVerdict::Accept, None)
     };
     if let Err(e) = r {
-        eprintln!("agent: verdict: {e}");
+        // Never leave the packet without a verdict (issue 9, item 11): drop it instead.
+        crate::ratelog::log("agent: verdict", || format!("agent: verdict: {e}; dropping the packet instead"));
+        let _ = queue.set_verdict(id, QVerdict::Drop, None);
     }
 }
 
@@ -817,7 +839,7 @@ fn status_loop(
     let mut write_failed = false;
     loop {
         let stop = STOP.load(Ordering::SeqCst);
-        let (engine, conns, protected) = *ev.lock().unwrap();
+        let (engine, conns, protected) = *crate::sync::lock(&ev, "agent: engine view");
         let now_ms = started.elapsed().as_millis() as u64;
         // A store outage is said once when it has lasted a second (at start too) and once when
         // it ends: connections whose store fails run unprotected meanwhile, and are protected
@@ -853,13 +875,14 @@ fn status_loop(
             })
         });
         if let (Some(path), Some(tmp)) = (&path, &tmp) {
-            let agent = shared.counters.lock().unwrap().clone();
+            let agent = crate::sync::lock(&shared.counters, "agent: counters").clone();
             let doc = serde_json::json!({
                 "pid": std::process::id(),
                 "uptime_ms": now_ms,
                 "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
                 "stopped": stop,
                 "sighup_ignored": crate::signals::hangups(),
+                "locks_recovered": crate::sync::poisoned(),
                 "connections": conns,
                 "protected": protected,
                 "agent": agent,
@@ -1112,7 +1135,7 @@ fn read_rebuilt(path: &std::path::Path) -> (Vec<(Key, Option<u16>)>, usize) {
 /// at once (tcp_close in repair mode); then shutdown, which wakes the worker (EPIPE, EOF) and
 /// makes it close the socket. Returns whether there was one.
 fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
-    let mut adopted = ctx.adopted.lock().unwrap();
+    let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     let Some((_, fd, _)) = adopted.remove(key) else { return false };
     save_rebuilt(ctx, &adopted);
     drop(adopted);
@@ -1125,7 +1148,7 @@ fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
 
 /// Whether the worker of generation `gen` still serves `key` (it was not silenced).
 fn still_adopted(ctx: &WorkerCtx, key: &Key, gen: u64) -> bool {
-    ctx.adopted.lock().unwrap().get(key).is_some_and(|(g, _, _)| *g == gen)
+    crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets").get(key).is_some_and(|(g, _, _)| *g == gen)
 }
 
 /// Destroys the local TCP socket of `key` (`ss -K`, SOCK_DESTROY).

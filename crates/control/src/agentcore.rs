@@ -146,6 +146,8 @@ pub struct CoreCounters {
     pub store_submitted: u64,
     /// Probes built from server packets waiting for their connection's bucket ([`Out::Elicit`]).
     pub elicited: u64,
+    /// Log lines over their budget, counted instead of written ([`crate::ratelog`]).
+    pub log_suppressed: u64,
 }
 
 struct GateWait {
@@ -192,6 +194,8 @@ pub struct Core {
     /// Probe retries due: (when, buckets).
     probe_retries: Vec<(u64, Vec<u16>)>,
     out: VecDeque<Out>,
+    /// Budget of the log lines hostile packets can cause (issue 9, item 6).
+    log: crate::ratelog::RateLimit,
     pub counters: CoreCounters,
 }
 
@@ -220,7 +224,19 @@ impl Core {
             elicited: HashMap::new(),
             probe_retries: Vec::new(),
             out: VecDeque::new(),
+            log: crate::ratelog::RateLimit::default(),
             counters: CoreCounters::default(),
+        }
+    }
+
+    /// Queues the line `line()` builds unless lines of `kind` are over their budget (then it
+    /// is only counted, in `log_suppressed`, and nothing is formatted): whatever a packet can
+    /// make the agent say goes through here.
+    fn say(&mut self, kind: &'static str, now: u64, line: impl FnOnce() -> String) {
+        match self.log.check(kind, now) {
+            Some(0) => self.out.push_back(Out::Log(line())),
+            Some(n) => self.out.push_back(Out::Log(format!("{} ({n} more like it suppressed)", line()))),
+            None => self.counters.log_suppressed += 1,
         }
     }
 
@@ -436,7 +452,8 @@ impl Core {
                     Ok(owned) => owned,
                     Err(e) => {
                         self.counters.sockdiag_errors += 1;
-                        self.out.push_back(Out::Log(format!("agent: sock_diag lookup of {}: {e}", g.key.client)));
+                        let client = g.key.client;
+                        self.say("sock_diag lookup", now, || format!("agent: sock_diag lookup of {client}: {e}"));
                         false
                     }
                 });
@@ -466,10 +483,8 @@ impl Core {
                 self.counters.fenced_dropped += 1;
                 self.out.push_back(Out::Drop { id: g.p.id });
             } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
-                self.out.push_back(Out::Log(format!(
-                    "agent: failover denied for {} (bucket {:?}): not a recently moved bucket",
-                    g.key.client, g.p.bucket
-                )));
+                let (client, bucket) = (g.key.client, g.p.bucket);
+                self.say("failover denied", now, || format!("agent: failover denied for {client} (bucket {bucket:?}): not a recently moved bucket"));
                 self.counters.failovers_denied += 1;
                 self.handed.insert(g.key, (now, g.p.bucket));
                 self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
@@ -652,7 +667,7 @@ impl Core {
                     }
                     if pending || (self.engine.knows(&k) && self.engine.mute(k)) {
                         self.out.push_back(Out::Silence { key: k });
-                        self.out.push_back(Out::Log(format!("agent: {} moved to another server (bucket {b}): muted", k.client)));
+                        self.say("muted", now, || format!("agent: {} moved to another server (bucket {b}): muted", k.client));
                         self.counters.muted += 1;
                     }
                 }

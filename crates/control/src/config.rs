@@ -4,6 +4,7 @@
 //! [guard]
 //! queue = 7                         # NFQUEUE number
 //! placement = "gateway"             # "gateway" (FORWARD) or "local" (OUTPUT + INPUT on the app's host)
+//! app_interface = "lan0"            # gateway only: the leg toward the application hosts
 //! control = ["10.77.2.1:7900"]      # UDP side-channel listen addresses
 //! key = "00112233445566778899aabbccddeeff"   # shared key, hex (or key_file = "/etc/unbroken/key")
 //! allowed_sources = ["10.77.2.0/24"] # who may send commands
@@ -33,6 +34,12 @@ pub enum Placement {
 pub struct GuardSection {
     pub queue: u16,
     pub placement: Placement,
+    /// With `placement = "gateway"` (required there, refused otherwise): the interface toward
+    /// the application hosts. Packets from a service are queued only when they arrive on it,
+    /// packets to a service only when they leave through it; a packet with a service's source
+    /// arriving on any other interface is forged and dropped (issue 9, item 1).
+    #[serde(default)]
+    pub app_interface: Option<String>,
     pub control: Vec<SocketAddr>,
     #[serde(default)]
     pub key: Option<String>,
@@ -65,6 +72,11 @@ pub struct GuardSection {
     #[serde(default)]
     pub recovery_nudge: bool,
 }
+
+/// Upper bounds of the numeric settings (see [`Guard::from_toml`]).
+pub const MAX_GRACE_SECS: u64 = 86_400;
+pub const MAX_SKEW_MS: u64 = 3_600_000;
+pub const MAX_CONNECTIONS: usize = 1 << 24;
 
 fn default_mark() -> u32 {
     0x7562_0001
@@ -164,6 +176,28 @@ impl Guard {
         if raw.guard.allowed_sources.is_empty() {
             return Err("config: guard.allowed_sources is empty: no application could send commands".into());
         }
+        // Bounds on every number, so that no later arithmetic on them can overflow (issue 9,
+        // item 11): a wrong value is a precise error, never a wrapped one.
+        let g = &raw.guard;
+        if g.closed_grace_secs > MAX_GRACE_SECS {
+            return Err(format!("config: guard.closed_grace_secs = {}: at most {MAX_GRACE_SECS} (a day)", g.closed_grace_secs));
+        }
+        if g.max_clock_skew_ms == 0 || g.max_clock_skew_ms > MAX_SKEW_MS {
+            return Err(format!("config: guard.max_clock_skew_ms = {}: 1 to {MAX_SKEW_MS} (an hour)", g.max_clock_skew_ms));
+        }
+        if g.max_connections == 0 || g.max_connections > MAX_CONNECTIONS {
+            return Err(format!("config: guard.max_connections = {}: 1 to {MAX_CONNECTIONS}", g.max_connections));
+        }
+        match (raw.guard.placement, &raw.guard.app_interface) {
+            (Placement::Gateway, None) => {
+                return Err("config: guard.app_interface is required with placement = \"gateway\": name the interface toward the application hosts (packets from a service are queued only when they arrive on it; one with a service's address arriving from the peers' side is forged and dropped)".into())
+            }
+            (Placement::Gateway, Some(i)) => unbroken_drivers::iptables::check_iface_name(i).map_err(|e| format!("config: guard.app_interface: {e}"))?,
+            (Placement::Local, Some(_)) => {
+                return Err("config: guard.app_interface is for placement = \"gateway\" only (on the application's host the kernel refuses packets from the wire with a local source address)".into())
+            }
+            (Placement::Local, None) => {}
+        }
         let allowed = raw.guard.allowed_sources.iter().map(|s| Prefix::parse(s).map_err(|e| format!("config: allowed_sources: {e}"))).collect::<Result<Vec<_>, _>>()?;
         Ok(Guard { raw, key, allowed })
     }
@@ -181,6 +215,7 @@ mod tests {
 [guard]
 queue = 7
 placement = "gateway"
+app_interface = "lan0"
 control = ["10.77.2.1:7900"]
 key = "00112233445566778899aabbccddeeff"
 allowed_sources = ["10.77.2.0/24", "fd77:2::/64"]
@@ -215,5 +250,44 @@ port = 7000
         assert!(e.starts_with("config:"), "{e}");
         let e = Guard::from_toml(&GOOD.replace("queue = 7", "queue = 7\nbogus = 1")).err().unwrap();
         assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn hostile_huge_numbers_are_refused_not_wrapped() {
+        // Issue 9 item 11: closed_grace_secs * 1000 wrapped to a tiny grace in release builds.
+        for (field, value, want) in [
+            ("closed_grace_secs", "9223372036854775807", "guard.closed_grace_secs"),
+            ("closed_grace_secs", "18446744073709552", "guard.closed_grace_secs"),
+            ("max_clock_skew_ms", "9223372036854775807", "guard.max_clock_skew_ms"),
+            ("max_clock_skew_ms", "0", "guard.max_clock_skew_ms"),
+            ("max_connections", "9223372036854775807", "guard.max_connections"),
+            ("max_connections", "0", "guard.max_connections"),
+        ] {
+            let e = Guard::from_toml(&GOOD.replace("queue = 7", &format!("queue = 7\n{field} = {value}"))).err().unwrap_or_else(|| panic!("{field} = {value} accepted"));
+            assert!(e.contains(want), "{field} = {value}: {e}");
+        }
+        // Out of the type's range at all: toml's own error, still an error.
+        for (field, value) in [("queue", "65536"), ("injection_mark", "4294967296"), ("closed_grace_secs", "-1"), ("closed_grace_secs", "1e30")] {
+            let e = Guard::from_toml(&GOOD.replace("queue = 7", &format!("queue = 7\n{field} = {value}")).replacen("queue = 7\nqueue = 65536", "queue = 65536", 1)).err().unwrap_or_else(|| panic!("{field} = {value} accepted"));
+            assert!(e.starts_with("config:"), "{e}");
+        }
+        let g = Guard::from_toml(&GOOD.replace("queue = 7", "queue = 7\nclosed_grace_secs = 86400")).unwrap();
+        assert_eq!(g.raw.guard.closed_grace_secs, MAX_GRACE_SECS);
+    }
+
+    #[test]
+    fn hostile_gateway_without_or_with_a_wrong_app_interface() {
+        // Issue 9 item 1: a gateway guard without the application side would queue packets
+        // forged on the peers' side with a service's source as the application's.
+        let e = Guard::from_toml(&GOOD.replace("app_interface = \"lan0\"\n", "")).err().unwrap();
+        assert!(e.contains("guard.app_interface is required"), "{e}");
+        for bad in ["lan0 -j ACCEPT", "-i", "eth+", "0123456789abcdef", ""] {
+            let e = Guard::from_toml(&GOOD.replace("\"lan0\"", &format!("{bad:?}"))).err().unwrap();
+            assert!(e.contains("guard.app_interface") && e.contains("bad interface name"), "{bad}: {e}");
+        }
+        let local = GOOD.replace("placement = \"gateway\"", "placement = \"local\"");
+        let e = Guard::from_toml(&local).err().unwrap();
+        assert!(e.contains("gateway\" only"), "{e}");
+        assert!(Guard::from_toml(&local.replace("app_interface = \"lan0\"\n", "")).is_ok());
     }
 }

@@ -104,6 +104,11 @@ pub struct Counters {
     /// would re-key the connection; issue 9, item 1).
     pub hostile_recovery_syn: u64,
     pub adopted: u64,
+    /// Verdicts the queue refused (a replacement it could not carry) or packets whose handling
+    /// panicked: dropped instead, so no packet waits in the kernel without a verdict.
+    pub verdict_fallbacks: u64,
+    /// Rewritten packets whose injection failed.
+    pub inject_errors: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
     pub connections: u64,
@@ -187,7 +192,7 @@ impl Core {
 
     pub fn from_config(cfg: &Config) -> Core {
         let g = &cfg.raw.guard;
-        let mut c = Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs * 1000, g.max_connections);
+        let mut c = Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs.saturating_mul(1000), g.max_connections);
         c.recovery_nudge = g.recovery_nudge;
         c
     }

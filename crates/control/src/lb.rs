@@ -149,6 +149,8 @@ pub const DEFAULT_FAILOVER_WINDOW_S: u64 = 60;
 pub const DEFAULT_STARTUP_GRACE_MS: u64 = 1000;
 /// Default revive hold (see [`crate::detector`]).
 pub const DEFAULT_REVIVE_HOLD_MS: u64 = 500;
+/// Upper bound of every duration in the configuration, milliseconds (an hour).
+pub const MAX_CONFIG_MS: u64 = 3_600_000;
 /// The first four bytes of every marker MAC (`02:75:62:00:HH:LL`).
 pub const MARKER_PREFIX: [u8; 4] = [0x02, 0x75, 0x62, 0x00];
 /// Events kept in [`LbStatus::events`]; older ones are dropped (and counted).
@@ -415,6 +417,18 @@ impl LbConfig {
         }
         if self.dead_after_ms == 0 {
             return Err("config: dead_after_ms must be at least 1".into());
+        }
+        // Bounds on every duration, so that no deadline computed from them can overflow
+        // (issue 9, item 11): a wrong value is a precise error, never a wrapped deadline.
+        for (name, v, max) in [
+            ("dead_after_ms", self.dead_after_ms, MAX_CONFIG_MS),
+            ("startup_grace_ms", self.startup_grace_ms, MAX_CONFIG_MS),
+            ("lease_ms", self.lease_ms.unwrap_or(0), MAX_CONFIG_MS),
+            ("failover_window_s", self.failover_window_s, MAX_CONFIG_MS / 1000),
+        ] {
+            if v > max {
+                return Err(format!("config: {name} = {v}: at most {max} (an hour)"));
+            }
         }
 
         let key = self.key_bytes()?;
@@ -2319,6 +2333,12 @@ mac = "02:75:62:01:00:03"
         bad("listen = ", "buckets = 5000\nlisten = ", "1 to 4096");
         bad("listen = ", "buckets = 2\nlisten = ", "home bucket");
         bad("listen = ", "dead_after_ms = 0\nlisten = ", "at least 1");
+        // Issue 9 item 11: huge durations are refused, not wrapped into deadlines.
+        bad("listen = ", "dead_after_ms = 9223372036854775807\nlisten = ", "dead_after_ms = 9223372036854775807: at most 3600000");
+        bad("listen = ", "startup_grace_ms = 9223372036854775807\nlisten = ", "startup_grace_ms");
+        bad("listen = ", "lease_ms = 9223372036854775807\nlisten = ", "lease_ms");
+        bad("listen = ", "failover_window_s = 9223372036854775807\nlisten = ", "failover_window_s = 9223372036854775807: at most 3600");
+        bad("listen = ", "buckets = 65536\nlisten = ", "config:");
         bad(
             "listen = ",
             "table = \"a-b\"\nlisten = ",

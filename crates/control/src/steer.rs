@@ -25,5 +25,43 @@ pub fn spec(cfg: &Config, chains: &[&str]) -> RuleSpec {
         .collect();
     s.services = cfg.raw.services.iter().map(|x| Service::tcp(x.addr, x.port)).collect();
     s.queue_bypass = g.queue_bypass;
+    s.app_iface = g.app_interface.clone();
     s
+}
+
+/// Checks a gateway guard's `app_interface` against the system: it must exist, and every
+/// service address must be routed through it (else the service's packets would never be
+/// queued, or the wrong side's would be). Run inside the guard's network namespace.
+pub fn check_app_interface(cfg: &Config) -> Result<(), String> {
+    let Some(ifname) = &cfg.raw.guard.app_interface else { return Ok(()) };
+    let c = std::ffi::CString::new(ifname.as_str()).map_err(|_| format!("guard.app_interface {ifname:?}: not a name"))?;
+    // SAFETY: a valid NUL-terminated string.
+    if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {
+        return Err(format!("guard.app_interface {ifname:?}: no such interface here ({})", std::io::Error::last_os_error()));
+    }
+    for svc in &cfg.raw.services {
+        if svc.addr.is_unspecified() {
+            continue;
+        }
+        let out = match std::process::Command::new("ip").arg("-o").arg("route").arg("get").arg(svc.addr.to_string()).env("LC_ALL", "C").output() {
+            Ok(o) if o.status.success() => o,
+            // No `ip` or no route yet: the rules still hold; say so rather than refuse.
+            Ok(o) => {
+                eprintln!("guard: cannot check the route to service {}: {}", svc.addr, String::from_utf8_lossy(&o.stderr).trim());
+                continue;
+            }
+            Err(e) => {
+                eprintln!("guard: cannot check the route to service {} (`ip route get`): {e}", svc.addr);
+                continue;
+            }
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let dev = text.split_whitespace().skip_while(|w| *w != "dev").nth(1);
+        if let Some(dev) = dev {
+            if dev != ifname {
+                return Err(format!("guard.app_interface {ifname:?}: service {} is routed through {dev:?}, not through it: name the interface toward the application hosts", svc.addr));
+            }
+        }
+    }
+    Ok(())
 }

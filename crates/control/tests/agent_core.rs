@@ -659,3 +659,32 @@ fn a_pending_handshake_whose_bucket_leaves_is_muted_and_failed_over_when_it_retu
     assert!(t.outs.iter().any(|o| matches!(o, Out::Failover { key: k, .. } if *k == key(40011))), "{:?}", t.outs);
     assert!(!t.accepted(id));
 }
+
+/// Issue 9 item 6: a flood of bogus ACKs for connections nobody knows, in a bucket that did not
+/// move (each one denied at the gate, each one a log line before), writes at most a handful of
+/// lines per interval; the rest are counted, and the first line after says how many.
+#[test]
+fn hostile_flood_of_denied_packets_logs_a_bounded_number_of_lines() {
+    use unbroken_control::ratelog::{BURST, INTERVAL_MS};
+    let mut t = T::new();
+    const N: u32 = 5000;
+    for i in 0..N {
+        t.pkt(Dir::FromClient, 10_000 + i as u16, C_ISN + i, S_ISN + i, F::ACK, b"");
+    }
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    let logs = |t: &T| t.outs.iter().filter_map(|o| if let Out::Log(l) = o { Some(l.clone()) } else { None }).collect::<Vec<_>>();
+    let lines = logs(&t);
+    assert_eq!(t.core.counters.failovers_denied, N as u64, "every packet still denied and counted");
+    assert_eq!(lines.len(), BURST as usize, "{:?}...", &lines[..lines.len().min(3)]);
+    assert_eq!(t.core.counters.log_suppressed, (N - BURST) as u64);
+    // The next interval's first line tells how many were suppressed.
+    t.take();
+    t.now += INTERVAL_MS;
+    t.pkt(Dir::FromClient, 9_000, C_ISN, S_ISN, F::ACK, b"");
+    t.now += GATE_WAIT_MS;
+    t.tick(false);
+    let lines = logs(&t);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains(&format!("({} more like it suppressed)", N - BURST)), "{}", lines[0]);
+}

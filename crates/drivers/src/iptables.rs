@@ -4,11 +4,28 @@
 //!
 //! ```text
 //! -N UNBROKEN-Q0
-//! -A UNBROKEN-Q0 -m mark --mark 0x4242/0xffffffff -j RETURN          # injected by the guard
-//! -A UNBROKEN-Q0 -p tcp -s 10.0.0.2 --sport 80 -j NFQUEUE --queue-num 0 [--queue-bypass]
-//! -A UNBROKEN-Q0 -p tcp -d 10.0.0.2 --dport 80 -j NFQUEUE --queue-num 0 [--queue-bypass]
+//! -A UNBROKEN-Q0 -m mark --mark 0x4242/0xffffffff -m comment --comment unbroken-owner:PID:START -j RETURN
+//! -A UNBROKEN-Q0 -p tcp -s 10.0.0.2 --sport 80 [-i APP_IF] -m comment --comment ... -j NFQUEUE --queue-num 0 [--queue-bypass]
+//! -A UNBROKEN-Q0 -p tcp -s 10.0.0.2 --sport 80 -m comment --comment ... -j DROP       # only with APP_IF
+//! -A UNBROKEN-Q0 -p tcp -d 10.0.0.2 --dport 80 [-o APP_IF] -m comment --comment ... -j NFQUEUE --queue-num 0 [--queue-bypass]
 //! -I FORWARD 1 -j UNBROKEN-Q0                                        # one per built-in chain
 //! ```
+//!
+//! **Direction.** With [`RuleSpec::app_iface`] (a gateway's leg toward the protected services)
+//! a packet *from* a service is queued only when it arrives on that interface and a packet *to*
+//! a service only when it leaves through it; any other packet carrying a service's source
+//! address and port came from the wrong side, so it is forged, and is dropped (counted by the
+//! rule's packet counter, `iptables -t mangle -L CHAIN -v`). Without it (a guard on the
+//! application's own host, OUTPUT and INPUT) the kernel itself refuses packets that arrive from
+//! the wire with a local source address (martian source, `accept_local=0`).
+//!
+//! **Ownership.** Every rule of the chain carries a comment naming the process that installed
+//! it ([`Owner`]: its pid and its start time, so a reused pid is not taken for it). Installing,
+//! replacing and removing first read the chain: one that belongs to another process that still
+//! runs is never touched (the error names that process); one left by a process that is gone
+//! (a daemon that stopped or crashed and deliberately left its rules, or an older version
+//! without comments) is taken over. Only exact jumps to the chain are ever deleted from the
+//! built-in chains, so rules of other tools there are never touched.
 //!
 //! **Table.** The default is `mangle`: it is the table meant for rules whose packets get
 //! altered; on every hook it runs before `filter` (priority -150 against 0), so the guard sees
@@ -18,9 +35,9 @@
 //! the application's host the guard sees original destinations. [`Table::Filter`] is there
 //! for setups that reserve `mangle`.
 //!
-//! **Crash safety.** [`Rules::install`] first removes whatever a previous run left under the
-//! same chain name (jumps from every built-in chain of the table, then the chain) in both
-//! families, so installing is idempotent. [`Rules::remove`] and `Drop` undo an installation.
+//! **Crash safety.** [`Rules::install`] first removes whatever a previous run (no longer
+//! running) left under the same chain name (jumps from every built-in chain of the table, then
+//! the chain) in both families, so installing is idempotent. [`Rules::remove`] and `Drop` undo an installation.
 //! Commands run with `-w 30` so concurrent iptables users wait for the lock (up to 30 s)
 //! instead of failing.
 
@@ -130,6 +147,88 @@ impl Service {
     }
 }
 
+/// The process an installation belongs to: its pid and its start time (clock ticks after boot,
+/// field 22 of `/proc/PID/stat`), so that a pid reused by another process is not taken for
+/// the owner. Processes compared this way must share a pid namespace (they share the network
+/// namespace whose rules they manage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub pid: u32,
+    /// 0 when `/proc` could not be read; such an owner is alive while its pid exists.
+    pub start: u64,
+}
+
+const OWNER_PREFIX: &str = "unbroken-owner:";
+
+impl Owner {
+    /// The calling process.
+    pub fn current() -> Owner {
+        let pid = std::process::id();
+        Owner { pid, start: start_time(pid).unwrap_or(0) }
+    }
+
+    /// Another running process (for tests and tools); `None` when it does not exist.
+    pub fn of_pid(pid: u32) -> Option<Owner> {
+        start_time(pid).map(|start| Owner { pid, start })
+    }
+
+    /// Whether this process still runs (a zombie, killed but not reaped yet, does not: it
+    /// has closed its sockets and holds nothing any more).
+    pub fn is_alive(&self) -> bool {
+        if self.start == 0 {
+            // SAFETY: signal 0 only checks that the pid exists.
+            let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
+            return r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        }
+        proc_stat(self.pid).is_some_and(|(state, start)| start == self.start && !matches!(state, 'Z' | 'X' | 'x'))
+    }
+
+    /// The comment put on every rule: `unbroken-owner:PID:START` (no spaces or quotes, so it
+    /// reads back the same from `iptables -S` with either backend).
+    pub fn tag(&self) -> String {
+        format!("{OWNER_PREFIX}{}:{}", self.pid, self.start)
+    }
+
+    /// Reads a [`Owner::tag`] back.
+    pub fn parse_tag(s: &str) -> Option<Owner> {
+        let rest = s.trim_matches('"').strip_prefix(OWNER_PREFIX)?;
+        let (pid, start) = rest.split_once(':')?;
+        Some(Owner { pid: pid.parse().ok()?, start: start.parse().ok()? })
+    }
+
+    /// `pid 1234 (unbroken guard --config /etc/g.toml)`, as far as `/proc` tells.
+    pub fn describe(&self) -> String {
+        let cmd = std::fs::read(format!("/proc/{}/cmdline", self.pid))
+            .map(|b| {
+                b.split(|&c| c == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_default();
+        if cmd.is_empty() {
+            format!("pid {}", self.pid)
+        } else {
+            format!("pid {} ({cmd})", self.pid)
+        }
+    }
+}
+
+/// Field 22 of `/proc/PID/stat`, the start time.
+fn start_time(pid: u32) -> Option<u64> {
+    proc_stat(pid).map(|(_, start)| start)
+}
+
+/// Fields 3 (state) and 22 (start time) of `/proc/PID/stat` (read after the command name,
+/// which may hold spaces and parens).
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.nth(22 - 4)?.parse().ok()?))
+}
+
 /// What to install. Build with [`RuleSpec::new`] and adjust the public fields.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleSpec {
@@ -157,6 +256,13 @@ pub struct RuleSpec {
     pub iptables: String,
     /// IPv6 binary, `ip6tables` by default.
     pub ip6tables: String,
+    /// The interface toward the services (a gateway's application-side leg): packets from a
+    /// service are queued only when they arrive on it, packets to a service only when they
+    /// leave through it, and other packets with a service's source are dropped as forged. Only
+    /// with FORWARD hooks (`-i`/`-o` mean nothing in INPUT/OUTPUT respectively).
+    pub app_iface: Option<String>,
+    /// The process these rules belong to ([`Owner::current`] by default).
+    pub owner: Owner,
 }
 
 impl RuleSpec {
@@ -175,6 +281,8 @@ impl RuleSpec {
             netns: None,
             iptables: "iptables".into(),
             ip6tables: "ip6tables".into(),
+            app_iface: None,
+            owner: Owner::current(),
         }
     }
 
@@ -219,6 +327,15 @@ impl RuleSpec {
                 "the injection mark must be nonzero under its mask".into(),
             ));
         }
+        if let Some(i) = &self.app_iface {
+            check_iface_name(i)?;
+            if let Some(h) = self.hooks.iter().find(|h| **h != BuiltinChain::Forward) {
+                return Err(invalid(format!(
+                    "an application-side interface ({i}) needs FORWARD hooks only (a gateway), not {}",
+                    h.as_str()
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -233,19 +350,19 @@ impl RuleSpec {
     /// The argument lists (after `-w -t TABLE`) that build the chain for `family`, in order:
     /// create, mark return, queue rules, then the jumps.
     fn install_commands(&self, family: Family) -> Vec<Vec<String>> {
-        let mut cmds = vec![
-            args(&["-N", &self.chain]),
-            args(&[
-                "-A",
-                &self.chain,
-                "-m",
-                "mark",
-                "--mark",
-                &format!("{:#x}/{:#x}", self.mark, self.mark_mask),
-                "-j",
-                "RETURN",
-            ]),
-        ];
+        let tag = self.owner.tag();
+        let comment = args(&["-m", "comment", "--comment", &tag]);
+        let mut mark_return = args(&[
+            "-A",
+            &self.chain,
+            "-m",
+            "mark",
+            "--mark",
+            &format!("{:#x}/{:#x}", self.mark, self.mark_mask),
+        ]);
+        mark_return.extend(comment.iter().cloned());
+        mark_return.extend(args(&["-j", "RETURN"]));
+        let mut cmds = vec![args(&["-N", &self.chain]), mark_return];
         let queue = self.queue_num.to_string();
         for s in self
             .services
@@ -254,23 +371,30 @@ impl RuleSpec {
         {
             let port = s.port.to_string();
             let addr = s.addr.to_string();
-            for (addr_flag, port_flag) in [("-s", "--sport"), ("-d", "--dport")] {
+            for (addr_flag, port_flag, iface_flag) in [("-s", "--sport", "-i"), ("-d", "--dport", "-o")] {
                 let mut c = args(&["-A", &self.chain, "-p", s.proto.as_str()]);
                 if !s.addr.is_unspecified() {
                     c.extend(args(&[addr_flag, &addr]));
                 }
-                c.extend(args(&[
-                    port_flag,
-                    &port,
-                    "-j",
-                    "NFQUEUE",
-                    "--queue-num",
-                    &queue,
-                ]));
+                c.extend(args(&[port_flag, &port]));
+                let base = c.clone();
+                if let Some(i) = &self.app_iface {
+                    c.extend(args(&[iface_flag, i]));
+                }
+                c.extend(comment.iter().cloned());
+                c.extend(args(&["-j", "NFQUEUE", "--queue-num", &queue]));
                 if self.queue_bypass {
                     c.push("--queue-bypass".into());
                 }
                 cmds.push(c);
+                // A service's source from any other side is forged (not for a wildcard
+                // address: a peer-side host may well send from the same port).
+                if self.app_iface.is_some() && addr_flag == "-s" && !s.addr.is_unspecified() {
+                    let mut d = base;
+                    d.extend(comment.iter().cloned());
+                    d.extend(args(&["-j", "DROP"]));
+                    cmds.push(d);
+                }
             }
         }
         for h in &self.hooks {
@@ -286,6 +410,24 @@ fn args(a: &[&str]) -> Vec<String> {
 
 fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+/// A Linux interface name iptables takes literally: 1-15 bytes, none of them whitespace, `/`,
+/// `:` or a quote, not `.`/`..`, not starting with `-` or `!`, no `+` (a wildcard to iptables).
+pub fn check_iface_name(i: &str) -> io::Result<()> {
+    let ok = !i.is_empty()
+        && i.len() <= 15
+        && i != "."
+        && i != ".."
+        && !i.starts_with(['-', '!'])
+        && i.bytes().all(|b| b.is_ascii_graphic() && !b"/:+\"'".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "bad interface name {i:?}: 1-15 printable characters, no '/', ':', '+', quotes or spaces, not starting with '-' or '!'"
+        )))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -313,9 +455,11 @@ pub struct Rules {
 }
 
 impl Rules {
-    /// Removes leftovers of a previous run under the same chain name, then creates the chain
-    /// and its rules and finally the jumps, for each family that has services. On failure the
-    /// partial installation is removed and the error names the command and its stderr.
+    /// Removes leftovers of a previous run under the same chain name (refused while the
+    /// process that installed them still runs, see [`Rules::check_owner`]), then creates the
+    /// chain and its rules and finally the jumps, for each family that has services. On
+    /// failure the partial installation is removed and the error names the command and its
+    /// stderr.
     pub fn install(spec: &RuleSpec) -> io::Result<Rules> {
         spec.validate()?;
         Self::remove_leftovers(spec)?;
@@ -333,14 +477,16 @@ impl Rules {
         Ok(rules)
     }
 
-    /// Like [`Rules::install`], but when the chain is already there (a guard restarting after
-    /// a crash) its rules are replaced in one `iptables-restore --noflush` transaction and the
-    /// existing jumps stay: traffic is never left unsteered, not even for a moment. A gap
-    /// would let the application host's RSTs (answers to the peer's retransmissions while
-    /// nobody rewrites) reach the peer. Jumps missing from a hook are added in the same
-    /// transaction.
+    /// Like [`Rules::install`], but when the chain is already there (a daemon restarting after
+    /// a crash or a stop, whose predecessor left its rules) its rules are replaced in one
+    /// `iptables-restore --noflush` transaction and the existing jumps stay: traffic is never
+    /// left unsteered, not even for a moment. A gap would let the application host's RSTs
+    /// (answers to the peer's retransmissions while nobody rewrites) reach the peer. Jumps
+    /// missing from a hook are added in the same transaction. Refused, touching nothing, while
+    /// the chain belongs to another process that still runs ([`Rules::check_owner`]).
     pub fn install_or_replace(spec: &RuleSpec) -> io::Result<Rules> {
         spec.validate()?;
+        Self::check_owner(spec)?;
         let mut rules = Rules {
             spec: spec.clone(),
             installed: Vec::new(),
@@ -369,10 +515,29 @@ impl Rules {
         Ok(rules)
     }
 
+    /// Fails (`AddrInUse`, naming the process) when the chain of `spec` exists in a family and
+    /// its rules belong to a process other than `spec.owner` that still runs. A chain of a
+    /// process that is gone, or without owner comments (an older version), is free to take
+    /// over. A family whose binary is missing is skipped unless `spec` has services in it.
+    pub fn check_owner(spec: &RuleSpec) -> io::Result<()> {
+        let needed = spec.families();
+        for family in [Family::V4, Family::V6] {
+            match live_other_owner(spec, family) {
+                Ok(None) => {}
+                Ok(Some(o)) => return Err(in_use(spec, family, o)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound && !needed.contains(&family) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Removes the chain named in `spec` and every plain jump to it from the built-in chains
-    /// of its table, in both families; does nothing where the chain does not exist. A family
-    /// whose binary is missing is skipped unless `spec` has services in it.
+    /// of its table, in both families; does nothing where the chain does not exist. Refused
+    /// (before removing anything) while the chain belongs to another process that still runs.
+    /// A family whose binary is missing is skipped unless `spec` has services in it.
     pub fn remove_leftovers(spec: &RuleSpec) -> io::Result<()> {
+        Self::check_owner(spec)?;
         let needed = spec.families();
         for family in [Family::V4, Family::V6] {
             match remove_chain(spec, family) {
@@ -406,10 +571,17 @@ impl Rules {
         self.installed.clear();
     }
 
+    /// Removes only what is still this owner's: a chain another running process has taken
+    /// over since is left alone (an error says so).
     fn remove_installed(&mut self) -> io::Result<()> {
         let mut result = Ok(());
         for family in std::mem::take(&mut self.installed) {
-            if let Err(e) = remove_chain(&self.spec, family) {
+            let r = match live_other_owner(&self.spec, family) {
+                Ok(None) => remove_chain(&self.spec, family),
+                Ok(Some(o)) => Err(in_use(&self.spec, family, o)),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
                 if result.is_ok() {
                     result = Err(e);
                 }
@@ -423,6 +595,69 @@ impl Drop for Rules {
     fn drop(&mut self) {
         let _ = self.remove_installed();
     }
+}
+
+/// Packets the `DROP` rules of the chain of `spec` dropped so far (packets with a service's
+/// source address arriving from the wrong side, see [`RuleSpec::app_iface`]), all families.
+pub fn dropped_by_rules(spec: &RuleSpec) -> io::Result<u64> {
+    let mut n = 0u64;
+    for family in spec.families() {
+        let out = try_run(spec, family, &args(&["-L", &spec.chain, "-v", "-x", "-n"]))?;
+        if !out.status.success() {
+            continue;
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.get(2) == Some(&"DROP") {
+                n = n.saturating_add(f[0].parse::<u64>().unwrap_or(0));
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// The owners named by the comments of the chain's rules in `family`; `None` when the chain
+/// does not exist.
+fn chain_owners(spec: &RuleSpec, family: Family) -> io::Result<Option<Vec<Owner>>> {
+    let out = try_run(spec, family, &args(&["-S", &spec.chain]))?;
+    if !out.status.success() {
+        return Ok(None);
+    }
+    let mut owners = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let mut words = line.split_whitespace();
+        while let Some(w) = words.next() {
+            if w == "--comment" {
+                if let Some(o) = words.next().and_then(Owner::parse_tag) {
+                    if !owners.contains(&o) {
+                        owners.push(o);
+                    }
+                }
+            }
+        }
+    }
+    Ok(Some(owners))
+}
+
+/// A process other than `spec.owner`, still running, that owns rules of the chain in `family`.
+fn live_other_owner(spec: &RuleSpec, family: Family) -> io::Result<Option<Owner>> {
+    Ok(chain_owners(spec, family)?.and_then(|owners| owners.into_iter().find(|o| *o != spec.owner && o.is_alive())))
+}
+
+fn in_use(spec: &RuleSpec, family: Family, o: Owner) -> io::Error {
+    let bin = match family {
+        Family::V4 => &spec.iptables,
+        Family::V6 => &spec.ip6tables,
+    };
+    io::Error::new(
+        io::ErrorKind::AddrInUse,
+        format!(
+            "chain {} ({bin} -t {}) is in use by {}, which still runs: stop it first, or give this instance another queue number",
+            spec.chain,
+            spec.table.as_str(),
+            o.describe()
+        ),
+    )
 }
 
 /// Removes jumps to the chain, then flushes and deletes it. Absent chain: nothing to do.
@@ -565,6 +800,7 @@ mod tests {
             Service::tcp("fd00::2".parse().unwrap(), 443),
             Service::udp("0.0.0.0".parse().unwrap(), 53),
         ];
+        s.owner = Owner { pid: 7, start: 9 };
         s
     }
 
@@ -581,11 +817,11 @@ mod tests {
             v4,
             vec![
                 "-N UNBROKEN-Q2",
-                "-A UNBROKEN-Q2 -m mark --mark 0x4242/0xffffffff -j RETURN",
-                "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -j NFQUEUE --queue-num 2 --queue-bypass",
-                "-A UNBROKEN-Q2 -p tcp -d 10.0.0.2 --dport 80 -j NFQUEUE --queue-num 2 --queue-bypass",
-                "-A UNBROKEN-Q2 -p udp --sport 53 -j NFQUEUE --queue-num 2 --queue-bypass",
-                "-A UNBROKEN-Q2 -p udp --dport 53 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -m mark --mark 0x4242/0xffffffff -m comment --comment unbroken-owner:7:9 -j RETURN",
+                "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -p tcp -d 10.0.0.2 --dport 80 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -p udp --sport 53 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2 --queue-bypass",
+                "-A UNBROKEN-Q2 -p udp --dport 53 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2 --queue-bypass",
                 "-I INPUT 1 -j UNBROKEN-Q2",
                 "-I OUTPUT 1 -j UNBROKEN-Q2",
             ]
@@ -597,7 +833,7 @@ mod tests {
             .collect();
         assert_eq!(
             v6[2],
-            "-A UNBROKEN-Q2 -p tcp -s fd00::2 --sport 443 -j NFQUEUE --queue-num 2 --queue-bypass"
+            "-A UNBROKEN-Q2 -p tcp -s fd00::2 --sport 443 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2 --queue-bypass"
         );
         assert_eq!(v6.len(), 6);
         assert_eq!(s.families(), vec![Family::V4, Family::V6]);
@@ -648,5 +884,66 @@ mod tests {
             }),
             io::ErrorKind::InvalidInput
         );
+    }
+
+    #[test]
+    fn hostile_rules_match_the_side_they_mean() {
+        // A gateway guard: a packet with a service's source is queued only from the
+        // application side; from any other side it is forged and dropped. A packet to a
+        // service is queued only on its way out to the application side.
+        let mut s = spec();
+        s.hooks = vec![BuiltinChain::Forward];
+        s.app_iface = Some("lan0".into());
+        let v4: Vec<String> = s.install_commands(Family::V4).iter().map(|c| c.join(" ")).collect();
+        assert_eq!(
+            v4[2..],
+            [
+                "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -i lan0 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2",
+                "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -m comment --comment unbroken-owner:7:9 -j DROP",
+                "-A UNBROKEN-Q2 -p tcp -d 10.0.0.2 --dport 80 -o lan0 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2",
+                // A wildcard address: queued by side, never dropped by port alone.
+                "-A UNBROKEN-Q2 -p udp --sport 53 -i lan0 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2",
+                "-A UNBROKEN-Q2 -p udp --dport 53 -o lan0 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2",
+                "-I FORWARD 1 -j UNBROKEN-Q2",
+            ]
+        );
+        assert!(s.validate().is_ok());
+        // -i/-o mean nothing in OUTPUT/INPUT: refused, not silently never matching.
+        let mut local = s.clone();
+        local.hooks = vec![BuiltinChain::Input, BuiltinChain::Output];
+        let e = local.validate().unwrap_err().to_string();
+        assert!(e.contains("FORWARD") && e.contains("INPUT"), "{e}");
+        for bad in ["", "eth0 -j ACCEPT", "-x", "!eth0", "eth+", "a/b", "0123456789abcdef", "..", "e\"0"] {
+            let mut b = s.clone();
+            b.app_iface = Some(bad.into());
+            assert_eq!(b.validate().unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hostile_owner_tags() {
+        let me = Owner::current();
+        assert_eq!(me.pid, std::process::id());
+        assert!(me.start > 0 && me.is_alive());
+        assert_eq!(Owner::parse_tag(&me.tag()), Some(me));
+        assert_eq!(Owner::parse_tag(&format!("\"{}\"", me.tag())), Some(me), "quoted by iptables -S");
+        // The same pid with another start time is another (dead) process: a reused pid.
+        assert!(!Owner { start: me.start + 1, ..me }.is_alive());
+        for bad in ["", "unbroken-owner:", "unbroken-owner:1", "unbroken-owner:x:1", "other:1:2", "unbroken-owner:1:2:3"] {
+            assert_eq!(Owner::parse_tag(bad), None, "{bad:?}");
+        }
+        assert!(me.describe().starts_with(&format!("pid {} (", me.pid)), "{}", me.describe());
+        // A killed process not reaped yet (a zombie) holds nothing: not an owner any more.
+        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let owner = Owner::of_pid(child.id()).unwrap();
+        assert!(owner.is_alive());
+        child.kill().unwrap();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while owner.is_alive() && std::time::Instant::now() < end {
+            std::thread::sleep(std::time::Duration::from_millis(5)); // waiting for the kill to land, with a deadline
+        }
+        assert!(matches!(proc_stat(child.id()), Some(('Z', _))), "still unreaped: a zombie");
+        assert!(!owner.is_alive(), "a zombie is not alive");
+        child.wait().unwrap();
     }
 }

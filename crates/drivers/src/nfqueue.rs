@@ -202,6 +202,8 @@ pub struct Stats {
     pub verdicts: u64,
     /// Verdicts the kernel rejected (unknown id, bad payload...).
     pub verdict_errors: u64,
+    /// Sends of buffered verdicts that failed (the verdicts were kept as drops and sent again).
+    pub flush_errors: u64,
     /// Most recent errno of a rejected verdict.
     pub last_verdict_errno: i32,
     /// Messages that could not be decoded. A packet whose id could still be read was
@@ -247,6 +249,9 @@ impl NetlinkError {
     }
 }
 
+/// Most packet buffers [`Queue::recycle`] keeps.
+pub const MAX_SPARE: usize = 1024;
+
 /// A bound NFQUEUE consumer.
 ///
 /// The socket belongs to the network namespace of the thread that called [`Queue::open`];
@@ -262,6 +267,12 @@ pub struct Queue {
     /// Pending verdict messages.
     sendbuf: Vec<u8>,
     pending_verdicts: u64,
+    /// The packet ids of the verdicts in `sendbuf`: when sending them fails they are turned
+    /// into plain drops, kept and sent again at the next flush, so no packet is ever left
+    /// waiting in the kernel without a verdict.
+    pending_ids: Vec<u32>,
+    /// Fault injection for tests: this many of the next sends fail with `ENOBUFS`.
+    fail_sends: u32,
     /// Packets received but not handed out yet: those that arrived while `open` waited for
     /// its acknowledgement, or beyond a batch's `max`.
     early: VecDeque<QueuedPacket>,
@@ -325,6 +336,8 @@ impl Queue {
             bufs: Vec::new(),
             sendbuf: Vec::with_capacity(SEND_FLUSH_BYTES + RECV_BUF_SIZE),
             pending_verdicts: 0,
+            pending_ids: Vec::with_capacity(1024),
+            fail_sends: 0,
             early: VecDeque::new(),
             spare: Vec::new(),
             stats: Stats::default(),
@@ -432,8 +445,18 @@ impl Queue {
         }
         let upcoming = 64 + new_payload.map_or(0, <[u8]>::len);
         if !self.sendbuf.is_empty() && self.sendbuf.len() + upcoming > SEND_FLUSH_BYTES {
-            self.flush()?;
+            if let Err(e) = self.flush() {
+                // The earlier verdicts are drops kept for the next flush; this one is kept
+                // too, as a drop (the replacement payload is what could not be sent).
+                self.push_verdict(id, Verdict::Drop, None, None);
+                return Err(e);
+            }
         }
+        self.push_verdict(id, verdict, mark, new_payload);
+        Ok(())
+    }
+
+    fn push_verdict(&mut self, id: u32, verdict: Verdict, mark: Option<u32>, new_payload: Option<&[u8]>) {
         let seq = self.next_seq();
         build_verdict(
             &mut self.sendbuf,
@@ -445,21 +468,59 @@ impl Queue {
             new_payload,
         );
         self.pending_verdicts += 1;
-        Ok(())
+        self.pending_ids.push(id);
     }
 
-    /// Sends all buffered verdicts in one system call. On error the buffered verdicts are
-    /// discarded (their packets stay queued in the kernel until the queue is closed).
+    /// Gives a packet buffer back for the next packets (a caller that moved `data` out of its
+    /// batch returns it here once done, so the packet path does not allocate per packet).
+    /// At most [`MAX_SPARE`] are kept.
+    pub fn recycle(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < MAX_SPARE && buf.capacity() > 0 {
+            self.spare.push(buf);
+        }
+    }
+
+    /// Makes the next `n` sends of verdicts fail with `ENOBUFS` (fault injection for tests of
+    /// the error paths).
+    #[doc(hidden)]
+    pub fn fail_next_sends(&mut self, n: u32) {
+        self.fail_sends = n;
+    }
+
+    /// Sends all buffered verdicts in one system call. When that fails, every buffered verdict
+    /// is turned into a plain drop of its packet (replacements and marks are lost, the packet
+    /// is not: TCP resends what is dropped), kept, and sent again at the next flush (also the
+    /// one `recv_batch` does first); the error is returned and counted in
+    /// [`Stats::flush_errors`]. A packet handed out by `recv_batch` and given a verdict thus
+    /// never stays queued in the kernel.
     pub fn flush(&mut self) -> io::Result<()> {
         if self.sendbuf.is_empty() {
             return Ok(());
         }
-        let res = send_all_fd(self.fd.as_raw_fd(), &self.sendbuf);
+        let res = if self.fail_sends > 0 {
+            self.fail_sends -= 1;
+            Err(io::Error::from_raw_os_error(libc::ENOBUFS))
+        } else {
+            send_all_fd(self.fd.as_raw_fd(), &self.sendbuf)
+        };
         self.sendbuf.clear();
         let n = std::mem::take(&mut self.pending_verdicts);
-        res?;
-        self.stats.verdicts += n;
-        Ok(())
+        let ids = std::mem::take(&mut self.pending_ids);
+        match res {
+            Ok(()) => {
+                self.stats.verdicts += n;
+                self.pending_ids = ids;
+                self.pending_ids.clear();
+                Ok(())
+            }
+            Err(e) => {
+                self.stats.flush_errors += 1;
+                for &id in &ids {
+                    self.push_verdict(id, Verdict::Drop, None, None);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Flushes pending verdicts, unbinds the queue and closes the socket, reporting errors

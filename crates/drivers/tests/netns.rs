@@ -11,7 +11,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use common::*;
-use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service, Table};
+use unbroken_drivers::iptables::{BuiltinChain, Owner, RuleSpec, Rules, Service, Table};
 use unbroken_drivers::nfqueue::{NetlinkError, Queue, QueueConfig, Verdict};
 use unbroken_drivers::rawsend::RawSender;
 
@@ -758,4 +758,222 @@ fn rules_are_replaced_in_place_after_a_crash() {
     }
     rules.remove().expect("remove");
     assert!(!pair.exec(&pair.a, &["iptables", "-w", "-t", "mangle", "-S", "UBTEST-Q14"]).status.success());
+}
+
+/// A process standing in for another daemon instance: the owner of rules while it runs.
+struct Instance(std::process::Child);
+
+impl Instance {
+    fn start() -> (Instance, Owner) {
+        let child = std::process::Command::new("sleep").arg("600").spawn().expect("spawn sleep");
+        let owner = Owner::of_pid(child.id()).expect("the child runs");
+        (Instance(child), owner)
+    }
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[test]
+fn hostile_rules_of_a_live_owner_are_never_touched() {
+    // Issue 9 item 10. A chain belongs to the process that installed it (a comment on each of
+    // its rules): a second instance refuses to install, replace or remove it while the first
+    // runs (the error names it), takes it over once the first is dead (jumps kept in place),
+    // and a stale instance cannot remove its successor's rules. Other tools' rules in the same
+    // built-in chains survive all of it.
+    let Some(pair) = NetnsPair::setup("hostile_rules_of_a_live_owner_are_never_touched") else {
+        return;
+    };
+    let ns = pair.a.clone();
+    let ipt = |a: &[&str]| {
+        let mut v = vec!["iptables", "-w", "-t", "mangle"];
+        v.extend_from_slice(a);
+        pair.exec_ok(&ns, &v)
+    };
+    // Other tools' rules, before and after where our jump goes, and one jumping to their chain.
+    ipt(&["-A", "FORWARD", "-p", "udp", "--dport", "9", "-j", "ACCEPT"]);
+    ipt(&["-I", "FORWARD", "1", "-p", "tcp", "--dport", "22", "-m", "comment", "--comment", "other-tool", "-j", "ACCEPT"]);
+    ipt(&["-N", "OTHER-TOOL"]);
+    ipt(&["-A", "OTHER-TOOL", "-p", "tcp", "--sport", "80", "-j", "RETURN"]);
+    ipt(&["-A", "INPUT", "-j", "OTHER-TOOL"]);
+    let foreign = |pair: &NetnsPair| {
+        let mut all: Vec<String> = pair.exec_ok(&ns, &["iptables", "-w", "-t", "mangle", "-S"]).lines().filter(|l| !l.contains("UBTEST")).map(String::from).collect();
+        all.sort();
+        all
+    };
+    let foreign_before = foreign(&pair);
+    assert!(foreign_before.iter().any(|l| l.contains("other-tool")), "{foreign_before:?}");
+
+    let spec_of = |owner: Owner| {
+        let mut s = spec_in(&ns, 15, 0x4545, &[BuiltinChain::Forward, BuiltinChain::Input], &[Service::tcp(A4.into(), 80)]);
+        s.owner = owner;
+        s
+    };
+    let (mut first, first_owner) = Instance::start();
+    let first_rules = Rules::install(&spec_of(first_owner)).expect("first instance installs");
+    let chain = |pair: &NetnsPair| pair.exec_ok(&ns, &["iptables", "-w", "-t", "mangle", "-S", "UBTEST-Q15"]);
+    let installed = chain(&pair);
+    assert!(installed.contains(&first_owner.tag()), "{installed}");
+
+    // A second instance (this test process) while the first runs: refused, nothing touched.
+    let me = spec_of(Owner::current());
+    for (what, r) in [
+        ("install_or_replace", Rules::install_or_replace(&me).map(Rules::leave_installed)),
+        ("install", Rules::install(&me).map(Rules::leave_installed)),
+        ("remove_leftovers", Rules::remove_leftovers(&me)),
+    ] {
+        let e = r.expect_err(what);
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{what}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains(&format!("pid {}", first_owner.pid)) && msg.contains("sleep 600") && msg.contains("UBTEST-Q15"), "{what}: {msg}");
+        assert_eq!(chain(&pair), installed, "{what} touched a live owner's chain");
+    }
+    assert_eq!(foreign(&pair), foreign_before);
+
+    // The first instance dies, leaving its rules (as the daemons do): the next takes over, in
+    // place.
+    first.kill();
+    let handles = |pair: &NetnsPair| {
+        let out = pair.exec(&ns, &["nft", "-a", "list", "chain", "ip", "mangle", "FORWARD"]);
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("UBTEST-Q15")).map(|l| l.trim().to_string()).collect::<Vec<_>>()
+    };
+    let before = handles(&pair);
+    let (_second, second_owner) = Instance::start();
+    let second_rules = Rules::install_or_replace(&spec_of(second_owner)).expect("takes over from a dead owner");
+    let taken = chain(&pair);
+    assert!(taken.contains(&second_owner.tag()) && !taken.contains(&first_owner.tag()), "{taken}");
+    if !before.is_empty() {
+        assert_eq!(before, handles(&pair), "the jump was deleted and re-created");
+    }
+    assert_eq!(foreign(&pair), foreign_before);
+
+    // The dead instance's value (a stale process waking up) cannot remove its successor's rules.
+    let e = first_rules.remove().expect_err("removing a live successor's chain");
+    assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{e}");
+    assert_eq!(chain(&pair), taken);
+
+    // The owner removes its own: the chain and our jumps go, nothing else.
+    second_rules.remove().expect("remove");
+    assert!(!pair.exec(&ns, &["iptables", "-w", "-t", "mangle", "-S", "UBTEST-Q15"]).status.success());
+    assert_eq!(foreign(&pair), foreign_before, "other tools' rules survive install, replace and remove");
+}
+
+/// Packets waiting in queue `num` of namespace `ns` for a verdict (`queue_total` in
+/// /proc/net/netfilter/nfnetlink_queue).
+fn waiting_in_queue(pair: &NetnsPair, ns: &str, num: u16) -> Option<u64> {
+    let text = pair.exec_ok(ns, &["cat", "/proc/net/netfilter/nfnetlink_queue"]);
+    text.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.first()?.parse::<u16>().ok()? == num).then(|| f.get(2)?.parse().ok())?
+    })
+}
+
+#[test]
+fn hostile_failed_verdict_sends_strand_no_packet() {
+    // Issue 9 item 11: sending the verdicts fails (injected ENOBUFS, twice). Every packet that
+    // was given a verdict must still get one (a drop: the replacement is what was lost), so
+    // none stays queued in the kernel, and the queue goes on working afterwards.
+    let Some(pair) = NetnsPair::setup("hostile_failed_verdict_sends_strand_no_packet") else {
+        return;
+    };
+    let mut q = queue_in(&pair, &pair.b, QueueConfig { queue_num: 16, ..QueueConfig::default() });
+    let spec = spec_in(&pair.b, 16, 0x55, &[BuiltinChain::Input], &[Service::udp(B4.into(), 6016)]);
+    let _rules = Rules::install(&spec).expect("install rules");
+    let r = udp_socket(&pair, &pair.b, sock(B4, 6016));
+    let s = pair.run_in(&pair.a, || UdpSocket::bind(sock(A4, 0))).unwrap();
+    const N: usize = 20;
+    for i in 0..N {
+        s.send_to(format!("LOST-{i}").as_bytes(), sock(B4, 6016)).unwrap();
+    }
+    let mut batch = Vec::new();
+    let mut ids = Vec::new();
+    let end = Instant::now() + TIMEOUT;
+    while ids.len() < N && Instant::now() < end {
+        q.recv_batch(&mut batch, 64, Some(Duration::from_millis(100))).expect("recv");
+        ids.extend(batch.iter().map(|p| p.id));
+    }
+    assert_eq!(ids.len(), N, "all datagrams queued");
+    assert_eq!(waiting_in_queue(&pair, &pair.b, 16), Some(N as u64));
+    q.fail_next_sends(2);
+    for &id in &ids {
+        q.set_verdict(id, Verdict::Accept, Some(b"not a packet: the replacement is lost anyway")).expect("buffered");
+    }
+    assert!(q.flush().is_err(), "first injected failure");
+    assert!(q.flush().is_err(), "second injected failure");
+    q.flush().expect("the kept verdicts are sent");
+    assert_eq!(q.stats().flush_errors, 2);
+    let end = Instant::now() + TIMEOUT;
+    while waiting_in_queue(&pair, &pair.b, 16) != Some(0) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10)); // polling the kernel's queue length
+    }
+    assert_eq!(waiting_in_queue(&pair, &pair.b, 16), Some(0), "packets stranded without a verdict");
+    // They were dropped, not accepted with a lost replacement; the queue still works.
+    s.send_to(b"AFTER", sock(B4, 6016)).unwrap();
+    let end = Instant::now() + TIMEOUT;
+    'wait: while Instant::now() < end {
+        q.recv_batch(&mut batch, 64, Some(Duration::from_millis(100))).expect("recv");
+        if let Some(p) = batch.first() {
+            q.set_verdict(p.id, Verdict::Accept, None).unwrap();
+            break 'wait;
+        }
+    }
+    q.flush().unwrap();
+    assert_eq!(recv_text(&r), "AFTER", "the first datagram to arrive is the one sent after");
+}
+
+/// The targets of this process's open descriptors (`socket:[123]`, `anon_inode:[eventfd]`...)
+/// by number.
+/// Sockets, eventfds and the like: what a daemon's own code opens (other tests running at the
+/// same time open files and pipes, and a child's stdin is `/dev/null` too).
+fn is_kernel_object(target: &str) -> bool {
+    target.starts_with("socket:") || target.starts_with("anon_inode:")
+}
+
+fn open_fds() -> std::collections::BTreeMap<i32, String> {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let n: i32 = e.file_name().to_str()?.parse().ok()?;
+            Some((n, std::fs::read_link(e.path()).ok()?.to_string_lossy().into_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn hostile_driver_fds_are_not_inherited() {
+    // Issue 9 item 11: every descriptor the drivers open is close-on-exec, so a child the
+    // daemon runs (iptables, ss, ip) never inherits a queue, raw or netlink socket (a child
+    // holding the NFQUEUE socket would keep the queue bound after the daemon died).
+    let Some(pair) = NetnsPair::setup("hostile_driver_fds_are_not_inherited") else {
+        return;
+    };
+    let before = open_fds();
+    let (q, raw, diag) = pair.run_in(&pair.a, || {
+        (
+            Queue::open(&QueueConfig { queue_num: 18, ..QueueConfig::default() }).expect("queue"),
+            RawSender::new(0x55).expect("raw sender"),
+            unbroken_drivers::sockdiag::SockDiag::open().expect("sock_diag"),
+        )
+    });
+    let new: Vec<(i32, String)> = open_fds().into_iter().filter(|(n, t)| before.get(n) != Some(t)).filter(|(_, t)| is_kernel_object(t)).collect();
+    assert!(new.len() >= 3, "queue, raw (v4, v6) and sock_diag sockets: {new:?}");
+    for (n, target) in &new {
+        // SAFETY: F_GETFD on a descriptor number; one closed meanwhile (another test's) just fails.
+        let flags = unsafe { libc::fcntl(*n, libc::F_GETFD) };
+        assert!(flags < 0 || flags & libc::FD_CLOEXEC != 0, "fd {n} ({target}) is not close-on-exec");
+    }
+    let child = std::process::Command::new("ls").arg("-l").arg("/proc/self/fd/").output().expect("ls");
+    let listing = String::from_utf8_lossy(&child.stdout);
+    for (n, target) in &new {
+        assert!(!listing.contains(target.as_str()), "a child inherited fd {n} ({target}):\n{listing}");
+    }
+    drop((q, raw, diag));
 }

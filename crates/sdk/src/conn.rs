@@ -270,11 +270,11 @@ fn options_from_tcp_info(b: &[u8]) -> ConnOptions {
 /// A socket of `addr`'s family with close-on-exec, `SO_REUSEADDR` and `SO_REUSEPORT`.
 fn reuse_socket(addr: &SocketAddr) -> io::Result<OwnedFd> {
     let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
-    // SAFETY: plain socket(2); the result is owned exactly once below.
-    let raw = cvt(unsafe { libc::socket(family, libc::SOCK_STREAM, 0) })?;
+    // SAFETY: plain socket(2); the result is owned exactly once below. Close-on-exec set
+    // atomically: a fork+exec on another thread between socket() and fcntl() would leak it.
+    let raw = cvt(unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     let r = fd.as_raw_fd();
-    cvt(unsafe { libc::fcntl(r, libc::F_SETFD, libc::FD_CLOEXEC) })?;
     setsockopt_int(r, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
     setsockopt_int(r, libc::SOL_SOCKET, libc::SO_REUSEPORT, 1)?;
     Ok(fd)

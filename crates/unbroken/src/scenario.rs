@@ -70,6 +70,10 @@ pub struct Scenario {
     pub connections: usize,
     /// The guard's `recovery_nudge` (experimental, off by default).
     pub nudge: bool,
+    /// While the peer streams, an attacker on the peer's side of a gateway guard sends it
+    /// packets forged with the service's source address and the live connection's ports (see
+    /// [`forge_app_source`]).
+    pub forge_app_source: bool,
 }
 
 impl Default for Scenario {
@@ -90,6 +94,7 @@ impl Default for Scenario {
             hostile: false,
             connections: 1,
             nudge: false,
+            forge_app_source: false,
         }
     }
 }
@@ -145,6 +150,11 @@ pub struct Report {
     /// `TCPSackRecovery`, `TCPFastRetrans`: loss recovery from SACKs; `RetransSegs`).
     pub peer_tcp: serde_json::Value,
     pub guard: serde_json::Value,
+    /// Packets forged with the service's source sent from the peer's side
+    /// ([`Scenario::forge_app_source`]), and how many the guard's rules dropped as forged (the
+    /// packet counters of its chain's DROP rules).
+    pub forged_sent: u64,
+    pub forged_dropped: u64,
 }
 
 /// TCP counters of a namespace (`Tcp` and `TcpExt` of /proc/net/snmp and netstat), non-zero.
@@ -284,8 +294,9 @@ impl World {
         } else {
             ("gateway", format!("\"{}:{GUARD_PORT}\", \"[{}]:{GUARD_PORT}\"", addr::GUARD_LAN_V4, addr::GUARD_LAN_V6), "\"10.77.2.0/24\", \"fd77:2::/64\"".to_string())
         };
+        let app_interface = if self.local_guard { String::new() } else { format!("app_interface = \"{}\"\n", lab::dev::GUARD_LAN) };
         let cfg = format!(
-            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\ncontrol = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\nrecovery_nudge = {}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
+            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\n{app_interface}control = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\nrecovery_nudge = {}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
             self.status_path().display(),
             self.nudge,
             addr::SERVICE_V4,
@@ -447,6 +458,15 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let (hostile_tx, hostile_app_side) = channel();
     let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service(), hostile_tx));
     let mut hostile_pending = s.hostile;
+    let forger = if s.forge_app_source {
+        if s.local_guard {
+            return Err("forge_app_source needs a gateway guard".into());
+        }
+        let guard_mac = w.lab.mac(&w.lab.guard, lab::dev::GUARD_WAN).map_err(|e| format!("guard MAC: {e}"))?;
+        Some(forge_app_source(w.lab.peer.clone(), w.service(), guard_mac))
+    } else {
+        None
+    };
 
     let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
     let total = s.records * unit as u64;
@@ -596,9 +616,22 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
             log.push(CrashRecord { kind: Crash::App, point: s.app_crash_point.clone(), at_bytes_verified: last_verified, t_ms: start.elapsed().as_millis() as u64, app_host: app_host.clone() });
         }
     }
+    let forged_sent = match forger {
+        Some(h) => h.join().map_err(|_| "forging thread panicked".to_string())??,
+        None => 0,
+    };
+    let forged_dropped = if s.forge_app_source { rule_drops(&w.lab.guard)? } else { 0 };
     let rsts = lab::rsts_seen(&w.lab.peer).map_err(|e| format!("rst counter: {e}"))?;
     if !matches!(guard.child.try_wait(), Ok(None)) {
         return Err(format!("the guard exited during the transfer: {:?}", guard.child.try_wait()));
+    }
+    // The guard reads its rules' counters once a second: wait (generous deadline) until its
+    // status shows every forged packet the rules dropped.
+    if forged_dropped > 0 {
+        let end = Instant::now() + Duration::from_secs(20);
+        while read_status(&w.status_path())["forged_source_dropped"].as_u64().unwrap_or(0) < forged_dropped && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20)); // polling the status file with a deadline
+        }
     }
     let status = fresh_status(&w.status_path(), &mut guard)?;
     drop(app);
@@ -636,6 +669,108 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         stalls,
         peer_tcp: tcp_counters(&w.lab.peer),
         guard: status,
+        forged_sent,
+        forged_dropped,
+    })
+}
+
+/// Packets the DROP rules of the guard's chain dropped (in namespace `ns`).
+fn rule_drops(ns: &str) -> Result<u64, String> {
+    let chain = format!("UNBROKEN-Q{QUEUE}");
+    let out = lab::run(ns, Command::new("iptables").args(["-w", "-t", "mangle", "-L", &chain, "-v", "-x", "-n"])).map_err(|e| format!("iptables: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("iptables -L {chain}: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2) == Some(&"DROP")).then(|| f[0].parse::<u64>().ok()).flatten()
+        })
+        .sum())
+}
+
+/// An attacker on the peer's side of a gateway guard (IPv4): once the peer's connection to
+/// `service` is established, sends the guard (link layer, to `guard_mac` on the peer's
+/// segment) 100 SYNs and 100 data segments with the service's address and port as source and
+/// the peer's end of the live connection as destination, as the application would send them:
+/// a forged recovery SYN would re-key the connection, a forged segment would be renumbered as
+/// the application's. Returns how many were sent (0 for an IPv6 service: not covered).
+pub fn forge_app_source(peer_ns: String, service: SocketAddr, guard_mac: [u8; 6]) -> std::thread::JoinHandle<Result<u64, String>> {
+    std::thread::spawn(move || {
+        let IpAddr::V4(src) = service.ip() else { return Ok(0) };
+        // The peer's end of the live connection.
+        let end = Instant::now() + Duration::from_secs(30);
+        let peer = loop {
+            let out = lab::run(&peer_ns, Command::new("ss").args(["-Htn", "state", "established"])).map_err(|e| format!("ss: {e}"))?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let found = text.lines().find_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let local: SocketAddr = f.get(2)?.parse().ok()?;
+                let remote: SocketAddr = f.get(3)?.parse().ok()?;
+                (remote == service).then_some(local)
+            });
+            if let Some(p) = found {
+                break p;
+            }
+            if Instant::now() > end {
+                return Err("forging: the peer had no connection to the service within 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(20)); // polling for the connection with a deadline
+        };
+        let IpAddr::V4(dst) = peer.ip() else { return Ok(0) };
+        lab::in_ns(&peer_ns, || -> std::io::Result<u64> {
+            let ifname = std::ffi::CString::new(lab::dev::PEER).expect("name");
+            // SAFETY: a valid NUL-terminated name.
+            let ifindex = unsafe { libc::if_nametoindex(ifname.as_ptr()) };
+            if ifindex == 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: plain syscall; the descriptor is owned right away.
+            let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, (libc::ETH_P_IP as u16).to_be() as i32) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            // SAFETY: sockaddr_ll is plain data.
+            let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            sa.sll_family = libc::AF_PACKET as u16;
+            sa.sll_protocol = (libc::ETH_P_IP as u16).to_be();
+            sa.sll_ifindex = ifindex as i32;
+            sa.sll_halen = 6;
+            sa.sll_addr[..6].copy_from_slice(&guard_mac);
+            let mut n = 0;
+            let mut x: u32 = 0x2545_f491;
+            for i in 0..200u32 {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                let syn = i % 2 == 0;
+                let data: &[u8] = if syn { b"" } else { b"forged bytes 0123" };
+                let tcp_len = 20 + data.len();
+                let mut b = vec![0u8; 20 + tcp_len];
+                unbroken_wire::ipv4::emit_header(&mut b, src.octets(), dst.octets(), 6, tcp_len);
+                let t = &mut b[20..];
+                t[0..2].copy_from_slice(&service.port().to_be_bytes());
+                t[2..4].copy_from_slice(&peer.port().to_be_bytes());
+                t[4..8].copy_from_slice(&x.to_be_bytes());
+                t[8..12].copy_from_slice(&x.rotate_left(7).to_be_bytes());
+                t[12] = 5 << 4;
+                t[13] = if syn { 0x02 } else { 0x18 };
+                t[14..16].copy_from_slice(&65535u16.to_be_bytes());
+                t[20..].copy_from_slice(data);
+                unbroken_wire::tcp::Packet::new_checked(&mut t[..]).map_err(std::io::Error::other)?.fill_checksum(unbroken_wire::checksum::pseudo_v4(src.octets(), dst.octets(), 6, tcp_len as u32));
+                // SAFETY: `b` and `sa` are live for the call.
+                let r = unsafe { libc::sendto(std::os::fd::AsRawFd::as_raw_fd(&sock), b.as_ptr().cast(), b.len(), 0, (&sa as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32) };
+                if r < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                n += 1;
+            }
+            Ok(n)
+        })
+        .and_then(|r| r)
+        .map_err(|e| format!("forging: {e}"))
     })
 }
 

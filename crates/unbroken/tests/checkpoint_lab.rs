@@ -247,3 +247,22 @@ fn app_crashes_on_a_bulk_stream() {
     let r = check("bulk", &Scenario { crashes: vec![Crash::App, Crash::App, Crash::App], crash_at: Some(vec![0.2, 0.45, 0.7]), rate: 0, ..base(1_500_000) });
     eprintln!("bulk: peer TCP counters {}", r.peer_tcp);
 }
+
+#[test]
+fn hostile_forged_app_source_from_the_peer_side() {
+    // Issue 9 item 1, the rules: an attacker on the peer's side of the gateway guard sends it
+    // recovery SYNs and data segments with the service's address and port as source and the
+    // live connection's peer end as destination. The guard's rules match the side they mean
+    // (`app_interface`): every forged packet is dropped by the chain's DROP rule (counted by
+    // its packet counter) and never reaches the guard's engine (no forged recovery SYN is seen,
+    // `hostile_recovery_syn` stays 0); the live connection, recovered from an app crash after,
+    // ends byte-exact with 0 RSTs.
+    let Some(_g) = lab_or_skip("forged_source") else { return };
+    let r = check("forged_source", &Scenario { crashes: vec![Crash::App], forge_app_source: true, ..base(30_000) });
+    let c = &r.guard["counters"];
+    assert_eq!(r.forged_sent, 200, "forged packets sent");
+    assert_eq!(r.forged_dropped, r.forged_sent, "every forged packet dropped by the rules: {c}");
+    assert_eq!(r.guard["forged_source_dropped"].as_u64(), Some(r.forged_sent), "the guard's status counts them: {}", r.guard);
+    assert_eq!(c["hostile_recovery_syn"].as_u64(), Some(0), "a forged SYN reached the guard: {c}");
+    assert!(c["recovered"].as_u64().unwrap_or(0) >= 1, "{c}");
+}

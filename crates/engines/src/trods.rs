@@ -1124,7 +1124,7 @@ impl Engine {
         self.conns.insert(key, Conn::new(hs, now));
         self.half_open.push_back((key, now));
         // Nothing is stored yet: the record (the handshake, case ②) is written when the
-        // client's first request bytes arrive (SYN-cookie-like, issue 9 item 5).
+        // client proves it received this SYN-ACK (see `on_client`; issue 9 item 5).
     }
 
     fn on_client(&mut self, key: Key, seq: u32, ack: u32, fl: u8, payload: &[u8], now: u64) -> Verdict {
@@ -1178,7 +1178,17 @@ impl Engine {
             return PASS;
         }
         let mut why = None;
-        let first_bytes = c.cli_next == 0 && c.gen == 0 && c.stored_gen == 0;
+        // The client's first proof that it received the SYN-ACK (its ACK of it, or its first
+        // request bytes): the record (the handshake, case ②) is stored now, not at the
+        // SYN-ACK. A spoofed SYN flood, whose SYN-ACKs go to addresses that never answer,
+        // costs no store write (issue 9 item 5): state is committed once the return path is
+        // proven, as a SYN cookie does. Nothing waited for that record before: the server's
+        // ACKs stay lowered to the hold, and the first response waits for the record that
+        // names it.
+        let acks_synack = fl & flags::ACK != 0 && (ack.wrapping_sub(c.hs.iss.wrapping_add(1)) as i32) >= 0;
+        if c.gen == 0 && c.stored_gen == 0 && !c.adopted && (acks_synack || !payload.is_empty()) {
+            c.gen += 1;
+        }
         // Requests, in byte order.
         if !payload.is_empty() {
             let off = unwrap_near(seq.wrapping_sub(c.hs.irs.wrapping_add(1)), c.cli_next);
@@ -1206,14 +1216,6 @@ impl Engine {
                     why = Some("request header too long");
                 }
             }
-        }
-        if first_bytes && c.cli_next > 0 {
-            // The first request bytes: the record (the handshake, a hold at the request) is
-            // stored now, not at the SYN-ACK. A SYN flood, or a client that never sends a
-            // request, costs no store write (issue 9 item 5). Nothing waited for that record
-            // before: the server's ACKs stay lowered to the hold, and the first response waits
-            // for the record that names it.
-            c.gen += 1;
         }
         // What the client acknowledged: prune fully received responses.
         if fl & flags::ACK != 0 {

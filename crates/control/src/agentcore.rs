@@ -733,16 +733,16 @@ impl Core {
             // it), in a bucket this server owns.
             let inherited = !local && self.in_grace(now) && self.inherited.contains_key(&g.key) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b));
             let allowed = moved || inherited;
-            if local {
+            if (local || allowed) && !g.p.csum_not_ready && !tcp_checksum_ok(&g.p.data) {
+                // Proves nothing and the kernel drops it too: no relearn, no lookup.
+                self.counters.triggers_rejected += 1;
+                self.out.push_back(Out::Drop { id: g.p.id });
+            } else if local {
                 self.counters.passed_local_socket += 1;
                 let trigger = g.p.data.clone();
                 let bucket = g.p.bucket;
                 self.recovering.insert(g.key, vec![g.p]);
                 self.out.push_back(Out::Relearn { key: g.key, bucket, trigger });
-            } else if allowed && !g.p.csum_not_ready && !tcp_checksum_ok(&g.p.data) {
-                // Proves nothing and the kernel drops it too: no lookup.
-                self.counters.triggers_rejected += 1;
-                self.out.push_back(Out::Drop { id: g.p.id });
             } else if allowed {
                 match self.admission.check(now, g.key.client.ip(), g.p.bucket) {
                     Admit::Go => {

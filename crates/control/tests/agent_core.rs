@@ -877,3 +877,19 @@ fn hostile_syn_flood_through_the_core_issues_no_store_request() {
     assert!(!t.outs.iter().any(|o| matches!(o, Out::Store(_))), "no store request for the flood");
     assert_eq!(t.core.engine.is_protected(&key(40020)), Some(true));
 }
+
+/// After an agent restart, a packet with a wrong checksum for a connection a local socket
+/// serves relearns nothing (a forged one would otherwise leave the connection learned
+/// unprotected when its record did not plan); the genuine packet then does.
+#[test]
+fn hostile_bad_checksum_packet_never_relearns_a_local_connection() {
+    let mut t = T::restarted();
+    let bad = pkt_from(&mut t, c_ip(), 40030, C_ISN + 51, S_ISN + 1 + 2500, true);
+    t.tick(true);
+    assert!(t.dropped(bad));
+    assert!(t.relearns().is_empty());
+    let good = pkt_from(&mut t, c_ip(), 40030, C_ISN + 51, S_ISN + 1 + 2500, false);
+    t.tick(true);
+    assert!(!t.dropped(good));
+    assert_eq!(t.relearns().len(), 1);
+}

@@ -349,6 +349,15 @@ pub struct AgentCounters {
     /// Log lines over their budget (per kind, [`crate::ratelog`]), counted instead of written.
     pub log_suppressed: u64,
     pub recent_refusals: Vec<String>,
+    /// Failover lookups or relearns refused because the worker pool's queue was full.
+    pub pool_full: u64,
+    /// Threads the system would not start (a rebuilt connection then refused, a probe or a
+    /// socket destruction skipped).
+    pub spawn_failed: u64,
+    /// The core's decisions (crate::agentcore::CoreCounters): failover admission (rate
+    /// limits per source and bucket, lookups in flight, the negative cache), the gate's cap,
+    /// client packets that could not plan against a record.
+    pub core: crate::agentcore::CoreCounters,
 }
 
 struct Shared {
@@ -374,6 +383,8 @@ enum Msg {
     Quiesce { key: Key, go: Sender<()> },
     /// Give up on this connection: the waiting packets reach the kernel (RST).
     Refuse { key: Key, why: String },
+    /// The store's answer to a failover lookup ([`Out::Failover`]): the core plans from it.
+    Record { key: Key, bucket: Option<u16>, result: Result<Option<Record>, String> },
     /// A connection a local socket serves: its record describes it (`Ok`), or why not.
     Relearn { key: Key, bucket: Option<u16>, result: Result<(Box<Record>, Box<Plan>), String> },
 }
@@ -506,6 +517,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         tx: tx.clone(),
         wake: wake.clone(),
         shared: shared.clone(),
+        pool: Pool::start(POOL_THREADS, POOL_QUEUE).map_err(|e| format!("agent: starting the failover workers: {e}"))?,
     });
     // (poll skips a negative fd: a store without a wake fd is drained every iteration)
     let fds = [queue.as_raw_fd(), store.wake_fd().unwrap_or(-1), wake.0.as_raw_fd()];
@@ -609,15 +621,13 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                 }
                 Msg::Refuse { key, why } => {
                     core.refused(now, key);
-                    shared.dirty.store(true, Ordering::Relaxed);
-                    crate::ratelog::log("agent: refused", || format!("agent: refused {} -> {}: {why}", key.client, key.service));
-                    shared.count(|c| {
-                        c.refused += 1;
-                        if c.recent_refusals.len() >= 16 {
-                            c.recent_refusals.remove(0);
-                        }
-                        c.recent_refusals.push(format!("{}: {why}", key.client));
-                    });
+                    note_refusal(&shared, key, &why);
+                }
+                Msg::Record { key, bucket, result } => {
+                    if let Err(why) = core.record(now, key, bucket, result) {
+                        note_refusal(&shared, key, &why);
+                    }
+                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                 }
             }
         }
@@ -645,6 +655,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             c.fenced_dropped = cc.fenced_dropped;
             c.store_submitted = cc.store_submitted;
             c.log_suppressed = cc.log_suppressed + crate::ratelog::global().suppressed();
+            c.core = cc;
         });
         {
             let mut ev = crate::sync::lock(&engine_view, "agent: engine view");
@@ -687,6 +698,89 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     res
 }
 
+/// A refused failover: logged and counted (its packets went to the kernel).
+fn note_refusal(shared: &Shared, key: Key, why: &str) {
+    shared.dirty.store(true, Ordering::Relaxed);
+    crate::ratelog::log("agent: refused", || format!("agent: refused {} -> {}: {why}", key.client, key.service));
+    shared.count(|c| {
+        c.refused += 1;
+        if why.starts_with("record refused") {
+            // Issue 9 item 7: not this cluster's record for this key (edited, moved, foreign,
+            // unversioned, expired): treated as no record at all.
+            c.refused_bad_record += 1;
+        } else if why.starts_with("no record") {
+            c.refused_no_record += 1;
+        } else if why.starts_with("store") {
+            c.refused_store += 1;
+        } else if why.starts_with("plan") || why.starts_with("record") {
+            c.refused_plan += 1;
+        }
+        if c.recent_refusals.len() >= 16 {
+            c.recent_refusals.remove(0);
+        }
+        c.recent_refusals.push(format!("{}: {why}", key.client));
+    });
+}
+
+/// Failover lookups and relearns run on a fixed pool of threads with a bounded queue (issue 9
+/// item 3): a flood of unknown connections never costs a thread each (a failed
+/// `thread::spawn` panics), and their store reads share the store's pooled clients
+/// ([`crate::kv::RedisKv`]). The core admits at most `AdmitConfig::max_in_flight` lookups at
+/// once, fewer than the queue holds; a full queue refuses the job (counted, `pool_full`).
+struct Pool {
+    tx: std::sync::mpsc::SyncSender<Box<dyn FnOnce() + Send>>,
+}
+
+/// Worker threads of the failover pool, and jobs its queue holds.
+pub const POOL_THREADS: usize = 4;
+pub const POOL_QUEUE: usize = 256;
+
+impl Pool {
+    fn start(threads: usize, queue: usize) -> io::Result<Pool> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Box<dyn FnOnce() + Send>>(queue);
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads {
+            let rx = rx.clone();
+            std::thread::Builder::new().name(format!("ub-failover-{i}")).spawn(move || {
+                // Failover work runs below normal traffic (TRODS section 5.1).
+                // SAFETY: plain system calls on the calling thread.
+                unsafe {
+                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                    libc::setpriority(libc::PRIO_PROCESS, tid, 5);
+                }
+                loop {
+                    let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    match job {
+                        // A panicking job must not take the worker with it.
+                        Ok(job) => {
+                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                        }
+                        Err(_) => return,
+                    }
+                }
+            })?;
+        }
+        Ok(Pool { tx })
+    }
+
+    /// Queues a job; false (and the job dropped) when the queue is full.
+    fn submit(&self, job: Box<dyn FnOnce() + Send>) -> bool {
+        self.tx.try_send(job).is_ok()
+    }
+}
+
+/// Starts a thread, counting (never panicking) when the system has none to give.
+fn spawn_counted(ctx: &WorkerCtx, name: &str, f: impl FnOnce() + Send + 'static) -> bool {
+    match std::thread::Builder::new().name(name.into()).spawn(f) {
+        Ok(_) => true,
+        Err(e) => {
+            ctx.shared.count(|c| c.spawn_failed += 1);
+            eprintln!("agent: cannot start a thread ({name}): {e}");
+            false
+        }
+    }
+}
+
 /// The agent's queue rules.
 fn rule_spec(cfg: &Agent) -> RuleSpec {
     let a = &cfg.raw.agent;
@@ -721,17 +815,40 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
             Out::Drop { id } => {
                 let _ = queue.set_verdict(id, QVerdict::Drop, None);
             }
-            Out::Failover { key, bucket, trigger } => {
-                let ctx = ctx.clone();
+            Out::Failover { key, bucket, trigger: _ } => {
+                let c2 = ctx.clone();
+                if !ctx.pool.submit(Box::new(move || {
+                    let result = lookup(&c2, key, bucket);
+                    c2.send(Msg::Record { key, bucket, result });
+                })) {
+                    ctx.shared.count(|c| c.pool_full += 1);
+                    ctx.send(Msg::Record { key, bucket, result: Err("the failover worker pool is full".into()) });
+                }
+            }
+            Out::Rebuild { key, bucket, rec, plan, trigger } => {
+                let c2 = ctx.clone();
                 let t0 = Instant::now();
-                std::thread::spawn(move || failover(ctx, key, bucket, trigger, t0));
+                // A thread per rebuilt connection: it serves the connection for its lifetime.
+                // Only a connection with a record and a packet that planned against it gets
+                // here (never a bogus ACK).
+                if !spawn_counted(ctx, "ub-rebuilt", move || rebuild(c2, key, bucket, *rec, *plan, trigger, t0)) {
+                    ctx.send(Msg::Refuse { key, why: "rebuild: no thread to serve it".into() });
+                }
+            }
+            Out::Destroy { key } => {
+                if !silence_adopted(ctx, &key) {
+                    let _ = ctx.pool.submit(Box::new(move || destroy_socket(&key)));
+                }
             }
             Out::Relearn { key, bucket, trigger } => {
-                let ctx = ctx.clone();
-                std::thread::spawn(move || {
-                    let result = relearn(&ctx, key, bucket, &trigger);
-                    ctx.send(Msg::Relearn { key, bucket, result });
-                });
+                let c2 = ctx.clone();
+                if !ctx.pool.submit(Box::new(move || {
+                    let result = relearn(&c2, key, bucket, &trigger);
+                    c2.send(Msg::Relearn { key, bucket, result });
+                })) {
+                    ctx.shared.count(|c| c.pool_full += 1);
+                    ctx.send(Msg::Relearn { key, bucket, result: Err("the failover worker pool is full".into()) });
+                }
             }
             Out::Supersede { key } => {
                 if silence_adopted(ctx, &key) {
@@ -748,7 +865,7 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
                 // answers would draw RSTs from there (the object chaos demo counted one).
                 if !silence_adopted(ctx, &key) {
                     ctx.shared.count(|c| c.muted_destroyed += 1);
-                    std::thread::spawn(move || destroy_socket(&key));
+                    spawn_counted(ctx, "ub-destroy", move || destroy_socket(&key));
                 }
             }
             Out::Store(op) => {
@@ -756,8 +873,8 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
             }
             Out::Inject(pkt) => injects.push(pkt),
             Out::Probe { buckets, skip } => {
-                let ctx = ctx.clone();
-                std::thread::spawn(move || probe_buckets(ctx, buckets, skip));
+                let c2 = ctx.clone();
+                spawn_counted(ctx, "ub-probe", move || probe_buckets(c2, buckets, skip));
             }
             // Sent like the injected ACKs (after the verdicts, outside the queue).
             Out::Elicit(pkt) => injects.push(pkt),
@@ -934,6 +1051,7 @@ struct WorkerCtx {
     tx: Sender<Msg>,
     wake: Arc<Wake>,
     shared: Arc<Shared>,
+    pool: Pool,
 }
 
 impl WorkerCtx {
@@ -978,9 +1096,28 @@ fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>, pkt: &[u8]) -> Result
     Ok((Box::new(rec), Box::new(plan)))
 }
 
-fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0: Instant) {
-    // TRODS section 5.1: failover work runs below normal traffic (the packet loop keeps the
-    // default priority), so a flood of failover attempts cannot starve protected connections.
+/// A failover lookup (on the pool): the record of `key`, with retries for a moment (many
+/// connections of a dead server fail over at once; a transient error should not reset one).
+fn lookup(ctx: &WorkerCtx, key: Key, bucket: Option<u16>) -> Result<Option<Record>, String> {
+    let skey = store_key(bucket, &key);
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    let got = loop {
+        match ctx.kv.get(skey.as_bytes()) {
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)), // back-off between store retries
+            r => break r,
+        }
+    };
+    match got.map_err(|e| e.to_string())? {
+        None => Ok(None),
+        // Issue 9 item 7: a value that is not this cluster's record for this key is refused
+        // (the client gets the RST an unprotected server's death gives).
+        Some(v) => open_record(ctx, &skey, &v).map(Some).map_err(|e| format!("record refused: {e}")),
+    }
+}
+
+/// Rebuilds `key` from `rec` as the core planned it from `trigger`, then serves it.
+fn rebuild(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, rec: Record, plan: Plan, trigger: Vec<u8>, t0: Instant) {
+    // TRODS section 5.1: failover work runs below normal traffic.
     unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         libc::setpriority(libc::PRIO_PROCESS, tid, 5);
@@ -989,36 +1126,8 @@ fn failover(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, pkt: Vec<u8>, t0
         ctx.shared.count(f);
         ctx.send(Msg::Refuse { key, why });
     };
-    let Some((_, trig)) = Trigger::parse(&pkt) else {
+    let Some((_, trig)) = Trigger::parse(&trigger) else {
         return refuse("unparsable trigger".into(), |c| c.refused_plan += 1);
-    };
-    // Many connections of a dead server fail over at once: retry the store for a moment
-    // rather than reset a connection for a transient error.
-    let skey = store_key(bucket, &key);
-    let deadline = Instant::now() + Duration::from_millis(1500);
-    let got = loop {
-        match ctx.kv.get(skey.as_bytes()) {
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(20)); // back-off between store retries
-            }
-            r => break r,
-        }
-    };
-    let value = match got {
-        Ok(Some(v)) => v,
-        Ok(None) => return refuse("no record: the connection was not protected".into(), |c| c.refused_no_record += 1),
-        Err(e) => return refuse(format!("store: {e}"), |c| c.refused_store += 1),
-    };
-    // Issue 9 item 7: a value that is not this cluster's record for this key is treated as
-    // no record at all (the client gets the RST an unprotected server's death gives).
-    let rec = match open_record(&ctx, &skey, &value) {
-        Ok(r) => r,
-        Err(e) => return refuse(format!("record refused: {e}"), |c| c.refused_bad_record += 1),
-    };
-    let plan = match plan_recovery(&rec, &trig) {
-        Ok(p) => p,
-        Err(r) => return refuse(format!("plan: {}", r.0), |c| c.refused_plan += 1),
     };
     let hs = rec.hs;
     let ws = hs.client_ws.unwrap_or(0);
@@ -1342,7 +1451,7 @@ fn relay(ctx: &WorkerCtx, client: TcpStream, mut skip: u64) {
         return;
     };
     let (Ok(mut c_rd), Ok(mut s_wr)) = (client.try_clone(), server.try_clone()) else { return };
-    let up = std::thread::spawn(move || {
+    let up = std::thread::Builder::new().name("ub-relay".into()).spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let n = match c_rd.read(&mut buf) {
@@ -1357,6 +1466,15 @@ fn relay(ctx: &WorkerCtx, client: TcpStream, mut skip: u64) {
         }
         let _ = s_wr.shutdown(std::net::Shutdown::Write);
     });
+    let up = match up {
+        Ok(h) => h,
+        Err(e) => {
+            ctx.shared.count(|c| c.spawn_failed += 1);
+            eprintln!("agent: relay: cannot start a thread: {e}");
+            reset(client);
+            return;
+        }
+    };
     let (mut s_rd, mut c_wr) = (server, client);
     let mut buf = vec![0u8; 256 << 10];
     loop {

@@ -25,8 +25,9 @@
 use crate::agent::store_key;
 use crate::lb::BucketView;
 use crate::store::{Op, OpKind};
-use std::collections::{HashMap, VecDeque};
-use unbroken_engines::trods::{Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict, FAR_PAST_PROGRESS};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::IpAddr;
+use unbroken_engines::trods::{plan_recovery, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict, FAR_PAST_PROGRESS};
 
 /// How long a packet of an unknown connection waits for the LB's view to allow its failover
 /// (the kernel table can change a few ms before the news reaches the agent).
@@ -42,8 +43,23 @@ pub const FENCE_MAX_PACKETS: usize = 4096;
 pub const RESTART_GRACE_MS: u64 = 30_000;
 /// A connection whose server packets wait for their bucket is probed at most this often.
 pub const ELICIT_EVERY_MS: u64 = 200;
-/// Refusals are remembered this long (a refused connection's packets pass to the kernel).
+/// Refusals are remembered this long (a refused connection's packets pass to the kernel):
+/// the negative cache, so a key with no record costs one store lookup per this long.
 const REFUSED_MS: u64 = 10_000;
+/// Most refusals remembered, and most connections handed to the kernel remembered (a flood of
+/// unknown keys beyond it is not remembered, and is bounded by the rate limits instead).
+pub const MAX_REMEMBERED: usize = 16_384;
+/// Most client packets of unknown connections waiting at the gate (more are dropped, counted:
+/// the client sends again).
+pub const GATE_MAX_PACKETS: usize = 4096;
+/// Most packets waiting for one connection's failover.
+const RECOVERING_MAX_PACKETS: usize = 64;
+/// How long a failover candidate may wait for the rate limits or a free lookup slot before it
+/// is dropped (counted; its client sends again).
+pub const ADMIT_WAIT_MS: u64 = 1000;
+/// How long a found record waits for a client packet that plans against it (in the window,
+/// checksummed, consistent with the record) before the failover is refused.
+pub const PLAN_WAIT_MS: u64 = 1000;
 /// Housekeeping period.
 const EXPIRE_EVERY_MS: u64 = 250;
 /// Owner check period (and: a view older than this is not used to mute).
@@ -101,8 +117,18 @@ pub enum Out {
     Accept { id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool },
     /// Drop the packet.
     Drop { id: u32 },
-    /// Start rebuilding `key` from its record; `trigger` is the client packet that asked.
+    /// Look up `key`'s record (a failover candidate; `trigger` is the client packet that
+    /// asked) and report it with [`Core::record`]. The core picks the plan from the record
+    /// and the client packets that prove knowledge of the connection (issue 9 item 4).
     Failover { key: Key, bucket: Option<u16>, trigger: Vec<u8> },
+    /// Rebuild `key` from `rec` according to `plan` (made from `trigger`, a client packet that
+    /// planned against the record), then [`Core::adopted`] or [`Core::refused`].
+    Rebuild { key: Key, bucket: Option<u16>, rec: Box<Record>, plan: Box<Plan>, trigger: Vec<u8> },
+    /// A failover of `key` was refused although its record exists here: a socket of the local
+    /// server that still holds the address pair is a stale one (from before the bucket went
+    /// elsewhere) and would swallow the client's packets silently; destroy it, so the kernel
+    /// resets the client visibly.
+    Destroy { key: Key },
     /// A local socket serves `key`, which this core never saw set up (the agent restarted
     /// under it): read its record and plan from `trigger`, then [`Core::relearned`] (the
     /// record describes the connection: protected again) or [`Core::relearn_failed`]
@@ -130,7 +156,7 @@ pub enum Out {
 }
 
 /// Decisions counted by the core (the driver adds them to the agent's status).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CoreCounters {
     pub failovers_started: u64,
     pub failovers_denied: u64,
@@ -148,6 +174,148 @@ pub struct CoreCounters {
     pub elicited: u64,
     /// Log lines over their budget, counted instead of written ([`crate::ratelog`]).
     pub log_suppressed: u64,
+    /// Failover candidates refused by the rate limit of their source address, or of their
+    /// bucket, or because every lookup slot was busy (each counted once per packet dropped
+    /// after [`ADMIT_WAIT_MS`]), or found in the negative cache.
+    pub admit_source_limited: u64,
+    pub admit_bucket_limited: u64,
+    pub admit_busy: u64,
+    pub admit_dropped: u64,
+    pub negative_hits: u64,
+    /// Client packets of unknown connections dropped because the gate was full.
+    pub gate_full: u64,
+    /// Client packets that could not plan against a found record (forged, stale or
+    /// corrupt): dropped, never the plan.
+    pub triggers_rejected: u64,
+    /// Failovers refused because no client packet planned against the record in time.
+    pub plan_timeouts: u64,
+    /// Lookups in flight now (not monotonic).
+    pub lookups_in_flight: u64,
+}
+
+/// Limits of the failover admission ([`Admission`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AdmitConfig {
+    /// Store lookups per second and burst, per client source address.
+    pub per_source_rate: u64,
+    pub per_source_burst: u64,
+    /// Store lookups per second and burst, per LB bucket.
+    pub per_bucket_rate: u64,
+    pub per_bucket_burst: u64,
+    /// Lookups in flight at once (the agent's worker pool takes this many).
+    pub max_in_flight: usize,
+    /// Most source addresses tracked; beyond, new sources share one budget.
+    pub max_sources: usize,
+}
+
+impl Default for AdmitConfig {
+    fn default() -> Self {
+        AdmitConfig { per_source_rate: 64, per_source_burst: 256, per_bucket_rate: 512, per_bucket_burst: 2048, max_in_flight: 64, max_sources: 4096 }
+    }
+}
+
+/// A token bucket in thousandths of a token.
+#[derive(Debug, Clone, Copy)]
+struct Tokens {
+    milli: u64,
+    at: u64,
+}
+
+impl Tokens {
+    fn full(burst: u64, now: u64) -> Tokens {
+        Tokens { milli: burst * 1000, at: now }
+    }
+    fn refill(&mut self, now: u64, rate: u64, burst: u64) {
+        self.milli = (self.milli + now.saturating_sub(self.at).saturating_mul(rate)).min(burst * 1000);
+        self.at = now;
+    }
+}
+
+/// Why a failover candidate may not look its record up now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    Go,
+    SourceLimited,
+    BucketLimited,
+    Busy,
+}
+
+/// Admission of failover lookups (issue 9 item 3), without I/O: a token bucket per client
+/// source address and per bucket, and a cap on lookups in flight. A bogus-ACK flood in a
+/// failover window costs at most the budget of store lookups, never a thread or a store
+/// connection per packet.
+#[derive(Debug)]
+pub struct Admission {
+    cfg: AdmitConfig,
+    sources: HashMap<IpAddr, Tokens>,
+    /// The shared budget of sources beyond `max_sources`.
+    overflow: Option<Tokens>,
+    buckets: HashMap<Option<u16>, Tokens>,
+    in_flight: usize,
+}
+
+impl Admission {
+    pub fn new(cfg: AdmitConfig) -> Admission {
+        Admission { cfg, sources: HashMap::new(), overflow: None, buckets: HashMap::new(), in_flight: 0 }
+    }
+
+    /// May a lookup for a client at `src` in `bucket` start now? `Go` takes a token from
+    /// both budgets and a slot (give it back with [`Admission::done`]).
+    pub fn check(&mut self, now: u64, src: IpAddr, bucket: Option<u16>) -> Admit {
+        let c = self.cfg;
+        if self.in_flight >= c.max_in_flight {
+            return Admit::Busy;
+        }
+        let own = self.sources.contains_key(&src) || self.sources.len() < c.max_sources;
+        let fresh = Tokens::full(c.per_source_burst, now);
+        let mut st = if own { self.sources.get(&src).copied().unwrap_or(fresh) } else { self.overflow.unwrap_or(fresh) };
+        st.refill(now, c.per_source_rate, c.per_source_burst);
+        let bt = self.buckets.entry(bucket).or_insert(Tokens::full(c.per_bucket_burst, now));
+        bt.refill(now, c.per_bucket_rate, c.per_bucket_burst);
+        let verdict = if st.milli < 1000 {
+            Admit::SourceLimited
+        } else if bt.milli < 1000 {
+            Admit::BucketLimited
+        } else {
+            st.milli -= 1000;
+            bt.milli -= 1000;
+            self.in_flight += 1;
+            Admit::Go
+        };
+        if own {
+            self.sources.insert(src, st);
+        } else {
+            self.overflow = Some(st);
+        }
+        verdict
+    }
+
+    /// A lookup ended.
+    pub fn done(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Sources and buckets tracked (bounded by `max_sources` and the number of buckets).
+    pub fn tracked(&self) -> (usize, usize) {
+        (self.sources.len(), self.buckets.len())
+    }
+
+    /// Forgets budgets that are full again (the same as new ones).
+    pub fn expire(&mut self, now: u64) {
+        let c = self.cfg;
+        self.sources.retain(|_, t| {
+            t.refill(now, c.per_source_rate, c.per_source_burst);
+            t.milli < c.per_source_burst * 1000
+        });
+        self.buckets.retain(|_, t| {
+            t.refill(now, c.per_bucket_rate, c.per_bucket_burst);
+            t.milli < c.per_bucket_burst * 1000
+        });
+    }
 }
 
 struct GateWait {
@@ -157,11 +325,29 @@ struct GateWait {
     /// Whether a socket of the local server owns the address pair (looked up once, when the
     /// view first says this server owns the packet's bucket).
     local: Option<bool>,
+    /// Why the admission last refused it (each new reason counted once).
+    limited: Option<Admit>,
+}
+
+/// A record found for a failover, waiting for a client packet that plans against it.
+struct Planning {
+    rec: Box<Record>,
+    bucket: Option<u16>,
+    since: u64,
 }
 
 struct Fenced {
     since: u64,
     p: Pkt,
+}
+
+/// A held server packet the engine released, waiting for the fence.
+struct Released {
+    since: u64,
+    id: u32,
+    data: Vec<u8>,
+    modified: bool,
+    csum_not_ready: bool,
 }
 
 /// The agent's decisions (see the module docs).
@@ -193,6 +379,15 @@ pub struct Core {
     elicited: HashMap<Key, u64>,
     /// Probe retries due: (when, buckets).
     probe_retries: Vec<(u64, Vec<u16>)>,
+    /// Released server packets waiting for the fence ([`Core::fence_released`]).
+    released_wait: Vec<Released>,
+    /// Failover lookups admitted ([`Out::Failover`]) and not answered yet.
+    looking: HashSet<Key>,
+    /// Records found, waiting for a client packet that plans against them.
+    planning: HashMap<Key, Planning>,
+    pub admission: Admission,
+    /// The latest time a driver call gave.
+    clock: u64,
     out: VecDeque<Out>,
     /// Budget of the log lines hostile packets can cause (issue 9, item 6).
     log: crate::ratelog::RateLimit,
@@ -223,6 +418,11 @@ impl Core {
             inherited: HashMap::new(),
             elicited: HashMap::new(),
             probe_retries: Vec::new(),
+            released_wait: Vec::new(),
+            looking: HashSet::new(),
+            planning: HashMap::new(),
+            admission: Admission::new(AdmitConfig::default()),
+            clock: 0,
             out: VecDeque::new(),
             log: crate::ratelog::RateLimit::default(),
             counters: CoreCounters::default(),
@@ -289,7 +489,43 @@ impl Core {
         }
         while let Some((id, bytes, modified)) = self.engine.take_released() {
             let cnr = self.csum.remove(&id).unwrap_or(false);
-            self.accept(id as u32, bytes, modified, cnr);
+            self.released_wait.push(Released { since: self.clock, id: id as u32, data: bytes, modified, csum_not_ready: cnr });
+        }
+    }
+
+    /// Held server packets the engine released (a store completed) leave under the same fence
+    /// as any server packet: while the lease holds and the bucket is this server's. A store
+    /// that completes after the lease lapsed must not let them out (the object simulation's
+    /// seed 825: a response held for its first record, released by the store's failure after
+    /// the bucket had moved).
+    fn fence_released(&mut self, now: u64, lb: LbView<'_>) {
+        if self.released_wait.is_empty() {
+            return;
+        }
+        let lease_ok = lb.lease_ok();
+        for r in std::mem::take(&mut self.released_wait) {
+            if matches!(lb, LbView::NoLb) {
+                self.accept(r.id, r.data, r.modified, r.csum_not_ready);
+                continue;
+            }
+            if !lease_ok {
+                if now.saturating_sub(r.since) >= FENCE_MAX_MS {
+                    self.out.push_back(Out::Drop { id: r.id });
+                    self.counters.fenced_dropped += 1;
+                } else {
+                    self.released_wait.push(r);
+                }
+                continue;
+            }
+            let b = Trigger::parse(&r.data).and_then(|(k, _)| self.bucket(&Key { client: k.service, service: k.client }));
+            if let (Some(v), Some(b)) = (lb.view(), b) {
+                if !v.owns(b) {
+                    self.out.push_back(Out::Drop { id: r.id });
+                    self.counters.fenced_dropped += 1;
+                    continue;
+                }
+            }
+            self.accept(r.id, r.data, r.modified, r.csum_not_ready);
         }
     }
 
@@ -304,6 +540,8 @@ impl Core {
     /// Steps 0 and 1: the fence, then the packets (those released by a renewed lease first).
     pub fn packets(&mut self, now: u64, lb: LbView<'_>, batch: impl IntoIterator<Item = Pkt>) {
         self.born.get_or_insert(now);
+        self.clock = now;
+        self.fence_released(now, lb);
         let lease_ok = lb.lease_ok();
         if !self.fenced.is_empty() {
             let (old, keep): (Vec<Fenced>, Vec<Fenced>) = self.fenced.drain(..).partition(|f| now.saturating_sub(f.since) >= FENCE_MAX_MS);
@@ -378,17 +616,52 @@ impl Core {
             }
         }
         if let (Some(k), Dir::FromClient) = (key, p.dir) {
+            let syn = Trigger::parse(&p.data).is_some_and(|(_, t)| t.flags & unbroken_wire::tcp::flags::SYN != 0 && t.flags & unbroken_wire::tcp::flags::ACK == 0);
+            if syn && (self.looking.contains(&k) || self.planning.contains_key(&k)) {
+                // The client opens a new connection on the address pair: the one being looked
+                // up (perhaps by a forged packet) is gone. Its waiting packets are dropped; the
+                // SYN goes to the engine (held back, it would leave the new connection
+                // unprotected).
+                if self.looking.remove(&k) {
+                    self.admission.done();
+                }
+                self.planning.remove(&k);
+                for w in self.recovering.remove(&k).unwrap_or_default() {
+                    self.out.push_back(Out::Drop { id: w.id });
+                }
+            }
             if let Some(r) = self.recovering.get_mut(&k) {
-                r.push(p);
+                if r.len() < RECOVERING_MAX_PACKETS {
+                    r.push(p);
+                } else {
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.gate_full += 1;
+                }
+                if self.planning.contains_key(&k) {
+                    self.try_plan(k);
+                }
                 return;
             }
-            if self.refused.contains_key(&k) && !self.engine.knows(&k) {
+            if syn {
+                // A new connection on the address pair: the engine must see its SYN (a refusal
+                // of the previous one, perhaps caused by a forged packet, says nothing of it).
+                self.refused.remove(&k);
+            } else if self.refused.contains_key(&k) && !self.engine.knows(&k) {
+                // The negative cache: no second lookup within REFUSED_MS. The kernel's answer
+                // leaves under this packet's bucket.
+                self.counters.negative_hits += 1;
+                if let Some(b) = p.bucket {
+                    if self.handed.len() < MAX_REMEMBERED || self.handed.contains_key(&k) {
+                        self.handed.insert(k, (now, Some(b)));
+                    }
+                }
                 self.accept(p.id, p.data, false, p.csum_not_ready);
                 return;
             }
         }
-        let v = self.engine.packet(p.id as u64, &mut p.data, p.dir, now);
+        let v = self.engine.packet_csum(p.id as u64, &mut p.data, p.dir, now, p.csum_not_ready);
         self.flush_released();
+        self.fence_released(now, lb);
         match v {
             Verdict::Accept { modified } => {
                 if let (Some(k), Dir::FromClient, Some(b)) = (key, p.dir, p.bucket) {
@@ -407,7 +680,12 @@ impl Core {
                     return;
                 };
                 self.out.push_back(Out::Supersede { key: k });
-                self.gate_wait.push(GateWait { key: k, since: now, p, local: None });
+                if self.gate_wait.len() >= GATE_MAX_PACKETS {
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.gate_full += 1;
+                    return;
+                }
+                self.gate_wait.push(GateWait { key: k, since: now, p, local: None, limited: None });
             }
         }
     }
@@ -415,6 +693,15 @@ impl Core {
     /// Step 2: the failover gate. `local_socket(key)` says whether a socket of the local server
     /// owns the connection's address pair (`Err`: the lookup failed).
     pub fn gate(&mut self, now: u64, lb: LbView<'_>, mut local_socket: impl FnMut(&Key) -> Result<bool, String>) {
+        if !self.planning.is_empty() {
+            let late: Vec<Key> = self.planning.iter().filter(|(_, p)| now.saturating_sub(p.since) >= PLAN_WAIT_MS).map(|(k, _)| *k).collect();
+            for k in late {
+                self.counters.plan_timeouts += 1;
+                self.out.push_back(Out::Log(format!("agent: refused {} -> {}: no client packet planned against its record within {PLAN_WAIT_MS} ms", k.client, k.service)));
+                self.out.push_back(Out::Destroy { key: k });
+                self.refused(now, k);
+            }
+        }
         if self.gate_wait.is_empty() {
             return;
         }
@@ -463,18 +750,45 @@ impl Core {
             // it), in a bucket this server owns.
             let inherited = !local && self.in_grace(now) && self.inherited.contains_key(&g.key) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b));
             let allowed = moved || inherited;
-            if local {
+            if (local || allowed) && !g.p.csum_not_ready && !tcp_checksum_ok(&g.p.data) {
+                // Proves nothing and the kernel drops it too: no relearn, no lookup.
+                self.counters.triggers_rejected += 1;
+                self.out.push_back(Out::Drop { id: g.p.id });
+            } else if local {
                 self.counters.passed_local_socket += 1;
                 let trigger = g.p.data.clone();
                 let bucket = g.p.bucket;
                 self.recovering.insert(g.key, vec![g.p]);
                 self.out.push_back(Out::Relearn { key: g.key, bucket, trigger });
             } else if allowed {
-                self.counters.failovers_started += 1;
-                let trigger = g.p.data.clone();
-                let bucket = g.p.bucket;
-                self.recovering.insert(g.key, vec![g.p]);
-                self.out.push_back(Out::Failover { key: g.key, bucket, trigger });
+                match self.admission.check(now, g.key.client.ip(), g.p.bucket) {
+                    Admit::Go => {
+                        self.counters.failovers_started += 1;
+                        let trigger = g.p.data.clone();
+                        let bucket = g.p.bucket;
+                        self.looking.insert(g.key);
+                        self.recovering.insert(g.key, vec![g.p]);
+                        self.out.push_back(Out::Failover { key: g.key, bucket, trigger });
+                    }
+                    why => {
+                        if g.limited != Some(why) {
+                            g.limited = Some(why);
+                            match why {
+                                Admit::SourceLimited => self.counters.admit_source_limited += 1,
+                                Admit::BucketLimited => self.counters.admit_bucket_limited += 1,
+                                _ => self.counters.admit_busy += 1,
+                            }
+                        }
+                        if now.saturating_sub(g.since) >= ADMIT_WAIT_MS {
+                            // Dropped, not handed to the kernel (whose RST would end a genuine
+                            // connection): its client sends again.
+                            self.counters.admit_dropped += 1;
+                            self.out.push_back(Out::Drop { id: g.p.id });
+                        } else {
+                            keep.push(g);
+                        }
+                    }
+                }
             } else if now.saturating_sub(g.since) >= GATE_WAIT_MS && matches!((g.p.bucket, view), (Some(b), Some(v)) if !v.owns(b)) {
                 // The bucket went to another server while the packet waited: the kernel's
                 // answer (a RST) would be a second server speaking on the connection. The
@@ -486,7 +800,9 @@ impl Core {
                 let (client, bucket) = (g.key.client, g.p.bucket);
                 self.say("failover denied", now, || format!("agent: failover denied for {client} (bucket {bucket:?}): not a recently moved bucket"));
                 self.counters.failovers_denied += 1;
-                self.handed.insert(g.key, (now, g.p.bucket));
+                if self.handed.len() < MAX_REMEMBERED {
+                    self.handed.insert(g.key, (now, g.p.bucket));
+                }
                 self.accept(g.p.id, g.p.data, false, g.p.csum_not_ready);
             } else {
                 keep.push(g);
@@ -563,7 +879,7 @@ impl Core {
                 // silent for good (object sim seed 15223: a hang).
                 Verdict::Unknown => {
                     self.out.push_back(Out::Supersede { key });
-                    self.gate_wait.push(GateWait { key, since: now, p, local: None });
+                    self.gate_wait.push(GateWait { key, since: now, p, local: None, limited: None });
                 }
                 Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
                 Verdict::Held => {
@@ -581,21 +897,95 @@ impl Core {
         self.flush_released();
     }
 
+    /// The store's answer to [`Out::Failover`]: the record of `key` (`Ok(None)`: none). The
+    /// plan is made here, from the record and the client packets that wait for the
+    /// connection, never from whichever packet came first (issue 9 item 4): a packet plans
+    /// only when its checksum is right and [`plan_recovery`] finds it consistent with the
+    /// record (its sequence number in the window at the record's hold, its acknowledgement
+    /// within the bytes the record describes). Packets that do not are dropped (counted); a
+    /// genuine packet that comes later still plans, until [`PLAN_WAIT_MS`]. Returns why the
+    /// failover was refused, if it was (its waiting packets then went to the kernel).
+    pub fn record(&mut self, now: u64, key: Key, bucket: Option<u16>, found: Result<Option<Record>, String>) -> Result<(), String> {
+        if self.looking.remove(&key) {
+            self.admission.done();
+        }
+        if !self.recovering.contains_key(&key) {
+            return Ok(());
+        }
+        let rec = match found {
+            Err(e) => {
+                self.refused(now, key);
+                return Err(format!("store: {e}"));
+            }
+            Ok(None) => {
+                self.refused(now, key);
+                return Err("no record: the connection was not protected".into());
+            }
+            Ok(Some(r)) => r,
+        };
+        if rec.unprotected {
+            self.out.push_back(Out::Destroy { key });
+            self.refused(now, key);
+            return Err("plan: the connection had stopped being protected".into());
+        }
+        self.planning.insert(key, Planning { rec: Box::new(rec), bucket, since: now });
+        self.try_plan(key);
+        Ok(())
+    }
+
+    /// Plans `key`'s failover from its found record and the first waiting packet that plans
+    /// against it (see [`Core::record`]).
+    fn try_plan(&mut self, key: Key) {
+        let Some(pl) = self.planning.get(&key) else { return };
+        let mut chosen = None;
+        let mut keep = Vec::new();
+        for p in self.recovering.remove(&key).unwrap_or_default() {
+            if chosen.is_some() {
+                keep.push(p);
+                continue;
+            }
+            let plan = if p.csum_not_ready || tcp_checksum_ok(&p.data) { Trigger::parse(&p.data).and_then(|(_, t)| plan_recovery(&pl.rec, &t).ok()) } else { None };
+            match plan {
+                Some(plan) => {
+                    chosen = Some((plan, p.data.clone()));
+                    keep.push(p);
+                }
+                None => {
+                    self.counters.triggers_rejected += 1;
+                    self.out.push_back(Out::Drop { id: p.id });
+                }
+            }
+        }
+        self.recovering.insert(key, keep);
+        if let Some((plan, trigger)) = chosen {
+            let pl = self.planning.remove(&key).unwrap();
+            self.out.push_back(Out::Rebuild { key, bucket: pl.bucket, rec: pl.rec, plan: Box::new(plan), trigger });
+        }
+    }
+
     /// A worker gave up on `key`: its waiting packets go to the kernel (which resets it).
     pub fn refused(&mut self, now: u64, key: Key) {
+        if self.looking.remove(&key) {
+            self.admission.done();
+        }
+        let planned_bucket = self.planning.remove(&key).and_then(|p| p.bucket);
         self.inherited.remove(&key);
         // A connection this server left muted when its bucket went away (its socket was
         // destroyed) and that nobody could rebuild: the kernel's RST to the client's packets
         // is its only visible end, which the muted entry would drop (sim seeds 136, 5515).
         self.engine.forget_muted(&key);
         let waiting = self.recovering.remove(&key).unwrap_or_default();
-        if let Some(b) = waiting.iter().find_map(|p| p.bucket) {
-            self.handed.insert(key, (now, Some(b)));
+        if let Some(b) = waiting.iter().find_map(|p| p.bucket).or(planned_bucket) {
+            if self.handed.len() < MAX_REMEMBERED {
+                self.handed.insert(key, (now, Some(b)));
+            }
         }
         for p in waiting {
             self.accept(p.id, p.data, false, p.csum_not_ready);
         }
-        self.refused.insert(key, now);
+        if self.refused.len() < MAX_REMEMBERED || self.refused.contains_key(&key) {
+            self.refused.insert(key, now);
+        }
     }
 
     /// A store operation completed.
@@ -619,7 +1009,10 @@ impl Core {
 
     /// Step 4 (see the module docs).
     pub fn after(&mut self, now: u64, lb: LbView<'_>) {
+        self.clock = now;
+        self.counters.lookups_in_flight = self.admission.in_flight() as u64;
         self.flush_released();
+        self.fence_released(now, lb);
         while let Some(act) = self.engine.poll_action() {
             let (token, kind) = match act {
                 Action::Store { token, conn, value, .. } => (token, OpKind::Set { key: store_key(self.bucket(&conn), &conn).into_bytes(), val: value }),
@@ -631,6 +1024,7 @@ impl Core {
         if now.saturating_sub(self.last_expire) >= EXPIRE_EVERY_MS {
             self.engine.expire(now);
             self.refused.retain(|_, t| now.saturating_sub(*t) < REFUSED_MS);
+            self.admission.expire(now);
             self.handed.retain(|_, h| now.saturating_sub(h.0) < REFUSED_MS);
             // Keep the bucket of every connection the engine still tracks (also between the
             // client's SYN and the SYN-ACK, whose store needs it, and while muted).
@@ -673,6 +1067,7 @@ impl Core {
                 }
             }
             self.flush_released();
+            self.fence_released(now, lb);
         }
         if let (true, Some(v)) = (self.probe, lb.view()) {
             if v.epoch != self.probed_epoch {
@@ -794,4 +1189,70 @@ pub fn elicit_packet(server_pkt: &[u8]) -> Option<Vec<u8>> {
         ..Default::default()
     };
     unbroken_wire::ip::tcp_packet(service.ip(), client.ip(), &r, &[0u8]).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(n: u8) -> IpAddr {
+        IpAddr::from([10, 66, 0, n])
+    }
+
+    const CFG: AdmitConfig = AdmitConfig { per_source_rate: 10, per_source_burst: 3, per_bucket_rate: 100, per_bucket_burst: 5, max_in_flight: 4, max_sources: 2 };
+
+    #[test]
+    fn hostile_admission_caps_lookups_in_flight() {
+        let mut a = Admission::new(CFG);
+        for n in 0..4 {
+            assert_eq!(a.check(0, ip(n), Some(1)), Admit::Go);
+        }
+        assert_eq!(a.check(0, ip(9), Some(2)), Admit::Busy);
+        a.done();
+        assert_eq!(a.check(0, ip(9), Some(2)), Admit::Go);
+        assert_eq!(a.in_flight(), 4);
+    }
+
+    #[test]
+    fn hostile_admission_limits_each_source_and_refills() {
+        let mut a = Admission::new(AdmitConfig { max_in_flight: 100, ..CFG });
+        for _ in 0..3 {
+            assert_eq!(a.check(0, ip(1), Some(1)), Admit::Go);
+            a.done();
+        }
+        assert_eq!(a.check(0, ip(1), Some(1)), Admit::SourceLimited);
+        // Another source is not held back by the first.
+        assert_eq!(a.check(0, ip(2), Some(1)), Admit::Go);
+        a.done();
+        // 10 per second: one token after 100 ms.
+        assert_eq!(a.check(99, ip(1), Some(1)), Admit::SourceLimited);
+        assert_eq!(a.check(100, ip(1), Some(1)), Admit::Go);
+    }
+
+    #[test]
+    fn hostile_admission_limits_each_bucket() {
+        let mut a = Admission::new(AdmitConfig { max_in_flight: 100, max_sources: 100, ..CFG });
+        for n in 0..5 {
+            assert_eq!(a.check(0, ip(n), Some(7)), Admit::Go);
+        }
+        assert_eq!(a.check(0, ip(50), Some(7)), Admit::BucketLimited);
+        assert_eq!(a.check(0, ip(50), Some(8)), Admit::Go, "another bucket has its own budget");
+        // A refused check takes no token from the source.
+        assert_eq!(a.check(10, ip(50), Some(7)), Admit::Go);
+    }
+
+    #[test]
+    fn hostile_admission_sources_beyond_the_cap_share_one_budget_and_full_budgets_are_forgotten() {
+        let mut a = Admission::new(AdmitConfig { max_in_flight: 100, per_bucket_burst: 1000, ..CFG });
+        assert_eq!(a.check(0, ip(1), None), Admit::Go);
+        assert_eq!(a.check(0, ip(2), None), Admit::Go);
+        // Sources 3.. share the overflow budget (burst 3).
+        for n in 3..6 {
+            assert_eq!(a.check(0, ip(n), None), Admit::Go);
+        }
+        assert_eq!(a.check(0, ip(6), None), Admit::SourceLimited);
+        assert_eq!(a.tracked().0, 2);
+        a.expire(10_000);
+        assert_eq!(a.tracked(), (0, 0), "refilled budgets are the same as new ones");
+    }
 }

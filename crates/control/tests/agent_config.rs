@@ -12,6 +12,7 @@ failover_gate = "open"
 
 [store]
 nodes = ["127.0.0.1:6379"]
+record_key = "8f1e2d3c4b5a69788796a5b4c3d2e1f0"
 "#;
 
 #[test]

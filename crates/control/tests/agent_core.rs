@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
-use unbroken_control::agentcore::{Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_WAIT_MS, RESTART_GRACE_MS};
+use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
 use unbroken_control::lb::BucketView;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
@@ -337,6 +337,9 @@ fn store_keys_carry_the_bucket() {
     let syn = t.pkt(Dir::FromClient, 40004, C_ISN, 0, F::SYN, b"");
     assert!(t.accepted(syn));
     t.pkt(Dir::ToClient, 40004, S_ISN, C_ISN + 1, F::SYN | F::ACK, b"");
+    t.tick(false);
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Store(_))), "nothing is stored before the client acknowledges the SYN-ACK (issue 9 item 5)");
+    t.pkt(Dir::FromClient, 40004, C_ISN + 1, S_ISN + 1, F::ACK, b"");
     t.tick(false);
     let keys: Vec<String> = t
         .outs
@@ -675,9 +678,12 @@ fn hostile_flood_of_denied_packets_logs_a_bounded_number_of_lines() {
     t.tick(false);
     let logs = |t: &T| t.outs.iter().filter_map(|o| if let Out::Log(l) = o { Some(l.clone()) } else { None }).collect::<Vec<_>>();
     let lines = logs(&t);
-    assert_eq!(t.core.counters.failovers_denied, N as u64, "every packet still denied and counted");
+    // Beyond the gate's cap (item 3) packets are dropped at once, counted, and not logged.
+    let denied = t.core.counters.failovers_denied;
+    assert_eq!(denied, GATE_MAX_PACKETS as u64, "every packet the gate held was denied and counted");
+    assert_eq!(denied + t.core.counters.gate_full, N as u64, "every packet counted once");
     assert_eq!(lines.len(), BURST as usize, "{:?}...", &lines[..lines.len().min(3)]);
-    assert_eq!(t.core.counters.log_suppressed, (N - BURST) as u64);
+    assert_eq!(t.core.counters.log_suppressed, denied - BURST as u64);
     // The next interval's first line tells how many were suppressed.
     t.take();
     t.now += INTERVAL_MS;
@@ -686,5 +692,236 @@ fn hostile_flood_of_denied_packets_logs_a_bounded_number_of_lines() {
     t.tick(false);
     let lines = logs(&t);
     assert_eq!(lines.len(), 1, "{lines:?}");
-    assert!(lines[0].contains(&format!("({} more like it suppressed)", N - BURST)), "{}", lines[0]);
+    assert!(lines[0].contains(&format!("({} more like it suppressed)", denied - BURST as u64)), "{}", lines[0]);
+}
+
+// ---- issue 9: hostile client packets (items 3, 4 and 5) -----------------------------------------
+
+/// A record of a download in progress on `key(40010)`'s connection: a 100 kB response whose
+/// first 60 kB were sent.
+fn download_record() -> (Record, u32) {
+    let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
+    let header = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n".to_vec();
+    let hl = header.len() as u32;
+    let entry = Entry { req_off: 0, req_len: 50, resp_off: 0, status: 200, body_len: 100_000, header, object_id: b"GET /x HTTP/1.1\r\n".to_vec(), ..Entry::default() };
+    (Record { hs, hold_off: 0, sent_off: 60_000, acked_off: 20_000, entries: vec![entry], ..Record::default() }, hl)
+}
+
+/// A client packet of `key(port)` from `src` (any address), bucket B.
+fn pkt_from(t: &mut T, src: IpAddr, port: u16, seq: u32, ack: u32, bad_csum: bool) -> u32 {
+    t.id += 1;
+    let mut data = build(src, s_ip(), Repr { src_port: port, dst_port: 80, seq: Seq(seq), ack: Seq(ack), flags: F::ACK, window: 500, ..Default::default() }, b"");
+    if bad_csum {
+        data[20 + 16] ^= 0x5a;
+    }
+    let p = Pkt { id: t.id, data, dir: Dir::FromClient, bucket: Some(B), csum_not_ready: false };
+    let (now, view, lease_ok) = (t.now, t.view.take(), t.lease_ok);
+    {
+        let v = view.as_ref().unwrap();
+        t.core.packets(now, LbView::View { v, lease_ok, fresh: true }, [p]);
+    }
+    t.view = view;
+    t.collect();
+    t.id
+}
+
+fn failovers(t: &T) -> Vec<Key> {
+    t.outs.iter().filter_map(|o| if let Out::Failover { key, .. } = o { Some(*key) } else { None }).collect()
+}
+
+/// Issue 9 item 4: a spoofed packet of a connection arrives first in a moved bucket (a valid
+/// checksum, an acknowledgement the record does not describe), one with a wrong checksum
+/// too; the genuine client's packet comes next. The plan comes from the genuine packet and
+/// the record: the rebuilt socket resumes from the client's real position, byte-exact; the
+/// forged packets are dropped, never handed to the kernel (whose RST would end the genuine
+/// connection) and never the plan.
+#[test]
+fn hostile_forged_trigger_first_then_genuine_packet_resumes_from_the_right_offset() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, hl) = download_record();
+    let k = key(40010);
+    let bad = pkt_from(&mut t, c_ip(), 40010, 0x1234_5678, 0x9abc_def0, true);
+    t.tick(false);
+    assert!(t.dropped(bad), "a wrong checksum proves nothing: dropped before any lookup");
+    assert!(failovers(&t).is_empty());
+    // Forged: in-window sequence number even, but acknowledging 2^31 past the record.
+    let forged = pkt_from(&mut t, c_ip(), 40010, C_ISN + 51, S_ISN.wrapping_add(1 << 31), false);
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k], "the first packet only starts the lookup");
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let genuine = pkt_from(&mut t, c_ip(), 40010, C_ISN + 51, genuine_ack, false);
+    t.tick(false);
+    assert!(!t.accepted(forged) && !t.accepted(genuine), "both wait for the record");
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec.clone()))), Ok(()));
+    t.collect();
+    assert!(t.dropped(forged), "the forged trigger is dropped");
+    let rb: Vec<_> = t.outs.iter().filter_map(|o| if let Out::Rebuild { key, plan, trigger, .. } = o { Some((*key, plan.clone(), trigger.clone())) } else { None }).collect();
+    assert_eq!(rb.len(), 1);
+    let (key2, plan, trigger) = &rb[0];
+    assert_eq!(*key2, k);
+    assert_eq!(Trigger::parse(trigger).unwrap().1.ack, genuine_ack, "planned from the genuine packet");
+    assert_eq!(plan.snd_nxt, genuine_ack);
+    assert_eq!(plan.resume.len(), 1);
+    assert_eq!(plan.resume[0].body_from, 30_000 - hl as u64, "resumed at the client's position");
+    assert_eq!(t.core.counters.triggers_rejected, 2);
+    // Rebuilt: the genuine packet goes through the engine.
+    t.take();
+    t.core.adopted(t.now, k, Some(B), &rec, plan);
+    t.collect();
+    assert!(t.accepted(genuine));
+}
+
+/// Only forged packets wait for a found record: nothing plans, the genuine client never
+/// speaks: after PLAN_WAIT_MS the failover is refused (a stale local socket destroyed first),
+/// and nothing forged reached the kernel.
+#[test]
+fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40011);
+    let forged = pkt_from(&mut t, c_ip(), 40011, C_ISN + 51, S_ISN.wrapping_add(1 << 31), false);
+    t.tick(false);
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    assert!(t.dropped(forged));
+    t.now += PLAN_WAIT_MS;
+    t.tick(false);
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Destroy { key } if *key == k)));
+    assert_eq!(t.core.counters.plan_timeouts, 1);
+    assert!(!t.core.recovering(&k));
+}
+
+/// Issue 9 item 3: a flood of bogus ACKs from 20,000 spoofed sources in a bucket that just
+/// moved here. Lookups in flight never exceed the admission's cap, the gate holds at most
+/// GATE_MAX_PACKETS, the lookups over the whole window stay within the bucket's budget, and
+/// every refusal is counted. A genuine client of that bucket still fails over once the flood
+/// is spent.
+#[test]
+fn hostile_bogus_ack_flood_in_a_failover_window_stays_bounded_and_genuine_failovers_complete() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    let mut rng = 0x1234_5678_9abc_def0u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut lookups = 0usize;
+    let start = t.now;
+    for round in 0..60u64 {
+        for _ in 0..400 {
+            let r = next();
+            let src = IpAddr::from([10, 66, (r >> 8) as u8, r as u8]);
+            pkt_from(&mut t, src, 20000 + (r >> 16) as u16 % 10000, (r >> 20) as u32, (r >> 32) as u32, false);
+        }
+        t.tick(false);
+        let keys = failovers(&t);
+        lookups += keys.len();
+        assert!(t.core.admission.in_flight() <= cfg.max_in_flight);
+        t.take();
+        // The store finds no record for any of them (each answered 20 ms later).
+        for k in keys {
+            let _ = t.core.record(t.now, k, Some(B), Ok(None));
+        }
+        t.collect();
+        t.take();
+        t.now += 20;
+        let _ = round;
+    }
+    let c = t.core.counters;
+    let secs = (t.now - start).div_ceil(1000);
+    assert!(lookups as u64 <= cfg.per_bucket_burst + cfg.per_bucket_rate * secs, "{lookups} lookups: {c:?}");
+    assert!(c.gate_full > 0 && c.admit_dropped > 0 && (c.admit_bucket_limited + c.admit_busy) > 0, "{c:?}");
+    let (sources, buckets) = t.core.admission.tracked();
+    assert!(sources <= cfg.max_sources && buckets <= 1);
+    // The flood stops; the bucket's budget refills; a genuine client's packet fails over.
+    t.now += 4000;
+    t.tick(false);
+    for k in failovers(&t) {
+        let _ = t.core.record(t.now, k, Some(B), Ok(None));
+    }
+    t.take();
+    assert_eq!(t.core.admission.in_flight(), 0);
+    let (rec, _) = download_record();
+    let g = pkt_from(&mut t, c_ip(), 40012, C_ISN + 51, S_ISN + 1 + 30_000, false);
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![key(40012)], "{:?} in flight {} dropped {}", t.core.counters, t.core.admission.in_flight(), t.dropped(g));
+    t.take();
+    assert_eq!(t.core.record(t.now, key(40012), Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Rebuild { key: k2, .. } if *k2 == key(40012))));
+    assert!(!t.dropped(g));
+}
+
+/// One spoofed source is held to its own budget, and a second request for the same key
+/// within the negative cache's life costs no lookup.
+#[test]
+fn hostile_one_source_is_rate_limited_and_refused_keys_are_remembered() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    let src: IpAddr = "10.66.1.1".parse().unwrap();
+    let mut lookups = 0;
+    for i in 0..1000u32 {
+        pkt_from(&mut t, src, 20000 + (i % 5000) as u16, i, i, false);
+    }
+    t.tick(false);
+    for _ in 0..30 {
+        let keys = failovers(&t);
+        lookups += keys.len();
+        t.take();
+        for k in keys {
+            let _ = t.core.record(t.now, k, Some(B), Ok(None));
+        }
+        t.collect();
+        t.take();
+        t.tick(false);
+    }
+    assert_eq!(lookups as u64, cfg.per_source_burst, "one source: its burst, no more (no time passed)");
+    assert!(t.core.counters.admit_source_limited > 0);
+    // A refused key's next packet passes at once (to the kernel), no lookup.
+    let id = pkt_from(&mut t, src, 20000, 5, 5, false);
+    assert!(t.accepted(id));
+    assert!(failovers(&t).is_empty());
+    assert!(t.core.counters.negative_hits >= 1);
+}
+
+/// Issue 9 item 5 through the core: a SYN flood (SYN and SYN-ACK for each of 3000 ports)
+/// issues no store request; a genuine connection set up before stays protected.
+#[test]
+fn hostile_syn_flood_through_the_core_issues_no_store_request() {
+    let mut t = T::new();
+    // The genuine connection's handshake is stored once its client acknowledges the SYN-ACK
+    // (`connect` answers that store).
+    t.connect(40020);
+    assert_eq!(t.core.counters.store_submitted, 1);
+    for port in 1000..4000u16 {
+        t.pkt(Dir::FromClient, port, port as u32 * 7919, 0, F::SYN, b"");
+        t.pkt(Dir::ToClient, port, port as u32, port as u32 * 7919 + 1, F::SYN | F::ACK, b"");
+    }
+    t.tick(false);
+    assert!(!t.outs.iter().any(|o| matches!(o, Out::Store(_))), "no store request for the flood");
+    assert_eq!(t.core.engine.is_protected(&key(40020)), Some(true));
+}
+
+/// After an agent restart, a packet with a wrong checksum for a connection a local socket
+/// serves relearns nothing (a forged one would otherwise leave the connection learned
+/// unprotected when its record did not plan); the genuine packet then does.
+#[test]
+fn hostile_bad_checksum_packet_never_relearns_a_local_connection() {
+    let mut t = T::restarted();
+    let bad = pkt_from(&mut t, c_ip(), 40030, C_ISN + 51, S_ISN + 1 + 2500, true);
+    t.tick(true);
+    assert!(t.dropped(bad));
+    assert!(t.relearns().is_empty());
+    let good = pkt_from(&mut t, c_ip(), 40030, C_ISN + 51, S_ISN + 1 + 2500, false);
+    t.tick(true);
+    assert!(!t.dropped(good));
+    assert_eq!(t.relearns().len(), 1);
 }

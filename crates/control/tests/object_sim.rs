@@ -106,6 +106,11 @@ const RELEARN_RETRY_MS: u64 = 300;
 const BOUND_MS: u64 = 30_000;
 /// A view older than this is not fresh (agent::run).
 const FRESH_MS: u64 = 100;
+/// The attacker's flood after each bucket move: this long, this many bogus ACKs per ms, from
+/// these ports (never a client's) of random addresses in 10.66.0.0/16.
+const FLOOD_MS: u64 = 150;
+const FLOOD_PER_MS: u64 = 4;
+const ATTACKER_PORTS: std::ops::Range<u16> = 20000..30000;
 
 fn det_cfg() -> DetectorConfig {
     DetectorConfig { servers: NSRV, buckets: BUCKETS, dead_after_ms: 100, lease_ms: 90, revive_hold_ms: 200, startup_grace_ms: 300, failover_window_ms: 60_000 }
@@ -341,6 +346,16 @@ impl HostModel {
     /// A client packet the agent let through to the kernel.
     fn input(&mut self, pkt: &[u8], objects: &[Vec<u8>]) {
         let Some(s) = parse(pkt) else { return };
+        if let Ok(IpInfo { src: IpAddr::V4(src), .. }) = IpInfo::parse(pkt) {
+            if src != CLIENT_IP {
+                // The attacker's spoofed address: no socket, the kernel resets it.
+                if s.flags & F::RST == 0 {
+                    let r = Repr { src_port: 80, dst_port: s.src_port, seq: Seq(s.ack), flags: F::RST, window: 0, ..Default::default() };
+                    self.tx.push(build(VIP, src, r, &[]));
+                }
+                return;
+            }
+        }
         let key = key_of_port(s.src_port);
         let port = s.src_port;
         if s.flags & F::RST != 0 {
@@ -768,6 +783,12 @@ struct Scenario {
     reorder: f64,
     /// One-way latency of the client path (ms).
     latency: u64,
+    /// An attacker (issue 9 items 3 and 4): at every bucket move it sends each moved
+    /// connection's new owner a forged ACK of that connection (a valid checksum, random
+    /// numbers) and one with a wrong checksum, before the genuine client speaks; and for
+    /// `FLOOD_MS` a flood of bogus ACKs from random spoofed addresses and ports. Its packets
+    /// use their own random stream (the scenario's stays as it was).
+    flood: bool,
 }
 
 impl Scenario {
@@ -815,10 +836,10 @@ impl Scenario {
         let dup = [0.0, 0.01][r.below(2) as usize];
         let reorder = [0.0, 0.02][r.below(2) as usize];
         let latency = r.range(1, 3);
-        Scenario { seed, faults, heal, loss, dup, reorder, latency }
+        Scenario { seed, faults, heal, loss, dup, reorder, latency, flood: seed.is_multiple_of(2) }
     }
     fn describe(&self) -> String {
-        let mut s = format!("seed {} (latency {} ms, loss {}, dup {}, reorder {}, heal at {} ms) faults:", self.seed, self.latency, self.loss, self.dup, self.reorder, self.heal);
+        let mut s = format!("seed {} (latency {} ms, loss {}, dup {}, reorder {}, heal at {} ms, attacker {}) faults:", self.seed, self.latency, self.loss, self.dup, self.reorder, self.heal, self.flood);
         if self.faults.is_empty() {
             s += " none";
         }
@@ -860,6 +881,13 @@ struct Report {
     /// RSTs that reached a client after its application had completed and closed.
     late_resets: u64,
     first_late_reset: Option<u64>,
+    /// The attacker's packets: forged triggers of genuine connections, bogus ACKs.
+    forged: u64,
+    bogus: u64,
+    /// Client packets the cores refused to plan from (forged ones, mostly).
+    triggers_rejected: u64,
+    /// Most store lookups in flight at one core.
+    max_lookups: u64,
 }
 
 impl Report {
@@ -886,6 +914,10 @@ impl Report {
             self.first_unfenced = o.first_unfenced;
         }
         self.late_resets += o.late_resets;
+        self.forged += o.forged;
+        self.bogus += o.bogus;
+        self.triggers_rejected += o.triggers_rejected;
+        self.max_lookups = self.max_lookups.max(o.max_lookups);
         if self.first_late_reset.is_none() {
             self.first_late_reset = o.first_late_reset;
         }
@@ -924,6 +956,9 @@ struct Sim {
     verbose: bool,
     failure: Option<String>,
     report: Report,
+    /// The attacker's own random stream, and the end of its current flood.
+    atk: Rng,
+    flood_until: u64,
 }
 
 fn outcome_done(o: Outcome) -> bool {
@@ -1028,6 +1063,8 @@ impl Sim {
             failure: None,
             report: Report::default(),
             rng,
+            atk: Rng::new(sc.seed ^ 0xA77A_C4E5),
+            flood_until: 0,
             sc,
         };
         for _ in 0..NSRV {
@@ -1203,6 +1240,43 @@ impl Sim {
         }
     }
 
+    /// The attacker's packet toward the LB (its own path: no loss, no use of the scenario's
+    /// random stream).
+    fn attacker_send(&mut self, pkt: Vec<u8>) {
+        self.order += 1;
+        self.net.push((self.now + self.sc.latency, self.order, false, pkt));
+    }
+
+    /// Forged ACKs of the genuine connection on `port`, sent as its bucket moves (so they
+    /// reach the new owner before the client's own packets): one with a valid checksum whose
+    /// acknowledgement lies 2^31 past what the stored record describes (random when there is
+    /// no record), and one with a wrong checksum. Neither may decide the recovery plan.
+    fn forge(&mut self, port: u16) {
+        let skey = store_key(Some(bucket_of(port)), &key_of_port(port)).into_bytes();
+        let far = self.store.data.get(&skey).and_then(|v| Record::decode(v).ok()).map(|r| r.hs.iss.wrapping_add(1).wrapping_add(r.sent_off as u32).wrapping_add(1 << 31));
+        let ack = far.unwrap_or(self.atk.next() as u32).wrapping_add(self.atk.below(1 << 20) as u32);
+        let r = Repr { src_port: port, dst_port: 80, seq: Seq(self.atk.next() as u32), ack: Seq(ack), flags: F::ACK, window: 500, ..Default::default() };
+        let good = build(CLIENT_IP, VIP, r, &[]);
+        let mut bad = build(CLIENT_IP, VIP, Repr { seq: Seq(self.atk.next() as u32), ack: Seq(self.atk.next() as u32), ..r }, &[]);
+        bad[20 + 16] ^= 0x5a;
+        self.note(format!("attacker forges {}", describe(&good)));
+        self.attacker_send(good);
+        self.attacker_send(bad);
+        self.report.forged += 2;
+    }
+
+    /// One ms of the bogus-ACK flood.
+    fn flood(&mut self) {
+        for _ in 0..FLOOD_PER_MS {
+            let src = Ipv4Addr::new(10, 66, self.atk.below(256) as u8, self.atk.below(256) as u8);
+            let port = ATTACKER_PORTS.start + self.atk.below((ATTACKER_PORTS.end - ATTACKER_PORTS.start) as u64) as u16;
+            let r = Repr { src_port: port, dst_port: 80, seq: Seq(self.atk.next() as u32), ack: Seq(self.atk.next() as u32), flags: F::ACK, window: 500, ..Default::default() };
+            let pkt = build(src, VIP, r, &[]);
+            self.attacker_send(pkt);
+            self.report.bogus += 1;
+        }
+    }
+
     fn install(&mut self, epoch: u32, w: Vec<u16>) {
         let moved: Vec<usize> = (0..BUCKETS as usize).filter(|&b| self.table[b] != w[b]).collect();
         // A connection whose bucket leaves a live server that did not have it protected (or
@@ -1215,7 +1289,13 @@ impl Sim {
                 if let Some(why) = self.unrecoverable_at(old, p) {
                     self.excuse(p, &format!("its bucket left server {old}, {why}"));
                 }
+                if self.sc.flood && !self.clients.iter().any(|c| c.port == p && outcome_done(c.outcome)) {
+                    self.forge(p);
+                }
             }
+        }
+        if self.sc.flood && !moved.is_empty() {
+            self.flood_until = self.now + FLOOD_MS;
         }
         self.note(format!("LB: table epoch {epoch} installed, buckets moved: {moved:?} -> {:?}", moved.iter().map(|&b| w[b]).collect::<Vec<_>>()));
         self.table = w;
@@ -1363,6 +1443,7 @@ impl Sim {
         }
         // 4: after
         agent.core.after(now, lb!());
+        self.report.max_lookups = self.report.max_lookups.max(agent.core.counters.lookups_in_flight);
         self.drive(s, &mut agent);
         self.srv[s].agent = Some(agent);
     }
@@ -1414,6 +1495,30 @@ impl Sim {
                         self.fail(format!("srv{s} learns {} back from a stale local socket (the client acknowledges bytes it never sent)", key.client.port()));
                     }
                     agent.workers.push(Worker { key, bucket, trigger, relearn: true, started: self.now, at: self.now, stage: WStage::Get });
+                }
+                Out::Rebuild { key, bucket, rec, plan, trigger } => {
+                    self.note(format!("srv{s} plans {} by {}: {:?} acked_off={}", key.client.port(), describe(&trigger), plan.case, plan.acked_off));
+                    // A socket of this address pair is in the way: quiesce, destroy (its RST
+                    // goes out through the queue, where the muted entry drops it).
+                    let now = self.now;
+                    if let Some(h) = self.srv[s].host.as_mut() {
+                        if let Some(c) = h.conns.remove(&key) {
+                            agent.core.quiesce(now, key);
+                            h.emit(key.client.port(), c.seq0.wrapping_add(c.nxt as u32), c.rcv_nxt, F::RST | F::ACK, &[], None);
+                        }
+                    }
+                    let at = now + self.rng.range(1, 3);
+                    agent.workers.push(Worker { key, bucket, trigger, relearn: false, started: now, at, stage: WStage::Rebuild(Box::new((*rec, *plan))) });
+                }
+                Out::Destroy { key } => {
+                    if let Some(h) = self.srv[s].host.as_mut() {
+                        if let Some(c) = h.conns.remove(&key) {
+                            if !c.adopted {
+                                h.emit(key.client.port(), c.seq0.wrapping_add(c.nxt as u32), c.rcv_nxt, F::RST | F::ACK, &[], None);
+                            }
+                            self.note(format!("srv{s} stale socket of {} destroyed (failover refused)", key.client.port()));
+                        }
+                    }
                 }
                 Out::Supersede { key } | Out::Silence { key } => {
                     let silence = matches!(o, Out::Silence { .. });
@@ -1508,6 +1613,22 @@ impl Sim {
                         }
                     }
                 },
+                WStage::Read if !w.relearn => {
+                    // The failover lookup: the core plans from the record.
+                    let skey = store_key(w.bucket, &key).into_bytes();
+                    let found = match self.store.data.get(&skey) {
+                        None => Ok(None),
+                        Some(v) => Record::decode(v).map(Some).map_err(|e| format!("record: {e}")),
+                    };
+                    let bucket = w.bucket;
+                    agent.workers.remove(i);
+                    if let Err(why) = agent.core.record(now, key, bucket, found) {
+                        self.report.refused += 1;
+                        self.note(format!("srv{s} refused {port}: {why}"));
+                    }
+                    self.drive(s, agent);
+                    continue;
+                }
                 WStage::Read => {
                     let skey = store_key(w.bucket, &key).into_bytes();
                     let got = self.store.data.get(&skey).cloned();
@@ -1544,20 +1665,7 @@ impl Sim {
                             self.drive(s, agent);
                             continue;
                         }
-                        Err(e) => finish = Some(Err(e)),
-                        Ok((rec, plan)) => {
-                            // A socket of this address pair is in the way: quiesce, destroy
-                            // (its RST goes out through the queue, where the muted entry
-                            // drops it).
-                            if let Some(h) = self.srv[s].host.as_mut() {
-                                if let Some(c) = h.conns.remove(&key) {
-                                    agent.core.quiesce(now, key);
-                                    h.emit(port, c.seq0.wrapping_add(c.nxt as u32), c.rcv_nxt, F::RST | F::ACK, &[], None);
-                                }
-                            }
-                            w.at = now + self.rng.range(1, 3);
-                            w.stage = WStage::Rebuild(Box::new((rec, plan)));
-                        }
+                        _ => unreachable!("failover lookups are planned by the core"),
                     }
                 }
                 WStage::Rebuild(rp) => {
@@ -1758,6 +1866,11 @@ impl Sim {
         }
         due.sort_by_key(|d| (d.0, d.1));
         for (_, _, to_client, pkt) in due {
+            if to_client && parse(&pkt).is_some_and(|g| ATTACKER_PORTS.contains(&g.dst_port)) {
+                // An answer to the attacker's bogus ACKs (the kernel's RST, a probe): not a
+                // client's business.
+                continue;
+            }
             if to_client {
                 if let Some(seg) = parse(&pkt) {
                     if let Some(ci) = self.client_idx(seg.dst_port) {
@@ -1993,6 +2106,9 @@ impl Sim {
         }
         self.heartbeats();
         self.lb_step();
+        if self.sc.flood && now < self.flood_until {
+            self.flood();
+        }
         self.client_step();
         for s in 0..NSRV {
             self.agent_step(s);
@@ -2087,6 +2203,7 @@ impl Sim {
                 r.muted += a.core.counters.muted;
                 r.fenced_dropped += a.core.counters.fenced_dropped;
                 r.superseded += a.core.engine.counters.superseded;
+                r.triggers_rejected += a.core.counters.triggers_rejected;
             }
         }
         r.end_ms = self.now;
@@ -2276,4 +2393,25 @@ fn replay() {
         Ok(r) => println!("seed {seed} passed: {r:?}"),
         Err(e) => panic!("{e}"),
     }
+}
+
+/// Issue 9 items 3 and 4 in the simulation: every bucket move brings forged ACKs of each
+/// moved connection to its new owner ahead of the client's own packets (one checksummed,
+/// acknowledging what the record does not describe; one with a wrong checksum), and a flood
+/// of bogus ACKs from spoofed addresses in the failover window. Every invariant holds as
+/// without the attacker (byte-exact streams, no unexcused RST, never two senders, no hang),
+/// genuine failovers complete, no forged packet decides a plan, and no core has more store
+/// lookups in flight than its admission allows.
+#[test]
+fn hostile_forged_triggers_and_bogus_ack_floods_in_failover_windows() {
+    if std::env::var("SIM_SEED").is_ok() {
+        return;
+    }
+    let n = 600 * scale();
+    let r = run_many(100_001, n, |sc| sc.flood = true);
+    println!("{n} seeds with the attacker: {r:?}");
+    assert!(r.bogus > n * 100 && r.forged > n / 2, "the attacker must have attacked: {r:?}");
+    assert!(r.adopted > n / 10 && r.triggers_rejected > n / 4, "{r:?}");
+    assert!(r.max_lookups <= unbroken_control::agentcore::AdmitConfig::default().max_in_flight as u64, "{r:?}");
+    assert!(r.completed > r.conns * 9 / 10, "{r:?}");
 }

@@ -130,6 +130,24 @@ fn table1_syn_ack_stores_handshake_off_the_critical_path() {
     assert_eq!((rec.hold_off, rec.sent_off, rec.entries.len()), (0, 0, 0));
 }
 
+/// Issue 9 item 5: the handshake is stored once the client proves it received the SYN-ACK
+/// (its ACK of it), not at the SYN-ACK: a spoofed SYN's SYN-ACK goes to an address that never
+/// answers, so a SYN flood costs no store write. A blind ACK that does not acknowledge the
+/// SYN-ACK stores nothing either.
+#[test]
+fn hostile_handshake_stored_only_once_the_client_acknowledges_the_syn_ack() {
+    let mut t = T::new();
+    let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN), flags: F::SYN, window: 64240, ..Default::default() };
+    t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b""));
+    let sa = Repr { src_port: 80, dst_port: 40000, seq: Seq(S_ISN), ack: Seq(cs(0)), flags: F::SYN | F::ACK, window: 65160, ..Default::default() };
+    t.send(Dir::ToClient, build(s_ip(), c_ip(), sa, b""));
+    assert!(t.store_all().is_empty(), "nothing stored at the SYN-ACK");
+    t.c(cs(0), S_ISN.wrapping_sub(1000), F::ACK, b"");
+    assert!(t.store_all().is_empty(), "an ACK that does not acknowledge the SYN-ACK proves nothing");
+    t.c(cs(0), ss(0), F::ACK, b"");
+    assert_eq!(t.store_all().len(), 1, "the handshake record");
+}
+
 #[test]
 fn table1_request_ack_dropped_resp1_held_until_stored_then_acks_lowered() {
     let mut t = T::new();
@@ -1324,4 +1342,199 @@ fn hostile_response_without_a_strong_validator_is_not_protected() {
     let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, hdr);
     assert_eq!(v, Verdict::Held);
     assert_eq!(t.e.counters.unprotected, 0);
+}
+
+// ---- issue 9: hostile client packets (items 2 and 5) --------------------------------------------
+
+/// `p` with its TCP checksum broken.
+fn bad_csum(mut p: Vec<u8>) -> Vec<u8> {
+    let info = IpInfo::parse(&p).unwrap();
+    p[info.l4_offset + 16] ^= 0x5a;
+    p
+}
+
+/// Store and delete actions issued so far (completed successfully).
+fn actions(t: &mut T) -> (usize, usize) {
+    let (mut st, mut del) = (0, 0);
+    while let Some(a) = t.e.poll_action() {
+        match a {
+            Action::Store { token, .. } => {
+                st += 1;
+                t.e.store_done(token, true);
+            }
+            Action::Delete { token, .. } => {
+                del += 1;
+                t.e.store_done(token, true);
+            }
+        }
+    }
+    (st, del)
+}
+
+/// A download in progress: request 1, response 1 partly sent (3000-byte body, 1000 sent).
+fn download(t: &mut T) -> u32 {
+    t.handshake();
+    let l1 = REQ.len() as u32;
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(1000, 1));
+    assert_eq!(t.s(ss(0), cs(l1), F::ACK | F::PSH, &p1).0, Verdict::Held);
+    t.store_all();
+    assert_eq!(t.released().len(), 1);
+    assert_eq!(t.c(cs(l1), ss(p1.len() as u32), F::ACK, b""), Verdict::Accept { modified: false });
+    t.store_all();
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    p1.len() as u32
+}
+
+/// Blind RSTs from a spoofed client address: out of the window (dropped), in the window at
+/// another number (dropped, answered by one challenge ACK that acknowledges no more than the
+/// client was told), or exact with a wrong checksum (dropped). None deletes the record or ends
+/// protection. The client's own exact RST still ends the connection and deletes its record.
+#[test]
+fn hostile_blind_rst_keeps_protection_and_the_record_exact_rst_ends_it() {
+    let mut t = T::new();
+    let sent = download(&mut t);
+    let l1 = REQ.len() as u32;
+    assert_eq!(t.c(cs(l1).wrapping_add(1 << 30), 0, F::RST, b""), Verdict::Drop, "out of the window");
+    assert_eq!(t.c(cs(l1) + 700, 0, F::RST, b""), Verdict::Drop, "in the window, not exact");
+    assert_eq!(t.c(cs(l1) + 900, 0, F::RST | F::ACK, b""), Verdict::Drop, "another one: rate-limited challenge");
+    let (v, _) = t.send(Dir::FromClient, bad_csum(from_c(cs(l1), 0, F::RST, b"")));
+    assert_eq!(v, Verdict::Drop, "exact but a wrong checksum");
+    assert_eq!(actions(&mut t), (0, 0), "no delete, no store");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!((t.e.counters.rst_dropped, t.e.counters.rst_challenged, t.e.counters.bad_checksum, t.e.counters.rst_exact), (1, 2, 1, 0));
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1, "one challenge ACK per {} ms", trods::CHALLENGE_EVERY_MS);
+    let r = injected_ack(&inj[0]);
+    assert_eq!((r.seq, r.ack), (Seq(ss(sent)), Seq(cs(0))), "the server's next byte; the request stays unacknowledged");
+    // The download goes on, protected.
+    let (v, _) = t.s(ss(sent), cs(l1), F::ACK, &body(500, 2));
+    assert!(matches!(v, Verdict::Accept { .. }));
+    // The client's own RST: exact.
+    assert_eq!(t.c(cs(l1), 0, F::RST, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 1), "its record is deleted");
+    assert_eq!(t.e.is_protected(&key()), None);
+    assert_eq!(t.e.counters.rst_exact, 1);
+}
+
+/// A client answering a challenge ACK puts its acknowledgement number in its RST: that is
+/// exact too (a client that lost the connection and reconnects from the same port).
+#[test]
+fn hostile_syn_on_a_protected_download_gets_a_challenge_not_a_new_connection() {
+    let mut t = T::new();
+    download(&mut t);
+    let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN + 77_777), flags: F::SYN, window: 64240, mss: Some(1400), ..Default::default() };
+    let (v, _) = t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b""));
+    assert_eq!(v, Verdict::Drop, "a SYN with a new number on a live protected connection");
+    assert_eq!(actions(&mut t), (0, 0), "the record stays");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!(t.e.counters.syn_challenged, 1);
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1);
+    let r = injected_ack(&inj[0]);
+    // A retransmission of the connection's own SYN changes nothing.
+    let syn0 = Repr { seq: Seq(C_ISN), ..syn };
+    assert_eq!(t.send(Dir::FromClient, build(c_ip(), s_ip(), syn0, b"")).0, Verdict::Accept { modified: false });
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    // The real client had lost the connection: it answers the challenge with a RST at the
+    // challenge's acknowledgement number, which ends it here; its next SYN is a new one.
+    assert_eq!(t.c(r.ack.0, 0, F::RST, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 1));
+    assert_eq!(t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b"")).0, Verdict::Accept { modified: false });
+    assert!(t.e.handshake_pending(&key()));
+}
+
+/// Blind FINs: out of the window, ahead of the client's stream, or with a wrong checksum: no
+/// delete, still protected. A forged data segment out of the window adds no request. The
+/// genuine FIN at the stream's end deletes the record.
+#[test]
+fn hostile_blind_fin_and_data_leave_the_record_alone() {
+    let mut t = T::new();
+    download(&mut t);
+    let l1 = REQ.len() as u32;
+    assert_eq!(t.c(cs(l1).wrapping_add(1 << 31), ss(0), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(l1) + 5000, ss(0), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    let (v, _) = t.send(Dir::FromClient, bad_csum(from_c(cs(l1), ss(0), F::ACK | F::FIN, b"")));
+    assert_eq!(v, Verdict::Drop);
+    let (v, _) = t.send(Dir::FromClient, from_c(cs(l1).wrapping_add(1 << 31), ss(0), F::ACK | F::PSH, REQ));
+    assert_eq!(v, Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0));
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!((t.e.counters.out_of_window, t.e.counters.fin_deferred, t.e.counters.bad_checksum), (2, 1, 1));
+    // The real FIN, at the end of the client's stream.
+    assert_eq!(t.c(cs(l1), ss(0), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 1));
+}
+
+/// A FIN that arrives before the bytes ahead of it (reordering) closes the connection once
+/// the stream reaches it.
+#[test]
+fn a_fin_ahead_of_a_gap_closes_when_the_stream_reaches_it() {
+    let mut t = T::new();
+    t.handshake();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, &REQ[..10]);
+    t.store_all();
+    assert_eq!(t.c(cs(20), ss(0), F::ACK | F::FIN, &REQ[20..]), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0));
+    t.c(cs(10), ss(0), F::ACK, &REQ[10..20]);
+    assert_eq!(t.e.counters.client_gaps, 1);
+    // The bytes after the gap come again (the kernel had them queued; the client's
+    // retransmission, here), then the stream reaches the FIN.
+    t.c(cs(20), ss(0), F::ACK | F::FIN, &REQ[20..]);
+    let (_, del) = actions(&mut t);
+    assert_eq!(del, 1);
+}
+
+/// A SYN flood (a SYN and the kernel's SYN-ACK for each of 5000 spoofed ports): no store
+/// write, the tables stay within their caps (oldest half-open entries evicted), and a genuine
+/// download stays protected throughout; the half-open entries left expire after `syn_ms`.
+#[test]
+fn hostile_syn_flood_makes_no_store_writes_and_stays_bounded() {
+    let cfg = Config { max_conns: 256, max_syns: 128, ..Config::default() };
+    let mut t = T { e: Engine::new(cfg.clone()), id: 0, now: 1000 };
+    let sent = download(&mut t);
+    for i in 0..5000u32 {
+        let port = 1024 + (i % 60000) as u16;
+        let syn = Repr { src_port: port, dst_port: 80, seq: Seq(i.wrapping_mul(7919)), flags: F::SYN, window: 64240, ..Default::default() };
+        let (v, _) = t.send(Dir::FromClient, build("10.99.0.9".parse().unwrap(), s_ip(), syn, b""));
+        assert_eq!(v, Verdict::Accept { modified: false });
+        if i % 3 != 0 {
+            let sa = Repr { src_port: 80, dst_port: port, seq: Seq(i), ack: Seq(i.wrapping_mul(7919).wrapping_add(1)), flags: F::SYN | F::ACK, window: 65160, ..Default::default() };
+            t.send(Dir::ToClient, build(s_ip(), "10.99.0.9".parse().unwrap(), sa, b""));
+        }
+        assert!(t.e.connections() <= cfg.max_conns, "connections {} over the cap", t.e.connections());
+        if i % 500 == 0 {
+            t.now += 10;
+            t.e.expire(t.now);
+        }
+    }
+    assert_eq!(actions(&mut t), (0, 0), "no store write and no delete for the flood");
+    assert!(t.e.counters.half_open_evicted > 3000 && t.e.counters.syns_evicted > 0, "{:?}", t.e.counters);
+    assert_eq!(t.e.counters.conns_refused, 0);
+    assert_eq!(t.e.is_protected(&key()), Some(true), "the genuine download stays protected");
+    let l1 = REQ.len() as u32;
+    let (v, _) = t.s(ss(sent), cs(l1), F::ACK, &body(500, 2));
+    assert!(matches!(v, Verdict::Accept { .. }));
+    t.now += cfg.syn_ms;
+    t.e.expire(t.now);
+    assert_eq!(t.e.connections(), 1, "half-open entries expire after syn_ms");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!(actions(&mut t), (0, 0));
+}
+
+/// A table full of protected downloads refuses a new connection (counted) rather than evict
+/// one of them.
+#[test]
+fn hostile_full_table_never_evicts_a_protected_download() {
+    let cfg = Config { max_conns: 1, ..Config::default() };
+    let mut t = T { e: Engine::new(cfg), id: 0, now: 1000 };
+    download(&mut t);
+    let syn = Repr { src_port: 555, dst_port: 80, seq: Seq(1), flags: F::SYN, window: 64240, ..Default::default() };
+    t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b""));
+    let sa = Repr { src_port: 80, dst_port: 555, seq: Seq(9), ack: Seq(2), flags: F::SYN | F::ACK, window: 65160, ..Default::default() };
+    t.send(Dir::ToClient, build(s_ip(), c_ip(), sa, b""));
+    assert_eq!(t.e.connections(), 1);
+    assert_eq!(t.e.counters.conns_refused, 1);
+    assert_eq!(t.e.is_protected(&key()), Some(true));
 }

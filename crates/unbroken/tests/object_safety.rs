@@ -853,6 +853,136 @@ fn bogus_ack_does_not_start_failover() {
     eprintln!("{name}: ok in {} ms", t.elapsed().as_millis());
 }
 
+/// Threads of process `pid` (its /proc task entries).
+fn threads_of(pid: i64) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count())
+}
+
+/// Counts RSTs reaching the client namespace on client port `port` (an iptables rule without
+/// a target); [`port_rsts`] reads it. The bogus ACKs' own RSTs go to other ports.
+fn count_port_rsts(env: &ObjectEnv, port: u16) {
+    let st = lab::in_ns(env.lab.client(), || {
+        Command::new("iptables")
+            .args(["-I", "INPUT", "-p", "tcp", "--dport", &port.to_string(), "--tcp-flags", "RST", "RST", "-m", "comment", "--comment", "ub-port-rst"])
+            .status()
+    })
+    .expect("client namespace")
+    .expect("iptables");
+    assert!(st.success(), "iptables: {st}");
+}
+
+fn port_rsts(env: &ObjectEnv) -> u64 {
+    let out = lab::in_ns(env.lab.client(), || Command::new("iptables").args(["-L", "INPUT", "-v", "-x", "-n"]).output())
+        .expect("client namespace")
+        .expect("iptables");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.contains("ub-port-rst"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .expect("the port's RST counter")
+}
+
+/// Redis's `connected_clients`, asked from the store's namespace.
+fn redis_clients(env: &ObjectEnv) -> Option<u64> {
+    let out = lab::in_ns(env.lab.store(), || {
+        Command::new("redis-cli")
+            .args(["-h", &addr::STORE_V4.to_string(), "-p", &addr::REDIS_PORT.to_string(), "INFO", "clients"])
+            .output()
+    })
+    .ok()?
+    .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines().find_map(|l| l.strip_prefix("connected_clients:")).and_then(|v| v.trim().parse().ok())
+}
+
+/// Issue 9 item 3 in namespaces: a 64 MiB download's server loses power at 30 %; once the LB
+/// has moved its buckets (the failover window), 20,000 bogus ACKs from the client's address
+/// and spoofed ports flood the survivors. The download still fails over byte-exact with no
+/// RST at the client; the survivors' thread counts and the store's client count stay bounded
+/// (one thread and one store connection per unknown key, before); the flood's lookups are
+/// refused for lack of a record, rate-limited or remembered, and counted.
+#[test]
+fn hostile_bogus_ack_flood_in_the_failover_window_keeps_a_download_exact() {
+    let name = "hostile_bogus_ack_flood";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let t = Instant::now();
+    let mut env = start(name, opts());
+    let size = 64u64 << 20;
+    let want = object(&env, "big.bin", size, 11);
+    count_port_rsts(&env, 41000);
+    let mut dl = curl(&env, "/big.bin", 41000, RATE, want.clone());
+    assert!(dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)), "{name}: download did not reach 30 %");
+    let srv = dl.server(&env);
+    let survivors: Vec<usize> = (1..=3).filter(|&i| i != srv).collect();
+    let pids: Vec<i64> = survivors.iter().map(|&i| env.agent_status(i).map_or(0, |v| v["pid"].as_i64().unwrap_or(0))).collect();
+    let threads_before: Vec<usize> = pids.iter().map(|&p| threads_of(p)).collect();
+    let clients_before = redis_clients(&env);
+    env.crash(srv).expect("crash");
+    let detect = wait_lb_down(&env, srv, Duration::from_secs(3)).expect("LB never declared the server down");
+    // The flood, from another thread, while the thread counts are watched.
+    let stop = AtomicBool::new(false);
+    let (max_threads, max_clients) = std::thread::scope(|sc| {
+        let watcher = sc.spawn(|| {
+            let (mut mt, mut mc) = (vec![0usize; pids.len()], 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                for (m, &p) in mt.iter_mut().zip(&pids) {
+                    *m = (*m).max(threads_of(p));
+                }
+                mc = mc.max(redis_clients(&env).unwrap_or(0));
+                std::thread::sleep(Duration::from_millis(20)); // sampling period of a watcher, not a synchronisation
+            }
+            (mt, mc)
+        });
+        for chunk in 0..4u16 {
+            send_bogus(&env, 20_000 + chunk * 5000..25_000 + chunk * 5000);
+        }
+        let d = dl.finish(Duration::from_secs(60));
+        stop.store(true, Ordering::Relaxed);
+        let r = watcher.join().unwrap();
+        show(name, &d);
+        assert!(!d.timed_out, "{name}: curl timed out");
+        assert_eq!(d.seen.wrong_at, None, "{name}: WRONG BYTES delivered");
+        assert_eq!(d.seen.bytes, want.len() as u64, "{name}: byte count");
+        assert_eq!(d.exit, Some(0), "{name}: curl exit status ({})", d.stderr.trim());
+        assert_eq!(port_rsts(&env), 0, "{name}: RSTs reached the download's connection");
+        r
+    });
+    eprintln!(
+        "{name}: LB detection {detect} ms; threads before {threads_before:?}, max during the flood {max_threads:?}; store clients before {clients_before:?}, max {max_clients}; {}",
+        counters(&env)
+    );
+    let core = |k: &str| survivors.iter().filter_map(|&i| env.agent_status(i)).map(|v| v["agent"]["core"][k].as_u64().unwrap_or(0)).sum::<u64>();
+    eprintln!(
+        "{name}: lookups started {}, refused {}, admit: source-limited {}, bucket-limited {}, busy {}, dropped {}; negative-cache hits {}; gate full {}",
+        env.agent_sum("failovers_started"),
+        env.agent_sum("refused"),
+        core("admit_source_limited"),
+        core("admit_bucket_limited"),
+        core("admit_busy"),
+        core("admit_dropped"),
+        core("negative_hits"),
+        core("gate_full")
+    );
+    assert!(env.agent_sum("failovers") >= 1, "{name}: the genuine download did not fail over");
+    for (i, (&before, &max)) in threads_before.iter().zip(&max_threads).enumerate() {
+        // The pool's 4 workers, the relay threads of rebuilt connections, a probe or two.
+        assert!(max <= before + 12, "{name}: agent {} grew from {before} to {max} threads", survivors[i]);
+    }
+    // Each survivor: its 4 pool workers and a probe or two read through pooled clients (at
+    // most 8 kept); before, every unknown key opened its own.
+    let before = clients_before.unwrap_or(0);
+    assert!(max_clients <= before + 2 * 8, "{name}: {max_clients} store clients (before the crash: {before})");
+    assert!(
+        env.agent_sum("refused_no_record") + core("admit_source_limited") + core("admit_bucket_limited") + core("admit_busy") + core("negative_hits") + core("gate_full") > 0,
+        "{name}: the flood left no trace in the counters: {}",
+        counters(&env)
+    );
+    for &i in &survivors {
+        assert!(agent_alive(&env, i), "{name}: agent {i} is gone");
+    }
+    eprintln!("{name}: ok in {} ms", t.elapsed().as_millis());
+}
+
 // ---- 6. a dead server comes back ----------------------------------------------------------------
 
 #[test]

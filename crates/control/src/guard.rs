@@ -37,6 +37,12 @@ struct Entry {
     /// every recovery), cleared by its TELL. A SYN from the application's address for a connection the guard
     /// could recover, outside this window, was not announced: dropped (issue 9, item 1).
     recovery_armed_until: Option<u64>,
+    /// The distinct SYNs answered in the current recovery window, until the application's
+    /// TCP proves which one was its own (issue 9, item 1: a forged SYN racing a genuine one).
+    /// Empty (no allocation) outside a recovery.
+    recovery_syns: Vec<Candidate>,
+    /// The ISN of the SYN the engine was last keyed to.
+    keyed_isn: u32,
 }
 
 impl Entry {
@@ -52,6 +58,30 @@ impl Entry {
     fn recovery_armed(&self, now_ms: u64) -> bool {
         self.recovery_armed_until.is_some_and(|t| now_ms <= t)
     }
+}
+
+/// Largest IP packet of a recovery SYN kept as a candidate (IPv6 header + TCP with 40 bytes of
+/// options is 100).
+const CANDIDATE_BYTES: usize = 128;
+/// Distinct SYNs answered inside one announced recovery window before further ones are
+/// dropped (the application's own retransmissions repeat its ISN and do not count).
+pub const MAX_RECOVERY_SYNS: usize = 4;
+
+/// A recovery SYN answered inside an announced window, kept until a packet of the application
+/// proves which SYN was its own (see [`Core::recovery_race`]).
+#[derive(Clone, Copy)]
+struct Candidate {
+    isn: u32,
+    /// ackA when it was answered: the ACK the application's TCP sends for the SYN-ACK.
+    proof_ack: u32,
+    len: u16,
+    pkt: [u8; CANDIDATE_BYTES],
+}
+
+enum Race {
+    None,
+    Candidate(Candidate),
+    Done(Action, usize),
 }
 
 /// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
@@ -86,6 +116,16 @@ pub struct Counters {
     /// I0: packets from the peer on a connection whose state was lost (a restart, an
     /// eviction), turned into an ACK-eliciting probe for the application's TCP.
     pub peer_without_state: u64,
+    /// Packets from the peer whose TCP checksum does not verify: dropped, nothing learned
+    /// (issue 9, item 2).
+    pub hostile_peer_bad_checksum: u64,
+    /// Packets from the peer outside the window the application's TCP could accept (RSTs
+    /// included, RFC 5961), echoing a timestamp never sent, or SYN-ACKs answering no pending
+    /// SYN: dropped, nothing learned (issue 9, item 2).
+    pub hostile_peer_out_of_window: u64,
+    /// SYNs from the peer on a synchronized connection: passed to the application's TCP
+    /// (which answers with a challenge ACK), nothing learned.
+    pub peer_syn_challenged: u64,
     pub commands: u64,
     pub commands_answered: u64,
     pub acks_injected: u64,
@@ -103,6 +143,15 @@ pub struct Counters {
     /// ACKNOWLEDGE with the RECOVERY flag announced within [`RECOVERY_WINDOW_MS`]: dropped (a forged recovery SYN
     /// would re-key the connection; issue 9, item 1).
     pub hostile_recovery_syn: u64,
+    /// Recoveries whose SYN the application's TCP proved (its first packet acknowledged the
+    /// synthesized SYN-ACK), closing the window.
+    pub recovery_proven: u64,
+    /// Of those, how many had been re-keyed by another SYN inside the window (a forged SYN
+    /// racing the genuine one): undone.
+    pub recovery_race_undone: u64,
+    /// Packets from the application's address while two or more recovery SYNs were unproven
+    /// and that proved none: answered with a RST toward the application, never forwarded.
+    pub hostile_recovery_unproven: u64,
     pub adopted: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
@@ -225,6 +274,9 @@ impl Core {
             Event::PendingWithoutCheckpoint => c.pending_without_checkpoint += 1,
             Event::BogusFlags => c.bogus_flags += 1,
             Event::PeerWithoutState => c.peer_without_state += 1,
+            Event::PeerBadChecksum => c.hostile_peer_bad_checksum += 1,
+            Event::PeerOutOfWindow => c.hostile_peer_out_of_window += 1,
+            Event::PeerSynChallenged => c.peer_syn_challenged += 1,
         }
     }
 
@@ -232,7 +284,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0 });
         e.last_ms = now_ms;
         e
     }
@@ -303,6 +355,14 @@ impl Core {
     /// Decides a queued packet. `buf[..len]` is the IP packet; `buf` has room to grow (64 bytes
     /// is enough). Returns the action and the packet's new length.
     pub fn packet(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> (Action, usize) {
+        self.packet_with(buf, len, now_ms, false)
+    }
+
+    /// [`packet`](Self::packet) for a packet whose transport checksum is partial
+    /// (`csum_partial`: built on this host and handed over before the checksum was completed,
+    /// NFQUEUE's `csum_not_ready`), so that it cannot be verified. Every other packet from the
+    /// peer must carry a checksum that verifies (issue 9, item 2).
+    pub fn packet_with(&mut self, buf: &mut [u8], len: usize, now_ms: u64, csum_partial: bool) -> (Action, usize) {
         self.counters.packets += 1;
         let info = match IpInfo::parse(&buf[..len]) {
             Ok(i) => i,
@@ -350,19 +410,42 @@ impl Core {
                 return (Action::Drop, len);
             }
         }
+        // The race inside an announced window (see `Entry::recovery_syns`).
+        let mut candidate = None;
+        if outgoing && info.l4_len >= 20 {
+            match self.recovery_race(key, buf, &info, len, now_ms) {
+                Race::None => {}
+                Race::Candidate(c) => candidate = Some(c),
+                Race::Done(action, n) => return (action, n),
+            }
+        }
         // The peer's highest data segment, for the recovery nudge.
         let e = self.entry(key, now_ms);
         let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
         let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
-        if let Some((start, end)) = seg {
-            if e.peer_hi.is_none_or(|(_, hi)| Seq(end).gt(Seq(hi))) {
-                e.peer_hi = Some((start, end));
-            }
-        }
-        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming(&mut e.conn, buf, len) };
+        let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
+        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming_with(&mut e.conn, buf, len, csum) };
         if let Ok(o) = &res {
             if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
                 e.nudge = true;
+            }
+            if o.event == Some(Event::Recovered) {
+                if let Some(mut c) = candidate {
+                    // A's TCP acknowledges the synthesized SYN-ACK (SEQ = ackA - 1) with ackA.
+                    c.proof_ack = e.conn.ack_a;
+                    if !e.recovery_syns.iter().any(|k| k.isn == c.isn) {
+                        e.recovery_syns.push(c);
+                    }
+                    e.keyed_isn = c.isn;
+                }
+            }
+            // Only what the engine accepted from the peer counts for the nudge.
+            if !matches!(o.event, Some(Event::PeerBadChecksum | Event::PeerOutOfWindow)) {
+                if let Some((start, end)) = seg {
+                    if e.peer_hi.is_none_or(|(_, hi)| Seq(end).gt(Seq(hi))) {
+                        e.peer_hi = Some((start, end));
+                    }
+                }
             }
         }
         let o = match res {
@@ -388,6 +471,88 @@ impl Core {
                 self.counters.reflected += 1;
                 (Action::Inject, o.len)
             }
+        }
+    }
+
+    /// A packet from the application's address while a recovery is announced or its SYNs are
+    /// unproven (issue 9, item 1: a forged SYN racing a genuine recovery). Every SYN inside the
+    /// window is answered (any may be the application's), up to [`MAX_RECOVERY_SYNS`] distinct
+    /// ones; the engine is keyed to the last. The application's TCP then acknowledges the
+    /// synthesized SYN-ACK: its first packet carries SEQ = its ISN + 1 and ACK = that SYN-ACK's
+    /// SEQ + 1 (ackA), which only a receiver of the SYN-ACK (sent toward the application, never
+    /// toward a forger on the peer's side) can know. That packet proves which SYN was genuine:
+    /// the engine is re-keyed to it if a later SYN had taken over, the candidates are
+    /// forgotten and the window closes. While two or more candidates are unproven, any other
+    /// packet from the application's address is answered with a RST toward it (the
+    /// application recovers again) and never forwarded.
+    fn recovery_race(&mut self, key: FlowKey, buf: &mut [u8], info: &IpInfo, len: usize, now_ms: u64) -> Race {
+        use unbroken_wire::tcp::flags as F;
+        let Some(e) = self.table.get_mut(&key) else { return Race::None };
+        let seg = &buf[info.l4_offset..info.l4_offset + info.l4_len];
+        let f = seg[13];
+        let seq = u32::from_be_bytes(seg[4..8].try_into().unwrap());
+        let ack = u32::from_be_bytes(seg[8..12].try_into().unwrap());
+        if f & (F::SYN | F::ACK) == F::SYN {
+            // Every SYN inside the window is a candidate, including one a restarted guard
+            // answers for a connection it did not witness (it becomes SYNCED by answering).
+            if !e.recovery_armed(now_ms) {
+                return Race::None;
+            }
+            if !e.recovery_syns.iter().any(|c| c.isn == seq) && e.recovery_syns.len() >= MAX_RECOVERY_SYNS {
+                self.counters.hostile_recovery_syn += 1;
+                self.counters.dropped += 1;
+                return Race::Done(Action::Drop, len);
+            }
+            if len > CANDIDATE_BYTES {
+                return Race::None;
+            }
+            let mut c = Candidate { isn: seq, proof_ack: 0, len: len as u16, pkt: [0; CANDIDATE_BYTES] };
+            c.pkt[..len].copy_from_slice(&buf[..len]);
+            return Race::Candidate(c);
+        }
+        if e.recovery_syns.is_empty() || f & (F::SYN | F::RST) != 0 {
+            return Race::None;
+        }
+        let proven = e.recovery_syns.iter().position(|c| f & F::ACK != 0 && ack == c.proof_ack && seq == c.isn.wrapping_add(1));
+        match proven {
+            Some(i) => {
+                let c = e.recovery_syns[i];
+                if c.isn != e.keyed_isn {
+                    // A later SYN (forged) had re-keyed the connection: undo it by answering
+                    // the proven one again (the SYN-ACK it produces is not sent: A has it).
+                    let mut scratch = [0u8; CANDIDATE_BYTES + 64];
+                    scratch[..c.len as usize].copy_from_slice(&c.pkt[..c.len as usize]);
+                    let ok = matches!(rtcp::outgoing(&mut e.conn, &mut scratch, c.len as usize), Ok(o) if o.event == Some(Event::Recovered));
+                    e.keyed_isn = c.isn;
+                    if ok {
+                        self.counters.recovery_race_undone += 1;
+                    }
+                }
+                let e = self.table.get_mut(&key).expect("present");
+                e.recovery_syns.clear();
+                e.recovery_armed_until = None;
+                self.counters.recovery_proven += 1;
+                Race::None
+            }
+            None if e.recovery_syns.len() >= 2 => {
+                // Which SYN is the application's is still open: nothing of A's passes, and A's
+                // socket is reset (as if by the peer) so the application recovers afresh.
+                let (src, dst) = (info.src, info.dst);
+                let (sport, dport) = (u16::from_be_bytes([seg[0], seg[1]]), u16::from_be_bytes([seg[2], seg[3]]));
+                let r = unbroken_wire::tcp::Repr { src_port: dport, dst_port: sport, seq: Seq(ack), flags: F::RST, ..Default::default() };
+                self.counters.hostile_recovery_unproven += 1;
+                match emit_bare(buf, dst, src, &r) {
+                    Some(n) => {
+                        self.counters.reflected += 1;
+                        Race::Done(Action::Inject, n)
+                    }
+                    None => {
+                        self.counters.dropped += 1;
+                        Race::Done(Action::Drop, len)
+                    }
+                }
+            }
+            None => Race::None,
         }
     }
 
@@ -464,6 +629,7 @@ impl Core {
         }
         if cmd.op == ctl::Op::Acknowledge && cmd.flags & ctl::flag::RECOVERY != 0 {
             e.recovery_armed_until = Some(now_ms + RECOVERY_WINDOW_MS);
+            e.recovery_syns.clear();
         }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
         if cmd.op == ctl::Op::Tell && std::mem::take(&mut e.nudge) && nudging {
@@ -545,6 +711,16 @@ fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAdd
     let hl = ip::emit_header(buf, app.ip(), peer.ip(), ip::PROTO_TCP, tl).ok()?;
     r.emit(&mut buf[hl..hl + tl]).ok()?;
     Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(app.ip(), peer.ip(), ip::PROTO_TCP, tl));
+    Some(hl + tl)
+}
+
+/// Writes a TCP segment without payload `src -> dst` into `buf`, checksums filled, without
+/// allocating. Returns its length.
+fn emit_bare(buf: &mut [u8], src: IpAddr, dst: IpAddr, r: &unbroken_wire::tcp::Repr) -> Option<usize> {
+    let tl = r.header_len();
+    let hl = ip::emit_header(buf, src, dst, ip::PROTO_TCP, tl).ok()?;
+    r.emit(buf.get_mut(hl..hl + tl)?).ok()?;
+    Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
     Some(hl + tl)
 }
 
@@ -759,6 +935,90 @@ mod tests {
         let other = SocketAddr::new(peer().ip(), 42_000);
         let (mut b, n) = pkt(app(), other, Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
         assert_eq!(c.packet(&mut b, n, 70).0, Action::Accept { modified: false });
+    }
+
+    /// An established connection (peer ISN 100, app ISN 5000), the app dies (its FIN becomes a
+    /// RST) and announces its recovery. Returns the state's ackB and ackA.
+    fn announced_recovery(c: &mut Core) -> (u32, u32) {
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        c.command(from_app(), &recovery_ack(70, 101), 1, 10, &mut [0u8; 128]).unwrap();
+        (5001, 101)
+    }
+
+    fn syn_from_app(c: &mut Core, isn: u32, now: u64) -> Action {
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(isn), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, now).0
+    }
+
+    /// A's packet: returns the action and the SEQ the peer would see.
+    fn from_app_seq(c: &mut Core, seq: u32, ack: u32, now: u64) -> (Action, Seq) {
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(seq), ack: Seq(ack), flags: F::ACK, window: 100, ..Default::default() });
+        let (a, len) = c.packet(&mut b, n, now);
+        let info = IpInfo::parse(&b[..len]).unwrap();
+        (a, Tcp::new_checked(&b[info.l4_offset..len]).unwrap().seq())
+    }
+
+    /// Issue 9, item 1, the race: a forged SYN inside the announced window, after the genuine
+    /// SYN was answered and before A's TCP acknowledged the SYN-ACK, re-keys the connection; A's
+    /// handshake ACK (SEQ = its ISN + 1, ACK = ackA, which only a receiver of the SYN-ACK knows)
+    /// proves the genuine SYN, undoes the forged re-keying and closes the window.
+    #[test]
+    fn hostile_recovery_syn_racing_a_genuine_one_is_undone() {
+        for forged_first in [false, true] {
+            let mut c = core();
+            let (ack_b, ack_a) = announced_recovery(&mut c);
+            let k = FlowKey { app: app(), peer: peer() };
+            let (genuine, forged) = (77u32, 0xdead_0000u32);
+            let order = if forged_first { [forged, genuine] } else { [genuine, forged] };
+            for isn in order {
+                assert_eq!(syn_from_app(&mut c, isn, 20), Action::Inject, "either may be the app's: both answered");
+            }
+            // Keyed to the last SYN answered.
+            assert_eq!(c.conn(&k).unwrap().delta, order[1].wrapping_add(1).wrapping_sub(ack_b));
+            // The forger cannot prove its SYN without ackA (it never saw the SYN-ACK): a guess
+            // is not forwarded, and A's socket is reset so that the app recovers afresh.
+            let (a, _) = from_app_seq(&mut c, forged + 1, ack_a + 12345, 25);
+            assert_eq!(a, Action::Inject);
+            assert_eq!(c.counters.hostile_recovery_unproven, 1);
+            // A's handshake ACK proves the genuine SYN: the peer sees A's stream where it was.
+            let (a, seq) = from_app_seq(&mut c, genuine + 1, ack_a, 30);
+            assert!(matches!(a, Action::Accept { .. }));
+            assert_eq!(seq, Seq(ack_b), "renumbered with the genuine SYN's Δ (forged first: {forged_first})");
+            assert_eq!(c.conn(&k).unwrap().delta, (genuine + 1).wrapping_sub(ack_b));
+            assert_eq!(c.counters.recovery_race_undone, u64::from(!forged_first));
+            assert_eq!(c.counters.recovery_proven, 1);
+            // The window is closed: a later forged SYN is dropped and changes nothing.
+            let before = *c.conn(&k).unwrap();
+            assert_eq!(syn_from_app(&mut c, 0xbeef_0000, 40), Action::Drop);
+            assert_eq!(*c.conn(&k).unwrap(), before);
+        }
+    }
+
+    /// A single answered SYN (no race) works as before; its retransmissions are answered again
+    /// without counting as another candidate; at most MAX_RECOVERY_SYNS distinct SYNs are
+    /// answered per window.
+    #[test]
+    fn hostile_recovery_syns_per_window_are_bounded() {
+        let mut c = core();
+        let (ack_b, ack_a) = announced_recovery(&mut c);
+        assert_eq!(syn_from_app(&mut c, 77, 20), Action::Inject);
+        assert_eq!(syn_from_app(&mut c, 77, 21), Action::Inject, "a retransmission");
+        for i in 1..MAX_RECOVERY_SYNS as u32 {
+            assert_eq!(syn_from_app(&mut c, 1000 * i, 22), Action::Inject);
+        }
+        let n0 = c.counters.hostile_recovery_syn;
+        assert_eq!(syn_from_app(&mut c, 999_999, 23), Action::Drop);
+        assert_eq!(c.counters.hostile_recovery_syn, n0 + 1);
+        assert_eq!(syn_from_app(&mut c, 77, 24), Action::Inject, "the genuine one still answered");
+        let (_, seq) = from_app_seq(&mut c, 78, ack_a, 30);
+        assert_eq!(seq, Seq(ack_b));
     }
 
     fn pkt_data(src: SocketAddr, dst: SocketAddr, r: Repr, data: &[u8]) -> (Vec<u8>, usize) {

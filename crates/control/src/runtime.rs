@@ -96,7 +96,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
                 continue;
             }
             p.data.resize(len + 64, 0);
-            let (action, n) = c.packet(&mut p.data, len, now);
+            let (action, n) = c.packet_with(&mut p.data, len, now, p.csum_not_ready);
             let r = match action {
                 Action::Accept { modified: false } => queue.set_verdict(p.id, QVerdict::Accept, None),
                 Action::Accept { modified: true } => {

@@ -43,6 +43,13 @@ struct Entry {
     recovery_syns: Vec<Candidate>,
     /// The ISN of the SYN the engine was last keyed to.
     keyed_isn: u32,
+    /// An authenticated command named this connection (since this guard started): an
+    /// application protects it, and the unprotected mark is refused.
+    claimed: bool,
+    /// The application marked the connection unprotected (its packets carry
+    /// `ctl::UNPROTECTED_DSCP`) before any authenticated command: every packet of it passes
+    /// untouched, as if the guard were not there (issue 9, checkpoint misconfiguration).
+    unprotected: bool,
 }
 
 impl Entry {
@@ -51,7 +58,7 @@ impl Entry {
     fn established(&self) -> bool {
         use unbroken_engines::rtcp::flag;
         let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
-        self.conn.flags & need == need && !self.conn.is_closed()
+        self.conn.flags & need == need && !self.conn.is_closed() && !self.unprotected
     }
 
     /// A recovery SYN for this connection is announced at `now_ms`.
@@ -152,6 +159,18 @@ pub struct Counters {
     /// Packets from the application's address while two or more recovery SYNs were unproven
     /// and that proved none: answered with a RST toward the application, never forwarded.
     pub hostile_recovery_unproven: u64,
+    /// Refusals ([`ctl::Nak`]) sent for commands that failed their MAC or clock check.
+    pub naks_sent: u64,
+    /// Refusals not sent because the rate limit ([`NAK_PER_SEC`]) was reached.
+    pub naks_rate_limited: u64,
+    /// Connections an application marked unprotected (`ctl::UNPROTECTED_DSCP`, the SDK does
+    /// it when it cannot protect a connection): from then on passed untouched.
+    pub unprotected_released: u64,
+    /// Packets of such connections, passed untouched.
+    pub unprotected_passed: u64,
+    /// Packets marked unprotected on a connection that an authenticated command named, that
+    /// needs renumbering, or whose handshake the guard did not see: the mark is ignored.
+    pub hostile_unprotect_refused: u64,
     pub adopted: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
@@ -209,14 +228,23 @@ pub struct Core {
     replay: ReplayCache,
     /// Send the recovery nudge (config `recovery_nudge`; experimental, off by default).
     pub recovery_nudge: bool,
+    /// Token bucket of refusals: tokens (in thousandths) and when it was last filled.
+    nak_tokens: u64,
+    nak_filled_ms: Option<u64>,
     pub counters: Counters,
 }
 
 /// Reply to a command: the response datagram and, for ACKNOWLEDGE, a TCP ACK for the peer.
 pub struct CommandOut {
-    pub reply: [u8; ctl::LEN],
+    /// The response ([`ctl::LEN`] bytes) or a refusal ([`ctl::NAK_LEN`] bytes).
+    pub reply: Vec<u8>,
     pub ack_len: Option<usize>,
 }
+
+/// Refusals ([`ctl::Nak`]) the guard sends per second at most (burst as many): a flood of
+/// bad datagrams from an allowed source gets no more answers than that, each smaller than the
+/// datagram it answers.
+pub const NAK_PER_SEC: u64 = 10;
 
 impl Core {
     pub fn new(services: &[Service], key: Key, allowed: Vec<Prefix>, skew_ms: u64, grace_ms: u64, max_conns: usize) -> Core {
@@ -230,6 +258,8 @@ impl Core {
             max_conns: max_conns.max(1),
             replay: ReplayCache::new(1 << 18),
             recovery_nudge: false,
+            nak_tokens: NAK_PER_SEC * 1000,
+            nak_filled_ms: None,
             counters: Counters::default(),
         }
     }
@@ -284,7 +314,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0 });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, claimed: false, unprotected: false });
         e.last_ms = now_ms;
         e
     }
@@ -391,6 +421,32 @@ impl Core {
             self.counters.outgoing += 1;
         } else {
             self.counters.incoming += 1;
+        }
+        // A connection its application could not protect (issue 9, misconfiguration): its
+        // packets pass untouched, so the peer sees what the application does (its close).
+        if let Some(e) = self.table.get_mut(&key) {
+            if e.unprotected {
+                e.last_ms = now_ms;
+                self.counters.unprotected_passed += 1;
+                self.counters.forwarded += 1;
+                return (Action::Accept { modified: false }, len);
+            }
+            if outgoing && dscp(&buf[..len]) == Some(ctl::UNPROTECTED_DSCP) {
+                use unbroken_engines::rtcp::flag;
+                let c = &e.conn;
+                // Only what cannot be a forger's way to unprotect a protected connection: no
+                // authenticated command named it, its handshake was seen here (Δ = 0 is known,
+                // not assumed), nothing is renumbered.
+                if !e.claimed && c.flags & flag::SYNCED != 0 && c.flags & flag::SYN_PENDING == 0 && c.delta == 0 && c.ts_off == 0 {
+                    e.unprotected = true;
+                    e.last_ms = now_ms;
+                    self.counters.unprotected_released += 1;
+                    self.counters.unprotected_passed += 1;
+                    self.counters.forwarded += 1;
+                    return (Action::Accept { modified: false }, len);
+                }
+                self.counters.hostile_unprotect_refused += 1;
+            }
         }
         // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
         // application's address, for a live connection this state witnessed (SYNCED: a forged
@@ -556,8 +612,27 @@ impl Core {
         }
     }
 
+    /// A refusal of `dgram` (well formed, from an allowed source, failing its MAC or clock
+    /// check), within the rate limit: the application learns that the guard is there and what
+    /// it refuses, instead of timing out. Nothing for garbage or beyond the limit.
+    fn refusal(&mut self, dgram: &[u8], why: u8, wall_ms: u64, now_ms: u64) -> Option<CommandOut> {
+        let nak = ctl::Nak::refuse(dgram, why, wall_ms)?;
+        let cap = NAK_PER_SEC * 1000;
+        let last = *self.nak_filled_ms.get_or_insert(now_ms);
+        self.nak_tokens = (self.nak_tokens + now_ms.saturating_sub(last) * NAK_PER_SEC).min(cap);
+        self.nak_filled_ms = Some(now_ms);
+        if self.nak_tokens < 1000 {
+            self.counters.naks_rate_limited += 1;
+            return None;
+        }
+        self.nak_tokens -= 1000;
+        self.counters.naks_sent += 1;
+        Some(CommandOut { reply: nak.encode().to_vec(), ack_len: None })
+    }
+
     /// Handles one side-channel datagram from `src`. `None` means "no answer" (refused and
-    /// counted: wrong source, bad MAC, stale clock, replay, malformed).
+    /// counted: wrong source, bad MAC, stale clock, replay, malformed). A bad MAC or a stale
+    /// clock from an allowed source is answered with a refusal ([`ctl::Nak`], rate-limited).
     pub fn command(&mut self, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<CommandOut> {
         self.counters.commands += 1;
         let sip = match src.ip() {
@@ -572,7 +647,7 @@ impl Core {
             Ok(c) => c,
             Err(Error::Unauthenticated) => {
                 self.counters.cmd_rejected_auth += 1;
-                return None;
+                return self.refusal(dgram, ctl::refusal::KEY, wall_ms, now_ms);
             }
             Err(_) => {
                 self.counters.cmd_malformed += 1;
@@ -585,7 +660,7 @@ impl Core {
         }
         if wall_ms.abs_diff(cmd.time_ms) > self.skew_ms {
             self.counters.cmd_rejected_stale += 1;
-            return None;
+            return self.refusal(dgram, ctl::refusal::CLOCK, wall_ms, now_ms);
         }
         if !self.replay.insert(cmd.nonce, wall_ms, self.skew_ms) {
             self.counters.cmd_rejected_replay += 1;
@@ -594,7 +669,7 @@ impl Core {
         let key = FlowKey { app: cmd.app, peer: cmd.peer };
         let status_reply = |status: Status, k: &Key| {
             let r = Command { response: true, status: status as u8, flags: 0, time_ms: wall_ms, ack_a: 0, ack_b: 0, options: None, ..cmd };
-            r.encode(k).ok().map(|reply| CommandOut { reply, ack_len: None })
+            r.encode(k).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })
         };
         if !self.services.contains(&(cmd.app.ip(), cmd.app.port())) {
             self.counters.cmd_not_protected += 1;
@@ -606,10 +681,11 @@ impl Core {
                     let mut ack = [0u8; 0];
                     let k = FlowKey { app: cmd.app, peer };
                     let e = self.table.get_mut(&k).expect("just found");
+                    e.claimed = true;
                     let res = rtcp::command(&mut e.conn, &Command { peer, ..cmd }, &mut ack);
                     self.counters.adopted += 1;
                     self.counters.commands_answered += 1;
-                    Command { time_ms: wall_ms, ..res.reply }.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: None })
+                    Command { time_ms: wall_ms, ..res.reply }.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })
                 }
                 None => {
                     self.counters.cmd_no_connection += 1;
@@ -623,6 +699,7 @@ impl Core {
         }
         let nudging = self.recovery_nudge;
         let e = self.entry(key, now_ms);
+        e.claimed = true;
         if cmd.op == ctl::Op::Tell {
             e.told = true;
             e.recovery_armed_until = None;
@@ -637,7 +714,7 @@ impl Core {
                 self.counters.recovery_nudges += 1;
                 self.counters.commands_answered += 1;
                 let reply = Command { time_ms: wall_ms, ..res.reply };
-                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: Some(n) });
+                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: Some(n) });
             }
         }
         if cmd.op == ctl::Op::Clear {
@@ -648,7 +725,7 @@ impl Core {
         }
         let reply = Command { time_ms: wall_ms, ..res.reply };
         self.counters.commands_answered += 1;
-        reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: res.ack_len })
+        reply.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: res.ack_len })
     }
 }
 
@@ -712,6 +789,15 @@ fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAdd
     r.emit(&mut buf[hl..hl + tl]).ok()?;
     Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(app.ip(), peer.ip(), ip::PROTO_TCP, tl));
     Some(hl + tl)
+}
+
+/// The DSCP of an IPv4 or IPv6 packet.
+fn dscp(pkt: &[u8]) -> Option<u8> {
+    match pkt.first()? >> 4 {
+        4 => Some(pkt.get(1)? >> 2),
+        6 => Some((((pkt[0] & 0x0f) << 4) | (pkt.get(1)? >> 4)) >> 2),
+        _ => None,
+    }
 }
 
 /// Writes a TCP segment without payload `src -> dst` into `buf`, checksums filled, without
@@ -795,11 +881,15 @@ mod tests {
         let now = 1_000_000;
         assert!(c.command("10.9.9.9:1".parse().unwrap(), &cmd(Op::Acknowledge, 1, now), now, 0, &mut ack).is_none());
         assert_eq!(c.counters.cmd_rejected_source, 1);
+        // A bad MAC or a stale clock is refused: no response, only a small unauthenticated
+        // refusal naming the reason (see hostile_wrong_key_or_clock_gets_a_small_rate_limited_refusal).
         let mut bad = cmd(Op::Acknowledge, 2, now);
         bad[70] ^= 1;
-        assert!(c.command(from_app(), &bad, now, 0, &mut ack).is_none());
+        let out = c.command(from_app(), &bad, now, 0, &mut ack).expect("a refusal");
+        assert!(Command::decode(&out.reply, &key()).is_err() && out.ack_len.is_none());
         assert_eq!(c.counters.cmd_rejected_auth, 1);
-        assert!(c.command(from_app(), &cmd(Op::Acknowledge, 3, now - 60_000), now, 0, &mut ack).is_none());
+        let out = c.command(from_app(), &cmd(Op::Acknowledge, 3, now - 60_000), now, 0, &mut ack).expect("a refusal");
+        assert!(Command::decode(&out.reply, &key()).is_err());
         assert_eq!(c.counters.cmd_rejected_stale, 1);
         let ok = c.command(from_app(), &cmd(Op::Acknowledge, 4, now), now, 0, &mut ack).expect("answered");
         let r = Command::decode(&ok.reply, &key()).unwrap();
@@ -810,6 +900,92 @@ mod tests {
         assert_eq!(c.counters.cmd_malformed, 1);
         // A response datagram sent back at the guard is not a command.
         assert!(c.command(from_app(), &ok.reply, now, 0, &mut ack).is_none());
+    }
+
+    /// Issue 9, checkpoint misconfiguration: an application with the wrong key (or clock) learns
+    /// why the guard refuses it from a refusal no larger than its request, bound to its nonce,
+    /// at most NAK_PER_SEC per second; nothing is answered to garbage or to a source outside
+    /// allowed_sources; the refusal changes no state.
+    #[test]
+    fn hostile_wrong_key_or_clock_gets_a_small_rate_limited_refusal() {
+        let mut c = core();
+        let now = 1_000_000;
+        let wrong = Key::from_hex("ffeeddccbbaa99887766554433221100").unwrap();
+        let req = |nonce: u64, t: u64| Command::request(Op::Tell, app(), peer(), nonce, t).encode(&wrong).unwrap();
+        let out = c.command(from_app(), &req(7, now), now, 0, &mut [0u8; 128]).expect("a refusal");
+        assert!(out.reply.len() <= ctl::LEN && out.reply.len() == ctl::NAK_LEN);
+        let nak = ctl::Nak::decode(&out.reply).unwrap();
+        assert_eq!((nak.op, nak.refusal, nak.nonce), (Op::Tell as u8, ctl::refusal::KEY, 7));
+        // The right key but a clock 60 s off: refused for the clock.
+        let stale = Command::request(Op::Tell, app(), peer(), 8, now - 60_000).encode(&key()).unwrap();
+        let nak = ctl::Nak::decode(&c.command(from_app(), &stale, now, 0, &mut [0u8; 128]).unwrap().reply).unwrap();
+        assert_eq!((nak.refusal, nak.nonce), (ctl::refusal::CLOCK, 8));
+        // Garbage and strangers get nothing.
+        assert!(c.command(from_app(), &[0x55u8; 96], now, 0, &mut [0u8; 128]).is_none());
+        assert!(c.command("10.9.9.9:1".parse().unwrap(), &req(9, now), now, 0, &mut [0u8; 128]).is_none());
+        // A flood: at most NAK_PER_SEC answers (the two above included), then again a second later.
+        let answered = (0..100).filter(|i| c.command(from_app(), &req(100 + i, now), now, 0, &mut [0u8; 128]).is_some()).count();
+        assert_eq!(answered as u64, NAK_PER_SEC - 2);
+        assert_eq!(c.counters.naks_rate_limited, 100 - (NAK_PER_SEC - 2));
+        assert!(c.command(from_app(), &req(500, now), now, 1000, &mut [0u8; 128]).is_some());
+        assert_eq!(c.connections(), 0, "no state created");
+    }
+
+    /// Issue 9, checkpoint misconfiguration: an application that could not protect a connection
+    /// (wrong key or guard address) marks it (UNPROTECTED_DSCP); its FIN then reaches the peer
+    /// instead of being turned into a RST for the application, and everything passes
+    /// untouched. The mark cannot unprotect a connection an authenticated command named, or one
+    /// that needs renumbering.
+    #[test]
+    fn hostile_unprotected_mark_releases_only_an_unclaimed_connection() {
+        let handshake = |c: &mut Core, p: SocketAddr| {
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+            c.packet(&mut b, n, 0);
+            let (mut b, n) = pkt(app(), p, Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+            c.packet(&mut b, n, 0);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+            c.packet(&mut b, n, 0);
+        };
+        let marked_fin = |c: &mut Core, p: SocketAddr| {
+            let (mut b, n) = pkt(app(), p, Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+            b[1] = ctl::UNPROTECTED_DSCP << 2;
+            unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+            let (a, len) = c.packet(&mut b, n, 1);
+            (a, b[..len].to_vec())
+        };
+        let mut c = core();
+        handshake(&mut c, peer());
+        let (a, out) = marked_fin(&mut c, peer());
+        assert_eq!(a, Action::Accept { modified: false }, "the FIN goes to the peer");
+        assert_eq!(IpInfo::parse(&out).unwrap().dst, peer().ip());
+        assert_eq!(c.counters.unprotected_released, 1);
+        // From then on the connection is not the guard's: the peer's FIN and the app's RST pass.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5002), flags: F::FIN | F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Action::Accept { modified: false });
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5002), flags: F::RST, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 3).0, Action::Accept { modified: false });
+        let adopt = Command::request(Op::Adopt, app(), "0.0.0.0:0".parse().unwrap(), 90, 1).encode(&key()).unwrap();
+        let r = Command::decode(&c.command(from_app(), &adopt, 1, 4, &mut [0u8; 128]).unwrap().reply, &key()).unwrap();
+        assert_eq!(r.status, Status::NoConnection as u8, "not offered for adoption");
+
+        // A connection its application told about (authenticated): the mark is ignored, the
+        // FIN is still a spurious one (a RST for the app), and counted.
+        let mut c = core();
+        handshake(&mut c, peer());
+        c.command(from_app(), &cmd(Op::Tell, 91, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        assert_eq!(marked_fin(&mut c, peer()).0, Action::Inject);
+        assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (0, 1));
+        // A recovered connection (renumbered) after a guard restart, not yet claimed: ignored.
+        let mut c = core();
+        let (_, ack_a) = announced_recovery(&mut c);
+        assert_eq!(syn_from_app(&mut c, 77, 20), Action::Inject);
+        let k = FlowKey { app: app(), peer: peer() };
+        c.table.get_mut(&k).unwrap().claimed = false;
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(78), ack: Seq(ack_a), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        b[1] = ctl::UNPROTECTED_DSCP << 2;
+        unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+        assert_eq!(c.packet(&mut b, n, 30).0, Action::Inject);
+        assert_eq!(c.counters.hostile_unprotect_refused, 1);
     }
 
     #[test]

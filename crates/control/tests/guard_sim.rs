@@ -179,9 +179,12 @@ impl GuardFilter {
         let conn = self.core.conn(&self.flow).copied();
         let n = self.core.connections();
         let before = pick(&self.core.counters);
-        let answered = self.core.command(src, dgram, wall_ms, now_ms, &mut [0u8; 128]).is_some();
-        if answered {
-            self.violate(format!("hostile datagram ({what}) was answered"));
+        // A bad MAC or a stale clock from an allowed source may draw a refusal (a 24-byte NAK
+        // naming the reason, rate-limited); never a response, never anything else.
+        match self.core.command(src, dgram, wall_ms, now_ms, &mut [0u8; 128]) {
+            None => {}
+            Some(out) if unbroken_wire::ctl::Nak::decode(&out.reply).is_ok() && out.ack_len.is_none() && out.reply.len() < dgram.len() => {}
+            Some(_) => self.violate(format!("hostile datagram ({what}) was answered")),
         }
         if pick(&self.core.counters) != before + 1 {
             self.violate(format!("hostile datagram ({what}) not counted under its reason: {:?}", self.core.counters));

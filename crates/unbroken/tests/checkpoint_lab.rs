@@ -8,7 +8,7 @@
 
 use std::sync::Mutex;
 use std::time::Duration;
-use unbroken::scenario::{run_checkpoint, Crash, Report, Scenario};
+use unbroken::scenario::{run_checkpoint, run_misconfigured, Crash, Misconfig, MisconfigReport, Report, Scenario};
 
 /// One lab at a time: two cores, and the stall figures mean more without contention.
 static LAB: Mutex<()> = Mutex::new(());
@@ -246,4 +246,51 @@ fn app_crashes_on_a_bulk_stream() {
     let Some(_g) = lab_or_skip("bulk") else { return };
     let r = check("bulk", &Scenario { crashes: vec![Crash::App, Crash::App, Crash::App], crash_at: Some(vec![0.2, 0.45, 0.7]), rate: 0, ..base(1_500_000) });
     eprintln!("bulk: peer TCP counters {}", r.peer_tcp);
+}
+
+// Issue 9, checkpoint misconfiguration: the journal server given a wrong key or a wrong guard
+// address says so at start-up and for each connection, and the peer sees the close (as without
+// the guard) instead of hanging; with the right key the connection stays protected.
+
+fn misconfigured(name: &str, m: Misconfig) -> MisconfigReport {
+    let r = run_misconfigured(m).unwrap_or_else(|e| panic!("{name}: {e}"));
+    eprintln!("{name}: peer {} after {} ms; {}; {}", r.peer, r.peer_ms, r.guard_check, r.listening);
+    eprintln!("{name}: app log: {}", r.app_log);
+    eprintln!("{name}: guard counters {}", r.guard["counters"]);
+    r
+}
+
+#[test]
+fn hostile_journal_with_a_wrong_key_says_so_and_the_peer_sees_the_close() {
+    let Some(_g) = lab_or_skip("wrong_key") else { return };
+    let r = misconfigured("wrong_key", Misconfig::WrongKey);
+    assert!(r.guard_check.contains("FAILED") && r.guard_check.contains("key"), "start-up: {}", r.guard_check);
+    assert!(r.listening.contains("UNPROTECTED"), "{}", r.listening);
+    assert!(r.app_log.contains("not protected, closing") && r.app_log.contains("rejected the side-channel key"), "per connection: {}", r.app_log);
+    assert_eq!(r.peer, "eof", "the peer sees the server's FIN, within {} ms", r.peer_wait_ms);
+    let c = &r.guard["counters"];
+    assert!(c["naks_sent"].as_u64().unwrap_or(0) >= 2, "{c}");
+    assert_eq!(c["unprotected_released"].as_u64(), Some(1), "{c}");
+}
+
+#[test]
+fn hostile_journal_with_a_wrong_guard_address_says_so_and_the_peer_sees_the_close() {
+    let Some(_g) = lab_or_skip("wrong_guard") else { return };
+    let r = misconfigured("wrong_guard", Misconfig::WrongGuardAddress);
+    assert!(r.guard_check.contains("FAILED") && r.guard_check.contains("nothing answered"), "start-up: {}", r.guard_check);
+    assert!(r.app_log.contains("not protected, closing") && r.app_log.contains("nothing answered"), "per connection: {}", r.app_log);
+    assert_eq!(r.peer, "eof", "the peer sees the server's FIN, within {} ms", r.peer_wait_ms);
+    assert_eq!(r.guard["counters"]["unprotected_released"].as_u64(), Some(1), "{}", r.guard["counters"]);
+}
+
+#[test]
+fn hostile_journal_control_run_with_the_right_key_stays_protected() {
+    let Some(_g) = lab_or_skip("right_key") else { return };
+    let r = misconfigured("right_key", Misconfig::None);
+    assert!(r.guard_check.contains("guard check: ok"), "{}", r.guard_check);
+    assert!(!r.listening.contains("UNPROTECTED"), "{}", r.listening);
+    assert!(r.app_log.contains("connected and protected"), "{}", r.app_log);
+    assert_eq!(r.peer, "protected");
+    let c = &r.guard["counters"];
+    assert_eq!((c["unprotected_released"].as_u64(), c["naks_sent"].as_u64()), (Some(0), Some(0)), "{c}");
 }

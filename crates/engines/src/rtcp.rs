@@ -31,6 +31,10 @@
 //! - A pure ACK from *B* whose SEQ (B's SND.NXT) lies beyond the right edge *B* last saw from
 //!   *A* is given that edge as SEQ, so a recovered socket with a smaller window than the dead one
 //!   still reads its ACK field (found with the guard's recovery nudge on bulk streams).
+//! - Every packet from *B* may be forged (issue 9, item 2): its checksum must verify and it must
+//!   lie where *A*'s TCP could accept it before it changes the state; RSTs follow RFC 5961 and
+//!   never change the state; *B*'s SYN on a synchronized connection is left to *A*'s TCP's
+//!   challenge ACK ([`incoming_with`]).
 //! - When O7 lowers the ACK, the window grows by the same amount, so the right edge *B* sees is
 //!   *A*'s real one. Without it, an application that stops reading while it writes (its kernel
 //!   holding more than a window beyond ackA) deadlocks: *B*'s ACKs arrive with a SEQ *A*'s TCP

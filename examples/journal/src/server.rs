@@ -395,6 +395,14 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
             return 2;
         }
     };
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(m) = fs::metadata(&args.key_file) {
+            if m.permissions().mode() & 0o077 != 0 {
+                eprintln!("journal-server: warning: key file {} is readable by others (mode {:o}): anyone who reads the key can steer the guard", args.key_file.display(), m.permissions().mode() & 0o777);
+            }
+        }
+    }
     let key = match fs::read_to_string(&args.key_file) {
         Ok(k) => k,
         Err(e) => {

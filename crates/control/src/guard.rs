@@ -43,6 +43,12 @@ struct Entry {
     recovery_syns: Vec<Candidate>,
     /// The ISN of the SYN the engine was last keyed to.
     keyed_isn: u32,
+    /// The end of the application's stream as the peer sees it (highest SEQ + length of a
+    /// segment forwarded to the peer, after renumbering), known when this entry saw the
+    /// connection's first SYN or SYN-ACK go out: the peer cannot acknowledge beyond it (RFC 5961
+    /// section 5.2). `None` for an entry that did not witness the handshake (a restarted guard,
+    /// an eviction): it cannot know what the application sent before.
+    a_hi: Option<u32>,
     /// An authenticated command named this connection (since this guard started): an
     /// application protects it, and the unprotected mark is refused.
     claimed: bool,
@@ -130,6 +136,9 @@ pub struct Counters {
     /// included, RFC 5961), echoing a timestamp never sent, or SYN-ACKs answering no pending
     /// SYN: dropped, nothing learned (issue 9, item 2).
     pub hostile_peer_out_of_window: u64,
+    /// Packets from the peer acknowledging beyond what the application sent through this
+    /// guard (RFC 5961 section 5.2): dropped, nothing learned (issue 9, item 2).
+    pub hostile_peer_ack_beyond: u64,
     /// SYNs from the peer on a synchronized connection: passed to the application's TCP
     /// (which answers with a challenge ACK), nothing learned.
     pub peer_syn_challenged: u64,
@@ -314,7 +323,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, claimed: false, unprotected: false });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false });
         e.last_ms = now_ms;
         e
     }
@@ -479,6 +488,20 @@ impl Core {
         let e = self.entry(key, now_ms);
         let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
         let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
+        // RFC 5961 section 5.2, which the engine's 32 bytes have no room for: the peer cannot
+        // acknowledge what the application never sent. A blind forger who landed its SEQ in the
+        // window would otherwise raise ackB (issue 9, item 2).
+        let peer_syn_ack = if outgoing { None } else { tcp_flags_ack(&buf[info.l4_offset..info.l4_offset + info.l4_len]) };
+        if !outgoing {
+            if let (Some(hi), Some((f, ack))) = (e.a_hi, peer_syn_ack) {
+                use unbroken_wire::tcp::flags as F;
+                if f & F::ACK != 0 && f & (F::SYN | F::RST) == 0 && Seq(ack).gt(Seq(hi)) {
+                    self.counters.hostile_peer_ack_beyond += 1;
+                    self.counters.dropped += 1;
+                    return (Action::Drop, len);
+                }
+            }
+        }
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
         let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming_with(&mut e.conn, buf, len, csum) };
         if let Ok(o) = &res {
@@ -493,6 +516,27 @@ impl Core {
                         e.recovery_syns.push(c);
                     }
                     e.keyed_isn = c.isn;
+                }
+            }
+            // The handshake, seen here, fixes where the application's stream begins: its own
+            // SYN-ACK going out (it is the server), or the peer's SYN-ACK accepted for its SYN
+            // (it is the client). Never its SYN alone: a guard that lost the state cannot tell
+            // a recovery SYN from a first one. From then on every byte it sends passes here.
+            use unbroken_wire::tcp::flags as F;
+            if o.verdict == Verdict::Forward && o.event.is_none() {
+                if outgoing {
+                    let seg = IpInfo::parse(&buf[..o.len]).ok().and_then(|i| Tcp::new_checked(&buf[i.l4_offset..i.l4_offset + i.l4_len]).ok()).map(|t| (t.seq() + t.seq_len(), t.flags()));
+                    if let Some((end, f)) = seg {
+                        match e.a_hi {
+                            None if f & (F::SYN | F::ACK) == F::SYN | F::ACK => e.a_hi = Some(end.0),
+                            Some(hi) if end.gt(Seq(hi)) => e.a_hi = Some(end.0),
+                            _ => {}
+                        }
+                    }
+                } else if let Some((f, ack)) = peer_syn_ack {
+                    if f & (F::SYN | F::ACK | F::RST) == F::SYN | F::ACK && e.a_hi.is_none() {
+                        e.a_hi = Some(ack);
+                    }
                 }
             }
             // Only what the engine accepted from the peer counts for the nudge.
@@ -789,6 +833,11 @@ fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAdd
     r.emit(&mut buf[hl..hl + tl]).ok()?;
     Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(app.ip(), peer.ip(), ip::PROTO_TCP, tl));
     Some(hl + tl)
+}
+
+/// The flags and ACK field of a TCP segment, if it is long enough.
+fn tcp_flags_ack(seg: &[u8]) -> Option<(u8, u32)> {
+    (seg.len() >= 20).then(|| (seg[13], u32::from_be_bytes([seg[8], seg[9], seg[10], seg[11]])))
 }
 
 /// The DSCP of an IPv4 or IPv6 packet.
@@ -1175,6 +1224,42 @@ mod tests {
             assert_eq!(syn_from_app(&mut c, 0xbeef_0000, 40), Action::Drop);
             assert_eq!(*c.conn(&k).unwrap(), before);
         }
+    }
+
+    /// Issue 9, item 2 (RFC 5961 section 5.2): a forged packet of the peer with an in-window
+    /// SEQ but acknowledging data the app never sent does not move ackB; the peer's genuine
+    /// ACKs do.
+    #[test]
+    fn hostile_peer_ack_beyond_what_the_app_sent_moves_nothing() {
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt_data(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 100, ..Default::default() }, &[1u8; 300]);
+        assert!(matches!(c.packet(&mut b, n, 1).0, Action::Accept { .. }));
+        let k = FlowKey { app: app(), peer: peer() };
+        let before = *c.conn(&k).unwrap();
+        // In the window (SEQ 101), checksummed, but acknowledging 1 MB the app never sent.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001 + 1_000_000), flags: F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Action::Drop);
+        assert_eq!(c.counters.hostile_peer_ack_beyond, 1);
+        assert_eq!(*c.conn(&k).unwrap(), before, "ackB unchanged");
+        // The genuine ACK of the 300 bytes.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5301), flags: F::ACK, window: 100, ..Default::default() });
+        assert!(matches!(c.packet(&mut b, n, 3).0, Action::Accept { .. }));
+        assert_eq!(c.conn(&k).unwrap().ack_b, 5301);
+        // The app as the client: its stream begins at the ISN the peer's SYN-ACK acknowledges.
+        let mut c = core();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(7000), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(300), ack: Seq(7001), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        assert!(matches!(c.packet(&mut b, n, 0).0, Action::Accept { .. }));
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(301), ack: Seq(9_000_000), flags: F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 1).0, Action::Drop);
+        assert_eq!(c.counters.hostile_peer_ack_beyond, 1);
     }
 
     /// A single answered SYN (no race) works as before; its retransmissions are answered again

@@ -158,6 +158,9 @@ impl GuardFilter {
         if !outgoing && c.hostile_peer_bad_checksum != before.hostile_peer_bad_checksum {
             return Err("the guard refused a genuine packet of B for its checksum".into());
         }
+        if !outgoing && c.hostile_peer_ack_beyond != before.hostile_peer_ack_beyond {
+            return Err("the guard refused a genuine packet of B as acknowledging beyond what A sent".into());
+        }
         let event = event_of(&before, c)?;
         if outgoing && event == Some(Event::Recovered) && self.rng.chance(self.opts.racing_syns) {
             // A forged SYN right behind the genuine one, before A's TCP acknowledges the

@@ -478,8 +478,9 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 /// - any other segment beyond ackA + span is dropped; one entirely below ackA (an old
 ///   duplicate, or a forgery) is forwarded without teaching anything (ackB, timestamps, FIN).
 ///
-/// Not checked: that *B*'s ACK field stays below what *A* sent (the 32-byte state has no room
-/// for *A*'s SND.NXT), nor its TSecr (a restarted filter knows only a lower bound of the TSval
+/// Not checked here: that *B*'s ACK field stays below what *A* sent (the 32-byte state has no
+/// room for *A*'s SND.NXT; the guard's flow table checks it when it saw the handshake), nor
+/// its TSecr (a restarted filter knows only a lower bound of the TSval
 /// *B* saw last). A forger must still land its SEQ in the span (odds span / 2^32 per try); a
 /// wrong ackB then shows at the application's recovery as `DeliveredBeyondSent`, never as a
 /// corrupt stream.

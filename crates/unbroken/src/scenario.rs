@@ -63,7 +63,8 @@ pub struct Scenario {
     /// loopback) instead of on the gateway. Host crashes then take the guard along and are not
     /// supported.
     pub local_guard: bool,
-    /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]).
+    /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]) and
+    /// the connection with blind forgeries from the peer's side ([`forged_peer_traffic`]).
     pub hostile: bool,
     /// Protected connections, one peer process each (every one streams `records` records at
     /// `rate`); crashes are placed by the first one's progress.
@@ -589,6 +590,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let (hostile_tx, hostile_app_side) = channel();
     let hostile = s.hostile.then(|| hostile_traffic(w.lab.app(1).to_string(), w.lab.peer.clone(), w.guard_ctl(), w.service(), hostile_tx));
     let mut hostile_pending = s.hostile;
+    let forged = s.hostile.then(|| forged_peer_traffic(w.lab.peer.clone(), w.service()));
 
     let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
     let total = s.records * unit as u64;
@@ -728,6 +730,9 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     if let Some(h) = hostile {
         h.join().map_err(|_| "hostile traffic thread panicked".to_string())??;
     }
+    if let Some(h) = forged {
+        h.join().map_err(|_| "forged peer traffic thread panicked".to_string())??;
+    }
     // A self-crash at a late point (after-fin) may come after the peer's last progress line.
     if s.app_crash_point.is_some() && self_crashes == 0 {
         let end = Instant::now() + Duration::from_secs(10);
@@ -778,6 +783,80 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
         stalls,
         peer_tcp: tcp_counters(&w.lab.peer),
         guard: status,
+    })
+}
+
+/// Blind forgeries on the protected connection's own 4-tuple (issue 9, item 2), from the peer's
+/// namespace while the transfer runs: the forger knows the addresses and ports (it reads them
+/// from the peer's socket table, as anyone on the path's wire side could) but not the sequence
+/// numbers. Five rounds, 50 ms apart, each of: SYNs, SYN-ACKs, RSTs, FINs and ACKs with random
+/// SEQ and ACK, and ACKs with a broken checksum. IPv4 only (a raw IPPROTO_RAW socket). Returns how
+/// many packets were sent (0 if the connection was not found within 30 s).
+pub fn forged_peer_traffic(peer_ns: String, service: SocketAddr) -> std::thread::JoinHandle<Result<u64, String>> {
+    std::thread::spawn(move || {
+        let (IpAddr::V4(dst), true) = (service.ip(), true) else { return Ok(0) };
+        let res = lab::in_ns(&peer_ns, move || -> std::io::Result<u64> {
+            // The connection's local address and port: /proc/net/tcp, ESTABLISHED (01), remote
+            // = the service.
+            let want = format!("{:08X}:{:04X}", u32::from_le_bytes(dst.octets()), service.port());
+            let end = Instant::now() + Duration::from_secs(30);
+            let (src, sport) = loop {
+                let table = std::fs::read_to_string("/proc/thread-self/net/tcp").unwrap_or_default();
+                let found = table.lines().skip(1).find_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    if f.len() > 3 && f[2] == want && f[3] == "01" {
+                        let (a, p) = f[1].split_once(':')?;
+                        let a = u32::from_str_radix(a, 16).ok()?.to_le_bytes();
+                        Some((std::net::Ipv4Addr::from(a), u16::from_str_radix(p, 16).ok()?))
+                    } else {
+                        None
+                    }
+                });
+                if let Some(x) = found {
+                    break x;
+                }
+                if Instant::now() > end {
+                    return Ok(0);
+                }
+                std::thread::sleep(Duration::from_millis(20)); // polling the socket table with a deadline
+            };
+            let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            let mut rnd = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u32
+            };
+            use unbroken_wire::tcp::flags as F;
+            let mut n = 0;
+            for round in 0..5 {
+                if round > 0 {
+                    std::thread::sleep(Duration::from_millis(50)); // pacing the rounds over the transfer
+                }
+                for (flags, bad_csum) in [(F::SYN, false), (F::SYN | F::ACK, false), (F::RST, false), (F::FIN | F::ACK, false), (F::ACK, false), (F::ACK, true)] {
+                    for _ in 0..50 {
+                        let r = unbroken_wire::tcp::Repr { src_port: sport, dst_port: service.port(), seq: unbroken_wire::Seq(rnd()), ack: unbroken_wire::Seq(if flags & F::ACK != 0 { rnd() } else { 0 }), flags, window: 1000, ..Default::default() };
+                        let mut pkt = unbroken_wire::ip::tcp_packet(IpAddr::V4(src), IpAddr::V4(dst), &r, b"").map_err(std::io::Error::other)?;
+                        if bad_csum {
+                            pkt[20 + 16] ^= 0x5a;
+                        }
+                        let sa = libc::sockaddr_in { sin_family: libc::AF_INET as u16, sin_port: 0, sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.octets()) }, sin_zero: [0; 8] };
+                        let r = unsafe { libc::sendto(std::os::fd::AsRawFd::as_raw_fd(&sock), pkt.as_ptr().cast(), pkt.len(), 0, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+                        if r < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        n += 1;
+                    }
+                }
+            }
+            Ok(n)
+        });
+        res.and_then(|r| r).map_err(|e| format!("forged peer traffic: {e}"))
     })
 }
 

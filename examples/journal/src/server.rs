@@ -364,7 +364,10 @@ fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync:
     };
     let dir = conn_dir(&base, peer);
     if let Err(e) = persist_record(&dir, &rec, fsync) {
-        return log(&format!("{peer}: journal: {e}"));
+        // Without a record the connection cannot be recovered: close it as a plain one (the
+        // guard lets the FIN through once told), so the peer sees the close instead of hanging.
+        let _ = unbroken_sdk::shutdown(&rec, &client);
+        return log(&format!("{peer}: journal: {e}; closing"));
     }
     log(&format!("{peer}: connected and protected"));
     match serve_recovering(&client, &rec, &dir, fsync, echo, Some(stream)) {

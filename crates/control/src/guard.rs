@@ -37,6 +37,25 @@ struct Entry {
     /// every recovery), cleared by its TELL. A SYN from the application's address for a connection the guard
     /// could recover, outside this window, was not announced: dropped (issue 9, item 1).
     recovery_armed_until: Option<u64>,
+    /// The distinct SYNs answered in the current recovery window, until the application's
+    /// TCP proves which one was its own (issue 9, item 1: a forged SYN racing a genuine one).
+    /// Empty (no allocation) outside a recovery.
+    recovery_syns: Vec<Candidate>,
+    /// The ISN of the SYN the engine was last keyed to.
+    keyed_isn: u32,
+    /// The end of the application's stream as the peer sees it (highest SEQ + length of a
+    /// segment forwarded to the peer, after renumbering), known when this entry saw the
+    /// connection's first SYN or SYN-ACK go out: the peer cannot acknowledge beyond it (RFC 5961
+    /// section 5.2). `None` for an entry that did not witness the handshake (a restarted guard,
+    /// an eviction): it cannot know what the application sent before.
+    a_hi: Option<u32>,
+    /// An authenticated command named this connection (since this guard started): an
+    /// application protects it, and the unprotected mark is refused.
+    claimed: bool,
+    /// The application marked the connection unprotected (its packets carry
+    /// `ctl::UNPROTECTED_DSCP`) before any authenticated command: every packet of it passes
+    /// untouched, as if the guard were not there (issue 9, checkpoint misconfiguration).
+    unprotected: bool,
 }
 
 impl Entry {
@@ -45,13 +64,37 @@ impl Entry {
     fn established(&self) -> bool {
         use unbroken_engines::rtcp::flag;
         let need = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
-        self.conn.flags & need == need && !self.conn.is_closed()
+        self.conn.flags & need == need && !self.conn.is_closed() && !self.unprotected
     }
 
     /// A recovery SYN for this connection is announced at `now_ms`.
     fn recovery_armed(&self, now_ms: u64) -> bool {
         self.recovery_armed_until.is_some_and(|t| now_ms <= t)
     }
+}
+
+/// Largest IP packet of a recovery SYN kept as a candidate (IPv6 header + TCP with 40 bytes of
+/// options is 100).
+const CANDIDATE_BYTES: usize = 128;
+/// Distinct SYNs answered inside one announced recovery window before further ones are
+/// dropped (the application's own retransmissions repeat its ISN and do not count).
+pub const MAX_RECOVERY_SYNS: usize = 4;
+
+/// A recovery SYN answered inside an announced window, kept until a packet of the application
+/// proves which SYN was its own (see [`Core::recovery_race`]).
+#[derive(Clone, Copy)]
+struct Candidate {
+    isn: u32,
+    /// ackA when it was answered: the ACK the application's TCP sends for the SYN-ACK.
+    proof_ack: u32,
+    len: u16,
+    pkt: [u8; CANDIDATE_BYTES],
+}
+
+enum Race {
+    None,
+    Candidate(Candidate),
+    Done(Action, usize),
 }
 
 /// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
@@ -86,6 +129,19 @@ pub struct Counters {
     /// I0: packets from the peer on a connection whose state was lost (a restart, an
     /// eviction), turned into an ACK-eliciting probe for the application's TCP.
     pub peer_without_state: u64,
+    /// Packets from the peer whose TCP checksum does not verify: dropped, nothing learned
+    /// (issue 9, item 2).
+    pub hostile_peer_bad_checksum: u64,
+    /// Packets from the peer outside the window the application's TCP could accept (RSTs
+    /// included, RFC 5961), echoing a timestamp never sent, or SYN-ACKs answering no pending
+    /// SYN: dropped, nothing learned (issue 9, item 2).
+    pub hostile_peer_out_of_window: u64,
+    /// Packets from the peer acknowledging beyond what the application sent through this
+    /// guard (RFC 5961 section 5.2): dropped, nothing learned (issue 9, item 2).
+    pub hostile_peer_ack_beyond: u64,
+    /// SYNs from the peer on a synchronized connection: passed to the application's TCP
+    /// (which answers with a challenge ACK), nothing learned.
+    pub peer_syn_challenged: u64,
     pub commands: u64,
     pub commands_answered: u64,
     pub acks_injected: u64,
@@ -103,6 +159,27 @@ pub struct Counters {
     /// ACKNOWLEDGE with the RECOVERY flag announced within [`RECOVERY_WINDOW_MS`]: dropped (a forged recovery SYN
     /// would re-key the connection; issue 9, item 1).
     pub hostile_recovery_syn: u64,
+    /// Recoveries whose SYN the application's TCP proved (its first packet acknowledged the
+    /// synthesized SYN-ACK), closing the window.
+    pub recovery_proven: u64,
+    /// Of those, how many had been re-keyed by another SYN inside the window (a forged SYN
+    /// racing the genuine one): undone.
+    pub recovery_race_undone: u64,
+    /// Packets from the application's address while two or more recovery SYNs were unproven
+    /// and that proved none: answered with a RST toward the application, never forwarded.
+    pub hostile_recovery_unproven: u64,
+    /// Refusals ([`ctl::Nak`]) sent for commands that failed their MAC or clock check.
+    pub naks_sent: u64,
+    /// Refusals not sent because the rate limit ([`NAK_PER_SEC`]) was reached.
+    pub naks_rate_limited: u64,
+    /// Connections an application marked unprotected (`ctl::UNPROTECTED_DSCP`, the SDK does
+    /// it when it cannot protect a connection): from then on passed untouched.
+    pub unprotected_released: u64,
+    /// Packets of such connections, passed untouched.
+    pub unprotected_passed: u64,
+    /// Packets marked unprotected on a connection that an authenticated command named, that
+    /// needs renumbering, or whose handshake the guard did not see: the mark is ignored.
+    pub hostile_unprotect_refused: u64,
     pub adopted: u64,
     /// Verdicts the queue refused (a replacement it could not carry) or packets whose handling
     /// panicked: dropped instead, so no packet waits in the kernel without a verdict.
@@ -165,14 +242,23 @@ pub struct Core {
     replay: ReplayCache,
     /// Send the recovery nudge (config `recovery_nudge`; experimental, off by default).
     pub recovery_nudge: bool,
+    /// Token bucket of refusals: tokens (in thousandths) and when it was last filled.
+    nak_tokens: u64,
+    nak_filled_ms: Option<u64>,
     pub counters: Counters,
 }
 
 /// Reply to a command: the response datagram and, for ACKNOWLEDGE, a TCP ACK for the peer.
 pub struct CommandOut {
-    pub reply: [u8; ctl::LEN],
+    /// The response ([`ctl::LEN`] bytes) or a refusal ([`ctl::NAK_LEN`] bytes).
+    pub reply: Vec<u8>,
     pub ack_len: Option<usize>,
 }
+
+/// Refusals ([`ctl::Nak`]) the guard sends per second at most (burst as many): a flood of
+/// bad datagrams from an allowed source gets no more answers than that, each smaller than the
+/// datagram it answers.
+pub const NAK_PER_SEC: u64 = 10;
 
 impl Core {
     pub fn new(services: &[Service], key: Key, allowed: Vec<Prefix>, skew_ms: u64, grace_ms: u64, max_conns: usize) -> Core {
@@ -186,6 +272,8 @@ impl Core {
             max_conns: max_conns.max(1),
             replay: ReplayCache::new(1 << 18),
             recovery_nudge: false,
+            nak_tokens: NAK_PER_SEC * 1000,
+            nak_filled_ms: None,
             counters: Counters::default(),
         }
     }
@@ -230,6 +318,9 @@ impl Core {
             Event::PendingWithoutCheckpoint => c.pending_without_checkpoint += 1,
             Event::BogusFlags => c.bogus_flags += 1,
             Event::PeerWithoutState => c.peer_without_state += 1,
+            Event::PeerBadChecksum => c.hostile_peer_bad_checksum += 1,
+            Event::PeerOutOfWindow => c.hostile_peer_out_of_window += 1,
+            Event::PeerSynChallenged => c.peer_syn_challenged += 1,
         }
     }
 
@@ -237,7 +328,7 @@ impl Core {
         if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
             self.evict_oldest(now_ms);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None });
+        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false });
         e.last_ms = now_ms;
         e
     }
@@ -308,6 +399,14 @@ impl Core {
     /// Decides a queued packet. `buf[..len]` is the IP packet; `buf` has room to grow (64 bytes
     /// is enough). Returns the action and the packet's new length.
     pub fn packet(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> (Action, usize) {
+        self.packet_with(buf, len, now_ms, false)
+    }
+
+    /// [`packet`](Self::packet) for a packet whose transport checksum is partial
+    /// (`csum_partial`: built on this host and handed over before the checksum was completed,
+    /// NFQUEUE's `csum_not_ready`), so that it cannot be verified. Every other packet from the
+    /// peer must carry a checksum that verifies (issue 9, item 2).
+    pub fn packet_with(&mut self, buf: &mut [u8], len: usize, now_ms: u64, csum_partial: bool) -> (Action, usize) {
         self.counters.packets += 1;
         let info = match IpInfo::parse(&buf[..len]) {
             Ok(i) => i,
@@ -337,6 +436,32 @@ impl Core {
         } else {
             self.counters.incoming += 1;
         }
+        // A connection its application could not protect (issue 9, misconfiguration): its
+        // packets pass untouched, so the peer sees what the application does (its close).
+        if let Some(e) = self.table.get_mut(&key) {
+            if e.unprotected {
+                e.last_ms = now_ms;
+                self.counters.unprotected_passed += 1;
+                self.counters.forwarded += 1;
+                return (Action::Accept { modified: false }, len);
+            }
+            if outgoing && dscp(&buf[..len]) == Some(ctl::UNPROTECTED_DSCP) {
+                use unbroken_engines::rtcp::flag;
+                let c = &e.conn;
+                // Only what cannot be a forger's way to unprotect a protected connection: no
+                // authenticated command named it, its handshake was seen here (Δ = 0 is known,
+                // not assumed), nothing is renumbered.
+                if !e.claimed && c.flags & flag::SYNCED != 0 && c.flags & flag::SYN_PENDING == 0 && c.delta == 0 && c.ts_off == 0 {
+                    e.unprotected = true;
+                    e.last_ms = now_ms;
+                    self.counters.unprotected_released += 1;
+                    self.counters.unprotected_passed += 1;
+                    self.counters.forwarded += 1;
+                    return (Action::Accept { modified: false }, len);
+                }
+                self.counters.hostile_unprotect_refused += 1;
+            }
+        }
         // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
         // application's address, for a live connection this state witnessed (SYNCED: a forged
         // SYN would re-key it), is answered (O5) only within the window an authenticated
@@ -355,19 +480,77 @@ impl Core {
                 return (Action::Drop, len);
             }
         }
+        // The race inside an announced window (see `Entry::recovery_syns`).
+        let mut candidate = None;
+        if outgoing && info.l4_len >= 20 {
+            match self.recovery_race(key, buf, &info, len, now_ms) {
+                Race::None => {}
+                Race::Candidate(c) => candidate = Some(c),
+                Race::Done(action, n) => return (action, n),
+            }
+        }
         // The peer's highest data segment, for the recovery nudge.
         let e = self.entry(key, now_ms);
         let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
         let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
-        if let Some((start, end)) = seg {
-            if e.peer_hi.is_none_or(|(_, hi)| Seq(end).gt(Seq(hi))) {
-                e.peer_hi = Some((start, end));
+        // RFC 5961 section 5.2, which the engine's 32 bytes have no room for: the peer cannot
+        // acknowledge what the application never sent. A blind forger who landed its SEQ in the
+        // window would otherwise raise ackB (issue 9, item 2).
+        let peer_syn_ack = if outgoing { None } else { tcp_flags_ack(&buf[info.l4_offset..info.l4_offset + info.l4_len]) };
+        if !outgoing {
+            if let (Some(hi), Some((f, ack))) = (e.a_hi, peer_syn_ack) {
+                use unbroken_wire::tcp::flags as F;
+                if f & F::ACK != 0 && f & (F::SYN | F::RST) == 0 && Seq(ack).gt(Seq(hi)) {
+                    self.counters.hostile_peer_ack_beyond += 1;
+                    self.counters.dropped += 1;
+                    return (Action::Drop, len);
+                }
             }
         }
-        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming(&mut e.conn, buf, len) };
+        let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
+        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming_with(&mut e.conn, buf, len, csum) };
         if let Ok(o) = &res {
             if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
                 e.nudge = true;
+            }
+            if o.event == Some(Event::Recovered) {
+                if let Some(mut c) = candidate {
+                    // A's TCP acknowledges the synthesized SYN-ACK (SEQ = ackA - 1) with ackA.
+                    c.proof_ack = e.conn.ack_a;
+                    if !e.recovery_syns.iter().any(|k| k.isn == c.isn) {
+                        e.recovery_syns.push(c);
+                    }
+                    e.keyed_isn = c.isn;
+                }
+            }
+            // The handshake, seen here, fixes where the application's stream begins: its own
+            // SYN-ACK going out (it is the server), or the peer's SYN-ACK accepted for its SYN
+            // (it is the client). Never its SYN alone: a guard that lost the state cannot tell
+            // a recovery SYN from a first one. From then on every byte it sends passes here.
+            use unbroken_wire::tcp::flags as F;
+            if o.verdict == Verdict::Forward && o.event.is_none() {
+                if outgoing {
+                    let seg = IpInfo::parse(&buf[..o.len]).ok().and_then(|i| Tcp::new_checked(&buf[i.l4_offset..i.l4_offset + i.l4_len]).ok()).map(|t| (t.seq() + t.seq_len(), t.flags()));
+                    if let Some((end, f)) = seg {
+                        match e.a_hi {
+                            None if f & (F::SYN | F::ACK) == F::SYN | F::ACK => e.a_hi = Some(end.0),
+                            Some(hi) if end.gt(Seq(hi)) => e.a_hi = Some(end.0),
+                            _ => {}
+                        }
+                    }
+                } else if let Some((f, ack)) = peer_syn_ack {
+                    if f & (F::SYN | F::ACK | F::RST) == F::SYN | F::ACK && e.a_hi.is_none() {
+                        e.a_hi = Some(ack);
+                    }
+                }
+            }
+            // Only what the engine accepted from the peer counts for the nudge.
+            if !matches!(o.event, Some(Event::PeerBadChecksum | Event::PeerOutOfWindow)) {
+                if let Some((start, end)) = seg {
+                    if e.peer_hi.is_none_or(|(_, hi)| Seq(end).gt(Seq(hi))) {
+                        e.peer_hi = Some((start, end));
+                    }
+                }
             }
         }
         let o = match res {
@@ -396,8 +579,109 @@ impl Core {
         }
     }
 
+    /// A packet from the application's address while a recovery is announced or its SYNs are
+    /// unproven (issue 9, item 1: a forged SYN racing a genuine recovery). Every SYN inside the
+    /// window is answered (any may be the application's), up to [`MAX_RECOVERY_SYNS`] distinct
+    /// ones; the engine is keyed to the last. The application's TCP then acknowledges the
+    /// synthesized SYN-ACK: its first packet carries SEQ = its ISN + 1 and ACK = that SYN-ACK's
+    /// SEQ + 1 (ackA), which only a receiver of the SYN-ACK (sent toward the application, never
+    /// toward a forger on the peer's side) can know. That packet proves which SYN was genuine:
+    /// the engine is re-keyed to it if a later SYN had taken over, the candidates are
+    /// forgotten and the window closes. While two or more candidates are unproven, any other
+    /// packet from the application's address is answered with a RST toward it (the
+    /// application recovers again) and never forwarded.
+    fn recovery_race(&mut self, key: FlowKey, buf: &mut [u8], info: &IpInfo, len: usize, now_ms: u64) -> Race {
+        use unbroken_wire::tcp::flags as F;
+        let Some(e) = self.table.get_mut(&key) else { return Race::None };
+        let seg = &buf[info.l4_offset..info.l4_offset + info.l4_len];
+        let f = seg[13];
+        let seq = u32::from_be_bytes(seg[4..8].try_into().unwrap());
+        let ack = u32::from_be_bytes(seg[8..12].try_into().unwrap());
+        if f & (F::SYN | F::ACK) == F::SYN {
+            // Every SYN inside the window is a candidate, including one a restarted guard
+            // answers for a connection it did not witness (it becomes SYNCED by answering).
+            if !e.recovery_armed(now_ms) {
+                return Race::None;
+            }
+            if !e.recovery_syns.iter().any(|c| c.isn == seq) && e.recovery_syns.len() >= MAX_RECOVERY_SYNS {
+                self.counters.hostile_recovery_syn += 1;
+                self.counters.dropped += 1;
+                return Race::Done(Action::Drop, len);
+            }
+            if len > CANDIDATE_BYTES {
+                return Race::None;
+            }
+            let mut c = Candidate { isn: seq, proof_ack: 0, len: len as u16, pkt: [0; CANDIDATE_BYTES] };
+            c.pkt[..len].copy_from_slice(&buf[..len]);
+            return Race::Candidate(c);
+        }
+        if e.recovery_syns.is_empty() || f & (F::SYN | F::RST) != 0 {
+            return Race::None;
+        }
+        let proven = e.recovery_syns.iter().position(|c| f & F::ACK != 0 && ack == c.proof_ack && seq == c.isn.wrapping_add(1));
+        match proven {
+            Some(i) => {
+                let c = e.recovery_syns[i];
+                if c.isn != e.keyed_isn {
+                    // A later SYN (forged) had re-keyed the connection: undo it by answering
+                    // the proven one again (the SYN-ACK it produces is not sent: A has it).
+                    let mut scratch = [0u8; CANDIDATE_BYTES + 64];
+                    scratch[..c.len as usize].copy_from_slice(&c.pkt[..c.len as usize]);
+                    let ok = matches!(rtcp::outgoing(&mut e.conn, &mut scratch, c.len as usize), Ok(o) if o.event == Some(Event::Recovered));
+                    e.keyed_isn = c.isn;
+                    if ok {
+                        self.counters.recovery_race_undone += 1;
+                    }
+                }
+                let e = self.table.get_mut(&key).expect("present");
+                e.recovery_syns.clear();
+                e.recovery_armed_until = None;
+                self.counters.recovery_proven += 1;
+                Race::None
+            }
+            None if e.recovery_syns.len() >= 2 => {
+                // Which SYN is the application's is still open: nothing of A's passes, and A's
+                // socket is reset (as if by the peer) so the application recovers afresh.
+                let (src, dst) = (info.src, info.dst);
+                let (sport, dport) = (u16::from_be_bytes([seg[0], seg[1]]), u16::from_be_bytes([seg[2], seg[3]]));
+                let r = unbroken_wire::tcp::Repr { src_port: dport, dst_port: sport, seq: Seq(ack), flags: F::RST, ..Default::default() };
+                self.counters.hostile_recovery_unproven += 1;
+                match emit_bare(buf, dst, src, &r) {
+                    Some(n) => {
+                        self.counters.reflected += 1;
+                        Race::Done(Action::Inject, n)
+                    }
+                    None => {
+                        self.counters.dropped += 1;
+                        Race::Done(Action::Drop, len)
+                    }
+                }
+            }
+            None => Race::None,
+        }
+    }
+
+    /// A refusal of `dgram` (well formed, from an allowed source, failing its MAC or clock
+    /// check), within the rate limit: the application learns that the guard is there and what
+    /// it refuses, instead of timing out. Nothing for garbage or beyond the limit.
+    fn refusal(&mut self, dgram: &[u8], why: u8, wall_ms: u64, now_ms: u64) -> Option<CommandOut> {
+        let nak = ctl::Nak::refuse(dgram, why, wall_ms)?;
+        let cap = NAK_PER_SEC * 1000;
+        let last = *self.nak_filled_ms.get_or_insert(now_ms);
+        self.nak_tokens = (self.nak_tokens + now_ms.saturating_sub(last) * NAK_PER_SEC).min(cap);
+        self.nak_filled_ms = Some(now_ms);
+        if self.nak_tokens < 1000 {
+            self.counters.naks_rate_limited += 1;
+            return None;
+        }
+        self.nak_tokens -= 1000;
+        self.counters.naks_sent += 1;
+        Some(CommandOut { reply: nak.encode().to_vec(), ack_len: None })
+    }
+
     /// Handles one side-channel datagram from `src`. `None` means "no answer" (refused and
-    /// counted: wrong source, bad MAC, stale clock, replay, malformed).
+    /// counted: wrong source, bad MAC, stale clock, replay, malformed). A bad MAC or a stale
+    /// clock from an allowed source is answered with a refusal ([`ctl::Nak`], rate-limited).
     pub fn command(&mut self, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<CommandOut> {
         self.counters.commands += 1;
         let sip = match src.ip() {
@@ -412,7 +696,7 @@ impl Core {
             Ok(c) => c,
             Err(Error::Unauthenticated) => {
                 self.counters.cmd_rejected_auth += 1;
-                return None;
+                return self.refusal(dgram, ctl::refusal::KEY, wall_ms, now_ms);
             }
             Err(_) => {
                 self.counters.cmd_malformed += 1;
@@ -425,7 +709,7 @@ impl Core {
         }
         if wall_ms.abs_diff(cmd.time_ms) > self.skew_ms {
             self.counters.cmd_rejected_stale += 1;
-            return None;
+            return self.refusal(dgram, ctl::refusal::CLOCK, wall_ms, now_ms);
         }
         if !self.replay.insert(cmd.nonce, wall_ms, self.skew_ms) {
             self.counters.cmd_rejected_replay += 1;
@@ -434,7 +718,7 @@ impl Core {
         let key = FlowKey { app: cmd.app, peer: cmd.peer };
         let status_reply = |status: Status, k: &Key| {
             let r = Command { response: true, status: status as u8, flags: 0, time_ms: wall_ms, ack_a: 0, ack_b: 0, options: None, ..cmd };
-            r.encode(k).ok().map(|reply| CommandOut { reply, ack_len: None })
+            r.encode(k).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })
         };
         if !self.services.contains(&(cmd.app.ip(), cmd.app.port())) {
             self.counters.cmd_not_protected += 1;
@@ -446,10 +730,11 @@ impl Core {
                     let mut ack = [0u8; 0];
                     let k = FlowKey { app: cmd.app, peer };
                     let e = self.table.get_mut(&k).expect("just found");
+                    e.claimed = true;
                     let res = rtcp::command(&mut e.conn, &Command { peer, ..cmd }, &mut ack);
                     self.counters.adopted += 1;
                     self.counters.commands_answered += 1;
-                    Command { time_ms: wall_ms, ..res.reply }.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: None })
+                    Command { time_ms: wall_ms, ..res.reply }.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })
                 }
                 None => {
                     self.counters.cmd_no_connection += 1;
@@ -463,12 +748,14 @@ impl Core {
         }
         let nudging = self.recovery_nudge;
         let e = self.entry(key, now_ms);
+        e.claimed = true;
         if cmd.op == ctl::Op::Tell {
             e.told = true;
             e.recovery_armed_until = None;
         }
         if cmd.op == ctl::Op::Acknowledge && cmd.flags & ctl::flag::RECOVERY != 0 {
             e.recovery_armed_until = Some(now_ms + RECOVERY_WINDOW_MS);
+            e.recovery_syns.clear();
         }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
         if cmd.op == ctl::Op::Tell && std::mem::take(&mut e.nudge) && nudging {
@@ -476,7 +763,7 @@ impl Core {
                 self.counters.recovery_nudges += 1;
                 self.counters.commands_answered += 1;
                 let reply = Command { time_ms: wall_ms, ..res.reply };
-                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: Some(n) });
+                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: Some(n) });
             }
         }
         if cmd.op == ctl::Op::Clear {
@@ -487,7 +774,7 @@ impl Core {
         }
         let reply = Command { time_ms: wall_ms, ..res.reply };
         self.counters.commands_answered += 1;
-        reply.encode(&self.key).ok().map(|reply| CommandOut { reply, ack_len: res.ack_len })
+        reply.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: res.ack_len })
     }
 }
 
@@ -550,6 +837,30 @@ fn nudge(c: &Conn, peer_hi: Option<(u32, u32)>, app: SocketAddr, peer: SocketAdd
     let hl = ip::emit_header(buf, app.ip(), peer.ip(), ip::PROTO_TCP, tl).ok()?;
     r.emit(&mut buf[hl..hl + tl]).ok()?;
     Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(app.ip(), peer.ip(), ip::PROTO_TCP, tl));
+    Some(hl + tl)
+}
+
+/// The flags and ACK field of a TCP segment, if it is long enough.
+fn tcp_flags_ack(seg: &[u8]) -> Option<(u8, u32)> {
+    (seg.len() >= 20).then(|| (seg[13], u32::from_be_bytes([seg[8], seg[9], seg[10], seg[11]])))
+}
+
+/// The DSCP of an IPv4 or IPv6 packet.
+fn dscp(pkt: &[u8]) -> Option<u8> {
+    match pkt.first()? >> 4 {
+        4 => Some(pkt.get(1)? >> 2),
+        6 => Some((((pkt[0] & 0x0f) << 4) | (pkt.get(1)? >> 4)) >> 2),
+        _ => None,
+    }
+}
+
+/// Writes a TCP segment without payload `src -> dst` into `buf`, checksums filled, without
+/// allocating. Returns its length.
+fn emit_bare(buf: &mut [u8], src: IpAddr, dst: IpAddr, r: &unbroken_wire::tcp::Repr) -> Option<usize> {
+    let tl = r.header_len();
+    let hl = ip::emit_header(buf, src, dst, ip::PROTO_TCP, tl).ok()?;
+    r.emit(buf.get_mut(hl..hl + tl)?).ok()?;
+    Tcp::new_checked(&mut buf[hl..hl + tl]).ok()?.fill_checksum(ip::pseudo_sum(src, dst, ip::PROTO_TCP, tl));
     Some(hl + tl)
 }
 
@@ -624,11 +935,15 @@ mod tests {
         let now = 1_000_000;
         assert!(c.command("10.9.9.9:1".parse().unwrap(), &cmd(Op::Acknowledge, 1, now), now, 0, &mut ack).is_none());
         assert_eq!(c.counters.cmd_rejected_source, 1);
+        // A bad MAC or a stale clock is refused: no response, only a small unauthenticated
+        // refusal naming the reason (see hostile_wrong_key_or_clock_gets_a_small_rate_limited_refusal).
         let mut bad = cmd(Op::Acknowledge, 2, now);
         bad[70] ^= 1;
-        assert!(c.command(from_app(), &bad, now, 0, &mut ack).is_none());
+        let out = c.command(from_app(), &bad, now, 0, &mut ack).expect("a refusal");
+        assert!(Command::decode(&out.reply, &key()).is_err() && out.ack_len.is_none());
         assert_eq!(c.counters.cmd_rejected_auth, 1);
-        assert!(c.command(from_app(), &cmd(Op::Acknowledge, 3, now - 60_000), now, 0, &mut ack).is_none());
+        let out = c.command(from_app(), &cmd(Op::Acknowledge, 3, now - 60_000), now, 0, &mut ack).expect("a refusal");
+        assert!(Command::decode(&out.reply, &key()).is_err());
         assert_eq!(c.counters.cmd_rejected_stale, 1);
         let ok = c.command(from_app(), &cmd(Op::Acknowledge, 4, now), now, 0, &mut ack).expect("answered");
         let r = Command::decode(&ok.reply, &key()).unwrap();
@@ -639,6 +954,92 @@ mod tests {
         assert_eq!(c.counters.cmd_malformed, 1);
         // A response datagram sent back at the guard is not a command.
         assert!(c.command(from_app(), &ok.reply, now, 0, &mut ack).is_none());
+    }
+
+    /// Issue 9, checkpoint misconfiguration: an application with the wrong key (or clock) learns
+    /// why the guard refuses it from a refusal no larger than its request, bound to its nonce,
+    /// at most NAK_PER_SEC per second; nothing is answered to garbage or to a source outside
+    /// allowed_sources; the refusal changes no state.
+    #[test]
+    fn hostile_wrong_key_or_clock_gets_a_small_rate_limited_refusal() {
+        let mut c = core();
+        let now = 1_000_000;
+        let wrong = Key::from_hex("ffeeddccbbaa99887766554433221100").unwrap();
+        let req = |nonce: u64, t: u64| Command::request(Op::Tell, app(), peer(), nonce, t).encode(&wrong).unwrap();
+        let out = c.command(from_app(), &req(7, now), now, 0, &mut [0u8; 128]).expect("a refusal");
+        assert!(out.reply.len() <= ctl::LEN && out.reply.len() == ctl::NAK_LEN);
+        let nak = ctl::Nak::decode(&out.reply).unwrap();
+        assert_eq!((nak.op, nak.refusal, nak.nonce), (Op::Tell as u8, ctl::refusal::KEY, 7));
+        // The right key but a clock 60 s off: refused for the clock.
+        let stale = Command::request(Op::Tell, app(), peer(), 8, now - 60_000).encode(&key()).unwrap();
+        let nak = ctl::Nak::decode(&c.command(from_app(), &stale, now, 0, &mut [0u8; 128]).unwrap().reply).unwrap();
+        assert_eq!((nak.refusal, nak.nonce), (ctl::refusal::CLOCK, 8));
+        // Garbage and strangers get nothing.
+        assert!(c.command(from_app(), &[0x55u8; 96], now, 0, &mut [0u8; 128]).is_none());
+        assert!(c.command("10.9.9.9:1".parse().unwrap(), &req(9, now), now, 0, &mut [0u8; 128]).is_none());
+        // A flood: at most NAK_PER_SEC answers (the two above included), then again a second later.
+        let answered = (0..100).filter(|i| c.command(from_app(), &req(100 + i, now), now, 0, &mut [0u8; 128]).is_some()).count();
+        assert_eq!(answered as u64, NAK_PER_SEC - 2);
+        assert_eq!(c.counters.naks_rate_limited, 100 - (NAK_PER_SEC - 2));
+        assert!(c.command(from_app(), &req(500, now), now, 1000, &mut [0u8; 128]).is_some());
+        assert_eq!(c.connections(), 0, "no state created");
+    }
+
+    /// Issue 9, checkpoint misconfiguration: an application that could not protect a connection
+    /// (wrong key or guard address) marks it (UNPROTECTED_DSCP); its FIN then reaches the peer
+    /// instead of being turned into a RST for the application, and everything passes
+    /// untouched. The mark cannot unprotect a connection an authenticated command named, or one
+    /// that needs renumbering.
+    #[test]
+    fn hostile_unprotected_mark_releases_only_an_unclaimed_connection() {
+        let handshake = |c: &mut Core, p: SocketAddr| {
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+            c.packet(&mut b, n, 0);
+            let (mut b, n) = pkt(app(), p, Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+            c.packet(&mut b, n, 0);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+            c.packet(&mut b, n, 0);
+        };
+        let marked_fin = |c: &mut Core, p: SocketAddr| {
+            let (mut b, n) = pkt(app(), p, Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+            b[1] = ctl::UNPROTECTED_DSCP << 2;
+            unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+            let (a, len) = c.packet(&mut b, n, 1);
+            (a, b[..len].to_vec())
+        };
+        let mut c = core();
+        handshake(&mut c, peer());
+        let (a, out) = marked_fin(&mut c, peer());
+        assert_eq!(a, Action::Accept { modified: false }, "the FIN goes to the peer");
+        assert_eq!(IpInfo::parse(&out).unwrap().dst, peer().ip());
+        assert_eq!(c.counters.unprotected_released, 1);
+        // From then on the connection is not the guard's: the peer's FIN and the app's RST pass.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5002), flags: F::FIN | F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Action::Accept { modified: false });
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5002), flags: F::RST, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 3).0, Action::Accept { modified: false });
+        let adopt = Command::request(Op::Adopt, app(), "0.0.0.0:0".parse().unwrap(), 90, 1).encode(&key()).unwrap();
+        let r = Command::decode(&c.command(from_app(), &adopt, 1, 4, &mut [0u8; 128]).unwrap().reply, &key()).unwrap();
+        assert_eq!(r.status, Status::NoConnection as u8, "not offered for adoption");
+
+        // A connection its application told about (authenticated): the mark is ignored, the
+        // FIN is still a spurious one (a RST for the app), and counted.
+        let mut c = core();
+        handshake(&mut c, peer());
+        c.command(from_app(), &cmd(Op::Tell, 91, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        assert_eq!(marked_fin(&mut c, peer()).0, Action::Inject);
+        assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (0, 1));
+        // A recovered connection (renumbered) after a guard restart, not yet claimed: ignored.
+        let mut c = core();
+        let (_, ack_a) = announced_recovery(&mut c);
+        assert_eq!(syn_from_app(&mut c, 77, 20), Action::Inject);
+        let k = FlowKey { app: app(), peer: peer() };
+        c.table.get_mut(&k).unwrap().claimed = false;
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(78), ack: Seq(ack_a), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        b[1] = ctl::UNPROTECTED_DSCP << 2;
+        unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+        assert_eq!(c.packet(&mut b, n, 30).0, Action::Inject);
+        assert_eq!(c.counters.hostile_unprotect_refused, 1);
     }
 
     #[test]
@@ -764,6 +1165,126 @@ mod tests {
         let other = SocketAddr::new(peer().ip(), 42_000);
         let (mut b, n) = pkt(app(), other, Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
         assert_eq!(c.packet(&mut b, n, 70).0, Action::Accept { modified: false });
+    }
+
+    /// An established connection (peer ISN 100, app ISN 5000), the app dies (its FIN becomes a
+    /// RST) and announces its recovery. Returns the state's ackB and ackA.
+    fn announced_recovery(c: &mut Core) -> (u32, u32) {
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        c.command(from_app(), &recovery_ack(70, 101), 1, 10, &mut [0u8; 128]).unwrap();
+        (5001, 101)
+    }
+
+    fn syn_from_app(c: &mut Core, isn: u32, now: u64) -> Action {
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(isn), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, now).0
+    }
+
+    /// A's packet: returns the action and the SEQ the peer would see.
+    fn from_app_seq(c: &mut Core, seq: u32, ack: u32, now: u64) -> (Action, Seq) {
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(seq), ack: Seq(ack), flags: F::ACK, window: 100, ..Default::default() });
+        let (a, len) = c.packet(&mut b, n, now);
+        let info = IpInfo::parse(&b[..len]).unwrap();
+        (a, Tcp::new_checked(&b[info.l4_offset..len]).unwrap().seq())
+    }
+
+    /// Issue 9, item 1, the race: a forged SYN inside the announced window, after the genuine
+    /// SYN was answered and before A's TCP acknowledged the SYN-ACK, re-keys the connection; A's
+    /// handshake ACK (SEQ = its ISN + 1, ACK = ackA, which only a receiver of the SYN-ACK knows)
+    /// proves the genuine SYN, undoes the forged re-keying and closes the window.
+    #[test]
+    fn hostile_recovery_syn_racing_a_genuine_one_is_undone() {
+        for forged_first in [false, true] {
+            let mut c = core();
+            let (ack_b, ack_a) = announced_recovery(&mut c);
+            let k = FlowKey { app: app(), peer: peer() };
+            let (genuine, forged) = (77u32, 0xdead_0000u32);
+            let order = if forged_first { [forged, genuine] } else { [genuine, forged] };
+            for isn in order {
+                assert_eq!(syn_from_app(&mut c, isn, 20), Action::Inject, "either may be the app's: both answered");
+            }
+            // Keyed to the last SYN answered.
+            assert_eq!(c.conn(&k).unwrap().delta, order[1].wrapping_add(1).wrapping_sub(ack_b));
+            // The forger cannot prove its SYN without ackA (it never saw the SYN-ACK): a guess
+            // is not forwarded, and A's socket is reset so that the app recovers afresh.
+            let (a, _) = from_app_seq(&mut c, forged + 1, ack_a + 12345, 25);
+            assert_eq!(a, Action::Inject);
+            assert_eq!(c.counters.hostile_recovery_unproven, 1);
+            // A's handshake ACK proves the genuine SYN: the peer sees A's stream where it was.
+            let (a, seq) = from_app_seq(&mut c, genuine + 1, ack_a, 30);
+            assert!(matches!(a, Action::Accept { .. }));
+            assert_eq!(seq, Seq(ack_b), "renumbered with the genuine SYN's Δ (forged first: {forged_first})");
+            assert_eq!(c.conn(&k).unwrap().delta, (genuine + 1).wrapping_sub(ack_b));
+            assert_eq!(c.counters.recovery_race_undone, u64::from(!forged_first));
+            assert_eq!(c.counters.recovery_proven, 1);
+            // The window is closed: a later forged SYN is dropped and changes nothing.
+            let before = *c.conn(&k).unwrap();
+            assert_eq!(syn_from_app(&mut c, 0xbeef_0000, 40), Action::Drop);
+            assert_eq!(*c.conn(&k).unwrap(), before);
+        }
+    }
+
+    /// Issue 9, item 2 (RFC 5961 section 5.2): a forged packet of the peer with an in-window
+    /// SEQ but acknowledging data the app never sent does not move ackB; the peer's genuine
+    /// ACKs do.
+    #[test]
+    fn hostile_peer_ack_beyond_what_the_app_sent_moves_nothing() {
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt_data(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 100, ..Default::default() }, &[1u8; 300]);
+        assert!(matches!(c.packet(&mut b, n, 1).0, Action::Accept { .. }));
+        let k = FlowKey { app: app(), peer: peer() };
+        let before = *c.conn(&k).unwrap();
+        // In the window (SEQ 101), checksummed, but acknowledging 1 MB the app never sent.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001 + 1_000_000), flags: F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Action::Drop);
+        assert_eq!(c.counters.hostile_peer_ack_beyond, 1);
+        assert_eq!(*c.conn(&k).unwrap(), before, "ackB unchanged");
+        // The genuine ACK of the 300 bytes.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5301), flags: F::ACK, window: 100, ..Default::default() });
+        assert!(matches!(c.packet(&mut b, n, 3).0, Action::Accept { .. }));
+        assert_eq!(c.conn(&k).unwrap().ack_b, 5301);
+        // The app as the client: its stream begins at the ISN the peer's SYN-ACK acknowledges.
+        let mut c = core();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(7000), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(300), ack: Seq(7001), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        assert!(matches!(c.packet(&mut b, n, 0).0, Action::Accept { .. }));
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(301), ack: Seq(9_000_000), flags: F::ACK, window: 100, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 1).0, Action::Drop);
+        assert_eq!(c.counters.hostile_peer_ack_beyond, 1);
+    }
+
+    /// A single answered SYN (no race) works as before; its retransmissions are answered again
+    /// without counting as another candidate; at most MAX_RECOVERY_SYNS distinct SYNs are
+    /// answered per window.
+    #[test]
+    fn hostile_recovery_syns_per_window_are_bounded() {
+        let mut c = core();
+        let (ack_b, ack_a) = announced_recovery(&mut c);
+        assert_eq!(syn_from_app(&mut c, 77, 20), Action::Inject);
+        assert_eq!(syn_from_app(&mut c, 77, 21), Action::Inject, "a retransmission");
+        for i in 1..MAX_RECOVERY_SYNS as u32 {
+            assert_eq!(syn_from_app(&mut c, 1000 * i, 22), Action::Inject);
+        }
+        let n0 = c.counters.hostile_recovery_syn;
+        assert_eq!(syn_from_app(&mut c, 999_999, 23), Action::Drop);
+        assert_eq!(c.counters.hostile_recovery_syn, n0 + 1);
+        assert_eq!(syn_from_app(&mut c, 77, 24), Action::Inject, "the genuine one still answered");
+        let (_, seq) = from_app_seq(&mut c, 78, ack_a, 30);
+        assert_eq!(seq, Seq(ack_b));
     }
 
     fn pkt_data(src: SocketAddr, dst: SocketAddr, r: Repr, data: &[u8]) -> (Vec<u8>, usize) {

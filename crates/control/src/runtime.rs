@@ -156,7 +156,7 @@ fn verdict(c: &mut Core, queue: &mut Queue, raw: &RawSender, p: &mut QueuedPacke
         return queue.set_verdict(p.id, QVerdict::Drop, None);
     }
     p.data.resize(len + 64, 0);
-    let (action, n) = c.packet(&mut p.data, len, now);
+    let (action, n) = c.packet_with(&mut p.data, len, now, p.csum_not_ready);
     match action {
         Action::Accept { modified: false } => queue.set_verdict(p.id, QVerdict::Accept, None),
         Action::Accept { modified: true } => {

@@ -67,6 +67,9 @@ struct GuardFilter {
     noise_port: u16,
     noise_syns: u64,
     forged_syns: u64,
+    racing_syns: u64,
+    /// `recovery_race_undone` summed over every guard instance of the run.
+    race_undone: u64,
     /// When the next burst of other clients' SYNs comes (virtual ms).
     next_noise: Option<u64>,
     /// The simulated connection had an entry after the last decision.
@@ -150,7 +153,20 @@ impl GuardFilter {
         if (out, inc) != (outgoing as u64, !outgoing as u64) {
             return Err(format!("the guard counted a packet {} as outgoing={out} incoming={inc}", if outgoing { "from A" } else { "from B" }));
         }
+        // (A duplicate delayed beyond the window may be dropped as out of window: no TCP
+        // would accept it either. The end-to-end invariants judge those.)
+        if !outgoing && c.hostile_peer_bad_checksum != before.hostile_peer_bad_checksum {
+            return Err("the guard refused a genuine packet of B for its checksum".into());
+        }
+        if !outgoing && c.hostile_peer_ack_beyond != before.hostile_peer_ack_beyond {
+            return Err("the guard refused a genuine packet of B as acknowledging beyond what A sent".into());
+        }
         let event = event_of(&before, c)?;
+        if outgoing && event == Some(Event::Recovered) && self.rng.chance(self.opts.racing_syns) {
+            // A forged SYN right behind the genuine one, before A's TCP acknowledges the
+            // SYN-ACK it is about to receive.
+            self.racing_syn(now_ms);
+        }
         let (verdict, modified) = match action {
             Action::Accept { modified } => (Verdict::Forward, modified),
             Action::Drop => (Verdict::Drop, false),
@@ -166,9 +182,12 @@ impl GuardFilter {
         let conn = self.core.conn(&self.flow).copied();
         let n = self.core.connections();
         let before = pick(&self.core.counters);
-        let answered = self.core.command(src, dgram, wall_ms, now_ms, &mut [0u8; 128]).is_some();
-        if answered {
-            self.violate(format!("hostile datagram ({what}) was answered"));
+        // A bad MAC or a stale clock from an allowed source may draw a refusal (a 24-byte NAK
+        // naming the reason, rate-limited); never a response, never anything else.
+        match self.core.command(src, dgram, wall_ms, now_ms, &mut [0u8; 128]) {
+            None => {}
+            Some(out) if unbroken_wire::ctl::Nak::decode(&out.reply).is_ok() && out.ack_len.is_none() && out.reply.len() < dgram.len() => {}
+            Some(_) => self.violate(format!("hostile datagram ({what}) was answered")),
         }
         if pick(&self.core.counters) != before + 1 {
             self.violate(format!("hostile datagram ({what}) not counted under its reason: {:?}", self.core.counters));
@@ -264,6 +283,25 @@ impl GuardFilter {
         }
     }
 
+    /// A forged recovery SYN inside an announced window (issue 9, item 1, the race): the guard
+    /// may answer it (the answer, toward A, is lost here) or drop it once the window holds
+    /// `MAX_RECOVERY_SYNS` of them; either way the genuine recovery must end byte-exact, which
+    /// the run's own invariants check.
+    fn racing_syn(&mut self, now_ms: u64) {
+        if !self.core.recovery_armed(&self.flow, now_ms) {
+            return;
+        }
+        let witnessed = self.core.conn(&self.flow).is_some_and(|c| c.flags & rtcp::flag::SYNCED != 0);
+        let (mut b, n) = syn_packet(a_sockaddr(), b_sockaddr(), self.rng.next() as u32);
+        let (action, _) = self.core.packet(&mut b, n, now_ms);
+        self.racing_syns += 1;
+        // A restarted guard that has not resynchronized forwards any recovery SYN (section 6).
+        if witnessed && action == (Action::Accept { modified: false }) {
+            self.violate("a forged SYN inside a recovery window was forwarded to the peer".into());
+        }
+        self.observe();
+    }
+
     /// A SYN from another client, straight into the guard (not to *A*'s stack).
     fn noise_syn(&mut self, now_ms: u64) {
         self.noise_port = if self.noise_port >= 60_000 { 20_000 } else { self.noise_port + 1 };
@@ -297,6 +335,8 @@ impl Filter for GuardFilter {
             noise_port: 20_000,
             noise_syns: 0,
             forged_syns: 0,
+            racing_syns: 0,
+            race_undone: 0,
             next_noise: None,
             present: false,
             lost: false,
@@ -308,6 +348,7 @@ impl Filter for GuardFilter {
     }
     fn restart(&mut self) {
         self.nudges += self.core.counters.recovery_nudges;
+        self.race_undone += self.core.counters.recovery_race_undone;
         self.core = new_core(&self.opts);
         self.history.clear();
         self.present = false;
@@ -320,8 +361,13 @@ impl Filter for GuardFilter {
         self.decide(buf, len, now_ms, false)
     }
     fn command(&mut self, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<(Vec<u8>, Option<usize>)> {
+        let armed = self.core.recovery_armed(&self.flow, now_ms);
         let out = self.core.command(a_cmd_source(), dgram, wall_ms, now_ms, ack_buf)?;
         self.observe();
+        if !armed && self.core.recovery_armed(&self.flow, now_ms) && self.rng.chance(self.opts.racing_syns) {
+            // A forged SYN right after the announcement, ahead of the genuine one.
+            self.racing_syn(now_ms);
+        }
         self.history.push((dgram.to_vec(), wall_ms));
         if self.history.len() > 64 {
             self.history.remove(0);
@@ -381,6 +427,8 @@ impl Filter for GuardFilter {
             ("evicted_idle", self.evicted_idle),
             ("noise_syns", self.noise_syns),
             ("forged_syns", self.forged_syns),
+            ("racing_syns", self.racing_syns),
+            ("race_undone", self.race_undone + self.core.counters.recovery_race_undone),
             ("nudges", self.nudges + self.core.counters.recovery_nudges),
         ]
     }
@@ -462,6 +510,25 @@ fn guard_common_case_with_hostile_commands() {
     }
     for kind in ["replayed_now", "replayed_old", "forged", "foreign_key", "wrong_source", "stale"] {
         assert!(reps.iter().map(|r| r.filter_count(kind)).sum::<u64>() > 0, "no {kind} datagram sent");
+    }
+}
+
+/// Issue 9, item 1, the race: A crashes after every packet position and recovers; every
+/// announced recovery is raced by a forged SYN from A's address, right after the announcing
+/// ACKNOWLEDGE or right after the genuine SYN was answered. The guard answers SYNs it cannot
+/// yet tell apart, and A's handshake ACK proves the genuine one: every run must still end
+/// byte-exact (the harness's invariants), and some races must have been undone.
+#[test]
+fn hostile_guard_forged_syn_racing_a_genuine_recovery() {
+    for (ts, seed) in [(false, 31), (true, 32)] {
+        let mut base = scenario("", seed, 20_000);
+        base.timestamps = ts;
+        base.guard.racing_syns = 1.0;
+        let reps = sweep(&format!("guard-race ts={ts}"), base, false, |sc, k| sc.crash_after = vec![k]);
+        let raced: u64 = reps.iter().map(|r| r.filter_count("racing_syns")).sum();
+        let undone: u64 = reps.iter().map(|r| r.filter_count("race_undone")).sum();
+        assert!(reps.iter().map(|r| r.count(Event::Recovered)).sum::<u32>() > 0);
+        assert!(raced > 0 && undone > 0, "forged SYNs {raced}, races undone {undone}");
     }
 }
 
@@ -623,6 +690,7 @@ fn guard_chaos() {
         sc.guard.nudge = rng.chance(0.5);
         sc.guard.hostile_commands = 0.1;
         sc.guard.forged_syns = 0.02;
+        sc.guard.racing_syns = 0.3;
         if rng.chance(0.5) {
             // A small table under other clients' SYN bursts.
             sc.guard.max_conns = 8 + rng.below(8) as usize;

@@ -31,6 +31,10 @@
 //! - A pure ACK from *B* whose SEQ (B's SND.NXT) lies beyond the right edge *B* last saw from
 //!   *A* is given that edge as SEQ, so a recovered socket with a smaller window than the dead one
 //!   still reads its ACK field (found with the guard's recovery nudge on bulk streams).
+//! - Every packet from *B* may be forged (issue 9, item 2): its checksum must verify and it must
+//!   lie where *A*'s TCP could accept it before it changes the state; RSTs follow RFC 5961 and
+//!   never change the state; *B*'s SYN on a synchronized connection is left to *A*'s TCP's
+//!   challenge ACK ([`incoming_with`]).
 //! - When O7 lowers the ACK, the window grows by the same amount, so the right edge *B* sees is
 //!   *A*'s real one. Without it, an application that stops reading while it writes (its kernel
 //!   holding more than a window beyond ackA) deadlocks: *B*'s ACKs arrive with a SEQ *A*'s TCP
@@ -160,6 +164,27 @@ pub enum Event {
     /// I0: a packet from *B* met a state that cannot translate it (the filter restarted):
     /// rewritten into an out-of-window ACK that makes *A*'s TCP answer, so O6 can reset it.
     PeerWithoutState,
+    /// A packet from *B* with a TCP checksum that does not verify: dropped, nothing learned
+    /// (issue 9, item 2).
+    PeerBadChecksum,
+    /// A packet from *B* outside the window *A*'s TCP could accept (its SEQ beyond ackA + span,
+    /// a RST's SEQ outside [ackA, ackA + span], a SYN-ACK that answers no pending SYN):
+    /// dropped, nothing learned (issue 9, item 2; RFC 5961).
+    PeerOutOfWindow,
+    /// A SYN from *B* on a synchronized connection: forwarded unchanged without touching the
+    /// state, so *A*'s own TCP answers it with a challenge ACK (RFC 5961 section 4).
+    PeerSynChallenged,
+}
+
+/// Whether [`incoming_with`] must verify *B*'s TCP checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerChecksum {
+    /// Verify it (what [`incoming`] does): a packet that fails is dropped unlearned.
+    Verify,
+    /// The checksum field is not final (a locally built packet handed over with a partial
+    /// checksum, e.g. NFQUEUE's `csum_not_ready`): it cannot be verified and never crossed a
+    /// wire.
+    Partial,
 }
 
 /// The engine's answer for one packet.
@@ -386,16 +411,99 @@ fn synthesize_synack(c: &mut Conn, buf: &mut [u8], a: std::net::IpAddr, b: std::
     emit_segment(buf, b, a, &r)
 }
 
+/// How far from the checkpoint ackA a segment of *B* may lie and still teach the engine
+/// anything: the largest window *A* can announce with the scale *B* applies (`0xffff << ws`;
+/// ws 14 when the options are not known). `None` when ackA says nothing about where *A*'s
+/// TCP receives (no checkpoint known yet, or acknowledgments no longer checkpointed).
+///
+/// *B*'s SND.NXT never lies beyond a right edge *A* (or the guard, C2) announced, and every
+/// such edge is at most ackA + span, because ackA only grows.
+fn peer_span(c: &Conn) -> Option<u32> {
+    if !c.has(flag::ACK_ALLOWED) || c.has(flag::ACK_EVERYTHING) {
+        return None;
+    }
+    let s = if !c.has(flag::OPTS_KNOWN) {
+        14
+    } else if c.a_ws_b() == WS_NONE {
+        0
+    } else {
+        c.a_ws_b() as u32
+    };
+    Some(0xffff_u32 << s)
+}
+
+/// Where a segment of *B* lies relative to what *A*'s TCP could accept (issue 9, item 2).
+#[derive(PartialEq, Eq)]
+enum Place {
+    /// Overlaps or follows ackA within the span: the engine may learn from it.
+    InWindow,
+    /// Entirely below ackA: an old duplicate (the network may deliver one arbitrarily late).
+    /// Forwarded (A's TCP answers it with a duplicate ACK, as it would a forged one) but
+    /// nothing is learned from it.
+    Old,
+    /// Beyond ackA + span: no TCP would accept it. Dropped.
+    Outside,
+}
+
+fn place(c: &Conn, seq: Seq, seg_len: u32) -> Place {
+    let Some(span) = peer_span(c) else { return Place::InWindow };
+    let ack_a = Seq(c.ack_a);
+    if seq.ge(ack_a) {
+        return if seq - ack_a <= span { Place::InWindow } else { Place::Outside };
+    }
+    if (seq + seg_len).gt(ack_a) {
+        Place::InWindow
+    } else {
+        Place::Old
+    }
+}
+
 /// Algorithm I: a packet from *B* to *A*. `buf[..len]` is the IP packet; `buf` may be longer
-/// (room to grow: a rewrite into a SYN-ACK needs up to 40 bytes more than a bare ACK).
+/// (room to grow: a rewrite into a SYN-ACK needs up to 40 bytes more than a bare ACK). The TCP
+/// checksum is verified ([`incoming_with`]).
 pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
+    incoming_with(c, buf, len, PeerChecksum::Verify)
+}
+
+/// [`incoming`], saying whether the packet's checksum can be verified.
+///
+/// Every packet from *B* may be forged (issue 9, item 2): the state changes only for a packet
+/// whose checksum verifies and that lies where *A*'s TCP could accept it ([`peer_span`]):
+/// - a RST is forwarded (its ACK shifted) only when its SEQ lies in [ackA, ackA + span]: *A*'s
+///   own TCP then applies RFC 5961 (an exact SEQ resets, an inexact one draws a challenge
+///   ACK); any other RST is dropped. A RST never changes the state;
+/// - a SYN on a synchronized connection changes nothing and goes to *A*'s TCP, which answers
+///   it with a challenge ACK (RFC 5961 section 4); a SYN-ACK must answer the SYN that is
+///   pending (its ACK = that SYN's SEQ + 1);
+/// - any other segment beyond ackA + span is dropped; one entirely below ackA (an old
+///   duplicate, or a forgery) is forwarded without teaching anything (ackB, timestamps, FIN).
+///
+/// Not checked here: that *B*'s ACK field stays below what *A* sent (the 32-byte state has no
+/// room for *A*'s SND.NXT; the guard's flow table checks it when it saw the handshake), nor
+/// its TSecr (a restarted filter knows only a lower bound of the TSval
+/// *B* saw last). A forger must still land its SEQ in the span (odds span / 2^32 per try); a
+/// wrong ackB then shows at the application's recovery as `DeliveredBeyondSent`, never as a
+/// corrupt stream.
+pub fn incoming_with(c: &mut Conn, buf: &mut [u8], len: usize, csum: PeerChecksum) -> Result<Outcome> {
     let (info, mut t) = tcp_view(buf, len)?;
+    if csum == PeerChecksum::Verify && !t.verify_checksum(info.pseudo_sum(info.l4_len)) {
+        return Ok(Outcome::with(Verdict::Drop, len, Event::PeerBadChecksum));
+    }
     // I1. Handle options.
     let (o, mut modified) = scan_options(&mut t)?;
     let f = t.flags();
     let (a_port, b_port) = (t.dst_port(), t.src_port());
+    let synchronized = c.has(flag::RECOVERABLE) && c.has(flag::SYNCED) && !c.is_closed();
+    let where_ = place(c, t.seq(), t.seq_len());
+    let out_of_window = Outcome::with(Verdict::Drop, len, Event::PeerOutOfWindow);
 
     if f & F::RST != 0 {
+        // RFC 5961 section 3: only a RST within A's receive window may reach A's TCP, which
+        // checks its SEQ exactly. The guard's lower edge is the checkpoint (A's RCV.NXT is at
+        // least that), so its window contains A's.
+        if peer_span(c).is_some() && (where_ != Place::InWindow || t.seq().lt(Seq(c.ack_a))) {
+            return Ok(out_of_window);
+        }
         // A reset from B ends the connection for A's TCP; keep our state (a spoofed RST must not
         // wipe it) and shift its ACK like any other.
         if f & F::ACK != 0 && c.delta != 0 && !c.has(flag::SYN_PENDING) {
@@ -403,6 +511,45 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
             modified = true;
         }
         return Ok(Outcome::forward(len, modified));
+    }
+
+    if f & F::SYN != 0 {
+        if f & F::ACK == 0 && synchronized {
+            // RFC 5961 section 4: A's TCP answers with a challenge ACK; B, if it really
+            // restarted, resets with that ACK's number. Nothing here is learned from it.
+            return Ok(Outcome { event: Some(Event::PeerSynChallenged), ..Outcome::forward(len, modified) });
+        }
+        if f & F::ACK != 0 {
+            // A SYN-ACK answers A's SYN: the one pending, if any; none on a synchronized
+            // connection (a forged one would re-key the checkpoint and Δ).
+            let pending = c.has(flag::SYN_PENDING);
+            if !pending && synchronized && t.seq() + 1 == Seq(c.ack_a) && c.delta == 0 {
+                // B resends its SYN-ACK (A's handshake ACK was lost): A's TCP answers it again.
+                return Ok(Outcome::forward(len, modified));
+            }
+            if (pending && t.ack() != Seq(c.delta) + 1) || (!pending && synchronized) {
+                return Ok(out_of_window);
+            }
+        }
+    } else {
+        match where_ {
+            Place::Outside => return Ok(out_of_window),
+            Place::Old => {
+                // Translate it like any other (A's TCP answers it with a duplicate ACK) but
+                // learn nothing from it.
+                if f & F::ACK != 0 && c.delta != 0 && !c.has(flag::SYN_PENDING) && c.has(flag::SYNCED) {
+                    t.rewrite_ack(t.ack() + c.delta);
+                    shift_sack(&mut t, &o, c.delta);
+                    modified = true;
+                }
+                if let (Some(at), true) = (o.ts_at, c.ts_off != 0 && o.tsecr != 0 && !c.has(flag::SYN_PENDING)) {
+                    t.rewrite_u32_at(at + 6, o.tsecr.wrapping_sub(c.ts_off));
+                    modified = true;
+                }
+                return Ok(Outcome::forward(len, modified));
+            }
+            Place::InWindow => {}
+        }
     }
 
     // Timestamps: remember B's clock and what B has seen of A's.
@@ -505,14 +652,7 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         // I3. Handle acknowledgment: ACK ← ACK + Δ, and the SACK edges with it.
         if c.delta != 0 {
             t.rewrite_ack(ack + c.delta);
-            if let Some(at) = o.sack_at {
-                for i in 0..o.sack_n {
-                    for edge in [at + 2 + 8 * i, at + 6 + 8 * i] {
-                        let v = u32::from_be_bytes(t.as_bytes()[edge..edge + 4].try_into().unwrap());
-                        t.rewrite_u32_at(edge, v.wrapping_add(c.delta));
-                    }
-                }
-            }
+            shift_sack(&mut t, &o, c.delta);
             modified = true;
         }
     }
@@ -563,6 +703,18 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
     }
     // I4. Forward.
     Ok(Outcome::forward(len, modified))
+}
+
+/// Adds Δ to the edges of *B*'s SACK blocks (they name *A*'s sequence space).
+fn shift_sack(t: &mut Tcp<&mut [u8]>, o: &Opts, delta: u32) {
+    if let Some(at) = o.sack_at {
+        for i in 0..o.sack_n {
+            for edge in [at + 2 + 8 * i, at + 6 + 8 * i] {
+                let v = u32::from_be_bytes(t.as_bytes()[edge..edge + 4].try_into().unwrap());
+                t.rewrite_u32_at(edge, v.wrapping_add(delta));
+            }
+        }
+    }
 }
 
 /// A window field scaled by `ws` expressed as an unscaled 16-bit value (SYN-ACK windows are

@@ -507,3 +507,139 @@ mod hostile {
         }
     }
 }
+
+// Issue 9, item 2: packets from B may be forged. Only a packet whose checksum verifies and that
+// lies where A's TCP could accept it changes the state (ackB, timestamps, flags, FIN); RSTs per
+// RFC 5961. A blind forger knows the 4-tuple but not the sequence numbers.
+
+/// A genuine ACK from B after the handshake (in window, valid checksum).
+fn genuine_ack(ack: u32, tsval: u32) -> Repr {
+    Repr { seq: Seq(B_ISN + 1), ack: Seq(ack), flags: F::ACK, window: 502, timestamp: Some((tsval, 9000)), ..Default::default() }
+}
+
+#[test]
+fn hostile_peer_packet_with_a_bad_checksum_changes_nothing() {
+    let mut c = established();
+    let before = c;
+    let mut p = from_b(genuine_ack(A_ISN + 2001, 120), b"");
+    let info = IpInfo::parse(&p.buf[..p.len]).unwrap();
+    p.buf[info.l4_offset + 16] ^= 0x5a; // the checksum field
+    let (o, _) = inc(&mut c, p);
+    assert_eq!((o.verdict, o.event), (Verdict::Drop, Some(Event::PeerBadChecksum)));
+    assert_eq!(c, before, "nothing learned from a packet that fails its checksum");
+    // The same packet with its checksum intact teaches ackB.
+    let (o, _) = inc(&mut c, from_b(genuine_ack(A_ISN + 2001, 120), b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(c.ack_b, A_ISN + 2001);
+    // A checksum the driver says is partial (built on this host) is not checked.
+    let mut c = established();
+    let mut p = from_b(genuine_ack(A_ISN + 2001, 120), b"");
+    let info = IpInfo::parse(&p.buf[..p.len]).unwrap();
+    p.buf[info.l4_offset + 16] ^= 0x5a;
+    let o = rtcp::incoming_with(&mut c, &mut p.buf, p.len, rtcp::PeerChecksum::Partial).unwrap();
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(c.ack_b, A_ISN + 2001);
+}
+
+#[test]
+fn hostile_peer_blind_ack_outside_the_window_moves_nothing() {
+    let mut c = established();
+    let before = c;
+    // A blind forger: right 4-tuple, a valid checksum, SEQ and ACK guessed.
+    for seq in [B_ISN.wrapping_add(0x0400_0000), B_ISN.wrapping_add(0x4000_0000), B_ISN.wrapping_add(0x7fff_0000)] {
+        let forged = Repr { seq: Seq(seq), ack: Seq(A_ISN + 1_000_000), flags: F::ACK, window: 500, timestamp: Some((5000, 9000)), ..Default::default() };
+        let (o, _) = inc(&mut c, from_b(forged, b""));
+        assert_eq!((o.verdict, o.event), (Verdict::Drop, Some(Event::PeerOutOfWindow)), "seq {seq}");
+        let (o, _) = inc(&mut c, from_b(Repr { flags: F::ACK | F::FIN, ..forged }, b"xyz"));
+        assert_eq!(o.verdict, Verdict::Drop);
+    }
+    // Behind the checkpoint: forwarded (A's TCP answers with a duplicate ACK), nothing learned.
+    for seq in [B_ISN.wrapping_sub(0x0100_0000), B_ISN.wrapping_add(0x9000_0000)] {
+        let forged = Repr { seq: Seq(seq), ack: Seq(A_ISN + 1_000_000), flags: F::ACK | F::FIN, window: 500, timestamp: Some((5000, 9000)), ..Default::default() };
+        let (o, _) = inc(&mut c, from_b(forged, b"xyz"));
+        assert_eq!((o.verdict, o.event), (Verdict::Forward, None), "seq {seq}");
+    }
+    assert_eq!(c, before, "ackB, timestamps and flags untouched");
+    // An old duplicate (entirely before the checkpoint) is forwarded, for A's TCP to answer
+    // with a duplicate ACK, but teaches nothing.
+    let cmd = Command { ack_a: B_ISN + 3001, ..Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 3, 3) };
+    rtcp::command(&mut c, &cmd, &mut [0u8; 128]);
+    let before = c;
+    let old = Repr { seq: Seq(B_ISN + 1), ack: Seq(A_ISN + 7001), flags: F::ACK | F::FIN, window: 500, timestamp: Some((130, 9000)), ..Default::default() };
+    let (o, _) = inc(&mut c, from_b(old, &[1u8; 1000]));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(c, before, "an old segment moves neither ackB nor the FIN flag");
+    assert!(c.flags & flag::FIN_B_SEEN == 0);
+}
+
+#[test]
+fn hostile_peer_resets_follow_rfc5961() {
+    let mut c = established();
+    let before = c;
+    // Out of the window: dropped, never reaches A's TCP.
+    for seq in [B_ISN.wrapping_add(0x2000_0000), B_ISN.wrapping_sub(10), B_ISN.wrapping_add(0xC000_0000)] {
+        let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(seq), flags: F::RST, ..Default::default() }, b""));
+        assert_eq!((o.verdict, o.event), (Verdict::Drop, Some(Event::PeerOutOfWindow)), "seq {seq}");
+    }
+    // In the window: A's own TCP checks it exactly (an exact SEQ resets, an inexact one draws
+    // a challenge ACK). Either way the guard keeps its state.
+    for seq in [B_ISN + 1, B_ISN + 5000] {
+        let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(seq), ack: Seq(A_ISN + 1), flags: F::RST | F::ACK, ..Default::default() }, b""));
+        assert_eq!(o.verdict, Verdict::Forward, "seq {seq}");
+    }
+    assert_eq!(c, before, "a RST never changes the state");
+}
+
+#[test]
+fn hostile_peer_syn_or_synack_on_a_synchronized_connection_changes_nothing() {
+    let mut c = established();
+    let before = c;
+    // A SYN: A's TCP answers with a challenge ACK (RFC 5961 section 4); nothing re-keyed.
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(0x1234_5678), flags: F::SYN, ..syn_opts(7) }, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Forward, Some(Event::PeerSynChallenged)));
+    assert_eq!(c, before, "ackA, Δ and options untouched");
+    // A SYN-ACK that answers no pending SYN: dropped.
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(0x1234_5678), ack: Seq(A_ISN + 1), flags: F::SYN | F::ACK, ..syn_opts(7) }, b""));
+    assert_eq!((o.verdict, o.event), (Verdict::Drop, Some(Event::PeerOutOfWindow)));
+    assert_eq!(c, before);
+    // B's own SYN-ACK again (A's handshake ACK was lost): passed, nothing changes.
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN), ack: Seq(A_ISN + 1), flags: F::SYN | F::ACK, ..syn_opts(7) }, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(c, before);
+    // As a client: the SYN-ACK must answer the pending SYN.
+    let mut c = Conn::default();
+    out(&mut c, from_a(Repr { seq: Seq(A_ISN), flags: F::SYN, ..syn_opts(1) }, b""));
+    let pending = c;
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN), ack: Seq(A_ISN + 99), flags: F::SYN | F::ACK, ..syn_opts(2) }, b""));
+    assert_eq!(o.verdict, Verdict::Drop);
+    assert_eq!(c, pending);
+    let (o, _) = inc(&mut c, from_b(Repr { seq: Seq(B_ISN), ack: Seq(A_ISN + 1), flags: F::SYN | F::ACK, ..syn_opts(2) }, b""));
+    assert_eq!(o.verdict, Verdict::Forward);
+    assert_eq!(c.ack_a, B_ISN + 1);
+}
+
+#[test]
+fn hostile_blind_packets_after_a_recovery_move_neither_delta_nor_ackb_nor_end_protection() {
+    let (mut c, o, _) = recovered(777);
+    assert_eq!(o.event, Some(Event::Recovered));
+    let before = c;
+    let far = B_ISN.wrapping_add(0x8000_0000);
+    let forged = [
+        Repr { seq: Seq(far), ack: Seq(A_ISN + 900_000), flags: F::ACK, window: 10, ..Default::default() },
+        Repr { seq: Seq(far), ack: Seq(A_ISN + 900_000), flags: F::ACK | F::FIN, window: 10, ..Default::default() },
+        Repr { seq: Seq(far), flags: F::RST, ..Default::default() },
+        Repr { seq: Seq(far), ack: Seq(778), flags: F::SYN | F::ACK, ..syn_opts(3) },
+        Repr { seq: Seq(far), flags: F::SYN, ..syn_opts(3) },
+    ];
+    for r in forged {
+        inc(&mut c, from_b(r, b""));
+        assert_eq!((c.delta, c.ack_b, c.ack_a, c.ts_off), (before.delta, before.ack_b, before.ack_a, before.ts_off), "{r:?}");
+        assert!(c.flags & (flag::FIN_B_SEEN | flag::SYNCED | flag::RECOVERABLE) == before.flags & (flag::FIN_B_SEEN | flag::SYNCED | flag::RECOVERABLE));
+    }
+    // A's genuine FIN after SHUTDOWN does not close the connection for the guard: B's FIN
+    // never came.
+    let cmd = Command::request(Op::Shutdown, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 9, 9);
+    rtcp::command(&mut c, &cmd, &mut [0u8; 128]);
+    out(&mut c, from_a(Repr { seq: Seq(778), ack: Seq(B_ISN + 2001), flags: F::FIN | F::ACK, window: 100, timestamp: Some((40, 150)), ..Default::default() }, b""));
+    assert!(!c.is_closed(), "a forged FIN did not make the guard forget the connection");
+}

@@ -43,7 +43,7 @@ extern "C" {
 /* Return codes. */
 #define UB_OK               0   /* success */
 #define UB_EINVAL          (-1) /* invalid argument: NULL pointer, bad address/key/how/fd */
-#define UB_ETIMEDOUT       (-2) /* the guard did not answer (unreachable, or wrong key) */
+#define UB_ETIMEDOUT       (-2) /* nothing answered: no guard at that address, or it drops our source */
 #define UB_ENOCONN         (-3) /* the guard has no state for this connection */
 #define UB_EBADREQ         (-4) /* the guard found the command malformed */
 #define UB_EREJECTED       (-5) /* the guard answered with another non-zero status */
@@ -52,6 +52,8 @@ extern "C" {
 #define UB_EDELIVERED      (-8) /* the peer acknowledged more bytes than `sent` */
 #define UB_EIO             (-9) /* a system call failed; see errno */
 #define UB_EINTERNAL      (-10) /* internal error (bug) */
+#define UB_EKEY           (-11) /* the guard rejected our side-channel key (MAC check failed) */
+#define UB_ECLOCK         (-12) /* the guard rejected our clock (too far from its own) */
 
 /* `how` for ub_shutdown(). */
 #define UB_SHUT_RD   0 /* RTCP_SHUTDOWN_READING: no more input expected */
@@ -96,9 +98,20 @@ int ub_client_set_timeouts(ub_client *c, uint32_t initial_ms, uint32_t tries,
  * RTCP_TELL right after accept()/connect() on the connected TCP socket fd (borrowed, not
  * closed), before sending anything. Fills *out with the record to persist durably. Retries
  * briefly while the guard has not seen the end of the handshake; then UB_ENOTRECOVERABLE or
- * UB_ENOCONN.
+ * UB_ENOCONN. UB_EKEY / UB_ECLOCK / UB_ETIMEDOUT say the guard refused our key or clock, or
+ * nothing answered. On any failure fd is marked unprotected (ub_unprotect) so that closing it
+ * reaches the peer as without the guard.
  */
 int ub_establish(ub_client *c, int fd, ub_record *out);
+
+/* Marks connected TCP socket fd unprotected (DSCP 0x0b in IP_TOS / IPV6_TCLASS): the guard
+ * lets its packets through untouched, if no command ever named the connection. */
+int ub_unprotect(int fd);
+
+/* At start-up: does a guard answer at the client's address, accept our key and clock, and
+ * protect service_addr ("ip:port")? UB_OK, UB_EKEY, UB_ECLOCK, UB_ETIMEDOUT (nothing answers
+ * there), UB_EBADREQ (not a service of that guard). */
+int ub_probe(const ub_client *c, const char *service_addr);
 
 /*
  * RTCP_ACKNOWLEDGE: consumed bytes of input (total since the connection began) are safely

@@ -121,7 +121,9 @@ impl Reply {
 ///
 /// A datagram is accepted as the answer only if it authenticates with the key, is a
 /// response, and has the request's operation, one of its nonces and the same connection;
-/// anything else is counted in [`ClientStats::ignored`] and dropped. The source address of
+/// or if it is a refusal ([`ctl::Nak`]: the guard rejects our key or clock) echoing the
+/// request's operation and one of its nonces, which ends the request with
+/// [`Error::Refused`]; anything else is counted in [`ClientStats::ignored`] and dropped. The source address of
 /// the answer is not checked (the MAC and nonce are the authentication; a guard on a
 /// multi-homed host may answer from another address).
 ///
@@ -219,6 +221,21 @@ impl GuardClient {
         }
     }
 
+    /// Checks, before any connection, that a guard answers at the configured address, accepts
+    /// this client's key and clock, and protects `service` (the application's listening
+    /// address and port): a TELL for a connection that cannot exist (peer = the unspecified
+    /// address, port 0), which a working guard answers with "no such connection". Errors:
+    /// [`Error::Refused`] (wrong key or clock), [`Error::Timeout`] (nothing answers at that
+    /// address, or the guard does not accept our source address),
+    /// [`Error::Rejected`]`(`[`status::BAD_REQUEST`]`)` (the guard does not protect `service`).
+    pub fn probe(&self, service: SocketAddr) -> Result<()> {
+        let nobody = SocketAddr::new(if service.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() }, 0);
+        match self.tell(service, nobody) {
+            Ok(_) | Err(Error::Rejected(status::NO_CONNECTION)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// C1, RTCP_TELL: asks for the guard's state of connection `app` <-> `peer`, notably ackB.
     /// An unknown connection is [`Error::Rejected`]`(`[`status::NO_CONNECTION`]`)`.
     pub fn tell(&self, app: SocketAddr, peer: SocketAddr) -> Result<Reply> {
@@ -307,6 +324,12 @@ impl GuardClient {
                 }
                 self.sock.set_read_timeout(Some(deadline - now))?;
                 match self.sock.recv_from(&mut buf) {
+                    Ok((n, _from)) if n == ctl::NAK_LEN => match ctl::Nak::decode(&buf[..n]) {
+                        Ok(nak) if nak.op == op as u8 && nonces.contains(&nak.nonce) => return Err(Error::Refused { reason: nak.refusal }),
+                        _ => {
+                            self.ignored.fetch_add(1, Relaxed);
+                        }
+                    },
                     Ok((n, _from)) => match self.accept(&buf[..n], &cmd, &nonces) {
                         Some(reply) if reply.status == status::OK => {
                             return Ok(Reply { op: reply.op, peer: reply.peer, flags: reply.flags, ack_a: reply.ack_a, ack_b: reply.ack_b, options: reply.options })

@@ -52,7 +52,36 @@ use unbroken_wire::ctl::ConnOptions;
 ///
 /// Works with anything that has a socket file descriptor (`std::net::TcpStream`, tokio's
 /// `TcpStream`, a `BorrowedFd`).
+///
+/// When it fails, the connection is not protected, and the guard would still hold back its
+/// FIN (section 2.4.2): `establish` then marks the socket unprotected ([`unprotect`]) before
+/// returning the error, so that whatever the application does next (close it, or use it
+/// unprotected) reaches the peer as if there were no guard.
 pub fn establish<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord> {
+    let res = establish_inner(stream, client);
+    if res.is_err() {
+        let _ = unprotect(stream);
+    }
+    res
+}
+
+/// Marks a connection that no authenticated command has named as not protected: its packets
+/// carry DSCP [`ctl::UNPROTECTED_DSCP`](unbroken_wire::ctl::UNPROTECTED_DSCP) from now on
+/// (`IP_TOS` / `IPV6_TCLASS`), and the guard, seeing that mark on a connection whose handshake
+/// it saw and that no application claimed, lets all its packets through untouched: the peer
+/// sees the application's close (FIN or RST) as it would without the guard. [`establish`]
+/// calls it when it fails; call it yourself if you give up on protecting a connection before
+/// `establish` (after `establish` succeeded, use [`shutdown`] instead: the guard ignores the
+/// mark on a connection it was told about).
+pub fn unprotect<S: AsFd>(stream: &S) -> io::Result<()> {
+    let fd = stream.as_fd().as_raw_fd();
+    let tos = (unbroken_wire::ctl::UNPROTECTED_DSCP << 2) as libc::c_int;
+    let v4 = setsockopt_int(fd, libc::IPPROTO_IP, libc::IP_TOS, tos);
+    let v6 = setsockopt_int(fd, libc::IPPROTO_IPV6, libc::IPV6_TCLASS, tos);
+    v4.or(v6)
+}
+
+fn establish_inner<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord> {
     let fd = stream.as_fd();
     let app = normalize(sockname(fd, false)?);
     let peer = normalize(sockname(fd, true)?);

@@ -7,13 +7,23 @@ use std::io;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
-    /// The guard did not answer (with a response that authenticates and matches the request)
-    /// within all tries. Also what a wrong key looks like: the guard silently drops commands
-    /// it cannot authenticate, and responses signed with another key are never accepted. A
-    /// clock more than 30 s away from the guard's has the same effect.
+    /// Nothing answered (with a response that authenticates and matches the request, or a
+    /// refusal) within all tries: no guard listens at that address, the path to it is down,
+    /// or the guard drops our datagrams without a word (our source address is not in its
+    /// `allowed_sources`, or it is refusing faster than its refusal rate limit).
     Timeout {
         /// How many datagrams were sent, each with a fresh nonce.
         tries: u32,
+    },
+    /// The guard refused the command before reading it: `reason` is
+    /// [`unbroken_wire::ctl::refusal::KEY`] (our key is not the guard's) or
+    /// [`CLOCK`](unbroken_wire::ctl::refusal::CLOCK) (our clock is further than the guard's
+    /// `max_clock_skew_ms` from its own). The refusal cannot be authenticated (we do not share
+    /// a key), but it echoes one of the request's random nonces, so only someone who saw the
+    /// request could have forged it.
+    Refused {
+        /// Why, as the guard says.
+        reason: u8,
     },
     /// The guard answered with a non-zero status (see [`status`]).
     Rejected(u8),
@@ -62,7 +72,10 @@ pub mod status {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Timeout { tries } => write!(f, "guard did not answer ({tries} tries)"),
+            Error::Timeout { tries } => write!(f, "nothing answered at the guard's address ({tries} tries): no guard there, or it drops our datagrams (source not in allowed_sources)"),
+            Error::Refused { reason: unbroken_wire::ctl::refusal::KEY } => write!(f, "the guard rejected the side-channel key (its MAC check failed): the application's key is not the guard's"),
+            Error::Refused { reason: unbroken_wire::ctl::refusal::CLOCK } => write!(f, "the guard rejected our clock (more than its max_clock_skew_ms from the guard's)"),
+            Error::Refused { reason } => write!(f, "the guard refused the command (reason {reason})"),
             Error::Rejected(status::NO_CONNECTION) => write!(f, "guard rejected the command: no such connection"),
             Error::Rejected(status::BAD_REQUEST) => write!(f, "guard rejected the command: bad request"),
             Error::Rejected(s) => write!(f, "guard rejected the command: status {s}"),

@@ -37,6 +37,10 @@ pub const UB_EDELIVERED: c_int = -8;
 pub const UB_EIO: c_int = -9;
 /// Internal error (a bug; a panic was caught).
 pub const UB_EINTERNAL: c_int = -10;
+/// The guard refused our key (its MAC check failed).
+pub const UB_EKEY: c_int = -11;
+/// The guard refused our clock (too far from its own).
+pub const UB_ECLOCK: c_int = -12;
 
 /// `ub_shutdown`: RTCP_SHUTDOWN_READING.
 pub const UB_SHUT_RD: c_int = 0;
@@ -72,6 +76,8 @@ fn set_errno(e: c_int) {
 pub fn error_code(e: &Error) -> c_int {
     match e {
         Error::Timeout { .. } => UB_ETIMEDOUT,
+        Error::Refused { reason: unbroken_wire::ctl::refusal::CLOCK } => UB_ECLOCK,
+        Error::Refused { .. } => UB_EKEY,
         Error::Rejected(status::NO_CONNECTION) => UB_ENOCONN,
         Error::Rejected(status::BAD_REQUEST) => UB_EBADREQ,
         Error::Rejected(_) => UB_EREJECTED,
@@ -151,6 +157,39 @@ pub unsafe extern "C" fn ub_client_free(c: *mut UbClient) {
     }
 }
 
+/// `int ub_unprotect(int fd)`: [`unprotect`](crate::unprotect): marks connected TCP socket
+/// `fd` (not closed) as not protected, so that the guard passes its packets untouched (only
+/// honoured for a connection no command named). `UB_OK` or `UB_EIO`.
+#[no_mangle]
+pub extern "C" fn ub_unprotect(fd: c_int) -> c_int {
+    guarded(|| {
+        if fd < 0 {
+            return Err(UB_EINVAL);
+        }
+        // SAFETY: fd is open for the duration of the call (caller's contract); never closed here.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        crate::unprotect(&fd).map_err(|e| error_code(&Error::Io(e)))
+    })
+}
+
+/// `int ub_probe(const ub_client *c, const char *service_addr)`: checks at start-up that a
+/// guard answers at the client's address, accepts its key and clock, and protects
+/// `service_addr` (`"ip:port"`, the application's listening address). `UB_OK`;
+/// `UB_EKEY` / `UB_ECLOCK` (the guard refused our key / clock); `UB_ETIMEDOUT` (nothing
+/// answers at that address, or the guard drops our source); `UB_EBADREQ` (the guard does not
+/// protect that service).
+///
+/// # Safety
+/// `c` must be a live client; `service_addr` null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn ub_probe(c: *const UbClient, service_addr: *const c_char) -> c_int {
+    guarded(|| {
+        let c = client(c)?;
+        let svc: SocketAddr = c_str(service_addr).and_then(|s| s.trim().parse().ok()).ok_or(UB_EINVAL)?;
+        c.probe(svc).map_err(|e| error_code(&e))
+    })
+}
+
 /// `int ub_client_set_timeouts(ub_client *c, uint32_t initial_ms, uint32_t tries, uint32_t
 /// connect_timeout_ms)`: side-channel first wait (default 50 ms, doubling), datagrams per
 /// request (default 6) and `ub_recover`'s connect timeout (default 10000 ms). 0 keeps a
@@ -178,8 +217,9 @@ pub unsafe extern "C" fn ub_client_set_timeouts(c: *mut UbClient, initial_ms: u3
 }
 
 /// `int ub_establish(ub_client *c, int fd, ub_record *out)`: [`establish`](crate::establish)
-/// on connected TCP socket `fd` (not closed, not modified); fills `*out` with the record to
-/// persist.
+/// on connected TCP socket `fd` (not closed); fills `*out` with the record to persist. On
+/// failure the socket is marked unprotected ([`unprotect`](crate::unprotect): its IP_TOS /
+/// IPV6_TCLASS), so its close reaches the peer.
 ///
 /// # Safety
 /// `c` null or live; `out` null or writable.
@@ -339,6 +379,8 @@ pub extern "C" fn ub_strerror(code: c_int) -> *const c_char {
         UB_EDELIVERED => b"the peer acknowledged more bytes than were sent\0",
         UB_EIO => b"system call failed (see errno)\0",
         UB_EINTERNAL => b"internal error\0",
+        UB_EKEY => b"the guard rejected the side-channel key\0",
+        UB_ECLOCK => b"the guard rejected our clock (too far from its own)\0",
         _ => b"unknown error code\0",
     };
     s.as_ptr().cast()

@@ -270,3 +270,32 @@ fn recover_reports_connect_errors() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Issue 9, checkpoint misconfiguration: when `establish` fails (here: nothing answers at the
+/// guard's address), the socket is marked unprotected (DSCP UNPROTECTED_DSCP) so the guard lets
+/// its close through; when it succeeds, the socket is left alone.
+#[test]
+fn hostile_establish_failure_marks_the_socket_unprotected() {
+    use std::os::fd::AsRawFd;
+    let tos = |s: &TcpStream| {
+        let mut v: libc::c_int = 0;
+        let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: v is a c_int of l bytes.
+        assert_eq!(unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_TOS, (&mut v as *mut libc::c_int).cast(), &mut l) }, 0);
+        v as u8
+    };
+    let silent = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let cfg = ClientConfig { initial_timeout: Duration::from_millis(10), max_tries: 2, ..ClientConfig::default() };
+    let c = GuardClient::with_config(silent.local_addr().unwrap(), Key::from_hex(KEY_HEX).unwrap(), cfg).unwrap();
+    let (a, _b) = pair();
+    assert_eq!(tos(&a) >> 2, 0);
+    assert!(matches!(sdk::establish(&a, &c), Err(Error::Timeout { .. })));
+    assert_eq!(tos(&a) >> 2, unbroken_wire::ctl::UNPROTECTED_DSCP, "marked unprotected");
+    // A protected connection keeps its TOS.
+    let g = TestGuard::start();
+    let (a, _b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    g.handshake(app, peer, 5000, 9000, true);
+    sdk::establish(&a, &client(&g)).unwrap();
+    assert_eq!(tos(&a), 0);
+}

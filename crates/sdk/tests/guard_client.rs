@@ -210,3 +210,45 @@ fn ipv6_commands() {
     assert_eq!(r.ack_a, 9);
     assert_eq!(g.conn(a6, p6).unwrap().ack_a, 9);
 }
+
+/// Issue 9, checkpoint misconfiguration: a guard that refuses our key says so (a NAK bound to
+/// the request's nonce), and the client reports it at once instead of timing out.
+#[test]
+fn hostile_wrong_key_is_reported_as_a_refusal() {
+    let g = TestGuard::start();
+    g.handshake(app(), peer(), 1, 2, true);
+    g.state().refuse_bad_mac = true;
+    let c = GuardClient::with_config(g.addr, Key::from_hex(WRONG_KEY_HEX).unwrap(), patient()).unwrap();
+    match c.tell(app(), peer()) {
+        Err(e @ Error::Refused { reason: unbroken_wire::ctl::refusal::KEY }) => assert!(e.to_string().contains("key"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.stats().datagrams_sent, 1, "no retransmission: the refusal answered the first");
+    // The probe at start-up says the same.
+    assert!(matches!(c.probe(app()), Err(Error::Refused { reason: unbroken_wire::ctl::refusal::KEY })));
+}
+
+/// A refusal that does not echo one of the request's nonces (a blind forger's) is ignored.
+#[test]
+fn hostile_forged_refusals_are_ignored() {
+    let g = TestGuard::start();
+    g.handshake(app(), peer(), 1, 2, true);
+    g.state().decoys = vec![Decoy::ForgedRefusal];
+    let c = client(&g);
+    assert!(c.tell(app(), peer()).is_ok());
+    assert!(c.stats().ignored >= 1);
+}
+
+/// The start-up probe: Ok with a working guard (even with no connection yet), a timeout that
+/// says nothing answers when no guard listens at the address.
+#[test]
+fn hostile_probe_tells_a_wrong_address_from_a_working_guard() {
+    let g = TestGuard::start();
+    assert!(client(&g).probe(app()).is_ok());
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let c = GuardClient::with_config(silent.local_addr().unwrap(), Key::from_hex(KEY_HEX).unwrap(), fast()).unwrap();
+    match c.probe(app()) {
+        Err(e @ Error::Timeout { .. }) => assert!(e.to_string().contains("nothing answered"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}

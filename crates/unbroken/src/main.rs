@@ -37,7 +37,7 @@ usage:
         Measure the gaps between heartbeats at the LB on the object-mode lab (root), idle or
         with both cores loaded (busy loops plus curl downloads through the agents): how many
         false failovers each dead_after_ms would have caused.
-  unbroken journal-server --listen A:P --guard A:P --key HEX --dir DIR [--fsync]
+  unbroken journal-server --listen A:P --guard A:P --key-file PATH --dir DIR [--fsync]
         The example recoverable application.
   unbroken peer --connect A:P --records N [--seed S] [--rate R]
         The demo's unmodified peer (plain sockets): streams records, verifies replies.

@@ -63,7 +63,8 @@ pub struct Scenario {
     /// loopback) instead of on the gateway. Host crashes then take the guard along and are not
     /// supported.
     pub local_guard: bool,
-    /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]).
+    /// While the peer streams, spray the guard with hostile input (see [`hostile_traffic`]) and
+    /// the connection with blind forgeries from the peer's side ([`forged_peer_traffic`]).
     pub hostile: bool,
     /// Protected connections, one peer process each (every one streams `records` records at
     /// `rate`); crashes are placed by the first one's progress.
@@ -304,7 +305,13 @@ impl World {
         );
         let p = self.dir.join("guard.toml");
         std::fs::write(&p, cfg).map_err(|e| format!("write config: {e}"))?;
+        write_key_file(&self.key_file(), KEY_HEX)?;
         Ok(p)
+    }
+    /// The application's key file (journal-server --key-file: a key on the command line is
+    /// visible to every user through `ps`).
+    pub(crate) fn key_file(&self) -> PathBuf {
+        self.dir.join("app.key")
     }
     fn start_guard(&self, cfg: &Path) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.exe);
@@ -368,11 +375,147 @@ impl World {
             .arg(self.service().to_string())
             .arg("--guard")
             .arg(self.guard_ctl().to_string())
-            .arg("--key")
-            .arg(KEY_HEX)
+            .arg("--key-file")
+            .arg(self.key_file())
             .arg("--dir")
             .arg(self.dir.join("journal"));
         Proc::spawn(ns, &mut cmd)
+    }
+}
+
+/// Writes `hex` to `path`, readable by its owner only.
+pub(crate) fn write_key_file(path: &Path, hex: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    writeln!(f, "{hex}").map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// How the application is misconfigured in [`run_misconfigured`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Misconfig {
+    /// Nothing: the control run.
+    None,
+    /// The application's key is not the guard's.
+    WrongKey,
+    /// Nothing listens at the guard address the application was given.
+    WrongGuardAddress,
+}
+
+/// What [`run_misconfigured`] saw.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MisconfigReport {
+    /// The application's start-up line about the guard (`journal-server: guard check ...`).
+    pub guard_check: String,
+    /// Its `listening` line.
+    pub listening: String,
+    /// Everything it wrote to stderr (its per-connection log).
+    pub app_log: String,
+    /// What the peer saw of its connection: `eof` (the application's FIN), `reset`, `hung`
+    /// (nothing within `peer_wait_ms`), or, for the control run, `protected` (a reply to its
+    /// record, and the connection still open seconds later).
+    pub peer: String,
+    /// How long the peer waited for that.
+    pub peer_ms: u64,
+    pub peer_wait_ms: u64,
+    /// The guard's status after the run.
+    pub guard: serde_json::Value,
+}
+
+/// Issue 9, checkpoint misconfiguration: the guard and the journal server in the lab, the
+/// server given a wrong key or a wrong guard address (or neither), and one peer connection
+/// made with plain sockets from the peer's namespace. For a misconfiguration the peer sends
+/// nothing and waits (bounded) for the server to close; for the control run it sends one
+/// record and expects its reply, and the connection to stay open.
+pub fn run_misconfigured(m: Misconfig) -> Result<MisconfigReport, String> {
+    lab::lab_available()?;
+    let lab = Lab::checkpoint(CheckpointOpts::default()).map_err(|e| format!("lab: {e}"))?;
+    let dir = std::env::temp_dir().join(format!("unbroken-misconf-{}-{}", lab.prefix(), std::process::id()));
+    std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: false, echo: false, local_guard: false, nudge: false };
+    let res = misconfigured_in(&w, m);
+    drop(w);
+    let _ = std::fs::remove_dir_all(&dir);
+    res
+}
+
+fn misconfigured_in(w: &World, m: Misconfig) -> Result<MisconfigReport, String> {
+    let cfg = w.write_config()?;
+    let mut guard = w.start_guard(&cfg)?;
+    let key_file = w.dir.join("given.key");
+    write_key_file(&key_file, if m == Misconfig::WrongKey { "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff" } else { KEY_HEX })?;
+    let mut guard_addr = w.guard_ctl();
+    if m == Misconfig::WrongGuardAddress {
+        guard_addr.set_port(guard_addr.port() + 1);
+    }
+    let log_path = w.dir.join("app.stderr");
+    let log = std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let mut cmd = Command::new(&w.exe);
+    cmd.arg("journal-server")
+        .arg("--listen")
+        .arg(w.service().to_string())
+        .arg("--guard")
+        .arg(guard_addr.to_string())
+        .arg("--key-file")
+        .arg(&key_file)
+        .arg("--dir")
+        .arg(w.dir.join("journal"))
+        .stderr(log);
+    let mut app = Proc::spawn(w.lab.app(1), &mut cmd)?;
+    // The probe of a silent address takes the SDK's whole retry budget (about 3 s).
+    let guard_check = app.wait_line("journal-server: guard check", Duration::from_secs(30)).map_err(|e| format!("app: {e}"))?;
+    let listening = app.wait_line("journal-server: listening", Duration::from_secs(30)).map_err(|e| format!("app: {e}"))?;
+    let service = w.service();
+    let wait = Duration::from_secs(30);
+    let control = m == Misconfig::None;
+    let (peer, peer_ms) = lab::in_ns(&w.lab.peer, move || peer_sees(service, wait, control)).map_err(|e| format!("peer namespace: {e}"))?;
+    let status = fresh_status(&w.status_path(), &mut guard).unwrap_or(serde_json::Value::Null);
+    drop(app);
+    let app_log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    Ok(MisconfigReport { guard_check, listening, app_log, peer, peer_ms, peer_wait_ms: wait.as_millis() as u64, guard: status })
+}
+
+/// The peer's side of [`run_misconfigured`]: (what it saw, after how many ms).
+fn peer_sees(service: SocketAddr, wait: Duration, control: bool) -> (String, u64) {
+    use std::io::{ErrorKind, Read, Write};
+    let start = Instant::now();
+    let ms = |s: Instant| s.elapsed().as_millis() as u64;
+    let mut s = match std::net::TcpStream::connect_timeout(&service, Duration::from_secs(10)) {
+        Ok(s) => s,
+        Err(e) => return (format!("connect failed: {e}"), ms(start)),
+    };
+    let mut buf = vec![0u8; 4096];
+    if control {
+        let rec = vec![7u8; unbroken_journal::RECORD_LEN];
+        if let Err(e) = s.write_all(&rec) {
+            return (format!("write failed: {e}"), ms(start));
+        }
+        let _ = s.set_read_timeout(Some(wait));
+        let mut got = 0;
+        while got < unbroken_journal::REPLY_LEN {
+            match s.read(&mut buf) {
+                Ok(0) => return ("eof".into(), ms(start)),
+                Ok(n) => got += n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return ("hung".into(), ms(start)),
+                Err(e) => return (format!("reset: {e}"), ms(start)),
+            }
+        }
+        // Still open a while later (the server keeps a protected connection): a read times out.
+        let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+        return match s.read(&mut buf) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => ("protected".into(), ms(start)),
+            Ok(0) => ("eof".into(), ms(start)),
+            Ok(_) => ("unexpected data".into(), ms(start)),
+            Err(e) => (format!("reset: {e}"), ms(start)),
+        };
+    }
+    let _ = s.set_read_timeout(Some(wait));
+    match s.read(&mut buf) {
+        Ok(0) => ("eof".into(), ms(start)),
+        Ok(_) => ("unexpected data".into(), ms(start)),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => ("hung".into(), ms(start)),
+        Err(e) => (format!("reset: {e}"), ms(start)),
     }
 }
 
@@ -467,6 +610,7 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     } else {
         None
     };
+    let forged = s.hostile.then(|| forged_peer_traffic(w.lab.peer.clone(), w.service()));
 
     let unit = if s.echo { unbroken_journal::RECORD_LEN } else { unbroken_journal::REPLY_LEN };
     let total = s.records * unit as u64;
@@ -605,6 +749,9 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let sha256_ok = results.iter().all(|r| r.sha256_received == r.sha256_expected && r.bytes_verified == total);
     if let Some(h) = hostile {
         h.join().map_err(|_| "hostile traffic thread panicked".to_string())??;
+    }
+    if let Some(h) = forged {
+        h.join().map_err(|_| "forged peer traffic thread panicked".to_string())??;
     }
     // A self-crash at a late point (after-fin) may come after the peer's last progress line.
     if s.app_crash_point.is_some() && self_crashes == 0 {
@@ -771,6 +918,80 @@ pub fn forge_app_source(peer_ns: String, service: SocketAddr, guard_mac: [u8; 6]
         })
         .and_then(|r| r)
         .map_err(|e| format!("forging: {e}"))
+    })
+}
+
+/// Blind forgeries on the protected connection's own 4-tuple (issue 9, item 2), from the peer's
+/// namespace while the transfer runs: the forger knows the addresses and ports (it reads them
+/// from the peer's socket table, as anyone on the path's wire side could) but not the sequence
+/// numbers. Five rounds, 50 ms apart, each of: SYNs, SYN-ACKs, RSTs, FINs and ACKs with random
+/// SEQ and ACK, and ACKs with a broken checksum. IPv4 only (a raw IPPROTO_RAW socket). Returns how
+/// many packets were sent (0 if the connection was not found within 30 s).
+pub fn forged_peer_traffic(peer_ns: String, service: SocketAddr) -> std::thread::JoinHandle<Result<u64, String>> {
+    std::thread::spawn(move || {
+        let (IpAddr::V4(dst), true) = (service.ip(), true) else { return Ok(0) };
+        let res = lab::in_ns(&peer_ns, move || -> std::io::Result<u64> {
+            // The connection's local address and port: /proc/net/tcp, ESTABLISHED (01), remote
+            // = the service.
+            let want = format!("{:08X}:{:04X}", u32::from_le_bytes(dst.octets()), service.port());
+            let end = Instant::now() + Duration::from_secs(30);
+            let (src, sport) = loop {
+                let table = std::fs::read_to_string("/proc/thread-self/net/tcp").unwrap_or_default();
+                let found = table.lines().skip(1).find_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    if f.len() > 3 && f[2] == want && f[3] == "01" {
+                        let (a, p) = f[1].split_once(':')?;
+                        let a = u32::from_str_radix(a, 16).ok()?.to_le_bytes();
+                        Some((std::net::Ipv4Addr::from(a), u16::from_str_radix(p, 16).ok()?))
+                    } else {
+                        None
+                    }
+                });
+                if let Some(x) = found {
+                    break x;
+                }
+                if Instant::now() > end {
+                    return Ok(0);
+                }
+                std::thread::sleep(Duration::from_millis(20)); // polling the socket table with a deadline
+            };
+            let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            let mut rnd = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u32
+            };
+            use unbroken_wire::tcp::flags as F;
+            let mut n = 0;
+            for round in 0..5 {
+                if round > 0 {
+                    std::thread::sleep(Duration::from_millis(50)); // pacing the rounds over the transfer
+                }
+                for (flags, bad_csum) in [(F::SYN, false), (F::SYN | F::ACK, false), (F::RST, false), (F::FIN | F::ACK, false), (F::ACK, false), (F::ACK, true)] {
+                    for _ in 0..50 {
+                        let r = unbroken_wire::tcp::Repr { src_port: sport, dst_port: service.port(), seq: unbroken_wire::Seq(rnd()), ack: unbroken_wire::Seq(if flags & F::ACK != 0 { rnd() } else { 0 }), flags, window: 1000, ..Default::default() };
+                        let mut pkt = unbroken_wire::ip::tcp_packet(IpAddr::V4(src), IpAddr::V4(dst), &r, b"").map_err(std::io::Error::other)?;
+                        if bad_csum {
+                            pkt[20 + 16] ^= 0x5a;
+                        }
+                        let sa = libc::sockaddr_in { sin_family: libc::AF_INET as u16, sin_port: 0, sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(dst.octets()) }, sin_zero: [0; 8] };
+                        let r = unsafe { libc::sendto(std::os::fd::AsRawFd::as_raw_fd(&sock), pkt.as_ptr().cast(), pkt.len(), 0, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+                        if r < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        n += 1;
+                    }
+                }
+            }
+            Ok(n)
+        });
+        res.and_then(|r| r).map_err(|e| format!("forged peer traffic: {e}"))
     })
 }
 

@@ -281,10 +281,96 @@ impl Command {
     }
 }
 
+/// Length of a refusal ([`Nak`]): smaller than the 96-byte command it answers.
+pub const NAK_LEN: usize = 24;
+
+/// Why the guard refused a well-formed command from an allowed source (status byte of a
+/// [`Nak`]). Numbered after [`Status`].
+pub mod refusal {
+    /// The MAC did not verify: the sender's key is not the guard's.
+    pub const KEY: u8 = 3;
+    /// The sender's clock is further from the guard's than `max_clock_skew_ms`.
+    pub const CLOCK: u8 = 4;
+}
+
+/// A refusal: what the guard answers, at a limited rate, to a command that is well formed
+/// (size, magic, version), comes from an allowed source, but fails its MAC or its clock check,
+/// so that a misconfigured application can say what is wrong instead of timing out. It cannot
+/// be authenticated (the two sides do not share a key), so it is bound to the request only by
+/// echoing its nonce: an off-path forger cannot produce one that matches.
+///
+/// | offset | size | field |
+/// |---|---|---|
+/// | 0 | 4 | magic `UBRK` |
+/// | 4 | 1 | version, 1 |
+/// | 5 | 1 | the request's op with bit 7 set |
+/// | 6 | 1 | [`refusal`]: 3 key, 4 clock |
+/// | 7 | 1 | zero |
+/// | 8 | 8 | the request's nonce |
+/// | 16 | 8 | the guard's clock, milliseconds since the Unix epoch |
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nak {
+    pub op: u8,
+    pub refusal: u8,
+    pub nonce: u64,
+    pub time_ms: u64,
+}
+
+impl Nak {
+    /// The refusal of `request` (a datagram of [`LEN`] bytes with the right magic and version;
+    /// `None` otherwise: nothing is answered to garbage).
+    pub fn refuse(request: &[u8], refusal: u8, time_ms: u64) -> Option<Nak> {
+        if request.len() != LEN || request[0..4] != MAGIC || request[4] != VERSION || request[5] & 0x80 != 0 {
+            return None;
+        }
+        Some(Nak { op: request[5], refusal, nonce: u64::from_be_bytes(request[8..16].try_into().unwrap()), time_ms })
+    }
+    pub fn encode(&self) -> [u8; NAK_LEN] {
+        let mut b = [0u8; NAK_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.op | 0x80;
+        b[6] = self.refusal;
+        b[8..16].copy_from_slice(&self.nonce.to_be_bytes());
+        b[16..24].copy_from_slice(&self.time_ms.to_be_bytes());
+        b
+    }
+    pub fn decode(b: &[u8]) -> Result<Nak> {
+        if b.len() != NAK_LEN || b[0..4] != MAGIC || b[4] != VERSION || b[5] & 0x80 == 0 || b[7] != 0 {
+            return Err(Error::Malformed("refusal"));
+        }
+        if !matches!(b[6], refusal::KEY | refusal::CLOCK) {
+            return Err(Error::Malformed("refusal reason"));
+        }
+        Ok(Nak { op: b[5] & 0x7f, refusal: b[6], nonce: u64::from_be_bytes(b[8..16].try_into().unwrap()), time_ms: u64::from_be_bytes(b[16..24].try_into().unwrap()) })
+    }
+}
+
+/// The DSCP an application sets on a connection's packets (IP_TOS / IPV6_TCLASS = DSCP << 2)
+/// to tell the guard that the connection is not protected (its application could not reach
+/// the guard, e.g. a wrong key or address): the guard then lets the connection's packets
+/// through untouched, as if it were not there, so the peer sees the application's close. It
+/// is honoured only for a connection the guard saw from its handshake, that no authenticated
+/// command ever named, and that needs no renumbering. 0x0b: from RFC 2474's pool 2
+/// (experimental or local use).
+pub const UNPROTECTED_DSCP: u8 = 0x0b;
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn nak_round_trip_and_is_smaller_than_the_request() {
+        let req = Command::request(Op::Tell, "10.0.2.10:7000".parse().unwrap(), "10.0.1.2:41000".parse().unwrap(), 0xfeed, 5).encode(&Key::new(&[9u8; 16]).unwrap()).unwrap();
+        let n = Nak::refuse(&req, refusal::KEY, 77).unwrap();
+        assert_eq!((n.op, n.nonce, n.time_ms), (Op::Tell as u8, 0xfeed, 77));
+        let b = n.encode();
+        assert!(b.len() < req.len());
+        assert_eq!(Nak::decode(&b).unwrap(), n);
+        assert!(Nak::refuse(&req[..50], refusal::KEY, 1).is_none(), "nothing for garbage");
+        assert!(Command::decode(&b, &Key::new(&[9u8; 16]).unwrap()).is_err());
+    }
 
     fn key() -> Key {
         Key::from_hex("00112233445566778899aabbccddeeff").unwrap()

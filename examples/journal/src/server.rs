@@ -7,8 +7,15 @@
 //! with the SDK (section 4) and carries on. Peers never notice.
 //!
 //! ```text
-//! journal-server --listen 10.77.2.10:7000 --guard 10.77.2.1:7900 --key HEX --dir /var/lib/journal [--fsync]
+//! journal-server --listen 10.77.2.10:7000 --guard 10.77.2.1:7900 --key-file /etc/unbroken/app.key --dir /var/lib/journal [--fsync]
 //! ```
+//!
+//! The key file holds the side-channel key in hex (whitespace ignored); it is not taken on the
+//! command line, which any user can read with `ps`. At start-up the server checks the guard
+//! ([`GuardClient::probe`]) and says on stdout what is wrong if anything is (`journal-server:
+//! guard check FAILED: ...`); it still serves, and each connection it cannot protect is closed
+//! the way it would be without the guard (the SDK marks it unprotected), so peers see a close,
+//! never a hang.
 //!
 //! Journal layout, one directory per connection under `DIR/conns/`:
 //! `record` (the SDK's ConnRecord), `in.log` (every input byte, in order), `out.log` (every reply
@@ -25,25 +32,26 @@ use unbroken_sdk::{ConnRecord, GuardClient};
 struct Args {
     listen: SocketAddr,
     guard: SocketAddr,
-    key: String,
+    key_file: PathBuf,
     dir: PathBuf,
     fsync: bool,
     echo: bool,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    let (mut listen, mut guard, mut key, mut dir, mut fsync, mut echo) = (None, None, None, None, false, false);
+    let (mut listen, mut guard, mut key_file, mut dir, mut fsync, mut echo) = (None, None, None, None, false, false);
     while let Some(a) = it.next() {
         let mut val = |name: &str| it.next().ok_or(format!("{name} needs a value"));
         match a.as_str() {
             "--listen" => listen = Some(val("--listen")?.parse().map_err(|e| format!("--listen: {e}"))?),
             "--guard" => guard = Some(val("--guard")?.parse().map_err(|e| format!("--guard: {e}"))?),
-            "--key" => key = Some(val("--key")?),
+            "--key-file" => key_file = Some(PathBuf::from(val("--key-file")?)),
+            "--key" => return Err("--key is not accepted (the command line is visible to every user): put the key in a file and pass --key-file".into()),
             "--dir" => dir = Some(PathBuf::from(val("--dir")?)),
             "--fsync" => fsync = true,
             "--echo" => echo = true,
             "-h" | "--help" => {
-                println!("usage: journal-server --listen ADDR:PORT --guard ADDR:PORT --key HEX --dir DIR [--fsync] [--echo]");
+                println!("usage: journal-server --listen ADDR:PORT --guard ADDR:PORT --key-file PATH --dir DIR [--fsync] [--echo]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?}")),
@@ -52,7 +60,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     Ok(Args {
         listen: listen.ok_or("--listen is required")?,
         guard: guard.ok_or("--guard is required")?,
-        key: key.ok_or("--key is required")?,
+        key_file: key_file.ok_or("--key-file is required")?,
         dir: dir.ok_or("--dir is required")?,
         fsync,
         echo,
@@ -356,7 +364,10 @@ fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync:
     };
     let dir = conn_dir(&base, peer);
     if let Err(e) = persist_record(&dir, &rec, fsync) {
-        return log(&format!("{peer}: journal: {e}"));
+        // Without a record the connection cannot be recovered: close it as a plain one (the
+        // guard lets the FIN through once told), so the peer sees the close instead of hanging.
+        let _ = unbroken_sdk::shutdown(&rec, &client);
+        return log(&format!("{peer}: journal: {e}; closing"));
     }
     log(&format!("{peer}: connected and protected"));
     match serve_recovering(&client, &rec, &dir, fsync, echo, Some(stream)) {
@@ -387,13 +398,42 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
             return 2;
         }
     };
-    let client = match GuardClient::from_strs(&args.guard.to_string(), &args.key) {
-        Ok(c) => Arc::new(c),
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(m) = fs::metadata(&args.key_file) {
+            if m.permissions().mode() & 0o077 != 0 {
+                eprintln!("journal-server: warning: key file {} is readable by others (mode {:o}): anyone who reads the key can steer the guard", args.key_file.display(), m.permissions().mode() & 0o777);
+            }
+        }
+    }
+    let key = match fs::read_to_string(&args.key_file) {
+        Ok(k) => k,
         Err(e) => {
-            eprintln!("journal-server: guard client: {e}");
+            eprintln!("journal-server: key file {}: {e}", args.key_file.display());
             return 2;
         }
     };
+    let client = match GuardClient::from_strs(&args.guard.to_string(), key.trim()) {
+        Ok(c) => Arc::new(c),
+        Err(e) => {
+            eprintln!("journal-server: guard client ({}): {e}", args.key_file.display());
+            return 2;
+        }
+    };
+    // Say at once whether the guard is there and takes our key (issue 9: a wrong key or
+    // address used to look like a healthy start).
+    let guard_ok = match client.probe(args.listen) {
+        Ok(()) => {
+            println!("journal-server: guard check: ok ({} accepts our key and protects {})", args.guard, args.listen);
+            true
+        }
+        Err(e) => {
+            println!("journal-server: guard check FAILED ({}): {e}; connections will not be protected (each is closed)", args.guard);
+            eprintln!("journal-server: guard check FAILED ({}): {e}", args.guard);
+            false
+        }
+    };
+    let _ = std::io::stdout().flush();
     // Recover first: every connection with a journal that did not finish.
     let mut workers = Vec::new();
     if let Ok(rd) = fs::read_dir(args.dir.join("conns")) {
@@ -408,7 +448,7 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
     }
     // Then connections the guard holds that we never told about: this process died after its
     // kernel accepted them but before it journaled their record (a crash during the handshake).
-    match unbroken_sdk::adopt(&client, args.listen) {
+    match if guard_ok { unbroken_sdk::adopt(&client, args.listen) } else { Ok(Vec::new()) } {
         Ok(recs) => {
             for rec in recs {
                 let dir = conn_dir(&args.dir, rec.peer());
@@ -434,7 +474,8 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
             return 1;
         }
     };
-    println!("journal-server: listening on {} ({} connection(s) recovering)", args.listen, workers.len());
+    let unprotected = if guard_ok { "" } else { " UNPROTECTED: see the guard check" };
+    println!("journal-server: listening on {} ({} connection(s) recovering){unprotected}", args.listen, workers.len());
     let _ = std::io::stdout().flush();
     for s in listener.incoming() {
         match s {

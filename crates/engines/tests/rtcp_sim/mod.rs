@@ -368,6 +368,12 @@ pub struct GuardOpts {
     /// Per simulation step, the chance of a forged recovery SYN from *A*'s address (a random
     /// ISN) while no recovery is announced: it must be dropped and change nothing.
     pub forged_syns: f64,
+    /// Per announced recovery, the chance of a forged recovery SYN racing it inside its
+    /// window: right after the announcing ACKNOWLEDGE (before the genuine SYN) or right after
+    /// the genuine SYN was answered (before *A*'s TCP acknowledged the SYN-ACK). The guard
+    /// answers it (it cannot yet tell which SYN is genuine); *A*'s handshake ACK must prove
+    /// the genuine one and undo the forged re-keying (issue 9, item 1).
+    pub racing_syns: f64,
 }
 
 impl Scenario {

@@ -45,6 +45,8 @@ pub enum Decoy {
     NotResponse,
     WrongKey,
     Garbage,
+    /// A refusal (NAK) echoing another nonce than the request's: a blind forger's.
+    ForgedRefusal,
 }
 
 /// Called on each TELL before it is answered: (number of TELLs so far for this connection,
@@ -74,6 +76,8 @@ pub struct State {
     pub tells: HashMap<(SocketAddr, SocketAddr), u32>,
     /// Fresh ACKs for the peer built by ACKNOWLEDGE (C2).
     pub acks_built: u64,
+    /// Answer a command that fails its MAC with a refusal (a NAK), as the real guard does.
+    pub refuse_bad_mac: bool,
 }
 
 pub struct TestGuard {
@@ -194,6 +198,11 @@ fn serve(sock: UdpSocket, state: Arc<Mutex<State>>, stop: Arc<AtomicBool>) {
             Ok(c) if !c.response => c,
             _ => {
                 st.unauthenticated += 1;
+                if st.refuse_bad_mac {
+                    if let Some(nak) = unbroken_wire::ctl::Nak::refuse(&buf[..n], unbroken_wire::ctl::refusal::KEY, now_ms()) {
+                        let _ = sock.send_to(&nak.encode(), from);
+                    }
+                }
                 continue;
             }
         };
@@ -252,6 +261,10 @@ fn serve(sock: UdpSocket, state: Arc<Mutex<State>>, stop: Arc<AtomicBool>) {
                 Decoy::NotResponse => Command { response: false, ..reply }.encode(&key).unwrap().to_vec(),
                 Decoy::WrongKey => reply.encode(&wrong).unwrap().to_vec(),
                 Decoy::Garbage => vec![0x55; 40],
+                Decoy::ForgedRefusal => {
+                    let nak = unbroken_wire::ctl::Nak { op: reply.op as u8, refusal: unbroken_wire::ctl::refusal::KEY, nonce: reply.nonce ^ 0x5a5a, time_ms: 1 };
+                    nak.encode().to_vec()
+                }
             };
             let _ = sock.send_to(&bytes, from);
         }

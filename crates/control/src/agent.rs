@@ -704,7 +704,8 @@ fn note_refusal(shared: &Shared, key: Key, why: &str) {
     crate::ratelog::log("agent: refused", || format!("agent: refused {} -> {}: {why}", key.client, key.service));
     shared.count(|c| {
         c.refused += 1;
-        if why.starts_with("record refused") {
+        // The core reports a failed lookup as "store: <why>".
+        if why.starts_with("record refused") || why.starts_with("store: record refused") {
             // Issue 9 item 7: not this cluster's record for this key (edited, moved, foreign,
             // unversioned, expired): treated as no record at all.
             c.refused_bad_record += 1;

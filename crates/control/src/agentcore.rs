@@ -191,6 +191,11 @@ pub struct CoreCounters {
     pub plan_timeouts: u64,
     /// Lookups in flight now (not monotonic).
     pub lookups_in_flight: u64,
+    /// SYNs on the address pair of a connection with a found record, answered with a probe
+    /// from the record (a challenge), never taken as a new connection.
+    pub syn_challenged: u64,
+    /// Found records the client disowned (its RST at the probe's exact acknowledgement).
+    pub records_cleared: u64,
 }
 
 /// Limits of the failover admission ([`Admission`]).
@@ -478,6 +483,34 @@ impl Core {
         self.buckets.get(key).copied().flatten().or_else(|| self.handed.get(key).and_then(|h| h.1))
     }
 
+    /// Whether an unknown connection of `bucket` may fail over here (the gate's test, as of
+    /// the view `lb`): a bucket the LB moved here recently, or an inherited connection of an
+    /// owned bucket within the restart grace. Not when the gate is open by configuration (no
+    /// LB): there every bucket is, and SYNs are taken as new connections.
+    fn failover_bucket(&self, now: u64, lb: LbView<'_>, key: &Key, bucket: Option<u16>) -> bool {
+        match (bucket, lb.view()) {
+            (Some(b), Some(v)) => v.allowed(b) || (self.in_grace(now) && self.inherited.contains_key(key) && v.owns(b)),
+            _ => false,
+        }
+    }
+
+    /// A client SYN that is a new connection after all: through the engine (which files it,
+    /// so the connection is protected), then out.
+    fn pass_syn(&mut self, now: u64, mut p: Pkt) {
+        if let Some(k) = Self::key_of(&p) {
+            self.refused.remove(&k);
+            if let Some(b) = p.bucket {
+                self.buckets.insert(k, Some(b));
+            }
+        }
+        match self.engine.packet_csum(p.id as u64, &mut p.data, Dir::FromClient, now, p.csum_not_ready) {
+            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+            Verdict::Accept { modified } => self.accept(p.id, p.data, modified, p.csum_not_ready),
+            _ => self.accept(p.id, p.data, false, p.csum_not_ready),
+        }
+        self.flush_released();
+    }
+
     fn accept(&mut self, id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool) {
         self.out.push_back(Out::Accept { id, data, modified, csum_not_ready });
     }
@@ -616,20 +649,21 @@ impl Core {
             }
         }
         if let (Some(k), Dir::FromClient) = (key, p.dir) {
-            let syn = Trigger::parse(&p.data).is_some_and(|(_, t)| t.flags & unbroken_wire::tcp::flags::SYN != 0 && t.flags & unbroken_wire::tcp::flags::ACK == 0);
-            if syn && (self.looking.contains(&k) || self.planning.contains_key(&k)) {
-                // The client opens a new connection on the address pair: the one being looked
-                // up (perhaps by a forged packet) is gone. Its waiting packets are dropped; the
-                // SYN goes to the engine (held back, it would leave the new connection
-                // unprotected).
-                if self.looking.remove(&k) {
-                    self.admission.done();
-                }
-                self.planning.remove(&k);
-                for w in self.recovering.remove(&k).unwrap_or_default() {
-                    self.out.push_back(Out::Drop { id: w.id });
-                }
+            let syn = is_syn(&p.data);
+            if syn && !p.csum_not_ready && !tcp_checksum_ok(&p.data) {
+                // Proves nothing (the kernel drops it too): it neither cancels nor joins a
+                // failover, nor is it filed as a handshake (issue 9, object review item 1).
+                self.counters.triggers_rejected += 1;
+                self.out.push_back(Out::Drop { id: p.id });
+                return;
             }
+            // A SYN on the address pair of a connection being looked up or planned (issue 9,
+            // object review item 1) cancels nothing: anyone can send one with a right
+            // checksum. It waits with the connection's packets; it never plans, and once the
+            // record is found it draws a challenge (a probe from the record, RFC 5961 section
+            // 4): a client that still has the connection answers with an ACK that plans, one
+            // that opened a new connection on the pair answers with a RST at the probe's
+            // acknowledgement number, which only it can know (see `try_plan`).
             if let Some(r) = self.recovering.get_mut(&k) {
                 if r.len() < RECOVERING_MAX_PACKETS {
                     r.push(p);
@@ -640,6 +674,17 @@ impl Core {
                 if self.planning.contains_key(&k) {
                     self.try_plan(k);
                 }
+                return;
+            }
+            if syn && !self.engine.knows(&k) && !self.refused.contains_key(&k) && self.failover_bucket(now, lb, &k, p.bucket) {
+                // A SYN in a bucket that just moved here, for a connection this server does
+                // not speak for: it may be a blind one on the address pair of a connection
+                // failing over here. Filed as a handshake and passed to the kernel, it would
+                // have the kernel reset that connection at its client's next ACK. It is a
+                // failover candidate instead: no record (or a tombstone), and it is a new
+                // connection (`refused` passes it to the engine); a live record, and it waits
+                // for a packet that plans, or the client's RST that clears it.
+                self.gate_wait.push(GateWait { key: k, since: now, p, local: None, limited: None });
                 return;
             }
             if syn {
@@ -679,6 +724,12 @@ impl Core {
                     self.accept(p.id, p.data, false, p.csum_not_ready);
                     return;
                 };
+                if p.dir == Dir::FromClient && self.engine.handshake_pending(&k) && !self.failover_bucket(now, lb, &k, p.bucket) {
+                    // A packet after a SYN whose SYN-ACK the engine did not see, in a bucket
+                    // that did not move here: no failover to protect; the kernel answers it.
+                    self.accept(p.id, p.data, false, p.csum_not_ready);
+                    return;
+                }
                 self.out.push_back(Out::Supersede { key: k });
                 if self.gate_wait.len() >= GATE_MAX_PACKETS {
                     self.out.push_back(Out::Drop { id: p.id });
@@ -693,6 +744,7 @@ impl Core {
     /// Step 2: the failover gate. `local_socket(key)` says whether a socket of the local server
     /// owns the connection's address pair (`Err`: the lookup failed).
     pub fn gate(&mut self, now: u64, lb: LbView<'_>, mut local_socket: impl FnMut(&Key) -> Result<bool, String>) {
+        self.clock = self.clock.max(now);
         if !self.planning.is_empty() {
             let late: Vec<Key> = self.planning.iter().filter(|(_, p)| now.saturating_sub(p.since) >= PLAN_WAIT_MS).map(|(k, _)| *k).collect();
             for k in late {
@@ -750,6 +802,12 @@ impl Core {
             // it), in a bucket this server owns.
             let inherited = !local && self.in_grace(now) && self.inherited.contains_key(&g.key) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b));
             let allowed = moved || inherited;
+            if !allowed && is_syn(&g.p.data) {
+                // A SYN that waited as a failover candidate, its bucket's failover window
+                // over: a new connection.
+                self.pass_syn(now, g.p);
+                continue;
+            }
             if (local || allowed) && !g.p.csum_not_ready && !tcp_checksum_ok(&g.p.data) {
                 // Proves nothing and the kernel drops it too: no relearn, no lookup.
                 self.counters.triggers_rejected += 1;
@@ -906,6 +964,7 @@ impl Core {
     /// genuine packet that comes later still plans, until [`PLAN_WAIT_MS`]. Returns why the
     /// failover was refused, if it was (its waiting packets then went to the kernel).
     pub fn record(&mut self, now: u64, key: Key, bucket: Option<u16>, found: Result<Option<Record>, String>) -> Result<(), String> {
+        self.clock = self.clock.max(now);
         if self.looking.remove(&key) {
             self.admission.done();
         }
@@ -939,12 +998,25 @@ impl Core {
         let Some(pl) = self.planning.get(&key) else { return };
         let mut chosen = None;
         let mut keep = Vec::new();
+        let (mut syn, mut cleared) = (false, false);
+        // The acknowledgement number of the record's probe: a client with no such connection
+        // (it opened a new one on the pair, or closed it) answers the probe with a RST at
+        // exactly this sequence number (RFC 9293 section 3.10.7.3 and .1).
+        let probe_ack = pl.rec.hs.irs.wrapping_add(1).wrapping_add(pl.rec.hold_off as u32);
         for p in self.recovering.remove(&key).unwrap_or_default() {
             if chosen.is_some() {
                 keep.push(p);
                 continue;
             }
-            let plan = if p.csum_not_ready || tcp_checksum_ok(&p.data) { Trigger::parse(&p.data).and_then(|(_, t)| plan_recovery(&pl.rec, &t).ok()) } else { None };
+            let csum = p.csum_not_ready || tcp_checksum_ok(&p.data);
+            let t = if csum { Trigger::parse(&p.data).map(|(_, t)| t) } else { None };
+            syn |= t.is_some_and(|t| t.flags & unbroken_wire::tcp::flags::SYN != 0);
+            if t.is_some_and(|t| t.flags & unbroken_wire::tcp::flags::RST != 0 && t.seq == probe_ack) {
+                cleared = true;
+                self.out.push_back(Out::Drop { id: p.id });
+                continue;
+            }
+            let plan = t.and_then(|t| plan_recovery(&pl.rec, &t).ok());
             match plan {
                 Some(plan) => {
                     chosen = Some((plan, p.data.clone()));
@@ -956,7 +1028,31 @@ impl Core {
                 }
             }
         }
+        if cleared && chosen.is_none() {
+            // The client has no such connection: the record is stale. Its packets were
+            // dropped (its next SYN opens a new connection; a stale local socket is
+            // destroyed first).
+            self.planning.remove(&key);
+            self.counters.records_cleared += 1;
+            self.out.push_back(Out::Destroy { key });
+            if self.refused.len() < MAX_REMEMBERED || self.refused.contains_key(&key) {
+                self.refused.insert(key, self.clock);
+            }
+            for p in keep {
+                self.out.push_back(Out::Drop { id: p.id });
+            }
+            return;
+        }
         self.recovering.insert(key, keep);
+        if syn && chosen.is_none() {
+            let now = self.clock;
+            let due = self.elicited.get(&key).is_none_or(|t| now.saturating_sub(*t) >= ELICIT_EVERY_MS);
+            if let Some(e) = due.then(|| probe_packet(&key, &self.planning[&key].rec)).flatten() {
+                self.elicited.insert(key, now);
+                self.counters.syn_challenged += 1;
+                self.out.push_back(Out::Elicit(e));
+            }
+        }
         if let Some((plan, trigger)) = chosen {
             let pl = self.planning.remove(&key).unwrap();
             self.out.push_back(Out::Rebuild { key, bucket: pl.bucket, rec: pl.rec, plan: Box::new(plan), trigger });
@@ -980,11 +1076,21 @@ impl Core {
                 self.handed.insert(key, (now, Some(b)));
             }
         }
+        let mut syns = Vec::new();
         for p in waiting {
-            self.accept(p.id, p.data, false, p.csum_not_ready);
+            if is_syn(&p.data) {
+                syns.push(p);
+            } else {
+                self.accept(p.id, p.data, false, p.csum_not_ready);
+            }
         }
         if self.refused.len() < MAX_REMEMBERED || self.refused.contains_key(&key) {
             self.refused.insert(key, now);
+        }
+        // No live record: a SYN that waited opens a new connection (protected, through the
+        // engine).
+        for p in syns {
+            self.pass_syn(now, p);
         }
     }
 
@@ -1119,6 +1225,11 @@ impl Core {
             self.out.push_back(Out::Inject(pkt));
         }
     }
+}
+
+fn is_syn(pkt: &[u8]) -> bool {
+    use unbroken_wire::tcp::flags;
+    Trigger::parse(pkt).is_some_and(|(_, t)| t.flags & flags::SYN != 0 && t.flags & flags::ACK == 0)
 }
 
 /// A probe of a connection from its record: a segment the client answers with an ACK (which

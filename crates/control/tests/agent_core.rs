@@ -925,3 +925,135 @@ fn hostile_bad_checksum_packet_never_relearns_a_local_connection() {
     assert!(!t.dropped(good));
     assert_eq!(t.relearns().len(), 1);
 }
+
+fn rebuilds(t: &T) -> Vec<(Key, Vec<u8>)> {
+    t.outs.iter().filter_map(|o| if let Out::Rebuild { key, trigger, .. } = o { Some((*key, trigger.clone())) } else { None }).collect()
+}
+
+fn elicits(t: &T) -> usize {
+    t.outs.iter().filter(|o| matches!(o, Out::Elicit(_))).count()
+}
+
+/// Issue 9, object review item 1: during a failover a blind attacker sends one SYN (right
+/// checksum, any sequence number) on the address pair of a protected download whose bucket
+/// just moved here. It is not filed as a handshake nor passed to the kernel (which would
+/// answer the client's next ACK with a RST): it is a failover candidate; the record is found,
+/// the SYN never plans and draws a challenge (a probe from the record); the client's genuine
+/// ACK plans the rebuild, and nothing of the connection reaches the kernel. A SYN with a wrong
+/// checksum is dropped before anything.
+#[test]
+fn hostile_blind_syn_before_the_failover_never_resets_the_download() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40040);
+    t.id += 1;
+    let mut bad = build(c_ip(), s_ip(), Repr { src_port: 40040, dst_port: 80, seq: Seq(0x0bad_5eed), flags: F::SYN, window: 500, ..Default::default() }, b"");
+    bad[20 + 16] ^= 0x5a;
+    let bad_id = t.id;
+    {
+        let v = t.view.take().unwrap();
+        t.core.packets(t.now, LbView::View { v: &v, lease_ok: true, fresh: true }, [Pkt { id: bad_id, data: bad, dir: Dir::FromClient, bucket: Some(B), csum_not_ready: false }]);
+        t.view = Some(v);
+    }
+    t.collect();
+    assert!(t.dropped(bad_id), "a SYN with a wrong checksum proves nothing");
+    let syn = t.pkt(Dir::FromClient, 40040, 0x0bad_5eed, 0, F::SYN, b"");
+    assert!(!t.accepted(syn), "a SYN in a moved bucket for an unknown connection never goes straight to the kernel");
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k], "it is a failover candidate");
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec.clone()))), Ok(()));
+    t.collect();
+    assert!(t.dropped(syn), "the SYN never plans");
+    assert_eq!(elicits(&t), 1, "a challenge: the record's probe");
+    assert!(rebuilds(&t).is_empty());
+    t.take();
+    t.now += 10;
+    // The client's genuine ACK (answering the probe, or its own retransmission).
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let g = pkt_from(&mut t, c_ip(), 40040, C_ISN + 51, genuine_ack, false);
+    let rb = rebuilds(&t);
+    assert_eq!(rb.len(), 1, "{:?}", t.core.counters);
+    assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
+    assert!(!t.accepted(g), "the genuine ACK waits for the rebuild, never the kernel");
+    assert_eq!(t.core.counters.syn_challenged, 1);
+}
+
+/// Issue 9, object review item 1: a blind SYN while the record is being looked up (a genuine
+/// ACK started it) cancels nothing: the genuine packet still plans the rebuild.
+#[test]
+fn hostile_blind_syn_during_the_lookup_cancels_nothing() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40041);
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let g = pkt_from(&mut t, c_ip(), 40041, C_ISN + 51, genuine_ack, false);
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    let syn = t.pkt(Dir::FromClient, 40041, 0x0bad_5eed, 0, F::SYN, b"");
+    t.tick(false);
+    assert!(!t.accepted(syn) && !t.dropped(g));
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    let rb = rebuilds(&t);
+    assert_eq!(rb.len(), 1, "the lookup went on: {:?}", t.core.counters);
+    assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
+    assert!(!t.dropped(g) && !t.accepted(g));
+}
+
+/// The other side of item 1: a client that really opens a new connection on an address pair
+/// whose stale record is still in the store (in a bucket that just moved here). Its SYN draws
+/// the record's probe; the client (in SYN-SENT) answers with a RST at the probe's exact
+/// acknowledgement number, which clears the record's claim; its retransmitted SYN is then a
+/// new connection, protected. A blind RST at another number clears nothing.
+#[test]
+fn a_new_connection_on_a_pair_with_a_stale_record_is_cleared_by_the_clients_rst() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40042);
+    let syn = t.pkt(Dir::FromClient, 40042, 0x5000, 0, F::SYN, b"");
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec.clone()))), Ok(()));
+    t.collect();
+    assert!(t.dropped(syn));
+    assert_eq!(elicits(&t), 1);
+    t.take();
+    let blind = t.pkt(Dir::FromClient, 40042, 0x1234, 0, F::RST, b"");
+    assert!(t.dropped(blind));
+    assert!(t.core.recovering(&k), "a blind RST clears nothing");
+    let exact = t.pkt(Dir::FromClient, 40042, rec.hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32), 0, F::RST, b"");
+    assert!(t.dropped(exact));
+    assert!(!t.core.recovering(&k));
+    assert_eq!(t.core.counters.records_cleared, 1);
+    t.take();
+    t.now += 1000;
+    let syn2 = t.pkt(Dir::FromClient, 40042, 0x5000, 0, F::SYN, b"");
+    assert!(t.accepted(syn2), "the retransmitted SYN is a new connection");
+    let sa = t.pkt(Dir::ToClient, 40042, 0x9000, 0x5001, F::SYN | F::ACK, b"");
+    assert!(t.accepted(sa));
+    assert_eq!(t.core.engine.is_protected(&k), Some(true));
+}
+
+/// A new connection in a bucket that just moved here, its pair without a record: its SYN
+/// costs one lookup, then passes through the engine (protected).
+#[test]
+fn a_syn_in_a_moved_bucket_without_a_record_is_a_new_protected_connection() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let k = key(40043);
+    let syn = t.pkt(Dir::FromClient, 40043, 0x5000, 0, F::SYN, b"");
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    let _ = t.core.record(t.now, k, Some(B), Ok(None));
+    t.collect();
+    assert!(t.accepted(syn));
+    let sa = t.pkt(Dir::ToClient, 40043, 0x9000, 0x5001, F::SYN | F::ACK, b"");
+    assert!(t.accepted(sa));
+    assert_eq!(t.core.engine.is_protected(&k), Some(true));
+}

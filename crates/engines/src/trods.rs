@@ -985,6 +985,12 @@ impl Engine {
                     return Verdict::Drop;
                 }
                 if fl & flags::SYN != 0 && fl & flags::ACK == 0 {
+                    if !known && !csum_ok() {
+                        // Proves nothing (the kernel drops it too): never filed, never the
+                        // handshake a later ACK is taken against.
+                        self.counters.bad_checksum += 1;
+                        return Verdict::Drop;
+                    }
                     let (mss, ws, sack, ts) = syn_options(pkt);
                     self.counters.syns += 1;
                     if let Some(c) = self.conns.get(&key) {
@@ -1030,7 +1036,12 @@ impl Engine {
                     return Verdict::Unknown;
                 }
                 if !self.conns.contains_key(&key) {
-                    if fl & flags::RST != 0 || self.syns.contains_key(&key) {
+                    // A client SYN seen without its SYN-ACK says nothing of this packet: the
+                    // SYN may have been a blind one on the address pair of a connection that
+                    // is failing over here (issue 9), whose client's ACKs must reach the
+                    // failover, never the kernel (which would reset the connection). The
+                    // driver decides ([`Engine::handshake_pending`]).
+                    if fl & flags::RST != 0 {
                         return Verdict::Accept { modified: false };
                     }
                     self.counters.unknown_from_client += 1;
@@ -1191,8 +1202,11 @@ impl Engine {
         // proven, as a SYN cookie does. Nothing waited for that record before: the server's
         // ACKs stay lowered to the hold, and the first response waits for the record that
         // names it.
-        let acks_synack = fl & flags::ACK != 0 && (ack.wrapping_sub(c.hs.iss.wrapping_add(1)) as i32) >= 0;
-        if c.gen == 0 && c.stored_gen == 0 && !c.adopted && (acks_synack || !payload.is_empty()) {
+        // Exactly: the SYN-ACK's sequence number plus one (a blind guess passes one time in
+        // 2^32; "at or after it" passed half of random values), and request bytes count only
+        // with that acknowledgement.
+        let acks_synack = fl & flags::ACK != 0 && ack == c.hs.iss.wrapping_add(1);
+        if c.gen == 0 && c.stored_gen == 0 && !c.adopted && acks_synack {
             c.gen += 1;
         }
         // Requests, in byte order.

@@ -387,6 +387,8 @@ enum Msg {
     Record { key: Key, bucket: Option<u16>, result: Result<Option<Record>, String> },
     /// A connection a local socket serves: its record describes it (`Ok`), or why not.
     Relearn { key: Key, bucket: Option<u16>, result: Result<(Box<Record>, Box<Plan>), String> },
+    /// Connections with a record in buckets that moved here (listed to probe them).
+    Listed { keys: Vec<(Key, u16)> },
 }
 
 /// Packets with this mark skip the agent's queue (its own probes).
@@ -629,6 +631,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     }
                     drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                 }
+                Msg::Listed { keys } => core.records_listed(keys),
             }
         }
         store.drain(&mut completions);
@@ -1519,6 +1522,11 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
     let wanted: std::collections::HashSet<u16> = buckets.iter().copied().collect();
     for (prefix, one) in scans {
         let Ok(keys) = ctx.kv.keys_with_prefix(&prefix) else { continue };
+        // The core first: these connections' failover lookups bypass the admission budgets.
+        let listed: Vec<(Key, u16)> = keys.iter().filter_map(|k| Some((parse_store_key(k)?, one.or_else(|| parse_store_bucket(k)).filter(|b| wanted.contains(b))?))).collect();
+        if !listed.is_empty() {
+            ctx.send(Msg::Listed { keys: listed });
+        }
         for k in keys {
             let Some(b) = one.or_else(|| parse_store_bucket(&k)).filter(|b| wanted.contains(b)) else { continue };
             let Some(conn) = parse_store_key(&k) else { continue };

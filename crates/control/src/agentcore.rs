@@ -49,6 +49,8 @@ const REFUSED_MS: u64 = 10_000;
 /// Most refusals remembered, and most connections handed to the kernel remembered (a flood of
 /// unknown keys beyond it is not remembered, and is bounded by the rate limits instead).
 pub const MAX_REMEMBERED: usize = 16_384;
+/// Most connections with a listed record remembered ([`Core::records_listed`]).
+pub const MAX_LISTED: usize = 1 << 17;
 /// Most client packets of unknown connections waiting at the gate (more are dropped, counted:
 /// the client sends again).
 pub const GATE_MAX_PACKETS: usize = 4096;
@@ -196,6 +198,10 @@ pub struct CoreCounters {
     pub syn_challenged: u64,
     /// Found records the client disowned (its RST at the probe's exact acknowledgement).
     pub records_cleared: u64,
+    /// Failover lookups of listed keys (a record in a moved bucket), admitted outside the
+    /// budgets; and listed keys not remembered (over [`MAX_LISTED`]).
+    pub admit_listed: u64,
+    pub listed_over_cap: u64,
 }
 
 /// Limits of the failover admission ([`Admission`]).
@@ -295,6 +301,17 @@ impl Admission {
         verdict
     }
 
+    /// May a lookup of a key known to have a record start now? Only the cap on lookups in
+    /// flight applies: the per-source and per-bucket budgets are for lookups of unknown keys
+    /// (misses), which a flood spoofed from a victim's address would otherwise spend for it.
+    pub fn check_listed(&mut self) -> Admit {
+        if self.in_flight >= self.cfg.max_in_flight {
+            return Admit::Busy;
+        }
+        self.in_flight += 1;
+        Admit::Go
+    }
+
     /// A lookup ended.
     pub fn done(&mut self) {
         self.in_flight = self.in_flight.saturating_sub(1);
@@ -390,6 +407,9 @@ pub struct Core {
     looking: HashSet<Key>,
     /// Records found, waiting for a client packet that plans against them.
     planning: HashMap<Key, Planning>,
+    /// Connections with a record in a bucket that moved here (the driver lists them to probe
+    /// them, [`Core::records_listed`]), with their buckets: their lookups bypass the budgets.
+    listed: HashMap<Key, u16>,
     pub admission: Admission,
     /// The latest time a driver call gave.
     clock: u64,
@@ -426,6 +446,7 @@ impl Core {
             released_wait: Vec::new(),
             looking: HashSet::new(),
             planning: HashMap::new(),
+            listed: HashMap::new(),
             admission: Admission::new(AdmitConfig::default()),
             clock: 0,
             out: VecDeque::new(),
@@ -471,6 +492,23 @@ impl Core {
 
     fn in_grace(&self, now: u64) -> bool {
         self.born.is_some_and(|b| now.saturating_sub(b) < RESTART_GRACE_MS)
+    }
+
+    /// The store's keys of buckets that moved here (the driver lists them to probe their
+    /// connections): these connections have a record, so their failover lookups are not
+    /// charged to the per-source and per-bucket budgets (only the cap on lookups in flight
+    /// applies). A flood of ACKs spoofed from a victim's address spends the victim's source
+    /// budget on misses, never the victim's own failover (issue 9, object review item 2).
+    /// At most [`MAX_LISTED`] are kept; they are forgotten when their bucket's failover
+    /// window ends.
+    pub fn records_listed(&mut self, keys: impl IntoIterator<Item = (Key, u16)>) {
+        for (k, b) in keys {
+            if self.listed.len() >= MAX_LISTED && !self.listed.contains_key(&k) {
+                self.counters.listed_over_cap += 1;
+                continue;
+            }
+            self.listed.insert(k, b);
+        }
     }
 
     /// Whether packets of `key` are waiting for a failover.
@@ -819,7 +857,12 @@ impl Core {
                 self.recovering.insert(g.key, vec![g.p]);
                 self.out.push_back(Out::Relearn { key: g.key, bucket, trigger });
             } else if allowed {
-                match self.admission.check(now, g.key.client.ip(), g.p.bucket) {
+                let listed = g.p.bucket.is_some_and(|b| self.listed.get(&g.key) == Some(&b));
+                let admit = if listed { self.admission.check_listed() } else { self.admission.check(now, g.key.client.ip(), g.p.bucket) };
+                if listed && admit == Admit::Go {
+                    self.counters.admit_listed += 1;
+                }
+                match admit {
                     Admit::Go => {
                         self.counters.failovers_started += 1;
                         let trigger = g.p.data.clone();
@@ -1140,6 +1183,11 @@ impl Core {
                 self.inherited.clear();
             }
             self.elicited.retain(|_, t| now.saturating_sub(*t) < FENCE_MAX_MS);
+            if let Some(v) = lb.view() {
+                let grace = self.in_grace(now);
+                let inherited = &self.inherited;
+                self.listed.retain(|k, b| v.allowed(*b) || (grace && inherited.contains_key(k) && v.owns(*b)));
+            }
             self.last_expire = now;
         }
         // Connections whose bucket the LB gave to another server while this one lives (it

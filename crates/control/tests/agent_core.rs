@@ -1057,3 +1057,49 @@ fn a_syn_in_a_moved_bucket_without_a_record_is_a_new_protected_connection() {
     assert!(t.accepted(sa));
     assert_eq!(t.core.engine.is_protected(&k), Some(true));
 }
+
+/// Issue 9, object review item 2: a flood of ACKs spoofed from the victim client's own
+/// address (random ports, no records) spends that address's admission budget. The victim's
+/// connection has a record in the moved bucket (the agent listed it to probe it): its
+/// failover is admitted outside the budgets, at once, while the flood goes on; the flood's
+/// lookups stay within the source's budget.
+#[test]
+fn hostile_flood_spoofed_from_the_victims_address_never_blocks_its_failover() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    let victim = key(40050);
+    t.core.records_listed([(victim, B), (key(40051), B + 1)]);
+    let (rec, _) = download_record();
+    let mut lookups = 0u64;
+    for round in 0..10u32 {
+        for i in 0..200u32 {
+            pkt_from(&mut t, c_ip(), 20000 + ((round * 200 + i) % 10000) as u16, i, i, false);
+        }
+        t.tick(false);
+        let keys = failovers(&t);
+        lookups += keys.len() as u64;
+        t.take();
+        for k in keys {
+            let _ = t.core.record(t.now, k, Some(B), Ok(None));
+        }
+        t.collect();
+        t.take();
+        t.now += 5;
+    }
+    assert!(t.core.counters.admit_source_limited > 0, "the flood is over the source's budget: {:?}", t.core.counters);
+    assert!(lookups <= cfg.per_source_burst + cfg.per_source_rate, "{lookups} lookups");
+    // The victim's genuine packet, in the middle of the flood.
+    for i in 0..50u32 {
+        pkt_from(&mut t, c_ip(), 30000 + i as u16, i, i, false);
+    }
+    let g = pkt_from(&mut t, c_ip(), 40050, C_ISN + 51, S_ISN + 1 + 30_000, false);
+    t.tick(false);
+    assert!(failovers(&t).contains(&victim), "the victim's failover starts at once: {:?}", t.core.counters);
+    assert_eq!(t.core.counters.admit_listed, 1);
+    t.take();
+    assert_eq!(t.core.record(t.now, victim, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    assert_eq!(rebuilds(&t).len(), 1);
+    assert!(!t.dropped(g) && !t.accepted(g));
+}

@@ -60,8 +60,15 @@ const RECOVERING_MAX_PACKETS: usize = 64;
 /// is dropped (counted; its client sends again).
 pub const ADMIT_WAIT_MS: u64 = 1000;
 /// How long a found record waits for a client packet that plans against it (in the window,
-/// checksummed, consistent with the record) before the failover is refused.
+/// checksummed, consistent with the record) before the client is asked for one (the record's
+/// probe) and a stale local socket of the pair is destroyed. The connection keeps waiting
+/// (its packets are planned against the record when they come) until [`PLAN_KEEP_MS`]: a
+/// forged trigger that fails to plan must not send the client's real retransmission to the
+/// kernel (issue 9, object review item 3).
 pub const PLAN_WAIT_MS: u64 = 1000;
+/// How long a found record waits for a client packet that plans before the failover is
+/// refused (the negative cache then passes the connection's packets to the kernel).
+pub const PLAN_KEEP_MS: u64 = REFUSED_MS;
 /// Housekeeping period.
 const EXPIRE_EVERY_MS: u64 = 250;
 /// Owner check period (and: a view older than this is not used to mute).
@@ -189,8 +196,10 @@ pub struct CoreCounters {
     /// Client packets that could not plan against a found record (forged, stale or
     /// corrupt): dropped, never the plan.
     pub triggers_rejected: u64,
-    /// Failovers refused because no client packet planned against the record in time.
+    /// Found records no client packet planned against within [`PLAN_WAIT_MS`] (the client
+    /// was probed; the connection keeps waiting), and within [`PLAN_KEEP_MS`] (refused).
     pub plan_timeouts: u64,
+    pub plan_refused: u64,
     /// Lookups in flight now (not monotonic).
     pub lookups_in_flight: u64,
     /// SYNs on the address pair of a connection with a found record, answered with a probe
@@ -356,6 +365,8 @@ struct Planning {
     rec: Box<Record>,
     bucket: Option<u16>,
     since: u64,
+    /// Past [`PLAN_WAIT_MS`] (the client was asked once).
+    asked: bool,
 }
 
 struct Fenced {
@@ -784,11 +795,27 @@ impl Core {
     pub fn gate(&mut self, now: u64, lb: LbView<'_>, mut local_socket: impl FnMut(&Key) -> Result<bool, String>) {
         self.clock = self.clock.max(now);
         if !self.planning.is_empty() {
-            let late: Vec<Key> = self.planning.iter().filter(|(_, p)| now.saturating_sub(p.since) >= PLAN_WAIT_MS).map(|(k, _)| *k).collect();
+            let late: Vec<Key> = self.planning.iter().filter(|(_, p)| !p.asked && now.saturating_sub(p.since) >= PLAN_WAIT_MS).map(|(k, _)| *k).collect();
             for k in late {
+                // The record exists: the connection keeps waiting for a packet that plans
+                // (never the negative cache, which would hand the client's real
+                // retransmission to the kernel: a RST). Ask the client for one.
                 self.counters.plan_timeouts += 1;
-                self.out.push_back(Out::Log(format!("agent: refused {} -> {}: no client packet planned against its record within {PLAN_WAIT_MS} ms", k.client, k.service)));
+                let probe = self.planning.get_mut(&k).map(|p| {
+                    p.asked = true;
+                    probe_packet(&k, &p.rec)
+                });
+                if let Some(e) = probe.flatten() {
+                    self.elicited.insert(k, now);
+                    self.out.push_back(Out::Elicit(e));
+                }
+                self.say("plan timeout", now, || format!("agent: {} -> {}: no client packet planned against its record within {PLAN_WAIT_MS} ms: probed, still waiting", k.client, k.service));
                 self.out.push_back(Out::Destroy { key: k });
+            }
+            let gone: Vec<Key> = self.planning.iter().filter(|(_, p)| now.saturating_sub(p.since) >= PLAN_KEEP_MS).map(|(k, _)| *k).collect();
+            for k in gone {
+                self.counters.plan_refused += 1;
+                self.say("plan refused", now, || format!("agent: refused {} -> {}: no client packet planned against its record within {PLAN_KEEP_MS} ms", k.client, k.service));
                 self.refused(now, k);
             }
         }
@@ -1030,7 +1057,11 @@ impl Core {
             self.refused(now, key);
             return Err("plan: the connection had stopped being protected".into());
         }
-        self.planning.insert(key, Planning { rec: Box::new(rec), bucket, since: now });
+        if self.planning.len() >= MAX_REMEMBERED {
+            self.refused(now, key);
+            return Err("plan: too many records waiting for a client packet".into());
+        }
+        self.planning.insert(key, Planning { rec: Box::new(rec), bucket, since: now, asked: false });
         self.try_plan(key);
         Ok(())
     }

@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
-use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
+use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
 use unbroken_control::lb::BucketView;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
@@ -774,8 +774,9 @@ fn hostile_forged_trigger_first_then_genuine_packet_resumes_from_the_right_offse
 }
 
 /// Only forged packets wait for a found record: nothing plans, the genuine client never
-/// speaks: after PLAN_WAIT_MS the failover is refused (a stale local socket destroyed first),
-/// and nothing forged reached the kernel.
+/// speaks: after PLAN_WAIT_MS the client is probed and a stale local socket destroyed, the
+/// connection keeps waiting; after PLAN_KEEP_MS the failover is refused; nothing forged
+/// reached the kernel.
 #[test]
 fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
     let mut t = T::new();
@@ -792,7 +793,13 @@ fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
     t.tick(false);
     assert!(t.outs.iter().any(|o| matches!(o, Out::Destroy { key } if *key == k)));
     assert_eq!(t.core.counters.plan_timeouts, 1);
+    assert_eq!(elicits(&t), 1, "the client is asked for a packet that plans");
+    assert!(t.core.recovering(&k), "the record exists: still waiting");
+    t.now += PLAN_KEEP_MS - PLAN_WAIT_MS;
+    t.tick(false);
+    assert_eq!(t.core.counters.plan_refused, 1);
     assert!(!t.core.recovering(&k));
+    assert!(!t.accepted(forged));
 }
 
 /// Issue 9 item 3: a flood of bogus ACKs from 20,000 spoofed sources in a bucket that just
@@ -1102,4 +1109,37 @@ fn hostile_flood_spoofed_from_the_victims_address_never_blocks_its_failover() {
     t.collect();
     assert_eq!(rebuilds(&t).len(), 1);
     assert!(!t.dropped(g) && !t.accepted(g));
+}
+
+/// Issue 9, object review item 3: a forged trigger starts the lookup, the record is found, the
+/// forged packet does not plan, and the genuine client's retransmission comes only after
+/// PLAN_WAIT_MS (its RTO backed off). It still plans the rebuild: the connection stayed
+/// waiting against its record, never in the negative cache that handed the retransmission to
+/// the kernel (RST).
+#[test]
+fn hostile_forged_trigger_then_a_late_genuine_retransmission_still_fails_over() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40060);
+    let forged = pkt_from(&mut t, c_ip(), 40060, C_ISN + 51, S_ISN.wrapping_add(1 << 31), false);
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    assert!(t.dropped(forged));
+    t.take();
+    t.now += PLAN_WAIT_MS;
+    t.tick(false);
+    t.take();
+    t.now += 2000;
+    t.tick(false);
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let g = pkt_from(&mut t, c_ip(), 40060, C_ISN + 51, genuine_ack, false);
+    t.tick(false);
+    assert!(!t.accepted(g), "never to the kernel: {:?}", t.core.counters);
+    let rb = rebuilds(&t);
+    assert_eq!(rb.len(), 1, "{:?}", t.core.counters);
+    assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
 }

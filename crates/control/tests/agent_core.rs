@@ -1143,3 +1143,28 @@ fn hostile_forged_trigger_then_a_late_genuine_retransmission_still_fails_over() 
     assert_eq!(rb.len(), 1, "{:?}", t.core.counters);
     assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
 }
+
+/// Issue 9, object review item 5 (the plan-timeout line): forged triggers for 200 connections
+/// whose records exist, none planning. The plan-timeout lines go through the core's rate
+/// limiter: a bounded number is written, the rest counted.
+#[test]
+fn hostile_many_plan_timeouts_log_a_bounded_number_of_lines() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    t.core.records_listed((0..200u16).map(|i| (key(41000 + i), B)));
+    for i in 0..200u16 {
+        pkt_from(&mut t, c_ip(), 41000 + i, C_ISN + 51, S_ISN.wrapping_add(1 << 31), false);
+        t.tick(false);
+        for k in failovers(&t) {
+            let _ = t.core.record(t.now, k, Some(B), Ok(Some(rec.clone())));
+        }
+        t.take();
+    }
+    t.now += PLAN_WAIT_MS;
+    t.tick(false);
+    assert_eq!(t.core.counters.plan_timeouts, 200);
+    let lines = t.outs.iter().filter(|o| matches!(o, Out::Log(l) if l.contains("planned against its record"))).count();
+    assert!(lines <= 20, "{lines} lines");
+    assert!(t.core.counters.log_suppressed >= 180, "{:?}", t.core.counters);
+}

@@ -1196,10 +1196,11 @@ fn records_carry_the_clients_acknowledgement_and_old_records_decode() {
     let _ = first_exchange(&mut t);
     // The client acknowledges 1234 bytes, then the whole response; each change of the
     // response list is stored with the acknowledgement it came with.
-    assert_eq!(t.c(cs(0), ss(1234), F::ACK, b""), Verdict::Accept { modified: false });
+    let l1 = REQ.len() as u32;
+    assert_eq!(t.c(cs(l1), ss(1234), F::ACK, b""), Verdict::Accept { modified: false });
     let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
     let hl = HDR.len() as u32;
-    assert_eq!(t.c(cs(0), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
     let stored2: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
     assert_eq!(stored2.last().map(|r| (r.acked_off, r.entries.len())), Some(((hl + 3000) as u64, 0)), "{stored:?} {stored2:?}");
     let rec = Record { acked_off: 1234, sent_off: 5000, hold_off: 3, ..record_with_download() };
@@ -1576,4 +1577,28 @@ fn hostile_blind_syn_never_lets_the_clients_acks_reach_the_kernel() {
     // The genuine client's ACK of its live connection (no SYN-ACK was seen for that SYN).
     assert_eq!(t.c(cs(5000), ss(90_000), F::ACK, b""), Verdict::Unknown);
     assert_eq!(t.c(cs(5000), ss(90_000), F::ACK | F::PSH, b"x"), Verdict::Unknown);
+}
+
+/// Issue 9 (object review item 6): the receive window is one-sided (RFC 9293 section
+/// 3.10.7.4): a blind ACK with a sequence number behind the client's stream position teaches
+/// nothing (it would have told the record that the client holds the whole response, and a
+/// failover would have resumed past bytes the client never got); and (RFC 5961 section 5.2)
+/// a segment acknowledging bytes the server never sent teaches nothing either (here a FIN at
+/// the stream's end, which would have ended protection and deleted the record). The genuine
+/// packets still do.
+#[test]
+fn hostile_blind_segments_behind_the_window_or_acking_unsent_bytes_teach_nothing() {
+    let mut t = T::new();
+    let _ = first_exchange(&mut t);
+    let (l1, hl) = (REQ.len() as u32, HDR.len() as u32);
+    assert_eq!(t.c(cs(l1).wrapping_sub(20_000), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    assert!(t.store_all().is_empty(), "an ACK behind the window changes no record");
+    assert_eq!(t.c(cs(l1), ss(hl + 3000 + 70_000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0), "a FIN acknowledging unsent bytes deletes nothing");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
+    assert_eq!(stored.last().map(|r| r.acked_off), Some((hl + 3000) as u64), "the genuine ACK is learned");
+    assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t).1, 1, "the genuine FIN deletes the record");
 }

@@ -733,6 +733,11 @@ impl Core {
                 // failover candidate instead: no record (or a tombstone), and it is a new
                 // connection (`refused` passes it to the engine); a live record, and it waits
                 // for a packet that plans, or the client's RST that clears it.
+                if self.gate_wait.len() >= GATE_MAX_PACKETS {
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.gate_full += 1;
+                    return;
+                }
                 self.gate_wait.push(GateWait { key: k, since: now, p, local: None, limited: None });
                 return;
             }

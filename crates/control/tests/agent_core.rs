@@ -1168,3 +1168,19 @@ fn hostile_many_plan_timeouts_log_a_bounded_number_of_lines() {
     assert!(lines <= 20, "{lines} lines");
     assert!(t.core.counters.log_suppressed >= 180, "{:?}", t.core.counters);
 }
+
+/// A SYN flood on random ports in a bucket that just moved here (each SYN a failover
+/// candidate): the gate holds at most GATE_MAX_PACKETS of them, the rest are dropped and
+/// counted; lookups stay within the bucket's budget.
+#[test]
+fn hostile_syn_flood_in_a_moved_bucket_stays_bounded() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    for i in 0..(GATE_MAX_PACKETS as u32 + 2000) {
+        t.pkt(Dir::FromClient, 1000 + (i % 60000) as u16, i.wrapping_mul(7919), 0, F::SYN, b"");
+    }
+    assert!(t.core.counters.gate_full >= 2000, "{:?}", t.core.counters);
+    t.tick(false);
+    assert!(failovers(&t).len() as u64 <= cfg.per_bucket_burst);
+}

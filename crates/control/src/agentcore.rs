@@ -207,6 +207,9 @@ pub struct CoreCounters {
     pub syn_challenged: u64,
     /// Found records the client disowned (its RST at the probe's exact acknowledgement).
     pub records_cleared: u64,
+    /// SYNs in a moved bucket whose lookup found no live record: new connections (not
+    /// refusals).
+    pub syn_new_connections: u64,
     /// Failover lookups of listed keys (a record in a moved bucket), admitted outside the
     /// budgets; and listed keys not remembered (over [`MAX_LISTED`]).
     pub admit_listed: u64,
@@ -1046,10 +1049,18 @@ impl Core {
         if !self.recovering.contains_key(&key) {
             return Ok(());
         }
+        // Only SYNs waited (a SYN in a moved bucket): without a live record they are a new
+        // connection, not a refused failover.
+        let only_syns = self.recovering.get(&key).is_some_and(|w| !w.is_empty() && w.iter().all(|p| is_syn(&p.data)));
         let rec = match found {
             Err(e) => {
                 self.refused(now, key);
                 return Err(format!("store: {e}"));
+            }
+            Ok(None) if only_syns => {
+                self.counters.syn_new_connections += 1;
+                self.refused(now, key);
+                return Ok(());
             }
             Ok(None) => {
                 self.refused(now, key);
@@ -1057,6 +1068,11 @@ impl Core {
             }
             Ok(Some(r)) => r,
         };
+        if rec.unprotected && only_syns {
+            self.counters.syn_new_connections += 1;
+            self.refused(now, key);
+            return Ok(());
+        }
         if rec.unprotected {
             self.out.push_back(Out::Destroy { key });
             self.refused(now, key);

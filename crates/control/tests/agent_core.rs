@@ -1057,9 +1057,10 @@ fn a_syn_in_a_moved_bucket_without_a_record_is_a_new_protected_connection() {
     let syn = t.pkt(Dir::FromClient, 40043, 0x5000, 0, F::SYN, b"");
     t.tick(false);
     assert_eq!(failovers(&t), vec![k]);
-    let _ = t.core.record(t.now, k, Some(B), Ok(None));
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(None)), Ok(()), "a new connection, not a refused failover");
     t.collect();
     assert!(t.accepted(syn));
+    assert_eq!(t.core.counters.syn_new_connections, 1);
     let sa = t.pkt(Dir::ToClient, 40043, 0x9000, 0x5001, F::SYN | F::ACK, b"");
     assert!(t.accepted(sa));
     assert_eq!(t.core.engine.is_protected(&k), Some(true));

@@ -349,8 +349,12 @@ pub struct AgentCounters {
     /// Log lines over their budget (per kind, [`crate::ratelog`]), counted instead of written.
     pub log_suppressed: u64,
     pub recent_refusals: Vec<String>,
-    /// Failover lookups or relearns refused because the worker pool's queue was full.
+    /// Failover lookups or relearns refused because the worker pool's queue was full (or a
+    /// batch of socket destructions that then took a thread of its own).
     pub pool_full: u64,
+    /// Local sockets that could not be destroyed (no pool slot and no thread): left to
+    /// their muted entries.
+    pub destroys_lost: u64,
     /// Threads the system would not start (a rebuilt connection then refused, a probe or a
     /// socket destruction skipped).
     pub spawn_failed: u64,
@@ -387,6 +391,8 @@ enum Msg {
     Record { key: Key, bucket: Option<u16>, result: Result<Option<Record>, String> },
     /// A connection a local socket serves: its record describes it (`Ok`), or why not.
     Relearn { key: Key, bucket: Option<u16>, result: Result<(Box<Record>, Box<Plan>), String> },
+    /// Connections with a record in buckets that moved here (listed to probe them).
+    Listed { keys: Vec<(Key, u16)> },
 }
 
 /// Packets with this mark skip the agent's queue (its own probes).
@@ -629,6 +635,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     }
                     drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                 }
+                Msg::Listed { keys } => core.records_listed(keys),
             }
         }
         store.drain(&mut completions);
@@ -807,6 +814,32 @@ pub fn remove_rules(cfg: &Agent) -> Result<(), String> {
 /// Carries out the core's requests (crate::agentcore::Out); injected ACKs wait in `injects`
 /// until the verdicts are flushed.
 fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>) {
+    // Local sockets to destroy (`ss -K` each): one job for the whole batch, never a thread
+    // per socket (a bucket that moves away mutes all of its connections at once).
+    let mut destroy: Vec<Key> = Vec::new();
+    drive_outs(core, queue, ctx, store, injects, &mut destroy);
+    destroy_batch(ctx, destroy);
+}
+
+/// Destroys the local sockets of `keys` in one pool job (or, when the pool is full, one
+/// thread); counted in `destroys_lost` when neither can run.
+fn destroy_batch(ctx: &Arc<WorkerCtx>, keys: Vec<Key>) {
+    if keys.is_empty() {
+        return;
+    }
+    let keys = Arc::new(keys);
+    let k2 = keys.clone();
+    if ctx.pool.submit(Box::new(move || k2.iter().for_each(destroy_socket))) {
+        return;
+    }
+    let n = keys.len() as u64;
+    ctx.shared.count(|c| c.pool_full += 1);
+    if !spawn_counted(ctx, "ub-destroy", move || keys.iter().for_each(destroy_socket)) {
+        ctx.shared.count(|c| c.destroys_lost += n);
+    }
+}
+
+fn drive_outs(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>, destroy: &mut Vec<Key>) {
     while let Some(o) = core.poll() {
         match o {
             Out::Accept { id, mut data, modified, csum_not_ready } => {
@@ -838,7 +871,7 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
             }
             Out::Destroy { key } => {
                 if !silence_adopted(ctx, &key) {
-                    let _ = ctx.pool.submit(Box::new(move || destroy_socket(&key)));
+                    destroy.push(key);
                 }
             }
             Out::Relearn { key, bucket, trigger } => {
@@ -866,7 +899,7 @@ fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn K
                 // answers would draw RSTs from there (the object chaos demo counted one).
                 if !silence_adopted(ctx, &key) {
                     ctx.shared.count(|c| c.muted_destroyed += 1);
-                    spawn_counted(ctx, "ub-destroy", move || destroy_socket(&key));
+                    destroy.push(key);
                 }
             }
             Out::Store(op) => {
@@ -1177,14 +1210,14 @@ fn rebuild(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, rec: Record, plan
     }
     let gen = ctx.next_gen.fetch_add(1, Ordering::Relaxed);
     if let Ok(dup) = sock.try_clone() {
-        let mut adopted = ctx.adopted.lock().unwrap();
+        let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
         adopted.insert(key, (gen, dup.into(), bucket));
         save_rebuilt(&ctx, &adopted);
     }
     serve_recovered(&ctx, sock, &rec, &plan, key, gen);
     // Only this worker's entry: a silenced socket's entry is gone already, and a new failover
     // of the same connection may have put its own there.
-    let mut adopted = ctx.adopted.lock().unwrap();
+    let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     if adopted.get(&key).is_some_and(|(g, _, _)| *g == gen) {
         adopted.remove(&key);
         save_rebuilt(&ctx, &adopted);
@@ -1519,6 +1552,11 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
     let wanted: std::collections::HashSet<u16> = buckets.iter().copied().collect();
     for (prefix, one) in scans {
         let Ok(keys) = ctx.kv.keys_with_prefix(&prefix) else { continue };
+        // The core first: these connections' failover lookups bypass the admission budgets.
+        let listed: Vec<(Key, u16)> = keys.iter().filter_map(|k| Some((parse_store_key(k)?, one.or_else(|| parse_store_bucket(k)).filter(|b| wanted.contains(b))?))).collect();
+        if !listed.is_empty() {
+            ctx.send(Msg::Listed { keys: listed });
+        }
         for k in keys {
             let Some(b) = one.or_else(|| parse_store_bucket(&k)).filter(|b| wanted.contains(b)) else { continue };
             let Some(conn) = parse_store_key(&k) else { continue };

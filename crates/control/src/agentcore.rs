@@ -49,6 +49,8 @@ const REFUSED_MS: u64 = 10_000;
 /// Most refusals remembered, and most connections handed to the kernel remembered (a flood of
 /// unknown keys beyond it is not remembered, and is bounded by the rate limits instead).
 pub const MAX_REMEMBERED: usize = 16_384;
+/// Most connections with a listed record remembered ([`Core::records_listed`]).
+pub const MAX_LISTED: usize = 1 << 17;
 /// Most client packets of unknown connections waiting at the gate (more are dropped, counted:
 /// the client sends again).
 pub const GATE_MAX_PACKETS: usize = 4096;
@@ -58,8 +60,15 @@ const RECOVERING_MAX_PACKETS: usize = 64;
 /// is dropped (counted; its client sends again).
 pub const ADMIT_WAIT_MS: u64 = 1000;
 /// How long a found record waits for a client packet that plans against it (in the window,
-/// checksummed, consistent with the record) before the failover is refused.
+/// checksummed, consistent with the record) before the client is asked for one (the record's
+/// probe) and a stale local socket of the pair is destroyed. The connection keeps waiting
+/// (its packets are planned against the record when they come) until [`PLAN_KEEP_MS`]: a
+/// forged trigger that fails to plan must not send the client's real retransmission to the
+/// kernel (issue 9, object review item 3).
 pub const PLAN_WAIT_MS: u64 = 1000;
+/// How long a found record waits for a client packet that plans before the failover is
+/// refused (the negative cache then passes the connection's packets to the kernel).
+pub const PLAN_KEEP_MS: u64 = REFUSED_MS;
 /// Housekeeping period.
 const EXPIRE_EVERY_MS: u64 = 250;
 /// Owner check period (and: a view older than this is not used to mute).
@@ -187,10 +196,24 @@ pub struct CoreCounters {
     /// Client packets that could not plan against a found record (forged, stale or
     /// corrupt): dropped, never the plan.
     pub triggers_rejected: u64,
-    /// Failovers refused because no client packet planned against the record in time.
+    /// Found records no client packet planned against within [`PLAN_WAIT_MS`] (the client
+    /// was probed; the connection keeps waiting), and within [`PLAN_KEEP_MS`] (refused).
     pub plan_timeouts: u64,
+    pub plan_refused: u64,
     /// Lookups in flight now (not monotonic).
     pub lookups_in_flight: u64,
+    /// SYNs on the address pair of a connection with a found record, answered with a probe
+    /// from the record (a challenge), never taken as a new connection.
+    pub syn_challenged: u64,
+    /// Found records the client disowned (its RST at the probe's exact acknowledgement).
+    pub records_cleared: u64,
+    /// SYNs in a moved bucket whose lookup found no live record: new connections (not
+    /// refusals).
+    pub syn_new_connections: u64,
+    /// Failover lookups of listed keys (a record in a moved bucket), admitted outside the
+    /// budgets; and listed keys not remembered (over [`MAX_LISTED`]).
+    pub admit_listed: u64,
+    pub listed_over_cap: u64,
 }
 
 /// Limits of the failover admission ([`Admission`]).
@@ -290,6 +313,17 @@ impl Admission {
         verdict
     }
 
+    /// May a lookup of a key known to have a record start now? Only the cap on lookups in
+    /// flight applies: the per-source and per-bucket budgets are for lookups of unknown keys
+    /// (misses), which a flood spoofed from a victim's address would otherwise spend for it.
+    pub fn check_listed(&mut self) -> Admit {
+        if self.in_flight >= self.cfg.max_in_flight {
+            return Admit::Busy;
+        }
+        self.in_flight += 1;
+        Admit::Go
+    }
+
     /// A lookup ended.
     pub fn done(&mut self) {
         self.in_flight = self.in_flight.saturating_sub(1);
@@ -334,6 +368,8 @@ struct Planning {
     rec: Box<Record>,
     bucket: Option<u16>,
     since: u64,
+    /// Past [`PLAN_WAIT_MS`] (the client was asked once).
+    asked: bool,
 }
 
 struct Fenced {
@@ -385,6 +421,9 @@ pub struct Core {
     looking: HashSet<Key>,
     /// Records found, waiting for a client packet that plans against them.
     planning: HashMap<Key, Planning>,
+    /// Connections with a record in a bucket that moved here (the driver lists them to probe
+    /// them, [`Core::records_listed`]), with their buckets: their lookups bypass the budgets.
+    listed: HashMap<Key, u16>,
     pub admission: Admission,
     /// The latest time a driver call gave.
     clock: u64,
@@ -421,6 +460,7 @@ impl Core {
             released_wait: Vec::new(),
             looking: HashSet::new(),
             planning: HashMap::new(),
+            listed: HashMap::new(),
             admission: Admission::new(AdmitConfig::default()),
             clock: 0,
             out: VecDeque::new(),
@@ -468,6 +508,23 @@ impl Core {
         self.born.is_some_and(|b| now.saturating_sub(b) < RESTART_GRACE_MS)
     }
 
+    /// The store's keys of buckets that moved here (the driver lists them to probe their
+    /// connections): these connections have a record, so their failover lookups are not
+    /// charged to the per-source and per-bucket budgets (only the cap on lookups in flight
+    /// applies). A flood of ACKs spoofed from a victim's address spends the victim's source
+    /// budget on misses, never the victim's own failover (issue 9, object review item 2).
+    /// At most [`MAX_LISTED`] are kept; they are forgotten when their bucket's failover
+    /// window ends.
+    pub fn records_listed(&mut self, keys: impl IntoIterator<Item = (Key, u16)>) {
+        for (k, b) in keys {
+            if self.listed.len() >= MAX_LISTED && !self.listed.contains_key(&k) {
+                self.counters.listed_over_cap += 1;
+                continue;
+            }
+            self.listed.insert(k, b);
+        }
+    }
+
     /// Whether packets of `key` are waiting for a failover.
     pub fn recovering(&self, key: &Key) -> bool {
         self.recovering.contains_key(key)
@@ -476,6 +533,34 @@ impl Core {
     /// The bucket recorded for `key` (also of a connection whose packets went to the kernel).
     pub fn bucket(&self, key: &Key) -> Option<u16> {
         self.buckets.get(key).copied().flatten().or_else(|| self.handed.get(key).and_then(|h| h.1))
+    }
+
+    /// Whether an unknown connection of `bucket` may fail over here (the gate's test, as of
+    /// the view `lb`): a bucket the LB moved here recently, or an inherited connection of an
+    /// owned bucket within the restart grace. Not when the gate is open by configuration (no
+    /// LB): there every bucket is, and SYNs are taken as new connections.
+    fn failover_bucket(&self, now: u64, lb: LbView<'_>, key: &Key, bucket: Option<u16>) -> bool {
+        match (bucket, lb.view()) {
+            (Some(b), Some(v)) => v.allowed(b) || (self.in_grace(now) && self.inherited.contains_key(key) && v.owns(b)),
+            _ => false,
+        }
+    }
+
+    /// A client SYN that is a new connection after all: through the engine (which files it,
+    /// so the connection is protected), then out.
+    fn pass_syn(&mut self, now: u64, mut p: Pkt) {
+        if let Some(k) = Self::key_of(&p) {
+            self.refused.remove(&k);
+            if let Some(b) = p.bucket {
+                self.buckets.insert(k, Some(b));
+            }
+        }
+        match self.engine.packet_csum(p.id as u64, &mut p.data, Dir::FromClient, now, p.csum_not_ready) {
+            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+            Verdict::Accept { modified } => self.accept(p.id, p.data, modified, p.csum_not_ready),
+            _ => self.accept(p.id, p.data, false, p.csum_not_ready),
+        }
+        self.flush_released();
     }
 
     fn accept(&mut self, id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool) {
@@ -616,20 +701,21 @@ impl Core {
             }
         }
         if let (Some(k), Dir::FromClient) = (key, p.dir) {
-            let syn = Trigger::parse(&p.data).is_some_and(|(_, t)| t.flags & unbroken_wire::tcp::flags::SYN != 0 && t.flags & unbroken_wire::tcp::flags::ACK == 0);
-            if syn && (self.looking.contains(&k) || self.planning.contains_key(&k)) {
-                // The client opens a new connection on the address pair: the one being looked
-                // up (perhaps by a forged packet) is gone. Its waiting packets are dropped; the
-                // SYN goes to the engine (held back, it would leave the new connection
-                // unprotected).
-                if self.looking.remove(&k) {
-                    self.admission.done();
-                }
-                self.planning.remove(&k);
-                for w in self.recovering.remove(&k).unwrap_or_default() {
-                    self.out.push_back(Out::Drop { id: w.id });
-                }
+            let syn = is_syn(&p.data);
+            if syn && !p.csum_not_ready && !tcp_checksum_ok(&p.data) {
+                // Proves nothing (the kernel drops it too): it neither cancels nor joins a
+                // failover, nor is it filed as a handshake (issue 9, object review item 1).
+                self.counters.triggers_rejected += 1;
+                self.out.push_back(Out::Drop { id: p.id });
+                return;
             }
+            // A SYN on the address pair of a connection being looked up or planned (issue 9,
+            // object review item 1) cancels nothing: anyone can send one with a right
+            // checksum. It waits with the connection's packets; it never plans, and once the
+            // record is found it draws a challenge (a probe from the record, RFC 5961 section
+            // 4): a client that still has the connection answers with an ACK that plans, one
+            // that opened a new connection on the pair answers with a RST at the probe's
+            // acknowledgement number, which only it can know (see `try_plan`).
             if let Some(r) = self.recovering.get_mut(&k) {
                 if r.len() < RECOVERING_MAX_PACKETS {
                     r.push(p);
@@ -640,6 +726,22 @@ impl Core {
                 if self.planning.contains_key(&k) {
                     self.try_plan(k);
                 }
+                return;
+            }
+            if syn && !self.engine.knows(&k) && !self.refused.contains_key(&k) && self.failover_bucket(now, lb, &k, p.bucket) {
+                // A SYN in a bucket that just moved here, for a connection this server does
+                // not speak for: it may be a blind one on the address pair of a connection
+                // failing over here. Filed as a handshake and passed to the kernel, it would
+                // have the kernel reset that connection at its client's next ACK. It is a
+                // failover candidate instead: no record (or a tombstone), and it is a new
+                // connection (`refused` passes it to the engine); a live record, and it waits
+                // for a packet that plans, or the client's RST that clears it.
+                if self.gate_wait.len() >= GATE_MAX_PACKETS {
+                    self.out.push_back(Out::Drop { id: p.id });
+                    self.counters.gate_full += 1;
+                    return;
+                }
+                self.gate_wait.push(GateWait { key: k, since: now, p, local: None, limited: None });
                 return;
             }
             if syn {
@@ -679,6 +781,12 @@ impl Core {
                     self.accept(p.id, p.data, false, p.csum_not_ready);
                     return;
                 };
+                if p.dir == Dir::FromClient && self.engine.handshake_pending(&k) && !self.failover_bucket(now, lb, &k, p.bucket) {
+                    // A packet after a SYN whose SYN-ACK the engine did not see, in a bucket
+                    // that did not move here: no failover to protect; the kernel answers it.
+                    self.accept(p.id, p.data, false, p.csum_not_ready);
+                    return;
+                }
                 self.out.push_back(Out::Supersede { key: k });
                 if self.gate_wait.len() >= GATE_MAX_PACKETS {
                     self.out.push_back(Out::Drop { id: p.id });
@@ -693,12 +801,29 @@ impl Core {
     /// Step 2: the failover gate. `local_socket(key)` says whether a socket of the local server
     /// owns the connection's address pair (`Err`: the lookup failed).
     pub fn gate(&mut self, now: u64, lb: LbView<'_>, mut local_socket: impl FnMut(&Key) -> Result<bool, String>) {
+        self.clock = self.clock.max(now);
         if !self.planning.is_empty() {
-            let late: Vec<Key> = self.planning.iter().filter(|(_, p)| now.saturating_sub(p.since) >= PLAN_WAIT_MS).map(|(k, _)| *k).collect();
+            let late: Vec<Key> = self.planning.iter().filter(|(_, p)| !p.asked && now.saturating_sub(p.since) >= PLAN_WAIT_MS).map(|(k, _)| *k).collect();
             for k in late {
+                // The record exists: the connection keeps waiting for a packet that plans
+                // (never the negative cache, which would hand the client's real
+                // retransmission to the kernel: a RST). Ask the client for one.
                 self.counters.plan_timeouts += 1;
-                self.out.push_back(Out::Log(format!("agent: refused {} -> {}: no client packet planned against its record within {PLAN_WAIT_MS} ms", k.client, k.service)));
+                let probe = self.planning.get_mut(&k).map(|p| {
+                    p.asked = true;
+                    probe_packet(&k, &p.rec)
+                });
+                if let Some(e) = probe.flatten() {
+                    self.elicited.insert(k, now);
+                    self.out.push_back(Out::Elicit(e));
+                }
+                self.say("plan timeout", now, || format!("agent: {} -> {}: no client packet planned against its record within {PLAN_WAIT_MS} ms: probed, still waiting", k.client, k.service));
                 self.out.push_back(Out::Destroy { key: k });
+            }
+            let gone: Vec<Key> = self.planning.iter().filter(|(_, p)| now.saturating_sub(p.since) >= PLAN_KEEP_MS).map(|(k, _)| *k).collect();
+            for k in gone {
+                self.counters.plan_refused += 1;
+                self.say("plan refused", now, || format!("agent: refused {} -> {}: no client packet planned against its record within {PLAN_KEEP_MS} ms", k.client, k.service));
                 self.refused(now, k);
             }
         }
@@ -750,6 +875,12 @@ impl Core {
             // it), in a bucket this server owns.
             let inherited = !local && self.in_grace(now) && self.inherited.contains_key(&g.key) && matches!((g.p.bucket, view), (Some(b), Some(v)) if v.owns(b));
             let allowed = moved || inherited;
+            if !allowed && is_syn(&g.p.data) {
+                // A SYN that waited as a failover candidate, its bucket's failover window
+                // over: a new connection.
+                self.pass_syn(now, g.p);
+                continue;
+            }
             if (local || allowed) && !g.p.csum_not_ready && !tcp_checksum_ok(&g.p.data) {
                 // Proves nothing and the kernel drops it too: no relearn, no lookup.
                 self.counters.triggers_rejected += 1;
@@ -761,7 +892,12 @@ impl Core {
                 self.recovering.insert(g.key, vec![g.p]);
                 self.out.push_back(Out::Relearn { key: g.key, bucket, trigger });
             } else if allowed {
-                match self.admission.check(now, g.key.client.ip(), g.p.bucket) {
+                let listed = g.p.bucket.is_some_and(|b| self.listed.get(&g.key) == Some(&b));
+                let admit = if listed { self.admission.check_listed() } else { self.admission.check(now, g.key.client.ip(), g.p.bucket) };
+                if listed && admit == Admit::Go {
+                    self.counters.admit_listed += 1;
+                }
+                match admit {
                     Admit::Go => {
                         self.counters.failovers_started += 1;
                         let trigger = g.p.data.clone();
@@ -906,16 +1042,25 @@ impl Core {
     /// genuine packet that comes later still plans, until [`PLAN_WAIT_MS`]. Returns why the
     /// failover was refused, if it was (its waiting packets then went to the kernel).
     pub fn record(&mut self, now: u64, key: Key, bucket: Option<u16>, found: Result<Option<Record>, String>) -> Result<(), String> {
+        self.clock = self.clock.max(now);
         if self.looking.remove(&key) {
             self.admission.done();
         }
         if !self.recovering.contains_key(&key) {
             return Ok(());
         }
+        // Only SYNs waited (a SYN in a moved bucket): without a live record they are a new
+        // connection, not a refused failover.
+        let only_syns = self.recovering.get(&key).is_some_and(|w| !w.is_empty() && w.iter().all(|p| is_syn(&p.data)));
         let rec = match found {
             Err(e) => {
                 self.refused(now, key);
                 return Err(format!("store: {e}"));
+            }
+            Ok(None) if only_syns => {
+                self.counters.syn_new_connections += 1;
+                self.refused(now, key);
+                return Ok(());
             }
             Ok(None) => {
                 self.refused(now, key);
@@ -923,12 +1068,21 @@ impl Core {
             }
             Ok(Some(r)) => r,
         };
+        if rec.unprotected && only_syns {
+            self.counters.syn_new_connections += 1;
+            self.refused(now, key);
+            return Ok(());
+        }
         if rec.unprotected {
             self.out.push_back(Out::Destroy { key });
             self.refused(now, key);
             return Err("plan: the connection had stopped being protected".into());
         }
-        self.planning.insert(key, Planning { rec: Box::new(rec), bucket, since: now });
+        if self.planning.len() >= MAX_REMEMBERED {
+            self.refused(now, key);
+            return Err("plan: too many records waiting for a client packet".into());
+        }
+        self.planning.insert(key, Planning { rec: Box::new(rec), bucket, since: now, asked: false });
         self.try_plan(key);
         Ok(())
     }
@@ -939,12 +1093,25 @@ impl Core {
         let Some(pl) = self.planning.get(&key) else { return };
         let mut chosen = None;
         let mut keep = Vec::new();
+        let (mut syn, mut cleared) = (false, false);
+        // The acknowledgement number of the record's probe: a client with no such connection
+        // (it opened a new one on the pair, or closed it) answers the probe with a RST at
+        // exactly this sequence number (RFC 9293 section 3.10.7.3 and .1).
+        let probe_ack = pl.rec.hs.irs.wrapping_add(1).wrapping_add(pl.rec.hold_off as u32);
         for p in self.recovering.remove(&key).unwrap_or_default() {
             if chosen.is_some() {
                 keep.push(p);
                 continue;
             }
-            let plan = if p.csum_not_ready || tcp_checksum_ok(&p.data) { Trigger::parse(&p.data).and_then(|(_, t)| plan_recovery(&pl.rec, &t).ok()) } else { None };
+            let csum = p.csum_not_ready || tcp_checksum_ok(&p.data);
+            let t = if csum { Trigger::parse(&p.data).map(|(_, t)| t) } else { None };
+            syn |= t.is_some_and(|t| t.flags & unbroken_wire::tcp::flags::SYN != 0);
+            if t.is_some_and(|t| t.flags & unbroken_wire::tcp::flags::RST != 0 && t.seq == probe_ack) {
+                cleared = true;
+                self.out.push_back(Out::Drop { id: p.id });
+                continue;
+            }
+            let plan = t.and_then(|t| plan_recovery(&pl.rec, &t).ok());
             match plan {
                 Some(plan) => {
                     chosen = Some((plan, p.data.clone()));
@@ -956,7 +1123,31 @@ impl Core {
                 }
             }
         }
+        if cleared && chosen.is_none() {
+            // The client has no such connection: the record is stale. Its packets were
+            // dropped (its next SYN opens a new connection; a stale local socket is
+            // destroyed first).
+            self.planning.remove(&key);
+            self.counters.records_cleared += 1;
+            self.out.push_back(Out::Destroy { key });
+            if self.refused.len() < MAX_REMEMBERED || self.refused.contains_key(&key) {
+                self.refused.insert(key, self.clock);
+            }
+            for p in keep {
+                self.out.push_back(Out::Drop { id: p.id });
+            }
+            return;
+        }
         self.recovering.insert(key, keep);
+        if syn && chosen.is_none() {
+            let now = self.clock;
+            let due = self.elicited.get(&key).is_none_or(|t| now.saturating_sub(*t) >= ELICIT_EVERY_MS);
+            if let Some(e) = due.then(|| probe_packet(&key, &self.planning[&key].rec)).flatten() {
+                self.elicited.insert(key, now);
+                self.counters.syn_challenged += 1;
+                self.out.push_back(Out::Elicit(e));
+            }
+        }
         if let Some((plan, trigger)) = chosen {
             let pl = self.planning.remove(&key).unwrap();
             self.out.push_back(Out::Rebuild { key, bucket: pl.bucket, rec: pl.rec, plan: Box::new(plan), trigger });
@@ -980,11 +1171,21 @@ impl Core {
                 self.handed.insert(key, (now, Some(b)));
             }
         }
+        let mut syns = Vec::new();
         for p in waiting {
-            self.accept(p.id, p.data, false, p.csum_not_ready);
+            if is_syn(&p.data) {
+                syns.push(p);
+            } else {
+                self.accept(p.id, p.data, false, p.csum_not_ready);
+            }
         }
         if self.refused.len() < MAX_REMEMBERED || self.refused.contains_key(&key) {
             self.refused.insert(key, now);
+        }
+        // No live record: a SYN that waited opens a new connection (protected, through the
+        // engine).
+        for p in syns {
+            self.pass_syn(now, p);
         }
     }
 
@@ -1034,6 +1235,11 @@ impl Core {
                 self.inherited.clear();
             }
             self.elicited.retain(|_, t| now.saturating_sub(*t) < FENCE_MAX_MS);
+            if let Some(v) = lb.view() {
+                let grace = self.in_grace(now);
+                let inherited = &self.inherited;
+                self.listed.retain(|k, b| v.allowed(*b) || (grace && inherited.contains_key(k) && v.owns(*b)));
+            }
             self.last_expire = now;
         }
         // Connections whose bucket the LB gave to another server while this one lives (it
@@ -1119,6 +1325,11 @@ impl Core {
             self.out.push_back(Out::Inject(pkt));
         }
     }
+}
+
+fn is_syn(pkt: &[u8]) -> bool {
+    use unbroken_wire::tcp::flags;
+    Trigger::parse(pkt).is_some_and(|(_, t)| t.flags & flags::SYN != 0 && t.flags & flags::ACK == 0)
 }
 
 /// A probe of a connection from its record: a segment the client answers with an ACK (which

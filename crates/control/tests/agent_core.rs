@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
-use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
+use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
 use unbroken_control::lb::BucketView;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
@@ -774,8 +774,9 @@ fn hostile_forged_trigger_first_then_genuine_packet_resumes_from_the_right_offse
 }
 
 /// Only forged packets wait for a found record: nothing plans, the genuine client never
-/// speaks: after PLAN_WAIT_MS the failover is refused (a stale local socket destroyed first),
-/// and nothing forged reached the kernel.
+/// speaks: after PLAN_WAIT_MS the client is probed and a stale local socket destroyed, the
+/// connection keeps waiting; after PLAN_KEEP_MS the failover is refused; nothing forged
+/// reached the kernel.
 #[test]
 fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
     let mut t = T::new();
@@ -792,7 +793,13 @@ fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
     t.tick(false);
     assert!(t.outs.iter().any(|o| matches!(o, Out::Destroy { key } if *key == k)));
     assert_eq!(t.core.counters.plan_timeouts, 1);
+    assert_eq!(elicits(&t), 1, "the client is asked for a packet that plans");
+    assert!(t.core.recovering(&k), "the record exists: still waiting");
+    t.now += PLAN_KEEP_MS - PLAN_WAIT_MS;
+    t.tick(false);
+    assert_eq!(t.core.counters.plan_refused, 1);
     assert!(!t.core.recovering(&k));
+    assert!(!t.accepted(forged));
 }
 
 /// Issue 9 item 3: a flood of bogus ACKs from 20,000 spoofed sources in a bucket that just
@@ -924,4 +931,257 @@ fn hostile_bad_checksum_packet_never_relearns_a_local_connection() {
     t.tick(true);
     assert!(!t.dropped(good));
     assert_eq!(t.relearns().len(), 1);
+}
+
+fn rebuilds(t: &T) -> Vec<(Key, Vec<u8>)> {
+    t.outs.iter().filter_map(|o| if let Out::Rebuild { key, trigger, .. } = o { Some((*key, trigger.clone())) } else { None }).collect()
+}
+
+fn elicits(t: &T) -> usize {
+    t.outs.iter().filter(|o| matches!(o, Out::Elicit(_))).count()
+}
+
+/// Issue 9, object review item 1: during a failover a blind attacker sends one SYN (right
+/// checksum, any sequence number) on the address pair of a protected download whose bucket
+/// just moved here. It is not filed as a handshake nor passed to the kernel (which would
+/// answer the client's next ACK with a RST): it is a failover candidate; the record is found,
+/// the SYN never plans and draws a challenge (a probe from the record); the client's genuine
+/// ACK plans the rebuild, and nothing of the connection reaches the kernel. A SYN with a wrong
+/// checksum is dropped before anything.
+#[test]
+fn hostile_blind_syn_before_the_failover_never_resets_the_download() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40040);
+    t.id += 1;
+    let mut bad = build(c_ip(), s_ip(), Repr { src_port: 40040, dst_port: 80, seq: Seq(0x0bad_5eed), flags: F::SYN, window: 500, ..Default::default() }, b"");
+    bad[20 + 16] ^= 0x5a;
+    let bad_id = t.id;
+    {
+        let v = t.view.take().unwrap();
+        t.core.packets(t.now, LbView::View { v: &v, lease_ok: true, fresh: true }, [Pkt { id: bad_id, data: bad, dir: Dir::FromClient, bucket: Some(B), csum_not_ready: false }]);
+        t.view = Some(v);
+    }
+    t.collect();
+    assert!(t.dropped(bad_id), "a SYN with a wrong checksum proves nothing");
+    let syn = t.pkt(Dir::FromClient, 40040, 0x0bad_5eed, 0, F::SYN, b"");
+    assert!(!t.accepted(syn), "a SYN in a moved bucket for an unknown connection never goes straight to the kernel");
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k], "it is a failover candidate");
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec.clone()))), Ok(()));
+    t.collect();
+    assert!(t.dropped(syn), "the SYN never plans");
+    assert_eq!(elicits(&t), 1, "a challenge: the record's probe");
+    assert!(rebuilds(&t).is_empty());
+    t.take();
+    t.now += 10;
+    // The client's genuine ACK (answering the probe, or its own retransmission).
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let g = pkt_from(&mut t, c_ip(), 40040, C_ISN + 51, genuine_ack, false);
+    let rb = rebuilds(&t);
+    assert_eq!(rb.len(), 1, "{:?}", t.core.counters);
+    assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
+    assert!(!t.accepted(g), "the genuine ACK waits for the rebuild, never the kernel");
+    assert_eq!(t.core.counters.syn_challenged, 1);
+}
+
+/// Issue 9, object review item 1: a blind SYN while the record is being looked up (a genuine
+/// ACK started it) cancels nothing: the genuine packet still plans the rebuild.
+#[test]
+fn hostile_blind_syn_during_the_lookup_cancels_nothing() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40041);
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let g = pkt_from(&mut t, c_ip(), 40041, C_ISN + 51, genuine_ack, false);
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    let syn = t.pkt(Dir::FromClient, 40041, 0x0bad_5eed, 0, F::SYN, b"");
+    t.tick(false);
+    assert!(!t.accepted(syn) && !t.dropped(g));
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    let rb = rebuilds(&t);
+    assert_eq!(rb.len(), 1, "the lookup went on: {:?}", t.core.counters);
+    assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
+    assert!(!t.dropped(g) && !t.accepted(g));
+}
+
+/// The other side of item 1: a client that really opens a new connection on an address pair
+/// whose stale record is still in the store (in a bucket that just moved here). Its SYN draws
+/// the record's probe; the client (in SYN-SENT) answers with a RST at the probe's exact
+/// acknowledgement number, which clears the record's claim; its retransmitted SYN is then a
+/// new connection, protected. A blind RST at another number clears nothing.
+#[test]
+fn a_new_connection_on_a_pair_with_a_stale_record_is_cleared_by_the_clients_rst() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40042);
+    let syn = t.pkt(Dir::FromClient, 40042, 0x5000, 0, F::SYN, b"");
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec.clone()))), Ok(()));
+    t.collect();
+    assert!(t.dropped(syn));
+    assert_eq!(elicits(&t), 1);
+    t.take();
+    let blind = t.pkt(Dir::FromClient, 40042, 0x1234, 0, F::RST, b"");
+    assert!(t.dropped(blind));
+    assert!(t.core.recovering(&k), "a blind RST clears nothing");
+    let exact = t.pkt(Dir::FromClient, 40042, rec.hs.irs.wrapping_add(1).wrapping_add(rec.hold_off as u32), 0, F::RST, b"");
+    assert!(t.dropped(exact));
+    assert!(!t.core.recovering(&k));
+    assert_eq!(t.core.counters.records_cleared, 1);
+    t.take();
+    t.now += 1000;
+    let syn2 = t.pkt(Dir::FromClient, 40042, 0x5000, 0, F::SYN, b"");
+    assert!(t.accepted(syn2), "the retransmitted SYN is a new connection");
+    let sa = t.pkt(Dir::ToClient, 40042, 0x9000, 0x5001, F::SYN | F::ACK, b"");
+    assert!(t.accepted(sa));
+    assert_eq!(t.core.engine.is_protected(&k), Some(true));
+}
+
+/// A new connection in a bucket that just moved here, its pair without a record: its SYN
+/// costs one lookup, then passes through the engine (protected).
+#[test]
+fn a_syn_in_a_moved_bucket_without_a_record_is_a_new_protected_connection() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let k = key(40043);
+    let syn = t.pkt(Dir::FromClient, 40043, 0x5000, 0, F::SYN, b"");
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(None)), Ok(()), "a new connection, not a refused failover");
+    t.collect();
+    assert!(t.accepted(syn));
+    assert_eq!(t.core.counters.syn_new_connections, 1);
+    let sa = t.pkt(Dir::ToClient, 40043, 0x9000, 0x5001, F::SYN | F::ACK, b"");
+    assert!(t.accepted(sa));
+    assert_eq!(t.core.engine.is_protected(&k), Some(true));
+}
+
+/// Issue 9, object review item 2: a flood of ACKs spoofed from the victim client's own
+/// address (random ports, no records) spends that address's admission budget. The victim's
+/// connection has a record in the moved bucket (the agent listed it to probe it): its
+/// failover is admitted outside the budgets, at once, while the flood goes on; the flood's
+/// lookups stay within the source's budget.
+#[test]
+fn hostile_flood_spoofed_from_the_victims_address_never_blocks_its_failover() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    let victim = key(40050);
+    t.core.records_listed([(victim, B), (key(40051), B + 1)]);
+    let (rec, _) = download_record();
+    let mut lookups = 0u64;
+    for round in 0..10u32 {
+        for i in 0..200u32 {
+            pkt_from(&mut t, c_ip(), 20000 + ((round * 200 + i) % 10000) as u16, i, i, false);
+        }
+        t.tick(false);
+        let keys = failovers(&t);
+        lookups += keys.len() as u64;
+        t.take();
+        for k in keys {
+            let _ = t.core.record(t.now, k, Some(B), Ok(None));
+        }
+        t.collect();
+        t.take();
+        t.now += 5;
+    }
+    assert!(t.core.counters.admit_source_limited > 0, "the flood is over the source's budget: {:?}", t.core.counters);
+    assert!(lookups <= cfg.per_source_burst + cfg.per_source_rate, "{lookups} lookups");
+    // The victim's genuine packet, in the middle of the flood.
+    for i in 0..50u32 {
+        pkt_from(&mut t, c_ip(), 30000 + i as u16, i, i, false);
+    }
+    let g = pkt_from(&mut t, c_ip(), 40050, C_ISN + 51, S_ISN + 1 + 30_000, false);
+    t.tick(false);
+    assert!(failovers(&t).contains(&victim), "the victim's failover starts at once: {:?}", t.core.counters);
+    assert_eq!(t.core.counters.admit_listed, 1);
+    t.take();
+    assert_eq!(t.core.record(t.now, victim, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    assert_eq!(rebuilds(&t).len(), 1);
+    assert!(!t.dropped(g) && !t.accepted(g));
+}
+
+/// Issue 9, object review item 3: a forged trigger starts the lookup, the record is found, the
+/// forged packet does not plan, and the genuine client's retransmission comes only after
+/// PLAN_WAIT_MS (its RTO backed off). It still plans the rebuild: the connection stayed
+/// waiting against its record, never in the negative cache that handed the retransmission to
+/// the kernel (RST).
+#[test]
+fn hostile_forged_trigger_then_a_late_genuine_retransmission_still_fails_over() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    let k = key(40060);
+    let forged = pkt_from(&mut t, c_ip(), 40060, C_ISN + 51, S_ISN.wrapping_add(1 << 31), false);
+    t.tick(false);
+    assert_eq!(failovers(&t), vec![k]);
+    t.take();
+    assert_eq!(t.core.record(t.now, k, Some(B), Ok(Some(rec))), Ok(()));
+    t.collect();
+    assert!(t.dropped(forged));
+    t.take();
+    t.now += PLAN_WAIT_MS;
+    t.tick(false);
+    t.take();
+    t.now += 2000;
+    t.tick(false);
+    let genuine_ack = S_ISN + 1 + 30_000;
+    let g = pkt_from(&mut t, c_ip(), 40060, C_ISN + 51, genuine_ack, false);
+    t.tick(false);
+    assert!(!t.accepted(g), "never to the kernel: {:?}", t.core.counters);
+    let rb = rebuilds(&t);
+    assert_eq!(rb.len(), 1, "{:?}", t.core.counters);
+    assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
+}
+
+/// Issue 9, object review item 5 (the plan-timeout line): forged triggers for 200 connections
+/// whose records exist, none planning. The plan-timeout lines go through the core's rate
+/// limiter: a bounded number is written, the rest counted.
+#[test]
+fn hostile_many_plan_timeouts_log_a_bounded_number_of_lines() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let (rec, _) = download_record();
+    t.core.records_listed((0..200u16).map(|i| (key(41000 + i), B)));
+    for i in 0..200u16 {
+        pkt_from(&mut t, c_ip(), 41000 + i, C_ISN + 51, S_ISN.wrapping_add(1 << 31), false);
+        t.tick(false);
+        for k in failovers(&t) {
+            let _ = t.core.record(t.now, k, Some(B), Ok(Some(rec.clone())));
+        }
+        t.take();
+    }
+    t.now += PLAN_WAIT_MS;
+    t.tick(false);
+    assert_eq!(t.core.counters.plan_timeouts, 200);
+    let lines = t.outs.iter().filter(|o| matches!(o, Out::Log(l) if l.contains("planned against its record"))).count();
+    assert!(lines <= 20, "{lines} lines");
+    assert!(t.core.counters.log_suppressed >= 180, "{:?}", t.core.counters);
+}
+
+/// A SYN flood on random ports in a bucket that just moved here (each SYN a failover
+/// candidate): the gate holds at most GATE_MAX_PACKETS of them, the rest are dropped and
+/// counted; lookups stay within the bucket's budget.
+#[test]
+fn hostile_syn_flood_in_a_moved_bucket_stays_bounded() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    for i in 0..(GATE_MAX_PACKETS as u32 + 2000) {
+        t.pkt(Dir::FromClient, 1000 + (i % 60000) as u16, i.wrapping_mul(7919), 0, F::SYN, b"");
+    }
+    assert!(t.core.counters.gate_full >= 2000, "{:?}", t.core.counters);
+    t.tick(false);
+    assert!(failovers(&t).len() as u64 <= cfg.per_bucket_burst);
 }

@@ -613,6 +613,9 @@ pub struct Counters {
     pub idle_evicted: u64,
     /// New connections not tracked because the table was full of protected ones.
     pub conns_refused: u64,
+    /// Client segments of a guarded connection acknowledging bytes the server never sent
+    /// (RFC 5961 section 5.2): passed to the kernel (which drops them), nothing learned.
+    pub ack_unsent_dropped: u64,
     /// Client SYNs evicted from a full table (`max_syns`).
     pub syns_evicted: u64,
 }
@@ -985,6 +988,12 @@ impl Engine {
                     return Verdict::Drop;
                 }
                 if fl & flags::SYN != 0 && fl & flags::ACK == 0 {
+                    if !known && !csum_ok() {
+                        // Proves nothing (the kernel drops it too): never filed, never the
+                        // handshake a later ACK is taken against.
+                        self.counters.bad_checksum += 1;
+                        return Verdict::Drop;
+                    }
                     let (mss, ws, sack, ts) = syn_options(pkt);
                     self.counters.syns += 1;
                     if let Some(c) = self.conns.get(&key) {
@@ -1030,7 +1039,12 @@ impl Engine {
                     return Verdict::Unknown;
                 }
                 if !self.conns.contains_key(&key) {
-                    if fl & flags::RST != 0 || self.syns.contains_key(&key) {
+                    // A client SYN seen without its SYN-ACK says nothing of this packet: the
+                    // SYN may have been a blind one on the address pair of a connection that
+                    // is failing over here (issue 9), whose client's ACKs must reach the
+                    // failover, never the kernel (which would reset the connection). The
+                    // driver decides ([`Engine::handshake_pending`]).
+                    if fl & flags::RST != 0 {
                         return Verdict::Accept { modified: false };
                     }
                     self.counters.unknown_from_client += 1;
@@ -1168,6 +1182,12 @@ impl Engine {
                 self.counters.out_of_window += 1;
                 return PASS;
             }
+            // RFC 5961 section 5.2: an acknowledgement of bytes the server never sent (one
+            // more: its FIN) makes the kernel drop the segment; nothing is learned from it.
+            if fl & flags::ACK != 0 && unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next) > c.sent_next + 1 {
+                self.counters.ack_unsent_dropped += 1;
+                return PASS;
+            }
         } else if fl & flags::RST != 0 {
             // Closed, or unprotected: no record to keep.
             self.forget(key, true);
@@ -1191,8 +1211,11 @@ impl Engine {
         // proven, as a SYN cookie does. Nothing waited for that record before: the server's
         // ACKs stay lowered to the hold, and the first response waits for the record that
         // names it.
-        let acks_synack = fl & flags::ACK != 0 && (ack.wrapping_sub(c.hs.iss.wrapping_add(1)) as i32) >= 0;
-        if c.gen == 0 && c.stored_gen == 0 && !c.adopted && (acks_synack || !payload.is_empty()) {
+        // Exactly: the SYN-ACK's sequence number plus one (a blind guess passes one time in
+        // 2^32; "at or after it" passed half of random values), and request bytes count only
+        // with that acknowledgement.
+        let acks_synack = fl & flags::ACK != 0 && ack == c.hs.iss.wrapping_add(1);
+        if c.gen == 0 && c.stored_gen == 0 && !c.adopted && acks_synack {
             c.gen += 1;
         }
         // Requests, in byte order.
@@ -2006,15 +2029,18 @@ impl Conn {
         (self.protected || self.degraded) && !self.muted && self.closed_at.is_none()
     }
 
-    /// Whether a client segment at `seq` carrying `len` sequence numbers lies within the
-    /// receive window around the client's stream position (RFC 9293 section 3.10.7.4, with
-    /// the window on both sides: a retransmission of old bytes is genuine too).
+    /// Whether a client segment at `seq` carrying `len` sequence numbers is acceptable (RFC
+    /// 9293 section 3.10.7.4, one-sided as Linux's `tcp_sequence`): it starts before the end
+    /// of the receive window (`cli_next` plus the window) and does not end before the
+    /// client's stream position (a segment reaching the position exactly, such as a pure ACK
+    /// there or a retransmission ending there, is acceptable). An older one (a keepalive, a
+    /// retransmission of old bytes) is answered by the kernel and teaches nothing here.
     fn in_window(&self, seq: u32, len: u64) -> bool {
         // In 32-bit sequence space (an offset unwrapped below the stream's start would be
         // clamped to 0, which is within the window of every young connection).
         let d = self.client_delta(seq);
         let w = self.window() as i64;
-        d <= w && d + len as i64 + w >= 0
+        d < w && d + len as i64 >= 0
     }
 
     /// How far `seq` is from the client stream's position (`cli_next`), signed, in 32-bit

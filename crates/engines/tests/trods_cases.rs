@@ -1196,10 +1196,11 @@ fn records_carry_the_clients_acknowledgement_and_old_records_decode() {
     let _ = first_exchange(&mut t);
     // The client acknowledges 1234 bytes, then the whole response; each change of the
     // response list is stored with the acknowledgement it came with.
-    assert_eq!(t.c(cs(0), ss(1234), F::ACK, b""), Verdict::Accept { modified: false });
+    let l1 = REQ.len() as u32;
+    assert_eq!(t.c(cs(l1), ss(1234), F::ACK, b""), Verdict::Accept { modified: false });
     let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
     let hl = HDR.len() as u32;
-    assert_eq!(t.c(cs(0), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
     let stored2: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
     assert_eq!(stored2.last().map(|r| (r.acked_off, r.entries.len())), Some(((hl + 3000) as u64, 0)), "{stored:?} {stored2:?}");
     let rec = Record { acked_off: 1234, sent_off: 5000, hold_off: 3, ..record_with_download() };
@@ -1537,4 +1538,67 @@ fn hostile_full_table_never_evicts_a_protected_download() {
     assert_eq!(t.e.connections(), 1);
     assert_eq!(t.e.counters.conns_refused, 1);
     assert_eq!(t.e.is_protected(&key()), Some(true));
+}
+
+/// Issue 9 (object review item 4): the handshake record is stored only at the client's exact
+/// acknowledgement of the SYN-ACK. A blind packet of a spoofed SYN's connection guesses the
+/// server's ISN: "at or after ISN + 1" let half of random acknowledgements through, and any
+/// request bytes counted; now a guess passes one time in 2^32.
+#[test]
+fn hostile_blind_ack_or_data_beyond_the_syn_ack_stores_nothing() {
+    let mut t = T::new();
+    let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN), flags: F::SYN, window: 64240, ..Default::default() };
+    t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b""));
+    let sa = Repr { src_port: 80, dst_port: 40000, seq: Seq(S_ISN), ack: Seq(cs(0)), flags: F::SYN | F::ACK, window: 65160, ..Default::default() };
+    t.send(Dir::ToClient, build(s_ip(), c_ip(), sa, b""));
+    t.c(cs(0), ss(0).wrapping_add(0x1234_5678), F::ACK, b"");
+    assert!(t.store_all().is_empty(), "an acknowledgement past the SYN-ACK proves nothing");
+    t.c(cs(0), ss(0).wrapping_add(77), F::ACK | F::PSH, REQ);
+    assert!(t.store_all().is_empty(), "request bytes with a guessed acknowledgement prove nothing");
+    t.c(cs(0), ss(0), F::ACK, b"");
+    assert_eq!(t.store_all().len(), 1, "the client's exact ACK stores the handshake");
+}
+
+/// Issue 9 (object review item 1), in the engine: a SYN with a wrong checksum is dropped,
+/// never filed; and a SYN filed without its SYN-ACK (perhaps a blind one on the address pair
+/// of a connection failing over here) never passes the client's later packets to the kernel
+/// (whose RST would end that connection): they are unknown to the engine, the driver's gate
+/// decides.
+#[test]
+fn hostile_blind_syn_never_lets_the_clients_acks_reach_the_kernel() {
+    let mut t = T::new();
+    let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(0x0bad_5eed), flags: F::SYN, window: 64240, ..Default::default() };
+    let (v, _) = t.send(Dir::FromClient, bad_csum(build(c_ip(), s_ip(), syn, b"")));
+    assert_eq!(v, Verdict::Drop, "a SYN with a wrong checksum");
+    assert!(!t.e.tracks(&key()));
+    let (v, _) = t.send(Dir::FromClient, build(c_ip(), s_ip(), syn, b""));
+    assert_eq!(v, Verdict::Accept { modified: false });
+    assert!(t.e.handshake_pending(&key()));
+    // The genuine client's ACK of its live connection (no SYN-ACK was seen for that SYN).
+    assert_eq!(t.c(cs(5000), ss(90_000), F::ACK, b""), Verdict::Unknown);
+    assert_eq!(t.c(cs(5000), ss(90_000), F::ACK | F::PSH, b"x"), Verdict::Unknown);
+}
+
+/// Issue 9 (object review item 6): the receive window is one-sided (RFC 9293 section
+/// 3.10.7.4): a blind ACK with a sequence number behind the client's stream position teaches
+/// nothing (it would have told the record that the client holds the whole response, and a
+/// failover would have resumed past bytes the client never got); and (RFC 5961 section 5.2)
+/// a segment acknowledging bytes the server never sent teaches nothing either (here a FIN at
+/// the stream's end, which would have ended protection and deleted the record). The genuine
+/// packets still do.
+#[test]
+fn hostile_blind_segments_behind_the_window_or_acking_unsent_bytes_teach_nothing() {
+    let mut t = T::new();
+    let _ = first_exchange(&mut t);
+    let (l1, hl) = (REQ.len() as u32, HDR.len() as u32);
+    assert_eq!(t.c(cs(l1).wrapping_sub(20_000), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    assert!(t.store_all().is_empty(), "an ACK behind the window changes no record");
+    assert_eq!(t.c(cs(l1), ss(hl + 3000 + 70_000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0), "a FIN acknowledging unsent bytes deletes nothing");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
+    let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
+    assert_eq!(stored.last().map(|r| r.acked_off), Some((hl + 3000) as u64), "the genuine ACK is learned");
+    assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t).1, 1, "the genuine FIN deletes the record");
 }

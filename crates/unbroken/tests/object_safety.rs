@@ -983,6 +983,71 @@ fn hostile_bogus_ack_flood_in_the_failover_window_keeps_a_download_exact() {
     eprintln!("{name}: ok in {} ms", t.elapsed().as_millis());
 }
 
+/// Issue 9, object review item 1, against real kernels: right after the download's server
+/// dies, a blind attacker sends SYNs (right checksums, random ISNs) on the download's own
+/// address pair, every 5 ms for 600 ms, covering the moment its bucket moves to a survivor.
+/// Before the fix, a SYN that reached the new server before the client's first ACK was filed
+/// as a handshake and passed to its kernel, and the client's ACKs then went to that kernel
+/// (RST); one arriving during the lookup cancelled it. The download must finish byte-exact,
+/// with no RST reaching the client.
+#[test]
+fn hostile_blind_syns_on_the_downloads_pair_during_failover_keep_it_exact() {
+    let name = "hostile_blind_syns";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let t = Instant::now();
+    let mut env = start(name, opts());
+    let size = 64u64 << 20;
+    let want = object(&env, "big.bin", size, 12);
+    let port = 41010;
+    count_port_rsts(&env, port);
+    let mut dl = curl(&env, "/big.bin", port, RATE, want.clone());
+    assert!(dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)), "{name}: download did not reach 30 %");
+    let srv = dl.server(&env);
+    env.crash(srv).expect("crash");
+    lab::in_ns(env.lab.client(), || -> io::Result<()> {
+        let raw = unbroken_drivers::rawsend::RawSender::new(0)?;
+        for i in 0..120u32 {
+            let mut syn = bogus_ack(port, i.wrapping_mul(0x9e37_79b9) ^ 0x5eed, 0);
+            // SYN instead of ACK, same length: the checksum changes by the flags' difference.
+            let tcp = (syn[0] & 0x0f) as usize * 4;
+            syn[tcp + 13] = 0x02;
+            syn[tcp + 16] = 0;
+            syn[tcp + 17] = 0;
+            let sum = {
+                let (src, dst) = (IpAddr::V4(addr::CLIENT_V4), IpAddr::V4(addr::VIP_V4));
+                let tl = syn.len() - tcp;
+                let mut b = syn[tcp..].to_vec();
+                unbroken_wire::tcp::Packet::new_checked(&mut b[..]).unwrap().fill_checksum(unbroken_wire::ip::pseudo_sum(src, dst, unbroken_wire::ip::PROTO_TCP, tl));
+                [b[16], b[17]]
+            };
+            syn[tcp + 16] = sum[0];
+            syn[tcp + 17] = sum[1];
+            raw.send(&syn)?;
+            std::thread::sleep(Duration::from_millis(5)); // the attacker's pacing, not a synchronisation
+        }
+        Ok(())
+    })
+    .expect("client namespace")
+    .expect("raw send");
+    let d = dl.finish(Duration::from_secs(60));
+    show(name, &d);
+    let core = |k: &str| (1..=3).filter(|&i| i != srv).filter_map(|i| env.agent_status(i)).map(|v| v["agent"]["core"][k].as_u64().unwrap_or(0)).sum::<u64>();
+    eprintln!(
+        "{name}: {}; core: triggers_rejected {} syn_challenged {} failovers_started {}",
+        counters(&env),
+        core("triggers_rejected"),
+        core("syn_challenged"),
+        core("failovers_started")
+    );
+    assert!(!d.timed_out, "{name}: curl timed out");
+    assert_eq!(d.seen.wrong_at, None, "{name}: WRONG BYTES delivered");
+    assert_eq!(d.seen.bytes, want.len() as u64, "{name}: byte count");
+    assert_eq!(d.exit, Some(0), "{name}: curl exit status ({})", d.stderr.trim());
+    assert_eq!(port_rsts(&env), 0, "{name}: RSTs reached the download's connection");
+    assert!(env.agent_sum("failovers") >= 1, "{name}: the download did not fail over");
+    eprintln!("{name}: ok in {} ms", t.elapsed().as_millis());
+}
+
 // ---- 6. a dead server comes back ----------------------------------------------------------------
 
 #[test]

@@ -49,8 +49,9 @@ struct Entry {
     /// section 5.2). `None` for an entry that did not witness the handshake (a restarted guard,
     /// an eviction): it cannot know what the application sent before.
     a_hi: Option<u32>,
-    /// An authenticated command named this connection (since this guard started): an
-    /// application protects it, and the unprotected mark is refused.
+    /// An authenticated command that protects this connection named it since this guard
+    /// started (ACKNOWLEDGE, SHUTDOWN*, ADOPT; not TELL, which only asks): an application
+    /// protects it, and the unprotected mark is refused.
     claimed: bool,
     /// The application marked the connection unprotected (its packets carry
     /// `ctl::UNPROTECTED_DSCP`) before any authenticated command: every packet of it passes
@@ -459,7 +460,12 @@ impl Core {
                     self.counters.forwarded += 1;
                     return (Action::Accept { modified: false }, len);
                 }
-                self.counters.hostile_unprotect_refused += 1;
+                // An SDK that gave up posts a SHUTDOWN besides the mark (either may be lost):
+                // once that arrived, the FIN is genuine anyway and the mark is nobody's attack.
+                let shut = flag::FIN_ALLOWED | flag::ACK_EVERYTHING;
+                if c.flags & shut != shut {
+                    self.counters.hostile_unprotect_refused += 1;
+                }
             }
         }
         // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
@@ -748,7 +754,14 @@ impl Core {
         }
         let nudging = self.recovery_nudge;
         let e = self.entry(key, now_ms);
-        e.claimed = true;
+        // Only a command that protects claims the connection (its checkpoint, its shutdown, a
+        // recovery). A TELL only asks: an SDK whose TELL arrived but whose answer was lost (a
+        // one-way or lossy side channel) gives up and marks the socket unprotected, and that
+        // mark must still be honoured, or the guard would hold the application's FIN and the
+        // peer hang (issue 9, checkpoint misconfiguration).
+        if cmd.op != ctl::Op::Tell {
+            e.claimed = true;
+        }
         if cmd.op == ctl::Op::Tell {
             e.told = true;
             e.recovery_armed_until = None;
@@ -1022,11 +1035,12 @@ mod tests {
         let r = Command::decode(&c.command(from_app(), &adopt, 1, 4, &mut [0u8; 128]).unwrap().reply, &key()).unwrap();
         assert_eq!(r.status, Status::NoConnection as u8, "not offered for adoption");
 
-        // A connection its application told about (authenticated): the mark is ignored, the
-        // FIN is still a spurious one (a RST for the app), and counted.
+        // A connection its application protects (an authenticated checkpoint): the mark is
+        // ignored, the FIN is still a spurious one (a RST for the app), and counted.
         let mut c = core();
         handshake(&mut c, peer());
-        c.command(from_app(), &cmd(Op::Tell, 91, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &cmd(Op::Tell, 90, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &cmd_ack(Op::Acknowledge, 91, 101), 1, 0, &mut [0u8; 128]).unwrap();
         assert_eq!(marked_fin(&mut c, peer()).0, Action::Inject);
         assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (0, 1));
         // A recovered connection (renumbered) after a guard restart, not yet claimed: ignored.
@@ -1040,6 +1054,32 @@ mod tests {
         unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
         assert_eq!(c.packet(&mut b, n, 30).0, Action::Inject);
         assert_eq!(c.counters.hostile_unprotect_refused, 1);
+    }
+
+    /// Issue 9, checkpoint misconfiguration: a one-way or lossy side channel. The SDK's TELL
+    /// reached the guard, its answer did not; the SDK gave up and marked the socket
+    /// unprotected. The mark must release the connection (a TELL does not protect anything),
+    /// or the guard holds the application's FIN and the peer hangs.
+    #[test]
+    fn hostile_tell_whose_answer_was_lost_then_mark_releases_the_connection() {
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        // Three TELLs (the SDK's retries), every answer lost on the way back.
+        for nonce in 40..43 {
+            assert!(c.command(from_app(), &cmd(Op::Tell, nonce, 1), 1, 0, &mut [0u8; 128]).is_some());
+        }
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        b[1] = ctl::UNPROTECTED_DSCP << 2;
+        unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+        let (a, len) = c.packet(&mut b, n, 1);
+        assert_eq!(a, Action::Accept { modified: false }, "the application's FIN reaches the peer");
+        assert_eq!(IpInfo::parse(&b[..len]).unwrap().dst, peer().ip());
+        assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (1, 0));
     }
 
     #[test]

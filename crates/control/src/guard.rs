@@ -57,9 +57,25 @@ struct Entry {
     /// `ctl::UNPROTECTED_DSCP`) before any authenticated command: every packet of it passes
     /// untouched, as if the guard were not there (issue 9, checkpoint misconfiguration).
     unprotected: bool,
+    /// Of an unprotected connection (which the engine no longer follows): 1 = the
+    /// application's FIN passed, 2 = the peer's; both, or a RST, and it expires like a closed one.
+    unprotected_fins: u8,
 }
 
 impl Entry {
+    fn new(now_ms: u64) -> Entry {
+        Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false, unprotected_fins: 0 }
+    }
+
+    /// Closed both ways (or reset): forgotten after the grace period.
+    fn closed(&self) -> bool {
+        if self.unprotected {
+            self.unprotected_fins == 3
+        } else {
+            self.conn.is_closed()
+        }
+    }
+
     /// The handshake completed at this state and the connection is not closed: what ADOPT
     /// offers and what eviction spares while half-open entries remain.
     fn established(&self) -> bool {
@@ -97,6 +113,9 @@ enum Race {
     Candidate(Candidate),
     Done(Action, usize),
 }
+
+/// Keys an eviction looks at, at most (see [`Core::evict_one`]).
+pub const EVICT_SCAN: usize = 1024;
 
 /// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
 /// default connect timeout (10 s) plus margin.
@@ -189,6 +208,13 @@ pub struct Counters {
     pub inject_errors: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
+    /// Evictions that found only unprotected connections within [`EVICT_SCAN`] keys: the
+    /// table grew past `max_connections` (only by connections the application released).
+    pub evict_nothing: u64,
+    /// Packets from the peer for a connection the table does not hold that created no entry:
+    /// their checksum failed, they were outside any window, a SYN-ACK answering no SYN, or the
+    /// I0 probe (which needs no state). A flood of spoofed packets costs no memory (issue 9).
+    pub peer_no_entry: u64,
     pub connections: u64,
 }
 
@@ -235,6 +261,10 @@ impl ReplayCache {
 pub struct Core {
     services: HashSet<(IpAddr, u16)>,
     table: HashMap<FlowKey, Entry>,
+    /// The table's keys in insertion order, for eviction without sorting (see
+    /// [`Core::evict_one`]): may hold keys since removed (skipped) and, after a key was removed
+    /// and inserted again, duplicates; compacted when it outgrows the table.
+    order: VecDeque<FlowKey>,
     key: Key,
     allowed: Vec<Prefix>,
     skew_ms: u64,
@@ -266,6 +296,7 @@ impl Core {
         Core {
             services: services.iter().map(|s| (s.addr, s.port)).collect(),
             table: HashMap::new(),
+            order: VecDeque::new(),
             key,
             allowed,
             skew_ms,
@@ -326,28 +357,60 @@ impl Core {
     }
 
     fn entry(&mut self, k: FlowKey, now_ms: u64) -> &mut Entry {
-        if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
-            self.evict_oldest(now_ms);
+        if !self.table.contains_key(&k) {
+            if self.table.len() >= self.max_conns {
+                self.evict_one();
+            }
+            if self.order.len() > 2 * self.table.len() + 1024 {
+                self.compact_order();
+            }
+            self.order.push_back(k);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false });
+        let e = self.table.entry(k).or_insert_with(|| Entry::new(now_ms));
         e.last_ms = now_ms;
         e
     }
 
-    /// Forgets an eighth of the table (section 2.5: any state may be dropped; a live
-    /// connection whose state is forgotten is recovered through its application): half-open
-    /// and closed entries first, then established connections, the idlest first within each.
-    /// Other clients' SYNs (a SYN flood) then churn only each other, never a connection that
-    /// completed its handshake: evicting one costs its application a recovery, and under a
-    /// steady flood it would be evicted again at every idle moment (found by the guard's
-    /// simulation: a close that never completes).
-    fn evict_oldest(&mut self, _now_ms: u64) {
-        let mut ages: Vec<(bool, u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.established(), e.last_ms, *k)).collect();
-        ages.sort_unstable_by_key(|a| (a.0, a.1));
-        let n = (ages.len() / 8).max(1);
-        for (_, _, k) in ages.into_iter().take(n) {
+    /// Drops the stale and duplicate keys of `order` (linear, amortized over the removals that
+    /// made them).
+    fn compact_order(&mut self) {
+        let mut seen = HashSet::with_capacity(self.table.len());
+        let t = &self.table;
+        self.order.retain(|k| t.contains_key(k) && seen.insert(*k));
+    }
+
+    /// Forgets one entry to make room (section 2.5: any state may be dropped; a live connection
+    /// whose state is forgotten is recovered through its application), in bounded time: it
+    /// walks at most [`EVICT_SCAN`] keys from the front of the insertion order, sending
+    /// established and unprotected ones to the back (a second chance), and forgets the first
+    /// half-open or closed entry it meets; only when the walk met none, the idlest established
+    /// connection it met. Other clients' SYNs (a SYN flood) then churn only each other, never a
+    /// connection that completed its handshake: evicting one costs its application a recovery,
+    /// and under a steady flood it would be evicted again at every idle moment (found by the
+    /// guard's simulation: a close that never completes). An unprotected connection is never
+    /// evicted: forgetting it would turn its packets into rewritten ones (I0, O6) that an
+    /// application that gave up protection never recovers from; it leaves the table when it
+    /// closes. (Before: the whole table was sorted under the lock at every eviction.)
+    fn evict_one(&mut self) {
+        let mut fallback: Option<(u64, FlowKey)> = None;
+        for _ in 0..EVICT_SCAN {
+            let Some(k) = self.order.pop_front() else { break };
+            let Some(e) = self.table.get(&k) else { continue };
+            if !e.unprotected && !e.established() {
+                self.table.remove(&k);
+                self.counters.evicted_idle += 1;
+                return;
+            }
+            if !e.unprotected && fallback.is_none_or(|(t, _)| e.last_ms < t) {
+                fallback = Some((e.last_ms, k));
+            }
+            self.order.push_back(k);
+        }
+        if let Some((_, k)) = fallback {
             self.table.remove(&k);
             self.counters.evicted_idle += 1;
+        } else {
+            self.counters.evict_nothing += 1;
         }
     }
 
@@ -384,7 +447,7 @@ impl Core {
         let grace = self.grace_ms;
         let mut gone = 0;
         self.table.retain(|_, e| {
-            if e.conn.is_closed() {
+            if e.closed() {
                 let since = *e.closed_ms.get_or_insert(now_ms);
                 if now_ms.saturating_sub(since) >= grace {
                     gone += 1;
@@ -441,6 +504,13 @@ impl Core {
         // packets pass untouched, so the peer sees what the application does (its close).
         if let Some(e) = self.table.get_mut(&key) {
             if e.unprotected {
+                use unbroken_wire::tcp::flags as F;
+                let f = if info.l4_len >= 14 { buf[info.l4_offset + 13] } else { 0 };
+                if f & F::RST != 0 {
+                    e.unprotected_fins = 3;
+                } else if f & F::FIN != 0 {
+                    e.unprotected_fins |= if outgoing { 1 } else { 2 };
+                }
                 e.last_ms = now_ms;
                 self.counters.unprotected_passed += 1;
                 self.counters.forwarded += 1;
@@ -495,8 +565,22 @@ impl Core {
                 Race::Done(action, n) => return (action, n),
             }
         }
+        // A packet from the peer for a connection the table does not hold makes an entry only
+        // when it is a checksummed SYN (a handshake to witness): see `peer_without_entry`.
+        let mut learned = None;
+        if !outgoing && !self.table.contains_key(&key) {
+            match self.peer_without_entry(buf, len, &info, csum_partial) {
+                Ok(r) => return r,
+                Err(c) => learned = Some(c),
+            }
+        }
         // The peer's highest data segment, for the recovery nudge.
         let e = self.entry(key, now_ms);
+        if let Some(c) = learned {
+            // The SYN was processed on a scratch state; the engine is not run again.
+            e.conn = c.0;
+            return self.finish(Ok(c.1), len);
+        }
         let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
         let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
         // RFC 5961 section 5.2, which the engine's 32 bytes have no room for: the peer cannot
@@ -559,6 +643,40 @@ impl Core {
                 }
             }
         }
+        self.finish(res, len)
+    }
+
+    /// Issue 9, item 2: a packet from the peer for a connection the table does not hold, run
+    /// through the engine on a scratch state. `Ok`: decided without an entry — a bad checksum,
+    /// a packet outside any window, a SYN-ACK answering no SYN the application sent (dropped,
+    /// counted) or a non-SYN that becomes the I0 probe (which needs no state; the
+    /// application's answer and its recovery rebuild it). `Err`: a checksummed SYN, the state
+    /// it taught and the outcome; the caller stores both. So a flood of spoofed packets for
+    /// unknown 4-tuples costs no memory and evicts nothing; only SYNs (half-open entries,
+    /// evicted first) make entries.
+    fn peer_without_entry(&mut self, buf: &mut [u8], len: usize, info: &IpInfo, csum_partial: bool) -> Result<(Action, usize), (Conn, rtcp::Outcome)> {
+        use unbroken_wire::tcp::flags as F;
+        self.counters.peer_no_entry += 1;
+        let f = if info.l4_len >= 14 { buf[info.l4_offset + 13] } else { 0 };
+        if f & (F::SYN | F::ACK) == F::SYN | F::ACK {
+            self.counters.hostile_peer_out_of_window += 1;
+            self.counters.dropped += 1;
+            return Ok((Action::Drop, len));
+        }
+        let mut c = Conn::default();
+        let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
+        let res = rtcp::incoming_with(&mut c, buf, len, csum);
+        match res {
+            Ok(o) if c != Conn::default() && !matches!(o.event, Some(Event::PeerWithoutState | Event::PeerBadChecksum | Event::PeerOutOfWindow)) => {
+                self.counters.peer_no_entry -= 1;
+                Err((c, o))
+            }
+            res => Ok(self.finish(res, len)),
+        }
+    }
+
+    /// The action for the engine's outcome, counted.
+    fn finish(&mut self, res: unbroken_wire::Result<rtcp::Outcome>, len: usize) -> (Action, usize) {
         let o = match res {
             Ok(o) => o,
             Err(e) => return self.refuse(e, len),
@@ -1448,6 +1566,85 @@ mod tests {
         assert!(c.connections() <= 8);
         assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
         assert!(c.conn(&k).is_some(), "the established connection survived the flood");
+    }
+
+    /// An established connection between app() and peer() on a core of `cap` entries.
+    fn core_with_one(cap: usize) -> Core {
+        let svc = [Service { addr: "10.0.2.10".parse().unwrap(), port: 7000 }];
+        let mut c = Core::new(&svc, key(), vec![], 30_000, 1000, cap);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        c
+    }
+
+    /// Issue 9, item 2: spoofed peer packets for 4-tuples the guard does not hold — bad
+    /// checksums, valid ones (the I0 probe), RSTs, SYN-ACKs answering nothing, SYNs with bad
+    /// checksums — create no entry, evict nothing, and are counted.
+    #[test]
+    fn hostile_spoofed_peer_packets_for_unknown_connections_create_no_entries() {
+        let mut c = core_with_one(8);
+        let k = FlowKey { app: app(), peer: peer() };
+        let mut n_pkts = 0;
+        for i in 0..2000u32 {
+            let p = SocketAddr::new(std::net::Ipv4Addr::from(0x0a00_0100 + (i % 200)).into(), 1024 + i as u16);
+            let kinds: [(u8, bool); 5] = [(F::ACK, false), (F::ACK, true), (F::RST | F::ACK, true), (F::SYN | F::ACK, true), (F::SYN, false)];
+            let (flags, good_csum) = kinds[i as usize % 5];
+            let (mut b, n) = pkt_data(p, app(), Repr { seq: Seq(i.wrapping_mul(7919)), ack: Seq(i), flags, window: 100, ..Default::default() }, if flags == F::ACK { &[1u8; 40] } else { &[] });
+            if !good_csum {
+                b[20 + 16] ^= 0x55;
+            }
+            let (a, _) = c.packet(&mut b, n, 1 + i as u64);
+            assert_ne!(a, Action::Inject, "kind {i}");
+            n_pkts += 1;
+        }
+        assert_eq!(c.connections(), 1, "no entry for any of them");
+        assert!(c.conn(&k).is_some(), "the established connection is still there");
+        let ct = &c.counters;
+        assert_eq!(ct.evicted_idle, 0);
+        assert_eq!(ct.peer_no_entry, n_pkts);
+        assert_eq!(ct.hostile_peer_bad_checksum, 800, "bad-checksum data and SYNs");
+        assert_eq!(ct.hostile_peer_out_of_window, 400, "SYN-ACKs answering no SYN");
+        assert_eq!(ct.peer_without_state, 400, "checksummed data: the I0 probe, without state");
+    }
+
+    /// Issue 9, item 2: a connection the application released (unprotected) is never evicted
+    /// by a flood of SYNs, so its packets keep passing untouched (an evicted one would have
+    /// been rewritten by I0 and O6, which an application that gave up protection never
+    /// recovers from); it leaves the table when it has closed both ways.
+    #[test]
+    fn hostile_syn_flood_never_evicts_an_unprotected_connection() {
+        let mut c = core_with_one(8);
+        let k = FlowKey { app: app(), peer: peer() };
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), ack: Seq(101), flags: F::ACK, window: 50, ..Default::default() });
+        b[1] = ctl::UNPROTECTED_DSCP << 2;
+        unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+        assert_eq!(c.packet(&mut b, n, 1).0, Action::Accept { modified: false });
+        assert_eq!(c.counters.unprotected_released, 1);
+        for i in 0..1000u16 {
+            let p = SocketAddr::new("10.0.1.3".parse().unwrap(), 20_000 + i);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
+            c.packet(&mut b, n, 2 + i as u64);
+        }
+        assert!(c.connections() <= 8, "{}", c.connections());
+        assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
+        let (mut b, n) = pkt_data(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 100, ..Default::default() }, b"still here");
+        let before = b[..n].to_vec();
+        assert_eq!(c.packet(&mut b, n, 2000).0, Action::Accept { modified: false }, "passes untouched");
+        assert_eq!(b[..n], before[..]);
+        assert_eq!(c.counters.peer_without_state, 0);
+        // Both FINs pass: it expires like any closed connection.
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), ack: Seq(111), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2001).0, Action::Accept { modified: false });
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(111), ack: Seq(902), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2002).0, Action::Accept { modified: false });
+        c.expire(2003);
+        assert!(c.conn(&k).is_some(), "within the grace period");
+        c.expire(2003 + 1000);
+        assert!(c.conn(&k).is_none(), "gone after it");
     }
 
     #[test]

@@ -116,6 +116,8 @@ enum Race {
 
 /// Keys an eviction looks at, at most (see [`Core::evict_one`]).
 pub const EVICT_SCAN: usize = 1024;
+/// Entries an eviction compares, at least (see [`Core::evict_one`]).
+pub const EVICT_SAMPLE: usize = 64;
 
 /// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
 /// default connect timeout (10 s) plus margin.
@@ -211,9 +213,9 @@ pub struct Counters {
     /// Evictions that found only unprotected connections within [`EVICT_SCAN`] keys: the
     /// table grew past `max_connections` (only by connections the application released).
     pub evict_nothing: u64,
-    /// Packets from the peer for a connection the table does not hold that created no entry:
-    /// their checksum failed, they were outside any window, a SYN-ACK answering no SYN, or the
-    /// I0 probe (which needs no state). A flood of spoofed packets costs no memory (issue 9).
+    /// Packets from the peer for a connection the table does not hold that created no entry
+    /// (issue 9, item 2): a failed checksum, a SYN-ACK answering no SYN, or a non-SYN while the
+    /// table was full (the stateless I0 probe: nothing is evicted for it).
     pub peer_no_entry: u64,
     pub connections: u64,
 }
@@ -381,10 +383,11 @@ impl Core {
 
     /// Forgets one entry to make room (section 2.5: any state may be dropped; a live connection
     /// whose state is forgotten is recovered through its application), in bounded time: it
-    /// walks at most [`EVICT_SCAN`] keys from the front of the insertion order, sending
-    /// established and unprotected ones to the back (a second chance), and forgets the first
-    /// half-open or closed entry it meets; only when the walk met none, the idlest established
-    /// connection it met. Other clients' SYNs (a SYN flood) then churn only each other, never a
+    /// walks the insertion order from the front, sending the keys it looks at to the back, until
+    /// it has met [`EVICT_SAMPLE`] entries and at least one half-open or closed one (at most
+    /// [`EVICT_SCAN`] keys), and forgets the idlest half-open or closed entry it met; only
+    /// when it met none, the idlest established connection (a table of up to
+    /// [`EVICT_SAMPLE`] entries is seen whole: the same choice as a sort). Other clients' SYNs (a SYN flood) then churn only each other, never a
     /// connection that completed its handshake: evicting one costs its application a recovery,
     /// and under a steady flood it would be evicted again at every idle moment (found by the
     /// guard's simulation: a close that never completes). An unprotected connection is never
@@ -392,25 +395,30 @@ impl Core {
     /// application that gave up protection never recovers from; it leaves the table when it
     /// closes. (Before: the whole table was sorted under the lock at every eviction.)
     fn evict_one(&mut self) {
-        let mut fallback: Option<(u64, FlowKey)> = None;
+        let mut half: Option<(u64, FlowKey)> = None;
+        let mut est: Option<(u64, FlowKey)> = None;
+        let mut live = 0;
         for _ in 0..EVICT_SCAN {
+            if half.is_some() && live >= EVICT_SAMPLE {
+                break;
+            }
             let Some(k) = self.order.pop_front() else { break };
             let Some(e) = self.table.get(&k) else { continue };
-            if !e.unprotected && !e.established() {
-                self.table.remove(&k);
-                self.counters.evicted_idle += 1;
-                return;
-            }
-            if !e.unprotected && fallback.is_none_or(|(t, _)| e.last_ms < t) {
-                fallback = Some((e.last_ms, k));
+            live += 1;
+            if !e.unprotected {
+                let slot = if e.established() { &mut est } else { &mut half };
+                if slot.is_none_or(|(t, _)| e.last_ms < t) {
+                    *slot = Some((e.last_ms, k));
+                }
             }
             self.order.push_back(k);
         }
-        if let Some((_, k)) = fallback {
-            self.table.remove(&k);
-            self.counters.evicted_idle += 1;
-        } else {
-            self.counters.evict_nothing += 1;
+        match half.or(est) {
+            Some((_, k)) => {
+                self.table.remove(&k);
+                self.counters.evicted_idle += 1;
+            }
+            None => self.counters.evict_nothing += 1,
         }
     }
 
@@ -565,22 +573,16 @@ impl Core {
                 Race::Done(action, n) => return (action, n),
             }
         }
-        // A packet from the peer for a connection the table does not hold makes an entry only
-        // when it is a checksummed SYN (a handshake to witness): see `peer_without_entry`.
-        let mut learned = None;
+        // A packet from the peer for a connection the table does not hold may make an entry
+        // only with a valid checksum, and evict for it only if it is a SYN: see
+        // `peer_without_entry`.
         if !outgoing && !self.table.contains_key(&key) {
-            match self.peer_without_entry(buf, len, &info, csum_partial) {
-                Ok(r) => return r,
-                Err(c) => learned = Some(c),
+            if let Some(r) = self.peer_without_entry(buf, len, &info, csum_partial) {
+                return r;
             }
         }
         // The peer's highest data segment, for the recovery nudge.
         let e = self.entry(key, now_ms);
-        if let Some(c) = learned {
-            // The SYN was processed on a scratch state; the engine is not run again.
-            e.conn = c.0;
-            return self.finish(Ok(c.1), len);
-        }
         let mss = if e.conn.b_mss != 0 { e.conn.b_mss } else { 1460 };
         let seg = (!outgoing).then(|| peer_segment(&buf[info.l4_offset..info.l4_offset + info.l4_len], mss)).flatten();
         // RFC 5961 section 5.2, which the engine's 32 bytes have no room for: the peer cannot
@@ -646,33 +648,35 @@ impl Core {
         self.finish(res, len)
     }
 
-    /// Issue 9, item 2: a packet from the peer for a connection the table does not hold, run
-    /// through the engine on a scratch state. `Ok`: decided without an entry — a bad checksum,
-    /// a packet outside any window, a SYN-ACK answering no SYN the application sent (dropped,
-    /// counted) or a non-SYN that becomes the I0 probe (which needs no state; the
-    /// application's answer and its recovery rebuild it). `Err`: a checksummed SYN, the state
-    /// it taught and the outcome; the caller stores both. So a flood of spoofed packets for
-    /// unknown 4-tuples costs no memory and evicts nothing; only SYNs (half-open entries,
-    /// evicted first) make entries.
-    fn peer_without_entry(&mut self, buf: &mut [u8], len: usize, info: &IpInfo, csum_partial: bool) -> Result<(Action, usize), (Conn, rtcp::Outcome)> {
+    /// Issue 9, item 2: a packet from the peer for a connection the table does not hold.
+    /// `None`: handled as before, making an entry — a SYN with a valid checksum (a handshake
+    /// to witness; at the cap it evicts, half-open entries first), or another packet with a
+    /// valid checksum while the table has room (what it teaches, e.g. ackB after a guard
+    /// restart, is kept). Otherwise it is decided on a scratch state and leaves nothing:
+    /// a bad checksum (dropped), a SYN-ACK answering no SYN the application sent (dropped,
+    /// `hostile_peer_out_of_window`), a non-SYN when the table is full (the stateless I0
+    /// probe; nothing is evicted for it). So spoofed packets never cost an entry unless they
+    /// carry a valid checksum, never evict one unless they are SYNs (which evict half-open
+    /// entries first), and are counted (`peer_no_entry`).
+    fn peer_without_entry(&mut self, buf: &mut [u8], len: usize, info: &IpInfo, csum_partial: bool) -> Option<(Action, usize)> {
         use unbroken_wire::tcp::flags as F;
-        self.counters.peer_no_entry += 1;
-        let f = if info.l4_len >= 14 { buf[info.l4_offset + 13] } else { 0 };
+        let seg = &buf[info.l4_offset..info.l4_offset + info.l4_len];
+        let f = if seg.len() >= 14 { seg[13] } else { 0 };
         if f & (F::SYN | F::ACK) == F::SYN | F::ACK {
+            self.counters.peer_no_entry += 1;
             self.counters.hostile_peer_out_of_window += 1;
             self.counters.dropped += 1;
-            return Ok((Action::Drop, len));
+            return Some((Action::Drop, len));
         }
+        let csum_ok = csum_partial || Tcp::new_checked(seg).is_ok_and(|t| t.verify_checksum(info.pseudo_sum(info.l4_len)));
+        if csum_ok && (f & F::SYN != 0 || self.table.len() < self.max_conns) {
+            return None;
+        }
+        self.counters.peer_no_entry += 1;
         let mut c = Conn::default();
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
         let res = rtcp::incoming_with(&mut c, buf, len, csum);
-        match res {
-            Ok(o) if c != Conn::default() && !matches!(o.event, Some(Event::PeerWithoutState | Event::PeerBadChecksum | Event::PeerOutOfWindow)) => {
-                self.counters.peer_no_entry -= 1;
-                Err((c, o))
-            }
-            res => Ok(self.finish(res, len)),
-        }
+        Some(self.finish(res, len))
     }
 
     /// The action for the engine's outcome, counted.
@@ -1581,34 +1585,41 @@ mod tests {
         c
     }
 
-    /// Issue 9, item 2: spoofed peer packets for 4-tuples the guard does not hold — bad
-    /// checksums, valid ones (the I0 probe), RSTs, SYN-ACKs answering nothing, SYNs with bad
-    /// checksums — create no entry, evict nothing, and are counted.
+    /// Issue 9, item 2: spoofed peer packets for 4-tuples the guard does not hold. Bad
+    /// checksums (data, SYNs) and SYN-ACKs answering nothing create no entry at all; packets
+    /// with valid checksums (data: the I0 probe, RSTs) fill the table at most up to its cap and
+    /// never evict anything. All counted.
     #[test]
     fn hostile_spoofed_peer_packets_for_unknown_connections_create_no_entries() {
         let mut c = core_with_one(8);
         let k = FlowKey { app: app(), peer: peer() };
-        let mut n_pkts = 0;
-        for i in 0..2000u32 {
+        let spoof = |c: &mut Core, i: u32, flags: u8, good_csum: bool| {
             let p = SocketAddr::new(std::net::Ipv4Addr::from(0x0a00_0100 + (i % 200)).into(), 1024 + i as u16);
-            let kinds: [(u8, bool); 5] = [(F::ACK, false), (F::ACK, true), (F::RST | F::ACK, true), (F::SYN | F::ACK, true), (F::SYN, false)];
-            let (flags, good_csum) = kinds[i as usize % 5];
             let (mut b, n) = pkt_data(p, app(), Repr { seq: Seq(i.wrapping_mul(7919)), ack: Seq(i), flags, window: 100, ..Default::default() }, if flags == F::ACK { &[1u8; 40] } else { &[] });
             if !good_csum {
                 b[20 + 16] ^= 0x55;
             }
             let (a, _) = c.packet(&mut b, n, 1 + i as u64);
-            assert_ne!(a, Action::Inject, "kind {i}");
-            n_pkts += 1;
+            assert_ne!(a, Action::Inject, "packet {i}");
+        };
+        // Failing their checks: nothing at all.
+        let kinds: [(u8, bool); 3] = [(F::ACK, false), (F::SYN | F::ACK, true), (F::SYN, false)];
+        for i in 0..1500u32 {
+            let (flags, good) = kinds[i as usize % 3];
+            spoof(&mut c, i, flags, good);
         }
         assert_eq!(c.connections(), 1, "no entry for any of them");
+        let ct = &c.counters;
+        assert_eq!((ct.peer_no_entry, ct.hostile_peer_bad_checksum, ct.hostile_peer_out_of_window, ct.evicted_idle), (1500, 1000, 500, 0));
+        // Checksummed data and RSTs: entries while there is room, then the stateless I0 probe.
+        for i in 2000..3000u32 {
+            spoof(&mut c, i, if i % 2 == 0 { F::ACK } else { F::RST | F::ACK }, true);
+        }
+        assert_eq!(c.connections(), 8, "up to the cap");
         assert!(c.conn(&k).is_some(), "the established connection is still there");
         let ct = &c.counters;
-        assert_eq!(ct.evicted_idle, 0);
-        assert_eq!(ct.peer_no_entry, n_pkts);
-        assert_eq!(ct.hostile_peer_bad_checksum, 800, "bad-checksum data and SYNs");
-        assert_eq!(ct.hostile_peer_out_of_window, 400, "SYN-ACKs answering no SYN");
-        assert_eq!(ct.peer_without_state, 400, "checksummed data: the I0 probe, without state");
+        assert_eq!(ct.evicted_idle, 0, "nothing evicted for them");
+        assert_eq!(ct.peer_no_entry, 1500 + 1000 - 7);
     }
 
     /// Issue 9, item 2: a connection the application released (unprotected) is never evicted

@@ -49,16 +49,33 @@ struct Entry {
     /// section 5.2). `None` for an entry that did not witness the handshake (a restarted guard,
     /// an eviction): it cannot know what the application sent before.
     a_hi: Option<u32>,
-    /// An authenticated command named this connection (since this guard started): an
-    /// application protects it, and the unprotected mark is refused.
+    /// An authenticated command that protects this connection named it since this guard
+    /// started (ACKNOWLEDGE, SHUTDOWN*, ADOPT; not TELL, which only asks): an application
+    /// protects it, and the unprotected mark is refused.
     claimed: bool,
     /// The application marked the connection unprotected (its packets carry
     /// `ctl::UNPROTECTED_DSCP`) before any authenticated command: every packet of it passes
     /// untouched, as if the guard were not there (issue 9, checkpoint misconfiguration).
     unprotected: bool,
+    /// Of an unprotected connection (which the engine no longer follows): 1 = the
+    /// application's FIN passed, 2 = the peer's; both, or a RST, and it expires like a closed one.
+    unprotected_fins: u8,
 }
 
 impl Entry {
+    fn new(now_ms: u64) -> Entry {
+        Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false, unprotected_fins: 0 }
+    }
+
+    /// Closed both ways (or reset): forgotten after the grace period.
+    fn closed(&self) -> bool {
+        if self.unprotected {
+            self.unprotected_fins == 3
+        } else {
+            self.conn.is_closed()
+        }
+    }
+
     /// The handshake completed at this state and the connection is not closed: what ADOPT
     /// offers and what eviction spares while half-open entries remain.
     fn established(&self) -> bool {
@@ -96,6 +113,11 @@ enum Race {
     Candidate(Candidate),
     Done(Action, usize),
 }
+
+/// Keys an eviction looks at, at most (see [`Core::evict_one`]).
+pub const EVICT_SCAN: usize = 1024;
+/// Entries an eviction compares, at least (see [`Core::evict_one`]).
+pub const EVICT_SAMPLE: usize = 64;
 
 /// How long after an ACKNOWLEDGE the guard accepts the recovery SYN it announces: the SDK's
 /// default connect timeout (10 s) plus margin.
@@ -188,6 +210,13 @@ pub struct Counters {
     pub inject_errors: u64,
     pub evicted_closed: u64,
     pub evicted_idle: u64,
+    /// Evictions that found only unprotected connections within [`EVICT_SCAN`] keys: the
+    /// table grew past `max_connections` (only by connections the application released).
+    pub evict_nothing: u64,
+    /// Packets from the peer for a connection the table does not hold that created no entry
+    /// (issue 9, item 2): a failed checksum, a SYN-ACK answering no SYN, or a non-SYN while the
+    /// table was full (the stateless I0 probe: nothing is evicted for it).
+    pub peer_no_entry: u64,
     pub connections: u64,
 }
 
@@ -234,6 +263,10 @@ impl ReplayCache {
 pub struct Core {
     services: HashSet<(IpAddr, u16)>,
     table: HashMap<FlowKey, Entry>,
+    /// The table's keys in insertion order, for eviction without sorting (see
+    /// [`Core::evict_one`]): may hold keys since removed (skipped) and, after a key was removed
+    /// and inserted again, duplicates; compacted when it outgrows the table.
+    order: VecDeque<FlowKey>,
     key: Key,
     allowed: Vec<Prefix>,
     skew_ms: u64,
@@ -265,6 +298,7 @@ impl Core {
         Core {
             services: services.iter().map(|s| (s.addr, s.port)).collect(),
             table: HashMap::new(),
+            order: VecDeque::new(),
             key,
             allowed,
             skew_ms,
@@ -325,28 +359,66 @@ impl Core {
     }
 
     fn entry(&mut self, k: FlowKey, now_ms: u64) -> &mut Entry {
-        if self.table.len() >= self.max_conns && !self.table.contains_key(&k) {
-            self.evict_oldest(now_ms);
+        if !self.table.contains_key(&k) {
+            if self.table.len() >= self.max_conns {
+                self.evict_one();
+            }
+            if self.order.len() > 2 * self.table.len() + 1024 {
+                self.compact_order();
+            }
+            self.order.push_back(k);
         }
-        let e = self.table.entry(k).or_insert(Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false });
+        let e = self.table.entry(k).or_insert_with(|| Entry::new(now_ms));
         e.last_ms = now_ms;
         e
     }
 
-    /// Forgets an eighth of the table (section 2.5: any state may be dropped; a live
-    /// connection whose state is forgotten is recovered through its application): half-open
-    /// and closed entries first, then established connections, the idlest first within each.
-    /// Other clients' SYNs (a SYN flood) then churn only each other, never a connection that
-    /// completed its handshake: evicting one costs its application a recovery, and under a
-    /// steady flood it would be evicted again at every idle moment (found by the guard's
-    /// simulation: a close that never completes).
-    fn evict_oldest(&mut self, _now_ms: u64) {
-        let mut ages: Vec<(bool, u64, FlowKey)> = self.table.iter().map(|(k, e)| (e.established(), e.last_ms, *k)).collect();
-        ages.sort_unstable_by_key(|a| (a.0, a.1));
-        let n = (ages.len() / 8).max(1);
-        for (_, _, k) in ages.into_iter().take(n) {
-            self.table.remove(&k);
-            self.counters.evicted_idle += 1;
+    /// Drops the stale and duplicate keys of `order` (linear, amortized over the removals that
+    /// made them).
+    fn compact_order(&mut self) {
+        let mut seen = HashSet::with_capacity(self.table.len());
+        let t = &self.table;
+        self.order.retain(|k| t.contains_key(k) && seen.insert(*k));
+    }
+
+    /// Forgets one entry to make room (section 2.5: any state may be dropped; a live connection
+    /// whose state is forgotten is recovered through its application), in bounded time: it
+    /// walks the insertion order from the front, sending the keys it looks at to the back, until
+    /// it has met [`EVICT_SAMPLE`] entries and at least one half-open or closed one (at most
+    /// [`EVICT_SCAN`] keys), and forgets the idlest half-open or closed entry it met; only
+    /// when it met none, the idlest established connection (a table of up to
+    /// [`EVICT_SAMPLE`] entries is seen whole: the same choice as a sort). Other clients' SYNs (a SYN flood) then churn only each other, never a
+    /// connection that completed its handshake: evicting one costs its application a recovery,
+    /// and under a steady flood it would be evicted again at every idle moment (found by the
+    /// guard's simulation: a close that never completes). An unprotected connection is never
+    /// evicted: forgetting it would turn its packets into rewritten ones (I0, O6) that an
+    /// application that gave up protection never recovers from; it leaves the table when it
+    /// closes. (Before: the whole table was sorted under the lock at every eviction.)
+    fn evict_one(&mut self) {
+        let mut half: Option<(u64, FlowKey)> = None;
+        let mut est: Option<(u64, FlowKey)> = None;
+        let mut live = 0;
+        for _ in 0..EVICT_SCAN {
+            if half.is_some() && live >= EVICT_SAMPLE {
+                break;
+            }
+            let Some(k) = self.order.pop_front() else { break };
+            let Some(e) = self.table.get(&k) else { continue };
+            live += 1;
+            if !e.unprotected {
+                let slot = if e.established() { &mut est } else { &mut half };
+                if slot.is_none_or(|(t, _)| e.last_ms < t) {
+                    *slot = Some((e.last_ms, k));
+                }
+            }
+            self.order.push_back(k);
+        }
+        match half.or(est) {
+            Some((_, k)) => {
+                self.table.remove(&k);
+                self.counters.evicted_idle += 1;
+            }
+            None => self.counters.evict_nothing += 1,
         }
     }
 
@@ -383,7 +455,7 @@ impl Core {
         let grace = self.grace_ms;
         let mut gone = 0;
         self.table.retain(|_, e| {
-            if e.conn.is_closed() {
+            if e.closed() {
                 let since = *e.closed_ms.get_or_insert(now_ms);
                 if now_ms.saturating_sub(since) >= grace {
                     gone += 1;
@@ -440,6 +512,13 @@ impl Core {
         // packets pass untouched, so the peer sees what the application does (its close).
         if let Some(e) = self.table.get_mut(&key) {
             if e.unprotected {
+                use unbroken_wire::tcp::flags as F;
+                let f = if info.l4_len >= 14 { buf[info.l4_offset + 13] } else { 0 };
+                if f & F::RST != 0 {
+                    e.unprotected_fins = 3;
+                } else if f & F::FIN != 0 {
+                    e.unprotected_fins |= if outgoing { 1 } else { 2 };
+                }
                 e.last_ms = now_ms;
                 self.counters.unprotected_passed += 1;
                 self.counters.forwarded += 1;
@@ -459,7 +538,12 @@ impl Core {
                     self.counters.forwarded += 1;
                     return (Action::Accept { modified: false }, len);
                 }
-                self.counters.hostile_unprotect_refused += 1;
+                // An SDK that gave up posts a SHUTDOWN besides the mark (either may be lost):
+                // once that arrived, the FIN is genuine anyway and the mark is nobody's attack.
+                let shut = flag::FIN_ALLOWED | flag::ACK_EVERYTHING;
+                if c.flags & shut != shut {
+                    self.counters.hostile_unprotect_refused += 1;
+                }
             }
         }
         // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
@@ -487,6 +571,14 @@ impl Core {
                 Race::None => {}
                 Race::Candidate(c) => candidate = Some(c),
                 Race::Done(action, n) => return (action, n),
+            }
+        }
+        // A packet from the peer for a connection the table does not hold may make an entry
+        // only with a valid checksum, and evict for it only if it is a SYN: see
+        // `peer_without_entry`.
+        if !outgoing && !self.table.contains_key(&key) {
+            if let Some(r) = self.peer_without_entry(buf, len, &info, csum_partial) {
+                return r;
             }
         }
         // The peer's highest data segment, for the recovery nudge.
@@ -553,6 +645,42 @@ impl Core {
                 }
             }
         }
+        self.finish(res, len)
+    }
+
+    /// Issue 9, item 2: a packet from the peer for a connection the table does not hold.
+    /// `None`: handled as before, making an entry — a SYN with a valid checksum (a handshake
+    /// to witness; at the cap it evicts, half-open entries first), or another packet with a
+    /// valid checksum while the table has room (what it teaches, e.g. ackB after a guard
+    /// restart, is kept). Otherwise it is decided on a scratch state and leaves nothing:
+    /// a bad checksum (dropped), a SYN-ACK answering no SYN the application sent (dropped,
+    /// `hostile_peer_out_of_window`), a non-SYN when the table is full (the stateless I0
+    /// probe; nothing is evicted for it). So spoofed packets never cost an entry unless they
+    /// carry a valid checksum, never evict one unless they are SYNs (which evict half-open
+    /// entries first), and are counted (`peer_no_entry`).
+    fn peer_without_entry(&mut self, buf: &mut [u8], len: usize, info: &IpInfo, csum_partial: bool) -> Option<(Action, usize)> {
+        use unbroken_wire::tcp::flags as F;
+        let seg = &buf[info.l4_offset..info.l4_offset + info.l4_len];
+        let f = if seg.len() >= 14 { seg[13] } else { 0 };
+        if f & (F::SYN | F::ACK) == F::SYN | F::ACK {
+            self.counters.peer_no_entry += 1;
+            self.counters.hostile_peer_out_of_window += 1;
+            self.counters.dropped += 1;
+            return Some((Action::Drop, len));
+        }
+        let csum_ok = csum_partial || Tcp::new_checked(seg).is_ok_and(|t| t.verify_checksum(info.pseudo_sum(info.l4_len)));
+        if csum_ok && (f & F::SYN != 0 || self.table.len() < self.max_conns) {
+            return None;
+        }
+        self.counters.peer_no_entry += 1;
+        let mut c = Conn::default();
+        let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
+        let res = rtcp::incoming_with(&mut c, buf, len, csum);
+        Some(self.finish(res, len))
+    }
+
+    /// The action for the engine's outcome, counted.
+    fn finish(&mut self, res: unbroken_wire::Result<rtcp::Outcome>, len: usize) -> (Action, usize) {
         let o = match res {
             Ok(o) => o,
             Err(e) => return self.refuse(e, len),
@@ -748,7 +876,14 @@ impl Core {
         }
         let nudging = self.recovery_nudge;
         let e = self.entry(key, now_ms);
-        e.claimed = true;
+        // Only a command that protects claims the connection (its checkpoint, its shutdown, a
+        // recovery). A TELL only asks: an SDK whose TELL arrived but whose answer was lost (a
+        // one-way or lossy side channel) gives up and marks the socket unprotected, and that
+        // mark must still be honoured, or the guard would hold the application's FIN and the
+        // peer hang (issue 9, checkpoint misconfiguration).
+        if cmd.op != ctl::Op::Tell {
+            e.claimed = true;
+        }
         if cmd.op == ctl::Op::Tell {
             e.told = true;
             e.recovery_armed_until = None;
@@ -1022,11 +1157,12 @@ mod tests {
         let r = Command::decode(&c.command(from_app(), &adopt, 1, 4, &mut [0u8; 128]).unwrap().reply, &key()).unwrap();
         assert_eq!(r.status, Status::NoConnection as u8, "not offered for adoption");
 
-        // A connection its application told about (authenticated): the mark is ignored, the
-        // FIN is still a spurious one (a RST for the app), and counted.
+        // A connection its application protects (an authenticated checkpoint): the mark is
+        // ignored, the FIN is still a spurious one (a RST for the app), and counted.
         let mut c = core();
         handshake(&mut c, peer());
-        c.command(from_app(), &cmd(Op::Tell, 91, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &cmd(Op::Tell, 90, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &cmd_ack(Op::Acknowledge, 91, 101), 1, 0, &mut [0u8; 128]).unwrap();
         assert_eq!(marked_fin(&mut c, peer()).0, Action::Inject);
         assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (0, 1));
         // A recovered connection (renumbered) after a guard restart, not yet claimed: ignored.
@@ -1040,6 +1176,32 @@ mod tests {
         unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
         assert_eq!(c.packet(&mut b, n, 30).0, Action::Inject);
         assert_eq!(c.counters.hostile_unprotect_refused, 1);
+    }
+
+    /// Issue 9, checkpoint misconfiguration: a one-way or lossy side channel. The SDK's TELL
+    /// reached the guard, its answer did not; the SDK gave up and marked the socket
+    /// unprotected. The mark must release the connection (a TELL does not protect anything),
+    /// or the guard holds the application's FIN and the peer hangs.
+    #[test]
+    fn hostile_tell_whose_answer_was_lost_then_mark_releases_the_connection() {
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        // Three TELLs (the SDK's retries), every answer lost on the way back.
+        for nonce in 40..43 {
+            assert!(c.command(from_app(), &cmd(Op::Tell, nonce, 1), 1, 0, &mut [0u8; 128]).is_some());
+        }
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        b[1] = ctl::UNPROTECTED_DSCP << 2;
+        unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+        let (a, len) = c.packet(&mut b, n, 1);
+        assert_eq!(a, Action::Accept { modified: false }, "the application's FIN reaches the peer");
+        assert_eq!(IpInfo::parse(&b[..len]).unwrap().dst, peer().ip());
+        assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (1, 0));
     }
 
     #[test]
@@ -1408,6 +1570,92 @@ mod tests {
         assert!(c.connections() <= 8);
         assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
         assert!(c.conn(&k).is_some(), "the established connection survived the flood");
+    }
+
+    /// An established connection between app() and peer() on a core of `cap` entries.
+    fn core_with_one(cap: usize) -> Core {
+        let svc = [Service { addr: "10.0.2.10".parse().unwrap(), port: 7000 }];
+        let mut c = Core::new(&svc, key(), vec![], 30_000, 1000, cap);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        c
+    }
+
+    /// Issue 9, item 2: spoofed peer packets for 4-tuples the guard does not hold. Bad
+    /// checksums (data, SYNs) and SYN-ACKs answering nothing create no entry at all; packets
+    /// with valid checksums (data: the I0 probe, RSTs) fill the table at most up to its cap and
+    /// never evict anything. All counted.
+    #[test]
+    fn hostile_spoofed_peer_packets_for_unknown_connections_create_no_entries() {
+        let mut c = core_with_one(8);
+        let k = FlowKey { app: app(), peer: peer() };
+        let spoof = |c: &mut Core, i: u32, flags: u8, good_csum: bool| {
+            let p = SocketAddr::new(std::net::Ipv4Addr::from(0x0a00_0100 + (i % 200)).into(), 1024 + i as u16);
+            let (mut b, n) = pkt_data(p, app(), Repr { seq: Seq(i.wrapping_mul(7919)), ack: Seq(i), flags, window: 100, ..Default::default() }, if flags == F::ACK { &[1u8; 40] } else { &[] });
+            if !good_csum {
+                b[20 + 16] ^= 0x55;
+            }
+            let (a, _) = c.packet(&mut b, n, 1 + i as u64);
+            assert_ne!(a, Action::Inject, "packet {i}");
+        };
+        // Failing their checks: nothing at all.
+        let kinds: [(u8, bool); 3] = [(F::ACK, false), (F::SYN | F::ACK, true), (F::SYN, false)];
+        for i in 0..1500u32 {
+            let (flags, good) = kinds[i as usize % 3];
+            spoof(&mut c, i, flags, good);
+        }
+        assert_eq!(c.connections(), 1, "no entry for any of them");
+        let ct = &c.counters;
+        assert_eq!((ct.peer_no_entry, ct.hostile_peer_bad_checksum, ct.hostile_peer_out_of_window, ct.evicted_idle), (1500, 1000, 500, 0));
+        // Checksummed data and RSTs: entries while there is room, then the stateless I0 probe.
+        for i in 2000..3000u32 {
+            spoof(&mut c, i, if i % 2 == 0 { F::ACK } else { F::RST | F::ACK }, true);
+        }
+        assert_eq!(c.connections(), 8, "up to the cap");
+        assert!(c.conn(&k).is_some(), "the established connection is still there");
+        let ct = &c.counters;
+        assert_eq!(ct.evicted_idle, 0, "nothing evicted for them");
+        assert_eq!(ct.peer_no_entry, 1500 + 1000 - 7);
+    }
+
+    /// Issue 9, item 2: a connection the application released (unprotected) is never evicted
+    /// by a flood of SYNs, so its packets keep passing untouched (an evicted one would have
+    /// been rewritten by I0 and O6, which an application that gave up protection never
+    /// recovers from); it leaves the table when it has closed both ways.
+    #[test]
+    fn hostile_syn_flood_never_evicts_an_unprotected_connection() {
+        let mut c = core_with_one(8);
+        let k = FlowKey { app: app(), peer: peer() };
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), ack: Seq(101), flags: F::ACK, window: 50, ..Default::default() });
+        b[1] = ctl::UNPROTECTED_DSCP << 2;
+        unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
+        assert_eq!(c.packet(&mut b, n, 1).0, Action::Accept { modified: false });
+        assert_eq!(c.counters.unprotected_released, 1);
+        for i in 0..1000u16 {
+            let p = SocketAddr::new("10.0.1.3".parse().unwrap(), 20_000 + i);
+            let (mut b, n) = pkt(p, app(), Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
+            c.packet(&mut b, n, 2 + i as u64);
+        }
+        assert!(c.connections() <= 8, "{}", c.connections());
+        assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
+        let (mut b, n) = pkt_data(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 100, ..Default::default() }, b"still here");
+        let before = b[..n].to_vec();
+        assert_eq!(c.packet(&mut b, n, 2000).0, Action::Accept { modified: false }, "passes untouched");
+        assert_eq!(b[..n], before[..]);
+        assert_eq!(c.counters.peer_without_state, 0);
+        // Both FINs pass: it expires like any closed connection.
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), ack: Seq(111), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2001).0, Action::Accept { modified: false });
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(111), ack: Seq(902), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2002).0, Action::Accept { modified: false });
+        c.expire(2003);
+        assert!(c.conn(&k).is_some(), "within the grace period");
+        c.expire(2003 + 1000);
+        assert!(c.conn(&k).is_none(), "gone after it");
     }
 
     #[test]

@@ -113,10 +113,13 @@
 //! while the server looks alive. Once a server's heartbeats are bound to a source address, a
 //! low-priority thread looks that address up in the neighbour table of the `forward` device
 //! every second (the replies to its beats keep the entry resolved) and reports what it sees
-//! ([`ServerStatus::observed_mac`], [`ServerStatus::mac_ok`]); a mismatch is logged loudly
-//! (once per change) and counted (`mac_mismatches`). The balancer keeps forwarding to the
-//! configured MAC (a server whose heartbeats come from another network cannot be checked this
-//! way, and a guess would be worse than the operator's config): fix the config.
+//! ([`ServerStatus::observed_mac`], [`ServerStatus::mac_ok`], [`ServerStatus::mac_check`]); a
+//! mismatch is logged loudly (once per change) and counted (`mac_mismatches`). The balancer
+//! keeps forwarding to the configured MAC (a guess would be worse than the operator's config):
+//! fix the config. A server whose heartbeats come from another network (a management leg) has
+//! no entry there and cannot be checked this way: after [`MAC_UNVERIFIABLE_AFTER_MS`] without
+//! one, that is logged loudly once and the status says `mac_check: "unverifiable: ..."`
+//! (decided by [`MacCheck`], free of I/O).
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Write};
@@ -910,9 +913,15 @@ pub struct ServerStatus {
     /// The MAC the forward device's neighbour table has for that source (None: no entry).
     #[serde(default)]
     pub observed_mac: Option<String>,
-    /// Whether `observed_mac` equals the configured `mac` (None: not checked yet).
+    /// Whether `observed_mac` equals the configured `mac` (None: not known).
     #[serde(default)]
     pub mac_ok: Option<bool>,
+    /// The MAC check in words: `ok`, `mismatch: ...`, `pending`, or `unverifiable: ...` (no
+    /// neighbour entry for the heartbeat source on the forward device for 5 s: the heartbeats
+    /// arrive on another network, and a wrong `mac` would go unnoticed). None before any
+    /// heartbeat was accepted.
+    #[serde(default)]
+    pub mac_check: Option<String>,
 }
 
 /// Counters of the monitor and the table programmer.
@@ -1033,9 +1042,96 @@ impl LbStatus {
 struct ServerInfo {
     id: u16,
     mac: [u8; 6],
-    /// The neighbour entry of its heartbeat source on the forward device (see "Checking the
-    /// servers' MACs"): None until checked, Some(None) when there is no entry.
+    /// What the neighbour table says of its MAC (see "Checking the servers' MACs").
+    check: MacCheck,
+}
+
+/// How long a server's accepted heartbeat source may lack a neighbour entry on the forward
+/// device before its MAC is said to be unverifiable.
+pub const MAC_UNVERIFIABLE_AFTER_MS: u64 = 5_000;
+
+/// What the MAC check says after one lookup ([`MacCheck::observe`]); the caller logs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MacVerdict {
+    /// Nothing new to say.
+    Quiet,
+    /// The neighbour table has another MAC for the source: said once per change.
+    Mismatch([u8; 6]),
+    /// The configured MAC is confirmed after a mismatch or after being unverifiable.
+    Confirmed,
+    /// No neighbour entry for the source on the forward device for
+    /// [`MAC_UNVERIFIABLE_AFTER_MS`]: the heartbeats arrive on another network (a management
+    /// leg), so the MAC cannot be checked. Said once per source.
+    Unverifiable,
+}
+
+/// The MAC check of one server, free of I/O: fed one neighbour lookup of its heartbeat source
+/// at a time, it decides what to say and what the status shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MacCheck {
+    /// The source looked up last.
+    source: Option<IpAddr>,
+    /// The entry found for it: None until checked, Some(None) when there is no entry.
     observed: Option<Option<[u8; 6]>>,
+    /// Since when (ms) the source has had no entry.
+    missing_since: Option<u64>,
+    /// [`MacVerdict::Unverifiable`] was said for this source (and not taken back).
+    unverifiable: bool,
+}
+
+impl MacCheck {
+    /// One lookup of the heartbeat source `src` at `now_ms`: `seen` is the MAC the forward
+    /// device's neighbour table has for it, if any; `configured` the server's `mac`.
+    pub fn observe(&mut self, src: IpAddr, seen: Option<[u8; 6]>, configured: [u8; 6], now_ms: u64) -> MacVerdict {
+        if self.source != Some(src) {
+            *self = MacCheck { source: Some(src), ..MacCheck::default() };
+        }
+        let before = self.observed.replace(seen);
+        match seen {
+            Some(m) => {
+                self.missing_since = None;
+                let was_unverifiable = std::mem::take(&mut self.unverifiable);
+                if before == Some(seen) {
+                    MacVerdict::Quiet
+                } else if m != configured {
+                    MacVerdict::Mismatch(m)
+                } else if before.flatten().is_some() || was_unverifiable {
+                    MacVerdict::Confirmed
+                } else {
+                    MacVerdict::Quiet
+                }
+            }
+            None => {
+                let since = *self.missing_since.get_or_insert(now_ms);
+                if !self.unverifiable && now_ms.saturating_sub(since) >= MAC_UNVERIFIABLE_AFTER_MS {
+                    self.unverifiable = true;
+                    MacVerdict::Unverifiable
+                } else {
+                    MacVerdict::Quiet
+                }
+            }
+        }
+    }
+
+    /// The MAC the neighbour table has for the source, if any.
+    pub fn observed(&self) -> Option<[u8; 6]> {
+        self.observed.flatten()
+    }
+
+    /// The status's `mac_ok` (None: not known) and `mac_check` (why, in words; None before
+    /// any accepted heartbeat).
+    pub fn status(&self, configured: [u8; 6], forward: &str) -> (Option<bool>, Option<String>) {
+        let Some(src) = self.source else { return (None, None) };
+        match self.observed {
+            Some(Some(m)) if m == configured => (Some(true), Some("ok".into())),
+            Some(Some(m)) => (Some(false), Some(format!("mismatch: the neighbour table of {forward} has {} for {src}", mac_string(m)))),
+            _ if self.unverifiable => (
+                None,
+                Some(format!("unverifiable: no neighbour entry for {src} (its heartbeat source) on {forward}: its heartbeats arrive on another network, the configured mac is used unchecked")),
+            ),
+            _ => (None, Some("pending".into())),
+        }
+    }
 }
 
 struct State {
@@ -1258,7 +1354,7 @@ impl Lb {
             .servers
             .iter()
             .zip(&p.macs)
-            .map(|(s, &mac)| ServerInfo { id: s.id, mac, observed: None })
+            .map(|(s, &mac)| ServerInfo { id: s.id, mac, check: MacCheck::default() })
             .collect();
         let st = State {
             det,
@@ -1377,8 +1473,9 @@ impl Lb {
                     max_gap_ms: v.max_gap_ms,
                     gap_histogram: v.gaps,
                     heartbeat_source: st.guard.source(i).map(|a| a.to_string()),
-                    observed_mac: s.observed.flatten().map(mac_string),
-                    mac_ok: s.observed.flatten().map(|m| m == s.mac),
+                    observed_mac: s.check.observed().map(mac_string),
+                    mac_ok: s.check.status(s.mac, &sh.cfg.forward).0,
+                    mac_check: s.check.status(s.mac, &sh.cfg.forward).1,
                 }
             })
             .collect();
@@ -1651,18 +1748,15 @@ fn neighbour_checker(sh: &Shared) {
             continue;
         }
         let Ok(table) = neighbours(&sh.cfg.forward) else { continue };
+        let now = sh.now_ms(Instant::now());
         for (i, src) in sources {
             let seen = table.iter().find(|(ip, _)| *ip == src.ip()).map(|&(_, m)| m);
             let mut st = sh.lock();
             let s = &mut st.servers[i];
-            let before = s.observed;
-            s.observed = Some(seen);
             let (id, mac) = (s.id, s.mac);
-            if before == Some(seen) {
-                continue;
-            }
-            match seen {
-                Some(m) if m != mac => {
+            match s.check.observe(src.ip(), seen, mac, now) {
+                MacVerdict::Quiet => {}
+                MacVerdict::Mismatch(m) => {
                     st.counters.mac_mismatches += 1;
                     st.generation += 1;
                     drop(st);
@@ -1672,10 +1766,18 @@ fn neighbour_checker(sh: &Shared) {
                         src.ip(), sh.cfg.forward, mac_string(m), mac_string(mac)
                     );
                 }
-                Some(_) if before.flatten().is_some() => {
+                MacVerdict::Confirmed => {
                     eprintln!("lb: server {id}: MAC {} confirmed by the neighbour table of {}", mac_string(mac), sh.cfg.forward);
                 }
-                _ => {}
+                MacVerdict::Unverifiable => {
+                    st.generation += 1;
+                    drop(st);
+                    sh.changed.notify_all();
+                    eprintln!(
+                        "lb: WARNING: server {id}: its MAC cannot be verified: its heartbeats come from {}, which has had no neighbour entry on {} for {} s (they arrive on another network, e.g. a management leg); frames of its buckets go to the configured mac = {} unchecked: make sure it is right (status: mac_check)",
+                        src.ip(), sh.cfg.forward, MAC_UNVERIFIABLE_AFTER_MS / 1000, mac_string(mac)
+                    );
+                }
             }
         }
     }
@@ -2274,6 +2376,55 @@ fn rc_fallback_boot(at: Instant) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 9, LB misconfiguration: heartbeats that arrive on a management leg leave no
+    /// neighbour entry on the forward device, so a wrong `mac` used to go unnoticed (mac_ok
+    /// null, nothing logged). Now, 5 s after the first lookup without an entry, the check says
+    /// once that the MAC is unverifiable, and the status says why.
+    #[test]
+    fn hostile_server_mac_unverifiable_when_heartbeats_arrive_on_another_network() {
+        let mac = [2, 0x75, 0x62, 1, 0, 1];
+        let src: IpAddr = "10.99.0.11".parse().unwrap();
+        let mut c = MacCheck::default();
+        assert_eq!(c.status(mac, "lbr"), (None, None), "no heartbeat accepted yet");
+        let mut said = Vec::new();
+        for t in (0..=20_000u64).step_by(1000) {
+            let v = c.observe(src, None, mac, t);
+            if v != MacVerdict::Quiet {
+                said.push((t, v));
+            }
+            if t < MAC_UNVERIFIABLE_AFTER_MS {
+                assert_eq!(c.status(mac, "lbr"), (None, Some("pending".into())));
+            }
+        }
+        assert_eq!(said, [(MAC_UNVERIFIABLE_AFTER_MS, MacVerdict::Unverifiable)], "said once, after 5 s");
+        let (ok, why) = c.status(mac, "lbr");
+        assert_eq!(ok, None);
+        let why = why.unwrap();
+        assert!(why.starts_with("unverifiable:") && why.contains("10.99.0.11") && why.contains("lbr"), "{why}");
+        // An entry appears (the route changed): the configured MAC is confirmed, and said.
+        assert_eq!(c.observe(src, Some(mac), mac, 21_000), MacVerdict::Confirmed);
+        assert_eq!(c.status(mac, "lbr"), (Some(true), Some("ok".into())));
+        // Another source (the server moved): a fresh check, said again if it lacks an entry.
+        let other: IpAddr = "10.99.0.12".parse().unwrap();
+        assert_eq!(c.observe(other, None, mac, 22_000), MacVerdict::Quiet);
+        assert_eq!(c.observe(other, None, mac, 27_000), MacVerdict::Unverifiable);
+    }
+
+    #[test]
+    fn server_mac_mismatch_is_said_once_per_change() {
+        let mac = [2, 0x75, 0x62, 1, 0, 1];
+        let wrong = [2, 0x75, 0x62, 1, 0, 9];
+        let src: IpAddr = "10.78.0.11".parse().unwrap();
+        let mut c = MacCheck::default();
+        assert_eq!(c.observe(src, Some(wrong), mac, 0), MacVerdict::Mismatch(wrong));
+        assert_eq!(c.observe(src, Some(wrong), mac, 1000), MacVerdict::Quiet);
+        assert_eq!(c.status(mac, "lbr").0, Some(false));
+        assert_eq!(c.observe(src, Some(mac), mac, 2000), MacVerdict::Confirmed);
+        let mut fine = MacCheck::default();
+        assert_eq!(fine.observe(src, Some(mac), mac, 0), MacVerdict::Quiet, "a right MAC at the first look is not news");
+        assert_eq!(fine.status(mac, "lbr"), (Some(true), Some("ok".into())));
+    }
 
     const GOOD: &str = r#"
 ingress = "l0"

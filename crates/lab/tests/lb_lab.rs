@@ -1192,6 +1192,46 @@ fn hostile_wrong_server_mac_is_reported() {
     assert!(s.counters.mac_mismatches >= 1);
 }
 
+/// Issue 9 misconfiguration: a server whose heartbeats arrive on another network (a management
+/// leg: a veth between its namespace and the balancer's, with the route to the heartbeat
+/// address through it) leaves no neighbour entry on the forward device, so its (wrong) MAC
+/// cannot be checked. Before, its status said `mac_ok: null` and nothing else, forever; now
+/// `mac_check` says it is unverifiable, and why, within seconds.
+#[test]
+fn hostile_server_mac_behind_a_management_leg_is_said_unverifiable() {
+    if skip() {
+        return;
+    }
+    let mut w = World::new(false, |c| c.servers[1].mac = "02:75:62:01:00:99".into());
+    let (srv, lbns) = (w.lab.server(2).to_string(), w.lab.lb().to_string());
+    w.lab.lab.add_veth(&srv, "mgmt0", None, &lbns, "mgmt2", None).unwrap();
+    w.lab.lab.add_addr(&srv, "mgmt0", "10.99.2.2/24").unwrap();
+    w.lab.lab.add_addr(&lbns, "mgmt2", "10.99.2.1/24").unwrap();
+    w.lab.lab.add_route(&srv, &format!("{}/32 via 10.99.2.1 dev mgmt0", addr::HEARTBEAT.ip())).unwrap();
+    for i in 1..=3 {
+        w.start_hb(i);
+    }
+    // 5 s without an entry, checked every second: a generous deadline of its own.
+    let end = Instant::now() + Duration::from_secs(40);
+    let s2 = loop {
+        let s = w.status();
+        let s2 = s.server(2).cloned().unwrap();
+        if s2.mac_check.as_deref().is_some_and(|m| m.starts_with("unverifiable")) {
+            break s2;
+        }
+        assert!(Instant::now() < end, "server 2's MAC never said unverifiable: {s2:?}");
+        std::thread::sleep(Duration::from_millis(50)); // polling the status, bounded above
+    };
+    assert!(s2.heartbeat_source.as_deref().is_some_and(|a| a.starts_with("10.99.2.2:")), "{s2:?}");
+    assert_eq!(s2.mac_ok, None, "{s2:?}");
+    assert!(s2.mac_check.as_deref().unwrap().contains("10.99.2.2"), "{s2:?}");
+    let s = wait_for("the other MACs checked", || {
+        let s = w.status();
+        [1, 3].iter().all(|&i| s.server(i).is_some_and(|x| x.mac_ok == Some(true) && x.mac_check.as_deref() == Some("ok"))).then_some(s)
+    });
+    assert_eq!(s.counters.mac_mismatches, 0, "nothing to compare for server 2");
+}
+
 /// Issue 9 misconfiguration: an agent with a wrong key or a wrong LB address learns within
 /// seconds that its beats are not accepted, and what is wrong.
 #[test]

@@ -54,12 +54,24 @@ use unbroken_wire::ctl::ConnOptions;
 /// `TcpStream`, a `BorrowedFd`).
 ///
 /// When it fails, the connection is not protected, and the guard would still hold back its
-/// FIN (section 2.4.2): `establish` then marks the socket unprotected ([`unprotect`]) before
-/// returning the error, so that whatever the application does next (close it, or use it
-/// unprotected) reaches the peer as if there were no guard.
+/// FIN (section 2.4.2): `establish` then posts an RTCP_SHUTDOWN for it (without waiting: the
+/// side channel may be one-way, its TELLs may have arrived while the answers were lost) and
+/// marks the socket unprotected ([`unprotect`]) before returning the error, so that whatever
+/// the application does next (close it, or use it unprotected) reaches the peer as if there
+/// were no guard. Either suffices: the SHUTDOWN makes the application's FIN genuine, the mark
+/// releases a connection no protecting command named.
 pub fn establish<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord> {
-    let res = establish_inner(stream, client);
+    let fd = stream.as_fd();
+    let (app, peer) = match (sockname(fd, false), sockname(fd, true)) {
+        (Ok(a), Ok(p)) => (normalize(a), normalize(p)),
+        (Err(e), _) | (_, Err(e)) => {
+            let _ = unprotect(stream);
+            return Err(e.into());
+        }
+    };
+    let res = establish_inner(&fd, app, peer, client);
     if res.is_err() {
+        let _ = client.post(unbroken_wire::ctl::Op::Shutdown, app, peer, 0, None);
         let _ = unprotect(stream);
     }
     res
@@ -81,10 +93,7 @@ pub fn unprotect<S: AsFd>(stream: &S) -> io::Result<()> {
     v4.or(v6)
 }
 
-fn establish_inner<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord> {
-    let fd = stream.as_fd();
-    let app = normalize(sockname(fd, false)?);
-    let peer = normalize(sockname(fd, true)?);
+fn establish_inner(fd: &BorrowedFd<'_>, app: SocketAddr, peer: SocketAddr, client: &GuardClient) -> Result<ConnRecord> {
     let cfg = client.config();
     let tries = cfg.establish_tries.max(1);
     let mut pause = cfg.establish_backoff;
@@ -96,7 +105,7 @@ fn establish_inner<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnReco
         }
         match client.tell(app, peer) {
             Ok(r) if r.recoverable() && r.ack_allowed() => {
-                let options = match tcp_info_options(&fd) {
+                let options = match tcp_info_options(fd) {
                     Ok(Some(o)) => Some(o),
                     _ => r.options,
                 };

@@ -401,6 +401,10 @@ pub enum Misconfig {
     WrongKey,
     /// Nothing listens at the guard address the application was given.
     WrongGuardAddress,
+    /// The side channel is one-way: the application's commands reach the guard, the guard's
+    /// answers are dropped (an iptables rule in the application's namespace, like a firewall
+    /// that lets only outgoing UDP through).
+    OneWaySideChannel,
 }
 
 /// What [`run_misconfigured`] saw.
@@ -448,6 +452,12 @@ fn misconfigured_in(w: &World, m: Misconfig) -> Result<MisconfigReport, String> 
     let mut guard_addr = w.guard_ctl();
     if m == Misconfig::WrongGuardAddress {
         guard_addr.set_port(guard_addr.port() + 1);
+    }
+    if m == Misconfig::OneWaySideChannel {
+        let ctl = w.guard_ctl();
+        let tool = if ctl.is_ipv4() { "iptables" } else { "ip6tables" };
+        let (ip, port) = (ctl.ip().to_string(), ctl.port().to_string());
+        lab::run_ok(w.lab.app(1), Command::new(tool).args(["-w", "-A", "INPUT", "-p", "udp", "-s", &ip, "--sport", &port, "-j", "DROP"])).map_err(|e| format!("{tool}: {e}"))?;
     }
     let log_path = w.dir.join("app.stderr");
     let log = std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;

@@ -319,3 +319,21 @@ fn hostile_journal_control_run_with_the_right_key_stays_protected() {
     let c = &r.guard["counters"];
     assert_eq!((c["unprotected_released"].as_u64(), c["naks_sent"].as_u64()), (Some(0), Some(0)), "{c}");
 }
+
+#[test]
+fn hostile_journal_behind_a_one_way_side_channel_lets_the_peer_see_the_close() {
+    // The guard's answers never reach the application (a firewall passes only its outgoing
+    // UDP): its TELLs arrive, it gives up for want of an answer and closes. A TELL does not
+    // claim the connection, so the unprotected mark releases it; the SDK's SHUTDOWN, posted
+    // when it gives up, makes the FIN genuine as well. Before: the guard took the TELL as a
+    // claim, refused the mark and turned the FIN into a RST for the application: the peer hung.
+    let Some(_g) = lab_or_skip("one_way") else { return };
+    let r = misconfigured("one_way", Misconfig::OneWaySideChannel);
+    assert!(r.guard_check.contains("FAILED") && r.guard_check.contains("nothing answered"), "start-up: {}", r.guard_check);
+    assert!(r.app_log.contains("not protected, closing"), "per connection: {}", r.app_log);
+    assert_eq!(r.peer, "eof", "the peer sees the server's FIN, within {} ms", r.peer_wait_ms);
+    let c = &r.guard["counters"];
+    assert!(c["commands_answered"].as_u64().unwrap_or(0) >= 2, "the TELLs reached the guard: {c}");
+    assert_eq!(c["hostile_unprotect_refused"].as_u64(), Some(0), "{c}");
+    assert_eq!(c["spurious_fin_reset"].as_u64(), Some(0), "{c}");
+}

@@ -1302,19 +1302,7 @@ impl Engine {
             return;
         }
         c.challenged_at = Some(now);
-        let fin = (c.srv_fin == Some(c.sent_next)) as u32;
-        let hs = c.hs;
-        let r = tcp::Repr {
-            src_port: key.service.port(),
-            dst_port: key.client.port(),
-            seq: Seq(hs.iss.wrapping_add(1).wrapping_add(c.sent_next as u32).wrapping_add(fin)),
-            ack: Seq(hs.irs.wrapping_add(1).wrapping_add(c.told as u32)),
-            flags: flags::ACK,
-            window: c.last_window,
-            timestamp: if hs.timestamps { c.last_ts } else { None },
-            ..Default::default()
-        };
-        let Ok(pkt) = unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, &[]) else { return };
+        let Some(pkt) = c.pure_ack(key, c.told) else { return };
         self.counters.challenge_acks += 1;
         self.injected.push_back(pkt);
     }
@@ -1674,21 +1662,7 @@ impl Engine {
         if target <= c.told {
             return;
         }
-        // The server's send edge as the client sees it: everything seen left (nothing is
-        // held), and its FIN takes one sequence number.
-        let fin = (c.srv_fin == Some(c.sent_next)) as u32;
-        let hs = c.hs;
-        let r = tcp::Repr {
-            src_port: key.service.port(),
-            dst_port: key.client.port(),
-            seq: Seq(hs.iss.wrapping_add(1).wrapping_add(c.sent_next as u32).wrapping_add(fin)),
-            ack: Seq(hs.irs.wrapping_add(1).wrapping_add(target as u32)),
-            flags: flags::ACK,
-            window: c.last_window,
-            timestamp: if hs.timestamps { c.last_ts } else { None },
-            ..Default::default()
-        };
-        let Ok(pkt) = unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, &[]) else { return };
+        let Some(pkt) = c.pure_ack(key, target) else { return };
         c.told = target;
         self.counters.acks_injected += 1;
         self.injected.push_back(pkt);
@@ -2053,6 +2027,25 @@ impl Conn {
     /// 1 GiB): how far from the stream's position a genuine segment can be.
     fn window(&self) -> u64 {
         ((self.last_window as u64) << self.hs.server_ws.min(14)).clamp(1 << 16, 1 << 30)
+    }
+
+    /// The pure ACK the server's TCP would send acknowledging client stream offset `ack_off`:
+    /// at the server's send edge as the client sees it (everything seen left, nothing is held;
+    /// its FIN takes one sequence number), with its latest window and timestamps.
+    fn pure_ack(&self, key: Key, ack_off: u64) -> Option<Vec<u8>> {
+        let fin = (self.srv_fin == Some(self.sent_next)) as u32;
+        let hs = self.hs;
+        let r = tcp::Repr {
+            src_port: key.service.port(),
+            dst_port: key.client.port(),
+            seq: Seq(hs.iss.wrapping_add(1).wrapping_add(self.sent_next as u32).wrapping_add(fin)),
+            ack: Seq(hs.irs.wrapping_add(1).wrapping_add(ack_off as u32)),
+            flags: flags::ACK,
+            window: self.last_window,
+            timestamp: if hs.timestamps { self.last_ts } else { None },
+            ..Default::default()
+        };
+        unbroken_wire::ip::tcp_packet(key.service.ip(), key.client.ip(), &r, &[]).ok()
     }
 
     /// A server packet left for the client: what its ACK field told the client.

@@ -938,11 +938,7 @@ fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_n
 /// Creates the status file's directory and checks that the file can be written there: a
 /// wrong path is one clear error at start, not a complaint every 500 ms.
 fn prepare_status_file(path: &std::path::Path) -> Result<(), String> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| format!("agent: status_file {}: cannot create its directory {}: {e}", path.display(), dir.display()))?;
-    }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, b"{}").and_then(|_| std::fs::remove_file(&tmp)).map_err(|e| format!("agent: status_file {}: cannot write there: {e}", path.display()))
+    crate::status::prepare(path, "agent: status_file")
 }
 
 /// Says when something outside the agent stays wrong (no I/O): `Some(true)` when the
@@ -1111,20 +1107,25 @@ fn open_record(ctx: &WorkerCtx, skey: &str, value: &[u8]) -> Result<Record, Refu
     })
 }
 
+/// Reads `skey` from the store, retrying a failed read for up to `budget` (a transient error
+/// should not cost a connection its protection).
+fn get_retrying(ctx: &WorkerCtx, skey: &str, budget: Duration) -> Result<Option<Vec<u8>>, crate::store::StoreError> {
+    let deadline = Instant::now() + budget;
+    loop {
+        match ctx.kv.get(skey.as_bytes()) {
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)), // back-off between store retries
+            r => return r,
+        }
+    }
+}
+
 /// Reads the record of a connection a local socket serves and plans from the client's packet
 /// (the plan succeeding proves the record describes the connection). Its packets wait
 /// meanwhile, so a store that does not answer is given only a moment.
 fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>, pkt: &[u8]) -> Result<(Box<Record>, Box<Plan>), String> {
     let (_, trig) = Trigger::parse(pkt).ok_or("unparsable packet")?;
     let skey = store_key(bucket, &key);
-    let deadline = Instant::now() + Duration::from_millis(300);
-    let got = loop {
-        match ctx.kv.get(skey.as_bytes()) {
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)), // back-off between store retries
-            r => break r,
-        }
-    };
-    let value = got.map_err(|e| format!("store: {e}"))?.ok_or("no record")?;
+    let value = get_retrying(ctx, &skey, Duration::from_millis(300)).map_err(|e| format!("store: {e}"))?.ok_or("no record")?;
     let rec = open_record(ctx, &skey, &value).map_err(|e| format!("record refused: {e}"))?;
     let plan = plan_recovery(&rec, &trig).map_err(|r| format!("plan: {}", r.0))?;
     Ok((Box::new(rec), Box::new(plan)))
@@ -1134,14 +1135,7 @@ fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>, pkt: &[u8]) -> Result
 /// connections of a dead server fail over at once; a transient error should not reset one).
 fn lookup(ctx: &WorkerCtx, key: Key, bucket: Option<u16>) -> Result<Option<Record>, String> {
     let skey = store_key(bucket, &key);
-    let deadline = Instant::now() + Duration::from_millis(1500);
-    let got = loop {
-        match ctx.kv.get(skey.as_bytes()) {
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)), // back-off between store retries
-            r => break r,
-        }
-    };
-    match got.map_err(|e| e.to_string())? {
+    match get_retrying(ctx, &skey, Duration::from_millis(1500)).map_err(|e| e.to_string())? {
         None => Ok(None),
         // Issue 9 item 7: a value that is not this cluster's record for this key is refused
         // (the client gets the RST an unprotected server's death gives).

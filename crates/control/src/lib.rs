@@ -15,6 +15,7 @@ pub mod ratelog;
 pub mod records;
 pub mod runtime;
 pub mod signals;
+pub mod status;
 pub mod steer;
 pub mod sync;
 pub mod store;

@@ -50,16 +50,7 @@ pub fn write_status(path: &Path, s: &LbStatus) -> std::io::Result<()> {
 /// Creates the status file's directory and checks that a file can be written there: a wrong
 /// `--status-file` is one clear error at start.
 pub fn prepare_status_file(path: &Path) -> Result<(), String> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            format!("--status-file {}: cannot create its directory {}: {e}", path.display(), dir.display())
-        })?;
-    }
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    std::fs::write(&tmp, b"{}")
-        .and_then(|_| std::fs::remove_file(&tmp))
-        .map_err(|e| format!("--status-file {}: cannot write there: {e}", path.display()))
+    unbroken_control::status::prepare(path, "--status-file")
 }
 
 /// One line for an event.

@@ -23,7 +23,7 @@ use crate::kv::{KvStore, RedisKv};
 use crate::records::{Records, Refusal};
 use crate::store::StoreConfig;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
@@ -35,8 +35,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
 use unbroken_drivers::nfqueue::{Queue, QueueConfig, QueuedPacket, Verdict as QVerdict};
 use unbroken_drivers::repair::{self, RepairSpec};
+use unbroken_drivers::sockdiag::{Progress, SockDiag};
 use unbroken_engines::resume::{self, Mismatch};
-use unbroken_engines::trods::{self, plan_recovery, Dir, Engine, Key, Plan, Record, Trigger};
+use unbroken_engines::trods::{self, Dir, Engine, Key, Plan, Record, Trigger};
 use unbroken_wire::sealed::{RecordKey, Refused};
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -348,7 +349,10 @@ pub struct AgentCounters {
     pub loop_realtime: bool,
     /// Log lines over their budget (per kind, [`crate::ratelog`]), counted instead of written.
     pub log_suppressed: u64,
-    pub recent_refusals: Vec<String>,
+    /// The last 16 refusals, written to the status as `"client: why"`: kept as the client and
+    /// the reason the core gave (moved in, never formatted per refusal; issue 9 item 6).
+    #[serde(serialize_with = "serialize_refusals")]
+    pub recent_refusals: VecDeque<(SocketAddr, String)>,
     /// Failover lookups or relearns refused because the worker pool's queue was full (or a
     /// batch of socket destructions that then took a thread of its own).
     pub pool_full: u64,
@@ -390,7 +394,7 @@ enum Msg {
     /// The store's answer to a failover lookup ([`Out::Failover`]): the core plans from it.
     Record { key: Key, bucket: Option<u16>, result: Result<Option<Record>, String> },
     /// A connection a local socket serves: its record describes it (`Ok`), or why not.
-    Relearn { key: Key, bucket: Option<u16>, result: Result<(Box<Record>, Box<Plan>), String> },
+    Relearn { key: Key, bucket: Option<u16>, found: Result<Option<Record>, String>, sock: Result<Option<Progress>, String> },
     /// Connections with a record in buckets that moved here (listed to probe them).
     Listed { keys: Vec<(Key, u16)> },
 }
@@ -527,7 +531,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     });
     // (poll skips a negative fd: a store without a wake fd is drained every iteration)
     let fds = [queue.as_raw_fd(), store.wake_fd().unwrap_or(-1), wake.0.as_raw_fd()];
-    let mut diag = unbroken_drivers::sockdiag::SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
+    let mut diag = SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
     // The packet loop is the data path and its progress is what the heartbeats vouch for
     // (LoopWatch): ordinary work must not starve it. Nice -10 (weight ~9x a normal thread);
     // SCHED_FIFO was tried and starves the agent's own store thread and Redis on a 2-core host
@@ -617,21 +621,18 @@ pub fn run(cfg: Agent) -> Result<(), String> {
                     drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                     let _ = go.send(());
                 }
-                Msg::Relearn { key, bucket, result } => {
-                    match result {
-                        Ok((rec, plan)) => core.relearned(now, key, bucket, &rec, &plan),
-                        Err(why) => core.relearn_failed(now, key, bucket, &why),
-                    }
+                Msg::Relearn { key, bucket, found, sock } => {
+                    let _ = core.relearn_found(now, key, bucket, found, sock);
                     shared.dirty.store(true, Ordering::Relaxed);
                     drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                 }
                 Msg::Refuse { key, why } => {
                     core.refused(now, key);
-                    note_refusal(&shared, key, &why);
+                    note_refusal(&shared, key, why);
                 }
                 Msg::Record { key, bucket, result } => {
                     if let Err(why) = core.record(now, key, bucket, result) {
-                        note_refusal(&shared, key, &why);
+                        note_refusal(&shared, key, why);
                     }
                     drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
                 }
@@ -706,7 +707,11 @@ pub fn run(cfg: Agent) -> Result<(), String> {
 }
 
 /// A refused failover: logged and counted (its packets went to the kernel).
-fn note_refusal(shared: &Shared, key: Key, why: &str) {
+fn serialize_refusals<S: serde::Serializer>(r: &VecDeque<(SocketAddr, String)>, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(r.iter().map(|(client, why)| format!("{client}: {why}")))
+}
+
+fn note_refusal(shared: &Shared, key: Key, why: String) {
     shared.dirty.store(true, Ordering::Relaxed);
     crate::ratelog::log("agent: refused", || format!("agent: refused {} -> {}: {why}", key.client, key.service));
     shared.count(|c| {
@@ -724,9 +729,9 @@ fn note_refusal(shared: &Shared, key: Key, why: &str) {
             c.refused_plan += 1;
         }
         if c.recent_refusals.len() >= 16 {
-            c.recent_refusals.remove(0);
+            c.recent_refusals.pop_front();
         }
-        c.recent_refusals.push(format!("{}: {why}", key.client));
+        c.recent_refusals.push_back((key.client, why));
     });
 }
 
@@ -846,8 +851,9 @@ fn drive_outs(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &
                 accept(queue, id, &mut data, modified, csum_not_ready);
                 queue.recycle(data);
             }
-            Out::Drop { id } => {
+            Out::Drop { id, data } => {
                 let _ = queue.set_verdict(id, QVerdict::Drop, None);
+                queue.recycle(data);
             }
             Out::Failover { key, bucket, trigger: _ } => {
                 let c2 = ctx.clone();
@@ -874,14 +880,14 @@ fn drive_outs(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &
                     destroy.push(key);
                 }
             }
-            Out::Relearn { key, bucket, trigger } => {
+            Out::Relearn { key, bucket, trigger: _ } => {
                 let c2 = ctx.clone();
                 if !ctx.pool.submit(Box::new(move || {
-                    let result = relearn(&c2, key, bucket, &trigger);
-                    c2.send(Msg::Relearn { key, bucket, result });
+                    let (found, sock) = relearn(&c2, key, bucket);
+                    c2.send(Msg::Relearn { key, bucket, found, sock });
                 })) {
                     ctx.shared.count(|c| c.pool_full += 1);
-                    ctx.send(Msg::Relearn { key, bucket, result: Err("the failover worker pool is full".into()) });
+                    ctx.send(Msg::Relearn { key, bucket, found: Err("the failover worker pool is full".into()), sock: Ok(None) });
                 }
             }
             Out::Supersede { key } => {
@@ -1119,16 +1125,19 @@ fn get_retrying(ctx: &WorkerCtx, skey: &str, budget: Duration) -> Result<Option<
     }
 }
 
-/// Reads the record of a connection a local socket serves and plans from the client's packet
-/// (the plan succeeding proves the record describes the connection). Its packets wait
-/// meanwhile, so a store that does not answer is given only a moment.
-fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>, pkt: &[u8]) -> Result<(Box<Record>, Box<Plan>), String> {
-    let (_, trig) = Trigger::parse(pkt).ok_or("unparsable packet")?;
+/// Reads the record of a connection a local socket serves, then the socket's progress (after
+/// the record: the connection's client packets wait meanwhile, so the socket's position does
+/// not move past what the record was read against). Its packets wait, so a store that does not
+/// answer is given only a moment. The core decides ([`Core::relearn_found`]).
+fn relearn(ctx: &WorkerCtx, key: Key, bucket: Option<u16>) -> (Result<Option<Record>, String>, Result<Option<Progress>, String>) {
     let skey = store_key(bucket, &key);
-    let value = get_retrying(ctx, &skey, Duration::from_millis(300)).map_err(|e| format!("store: {e}"))?.ok_or("no record")?;
-    let rec = open_record(ctx, &skey, &value).map_err(|e| format!("record refused: {e}"))?;
-    let plan = plan_recovery(&rec, &trig).map_err(|r| format!("plan: {}", r.0))?;
-    Ok((Box::new(rec), Box::new(plan)))
+    let found = match get_retrying(ctx, &skey, Duration::from_millis(300)) {
+        Err(e) => Err(e.to_string()),
+        Ok(None) => Ok(None),
+        Ok(Some(v)) => open_record(ctx, &skey, &v).map(Some).map_err(|e| format!("record refused: {e}")),
+    };
+    let sock = SockDiag::open().and_then(|mut d| d.lookup_progress(key.service, key.client)).map(|i| i.and_then(|i| i.progress)).map_err(|e| e.to_string());
+    (found, sock)
 }
 
 /// A failover lookup (on the pool): the record of `key`, with retries for a moment (many
@@ -1585,6 +1594,24 @@ fn parse_store_key(k: &[u8]) -> Option<Key> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Refusals are kept as they came (client, reason) and written to the status as
+    /// "client: why", at most the last 16.
+    #[test]
+    fn recent_refusals_keep_the_last_16_and_read_as_client_and_reason() {
+        let mut c = AgentCounters::default();
+        for n in 0..20u16 {
+            if c.recent_refusals.len() >= 16 {
+                c.recent_refusals.pop_front();
+            }
+            c.recent_refusals.push_back((SocketAddr::from(([10, 77, 0, 2], 40000 + n)), format!("no record {n}")));
+        }
+        let v = serde_json::to_value(&c).unwrap();
+        let r = v["recent_refusals"].as_array().unwrap();
+        assert_eq!(r.len(), 16);
+        assert_eq!(r[0], "10.77.0.2:40004: no record 4");
+        assert_eq!(r[15], "10.77.0.2:40019: no record 19");
+    }
 
     const BASE: &str = "[agent]\nserver_id = 1\nservices = [\"10.77.0.100:80\"]\nlb = \"10.78.0.1:7950\"\nkey = \"00112233445566778899aabbccddeeff\"\n\n[store]\nnodes = [\"10.78.0.2:6379\"]\n";
     const RKEY: &str = "8f1e2d3c4b5a69788796a5b4c3d2e1f0";

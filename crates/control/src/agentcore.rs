@@ -27,7 +27,8 @@ use crate::lb::BucketView;
 use crate::store::{Op, OpKind};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
-use unbroken_engines::trods::{plan_recovery, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict, FAR_PAST_PROGRESS};
+use unbroken_drivers::sockdiag::Progress;
+use unbroken_engines::trods::{plan_recovery, plan_relearn, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict, FAR_PAST_PROGRESS};
 
 /// How long a packet of an unknown connection waits for the LB's view to allow its failover
 /// (the kernel table can change a few ms before the news reaches the agent).
@@ -124,8 +125,10 @@ impl<'a> LbView<'a> {
 pub enum Out {
     /// Let the packet through (`data` rewritten when `modified`).
     Accept { id: u32, data: Vec<u8>, modified: bool, csum_not_ready: bool },
-    /// Drop the packet.
-    Drop { id: u32 },
+    /// Drop the packet; `data` is its buffer, handed back for reuse (empty when the engine
+    /// kept it), so a flood of dropped packets allocates no more than accepted ones (issue 9
+    /// item 6).
+    Drop { id: u32, data: Vec<u8> },
     /// Look up `key`'s record (a failover candidate; `trigger` is the client packet that
     /// asked) and report it with [`Core::record`]. The core picks the plan from the record
     /// and the client packets that prove knowledge of the connection (issue 9 item 4).
@@ -139,9 +142,10 @@ pub enum Out {
     /// resets the client visibly.
     Destroy { key: Key },
     /// A local socket serves `key`, which this core never saw set up (the agent restarted
-    /// under it): read its record and plan from `trigger`, then [`Core::relearned`] (the
-    /// record describes the connection: protected again) or [`Core::relearn_failed`]
-    /// (learned unprotected, with a tombstone).
+    /// under it): read its record and the socket's progress (`tcp_info` through `sock_diag`)
+    /// and give both to [`Core::relearn_found`], which decides from them alone: `trigger`,
+    /// the client packet that started it (checksummed, waiting with the connection's others),
+    /// plans nothing (anyone can forge one; issue 9 item 4).
     Relearn { key: Key, bucket: Option<u16>, trigger: Vec<u8> },
     /// A client packet the engine does not know (it waits at the gate): if a socket was rebuilt
     /// here for `key`, the client acknowledged bytes it never sent (another server sent them
@@ -556,7 +560,7 @@ impl Core {
             }
         }
         match self.engine.packet_csum(p.id as u64, &mut p.data, Dir::FromClient, now, p.csum_not_ready) {
-            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
             Verdict::Accept { modified } => self.accept(p.id, p.data, modified, p.csum_not_ready),
             _ => self.accept(p.id, p.data, false, p.csum_not_ready),
         }
@@ -570,7 +574,7 @@ impl Core {
     fn flush_released(&mut self) {
         while let Some(id) = self.engine.take_dropped() {
             self.csum.remove(&id);
-            self.out.push_back(Out::Drop { id: id as u32 });
+            self.out.push_back(Out::Drop { id: id as u32, data: Vec::new() });
         }
         while let Some((id, bytes, modified)) = self.engine.take_released() {
             let cnr = self.csum.remove(&id).unwrap_or(false);
@@ -595,7 +599,7 @@ impl Core {
             }
             if !lease_ok {
                 if now.saturating_sub(r.since) >= FENCE_MAX_MS {
-                    self.out.push_back(Out::Drop { id: r.id });
+                    self.out.push_back(Out::Drop { id: r.id, data: r.data });
                     self.counters.fenced_dropped += 1;
                 } else {
                     self.released_wait.push(r);
@@ -605,7 +609,7 @@ impl Core {
             let b = Trigger::parse(&r.data).and_then(|(k, _)| self.bucket(&Key { client: k.service, service: k.client }));
             if let (Some(v), Some(b)) = (lb.view(), b) {
                 if !v.owns(b) {
-                    self.out.push_back(Out::Drop { id: r.id });
+                    self.out.push_back(Out::Drop { id: r.id, data: r.data });
                     self.counters.fenced_dropped += 1;
                     continue;
                 }
@@ -631,7 +635,7 @@ impl Core {
         if !self.fenced.is_empty() {
             let (old, keep): (Vec<Fenced>, Vec<Fenced>) = self.fenced.drain(..).partition(|f| now.saturating_sub(f.since) >= FENCE_MAX_MS);
             for f in old {
-                self.out.push_back(Out::Drop { id: f.p.id });
+                self.out.push_back(Out::Drop { id: f.p.id, data: f.p.data });
                 self.counters.fenced_dropped += 1;
             }
             self.fenced = keep;
@@ -642,7 +646,7 @@ impl Core {
                 if Self::key_of(&f.p).is_some_and(|k| self.bucket(&k).is_some()) {
                     released.push(f.p);
                 } else if now.saturating_sub(f.since) >= FENCE_MAX_MS {
-                    self.out.push_back(Out::Drop { id: f.p.id });
+                    self.out.push_back(Out::Drop { id: f.p.id, data: f.p.data });
                     self.counters.fenced_dropped += 1;
                 } else {
                     self.unbucketed.push(f);
@@ -662,7 +666,7 @@ impl Core {
                     self.fenced.push(Fenced { since: now, p });
                     self.counters.fenced_held += 1;
                 } else {
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                     self.counters.fenced_dropped += 1;
                 }
                 return;
@@ -671,7 +675,7 @@ impl Core {
             if let (Some(v), Some(b)) = (lb.view(), b) {
                 if !v.owns(b) {
                     // Another server speaks for this connection now.
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                     self.counters.fenced_dropped += 1;
                     return;
                 }
@@ -694,7 +698,7 @@ impl Core {
                     self.unbucketed.push(Fenced { since: now, p });
                     self.counters.fenced_held += 1;
                 } else {
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                     self.counters.fenced_dropped += 1;
                 }
                 return;
@@ -706,7 +710,7 @@ impl Core {
                 // Proves nothing (the kernel drops it too): it neither cancels nor joins a
                 // failover, nor is it filed as a handshake (issue 9, object review item 1).
                 self.counters.triggers_rejected += 1;
-                self.out.push_back(Out::Drop { id: p.id });
+                self.out.push_back(Out::Drop { id: p.id, data: p.data });
                 return;
             }
             // A SYN on the address pair of a connection being looked up or planned (issue 9,
@@ -720,7 +724,7 @@ impl Core {
                 if r.len() < RECOVERING_MAX_PACKETS {
                     r.push(p);
                 } else {
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                     self.counters.gate_full += 1;
                 }
                 if self.planning.contains_key(&k) {
@@ -737,7 +741,7 @@ impl Core {
                 // connection (`refused` passes it to the engine); a live record, and it waits
                 // for a packet that plans, or the client's RST that clears it.
                 if self.gate_wait.len() >= GATE_MAX_PACKETS {
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                     self.counters.gate_full += 1;
                     return;
                 }
@@ -771,7 +775,7 @@ impl Core {
                 }
                 self.accept(p.id, p.data, modified, p.csum_not_ready);
             }
-            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
             Verdict::Held => {
                 self.csum.insert(p.id as u64, p.csum_not_ready);
             }
@@ -789,7 +793,7 @@ impl Core {
                 }
                 self.out.push_back(Out::Supersede { key: k });
                 if self.gate_wait.len() >= GATE_MAX_PACKETS {
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                     self.counters.gate_full += 1;
                     return;
                 }
@@ -884,7 +888,7 @@ impl Core {
             if (local || allowed) && !g.p.csum_not_ready && !tcp_checksum_ok(&g.p.data) {
                 // Proves nothing and the kernel drops it too: no relearn, no lookup.
                 self.counters.triggers_rejected += 1;
-                self.out.push_back(Out::Drop { id: g.p.id });
+                self.out.push_back(Out::Drop { id: g.p.id, data: g.p.data });
             } else if local {
                 self.counters.passed_local_socket += 1;
                 let trigger = g.p.data.clone();
@@ -919,7 +923,7 @@ impl Core {
                             // Dropped, not handed to the kernel (whose RST would end a genuine
                             // connection): its client sends again.
                             self.counters.admit_dropped += 1;
-                            self.out.push_back(Out::Drop { id: g.p.id });
+                            self.out.push_back(Out::Drop { id: g.p.id, data: g.p.data });
                         } else {
                             keep.push(g);
                         }
@@ -931,7 +935,7 @@ impl Core {
                 // client sends again, to the new owner.
                 self.counters.failovers_denied += 1;
                 self.counters.fenced_dropped += 1;
-                self.out.push_back(Out::Drop { id: g.p.id });
+                self.out.push_back(Out::Drop { id: g.p.id, data: g.p.data });
             } else if now.saturating_sub(g.since) >= GATE_WAIT_MS {
                 let (client, bucket) = (g.key.client, g.p.bucket);
                 self.say("failover denied", now, || format!("agent: failover denied for {client} (bucket {bucket:?}): not a recently moved bucket"));
@@ -956,19 +960,42 @@ impl Core {
         // Server packets of this connection that waited for its bucket came from a socket
         // the rebuilt one replaced (an orphan of the previous agent's, closing): never theirs
         // to send now.
-        let mut gone = Vec::new();
-        self.unbucketed.retain(|f| {
-            let stale = Self::key_of(&f.p) == Some(key);
-            if stale {
-                gone.push(f.p.id);
-            }
-            !stale
-        });
-        for id in gone {
-            self.out.push_back(Out::Drop { id });
+        let (gone, keep): (Vec<Fenced>, Vec<Fenced>) = std::mem::take(&mut self.unbucketed).into_iter().partition(|f| Self::key_of(&f.p) == Some(key));
+        self.unbucketed = keep;
+        for f in gone {
+            self.out.push_back(Out::Drop { id: f.p.id, data: f.p.data });
             self.counters.fenced_dropped += 1;
         }
         self.replay(now, key);
+    }
+
+    /// The answer to [`Out::Relearn`]: the record of `key` (`Ok(None)`: none) and what its
+    /// local socket says of its progress (`Ok(None)`: no such full socket any more). The record
+    /// describes the connection when [`plan_relearn`] plans from the socket's own position
+    /// (the client acknowledged nothing the record does not know, and the socket received
+    /// nothing past what it answers): protected again ([`Core::relearned`]); otherwise learned
+    /// unprotected ([`Core::relearn_failed`]), and the reason is returned. No client packet
+    /// takes part: a forged one (right checksum, numbers the record does not explain) used to
+    /// leave the connection unprotected and its record a tombstone; now it waits with the
+    /// others and the engine judges it after the decision.
+    pub fn relearn_found(&mut self, now: u64, key: Key, bucket: Option<u16>, found: Result<Option<Record>, String>, sock: Result<Option<Progress>, String>) -> Result<(), String> {
+        let decided = match (found, sock) {
+            (Err(e), _) => Err(format!("store: {e}")),
+            (Ok(None), _) => Err("no record".to_string()),
+            (_, Err(e)) => Err(format!("socket: {e}")),
+            (_, Ok(None)) => Err("socket: no progress reported (gone, or not a full socket)".to_string()),
+            (Ok(Some(rec)), Ok(Some(p))) => plan_relearn(&rec, p.bytes_acked, p.bytes_received).map(|plan| (rec, plan)).map_err(|r| format!("plan: {}", r.0)),
+        };
+        match decided {
+            Ok((rec, plan)) => {
+                self.relearned(now, key, bucket, &rec, &plan);
+                Ok(())
+            }
+            Err(why) => {
+                self.relearn_failed(now, key, bucket, &why);
+                Err(why)
+            }
+        }
     }
 
     /// The record of `key` (served by a local socket this core never saw set up) describes
@@ -1017,7 +1044,7 @@ impl Core {
                     self.out.push_back(Out::Supersede { key });
                     self.gate_wait.push(GateWait { key, since: now, p, local: None, limited: None });
                 }
-                Verdict::Drop => self.out.push_back(Out::Drop { id: p.id }),
+                Verdict::Drop => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
                 Verdict::Held => {
                     self.csum.insert(p.id as u64, p.csum_not_ready);
                 }
@@ -1108,7 +1135,7 @@ impl Core {
             syn |= t.is_some_and(|t| t.flags & unbroken_wire::tcp::flags::SYN != 0);
             if t.is_some_and(|t| t.flags & unbroken_wire::tcp::flags::RST != 0 && t.seq == probe_ack) {
                 cleared = true;
-                self.out.push_back(Out::Drop { id: p.id });
+                self.out.push_back(Out::Drop { id: p.id, data: p.data });
                 continue;
             }
             let plan = t.and_then(|t| plan_recovery(&pl.rec, &t).ok());
@@ -1119,7 +1146,7 @@ impl Core {
                 }
                 None => {
                     self.counters.triggers_rejected += 1;
-                    self.out.push_back(Out::Drop { id: p.id });
+                    self.out.push_back(Out::Drop { id: p.id, data: p.data });
                 }
             }
         }
@@ -1134,7 +1161,7 @@ impl Core {
                 self.refused.insert(key, self.clock);
             }
             for p in keep {
-                self.out.push_back(Out::Drop { id: p.id });
+                self.out.push_back(Out::Drop { id: p.id, data: p.data });
             }
             return;
         }

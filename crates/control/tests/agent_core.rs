@@ -7,6 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
 use unbroken_control::lb::BucketView;
+use unbroken_drivers::sockdiag::Progress;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
 use unbroken_wire::tcp::{flags as F, Repr};
@@ -127,7 +128,7 @@ impl T {
         self.outs.iter().any(|o| matches!(o, Out::Accept { id: i, .. } if *i == id))
     }
     fn dropped(&self, id: u32) -> bool {
-        self.outs.iter().any(|o| matches!(o, Out::Drop { id: i } if *i == id))
+        self.outs.iter().any(|o| matches!(o, Out::Drop { id: i, .. } if *i == id))
     }
     /// A connection set up through this core (so the engine knows it).
     fn connect(&mut self, port: u16) {
@@ -203,7 +204,8 @@ fn restart_a_local_socket_connection_without_a_usable_record_is_learned_unprotec
     assert_eq!((r[0].0, r[0].1), (key(40001), Some(B)));
     assert!(!t.outs.iter().any(|o| matches!(o, Out::Failover { .. })), "a live local socket is never rebuilt");
     t.take();
-    t.core.relearn_failed(t.now, key(40001), Some(B), "no record");
+    let why = t.core.relearn_found(t.now, key(40001), Some(B), Ok(None), Ok(Some(Progress { bytes_acked: 4999, bytes_received: 99 })));
+    assert_eq!(why, Err("no record".to_string()));
     t.collect();
     assert!(t.accepted(id), "passed once the record was found wanting");
     assert_eq!((t.core.counters.passed_local_socket, t.core.counters.relearn_failed), (1, 1));
@@ -238,10 +240,9 @@ fn restart_a_local_socket_connection_is_protected_again_from_its_record() {
     assert!(!t.accepted(s1) && !t.accepted(c1), "both wait for the record");
     let r = t.relearns();
     assert_eq!(r.len(), 1);
-    let (_, trig) = Trigger::parse(&r[0].2).unwrap();
-    let plan = plan_recovery(&rec, &trig).unwrap();
     t.take();
-    t.core.relearned(t.now, key(40010), Some(B), &rec, &plan);
+    // The socket says the client acknowledged 2500 bytes and sent its 50-byte request.
+    assert_eq!(t.core.relearn_found(t.now, key(40010), Some(B), Ok(Some(rec.clone())), Ok(Some(Progress { bytes_acked: 2500, bytes_received: 50 }))), Ok(()));
     t.collect();
     assert!(t.accepted(c1), "the waiting client packet passes");
     t.tick(true);
@@ -926,6 +927,8 @@ fn hostile_bad_checksum_packet_never_relearns_a_local_connection() {
     let bad = pkt_from(&mut t, c_ip(), 40030, C_ISN + 51, S_ISN + 1 + 2500, true);
     t.tick(true);
     assert!(t.dropped(bad));
+    // Its buffer comes back with the drop, for the queue to reuse (issue 9 item 6).
+    assert!(t.outs.iter().any(|o| matches!(o, Out::Drop { id, data } if *id == bad && data.len() == 40)), "{:?}", t.outs);
     assert!(t.relearns().is_empty());
     let good = pkt_from(&mut t, c_ip(), 40030, C_ISN + 51, S_ISN + 1 + 2500, false);
     t.tick(true);
@@ -1184,4 +1187,89 @@ fn hostile_syn_flood_in_a_moved_bucket_stays_bounded() {
     assert!(t.core.counters.gate_full >= 2000, "{:?}", t.core.counters);
     t.tick(false);
     assert!(failovers(&t).len() as u64 <= cfg.per_bucket_burst);
+}
+
+/// The record of the download the relearn tests below find: a 50-byte request, a 10,000-byte
+/// body of which 3,000 bytes were recorded as sent.
+fn relearn_record() -> Record {
+    let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
+    let header = b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n".to_vec();
+    let entry = Entry { req_off: 0, req_len: 50, resp_off: 0, status: 200, body_len: 10000, header, object_id: b"GET /x HTTP/1.1\r\n".to_vec(), ..Entry::default() };
+    Record { hs, hold_off: 0, sent_off: 3000, entries: vec![entry], ..Record::default() }
+}
+
+fn tombstones(t: &T) -> usize {
+    t.outs
+        .iter()
+        .filter(|o| match o {
+            Out::Store(op) => match &op.kind {
+                unbroken_control::store::OpKind::Set { val, .. } => Record::decode(val).is_ok_and(|r| r.unprotected),
+                _ => false,
+            },
+            _ => false,
+        })
+        .count()
+}
+
+/// Issue 9 item 4, the relearn path: after an agent restart, a blind attacker sends the first
+/// packet of a connection a local socket serves: right checksum, numbers the record does not
+/// explain (an ACK far past anything sent). It starts the relearn and waits with the genuine
+/// packet that follows; the decision comes from the record and the socket's own progress
+/// (`tcp_info`), which no packet can forge: the connection is protected again (no tombstone,
+/// nothing learned unprotected), the genuine packet passes and the forged one teaches the
+/// engine nothing. The old core planned from the forged packet and learned the connection
+/// unprotected, its record a tombstone.
+#[test]
+fn hostile_forged_first_packet_after_a_restart_never_unprotects_a_local_connection() {
+    let mut t = T::restarted();
+    let forged = pkt_from(&mut t, c_ip(), 40040, C_ISN + 51 + 3_000_000, S_ISN + 1 + 9_000_000, false);
+    let genuine = pkt_from(&mut t, c_ip(), 40040, C_ISN + 51, S_ISN + 1 + 2500, false);
+    t.tick(true);
+    assert!(!t.accepted(forged) && !t.accepted(genuine), "both wait for the decision");
+    assert_eq!(t.relearns().len(), 1, "one relearn for the connection");
+    t.take();
+    let r = t.core.relearn_found(t.now, key(40040), Some(B), Ok(Some(relearn_record())), Ok(Some(Progress { bytes_acked: 2500, bytes_received: 50 })));
+    assert_eq!(r, Ok(()));
+    t.collect();
+    assert!(t.accepted(genuine), "the genuine packet passes");
+    // The forged one is judged by the engine like any packet of a protected connection: out
+    // of the window, it teaches nothing (the kernel answers it with a duplicate ACK).
+    assert_eq!(t.core.engine.counters.out_of_window, 1);
+    assert!(t.accepted(forged));
+    assert_eq!((t.core.engine.counters.relearned, t.core.engine.counters.learned, t.core.engine.protected()), (1, 0, 1));
+    assert_eq!(t.core.counters.relearn_failed, 0);
+    t.tick(true);
+    assert_eq!(tombstones(&t), 0, "{:?}", t.outs);
+}
+
+/// The socket decides both ways: a record its progress shows stale (the client acknowledged
+/// bytes past the recorded response, served while the agent was down) is learned unprotected
+/// with a tombstone, even when the packet that started the relearn would have planned against
+/// it; a socket gone meanwhile, or a record that aliases past 4 GiB, the same.
+#[test]
+fn relearn_is_decided_by_the_sockets_progress_not_by_the_packet() {
+    let mut t = T::restarted();
+    let p = pkt_from(&mut t, c_ip(), 40041, C_ISN + 51, S_ISN + 1 + 2500, false);
+    t.tick(true);
+    assert_eq!(t.relearns().len(), 1);
+    t.take();
+    let why = t.core.relearn_found(t.now, key(40041), Some(B), Ok(Some(relearn_record())), Ok(Some(Progress { bytes_acked: 12_000, bytes_received: 50 }))).unwrap_err();
+    assert!(why.starts_with("plan: "), "{why}");
+    t.collect();
+    assert!(t.accepted(p), "passed, unprotected");
+    assert_eq!((t.core.engine.counters.relearned, t.core.engine.counters.learned, t.core.counters.relearn_failed), (0, 1, 1));
+    t.tick(true);
+    assert_eq!(tombstones(&t), 1, "a failover elsewhere must refuse, not guess");
+
+    let mut t = T::restarted();
+    pkt_from(&mut t, c_ip(), 40042, C_ISN + 51, S_ISN + 1 + 2500, false);
+    t.tick(true);
+    let why = t.core.relearn_found(t.now, key(40042), Some(B), Ok(Some(relearn_record())), Ok(None)).unwrap_err();
+    assert!(why.starts_with("socket: "), "{why}");
+    let why = trods_plan_err(relearn_record(), (1u64 << 32) + 2500, 50);
+    assert!(why.contains("aliases"), "{why}");
+}
+
+fn trods_plan_err(rec: Record, acked: u64, received: u64) -> String {
+    unbroken_engines::trods::plan_relearn(&rec, acked, received).unwrap_err().0.to_string()
 }

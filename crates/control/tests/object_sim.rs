@@ -86,7 +86,8 @@ use unbroken_control::agentcore::{Core, LbView, Out, Pkt};
 use unbroken_control::detector::{Detector, DetectorConfig, Grant};
 use unbroken_control::lb::BucketView;
 use unbroken_control::store::{Op, OpKind};
-use unbroken_engines::trods::{self, plan_recovery, Dir, Engine, Key, Plan, Record, Trigger};
+use unbroken_engines::trods::{self, Dir, Engine, Key, Plan, Record, Trigger};
+use unbroken_drivers::sockdiag::Progress;
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
 use unbroken_wire::Seq;
@@ -294,6 +295,8 @@ struct SConn {
     adopted: bool,
     syn_rcvd: bool,
     iss: u32,
+    /// The client's initial sequence number (what `tcp_info` counts received bytes from).
+    irs: u32,
     /// Sequence number of `out[0]`.
     seq0: u32,
     out: Vec<u8>,
@@ -378,6 +381,7 @@ impl HostModel {
                     adopted: false,
                     syn_rcvd: true,
                     iss,
+                    irs: s.seq,
                     seq0: iss.wrapping_add(1),
                     out: Vec::new(),
                     una: 0,
@@ -1406,8 +1410,8 @@ impl Sim {
         }
         if self.verbose {
             for (id, d) in &copies {
-                let decided = outs.iter().any(|o| matches!(o, Out::Accept { id: i, .. } | Out::Drop { id: i } if i == id));
-                let dropped = outs.iter().any(|o| matches!(o, Out::Drop { id: i } if i == id));
+                let decided = outs.iter().any(|o| matches!(o, Out::Accept { id: i, .. } | Out::Drop { id: i, .. } if i == id));
+                let dropped = outs.iter().any(|o| matches!(o, Out::Drop { id: i, .. } if i == id));
                 if !decided && agent.core.engine.counters.held != held0 {
                     self.note(format!("srv{s} waits (held or fenced): {}", describe(d)));
                 } else if dropped {
@@ -1471,7 +1475,7 @@ impl Sim {
                     }
                     None => self.fail(format!("server {s}: the core accepted packet {id} twice or never queued")),
                 },
-                Out::Drop { id } => {
+                Out::Drop { id, .. } => {
                     if agent.dirs.remove(&id).is_none() {
                         self.fail(format!("server {s}: the core dropped packet {id} twice or never queued"));
                     }
@@ -1630,43 +1634,32 @@ impl Sim {
                     continue;
                 }
                 WStage::Read => {
+                    // The relearn: the record, then what the local socket says of its
+                    // progress (tcp_info); the core decides from those alone.
                     let skey = store_key(w.bucket, &key).into_bytes();
-                    let got = self.store.data.get(&skey).cloned();
-                    let planned = match got {
-                        None => Err("no record".to_string()),
-                        Some(v) => match Record::decode(&v) {
-                            Err(e) => Err(format!("record: {e}")),
-                            Ok(rec) => {
-                                let (_, trig) = Trigger::parse(&w.trigger).expect("the core parsed it");
-                                match plan_recovery(&rec, &trig) {
-                                    Err(r) => Err(format!("plan: {}", r.0)),
-                                    Ok(plan) => Ok((rec, plan)),
-                                }
-                            }
-                        },
+                    let found = match self.store.data.get(&skey) {
+                        None => Ok(None),
+                        Some(v) => Record::decode(v).map(Some).map_err(|e| format!("record: {e}")),
                     };
-                    match planned {
-                        Err(e) if w.relearn => {
-                            let (bucket, relearn_port) = (w.bucket, port);
-                            agent.workers.remove(i);
+                    let sock = Ok(self.srv[s].host.as_ref().and_then(|h| h.conns.get(&key)).filter(|c| !c.syn_rcvd).map(|c| Progress {
+                        bytes_acked: c.seq0.wrapping_add(c.una as u32).wrapping_sub(c.iss.wrapping_add(1)) as u64,
+                        bytes_received: c.rcv_nxt.wrapping_sub(c.irs.wrapping_add(1)) as u64,
+                    }));
+                    let bucket = w.bucket;
+                    agent.workers.remove(i);
+                    match agent.core.relearn_found(now, key, bucket, found, sock) {
+                        Err(e) => {
                             self.report.learned += 1;
-                            self.note(format!("srv{s} learned {relearn_port} unprotected: {e}"));
-                            self.excuse(relearn_port, &format!("server {s}'s agent restarted under it and its record did not describe it ({e}): learned unprotected"));
-                            agent.core.relearn_failed(now, key, bucket, &e);
-                            self.drive(s, agent);
-                            continue;
+                            self.note(format!("srv{s} learned {port} unprotected: {e}"));
+                            self.excuse(port, &format!("server {s}'s agent restarted under it and its record did not describe it ({e}): learned unprotected"));
                         }
-                        Ok((rec, plan)) if w.relearn => {
-                            let bucket = w.bucket;
-                            agent.workers.remove(i);
+                        Ok(()) => {
                             self.report.relearned += 1;
-                            self.note(format!("srv{s} relearned {port} from its record: {:?} acked_off={}", plan.case, plan.acked_off));
-                            agent.core.relearned(now, key, bucket, &rec, &plan);
-                            self.drive(s, agent);
-                            continue;
+                            self.note(format!("srv{s} relearned {port} from its record and its socket's progress"));
                         }
-                        _ => unreachable!("failover lookups are planned by the core"),
                     }
+                    self.drive(s, agent);
+                    continue;
                 }
                 WStage::Rebuild(rp) => {
                     let (rec, plan) = *rp;
@@ -1694,6 +1687,7 @@ impl Sim {
                             adopted: true,
                             syn_rcvd: false,
                             iss: rec.hs.iss,
+                            irs: rec.hs.irs,
                             seq0: plan.snd_nxt,
                             out,
                             una: 0,
@@ -1733,7 +1727,8 @@ impl Sim {
                     self.report.learned += 1;
                     self.note(format!("srv{s} learned {port} unprotected: {why}"));
                     self.excuse(port, &format!("server {s}'s agent restarted under it and its record did not describe it ({why}): learned unprotected"));
-                    agent.core.relearn_failed(now, key, bucket, &why);
+                    let why = why.strip_prefix("store: ").unwrap_or(&why).to_string();
+                    let _ = agent.core.relearn_found(now, key, bucket, Err(why), Ok(None));
                     self.drive(s, agent);
                 }
                 Some(Err(why)) => {

@@ -6,7 +6,9 @@
 //! both big endian; source and destination address, 16 bytes each; interface; cookie, which
 //! must be `INET_DIAG_NOCOOKIE` for a lookup by address). Without `NLM_F_DUMP` the kernel
 //! answers one `inet_diag_msg` (family, state, timer, retrans, the sockid, expires, rqueue,
-//! wqueue, uid, inode) or an `NLMSG_ERROR` (`ENOENT`: no such socket).
+//! wqueue, uid, inode) or an `NLMSG_ERROR` (`ENOENT`: no such socket). Asked for the
+//! `INET_DIAG_INFO` extension, a full socket's answer carries its `struct tcp_info` as an
+//! attribute after the message: [`SockInfo::progress`].
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -26,6 +28,22 @@ pub const TCP_NEW_SYN_RECV: u8 = 12;
 const TCP_LISTEN: u8 = 10;
 const REQ_LEN: usize = 56;
 const MSG_LEN: usize = 72;
+/// `INET_DIAG_INFO` (`include/uapi/linux/inet_diag.h`): the attribute holding `tcp_info`.
+const INET_DIAG_INFO: u16 = 2;
+/// Offsets in `struct tcp_info` (`include/uapi/linux/tcp.h`) of `tcpi_bytes_acked` and
+/// `tcpi_bytes_received` (both `__u64`, since Linux 4.1/4.2).
+const TCPI_BYTES_ACKED: usize = 120;
+const TCPI_BYTES_RECEIVED: usize = 128;
+
+/// How far a connection has gone, as its socket counts it (`tcp_info`): bytes of this side's
+/// stream the peer acknowledged (`tcpi_bytes_acked`: `snd_una - iss - 1`, a FIN counted as
+/// one) and bytes received in order from the peer (`tcpi_bytes_received`: `rcv_nxt - irs -
+/// 1`, a FIN counted as one). No packet on the wire can change what the kernel says here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    pub bytes_acked: u64,
+    pub bytes_received: u64,
+}
 
 /// What the kernel says about a socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +52,9 @@ pub struct SockInfo {
     pub state: u8,
     /// Inode of the socket; 0 for an orphan (closed by its process, still in the kernel).
     pub inode: u32,
+    /// Its progress, when asked for ([`SockDiag::lookup_progress`]) and the socket is a full
+    /// one (a request socket has no `tcp_info`).
+    pub progress: Option<Progress>,
 }
 
 impl SockInfo {
@@ -68,6 +89,11 @@ fn addr_bytes(ip: IpAddr) -> (u8, [u8; 16]) {
 
 /// The request message for the socket `local` <-> `remote` (any state).
 pub fn request(local: SocketAddr, remote: SocketAddr, seq: u32) -> Option<Vec<u8>> {
+    request_ext(local, remote, seq, false)
+}
+
+/// [`request`], asking for `tcp_info` too when `info`.
+fn request_ext(local: SocketAddr, remote: SocketAddr, seq: u32, info: bool) -> Option<Vec<u8>> {
     let (fam, src) = addr_bytes(local.ip());
     let (fam2, dst) = addr_bytes(remote.ip());
     if fam != fam2 {
@@ -80,7 +106,8 @@ pub fn request(local: SocketAddr, remote: SocketAddr, seq: u32) -> Option<Vec<u8
     m.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[fam, libc::IPPROTO_TCP as u8, 0, 0]);
+    let ext = if info { 1u8 << (INET_DIAG_INFO - 1) } else { 0 };
+    m.extend_from_slice(&[fam, libc::IPPROTO_TCP as u8, ext, 0]);
     m.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
     m.extend_from_slice(&local.port().to_be_bytes());
     m.extend_from_slice(&remote.port().to_be_bytes());
@@ -122,12 +149,31 @@ pub fn parse_reply(buf: &[u8], seq: u32) -> io::Result<Option<SockInfo>> {
                 if body[1] == TCP_LISTEN {
                     return Ok(None);
                 }
-                return Ok(Some(SockInfo { state: body[1], inode }));
+                return Ok(Some(SockInfo { state: body[1], inode, progress: progress(&body[MSG_LEN..]) }));
             }
         }
         at += (len + 3) & !3;
     }
     Err(bad())
+}
+
+/// The `INET_DIAG_INFO` attribute among `attrs` (netlink attributes: length, type, payload,
+/// padded to 4 bytes), if present and long enough.
+fn progress(mut attrs: &[u8]) -> Option<Progress> {
+    while attrs.len() >= 4 {
+        let len = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
+        let ty = u16::from_ne_bytes([attrs[2], attrs[3]]);
+        if len < 4 || len > attrs.len() {
+            return None;
+        }
+        if ty == INET_DIAG_INFO {
+            let info = &attrs[4..len];
+            let at = |o: usize| info.get(o..o + 8).map(|b| u64::from_ne_bytes(b.try_into().unwrap()));
+            return Some(Progress { bytes_acked: at(TCPI_BYTES_ACKED)?, bytes_received: at(TCPI_BYTES_RECEIVED)? });
+        }
+        attrs = attrs.get((len + 3) & !3..).unwrap_or(&[]);
+    }
+    None
 }
 
 /// A `NETLINK_SOCK_DIAG` socket for repeated lookups.
@@ -157,9 +203,18 @@ impl SockDiag {
     /// The local TCP socket whose local address is `local` and peer `remote`, if any (a
     /// listener on `local` is not reported).
     pub fn lookup(&mut self, local: SocketAddr, remote: SocketAddr) -> io::Result<Option<SockInfo>> {
+        self.ask(local, remote, false)
+    }
+
+    /// [`SockDiag::lookup`] with the socket's [`Progress`] (`None` in it for a request socket).
+    pub fn lookup_progress(&mut self, local: SocketAddr, remote: SocketAddr) -> io::Result<Option<SockInfo>> {
+        self.ask(local, remote, true)
+    }
+
+    fn ask(&mut self, local: SocketAddr, remote: SocketAddr, info: bool) -> io::Result<Option<SockInfo>> {
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
-        let Some(req) = request(local, remote, seq) else { return Ok(None) };
+        let Some(req) = request_ext(local, remote, seq, info) else { return Ok(None) };
         let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         sa.nl_family = libc::AF_NETLINK as u16;
         // SAFETY: a valid buffer and address.
@@ -219,5 +274,46 @@ mod tests {
         for n in 0..100 {
             let _ = parse_reply(&vec![0x41; n], 1);
         }
+    }
+
+    /// `tcp_info`'s byte counts as the relearn path reads them: what the peer acknowledged and
+    /// what was received from it, exactly (checked against bytes moved both ways), and never
+    /// for a request socket.
+    #[test]
+    fn progress_counts_bytes_acked_and_received() {
+        use std::io::{Read, Write};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, peer) = l.accept().unwrap();
+        let local = s.local_addr().unwrap();
+        let mut d = SockDiag::open().unwrap();
+        assert_eq!(d.lookup_progress(local, peer).unwrap().unwrap().progress, Some(Progress { bytes_acked: 0, bytes_received: 0 }));
+        assert_eq!(d.lookup(local, peer).unwrap().unwrap().progress, None, "not asked for");
+        s.write_all(&[1u8; 1000]).unwrap();
+        c.read_exact(&mut [0u8; 1000]).unwrap();
+        c.write_all(&[2u8; 700]).unwrap();
+        s.read_exact(&mut [0u8; 700]).unwrap();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let p = d.lookup_progress(local, peer).unwrap().unwrap().progress.unwrap();
+            assert_eq!(p.bytes_received, 700, "{p:?}");
+            if p.bytes_acked == 1000 {
+                break;
+            }
+            assert!(p.bytes_acked < 1000 && std::time::Instant::now() < end, "{p:?}");
+        }
+        // The server's FIN, acknowledged, counts one.
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(c.read(&mut [0u8; 1]).unwrap(), 0);
+        loop {
+            let p = d.lookup_progress(local, peer).unwrap().unwrap().progress.unwrap();
+            if p.bytes_acked == 1001 {
+                break;
+            }
+            assert!(p.bytes_acked == 1000 && std::time::Instant::now() < end, "{p:?}");
+        }
+        // A truncated or malformed attribute gives none.
+        assert_eq!(progress(&[8, 0, 2, 0, 0, 0, 0, 0]), None);
+        assert_eq!(progress(&[3, 0, 2, 0]), None);
     }
 }

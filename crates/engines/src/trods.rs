@@ -528,6 +528,30 @@ pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
     Ok(plan)
 }
 
+/// Plans the relearn of a connection a local socket still serves (its agent restarted under
+/// it) from what that socket itself counts: the bytes the client acknowledged and the bytes
+/// received from it (`tcp_info`, read through `sock_diag`), never from a client packet, which
+/// anyone can forge (issue 9 item 4: a forged packet the record did not explain used to leave
+/// the connection unprotected and its record a tombstone). The same checks as
+/// [`plan_recovery`], as if the client had sent a pure ACK at exactly the socket's position;
+/// positions that alias modulo 2^32 (a stream past 4 GiB) are refused.
+pub fn plan_relearn(rec: &Record, bytes_acked: u64, bytes_received: u64) -> Result<Plan, Refusal> {
+    let t = Trigger {
+        seq: rec.hs.irs.wrapping_add(1).wrapping_add(bytes_received as u32),
+        ack: rec.hs.iss.wrapping_add(1).wrapping_add(bytes_acked as u32),
+        payload_len: 0,
+        flags: flags::ACK,
+        window: 0,
+        tsval: None,
+        tsecr: None,
+    };
+    let plan = plan_recovery(rec, &t)?;
+    if plan.acked_off != bytes_acked {
+        return Err(Refusal("the socket's position aliases the record's (a stream past 4 GiB)"));
+    }
+    Ok(plan)
+}
+
 // ---- the engine ---------------------------------------------------------------------------------
 
 /// Counters (all monotonic except `connections`).

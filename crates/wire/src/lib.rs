@@ -1,11 +1,13 @@
 //! `unbroken-wire`: the bottom floor. Zero-copy packet views in the style of smoltcp's
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
-//! modulo 2^32, the checkpoint-mode side-channel format and the sealed envelope of object-mode
-//! store records. Malformed input is an `Err`, never a panic.
+//! modulo 2^32, and every other byte layout that crosses a wire or a store: the checkpoint-mode
+//! side channel ([`ctl`]), object mode's heartbeats ([`hb`]) and the sealed envelope of its
+//! store records ([`sealed`]). Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ctl;
+pub mod hb;
 pub mod ip;
 pub mod ipv4;
 pub mod ipv6;

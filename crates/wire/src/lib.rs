@@ -2,8 +2,8 @@
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
 //! modulo 2^32, and every other byte layout that crosses a wire or a store: the checkpoint-mode
-//! side channel ([`ctl`]), object mode's heartbeats ([`hb`]) and the sealed envelope of its
-//! store records ([`sealed`]). Malformed input is an `Err`, never a panic.
+//! side channel ([`ctl`]), object mode's heartbeats ([`hb`]), its store records ([`objrec`]) and
+//! their sealed envelope ([`sealed`]). Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ctl;
@@ -11,6 +11,7 @@ pub mod hb;
 pub mod ip;
 pub mod ipv4;
 pub mod ipv6;
+pub mod objrec;
 pub mod sealed;
 pub mod seq;
 pub mod tcp;

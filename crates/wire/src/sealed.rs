@@ -1,5 +1,5 @@
 //! The envelope of an object-mode store record (issue 9 item 7): what the agents write to the
-//! store around a connection's record (the encoding of `unbroken_engines::trods::Record`), so a
+//! store around a connection's record (the encoding of [`crate::objrec::Record`]), so a
 //! record that was edited, written by someone without the cluster key, or copied under
 //! another store key is refused instead of being replayed.
 //!

@@ -2,10 +2,12 @@
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
 //! modulo 2^32, and every other byte layout that crosses a wire or a store: the checkpoint-mode
-//! side channel ([`ctl`]), object mode's heartbeats ([`hb`]), its store records ([`objrec`]) and
+//! side channel ([`ctl`]) and the connection record its applications persist
+//! ([`ckptrec`]), object mode's heartbeats ([`hb`]), its store records ([`objrec`]) and
 //! their sealed envelope ([`sealed`]). Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
+pub mod ckptrec;
 pub mod ctl;
 pub mod hb;
 pub mod ip;

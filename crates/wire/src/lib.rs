@@ -1,10 +1,11 @@
 //! `unbroken-wire`: the bottom floor. Zero-copy packet views in the style of smoltcp's
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
-//! modulo 2^32, and every other byte layout that crosses a wire or a store: the checkpoint-mode
-//! side channel ([`ctl`]) and the connection record its applications persist
-//! ([`ckptrec`]), object mode's heartbeats ([`hb`]), its store records ([`objrec`]) and
-//! their sealed envelope ([`sealed`]). Malformed input is an `Err`, never a panic.
+//! modulo 2^32, and every other byte layout that crosses a wire or a store. Checkpoint mode: the
+//! side channel ([`ctl`]) and the connection record applications persist ([`ckptrec`]). Object
+//! mode: the heartbeats between agents and load balancer ([`hb`]), the balancer's bucket marker
+//! ([`marker`]), the store record ([`objrec`]) and its sealed envelope ([`sealed`]). Malformed
+//! input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ckptrec;
@@ -13,6 +14,7 @@ pub mod hb;
 pub mod ip;
 pub mod ipv4;
 pub mod ipv6;
+pub mod marker;
 pub mod objrec;
 pub mod sealed;
 pub mod seq;

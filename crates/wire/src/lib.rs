@@ -4,8 +4,8 @@
 //! modulo 2^32, and every other byte layout that crosses a wire or a store. Checkpoint mode: the
 //! side channel ([`ctl`]) and the connection record applications persist ([`ckptrec`]). Object
 //! mode: the heartbeats between agents and load balancer ([`hb`]), the balancer's bucket marker
-//! ([`marker`]), the store record ([`objrec`]) and its sealed envelope ([`sealed`]). Malformed
-//! input is an `Err`, never a panic.
+//! ([`marker`]), the store record ([`objrec`]), its sealed envelope ([`sealed`]) and RESP2, the
+//! protocol of the Redis store ([`resp`]). Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ckptrec;
@@ -16,6 +16,7 @@ pub mod ipv4;
 pub mod ipv6;
 pub mod marker;
 pub mod objrec;
+pub mod resp;
 pub mod sealed;
 pub mod seq;
 pub mod tcp;

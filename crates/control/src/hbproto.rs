@@ -1,5 +1,6 @@
 //! The heartbeat protocol between object mode's agents and the load balancer ([`crate::lb`]),
-//! version 3: the byte layouts, and the I/O-free decisions on both ends.
+//! version 3: the I/O-free decisions on both ends. The byte layouts are
+//! [`unbroken_wire::hb`]'s (see "Layouts" below).
 //!
 //! # What it promises
 //!
@@ -32,108 +33,29 @@
 //!   balancer at X has another key" rather than "silence". Being unauthenticated, it only
 //!   feeds the agent's diagnosis ([`HealthWatch`]), never its state.
 //!
-//! # Layouts (all integers big endian)
+//! # Layouts
 //!
-//! Heartbeat, agent to balancer (kind 1), [`HEARTBEAT_MIN_LEN`] = 52 bytes plus padding:
-//!
-//! | offset | size | field |
-//! |---|---|---|
-//! | 0 | 4 | magic `"UBHB"` |
-//! | 4 | 1 | version = 3 |
-//! | 5 | 1 | kind = 1 |
-//! | 6 | 2 | server id |
-//! | 8 | 8 | boot id |
-//! | 16 | 4 | seq |
-//! | 20 | 8 | cookie time (balancer milliseconds; 0: no cookie yet) |
-//! | 28 | 8 | cookie |
-//! | 36 | n | zero padding (any length up to [`MAX_BEAT_LEN`] in all) |
-//! | 36 + n | 16 | mac |
-//!
-//! Reply, balancer to the beat's source (kind 2), `B = ceil(buckets / 8)`, [`reply_len`] bytes:
-//!
-//! | offset | size | field |
-//! |---|---|---|
-//! | 0 | 6 | magic, version, kind = 2 |
-//! | 6 | 2 | server id (echoed) |
-//! | 8 | 8 | boot id (echoed) |
-//! | 16 | 4 | seq (echoed) |
-//! | 20 | 4 | table epoch |
-//! | 24 | 2 | bucket count N |
-//! | 26 | 2 | lease, milliseconds from the beat's sending, on the `owned` buckets |
-//! | 28 | B | `owned`: bit `b % 8` of byte `b / 8` |
-//! | 28 + B | B | `allowed`: owned buckets whose owner changed within the failover window |
-//! | 28 + 2B | 16 | mac |
-//!
-//! Challenge (kind 3), 52 bytes: header, server id, boot id and seq echoed (offsets 6, 8, 16),
-//! cookie time (20, 8 bytes), cookie (28, 8 bytes), mac (36, 16 bytes).
-//!
-//! NACK (kind 4), 10 bytes, unauthenticated: header, then the balancer's key id (4 bytes).
+//! Every byte of every datagram (the tables, encode/decode, the MAC and the NACK's key id)
+//! lives in [`unbroken_wire::hb`]; its items are re-exported here, so `hbproto::Reply`,
+//! `hbproto::decode_reply` etc. are the same items.
 
 use hmac::{Hmac, Mac};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 use std::net::{IpAddr, SocketAddr};
 
-/// Magic of every heartbeat datagram.
-pub const MAGIC: [u8; 4] = *b"UBHB";
-/// Protocol version.
-pub const VERSION: u8 = 3;
-/// Kind of an agent's heartbeat.
-pub const KIND_HEARTBEAT: u8 = 1;
-/// Kind of the balancer's reply.
-pub const KIND_REPLY: u8 = 2;
-/// Kind of the balancer's challenge.
-pub const KIND_CHALLENGE: u8 = 3;
-/// Kind of the balancer's (unauthenticated) "your mac failed" hint.
-pub const KIND_NACK: u8 = 4;
-/// Length of the truncated HMAC-SHA256 tag.
-pub const TAG_LEN: usize = 16;
-/// Shortest heartbeat (no padding).
-pub const HEARTBEAT_MIN_LEN: usize = 36 + TAG_LEN;
-/// Length of a challenge.
-pub const CHALLENGE_LEN: usize = 36 + TAG_LEN;
-/// Length of a NACK.
-pub const NACK_LEN: usize = 10;
-/// Largest bucket count (the marker MAC and the reply bitmaps are sized for it).
-pub const MAX_BUCKETS: u16 = 4096;
-/// Longest heartbeat: as long as the longest reply.
-pub const MAX_BEAT_LEN: usize = REPLY_HEAD + 2 * (MAX_BUCKETS as usize).div_ceil(8) + TAG_LEN;
-/// Shortest key accepted by the balancer and the agents, bytes.
-pub const MIN_KEY_LEN: usize = 16;
+pub use unbroken_wire::hb::{
+    decode_challenge, decode_heartbeat, decode_nack, decode_reply, encode_challenge, encode_heartbeat, encode_nack,
+    encode_reply, key_id, looks_like_heartbeat, reply_len, Challenge, Heartbeat, Reply, CHALLENGE_LEN,
+    HEARTBEAT_MIN_LEN, KIND_CHALLENGE, KIND_HEARTBEAT, KIND_NACK, KIND_REPLY, MAGIC, MAX_BEAT_LEN, MAX_BUCKETS,
+    MIN_KEY_LEN, NACK_LEN, TAG_LEN, VERSION,
+};
+/// Why a datagram was refused ([`unbroken_wire::hb::Error`]).
+pub use unbroken_wire::hb::Error as ProtoError;
+
 /// How long a challenge's cookie can move a binding, milliseconds.
 pub const COOKIE_TTL_MS: u64 = 2_000;
 /// At most one NACK per this many milliseconds, for the whole balancer.
 pub const NACK_GAP_MS: u64 = 100;
-/// Bytes before the bitmaps in a reply.
-const REPLY_HEAD: usize = 28;
-
-/// Why a datagram was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProtoError {
-    /// Wrong length for its kind (or too short to have one).
-    Length,
-    /// Not `"UBHB"`.
-    Magic,
-    /// Another protocol version.
-    Version,
-    /// Not the expected kind.
-    Kind,
-    /// The tag does not match (wrong key or corrupted).
-    Mac,
-}
-
-impl std::fmt::Display for ProtoError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ProtoError::Length => "bad length",
-            ProtoError::Magic => "bad magic",
-            ProtoError::Version => "unsupported version",
-            ProtoError::Kind => "unexpected kind",
-            ProtoError::Mac => "bad mac",
-        })
-    }
-}
-
-impl std::error::Error for ProtoError {}
 
 /// Parses a hex key (the empty string is the empty key, which [`check_key`] refuses).
 pub fn parse_key_hex(s: &str) -> Result<Vec<u8>, String> {
@@ -166,263 +88,6 @@ pub fn check_key(field: &str, hex: &str) -> Result<Vec<u8>, String> {
         ));
     }
     Ok(k)
-}
-
-/// A short public fingerprint of a key (4 bytes of SHA-256 over a label and the key), which
-/// the balancer's NACK carries so that an agent can tell "another key" from "silence".
-pub fn key_id(key: &[u8]) -> u32 {
-    let mut h = Sha256::new();
-    h.update(b"unbroken heartbeat key id\0");
-    h.update(key);
-    let d = h.finalize();
-    u32::from_be_bytes([d[0], d[1], d[2], d[3]])
-}
-
-fn hmac(key: &[u8], data: &[u8]) -> Hmac<Sha256> {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    m.update(data);
-    m
-}
-
-fn tag(key: &[u8], data: &[u8]) -> [u8; TAG_LEN] {
-    let full = hmac(key, data).finalize().into_bytes();
-    let mut t = [0u8; TAG_LEN];
-    t.copy_from_slice(&full[..TAG_LEN]);
-    t
-}
-
-fn check_header(buf: &[u8], kind: u8) -> Result<(), ProtoError> {
-    if buf.len() < 6 {
-        return Err(ProtoError::Length);
-    }
-    if buf[..4] != MAGIC {
-        return Err(ProtoError::Magic);
-    }
-    if buf[4] != VERSION {
-        return Err(ProtoError::Version);
-    }
-    if buf[5] != kind {
-        return Err(ProtoError::Kind);
-    }
-    Ok(())
-}
-
-fn check_tag(key: &[u8], buf: &[u8]) -> Result<(), ProtoError> {
-    let (body, t) = buf.split_at(buf.len() - TAG_LEN);
-    hmac(key, body)
-        .verify_truncated_left(t)
-        .map_err(|_| ProtoError::Mac)
-}
-
-fn header(b: &mut Vec<u8>, kind: u8) {
-    b.extend_from_slice(&MAGIC);
-    b.push(VERSION);
-    b.push(kind);
-}
-
-fn u16_at(b: &[u8], i: usize) -> u16 {
-    u16::from_be_bytes([b[i], b[i + 1]])
-}
-fn u32_at(b: &[u8], i: usize) -> u32 {
-    u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
-}
-fn u64_at(b: &[u8], i: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[i..i + 8]);
-    u64::from_be_bytes(a)
-}
-
-/// A verified heartbeat.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Heartbeat {
-    /// The sender's server id.
-    pub server: u16,
-    /// The sender's boot id (random per start of its heartbeat sender).
-    pub boot: u64,
-    /// The sender's counter (grows by one per beat within a boot).
-    pub seq: u32,
-    /// The time of the cookie it echoes (0: none).
-    pub cookie_t: u64,
-    /// The cookie it echoes.
-    pub cookie: u64,
-    /// The datagram's length (padding included).
-    pub len: usize,
-}
-
-/// Builds a heartbeat datagram of `len` bytes (clamped to
-/// [`HEARTBEAT_MIN_LEN`]..=[`MAX_BEAT_LEN`]).
-pub fn encode_heartbeat(key: &[u8], hb: &Heartbeat) -> Vec<u8> {
-    let len = hb.len.clamp(HEARTBEAT_MIN_LEN, MAX_BEAT_LEN);
-    let mut b = Vec::with_capacity(len);
-    header(&mut b, KIND_HEARTBEAT);
-    b.extend_from_slice(&hb.server.to_be_bytes());
-    b.extend_from_slice(&hb.boot.to_be_bytes());
-    b.extend_from_slice(&hb.seq.to_be_bytes());
-    b.extend_from_slice(&hb.cookie_t.to_be_bytes());
-    b.extend_from_slice(&hb.cookie.to_be_bytes());
-    b.resize(len - TAG_LEN, 0);
-    let t = tag(key, &b);
-    b.extend_from_slice(&t);
-    b
-}
-
-/// Parses and authenticates a heartbeat datagram.
-pub fn decode_heartbeat(key: &[u8], buf: &[u8]) -> Result<Heartbeat, ProtoError> {
-    check_header(buf, KIND_HEARTBEAT)?;
-    if buf.len() < HEARTBEAT_MIN_LEN || buf.len() > MAX_BEAT_LEN {
-        return Err(ProtoError::Length);
-    }
-    check_tag(key, buf)?;
-    Ok(Heartbeat {
-        server: u16_at(buf, 6),
-        boot: u64_at(buf, 8),
-        seq: u32_at(buf, 16),
-        cookie_t: u64_at(buf, 20),
-        cookie: u64_at(buf, 28),
-        len: buf.len(),
-    })
-}
-
-/// Length of a reply for `buckets` buckets.
-pub fn reply_len(buckets: u16) -> usize {
-    REPLY_HEAD + 2 * (buckets as usize).div_ceil(8) + TAG_LEN
-}
-
-/// A verified reply.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    /// The server id the reply is for.
-    pub server: u16,
-    /// The heartbeat's boot id, echoed.
-    pub boot: u64,
-    /// The heartbeat's seq, echoed.
-    pub seq: u32,
-    /// The kernel table's epoch.
-    pub epoch: u32,
-    /// Number of buckets.
-    pub buckets: u16,
-    /// Owned buckets, wire layout (bit `b % 8` of byte `b / 8`).
-    pub owned: Vec<u8>,
-    /// Allowed buckets, wire layout.
-    pub allowed: Vec<u8>,
-    /// The lease on `owned`, milliseconds from the heartbeat's sending.
-    pub lease_ms: u16,
-}
-
-/// Builds a reply datagram; `owned` and `allowed` must be `ceil(buckets / 8)` bytes.
-pub fn encode_reply(key: &[u8], r: &Reply) -> Vec<u8> {
-    let bl = (r.buckets as usize).div_ceil(8);
-    assert!(
-        r.owned.len() == bl && r.allowed.len() == bl,
-        "bitmap length must be ceil(buckets / 8)"
-    );
-    let mut b = Vec::with_capacity(reply_len(r.buckets));
-    header(&mut b, KIND_REPLY);
-    b.extend_from_slice(&r.server.to_be_bytes());
-    b.extend_from_slice(&r.boot.to_be_bytes());
-    b.extend_from_slice(&r.seq.to_be_bytes());
-    b.extend_from_slice(&r.epoch.to_be_bytes());
-    b.extend_from_slice(&r.buckets.to_be_bytes());
-    b.extend_from_slice(&r.lease_ms.to_be_bytes());
-    b.extend_from_slice(&r.owned);
-    b.extend_from_slice(&r.allowed);
-    let t = tag(key, &b);
-    b.extend_from_slice(&t);
-    b
-}
-
-/// Parses and authenticates a reply datagram.
-pub fn decode_reply(key: &[u8], buf: &[u8]) -> Result<Reply, ProtoError> {
-    check_header(buf, KIND_REPLY)?;
-    if buf.len() < REPLY_HEAD + TAG_LEN {
-        return Err(ProtoError::Length);
-    }
-    let buckets = u16_at(buf, 24);
-    if buckets == 0 || buckets > MAX_BUCKETS || buf.len() != reply_len(buckets) {
-        return Err(ProtoError::Length);
-    }
-    check_tag(key, buf)?;
-    let bl = (buckets as usize).div_ceil(8);
-    Ok(Reply {
-        server: u16_at(buf, 6),
-        boot: u64_at(buf, 8),
-        seq: u32_at(buf, 16),
-        epoch: u32_at(buf, 20),
-        buckets,
-        lease_ms: u16_at(buf, 26),
-        owned: buf[REPLY_HEAD..REPLY_HEAD + bl].to_vec(),
-        allowed: buf[REPLY_HEAD + bl..REPLY_HEAD + 2 * bl].to_vec(),
-    })
-}
-
-/// A verified challenge.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Challenge {
-    /// The server id the challenge is for.
-    pub server: u16,
-    /// The boot id of the beat it answers.
-    pub boot: u64,
-    /// The seq of the beat it answers.
-    pub seq: u32,
-    /// The cookie's time (balancer milliseconds).
-    pub cookie_t: u64,
-    /// The cookie to echo.
-    pub cookie: u64,
-}
-
-/// Builds a challenge datagram ([`CHALLENGE_LEN`] bytes).
-pub fn encode_challenge(key: &[u8], c: &Challenge) -> Vec<u8> {
-    let mut b = Vec::with_capacity(CHALLENGE_LEN);
-    header(&mut b, KIND_CHALLENGE);
-    b.extend_from_slice(&c.server.to_be_bytes());
-    b.extend_from_slice(&c.boot.to_be_bytes());
-    b.extend_from_slice(&c.seq.to_be_bytes());
-    b.extend_from_slice(&c.cookie_t.to_be_bytes());
-    b.extend_from_slice(&c.cookie.to_be_bytes());
-    let t = tag(key, &b);
-    b.extend_from_slice(&t);
-    b
-}
-
-/// Parses and authenticates a challenge datagram.
-pub fn decode_challenge(key: &[u8], buf: &[u8]) -> Result<Challenge, ProtoError> {
-    check_header(buf, KIND_CHALLENGE)?;
-    if buf.len() != CHALLENGE_LEN {
-        return Err(ProtoError::Length);
-    }
-    check_tag(key, buf)?;
-    Ok(Challenge {
-        server: u16_at(buf, 6),
-        boot: u64_at(buf, 8),
-        seq: u32_at(buf, 16),
-        cookie_t: u64_at(buf, 20),
-        cookie: u64_at(buf, 28),
-    })
-}
-
-/// Builds a NACK datagram ([`NACK_LEN`] bytes) carrying the balancer's key id.
-pub fn encode_nack(key_id: u32) -> [u8; NACK_LEN] {
-    let mut b = [0u8; NACK_LEN];
-    b[..4].copy_from_slice(&MAGIC);
-    b[4] = VERSION;
-    b[5] = KIND_NACK;
-    b[6..].copy_from_slice(&key_id.to_be_bytes());
-    b
-}
-
-/// The key id of a NACK datagram (unauthenticated: a hint, never a decision).
-pub fn decode_nack(buf: &[u8]) -> Result<u32, ProtoError> {
-    check_header(buf, KIND_NACK)?;
-    if buf.len() != NACK_LEN {
-        return Err(ProtoError::Length);
-    }
-    Ok(u32_at(buf, 6))
-}
-
-/// Whether `buf` looks like a heartbeat of this version (so that a failed mac deserves a NACK;
-/// anything else gets no answer at all).
-pub fn looks_like_heartbeat(buf: &[u8]) -> bool {
-    check_header(buf, KIND_HEARTBEAT).is_ok() && (HEARTBEAT_MIN_LEN..=MAX_BEAT_LEN).contains(&buf.len())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -485,13 +150,17 @@ impl BeatGuard {
     }
 
     fn cookie(&self, server: u16, boot: u64, src: SocketAddr, t: u64) -> u64 {
-        let mut m = hmac(&self.secret, b"unbroken heartbeat cookie\0");
+        // Opaque to the agents (they echo it): only this balancer computes and checks it.
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.secret).expect("HMAC takes any key length");
+        m.update(b"unbroken heartbeat cookie\0");
         m.update(&server.to_be_bytes());
         m.update(&boot.to_be_bytes());
         m.update(&addr_bytes(src));
         m.update(&t.to_be_bytes());
         let d = m.finalize().into_bytes();
-        u64_at(&d, 0)
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&d[..8]);
+        u64::from_be_bytes(a)
     }
 
     /// Decides about authenticated beat `hb` of server `i` from `src` at `now_ms` (the
@@ -946,30 +615,6 @@ mod tests {
             let next = encode_heartbeat(KEY, &c.next_beat(1, false, || 6));
             assert!(wire.len() <= next.len(), "n={n}: reply {} > beat {}", wire.len(), next.len());
             assert!(CHALLENGE_LEN <= next.len() && NACK_LEN <= next.len());
-        }
-    }
-
-    #[test]
-    fn wire_roundtrips_and_refusals() {
-        let hb = Heartbeat { server: 7, boot: 0x1122334455667788, seq: 9, cookie_t: 5, cookie: 6, len: 100 };
-        let b = encode_heartbeat(KEY, &hb);
-        assert_eq!(b.len(), 100);
-        assert_eq!(decode_heartbeat(KEY, &b), Ok(hb));
-        assert_eq!(decode_heartbeat(b"another key of sixteen", &b), Err(ProtoError::Mac));
-        assert_eq!(decode_heartbeat(KEY, &b[..HEARTBEAT_MIN_LEN - 1]), Err(ProtoError::Length));
-        let mut v2 = b.clone();
-        v2[4] = 2;
-        assert_eq!(decode_heartbeat(KEY, &v2), Err(ProtoError::Version));
-        let c = Challenge { server: 7, boot: 1, seq: 2, cookie_t: 3, cookie: 4 };
-        assert_eq!(decode_challenge(KEY, &encode_challenge(KEY, &c)), Ok(c));
-        assert_eq!(decode_nack(&encode_nack(0xdeadbeef)), Ok(0xdeadbeef));
-        assert!(looks_like_heartbeat(&b) && !looks_like_heartbeat(&b[..20]));
-        for len in 0..200 {
-            let junk: Vec<u8> = (0..len).map(|i| (i * 37 % 251) as u8).collect();
-            let _ = decode_heartbeat(KEY, &junk);
-            let _ = decode_reply(KEY, &junk);
-            let _ = decode_challenge(KEY, &junk);
-            let _ = decode_nack(&junk);
         }
     }
 

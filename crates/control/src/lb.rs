@@ -154,8 +154,6 @@ pub const DEFAULT_STARTUP_GRACE_MS: u64 = 1000;
 pub const DEFAULT_REVIVE_HOLD_MS: u64 = 500;
 /// Upper bound of every duration in the configuration, milliseconds (an hour).
 pub const MAX_CONFIG_MS: u64 = 3_600_000;
-/// The first four bytes of every marker MAC (`02:75:62:00:HH:LL`).
-pub const MARKER_PREFIX: [u8; 4] = [0x02, 0x75, 0x62, 0x00];
 /// Events kept in [`LbStatus::events`]; older ones are dropped (and counted).
 const MAX_EVENTS: usize = 10_000;
 /// Longest sleep of the monitor between deadline checks (also bounds how long `stop` waits).
@@ -163,24 +161,8 @@ const MONITOR_MAX_WAIT: Duration = Duration::from_millis(20);
 /// Retry delay after a failed table update.
 const NFT_RETRY: Duration = Duration::from_millis(100);
 
-/// The marker source MAC the balancer writes into frames of bucket `bucket`.
-pub fn marker_mac(bucket: u16) -> [u8; 6] {
-    let b = bucket.to_be_bytes();
-    [
-        MARKER_PREFIX[0],
-        MARKER_PREFIX[1],
-        MARKER_PREFIX[2],
-        MARKER_PREFIX[3],
-        b[0],
-        b[1],
-    ]
-}
-
-/// The bucket a marker MAC (`02:75:62:00:HH:LL`, the source MAC of a frame the balancer
-/// forwarded) stands for; `None` for any other MAC.
-pub fn bucket_of_mac(mac: [u8; 6]) -> Option<u16> {
-    (mac[..4] == MARKER_PREFIX).then(|| u16::from_be_bytes([mac[4], mac[5]]))
-}
+// The marker MAC's layout is the wire crate's; re-exported under its old path.
+pub use unbroken_wire::marker::{bucket_of_mac, marker_mac, MARKER_PREFIX};
 
 /// `aa:bb:cc:dd:ee:ff` to bytes.
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {

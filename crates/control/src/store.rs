@@ -2,7 +2,8 @@
 //!
 //! Object mode keeps every connection's state object in a key-value store, so that another
 //! host can carry the connection on. This module is the store client: a small Redis client
-//! speaking RESP2 over TCP, with nothing beyond `std` and `libc`.
+//! speaking RESP2 over TCP (the codec is [`unbroken_wire::resp`]), with nothing beyond `std`
+//! and `libc`.
 //!
 //! - [`Store`] is a blocking client (`set`, `get`, `del`, `ping`, raw `command`), for tools,
 //!   setup and tests.
@@ -41,6 +42,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+use unbroken_wire::resp::{encode_command, parse_reply, push_bulk, push_header};
+/// A RESP2 reply ([`unbroken_wire::resp::Reply`]; the codec is the wire crate's).
+pub use unbroken_wire::resp::Reply;
 
 /// Number of hash slots of a Redis Cluster.
 pub const SLOTS: usize = 16384;
@@ -53,13 +57,6 @@ pub const QUEUE_CAPACITY: usize = 16_384;
 const MAX_REDIRECTS: u8 = 5;
 /// Operations the worker takes off the queue per loop turn.
 const MAX_BATCH: usize = 4096;
-/// Longest RESP line (status, error, length header) accepted.
-const MAX_LINE: usize = 1 << 20;
-/// Largest bulk string accepted (Redis's own `proto-max-bulk-len` default).
-const MAX_BULK: usize = 512 << 20;
-/// Deepest RESP array nesting accepted (`CLUSTER SLOTS` needs 3).
-const MAX_DEPTH: usize = 8;
-
 // ------------------------------------------------------------------------------------------
 // Configuration
 // ------------------------------------------------------------------------------------------
@@ -304,21 +301,6 @@ impl fmt::Display for StoreError {
 
 impl std::error::Error for StoreError {}
 
-/// A RESP2 reply.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reply {
-    /// `+text`
-    Status(String),
-    /// `-text` (as a value; [`Store::command`] returns it as [`StoreError::Server`]).
-    Error(String),
-    /// `:n`
-    Int(i64),
-    /// `$n` bulk string; `None` is the null bulk (`$-1`).
-    Bulk(Option<Vec<u8>>),
-    /// `*n` array; `None` is the null array (`*-1`).
-    Array(Option<Vec<Reply>>),
-}
-
 /// A short description of a reply for error messages (never the whole of a big value).
 fn describe(r: &Reply) -> String {
     match r {
@@ -336,141 +318,6 @@ fn truncate(s: &str) -> &str {
     match s.char_indices().nth(80) {
         Some((i, _)) => &s[..i],
         None => s,
-    }
-}
-
-// ------------------------------------------------------------------------------------------
-// RESP2 codec
-// ------------------------------------------------------------------------------------------
-
-fn push_usize(out: &mut Vec<u8>, mut n: usize) {
-    let mut tmp = [0u8; 20];
-    let mut i = tmp.len();
-    loop {
-        i -= 1;
-        tmp[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&tmp[i..]);
-}
-
-fn push_header(out: &mut Vec<u8>, kind: u8, n: usize) {
-    out.push(kind);
-    push_usize(out, n);
-    out.extend_from_slice(b"\r\n");
-}
-
-/// Appends one bulk string made of `parts` concatenated (a prefix and a key, say).
-fn push_bulk(out: &mut Vec<u8>, parts: &[&[u8]]) {
-    push_header(out, b'$', parts.iter().map(|p| p.len()).sum());
-    for p in parts {
-        out.extend_from_slice(p);
-    }
-    out.extend_from_slice(b"\r\n");
-}
-
-/// Appends a command (an array of bulk strings).
-fn encode_command(out: &mut Vec<u8>, args: &[&[u8]]) {
-    push_header(out, b'*', args.len());
-    for a in args {
-        push_bulk(out, &[a]);
-    }
-}
-
-fn find_crlf(buf: &[u8], from: usize) -> Option<usize> {
-    let mut i = from;
-    loop {
-        let nl = i + buf.get(i..)?.iter().position(|&b| b == b'\n')?;
-        if nl > from && buf[nl - 1] == b'\r' {
-            return Some(nl - 1);
-        }
-        i = nl + 1;
-    }
-}
-
-fn parse_int(line: &[u8]) -> Result<i64, String> {
-    std::str::from_utf8(line)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| {
-            format!(
-                "bad integer {:?}",
-                String::from_utf8_lossy(&line[..line.len().min(40)])
-            )
-        })
-}
-
-/// Parses one reply at the start of `buf`: `Ok(None)` while incomplete, else the reply and the
-/// number of bytes it took.
-fn parse_reply(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
-    parse_at(buf, 0, 0)
-}
-
-fn parse_at(buf: &[u8], pos: usize, depth: usize) -> Result<Option<(Reply, usize)>, String> {
-    if pos >= buf.len() {
-        return Ok(None);
-    }
-    let Some(eol) = find_crlf(buf, pos + 1) else {
-        if buf.len() - pos > MAX_LINE {
-            return Err("reply line too long".into());
-        }
-        return Ok(None);
-    };
-    let line = &buf[pos + 1..eol];
-    let next = eol + 2;
-    let text = || String::from_utf8_lossy(line).into_owned();
-    match buf[pos] {
-        b'+' => Ok(Some((Reply::Status(text()), next))),
-        b'-' => Ok(Some((Reply::Error(text()), next))),
-        b':' => Ok(Some((Reply::Int(parse_int(line)?), next))),
-        b'$' => {
-            let n = parse_int(line)?;
-            if n == -1 {
-                return Ok(Some((Reply::Bulk(None), next)));
-            }
-            if n < 0 || n as u64 > MAX_BULK as u64 {
-                return Err(format!("bad bulk length {n}"));
-            }
-            let n = n as usize;
-            if buf.len() < next + n + 2 {
-                return Ok(None);
-            }
-            if &buf[next + n..next + n + 2] != b"\r\n" {
-                return Err("bulk string not terminated by CRLF".into());
-            }
-            Ok(Some((
-                Reply::Bulk(Some(buf[next..next + n].to_vec())),
-                next + n + 2,
-            )))
-        }
-        b'*' => {
-            let n = parse_int(line)?;
-            if n == -1 {
-                return Ok(Some((Reply::Array(None), next)));
-            }
-            if !(0..=(1 << 24)).contains(&n) {
-                return Err(format!("bad array length {n}"));
-            }
-            if depth >= MAX_DEPTH {
-                return Err("arrays nested too deep".into());
-            }
-            let mut items = Vec::with_capacity((n as usize).min(1024));
-            let mut p = next;
-            for _ in 0..n {
-                match parse_at(buf, p, depth + 1)? {
-                    Some((r, np)) => {
-                        items.push(r);
-                        p = np;
-                    }
-                    None => return Ok(None),
-                }
-            }
-            Ok(Some((Reply::Array(Some(items)), p)))
-        }
-        b => Err(format!("unexpected RESP type byte 0x{b:02x}")),
     }
 }
 
@@ -2374,46 +2221,6 @@ mod tests {
             full.extend_from_slice(k);
             assert_eq!(prefixed_slot(b"ub:", k), key_slot(&full), "{k:?}");
         }
-    }
-
-    #[test]
-    fn resp_round_trip_and_incomplete_input() {
-        let mut out = Vec::new();
-        encode_command(&mut out, &[b"SET", b"k\r\n", b""]);
-        assert_eq!(out, b"*3\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$0\r\n\r\n");
-        let wire = b"+OK\r\n-ERR x\r\n:-7\r\n$-1\r\n$4\r\na\r\nb\r\n*2\r\n$1\r\nz\r\n*-1\r\n*0\r\n";
-        let mut pos = 0;
-        let mut got = Vec::new();
-        while let Some((r, used)) = parse_reply(&wire[pos..]).unwrap() {
-            got.push(r);
-            pos += used;
-        }
-        assert_eq!(pos, wire.len());
-        assert_eq!(
-            got,
-            vec![
-                Reply::Status("OK".into()),
-                Reply::Error("ERR x".into()),
-                Reply::Int(-7),
-                Reply::Bulk(None),
-                Reply::Bulk(Some(b"a\r\nb".to_vec())),
-                Reply::Array(Some(vec![
-                    Reply::Bulk(Some(b"z".to_vec())),
-                    Reply::Array(None)
-                ])),
-                Reply::Array(Some(vec![])),
-            ]
-        );
-        // Every strict prefix is incomplete, never an error.
-        for cut in 0..wire.len() {
-            let r = parse_reply(&wire[..cut]).unwrap();
-            if let Some((_, used)) = r {
-                assert!(used <= cut);
-            }
-        }
-        assert!(parse_reply(b"$3\r\nabcXY").is_err());
-        assert!(parse_reply(b"?\r\n").is_err());
-        assert!(parse_reply(b"$-2\r\n").is_err());
     }
 
     #[test]

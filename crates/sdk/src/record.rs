@@ -4,48 +4,30 @@
 //!
 //! # Encoding, version 1
 //!
-//! [`RECORD_LEN`] = 64 bytes, integers big-endian:
-//!
-//! | offset | size | field |
-//! |---|---|---|
-//! | 0 | 4 | magic `UBCR` |
-//! | 4 | 1 | version, 1 |
-//! | 5 | 1 | address family, 4 or 6 |
-//! | 6 | 1 | option bits: bit 0 options known, bit 1 SACK permitted, bit 2 timestamps; others 0 |
-//! | 7 | 1 | peer window scale (255 none) |
-//! | 8 | 16 | application (local) address; IPv4 in the first 4 bytes, rest 0 |
-//! | 24 | 16 | peer address |
-//! | 40 | 2 | application port |
-//! | 42 | 2 | peer port |
-//! | 44 | 4 | ack_a0: checkpointed ack right after the handshake (peer's ISN + 1) |
-//! | 48 | 4 | ack_b0: the peer's ack covering the application's ISN (application's ISN + 1) |
-//! | 52 | 2 | peer MSS (0 unknown) |
-//! | 54 | 1 | application window scale (255 none) |
-//! | 55 | 1 | 0 |
-//! | 56 | 4 | IPv6 scope id of both addresses (0 for IPv4 and global addresses) |
-//! | 60 | 4 | CRC-32 (IEEE 802.3, as zlib's `crc32`) of bytes 0..60 |
-//!
-//! When options are unknown (bit 0 clear), bytes 6, 7, 52-54 are 0. Decoding refuses any
-//! other length, magic, version, checksum, family, non-zero reserved byte or window scale
-//! above 14, so a record from a newer SDK or a torn write is an error, never a wrong
-//! connection. Later versions keep bytes 0..6 and grow or change the rest.
+//! [`RECORD_LEN`] = 64 bytes: magic `UBCR`, version, family, options, both endpoints, `ack_a0`,
+//! `ack_b0`, the peer's MSS and window scales, the IPv6 scope id and a CRC-32. The layout (a
+//! table of every byte) and its encoder and decoder are the wire crate's,
+//! [`unbroken_wire::ckptrec`]; this module checks a record's parts and turns the decoder's
+//! refusals into [`Error::BadRecord`]. Decoding refuses any other length, magic, version,
+//! checksum, family, non-zero reserved byte or window scale above 14, so a record from a newer
+//! SDK or a torn write is an error, never a wrong connection.
 
 use crate::error::{Error, Result};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::net::SocketAddr;
+use unbroken_wire::ckptrec::{self, Repr};
 use unbroken_wire::ctl::ConnOptions;
 use unbroken_wire::seq::unwrap_near;
 
-/// Length of an encoded [`ConnRecord`].
-pub const RECORD_LEN: usize = 64;
-/// Magic at the start of an encoded [`ConnRecord`].
-pub const RECORD_MAGIC: [u8; 4] = *b"UBCR";
-/// Version of the encoding written by [`ConnRecord::to_bytes`].
-pub const RECORD_VERSION: u8 = 1;
+pub(crate) use unbroken_wire::ckptrec::normalize;
+#[cfg(test)]
+use unbroken_wire::ckptrec::crc32;
 
-const OPT_KNOWN: u8 = 1;
-const OPT_SACK: u8 = 2;
-const OPT_TS: u8 = 4;
-const WS_NONE: u8 = 255;
+/// Length of an encoded [`ConnRecord`].
+pub const RECORD_LEN: usize = ckptrec::LEN;
+/// Magic at the start of an encoded [`ConnRecord`].
+pub const RECORD_MAGIC: [u8; 4] = ckptrec::MAGIC;
+/// Version of the encoding written by [`ConnRecord::to_bytes`].
+pub const RECORD_VERSION: u8 = ckptrec::VERSION;
 
 /// What the application must store durably, once, right after a protected connection is
 /// established ([`establish`](crate::establish)): the two endpoints, the two initial
@@ -120,104 +102,15 @@ impl ConnRecord {
         delivered_total(self.ack_b0, ack_b, sent_total)
     }
 
-    /// The version-1 encoding (see the [module documentation](self)).
+    /// The version-1 encoding ([`unbroken_wire::ckptrec`]).
     pub fn to_bytes(&self) -> [u8; RECORD_LEN] {
-        let mut b = [0u8; RECORD_LEN];
-        b[0..4].copy_from_slice(&RECORD_MAGIC);
-        b[4] = RECORD_VERSION;
-        b[5] = if self.app.is_ipv4() { 4 } else { 6 };
-        if let Some(o) = self.options {
-            b[6] = OPT_KNOWN | if o.sack { OPT_SACK } else { 0 } | if o.timestamps { OPT_TS } else { 0 };
-            b[7] = o.peer_wscale.unwrap_or(WS_NONE);
-            b[52..54].copy_from_slice(&o.peer_mss.to_be_bytes());
-            b[54] = o.app_wscale.unwrap_or(WS_NONE);
-        }
-        put_ip(&mut b[8..24], self.app.ip());
-        put_ip(&mut b[24..40], self.peer.ip());
-        b[40..42].copy_from_slice(&self.app.port().to_be_bytes());
-        b[42..44].copy_from_slice(&self.peer.port().to_be_bytes());
-        b[44..48].copy_from_slice(&self.ack_a0.to_be_bytes());
-        b[48..52].copy_from_slice(&self.ack_b0.to_be_bytes());
-        b[56..60].copy_from_slice(&self.scope_id().to_be_bytes());
-        let crc = crc32(&b[..60]);
-        b[60..64].copy_from_slice(&crc.to_be_bytes());
-        b
+        Repr { app: self.app, peer: self.peer, ack_a0: self.ack_a0, ack_b0: self.ack_b0, options: self.options }.emit()
     }
 
     /// Decodes and checks a version-1 encoding.
     pub fn from_bytes(b: &[u8]) -> Result<ConnRecord> {
-        if b.len() != RECORD_LEN {
-            return Err(Error::BadRecord("length"));
-        }
-        if b[0..4] != RECORD_MAGIC {
-            return Err(Error::BadRecord("magic"));
-        }
-        if b[4] != RECORD_VERSION {
-            return Err(Error::BadRecord("unsupported version"));
-        }
-        if crc32(&b[..60]).to_be_bytes() != b[60..64] {
-            return Err(Error::BadRecord("checksum"));
-        }
-        if b[55] != 0 {
-            return Err(Error::BadRecord("reserved byte"));
-        }
-        let u16at = |o: usize| u16::from_be_bytes([b[o], b[o + 1]]);
-        let u32at = |o: usize| u32::from_be_bytes(b[o..o + 4].try_into().unwrap());
-        let scope = u32at(56);
-        let (app_ip, peer_ip) = match b[5] {
-            4 => {
-                if scope != 0 || b[12..24].iter().chain(&b[28..40]).any(|&x| x != 0) {
-                    return Err(Error::BadRecord("ipv4 padding"));
-                }
-                (IpAddr::V4(Ipv4Addr::new(b[8], b[9], b[10], b[11])), IpAddr::V4(Ipv4Addr::new(b[24], b[25], b[26], b[27])))
-            }
-            6 => (IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&b[8..24]).unwrap())), IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&b[24..40]).unwrap()))),
-            _ => return Err(Error::BadRecord("address family")),
-        };
-        let sock = |ip: IpAddr, port: u16| match ip {
-            IpAddr::V6(v6) => SocketAddr::V6(SocketAddrV6::new(v6, port, 0, scope)),
-            v4 => SocketAddr::new(v4, port),
-        };
-        let options = if b[6] & OPT_KNOWN != 0 {
-            if b[6] & !(OPT_KNOWN | OPT_SACK | OPT_TS) != 0 {
-                return Err(Error::BadRecord("option bits"));
-            }
-            let ws = |v: u8| match v {
-                WS_NONE => Ok(None),
-                0..=14 => Ok(Some(v)),
-                _ => Err(Error::BadRecord("window scale above 14")),
-            };
-            Some(ConnOptions { peer_mss: u16at(52), peer_wscale: ws(b[7])?, app_wscale: ws(b[54])?, sack: b[6] & OPT_SACK != 0, timestamps: b[6] & OPT_TS != 0 })
-        } else {
-            if b[6] != 0 || b[7] != 0 || b[52..55].iter().any(|&x| x != 0) {
-                return Err(Error::BadRecord("options without the known bit"));
-            }
-            None
-        };
-        let r = ConnRecord {
-            app: sock(app_ip, u16at(40)),
-            peer: sock(peer_ip, u16at(42)),
-            ack_a0: u32at(44),
-            ack_b0: u32at(48),
-            options,
-        };
-        if normalize(r.app) != r.app || normalize(r.peer) != r.peer {
-            return Err(Error::BadRecord("ipv4-mapped address stored as ipv6"));
-        }
-        Ok(r)
-    }
-
-    fn scope_id(&self) -> u32 {
-        match (self.app, self.peer) {
-            (SocketAddr::V6(a), SocketAddr::V6(p)) => {
-                if a.scope_id() != 0 {
-                    a.scope_id()
-                } else {
-                    p.scope_id()
-                }
-            }
-            _ => 0,
-        }
+        let r = Repr::parse(b).map_err(Error::BadRecord)?;
+        Ok(ConnRecord { app: r.app, peer: r.peer, ack_a0: r.ack_a0, ack_b0: r.ack_b0, options: r.options })
     }
 }
 
@@ -238,36 +131,6 @@ pub fn delivered_total(ack_b0: u32, ack_b: u32, sent_total: u64) -> Result<u64> 
         return Err(Error::DeliveredBeyondSent { delivered, sent: sent_total });
     }
     Ok(delivered)
-}
-
-/// IPv4-mapped IPv6 (`::ffff:a.b.c.d`) becomes IPv4; everything else is unchanged.
-pub(crate) fn normalize(a: SocketAddr) -> SocketAddr {
-    match a {
-        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
-            None => a,
-        },
-        v4 => v4,
-    }
-}
-
-fn put_ip(b: &mut [u8], ip: IpAddr) {
-    match ip {
-        IpAddr::V4(v) => b[..4].copy_from_slice(&v.octets()),
-        IpAddr::V6(v) => b.copy_from_slice(&v.octets()),
-    }
-}
-
-/// CRC-32/ISO-HDLC (reflected, polynomial 0xEDB88320), bitwise: the record is 60 bytes.
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &byte in data {
-        crc ^= byte as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
-        }
-    }
-    !crc
 }
 
 #[cfg(test)]

@@ -1,14 +1,22 @@
 //! `unbroken-wire`: the bottom floor. Zero-copy packet views in the style of smoltcp's
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
-//! modulo 2^32, the checkpoint-mode side-channel format and the sealed envelope of object-mode
-//! store records. Malformed input is an `Err`, never a panic.
+//! modulo 2^32, and every other byte layout that crosses a wire or a store. Checkpoint mode: the
+//! side channel ([`ctl`]) and the connection record applications persist ([`ckptrec`]). Object
+//! mode: the heartbeats between agents and load balancer ([`hb`]), the balancer's bucket marker
+//! ([`marker`]), the store record ([`objrec`]), its sealed envelope ([`sealed`]) and RESP2, the
+//! protocol of the Redis store ([`resp`]). Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
+pub mod ckptrec;
 pub mod ctl;
+pub mod hb;
 pub mod ip;
 pub mod ipv4;
 pub mod ipv6;
+pub mod marker;
+pub mod objrec;
+pub mod resp;
 pub mod sealed;
 pub mod seq;
 pub mod tcp;

@@ -1,5 +1,5 @@
 //! The envelope of an object-mode store record (issue 9 item 7): what the agents write to the
-//! store around a connection's record (the encoding of `unbroken_engines::trods::Record`), so a
+//! store around a connection's record (the encoding of [`crate::objrec::Record`]), so a
 //! record that was edited, written by someone without the cluster key, or copied under
 //! another store key is refused instead of being replayed.
 //!
@@ -269,6 +269,20 @@ mod tests {
         assert_eq!(open(&key(), SKEY, b"UBR3xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"), Err(Refused::UnknownVersion));
         assert_eq!(open(&key(), SKEY, b"UB"), Err(Refused::Truncated));
         assert_eq!(open(&key(), SKEY, b"UBR2short"), Err(Refused::Truncated));
+    }
+
+    /// Values outlive the agent that sealed them (another server, maybe of another build,
+    /// opens them after a failover): pin the bytes of one.
+    #[test]
+    fn layout_is_stable() {
+        let v = seal(&key(), SKEY, 0x0102_0304_0506, b"UBT1 body").unwrap();
+        let hex: String = v.iter().map(|x| format!("{x:02x}")).collect();
+        // Checked against the definition above with Python's hmac module.
+        let want = concat!(
+            "55425232", "0000010203040506", "5542543120626f6479",
+            "2ac0ac158be9562f139e1d54c3ff853922fa2d23c981a91f60e53c7f64b55465"
+        );
+        assert_eq!(hex, want);
     }
 
     #[test]

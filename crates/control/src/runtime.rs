@@ -3,7 +3,8 @@
 //! SIGHUP is ignored (logged and counted, see [`crate::signals`]).
 
 use crate::config::{Guard as Config, Placement};
-use crate::guard::{fill_tcp_checksum, Action, Core};
+use crate::guard::{fill_tcp_checksum, Core};
+use unbroken_engines::Verdict;
 use std::net::UdpSocket;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -158,15 +159,16 @@ fn verdict(c: &mut Core, queue: &mut Queue, raw: &RawSender, p: &mut QueuedPacke
     p.data.resize(len + 64, 0);
     let (action, n) = c.packet_with(&mut p.data, len, now, p.csum_not_ready);
     match action {
-        Action::Accept { modified: false } => queue.set_verdict(p.id, QVerdict::Accept, None),
-        Action::Accept { modified: true } => {
+        Verdict::Accept { modified: false } => queue.set_verdict(p.id, QVerdict::Accept, None),
+        Verdict::Accept { modified: true } => {
             if p.csum_not_ready && fill_tcp_checksum(&mut p.data, n) {
                 c.counters.full_checksums += 1;
             }
             queue.set_verdict(p.id, QVerdict::Accept, Some(&p.data[..n]))
         }
-        Action::Drop => queue.set_verdict(p.id, QVerdict::Drop, None),
-        Action::Inject => {
+        // The guard's core gives neither Held nor Unknown; never let such a packet pass.
+        Verdict::Drop | Verdict::Held | Verdict::Unknown => queue.set_verdict(p.id, QVerdict::Drop, None),
+        Verdict::Inject => {
             let r = queue.set_verdict(p.id, QVerdict::Drop, None);
             if let Err(e) = raw.send(&p.data[..n]) {
                 c.counters.inject_errors += 1;

@@ -351,6 +351,22 @@ pub trait Mode {
     /// Counts what the verdict I/O reports; returns the running count of that kind (for
     /// rate-limited log lines).
     fn io_event(&mut self, ev: IoEvent) -> u64;
+    /// Whether the mode decides a whole batch at once ([`Mode::packets`]) instead of packet by
+    /// packet ([`Mode::packet`]).
+    const BATCH: bool = false;
+    /// A batch mode's decision: takes the packets (their bytes moved out of the queue's
+    /// buffers) and gives every one its verdict through [`Outbox::released`], now or later.
+    /// When it panics, the daemon drops every packet of the batch after giving the verdicts
+    /// [`Mode::collect`] still hands over (a second verdict is refused harmlessly).
+    fn packets(&mut self, now_ms: u64, batch: &mut Vec<(Meta, Vec<u8>)>, out: &mut Outbox<Self::Request>) {
+        let _ = (now_ms, out);
+        batch.clear();
+    }
+    /// Moves what the mode decided since the last call into `out` (a mode that queues its
+    /// decisions internally; the daemon calls it after every step).
+    fn collect(&mut self, out: &mut Outbox<Self::Request>) {
+        let _ = out;
+    }
 }
 
 /// The I/O half of a mode beyond the queue: its own descriptors and requests.
@@ -360,10 +376,24 @@ pub trait Adapter<M: Mode> {
     fn fds(&self) -> Vec<RawFd> {
         Vec::new()
     }
-    /// After each batch and tick, with the mode locked: carries out `out.requests` and feeds
-    /// the mode what the descriptors brought (`ready[i]` for `fds()[i]`); anything it adds to
-    /// `out` goes out in this round.
+    /// Before the loop waits for packets (e.g. a watchdog: the loop is idle).
+    fn before_wait(&mut self) {}
+    /// After the wait, before the batch, with the mode locked (e.g. the latest heartbeat view).
+    fn after_wait(&mut self, mode: &mut M, now_ms: u64) {
+        let _ = (mode, now_ms);
+    }
+    /// After each batch, with the mode locked: carries out `out.requests` and feeds the mode
+    /// what the descriptors brought (`ready[i]` for `fds()[i]`); anything it adds to `out`
+    /// goes out in this round.
     fn service(&mut self, mode: &mut M, now_ms: u64, ready: &[bool], out: &mut Outbox<M::Request>);
+    /// After the tick: carries out the requests it made.
+    fn execute(&mut self, mode: &mut M, now_ms: u64, out: &mut Outbox<M::Request>) {
+        self.service(mode, now_ms, &[], out)
+    }
+    /// At the end of a round, before the flush (e.g. publishing counters for the status).
+    fn end_round(&mut self, mode: &mut M, queue: unbroken_drivers::nfqueue::Stats) {
+        let _ = (mode, queue);
+    }
 }
 
 /// An adapter with nothing of its own (all of the mode's I/O is the daemon's).
@@ -423,10 +453,13 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
     let extra = adapter.fds();
     let mut fds = vec![io.queue.as_raw_fd()];
     fds.extend(&extra);
+    let mut taken: Vec<(Meta, Vec<u8>)> = Vec::with_capacity(64);
+    let mut ids: Vec<u32> = Vec::with_capacity(64);
     loop {
         if stopping() {
             return Ok(());
         }
+        adapter.before_wait();
         let ready = if extra.is_empty() {
             let wait = crate::sync::lock(mode, &core).wait_ms().min(200);
             match io.queue.recv_batch(&mut batch, 64, Some(Duration::from_millis(wait))) {
@@ -450,7 +483,30 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
         };
         let now = now_ms();
         let mut m = crate::sync::lock(mode, &core);
-        {
+        adapter.after_wait(&mut m, now);
+        if M::BATCH {
+            ids.clear();
+            for p in batch.iter_mut() {
+                if p.truncated() {
+                    m.io_event(IoEvent::Truncated(p.data.len()));
+                    let _ = io.queue.set_verdict(p.id, QVerdict::Drop, None);
+                    continue;
+                }
+                ids.push(p.id);
+                taken.push((Meta::of(p), std::mem::take(&mut p.data)));
+            }
+            let decided = crate::sync::catch(&packet, || m.packets(now, &mut taken, &mut out)).is_some();
+            taken.clear();
+            m.collect(&mut out);
+            release(io, &mut *m, &mut out);
+            if !decided {
+                // A bug tripped by one of these packets: what the mode decided went out above;
+                // every packet still gets a verdict (a second one is refused, harmless).
+                for &id in &ids {
+                    let _ = io.queue.set_verdict(id, QVerdict::Drop, None);
+                }
+            }
+        } else {
             let mut ctx = (&mut *m, &mut *io, &mut out);
             settle_each(
                 &packet,
@@ -472,20 +528,16 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
                 |(m, io, _), id, why| io.fallback(&mut **m, id, why),
             );
         }
-        m.tick(now, &mut out);
         adapter.service(&mut m, now, &ready, &mut out);
-        for mut r in out.released.drain(..) {
-            let n = r.data.len();
-            let v = match r.verdict {
-                // A released packet is decided: never held twice.
-                Verdict::Held => Verdict::Drop,
-                v => v,
-            };
-            if let Err(e) = io.settle(&mut *m, r.id, &mut r.data, n, v, r.csum_not_ready) {
-                io.fallback(&mut *m, r.id, &format_args!("verdict refused ({e})"));
-            }
-            io.queue.recycle(r.data);
+        m.collect(&mut out);
+        m.tick(now, &mut out);
+        m.collect(&mut out);
+        if !out.requests.is_empty() {
+            adapter.execute(&mut m, now, &mut out);
+            m.collect(&mut out);
         }
+        release(io, &mut *m, &mut out);
+        adapter.end_round(&mut m, io.queue.stats());
         drop(m);
         if let Err(e) = io.queue.flush() {
             crate::ratelog::log(io.kinds[2], || format!("{name}: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
@@ -493,11 +545,26 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
         // After the verdicts: a packet sent here never overtakes a segment released with it.
         for pkt in out.send.drain(..) {
             if let Some(Err(e)) = io.raw.map(|r| r.send(&pkt)) {
-                let mut m = crate::sync::lock(mode, &core);
-                let count = m.io_event(IoEvent::InjectFailed);
+                let count = crate::sync::lock(mode, &core).io_event(IoEvent::InjectFailed);
                 crate::ratelog::log(io.kinds[1], || format!("{name}: inject failed ({count} time(s) so far): {e}"));
             }
         }
+    }
+}
+
+/// Gives the released packets their verdicts and hands their buffers back to the queue.
+fn release<M: Mode>(io: &mut PacketIo<'_>, m: &mut M, out: &mut Outbox<M::Request>) {
+    for mut r in out.released.drain(..) {
+        let n = r.data.len();
+        let v = match r.verdict {
+            // A released packet is decided: never held twice.
+            Verdict::Held => Verdict::Drop,
+            v => v,
+        };
+        if let Err(e) = io.settle(m, r.id, &mut r.data, n, v, r.csum_not_ready) {
+            io.fallback(m, r.id, &format_args!("verdict refused ({e})"));
+        }
+        io.queue.recycle(r.data);
     }
 }
 

@@ -269,6 +269,8 @@ pub struct Core {
     /// Token bucket of refusals: tokens (in thousandths) and when it was last filled.
     nak_tokens: u64,
     nak_filled_ms: Option<u64>,
+    /// When [`Core::expire`] last ran from [`crate::daemon::Mode::tick`].
+    last_expire_ms: u64,
     pub counters: Counters,
 }
 
@@ -299,6 +301,7 @@ impl Core {
             recovery_nudge: false,
             nak_tokens: NAK_PER_SEC * 1000,
             nak_filled_ms: None,
+            last_expire_ms: 0,
             counters: Counters::default(),
         }
     }
@@ -1009,6 +1012,48 @@ pub fn fill_tcp_checksum(buf: &mut [u8], len: usize) -> bool {
 }
 
 pub use crate::runtime::run;
+
+/// The guard as a queue daemon's mode ([`crate::daemon`]): a packet is [`Core::packet_with`],
+/// time expires closed connections once a second; it asks nothing of an adapter (its side
+/// channel runs on threads of its own that share the core).
+impl crate::daemon::Mode for Core {
+    type Request = ();
+
+    fn packet(&mut self, now_ms: u64, meta: crate::daemon::Meta, pkt: &mut [u8], len: usize, _: &mut crate::daemon::Outbox<()>) -> (Verdict, usize) {
+        self.packet_with(pkt, len, now_ms, meta.csum_not_ready)
+    }
+
+    fn tick(&mut self, now_ms: u64, _: &mut crate::daemon::Outbox<()>) {
+        if now_ms.saturating_sub(self.last_expire_ms) >= 1000 {
+            self.expire(now_ms);
+            self.last_expire_ms = now_ms;
+        }
+    }
+
+    fn io_event(&mut self, ev: crate::daemon::IoEvent) -> u64 {
+        use crate::daemon::IoEvent;
+        let c = &mut self.counters;
+        match ev {
+            IoEvent::FullChecksum => {
+                c.full_checksums += 1;
+                c.full_checksums
+            }
+            IoEvent::InjectFailed => {
+                c.inject_errors += 1;
+                c.inject_errors
+            }
+            // The core gives neither Held nor Unknown; were it to, the packet is dropped.
+            IoEvent::VerdictFallback | IoEvent::Undecided => {
+                c.verdict_fallbacks += 1;
+                c.verdict_fallbacks
+            }
+            IoEvent::Truncated(len) => {
+                self.refuse(Error::Truncated, len);
+                self.counters.malformed
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -594,7 +594,8 @@ impl Core {
             }
         }
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
-        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming_with(&mut e.conn, buf, len, csum) };
+        // The IP header was parsed once, above: the engine reads the segment through that view.
+        let res = if outgoing { rtcp::outgoing_parsed(&mut e.conn, buf, len, &info) } else { rtcp::incoming_parsed(&mut e.conn, buf, len, &info, csum) };
         if let Ok(o) = &res {
             if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
                 e.nudge = true;
@@ -669,7 +670,7 @@ impl Core {
         self.counters.peer_no_entry += 1;
         let mut c = Conn::default();
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
-        let res = rtcp::incoming_with(&mut c, buf, len, csum);
+        let res = rtcp::incoming_parsed(&mut c, buf, len, info, csum);
         Some(self.finish(res, len))
     }
 

@@ -331,14 +331,14 @@ fn scan_options(t: &mut Tcp<&mut [u8]>) -> Result<(Opts, bool)> {
     Ok((o, n_unknown > 0))
 }
 
-/// Splits a packet buffer into its IP facts and a TCP view of the segment.
-fn tcp_view(buf: &mut [u8], len: usize) -> Result<(IpInfo, Tcp<&mut [u8]>)> {
-    let info = IpInfo::parse(&buf[..len])?;
+/// The TCP view of the segment of `buf[..len]`, whose IP facts the caller parsed (once):
+/// an `info` that does not fit `len` is an error, never a panic.
+fn tcp_at<'a>(buf: &'a mut [u8], len: usize, info: &IpInfo) -> Result<Tcp<&'a mut [u8]>> {
     if info.protocol != ip::PROTO_TCP {
         return Err(Error::Unsupported("not tcp"));
     }
-    let seg = &mut buf[info.l4_offset..info.l4_offset + info.l4_len];
-    Ok((info, Tcp::new_checked(seg)?))
+    let end = info.l4_offset.checked_add(info.l4_len).filter(|&e| e <= len.min(buf.len())).ok_or(Error::Truncated)?;
+    Tcp::new_checked(&mut buf[info.l4_offset..end])
 }
 
 /// Writes a complete packet `src -> dst` with TCP header `r` and no payload into `buf`,
@@ -487,7 +487,15 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 /// wrong ackB then shows at the application's recovery as `DeliveredBeyondSent`, never as a
 /// corrupt stream.
 pub fn incoming_with(c: &mut Conn, buf: &mut [u8], len: usize, csum: PeerChecksum) -> Result<Outcome> {
-    let (info, mut t) = tcp_view(buf, len)?;
+    let info = IpInfo::parse(&buf[..len])?;
+    incoming_parsed(c, buf, len, &info, csum)
+}
+
+/// [`incoming_with`] for a packet whose IP header the caller already parsed into `info` (the
+/// guard does, to find the flow): the packet is parsed once.
+pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, csum: PeerChecksum) -> Result<Outcome> {
+    let info = *info;
+    let mut t = tcp_at(buf, len, &info)?;
     if csum == PeerChecksum::Verify && !t.verify_checksum(info.pseudo_sum(info.l4_len)) {
         return Ok(Outcome::with(Verdict::Drop, len, Event::PeerBadChecksum));
     }
@@ -728,7 +736,14 @@ fn window_unscaled(w: u16, ws: u8) -> u16 {
 
 /// Algorithm O: a packet from *A* to *B*.
 pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
-    let (info, mut t) = tcp_view(buf, len)?;
+    let info = IpInfo::parse(&buf[..len])?;
+    outgoing_parsed(c, buf, len, &info)
+}
+
+/// [`outgoing`] for a packet whose IP header the caller already parsed into `info`.
+pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) -> Result<Outcome> {
+    let info = *info;
+    let mut t = tcp_at(buf, len, &info)?;
     let f = t.flags();
     // O1. Suppress resets.
     if f & F::RST != 0 {

@@ -652,3 +652,37 @@ fn hostile_blind_packets_after_a_recovery_move_neither_delta_nor_ackb_nor_end_pr
     out(&mut c, from_a(Repr { seq: Seq(778), ack: Seq(B_ISN + 2001), flags: F::FIN | F::ACK, window: 100, timestamp: Some((40, 150)), ..Default::default() }, b""));
     assert!(!c.is_closed(), "a forged FIN did not make the guard forget the connection");
 }
+
+/// Issue 10 item 0: a caller that parsed the IP header hands its view down (the packet is
+/// parsed once) and gets the same answer; a view that does not fit the packet is refused as
+/// an error, never a panic or a read past the packet.
+#[test]
+fn hostile_a_parsed_view_gives_the_same_answer_and_a_wrong_one_is_refused() {
+    let syn = Repr { seq: Seq(B_ISN), flags: F::SYN, mss: Some(1460), window: 65535, ..Default::default() };
+    let (mut c1, mut c2) = (Conn::default(), Conn::default());
+    let (o1, p1) = inc(&mut c1, from_b(syn, b""));
+    let mut p2 = from_b(syn, b"");
+    let info = IpInfo::parse(&p2.buf[..p2.len]).unwrap();
+    let o2 = rtcp::incoming_parsed(&mut c2, &mut p2.buf, p2.len, &info, rtcp::PeerChecksum::Verify).unwrap();
+    assert_eq!((o1, &p1.buf), (o2, &p2.buf));
+    assert_eq!(c1, c2);
+    let mut p3 = from_a(Repr { seq: Seq(7), ack: Seq(B_ISN + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() }, b"");
+    let (mut c3, mut c4) = (c1, c1);
+    let (o3, p3a) = out(&mut c3, from_a(Repr { seq: Seq(7), ack: Seq(B_ISN + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() }, b""));
+    let info3 = IpInfo::parse(&p3.buf[..p3.len]).unwrap();
+    let o4 = rtcp::outgoing_parsed(&mut c4, &mut p3.buf, p3.len, &info3).unwrap();
+    assert_eq!((o3, &p3a.buf, c3), (o4, &p3.buf, c4));
+    // A view whose segment runs past the packet (or is not TCP): an error, state untouched.
+    let before = c2;
+    let mut long = info;
+    long.l4_len += 1000;
+    assert!(rtcp::incoming_parsed(&mut c2, &mut p2.buf, p2.len, &long, rtcp::PeerChecksum::Verify).is_err());
+    assert!(rtcp::outgoing_parsed(&mut c2, &mut p2.buf, p2.len, &long).is_err());
+    let mut far = info;
+    far.l4_offset = usize::MAX - 2;
+    assert!(rtcp::incoming_parsed(&mut c2, &mut p2.buf, p2.len, &far, rtcp::PeerChecksum::Verify).is_err());
+    let mut udp = info;
+    udp.protocol = 17;
+    assert!(rtcp::outgoing_parsed(&mut c2, &mut p2.buf, p2.len, &udp).is_err());
+    assert_eq!(c2, before);
+}

@@ -18,6 +18,7 @@
 //! client learns at once, and the refusal is counted.
 
 use crate::agentcore::{Core, LbView, Out, Pkt};
+use crate::daemon::{self, Wake};
 use crate::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
 use crate::kv::{KvStore, RedisKv};
 use crate::records::{Records, Refusal};
@@ -33,18 +34,12 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
-use unbroken_drivers::nfqueue::{Queue, QueueConfig, QueuedPacket, Verdict as QVerdict};
+use unbroken_drivers::nfqueue::{Queue, QueueConfig};
 use unbroken_drivers::repair::{self, RepairSpec};
 use unbroken_drivers::sockdiag::{Progress, SockDiag};
 use unbroken_engines::resume::{self, Mismatch};
 use unbroken_engines::trods::{self, Dir, Engine, Key, Plan, Record, Trigger};
 use unbroken_wire::sealed::{RecordKey, Refused};
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
 
 // ---- configuration ------------------------------------------------------------------------------
 
@@ -371,7 +366,7 @@ pub struct AgentCounters {
 struct Shared {
     counters: Mutex<AgentCounters>,
     /// A failover or refusal happened: write the status file now, not at the next period.
-    dirty: AtomicBool,
+    dirty: Arc<AtomicBool>,
 }
 
 impl Shared {
@@ -409,46 +404,11 @@ const INJECT_MARK: u32 = AGENT_MARK;
 
 
 
-/// A Linux eventfd used to wake the packet loop from other threads.
-struct Wake(std::os::fd::OwnedFd);
-
-impl Wake {
-    fn new() -> io::Result<Wake> {
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Wake(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }))
-    }
-    fn ring(&self) {
-        let one: u64 = 1;
-        unsafe { libc::write(self.0.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
-    }
-    fn clear(&self) {
-        let mut v: u64 = 0;
-        unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
-    }
-}
-
-fn poll_fds(fds: &[i32], timeout_ms: i32) -> Vec<bool> {
-    let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
-    let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
-    if n <= 0 {
-        return vec![false; fds.len()];
-    }
-    p.iter().map(|x| x.revents != 0).collect()
-}
-
 // ---- the packet loop ----------------------------------------------------------------------------
 
 /// Runs the agent until SIGINT/SIGTERM (SIGHUP is ignored, see [`crate::signals`]). Prints one `ready` line once traffic is steered.
 pub fn run(cfg: Agent) -> Result<(), String> {
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
-    }
-    crate::signals::ignore_hangup("agent");
+    daemon::install_signals("agent", true);
     let a = &cfg.raw.agent;
     let started = Instant::now();
     let mono_ms = || started.elapsed().as_millis() as u64;
@@ -477,31 +437,21 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // Without it a kept-alive client may wait for its retransmission timer between requests
     // (see the engine's docs), but it is served correctly.
     let inject = unbroken_drivers::rawsend::RawSender::new(INJECT_MARK).map_err(|e| eprintln!("agent: raw socket for injected ACKs: {e}")).ok();
-    let mut inject_errors = 0u64;
 
-    let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()), dirty: AtomicBool::new(false) });
+    let shared = Arc::new(Shared { counters: Mutex::new(AgentCounters::default()), dirty: Arc::new(AtomicBool::new(false)) });
     let wake = Arc::new(Wake::new().map_err(|e| format!("agent: eventfd: {e}"))?);
     let (tx, rx): (Sender<Msg>, Receiver<Msg>) = channel();
     let engine = Engine::new(trods::Config { refresh_ms: cfg.raw.store.ttl_s * 1000 / 3, ..trods::Config::default() });
     let engine_view: Arc<Mutex<(trods::Counters, usize, usize)>> = Arc::new(Mutex::new(Default::default()));
     {
         // Always runs: it also says when the store or the LB's heartbeats go wrong.
-        let (shared, ev) = (shared.clone(), engine_view.clone());
-        let store = store.clone();
         let hbw = hb.as_ref().zip(cfg.lb).map(|(h, lb)| (h.probe(), crate::hbproto::HealthWatch::new(lb, &cfg.key, 0)));
-        std::thread::Builder::new()
-            .name("agent-status".into())
-            .spawn(move || status_loop(a_status_file, shared, ev, store, started, hbw))
-            .map_err(|e| format!("agent: status thread: {e}"))?;
+        let plan = daemon::StatusPlan { name: "agent", path: a_status_file, period: Duration::from_millis(500), dirty: shared.dirty.clone(), started };
+        daemon::spawn_status(plan, status_fields(shared.clone(), engine_view.clone(), store.clone(), hbw)).map_err(|e| format!("agent: status thread: {e}"))?;
     }
     println!("unbroken agent: ready server={} queue={} services={:?} gate={}", a.server_id, a.queue, a.services, a.failover_gate);
     let _ = io::stdout().flush();
 
-    let mut batch: Vec<QueuedPacket> = Vec::with_capacity(64);
-    let mut pkts: Vec<Pkt> = Vec::with_capacity(64);
-    let mut batch_ids: Vec<u32> = Vec::with_capacity(64);
-    let mut injects: Vec<Vec<u8>> = Vec::new();
-    let mut completions = Vec::new();
     let mut core = Core::new(engine, cfg.gate_open, a.probe);
     let rebuilt_file = a.rebuilt_file.clone().or_else(|| {
         a.status_file.as_ref().map(|p| {
@@ -529,9 +479,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         shared: shared.clone(),
         pool: Pool::start(POOL_THREADS, POOL_QUEUE).map_err(|e| format!("agent: starting the failover workers: {e}"))?,
     });
-    // (poll skips a negative fd: a store without a wake fd is drained every iteration)
-    let fds = [queue.as_raw_fd(), store.wake_fd().unwrap_or(-1), wake.0.as_raw_fd()];
-    let mut diag = SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
+    let diag = SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
     // The packet loop is the data path and its progress is what the heartbeats vouch for
     // (LoopWatch): ordinary work must not starve it. Nice -10 (weight ~9x a normal thread);
     // SCHED_FIFO was tried and starves the agent's own store thread and Redis on a 2-core host
@@ -548,141 +496,12 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         eprintln!("agent: cannot raise the packet loop's priority (nice -10): under CPU load its heartbeats may stop and the LB may move this server's buckets");
     }
     shared.count(|c| c.loop_realtime = loop_realtime);
-    // The loop only does I/O; every decision is the core's (crate::agentcore).
-    let res: Result<(), String> = loop {
-        if STOP.load(Ordering::SeqCst) {
-            break Ok(());
-        }
-        watch.idle();
-        let ready = poll_fds(&fds, core.wait_ms() as i32);
-        watch.busy();
-        let now = mono_ms();
-        // The heartbeat view of this iteration (one copy per iteration).
-        let view = hb.as_ref().map(|h| h.view());
-        let now_i = Instant::now();
-        let lb = match &view {
-            None => LbView::NoLb,
-            Some(None) => LbView::Waiting,
-            Some(Some(v)) => LbView::View { v, lease_ok: now_i < v.lease_until, fresh: v.received_at.elapsed() < Duration::from_millis(100) },
-        };
-        // 0-1. the fence and the packets
-        pkts.clear();
-        batch_ids.clear();
-        if ready[0] {
-            match queue.recv_batch(&mut batch, 64, Some(Duration::ZERO)) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => break Err(format!("agent: queue receive: {e}")),
-            }
-            for p in batch.iter_mut() {
-                if p.truncated() {
-                    let _ = queue.set_verdict(p.id, QVerdict::Drop, None);
-                    continue;
-                }
-                batch_ids.push(p.id);
-                let dir = if p.hook == 3 { Dir::ToClient } else { Dir::FromClient };
-                pkts.push(Pkt { id: p.id, data: std::mem::take(&mut p.data), dir, bucket: p.hw_src.and_then(bucket_of_mac), csum_not_ready: p.csum_not_ready });
-            }
-        }
-        if crate::sync::catch("agent: packets", || core.packets(now, lb, pkts.drain(..))).is_none() {
-            // A bug tripped by one of these packets: whatever the core decided goes out, and
-            // every packet of the batch still gets a verdict (a second one for a packet already
-            // decided is refused by the kernel and counted, harmless).
-            pkts.clear();
-            drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-            for &id in &batch_ids {
-                let _ = queue.set_verdict(id, QVerdict::Drop, None);
-            }
-        }
-        drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-        // 2. the failover gate (TRODS section 5.1)
-        core.gate(now, lb, |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.serves_connection())).map_err(|e| e.to_string()));
-        drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-        // 3. worker messages, store completions
-        if ready[2] {
-            wake.clear();
-        }
-        while let Ok(m) = rx.try_recv() {
-            match m {
-                Msg::Adopt { key, bucket, rec, plan, started: t0, go } => {
-                    core.adopted(now, key, bucket, &rec, &plan);
-                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-                    let us = t0.elapsed().as_micros() as u64;
-                    shared.count(|c| {
-                        c.failovers += 1;
-                        c.failover_us_last = us;
-                        c.failover_us_max = c.failover_us_max.max(us);
-                    });
-                    shared.dirty.store(true, Ordering::Relaxed);
-                    let _ = go.send(());
-                }
-                Msg::Quiesce { key, go } => {
-                    core.quiesce(now, key);
-                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-                    let _ = go.send(());
-                }
-                Msg::Relearn { key, bucket, found, sock } => {
-                    let _ = core.relearn_found(now, key, bucket, found, sock);
-                    shared.dirty.store(true, Ordering::Relaxed);
-                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-                }
-                Msg::Refuse { key, why } => {
-                    core.refused(now, key);
-                    note_refusal(&shared, key, why);
-                }
-                Msg::Record { key, bucket, result } => {
-                    if let Err(why) = core.record(now, key, bucket, result) {
-                        note_refusal(&shared, key, why);
-                    }
-                    drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-                }
-                Msg::Listed { keys } => core.records_listed(keys),
-            }
-        }
-        store.drain(&mut completions);
-        for c in completions.drain(..) {
-            core.store_done(c.token, c.result.is_ok());
-        }
-        // 4. store requests, housekeeping, muting, probes, injected ACKs
-        core.after(now, lb);
-        drive(&mut core, &mut queue, &ctx, &*store, &mut injects);
-        let qs = queue.stats();
-        let skipped = hb.as_ref().map_or(0, |h| h.stats().skipped_wedged);
-        let cc = core.counters;
-        shared.count(|c| {
-            c.queue_errors = qs.enobufs + qs.verdict_errors;
-            c.heartbeats_skipped_wedged = skipped;
-            c.failovers_started = cc.failovers_started;
-            c.failovers_denied = cc.failovers_denied;
-            c.passed_local_socket = cc.passed_local_socket;
-            c.relearn_failed = cc.relearn_failed;
-            c.elicited = cc.elicited;
-            c.sockdiag_errors = cc.sockdiag_errors;
-            c.muted = cc.muted;
-            c.fenced_held = cc.fenced_held;
-            c.fenced_dropped = cc.fenced_dropped;
-            c.store_submitted = cc.store_submitted;
-            c.log_suppressed = cc.log_suppressed + crate::ratelog::global().suppressed();
-            c.core = cc;
-        });
-        {
-            let mut ev = crate::sync::lock(&engine_view, "agent: engine view");
-            *ev = (core.engine.counters, core.engine.connections(), core.engine.protected());
-        }
-        if let Err(e) = queue.flush() {
-            crate::ratelog::log("agent: verdict flush", || format!("agent: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
-        }
-        // After the verdicts: an injected ACK never overtakes the segments released with it.
-        for pkt in injects.drain(..) {
-            if let Some(Err(e)) = inject.as_ref().map(|r| r.send(&pkt)) {
-                inject_errors += 1;
-                if inject_errors.is_power_of_two() {
-                    eprintln!("agent: injecting an ACK ({inject_errors} failures): {e}");
-                }
-            }
-        }
-    };
-    STOP.store(true, Ordering::SeqCst);
+    // The loop only does I/O (crate::daemon::run); every decision is the core's
+    // (crate::agentcore), and AgentIo carries out its requests.
+    let mode = Mutex::new(AgentMode { core, view: None, lease_ok: false, fresh: false, pkts: Vec::with_capacity(64), inject_errors: 0, fallbacks: 0 });
+    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new() };
+    let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
+    daemon::stop();
     // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
     // would end the download, a RST the connection): in repair mode their close is silent, and
     // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
@@ -704,6 +523,226 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     eprintln!("agent: stopping: queue rules left in place (the service's packets are dropped until an agent runs again; `unbroken agent --config FILE --remove-rules` removes them)");
     drop(queue);
     res
+}
+
+/// The LB's view for the core: none configured, none yet, or the latest reply.
+fn lb_view(view: &Option<Option<crate::lb::BucketView>>, lease_ok: bool, fresh: bool) -> LbView<'_> {
+    match view {
+        None => LbView::NoLb,
+        Some(None) => LbView::Waiting,
+        Some(Some(v)) => LbView::View { v, lease_ok, fresh },
+    }
+}
+
+/// The agent as a queue daemon's mode ([`crate::daemon`]): its core ([`crate::agentcore`])
+/// decides each batch; its verdicts come back as released packets, its injected ACKs and
+/// elicitations as packets to send after the flush, everything else ([`Out`]) as requests
+/// for [`AgentIo`].
+struct AgentMode {
+    core: Core,
+    /// The heartbeat view of this round (one copy per round); `None` without an LB.
+    view: Option<Option<crate::lb::BucketView>>,
+    lease_ok: bool,
+    fresh: bool,
+    pkts: Vec<Pkt>,
+    inject_errors: u64,
+    fallbacks: u64,
+}
+
+impl daemon::Mode for AgentMode {
+    type Request = Out;
+    const BATCH: bool = true;
+
+    fn packet(&mut self, _: u64, _: daemon::Meta, _: &mut [u8], len: usize, _: &mut daemon::Outbox<Out>) -> (unbroken_engines::Verdict, usize) {
+        // Never called: the agent decides whole batches (`packets`).
+        (unbroken_engines::Verdict::Drop, len)
+    }
+
+    fn packets(&mut self, now: u64, batch: &mut Vec<(daemon::Meta, Vec<u8>)>, _: &mut daemon::Outbox<Out>) {
+        self.pkts.clear();
+        for (m, data) in batch.drain(..) {
+            let dir = if m.hook == 3 { Dir::ToClient } else { Dir::FromClient };
+            self.pkts.push(Pkt { id: m.id, data, dir, bucket: m.hw_src.and_then(bucket_of_mac), csum_not_ready: m.csum_not_ready });
+        }
+        let lb = lb_view(&self.view, self.lease_ok, self.fresh);
+        self.core.packets(now, lb, self.pkts.drain(..));
+    }
+
+    fn collect(&mut self, out: &mut daemon::Outbox<Out>) {
+        use unbroken_engines::Verdict;
+        while let Some(o) = self.core.poll() {
+            match o {
+                Out::Accept { id, data, modified, csum_not_ready } => out.released.push(daemon::Released { id, data, verdict: Verdict::Accept { modified }, csum_not_ready }),
+                Out::Drop { id, data } => out.released.push(daemon::Released { id, data, verdict: Verdict::Drop, csum_not_ready: false }),
+                // Sent like the injected ACKs (after the verdicts, outside the queue).
+                Out::Inject(pkt) | Out::Elicit(pkt) => out.send.push(pkt),
+                o => out.requests.push(o),
+            }
+        }
+    }
+
+    fn tick(&mut self, _: u64, _: &mut daemon::Outbox<Out>) {
+        // The core's timers run in `AgentIo::service` (Core::after), after the store's and
+        // the workers' news of this round.
+    }
+
+    fn wait_ms(&self) -> u64 {
+        self.core.wait_ms()
+    }
+
+    fn io_event(&mut self, ev: daemon::IoEvent) -> u64 {
+        match ev {
+            daemon::IoEvent::InjectFailed => {
+                self.inject_errors += 1;
+                self.inject_errors
+            }
+            daemon::IoEvent::VerdictFallback | daemon::IoEvent::Undecided => {
+                self.fallbacks += 1;
+                self.fallbacks
+            }
+            daemon::IoEvent::FullChecksum | daemon::IoEvent::Truncated(_) => 0,
+        }
+    }
+}
+
+/// The agent's I/O beyond the queue: the store, the failover workers and their messages,
+/// sock_diag for the gate, the LB's heartbeats, and the counters the status file shows.
+struct AgentIo {
+    ctx: Arc<WorkerCtx>,
+    store: Arc<dyn KvStore>,
+    rx: Receiver<Msg>,
+    wake: Arc<Wake>,
+    diag: SockDiag,
+    hb: Option<HeartbeatClient>,
+    watch: Arc<LoopWatch>,
+    shared: Arc<Shared>,
+    engine_view: Arc<Mutex<(trods::Counters, usize, usize)>>,
+    completions: Vec<crate::store::Completion>,
+}
+
+impl AgentIo {
+    /// Carries out the core's requests; local sockets to destroy (`ss -K` each) go in one job
+    /// for the whole lot, never a thread per socket (a bucket that moves away mutes all of its
+    /// connections at once).
+    fn run(&self, out: &mut daemon::Outbox<Out>) {
+        let mut destroy: Vec<Key> = Vec::new();
+        for o in out.requests.drain(..) {
+            execute(&self.ctx, &*self.store, o, &mut destroy);
+        }
+        destroy_batch(&self.ctx, destroy);
+    }
+}
+
+impl daemon::Adapter<AgentMode> for AgentIo {
+    fn fds(&self) -> Vec<std::os::fd::RawFd> {
+        // (poll skips a negative fd: a store without a wake fd is drained every round)
+        vec![self.store.wake_fd().unwrap_or(-1), self.wake.as_raw_fd()]
+    }
+
+    fn before_wait(&mut self) {
+        self.watch.idle();
+    }
+
+    fn after_wait(&mut self, m: &mut AgentMode, _: u64) {
+        self.watch.busy();
+        m.view = self.hb.as_ref().map(|h| h.view());
+        let now_i = Instant::now();
+        if let Some(Some(v)) = &m.view {
+            m.lease_ok = now_i < v.lease_until;
+            m.fresh = v.received_at.elapsed() < Duration::from_millis(100);
+        }
+    }
+
+    fn service(&mut self, m: &mut AgentMode, now: u64, ready: &[bool], out: &mut daemon::Outbox<Out>) {
+        use daemon::Mode;
+        self.run(out);
+        // 2. the failover gate (TRODS section 5.1)
+        let diag = &mut self.diag;
+        m.core.gate(now, lb_view(&m.view, m.lease_ok, m.fresh), |k| diag.lookup(k.service, k.client).map(|i| i.is_some_and(|i| i.serves_connection())).map_err(|e| e.to_string()));
+        m.collect(out);
+        self.run(out);
+        // 3. worker messages, store completions
+        if ready.get(1) == Some(&true) {
+            self.wake.clear();
+        }
+        let shared = &self.shared;
+        while let Ok(msg) = self.rx.try_recv() {
+            match msg {
+                Msg::Adopt { key, bucket, rec, plan, started: t0, go } => {
+                    m.core.adopted(now, key, bucket, &rec, &plan);
+                    m.collect(out);
+                    self.run(out);
+                    let us = t0.elapsed().as_micros() as u64;
+                    shared.count(|c| {
+                        c.failovers += 1;
+                        c.failover_us_last = us;
+                        c.failover_us_max = c.failover_us_max.max(us);
+                    });
+                    shared.dirty.store(true, Ordering::Relaxed);
+                    let _ = go.send(());
+                }
+                Msg::Quiesce { key, go } => {
+                    m.core.quiesce(now, key);
+                    m.collect(out);
+                    self.run(out);
+                    let _ = go.send(());
+                }
+                Msg::Relearn { key, bucket, found, sock } => {
+                    let _ = m.core.relearn_found(now, key, bucket, found, sock);
+                    shared.dirty.store(true, Ordering::Relaxed);
+                    m.collect(out);
+                    self.run(out);
+                }
+                Msg::Refuse { key, why } => {
+                    m.core.refused(now, key);
+                    note_refusal(shared, key, why);
+                }
+                Msg::Record { key, bucket, result } => {
+                    if let Err(why) = m.core.record(now, key, bucket, result) {
+                        note_refusal(shared, key, why);
+                    }
+                    m.collect(out);
+                    self.run(out);
+                }
+                Msg::Listed { keys } => m.core.records_listed(keys),
+            }
+        }
+        self.store.drain(&mut self.completions);
+        for c in self.completions.drain(..) {
+            m.core.store_done(c.token, c.result.is_ok());
+        }
+        // 4. store requests, housekeeping, muting, probes, injected ACKs
+        m.core.after(now, lb_view(&m.view, m.lease_ok, m.fresh));
+        m.collect(out);
+        self.run(out);
+    }
+
+    fn execute(&mut self, _: &mut AgentMode, _: u64, out: &mut daemon::Outbox<Out>) {
+        self.run(out);
+    }
+
+    fn end_round(&mut self, m: &mut AgentMode, qs: unbroken_drivers::nfqueue::Stats) {
+        let skipped = self.hb.as_ref().map_or(0, |h| h.stats().skipped_wedged);
+        let cc = m.core.counters;
+        self.shared.count(|c| {
+            c.queue_errors = qs.enobufs + qs.verdict_errors;
+            c.heartbeats_skipped_wedged = skipped;
+            c.failovers_started = cc.failovers_started;
+            c.failovers_denied = cc.failovers_denied;
+            c.passed_local_socket = cc.passed_local_socket;
+            c.relearn_failed = cc.relearn_failed;
+            c.elicited = cc.elicited;
+            c.sockdiag_errors = cc.sockdiag_errors;
+            c.muted = cc.muted;
+            c.fenced_held = cc.fenced_held;
+            c.fenced_dropped = cc.fenced_dropped;
+            c.store_submitted = cc.store_submitted;
+            c.log_suppressed = cc.log_suppressed + crate::ratelog::global().suppressed();
+            c.core = cc;
+        });
+        let mut ev = crate::sync::lock(&self.engine_view, "agent: engine view");
+        *ev = (m.core.engine.counters, m.core.engine.connections(), m.core.engine.protected());
+    }
 }
 
 /// A refused failover: logged and counted (its packets went to the kernel).
@@ -816,16 +855,6 @@ pub fn remove_rules(cfg: &Agent) -> Result<(), String> {
     unbroken_drivers::iptables::Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("agent: removing the queue rules: {e}"))
 }
 
-/// Carries out the core's requests (crate::agentcore::Out); injected ACKs wait in `injects`
-/// until the verdicts are flushed.
-fn drive(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>) {
-    // Local sockets to destroy (`ss -K` each): one job for the whole batch, never a thread
-    // per socket (a bucket that moves away mutes all of its connections at once).
-    let mut destroy: Vec<Key> = Vec::new();
-    drive_outs(core, queue, ctx, store, injects, &mut destroy);
-    destroy_batch(ctx, destroy);
-}
-
 /// Destroys the local sockets of `keys` in one pool job (or, when the pool is full, one
 /// thread); counted in `destroys_lost` when neither can run.
 fn destroy_batch(ctx: &Arc<WorkerCtx>, keys: Vec<Key>) {
@@ -844,102 +873,75 @@ fn destroy_batch(ctx: &Arc<WorkerCtx>, keys: Vec<Key>) {
     }
 }
 
-fn drive_outs(core: &mut Core, queue: &mut Queue, ctx: &Arc<WorkerCtx>, store: &dyn KvStore, injects: &mut Vec<Vec<u8>>, destroy: &mut Vec<Key>) {
-    while let Some(o) = core.poll() {
-        match o {
-            Out::Accept { id, mut data, modified, csum_not_ready } => {
-                accept(queue, id, &mut data, modified, csum_not_ready);
-                queue.recycle(data);
+/// Carries out one of the core's requests (the verdicts and the packets to send are the
+/// daemon's, see [`AgentMode`]); local sockets to destroy are collected in `destroy`.
+fn execute(ctx: &Arc<WorkerCtx>, store: &dyn KvStore, o: Out, destroy: &mut Vec<Key>) {
+    match o {
+        // The daemon's (AgentMode::collect never hands them here); never lost if they were.
+        Out::Accept { .. } | Out::Drop { .. } | Out::Inject(_) | Out::Elicit(_) => {}
+        Out::Failover { key, bucket, trigger: _ } => {
+            let c2 = ctx.clone();
+            if !ctx.pool.submit(Box::new(move || {
+                let result = lookup(&c2, key, bucket);
+                c2.send(Msg::Record { key, bucket, result });
+            })) {
+                ctx.shared.count(|c| c.pool_full += 1);
+                ctx.send(Msg::Record { key, bucket, result: Err("the failover worker pool is full".into()) });
             }
-            Out::Drop { id, data } => {
-                let _ = queue.set_verdict(id, QVerdict::Drop, None);
-                queue.recycle(data);
-            }
-            Out::Failover { key, bucket, trigger: _ } => {
-                let c2 = ctx.clone();
-                if !ctx.pool.submit(Box::new(move || {
-                    let result = lookup(&c2, key, bucket);
-                    c2.send(Msg::Record { key, bucket, result });
-                })) {
-                    ctx.shared.count(|c| c.pool_full += 1);
-                    ctx.send(Msg::Record { key, bucket, result: Err("the failover worker pool is full".into()) });
-                }
-            }
-            Out::Rebuild { key, bucket, rec, plan, trigger } => {
-                let c2 = ctx.clone();
-                let t0 = Instant::now();
-                // A thread per rebuilt connection: it serves the connection for its lifetime.
-                // Only a connection with a record and a packet that planned against it gets
-                // here (never a bogus ACK).
-                if !spawn_counted(ctx, "ub-rebuilt", move || rebuild(c2, key, bucket, *rec, *plan, trigger, t0)) {
-                    ctx.send(Msg::Refuse { key, why: "rebuild: no thread to serve it".into() });
-                }
-            }
-            Out::Destroy { key } => {
-                if !silence_adopted(ctx, &key) {
-                    destroy.push(key);
-                }
-            }
-            Out::Relearn { key, bucket, trigger: _ } => {
-                let c2 = ctx.clone();
-                if !ctx.pool.submit(Box::new(move || {
-                    let (found, sock) = relearn(&c2, key, bucket);
-                    c2.send(Msg::Relearn { key, bucket, found, sock });
-                })) {
-                    ctx.shared.count(|c| c.pool_full += 1);
-                    ctx.send(Msg::Relearn { key, bucket, found: Err("the failover worker pool is full".into()), sock: Ok(None) });
-                }
-            }
-            Out::Supersede { key } => {
-                if silence_adopted(ctx, &key) {
-                    eprintln!("agent: {} acknowledged bytes not sent from here: rebuilding from its ACK", key.client);
-                    ctx.shared.count(|c| c.superseded += 1);
-                }
-            }
-            Out::Silence { key } => {
-                // A socket this agent rebuilt: stop its worker (whatever the socket still
-                // sends is dropped: muted). The local server's own socket: destroy it (its RST
-                // goes through the queue, where the muted entry drops it). Left alive it would
-                // retransmit for minutes after its muted entry expired, long after its client
-                // finished with the server that took the connection over, and the client's
-                // answers would draw RSTs from there (the object chaos demo counted one).
-                if !silence_adopted(ctx, &key) {
-                    ctx.shared.count(|c| c.muted_destroyed += 1);
-                    destroy.push(key);
-                }
-            }
-            Out::Store(op) => {
-                let _ = store.submit(ctx.records.seal_op(op, unix_ms()));
-            }
-            Out::Inject(pkt) => injects.push(pkt),
-            Out::Probe { buckets, skip } => {
-                let c2 = ctx.clone();
-                spawn_counted(ctx, "ub-probe", move || probe_buckets(c2, buckets, skip));
-            }
-            // Sent like the injected ACKs (after the verdicts, outside the queue).
-            Out::Elicit(pkt) => injects.push(pkt),
-            Out::Log(line) => eprintln!("{line}"),
         }
+        Out::Rebuild { key, bucket, rec, plan, trigger } => {
+            let c2 = ctx.clone();
+            let t0 = Instant::now();
+            // A thread per rebuilt connection: it serves the connection for its lifetime.
+            // Only a connection with a record and a packet that planned against it gets
+            // here (never a bogus ACK).
+            if !spawn_counted(ctx, "ub-rebuilt", move || rebuild(c2, key, bucket, *rec, *plan, trigger, t0)) {
+                ctx.send(Msg::Refuse { key, why: "rebuild: no thread to serve it".into() });
+            }
+        }
+        Out::Destroy { key } => {
+            if !silence_adopted(ctx, &key) {
+                destroy.push(key);
+            }
+        }
+        Out::Relearn { key, bucket, trigger: _ } => {
+            let c2 = ctx.clone();
+            if !ctx.pool.submit(Box::new(move || {
+                let (found, sock) = relearn(&c2, key, bucket);
+                c2.send(Msg::Relearn { key, bucket, found, sock });
+            })) {
+                ctx.shared.count(|c| c.pool_full += 1);
+                ctx.send(Msg::Relearn { key, bucket, found: Err("the failover worker pool is full".into()), sock: Ok(None) });
+            }
+        }
+        Out::Supersede { key } => {
+            if silence_adopted(ctx, &key) {
+                eprintln!("agent: {} acknowledged bytes not sent from here: rebuilding from its ACK", key.client);
+                ctx.shared.count(|c| c.superseded += 1);
+            }
+        }
+        Out::Silence { key } => {
+            // A socket this agent rebuilt: stop its worker (whatever the socket still
+            // sends is dropped: muted). The local server's own socket: destroy it (its RST
+            // goes through the queue, where the muted entry drops it). Left alive it would
+            // retransmit for minutes after its muted entry expired, long after its client
+            // finished with the server that took the connection over, and the client's
+            // answers would draw RSTs from there (the object chaos demo counted one).
+            if !silence_adopted(ctx, &key) {
+                ctx.shared.count(|c| c.muted_destroyed += 1);
+                destroy.push(key);
+            }
+        }
+        Out::Store(op) => {
+            let _ = store.submit(ctx.records.seal_op(op, unix_ms()));
+        }
+        Out::Probe { buckets, skip } => {
+            let c2 = ctx.clone();
+            spawn_counted(ctx, "ub-probe", move || probe_buckets(c2, buckets, skip));
+        }
+        Out::Log(line) => eprintln!("{line}"),
     }
 }
-
-fn accept(queue: &mut Queue, id: u32, data: &mut Vec<u8>, modified: bool, csum_not_ready: bool) {
-    let r = if modified {
-        if csum_not_ready {
-            let n = data.len();
-            crate::guard::fill_tcp_checksum(data, n);
-        }
-        queue.set_verdict(id, QVerdict::Accept, Some(data))
-    } else {
-        queue.set_verdict(id, QVerdict::Accept, None)
-    };
-    if let Err(e) = r {
-        // Never leave the packet without a verdict (issue 9, item 11): drop it instead.
-        crate::ratelog::log("agent: verdict", || format!("agent: verdict: {e}; dropping the packet instead"));
-        let _ = queue.set_verdict(id, QVerdict::Drop, None);
-    }
-}
-
 
 /// Creates the status file's directory and checks that the file can be written there: a
 /// wrong path is one clear error at start, not a complaint every 500 ms.
@@ -979,21 +981,18 @@ impl OutageWatch {
     }
 }
 
-fn status_loop(
-    path: Option<PathBuf>,
+/// The agent's own status fields (the daemon adds the common ones, see
+/// [`crate::daemon::common_fields`]); also says when the store or the LB's heartbeats go
+/// wrong, with or without a status file.
+fn status_fields(
     shared: Arc<Shared>,
     ev: Arc<Mutex<(trods::Counters, usize, usize)>>,
     store: Arc<dyn KvStore>,
-    started: Instant,
     mut hbw: Option<(crate::lb::HeartbeatProbe, crate::hbproto::HealthWatch)>,
-) {
-    let tmp = path.as_ref().map(|p| p.with_extension("tmp"));
+) -> impl FnMut(bool, u64) -> serde_json::Map<String, serde_json::Value> + Send + 'static {
     let mut store_watch = OutageWatch::new(1_000);
-    let mut write_failed = false;
-    loop {
-        let stop = STOP.load(Ordering::SeqCst);
+    move |_, now_ms| {
         let (engine, conns, protected) = *crate::sync::lock(&ev, "agent: engine view");
-        let now_ms = started.elapsed().as_millis() as u64;
         // A store outage is said once when it has lasted a second (at start too) and once when
         // it ends: connections whose store fails run unprotected meanwhile, and are protected
         // again when it answers.
@@ -1027,48 +1026,18 @@ fn status_loop(
                 "stats": st,
             })
         });
-        if let (Some(path), Some(tmp)) = (&path, &tmp) {
-            let agent = crate::sync::lock(&shared.counters, "agent: counters").clone();
-            let doc = serde_json::json!({
-                "pid": std::process::id(),
-                "uptime_ms": now_ms,
-                "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
-                "stopped": stop,
-                "sighup_ignored": crate::signals::hangups(),
-                "locks_recovered": crate::sync::poisoned(),
-                "connections": conns,
-                "protected": protected,
-                "agent": agent,
-                "engine": engine,
-                "store": store.describe(),
-                "store_down": down,
-                "lb_heartbeats": lb,
-            });
-            match std::fs::write(tmp, doc.to_string()).and_then(|_| std::fs::rename(tmp, path)) {
-                Ok(()) if write_failed => {
-                    write_failed = false;
-                    eprintln!("agent: status file {} written again", path.display());
-                }
-                Ok(()) => {}
-                Err(e) if !write_failed => {
-                    write_failed = true;
-                    eprintln!("agent: cannot write status file {}: {e} (said once; retried every 500 ms)", path.display());
-                }
-                Err(_) => {}
-            }
-        }
-        if stop {
-            return;
-        }
-        // Every 500 ms, or within 10 ms of a failover or refusal.
-        for _ in 0..50 {
-            std::thread::sleep(Duration::from_millis(10)); // periodic status write, not a synchronisation
-            if shared.dirty.swap(false, Ordering::Relaxed) {
-                // Let the engine view catch up with the failover the loop just handled.
-                std::thread::sleep(Duration::from_millis(5)); // coalesce a burst of failovers into one write
-                break;
-            }
-        }
+        let agent = crate::sync::lock(&shared.counters, "agent: counters").clone();
+        let doc = serde_json::json!({
+            "wall_ms": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            "connections": conns,
+            "protected": protected,
+            "agent": agent,
+            "engine": engine,
+            "store": store.describe(),
+            "store_down": down,
+            "lb_heartbeats": lb,
+        });
+        doc.as_object().cloned().unwrap_or_default()
     }
 }
 
@@ -1234,7 +1203,7 @@ fn rebuild(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, rec: Record, plan
 /// their connections must stay listed).
 fn save_rebuilt(ctx: &WorkerCtx, adopted: &HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>) {
     let Some(path) = &ctx.rebuilt_file else { return };
-    if STOP.load(Ordering::SeqCst) {
+    if daemon::stopping() {
         return;
     }
     write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));

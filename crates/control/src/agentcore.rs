@@ -28,7 +28,8 @@ use crate::store::{Op, OpKind};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use unbroken_drivers::sockdiag::Progress;
-use unbroken_engines::trods::{plan_recovery, plan_relearn, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, Verdict, FAR_PAST_PROGRESS};
+use unbroken_engines::trods::{plan_recovery, plan_relearn, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, FAR_PAST_PROGRESS};
+use unbroken_engines::Verdict;
 
 /// How long a packet of an unknown connection waits for the LB's view to allow its failover
 /// (the kernel table can change a few ms before the news reaches the agent).
@@ -775,7 +776,9 @@ impl Core {
                 }
                 self.accept(p.id, p.data, modified, p.csum_not_ready);
             }
-            Verdict::Drop => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
+            // The trods engine never injects; were it to, the bytes would face the other way:
+            // never let them through.
+            Verdict::Drop | Verdict::Inject => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
             Verdict::Held => {
                 self.csum.insert(p.id as u64, p.csum_not_ready);
             }
@@ -1044,7 +1047,7 @@ impl Core {
                     self.out.push_back(Out::Supersede { key });
                     self.gate_wait.push(GateWait { key, since: now, p, local: None, limited: None });
                 }
-                Verdict::Drop => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
+                Verdict::Drop | Verdict::Inject => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
                 Verdict::Held => {
                     self.csum.insert(p.id as u64, p.csum_not_ready);
                 }

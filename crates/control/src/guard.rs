@@ -6,7 +6,8 @@ use crate::config::{Guard as Config, Prefix, Service};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
-use unbroken_engines::rtcp::{self, Conn, Event, Verdict};
+use unbroken_engines::rtcp::{self, Conn, Event};
+use unbroken_engines::Verdict;
 use unbroken_wire::ctl::{self, Command, Key, Status};
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::Packet as Tcp;
@@ -111,7 +112,7 @@ struct Candidate {
 enum Race {
     None,
     Candidate(Candidate),
-    Done(Action, usize),
+    Done(Verdict, usize),
 }
 
 /// Keys an eviction looks at, at most (see [`Core::evict_one`]).
@@ -220,16 +221,6 @@ pub struct Counters {
     pub connections: u64,
 }
 
-/// What the driver must do with a queued packet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// Accept it; when `modified`, with the rewritten bytes.
-    Accept { modified: bool },
-    Drop,
-    /// Drop it and inject the rewritten bytes instead (they travel the other way).
-    Inject,
-}
-
 /// Recently seen command nonces (replay protection within the clock-skew window).
 struct ReplayCache {
     seen: HashSet<u64>,
@@ -278,6 +269,8 @@ pub struct Core {
     /// Token bucket of refusals: tokens (in thousandths) and when it was last filled.
     nak_tokens: u64,
     nak_filled_ms: Option<u64>,
+    /// When [`Core::expire`] last ran from [`crate::daemon::Mode::tick`].
+    last_expire_ms: u64,
     pub counters: Counters,
 }
 
@@ -308,6 +301,7 @@ impl Core {
             recovery_nudge: false,
             nak_tokens: NAK_PER_SEC * 1000,
             nak_filled_ms: None,
+            last_expire_ms: 0,
             counters: Counters::default(),
         }
     }
@@ -441,13 +435,13 @@ impl Core {
     }
 
     /// Drops a packet that could not be processed, counted by why.
-    pub fn refuse(&mut self, e: Error, len: usize) -> (Action, usize) {
+    pub fn refuse(&mut self, e: Error, len: usize) -> (Verdict, usize) {
         match e {
             Error::Unsupported(_) => self.counters.unsupported += 1,
             _ => self.counters.malformed += 1,
         }
         self.counters.dropped += 1;
-        (Action::Drop, len)
+        (Verdict::Drop, len)
     }
 
     /// Forgets connections closed both ways for longer than the grace period.
@@ -470,7 +464,7 @@ impl Core {
 
     /// Decides a queued packet. `buf[..len]` is the IP packet; `buf` has room to grow (64 bytes
     /// is enough). Returns the action and the packet's new length.
-    pub fn packet(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> (Action, usize) {
+    pub fn packet(&mut self, buf: &mut [u8], len: usize, now_ms: u64) -> (Verdict, usize) {
         self.packet_with(buf, len, now_ms, false)
     }
 
@@ -478,7 +472,7 @@ impl Core {
     /// (`csum_partial`: built on this host and handed over before the checksum was completed,
     /// NFQUEUE's `csum_not_ready`), so that it cannot be verified. Every other packet from the
     /// peer must carry a checksum that verifies (issue 9, item 2).
-    pub fn packet_with(&mut self, buf: &mut [u8], len: usize, now_ms: u64, csum_partial: bool) -> (Action, usize) {
+    pub fn packet_with(&mut self, buf: &mut [u8], len: usize, now_ms: u64, csum_partial: bool) -> (Verdict, usize) {
         self.counters.packets += 1;
         let info = match IpInfo::parse(&buf[..len]) {
             Ok(i) => i,
@@ -488,7 +482,7 @@ impl Core {
         };
         if info.protocol != ip::PROTO_TCP || info.l4_len < 4 {
             self.counters.unprotected += 1;
-            return (Action::Accept { modified: false }, len);
+            return (Verdict::Accept { modified: false }, len);
         }
         let l4 = &buf[info.l4_offset..];
         let sport = u16::from_be_bytes([l4[0], l4[1]]);
@@ -501,7 +495,7 @@ impl Core {
             (false, FlowKey { app: dst, peer: src })
         } else {
             self.counters.unprotected += 1;
-            return (Action::Accept { modified: false }, len);
+            return (Verdict::Accept { modified: false }, len);
         };
         if outgoing {
             self.counters.outgoing += 1;
@@ -522,7 +516,7 @@ impl Core {
                 e.last_ms = now_ms;
                 self.counters.unprotected_passed += 1;
                 self.counters.forwarded += 1;
-                return (Action::Accept { modified: false }, len);
+                return (Verdict::Accept { modified: false }, len);
             }
             if outgoing && dscp(&buf[..len]) == Some(ctl::UNPROTECTED_DSCP) {
                 use unbroken_engines::rtcp::flag;
@@ -536,7 +530,7 @@ impl Core {
                     self.counters.unprotected_released += 1;
                     self.counters.unprotected_passed += 1;
                     self.counters.forwarded += 1;
-                    return (Action::Accept { modified: false }, len);
+                    return (Verdict::Accept { modified: false }, len);
                 }
                 // An SDK that gave up posts a SHUTDOWN besides the mark (either may be lost):
                 // once that arrived, the FIN is genuine anyway and the mark is nobody's attack.
@@ -561,7 +555,7 @@ impl Core {
             if syn_only && self.table.get(&key).is_some_and(|e| witnessed(e) && !e.recovery_armed(now_ms)) {
                 self.counters.hostile_recovery_syn += 1;
                 self.counters.dropped += 1;
-                return (Action::Drop, len);
+                return (Verdict::Drop, len);
             }
         }
         // The race inside an announced window (see `Entry::recovery_syns`).
@@ -595,12 +589,13 @@ impl Core {
                 if f & F::ACK != 0 && f & (F::SYN | F::RST) == 0 && Seq(ack).gt(Seq(hi)) {
                     self.counters.hostile_peer_ack_beyond += 1;
                     self.counters.dropped += 1;
-                    return (Action::Drop, len);
+                    return (Verdict::Drop, len);
                 }
             }
         }
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
-        let res = if outgoing { rtcp::outgoing(&mut e.conn, buf, len) } else { rtcp::incoming_with(&mut e.conn, buf, len, csum) };
+        // The IP header was parsed once, above: the engine reads the segment through that view.
+        let res = if outgoing { rtcp::outgoing_parsed(&mut e.conn, buf, len, &info) } else { rtcp::incoming_parsed(&mut e.conn, buf, len, &info, csum) };
         if let Ok(o) = &res {
             if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
                 e.nudge = true;
@@ -620,7 +615,7 @@ impl Core {
             // (it is the client). Never its SYN alone: a guard that lost the state cannot tell
             // a recovery SYN from a first one. From then on every byte it sends passes here.
             use unbroken_wire::tcp::flags as F;
-            if o.verdict == Verdict::Forward && o.event.is_none() {
+            if matches!(o.verdict, Verdict::Accept { .. }) && o.event.is_none() {
                 if outgoing {
                     let seg = IpInfo::parse(&buf[..o.len]).ok().and_then(|i| Tcp::new_checked(&buf[i.l4_offset..i.l4_offset + i.l4_len]).ok()).map(|t| (t.seq() + t.seq_len(), t.flags()));
                     if let Some((end, f)) = seg {
@@ -658,7 +653,7 @@ impl Core {
     /// probe; nothing is evicted for it). So spoofed packets never cost an entry unless they
     /// carry a valid checksum, never evict one unless they are SYNs (which evict half-open
     /// entries first), and are counted (`peer_no_entry`).
-    fn peer_without_entry(&mut self, buf: &mut [u8], len: usize, info: &IpInfo, csum_partial: bool) -> Option<(Action, usize)> {
+    fn peer_without_entry(&mut self, buf: &mut [u8], len: usize, info: &IpInfo, csum_partial: bool) -> Option<(Verdict, usize)> {
         use unbroken_wire::tcp::flags as F;
         let seg = &buf[info.l4_offset..info.l4_offset + info.l4_len];
         let f = if seg.len() >= 14 { seg[13] } else { 0 };
@@ -666,7 +661,7 @@ impl Core {
             self.counters.peer_no_entry += 1;
             self.counters.hostile_peer_out_of_window += 1;
             self.counters.dropped += 1;
-            return Some((Action::Drop, len));
+            return Some((Verdict::Drop, len));
         }
         let csum_ok = csum_partial || Tcp::new_checked(seg).is_ok_and(|t| t.verify_checksum(info.pseudo_sum(info.l4_len)));
         if csum_ok && (f & F::SYN != 0 || self.table.len() < self.max_conns) {
@@ -675,12 +670,12 @@ impl Core {
         self.counters.peer_no_entry += 1;
         let mut c = Conn::default();
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
-        let res = rtcp::incoming_with(&mut c, buf, len, csum);
+        let res = rtcp::incoming_parsed(&mut c, buf, len, info, csum);
         Some(self.finish(res, len))
     }
 
     /// The action for the engine's outcome, counted.
-    fn finish(&mut self, res: unbroken_wire::Result<rtcp::Outcome>, len: usize) -> (Action, usize) {
+    fn finish(&mut self, res: unbroken_wire::Result<rtcp::Outcome>, len: usize) -> (Verdict, usize) {
         let o = match res {
             Ok(o) => o,
             Err(e) => return self.refuse(e, len),
@@ -689,20 +684,21 @@ impl Core {
             self.count(ev);
         }
         match o.verdict {
-            Verdict::Forward => {
+            Verdict::Accept { modified } => {
                 self.counters.forwarded += 1;
-                if o.modified {
+                if modified {
                     self.counters.modified += 1;
                 }
-                (Action::Accept { modified: o.modified }, o.len)
+                (o.verdict, o.len)
             }
-            Verdict::Drop => {
-                self.counters.dropped += 1;
-                (Action::Drop, len)
-            }
-            Verdict::Reflect => {
+            Verdict::Inject => {
                 self.counters.reflected += 1;
-                (Action::Inject, o.len)
+                (Verdict::Inject, o.len)
+            }
+            // The engine gives no other verdict; anything else is dropped.
+            Verdict::Drop | Verdict::Held | Verdict::Unknown => {
+                self.counters.dropped += 1;
+                (Verdict::Drop, len)
             }
         }
     }
@@ -734,7 +730,7 @@ impl Core {
             if !e.recovery_syns.iter().any(|c| c.isn == seq) && e.recovery_syns.len() >= MAX_RECOVERY_SYNS {
                 self.counters.hostile_recovery_syn += 1;
                 self.counters.dropped += 1;
-                return Race::Done(Action::Drop, len);
+                return Race::Done(Verdict::Drop, len);
             }
             if len > CANDIDATE_BYTES {
                 return Race::None;
@@ -777,11 +773,11 @@ impl Core {
                 match emit_bare(buf, dst, src, &r) {
                     Some(n) => {
                         self.counters.reflected += 1;
-                        Race::Done(Action::Inject, n)
+                        Race::Done(Verdict::Inject, n)
                     }
                     None => {
                         self.counters.dropped += 1;
-                        Race::Done(Action::Drop, len)
+                        Race::Done(Verdict::Drop, len)
                     }
                 }
             }
@@ -1018,6 +1014,48 @@ pub fn fill_tcp_checksum(buf: &mut [u8], len: usize) -> bool {
 
 pub use crate::runtime::run;
 
+/// The guard as a queue daemon's mode ([`crate::daemon`]): a packet is [`Core::packet_with`],
+/// time expires closed connections once a second; it asks nothing of an adapter (its side
+/// channel runs on threads of its own that share the core).
+impl crate::daemon::Mode for Core {
+    type Request = ();
+
+    fn packet(&mut self, now_ms: u64, meta: crate::daemon::Meta, pkt: &mut [u8], len: usize, _: &mut crate::daemon::Outbox<()>) -> (Verdict, usize) {
+        self.packet_with(pkt, len, now_ms, meta.csum_not_ready)
+    }
+
+    fn tick(&mut self, now_ms: u64, _: &mut crate::daemon::Outbox<()>) {
+        if now_ms.saturating_sub(self.last_expire_ms) >= 1000 {
+            self.expire(now_ms);
+            self.last_expire_ms = now_ms;
+        }
+    }
+
+    fn io_event(&mut self, ev: crate::daemon::IoEvent) -> u64 {
+        use crate::daemon::IoEvent;
+        let c = &mut self.counters;
+        match ev {
+            IoEvent::FullChecksum => {
+                c.full_checksums += 1;
+                c.full_checksums
+            }
+            IoEvent::InjectFailed => {
+                c.inject_errors += 1;
+                c.inject_errors
+            }
+            // The core gives neither Held nor Unknown; were it to, the packet is dropped.
+            IoEvent::VerdictFallback | IoEvent::Undecided => {
+                c.verdict_fallbacks += 1;
+                c.verdict_fallbacks
+            }
+            IoEvent::Truncated(len) => {
+                self.refuse(Error::Truncated, len);
+                self.counters.malformed
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1145,14 +1183,14 @@ mod tests {
         let mut c = core();
         handshake(&mut c, peer());
         let (a, out) = marked_fin(&mut c, peer());
-        assert_eq!(a, Action::Accept { modified: false }, "the FIN goes to the peer");
+        assert_eq!(a, Verdict::Accept { modified: false }, "the FIN goes to the peer");
         assert_eq!(IpInfo::parse(&out).unwrap().dst, peer().ip());
         assert_eq!(c.counters.unprotected_released, 1);
         // From then on the connection is not the guard's: the peer's FIN and the app's RST pass.
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5002), flags: F::FIN | F::ACK, window: 100, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 2).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 2).0, Verdict::Accept { modified: false });
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5002), flags: F::RST, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 3).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 3).0, Verdict::Accept { modified: false });
         let adopt = Command::request(Op::Adopt, app(), "0.0.0.0:0".parse().unwrap(), 90, 1).encode(&key()).unwrap();
         let r = Command::decode(&c.command(from_app(), &adopt, 1, 4, &mut [0u8; 128]).unwrap().reply, &key()).unwrap();
         assert_eq!(r.status, Status::NoConnection as u8, "not offered for adoption");
@@ -1163,18 +1201,18 @@ mod tests {
         handshake(&mut c, peer());
         c.command(from_app(), &cmd(Op::Tell, 90, 1), 1, 0, &mut [0u8; 128]).unwrap();
         c.command(from_app(), &cmd_ack(Op::Acknowledge, 91, 101), 1, 0, &mut [0u8; 128]).unwrap();
-        assert_eq!(marked_fin(&mut c, peer()).0, Action::Inject);
+        assert_eq!(marked_fin(&mut c, peer()).0, Verdict::Inject);
         assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (0, 1));
         // A recovered connection (renumbered) after a guard restart, not yet claimed: ignored.
         let mut c = core();
         let (_, ack_a) = announced_recovery(&mut c);
-        assert_eq!(syn_from_app(&mut c, 77, 20), Action::Inject);
+        assert_eq!(syn_from_app(&mut c, 77, 20), Verdict::Inject);
         let k = FlowKey { app: app(), peer: peer() };
         c.table.get_mut(&k).unwrap().claimed = false;
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(78), ack: Seq(ack_a), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
         b[1] = ctl::UNPROTECTED_DSCP << 2;
         unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
-        assert_eq!(c.packet(&mut b, n, 30).0, Action::Inject);
+        assert_eq!(c.packet(&mut b, n, 30).0, Verdict::Inject);
         assert_eq!(c.counters.hostile_unprotect_refused, 1);
     }
 
@@ -1199,7 +1237,7 @@ mod tests {
         b[1] = ctl::UNPROTECTED_DSCP << 2;
         unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
         let (a, len) = c.packet(&mut b, n, 1);
-        assert_eq!(a, Action::Accept { modified: false }, "the application's FIN reaches the peer");
+        assert_eq!(a, Verdict::Accept { modified: false }, "the application's FIN reaches the peer");
         assert_eq!(IpInfo::parse(&b[..len]).unwrap().dst, peer().ip());
         assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (1, 0));
     }
@@ -1251,10 +1289,10 @@ mod tests {
     fn packets_of_other_flows_pass_and_garbage_is_dropped() {
         let mut c = core();
         let (mut b, n) = pkt("10.0.1.2:1".parse().unwrap(), "10.0.2.11:2".parse().unwrap(), Repr { flags: F::ACK, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Accept { modified: false });
         let mut junk = vec![0x45u8, 0, 0, 10, 0, 0, 0, 0, 64, 6];
         junk.resize(80, 0);
-        assert_eq!(c.packet(&mut junk, 10, 0).0, Action::Drop);
+        assert_eq!(c.packet(&mut junk, 10, 0).0, Verdict::Drop);
         assert_eq!(c.counters.malformed, 1);
     }
 
@@ -1263,7 +1301,7 @@ mod tests {
         let mut c = core();
         let syn = Repr { seq: Seq(100), flags: F::SYN, mss: Some(1460), wscale: Some(7), ..Default::default() };
         let (mut b, n) = pkt(peer(), app(), syn);
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Accept { modified: false });
         let synack = Repr { seq: Seq(5000), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1460), wscale: Some(7), ..Default::default() };
         let (mut b, n) = pkt(app(), peer(), synack);
         c.packet(&mut b, n, 0);
@@ -1271,13 +1309,13 @@ mod tests {
         c.packet(&mut b, n, 0);
         // The app dies: its kernel sends FIN: turned into a RST for the app.
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Inject);
         // The recovering app announces itself (ACKNOWLEDGE, the SDK's first step); its
         // recovery SYN is answered with a SYN-ACK injected toward the app.
         c.command(from_app(), &recovery_ack(50, 1001), 1, 0, &mut [0u8; 128]).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), wscale: Some(7), ..Default::default() });
         let (a, len) = c.packet(&mut b, n, 0);
-        assert_eq!(a, Action::Inject);
+        assert_eq!(a, Verdict::Inject);
         let info = IpInfo::parse(&b[..len]).unwrap();
         assert_eq!(info.dst, app().ip());
         assert_eq!((c.counters.recovered, c.counters.spurious_fin_reset), (1, 1));
@@ -1305,28 +1343,28 @@ mod tests {
             c.packet(&mut b, n, now).0
         };
         // Unannounced: dropped, counted, state untouched.
-        assert_eq!(forged(&mut c, 0xdead_0000, 10), Action::Drop);
+        assert_eq!(forged(&mut c, 0xdead_0000, 10), Verdict::Drop);
         assert_eq!(c.counters.hostile_recovery_syn, 1);
         assert_eq!(*c.conn(&k).unwrap(), before, "no re-keying");
         assert!(!c.any_translated());
         // A plain ACKNOWLEDGE (a checkpoint, sent all the time) announces nothing.
         c.command(from_app(), &cmd(Op::Acknowledge, 59, 1), 1, 15, &mut [0u8; 128]).unwrap();
-        assert_eq!(forged(&mut c, 0xdead_0001, 16), Action::Drop);
+        assert_eq!(forged(&mut c, 0xdead_0001, 16), Verdict::Drop);
         // Announced: answered.
         c.command(from_app(), &recovery_ack(60, 1001), 1, 20, &mut [0u8; 128]).unwrap();
-        assert_eq!(forged(&mut c, 77, 30), Action::Inject);
+        assert_eq!(forged(&mut c, 77, 30), Verdict::Inject);
         assert_eq!(c.counters.recovered, 1);
         // The TELL ends the recovery: a later SYN is unannounced again.
         c.command(from_app(), &cmd(Op::Tell, 61, 1), 1, 40, &mut [0u8; 128]).unwrap();
-        assert_eq!(forged(&mut c, 0xbeef_0000, 50), Action::Drop);
+        assert_eq!(forged(&mut c, 0xbeef_0000, 50), Verdict::Drop);
         // And the window closes on its own.
         c.command(from_app(), &recovery_ack(62, 1001), 1, 60, &mut [0u8; 128]).unwrap();
-        assert_eq!(forged(&mut c, 0xbeef_0000, 60 + RECOVERY_WINDOW_MS + 1), Action::Drop);
+        assert_eq!(forged(&mut c, 0xbeef_0000, 60 + RECOVERY_WINDOW_MS + 1), Verdict::Drop);
         assert_eq!(c.counters.hostile_recovery_syn, 4);
         // A brand-new connection of the app (no state) is not affected.
         let other = SocketAddr::new(peer().ip(), 42_000);
         let (mut b, n) = pkt(app(), other, Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 70).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 70).0, Verdict::Accept { modified: false });
     }
 
     /// An established connection (peer ISN 100, app ISN 5000), the app dies (its FIN becomes a
@@ -1339,18 +1377,18 @@ mod tests {
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
         c.packet(&mut b, n, 0);
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Inject);
         c.command(from_app(), &recovery_ack(70, 101), 1, 10, &mut [0u8; 128]).unwrap();
         (5001, 101)
     }
 
-    fn syn_from_app(c: &mut Core, isn: u32, now: u64) -> Action {
+    fn syn_from_app(c: &mut Core, isn: u32, now: u64) -> Verdict {
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(isn), flags: F::SYN, mss: Some(1460), ..Default::default() });
         c.packet(&mut b, n, now).0
     }
 
     /// A's packet: returns the action and the SEQ the peer would see.
-    fn from_app_seq(c: &mut Core, seq: u32, ack: u32, now: u64) -> (Action, Seq) {
+    fn from_app_seq(c: &mut Core, seq: u32, ack: u32, now: u64) -> (Verdict, Seq) {
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(seq), ack: Seq(ack), flags: F::ACK, window: 100, ..Default::default() });
         let (a, len) = c.packet(&mut b, n, now);
         let info = IpInfo::parse(&b[..len]).unwrap();
@@ -1370,25 +1408,25 @@ mod tests {
             let (genuine, forged) = (77u32, 0xdead_0000u32);
             let order = if forged_first { [forged, genuine] } else { [genuine, forged] };
             for isn in order {
-                assert_eq!(syn_from_app(&mut c, isn, 20), Action::Inject, "either may be the app's: both answered");
+                assert_eq!(syn_from_app(&mut c, isn, 20), Verdict::Inject, "either may be the app's: both answered");
             }
             // Keyed to the last SYN answered.
             assert_eq!(c.conn(&k).unwrap().delta, order[1].wrapping_add(1).wrapping_sub(ack_b));
             // The forger cannot prove its SYN without ackA (it never saw the SYN-ACK): a guess
             // is not forwarded, and A's socket is reset so that the app recovers afresh.
             let (a, _) = from_app_seq(&mut c, forged + 1, ack_a + 12345, 25);
-            assert_eq!(a, Action::Inject);
+            assert_eq!(a, Verdict::Inject);
             assert_eq!(c.counters.hostile_recovery_unproven, 1);
             // A's handshake ACK proves the genuine SYN: the peer sees A's stream where it was.
             let (a, seq) = from_app_seq(&mut c, genuine + 1, ack_a, 30);
-            assert!(matches!(a, Action::Accept { .. }));
+            assert!(matches!(a, Verdict::Accept { .. }));
             assert_eq!(seq, Seq(ack_b), "renumbered with the genuine SYN's Δ (forged first: {forged_first})");
             assert_eq!(c.conn(&k).unwrap().delta, (genuine + 1).wrapping_sub(ack_b));
             assert_eq!(c.counters.recovery_race_undone, u64::from(!forged_first));
             assert_eq!(c.counters.recovery_proven, 1);
             // The window is closed: a later forged SYN is dropped and changes nothing.
             let before = *c.conn(&k).unwrap();
-            assert_eq!(syn_from_app(&mut c, 0xbeef_0000, 40), Action::Drop);
+            assert_eq!(syn_from_app(&mut c, 0xbeef_0000, 40), Verdict::Drop);
             assert_eq!(*c.conn(&k).unwrap(), before);
         }
     }
@@ -1406,26 +1444,26 @@ mod tests {
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
         c.packet(&mut b, n, 0);
         let (mut b, n) = pkt_data(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 100, ..Default::default() }, &[1u8; 300]);
-        assert!(matches!(c.packet(&mut b, n, 1).0, Action::Accept { .. }));
+        assert!(matches!(c.packet(&mut b, n, 1).0, Verdict::Accept { .. }));
         let k = FlowKey { app: app(), peer: peer() };
         let before = *c.conn(&k).unwrap();
         // In the window (SEQ 101), checksummed, but acknowledging 1 MB the app never sent.
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5001 + 1_000_000), flags: F::ACK, window: 100, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 2).0, Action::Drop);
+        assert_eq!(c.packet(&mut b, n, 2).0, Verdict::Drop);
         assert_eq!(c.counters.hostile_peer_ack_beyond, 1);
         assert_eq!(*c.conn(&k).unwrap(), before, "ackB unchanged");
         // The genuine ACK of the 300 bytes.
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(5301), flags: F::ACK, window: 100, ..Default::default() });
-        assert!(matches!(c.packet(&mut b, n, 3).0, Action::Accept { .. }));
+        assert!(matches!(c.packet(&mut b, n, 3).0, Verdict::Accept { .. }));
         assert_eq!(c.conn(&k).unwrap().ack_b, 5301);
         // The app as the client: its stream begins at the ISN the peer's SYN-ACK acknowledges.
         let mut c = core();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(7000), flags: F::SYN, mss: Some(1460), ..Default::default() });
         c.packet(&mut b, n, 0);
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(300), ack: Seq(7001), flags: F::SYN | F::ACK, mss: Some(1460), ..Default::default() });
-        assert!(matches!(c.packet(&mut b, n, 0).0, Action::Accept { .. }));
+        assert!(matches!(c.packet(&mut b, n, 0).0, Verdict::Accept { .. }));
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(301), ack: Seq(9_000_000), flags: F::ACK, window: 100, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 1).0, Action::Drop);
+        assert_eq!(c.packet(&mut b, n, 1).0, Verdict::Drop);
         assert_eq!(c.counters.hostile_peer_ack_beyond, 1);
     }
 
@@ -1436,15 +1474,15 @@ mod tests {
     fn hostile_recovery_syns_per_window_are_bounded() {
         let mut c = core();
         let (ack_b, ack_a) = announced_recovery(&mut c);
-        assert_eq!(syn_from_app(&mut c, 77, 20), Action::Inject);
-        assert_eq!(syn_from_app(&mut c, 77, 21), Action::Inject, "a retransmission");
+        assert_eq!(syn_from_app(&mut c, 77, 20), Verdict::Inject);
+        assert_eq!(syn_from_app(&mut c, 77, 21), Verdict::Inject, "a retransmission");
         for i in 1..MAX_RECOVERY_SYNS as u32 {
-            assert_eq!(syn_from_app(&mut c, 1000 * i, 22), Action::Inject);
+            assert_eq!(syn_from_app(&mut c, 1000 * i, 22), Verdict::Inject);
         }
         let n0 = c.counters.hostile_recovery_syn;
-        assert_eq!(syn_from_app(&mut c, 999_999, 23), Action::Drop);
+        assert_eq!(syn_from_app(&mut c, 999_999, 23), Verdict::Drop);
         assert_eq!(c.counters.hostile_recovery_syn, n0 + 1);
-        assert_eq!(syn_from_app(&mut c, 77, 24), Action::Inject, "the genuine one still answered");
+        assert_eq!(syn_from_app(&mut c, 77, 24), Verdict::Inject, "the genuine one still answered");
         let (_, seq) = from_app_seq(&mut c, 78, ack_a, 30);
         assert_eq!(seq, Seq(ack_b));
     }
@@ -1474,14 +1512,14 @@ mod tests {
         c.packet(&mut b, n, 0);
         for start in [101u32, 601] {
             let (mut b, n) = pkt_data(peer(), app(), Repr { seq: Seq(start), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() }, &[7u8; 500]);
-            assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+            assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Accept { modified: false });
         }
         let mut ack = [0u8; 128];
         c.command(from_app(), &recovery_ack(30, 401), 1, 0, &mut ack).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(401), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Inject);
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Inject);
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Inject);
     }
     fn cmd_ack(op: Op, nonce: u64, ack_a: u32) -> Vec<u8> {
         let mut c = Command::request(op, app(), peer(), nonce, 1);
@@ -1538,9 +1576,9 @@ mod tests {
         a.options = Some(ctl::ConnOptions { peer_mss: 200, peer_wscale: None, app_wscale: None, sack: true, timestamps: false });
         c.command(from_app(), &a.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(77), flags: F::SYN, mss: Some(1460), sack_perm: true, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Accept { modified: false });
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(1101), ack: Seq(5001), flags: F::ACK, window: 100, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 0).0, Action::Accept { modified: true });
+        assert_eq!(c.packet(&mut b, n, 0).0, Verdict::Accept { modified: true });
         assert_eq!(c.counters.recovered_from_peer_ack, 1);
         let out = c.command(from_app(), &cmd_ack(Op::Tell, 41, 0), 1, 0, &mut ack).unwrap();
         let n = out.ack_len.expect("a nudge");
@@ -1600,7 +1638,7 @@ mod tests {
                 b[20 + 16] ^= 0x55;
             }
             let (a, _) = c.packet(&mut b, n, 1 + i as u64);
-            assert_ne!(a, Action::Inject, "packet {i}");
+            assert_ne!(a, Verdict::Inject, "packet {i}");
         };
         // Failing their checks: nothing at all.
         let kinds: [(u8, bool); 3] = [(F::ACK, false), (F::SYN | F::ACK, true), (F::SYN, false)];
@@ -1633,7 +1671,7 @@ mod tests {
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), ack: Seq(101), flags: F::ACK, window: 50, ..Default::default() });
         b[1] = ctl::UNPROTECTED_DSCP << 2;
         unbroken_wire::ipv4::Packet::new_checked(&mut b[..n]).unwrap().fill_checksum();
-        assert_eq!(c.packet(&mut b, n, 1).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 1).0, Verdict::Accept { modified: false });
         assert_eq!(c.counters.unprotected_released, 1);
         for i in 0..1000u16 {
             let p = SocketAddr::new("10.0.1.3".parse().unwrap(), 20_000 + i);
@@ -1644,14 +1682,14 @@ mod tests {
         assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
         let (mut b, n) = pkt_data(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 100, ..Default::default() }, b"still here");
         let before = b[..n].to_vec();
-        assert_eq!(c.packet(&mut b, n, 2000).0, Action::Accept { modified: false }, "passes untouched");
+        assert_eq!(c.packet(&mut b, n, 2000).0, Verdict::Accept { modified: false }, "passes untouched");
         assert_eq!(b[..n], before[..]);
         assert_eq!(c.counters.peer_without_state, 0);
         // Both FINs pass: it expires like any closed connection.
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), ack: Seq(111), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 2001).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 2001).0, Verdict::Accept { modified: false });
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(111), ack: Seq(902), flags: F::FIN | F::ACK, window: 50, ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 2002).0, Action::Accept { modified: false });
+        assert_eq!(c.packet(&mut b, n, 2002).0, Verdict::Accept { modified: false });
         c.expire(2003);
         assert!(c.conn(&k).is_some(), "within the grace period");
         c.expire(2003 + 1000);

@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod agentcore;
 pub mod config;
+pub mod daemon;
 pub mod detector;
 pub mod guard;
 pub mod hbproto;

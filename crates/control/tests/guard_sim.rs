@@ -31,7 +31,7 @@ mod rtcp_sim;
 use rtcp_sim::*;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use unbroken_control::config::{Prefix, Service};
-use unbroken_control::guard::{Action, Core, Counters, FlowKey};
+use unbroken_control::guard::{Core, Counters, FlowKey};
 use unbroken_wire::ctl::Status;
 use unbroken_wire::ip;
 use unbroken_wire::tcp::{flags as TF, Packet as Tcp, Repr};
@@ -167,11 +167,12 @@ impl GuardFilter {
             // SYN-ACK it is about to receive.
             self.racing_syn(now_ms);
         }
-        let (verdict, modified) = match action {
-            Action::Accept { modified } => (Verdict::Forward, modified),
-            Action::Drop => (Verdict::Drop, false),
-            Action::Inject => (Verdict::Reflect, true),
+        let modified = match action {
+            Verdict::Accept { modified } => modified,
+            Verdict::Inject => true,
+            _ => false,
         };
+        let verdict = action;
         self.observe();
         Ok(Step { verdict, len: n, modified, event })
     }
@@ -275,7 +276,7 @@ impl GuardFilter {
         let n0 = self.core.counters.hostile_recovery_syn;
         let (action, _) = self.core.packet(&mut b, n, now_ms);
         self.forged_syns += 1;
-        if action != Action::Drop || self.core.counters.hostile_recovery_syn != n0 + 1 {
+        if action != Verdict::Drop || self.core.counters.hostile_recovery_syn != n0 + 1 {
             self.violate(format!("a forged recovery SYN was not refused: {action:?}"));
         }
         if self.core.conn(&self.flow).copied() != Some(before) {
@@ -296,7 +297,7 @@ impl GuardFilter {
         let (action, _) = self.core.packet(&mut b, n, now_ms);
         self.racing_syns += 1;
         // A restarted guard that has not resynchronized forwards any recovery SYN (section 6).
-        if witnessed && action == (Action::Accept { modified: false }) {
+        if witnessed && action == (Verdict::Accept { modified: false }) {
             self.violate("a forged SYN inside a recovery window was forwarded to the peer".into());
         }
         self.observe();
@@ -314,7 +315,7 @@ impl GuardFilter {
             self.violate("another client's SYN evicted an established connection while half-open entries were in the table".into());
         }
         self.evicted_idle += self.core.counters.evicted_idle - evicted;
-        if action != (Action::Accept { modified: false }) {
+        if action != (Verdict::Accept { modified: false }) {
             self.violate(format!("another client's SYN was not passed untouched: {action:?}"));
         }
         self.noise_syns += 1;

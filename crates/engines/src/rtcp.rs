@@ -45,6 +45,8 @@ use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::{self, flags as F, kind, Packet as Tcp, Repr};
 use unbroken_wire::{Error, Result, Seq};
 
+use crate::Verdict;
+
 /// Window scale nibble meaning "no window scaling on this connection / not known".
 const WS_NONE: u8 = 15;
 /// MSS assumed for a synthesized SYN-ACK when neither the handshake nor the application told us
@@ -128,18 +130,6 @@ pub struct Conn {
     pub flags: u16,
 }
 
-/// What to do with the packet after the engine rewrote it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    /// Send it on its way (it may have been rewritten).
-    Forward,
-    /// Discard it.
-    Drop,
-    /// It was rewritten into a packet travelling the other way (back toward its sender); the
-    /// driver must inject it instead of forwarding it.
-    Reflect,
-}
-
 /// Something worth counting or logging that happened to a packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
@@ -190,21 +180,33 @@ pub enum PeerChecksum {
 /// The engine's answer for one packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
+    /// `Accept { modified }` (sent on its way; `modified` when any byte changed), `Drop`, or
+    /// `Inject`: rewritten into a packet travelling the other way (back toward its sender),
+    /// which the driver must inject instead of forwarding. The engine gives no other verdict.
     pub verdict: Verdict,
     /// New length of the packet in the buffer.
     pub len: usize,
-    /// True when any byte of the packet changed (a driver holding a packet with a partial
-    /// checksum, e.g. a GSO packet from NFQUEUE, must then recompute the full TCP checksum).
-    pub modified: bool,
     pub event: Option<Event>,
 }
 
+/// An accepted packet some of whose bytes the engine rewrote.
+const REWRITTEN: Verdict = Verdict::Accept { modified: true };
+
 impl Outcome {
     fn forward(len: usize, modified: bool) -> Outcome {
-        Outcome { verdict: Verdict::Forward, len, modified, event: None }
+        Outcome { verdict: Verdict::Accept { modified }, len, event: None }
     }
     fn with(verdict: Verdict, len: usize, event: Event) -> Outcome {
-        Outcome { verdict, len, modified: verdict != Verdict::Drop, event: Some(event) }
+        Outcome { verdict, len, event: Some(event) }
+    }
+    /// True when any byte of the packet changed (a driver holding a packet with a partial
+    /// checksum, e.g. a GSO packet from NFQUEUE, must then recompute the full TCP checksum).
+    pub fn modified(&self) -> bool {
+        match self.verdict {
+            Verdict::Accept { modified } => modified,
+            Verdict::Inject => true,
+            _ => false,
+        }
     }
 }
 
@@ -329,14 +331,14 @@ fn scan_options(t: &mut Tcp<&mut [u8]>) -> Result<(Opts, bool)> {
     Ok((o, n_unknown > 0))
 }
 
-/// Splits a packet buffer into its IP facts and a TCP view of the segment.
-fn tcp_view(buf: &mut [u8], len: usize) -> Result<(IpInfo, Tcp<&mut [u8]>)> {
-    let info = IpInfo::parse(&buf[..len])?;
+/// The TCP view of the segment of `buf[..len]`, whose IP facts the caller parsed (once):
+/// an `info` that does not fit `len` is an error, never a panic.
+fn tcp_at<'a>(buf: &'a mut [u8], len: usize, info: &IpInfo) -> Result<Tcp<&'a mut [u8]>> {
     if info.protocol != ip::PROTO_TCP {
         return Err(Error::Unsupported("not tcp"));
     }
-    let seg = &mut buf[info.l4_offset..info.l4_offset + info.l4_len];
-    Ok((info, Tcp::new_checked(seg)?))
+    let end = info.l4_offset.checked_add(info.l4_len).filter(|&e| e <= len.min(buf.len())).ok_or(Error::Truncated)?;
+    Tcp::new_checked(&mut buf[info.l4_offset..end])
 }
 
 /// Writes a complete packet `src -> dst` with TCP header `r` and no payload into `buf`,
@@ -485,7 +487,15 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 /// wrong ackB then shows at the application's recovery as `DeliveredBeyondSent`, never as a
 /// corrupt stream.
 pub fn incoming_with(c: &mut Conn, buf: &mut [u8], len: usize, csum: PeerChecksum) -> Result<Outcome> {
-    let (info, mut t) = tcp_view(buf, len)?;
+    let info = IpInfo::parse(&buf[..len])?;
+    incoming_parsed(c, buf, len, &info, csum)
+}
+
+/// [`incoming_with`] for a packet whose IP header the caller already parsed into `info` (the
+/// guard does, to find the flow): the packet is parsed once.
+pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, csum: PeerChecksum) -> Result<Outcome> {
+    let info = *info;
+    let mut t = tcp_at(buf, len, &info)?;
     if csum == PeerChecksum::Verify && !t.verify_checksum(info.pseudo_sum(info.l4_len)) {
         return Ok(Outcome::with(Verdict::Drop, len, Event::PeerBadChecksum));
     }
@@ -633,7 +643,7 @@ pub fn incoming_with(c: &mut Conn, buf: &mut [u8], len: usize, csum: PeerChecksu
                 drop(t);
                 let r = Repr { src_port: b_port, dst_port: a_port, seq: Seq(0), ack: syn_seq + 1, flags: F::RST | F::ACK, ..Default::default() };
                 let n = emit_segment(buf, info.src, info.dst, &r)?;
-                return Ok(Outcome::with(Verdict::Forward, n, Event::PendingWithoutCheckpoint));
+                return Ok(Outcome::with(REWRITTEN, n, Event::PendingWithoutCheckpoint));
             }
             let syn = SynOffer {
                 seq: Seq(c.delta),
@@ -646,7 +656,7 @@ pub fn incoming_with(c: &mut Conn, buf: &mut [u8], len: usize, csum: PeerChecksu
             let b_window = window_unscaled(t.window(), c.b_ws());
             drop(t);
             let n = synthesize_synack(c, buf, info.dst, info.src, a_port, b_port, &syn, b_window)?;
-            return Ok(Outcome::with(Verdict::Forward, n, Event::RecoveredFromPeerAck));
+            return Ok(Outcome::with(REWRITTEN, n, Event::RecoveredFromPeerAck));
         }
 
         // I3. Handle acknowledgment: ACK ← ACK + Δ, and the SACK edges with it.
@@ -695,7 +705,7 @@ pub fn incoming_with(c: &mut Conn, buf: &mut [u8], len: usize, csum: PeerChecksu
         };
         drop(t);
         let n = emit_segment(buf, info.src, info.dst, &r)?;
-        return Ok(Outcome::with(Verdict::Forward, n, Event::PeerWithoutState));
+        return Ok(Outcome::with(REWRITTEN, n, Event::PeerWithoutState));
     }
 
     if f & F::FIN != 0 {
@@ -726,7 +736,14 @@ fn window_unscaled(w: u16, ws: u8) -> u16 {
 
 /// Algorithm O: a packet from *A* to *B*.
 pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
-    let (info, mut t) = tcp_view(buf, len)?;
+    let info = IpInfo::parse(&buf[..len])?;
+    outgoing_parsed(c, buf, len, &info)
+}
+
+/// [`outgoing`] for a packet whose IP header the caller already parsed into `info`.
+pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) -> Result<Outcome> {
+    let info = *info;
+    let mut t = tcp_at(buf, len, &info)?;
     let f = t.flags();
     // O1. Suppress resets.
     if f & F::RST != 0 {
@@ -753,7 +770,7 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         if c.has(flag::RECOVERABLE) && have_ack {
             // O5. Recover: answer at once from ackB.
             let n = synthesize_synack(c, buf, info.src, info.dst, a_port, b_port, &syn, 0xffff)?;
-            return Ok(Outcome::with(Verdict::Reflect, n, Event::Recovered));
+            return Ok(Outcome::with(Verdict::Inject, n, Event::Recovered));
         }
         // O4. Recovery impossible for now: a first connection, or state lost. Forward unchanged
         // and remember the SYN so B's answer can be rewritten (section 6).
@@ -778,7 +795,7 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         let a_rcv_nxt = t.ack();
         drop(t);
         let n = reflect_rst(buf, &info, a_port, b_port, a_rcv_nxt)?;
-        return Ok(Outcome::with(Verdict::Reflect, n, Event::NoCheckpointReset));
+        return Ok(Outcome::with(Verdict::Inject, n, Event::NoCheckpointReset));
     }
 
     // O6. Reset? No checkpoint or no Δ known (filter restarted), or a spurious FIN.
@@ -789,7 +806,7 @@ pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
         let a_rcv_nxt = t.ack();
         drop(t);
         let n = reflect_rst(buf, &info, a_port, b_port, a_rcv_nxt)?;
-        return Ok(Outcome::with(Verdict::Reflect, n, ev));
+        return Ok(Outcome::with(Verdict::Inject, n, ev));
     }
 
     if f & F::SYN != 0 {

@@ -48,6 +48,7 @@ use unbroken_wire::seq::{unwrap_near, Seq};
 use unbroken_wire::tcp::{self, flags, kind, TcpOption};
 
 use crate::http;
+use crate::Verdict;
 
 /// How far past its last stored progress mark a connection whose record may be stale may
 /// send before a tombstone is stored (half the distance at which a 32-bit ACK turns ambiguous,
@@ -468,17 +469,6 @@ pub enum Action {
     Delete { token: u64, conn: Key, key: String },
 }
 
-/// The verdict for one packet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    /// Let it go, `modified` if its bytes changed (checksums updated incrementally).
-    Accept { modified: bool },
-    Drop,
-    /// The engine kept a copy; it comes back from [`Engine::take_released`].
-    Held,
-    /// A client packet of a connection this server does not know: a failover candidate.
-    Unknown,
-}
 
 #[derive(Debug)]
 enum SrvParse {

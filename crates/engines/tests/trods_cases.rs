@@ -3,7 +3,8 @@
 //! *S* = 10.77.0.100:80 (service). Every rewritten packet must keep valid checksums.
 
 use std::net::{IpAddr, SocketAddr};
-use unbroken_engines::trods::{self, plan_recovery, Action, Case, Config, Dir, Engine, Key, Record, Trigger, Verdict};
+use unbroken_engines::trods::{self, plan_recovery, Action, Case, Config, Dir, Engine, Key, Record, Trigger};
+use unbroken_engines::Verdict;
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
 use unbroken_wire::Seq;

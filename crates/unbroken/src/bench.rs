@@ -1565,7 +1565,8 @@ pub mod micro {
     use std::hint::black_box;
     use std::net::{IpAddr, SocketAddr};
     use std::time::Instant;
-    use unbroken_engines::rtcp::{self, Conn, Event, Verdict};
+    use unbroken_engines::rtcp::{self, Conn, Event};
+    use unbroken_engines::Verdict;
     use unbroken_wire::ctl::{Command, Key, Op};
     use unbroken_wire::ip;
     use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
@@ -1637,12 +1638,12 @@ pub mod micro {
             Input::Incoming(p) => {
                 buf[..p.len()].copy_from_slice(p);
                 let o = rtcp::incoming(c, buf, p.len()).expect("engine error");
-                Seen { verdict: Some(o.verdict), event: o.event, modified: o.modified }
+                Seen { verdict: Some(o.verdict), event: o.event, modified: o.modified() }
             }
             Input::Outgoing(p) => {
                 buf[..p.len()].copy_from_slice(p);
                 let o = rtcp::outgoing(c, buf, p.len()).expect("engine error");
-                Seen { verdict: Some(o.verdict), event: o.event, modified: o.modified }
+                Seen { verdict: Some(o.verdict), event: o.event, modified: o.modified() }
             }
             Input::Command(cmd) => {
                 let r = rtcp::command(c, cmd, ack);
@@ -1702,15 +1703,16 @@ pub mod micro {
         let mut ackc = Command::request(Op::Acknowledge, app, peer, 8, 0);
         ackc.ack_a = B_ISN + 1;
         let shut = Command::request(Op::Shutdown, app, peer, 9, 0);
-        let fwd = Some(Verdict::Forward);
+        let fwd = Some(Verdict::Accept { modified: true });
+        let fwd_unmodified = Some(Verdict::Accept { modified: false });
         vec![
             Case { name: "incoming ACK (Δ≠0: ACK rewritten)", conn: rec, input: Input::Incoming(in_ack.clone()), verdict: fwd, event: None, modified: true },
             Case { name: "outgoing ACK (Δ≠0: SEQ rewritten)", conn: rec, input: Input::Outgoing(out_ack), verdict: fwd, event: None, modified: true },
             Case { name: "outgoing data 1448 B (Δ≠0: SEQ rewritten)", conn: rec, input: Input::Outgoing(out_data), verdict: fwd, event: None, modified: true },
             Case { name: "incoming data 1448 B (Δ≠0: ACK rewritten)", conn: rec, input: Input::Incoming(in_data.clone()), verdict: fwd, event: None, modified: true },
-            Case { name: "outgoing data 1448 B (Δ=0: passes unmodified)", conn: fresh, input: Input::Outgoing(out_data_fresh), verdict: fwd, event: None, modified: false },
-            Case { name: "incoming data 1448 B (Δ=0: passes unmodified)", conn: fresh, input: Input::Incoming(in_data), verdict: fwd, event: None, modified: false },
-            Case { name: "recovery SYN (rewritten into a SYN-ACK)", conn: rec, input: Input::Outgoing(syn), verdict: Some(Verdict::Reflect), event: Some(Event::Recovered), modified: true },
+            Case { name: "outgoing data 1448 B (Δ=0: passes unmodified)", conn: fresh, input: Input::Outgoing(out_data_fresh), verdict: fwd_unmodified, event: None, modified: false },
+            Case { name: "incoming data 1448 B (Δ=0: passes unmodified)", conn: fresh, input: Input::Incoming(in_data), verdict: fwd_unmodified, event: None, modified: false },
+            Case { name: "recovery SYN (rewritten into a SYN-ACK)", conn: rec, input: Input::Outgoing(syn), verdict: Some(Verdict::Inject), event: Some(Event::Recovered), modified: true },
             Case { name: "RTCP_TELL (rtcp::command)", conn: rec, input: Input::Command(tell), verdict: None, event: None, modified: false },
             Case { name: "RTCP_ACKNOWLEDGE (rtcp::command, builds an ACK)", conn: rec, input: Input::Command(ackc), verdict: None, event: None, modified: true },
             Case { name: "RTCP_SHUTDOWN (rtcp::command)", conn: rec, input: Input::Command(shut), verdict: None, event: None, modified: false },
@@ -1771,7 +1773,13 @@ pub mod micro {
                 "ns_with_copy": (total * 10.0).round() / 10.0,
                 "copy_ns": (copy * 10.0).round() / 10.0,
                 "mops": if ns > 0.0 { (1000.0 / ns * 10.0).round() / 10.0 } else { 0.0 },
-                "verdict": format!("{:?}", seen.verdict),
+                // The names the engine's own verdict enum had before issue 10 (kept for readers of
+                // older results).
+                "verdict": format!("{:?}", seen.verdict.map(|v| match v {
+                    Verdict::Accept { .. } => "Forward",
+                    Verdict::Inject => "Reflect",
+                    _ => "Drop",
+                })),
                 "event": format!("{:?}", seen.event),
                 "modified": seen.modified,
             }));
@@ -1796,7 +1804,7 @@ pub mod micro {
     /// The guard's per-packet path without I/O: a Core with one recovered connection.
     fn core_packet(iters: u64, reps: usize) -> (f64, f64) {
         use unbroken_control::config::{Prefix, Service};
-        use unbroken_control::guard::{Action, Core};
+        use unbroken_control::guard::Core;
         let key = Key::from_hex(super::KEY_HEX).unwrap();
         let allowed = vec![Prefix::parse(&format!("{}/32", a_ip())).unwrap()];
         let mut core = Core::new(&[Service { addr: a_ip(), port: A_PORT }], key.clone(), allowed, 30_000, 60_000, 1 << 20);
@@ -1816,9 +1824,9 @@ pub mod micro {
         ann.flags = unbroken_wire::ctl::flag::RECOVERY;
         assert!(core.command(sa(a_ip(), 5555), &ann.encode(&key).unwrap(), 1, 0, &mut [0u8; 128]).is_some());
         let a = feed(&mut core, from_a(Repr { seq: Seq(A_ISN2), flags: F::SYN, ..syn_opts(40_000) }, 0));
-        assert_eq!(a, Action::Inject);
+        assert_eq!(a, Verdict::Inject);
         let data = from_a(Repr { seq: Seq(A_ISN2 + 1), ack: Seq(B_ISN + 1), flags: F::ACK | F::PSH, window: 509, timestamp: Some((40_100, 150)), ..Default::default() }, 1448);
-        assert_eq!(feed(&mut core, data.clone()), Action::Accept { modified: true });
+        assert_eq!(feed(&mut core, data.clone()), Verdict::Accept { modified: true });
         let copy = min_of(reps, iters, || {
             buf[..data.len()].copy_from_slice(black_box(&data));
             black_box(&mut buf);
@@ -1834,7 +1842,7 @@ pub mod micro {
 #[cfg(test)]
 mod tests {
     use super::micro;
-    use unbroken_engines::rtcp::Verdict;
+    use unbroken_engines::Verdict;
 
     /// Each microbenchmark case takes the path it is named after (no timing).
     #[test]
@@ -1847,7 +1855,7 @@ mod tests {
             // Idempotent: the same input from the same state gives the same answer.
             assert_eq!(micro::run_once(c), seen, "{}", c.name);
         }
-        assert!(cases.iter().any(|c| c.verdict == Some(Verdict::Reflect)));
+        assert!(cases.iter().any(|c| c.verdict == Some(Verdict::Inject)));
         // The whole measuring path once, with a token number of iterations.
         let v = micro::run(10);
         assert_eq!(v.as_array().unwrap().len(), 12);

@@ -15,15 +15,9 @@
 //! usage and config errors.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+use unbroken_control::daemon::{self, StatusFile};
 use unbroken_control::lb::{EventKind, Lb, LbConfig, LbEvent, LbStatus};
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
 
 /// How often the status file is rewritten without a change.
 const STATUS_PERIOD: Duration = Duration::from_millis(500);
@@ -37,14 +31,11 @@ fn usage(msg: &str) -> i32 {
     2
 }
 
-/// Write `s` as JSON to `path` atomically (temporary file in the same directory + rename).
-pub fn write_status(path: &Path, s: &LbStatus) -> std::io::Result<()> {
+/// Write `s` as JSON to its status file atomically (temporary file in the same directory +
+/// rename; the daemons' one writer, [`StatusFile`], which says a failure once and its end).
+pub fn write_status(file: &mut StatusFile, s: &LbStatus) -> std::io::Result<()> {
     let text = serde_json::to_vec_pretty(s).map_err(std::io::Error::other)?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    file.write(&text)
 }
 
 /// Creates the status file's directory and checks that a file can be written there: a wrong
@@ -125,12 +116,7 @@ pub fn main(args: Vec<String>) -> i32 {
             return 2;
         }
     }
-    // SAFETY: installs a handler that only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
-    unbroken_control::signals::ignore_hangup("unbroken lb");
+    daemon::install_signals("unbroken lb", false);
     let table = cfg.table.clone();
     let mut lb = match Lb::start(cfg) {
         Ok(l) => l,
@@ -152,8 +138,8 @@ pub fn main(args: Vec<String>) -> i32 {
     let mut printed = 0u64;
     let mut gen = 0u64;
     let mut last_write: Option<Instant> = None;
-    let mut write_failed = false;
-    while !STOP.load(Ordering::SeqCst) {
+    let mut status_file = status_file.map(|p| StatusFile::new("unbroken lb", p));
+    while !daemon::stopping() {
         let g = lb.wait_change(gen, TICK);
         let changed = g != gen;
         gen = g;
@@ -167,15 +153,9 @@ pub fn main(args: Vec<String>) -> i32 {
             println!("{}", event_line(e));
             printed = e.n;
         }
-        if let Some(p) = &status_file {
-            match write_status(p, &s) {
-                Ok(()) => write_failed = false,
-                Err(e) if !write_failed => {
-                    eprintln!("unbroken lb: status file {}: {e}", p.display());
-                    write_failed = true;
-                }
-                Err(_) => {}
-            }
+        if let Some(f) = &mut status_file {
+            // A failure is said once (and its end), by the writer.
+            let _ = write_status(f, &s);
         }
         last_write = Some(Instant::now());
     }
@@ -184,8 +164,8 @@ pub fn main(args: Vec<String>) -> i32 {
         println!("{}", event_line(e));
     }
     let r = lb.stop();
-    if let Some(p) = &status_file {
-        let _ = write_status(p, &lb.status());
+    if let Some(f) = &mut status_file {
+        let _ = write_status(f, &lb.status());
     }
     match r {
         Ok(()) => {
@@ -240,8 +220,9 @@ mod tests {
             last_nft_error: None,
             adopted: false,
         };
-        write_status(&p, &s).unwrap();
-        write_status(&p, &s).unwrap();
+        let mut f = StatusFile::new("test", p.clone());
+        write_status(&mut f, &s).unwrap();
+        write_status(&mut f, &s).unwrap();
         let back: LbStatus = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
         assert_eq!(back.events, s.events);
         let names: Vec<_> = std::fs::read_dir(&dir)

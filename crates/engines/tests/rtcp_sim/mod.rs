@@ -67,7 +67,8 @@ use smoltcp::socket::tcp::{self, State};
 pub use smoltcp::time::{Duration, Instant};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
 
-pub use unbroken_engines::rtcp::{self, Conn, Event, Verdict};
+pub use unbroken_engines::rtcp::{self, Conn, Event};
+pub use unbroken_engines::Verdict;
 pub use unbroken_wire::ctl::{self, Command, ConnOptions, Key, Op};
 use unbroken_wire::ip::{self as wip, IpInfo};
 use unbroken_wire::seq::unwrap_near;
@@ -742,11 +743,11 @@ impl Filter for EngineFilter {
     }
     fn outgoing(&mut self, buf: &mut [u8], len: usize, _now_ms: u64) -> Result<Step, String> {
         let o = rtcp::outgoing(&mut self.conn, buf, len).map_err(|e| format!("outgoing() error {e:?}"))?;
-        Ok(Step { verdict: o.verdict, len: o.len, modified: o.modified, event: o.event })
+        Ok(Step { verdict: o.verdict, len: o.len, modified: o.modified(), event: o.event })
     }
     fn incoming(&mut self, buf: &mut [u8], len: usize, _now_ms: u64) -> Result<Step, String> {
         let o = rtcp::incoming(&mut self.conn, buf, len).map_err(|e| format!("incoming() error {e:?}"))?;
-        Ok(Step { verdict: o.verdict, len: o.len, modified: o.modified, event: o.event })
+        Ok(Step { verdict: o.verdict, len: o.len, modified: o.modified(), event: o.event })
     }
     fn command(&mut self, dgram: &[u8], _wall_ms: u64, _now_ms: u64, ack_buf: &mut [u8]) -> Option<(Vec<u8>, Option<usize>)> {
         let cmd = Command::decode(dgram, &self.key).ok()?;
@@ -985,13 +986,14 @@ impl<X: Filter> Sim<X> {
         }
         let tag = out.event.map(|e| format!(" {e:?}")).unwrap_or_default();
         match out.verdict {
-            Verdict::Forward => {
+            Verdict::Accept { .. } => {
                 self.note(format!("A->  {}{}", describe(&buf), if out.modified { format!("  (was {before})") } else { String::new() }));
                 self.check_outgoing(&r0, &repr_of(&buf));
                 self.wide_send(Side::B, buf);
             }
             Verdict::Drop => self.note(format!("A-x  DROP {before}{tag}")),
-            Verdict::Reflect => {
+            v @ (Verdict::Held | Verdict::Unknown) => panic!("rtcp gives no {v:?}"),
+            Verdict::Inject => {
                 self.note(format!("A<-' {}{tag}  (was {before})", describe(&buf)));
                 self.deliver(Side::A, buf);
             }
@@ -1101,7 +1103,7 @@ impl<X: Filter> Sim<X> {
         }
         let tag = out.event.map(|e| format!(" {e:?}")).unwrap_or_default();
         match out.verdict {
-            Verdict::Forward => {
+            Verdict::Accept { .. } => {
                 self.note(format!(" ->A {}{tag}{}", describe(&buf), if out.modified { format!("  (was {before})") } else { String::new() }));
                 if !pending_before && out.event.is_none() {
                     self.check_incoming(&r0, &repr_of(&buf));
@@ -1112,7 +1114,8 @@ impl<X: Filter> Sim<X> {
                 self.deliver(Side::A, buf);
             }
             Verdict::Drop => self.note(format!(" x-A DROP {before}{tag}")),
-            Verdict::Reflect => {
+            v @ (Verdict::Held | Verdict::Unknown) => panic!("rtcp gives no {v:?}"),
+            Verdict::Inject => {
                 self.note(format!(" '->B {}{tag}", describe(&buf)));
                 self.wide_send(Side::B, buf);
             }

@@ -2,7 +2,7 @@
 //! `src/wire` (a `Packet<T: AsRef<[u8]>>` per header, checked once at construction, one getter
 //! per field, setters only for `AsMut` buffers), RFC 1071/1624 checksums, sequence numbers
 //! modulo 2^32, the checkpoint-mode side-channel format and the sealed envelope of object-mode
-//! store records. Malformed input is an `Err`, never a panic.
+//! store records and replica mode's progress heartbeats. Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ctl;
@@ -11,6 +11,7 @@ pub mod ipv4;
 pub mod ipv6;
 pub mod sealed;
 pub mod seq;
+pub mod replica;
 pub mod tcp;
 pub mod udp;
 

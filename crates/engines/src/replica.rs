@@ -199,6 +199,13 @@ struct BConn {
     last_ack: Seq,
     /// The primary reported a divergence: never answer on this connection.
     diverged: bool,
+    client_fin: bool,
+}
+
+impl BConn {
+    fn finished(&self) -> bool {
+        self.rst_out || (self.fin_out && self.client_fin)
+    }
 }
 
 /// What the backup's engine counted.
@@ -261,12 +268,21 @@ impl Backup {
         let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
         if s.has(F::SYN) && !s.has(F::ACK) {
             let c = self.conns.entry(key).or_default();
+            if c.finished() {
+                // The port is reused after both sides closed (or the server reset): a new
+                // connection. A SYN on a live connection changes nothing (a retransmission, or
+                // a forgery, which the kernel answers with a challenge ACK).
+                *c = BConn::default();
+            }
             if !c.aligned {
                 c.client_ws = s.wscale.is_some();
             }
             return Verdict::PASS;
         }
         let Some(c) = self.conns.get_mut(&key) else { return Verdict::PASS };
+        if s.fin() {
+            c.client_fin = true;
+        }
         if !s.has(F::ACK) {
             return Verdict::PASS;
         }
@@ -602,6 +618,13 @@ struct PConn {
     behind: Option<(Seq, Seq, u64)>,
     ahead: Option<(Seq, u64)>,
     yielded: bool,
+    client_fin: bool,
+}
+
+impl PConn {
+    fn finished(&self) -> bool {
+        self.rst_since.is_some() || (self.p_fin && self.client_fin)
+    }
 }
 
 /// The primary's engine: [`Primary::incoming`] sees every client packet before the primary's
@@ -685,10 +708,22 @@ impl Primary {
                 behind: None,
                 ahead: None,
                 yielded: false,
+                client_fin: false,
             };
             // A SYN for a connection the engine already follows is a retransmission (or a
-            // forgery): it changes nothing.
-            self.conns.entry(key).or_insert(fresh);
+            // forgery): it changes nothing, unless that connection is over (both sides closed,
+            // or the server reset it) and the port is reused.
+            match self.conns.get(&key) {
+                Some(c) if !c.finished() => {}
+                _ => {
+                    self.conns.insert(key, fresh);
+                }
+            }
+        } else if s.csum_ok && s.fin() {
+            let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
+            if let Some(c) = self.conns.get_mut(&key) {
+                c.client_fin = true;
+            }
         }
         Verdict::PASS
     }
@@ -857,7 +892,7 @@ impl Primary {
                     b.out_end = r.out_end;
                 }
                 b.aligned = true;
-                if strict && c.reports.back().map_or(true, |&(e, _)| r.out_end.gt(e)) {
+                if strict && c.reports.back().is_none_or(|&(e, _)| r.out_end.gt(e)) {
                     if c.reports.len() >= 64 {
                         c.reports.pop_back();
                     }
@@ -1151,7 +1186,7 @@ fn gate(c: &mut PConn, pkt: &mut [u8], s: &Seg, counters: &mut PrimaryCounters) 
         t.rewrite_window(win);
         m = true;
     }
-    if c.sent_ack.map_or(true, |a| ack.gt(a)) {
+    if c.sent_ack.is_none_or(|a| ack.gt(a)) {
         c.sent_ack = Some(ack);
     }
     m

@@ -674,7 +674,7 @@ impl Sim {
             }
             // Progress: on change (at most once a millisecond) and with every beat.
             let cut = self.sc.fault == Fault::SideChannelCut && now >= self.sc.at;
-            if (produced || now % self.sc.hb.interval_ms == 0) && !cut {
+            if (produced || now.is_multiple_of(self.sc.hb.interval_ms)) && !cut {
                 self.beat += 1;
                 for p in self.beng.progress(self.beat) {
                     let d = p.emit(&self.key).unwrap();
@@ -701,7 +701,7 @@ impl Sim {
         }
         // The primary's beats to the backup.
         let cut = self.sc.fault == Fault::SideChannelCut && now >= self.sc.at;
-        if self.primary_alive && now % self.sc.hb.interval_ms == 0 && !cut {
+        if self.primary_alive && now.is_multiple_of(self.sc.hb.interval_ms) && !cut {
             for p in self.peng.report(now + 1) {
                 let d = p.emit(&self.key).unwrap();
                 self.side.push((now + 1, Role::Primary, d));

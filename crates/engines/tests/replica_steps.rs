@@ -291,3 +291,31 @@ fn koch_6_backup_failure_releases_everything() {
     assert_eq!(v, Verdict::PASS);
     assert_eq!(seg(&pkt).0.ack, Seq(C_ISN + 51), "the primary's own ACK");
 }
+
+/// A port reused after both sides closed is a new connection on both engines; a SYN on a live
+/// connection (a retransmission or a forgery) changes nothing.
+#[test]
+fn port_reuse_after_close_is_a_new_connection() {
+    let mut b = aligned_backup();
+    assert_eq!(b.incoming(&mut syn()), Verdict::PASS);
+    b.take_over();
+    let (_, pkt) = backup_sends(&mut b, 0, b"x", B_TS0);
+    assert_eq!(seg(&pkt).0.seq, Seq(P_ISN.wrapping_add(1)), "a SYN on a live connection kept the alignment");
+    // Both sides close.
+    let mut fin = from_server(Repr { seq: Seq(B_ISN + 2), ack: Seq(C_ISN + 1), flags: F::ACK | F::FIN, window: 500, ..Default::default() }, &[]);
+    b.outgoing(&mut fin);
+    let mut cfin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(3)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut cfin);
+    // A new connection on the same port: the new SYN-ACK (ISN 5000) is aligned afresh.
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(5_000), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(9_001), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut ack);
+    assert_eq!(seg(&ack).0.ack, Seq(5_001));
+    assert_eq!(b.counters.aligned, 2);
+
+    let mut p = primary(true);
+    assert_eq!(p.incoming(&syn()), Verdict::PASS);
+    assert_eq!(primary_sends(&mut p, 0, b"ab", C_ISN + 1, 0, 2).0, Verdict::Held, "still protected after a SYN on a live connection");
+}

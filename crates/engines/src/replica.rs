@@ -29,8 +29,9 @@
 //!
 //! ST-TCP Table 3.3, as this engine handles each single failure:
 //! 1. Host crash of the primary: the backup's detector misses beats, fences, takes over. Host
-//!    crash of the backup: the primary's detector misses beats, [`Primary::backup_failed`]: every
-//!    held byte is released and the primary runs unprotected (Koch 6), reported.
+//!    crash of the backup: the primary's detector misses beats, fences the backup, then
+//!    [`Primary::backup_failed`]: every held byte is released and the primary runs unprotected
+//!    (Koch 6), reported.
 //! 2. Application failure without FIN/RST: the side whose application lags by more than
 //!    [`Config::max_lag_bytes`] or holds one byte back longer than [`Config::max_lag_ms`] is the
 //!    failed one: a lagging backup makes the connection unprotected; a lagging primary asks its
@@ -44,7 +45,8 @@
 //! 4. NIC or cable failure (two heartbeat links, gateway pings): not handled; the daemon's
 //!    business, it has one side channel for now.
 //! 5. Temporary loss at the backup: the primary's ACK stays at the backup's, so the client
-//!    retransmits what the backup missed (Koch 4), instead of ST-TCP's fetch from the primary.
+//!    retransmits what the backup missed (Koch 4), instead of ST-TCP's fetch from the primary;
+//!    after [`Config::nudge_after_ms`] three duplicate ACKs make it do so at once.
 //!
 //! Divergence (strict mode): the connection becomes unprotected on the primary, which goes on
 //! alone with its own output (the bytes the client has seen so far were verified, and the rest
@@ -200,6 +202,13 @@ struct BConn {
     /// The primary reported a divergence: never answer on this connection.
     diverged: bool,
     client_fin: bool,
+    /// The latest client ACK seen (`last_ack`): its window field, timestamps (client's clock,
+    /// primary's TSecr) and the service address it was sent to.
+    client_seen: bool,
+    client_isn: Option<Seq>,
+    client_win: u16,
+    client_ts: Option<(u32, u32)>,
+    server: Option<IpAddr>,
 }
 
 impl BConn {
@@ -226,6 +235,8 @@ pub struct BackupCounters {
     pub diverged_silenced: u64,
     /// Output beyond a gap in the backup server's stream (a local TCP never does that).
     pub output_gap: u64,
+    /// Client ACKs the backup missed, relayed from the primary's report.
+    pub acks_relayed: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -268,7 +279,7 @@ impl Backup {
         let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
         if s.has(F::SYN) && !s.has(F::ACK) {
             let c = self.conns.entry(key).or_default();
-            if c.finished() {
+            if c.finished() && c.client_isn != Some(s.seq) {
                 // The port is reused after both sides closed (or the server reset): a new
                 // connection. A SYN on a live connection changes nothing (a retransmission, or
                 // a forgery, which the kernel answers with a challenge ACK).
@@ -276,6 +287,7 @@ impl Backup {
             }
             if !c.aligned {
                 c.client_ws = s.wscale.is_some();
+                c.client_isn = Some(s.seq);
             }
             return Verdict::PASS;
         }
@@ -302,8 +314,12 @@ impl Backup {
             c.out_hash = HASH_INIT;
             self.counters.aligned += 1;
         }
-        if s.ack.gt(c.last_ack) || c.last_ack == Seq(0) {
+        if s.ack.gt(c.last_ack) || !c.client_seen {
             c.last_ack = s.ack;
+            c.client_win = s.window;
+            c.client_ts = s.ts.map(|t| (t.1, t.2));
+            c.server = Some(s.info.dst);
+            c.client_seen = true;
         }
         let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
         let limit = c.snd_max;
@@ -436,7 +452,7 @@ impl Backup {
         let mut recs: Vec<ConnProgress> = self
             .conns
             .iter()
-            .filter(|(_, c)| c.b_isn.is_some())
+            .filter(|(_, c)| c.b_isn.is_some() || c.rst_out)
             .map(|(k, c)| {
                 let mut flags = 0;
                 for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
@@ -461,18 +477,41 @@ impl Backup {
         chunk(Role::Backup, beat, recs)
     }
 
-    /// The primary's own report: connections it found diverged are silenced for good.
-    pub fn primary_report(&mut self, p: &Progress) {
+    /// The primary's own report (already authenticated). Connections it found diverged are
+    /// silenced for good. Where the client acknowledged more than the backup's server has heard
+    /// of (a client ACK lost on its way to the backup: ST-TCP 3.6's LastAckReceived), an ACK as
+    /// the client would have sent it is returned, already translated, for the daemon to inject
+    /// into the backup's stack. Without it, a backup server waiting for that ACK to open its
+    /// window withholds output that strict output commit waits for, while the client waits for
+    /// that output: a stall until the lag bound (found by the simulation with loss).
+    pub fn primary_report(&mut self, p: &Progress) -> Vec<Vec<u8>> {
+        let mut inject = vec![];
         if p.role != Role::Primary {
-            return;
+            return inject;
         }
         for r in &p.records {
+            let key = ConnKey::of(r);
+            let Some(c) = self.conns.get_mut(&key) else { continue };
             if r.flags & rw::flag::DIVERGED != 0 {
-                if let Some(c) = self.conns.get_mut(&ConnKey::of(r)) {
-                    c.diverged = true;
-                }
+                c.diverged = true;
+            }
+            let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
+            if r.last_ack == Seq(0) || !r.last_ack.gt(c.last_ack) {
+                continue;
+            }
+            let mut ack_b = r.last_ack - c.delta;
+            if ack_b.gt(c.snd_max) {
+                ack_b = c.snd_max;
+            }
+            let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
+            let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.rcv_nxt, ack: ack_b, flags: F::ACK, window: c.client_win, timestamp: ts, ..Default::default() };
+            if let Ok(pkt) = ip::tcp_packet(key.client, server, &rep, &[]) {
+                c.last_ack = r.last_ack;
+                self.counters.acks_relayed += 1;
+                inject.push(pkt);
             }
         }
+        inject
     }
 
     /// Forgets a connection (the daemon's grace period after it closed).
@@ -510,11 +549,16 @@ pub struct Config {
     pub max_delay_fin_ms: u64,
     /// Output held per connection before the backup counts as lagging.
     pub max_held_bytes: usize,
+    /// When the backup has missed client bytes the primary has (its ACK stays behind) for this
+    /// long, three duplicate ACKs at the backup's ACK are injected, so the client resends at
+    /// once (fast retransmit) instead of after its retransmission timeout; again after twice as
+    /// long, and so on. 0: never.
+    pub nudge_after_ms: u64,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 1_000, max_delay_fin_ms: 1_000, max_held_bytes: 4 << 20 }
+        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, nudge_after_ms: 40 }
     }
 }
 
@@ -566,6 +610,8 @@ pub struct PrimaryCounters {
     pub unknown_conns: u64,
     pub malformed: u64,
     pub stale_progress: u64,
+    /// Triples of duplicate ACKs injected for client bytes the backup missed.
+    pub nudges: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -619,6 +665,16 @@ struct PConn {
     ahead: Option<(Seq, u64)>,
     yielded: bool,
     client_fin: bool,
+    /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
+    client_ack: Seq,
+    snd_p: Seq,
+    /// The backup's ACK is behind the primary's since (ms), and the next nudge is due at.
+    rcv_behind_since: Option<u64>,
+    nudge_at: u64,
+    nudge_gap: u64,
+    synack_since: Option<u64>,
+    /// ISN + 1 of the primary's server.
+    stream_start: Seq,
 }
 
 impl PConn {
@@ -709,20 +765,34 @@ impl Primary {
                 ahead: None,
                 yielded: false,
                 client_fin: false,
+                client_ack: Seq(0),
+                snd_p: Seq(0),
+                rcv_behind_since: None,
+                nudge_at: 0,
+                nudge_gap: 0,
+                synack_since: None,
+                stream_start: Seq(0),
             };
             // A SYN for a connection the engine already follows is a retransmission (or a
             // forgery): it changes nothing, unless that connection is over (both sides closed,
             // or the server reset it) and the port is reused.
             match self.conns.get(&key) {
-                Some(c) if !c.finished() => {}
+                // A retransmitted SYN (same ISN) is the same connection, however it ended.
+                Some(c) if !c.finished() || c.synack_ack == s.seq + 1 => {}
                 _ => {
                     self.conns.insert(key, fresh);
                 }
             }
-        } else if s.csum_ok && s.fin() {
+        } else if s.csum_ok && s.has(F::ACK) {
             let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
             if let Some(c) = self.conns.get_mut(&key) {
-                c.client_fin = true;
+                c.client_fin |= s.fin();
+                // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
+                // LastAckReceived); only within what the primary's server has sent.
+                let limit = c.snd_p;
+                if c.synack.is_none() && s.ack.gt(c.client_ack) && s.ack.le(limit) {
+                    c.client_ack = s.ack;
+                }
             }
         }
         Verdict::PASS
@@ -750,17 +820,21 @@ impl Primary {
             // Koch 7.1: the SYN-ACK goes out once the backup's server answered the SYN too.
             c.ws_p = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
             c.rel = s.seq + 1;
+            c.stream_start = s.seq + 1;
             c.p_end = s.seq + 1;
             c.snd_c = s.seq + 1;
             c.ack_p = s.ack;
             c.edge_p = s.ack + s.window as u32;
             c.synack_ack = s.ack;
+            c.snd_p = s.seq + 1;
+            c.client_ack = s.seq + 1;
             c.ts = s.ts.map(|t| (t.1, t.2));
             if c.b.is_some_and(|b| b.rcv_known && b.rcv_nxt.ge(s.ack)) {
                 c.sent_ack = Some(s.ack);
                 return Verdict::PASS;
             }
             c.synack = Some(pkt.to_vec());
+            c.synack_since.get_or_insert(now_ms);
             self.counters.held += 1;
             return Verdict::Held;
         }
@@ -776,7 +850,10 @@ impl Primary {
         if let Some((_, v, e)) = s.ts {
             c.ts = Some((v, e));
         }
-        if s.has(F::RST) {
+        // A FIN before the stream's first byte (a server that closed during the handshake)
+        // means the connection is lost on the primary: treated like its RST.
+        let bogus_fin = s.fin() && (s.seq + s.payload_len as u32).lt(c.stream_start);
+        if s.has(F::RST) || bogus_fin {
             // ST-TCP 3.7.4: a RST is treated like a FIN; it never reaches the client while the
             // backup may still continue the connection.
             if c.b.is_some_and(|b| b.rst) {
@@ -788,14 +865,33 @@ impl Primary {
         }
         let n = s.payload_len as u32;
         let (start, end) = (s.seq, s.seq + n);
+        let e_all = end + s.fin() as u32;
+        if e_all.gt(c.snd_p) {
+            c.snd_p = e_all;
+        }
         if n == 0 && !s.fin() {
             let m = gate(c, pkt, &s, &mut self.counters);
             return Verdict::Accept { modified: m };
         }
-        if end.le(c.rel) && !(s.fin() && end == c.p_end && c.p_fin && !c.held.is_empty()) && (!s.fin() || c.snd_c.gt(end)) {
+        let fin_sent = c.snd_c.gt(end);
+        if end.le(c.rel) && (!s.fin() || fin_sent) {
             // Koch 4: a retransmission of released bytes goes out at once.
             let m = gate(c, pkt, &s, &mut self.counters);
             return Verdict::Accept { modified: m };
+        }
+        if end.le(c.rel) && s.fin() && n > 0 {
+            // Released bytes with a FIN that is not: the bytes go out without it (else a client
+            // that lost them waits for them forever while the FIN waits for the backup).
+            if !c.p_fin && end == c.p_end {
+                c.p_fin = true;
+                c.fin_since.get_or_insert(now_ms);
+                if let Some(f) = fin_segment(&s, c.ts) {
+                    c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+                }
+            }
+            strip_fin(pkt, &s);
+            gate(c, pkt, &s, &mut self.counters);
+            return Verdict::Accept { modified: true };
         }
         if start.gt(c.p_end) {
             self.counters.malformed += 1;
@@ -835,12 +931,8 @@ impl Primary {
             // Held together, the data would wait for the FIN: a client waiting for those bytes
             // never sends the request that would show which side failed.
             let mut data = pkt.to_vec();
-            let fin_only = fin_segment(&s, c.ts);
-            if let (Ok(mut t), Some(f)) = (tcp_mut(&mut data, &s), fin_only) {
-                let (old, c16) = (u16::from_be_bytes([t.as_bytes()[12], t.as_bytes()[13]]), t.checksum());
-                t.set_flags(s.flags & !F::FIN);
-                let new = u16::from_be_bytes([t.as_bytes()[12], t.as_bytes()[13]]);
-                t.set_checksum(unbroken_wire::checksum::update_u16(c16, old, new));
+            if let Some(f) = fin_segment(&s, c.ts) {
+                strip_fin(&mut data, &s);
                 c.held.push_back(HeldPkt { pkt: data, end, fin: false });
                 c.held.push_back(HeldPkt { pkt: f, end, fin: true });
             } else {
@@ -960,7 +1052,7 @@ impl Primary {
                 rcv_edge: c.edge_p,
                 out_end: c.p_end,
                 out_hash: 0,
-                last_ack: Seq(0),
+                last_ack: c.client_ack,
                 flags: rw::flag::RCV_KNOWN
                     | if c.state == Some(Why::Diverged) { rw::flag::DIVERGED } else { 0 }
                     | if c.p_fin { rw::flag::FIN_OUT } else { 0 }
@@ -979,7 +1071,17 @@ impl Primary {
     fn settle(&mut self, key: ConnKey, now: u64) {
         let cfg = self.cfg;
         let Some(c) = self.conns.get_mut(&key) else { return };
-        if c.state.is_some() || c.synack.is_some() {
+        if c.state.is_some() {
+            return;
+        }
+        if c.synack.is_some() {
+            // The backup's server never answered the SYN (its application is down, its
+            // backlog full) or reset it: the connection cannot be protected; the client must
+            // not wait for it longer than the lag bound.
+            let reset = c.b.is_some_and(|b| b.rst);
+            if reset || c.synack_since.is_some_and(|t| now >= t + cfg.max_lag_ms) {
+                self.unprotect(key, if reset { Why::BackupRst } else { Why::BackupLagging });
+            }
             return;
         }
         let Some(b) = c.b else { return };
@@ -1063,6 +1165,30 @@ impl Primary {
         }
         let out_behind = if c.p_end.gt(b.out_end) { c.p_end - b.out_end } else { 0 };
         let rcv_behind = if c.ack_p.gt(b.rcv_nxt) { c.ack_p - b.rcv_nxt } else { 0 };
+        // Koch 4 leaves client bytes the backup missed to the client's retransmission timer
+        // (seconds, with backoff); three duplicate ACKs make the client resend them at once.
+        if rcv_behind == 0 {
+            c.rcv_behind_since = None;
+        } else if cfg.nudge_after_ms > 0 {
+            let since = *c.rcv_behind_since.get_or_insert_with(|| {
+                c.nudge_gap = cfg.nudge_after_ms;
+                c.nudge_at = now + cfg.nudge_after_ms;
+                now
+            });
+            if now >= c.nudge_at && now > since {
+                if let Some((ack, win)) = gated(c) {
+                    let r = tcp::Repr { src_port: key.server_port, dst_port: key.client_port, seq: c.snd_c, ack, flags: F::ACK, window: win, timestamp: c.ts, ..Default::default() };
+                    if let Ok(p) = ip::tcp_packet(c.server, key.client, &r, &[]) {
+                        for _ in 0..3 {
+                            self.out.push(p.clone());
+                        }
+                        self.counters.nudges += 1;
+                    }
+                }
+                c.nudge_gap = c.nudge_gap.saturating_mul(2);
+                c.nudge_at = now + c.nudge_gap;
+            }
+        }
         if out_behind > cfg.max_lag_bytes || rcv_behind > cfg.max_lag_bytes {
             self.unprotect(key, Why::BackupLagging);
             return;
@@ -1080,7 +1206,10 @@ impl Primary {
         } else {
             c.behind = None;
         }
-        if b.out_end.gt(c.p_end) && !c.p_fin {
+        // The primary counts as lagging only while it has all the input the backup has: a
+        // primary that missed a client segment waits for the client's retransmission, which
+        // is the network's delay, not its application's.
+        if b.out_end.gt(c.p_end) && !c.p_fin && c.ack_p.ge(b.rcv_nxt) {
             match c.ahead {
                 Some((m, _)) if c.p_end.ge(m) => c.ahead = Some((b.out_end, now)),
                 Some((_, t)) if now >= t + cfg.max_lag_ms && !c.yielded => {
@@ -1139,6 +1268,16 @@ impl Primary {
         c.held_bytes.clear();
         c.reports.clear();
         self.notices.push(Notice::Unprotected { key, why });
+    }
+}
+
+/// Clears the FIN flag of the segment `s` describes, keeping its checksum right.
+fn strip_fin(pkt: &mut [u8], s: &Seg) {
+    if let Ok(mut t) = tcp_mut(pkt, s) {
+        let (old, c16) = (u16::from_be_bytes([t.as_bytes()[12], t.as_bytes()[13]]), t.checksum());
+        t.set_flags(s.flags & !F::FIN);
+        let new = u16::from_be_bytes([t.as_bytes()[12], t.as_bytes()[13]]);
+        t.set_checksum(unbroken_wire::checksum::update_u16(c16, old, new));
     }
 }
 
@@ -1213,7 +1352,7 @@ impl Default for DetectorConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DetectorState {
     Watching,
-    /// The peer missed its beats; the fencing hook runs (backup only).
+    /// The peer missed its beats; the fencing hook runs.
     Fencing,
     /// The fence succeeded: this backup took over.
     TookOver,
@@ -1228,15 +1367,17 @@ pub enum DetectorAction {
     RunFence,
     /// The primary is fenced: call [`Backup::take_over`], announce the address.
     TakeOver,
-    /// Call [`Primary::backup_failed`].
+    /// The backup is fenced: call [`Primary::backup_failed`].
     BackupFailed,
 }
 
-/// Missed beats → suspected → fencing → take-over, with time passed in. On the backup a
-/// suspicion is acted on only after the fencing hook succeeded, since a live primary and an
-/// active backup must never both answer (ST-TCP 3.2.2: "switch off the power of the primary");
-/// a failed fence leaves the backup watching (it retries after another silence). On the primary
-/// a suspicion makes the backup failed at once: running unprotected needs no fence.
+/// Missed beats → suspected → fencing → take-over, with time passed in. A suspicion is acted
+/// on only after the fencing hook succeeded (ST-TCP 3.2.2: "switch off the power of the
+/// primary"; Table 3.3: "shuts backup down"), on both sides: a live primary and an active
+/// backup must never both answer, and a primary that runs unprotected (acknowledging what the
+/// backup never got) must not be followed by a backup that takes over later (a cut side channel
+/// makes both suspect each other: the first fence wins). A failed fence leaves the detector
+/// watching; it retries after another silence.
 #[derive(Debug, Clone)]
 pub struct Detector {
     cfg: DetectorConfig,
@@ -1271,16 +1412,8 @@ impl Detector {
         if self.state != DetectorState::Watching || !self.silent(now_ms) {
             return None;
         }
-        match self.role {
-            Role::Backup => {
-                self.state = DetectorState::Fencing;
-                Some(DetectorAction::RunFence)
-            }
-            Role::Primary => {
-                self.state = DetectorState::PeerFailed;
-                Some(DetectorAction::BackupFailed)
-            }
-        }
+        self.state = DetectorState::Fencing;
+        Some(DetectorAction::RunFence)
     }
 
     /// The fencing hook's result.
@@ -1289,8 +1422,16 @@ impl Detector {
             return None;
         }
         if ok {
-            self.state = DetectorState::TookOver;
-            return Some(DetectorAction::TakeOver);
+            return Some(match self.role {
+                Role::Backup => {
+                    self.state = DetectorState::TookOver;
+                    DetectorAction::TakeOver
+                }
+                Role::Primary => {
+                    self.state = DetectorState::PeerFailed;
+                    DetectorAction::BackupFailed
+                }
+            });
         }
         self.fences_failed += 1;
         self.state = DetectorState::Watching;
@@ -1326,7 +1467,8 @@ mod tests {
     fn detector_primary_declares_backup_failed() {
         let mut d = Detector::new(DetectorConfig { interval_ms: 50, misses: 2 }, Role::Primary, 1000);
         assert_eq!(d.tick(1100), None);
-        assert_eq!(d.tick(1101), Some(DetectorAction::BackupFailed));
+        assert_eq!(d.tick(1101), Some(DetectorAction::RunFence));
+        assert_eq!(d.fence_result(true, 1102), Some(DetectorAction::BackupFailed));
         d.beat(1102);
         assert_eq!(d.tick(2000), None);
         assert_eq!(d.state(), DetectorState::PeerFailed);

@@ -191,7 +191,7 @@ enum AppFault {
     Rst,
     /// Hangs: neither reads nor writes, the socket stays open.
     Hang,
-    /// Serves at most one request every 300 ms.
+    /// Serves at most one request every 8 s (beyond the primary's 5 s AppMaxLagTime).
     Slow,
     /// Answers request `at` differently (non-determinism).
     Corrupt,
@@ -241,7 +241,7 @@ impl App {
             self.inbuf.extend_from_slice(&b[..n]);
         }
         while self.inbuf.len() >= REQ && self.served < sc.nreq {
-            if self.fault == AppFault::Slow && now >= self.at && now < self.last_served_ms + 300 {
+            if self.fault == AppFault::Slow && now >= self.at && now < self.last_served_ms + 8_000 {
                 break;
             }
             let req: Vec<u8> = self.inbuf.drain(..REQ).collect();
@@ -342,6 +342,12 @@ struct Scenario {
     /// The first fence attempt fails.
     fence_fails_first: bool,
     max_ms: u64,
+    /// Loss on each copy of each packet between the client and the hosts, and extra latency
+    /// of 0..=jitter ms (which reorders).
+    loss: f64,
+    jitter: u64,
+    /// Loss on the side channel (its messages get the same jitter).
+    side_loss: f64,
 }
 
 impl Scenario {
@@ -353,7 +359,16 @@ impl Scenario {
         let timestamps = r.below(2) == 0;
         let at = if fault == Fault::Nondeterministic { r.below(nreq as u64) } else { 1 + r.below(6 * nreq as u64 + 10) };
         let hb = DetectorConfig { interval_ms: [10, 10, 5, 20][r.below(4) as usize], misses: 2 + r.below(3) as u32 };
-        Scenario { fault, seed, strict, timestamps, nreq, reply_len, at, hb, fence_fails_first: r.below(5) == 0, max_ms: 60_000 }
+        let fence_fails_first = r.below(5) == 0;
+        // A third of the runs on a faulty segment: loss, jitter (reordering), and a lossy,
+        // reordering side channel (then at least three misses, so that a false suspicion stays
+        // rare; one is still safe: the fence makes it true).
+        let (loss, jitter, side_loss) = match r.below(3) {
+            0 => ([0.005, 0.01, 0.02][r.below(3) as usize], r.below(4), [0.0, 0.01, 0.02][r.below(3) as usize]),
+            _ => (0.0, 0, 0.0),
+        };
+        let hb = if side_loss > 0.0 { DetectorConfig { misses: hb.misses.max(4), ..hb } } else { hb };
+        Scenario { fault, seed, strict, timestamps, nreq, reply_len, at, hb, fence_fails_first, max_ms: 300_000, loss, jitter, side_loss }
     }
     fn replay_hint(&self) -> String {
         format!("replay: SIM_FAULT={:?} SIM_SEED={} cargo test --release -p unbroken-engines --test replica_sim replay -- --nocapture (SIM_TRACE=1 for every packet)", self.fault, self.seed)
@@ -413,7 +428,12 @@ struct Sim {
     key: Key,
     beat: u64,
     fence_attempts: u32,
+    /// The server's ISN as the client knows it, and the client's receive state (offsets).
     server_isn: Option<u32>,
+    client_rcv: u64,
+    client_ooo: Vec<(u64, u64)>,
+    /// The newest ACK each receiver got (client, primary, backup).
+    newest_ack: [Option<unbroken_wire::Seq>; 3],
     report: Report,
     trace: bool,
     log: VecDeque<String>,
@@ -455,7 +475,7 @@ impl Sim {
         for i in 0..sc.nreq {
             expected.extend(reply(&request(sc.seed, i), i, sc.reply_len));
         }
-        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 200, max_delay_fin_ms: 300, max_held_bytes: 1 << 20 };
+        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 1 << 20, nudge_after_ms: 40 };
         Sim {
             rng: Rng::new(sc.seed ^ 0x5151),
             now: 0,
@@ -477,6 +497,9 @@ impl Sim {
             beat: 0,
             fence_attempts: 0,
             server_isn: None,
+            client_rcv: 0,
+            client_ooo: vec![],
+            newest_ack: [None; 3],
             report: Report::default(),
             trace: std::env::var("SIM_TRACE").is_ok(),
             log: VecDeque::new(),
@@ -523,30 +546,96 @@ impl Sim {
             if t.rst() {
                 return Err(self.fail(&format!("a RST reached the client (from {from})")));
             }
-            if t.syn() && self.server_isn.is_none() {
-                self.server_isn = Some(t.seq_number().0 as u32);
-            }
-            // Linux takes the FIN of a segment whose data it already has (the segment's end,
-            // FIN included, lies beyond RCV.NXT); smoltcp drops the whole segment as a
-            // duplicate. A take-over meets exactly that (the primary sent the data, the backup
-            // sends it again with its FIN), so the link hands smoltcp the FIN alone.
-            let n = t.payload().len() as u32;
-            if let (true, false, Some(isn)) = (t.fin(), t.syn(), self.server_isn) {
-                let rcv_nxt = isn.wrapping_add(1).wrapping_add(self.capp.got.len() as u32);
-                let end = (t.seq_number().0 as u32).wrapping_add(n);
-                if n > 0 && rcv_nxt.wrapping_sub(end) < 1 << 30 {
-                    let p = unbroken_wire::tcp::Packet::new_checked(ip.payload()).unwrap();
-                    let mut r = unbroken_wire::tcp::Repr::parse(&p).unwrap();
-                    r.seq = unbroken_wire::Seq(end);
-                    let bare = unbroken_wire::ip::tcp_packet(ip.src_addr().into(), ip.dst_addr().into(), &r, &[]).unwrap();
-                    self.note(format!("link: FIN of an old segment delivered alone: {}", describe(&bare)));
-                    self.link.push((self.now + 1, to, bare));
-                    return Ok(());
+        }
+        if self.rng.chance(self.sc.loss) {
+            self.note("link: lost".into());
+            return Ok(());
+        }
+        let at = self.delay();
+        self.link.push((at, to, pkt));
+        Ok(())
+    }
+
+    /// Linux takes the FIN of a segment whose data it already has (the segment's end, FIN
+    /// included, lies beyond RCV.NXT); smoltcp drops the whole segment as a duplicate. A
+    /// take-over or a lost segment meets exactly that (the data arrived before, the segment
+    /// comes again with its FIN), so the client's smoltcp is handed the FIN alone.
+    fn linux_takes_the_fin(&mut self, pkt: Vec<u8>) -> Vec<u8> {
+        let Some(isn) = self.server_isn else { return pkt };
+        let rcv_nxt = isn.wrapping_add(1).wrapping_add(self.client_rcv as u32);
+        let Ok(ip) = smoltcp::wire::Ipv4Packet::new_checked(&pkt[..]) else { return pkt };
+        let Ok(t) = smoltcp::wire::TcpPacket::new_checked(ip.payload()) else { return pkt };
+        let n = t.payload().len() as u32;
+        let end = (t.seq_number().0 as u32).wrapping_add(n);
+        if !t.fin() || t.syn() || n == 0 || rcv_nxt.wrapping_sub(end) >= 1 << 30 {
+            return pkt;
+        }
+        let p = unbroken_wire::tcp::Packet::new_checked(ip.payload()).unwrap();
+        let mut r = unbroken_wire::tcp::Repr::parse(&p).unwrap();
+        r.seq = unbroken_wire::Seq(end);
+        let bare = unbroken_wire::ip::tcp_packet(ip.src_addr().into(), ip.dst_addr().into(), &r, &[]).unwrap();
+        self.note(format!("link: FIN of an old segment delivered alone: {}", describe(&bare)));
+        bare
+    }
+
+    /// Linux takes the data of a segment whose ACK is older than one it already got (the
+    /// network reordered them) and ignores the old ACK; smoltcp drops the whole segment. The
+    /// link raises such an ACK to the newest its receiver has seen, which Linux would do in
+    /// effect.
+    fn linux_ignores_old_acks(&mut self, to: To, mut pkt: Vec<u8>) -> Vec<u8> {
+        let Ok(info) = unbroken_wire::ip::IpInfo::parse(&pkt) else { return pkt };
+        let Ok(mut t) = unbroken_wire::tcp::Packet::new_checked(&mut pkt[info.l4_offset..info.l4_offset + info.l4_len]) else { return pkt };
+        if t.flags() & unbroken_wire::tcp::flags::ACK == 0 || t.flags() & unbroken_wire::tcp::flags::RST != 0 {
+            return pkt;
+        }
+        let slot = &mut self.newest_ack[to as usize];
+        match *slot {
+            Some(n) if t.ack().lt(n) => {
+                if !t.payload().is_empty() || t.flags() & unbroken_wire::tcp::flags::FIN != 0 {
+                    t.rewrite_ack(n);
                 }
             }
+            _ => *slot = Some(t.ack()),
         }
-        self.link.push((self.now + 1, to, pkt));
-        Ok(())
+        pkt
+    }
+
+    fn fin_out_of_order(&self, pkt: &[u8]) -> bool {
+        let Some(isn) = self.server_isn else { return false };
+        let Ok(ip) = smoltcp::wire::Ipv4Packet::new_checked(pkt) else { return false };
+        let Ok(t) = smoltcp::wire::TcpPacket::new_checked(ip.payload()) else { return false };
+        let off = (t.seq_number().0 as u32).wrapping_sub(isn.wrapping_add(1));
+        t.fin() && !t.syn() && off < 1 << 31 && off as u64 > self.client_rcv
+    }
+
+    /// The client's RCV.NXT as its TCP has it: in-order data plus what fills gaps.
+    fn model_client_rcv(&mut self, pkt: &[u8]) {
+        let Ok(ip) = smoltcp::wire::Ipv4Packet::new_checked(pkt) else { return };
+        let Ok(t) = smoltcp::wire::TcpPacket::new_checked(ip.payload()) else { return };
+        if t.syn() {
+            self.server_isn.get_or_insert(t.seq_number().0 as u32);
+            return;
+        }
+        let (Some(isn), n) = (self.server_isn, t.payload().len() as u64) else { return };
+        let off = (t.seq_number().0 as u32).wrapping_sub(isn.wrapping_add(1));
+        if n == 0 || off >= 1 << 31 {
+            return;
+        }
+        self.client_ooo.push((off as u64, off as u64 + n));
+        self.client_ooo.sort();
+        let mut keep = vec![];
+        for (a, b) in std::mem::take(&mut self.client_ooo) {
+            if a <= self.client_rcv {
+                self.client_rcv = self.client_rcv.max(b);
+            } else {
+                keep.push((a, b));
+            }
+        }
+        self.client_ooo = keep;
+    }
+
+    fn delay(&mut self) -> u64 {
+        self.now + 1 + self.rng.below(self.sc.jitter + 1)
     }
 
     fn kill_primary(&mut self, why: &str) {
@@ -578,8 +667,20 @@ impl Sim {
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.link).into_iter().partition(|(t, _, _)| *t <= now);
         self.link = later;
         for (_, to, pkt) in due {
+            let pkt = self.linux_ignores_old_acks(to, pkt);
             match to {
-                To::Client => self.client.dev.rx.push_back(pkt),
+                To::Client => {
+                    if self.fin_out_of_order(&pkt) {
+                        // Linux keeps a FIN that arrives beyond a gap in its out-of-order queue
+                        // and takes it when the gap fills; smoltcp drops it. The link holds it
+                        // back instead, a millisecond at a time, until it is in order.
+                        self.link.push((now + 1, to, pkt));
+                        continue;
+                    }
+                    let pkt = self.linux_takes_the_fin(pkt);
+                    self.model_client_rcv(&pkt);
+                    self.client.dev.rx.push_back(pkt)
+                }
                 To::Primary if self.primary_alive => self.primary.dev.rx.push_back(pkt),
                 To::Backup if self.backup_alive => self.backup.dev.rx.push_back(pkt),
                 _ => {}
@@ -596,32 +697,49 @@ impl Sim {
                 }
                 Role::Primary if self.backup_alive => {
                     self.bdet.beat(now);
-                    self.beng.primary_report(&p);
+                    if self.trace { self.note(format!("primary report: {:?}", p.records.iter().map(|r| r.last_ack).collect::<Vec<_>>())); }
+                    for pkt in self.beng.primary_report(&p) {
+                        self.note(format!("backup engine relays the client's ACK: {}", describe(&pkt)));
+                        self.backup.dev.rx.push_back(pkt);
+                    }
                 }
                 _ => {}
             }
         }
 
         // The client.
+        let queued = self.client.dev.rx.len();
         self.client.poll(now);
+        if self.trace && queued > 0 {
+            let sk = self.client.sockets.get_mut::<tcp::Socket>(self.client.sock);
+            let (st, rq, sq) = (sk.state(), sk.recv_queue(), sk.send_queue());
+            self.note(format!("client took {queued} packet(s), state {st:?}, recv queue {rq}, send queue {sq}, got {}", self.capp.got.len()));
+        }
         self.client_app()?;
         self.client.poll(now);
         for pkt in std::mem::take(&mut self.client.dev.tx) {
             self.note(format!("client: {}", describe(&pkt)));
-            // To the primary: unchanged.
-            if self.primary_alive {
+            // To the primary: unchanged (the engine sees what reaches the host).
+            if self.primary_alive && !self.rng.chance(self.sc.loss) {
                 let v = self.peng.incoming(&pkt);
                 if v != Verdict::PASS {
                     return Err(self.fail(&format!("primary incoming verdict {v:?}")));
                 }
-                self.link.push((now + 1, To::Primary, pkt.clone()));
+                let at = self.delay();
+                self.link.push((at, To::Primary, pkt.clone()));
             }
             // To the backup: mirrored, through its engine.
             let lossy = matches!(self.sc.fault, Fault::BackupTemporaryLoss | Fault::LossThenPrimaryCrash) && now >= self.sc.at && now < self.sc.at + 300;
-            if self.backup_alive && !(lossy && self.rng.chance(0.5)) {
+            if self.backup_alive && !(lossy && self.rng.chance(0.5)) && !self.rng.chance(self.sc.loss) {
                 let mut b = pkt;
                 match self.beng.incoming(&mut b) {
-                    Verdict::Accept { .. } => self.link.push((now + 1, To::Backup, b)),
+                    Verdict::Accept { .. } => {
+                        if self.trace {
+                            self.note(format!("to the backup's server: {}", describe(&b)));
+                        }
+                        let at = self.delay();
+                        self.link.push((at, To::Backup, b))
+                    }
                     Verdict::Drop => self.note("backup engine dropped a client packet".into()),
                     v => return Err(self.fail(&format!("backup incoming verdict {v:?}"))),
                 }
@@ -644,8 +762,11 @@ impl Sim {
             }
             self.peng.tick(now);
             self.primary_engine_out()?;
-            if let Some(a) = self.pdet.tick(now) {
-                if a == DetectorAction::BackupFailed {
+            if let Some(DetectorAction::RunFence) = self.pdet.tick(now) {
+                // ST-TCP Table 3.3: the primary shuts the backup down before it runs alone.
+                self.note("primary: fencing the backup".into());
+                self.backup_alive = false;
+                if let Some(DetectorAction::BackupFailed) = self.pdet.fence_result(true, now) {
                     self.note("primary: backup failed".into());
                     self.report.backup_failed_at = Some(now);
                     self.peng.backup_failed();
@@ -678,7 +799,10 @@ impl Sim {
                 self.beat += 1;
                 for p in self.beng.progress(self.beat) {
                     let d = p.emit(&self.key).unwrap();
-                    self.side.push((now + 1, Role::Backup, d));
+                    if !self.rng.chance(self.sc.side_loss) {
+                        let at = self.delay();
+                        self.side.push((at, Role::Backup, d));
+                    }
                 }
             }
             if let Some(a) = self.bdet.tick(now) {
@@ -704,7 +828,10 @@ impl Sim {
         if self.primary_alive && now.is_multiple_of(self.sc.hb.interval_ms) && !cut {
             for p in self.peng.report(now + 1) {
                 let d = p.emit(&self.key).unwrap();
-                self.side.push((now + 1, Role::Primary, d));
+                if !self.rng.chance(self.sc.side_loss) {
+                    let at = self.delay();
+                    self.side.push((at, Role::Primary, d));
+                }
             }
         }
         Ok(())

@@ -124,7 +124,7 @@ fn koch_5_takeover_continues_in_the_primarys_space() {
 fn promoted_backup_silences_diverged_connections() {
     let mut b = aligned_backup();
     let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), flags: rw::flag::DIVERGED };
-    b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] });
+    assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty());
     b.take_over();
     assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0).0, Verdict::Drop);
     assert_eq!(b.counters.diverged_silenced, 1);
@@ -306,11 +306,15 @@ fn port_reuse_after_close_is_a_new_connection() {
     b.outgoing(&mut fin);
     let mut cfin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(3)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
     b.incoming(&mut cfin);
-    // A new connection on the same port: the new SYN-ACK (ISN 5000) is aligned afresh.
+    // The old SYN retransmitted changes nothing; a new connection on the same port (a new
+    // ISN) is aligned afresh on its new SYN-ACK (ISN 5000).
     b.incoming(&mut syn());
-    let mut sa = from_server(Repr { seq: Seq(5_000), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() }, &[]);
+    assert_eq!(b.counters.aligned, 1);
+    const C2: u32 = C_ISN + 1_000_000;
+    b.incoming(&mut from_client(Repr { seq: Seq(C2), flags: F::SYN, window: 65535, ..Default::default() }, &[]));
+    let mut sa = from_server(Repr { seq: Seq(5_000), ack: Seq(C2 + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() }, &[]);
     b.outgoing(&mut sa);
-    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(9_001), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    let mut ack = from_client(Repr { seq: Seq(C2 + 1), ack: Seq(9_001), flags: F::ACK, window: 512, ..Default::default() }, &[]);
     b.incoming(&mut ack);
     assert_eq!(seg(&ack).0.ack, Seq(5_001));
     assert_eq!(b.counters.aligned, 2);

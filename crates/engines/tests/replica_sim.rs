@@ -26,6 +26,14 @@
 //! backup while the primary is alive); every packet either engine passes or builds has valid
 //! checksums (smoltcp verifies them); the run ends within a virtual time bound.
 //!
+//! A third of the runs put the segment at fault: loss on every copy of every packet, jitter that
+//! reorders, a lossy and reordering side channel. Three things Linux does and smoltcp does not
+//! are emulated by the link, each where it is written: a segment whose ACK is older than one
+//! its receiver already got is given the newer ACK (Linux takes its data, smoltcp drops it); the
+//! FIN of a segment whose data the client already has is delivered alone (smoltcp drops the
+//! segment as a duplicate); a FIN beyond a gap is held back until the gap fills (Linux queues it
+//! out of order, smoltcp drops it).
+//!
 //! A failing run prints how to replay it: `SIM_FAULT=<fault> SIM_SEED=<seed> cargo test
 //! --release -p unbroken-engines --test replica_sim replay -- --nocapture` (with `SIM_TRACE=1`
 //! for every packet). `SIM_SCALE` multiplies the number of seeds.

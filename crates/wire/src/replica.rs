@@ -16,7 +16,8 @@
 //!    20 rcv_nxt (client's sequence space)   24 rcv_edge (rcv_nxt + window, bytes)
 //!    28 out_end (the server's output end, in the primary's sequence space)
 //!    32 out_hash (u64: FNV-1a over the output bytes from the ISN + 1 to out_end)
-//!    40 last_ack (the client's latest ACK, primary's space)
+//!    40 last_ack (the client's latest ACK, primary's space; in the primary's records it is
+//!       what the primary heard, which the backup relays to its server if it missed it)
 //!    44 flags   45 zero (3)
 //! 16 + 48 * count: MAC (16)
 //! ```

@@ -176,6 +176,9 @@ fn map_sack(t: &mut Tcp<&mut [u8]>, at: usize, n: u8, mut f: impl FnMut(Seq) -> 
 // The backup (ST-TCP 3.3.0.1 / 3.3.1, Koch 3.1)
 // ---------------------------------------------------------------------------------------------
 
+/// Output checkpoints a backup keeps for the primary (one per output segment).
+const MAX_CHECKPOINTS: usize = 16;
+
 #[derive(Debug, Clone, Default)]
 struct BConn {
     /// The backup server's ISN and its SYN-ACK's TSval.
@@ -206,6 +209,8 @@ struct BConn {
     /// primary's TSecr) and the service address it was sent to.
     client_seen: bool,
     client_isn: Option<Seq>,
+    /// Output ends (with their digests) not yet verified by the primary, oldest first.
+    checkpoints: VecDeque<(Seq, u64)>,
     client_win: u16,
     client_ts: Option<(u32, u32)>,
     server: Option<IpAddr>,
@@ -411,6 +416,10 @@ impl Backup {
                 let skip = (c.out_end - sp) as usize;
                 c.out_hash = hash_continue(c.out_hash, &pkt[s.payload_at + skip..s.payload_at + s.payload_len]);
                 c.out_end = e;
+                if c.checkpoints.len() >= MAX_CHECKPOINTS {
+                    c.checkpoints.pop_front();
+                }
+                c.checkpoints.push_back((e, c.out_hash));
             } else if sp.gt(c.out_end) {
                 self.counters.output_gap += 1;
             }
@@ -449,31 +458,36 @@ impl Backup {
 
     /// The backup's progress records (ST-TCP 3.6), at most [`rw::MAX_RECORDS`] a message.
     pub fn progress(&self, beat: u64) -> Vec<Progress> {
-        let mut recs: Vec<ConnProgress> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.b_isn.is_some() || c.rst_out)
-            .map(|(k, c)| {
-                let mut flags = 0;
-                for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
-                    if on {
-                        flags |= f;
-                    }
+        let mut keys: Vec<&ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| k).collect();
+        keys.sort_by_key(|k| (k.client_port, k.server_port, k.client));
+        let mut recs = vec![];
+        for k in keys {
+            let c = &self.conns[k];
+            let mut flags = 0;
+            for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
+                if on {
+                    flags |= f;
                 }
-                ConnProgress {
-                    client: k.client,
-                    client_port: k.client_port,
-                    server_port: k.server_port,
-                    rcv_nxt: c.rcv_nxt,
-                    rcv_edge: c.rcv_edge,
-                    out_end: c.out_end,
-                    out_hash: c.out_hash,
-                    last_ack: c.last_ack,
-                    flags,
-                }
-            })
-            .collect();
-        recs.sort_by_key(|r| (r.client_port, r.server_port));
+            }
+            let rec = ConnProgress {
+                client: k.client,
+                client_port: k.client_port,
+                server_port: k.server_port,
+                rcv_nxt: c.rcv_nxt,
+                rcv_edge: c.rcv_edge,
+                out_end: c.out_end,
+                out_hash: c.out_hash,
+                last_ack: c.last_ack,
+                flags,
+            };
+            // Earlier output checkpoints the primary has not verified yet, oldest first: a
+            // lost message must not leave the primary without a digest at an offset it reached
+            // (it may be unable to go further while its output is held).
+            for &(end, hash) in c.checkpoints.iter().filter(|(e, _)| e.lt(c.out_end)) {
+                recs.push(ConnProgress { out_end: end, out_hash: hash, flags: flags & !(rw::flag::FIN_OUT | rw::flag::RST_OUT), ..rec });
+            }
+            recs.push(rec);
+        }
         chunk(Role::Backup, beat, recs)
     }
 
@@ -494,6 +508,10 @@ impl Backup {
             let Some(c) = self.conns.get_mut(&key) else { continue };
             if r.flags & rw::flag::DIVERGED != 0 {
                 c.diverged = true;
+            }
+            // The primary's out_end is what it verified: those checkpoints are done.
+            while c.checkpoints.front().is_some_and(|(e, _)| e.le(r.out_end)) {
+                c.checkpoints.pop_front();
             }
             let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
             if r.last_ack == Seq(0) || !r.last_ack.gt(c.last_ack) {
@@ -956,7 +974,8 @@ impl Primary {
         if p.role != Role::Backup {
             return;
         }
-        if self.last_beat.is_some_and(|b| p.beat <= b) {
+        // One beat may span several messages (more records than fit one): same number.
+        if self.last_beat.is_some_and(|b| p.beat < b) {
             self.counters.stale_progress += 1;
             return;
         }
@@ -1050,7 +1069,8 @@ impl Primary {
                 server_port: k.server_port,
                 rcv_nxt: c.ack_p,
                 rcv_edge: c.edge_p,
-                out_end: c.p_end,
+                // What strict output commit verified (the backup drops older checkpoints).
+                out_end: if self.cfg.strict { c.rel } else { c.p_end },
                 out_hash: 0,
                 last_ack: c.client_ack,
                 flags: rw::flag::RCV_KNOWN

@@ -1098,3 +1098,45 @@ fn replay() {
         Err(e) => panic!("{e}"),
     }
 }
+
+/// Counts failing runs instead of stopping at the first (`--ignored`, with `SIM_SCALE=n`):
+/// `every_fault_many_seeds`' seeds, every fault, each failure's replay line printed.
+#[test]
+#[ignore]
+fn census() {
+    let (mut runs, mut failed) = (0, 0);
+    for f in ALL_FAULTS {
+        for seed in 10_000..10_000 + 300 * scale() {
+            runs += 1;
+            if let Err(e) = run(Scenario::from_seed(f, seed)) {
+                failed += 1;
+                eprintln!("{}", e.lines().next().unwrap_or(""));
+                eprintln!("  {}", Scenario::from_seed(f, seed).replay_hint());
+            }
+        }
+    }
+    eprintln!("census: {failed} of {runs} runs failed");
+    assert_eq!(failed, 0);
+}
+
+/// KNOWN GAP, ignored until fixed (run with `--ignored`): the failures found with
+/// `SIM_SCALE=20` (`census`: 4 of 84,000 runs; seed 1806 from `table_3_3_row3_*`'s range), all
+/// on a faulty segment (loss, jitter, side-channel loss) with the primary's application failing.
+/// - `PrimaryAppHang` 13259 (non-strict): before the hang, the backup's reported output stays
+///   340 bytes behind the primary's for the whole lag bound, so the primary declares the backup
+///   lagging (BackupLagging) and runs unprotected; then its hung application stalls the client.
+///   Why the backup's server never sent those bytes (Nagle waiting for an ACK the relay did not
+///   deliver?) is not understood yet. 15226 stalls the same way.
+/// - `PrimaryAppFin` 1806, 13259, 15226: the primary's lone FIN waits MaxDelayFIN (5 s) without
+///   the backup's output overtaking it, goes out (FinTimeout, ST-TCP's own rule when the
+///   failure is not detected), and the client sees the end of the stream early.
+#[test]
+#[ignore]
+fn known_gap_rare_seeds_at_scale_20() {
+    let seeds = [(Fault::PrimaryAppHang, 13259), (Fault::PrimaryAppHang, 15226), (Fault::PrimaryAppFin, 1806), (Fault::PrimaryAppFin, 13259), (Fault::PrimaryAppFin, 15226)];
+    for (fault, seed) in seeds {
+        if let Err(e) = run(Scenario::from_seed(fault, seed)) {
+            panic!("{e}");
+        }
+    }
+}

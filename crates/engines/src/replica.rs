@@ -242,20 +242,49 @@ pub struct BackupCounters {
     pub output_gap: u64,
     /// Client ACKs the backup missed, relayed from the primary's report.
     pub acks_relayed: u64,
+    /// New connections not followed because the table was full (they cannot be taken over).
+    pub table_full: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
 /// backup's server sees it, every packet of that server through [`Backup::outgoing`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Backup {
     conns: HashMap<ConnKey, BConn>,
     promoted: bool,
+    max_conns: usize,
     pub counters: BackupCounters,
+}
+
+impl Default for Backup {
+    fn default() -> Backup {
+        Backup::with_capacity(DEFAULT_MAX_CONNS)
+    }
+}
+
+/// Connections an engine follows by default; beyond, a new one goes unprotected (counted) unless
+/// a finished one can be forgotten for it. Every SYN may be forged: the table must not grow
+/// without bound.
+pub const DEFAULT_MAX_CONNS: usize = 65_536;
+
+/// True when `map` has room for one more entry, forgetting a finished connection if needed.
+fn make_room<V>(map: &mut HashMap<ConnKey, V>, cap: usize, finished: impl Fn(&V) -> bool) -> bool {
+    if map.len() < cap {
+        return true;
+    }
+    let Some(k) = map.iter().find(|(_, v)| finished(v)).map(|(k, _)| *k) else { return false };
+    map.remove(&k);
+    true
 }
 
 impl Backup {
     pub fn new() -> Backup {
         Backup::default()
+    }
+
+    /// A backup following at most `max_conns` connections.
+    pub fn with_capacity(max_conns: usize) -> Backup {
+        Backup { conns: HashMap::new(), promoted: false, max_conns: max_conns.max(1), counters: BackupCounters::default() }
     }
 
     pub fn is_promoted(&self) -> bool {
@@ -283,6 +312,10 @@ impl Backup {
         }
         let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
         if s.has(F::SYN) && !s.has(F::ACK) {
+            if !self.conns.contains_key(&key) && !make_room(&mut self.conns, self.max_conns, BConn::finished) {
+                self.counters.table_full += 1;
+                return Verdict::PASS;
+            }
             let c = self.conns.entry(key).or_default();
             if c.finished() && c.client_isn != Some(s.seq) {
                 // The port is reused after both sides closed (or the server reset): a new
@@ -372,7 +405,7 @@ impl Backup {
             }
         };
         let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
-        if s.has(F::SYN) && s.has(F::ACK) {
+        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || make_room(&mut self.conns, self.max_conns, BConn::finished)) {
             let c = self.conns.entry(key).or_default();
             if !c.aligned {
                 c.b_isn = Some(s.seq);
@@ -572,11 +605,13 @@ pub struct Config {
     /// once (fast retransmit) instead of after its retransmission timeout; again after twice as
     /// long, and so on. 0: never.
     pub nudge_after_ms: u64,
+    /// Connections followed at most; beyond, a new one runs unprotected (counted).
+    pub max_conns: usize,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, nudge_after_ms: 40 }
+        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
     }
 }
 
@@ -630,6 +665,8 @@ pub struct PrimaryCounters {
     pub stale_progress: u64,
     /// Triples of duplicate ACKs injected for client bytes the backup missed.
     pub nudges: u64,
+    /// New connections not followed because the table was full (they run unprotected).
+    pub table_full: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -794,9 +831,11 @@ impl Primary {
             // A SYN for a connection the engine already follows is a retransmission (or a
             // forgery): it changes nothing, unless that connection is over (both sides closed,
             // or the server reset it) and the port is reused.
-            match self.conns.get(&key) {
-                // A retransmitted SYN (same ISN) is the same connection, however it ended.
-                Some(c) if !c.finished() || c.synack_ack == s.seq + 1 => {}
+            // A retransmitted SYN (same ISN) is the same connection, however it ended.
+            let keep = self.conns.get(&key).map(|c| !c.finished() || c.synack_ack == s.seq + 1);
+            match keep {
+                Some(true) => {}
+                None if !make_room(&mut self.conns, self.cfg.max_conns.max(1), PConn::finished) => self.counters.table_full += 1,
                 _ => {
                     self.conns.insert(key, fresh);
                 }

@@ -323,3 +323,23 @@ fn port_reuse_after_close_is_a_new_connection() {
     assert_eq!(p.incoming(&syn()), Verdict::PASS);
     assert_eq!(primary_sends(&mut p, 0, b"ab", C_ISN + 1, 0, 2).0, Verdict::Held, "still protected after a SYN on a live connection");
 }
+
+/// Every SYN may be forged: the tables are bounded. Beyond the cap a new connection is not
+/// followed (counted; it runs unprotected), unless a finished one can be forgotten for it.
+#[test]
+fn tables_are_bounded_forged_syns_do_not_grow_them() {
+    let mut b = Backup::with_capacity(2);
+    let mut p = Primary::new(Config { max_conns: 2, ..Config::default() });
+    for port in 1..=5u16 {
+        let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: port, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+        assert_eq!(p.incoming(&s), Verdict::PASS);
+        assert_eq!(b.incoming(&mut s), Verdict::PASS);
+    }
+    assert_eq!((b.connections(), b.counters.table_full, p.counters.table_full), (2, 3, 3));
+    // A connection of the full table that finished (its server reset it) makes room.
+    let mut rst = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 1, seq: Seq(5), ack: Seq(10), flags: F::RST | F::ACK, ..Default::default() }, &[]).unwrap();
+    b.outgoing(&mut rst);
+    let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: 9, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+    b.incoming(&mut s);
+    assert_eq!((b.connections(), b.counters.table_full), (2, 3));
+}

@@ -152,7 +152,7 @@ impl Key {
         let bytes: Vec<u8> = (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect();
         Key::new(&bytes)
     }
-    fn mac(&self, data: &[u8]) -> Hmac<Sha256> {
+    pub(crate) fn mac(&self, data: &[u8]) -> Hmac<Sha256> {
         let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("hmac takes any key length");
         m.update(data);
         m

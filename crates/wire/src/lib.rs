@@ -5,7 +5,8 @@
 //! side channel ([`ctl`]) and the connection record applications persist ([`ckptrec`]). Object
 //! mode: the heartbeats between agents and load balancer ([`hb`]), the balancer's bucket marker
 //! ([`marker`]), the store record ([`objrec`]), its sealed envelope ([`sealed`]) and RESP2, the
-//! protocol of the Redis store ([`resp`]). Malformed input is an `Err`, never a panic.
+//! protocol of the Redis store ([`resp`]). Replica mode: the
+//! primary's and backup's progress heartbeats ([`replica`]). Malformed input is an `Err`, never a panic.
 
 pub mod checksum;
 pub mod ckptrec;
@@ -19,6 +20,7 @@ pub mod objrec;
 pub mod resp;
 pub mod sealed;
 pub mod seq;
+pub mod replica;
 pub mod tcp;
 pub mod udp;
 

@@ -1,0 +1,1535 @@
+//! Replica mode (issue 10): a hot backup of an unmodified, deterministic server tracks every
+//! connection of the primary and takes them over when the primary dies. Read side by side with
+//! ST-TCP (Marwah, seed 001, chapter 3) and Koch et al., "Transparent TCP Connection Failover"
+//! (seed 003, sections 3-6). Like the other engines it does no I/O and has no clock: packets,
+//! side-channel messages and time go in; verdicts, packets to inject and notices come out.
+//!
+//! Both hosts own the service address and every client packet reaches both (ST-TCP 3.2.1).
+//!
+//! - [`Backup`] (ST-TCP 3.3.0.1, 3.3.1; Koch 3.1): the backup's server picks its own ISN. The
+//!   client's handshake ACK names the primary's ISN + 1, so the engine learns Δ = ISN(P) -
+//!   ISN(B) from it (ST-TCP's step 3), and the timestamp offset from its TSecr. Client → backup:
+//!   ACK - Δ, SACK edges - Δ, TSecr - offset, so the backup's kernel stays a faithful copy; the
+//!   ACK (and SACK edges) are clamped to what the backup's server has sent, since Linux discards
+//!   a segment whose ACK covers unsent data, payload included. Backup → client: SEQ + Δ, TSval +
+//!   offset (its SACK blocks name the client's sequence space, which both hosts share: nothing to
+//!   translate); withheld (dropped, counted) until [`Backup::take_over`]. The backup reports its
+//!   progress ([`unbroken_wire::replica`]): what its server received (its own ACK and window)
+//!   and produced (output end and digest in the primary's space, FIN, RST).
+//! - [`Primary`] (Koch 3.2, 3.4, 6; ST-TCP 3.7): the primary never acknowledges client bytes the
+//!   backup has not received: its ACK to the client is min(primary, backup) and its right window
+//!   edge min(primary, backup) (the window follows, so the edge does not move left when the ACK
+//!   is lowered). A SYN-ACK waits until the backup has seen the SYN. When the backup catches up,
+//!   a fresh ACK is injected at once (Koch 3.4's empty segment). With strict output commit
+//!   ([`Config::strict`], Koch 3.2) output bytes are held until the backup reports the same
+//!   bytes (same offset, same digest), then released with the current ACK and window; different
+//!   bytes at the same offset are a divergence.
+//! - [`Detector`] (ST-TCP 3.3.3): missed beats → suspected → fencing hook → take-over (backup) or
+//!   backup failed (primary).
+//!
+//! ST-TCP Table 3.3, as this engine handles each single failure:
+//! 1. Host crash of the primary: the backup's detector misses beats, fences, takes over. Host
+//!    crash of the backup: the primary's detector misses beats, fences the backup, then
+//!    [`Primary::backup_failed`]: every held byte is released and the primary runs unprotected
+//!    (Koch 6), reported.
+//! 2. Application failure without FIN/RST: the side whose application lags by more than
+//!    [`Config::max_lag_bytes`] or holds one byte back longer than [`Config::max_lag_ms`] is the
+//!    failed one: a lagging backup makes the connection unprotected; a lagging primary asks its
+//!    daemon to yield ([`Notice::YieldToBackup`]: stop, so the backup's detector takes over).
+//! 3. Application failure with FIN/RST on one side: a FIN is output like a byte and is released
+//!    only once the backup produced its FIN at the same offset. A FIN where the other side has
+//!    data at that offset marks the FIN's side as failed (primary: yield; backup: unprotected).
+//!    A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN), then goes
+//!    out unprotected. A primary RST is never sent while protected: if the backup does not reset
+//!    too within MaxDelayFIN, the primary yields. A backup RST makes the connection unprotected.
+//! 4. NIC or cable failure (two heartbeat links, gateway pings): not handled; the daemon's
+//!    business, it has one side channel for now.
+//! 5. Temporary loss at the backup: the primary's ACK stays at the backup's, so the client
+//!    retransmits what the backup missed (Koch 4), instead of ST-TCP's fetch from the primary;
+//!    after [`Config::nudge_after_ms`] three duplicate ACKs make it do so at once.
+//!
+//! Divergence (strict mode): the connection becomes unprotected on the primary, which goes on
+//! alone with its own output (the bytes the client has seen so far were verified, and the rest
+//! come from the one server it has been talking to), counts it and reports it to the backup in
+//! its own progress ([`Primary::report`], flag DIVERGED); a promoted backup never sends a byte on
+//! a diverged connection. Without strict mode output passes at once and divergence goes unseen.
+//!
+//! Preconditions not checked yet: both servers announce the same window scale and MSS (same
+//! kernel settings); the connection is opened by the client (Koch 7.2, connections the server
+//! opens, is out of scope).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::replica::{self as rw, hash_continue, ConnProgress, Progress, Role, HASH_INIT};
+use unbroken_wire::tcp::{self, flags as F, Packet as Tcp, TcpOption};
+use unbroken_wire::{Error, Result, Seq};
+
+use crate::Verdict;
+
+/// A connection as both hosts name it: the service address is the same on both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnKey {
+    pub client: IpAddr,
+    pub client_port: u16,
+    pub server_port: u16,
+}
+
+impl ConnKey {
+    fn of(r: &ConnProgress) -> ConnKey {
+        ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port }
+    }
+}
+
+/// The facts of one segment, parsed once.
+struct Seg {
+    info: IpInfo,
+    src_port: u16,
+    dst_port: u16,
+    flags: u8,
+    seq: Seq,
+    ack: Seq,
+    window: u16,
+    /// Offset of the payload from the start of the packet, and its length.
+    payload_at: usize,
+    payload_len: usize,
+    /// Timestamp option: its offset in the TCP header, TSval, TSecr.
+    ts: Option<(usize, u32, u32)>,
+    /// SACK option: its offset in the TCP header and the number of blocks.
+    sack: Option<(usize, u8)>,
+    wscale: Option<u8>,
+    csum_ok: bool,
+}
+
+impl Seg {
+    fn has(&self, f: u8) -> bool {
+        self.flags & f != 0
+    }
+    fn fin(&self) -> bool {
+        self.has(F::FIN)
+    }
+}
+
+fn parse(pkt: &[u8]) -> Result<Seg> {
+    let info = IpInfo::parse(pkt)?;
+    if info.protocol != ip::PROTO_TCP {
+        return Err(Error::Unsupported("not tcp"));
+    }
+    let end = info.l4_offset.checked_add(info.l4_len).filter(|&e| e <= pkt.len()).ok_or(Error::Truncated)?;
+    let seg = &pkt[info.l4_offset..end];
+    let t = Tcp::new_checked(seg)?;
+    let mut s = Seg {
+        info,
+        src_port: t.src_port(),
+        dst_port: t.dst_port(),
+        flags: t.flags(),
+        seq: t.seq(),
+        ack: t.ack(),
+        window: t.window(),
+        payload_at: info.l4_offset + t.header_len(),
+        payload_len: t.payload().len(),
+        ts: None,
+        sack: None,
+        wscale: None,
+        csum_ok: t.verify_checksum(info.pseudo_sum(info.l4_len)),
+    };
+    for slot in t.option_slots() {
+        let slot = slot?;
+        match tcp::parse_option(&seg[slot.offset..slot.offset + slot.len])? {
+            TcpOption::Timestamp { tsval, tsecr } => s.ts = Some((slot.offset, tsval, tsecr)),
+            TcpOption::Sack(_, n) => s.sack = Some((slot.offset, n)),
+            TcpOption::WindowScale(w) => s.wscale = Some(w.min(14)),
+            _ => {}
+        }
+    }
+    Ok(s)
+}
+
+/// The TCP view of a packet [`parse`] accepted.
+fn tcp_mut<'a>(pkt: &'a mut [u8], s: &Seg) -> Result<Tcp<&'a mut [u8]>> {
+    Tcp::new_checked(&mut pkt[s.info.l4_offset..s.info.l4_offset + s.info.l4_len])
+}
+
+fn seq_min(a: Seq, b: Seq) -> Seq {
+    if a.lt(b) {
+        a
+    } else {
+        b
+    }
+}
+
+/// Rewrites every SACK edge `e` into `f(e)`.
+fn map_sack(t: &mut Tcp<&mut [u8]>, at: usize, n: u8, mut f: impl FnMut(Seq) -> Seq) {
+    for i in 0..n as usize {
+        for edge in [at + 2 + 8 * i, at + 6 + 8 * i] {
+            let v = Seq(u32::from_be_bytes(t.as_bytes()[edge..edge + 4].try_into().unwrap()));
+            let w = f(v);
+            if w != v {
+                t.rewrite_u32_at(edge, w.0);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backup (ST-TCP 3.3.0.1 / 3.3.1, Koch 3.1)
+// ---------------------------------------------------------------------------------------------
+
+/// Output checkpoints a backup keeps for the primary (one per output segment).
+const MAX_CHECKPOINTS: usize = 16;
+
+#[derive(Debug, Clone, Default)]
+struct BConn {
+    /// The backup server's ISN and its SYN-ACK's TSval.
+    b_isn: Option<Seq>,
+    b_ts0: Option<u32>,
+    /// The client's SYN offered window scaling; the backup's own shift.
+    client_ws: bool,
+    ws_b: u8,
+    /// Δ = ISN(P) - ISN(B) and the timestamp offset are known (ST-TCP 3.3.0.1, step 3).
+    aligned: bool,
+    delta: u32,
+    ts_off: u32,
+    /// The backup server's SND.MAX (its own space).
+    snd_max: Seq,
+    rcv_known: bool,
+    rcv_nxt: Seq,
+    rcv_edge: Seq,
+    /// Output produced, primary's space, and its digest from ISN + 1.
+    out_end: Seq,
+    out_hash: u64,
+    fin_out: bool,
+    rst_out: bool,
+    last_ack: Seq,
+    /// The primary reported a divergence: never answer on this connection.
+    diverged: bool,
+    client_fin: bool,
+    /// The latest client ACK seen (`last_ack`): its window field, timestamps (client's clock,
+    /// primary's TSecr) and the service address it was sent to.
+    client_seen: bool,
+    client_isn: Option<Seq>,
+    /// Output ends (with their digests) not yet verified by the primary, oldest first.
+    checkpoints: VecDeque<(Seq, u64)>,
+    client_win: u16,
+    client_ts: Option<(u32, u32)>,
+    server: Option<IpAddr>,
+}
+
+impl BConn {
+    fn finished(&self) -> bool {
+        self.rst_out || (self.fin_out && self.client_fin)
+    }
+}
+
+/// What the backup's engine counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackupCounters {
+    /// Packets of the backup's server toward clients dropped before take-over.
+    pub withheld: u64,
+    /// Connections whose sequence space was aligned with the primary's.
+    pub aligned: u64,
+    /// Client packets dropped because the backup's server has not answered the SYN yet (no
+    /// ISN to align with): the primary's ACK waits for the backup, so the client resends.
+    pub unaligned_dropped: u64,
+    /// Client ACKs (or SACK edges) lowered to what the backup's server has sent.
+    pub ack_clamped: u64,
+    pub bad_checksum: u64,
+    pub malformed: u64,
+    /// Output of a promoted backup on a connection the primary found diverged, dropped.
+    pub diverged_silenced: u64,
+    /// Output beyond a gap in the backup server's stream (a local TCP never does that).
+    pub output_gap: u64,
+    /// Client ACKs the backup missed, relayed from the primary's report.
+    pub acks_relayed: u64,
+    /// New connections not followed because the table was full (they cannot be taken over).
+    pub table_full: u64,
+}
+
+/// The backup's engine: every client packet goes through [`Backup::incoming`] before the
+/// backup's server sees it, every packet of that server through [`Backup::outgoing`].
+#[derive(Debug)]
+pub struct Backup {
+    conns: HashMap<ConnKey, BConn>,
+    promoted: bool,
+    max_conns: usize,
+    pub counters: BackupCounters,
+}
+
+impl Default for Backup {
+    fn default() -> Backup {
+        Backup::with_capacity(DEFAULT_MAX_CONNS)
+    }
+}
+
+/// Connections an engine follows by default; beyond, a new one goes unprotected (counted) unless
+/// a finished one can be forgotten for it. Every SYN may be forged: the table must not grow
+/// without bound.
+pub const DEFAULT_MAX_CONNS: usize = 65_536;
+
+/// True when `map` has room for one more entry, forgetting a finished connection if needed.
+fn make_room<V>(map: &mut HashMap<ConnKey, V>, cap: usize, finished: impl Fn(&V) -> bool) -> bool {
+    if map.len() < cap {
+        return true;
+    }
+    let Some(k) = map.iter().find(|(_, v)| finished(v)).map(|(k, _)| *k) else { return false };
+    map.remove(&k);
+    true
+}
+
+impl Backup {
+    pub fn new() -> Backup {
+        Backup::default()
+    }
+
+    /// A backup following at most `max_conns` connections.
+    pub fn with_capacity(max_conns: usize) -> Backup {
+        Backup { conns: HashMap::new(), promoted: false, max_conns: max_conns.max(1), counters: BackupCounters::default() }
+    }
+
+    pub fn is_promoted(&self) -> bool {
+        self.promoted
+    }
+
+    /// Koch 5: the primary failed (and was fenced): stop withholding; every connection goes on
+    /// in the primary's sequence space, translations stay on for good.
+    pub fn take_over(&mut self) {
+        self.promoted = true;
+    }
+
+    /// A client packet toward the backup's server: align on the handshake ACK, translate.
+    pub fn incoming(&mut self, pkt: &mut [u8]) -> Verdict {
+        let s = match parse(pkt) {
+            Ok(s) => s,
+            Err(_) => {
+                self.counters.malformed += 1;
+                return Verdict::PASS;
+            }
+        };
+        if !s.csum_ok {
+            self.counters.bad_checksum += 1;
+            return Verdict::Drop;
+        }
+        let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
+        if s.has(F::SYN) && !s.has(F::ACK) {
+            if !self.conns.contains_key(&key) && !make_room(&mut self.conns, self.max_conns, BConn::finished) {
+                self.counters.table_full += 1;
+                return Verdict::PASS;
+            }
+            let c = self.conns.entry(key).or_default();
+            if c.finished() && c.client_isn != Some(s.seq) {
+                // The port is reused after both sides closed (or the server reset): a new
+                // connection. A SYN on a live connection changes nothing (a retransmission, or
+                // a forgery, which the kernel answers with a challenge ACK).
+                *c = BConn::default();
+            }
+            if !c.aligned {
+                c.client_ws = s.wscale.is_some();
+                c.client_isn = Some(s.seq);
+            }
+            return Verdict::PASS;
+        }
+        let Some(c) = self.conns.get_mut(&key) else { return Verdict::PASS };
+        if s.fin() {
+            c.client_fin = true;
+        }
+        if !s.has(F::ACK) {
+            return Verdict::PASS;
+        }
+        if !c.aligned {
+            // ST-TCP 3.3.0.1 (3): the client's handshake ACK acknowledges the primary's SYN-ACK.
+            let Some(isn) = c.b_isn else {
+                self.counters.unaligned_dropped += 1;
+                return Verdict::Drop;
+            };
+            c.delta = (s.ack - 1u32) - isn;
+            c.ts_off = match (s.ts, c.b_ts0) {
+                (Some((_, _, ecr)), Some(t0)) => ecr.wrapping_sub(t0),
+                _ => 0,
+            };
+            c.aligned = true;
+            c.out_end = isn + 1 + c.delta;
+            c.out_hash = HASH_INIT;
+            self.counters.aligned += 1;
+        }
+        if s.ack.gt(c.last_ack) || !c.client_seen {
+            c.last_ack = s.ack;
+            c.client_win = s.window;
+            c.client_ts = s.ts.map(|t| (t.1, t.2));
+            c.server = Some(s.info.dst);
+            c.client_seen = true;
+        }
+        let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
+        let limit = c.snd_max;
+        let delta = c.delta;
+        let mut clamped = false;
+        let mut to_b = |v: Seq| {
+            let b = v - delta;
+            if b.gt(limit) {
+                clamped = true;
+                limit
+            } else {
+                b
+            }
+        };
+        let ack_b = to_b(s.ack);
+        let mut modified = false;
+        if ack_b != s.ack {
+            t.rewrite_ack(ack_b);
+            modified = true;
+        }
+        if let Some((at, n)) = s.sack {
+            map_sack(&mut t, at, n, &mut to_b);
+            modified |= delta != 0;
+        }
+        if clamped {
+            self.counters.ack_clamped += 1;
+            modified = true;
+        }
+        if let (Some((at, _, ecr)), true) = (s.ts, c.ts_off != 0) {
+            t.rewrite_u32_at(at + 6, ecr.wrapping_sub(c.ts_off));
+            modified = true;
+        }
+        Verdict::Accept { modified }
+    }
+
+    /// A packet of the backup's server toward a client: learn its progress; withhold it until
+    /// take-over, then translate it into the primary's space.
+    pub fn outgoing(&mut self, pkt: &mut [u8]) -> Verdict {
+        let promoted = self.promoted;
+        let s = match parse(pkt) {
+            Ok(s) => s,
+            Err(_) => {
+                self.counters.malformed += 1;
+                return self.withhold();
+            }
+        };
+        let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
+        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || make_room(&mut self.conns, self.max_conns, BConn::finished)) {
+            let c = self.conns.entry(key).or_default();
+            if !c.aligned {
+                c.b_isn = Some(s.seq);
+                c.b_ts0 = s.ts.map(|t| t.1);
+                c.ws_b = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
+                c.snd_max = s.seq + 1;
+                c.rcv_nxt = s.ack;
+                c.rcv_edge = s.ack + s.window as u32;
+                c.rcv_known = true;
+            }
+        }
+        let Some(c) = self.conns.get_mut(&key) else { return self.withhold() };
+        if s.has(F::RST) {
+            c.rst_out = true;
+        }
+        if !c.aligned {
+            // Before alignment nothing can be translated. After take-over such a SYN-ACK goes
+            // out as it is: the client answers it with an ACK that names the sequence space it
+            // knows, and `incoming` aligns on that.
+            return if promoted { Verdict::PASS } else { self.withhold() };
+        }
+        let end_b = s.seq + s.payload_len as u32 + s.has(F::SYN) as u32 + s.fin() as u32;
+        if end_b.gt(c.snd_max) {
+            c.snd_max = end_b;
+        }
+        if s.has(F::ACK) && !s.has(F::RST) {
+            if !c.rcv_known || s.ack.gt(c.rcv_nxt) {
+                c.rcv_nxt = s.ack;
+            }
+            let edge = s.ack + ((s.window as u32) << c.ws_b);
+            if !c.rcv_known || edge.gt(c.rcv_edge) {
+                c.rcv_edge = edge;
+            }
+            c.rcv_known = true;
+        }
+        let sp = s.seq + c.delta;
+        let n = s.payload_len as u32;
+        if n > 0 && !s.has(F::RST) {
+            let e = sp + n;
+            if sp.le(c.out_end) && e.gt(c.out_end) {
+                let skip = (c.out_end - sp) as usize;
+                c.out_hash = hash_continue(c.out_hash, &pkt[s.payload_at + skip..s.payload_at + s.payload_len]);
+                c.out_end = e;
+                if c.checkpoints.len() >= MAX_CHECKPOINTS {
+                    c.checkpoints.pop_front();
+                }
+                c.checkpoints.push_back((e, c.out_hash));
+            } else if sp.gt(c.out_end) {
+                self.counters.output_gap += 1;
+            }
+        }
+        if s.fin() && sp + n == c.out_end {
+            c.fin_out = true;
+        }
+        if !promoted {
+            return self.withhold();
+        }
+        if c.diverged {
+            self.counters.diverged_silenced += 1;
+            return Verdict::Drop;
+        }
+        let (delta, ts_off) = (c.delta, c.ts_off);
+        let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::Drop };
+        let mut modified = false;
+        if delta != 0 {
+            t.rewrite_seq(sp);
+            modified = true;
+        }
+        if let (Some((at, v, _)), true) = (s.ts, ts_off != 0) {
+            t.rewrite_u32_at(at + 2, v.wrapping_add(ts_off));
+            modified = true;
+        }
+        Verdict::Accept { modified }
+    }
+
+    fn withhold(&mut self) -> Verdict {
+        if self.promoted {
+            return Verdict::PASS;
+        }
+        self.counters.withheld += 1;
+        Verdict::Drop
+    }
+
+    /// The backup's progress records (ST-TCP 3.6), at most [`rw::MAX_RECORDS`] a message.
+    pub fn progress(&self, beat: u64) -> Vec<Progress> {
+        let mut keys: Vec<&ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| k).collect();
+        keys.sort_by_key(|k| (k.client_port, k.server_port, k.client));
+        let mut recs = vec![];
+        for k in keys {
+            let c = &self.conns[k];
+            let mut flags = 0;
+            for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
+                if on {
+                    flags |= f;
+                }
+            }
+            let rec = ConnProgress {
+                client: k.client,
+                client_port: k.client_port,
+                server_port: k.server_port,
+                rcv_nxt: c.rcv_nxt,
+                rcv_edge: c.rcv_edge,
+                out_end: c.out_end,
+                out_hash: c.out_hash,
+                last_ack: c.last_ack,
+                flags,
+            };
+            // Earlier output checkpoints the primary has not verified yet, oldest first: a
+            // lost message must not leave the primary without a digest at an offset it reached
+            // (it may be unable to go further while its output is held).
+            for &(end, hash) in c.checkpoints.iter().filter(|(e, _)| e.lt(c.out_end)) {
+                recs.push(ConnProgress { out_end: end, out_hash: hash, flags: flags & !(rw::flag::FIN_OUT | rw::flag::RST_OUT), ..rec });
+            }
+            recs.push(rec);
+        }
+        chunk(Role::Backup, beat, recs)
+    }
+
+    /// The primary's own report (already authenticated). Connections it found diverged are
+    /// silenced for good. Where the client acknowledged more than the backup's server has heard
+    /// of (a client ACK lost on its way to the backup: ST-TCP 3.6's LastAckReceived), an ACK as
+    /// the client would have sent it is returned, already translated, for the daemon to inject
+    /// into the backup's stack. Without it, a backup server waiting for that ACK to open its
+    /// window withholds output that strict output commit waits for, while the client waits for
+    /// that output: a stall until the lag bound (found by the simulation with loss).
+    pub fn primary_report(&mut self, p: &Progress) -> Vec<Vec<u8>> {
+        let mut inject = vec![];
+        if p.role != Role::Primary {
+            return inject;
+        }
+        for r in &p.records {
+            let key = ConnKey::of(r);
+            let Some(c) = self.conns.get_mut(&key) else { continue };
+            if r.flags & rw::flag::DIVERGED != 0 {
+                c.diverged = true;
+            }
+            // The primary's out_end is what it verified: those checkpoints are done.
+            while c.checkpoints.front().is_some_and(|(e, _)| e.le(r.out_end)) {
+                c.checkpoints.pop_front();
+            }
+            let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
+            if r.last_ack == Seq(0) || !r.last_ack.gt(c.last_ack) {
+                continue;
+            }
+            let mut ack_b = r.last_ack - c.delta;
+            if ack_b.gt(c.snd_max) {
+                ack_b = c.snd_max;
+            }
+            let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
+            let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.rcv_nxt, ack: ack_b, flags: F::ACK, window: c.client_win, timestamp: ts, ..Default::default() };
+            if let Ok(pkt) = ip::tcp_packet(key.client, server, &rep, &[]) {
+                c.last_ack = r.last_ack;
+                self.counters.acks_relayed += 1;
+                inject.push(pkt);
+            }
+        }
+        inject
+    }
+
+    /// Forgets a connection (the daemon's grace period after it closed).
+    pub fn forget(&mut self, key: &ConnKey) {
+        self.conns.remove(key);
+    }
+
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+}
+
+fn chunk(role: Role, beat: u64, recs: Vec<ConnProgress>) -> Vec<Progress> {
+    if recs.is_empty() {
+        return vec![Progress { role, beat, flags: 0, records: vec![] }];
+    }
+    recs.chunks(rw::MAX_RECORDS).map(|c| Progress { role, beat, flags: 0, records: c.to_vec() }).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The primary (Koch 3.2, 3.4, 6; ST-TCP 3.7)
+// ---------------------------------------------------------------------------------------------
+
+/// The primary's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Koch's strict output commit: send the client only bytes the backup also produced.
+    pub strict: bool,
+    /// ST-TCP's AppMaxLagBytes: one side behind the other by more than this has failed.
+    pub max_lag_bytes: u32,
+    /// ST-TCP's AppMaxLagTime: a byte one side produced (or received) and the other has not,
+    /// for longer than this, marks the other as failed.
+    pub max_lag_ms: u64,
+    /// ST-TCP's MaxDelayFIN: how long a FIN (or RST) of the primary alone is held.
+    pub max_delay_fin_ms: u64,
+    /// Output held per connection before the backup counts as lagging.
+    pub max_held_bytes: usize,
+    /// When the backup has missed client bytes the primary has (its ACK stays behind) for this
+    /// long, three duplicate ACKs at the backup's ACK are injected, so the client resends at
+    /// once (fast retransmit) instead of after its retransmission timeout; again after twice as
+    /// long, and so on. 0: never.
+    pub nudge_after_ms: u64,
+    /// Connections followed at most; beyond, a new one runs unprotected (counted).
+    pub max_conns: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
+    }
+}
+
+/// Why a connection (or the whole primary) runs unprotected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// The detector declared the backup dead ([`Primary::backup_failed`]).
+    BackupFailed,
+    /// The backup fell behind by more than the bounds (Table 3.3 row 2, backup).
+    BackupLagging,
+    /// The backup's server closed (FIN) where the primary's has more output (row 3, backup).
+    BackupFinAlone,
+    /// The backup's server reset the connection (row 3, backup).
+    BackupRst,
+    /// The primary's FIN waited MaxDelayFIN for the backup's and went out alone.
+    FinTimeout,
+    /// Strict output commit found different bytes at the same offset.
+    Diverged,
+}
+
+/// Something the primary's daemon must act on or report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice {
+    /// The connection runs unprotected from now on.
+    Unprotected { key: ConnKey, why: Why },
+    /// The primary's application failed on this connection while the backup's did not (Table
+    /// 3.3 rows 2-3, primary): the daemon must stop the primary (stop beating, take the
+    /// address down) so that the backup's detector fences it and takes over.
+    YieldToBackup { key: ConnKey },
+}
+
+/// What the primary's engine counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrimaryCounters {
+    /// Output packets held for the backup, and released.
+    pub held: u64,
+    pub released: u64,
+    /// Retransmissions of bytes held already (a copy is kept): dropped.
+    pub retrans_dropped: u64,
+    /// Fresh ACKs injected when the backup caught up.
+    pub fresh_acks: u64,
+    /// ACK fields lowered to the backup's.
+    pub acks_lowered: u64,
+    /// Divergences found (strict output commit).
+    pub diverged: u64,
+    /// RSTs of the primary's server dropped while the backup had not reset.
+    pub rst_held: u64,
+    /// Connections the engine never saw open (passed unprotected).
+    pub unknown_conns: u64,
+    pub malformed: u64,
+    pub stale_progress: u64,
+    /// Triples of duplicate ACKs injected for client bytes the backup missed.
+    pub nudges: u64,
+    /// New connections not followed because the table was full (they run unprotected).
+    pub table_full: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct BRec {
+    rcv_known: bool,
+    rcv_nxt: Seq,
+    rcv_edge: Seq,
+    aligned: bool,
+    out_end: Seq,
+    fin: bool,
+    rst: bool,
+}
+
+#[derive(Debug)]
+struct HeldPkt {
+    pkt: Vec<u8>,
+    /// End of its payload (primary's space).
+    end: Seq,
+    fin: bool,
+}
+
+#[derive(Debug)]
+struct PConn {
+    server: IpAddr,
+    client_ws: bool,
+    ws_p: u8,
+    synack: Option<Vec<u8>>,
+    synack_ack: Seq,
+    /// The primary server's latest ACK and right window edge.
+    ack_p: Seq,
+    edge_p: Seq,
+    b: Option<BRec>,
+    /// Backup output reports not yet verified: (end, digest).
+    reports: VecDeque<(Seq, u64)>,
+    held: VecDeque<HeldPkt>,
+    /// Output bytes from `rel` to `p_end` (strict mode), not yet verified.
+    held_bytes: VecDeque<u8>,
+    rel: Seq,
+    rel_hash: u64,
+    p_end: Seq,
+    /// The primary's server sent a FIN at `p_end`.
+    p_fin: bool,
+    fin_since: Option<u64>,
+    rst_since: Option<u64>,
+    sent_ack: Option<Seq>,
+    /// Highest sequence number (FIN included) the client has been sent.
+    snd_c: Seq,
+    ts: Option<(u32, u32)>,
+    state: Option<Why>,
+    behind: Option<(Seq, Seq, u64)>,
+    ahead: Option<(Seq, u64)>,
+    yielded: bool,
+    client_fin: bool,
+    /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
+    client_ack: Seq,
+    snd_p: Seq,
+    /// The backup's ACK is behind the primary's since (ms), and the next nudge is due at.
+    rcv_behind_since: Option<u64>,
+    nudge_at: u64,
+    nudge_gap: u64,
+    synack_since: Option<u64>,
+    /// ISN + 1 of the primary's server.
+    stream_start: Seq,
+}
+
+impl PConn {
+    fn finished(&self) -> bool {
+        self.rst_since.is_some() || (self.p_fin && self.client_fin)
+    }
+}
+
+/// The primary's engine: [`Primary::incoming`] sees every client packet before the primary's
+/// server, [`Primary::outgoing`] every packet of that server toward clients; the backup's
+/// progress messages go to [`Primary::backup_progress`], the clock to [`Primary::tick`].
+/// Packets to send to clients (released output, fresh ACKs) are drained with
+/// [`Primary::take_transmit`], notices with [`Primary::take_notices`].
+#[derive(Debug)]
+pub struct Primary {
+    cfg: Config,
+    conns: HashMap<ConnKey, PConn>,
+    unprotected: Option<Why>,
+    last_beat: Option<u64>,
+    out: Vec<Vec<u8>>,
+    notices: Vec<Notice>,
+    pub counters: PrimaryCounters,
+}
+
+impl Primary {
+    pub fn new(cfg: Config) -> Primary {
+        Primary { cfg, conns: HashMap::new(), unprotected: None, last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// `Some(why)` once the whole primary runs unprotected.
+    pub fn unprotected(&self) -> Option<Why> {
+        self.unprotected
+    }
+
+    /// The protection state of one connection (`None`: protected or unknown).
+    pub fn conn_state(&self, key: &ConnKey) -> Option<Why> {
+        self.conns.get(key).and_then(|c| c.state)
+    }
+
+    pub fn take_transmit(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.out)
+    }
+
+    pub fn take_notices(&mut self) -> Vec<Notice> {
+        std::mem::take(&mut self.notices)
+    }
+
+    /// Output bytes held for the backup, all connections.
+    pub fn held_bytes(&self) -> usize {
+        self.conns.values().map(|c| c.held.iter().map(|h| h.pkt.len()).sum::<usize>()).sum()
+    }
+
+    /// A client packet toward the primary's server: learned from, never changed.
+    pub fn incoming(&mut self, pkt: &[u8]) -> Verdict {
+        let Ok(s) = parse(pkt) else {
+            self.counters.malformed += 1;
+            return Verdict::PASS;
+        };
+        if s.csum_ok && s.has(F::SYN) && !s.has(F::ACK) && self.unprotected.is_none() {
+            let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
+            let fresh = PConn {
+                server: s.info.dst,
+                client_ws: s.wscale.is_some(),
+                ws_p: 0,
+                synack: None,
+                synack_ack: s.seq + 1,
+                ack_p: s.seq + 1,
+                edge_p: s.seq + 1,
+                b: None,
+                reports: VecDeque::new(),
+                held: VecDeque::new(),
+                held_bytes: VecDeque::new(),
+                rel: Seq(0),
+                rel_hash: HASH_INIT,
+                p_end: Seq(0),
+                p_fin: false,
+                fin_since: None,
+                rst_since: None,
+                sent_ack: None,
+                snd_c: Seq(0),
+                ts: None,
+                state: None,
+                behind: None,
+                ahead: None,
+                yielded: false,
+                client_fin: false,
+                client_ack: Seq(0),
+                snd_p: Seq(0),
+                rcv_behind_since: None,
+                nudge_at: 0,
+                nudge_gap: 0,
+                synack_since: None,
+                stream_start: Seq(0),
+            };
+            // A SYN for a connection the engine already follows is a retransmission (or a
+            // forgery): it changes nothing, unless that connection is over (both sides closed,
+            // or the server reset it) and the port is reused.
+            // A retransmitted SYN (same ISN) is the same connection, however it ended.
+            let keep = self.conns.get(&key).map(|c| !c.finished() || c.synack_ack == s.seq + 1);
+            match keep {
+                Some(true) => {}
+                None if !make_room(&mut self.conns, self.cfg.max_conns.max(1), PConn::finished) => self.counters.table_full += 1,
+                _ => {
+                    self.conns.insert(key, fresh);
+                }
+            }
+        } else if s.csum_ok && s.has(F::ACK) {
+            let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
+            if let Some(c) = self.conns.get_mut(&key) {
+                c.client_fin |= s.fin();
+                // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
+                // LastAckReceived); only within what the primary's server has sent.
+                let limit = c.snd_p;
+                if c.synack.is_none() && s.ack.gt(c.client_ack) && s.ack.le(limit) {
+                    c.client_ack = s.ack;
+                }
+            }
+        }
+        Verdict::PASS
+    }
+
+    /// A packet of the primary's server toward a client.
+    pub fn outgoing(&mut self, pkt: &mut [u8], now_ms: u64) -> Verdict {
+        let Ok(s) = parse(pkt) else {
+            self.counters.malformed += 1;
+            return Verdict::PASS;
+        };
+        if self.unprotected.is_some() {
+            return Verdict::PASS;
+        }
+        let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
+        let strict = self.cfg.strict;
+        let Some(c) = self.conns.get_mut(&key) else {
+            self.counters.unknown_conns += 1;
+            return Verdict::PASS;
+        };
+        if c.state.is_some() {
+            return Verdict::PASS;
+        }
+        if s.has(F::SYN) && s.has(F::ACK) {
+            // Koch 7.1: the SYN-ACK goes out once the backup's server answered the SYN too.
+            c.ws_p = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
+            c.rel = s.seq + 1;
+            c.stream_start = s.seq + 1;
+            c.p_end = s.seq + 1;
+            c.snd_c = s.seq + 1;
+            c.ack_p = s.ack;
+            c.edge_p = s.ack + s.window as u32;
+            c.synack_ack = s.ack;
+            c.snd_p = s.seq + 1;
+            c.client_ack = s.seq + 1;
+            c.ts = s.ts.map(|t| (t.1, t.2));
+            if c.b.is_some_and(|b| b.rcv_known && b.rcv_nxt.ge(s.ack)) {
+                c.sent_ack = Some(s.ack);
+                return Verdict::PASS;
+            }
+            c.synack = Some(pkt.to_vec());
+            c.synack_since.get_or_insert(now_ms);
+            self.counters.held += 1;
+            return Verdict::Held;
+        }
+        if s.has(F::ACK) {
+            if s.ack.gt(c.ack_p) {
+                c.ack_p = s.ack;
+            }
+            let edge = s.ack + ((s.window as u32) << c.ws_p);
+            if edge.gt(c.edge_p) {
+                c.edge_p = edge;
+            }
+        }
+        if let Some((_, v, e)) = s.ts {
+            c.ts = Some((v, e));
+        }
+        // A FIN before the stream's first byte (a server that closed during the handshake)
+        // means the connection is lost on the primary: treated like its RST.
+        let bogus_fin = s.fin() && (s.seq + s.payload_len as u32).lt(c.stream_start);
+        if s.has(F::RST) || bogus_fin {
+            // ST-TCP 3.7.4: a RST is treated like a FIN; it never reaches the client while the
+            // backup may still continue the connection.
+            if c.b.is_some_and(|b| b.rst) {
+                return Verdict::PASS;
+            }
+            c.rst_since.get_or_insert(now_ms);
+            self.counters.rst_held += 1;
+            return Verdict::Drop;
+        }
+        let n = s.payload_len as u32;
+        let (start, end) = (s.seq, s.seq + n);
+        let e_all = end + s.fin() as u32;
+        if e_all.gt(c.snd_p) {
+            c.snd_p = e_all;
+        }
+        if n == 0 && !s.fin() {
+            let m = gate(c, pkt, &s, &mut self.counters);
+            return Verdict::Accept { modified: m };
+        }
+        let fin_sent = c.snd_c.gt(end);
+        if end.le(c.rel) && (!s.fin() || fin_sent) {
+            // Koch 4: a retransmission of released bytes goes out at once.
+            let m = gate(c, pkt, &s, &mut self.counters);
+            return Verdict::Accept { modified: m };
+        }
+        if end.le(c.rel) && s.fin() && n > 0 {
+            // Released bytes with a FIN that is not: the bytes go out without it (else a client
+            // that lost them waits for them forever while the FIN waits for the backup).
+            if !c.p_fin && end == c.p_end {
+                c.p_fin = true;
+                c.fin_since.get_or_insert(now_ms);
+                if let Some(f) = fin_segment(&s, c.ts) {
+                    c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+                }
+            }
+            strip_fin(pkt, &s);
+            gate(c, pkt, &s, &mut self.counters);
+            return Verdict::Accept { modified: true };
+        }
+        if start.gt(c.p_end) {
+            self.counters.malformed += 1;
+            return Verdict::Drop;
+        }
+        let old_end = c.p_end;
+        let old_fin = c.p_fin;
+        if end.gt(c.p_end) {
+            let skip = (c.p_end - start) as usize;
+            if strict {
+                c.held_bytes.extend(&pkt[s.payload_at + skip..s.payload_at + s.payload_len]);
+            }
+            c.p_end = end;
+        }
+        if s.fin() && end == c.p_end {
+            c.p_fin = true;
+            c.fin_since.get_or_insert(now_ms);
+        }
+        let news = end.gt(old_end) || (c.p_fin && !old_fin);
+        if !strict && !s.fin() && c.b.is_some_and(|b| b.aligned) && c.held.is_empty() {
+            // ST-TCP: output passes at once; only the ACK and window wait for the backup. Not
+            // before the backup is aligned, though: until then the client must not acknowledge
+            // any output, or the ACK the backup aligns on would not be ISN(P) + 1.
+            c.rel = c.p_end;
+            if end.gt(c.snd_c) {
+                c.snd_c = end;
+            }
+            let m = gate(c, pkt, &s, &mut self.counters);
+            return Verdict::Accept { modified: m };
+        }
+        if !news {
+            self.counters.retrans_dropped += 1;
+            return Verdict::Drop;
+        }
+        if s.fin() && n > 0 {
+            // The data goes out once verified; the FIN waits for the backup's (ST-TCP 3.7.4).
+            // Held together, the data would wait for the FIN: a client waiting for those bytes
+            // never sends the request that would show which side failed.
+            let mut data = pkt.to_vec();
+            if let Some(f) = fin_segment(&s, c.ts) {
+                strip_fin(&mut data, &s);
+                c.held.push_back(HeldPkt { pkt: data, end, fin: false });
+                c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+            } else {
+                c.held.push_back(HeldPkt { pkt: pkt.to_vec(), end, fin: true });
+            }
+        } else {
+            c.held.push_back(HeldPkt { pkt: pkt.to_vec(), end, fin: s.fin() });
+        }
+        self.counters.held += 1;
+        let held: usize = c.held_bytes.len();
+        if held > self.cfg.max_held_bytes {
+            self.unprotect(key, Why::BackupLagging);
+        } else {
+            self.settle(key, now_ms);
+        }
+        Verdict::Held
+    }
+
+    /// A progress message of the backup (already authenticated: [`Progress::parse`]).
+    pub fn backup_progress(&mut self, p: &Progress, now_ms: u64) {
+        if p.role != Role::Backup {
+            return;
+        }
+        // One beat may span several messages (more records than fit one): same number.
+        if self.last_beat.is_some_and(|b| p.beat < b) {
+            self.counters.stale_progress += 1;
+            return;
+        }
+        self.last_beat = Some(p.beat);
+        if self.unprotected.is_some() {
+            return;
+        }
+        for r in &p.records {
+            let key = ConnKey::of(r);
+            let strict = self.cfg.strict;
+            let Some(c) = self.conns.get_mut(&key) else { continue };
+            let b = c.b.get_or_insert_with(BRec::default);
+            let f = |x: u8| r.flags & x != 0;
+            if f(rw::flag::RCV_KNOWN) {
+                if !b.rcv_known || r.rcv_nxt.gt(b.rcv_nxt) {
+                    b.rcv_nxt = r.rcv_nxt;
+                }
+                if !b.rcv_known || r.rcv_edge.gt(b.rcv_edge) {
+                    b.rcv_edge = r.rcv_edge;
+                }
+                b.rcv_known = true;
+            }
+            if f(rw::flag::ALIGNED) {
+                if !b.aligned || r.out_end.gt(b.out_end) {
+                    b.out_end = r.out_end;
+                }
+                b.aligned = true;
+                if strict && c.reports.back().is_none_or(|&(e, _)| r.out_end.gt(e)) {
+                    if c.reports.len() >= 64 {
+                        c.reports.pop_back();
+                    }
+                    c.reports.push_back((r.out_end, r.out_hash));
+                }
+            }
+            b.fin |= f(rw::flag::FIN_OUT);
+            b.rst |= f(rw::flag::RST_OUT);
+            if c.state.is_some() {
+                continue;
+            }
+            if b.rst && c.rst_since.is_none() {
+                self.unprotect(key, Why::BackupRst);
+                continue;
+            }
+            if let Some(sa) = c.synack.take() {
+                if b.rcv_known && b.rcv_nxt.ge(c.synack_ack) {
+                    c.sent_ack = Some(c.synack_ack);
+                    self.out.push(sa);
+                    self.counters.released += 1;
+                } else {
+                    c.synack = Some(sa);
+                }
+            }
+            self.settle(key, now_ms);
+            self.fresh_ack(key);
+        }
+    }
+
+    /// Time passes: MaxDelayFIN, AppMaxLagTime.
+    pub fn tick(&mut self, now_ms: u64) {
+        if self.unprotected.is_some() {
+            return;
+        }
+        let keys: Vec<ConnKey> = self.conns.keys().copied().collect();
+        for key in keys {
+            self.settle(key, now_ms);
+        }
+    }
+
+    /// Koch 6: the backup failed. Every held byte goes out now; ACK and window pass unchanged.
+    pub fn backup_failed(&mut self) {
+        if self.unprotected.is_some() {
+            return;
+        }
+        let keys: Vec<ConnKey> = self.conns.keys().copied().collect();
+        for key in keys {
+            if self.conns[&key].state.is_none() {
+                self.unprotect(key, Why::BackupFailed);
+            }
+        }
+        self.unprotected = Some(Why::BackupFailed);
+    }
+
+    /// The primary's own progress for the backup: its figures and the DIVERGED flags.
+    pub fn report(&self, beat: u64) -> Vec<Progress> {
+        let recs = self
+            .conns
+            .iter()
+            .map(|(k, c)| ConnProgress {
+                client: k.client,
+                client_port: k.client_port,
+                server_port: k.server_port,
+                rcv_nxt: c.ack_p,
+                rcv_edge: c.edge_p,
+                // What strict output commit verified (the backup drops older checkpoints).
+                out_end: if self.cfg.strict { c.rel } else { c.p_end },
+                out_hash: 0,
+                last_ack: c.client_ack,
+                flags: rw::flag::RCV_KNOWN
+                    | if c.state == Some(Why::Diverged) { rw::flag::DIVERGED } else { 0 }
+                    | if c.p_fin { rw::flag::FIN_OUT } else { 0 }
+                    | if c.rst_since.is_some() { rw::flag::RST_OUT } else { 0 },
+            })
+            .collect();
+        chunk(Role::Primary, beat, recs)
+    }
+
+    pub fn forget(&mut self, key: &ConnKey) {
+        self.conns.remove(key);
+    }
+
+    /// Verifies what can be verified, releases what is verified, applies the lag and FIN
+    /// rules (ST-TCP 3.7.3, 3.7.4).
+    fn settle(&mut self, key: ConnKey, now: u64) {
+        let cfg = self.cfg;
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if c.state.is_some() {
+            return;
+        }
+        if c.synack.is_some() {
+            // The backup's server never answered the SYN (its application is down, its
+            // backlog full) or reset it: the connection cannot be protected; the client must
+            // not wait for it longer than the lag bound.
+            let reset = c.b.is_some_and(|b| b.rst);
+            if reset || c.synack_since.is_some_and(|t| now >= t + cfg.max_lag_ms) {
+                self.unprotect(key, if reset { Why::BackupRst } else { Why::BackupLagging });
+            }
+            return;
+        }
+        let Some(b) = c.b else { return };
+        // Strict output commit (Koch 3.2): the backup's digest at an offset the primary reached.
+        if cfg.strict {
+            while let Some(&(end, hash)) = c.reports.front() {
+                if end.le(c.rel) {
+                    c.reports.pop_front();
+                    continue;
+                }
+                if end.gt(c.p_end) {
+                    break;
+                }
+                let k = (end - c.rel) as usize;
+                let (a, z) = c.held_bytes.as_slices();
+                let h = if k <= a.len() { hash_continue(c.rel_hash, &a[..k]) } else { hash_continue(hash_continue(c.rel_hash, a), &z[..k - a.len()]) };
+                if h != hash {
+                    self.counters.diverged += 1;
+                    self.unprotect(key, Why::Diverged);
+                    return;
+                }
+                c.rel = end;
+                c.rel_hash = h;
+                c.held_bytes.drain(..k);
+                c.reports.pop_front();
+            }
+        }
+        // FIN (ST-TCP 3.7.4): released when the backup closed at the same offset.
+        let fin_ok = c.p_fin && b.fin && b.aligned && b.out_end == c.p_end && (!cfg.strict || c.rel == c.p_end);
+        if b.fin && b.aligned && c.p_end.gt(b.out_end) {
+            self.unprotect(key, Why::BackupFinAlone);
+            return;
+        }
+        if c.p_fin && !fin_ok && b.aligned && b.out_end.gt(c.p_end) && !c.yielded {
+            c.yielded = true;
+            self.notices.push(Notice::YieldToBackup { key });
+        }
+        if c.p_fin && !fin_ok && c.fin_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) {
+            self.unprotect(key, Why::FinTimeout);
+            return;
+        }
+        if c.rst_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) && !b.rst && !c.yielded {
+            c.yielded = true;
+            self.notices.push(Notice::YieldToBackup { key });
+        }
+        // Release.
+        let mut any = false;
+        while let Some(h) = c.held.front() {
+            let ok = if h.fin {
+                fin_ok
+            } else if cfg.strict {
+                h.end.le(c.rel)
+            } else {
+                b.aligned
+            };
+            if !ok {
+                break;
+            }
+            let h = c.held.pop_front().unwrap();
+            let mut pkt = h.pkt;
+            if let Ok(s) = parse(&pkt) {
+                gate(c, &mut pkt, &s, &mut self.counters);
+            }
+            if !cfg.strict && h.end.gt(c.rel) {
+                c.rel = h.end;
+            }
+            let e = h.end + h.fin as u32;
+            if e.gt(c.snd_c) {
+                c.snd_c = e;
+            }
+            self.out.push(pkt);
+            self.counters.released += 1;
+            any = true;
+        }
+        if any {
+            c.fin_since = if c.held.iter().any(|h| h.fin) { c.fin_since } else { None };
+        }
+        // ST-TCP 3.7.3: AppMaxLagBytes / AppMaxLagTime, both ways.
+        if !b.aligned || !b.rcv_known {
+            return;
+        }
+        let out_behind = if c.p_end.gt(b.out_end) { c.p_end - b.out_end } else { 0 };
+        let rcv_behind = if c.ack_p.gt(b.rcv_nxt) { c.ack_p - b.rcv_nxt } else { 0 };
+        // Koch 4 leaves client bytes the backup missed to the client's retransmission timer
+        // (seconds, with backoff); three duplicate ACKs make the client resend them at once.
+        if rcv_behind == 0 {
+            c.rcv_behind_since = None;
+        } else if cfg.nudge_after_ms > 0 {
+            let since = *c.rcv_behind_since.get_or_insert_with(|| {
+                c.nudge_gap = cfg.nudge_after_ms;
+                c.nudge_at = now + cfg.nudge_after_ms;
+                now
+            });
+            if now >= c.nudge_at && now > since {
+                if let Some((ack, win)) = gated(c) {
+                    let r = tcp::Repr { src_port: key.server_port, dst_port: key.client_port, seq: c.snd_c, ack, flags: F::ACK, window: win, timestamp: c.ts, ..Default::default() };
+                    if let Ok(p) = ip::tcp_packet(c.server, key.client, &r, &[]) {
+                        for _ in 0..3 {
+                            self.out.push(p.clone());
+                        }
+                        self.counters.nudges += 1;
+                    }
+                }
+                c.nudge_gap = c.nudge_gap.saturating_mul(2);
+                c.nudge_at = now + c.nudge_gap;
+            }
+        }
+        if out_behind > cfg.max_lag_bytes || rcv_behind > cfg.max_lag_bytes {
+            self.unprotect(key, Why::BackupLagging);
+            return;
+        }
+        if out_behind > 0 || rcv_behind > 0 {
+            match c.behind {
+                Some((mo, mr, _)) if b.out_end.ge(mo) && b.rcv_nxt.ge(mr) => c.behind = Some((c.p_end, c.ack_p, now)),
+                Some((_, _, t)) if now >= t + cfg.max_lag_ms => {
+                    self.unprotect(key, Why::BackupLagging);
+                    return;
+                }
+                Some(_) => {}
+                None => c.behind = Some((c.p_end, c.ack_p, now)),
+            }
+        } else {
+            c.behind = None;
+        }
+        // The primary counts as lagging only while it has all the input the backup has: a
+        // primary that missed a client segment waits for the client's retransmission, which
+        // is the network's delay, not its application's.
+        if b.out_end.gt(c.p_end) && !c.p_fin && c.ack_p.ge(b.rcv_nxt) {
+            match c.ahead {
+                Some((m, _)) if c.p_end.ge(m) => c.ahead = Some((b.out_end, now)),
+                Some((_, t)) if now >= t + cfg.max_lag_ms && !c.yielded => {
+                    c.yielded = true;
+                    self.notices.push(Notice::YieldToBackup { key });
+                }
+                Some(_) => {}
+                None => c.ahead = Some((b.out_end, now)),
+            }
+        } else {
+            c.ahead = None;
+        }
+    }
+
+    /// Koch 3.4: when the backup caught up, the client hears of it at once.
+    fn fresh_ack(&mut self, key: ConnKey) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if c.state.is_some() || c.synack.is_some() {
+            return;
+        }
+        let (Some(sent), Some((ack, win))) = (c.sent_ack, gated(c)) else { return };
+        if !ack.gt(sent) {
+            return;
+        }
+        let r = tcp::Repr {
+            src_port: key.server_port,
+            dst_port: key.client_port,
+            seq: c.snd_c,
+            ack,
+            flags: F::ACK,
+            window: win,
+            timestamp: c.ts,
+            ..Default::default()
+        };
+        if let Ok(p) = ip::tcp_packet(c.server, key.client, &r, &[]) {
+            c.sent_ack = Some(ack);
+            self.out.push(p);
+            self.counters.fresh_acks += 1;
+        }
+    }
+
+    fn unprotect(&mut self, key: ConnKey, why: Why) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        if c.state.is_some() {
+            return;
+        }
+        c.state = Some(why);
+        if let Some(sa) = c.synack.take() {
+            self.out.push(sa);
+        }
+        // Koch 6.1: everything held goes out as the primary's TCP built it.
+        for h in c.held.drain(..) {
+            self.out.push(h.pkt);
+            self.counters.released += 1;
+        }
+        c.held_bytes.clear();
+        c.reports.clear();
+        self.notices.push(Notice::Unprotected { key, why });
+    }
+}
+
+/// Clears the FIN flag of the segment `s` describes, keeping its checksum right.
+fn strip_fin(pkt: &mut [u8], s: &Seg) {
+    if let Ok(mut t) = tcp_mut(pkt, s) {
+        let (old, c16) = (u16::from_be_bytes([t.as_bytes()[12], t.as_bytes()[13]]), t.checksum());
+        t.set_flags(s.flags & !F::FIN);
+        let new = u16::from_be_bytes([t.as_bytes()[12], t.as_bytes()[13]]);
+        t.set_checksum(unbroken_wire::checksum::update_u16(c16, old, new));
+    }
+}
+
+/// A bare FIN (with ACK) at the end of `s`'s payload, as the server's TCP would send it.
+fn fin_segment(s: &Seg, ts: Option<(u32, u32)>) -> Option<Vec<u8>> {
+    let r = tcp::Repr {
+        src_port: s.src_port,
+        dst_port: s.dst_port,
+        seq: s.seq + s.payload_len as u32,
+        ack: s.ack,
+        flags: F::FIN | F::ACK,
+        window: s.window,
+        timestamp: s.ts.map(|t| (t.1, t.2)).or(ts),
+        ..Default::default()
+    };
+    ip::tcp_packet(s.info.src, s.info.dst, &r, &[]).ok()
+}
+
+/// The ACK and window field the client may see: min of both hosts (Koch 3.2), the window
+/// computed from the lower right edge so that lowering the ACK does not move the edge left.
+fn gated(c: &PConn) -> Option<(Seq, u16)> {
+    let b = c.b.filter(|b| b.rcv_known)?;
+    let ack = seq_min(c.ack_p, b.rcv_nxt);
+    let edge = seq_min(c.edge_p, b.rcv_edge);
+    let win = if edge.gt(ack) { edge - ack } else { 0 };
+    Some((ack, (win >> c.ws_p).min(0xffff) as u16))
+}
+
+/// Rewrites the ACK and window of an outgoing packet to [`gated`]'s; true when changed.
+fn gate(c: &mut PConn, pkt: &mut [u8], s: &Seg, counters: &mut PrimaryCounters) -> bool {
+    if !s.has(F::ACK) {
+        return false;
+    }
+    let Some((ack, win)) = gated(c) else { return false };
+    let Ok(mut t) = tcp_mut(pkt, s) else { return false };
+    let mut m = false;
+    if t.ack() != ack {
+        if ack.lt(t.ack()) {
+            counters.acks_lowered += 1;
+        }
+        t.rewrite_ack(ack);
+        m = true;
+    }
+    if t.window() != win {
+        t.rewrite_window(win);
+        m = true;
+    }
+    if c.sent_ack.is_none_or(|a| ack.gt(a)) {
+        c.sent_ack = Some(ack);
+    }
+    m
+}
+
+// ---------------------------------------------------------------------------------------------
+// The failure detector (ST-TCP 3.3.3)
+// ---------------------------------------------------------------------------------------------
+
+/// Heartbeat settings: the interval (default 10 ms) and how many beats may be missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DetectorConfig {
+    pub interval_ms: u64,
+    pub misses: u32,
+}
+
+impl Default for DetectorConfig {
+    fn default() -> DetectorConfig {
+        DetectorConfig { interval_ms: 10, misses: 3 }
+    }
+}
+
+/// Where a detector stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DetectorState {
+    Watching,
+    /// The peer missed its beats; the fencing hook runs.
+    Fencing,
+    /// The fence succeeded: this backup took over.
+    TookOver,
+    /// The backup is declared failed (primary only).
+    PeerFailed,
+}
+
+/// What the daemon must do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DetectorAction {
+    /// Run the fencing hook, then report with [`Detector::fence_result`].
+    RunFence,
+    /// The primary is fenced: call [`Backup::take_over`], announce the address.
+    TakeOver,
+    /// The backup is fenced: call [`Primary::backup_failed`].
+    BackupFailed,
+}
+
+/// Missed beats → suspected → fencing → take-over, with time passed in. A suspicion is acted
+/// on only after the fencing hook succeeded (ST-TCP 3.2.2: "switch off the power of the
+/// primary"; Table 3.3: "shuts backup down"), on both sides: a live primary and an active
+/// backup must never both answer, and a primary that runs unprotected (acknowledging what the
+/// backup never got) must not be followed by a backup that takes over later (a cut side channel
+/// makes both suspect each other: the first fence wins). A failed fence leaves the detector
+/// watching; it retries after another silence.
+#[derive(Debug, Clone)]
+pub struct Detector {
+    cfg: DetectorConfig,
+    role: Role,
+    last_beat: u64,
+    state: DetectorState,
+    pub fences_failed: u32,
+}
+
+impl Detector {
+    /// `role` is this host's; the detector watches the other one from `now_ms` on.
+    pub fn new(cfg: DetectorConfig, role: Role, now_ms: u64) -> Detector {
+        Detector { cfg: DetectorConfig { interval_ms: cfg.interval_ms.max(1), misses: cfg.misses.max(1) }, role, last_beat: now_ms, state: DetectorState::Watching, fences_failed: 0 }
+    }
+
+    pub fn state(&self) -> DetectorState {
+        self.state
+    }
+
+    /// An authenticated message from the peer arrived.
+    pub fn beat(&mut self, now_ms: u64) {
+        if now_ms > self.last_beat {
+            self.last_beat = now_ms;
+        }
+    }
+
+    fn silent(&self, now_ms: u64) -> bool {
+        now_ms > self.last_beat + self.cfg.interval_ms * self.cfg.misses as u64
+    }
+
+    pub fn tick(&mut self, now_ms: u64) -> Option<DetectorAction> {
+        if self.state != DetectorState::Watching || !self.silent(now_ms) {
+            return None;
+        }
+        self.state = DetectorState::Fencing;
+        Some(DetectorAction::RunFence)
+    }
+
+    /// The fencing hook's result.
+    pub fn fence_result(&mut self, ok: bool, now_ms: u64) -> Option<DetectorAction> {
+        if self.state != DetectorState::Fencing {
+            return None;
+        }
+        if ok {
+            return Some(match self.role {
+                Role::Backup => {
+                    self.state = DetectorState::TookOver;
+                    DetectorAction::TakeOver
+                }
+                Role::Primary => {
+                    self.state = DetectorState::PeerFailed;
+                    DetectorAction::BackupFailed
+                }
+            });
+        }
+        self.fences_failed += 1;
+        self.state = DetectorState::Watching;
+        self.last_beat = self.last_beat.max(now_ms);
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detector_backup_fences_before_taking_over() {
+        let mut d = Detector::new(DetectorConfig::default(), Role::Backup, 0);
+        for t in (0..100).step_by(10) {
+            d.beat(t);
+            assert_eq!(d.tick(t + 5), None);
+        }
+        assert_eq!(d.tick(90 + 30), None, "three missed beats are not yet a suspicion");
+        assert_eq!(d.tick(90 + 31), Some(DetectorAction::RunFence));
+        assert_eq!(d.tick(200), None, "one fence at a time");
+        assert_eq!(d.fence_result(false, 210), None);
+        assert_eq!(d.state(), DetectorState::Watching);
+        assert_eq!(d.tick(230), None);
+        assert_eq!(d.tick(241), Some(DetectorAction::RunFence));
+        assert_eq!(d.fence_result(true, 245), Some(DetectorAction::TakeOver));
+        assert_eq!(d.state(), DetectorState::TookOver);
+        assert_eq!(d.fences_failed, 1);
+    }
+
+    #[test]
+    fn detector_primary_declares_backup_failed() {
+        let mut d = Detector::new(DetectorConfig { interval_ms: 50, misses: 2 }, Role::Primary, 1000);
+        assert_eq!(d.tick(1100), None);
+        assert_eq!(d.tick(1101), Some(DetectorAction::RunFence));
+        assert_eq!(d.fence_result(true, 1102), Some(DetectorAction::BackupFailed));
+        d.beat(1102);
+        assert_eq!(d.tick(2000), None);
+        assert_eq!(d.state(), DetectorState::PeerFailed);
+    }
+}

@@ -1,0 +1,345 @@
+//! Replica mode's steps one at a time, on hand-built packets, for what the simulation's smoltcp
+//! stacks do not show: SACK blocks, timestamps as PAWS sees them, the ACK clamp, forged or
+//! stale progress, a promoted backup on a diverged connection. Named after the papers' steps.
+
+use std::net::IpAddr;
+
+use unbroken_engines::replica::{Backup, Config, ConnKey, Notice, Primary, Why};
+use unbroken_engines::Verdict;
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::replica::{self as rw, hash_continue, ConnProgress, Progress, Role, HASH_INIT};
+use unbroken_wire::tcp::{flags as F, Packet, Repr};
+use unbroken_wire::Seq;
+
+const P_ISN: u32 = 0xffff_f000; // the primary's ISN, near the wrap
+const B_ISN: u32 = 1_000; // the backup's
+const C_ISN: u32 = 77_777;
+const P_TS0: u32 = 4_000_000_000;
+const B_TS0: u32 = 12;
+
+fn svc() -> IpAddr {
+    "10.0.0.1".parse().unwrap()
+}
+fn cli() -> IpAddr {
+    "10.0.9.2".parse().unwrap()
+}
+fn key() -> ConnKey {
+    ConnKey { client: cli(), client_port: 40000, server_port: 6379 }
+}
+
+fn from_client(r: Repr, payload: &[u8]) -> Vec<u8> {
+    ip::tcp_packet(cli(), svc(), &Repr { src_port: 40000, dst_port: 6379, ..r }, payload).unwrap()
+}
+fn from_server(r: Repr, payload: &[u8]) -> Vec<u8> {
+    ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 40000, ..r }, payload).unwrap()
+}
+
+/// Parses a packet, asserting its checksum.
+fn seg(pkt: &[u8]) -> (Repr, Vec<u8>) {
+    let info = IpInfo::parse(pkt).unwrap();
+    let t = Packet::new_checked(&pkt[info.l4_offset..info.l4_offset + info.l4_len]).unwrap();
+    assert!(t.verify_checksum(info.pseudo_sum(info.l4_len)), "bad checksum");
+    (Repr::parse(&t).unwrap(), t.payload().to_vec())
+}
+
+fn syn() -> Vec<u8> {
+    from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: Some((500, 0)), ..Default::default() }, &[])
+}
+
+/// ST-TCP 3.3.0.1 (1)-(3): SYN, the backup's (withheld) SYN-ACK, the client's handshake ACK.
+fn aligned_backup() -> Backup {
+    let mut b = Backup::new();
+    assert_eq!(b.incoming(&mut syn()), Verdict::PASS);
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
+    assert_eq!(b.outgoing(&mut sa), Verdict::Drop, "(2) the backup's SYN-ACK is suppressed");
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut ack), Verdict::Accept { modified: true });
+    let (r, _) = seg(&ack);
+    assert_eq!(r.ack, Seq(B_ISN + 1), "(3) the handshake ACK names the backup's SYN-ACK");
+    assert_eq!(r.timestamp, Some((501, B_TS0)), "TSecr in the backup's clock");
+    assert_eq!(b.counters.aligned, 1);
+    b
+}
+
+/// The backup's server sends `n` bytes from its stream offset `off` (withheld or not).
+fn backup_sends(b: &mut Backup, off: u32, data: &[u8], ts: u32) -> (Verdict, Vec<u8>) {
+    let mut p = from_server(Repr { seq: Seq(B_ISN + 1 + off), ack: Seq(C_ISN + 1), flags: F::ACK | F::PSH, window: 500, timestamp: Some((ts, 501)), ..Default::default() }, data);
+    let v = b.outgoing(&mut p);
+    (v, p)
+}
+
+#[test]
+fn st_tcp_3_3_0_1_backup_aligns_and_translates_sack_and_timestamps() {
+    let mut b = aligned_backup();
+    let (v, _) = backup_sends(&mut b, 0, &[1; 100], B_TS0 + 5);
+    assert_eq!(v, Verdict::Drop, "withheld before take-over");
+    // The client acknowledges 40 bytes and SACKs 60..100 of the primary's output.
+    let p = |x: u32| Seq(P_ISN.wrapping_add(1 + x));
+    let mut r = Repr { seq: Seq(C_ISN + 1), ack: p(40), flags: F::ACK, window: 512, timestamp: Some((502, P_TS0 + 5)), ..Default::default() };
+    r.sack[0] = (p(60), p(100));
+    r.sack_len = 1;
+    let mut pkt = from_client(r, &[]);
+    assert!(matches!(b.incoming(&mut pkt), Verdict::Accept { modified: true }));
+    let (t, _) = seg(&pkt);
+    assert_eq!(t.ack, Seq(B_ISN + 1 + 40));
+    assert_eq!(t.sack[0], (Seq(B_ISN + 1 + 60), Seq(B_ISN + 1 + 100)), "SACK edges name the backup's space");
+    assert_eq!(t.timestamp, Some((502, B_TS0 + 5)));
+}
+
+/// Linux discards a segment whose ACK covers data it never sent, payload included: the client's
+/// ACK (and SACK edges) toward the backup are clamped to the backup server's SND.MAX.
+#[test]
+fn backup_clamps_acks_beyond_what_its_server_sent() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut r = Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 500)), flags: F::ACK, window: 512, ..Default::default() };
+    r.sack[0] = (Seq(P_ISN.wrapping_add(600)), Seq(P_ISN.wrapping_add(700)));
+    r.sack_len = 1;
+    let mut pkt = from_client(r, b"GET");
+    assert!(matches!(b.incoming(&mut pkt), Verdict::Accept { modified: true }));
+    let (t, payload) = seg(&pkt);
+    assert_eq!(t.ack, Seq(B_ISN + 1 + 10));
+    assert_eq!(t.sack[0], (Seq(B_ISN + 11), Seq(B_ISN + 11)));
+    assert_eq!(payload, b"GET");
+    assert_eq!(b.counters.ack_clamped, 1);
+}
+
+/// Koch 5: after take-over the backup's output goes out in the primary's sequence space, its
+/// TSval continuing the primary's clock (PAWS at the client).
+#[test]
+fn koch_5_takeover_continues_in_the_primarys_space() {
+    let mut b = aligned_backup();
+    assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0 + 3).0, Verdict::Drop);
+    b.take_over();
+    let (v, pkt) = backup_sends(&mut b, 10, &[2; 10], B_TS0 + 9);
+    assert_eq!(v, Verdict::Accept { modified: true });
+    let (t, _) = seg(&pkt);
+    assert_eq!(t.seq, Seq(P_ISN.wrapping_add(11)));
+    assert_eq!(t.timestamp, Some((P_TS0 + 9, 501)), "TSval in the primary's clock");
+    assert_eq!(t.ack, Seq(C_ISN + 1), "the client's space is shared: unchanged");
+}
+
+/// A connection the primary reported diverged is never answered by a promoted backup.
+#[test]
+fn promoted_backup_silences_diverged_connections() {
+    let mut b = aligned_backup();
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), flags: rw::flag::DIVERGED };
+    assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty());
+    b.take_over();
+    assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0).0, Verdict::Drop);
+    assert_eq!(b.counters.diverged_silenced, 1);
+}
+
+/// A client packet the backup cannot align yet (its server has not answered the SYN) is
+/// dropped: the primary's ACK waits for the backup, so the client resends it.
+#[test]
+fn backup_drops_what_it_cannot_align_yet() {
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, b"x");
+    assert_eq!(b.incoming(&mut ack), Verdict::Drop);
+    assert_eq!(b.counters.unaligned_dropped, 1);
+    let mut bad = syn();
+    let n = bad.len();
+    bad[n - 1] ^= 1;
+    assert_eq!(b.incoming(&mut bad), Verdict::Drop, "a bad checksum teaches nothing");
+    assert_eq!(b.counters.bad_checksum, 1);
+}
+
+// --- the primary ---------------------------------------------------------------------------
+
+fn progress(beat: u64, rcv_nxt: u32, out: &[u8], fin: bool) -> Progress {
+    let rec = ConnProgress {
+        client: cli(),
+        client_port: 40000,
+        server_port: 6379,
+        rcv_nxt: Seq(rcv_nxt),
+        rcv_edge: Seq(rcv_nxt + 1000),
+        out_end: Seq(P_ISN.wrapping_add(1 + out.len() as u32)),
+        out_hash: hash_continue(HASH_INIT, out),
+        last_ack: Seq(0),
+        flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED | if fin { rw::flag::FIN_OUT } else { 0 },
+    };
+    Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }
+}
+
+/// Koch 7.1 and 3.2: SYN-ACK held until the backup saw the SYN; established.
+fn primary(strict: bool) -> Primary {
+    let mut p = Primary::new(Config { strict, max_delay_fin_ms: 1_000, ..Config::default() });
+    assert_eq!(p.incoming(&syn()), Verdict::PASS);
+    let mut sa = from_server(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), ..Default::default() }, &[]);
+    assert_eq!(p.outgoing(&mut sa, 0), Verdict::Held, "the SYN-ACK waits for the backup");
+    p.backup_progress(&progress(1, C_ISN + 1, &[], false), 1);
+    assert_eq!(p.take_transmit(), vec![sa], "released as the primary built it");
+    p
+}
+
+fn primary_sends(p: &mut Primary, off: u32, data: &[u8], ack: u32, flags: u8, now: u64) -> (Verdict, Vec<u8>) {
+    let mut pkt = from_server(Repr { seq: Seq(P_ISN.wrapping_add(1 + off)), ack: Seq(ack), flags: F::ACK | flags, window: 100, ..Default::default() }, data);
+    let v = p.outgoing(&mut pkt, now);
+    (v, pkt)
+}
+
+/// Koch 3.2 and 3.4: the ACK the client sees is the backup's when it is lower; the window
+/// keeps the primary's right edge when that is the lower one; a fresh ACK follows the backup.
+#[test]
+fn koch_3_2_min_ack_and_fresh_ack() {
+    let mut p = primary(false);
+    let (v, pkt) = primary_sends(&mut p, 0, b"hello", C_ISN + 1 + 300, 0, 2);
+    assert_eq!(v, Verdict::Accept { modified: true });
+    let (t, _) = seg(&pkt);
+    assert_eq!(t.ack, Seq(C_ISN + 1), "min(primary, backup)");
+    // Primary's edge: C+301 + 100 << 7; backup's: C+1+1000: the lower is the backup's.
+    assert_eq!(t.window as u32, 1000 >> 7);
+    assert_eq!(p.counters.acks_lowered, 1);
+    p.backup_progress(&progress(2, C_ISN + 1 + 200, &[], false), 3);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1, "Koch 3.4: a fresh ACK");
+    let (t, payload) = seg(&out[0]);
+    assert_eq!((t.ack, t.seq, payload.len()), (Seq(C_ISN + 201), Seq(P_ISN.wrapping_add(6)), 0));
+    // A replayed (stale) progress message changes nothing.
+    p.backup_progress(&progress(1, C_ISN + 1 + 300, &[], false), 4);
+    assert!(p.take_transmit().is_empty());
+    assert_eq!(p.counters.stale_progress, 1);
+}
+
+/// Koch's strict output commit: held until the backup produced the same bytes; a
+/// retransmission of held bytes is dropped (a copy is kept).
+#[test]
+fn koch_3_2_strict_output_commit_holds_then_releases() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"hello ", C_ISN + 1, 0, 2).0, Verdict::Held);
+    assert_eq!(primary_sends(&mut p, 6, b"world", C_ISN + 1, 0, 2).0, Verdict::Held);
+    assert_eq!(primary_sends(&mut p, 0, b"hello ", C_ISN + 1, 0, 3).0, Verdict::Drop, "retransmission of held bytes");
+    p.backup_progress(&progress(2, C_ISN + 1, b"hello wo", false), 4);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1, "only the segment whose bytes are all verified");
+    assert_eq!(seg(&out[0]).1, b"hello ");
+    p.backup_progress(&progress(3, C_ISN + 1, b"hello world", false), 5);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1);
+    assert_eq!(seg(&out[0]).1, b"world");
+    // Now released: a retransmission goes out at once.
+    assert!(matches!(primary_sends(&mut p, 6, b"world", C_ISN + 1, 0, 6).0, Verdict::Accept { .. }));
+}
+
+/// Different bytes at the same offset: counted, the connection unprotected, the primary's own
+/// bytes released (the client never got an unverified byte before).
+#[test]
+fn koch_strict_divergence_detected() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"value=1", C_ISN + 1, 0, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"value=2", false), 3);
+    assert_eq!(p.counters.diverged, 1);
+    assert_eq!(p.conn_state(&key()), Some(Why::Diverged));
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::Diverged }]);
+    let out = p.take_transmit();
+    assert_eq!(seg(&out[0]).1, b"value=1");
+    let rep = p.report(1);
+    assert_ne!(rep[0].records[0].flags & rw::flag::DIVERGED, 0, "reported to the backup");
+}
+
+/// ST-TCP 3.7.4: the primary's FIN waits for the backup's at the same offset; its data goes
+/// out on its own once verified.
+#[test]
+fn st_tcp_3_7_4_fin_waits_for_the_backups() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"bye", C_ISN + 1, F::FIN, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"bye", false), 3);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1);
+    let (t, d) = seg(&out[0]);
+    assert_eq!((d.as_slice(), t.flags & F::FIN), (&b"bye"[..], 0), "the data without the FIN");
+    p.backup_progress(&progress(3, C_ISN + 1, b"bye", true), 4);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1);
+    let (t, d) = seg(&out[0]);
+    assert_eq!((t.seq, d.len(), t.flags & F::FIN), (Seq(P_ISN.wrapping_add(4)), 0, F::FIN));
+}
+
+/// ST-TCP Table 3.3 row 3, primary: a FIN where the backup has more output means the
+/// primary's application failed: yield.
+#[test]
+fn table_3_3_row3_primary_fin_alone_yields() {
+    let mut p = primary(true);
+    primary_sends(&mut p, 0, b"ab", C_ISN + 1, F::FIN, 2);
+    p.backup_progress(&progress(2, C_ISN + 1, b"abcdef", false), 3);
+    assert!(p.take_notices().contains(&Notice::YieldToBackup { key: key() }));
+    assert!(p.take_transmit().iter().all(|pkt| seg(pkt).0.flags & F::FIN == 0), "the FIN never went out");
+}
+
+/// ST-TCP 3.7.4: a RST of the primary's server never reaches the client while protected.
+#[test]
+fn st_tcp_3_7_4_primary_rst_held_then_yield() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, &[], C_ISN + 1, F::RST, 10).0, Verdict::Drop);
+    p.tick(500);
+    assert!(p.take_notices().is_empty());
+    p.tick(1_010);
+    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: key() }]);
+}
+
+/// Koch 6: the backup failed: everything held goes out, later output passes unchanged.
+#[test]
+fn koch_6_backup_failure_releases_everything() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"abc", C_ISN + 1 + 50, 0, 2).0, Verdict::Held);
+    p.backup_failed();
+    assert_eq!(p.take_transmit().len(), 1);
+    assert_eq!(p.unprotected(), Some(Why::BackupFailed));
+    let (v, pkt) = primary_sends(&mut p, 3, b"def", C_ISN + 1 + 50, 0, 3);
+    assert_eq!(v, Verdict::PASS);
+    assert_eq!(seg(&pkt).0.ack, Seq(C_ISN + 51), "the primary's own ACK");
+}
+
+/// A port reused after both sides closed is a new connection on both engines; a SYN on a live
+/// connection (a retransmission or a forgery) changes nothing.
+#[test]
+fn port_reuse_after_close_is_a_new_connection() {
+    let mut b = aligned_backup();
+    assert_eq!(b.incoming(&mut syn()), Verdict::PASS);
+    b.take_over();
+    let (_, pkt) = backup_sends(&mut b, 0, b"x", B_TS0);
+    assert_eq!(seg(&pkt).0.seq, Seq(P_ISN.wrapping_add(1)), "a SYN on a live connection kept the alignment");
+    // Both sides close.
+    let mut fin = from_server(Repr { seq: Seq(B_ISN + 2), ack: Seq(C_ISN + 1), flags: F::ACK | F::FIN, window: 500, ..Default::default() }, &[]);
+    b.outgoing(&mut fin);
+    let mut cfin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(3)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut cfin);
+    // The old SYN retransmitted changes nothing; a new connection on the same port (a new
+    // ISN) is aligned afresh on its new SYN-ACK (ISN 5000).
+    b.incoming(&mut syn());
+    assert_eq!(b.counters.aligned, 1);
+    const C2: u32 = C_ISN + 1_000_000;
+    b.incoming(&mut from_client(Repr { seq: Seq(C2), flags: F::SYN, window: 65535, ..Default::default() }, &[]));
+    let mut sa = from_server(Repr { seq: Seq(5_000), ack: Seq(C2 + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut ack = from_client(Repr { seq: Seq(C2 + 1), ack: Seq(9_001), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut ack);
+    assert_eq!(seg(&ack).0.ack, Seq(5_001));
+    assert_eq!(b.counters.aligned, 2);
+
+    let mut p = primary(true);
+    assert_eq!(p.incoming(&syn()), Verdict::PASS);
+    assert_eq!(primary_sends(&mut p, 0, b"ab", C_ISN + 1, 0, 2).0, Verdict::Held, "still protected after a SYN on a live connection");
+}
+
+/// Every SYN may be forged: the tables are bounded. Beyond the cap a new connection is not
+/// followed (counted; it runs unprotected), unless a finished one can be forgotten for it.
+#[test]
+fn tables_are_bounded_forged_syns_do_not_grow_them() {
+    let mut b = Backup::with_capacity(2);
+    let mut p = Primary::new(Config { max_conns: 2, ..Config::default() });
+    for port in 1..=5u16 {
+        let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: port, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+        assert_eq!(p.incoming(&s), Verdict::PASS);
+        assert_eq!(b.incoming(&mut s), Verdict::PASS);
+    }
+    assert_eq!((b.connections(), b.counters.table_full, p.counters.table_full), (2, 3, 3));
+    // A connection of the full table that finished (its server reset it) makes room.
+    let mut rst = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 1, seq: Seq(5), ack: Seq(10), flags: F::RST | F::ACK, ..Default::default() }, &[]).unwrap();
+    b.outgoing(&mut rst);
+    let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: 9, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+    b.incoming(&mut s);
+    assert_eq!((b.connections(), b.counters.table_full), (2, 3));
+}

@@ -196,6 +196,12 @@ impl ArpSuppress {
         }
     }
 
+    /// Who owns the table of `spec`: `None` when it does not exist, `Some(None)` when it has
+    /// no owner comment.
+    pub fn owner(spec: &ArpSuppressSpec) -> io::Result<Option<Option<Owner>>> {
+        table_owner(spec)
+    }
+
     /// What the table has dropped so far; `NotFound` when it is not installed.
     pub fn counters(spec: &ArpSuppressSpec) -> io::Result<ArpSuppressCounters> {
         let text = list_table(spec)?

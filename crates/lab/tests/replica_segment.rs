@@ -11,6 +11,8 @@
 //! - Takeover: the primary's host dies; the backup removes its suppression and announces the
 //!   address ([`Announcer`]); the client's neighbour entry names the backup's MAC, new
 //!   connections reach the backup's server, and a fresh resolution is answered by the backup.
+//! - Ownership of the suppression table, and what the backup's daemon will need next: one
+//!   netdev rule (`meta pkttype set host`) hands the mirrored frames to the backup's stack.
 //!
 //! Needs root; without it each test prints why and passes without running (fails instead with
 //! UNBROKEN_REQUIRE_LAB=1).
@@ -279,4 +281,53 @@ fn replica_segment_suppression_ownership() {
     // Drop removes it.
     drop(s);
     assert_eq!(ArpSuppress::owner(&mine).unwrap(), None);
+}
+
+/// What the backup's daemon will need beyond this item: on a hub the mirrored frames name the
+/// primary's MAC, so the backup's stack ignores them (PACKET_OTHERHOST). One nftables netdev
+/// rule on the backup's ingress (`meta pkttype set host` for packets to the service address)
+/// hands them to its stack, whose answers must then be withheld (here: dropped in OUTPUT and
+/// counted). Its server's socket answers the client's SYN, which proves the delivery.
+#[test]
+fn replica_segment_backup_stack_gets_mirrored_frames() {
+    let Some(_g) = lab_or_skip("replica_segment_backup_stack_gets_mirrored_frames") else { return };
+    let mut rl = ReplicaLab::build().expect("build the replica segment");
+    let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
+    let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
+    spec.netns = Some(backup.clone());
+    let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
+    rl.add_backup_service_ip().unwrap();
+    lab::install_rst_counter(&client).unwrap();
+    nft_stdin(
+        &backup,
+        &format!(
+            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+             ip daddr {} meta pkttype other meta pkttype set host counter\n  }}\n}}\n",
+            dev::APP,
+            addr::SERVICE_V4
+        ),
+    );
+    // The backup's output to clients is withheld (the daemon's job; a plain drop here).
+    let withheld = |ns: &str| -> u64 {
+        let out = lab::run_ok(ns, Command::new("iptables").args(["-w", "-L", "OUTPUT", "-v", "-n", "-x"])).unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines().find(|l| l.contains("spt:7000")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap()
+    };
+    lab::run_ok(
+        &backup,
+        Command::new("iptables").args(["-w", "-A", "OUTPUT", "-p", "tcp", "-s", &addr::SERVICE_V4.to_string(), "--sport", "7000", "-j", "DROP"]),
+    )
+    .unwrap();
+    echo_server(&primary);
+    echo_server(&backup);
+    assert_eq!(withheld(&backup), 0);
+
+    let mut s = connect(&client);
+    echo_rounds(&mut s, 3);
+    drop(s);
+    assert!(counted(&backup) >= 5, "only {} frames handed to the backup's stack", counted(&backup));
+    // The backup's server answered at least the SYN (a SYN-ACK, withheld).
+    assert!(wait_for(|| withheld(&backup) >= 1), "the backup's stack never answered");
+    assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "nothing of the backup's reached the client");
+    assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
 }

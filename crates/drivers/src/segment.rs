@@ -43,6 +43,10 @@
 //!   removed first). Order on takeover: release the withheld output, remove the suppression,
 //!   then announce (an announcement before the backup can answer makes clients' packets meet a
 //!   host that is not ready).
+//!
+//! - [`Mirror`]: for a segment without a hub, on the router in front: an nftables netdev egress
+//!   `dup` of every frame toward the primary for the service address, out of the router's link
+//!   to the backup. Owned like [`ArpSuppress`].
 
 use std::ffi::CString;
 use std::io;
@@ -100,20 +104,15 @@ impl ArpSuppressSpec {
 
     fn validate(&self) -> io::Result<()> {
         check_iface_name(&self.device)?;
-        let t = &self.table;
-        let ok = !t.is_empty()
-            && t.len() <= 32
-            && t.starts_with(|c: char| c.is_ascii_alphabetic())
-            && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !ok {
-            return Err(invalid(format!(
-                "bad nftables table name {t:?}: 1-32 characters of [A-Za-z0-9_-], starting with a letter"
-            )));
-        }
+        check_table_name(&self.table)?;
         if self.addr.is_unspecified() || self.addr.is_broadcast() || self.addr.is_multicast() || self.addr.is_loopback() {
             return Err(invalid(format!("{} is not a unicast service address", self.addr)));
         }
         Ok(())
+    }
+
+    fn nft_table(&self) -> NftTable<'_> {
+        NftTable { family: "arp", name: &self.table, netns: self.netns.as_deref(), bin: &self.nft }
     }
 
     /// The `nft -f` transaction that installs (or atomically replaces) the table.
@@ -160,52 +159,35 @@ impl ArpSuppress {
     /// owner is idempotent.
     pub fn install(spec: &ArpSuppressSpec) -> io::Result<ArpSuppress> {
         spec.validate()?;
-        Self::check_owner(spec)?;
-        nft_stdin(spec, &spec.ruleset())?;
+        let t = spec.nft_table();
+        check_owner(&t, spec.owner)?;
+        nft_stdin(&t, &spec.ruleset())?;
         Ok(ArpSuppress { spec: spec.clone(), installed: true })
     }
 
     /// Fails (`AddrInUse`) when the table exists and belongs to a running process other than
     /// `spec.owner`.
     pub fn check_owner(spec: &ArpSuppressSpec) -> io::Result<()> {
-        match table_owner(spec)? {
-            Some(Some(o)) if o != spec.owner && o.is_alive() => Err(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                format!(
-                    "nftables table arp {} belongs to {}, which still runs",
-                    spec.table,
-                    o.describe()
-                ),
-            )),
-            _ => Ok(()),
-        }
+        check_owner(&spec.nft_table(), spec.owner)
     }
 
     /// Deletes the table of `spec` when it is there and not another running process's; an
     /// absent table is not an error.
     pub fn remove_leftovers(spec: &ArpSuppressSpec) -> io::Result<()> {
         spec.validate()?;
-        Self::check_owner(spec)?;
-        if table_owner(spec)?.is_none() {
-            return Ok(());
-        }
-        match nft(spec, &["delete", "table", "arp", &spec.table]) {
-            // Deleted by someone else in between: what we wanted.
-            Err(e) if e.to_string().contains("No such file or directory") => Ok(()),
-            r => r.map(drop),
-        }
+        delete_table(&spec.nft_table(), spec.owner)
     }
 
     /// Who owns the table of `spec`: `None` when it does not exist, `Some(None)` when it has
     /// no owner comment.
     pub fn owner(spec: &ArpSuppressSpec) -> io::Result<Option<Option<Owner>>> {
-        table_owner(spec)
+        table_owner(&spec.nft_table())
     }
 
     /// What the table has dropped so far; `NotFound` when it is not installed.
     pub fn counters(spec: &ArpSuppressSpec) -> io::Result<ArpSuppressCounters> {
-        let text = list_table(spec)?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no table arp {}", spec.table)))?;
+        let t = spec.nft_table();
+        let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
         Ok(parse_counters(&text))
     }
 
@@ -238,9 +220,205 @@ impl Drop for ArpSuppress {
     }
 }
 
+/// What [`Mirror::install`] installs: on a router in front of a bridge-less segment, every
+/// frame it sends toward the primary (`device`) to the service address is also sent, unchanged,
+/// out of `to`, toward the backup. Build with [`MirrorSpec::new`].
+///
+/// ```text
+/// table netdev unbroken-mirror-lan0 {
+///   comment "unbroken-owner:PID:START"
+///   chain c { type filter hook egress device "lan0" priority filter; policy accept;
+///     ip daddr 10.0.0.10 counter dup to "bk0" comment "unbroken-owner:PID:START" }
+/// }
+/// ```
+///
+/// The copies name the primary's MAC, so the backup's stack ignores them until its own ingress
+/// marks them as its own (`meta pkttype set host`, see `docs/architecture.md`). The netdev egress
+/// hook needs Linux 5.16 or later. Owned, installed and removed like [`ArpSuppress`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MirrorSpec {
+    /// The nftables table (family `netdev`), by default `unbroken-mirror-DEVICE`.
+    pub table: String,
+    /// The router's device toward the primary (its egress is mirrored).
+    pub device: String,
+    /// The router's device toward the backup (copies leave through it).
+    pub to: String,
+    /// The service address: only packets to it are mirrored.
+    pub addr: std::net::IpAddr,
+    /// Run `nft` inside this named network namespace.
+    pub netns: Option<String>,
+    /// The `nft` binary.
+    pub nft: String,
+    /// The process the table belongs to ([`Owner::current`] by default).
+    pub owner: Owner,
+}
+
+impl MirrorSpec {
+    /// Mirror what leaves `device` for `addr` out of `to`, in this namespace, owned by the
+    /// calling process.
+    pub fn new(device: impl Into<String>, to: impl Into<String>, addr: std::net::IpAddr) -> MirrorSpec {
+        let device = device.into();
+        MirrorSpec {
+            table: ArpSuppressSpec::table_name(&device).replacen("unbroken-arp-", "unbroken-mirror-", 1),
+            device,
+            to: to.into(),
+            addr,
+            netns: None,
+            nft: "nft".into(),
+            owner: Owner::current(),
+        }
+    }
+
+    fn validate(&self) -> io::Result<()> {
+        check_iface_name(&self.device)?;
+        check_iface_name(&self.to)?;
+        if self.device == self.to {
+            return Err(invalid(format!("mirroring {} to itself", self.device)));
+        }
+        check_table_name(&self.table)?;
+        let a = self.addr;
+        if a.is_unspecified() || a.is_multicast() || a.is_loopback() || a == std::net::IpAddr::V4(Ipv4Addr::BROADCAST) {
+            return Err(invalid(format!("{a} is not a unicast service address")));
+        }
+        Ok(())
+    }
+
+    fn nft_table(&self) -> NftTable<'_> {
+        NftTable { family: "netdev", name: &self.table, netns: self.netns.as_deref(), bin: &self.nft }
+    }
+
+    /// The `nft -f` transaction that installs (or atomically replaces) the table.
+    fn ruleset(&self) -> String {
+        let (t, d, to, tag) = (&self.table, &self.device, &self.to, self.owner.tag());
+        let m = match self.addr {
+            std::net::IpAddr::V4(a) => format!("ip daddr {a}"),
+            std::net::IpAddr::V6(a) => format!("ip6 daddr {a}"),
+        };
+        format!(
+            "table netdev {t}\n\
+             delete table netdev {t}\n\
+             table netdev {t} {{\n\
+             \x20 comment \"{tag}\"\n\
+             \x20 chain c {{\n\
+             \x20   type filter hook egress device \"{d}\" priority filter; policy accept;\n\
+             \x20   {m} counter dup to \"{to}\" comment \"{tag}\"\n\
+             \x20 }}\n\
+             }}\n"
+        )
+    }
+}
+
+/// An installed mirror; removed by [`Mirror::remove`] or on drop.
+#[derive(Debug)]
+pub struct Mirror {
+    spec: MirrorSpec,
+    installed: bool,
+}
+
+impl Mirror {
+    /// Installs (or atomically replaces a dead owner's) mirror table; refused (`AddrInUse`)
+    /// while another running process owns it. Idempotent for the same owner.
+    pub fn install(spec: &MirrorSpec) -> io::Result<Mirror> {
+        spec.validate()?;
+        let t = spec.nft_table();
+        check_owner(&t, spec.owner)?;
+        nft_stdin(&t, &spec.ruleset())?;
+        Ok(Mirror { spec: spec.clone(), installed: true })
+    }
+
+    /// Deletes the table of `spec` when it is there and not another running process's.
+    pub fn remove_leftovers(spec: &MirrorSpec) -> io::Result<()> {
+        spec.validate()?;
+        delete_table(&spec.nft_table(), spec.owner)
+    }
+
+    /// Packets mirrored so far; `NotFound` when not installed.
+    pub fn mirrored(spec: &MirrorSpec) -> io::Result<u64> {
+        let t = spec.nft_table();
+        let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
+        Ok(text
+            .split("counter packets ")
+            .skip(1)
+            .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+            .sum())
+    }
+
+    /// Removes the table.
+    pub fn remove(mut self) -> io::Result<()> {
+        self.installed = false;
+        Self::remove_leftovers(&self.spec)
+    }
+
+    /// Leaves the table installed when this value goes away.
+    pub fn leave_installed(mut self) {
+        self.installed = false;
+    }
+}
+
+impl Drop for Mirror {
+    fn drop(&mut self) {
+        if self.installed {
+            self.installed = false;
+            if let Err(e) = Self::remove_leftovers(&self.spec) {
+                eprintln!("unbroken: removing nftables table netdev {}: {e}", self.spec.table);
+            }
+        }
+    }
+}
+
+fn check_table_name(t: &str) -> io::Result<()> {
+    let ok = !t.is_empty()
+        && t.len() <= 32
+        && t.starts_with(|c: char| c.is_ascii_alphabetic())
+        && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "bad nftables table name {t:?}: 1-32 characters of [A-Za-z0-9_-], starting with a letter"
+        )))
+    }
+}
+
+/// One nftables table and where to run `nft` for it.
+struct NftTable<'a> {
+    family: &'static str,
+    name: &'a str,
+    netns: Option<&'a str>,
+    bin: &'a str,
+}
+
+fn not_installed(t: &NftTable) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("no nftables table {} {}", t.family, t.name))
+}
+
+/// Fails (`AddrInUse`) when the table exists and belongs to a running process other than `owner`.
+fn check_owner(t: &NftTable, owner: Owner) -> io::Result<()> {
+    match table_owner(t)? {
+        Some(Some(o)) if o != owner && o.is_alive() => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("nftables table {} {} belongs to {}, which still runs", t.family, t.name, o.describe()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Deletes the table when it is there and not another running process's; absent is no error.
+fn delete_table(t: &NftTable, owner: Owner) -> io::Result<()> {
+    check_owner(t, owner)?;
+    if table_owner(t)?.is_none() {
+        return Ok(());
+    }
+    match nft(t, &["delete", "table", t.family, t.name]) {
+        // Deleted by someone else in between: what we wanted.
+        Err(e) if e.to_string().contains("Error: No such file or directory") => Ok(()),
+        r => r.map(drop),
+    }
+}
+
 /// `None`: no such table; `Some(None)`: a table without an owner comment; `Some(Some(o))`.
-fn table_owner(spec: &ArpSuppressSpec) -> io::Result<Option<Option<Owner>>> {
-    Ok(list_table(spec)?.map(|t| parse_owner(&t)))
+fn table_owner(t: &NftTable) -> io::Result<Option<Option<Owner>>> {
+    Ok(list_table(t)?.map(|l| parse_owner(&l)))
 }
 
 /// The table's own comment (the first line after `table ...`) read as an owner tag.
@@ -274,8 +452,8 @@ fn parse_counters(listing: &str) -> ArpSuppressCounters {
 }
 
 /// `nft list table arp NAME`: `None` when the table does not exist.
-fn list_table(spec: &ArpSuppressSpec) -> io::Result<Option<String>> {
-    match nft(spec, &["list", "table", "arp", &spec.table]) {
+fn list_table(t: &NftTable) -> io::Result<Option<String>> {
+    match nft(t, &["list", "table", t.family, t.name]) {
         Ok(s) => Ok(Some(s)),
         // nft's own "Error: No such file or directory" for a missing table; not `ip netns
         // exec`'s "exec of \"nft\" failed: No such file or directory" for a missing binary.
@@ -290,21 +468,21 @@ fn list_table(spec: &ArpSuppressSpec) -> io::Result<Option<String>> {
     }
 }
 
-fn nft_command(spec: &ArpSuppressSpec) -> Command {
-    let mut c = match &spec.netns {
+fn nft_command(t: &NftTable) -> Command {
+    let mut c = match t.netns {
         Some(ns) => {
             let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns.as_str(), spec.nft.as_str()]);
+            c.args(["netns", "exec", ns, t.bin]);
             c
         }
-        None => Command::new(&spec.nft),
+        None => Command::new(t.bin),
     };
     c.env("LC_ALL", "C");
     c
 }
 
-fn nft(spec: &ArpSuppressSpec, a: &[&str]) -> io::Result<String> {
-    let mut cmd = nft_command(spec);
+fn nft(t: &NftTable, a: &[&str]) -> io::Result<String> {
+    let mut cmd = nft_command(t);
     cmd.args(a).stdin(Stdio::null());
     let out = cmd
         .output()
@@ -320,9 +498,9 @@ fn nft(spec: &ArpSuppressSpec, a: &[&str]) -> io::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn nft_stdin(spec: &ArpSuppressSpec, text: &str) -> io::Result<()> {
+fn nft_stdin(t: &NftTable, text: &str) -> io::Result<()> {
     use std::io::Write;
-    let mut cmd = nft_command(spec);
+    let mut cmd = nft_command(t);
     cmd.args(["-f", "-"]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd
         .spawn()
@@ -506,6 +684,32 @@ mod tests {
         // A table without an owner comment (someone else's, or an older version): no owner.
         assert_eq!(parse_owner("table arp unbroken-arp-eth0 {\n\tchain in {\n"), None);
         assert_eq!(parse_counters(""), ArpSuppressCounters::default());
+    }
+
+    #[test]
+    fn mirror_ruleset_and_specs() {
+        let mut m = MirrorSpec::new("lan0", "bk0", "10.77.5.10".parse().unwrap());
+        m.owner = Owner { pid: 7, start: 9 };
+        assert_eq!(m.table, "unbroken-mirror-lan0");
+        assert!(m.validate().is_ok());
+        assert_eq!(
+            m.ruleset(),
+            "table netdev unbroken-mirror-lan0\ndelete table netdev unbroken-mirror-lan0\ntable netdev unbroken-mirror-lan0 {\n  \
+             comment \"unbroken-owner:7:9\"\n  chain c {\n    type filter hook egress device \"lan0\" priority filter; policy accept;\n    \
+             ip daddr 10.77.5.10 counter dup to \"bk0\" comment \"unbroken-owner:7:9\"\n  }\n}\n"
+        );
+        m.addr = "fd77:5::10".parse().unwrap();
+        assert!(m.ruleset().contains("ip6 daddr fd77:5::10 counter dup"));
+        let bad = |f: &dyn Fn(&mut MirrorSpec)| {
+            let mut b = m.clone();
+            f(&mut b);
+            b.validate().unwrap_err().kind()
+        };
+        assert_eq!(bad(&|b| b.to = "lan0".into()), io::ErrorKind::InvalidInput, "to itself");
+        assert_eq!(bad(&|b| b.to = "bk0\" accept".into()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|b| b.table = "x;flush ruleset".into()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|b| b.addr = "::".parse().unwrap()), io::ErrorKind::InvalidInput);
+        assert_eq!(bad(&|b| b.addr = "255.255.255.255".parse().unwrap()), io::ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //!   connections reach the backup's server, and a fresh resolution is answered by the backup.
 //! - Ownership of the suppression table, and what the backup's daemon will need next: one
 //!   netdev rule (`meta pkttype set host`) hands the mirrored frames to the backup's stack.
+//! - Without a hub: the router in front mirrors toward the backup (`segment::Mirror`).
 //!
 //! Needs root; without it each test prints why and passes without running (fails instead with
 //! UNBROKEN_REQUIRE_LAB=1).
@@ -330,4 +331,87 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     assert!(wait_for(|| withheld(&backup) >= 1), "the backup's stack never answered");
     assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "nothing of the backup's reached the client");
     assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
+}
+
+/// A bridge-less segment: the router in front duplicates every frame it sends toward the
+/// primary to the service address out of its link to the backup ([`Mirror`], nftables netdev
+/// egress `dup`). Before the mirror and after its removal the backup sees nothing.
+#[test]
+fn replica_segment_router_mirror() {
+    use unbroken_drivers::segment::{Mirror, MirrorSpec};
+    let Some(_g) = lab_or_skip("replica_segment_router_mirror") else { return };
+    let svc = std::net::Ipv4Addr::new(10, 77, 5, 10);
+    let mut lab = lab::Lab::new();
+    let client = lab.add_ns("client").unwrap();
+    let router = lab.add_ns("router").unwrap();
+    let primary = lab.add_ns("primary").unwrap();
+    let backup = lab.add_ns("backup").unwrap();
+    lab.add_veth(&client, "eth0", None, &router, "wan0", None).unwrap();
+    lab.add_veth(&router, "lan0", None, &primary, "eth0", None).unwrap();
+    lab.add_veth(&router, "bk0", None, &backup, "eth0", None).unwrap();
+    lab.add_addr(&client, "eth0", "10.77.4.2/24").unwrap();
+    lab.add_route(&client, "default via 10.77.4.1").unwrap();
+    lab.add_addr(&router, "wan0", "10.77.4.1/24").unwrap();
+    lab.add_addr(&router, "lan0", "10.77.5.1/24").unwrap();
+    lab::sysctls(&router, &[("net.ipv4.ip_forward", "1")]).unwrap();
+    for (ns, host) in [(&primary, "10.77.5.11/24"), (&backup, "10.77.5.12/24")] {
+        lab.add_addr(ns, "eth0", host).unwrap();
+        lab.add_addr(ns, "eth0", &format!("{svc}/32")).unwrap();
+        lab.add_route(ns, "default via 10.77.5.1").unwrap();
+    }
+    lab::install_rst_counter(&client).unwrap();
+    nft_stdin(
+        &backup,
+        &format!(
+            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"eth0\" priority 0; policy accept;\n    \
+             ip daddr {svc} tcp dport {PORT} counter\n  }}\n}}\n"
+        ),
+    );
+    let l = lab::in_ns(&primary, || TcpListener::bind((svc, PORT))).unwrap().unwrap();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            c.set_read_timeout(Some(T)).unwrap();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 || c.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let session = |rounds: u64| {
+        let mut s = lab::in_ns(&client, || TcpStream::connect_timeout(&SocketAddr::from((svc, PORT)), T)).unwrap().unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        echo_rounds(&mut s, rounds);
+        // Close both ways before counting: the client's FIN and last ACK are segments too.
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(s.read(&mut [0u8; 16]).unwrap(), 0, "the server's FIN");
+    };
+
+    session(3);
+    assert_eq!(counted(&backup), 0, "no mirror, nothing reaches the backup");
+
+    let mut spec = MirrorSpec::new("lan0", "bk0", IpAddr::V4(svc));
+    spec.netns = Some(router.clone());
+    let mirror = Mirror::install(&spec).expect("install the mirror");
+    Mirror::install(&spec).expect("installing again is idempotent").leave_installed();
+    session(ROUND_TRIPS);
+    // Every copy the router made arrives (the last ones may still be on their way).
+    assert!(
+        wait_for(|| counted(&backup) == Mirror::mirrored(&spec).unwrap()),
+        "the backup saw {} of the {} copies",
+        counted(&backup),
+        Mirror::mirrored(&spec).unwrap()
+    );
+    let seen = counted(&backup);
+    assert!(seen >= ROUND_TRIPS + 2, "the backup saw {seen} of at least {} client segments", ROUND_TRIPS + 2);
+    assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "no RST reached the client");
+
+    mirror.remove().expect("remove the mirror");
+    Mirror::remove_leftovers(&spec).expect("removing again is a no-op");
+    session(3);
+    assert_eq!(counted(&backup), seen, "nothing more after removal");
 }

@@ -56,8 +56,8 @@ use std::process::{Command, Stdio};
 
 use unbroken_wire::arp::{self, Operation, Repr};
 
-pub use crate::iptables::Owner;
 use crate::iptables::check_iface_name;
+pub use crate::iptables::Owner;
 use crate::sys;
 
 /// What [`ArpSuppress::install`] installs. Build with [`ArpSuppressSpec::new`].
@@ -97,7 +97,13 @@ impl ArpSuppressSpec {
     pub fn table_name(device: &str) -> String {
         let d: String = device
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
         format!("unbroken-arp-{d}")
     }
@@ -105,14 +111,26 @@ impl ArpSuppressSpec {
     fn validate(&self) -> io::Result<()> {
         check_iface_name(&self.device)?;
         check_table_name(&self.table)?;
-        if self.addr.is_unspecified() || self.addr.is_broadcast() || self.addr.is_multicast() || self.addr.is_loopback() {
-            return Err(invalid(format!("{} is not a unicast service address", self.addr)));
+        if self.addr.is_unspecified()
+            || self.addr.is_broadcast()
+            || self.addr.is_multicast()
+            || self.addr.is_loopback()
+        {
+            return Err(invalid(format!(
+                "{} is not a unicast service address",
+                self.addr
+            )));
         }
         Ok(())
     }
 
     fn nft_table(&self) -> NftTable<'_> {
-        NftTable { family: "arp", name: &self.table, netns: self.netns.as_deref(), bin: &self.nft }
+        NftTable {
+            family: "arp",
+            name: &self.table,
+            netns: self.netns.as_deref(),
+            bin: &self.nft,
+        }
     }
 
     /// The `nft -f` transaction that installs (or atomically replaces) the table.
@@ -162,7 +180,10 @@ impl ArpSuppress {
         let t = spec.nft_table();
         check_owner(&t, spec.owner)?;
         nft_stdin(&t, &spec.ruleset())?;
-        Ok(ArpSuppress { spec: spec.clone(), installed: true })
+        Ok(ArpSuppress {
+            spec: spec.clone(),
+            installed: true,
+        })
     }
 
     /// Fails (`AddrInUse`) when the table exists and belongs to a running process other than
@@ -214,7 +235,10 @@ impl Drop for ArpSuppress {
         if self.installed {
             self.installed = false;
             if let Err(e) = Self::remove_leftovers(&self.spec) {
-                eprintln!("unbroken: removing nftables table arp {}: {e}", self.spec.table);
+                eprintln!(
+                    "unbroken: removing nftables table arp {}: {e}",
+                    self.spec.table
+                );
             }
         }
     }
@@ -256,10 +280,18 @@ pub struct MirrorSpec {
 impl MirrorSpec {
     /// Mirror what leaves `device` for `addr` out of `to`, in this namespace, owned by the
     /// calling process.
-    pub fn new(device: impl Into<String>, to: impl Into<String>, addr: std::net::IpAddr) -> MirrorSpec {
+    pub fn new(
+        device: impl Into<String>,
+        to: impl Into<String>,
+        addr: std::net::IpAddr,
+    ) -> MirrorSpec {
         let device = device.into();
         MirrorSpec {
-            table: ArpSuppressSpec::table_name(&device).replacen("unbroken-arp-", "unbroken-mirror-", 1),
+            table: ArpSuppressSpec::table_name(&device).replacen(
+                "unbroken-arp-",
+                "unbroken-mirror-",
+                1,
+            ),
             device,
             to: to.into(),
             addr,
@@ -277,14 +309,23 @@ impl MirrorSpec {
         }
         check_table_name(&self.table)?;
         let a = self.addr;
-        if a.is_unspecified() || a.is_multicast() || a.is_loopback() || a == std::net::IpAddr::V4(Ipv4Addr::BROADCAST) {
+        if a.is_unspecified()
+            || a.is_multicast()
+            || a.is_loopback()
+            || a == std::net::IpAddr::V4(Ipv4Addr::BROADCAST)
+        {
             return Err(invalid(format!("{a} is not a unicast service address")));
         }
         Ok(())
     }
 
     fn nft_table(&self) -> NftTable<'_> {
-        NftTable { family: "netdev", name: &self.table, netns: self.netns.as_deref(), bin: &self.nft }
+        NftTable {
+            family: "netdev",
+            name: &self.table,
+            netns: self.netns.as_deref(),
+            bin: &self.nft,
+        }
     }
 
     /// The `nft -f` transaction that installs (or atomically replaces) the table.
@@ -323,7 +364,10 @@ impl Mirror {
         let t = spec.nft_table();
         check_owner(&t, spec.owner)?;
         nft_stdin(&t, &spec.ruleset())?;
-        Ok(Mirror { spec: spec.clone(), installed: true })
+        Ok(Mirror {
+            spec: spec.clone(),
+            installed: true,
+        })
     }
 
     /// Deletes the table of `spec` when it is there and not another running process's.
@@ -360,7 +404,10 @@ impl Drop for Mirror {
         if self.installed {
             self.installed = false;
             if let Err(e) = Self::remove_leftovers(&self.spec) {
-                eprintln!("unbroken: removing nftables table netdev {}: {e}", self.spec.table);
+                eprintln!(
+                    "unbroken: removing nftables table netdev {}: {e}",
+                    self.spec.table
+                );
             }
         }
     }
@@ -370,7 +417,8 @@ fn check_table_name(t: &str) -> io::Result<()> {
     let ok = !t.is_empty()
         && t.len() <= 32
         && t.starts_with(|c: char| c.is_ascii_alphabetic())
-        && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        && t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
     if ok {
         Ok(())
     } else {
@@ -389,7 +437,10 @@ struct NftTable<'a> {
 }
 
 fn not_installed(t: &NftTable) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, format!("no nftables table {} {}", t.family, t.name))
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("no nftables table {} {}", t.family, t.name),
+    )
 }
 
 /// Fails (`AddrInUse`) when the table exists and belongs to a running process other than `owner`.
@@ -397,7 +448,12 @@ fn check_owner(t: &NftTable, owner: Owner) -> io::Result<()> {
     match table_owner(t)? {
         Some(Some(o)) if o != owner && o.is_alive() => Err(io::Error::new(
             io::ErrorKind::AddrInUse,
-            format!("nftables table {} {} belongs to {}, which still runs", t.family, t.name, o.describe()),
+            format!(
+                "nftables table {} {} belongs to {}, which still runs",
+                t.family,
+                t.name,
+                o.describe()
+            ),
         )),
         _ => Ok(()),
     }
@@ -437,11 +493,23 @@ fn parse_counters(listing: &str) -> ArpSuppressCounters {
     let mut chain = "";
     for l in listing.lines().map(str::trim) {
         if let Some(rest) = l.strip_prefix("chain ") {
-            chain = if rest.starts_with("in ") { "in" } else if rest.starts_with("out ") { "out" } else { "" };
+            chain = if rest.starts_with("in ") {
+                "in"
+            } else if rest.starts_with("out ") {
+                "out"
+            } else {
+                ""
+            };
             continue;
         }
-        let Some(after) = l.split_once("counter packets ").map(|(_, a)| a) else { continue };
-        let n: u64 = after.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(0);
+        let Some(after) = l.split_once("counter packets ").map(|(_, a)| a) else {
+            continue;
+        };
+        let n: u64 = after
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
         match chain {
             "in" => c.requests_dropped += n,
             "out" => c.announcements_dropped += n,
@@ -501,11 +569,18 @@ fn nft(t: &NftTable, a: &[&str]) -> io::Result<String> {
 fn nft_stdin(t: &NftTable, text: &str) -> io::Result<()> {
     use std::io::Write;
     let mut cmd = nft_command(t);
-    cmd.args(["-f", "-"]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = cmd
         .spawn()
         .map_err(|e| io::Error::new(e.kind(), format!("running `{}`: {e}", describe(&cmd))))?;
-    child.stdin.take().expect("piped").write_all(text.as_bytes())?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(text.as_bytes())?;
     let out = child.wait_with_output()?;
     if !out.status.success() {
         return Err(io::Error::other(format!(
@@ -568,14 +643,21 @@ impl Announcer {
         if hw.sa_family != ARPHRD_ETHER {
             return Err(io::Error::new(
                 io::ErrorKind::Unsupported,
-                format!("device {device} is not Ethernet (hardware type {})", hw.sa_family),
+                format!(
+                    "device {device} is not Ethernet (hardware type {})",
+                    hw.sa_family
+                ),
             ));
         }
         let mut mac = [0u8; 6];
         for (m, b) in mac.iter_mut().zip(hw.sa_data.iter()) {
             *m = *b as u8;
         }
-        Ok(Announcer { fd, ifindex: ifindex as i32, mac })
+        Ok(Announcer {
+            fd,
+            ifindex: ifindex as i32,
+            mac,
+        })
     }
 
     /// The device's MAC, the one the announcements name.
@@ -586,7 +668,8 @@ impl Announcer {
     /// The two broadcast frames [`Announcer::announce`] sends for `ip` from `mac`: the
     /// gratuitous request, then the gratuitous reply.
     pub fn frames(mac: [u8; 6], ip: Ipv4Addr) -> [[u8; arp::MIN_FRAME_LEN]; 2] {
-        [Operation::Request, Operation::Reply].map(|op| Repr::gratuitous(op, mac, ip).to_frame(arp::BROADCAST, mac))
+        [Operation::Request, Operation::Reply]
+            .map(|op| Repr::gratuitous(op, mac, ip).to_frame(arp::BROADCAST, mac))
     }
 
     /// Broadcasts the gratuitous request and reply for `ip`.
@@ -620,7 +703,10 @@ impl Announcer {
             return Err(io::Error::last_os_error());
         }
         if n as usize != frame.len() {
-            return Err(io::Error::other(format!("short send: {n} of {} bytes", frame.len())));
+            return Err(io::Error::other(format!(
+                "short send: {n} of {} bytes",
+                frame.len()
+            )));
         }
         Ok(())
     }
@@ -648,7 +734,10 @@ mod tests {
              iifname \"eth0\" arp operation request arp daddr ip 10.77.3.10 counter drop comment \"unbroken-owner:7:9\"\n  }\n  chain out {\n    \
              type filter hook output priority filter; policy accept;\n    oifname \"eth0\" arp saddr ip 10.77.3.10 counter drop comment \"unbroken-owner:7:9\"\n  }\n}\n"
         );
-        assert_eq!(ArpSuppressSpec::table_name("br0.100"), "unbroken-arp-br0_100");
+        assert_eq!(
+            ArpSuppressSpec::table_name("br0.100"),
+            "unbroken-arp-br0_100"
+        );
     }
 
     #[test]
@@ -660,13 +749,25 @@ mod tests {
             s.validate().unwrap_err().kind()
         };
         for d in ["", "eth0\" drop", "a b", "-x", "0123456789abcdef"] {
-            assert_eq!(bad(&|s| s.device = d.into()), io::ErrorKind::InvalidInput, "{d:?}");
+            assert_eq!(
+                bad(&|s| s.device = d.into()),
+                io::ErrorKind::InvalidInput,
+                "{d:?}"
+            );
         }
         for t in ["", "1abc", "a;flush ruleset", "a\"b", &"x".repeat(33)] {
-            assert_eq!(bad(&|s| s.table = t.into()), io::ErrorKind::InvalidInput, "{t:?}");
+            assert_eq!(
+                bad(&|s| s.table = t.into()),
+                io::ErrorKind::InvalidInput,
+                "{t:?}"
+            );
         }
         for a in ["0.0.0.0", "255.255.255.255", "224.0.0.1", "127.0.0.1"] {
-            assert_eq!(bad(&|s| s.addr = a.parse().unwrap()), io::ErrorKind::InvalidInput, "{a}");
+            assert_eq!(
+                bad(&|s| s.addr = a.parse().unwrap()),
+                io::ErrorKind::InvalidInput,
+                "{a}"
+            );
         }
     }
 
@@ -680,9 +781,18 @@ mod tests {
             \tchain out {\n\t\ttype filter hook output priority filter; policy accept;\n\
             \t\toifname \"eth0\" arp saddr ip 10.77.3.10 counter packets 1 bytes 28 drop comment \"unbroken-owner:7:9\"\n\t}\n}\n";
         assert_eq!(parse_owner(listing), Some(Owner { pid: 7, start: 9 }));
-        assert_eq!(parse_counters(listing), ArpSuppressCounters { requests_dropped: 3, announcements_dropped: 1 });
+        assert_eq!(
+            parse_counters(listing),
+            ArpSuppressCounters {
+                requests_dropped: 3,
+                announcements_dropped: 1
+            }
+        );
         // A table without an owner comment (someone else's, or an older version): no owner.
-        assert_eq!(parse_owner("table arp unbroken-arp-eth0 {\n\tchain in {\n"), None);
+        assert_eq!(
+            parse_owner("table arp unbroken-arp-eth0 {\n\tchain in {\n"),
+            None
+        );
         assert_eq!(parse_counters(""), ArpSuppressCounters::default());
     }
 
@@ -705,11 +815,27 @@ mod tests {
             f(&mut b);
             b.validate().unwrap_err().kind()
         };
-        assert_eq!(bad(&|b| b.to = "lan0".into()), io::ErrorKind::InvalidInput, "to itself");
-        assert_eq!(bad(&|b| b.to = "bk0\" accept".into()), io::ErrorKind::InvalidInput);
-        assert_eq!(bad(&|b| b.table = "x;flush ruleset".into()), io::ErrorKind::InvalidInput);
-        assert_eq!(bad(&|b| b.addr = "::".parse().unwrap()), io::ErrorKind::InvalidInput);
-        assert_eq!(bad(&|b| b.addr = "255.255.255.255".parse().unwrap()), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            bad(&|b| b.to = "lan0".into()),
+            io::ErrorKind::InvalidInput,
+            "to itself"
+        );
+        assert_eq!(
+            bad(&|b| b.to = "bk0\" accept".into()),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|b| b.table = "x;flush ruleset".into()),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|b| b.addr = "::".parse().unwrap()),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|b| b.addr = "255.255.255.255".parse().unwrap()),
+            io::ErrorKind::InvalidInput
+        );
     }
 
     #[test]
@@ -717,11 +843,20 @@ mod tests {
         let mac = [0x02, 0, 0, 0, 0, 0x12];
         let ip = Ipv4Addr::new(10, 77, 3, 10);
         let [req, rep] = Announcer::frames(mac, ip);
-        let head = [0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02, 0, 0, 0, 0, 0x12, 0x08, 0x06, 0, 1, 0x08, 0, 6, 4];
+        let head = [
+            0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02, 0, 0, 0, 0, 0x12, 0x08, 0x06, 0, 1, 0x08, 0,
+            6, 4,
+        ];
         assert_eq!(req[..20], head);
-        assert_eq!(req[20..42], [0, 1, 0x02, 0, 0, 0, 0, 0x12, 10, 77, 3, 10, 0, 0, 0, 0, 0, 0, 10, 77, 3, 10]);
+        assert_eq!(
+            req[20..42],
+            [0, 1, 0x02, 0, 0, 0, 0, 0x12, 10, 77, 3, 10, 0, 0, 0, 0, 0, 0, 10, 77, 3, 10]
+        );
         assert_eq!(rep[..20], head);
-        assert_eq!(rep[20..42], [0, 2, 0x02, 0, 0, 0, 0, 0x12, 10, 77, 3, 10, 0x02, 0, 0, 0, 0, 0x12, 10, 77, 3, 10]);
+        assert_eq!(
+            rep[20..42],
+            [0, 2, 0x02, 0, 0, 0, 0, 0x12, 10, 77, 3, 10, 0x02, 0, 0, 0, 0, 0x12, 10, 77, 3, 10]
+        );
         assert!(req[42..].iter().chain(&rep[42..]).all(|&b| b == 0));
     }
 }

@@ -60,7 +60,13 @@ impl ReplicaLab {
             lab.add_addr(ns, dev::APP, &format!("{ip}/24"))?;
         }
         lab.add_addr(&primary, dev::APP, &service_cidr())?;
-        Ok(ReplicaLab { lab, client, primary, backup, lan })
+        Ok(ReplicaLab {
+            lab,
+            client,
+            primary,
+            backup,
+            lan,
+        })
     }
 
     /// Gives the backup the service address too (after its ARP suppression is in place).
@@ -73,4 +79,3 @@ impl ReplicaLab {
 fn service_cidr() -> String {
     format!("{}/32", addr::SERVICE_V4)
 }
-

@@ -58,7 +58,9 @@ fn service() -> SocketAddr {
 
 /// A listener on the service address in `ns`, echoing every connection on its own thread.
 fn echo_server(ns: &str) {
-    let l = lab::in_ns(ns, || TcpListener::bind(service())).unwrap().unwrap();
+    let l = lab::in_ns(ns, || TcpListener::bind(service()))
+        .unwrap()
+        .unwrap();
     std::thread::spawn(move || {
         for c in l.incoming() {
             let Ok(mut c) = c else { return };
@@ -77,7 +79,9 @@ fn echo_server(ns: &str) {
 
 /// A connection from the client namespace to the service, with timeouts.
 fn connect(client: &str) -> TcpStream {
-    let s = lab::in_ns(client, || TcpStream::connect_timeout(&service(), T)).unwrap().unwrap();
+    let s = lab::in_ns(client, || TcpStream::connect_timeout(&service(), T))
+        .unwrap()
+        .unwrap();
     s.set_read_timeout(Some(T)).unwrap();
     s.set_write_timeout(Some(T)).unwrap();
     s
@@ -86,7 +90,9 @@ fn connect(client: &str) -> TcpStream {
 /// `rounds` request/response round trips of 100 bytes each, checked byte for byte.
 fn echo_rounds(s: &mut TcpStream, rounds: u64) {
     for i in 0..rounds {
-        let req: Vec<u8> = (0..100u8).map(|b| b.wrapping_mul(7).wrapping_add(i as u8)).collect();
+        let req: Vec<u8> = (0..100u8)
+            .map(|b| b.wrapping_mul(7).wrapping_add(i as u8))
+            .collect();
         s.write_all(&req).unwrap();
         let mut got = vec![0u8; req.len()];
         s.read_exact(&mut got).unwrap();
@@ -99,7 +105,11 @@ fn neigh(ns: &str) -> Option<[u8; 6]> {
 }
 
 fn flush_neigh(ns: &str) {
-    lab::run_ok(ns, Command::new("ip").args(["neigh", "flush", "dev", dev::APP])).unwrap();
+    lab::run_ok(
+        ns,
+        Command::new("ip").args(["neigh", "flush", "dev", dev::APP]),
+    )
+    .unwrap();
 }
 
 /// Waits (bounded) until `cond` holds; `false` when the deadline passed first.
@@ -145,7 +155,10 @@ fn install_backup_arp_counter(ns: &str) {
 }
 
 fn mac_str(m: [u8; 6]) -> String {
-    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 fn nft_stdin(ns: &str, rules: &str) {
@@ -155,21 +168,35 @@ fn nft_stdin(ns: &str, rules: &str) {
         lab::enter(ns, &mut c).unwrap();
         c.spawn().unwrap()
     };
-    child.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(rules.as_bytes())
+        .unwrap();
     assert!(child.wait().unwrap().success(), "nft -f in {ns}:\n{rules}");
 }
 
 /// The packet count of the test's counter table in `ns`.
 fn counted(ns: &str) -> u64 {
-    let out = lab::run_ok(ns, Command::new("nft").args(["list", "table", "netdev", COUNT_TABLE])).unwrap();
+    let out = lab::run_ok(
+        ns,
+        Command::new("nft").args(["list", "table", "netdev", COUNT_TABLE]),
+    )
+    .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let after = text.split_once("counter packets ").expect("counter in listing").1;
+    let after = text
+        .split_once("counter packets ")
+        .expect("counter in listing")
+        .1;
     after.split_whitespace().next().unwrap().parse().unwrap()
 }
 
 #[test]
 fn replica_segment_suppress_mirror_announce() {
-    let Some(_g) = lab_or_skip("replica_segment_suppress_mirror_announce") else { return };
+    let Some(_g) = lab_or_skip("replica_segment_suppress_mirror_announce") else {
+        return;
+    };
     let mut rl = ReplicaLab::build().expect("build the replica segment");
     let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
     assert_eq!(rl.lab.mac(&backup, dev::APP).unwrap(), addr::BACKUP_MAC);
@@ -180,7 +207,10 @@ fn replica_segment_suppress_mirror_announce() {
     let suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
     let again = ArpSuppress::install(&spec).expect("installing again is idempotent");
     again.leave_installed();
-    assert_eq!(ArpSuppress::owner(&spec).unwrap(), Some(Some(Owner::current())));
+    assert_eq!(
+        ArpSuppress::owner(&spec).unwrap(),
+        Some(Some(Owner::current()))
+    );
     rl.add_backup_service_ip().unwrap();
     lab::install_rst_counter(&client).unwrap();
     install_mirror_counter(&backup);
@@ -193,16 +223,25 @@ fn replica_segment_suppress_mirror_announce() {
         flush_neigh(&client);
         let mut s = connect(&client);
         echo_rounds(&mut s, 1);
-        assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC), "resolution {i} names the primary");
+        assert_eq!(
+            neigh(&client),
+            Some(addr::PRIMARY_MAC),
+            "resolution {i} names the primary"
+        );
         let c = ArpSuppress::counters(&spec).unwrap();
-        assert!(c.requests_dropped >= i, "resolution {i}: the backup dropped only {c:?}");
+        assert!(
+            c.requests_dropped >= i,
+            "resolution {i}: the backup dropped only {c:?}"
+        );
     }
 
     // The backup's kernel does not use the address as an ARP sender either (that would announce
     // it): a packet from the service address to an unresolved neighbour makes it try.
     lab::in_ns(&backup, || {
-        let u = std::net::UdpSocket::bind(SocketAddr::new(IpAddr::V4(addr::SERVICE_V4), 0)).unwrap();
-        u.send_to(b"x", SocketAddr::new(IpAddr::V4(addr::CLIENT_V4), 9)).unwrap();
+        let u =
+            std::net::UdpSocket::bind(SocketAddr::new(IpAddr::V4(addr::SERVICE_V4), 0)).unwrap();
+        u.send_to(b"x", SocketAddr::new(IpAddr::V4(addr::CLIENT_V4), 9))
+            .unwrap();
     })
     .unwrap();
     assert!(
@@ -210,8 +249,16 @@ fn replica_segment_suppress_mirror_announce() {
         "the backup's ARP with the service address as sender was not dropped: {:?}",
         ArpSuppress::counters(&spec)
     );
-    assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC), "the client still names the primary");
-    assert_eq!(counted(&client), 0, "no ARP from the backup named the service address");
+    assert_eq!(
+        neigh(&client),
+        Some(addr::PRIMARY_MAC),
+        "the client still names the primary"
+    );
+    assert_eq!(
+        counted(&client),
+        0,
+        "no ARP from the backup named the service address"
+    );
 
     // 2. Mirroring: every client segment of a connection to the primary reaches the backup's
     //    interface, and the backup's stack does not answer any (no RST at the client).
@@ -221,10 +268,22 @@ fn replica_segment_suppress_mirror_announce() {
     drop(s);
     // SYN, handshake ACK, one data segment per round trip (the client waits for each echo).
     let seen = counted(&backup) - before;
-    assert!(seen >= ROUND_TRIPS + 2, "the backup saw {seen} of at least {} client segments", ROUND_TRIPS + 2);
-    assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "no RST reached the client");
+    assert!(
+        seen >= ROUND_TRIPS + 2,
+        "the backup saw {seen} of at least {} client segments",
+        ROUND_TRIPS + 2
+    );
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
     assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
-    assert_eq!(counted(&client), 0, "no ARP from the backup named the service address");
+    assert_eq!(
+        counted(&client),
+        0,
+        "no ARP from the backup named the service address"
+    );
 
     // 3. Takeover: the primary's host dies; the backup stops suppressing and announces.
     rl.lab.crash_host(&primary).unwrap();
@@ -232,10 +291,16 @@ fn replica_segment_suppress_mirror_announce() {
     suppress.remove().expect("remove the suppression");
     assert_eq!(ArpSuppress::owner(&spec).unwrap(), None, "table gone");
     ArpSuppress::remove_leftovers(&spec).expect("removing again is a no-op");
-    let announcer = lab::in_ns(&backup, || Announcer::open(dev::APP)).unwrap().expect("open the announcer");
+    let announcer = lab::in_ns(&backup, || Announcer::open(dev::APP))
+        .unwrap()
+        .expect("open the announcer");
     assert_eq!(announcer.mac(), addr::BACKUP_MAC);
     announcer.announce(addr::SERVICE_V4).expect("announce");
-    assert!(wait_for(|| counted(&client) >= 2), "the client got {} of the 2 announcement frames", counted(&client));
+    assert!(
+        wait_for(|| counted(&client) >= 2),
+        "the client got {} of the 2 announcement frames",
+        counted(&client)
+    );
     assert!(
         wait_for(|| neigh(&client) == Some(addr::BACKUP_MAC)),
         "the gratuitous ARP did not move the client's entry: {:?}",
@@ -249,35 +314,64 @@ fn replica_segment_suppress_mirror_announce() {
     let mut s = connect(&client);
     echo_rounds(&mut s, 1);
     assert_eq!(neigh(&client), Some(addr::BACKUP_MAC));
-    assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "no RST reached the client");
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
 }
 
 #[test]
 fn replica_segment_suppression_ownership() {
-    let Some(_g) = lab_or_skip("replica_segment_suppression_ownership") else { return };
+    let Some(_g) = lab_or_skip("replica_segment_suppression_ownership") else {
+        return;
+    };
     let pair = lab::Lab::pair().expect("build a pair");
     let mut mine = ArpSuppressSpec::new(dev::PEER, addr::SERVICE_V4);
     mine.netns = Some(pair.a.clone());
 
     // Another running process's table is never touched, and the error names it.
-    let mut other = std::process::Command::new("sleep").arg("600").spawn().unwrap();
-    let theirs = ArpSuppressSpec { owner: Owner::of_pid(other.id()).unwrap(), ..mine.clone() };
+    let mut other = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let theirs = ArpSuppressSpec {
+        owner: Owner::of_pid(other.id()).unwrap(),
+        ..mine.clone()
+    };
     ArpSuppress::install(&theirs).unwrap().leave_installed();
     let e = ArpSuppress::install(&mine).unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
-    assert!(e.to_string().contains(&format!("pid {}", other.id())), "{e}");
-    assert_eq!(ArpSuppress::remove_leftovers(&mine).unwrap_err().kind(), std::io::ErrorKind::AddrInUse);
+    assert!(
+        e.to_string().contains(&format!("pid {}", other.id())),
+        "{e}"
+    );
+    assert_eq!(
+        ArpSuppress::remove_leftovers(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
     assert_eq!(ArpSuppress::owner(&mine).unwrap(), Some(Some(theirs.owner)));
 
     // Once it is gone, its table is taken over in one transaction.
     other.kill().unwrap();
     other.wait().unwrap();
     let s = ArpSuppress::install(&mine).expect("take over a dead owner's table");
-    assert_eq!(ArpSuppress::owner(&mine).unwrap(), Some(Some(Owner::current())));
+    assert_eq!(
+        ArpSuppress::owner(&mine).unwrap(),
+        Some(Some(Owner::current()))
+    );
     let listing = lab::run_ok(&pair.a, Command::new("nft").args(["list", "ruleset"])).unwrap();
     let text = String::from_utf8_lossy(&listing.stdout);
-    assert_eq!(text.matches("table arp ").count(), 1, "one table, not two:\n{text}");
-    assert_eq!(text.matches(" drop ").count(), 2, "two rules, not four:\n{text}");
+    assert_eq!(
+        text.matches("table arp ").count(),
+        1,
+        "one table, not two:\n{text}"
+    );
+    assert_eq!(
+        text.matches(" drop ").count(),
+        2,
+        "two rules, not four:\n{text}"
+    );
 
     // Drop removes it.
     drop(s);
@@ -291,7 +385,9 @@ fn replica_segment_suppression_ownership() {
 /// counted). Its server's socket answers the client's SYN, which proves the delivery.
 #[test]
 fn replica_segment_backup_stack_gets_mirrored_frames() {
-    let Some(_g) = lab_or_skip("replica_segment_backup_stack_gets_mirrored_frames") else { return };
+    let Some(_g) = lab_or_skip("replica_segment_backup_stack_gets_mirrored_frames") else {
+        return;
+    };
     let mut rl = ReplicaLab::build().expect("build the replica segment");
     let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
     let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
@@ -310,13 +406,32 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     );
     // The backup's output to clients is withheld (the daemon's job; a plain drop here).
     let withheld = |ns: &str| -> u64 {
-        let out = lab::run_ok(ns, Command::new("iptables").args(["-w", "-L", "OUTPUT", "-v", "-n", "-x"])).unwrap();
+        let out = lab::run_ok(
+            ns,
+            Command::new("iptables").args(["-w", "-L", "OUTPUT", "-v", "-n", "-x"]),
+        )
+        .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        text.lines().find(|l| l.contains("spt:7000")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap()
+        text.lines()
+            .find(|l| l.contains("spt:7000"))
+            .and_then(|l| l.split_whitespace().next()?.parse().ok())
+            .unwrap()
     };
     lab::run_ok(
         &backup,
-        Command::new("iptables").args(["-w", "-A", "OUTPUT", "-p", "tcp", "-s", &addr::SERVICE_V4.to_string(), "--sport", "7000", "-j", "DROP"]),
+        Command::new("iptables").args([
+            "-w",
+            "-A",
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "-s",
+            &addr::SERVICE_V4.to_string(),
+            "--sport",
+            "7000",
+            "-j",
+            "DROP",
+        ]),
     )
     .unwrap();
     echo_server(&primary);
@@ -326,10 +441,21 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     let mut s = connect(&client);
     echo_rounds(&mut s, 3);
     drop(s);
-    assert!(counted(&backup) >= 5, "only {} frames handed to the backup's stack", counted(&backup));
+    assert!(
+        counted(&backup) >= 5,
+        "only {} frames handed to the backup's stack",
+        counted(&backup)
+    );
     // The backup's server answered at least the SYN (a SYN-ACK, withheld).
-    assert!(wait_for(|| withheld(&backup) >= 1), "the backup's stack never answered");
-    assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "nothing of the backup's reached the client");
+    assert!(
+        wait_for(|| withheld(&backup) >= 1),
+        "the backup's stack never answered"
+    );
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "nothing of the backup's reached the client"
+    );
     assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
 }
 
@@ -339,16 +465,21 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
 #[test]
 fn replica_segment_router_mirror() {
     use unbroken_drivers::segment::{Mirror, MirrorSpec};
-    let Some(_g) = lab_or_skip("replica_segment_router_mirror") else { return };
+    let Some(_g) = lab_or_skip("replica_segment_router_mirror") else {
+        return;
+    };
     let svc = std::net::Ipv4Addr::new(10, 77, 5, 10);
     let mut lab = lab::Lab::new();
     let client = lab.add_ns("client").unwrap();
     let router = lab.add_ns("router").unwrap();
     let primary = lab.add_ns("primary").unwrap();
     let backup = lab.add_ns("backup").unwrap();
-    lab.add_veth(&client, "eth0", None, &router, "wan0", None).unwrap();
-    lab.add_veth(&router, "lan0", None, &primary, "eth0", None).unwrap();
-    lab.add_veth(&router, "bk0", None, &backup, "eth0", None).unwrap();
+    lab.add_veth(&client, "eth0", None, &router, "wan0", None)
+        .unwrap();
+    lab.add_veth(&router, "lan0", None, &primary, "eth0", None)
+        .unwrap();
+    lab.add_veth(&router, "bk0", None, &backup, "eth0", None)
+        .unwrap();
     lab.add_addr(&client, "eth0", "10.77.4.2/24").unwrap();
     lab.add_route(&client, "default via 10.77.4.1").unwrap();
     lab.add_addr(&router, "wan0", "10.77.4.1/24").unwrap();
@@ -367,7 +498,9 @@ fn replica_segment_router_mirror() {
              ip daddr {svc} tcp dport {PORT} counter\n  }}\n}}\n"
         ),
     );
-    let l = lab::in_ns(&primary, || TcpListener::bind((svc, PORT))).unwrap().unwrap();
+    let l = lab::in_ns(&primary, || TcpListener::bind((svc, PORT)))
+        .unwrap()
+        .unwrap();
     std::thread::spawn(move || {
         for c in l.incoming() {
             let Ok(mut c) = c else { return };
@@ -383,7 +516,11 @@ fn replica_segment_router_mirror() {
         }
     });
     let session = |rounds: u64| {
-        let mut s = lab::in_ns(&client, || TcpStream::connect_timeout(&SocketAddr::from((svc, PORT)), T)).unwrap().unwrap();
+        let mut s = lab::in_ns(&client, || {
+            TcpStream::connect_timeout(&SocketAddr::from((svc, PORT)), T)
+        })
+        .unwrap()
+        .unwrap();
         s.set_read_timeout(Some(T)).unwrap();
         echo_rounds(&mut s, rounds);
         // Close both ways before counting: the client's FIN and last ACK are segments too.
@@ -397,7 +534,9 @@ fn replica_segment_router_mirror() {
     let mut spec = MirrorSpec::new("lan0", "bk0", IpAddr::V4(svc));
     spec.netns = Some(router.clone());
     let mirror = Mirror::install(&spec).expect("install the mirror");
-    Mirror::install(&spec).expect("installing again is idempotent").leave_installed();
+    Mirror::install(&spec)
+        .expect("installing again is idempotent")
+        .leave_installed();
     session(ROUND_TRIPS);
     // Every copy the router made arrives (the last ones may still be on their way).
     assert!(
@@ -407,8 +546,16 @@ fn replica_segment_router_mirror() {
         Mirror::mirrored(&spec).unwrap()
     );
     let seen = counted(&backup);
-    assert!(seen >= ROUND_TRIPS + 2, "the backup saw {seen} of at least {} client segments", ROUND_TRIPS + 2);
-    assert_eq!(lab::rsts_seen(&client).unwrap(), 0, "no RST reached the client");
+    assert!(
+        seen >= ROUND_TRIPS + 2,
+        "the backup saw {seen} of at least {} client segments",
+        ROUND_TRIPS + 2
+    );
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
 
     mirror.remove().expect("remove the mirror");
     Mirror::remove_leftovers(&spec).expect("removing again is a no-op");

@@ -108,23 +108,31 @@ impl<T: AsRef<[u8]>> Packet<T> {
     /// Sender hardware address.
     #[inline]
     pub fn sender_mac(&self) -> [u8; 6] {
-        self.buffer.as_ref()[field::SHA].try_into().expect("6 bytes")
+        self.buffer.as_ref()[field::SHA]
+            .try_into()
+            .expect("6 bytes")
     }
     /// Sender protocol address.
     #[inline]
     pub fn sender_ip(&self) -> Ipv4Addr {
-        let a: [u8; 4] = self.buffer.as_ref()[field::SPA].try_into().expect("4 bytes");
+        let a: [u8; 4] = self.buffer.as_ref()[field::SPA]
+            .try_into()
+            .expect("4 bytes");
         Ipv4Addr::from(a)
     }
     /// Target hardware address.
     #[inline]
     pub fn target_mac(&self) -> [u8; 6] {
-        self.buffer.as_ref()[field::THA].try_into().expect("6 bytes")
+        self.buffer.as_ref()[field::THA]
+            .try_into()
+            .expect("6 bytes")
     }
     /// Target protocol address.
     #[inline]
     pub fn target_ip(&self) -> Ipv4Addr {
-        let a: [u8; 4] = self.buffer.as_ref()[field::TPA].try_into().expect("4 bytes");
+        let a: [u8; 4] = self.buffer.as_ref()[field::TPA]
+            .try_into()
+            .expect("4 bytes");
         Ipv4Addr::from(a)
     }
 }
@@ -195,7 +203,8 @@ impl Repr {
         f[0..6].copy_from_slice(&dst_mac);
         f[6..12].copy_from_slice(&src_mac);
         f[12..14].copy_from_slice(&ETHERTYPE_ARP.to_be_bytes());
-        self.emit(&mut f[ETH_HEADER_LEN..]).expect("frame has room for the body");
+        self.emit(&mut f[ETH_HEADER_LEN..])
+            .expect("frame has room for the body");
         f
     }
 
@@ -245,7 +254,11 @@ mod tests {
         let f = Repr::gratuitous(Operation::Reply, MAC, IP).to_frame(BROADCAST, MAC);
         assert_eq!(f[20..22], [0x00, 0x02], "reply");
         assert_eq!(f[22..28], MAC);
-        assert_eq!(f[32..38], MAC, "target MAC = sender MAC (Linux arp_is_garp)");
+        assert_eq!(
+            f[32..38],
+            MAC,
+            "target MAC = sender MAC (Linux arp_is_garp)"
+        );
         assert_eq!(f[28..32], f[38..42], "target IP = sender IP");
     }
 
@@ -264,7 +277,11 @@ mod tests {
     fn hostile_arp() {
         let good = Repr::gratuitous(Operation::Request, MAC, IP).to_frame(BROADCAST, MAC);
         for n in 0..42 {
-            assert_eq!(Repr::from_frame(&good[..n]).unwrap_err(), Error::Truncated, "length {n}");
+            assert_eq!(
+                Repr::from_frame(&good[..n]).unwrap_err(),
+                Error::Truncated,
+                "length {n}"
+            );
         }
         let bad = |i: usize, v: u8| {
             let mut f = good;
@@ -278,6 +295,9 @@ mod tests {
         assert_eq!(bad(19, 16), Error::Malformed("arp: address lengths"));
         assert_eq!(bad(21, 3), Error::Unsupported("arp: operation")); // RARP request
         let mut short = [0u8; 27];
-        assert_eq!(Repr::gratuitous(Operation::Reply, MAC, IP).emit(&mut short), Err(Error::Truncated));
+        assert_eq!(
+            Repr::gratuitous(Operation::Reply, MAC, IP).emit(&mut short),
+            Err(Error::Truncated)
+        );
     }
 }

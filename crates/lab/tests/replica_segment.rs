@@ -330,11 +330,9 @@ fn replica_segment_suppression_ownership() {
     let mut mine = ArpSuppressSpec::new(dev::PEER, addr::SERVICE_V4);
     mine.netns = Some(pair.a.clone());
 
-    // Another running process's table is never touched, and the error names it.
-    let mut other = std::process::Command::new("sleep")
-        .arg("600")
-        .spawn()
-        .unwrap();
+    // Another running process's table is never touched, and the error names it. (It runs in
+    // the lab's namespace, so the lab kills it even if this test fails.)
+    let mut other = lab::spawn(&pair.a, Command::new("sleep").arg("600")).unwrap();
     let theirs = ArpSuppressSpec {
         owner: Owner::of_pid(other.id()).unwrap(),
         ..mine.clone()

@@ -8,6 +8,8 @@
 //! - [`sockdiag`]: looking up one local TCP socket by its address pair (`NETLINK_SOCK_DIAG`).
 //! - [`iptables`]: installation and removal of the `iptables`/`ip6tables` rules that steer a
 //!   guard's traffic into its queue and let its injected packets through.
+//! - [`segment`]: replica mode's segment plumbing: ARP suppression for the service address on
+//!   the backup (an owned nftables `arp` table) and the gratuitous ARP it announces it with.
 //!
 //! Everything here is Linux-only and needs `CAP_NET_ADMIN` (and `CAP_NET_RAW` for raw
 //! sockets) at run time. Nothing here parses packets beyond the netlink framing; checksums and
@@ -18,6 +20,7 @@ mod netlink;
 pub mod nfqueue;
 pub mod rawsend;
 pub mod repair;
+pub mod segment;
 pub mod sockdiag;
 mod sys;
 

@@ -6,8 +6,10 @@
 //! mode: the heartbeats between agents and load balancer ([`hb`]), the balancer's bucket marker
 //! ([`marker`]), the store record ([`objrec`]), its sealed envelope ([`sealed`]) and RESP2, the
 //! protocol of the Redis store ([`resp`]). Replica mode: the
-//! primary's and backup's progress heartbeats ([`replica`]). Malformed input is an `Err`, never a panic.
+//! primary's and backup's progress heartbeats ([`replica`]) and the gratuitous ARP a backup
+//! announces the service address with ([`arp`]). Malformed input is an `Err`, never a panic.
 
+pub mod arp;
 pub mod checksum;
 pub mod ckptrec;
 pub mod ctl;

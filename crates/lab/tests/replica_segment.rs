@@ -1,0 +1,562 @@
+//! Replica mode's segment on real kernels (issue 10 item 1): a client and two servers on a
+//! hub-mode switch ([`ReplicaLab`]), both servers holding the service address.
+//!
+//! - With the backup's ARP suppressed ([`ArpSuppress`]), the client resolves the service address
+//!   to the primary's MAC every time, and the suppression's counters prove the backup saw the
+//!   requests and did not answer them; the backup's own ARP with the service address as sender
+//!   is not sent either.
+//! - Every TCP segment of a client connection to the primary also reaches the backup's interface
+//!   (counted by an nftables netdev ingress counter there), and the backup's stack does not
+//!   answer it (the frames name the primary's MAC): the client sees no RST.
+//! - Takeover: the primary's host dies; the backup removes its suppression and announces the
+//!   address ([`Announcer`]); the client's neighbour entry names the backup's MAC, new
+//!   connections reach the backup's server, and a fresh resolution is answered by the backup.
+//! - Ownership of the suppression table, and what the backup's daemon will need next: one
+//!   netdev rule (`meta pkttype set host`) hands the mirrored frames to the backup's stack.
+//! - Without a hub: the router in front mirrors toward the backup (`segment::Mirror`).
+//!
+//! Needs root; without it each test prints why and passes without running (fails instead with
+//! UNBROKEN_REQUIRE_LAB=1).
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec, Owner};
+use unbroken_lab::lab::{self, dev};
+use unbroken_lab::replicalab::{addr, ReplicaLab};
+
+/// Bound on every blocking socket call and on every wait for an event.
+const T: Duration = Duration::from_secs(10);
+const PORT: u16 = 7000;
+/// Round trips of the mirrored connection: each is one client data segment the backup must see.
+const ROUND_TRIPS: u64 = 20;
+/// The backup's mirrored-segment counter.
+const COUNT_TABLE: &str = "unbroken-test-mirror";
+
+/// One lab at a time: two cores.
+static LAB: Mutex<()> = Mutex::new(());
+
+fn lab_or_skip(name: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
+    if !lab::lab_or_skip(name) {
+        return None;
+    }
+    for tool in ["nft", "iptables"] {
+        if Command::new(tool).arg("--version").output().is_err() {
+            lab::skip_or_fail(name, &format!("`{tool}` is not installed"));
+            return None;
+        }
+    }
+    Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn service() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(addr::SERVICE_V4), PORT)
+}
+
+/// A listener on the service address in `ns`, echoing every connection on its own thread.
+fn echo_server(ns: &str) {
+    let l = lab::in_ns(ns, || TcpListener::bind(service()))
+        .unwrap()
+        .unwrap();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            c.set_read_timeout(Some(T)).unwrap();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 || c.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// A connection from the client namespace to the service, with timeouts.
+fn connect(client: &str) -> TcpStream {
+    let s = lab::in_ns(client, || TcpStream::connect_timeout(&service(), T))
+        .unwrap()
+        .unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    s.set_write_timeout(Some(T)).unwrap();
+    s
+}
+
+/// `rounds` request/response round trips of 100 bytes each, checked byte for byte.
+fn echo_rounds(s: &mut TcpStream, rounds: u64) {
+    for i in 0..rounds {
+        let req: Vec<u8> = (0..100u8)
+            .map(|b| b.wrapping_mul(7).wrapping_add(i as u8))
+            .collect();
+        s.write_all(&req).unwrap();
+        let mut got = vec![0u8; req.len()];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(got, req, "echo of round {i}");
+    }
+}
+
+fn neigh(ns: &str) -> Option<[u8; 6]> {
+    lab::neigh_mac(ns, dev::APP, IpAddr::V4(addr::SERVICE_V4)).unwrap()
+}
+
+fn flush_neigh(ns: &str) {
+    lab::run_ok(
+        ns,
+        Command::new("ip").args(["neigh", "flush", "dev", dev::APP]),
+    )
+    .unwrap();
+}
+
+/// Waits (bounded) until `cond` holds; `false` when the deadline passed first.
+fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + T;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5)); // polling an event, bounded by T
+    }
+}
+
+/// Counts, on the backup's interface, every IPv4 TCP packet to the service port (netdev ingress
+/// sees frames addressed to other hosts too, before the stack drops them).
+fn install_mirror_counter(ns: &str) {
+    let rules = format!(
+        "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+         ip daddr {} tcp dport {PORT} counter\n  }}\n}}\n",
+        dev::APP,
+        addr::SERVICE_V4
+    );
+    nft_stdin(ns, &rules);
+}
+
+/// Counts, on the client's interface, every ARP packet from the backup's MAC naming the service
+/// address as its sender: an answer to the client's request or an announcement. Zero while the
+/// backup is suppressed; its gratuitous ARP on takeover.
+fn install_backup_arp_counter(ns: &str) {
+    nft_stdin(
+        ns,
+        &format!(
+            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+             ether saddr {} arp saddr ip {} counter\n  }}\n}}\n",
+            dev::APP,
+            mac_str(addr::BACKUP_MAC),
+            addr::SERVICE_V4
+        ),
+    );
+}
+
+fn mac_str(m: [u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+fn nft_stdin(ns: &str, rules: &str) {
+    let mut child = {
+        let mut c = Command::new("nft");
+        c.args(["-f", "-"]).stdin(std::process::Stdio::piped());
+        lab::enter(ns, &mut c).unwrap();
+        c.spawn().unwrap()
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(rules.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "nft -f in {ns}:\n{rules}");
+}
+
+/// The packet count of the test's counter table in `ns`.
+fn counted(ns: &str) -> u64 {
+    let out = lab::run_ok(
+        ns,
+        Command::new("nft").args(["list", "table", "netdev", COUNT_TABLE]),
+    )
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let after = text
+        .split_once("counter packets ")
+        .expect("counter in listing")
+        .1;
+    after.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn replica_segment_suppress_mirror_announce() {
+    let Some(_g) = lab_or_skip("replica_segment_suppress_mirror_announce") else {
+        return;
+    };
+    let mut rl = ReplicaLab::build().expect("build the replica segment");
+    let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
+    assert_eq!(rl.lab.mac(&backup, dev::APP).unwrap(), addr::BACKUP_MAC);
+
+    // The backup's suppression first, then its service address.
+    let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
+    spec.netns = Some(backup.clone());
+    let suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
+    let again = ArpSuppress::install(&spec).expect("installing again is idempotent");
+    again.leave_installed();
+    assert_eq!(
+        ArpSuppress::owner(&spec).unwrap(),
+        Some(Some(Owner::current()))
+    );
+    rl.add_backup_service_ip().unwrap();
+    lab::install_rst_counter(&client).unwrap();
+    install_mirror_counter(&backup);
+    install_backup_arp_counter(&client);
+    echo_server(&primary);
+
+    // 1. The client resolves the address to the primary, every time; the backup saw each
+    //    request and dropped it.
+    for i in 1..=5u64 {
+        flush_neigh(&client);
+        let mut s = connect(&client);
+        echo_rounds(&mut s, 1);
+        assert_eq!(
+            neigh(&client),
+            Some(addr::PRIMARY_MAC),
+            "resolution {i} names the primary"
+        );
+        let c = ArpSuppress::counters(&spec).unwrap();
+        assert!(
+            c.requests_dropped >= i,
+            "resolution {i}: the backup dropped only {c:?}"
+        );
+    }
+
+    // The backup's kernel does not use the address as an ARP sender either (that would announce
+    // it): a packet from the service address to an unresolved neighbour makes it try.
+    lab::in_ns(&backup, || {
+        let u =
+            std::net::UdpSocket::bind(SocketAddr::new(IpAddr::V4(addr::SERVICE_V4), 0)).unwrap();
+        u.send_to(b"x", SocketAddr::new(IpAddr::V4(addr::CLIENT_V4), 9))
+            .unwrap();
+    })
+    .unwrap();
+    assert!(
+        wait_for(|| ArpSuppress::counters(&spec).unwrap().announcements_dropped >= 1),
+        "the backup's ARP with the service address as sender was not dropped: {:?}",
+        ArpSuppress::counters(&spec)
+    );
+    assert_eq!(
+        neigh(&client),
+        Some(addr::PRIMARY_MAC),
+        "the client still names the primary"
+    );
+    assert_eq!(
+        counted(&client),
+        0,
+        "no ARP from the backup named the service address"
+    );
+
+    // 2. Mirroring: every client segment of a connection to the primary reaches the backup's
+    //    interface, and the backup's stack does not answer any (no RST at the client).
+    let before = counted(&backup);
+    let mut s = connect(&client);
+    echo_rounds(&mut s, ROUND_TRIPS);
+    drop(s);
+    // SYN, handshake ACK, one data segment per round trip (the client waits for each echo).
+    let seen = counted(&backup) - before;
+    assert!(
+        seen >= ROUND_TRIPS + 2,
+        "the backup saw {seen} of at least {} client segments",
+        ROUND_TRIPS + 2
+    );
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
+    assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
+    assert_eq!(
+        counted(&client),
+        0,
+        "no ARP from the backup named the service address"
+    );
+
+    // 3. Takeover: the primary's host dies; the backup stops suppressing and announces.
+    rl.lab.crash_host(&primary).unwrap();
+    echo_server(&backup);
+    suppress.remove().expect("remove the suppression");
+    assert_eq!(ArpSuppress::owner(&spec).unwrap(), None, "table gone");
+    ArpSuppress::remove_leftovers(&spec).expect("removing again is a no-op");
+    let announcer = lab::in_ns(&backup, || Announcer::open(dev::APP))
+        .unwrap()
+        .expect("open the announcer");
+    assert_eq!(announcer.mac(), addr::BACKUP_MAC);
+    announcer.announce(addr::SERVICE_V4).expect("announce");
+    assert!(
+        wait_for(|| counted(&client) >= 2),
+        "the client got {} of the 2 announcement frames",
+        counted(&client)
+    );
+    assert!(
+        wait_for(|| neigh(&client) == Some(addr::BACKUP_MAC)),
+        "the gratuitous ARP did not move the client's entry: {:?}",
+        neigh(&client)
+    );
+    let mut s = connect(&client);
+    echo_rounds(&mut s, 3);
+    drop(s);
+    // A fresh resolution: only the backup can answer now (the primary's link is down).
+    flush_neigh(&client);
+    let mut s = connect(&client);
+    echo_rounds(&mut s, 1);
+    assert_eq!(neigh(&client), Some(addr::BACKUP_MAC));
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
+}
+
+#[test]
+fn replica_segment_suppression_ownership() {
+    let Some(_g) = lab_or_skip("replica_segment_suppression_ownership") else {
+        return;
+    };
+    let pair = lab::Lab::pair().expect("build a pair");
+    let mut mine = ArpSuppressSpec::new(dev::PEER, addr::SERVICE_V4);
+    mine.netns = Some(pair.a.clone());
+
+    // Another running process's table is never touched, and the error names it. (It runs in
+    // the lab's namespace, so the lab kills it even if this test fails.)
+    let mut other = lab::spawn(&pair.a, Command::new("sleep").arg("600")).unwrap();
+    let theirs = ArpSuppressSpec {
+        owner: Owner::of_pid(other.id()).unwrap(),
+        ..mine.clone()
+    };
+    ArpSuppress::install(&theirs).unwrap().leave_installed();
+    let e = ArpSuppress::install(&mine).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+    assert!(
+        e.to_string().contains(&format!("pid {}", other.id())),
+        "{e}"
+    );
+    assert_eq!(
+        ArpSuppress::remove_leftovers(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+    assert_eq!(ArpSuppress::owner(&mine).unwrap(), Some(Some(theirs.owner)));
+
+    // Once it is gone, its table is taken over in one transaction.
+    other.kill().unwrap();
+    other.wait().unwrap();
+    let s = ArpSuppress::install(&mine).expect("take over a dead owner's table");
+    assert_eq!(
+        ArpSuppress::owner(&mine).unwrap(),
+        Some(Some(Owner::current()))
+    );
+    let listing = lab::run_ok(&pair.a, Command::new("nft").args(["list", "ruleset"])).unwrap();
+    let text = String::from_utf8_lossy(&listing.stdout);
+    assert_eq!(
+        text.matches("table arp ").count(),
+        1,
+        "one table, not two:\n{text}"
+    );
+    assert_eq!(
+        text.matches(" drop ").count(),
+        2,
+        "two rules, not four:\n{text}"
+    );
+
+    // Drop removes it.
+    drop(s);
+    assert_eq!(ArpSuppress::owner(&mine).unwrap(), None);
+}
+
+/// What the backup's daemon will need beyond this item: on a hub the mirrored frames name the
+/// primary's MAC, so the backup's stack ignores them (PACKET_OTHERHOST). One nftables netdev
+/// rule on the backup's ingress (`meta pkttype set host` for packets to the service address)
+/// hands them to its stack, whose answers must then be withheld (here: dropped in OUTPUT and
+/// counted). Its server's socket answers the client's SYN, which proves the delivery.
+#[test]
+fn replica_segment_backup_stack_gets_mirrored_frames() {
+    let Some(_g) = lab_or_skip("replica_segment_backup_stack_gets_mirrored_frames") else {
+        return;
+    };
+    let mut rl = ReplicaLab::build().expect("build the replica segment");
+    let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
+    let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
+    spec.netns = Some(backup.clone());
+    let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
+    rl.add_backup_service_ip().unwrap();
+    lab::install_rst_counter(&client).unwrap();
+    nft_stdin(
+        &backup,
+        &format!(
+            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+             ip daddr {} meta pkttype other meta pkttype set host counter\n  }}\n}}\n",
+            dev::APP,
+            addr::SERVICE_V4
+        ),
+    );
+    // The backup's output to clients is withheld (the daemon's job; a plain drop here).
+    let withheld = |ns: &str| -> u64 {
+        let out = lab::run_ok(
+            ns,
+            Command::new("iptables").args(["-w", "-L", "OUTPUT", "-v", "-n", "-x"]),
+        )
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .find(|l| l.contains("spt:7000"))
+            .and_then(|l| l.split_whitespace().next()?.parse().ok())
+            .unwrap()
+    };
+    lab::run_ok(
+        &backup,
+        Command::new("iptables").args([
+            "-w",
+            "-A",
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "-s",
+            &addr::SERVICE_V4.to_string(),
+            "--sport",
+            "7000",
+            "-j",
+            "DROP",
+        ]),
+    )
+    .unwrap();
+    echo_server(&primary);
+    echo_server(&backup);
+    assert_eq!(withheld(&backup), 0);
+
+    let mut s = connect(&client);
+    echo_rounds(&mut s, 3);
+    drop(s);
+    assert!(
+        counted(&backup) >= 5,
+        "only {} frames handed to the backup's stack",
+        counted(&backup)
+    );
+    // The backup's server answered at least the SYN (a SYN-ACK, withheld).
+    assert!(
+        wait_for(|| withheld(&backup) >= 1),
+        "the backup's stack never answered"
+    );
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "nothing of the backup's reached the client"
+    );
+    assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
+}
+
+/// A bridge-less segment: the router in front duplicates every frame it sends toward the
+/// primary to the service address out of its link to the backup ([`Mirror`], nftables netdev
+/// egress `dup`). Before the mirror and after its removal the backup sees nothing.
+#[test]
+fn replica_segment_router_mirror() {
+    use unbroken_drivers::segment::{Mirror, MirrorSpec};
+    let Some(_g) = lab_or_skip("replica_segment_router_mirror") else {
+        return;
+    };
+    let svc = std::net::Ipv4Addr::new(10, 77, 5, 10);
+    let mut lab = lab::Lab::new();
+    let client = lab.add_ns("client").unwrap();
+    let router = lab.add_ns("router").unwrap();
+    let primary = lab.add_ns("primary").unwrap();
+    let backup = lab.add_ns("backup").unwrap();
+    lab.add_veth(&client, "eth0", None, &router, "wan0", None)
+        .unwrap();
+    lab.add_veth(&router, "lan0", None, &primary, "eth0", None)
+        .unwrap();
+    lab.add_veth(&router, "bk0", None, &backup, "eth0", None)
+        .unwrap();
+    lab.add_addr(&client, "eth0", "10.77.4.2/24").unwrap();
+    lab.add_route(&client, "default via 10.77.4.1").unwrap();
+    lab.add_addr(&router, "wan0", "10.77.4.1/24").unwrap();
+    lab.add_addr(&router, "lan0", "10.77.5.1/24").unwrap();
+    lab::sysctls(&router, &[("net.ipv4.ip_forward", "1")]).unwrap();
+    for (ns, host) in [(&primary, "10.77.5.11/24"), (&backup, "10.77.5.12/24")] {
+        lab.add_addr(ns, "eth0", host).unwrap();
+        lab.add_addr(ns, "eth0", &format!("{svc}/32")).unwrap();
+        lab.add_route(ns, "default via 10.77.5.1").unwrap();
+    }
+    lab::install_rst_counter(&client).unwrap();
+    nft_stdin(
+        &backup,
+        &format!(
+            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"eth0\" priority 0; policy accept;\n    \
+             ip daddr {svc} tcp dport {PORT} counter\n  }}\n}}\n"
+        ),
+    );
+    let l = lab::in_ns(&primary, || TcpListener::bind((svc, PORT)))
+        .unwrap()
+        .unwrap();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            c.set_read_timeout(Some(T)).unwrap();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 || c.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let session = |rounds: u64| {
+        let mut s = lab::in_ns(&client, || {
+            TcpStream::connect_timeout(&SocketAddr::from((svc, PORT)), T)
+        })
+        .unwrap()
+        .unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        echo_rounds(&mut s, rounds);
+        // Close both ways before counting: the client's FIN and last ACK are segments too.
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(s.read(&mut [0u8; 16]).unwrap(), 0, "the server's FIN");
+    };
+
+    session(3);
+    assert_eq!(counted(&backup), 0, "no mirror, nothing reaches the backup");
+
+    let mut spec = MirrorSpec::new("lan0", "bk0", IpAddr::V4(svc));
+    spec.netns = Some(router.clone());
+    let mirror = Mirror::install(&spec).expect("install the mirror");
+    Mirror::install(&spec)
+        .expect("installing again is idempotent")
+        .leave_installed();
+    session(ROUND_TRIPS);
+    // Every copy the router made arrives (the last ones may still be on their way).
+    assert!(
+        wait_for(|| counted(&backup) == Mirror::mirrored(&spec).unwrap()),
+        "the backup saw {} of the {} copies",
+        counted(&backup),
+        Mirror::mirrored(&spec).unwrap()
+    );
+    let seen = counted(&backup);
+    assert!(
+        seen >= ROUND_TRIPS + 2,
+        "the backup saw {seen} of at least {} client segments",
+        ROUND_TRIPS + 2
+    );
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
+
+    mirror.remove().expect("remove the mirror");
+    Mirror::remove_leftovers(&spec).expect("removing again is a no-op");
+    session(3);
+    assert_eq!(counted(&backup), seen, "nothing more after removal");
+}

@@ -202,6 +202,11 @@ struct BConn {
     fin_out: bool,
     rst_out: bool,
     last_ack: Seq,
+    /// The highest ACK handed to the backup's server (its own space, after clamping to
+    /// `snd_max`), from the client or relayed: a client ACK clamped because the backup's server
+    /// had not sent those bytes yet is relayed again once it has (else that server waits for an
+    /// ACK the client, which has everything from the primary, never sends again).
+    acked_b: Option<Seq>,
     /// The primary reported a divergence: never answer on this connection.
     diverged: bool,
     client_fin: bool,
@@ -373,6 +378,9 @@ impl Backup {
             }
         };
         let ack_b = to_b(s.ack);
+        if c.acked_b.is_none_or(|a| ack_b.gt(a)) {
+            c.acked_b = Some(ack_b);
+        }
         let mut modified = false;
         if ack_b != s.ack {
             t.rewrite_ack(ack_b);
@@ -547,17 +555,22 @@ impl Backup {
                 c.checkpoints.pop_front();
             }
             let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
-            if r.last_ack == Seq(0) || !r.last_ack.gt(c.last_ack) {
-                continue;
-            }
-            let mut ack_b = r.last_ack - c.delta;
+            // The client's latest ACK, as either side heard it; relayed when it acknowledges
+            // more than the backup's server was given (also when an earlier one was clamped and
+            // that server has sent more since).
+            let latest = if r.last_ack != Seq(0) && r.last_ack.gt(c.last_ack) { r.last_ack } else { c.last_ack };
+            let mut ack_b = latest - c.delta;
             if ack_b.gt(c.snd_max) {
                 ack_b = c.snd_max;
+            }
+            if c.acked_b.is_some_and(|a| !ack_b.gt(a)) {
+                continue;
             }
             let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
             let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.rcv_nxt, ack: ack_b, flags: F::ACK, window: c.client_win, timestamp: ts, ..Default::default() };
             if let Ok(pkt) = ip::tcp_packet(key.client, server, &rep, &[]) {
-                c.last_ack = r.last_ack;
+                c.last_ack = latest;
+                c.acked_b = Some(ack_b);
                 self.counters.acks_relayed += 1;
                 inject.push(pkt);
             }
@@ -710,6 +723,13 @@ struct PConn {
     /// The primary's server sent a FIN at `p_end`.
     p_fin: bool,
     fin_since: Option<u64>,
+    /// Since when the client has acknowledged every byte before the held FIN: MaxDelayFIN
+    /// counts from there. Before, the client may still be waiting for the data before the FIN
+    /// (lost, retransmitted on the primary's timer), so it has not sent the next request that
+    /// would show the backup's output going past the FIN (found by the simulation: a lost last
+    /// segment, retransmitted after 1, 2, 4 s, let a lone FIN out after 5 s before the client had
+    /// asked for more).
+    fin_acked_since: Option<u64>,
     rst_since: Option<u64>,
     sent_ack: Option<Seq>,
     /// Highest sequence number (FIN included) the client has been sent.
@@ -811,6 +831,7 @@ impl Primary {
                 p_end: Seq(0),
                 p_fin: false,
                 fin_since: None,
+                fin_acked_since: None,
                 rst_since: None,
                 sent_ack: None,
                 snd_c: Seq(0),
@@ -1178,7 +1199,10 @@ impl Primary {
             c.yielded = true;
             self.notices.push(Notice::YieldToBackup { key });
         }
-        if c.p_fin && !fin_ok && c.fin_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) {
+        if c.p_fin && !fin_ok && c.fin_since.is_some() && c.client_ack.ge(c.p_end) {
+            c.fin_acked_since.get_or_insert(now);
+        }
+        if c.p_fin && !fin_ok && c.fin_acked_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) {
             self.unprotect(key, Why::FinTimeout);
             return;
         }
@@ -1217,6 +1241,7 @@ impl Primary {
         }
         if any {
             c.fin_since = if c.held.iter().any(|h| h.fin) { c.fin_since } else { None };
+            c.fin_acked_since = c.fin_since.and(c.fin_acked_since);
         }
         // ST-TCP 3.7.3: AppMaxLagBytes / AppMaxLagTime, both ways.
         if !b.aligned || !b.rcv_known {

@@ -146,6 +146,37 @@ fn backup_drops_what_it_cannot_align_yet() {
     assert_eq!(b.counters.bad_checksum, 1);
 }
 
+/// ST-TCP 3.6's LastAckReceived, relayed again: a client ACK clamped because the backup's server
+/// had not sent those bytes yet is given to that server once it has sent them (the client has
+/// everything from the primary and never sends that ACK again; without the relay the backup's
+/// server waits for it, its output stays behind until the lag bound: found by the simulation at
+/// `SIM_SCALE=20`, `PrimaryAppHang` 13259).
+#[test]
+fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 30)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut ack);
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 11), "clamped to what the backup's server sent");
+    let report = |beat| {
+        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), flags: 0 };
+        Progress { role: Role::Primary, beat, flags: 0, records: vec![rec] }
+    };
+    assert!(b.primary_report(&report(1)).is_empty(), "nothing more to give yet");
+    backup_sends(&mut b, 10, &[2; 10], B_TS0 + 2);
+    let inj = b.primary_report(&report(2));
+    assert_eq!(inj.len(), 1, "the clamped ACK, relayed now that the bytes exist");
+    let (t, d) = seg(&inj[0]);
+    assert_eq!((t.seq, t.ack, t.flags, d.len()), (Seq(C_ISN + 1), Seq(B_ISN + 21), F::ACK, 0));
+    assert!(b.primary_report(&report(3)).is_empty(), "once");
+    backup_sends(&mut b, 20, &[3; 10], B_TS0 + 3);
+    let inj = b.primary_report(&report(4));
+    assert_eq!(inj.len(), 1);
+    assert_eq!(seg(&inj[0]).0.ack, Seq(B_ISN + 31));
+    assert!(b.primary_report(&report(5)).is_empty(), "never beyond the client's ACK");
+    assert_eq!(b.counters.acks_relayed, 2);
+}
+
 // --- the primary ---------------------------------------------------------------------------
 
 fn progress(beat: u64, rcv_nxt: u32, out: &[u8], fin: bool) -> Progress {
@@ -342,4 +373,28 @@ fn tables_are_bounded_forged_syns_do_not_grow_them() {
     let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: 9, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
     b.incoming(&mut s);
     assert_eq!((b.connections(), b.counters.table_full), (2, 3));
+}
+
+/// ST-TCP's MaxDelayFIN counts from the client's ACK of every byte before the lone FIN: until
+/// then the client may be waiting for that data (a lost segment the primary's server resends
+/// after 1, 2, 4 s), so it has not sent the request that would show the backup's output going
+/// past the FIN. A FIN let out on the old clock ended the client's stream early (found by the
+/// simulation at `SIM_SCALE=20`, `PrimaryAppFin` 1806).
+#[test]
+fn st_tcp_max_delay_fin_counts_from_the_clients_ack_of_the_data_before_it() {
+    let mut p = primary(true); // MaxDelayFIN 1 s
+    assert_eq!(primary_sends(&mut p, 0, b"bye", C_ISN + 1, F::FIN, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"bye", false), 3);
+    assert_eq!(p.take_transmit().len(), 1, "the data without the FIN");
+    let no_fin = |p: &mut Primary| p.take_transmit().iter().all(|pkt| seg(pkt).0.flags & F::FIN == 0);
+    p.tick(2_000);
+    assert!(p.take_notices().is_empty() && no_fin(&mut p), "the client has not acknowledged the data: the FIN waits");
+    let ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(4)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(p.incoming(&ack), Verdict::PASS);
+    p.tick(2_100);
+    p.tick(3_050);
+    assert!(p.take_notices().is_empty() && no_fin(&mut p), "MaxDelayFIN from the client's ACK");
+    p.tick(3_101);
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::FinTimeout }]);
+    assert!(!no_fin(&mut p), "then the lone FIN goes out (ST-TCP's rule)");
 }

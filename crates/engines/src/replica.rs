@@ -39,8 +39,8 @@
 //! 3. Application failure with FIN/RST on one side: a FIN is output like a byte and is released
 //!    only once the backup produced its FIN at the same offset. A FIN where the other side has
 //!    data at that offset marks the FIN's side as failed (primary: yield; backup: unprotected).
-//!    A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN), then goes
-//!    out unprotected. A primary RST is never sent while protected: if the backup does not reset
+//!    A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN) from the
+//!    client's ACK of every byte before it, then goes out unprotected. A primary RST is never sent while protected: if the backup does not reset
 //!    too within MaxDelayFIN, the primary yields. A backup RST makes the connection unprotected.
 //! 4. NIC or cable failure (two heartbeat links, gateway pings): not handled; the daemon's
 //!    business, it has one side channel for now.
@@ -151,6 +151,13 @@ fn tcp_mut<'a>(pkt: &'a mut [u8], s: &Seg) -> Result<Tcp<&'a mut [u8]>> {
     Tcp::new_checked(&mut pkt[s.info.l4_offset..s.info.l4_offset + s.info.l4_len])
 }
 
+/// RFC 793's acceptability test against a receive window [`rcv_nxt`, `edge`]: some of the
+/// segment at or after RCV.NXT, its start not beyond the right edge.
+fn acceptable(s: &Seg, rcv_nxt: Seq, edge: Seq) -> bool {
+    let end = s.seq + s.payload_len as u32 + s.fin() as u32;
+    end.ge(rcv_nxt) && s.seq.le(edge)
+}
+
 fn seq_min(a: Seq, b: Seq) -> Seq {
     if a.lt(b) {
         a
@@ -249,6 +256,9 @@ pub struct BackupCounters {
     pub acks_relayed: u64,
     /// New connections not followed because the table was full (they cannot be taken over).
     pub table_full: u64,
+    /// Client packets outside the backup server's receive window (a forgery, or very old):
+    /// nothing is learned from them; before alignment they are dropped.
+    pub unacceptable: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -335,7 +345,17 @@ impl Backup {
             return Verdict::PASS;
         }
         let Some(c) = self.conns.get_mut(&key) else { return Verdict::PASS };
-        if s.fin() {
+        // Only a segment the backup's server would accept teaches anything (RFC 793's test,
+        // against the receive window it announced): a blind forgery must guess the client's
+        // sequence number, not merely its address, to align the connection or move its ACK.
+        let in_window = !c.rcv_known || acceptable(&s, c.rcv_nxt, c.rcv_edge);
+        if !in_window {
+            self.counters.unacceptable += 1;
+            if !c.aligned {
+                return Verdict::Drop;
+            }
+        }
+        if s.fin() && in_window {
             c.client_fin = true;
         }
         if !s.has(F::ACK) {
@@ -357,7 +377,7 @@ impl Backup {
             c.out_hash = HASH_INIT;
             self.counters.aligned += 1;
         }
-        if s.ack.gt(c.last_ack) || !c.client_seen {
+        if in_window && (s.ack.gt(c.last_ack) || !c.client_seen) {
             c.last_ack = s.ack;
             c.client_win = s.window;
             c.client_ts = s.ts.map(|t| (t.1, t.2));
@@ -378,7 +398,7 @@ impl Backup {
             }
         };
         let ack_b = to_b(s.ack);
-        if c.acked_b.is_none_or(|a| ack_b.gt(a)) {
+        if in_window && c.acked_b.is_none_or(|a| ack_b.gt(a)) {
             c.acked_b = Some(ack_b);
         }
         let mut modified = false;
@@ -555,10 +575,15 @@ impl Backup {
                 c.checkpoints.pop_front();
             }
             let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
-            // The client's latest ACK, as either side heard it; relayed when it acknowledges
-            // more than the backup's server was given (also when an earlier one was clamped and
-            // that server has sent more since).
-            let latest = if r.last_ack != Seq(0) && r.last_ack.gt(c.last_ack) { r.last_ack } else { c.last_ack };
+            // The client's latest ACK as the primary heard it (authenticated, and never beyond
+            // what the primary's server sent; not the backup's own `last_ack`, which any packet
+            // with the client's address and a valid checksum may have raised): relayed when it
+            // acknowledges more than the backup's server was given, also when an earlier one was
+            // clamped and that server has sent more since.
+            if r.last_ack == Seq(0) {
+                continue;
+            }
+            let latest = r.last_ack;
             let mut ack_b = latest - c.delta;
             if ack_b.gt(c.snd_max) {
                 ack_b = c.snd_max;
@@ -569,7 +594,9 @@ impl Backup {
             let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
             let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.rcv_nxt, ack: ack_b, flags: F::ACK, window: c.client_win, timestamp: ts, ..Default::default() };
             if let Ok(pkt) = ip::tcp_packet(key.client, server, &rep, &[]) {
-                c.last_ack = latest;
+                if latest.gt(c.last_ack) {
+                    c.last_ack = latest;
+                }
                 c.acked_b = Some(ack_b);
                 self.counters.acks_relayed += 1;
                 inject.push(pkt);
@@ -609,7 +636,8 @@ pub struct Config {
     /// ST-TCP's AppMaxLagTime: a byte one side produced (or received) and the other has not,
     /// for longer than this, marks the other as failed.
     pub max_lag_ms: u64,
-    /// ST-TCP's MaxDelayFIN: how long a FIN (or RST) of the primary alone is held.
+    /// ST-TCP's MaxDelayFIN: how long a FIN (or RST) of the primary alone is held (a FIN: from
+    /// the client's ACK of every byte before it; a FIN the client never gets that far is held).
     pub max_delay_fin_ms: u64,
     /// Output held per connection before the backup counts as lagging.
     pub max_held_bytes: usize,
@@ -867,8 +895,11 @@ impl Primary {
                 c.client_fin |= s.fin();
                 // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
                 // LastAckReceived); only within what the primary's server has sent.
+                // Only from a segment the server's TCP would accept: a blind forgery must guess
+                // the client's sequence number (it would start MaxDelayFIN's clock, and be
+                // relayed to the backup's server as the client's).
                 let limit = c.snd_p;
-                if c.synack.is_none() && s.ack.gt(c.client_ack) && s.ack.le(limit) {
+                if c.synack.is_none() && acceptable(&s, c.ack_p, c.edge_p) && s.ack.gt(c.client_ack) && s.ack.le(limit) {
                     c.client_ack = s.ack;
                 }
             }

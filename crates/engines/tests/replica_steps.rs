@@ -177,6 +177,45 @@ fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
     assert_eq!(b.counters.acks_relayed, 2);
 }
 
+/// The relay trusts only the primary's (authenticated) view of the client's ACK: a forgery
+/// that acknowledges more than the client did (even one that guessed an acceptable sequence
+/// number) is never turned into an injected ACK beyond what it gave by itself.
+#[test]
+fn forged_client_ack_is_never_relayed() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut forged);
+    backup_sends(&mut b, 10, &[2; 10], B_TS0 + 2);
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(21)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: 0 };
+    assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty(), "the client acknowledged nothing");
+    assert_eq!(b.counters.acks_relayed, 0);
+}
+
+/// A blind forgery (the client's address, a valid checksum, a guessed sequence number outside
+/// the window the backup's server announced) neither aligns a connection (Δ would be wrong for
+/// good, and the backup's kernel would take the translated ACK as its handshake's) nor teaches
+/// the engine anything; the genuine handshake ACK still aligns it.
+#[test]
+fn forged_out_of_window_ack_neither_aligns_nor_teaches() {
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(6)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut forged), Verdict::Drop);
+    assert_eq!((b.counters.aligned, b.counters.unacceptable), (0, 1));
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut ack);
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 1), "aligned on the genuine ACK");
+    // Once aligned, an out-of-window packet goes to the kernel (which drops it) unlearned.
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(11)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }));
+    let rec = &b.progress(1)[0].records[0];
+    assert_eq!(rec.last_ack, Seq(P_ISN.wrapping_add(1)), "the forged ACK was not taken for the client's");
+}
+
 // --- the primary ---------------------------------------------------------------------------
 
 fn progress(beat: u64, rcv_nxt: u32, out: &[u8], fin: bool) -> Progress {
@@ -397,4 +436,21 @@ fn st_tcp_max_delay_fin_counts_from_the_clients_ack_of_the_data_before_it() {
     p.tick(3_101);
     assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::FinTimeout }]);
     assert!(!no_fin(&mut p), "then the lone FIN goes out (ST-TCP's rule)");
+}
+
+/// The client's ACK as the primary reports it (relayed to the backup's server, and MaxDelayFIN's
+/// clock) is learned only from a segment within the primary server's receive window: a blind
+/// forgery with the client's address is ignored.
+#[test]
+fn primary_learns_the_clients_ack_only_from_acceptable_segments() {
+    let mut p = primary(false);
+    p.backup_progress(&progress(2, C_ISN + 1, &[], false), 2);
+    assert!(matches!(primary_sends(&mut p, 0, b"hello", C_ISN + 1, 0, 3).0, Verdict::Accept { .. }));
+    let last_ack = |p: &Primary| p.report(1)[0].records[0].last_ack;
+    let forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(6)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(p.incoming(&forged), Verdict::PASS);
+    assert_eq!(last_ack(&p), Seq(P_ISN.wrapping_add(1)));
+    let genuine = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(6)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    p.incoming(&genuine);
+    assert_eq!(last_ack(&p), Seq(P_ISN.wrapping_add(6)));
 }

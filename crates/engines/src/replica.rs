@@ -778,6 +778,9 @@ struct PConn {
     synack_since: Option<u64>,
     /// ISN + 1 of the primary's server.
     stream_start: Seq,
+    /// The primary's server has sent output (`p_end` moved past `stream_start`): from then on
+    /// no FIN is "before the stream start" (after 2 GiB the serial comparison would say so).
+    out_seen: bool,
 }
 
 impl PConn {
@@ -876,6 +879,7 @@ impl Primary {
                 nudge_gap: 0,
                 synack_since: None,
                 stream_start: Seq(0),
+                out_seen: false,
             };
             // A SYN for a connection the engine already follows is a retransmission (or a
             // forgery): it changes nothing, unless that connection is over (both sides closed,
@@ -961,7 +965,7 @@ impl Primary {
         }
         // A FIN before the stream's first byte (a server that closed during the handshake)
         // means the connection is lost on the primary: treated like its RST.
-        let bogus_fin = s.fin() && (s.seq + s.payload_len as u32).lt(c.stream_start);
+        let bogus_fin = s.fin() && !c.out_seen && (s.seq + s.payload_len as u32).lt(c.stream_start);
         if s.has(F::RST) || bogus_fin {
             // ST-TCP 3.7.4: a RST is treated like a FIN; it never reaches the client while the
             // backup may still continue the connection.
@@ -1014,6 +1018,7 @@ impl Primary {
                 c.held_bytes.extend(&pkt[s.payload_at + skip..s.payload_at + s.payload_len]);
             }
             c.p_end = end;
+            c.out_seen = true;
         }
         if s.fin() && end == c.p_end {
             c.p_fin = true;
@@ -1558,6 +1563,47 @@ impl Detector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sequence numbers wrap: a FIN of the primary's server more than 2 GiB after its stream's
+    /// start is that stream's end, not "a FIN before the stream start" (which is held like a
+    /// RST, and makes the primary yield: a whole-host failover at every such close).
+    #[test]
+    fn primary_fin_after_2_gib_is_a_fin() {
+        let (cli, svc): (IpAddr, IpAddr) = ("10.0.9.2".parse().unwrap(), "10.0.0.1".parse().unwrap());
+        let key = ConnKey { client: cli, client_port: 40000, server_port: 6379 };
+        let mut p = Primary::new(Config { strict: false, max_lag_bytes: u32::MAX, ..Config::default() });
+        let c_isn = 77_777u32;
+        let syn = tcp::Repr { src_port: 40000, dst_port: 6379, seq: Seq(c_isn), flags: F::SYN, window: 65535, ..Default::default() };
+        p.incoming(&ip::tcp_packet(cli, svc, &syn, &[]).unwrap());
+        let sa = tcp::Repr { src_port: 6379, dst_port: 40000, seq: Seq(5), ack: Seq(c_isn + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() };
+        p.outgoing(&mut ip::tcp_packet(svc, cli, &sa, &[]).unwrap(), 0);
+        let rec = ConnProgress { client: cli, client_port: 40000, server_port: 6379, rcv_nxt: Seq(c_isn + 1), rcv_edge: Seq(c_isn + 1001), out_end: Seq(6), out_hash: HASH_INIT, last_ack: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED };
+        p.backup_progress(&Progress { role: Role::Backup, beat: 1, flags: 0, records: vec![rec] }, 1);
+        assert_eq!(p.take_transmit().len(), 1, "the SYN-ACK");
+        let send = |p: &mut Primary, off: u32, flags: u8, len: usize| {
+            let r = tcp::Repr { src_port: 6379, dst_port: 40000, seq: Seq(6u32.wrapping_add(off)), ack: Seq(c_isn + 1), flags: F::ACK | flags, window: 100, ..Default::default() };
+            p.outgoing(&mut ip::tcp_packet(svc, cli, &r, &vec![7u8; len]).unwrap(), 2)
+        };
+        assert!(matches!(send(&mut p, 0, 0, 10), Verdict::Accept { .. }));
+        // 2 GiB and more later (the bytes in between are not the point); the backup's reports,
+        // like the stream, move in steps.
+        let far = (1u32 << 31) + 100;
+        let c = p.conns.get_mut(&key).unwrap();
+        (c.p_end, c.rel, c.snd_c, c.snd_p, c.client_ack) = (Seq(6 + far), Seq(6 + far), Seq(6 + far), Seq(6 + far), Seq(6 + far));
+        let report = |p: &mut Primary, beat: u64, end: u32| {
+            let rec = ConnProgress { out_end: Seq(end), ..rec };
+            p.backup_progress(&Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }, 3);
+        };
+        report(&mut p, 2, 6 + (1 << 30));
+        report(&mut p, 3, 6 + far);
+        assert!(matches!(send(&mut p, far, 0, 10), Verdict::Accept { .. }));
+        report(&mut p, 4, 6 + far + 10);
+        assert_eq!(send(&mut p, far + 10, F::FIN, 0), Verdict::Held, "a FIN, waiting for the backup's");
+        assert_eq!(p.counters.rst_held, 0);
+        p.tick(10_000);
+        let n = p.take_notices();
+        assert!(n.is_empty(), "no yield: {n:?}");
+    }
 
     #[test]
     fn detector_backup_fences_before_taking_over() {

@@ -896,14 +896,16 @@ impl Primary {
         } else if s.csum_ok && s.has(F::ACK) {
             let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
             if let Some(c) = self.conns.get_mut(&key) {
-                c.client_fin |= s.fin();
+                // Only from a segment the server's TCP would accept: a blind forgery must guess
+                // the client's sequence number. A forged FIN would make the connection look
+                // finished (forgettable, its held output with it); a forged ACK would start
+                // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
+                let in_window = acceptable(&s, c.ack_p, c.edge_p);
+                c.client_fin |= s.fin() && in_window;
                 // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
                 // LastAckReceived); only within what the primary's server has sent.
-                // Only from a segment the server's TCP would accept: a blind forgery must guess
-                // the client's sequence number (it would start MaxDelayFIN's clock, and be
-                // relayed to the backup's server as the client's).
                 let limit = c.snd_p;
-                if c.synack.is_none() && acceptable(&s, c.ack_p, c.edge_p) && s.ack.gt(c.client_ack) && s.ack.le(limit) {
+                if c.synack.is_none() && in_window && s.ack.gt(c.client_ack) && s.ack.le(limit) {
                     c.client_ack = s.ack;
                 }
             }

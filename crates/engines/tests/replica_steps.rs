@@ -454,3 +454,21 @@ fn primary_learns_the_clients_ack_only_from_acceptable_segments() {
     p.incoming(&genuine);
     assert_eq!(last_ack(&p), Seq(P_ISN.wrapping_add(6)));
 }
+
+/// A forged client FIN (outside the window) does not make a connection look finished: it is
+/// not forgotten (with its held output) to make room in a full table.
+#[test]
+fn forged_client_fin_does_not_make_a_connection_forgettable() {
+    let mut p = Primary::new(Config { strict: true, max_conns: 1, ..Config::default() });
+    assert_eq!(p.incoming(&syn()), Verdict::PASS);
+    let mut sa = from_server(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), ..Default::default() }, &[]);
+    p.outgoing(&mut sa, 0);
+    p.backup_progress(&progress(1, C_ISN + 1, &[], false), 1);
+    assert_eq!(primary_sends(&mut p, 0, b"bye", C_ISN + 1, F::FIN, 2).0, Verdict::Held);
+    let forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(5)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
+    p.incoming(&forged);
+    let other = ip::tcp_packet(cli(), svc(), &Repr { src_port: 40001, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+    p.incoming(&other);
+    assert_eq!(p.counters.table_full, 1, "the live connection was kept");
+    assert!(p.held_bytes() > 0, "its held output too");
+}

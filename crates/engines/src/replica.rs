@@ -39,8 +39,8 @@
 //! 3. Application failure with FIN/RST on one side: a FIN is output like a byte and is released
 //!    only once the backup produced its FIN at the same offset. A FIN where the other side has
 //!    data at that offset marks the FIN's side as failed (primary: yield; backup: unprotected).
-//!    A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN), then goes
-//!    out unprotected. A primary RST is never sent while protected: if the backup does not reset
+//!    A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN) from the
+//!    client's ACK of every byte before it, then goes out unprotected. A primary RST is never sent while protected: if the backup does not reset
 //!    too within MaxDelayFIN, the primary yields. A backup RST makes the connection unprotected.
 //! 4. NIC or cable failure (two heartbeat links, gateway pings): not handled; the daemon's
 //!    business, it has one side channel for now.
@@ -151,6 +151,13 @@ fn tcp_mut<'a>(pkt: &'a mut [u8], s: &Seg) -> Result<Tcp<&'a mut [u8]>> {
     Tcp::new_checked(&mut pkt[s.info.l4_offset..s.info.l4_offset + s.info.l4_len])
 }
 
+/// RFC 793's acceptability test against a receive window [`rcv_nxt`, `edge`]: some of the
+/// segment at or after RCV.NXT, its start not beyond the right edge.
+fn acceptable(s: &Seg, rcv_nxt: Seq, edge: Seq) -> bool {
+    let end = s.seq + s.payload_len as u32 + s.fin() as u32;
+    end.ge(rcv_nxt) && s.seq.le(edge)
+}
+
 fn seq_min(a: Seq, b: Seq) -> Seq {
     if a.lt(b) {
         a
@@ -202,6 +209,11 @@ struct BConn {
     fin_out: bool,
     rst_out: bool,
     last_ack: Seq,
+    /// The highest ACK handed to the backup's server (its own space, after clamping to
+    /// `snd_max`), from the client or relayed: a client ACK clamped because the backup's server
+    /// had not sent those bytes yet is relayed again once it has (else that server waits for an
+    /// ACK the client, which has everything from the primary, never sends again).
+    acked_b: Option<Seq>,
     /// The primary reported a divergence: never answer on this connection.
     diverged: bool,
     client_fin: bool,
@@ -244,6 +256,9 @@ pub struct BackupCounters {
     pub acks_relayed: u64,
     /// New connections not followed because the table was full (they cannot be taken over).
     pub table_full: u64,
+    /// Client packets outside the backup server's receive window (a forgery, or very old):
+    /// nothing is learned from them; before alignment they are dropped.
+    pub unacceptable: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -330,7 +345,17 @@ impl Backup {
             return Verdict::PASS;
         }
         let Some(c) = self.conns.get_mut(&key) else { return Verdict::PASS };
-        if s.fin() {
+        // Only a segment the backup's server would accept teaches anything (RFC 793's test,
+        // against the receive window it announced): a blind forgery must guess the client's
+        // sequence number, not merely its address, to align the connection or move its ACK.
+        let in_window = !c.rcv_known || acceptable(&s, c.rcv_nxt, c.rcv_edge);
+        if !in_window {
+            self.counters.unacceptable += 1;
+            if !c.aligned {
+                return Verdict::Drop;
+            }
+        }
+        if s.fin() && in_window {
             c.client_fin = true;
         }
         if !s.has(F::ACK) {
@@ -352,7 +377,7 @@ impl Backup {
             c.out_hash = HASH_INIT;
             self.counters.aligned += 1;
         }
-        if s.ack.gt(c.last_ack) || !c.client_seen {
+        if in_window && (s.ack.gt(c.last_ack) || !c.client_seen) {
             c.last_ack = s.ack;
             c.client_win = s.window;
             c.client_ts = s.ts.map(|t| (t.1, t.2));
@@ -373,6 +398,9 @@ impl Backup {
             }
         };
         let ack_b = to_b(s.ack);
+        if in_window && c.acked_b.is_none_or(|a| ack_b.gt(a)) {
+            c.acked_b = Some(ack_b);
+        }
         let mut modified = false;
         if ack_b != s.ack {
             t.rewrite_ack(ack_b);
@@ -547,17 +575,29 @@ impl Backup {
                 c.checkpoints.pop_front();
             }
             let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
-            if r.last_ack == Seq(0) || !r.last_ack.gt(c.last_ack) {
+            // The client's latest ACK as the primary heard it (authenticated, and never beyond
+            // what the primary's server sent; not the backup's own `last_ack`, which any packet
+            // with the client's address and a valid checksum may have raised): relayed when it
+            // acknowledges more than the backup's server was given, also when an earlier one was
+            // clamped and that server has sent more since.
+            if r.last_ack == Seq(0) {
                 continue;
             }
-            let mut ack_b = r.last_ack - c.delta;
+            let latest = r.last_ack;
+            let mut ack_b = latest - c.delta;
             if ack_b.gt(c.snd_max) {
                 ack_b = c.snd_max;
+            }
+            if c.acked_b.is_some_and(|a| !ack_b.gt(a)) {
+                continue;
             }
             let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
             let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.rcv_nxt, ack: ack_b, flags: F::ACK, window: c.client_win, timestamp: ts, ..Default::default() };
             if let Ok(pkt) = ip::tcp_packet(key.client, server, &rep, &[]) {
-                c.last_ack = r.last_ack;
+                if latest.gt(c.last_ack) {
+                    c.last_ack = latest;
+                }
+                c.acked_b = Some(ack_b);
                 self.counters.acks_relayed += 1;
                 inject.push(pkt);
             }
@@ -596,7 +636,8 @@ pub struct Config {
     /// ST-TCP's AppMaxLagTime: a byte one side produced (or received) and the other has not,
     /// for longer than this, marks the other as failed.
     pub max_lag_ms: u64,
-    /// ST-TCP's MaxDelayFIN: how long a FIN (or RST) of the primary alone is held.
+    /// ST-TCP's MaxDelayFIN: how long a FIN (or RST) of the primary alone is held (a FIN: from
+    /// the client's ACK of every byte before it; a FIN the client never gets that far is held).
     pub max_delay_fin_ms: u64,
     /// Output held per connection before the backup counts as lagging.
     pub max_held_bytes: usize,
@@ -710,6 +751,13 @@ struct PConn {
     /// The primary's server sent a FIN at `p_end`.
     p_fin: bool,
     fin_since: Option<u64>,
+    /// Since when the client has acknowledged every byte before the held FIN: MaxDelayFIN
+    /// counts from there. Before, the client may still be waiting for the data before the FIN
+    /// (lost, retransmitted on the primary's timer), so it has not sent the next request that
+    /// would show the backup's output going past the FIN (found by the simulation: a lost last
+    /// segment, retransmitted after 1, 2, 4 s, let a lone FIN out after 5 s before the client had
+    /// asked for more).
+    fin_acked_since: Option<u64>,
     rst_since: Option<u64>,
     sent_ack: Option<Seq>,
     /// Highest sequence number (FIN included) the client has been sent.
@@ -730,6 +778,9 @@ struct PConn {
     synack_since: Option<u64>,
     /// ISN + 1 of the primary's server.
     stream_start: Seq,
+    /// The primary's server has sent output (`p_end` moved past `stream_start`): from then on
+    /// no FIN is "before the stream start" (after 2 GiB the serial comparison would say so).
+    out_seen: bool,
 }
 
 impl PConn {
@@ -811,6 +862,7 @@ impl Primary {
                 p_end: Seq(0),
                 p_fin: false,
                 fin_since: None,
+                fin_acked_since: None,
                 rst_since: None,
                 sent_ack: None,
                 snd_c: Seq(0),
@@ -827,6 +879,7 @@ impl Primary {
                 nudge_gap: 0,
                 synack_since: None,
                 stream_start: Seq(0),
+                out_seen: false,
             };
             // A SYN for a connection the engine already follows is a retransmission (or a
             // forgery): it changes nothing, unless that connection is over (both sides closed,
@@ -843,11 +896,16 @@ impl Primary {
         } else if s.csum_ok && s.has(F::ACK) {
             let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
             if let Some(c) = self.conns.get_mut(&key) {
-                c.client_fin |= s.fin();
+                // Only from a segment the server's TCP would accept: a blind forgery must guess
+                // the client's sequence number. A forged FIN would make the connection look
+                // finished (forgettable, its held output with it); a forged ACK would start
+                // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
+                let in_window = acceptable(&s, c.ack_p, c.edge_p);
+                c.client_fin |= s.fin() && in_window;
                 // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
                 // LastAckReceived); only within what the primary's server has sent.
                 let limit = c.snd_p;
-                if c.synack.is_none() && s.ack.gt(c.client_ack) && s.ack.le(limit) {
+                if c.synack.is_none() && in_window && s.ack.gt(c.client_ack) && s.ack.le(limit) {
                     c.client_ack = s.ack;
                 }
             }
@@ -909,7 +967,7 @@ impl Primary {
         }
         // A FIN before the stream's first byte (a server that closed during the handshake)
         // means the connection is lost on the primary: treated like its RST.
-        let bogus_fin = s.fin() && (s.seq + s.payload_len as u32).lt(c.stream_start);
+        let bogus_fin = s.fin() && !c.out_seen && (s.seq + s.payload_len as u32).lt(c.stream_start);
         if s.has(F::RST) || bogus_fin {
             // ST-TCP 3.7.4: a RST is treated like a FIN; it never reaches the client while the
             // backup may still continue the connection.
@@ -962,6 +1020,7 @@ impl Primary {
                 c.held_bytes.extend(&pkt[s.payload_at + skip..s.payload_at + s.payload_len]);
             }
             c.p_end = end;
+            c.out_seen = true;
         }
         if s.fin() && end == c.p_end {
             c.p_fin = true;
@@ -1178,7 +1237,10 @@ impl Primary {
             c.yielded = true;
             self.notices.push(Notice::YieldToBackup { key });
         }
-        if c.p_fin && !fin_ok && c.fin_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) {
+        if c.p_fin && !fin_ok && c.fin_since.is_some() && c.client_ack.ge(c.p_end) {
+            c.fin_acked_since.get_or_insert(now);
+        }
+        if c.p_fin && !fin_ok && c.fin_acked_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) {
             self.unprotect(key, Why::FinTimeout);
             return;
         }
@@ -1217,6 +1279,7 @@ impl Primary {
         }
         if any {
             c.fin_since = if c.held.iter().any(|h| h.fin) { c.fin_since } else { None };
+            c.fin_acked_since = c.fin_since.and(c.fin_acked_since);
         }
         // ST-TCP 3.7.3: AppMaxLagBytes / AppMaxLagTime, both ways.
         if !b.aligned || !b.rcv_known {
@@ -1502,6 +1565,47 @@ impl Detector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sequence numbers wrap: a FIN of the primary's server more than 2 GiB after its stream's
+    /// start is that stream's end, not "a FIN before the stream start" (which is held like a
+    /// RST, and makes the primary yield: a whole-host failover at every such close).
+    #[test]
+    fn primary_fin_after_2_gib_is_a_fin() {
+        let (cli, svc): (IpAddr, IpAddr) = ("10.0.9.2".parse().unwrap(), "10.0.0.1".parse().unwrap());
+        let key = ConnKey { client: cli, client_port: 40000, server_port: 6379 };
+        let mut p = Primary::new(Config { strict: false, max_lag_bytes: u32::MAX, ..Config::default() });
+        let c_isn = 77_777u32;
+        let syn = tcp::Repr { src_port: 40000, dst_port: 6379, seq: Seq(c_isn), flags: F::SYN, window: 65535, ..Default::default() };
+        p.incoming(&ip::tcp_packet(cli, svc, &syn, &[]).unwrap());
+        let sa = tcp::Repr { src_port: 6379, dst_port: 40000, seq: Seq(5), ack: Seq(c_isn + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() };
+        p.outgoing(&mut ip::tcp_packet(svc, cli, &sa, &[]).unwrap(), 0);
+        let rec = ConnProgress { client: cli, client_port: 40000, server_port: 6379, rcv_nxt: Seq(c_isn + 1), rcv_edge: Seq(c_isn + 1001), out_end: Seq(6), out_hash: HASH_INIT, last_ack: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED };
+        p.backup_progress(&Progress { role: Role::Backup, beat: 1, flags: 0, records: vec![rec] }, 1);
+        assert_eq!(p.take_transmit().len(), 1, "the SYN-ACK");
+        let send = |p: &mut Primary, off: u32, flags: u8, len: usize| {
+            let r = tcp::Repr { src_port: 6379, dst_port: 40000, seq: Seq(6u32.wrapping_add(off)), ack: Seq(c_isn + 1), flags: F::ACK | flags, window: 100, ..Default::default() };
+            p.outgoing(&mut ip::tcp_packet(svc, cli, &r, &vec![7u8; len]).unwrap(), 2)
+        };
+        assert!(matches!(send(&mut p, 0, 0, 10), Verdict::Accept { .. }));
+        // 2 GiB and more later (the bytes in between are not the point); the backup's reports,
+        // like the stream, move in steps.
+        let far = (1u32 << 31) + 100;
+        let c = p.conns.get_mut(&key).unwrap();
+        (c.p_end, c.rel, c.snd_c, c.snd_p, c.client_ack) = (Seq(6 + far), Seq(6 + far), Seq(6 + far), Seq(6 + far), Seq(6 + far));
+        let report = |p: &mut Primary, beat: u64, end: u32| {
+            let rec = ConnProgress { out_end: Seq(end), ..rec };
+            p.backup_progress(&Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }, 3);
+        };
+        report(&mut p, 2, 6 + (1 << 30));
+        report(&mut p, 3, 6 + far);
+        assert!(matches!(send(&mut p, far, 0, 10), Verdict::Accept { .. }));
+        report(&mut p, 4, 6 + far + 10);
+        assert_eq!(send(&mut p, far + 10, F::FIN, 0), Verdict::Held, "a FIN, waiting for the backup's");
+        assert_eq!(p.counters.rst_held, 0);
+        p.tick(10_000);
+        let n = p.take_notices();
+        assert!(n.is_empty(), "no yield: {n:?}");
+    }
 
     #[test]
     fn detector_backup_fences_before_taking_over() {

@@ -146,6 +146,76 @@ fn backup_drops_what_it_cannot_align_yet() {
     assert_eq!(b.counters.bad_checksum, 1);
 }
 
+/// ST-TCP 3.6's LastAckReceived, relayed again: a client ACK clamped because the backup's server
+/// had not sent those bytes yet is given to that server once it has sent them (the client has
+/// everything from the primary and never sends that ACK again; without the relay the backup's
+/// server waits for it, its output stays behind until the lag bound: found by the simulation at
+/// `SIM_SCALE=20`, `PrimaryAppHang` 13259).
+#[test]
+fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 30)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut ack);
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 11), "clamped to what the backup's server sent");
+    let report = |beat| {
+        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), flags: 0 };
+        Progress { role: Role::Primary, beat, flags: 0, records: vec![rec] }
+    };
+    assert!(b.primary_report(&report(1)).is_empty(), "nothing more to give yet");
+    backup_sends(&mut b, 10, &[2; 10], B_TS0 + 2);
+    let inj = b.primary_report(&report(2));
+    assert_eq!(inj.len(), 1, "the clamped ACK, relayed now that the bytes exist");
+    let (t, d) = seg(&inj[0]);
+    assert_eq!((t.seq, t.ack, t.flags, d.len()), (Seq(C_ISN + 1), Seq(B_ISN + 21), F::ACK, 0));
+    assert!(b.primary_report(&report(3)).is_empty(), "once");
+    backup_sends(&mut b, 20, &[3; 10], B_TS0 + 3);
+    let inj = b.primary_report(&report(4));
+    assert_eq!(inj.len(), 1);
+    assert_eq!(seg(&inj[0]).0.ack, Seq(B_ISN + 31));
+    assert!(b.primary_report(&report(5)).is_empty(), "never beyond the client's ACK");
+    assert_eq!(b.counters.acks_relayed, 2);
+}
+
+/// The relay trusts only the primary's (authenticated) view of the client's ACK: a forgery
+/// that acknowledges more than the client did (even one that guessed an acceptable sequence
+/// number) is never turned into an injected ACK beyond what it gave by itself.
+#[test]
+fn forged_client_ack_is_never_relayed() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut forged);
+    backup_sends(&mut b, 10, &[2; 10], B_TS0 + 2);
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(21)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: 0 };
+    assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty(), "the client acknowledged nothing");
+    assert_eq!(b.counters.acks_relayed, 0);
+}
+
+/// A blind forgery (the client's address, a valid checksum, a guessed sequence number outside
+/// the window the backup's server announced) neither aligns a connection (Δ would be wrong for
+/// good, and the backup's kernel would take the translated ACK as its handshake's) nor teaches
+/// the engine anything; the genuine handshake ACK still aligns it.
+#[test]
+fn forged_out_of_window_ack_neither_aligns_nor_teaches() {
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(6)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut forged), Verdict::Drop);
+    assert_eq!((b.counters.aligned, b.counters.unacceptable), (0, 1));
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    b.incoming(&mut ack);
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 1), "aligned on the genuine ACK");
+    // Once aligned, an out-of-window packet goes to the kernel (which drops it) unlearned.
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(11)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }));
+    let rec = &b.progress(1)[0].records[0];
+    assert_eq!(rec.last_ack, Seq(P_ISN.wrapping_add(1)), "the forged ACK was not taken for the client's");
+}
+
 // --- the primary ---------------------------------------------------------------------------
 
 fn progress(beat: u64, rcv_nxt: u32, out: &[u8], fin: bool) -> Progress {
@@ -342,4 +412,63 @@ fn tables_are_bounded_forged_syns_do_not_grow_them() {
     let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: 9, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
     b.incoming(&mut s);
     assert_eq!((b.connections(), b.counters.table_full), (2, 3));
+}
+
+/// ST-TCP's MaxDelayFIN counts from the client's ACK of every byte before the lone FIN: until
+/// then the client may be waiting for that data (a lost segment the primary's server resends
+/// after 1, 2, 4 s), so it has not sent the request that would show the backup's output going
+/// past the FIN. A FIN let out on the old clock ended the client's stream early (found by the
+/// simulation at `SIM_SCALE=20`, `PrimaryAppFin` 1806).
+#[test]
+fn st_tcp_max_delay_fin_counts_from_the_clients_ack_of_the_data_before_it() {
+    let mut p = primary(true); // MaxDelayFIN 1 s
+    assert_eq!(primary_sends(&mut p, 0, b"bye", C_ISN + 1, F::FIN, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"bye", false), 3);
+    assert_eq!(p.take_transmit().len(), 1, "the data without the FIN");
+    let no_fin = |p: &mut Primary| p.take_transmit().iter().all(|pkt| seg(pkt).0.flags & F::FIN == 0);
+    p.tick(2_000);
+    assert!(p.take_notices().is_empty() && no_fin(&mut p), "the client has not acknowledged the data: the FIN waits");
+    let ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(4)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(p.incoming(&ack), Verdict::PASS);
+    p.tick(2_100);
+    p.tick(3_050);
+    assert!(p.take_notices().is_empty() && no_fin(&mut p), "MaxDelayFIN from the client's ACK");
+    p.tick(3_101);
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::FinTimeout }]);
+    assert!(!no_fin(&mut p), "then the lone FIN goes out (ST-TCP's rule)");
+}
+
+/// The client's ACK as the primary reports it (relayed to the backup's server, and MaxDelayFIN's
+/// clock) is learned only from a segment within the primary server's receive window: a blind
+/// forgery with the client's address is ignored.
+#[test]
+fn primary_learns_the_clients_ack_only_from_acceptable_segments() {
+    let mut p = primary(false);
+    p.backup_progress(&progress(2, C_ISN + 1, &[], false), 2);
+    assert!(matches!(primary_sends(&mut p, 0, b"hello", C_ISN + 1, 0, 3).0, Verdict::Accept { .. }));
+    let last_ack = |p: &Primary| p.report(1)[0].records[0].last_ack;
+    let forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(6)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(p.incoming(&forged), Verdict::PASS);
+    assert_eq!(last_ack(&p), Seq(P_ISN.wrapping_add(1)));
+    let genuine = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(6)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    p.incoming(&genuine);
+    assert_eq!(last_ack(&p), Seq(P_ISN.wrapping_add(6)));
+}
+
+/// A forged client FIN (outside the window) does not make a connection look finished: it is
+/// not forgotten (with its held output) to make room in a full table.
+#[test]
+fn forged_client_fin_does_not_make_a_connection_forgettable() {
+    let mut p = Primary::new(Config { strict: true, max_conns: 1, ..Config::default() });
+    assert_eq!(p.incoming(&syn()), Verdict::PASS);
+    let mut sa = from_server(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), ..Default::default() }, &[]);
+    p.outgoing(&mut sa, 0);
+    p.backup_progress(&progress(1, C_ISN + 1, &[], false), 1);
+    assert_eq!(primary_sends(&mut p, 0, b"bye", C_ISN + 1, F::FIN, 2).0, Verdict::Held);
+    let forged = from_client(Repr { seq: Seq(C_ISN + 1_000_000), ack: Seq(P_ISN.wrapping_add(5)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, &[]);
+    p.incoming(&forged);
+    let other = ip::tcp_packet(cli(), svc(), &Repr { src_port: 40001, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+    p.incoming(&other);
+    assert_eq!(p.counters.table_full, 1, "the live connection was kept");
+    assert!(p.held_bytes() > 0, "its held output too");
 }

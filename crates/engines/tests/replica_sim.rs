@@ -43,7 +43,6 @@ use std::collections::VecDeque;
 use std::net::Ipv4Addr;
 
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
-use smoltcp::phy::{self, Device, DeviceCapabilities, Medium};
 use smoltcp::socket::tcp::{self, State};
 use smoltcp::time::Instant;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
@@ -110,43 +109,9 @@ fn ts_backup() -> u32 {
 // Simulated device and host
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Default)]
-struct Dev {
-    rx: VecDeque<Vec<u8>>,
-    tx: Vec<Vec<u8>>,
-}
-struct RxTok(Vec<u8>);
-struct TxTok<'a>(&'a mut Vec<Vec<u8>>);
-impl phy::RxToken for RxTok {
-    fn consume<R, Fn_: FnOnce(&[u8]) -> R>(self, f: Fn_) -> R {
-        f(&self.0)
-    }
-}
-impl phy::TxToken for TxTok<'_> {
-    fn consume<R, Fn_: FnOnce(&mut [u8]) -> R>(self, len: usize, f: Fn_) -> R {
-        let mut b = vec![0u8; len];
-        let r = f(&mut b);
-        self.0.push(b);
-        r
-    }
-}
-impl Device for Dev {
-    type RxToken<'a> = RxTok;
-    type TxToken<'a> = TxTok<'a>;
-    fn receive(&mut self, _: Instant) -> Option<(RxTok, TxTok<'_>)> {
-        let p = self.rx.pop_front()?;
-        Some((RxTok(p), TxTok(&mut self.tx)))
-    }
-    fn transmit(&mut self, _: Instant) -> Option<TxTok<'_>> {
-        Some(TxTok(&mut self.tx))
-    }
-    fn capabilities(&self) -> DeviceCapabilities {
-        let mut c = DeviceCapabilities::default();
-        c.medium = Medium::Ip;
-        c.max_transmission_unit = 1500;
-        c
-    }
-}
+#[path = "common/simdev.rs"]
+mod simdev;
+use simdev::Dev;
 
 struct Host {
     iface: Interface,

@@ -62,7 +62,6 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
-use smoltcp::phy::{self, Device, DeviceCapabilities, Medium};
 use smoltcp::socket::tcp::{self, State};
 pub use smoltcp::time::{Duration, Instant};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
@@ -202,47 +201,9 @@ pub fn seed_for_isn(isn: u32) -> u64 {
 // Simulated device and host
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Default)]
-pub struct Dev {
-    rx: VecDeque<Vec<u8>>,
-    tx: Vec<Vec<u8>>,
-}
-
-pub struct RxTok(Vec<u8>);
-pub struct TxTok<'a>(&'a mut Vec<Vec<u8>>);
-
-impl phy::RxToken for RxTok {
-    fn consume<R, Fn_: FnOnce(&[u8]) -> R>(self, f: Fn_) -> R {
-        f(&self.0)
-    }
-}
-
-impl phy::TxToken for TxTok<'_> {
-    fn consume<R, Fn_: FnOnce(&mut [u8]) -> R>(self, len: usize, f: Fn_) -> R {
-        let mut b = vec![0u8; len];
-        let r = f(&mut b);
-        self.0.push(b);
-        r
-    }
-}
-
-impl Device for Dev {
-    type RxToken<'a> = RxTok;
-    type TxToken<'a> = TxTok<'a>;
-    fn receive(&mut self, _: Instant) -> Option<(RxTok, TxTok<'_>)> {
-        let p = self.rx.pop_front()?;
-        Some((RxTok(p), TxTok(&mut self.tx)))
-    }
-    fn transmit(&mut self, _: Instant) -> Option<TxTok<'_>> {
-        Some(TxTok(&mut self.tx))
-    }
-    fn capabilities(&self) -> DeviceCapabilities {
-        let mut c = DeviceCapabilities::default();
-        c.medium = Medium::Ip;
-        c.max_transmission_unit = 1500;
-        c
-    }
-}
+#[path = "../common/simdev.rs"]
+mod simdev;
+pub use simdev::Dev;
 
 /// One TCP/IP stack: what a crash of *A* throws away.
 pub struct Host {

@@ -16,13 +16,11 @@
 //! UNBROKEN_REQUIRE_LAB=1).
 
 use sha2::{Digest, Sha256};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::PathBuf;
-use std::process::{Child, Command};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
 use unbroken_lab::lab;
 use unbroken_lab::objlab::addr;
@@ -47,19 +45,6 @@ fn start(name: &str) -> ObjectEnv {
     env
 }
 
-/// Polls `f` until it holds or `timeout` passes (status files and Redis have no events).
-fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20)); // polling with a deadline
-    }
-}
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -116,116 +101,12 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 // ---- a curl download -----------------------------------------------------------------------------
 
-struct Curl {
-    child: Child,
-    port: u16,
-    progress: Arc<AtomicU64>,
-    seen: JoinHandle<(u64, Option<u64>)>,
-    stderr: JoinHandle<String>,
-}
-
-struct Done {
-    exit: Option<i32>,
-    timed_out: bool,
-    bytes: u64,
-    /// First offset where a received byte differs from the original object.
-    wrong_at: Option<u64>,
-    stderr: String,
-}
-
-/// curl for `path` from client port `port`, with `headers`, read at `rate` bytes/s.
-fn curl(env: &ObjectEnv, path: &str, port: u16, rate: u64, headers: &[&str], want: Arc<Vec<u8>>) -> Curl {
-    let mut c = Command::new("curl");
-    c.args(["-sS", "--fail", "--max-time", "90", "-o", "-", "--local-port", &port.to_string()]);
-    for h in headers {
-        c.args(["-H", h]);
-    }
-    c.arg(env.url(false, path));
-    let mut child = env.client_cmd(&mut c).expect("start curl");
-    let progress = Arc::new(AtomicU64::new(0));
-    let p = progress.clone();
-    let mut out = child.stdout.take().unwrap();
-    let seen = std::thread::spawn(move || {
-        let (mut n, mut wrong) = (0u64, None);
-        let mut buf = vec![0u8; 256 << 10];
-        let t0 = Instant::now();
-        loop {
-            // Paced reads: the pipe, then TCP flow control, slow the download down.
-            let due = t0 + Duration::from_secs_f64(n as f64 / rate as f64);
-            let now = Instant::now();
-            if due > now {
-                std::thread::sleep(due - now); // pacing the reader, not synchronisation
-            }
-            let k = match out.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(k) => k,
-            };
-            if wrong.is_none() {
-                for (i, b) in buf[..k].iter().enumerate() {
-                    if want.get(n as usize + i) != Some(b) {
-                        wrong = Some(n + i as u64);
-                        break;
-                    }
-                }
-            }
-            n += k as u64;
-            p.store(n, Ordering::Relaxed);
-        }
-        (n, wrong)
-    });
-    let mut err = child.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || {
-        let mut t = String::new();
-        let _ = err.read_to_string(&mut t);
-        t
-    });
-    Curl { child, port, progress, seen, stderr }
-}
-
-impl Curl {
-    fn got(&self) -> u64 {
-        self.progress.load(Ordering::Relaxed)
-    }
-    /// Waits (bounded) until `n` bytes arrived; false if curl ended first.
-    fn wait_bytes(&mut self, n: u64, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while self.got() < n {
-            if !matches!(self.child.try_wait(), Ok(None)) || Instant::now() > deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(2)); // polling the byte count to time a crash
-        }
-        true
-    }
-    fn server(&self, env: &ObjectEnv) -> usize {
-        let mut found = None;
-        assert!(wait_for(Duration::from_secs(3), || {
-            found = env.serving(self.port);
-            found.is_some()
-        }));
-        found.unwrap()
-    }
-    fn finish(mut self, timeout: Duration) -> Done {
-        let deadline = Instant::now() + timeout;
-        let mut timed_out = false;
-        let status = loop {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                break Some(st);
-            }
-            if Instant::now() > deadline {
-                timed_out = true;
-                let _ = self.child.kill();
-                break self.child.wait().ok();
-            }
-            std::thread::sleep(Duration::from_millis(10)); // polling the child with a deadline
-        };
-        let (bytes, wrong_at) = self.seen.join().unwrap_or_default();
-        Done { exit: status.and_then(|s| s.code()), timed_out, bytes, wrong_at, stderr: self.stderr.join().unwrap_or_default() }
-    }
-}
+#[path = "common/curl.rs"]
+mod curl_client;
+use curl_client::{curl, wait_for, Done};
 
 fn show(name: &str, what: &str, d: &Done) {
-    eprintln!("{name}: {what}: curl exit {:?}{}, {} bytes, wrong_at {:?}; curl said {:?}", d.exit, if d.timed_out { " (TIMED OUT)" } else { "" }, d.bytes, d.wrong_at, d.stderr.trim());
+    eprintln!("{name}: {what}: curl exit {:?}{}, {} bytes, wrong_at {:?}; curl said {:?}", d.exit, if d.timed_out { " (TIMED OUT)" } else { "" }, d.seen.bytes, d.seen.wrong_at, d.stderr.trim());
 }
 
 fn counters(env: &ObjectEnv) -> String {
@@ -240,9 +121,9 @@ fn counters(env: &ObjectEnv) -> String {
 /// The client must fail visibly and never see a wrong byte: a short transfer, a non-zero
 /// exit, a RST, no hang.
 fn assert_failed_safe(name: &str, env: &ObjectEnv, d: &Done, size: u64) {
-    assert_eq!(d.wrong_at, None, "{name}: WRONG BYTES delivered (spliced); {}", counters(env));
+    assert_eq!(d.seen.wrong_at, None, "{name}: WRONG BYTES delivered (spliced); {}", counters(env));
     assert!(!d.timed_out, "{name}: the client hung instead of failing");
-    assert!(d.bytes < size, "{name}: the whole object arrived after the crash?");
+    assert!(d.seen.bytes < size, "{name}: the whole object arrived after the crash?");
     assert!(d.exit.is_some_and(|c| c != 0), "{name}: curl exit {:?}: must fail visibly", d.exit);
     assert!(env.client_rsts() >= 1, "{name}: no RST reached the client");
 }
@@ -305,7 +186,7 @@ fn hostile_credentials_never_reach_the_store() {
     for (what, c) in [("with credentials", with), ("without", without)] {
         let d = c.finish(Duration::from_secs(30));
         show(name, what, &d);
-        assert_eq!((d.exit, d.bytes, d.wrong_at), (Some(0), size, None), "{name}: {what}");
+        assert_eq!((d.exit, d.seen.bytes, d.seen.wrong_at), (Some(0), size, None), "{name}: {what}");
     }
     assert_eq!(env.client_rsts(), 0, "{name}: RSTs reached the client");
 }
@@ -409,7 +290,7 @@ fn hostile_last_modified_validator_resumes_byte_exact_through_if_range() {
     show(name, "download", &d);
     assert!(wait_for(Duration::from_secs(3), || env.agent_sum("failovers") >= 1), "{name}: no failover: {}", counters(&env));
     eprintln!("{name}: {}", counters(&env));
-    assert_eq!((d.exit, d.bytes, d.wrong_at, d.timed_out), (Some(0), size, None, false), "{name}: not byte-exact");
+    assert_eq!((d.exit, d.seen.bytes, d.seen.wrong_at, d.timed_out), (Some(0), size, None, false), "{name}: not byte-exact");
     assert_eq!(env.client_rsts(), 0, "{name}: RSTs reached the client");
     assert_eq!(env.engine_sum("unprotected"), 0, "{name}: {}", counters(&env));
 }

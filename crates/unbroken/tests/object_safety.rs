@@ -14,10 +14,9 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
 use unbroken_lab::lab;
@@ -72,19 +71,6 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Polls `f` until it holds or `timeout` passes (a bounded wait on status files).
-fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20)); // polling a status file with a deadline
-    }
-}
 
 fn agent_counter(env: &ObjectEnv, i: usize, name: &str) -> u64 {
     env.agent_status(i)
@@ -176,185 +162,9 @@ fn conns_at(env: &ObjectEnv, i: usize) -> usize {
         .count()
 }
 
-// ---- a client's received bytes ------------------------------------------------------------------
-
-/// What a client received, compared byte by byte with the original object.
-#[derive(Debug, Default, Clone)]
-struct Seen {
-    bytes: u64,
-    /// First offset where a received byte differs from the original (or lies beyond its end).
-    wrong_at: Option<u64>,
-    first_byte_ms: Option<u64>,
-    max_gap_ms: u64,
-    /// Gaps over 50 ms between reads: (at bytes, ms).
-    gaps: Vec<(u64, u64)>,
-}
-
-fn first_diff(got: &[u8], want: &[u8]) -> Option<usize> {
-    let n = got.len().min(want.len());
-    if got[..n] != want[..n] {
-        return got[..n].iter().zip(&want[..n]).position(|(a, b)| a != b);
-    }
-    (got.len() > want.len()).then_some(want.len())
-}
-
-/// Reads a client's output, comparing every byte with `want`. With `rate` > 0 the reads are
-/// paced to that many bytes/s (the pipe, then TCP flow control, slow the download down). The
-/// stall is the time one read waited for data.
-fn watch(
-    mut out: impl Read + Send + 'static,
-    want: Arc<Vec<u8>>,
-    progress: Arc<AtomicU64>,
-    t0: Instant,
-    rate: u64,
-) -> JoinHandle<Seen> {
-    std::thread::spawn(move || {
-        let mut s = Seen::default();
-        let mut buf = vec![0u8; 256 << 10];
-        let paced = Instant::now();
-        loop {
-            if rate > 0 {
-                let due = paced + Duration::from_secs_f64(s.bytes as f64 / rate as f64);
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now); // pacing the reader, not synchronisation
-                }
-            }
-            let asked = Instant::now();
-            let n = match out.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            let now = Instant::now();
-            if s.bytes == 0 {
-                s.first_byte_ms = Some(now.duration_since(t0).as_millis() as u64);
-            } else {
-                let gap = now.duration_since(asked).as_millis() as u64;
-                s.max_gap_ms = s.max_gap_ms.max(gap);
-                if gap > 50 {
-                    s.gaps.push((s.bytes, gap));
-                }
-            }
-            if s.wrong_at.is_none() {
-                let from = (s.bytes as usize).min(want.len());
-                if let Some(d) = first_diff(&buf[..n], &want[from..]) {
-                    s.wrong_at = Some(s.bytes + d as u64);
-                }
-            }
-            s.bytes += n as u64;
-            progress.store(s.bytes, Ordering::Relaxed);
-        }
-        s
-    })
-}
-
-/// A curl download running in the client namespace.
-struct Curl {
-    child: Child,
-    port: u16,
-    progress: Arc<AtomicU64>,
-    seen: JoinHandle<Seen>,
-    stderr: JoinHandle<String>,
-}
-
-struct Done {
-    exit: Option<i32>,
-    timed_out: bool,
-    seen: Seen,
-    stderr: String,
-}
-
-/// Starts curl for `path` from client port `port`, read at `rate` bytes/s (0: as fast as it
-/// comes).
-fn curl(env: &ObjectEnv, path: &str, port: u16, rate: u64, want: Arc<Vec<u8>>) -> Curl {
-    let mut c = Command::new("curl");
-    c.args([
-        "-sS",
-        "--fail",
-        "--max-time",
-        "90",
-        "-o",
-        "-",
-        "--local-port",
-        &port.to_string(),
-    ])
-    .arg(env.url(false, path));
-    let t0 = Instant::now();
-    let mut child = env.client_cmd(&mut c).expect("start curl");
-    let progress = Arc::new(AtomicU64::new(0));
-    let seen = watch(
-        child.stdout.take().unwrap(),
-        want,
-        progress.clone(),
-        t0,
-        rate,
-    );
-    let mut err = child.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || {
-        let mut t = String::new();
-        let _ = err.read_to_string(&mut t);
-        t
-    });
-    Curl {
-        child,
-        port,
-        progress,
-        seen,
-        stderr,
-    }
-}
-
-impl Curl {
-    fn got(&self) -> u64 {
-        self.progress.load(Ordering::Relaxed)
-    }
-    fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-    /// Waits (bounded) until curl has received `n` bytes; false if it ended first.
-    fn wait_bytes(&mut self, n: u64, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while self.got() < n {
-            if !self.running() || Instant::now() > deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(2)); // polling the byte count to time a crash
-        }
-        true
-    }
-    /// The live server holding this download's connection.
-    fn server(&self, env: &ObjectEnv) -> usize {
-        let mut found = None;
-        assert!(wait_for(Duration::from_secs(3), || {
-            found = env.serving(self.port);
-            found.is_some()
-        }));
-        found.unwrap()
-    }
-    fn finish(mut self, timeout: Duration) -> Done {
-        let deadline = Instant::now() + timeout;
-        let mut timed_out = false;
-        let status = loop {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                break Some(st);
-            }
-            if Instant::now() > deadline {
-                timed_out = true;
-                let _ = self.child.kill();
-                break self.child.wait().ok();
-            }
-            std::thread::sleep(Duration::from_millis(10)); // polling the child with a deadline
-        };
-        let seen = self.seen.join().unwrap_or_default();
-        let stderr = self.stderr.join().unwrap_or_default();
-        Done {
-            exit: status.and_then(|s| s.code()),
-            timed_out,
-            seen,
-            stderr,
-        }
-    }
-}
+#[path = "common/curl.rs"]
+mod curl_client;
+use curl_client::{curl, first_diff, wait_for, Done};
 
 fn show(name: &str, d: &Done) {
     eprintln!(
@@ -432,7 +242,7 @@ fn download_with_crash(name: &str, client_sysctls: &[(&str, &str)], options: u8)
     assert_eq!(got, options, "{name}: negotiated TCP options");
     let size = 64u64 << 20;
     let want = object(&env, "big.bin", size, 7);
-    let mut dl = curl(&env, "/big.bin", 41000, RATE, want.clone());
+    let mut dl = curl(&env, "/big.bin", 41000, RATE, &[], want.clone());
     assert!(
         dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)),
         "{name}: download did not reach 30 %"
@@ -507,7 +317,7 @@ fn store_down_connections_continue_unprotected() {
     eprintln!("{name}: store stopped; every agent reports it down: {down}");
 
     // (a) No crash: the download is not held back by the dead store.
-    let dl = curl(&env, "/big.bin", 41001, 0, want.clone());
+    let dl = curl(&env, "/big.bin", 41001, 0, &[], want.clone());
     let d = dl.finish(Duration::from_secs(60));
     show(&format!("{name} (a)"), &d);
     assert_exact(name, &env, &d, &want);
@@ -537,7 +347,7 @@ fn store_down_connections_continue_unprotected() {
 
     // (b) A crash with the store down: no wrong byte, and a visible failure if not complete.
     let rsts0 = env.client_rsts();
-    let mut dl = curl(&env, "/big.bin", 41002, RATE, want.clone());
+    let mut dl = curl(&env, "/big.bin", 41002, RATE, &[], want.clone());
     assert!(
         dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)),
         "{name}: download did not reach 30 %"
@@ -603,7 +413,7 @@ fn store_down_crash_fast_reader_fails_visibly() {
     assert!(wait_for(Duration::from_secs(3), || {
         (1..=3).all(|i| env.agent_status(i).is_some_and(|v| v["store_down"] == true))
     }));
-    let mut dl = curl(&env, "/big.bin", 41004, 0, want.clone());
+    let mut dl = curl(&env, "/big.bin", 41004, 0, &[], want.clone());
     assert!(
         dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)),
         "{name}: download did not reach 30 %"
@@ -658,7 +468,7 @@ fn mismatch_on_new_server_never_delivers_wrong_bytes() {
     let want = object(&env, "big.bin", size, 13);
     let path = env.docroot.join("big.bin");
     let etag0 = etag(&env, "/big.bin");
-    let mut dl = curl(&env, "/big.bin", 41003, RATE, want.clone());
+    let mut dl = curl(&env, "/big.bin", 41003, RATE, &[], want.clone());
     assert!(
         dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)),
         "{name}: download did not reach 30 %"
@@ -910,7 +720,7 @@ fn hostile_bogus_ack_flood_in_the_failover_window_keeps_a_download_exact() {
     let size = 64u64 << 20;
     let want = object(&env, "big.bin", size, 11);
     count_port_rsts(&env, 41000);
-    let mut dl = curl(&env, "/big.bin", 41000, RATE, want.clone());
+    let mut dl = curl(&env, "/big.bin", 41000, RATE, &[], want.clone());
     assert!(dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)), "{name}: download did not reach 30 %");
     let srv = dl.server(&env);
     let survivors: Vec<usize> = (1..=3).filter(|&i| i != srv).collect();
@@ -1000,7 +810,7 @@ fn hostile_blind_syns_on_the_downloads_pair_during_failover_keep_it_exact() {
     let want = object(&env, "big.bin", size, 12);
     let port = 41010;
     count_port_rsts(&env, port);
-    let mut dl = curl(&env, "/big.bin", port, RATE, want.clone());
+    let mut dl = curl(&env, "/big.bin", port, RATE, &[], want.clone());
     assert!(dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)), "{name}: download did not reach 30 %");
     let srv = dl.server(&env);
     env.crash(srv).expect("crash");
@@ -1089,7 +899,7 @@ fn recovery_of_a_dead_server() {
     let t1 = Instant::now();
     for k in 0..30u16 {
         let d =
-            curl(&env, "/small.bin", 42_000 + k, 0, want.clone()).finish(Duration::from_secs(20));
+            curl(&env, "/small.bin", 42_000 + k, 0, &[], want.clone()).finish(Duration::from_secs(20));
         if d.exit != Some(0) || d.seen.wrong_at.is_some() || d.seen.bytes != want.len() as u64 {
             show(&format!("{name} #{k}"), &d);
         }
@@ -1153,7 +963,7 @@ fn false_death_of_the_serving_server() {
     let env = start(name, opts());
     let size = 256u64 << 20;
     let want = object(&env, "big.bin", size, 23);
-    let mut dl = curl(&env, "/big.bin", 41005, RATE, want.clone());
+    let mut dl = curl(&env, "/big.bin", 41005, RATE, &[], want.clone());
     assert!(
         dl.wait_bytes(size / 5, Duration::from_secs(30)),
         "{name}: download did not reach 20 %"
@@ -1614,7 +1424,7 @@ fn agent_restart_and_sighup_during_a_download() {
     let size = 96u64 << 20;
     let want = object(&env, "restart.bin", size, 11);
     let t = Instant::now();
-    let mut c = curl(&env, "/restart.bin", 42_101, 12 << 20, want.clone());
+    let mut c = curl(&env, "/restart.bin", 42_101, 12 << 20, &[], want.clone());
     assert!(c.wait_bytes(size / 10, Duration::from_secs(30)), "{name}: the download did not start");
     let srv = c.server(&env);
     eprintln!("{name}: served by server {srv}");
@@ -1672,7 +1482,7 @@ fn agent_down_past_the_lb_deadline_during_a_download() {
     let mut env = start(name, opts());
     let size = 96u64 << 20;
     let want = object(&env, "down.bin", size, 17);
-    let mut c = curl(&env, "/down.bin", 42_121, 12 << 20, want.clone());
+    let mut c = curl(&env, "/down.bin", 42_121, 12 << 20, &[], want.clone());
     assert!(c.wait_bytes(size / 10, Duration::from_secs(30)), "{name}: the download did not start");
     let srv = c.server(&env);
     // A restart first, so the connection is one the agent protects again from its record.
@@ -1870,7 +1680,7 @@ fn agent_sigterm_leaves_a_rebuilt_connection_silently() {
     let mut env = start(name, opts());
     let size = 128u64 << 20;
     let want = object(&env, "rebuilt.bin", size, 29);
-    let mut c = curl(&env, "/rebuilt.bin", 42_111, RATE, want.clone());
+    let mut c = curl(&env, "/rebuilt.bin", 42_111, RATE, &[], want.clone());
     assert!(c.wait_bytes(size / 10, Duration::from_secs(30)), "{name}: the download did not start");
     let home = c.server(&env);
     env.crash(home).expect("crash");

@@ -469,7 +469,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     }
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
-        rebuilt_file,
+        rebuilt: RebuiltList::new(rebuilt_file),
         next_gen: std::sync::atomic::AtomicU64::new(1),
         kv: store.clone(),
         records: cfg.records(),
@@ -479,6 +479,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         shared: shared.clone(),
         pool: Pool::start(POOL_THREADS, POOL_QUEUE).map_err(|e| format!("agent: starting the failover workers: {e}"))?,
     });
+    {
+        let c2 = ctx.clone();
+        std::thread::Builder::new().name("ub-rebuilt-list".into()).spawn(move || RebuiltList::writer(c2)).map_err(|e| format!("agent: rebuilt-list thread: {e}"))?;
+    }
     let diag = SockDiag::open().map_err(|e| format!("agent: sock_diag: {e}"))?;
     // The packet loop is the data path and its progress is what the heartbeats vouch for
     // (LoopWatch): ordinary work must not starve it. Nice -10 (weight ~9x a normal thread);
@@ -505,10 +509,12 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
     // would end the download, a RST the connection): in repair mode their close is silent, and
     // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
+    let writing = crate::sync::lock(&ctx.rebuilt.writing, "agent: rebuilt list");
     let adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
-    if let Some(path) = &ctx.rebuilt_file {
+    if let Some(path) = &ctx.rebuilt.path {
         write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
     }
+    drop(writing);
     if !adopted.is_empty() {
         let failed = adopted.values().filter(|(_, fd, _)| repair::enter_repair(fd.as_raw_fd()).is_err()).count();
         eprintln!("agent: stopping: {} rebuilt connection(s) left silently{}", adopted.len(), if failed > 0 { format!(" ({failed} could not enter repair mode)") } else { String::new() });
@@ -605,6 +611,9 @@ impl daemon::Mode for AgentMode {
     }
 }
 
+/// Worker messages handled per round of the packet loop (the rest in the next round, at once).
+const MSGS_PER_ROUND: usize = 32;
+
 /// The agent's I/O beyond the queue: the store, the failover workers and their messages,
 /// sock_diag for the gate, the LB's heartbeats, and the counters the status file shows.
 struct AgentIo {
@@ -666,7 +675,14 @@ impl daemon::Adapter<AgentMode> for AgentIo {
             self.wake.clear();
         }
         let shared = &self.shared;
-        while let Ok(msg) = self.rx.try_recv() {
+        // At most MSGS_PER_ROUND per round: a mass failover sends hundreds at once, and the
+        // packets (and the heartbeats, which vouch for the loop's progress) come first.
+        for n in 0.. {
+            if n == MSGS_PER_ROUND {
+                self.wake.ring();
+                break;
+            }
+            let Ok(msg) = self.rx.try_recv() else { break };
             match msg {
                 Msg::Adopt { key, bucket, rec, plan, started: t0, go } => {
                     m.core.adopted(now, key, bucket, &rec, &plan);
@@ -1047,8 +1063,8 @@ struct WorkerCtx {
     /// Rebuilt sockets being served (with the generation of their worker), so a muted or
     /// superseded connection's worker can be stopped.
     adopted: Mutex<HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>>,
-    /// Where the list of rebuilt connections is kept across restarts (see [`save_rebuilt`]).
-    rebuilt_file: Option<std::path::PathBuf>,
+    /// The list of rebuilt connections kept across restarts.
+    rebuilt: RebuiltList,
     next_gen: std::sync::atomic::AtomicU64,
     kv: Arc<dyn KvStore>,
     records: Records,
@@ -1184,7 +1200,7 @@ fn rebuild(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, rec: Record, plan
     if let Ok(dup) = sock.try_clone() {
         let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
         adopted.insert(key, (gen, dup.into(), bucket));
-        save_rebuilt(&ctx, &adopted);
+        save_rebuilt(&ctx);
     }
     serve_recovered(&ctx, sock, &rec, &plan, key, gen);
     // Only this worker's entry: a silenced socket's entry is gone already, and a new failover
@@ -1192,21 +1208,69 @@ fn rebuild(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, rec: Record, plan
     let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     if adopted.get(&key).is_some_and(|(g, _, _)| *g == gen) {
         adopted.remove(&key);
-        save_rebuilt(&ctx, &adopted);
+        save_rebuilt(&ctx);
     }
 }
 
-/// Keeps the list of connections this agent rebuilt in `rebuilt_file` (one line each: client,
-/// service, bucket or `-`), replaced atomically at every change: their sockets die with the
+/// The list of connections this agent rebuilt, kept in a file (one line each: client,
+/// service, bucket or `-`) replaced atomically after every change: their sockets die with the
 /// agent, and the next agent on this server rebuilds them from their records
-/// ([`Core::inherit`]). Not rewritten once the agent is stopping (its workers end then, and
-/// their connections must stay listed).
-fn save_rebuilt(ctx: &WorkerCtx, adopted: &HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>) {
-    let Some(path) = &ctx.rebuilt_file else { return };
-    if daemon::stopping() {
-        return;
+/// ([`Core::inherit`]). Written by its own thread ([`RebuiltList::writer`]), never by the
+/// packet loop or under the `adopted` lock: a mass failover silences and adopts hundreds of
+/// connections, and one file write per change under that lock kept the packet loop waiting
+/// for up to 700 ms behind low-priority workers (its heartbeats stopped, the LB declared a
+/// live server dead, and the failovers cascaded). Not rewritten once the agent is stopping
+/// (its workers end then, and their connections must stay listed; the loop writes the final
+/// list itself).
+struct RebuiltList {
+    path: Option<PathBuf>,
+    /// Changes not yet written.
+    changed: Mutex<bool>,
+    cv: std::sync::Condvar,
+    /// Held while a list is written: the final write at stop never races the writer's.
+    writing: Mutex<()>,
+}
+
+impl RebuiltList {
+    fn new(path: Option<PathBuf>) -> RebuiltList {
+        RebuiltList { path, changed: Mutex::new(false), cv: std::sync::Condvar::new(), writing: Mutex::new(()) }
     }
-    write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
+
+    /// The set of rebuilt connections changed: the writer writes it soon (changes coalesce).
+    fn changed(&self) {
+        if self.path.is_none() {
+            return;
+        }
+        *crate::sync::lock(&self.changed, "agent: rebuilt list") = true;
+        self.cv.notify_one();
+    }
+
+    /// Writes the list after each change until the agent stops.
+    fn writer(ctx: Arc<WorkerCtx>) {
+        let list = &ctx.rebuilt;
+        let Some(path) = &list.path else { return };
+        while !daemon::stopping() {
+            {
+                let mut c = crate::sync::lock(&list.changed, "agent: rebuilt list");
+                if !*c {
+                    c = list.cv.wait_timeout(c, Duration::from_millis(200)).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+                }
+                if !std::mem::take(&mut *c) {
+                    continue;
+                }
+            }
+            let _w = crate::sync::lock(&list.writing, "agent: rebuilt list");
+            if daemon::stopping() {
+                return;
+            }
+            let keys: Vec<(Key, Option<u16>)> = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets").iter().map(|(k, v)| (*k, v.2)).collect();
+            write_rebuilt(path, keys.into_iter());
+        }
+    }
+}
+
+fn save_rebuilt(ctx: &WorkerCtx) {
+    ctx.rebuilt.changed();
 }
 
 fn write_rebuilt(path: &std::path::Path, keys: impl Iterator<Item = (Key, Option<u16>)>) {
@@ -1252,7 +1316,7 @@ fn read_rebuilt(path: &std::path::Path) -> (Vec<(Key, Option<u16>)>, usize) {
 fn silence_adopted(ctx: &WorkerCtx, key: &Key) -> bool {
     let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     let Some((_, fd, _)) = adopted.remove(key) else { return false };
-    save_rebuilt(ctx, &adopted);
+    save_rebuilt(ctx);
     drop(adopted);
     if let Err(e) = repair::enter_repair(fd.as_raw_fd()) {
         eprintln!("agent: silencing {}: {e}", key.client);

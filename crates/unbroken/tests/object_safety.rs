@@ -118,8 +118,11 @@ fn counters(env: &ObjectEnv) -> String {
     let down: Vec<bool> = (1..=3)
         .map(|i| env.agent_status(i).is_some_and(|v| v["store_down"] == true))
         .collect();
+    let skipped: Vec<u64> = (1..=3)
+        .map(|i| agent_counter(env, i, "heartbeats_skipped_wedged"))
+        .collect();
     format!(
-        "agents[{}] engines[{}] store_down{down:?} redis_alive={}",
+        "agents[{}] engines[{}] store_down{down:?} heartbeats_skipped_wedged{skipped:?} redis_alive={}",
         a.join(" "),
         e.join(" "),
         redis_alive(env)
@@ -1382,6 +1385,12 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
         counters(&env),
         lb_flaps(&env)
     );
+    if lb_flaps(&env) > 0 {
+        eprintln!(
+            "{name}: LB events: {}",
+            env.lb_status().map(|s| s["events"].to_string()).unwrap_or_default()
+        );
+    }
     // No client can finish before the crash (HOLD): one that ended before it failed.
     assert_eq!(
         ended, 0,
@@ -1391,6 +1400,17 @@ fn many_downloads(name: &str, n: usize, o: EnvOpts) {
     assert_eq!(ok, n, "{name}: not every download completed: {errs:?}");
     assert_eq!(rsts, 0, "{name}: RSTs reached the clients");
     assert!(counted, "{name}: only {failovers} failovers counted for {want_fo} connections on the crashed server");
+    // The survivors stayed up while they took the dead server's connections over (their
+    // packet loops kept beating): a survivor declared dead would move its buckets, and the
+    // failovers would cascade.
+    assert_eq!(
+        lb_flaps(&env),
+        0,
+        "{name}: the LB declared a live server dead during the failover (heartbeats skipped per server: {:?})",
+        (1..=3)
+            .map(|i| agent_counter(&env, i, "heartbeats_skipped_wedged"))
+            .collect::<Vec<_>>()
+    );
     // The connections closed after their download: still no RST once the servers answered.
     let closed = wait_for(Duration::from_secs(3), || {
         (1..=3)

@@ -11,8 +11,8 @@
 //! - Takeover: the primary's host dies; the backup removes its suppression and announces the
 //!   address ([`Announcer`]); the client's neighbour entry names the backup's MAC, new
 //!   connections reach the backup's server, and a fresh resolution is answered by the backup.
-//! - Ownership of the suppression table, and what the backup's daemon will need next: one
-//!   netdev rule (`meta pkttype set host`) hands the mirrored frames to the backup's stack.
+//! - Ownership of the suppression and hand-over tables; the hand-over ([`HubReceive`], one
+//!   netdev rule `meta pkttype set host`) gives the mirrored frames to the backup's stack.
 //! - Without a hub: the router in front mirrors toward the backup (`segment::Mirror`).
 //!
 //! Needs root; without it each test prints why and passes without running (fails instead with
@@ -24,7 +24,9 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec, Owner};
+use unbroken_drivers::segment::{
+    Announcer, ArpSuppress, ArpSuppressSpec, HubReceive, HubReceiveSpec, Owner,
+};
 use unbroken_lab::lab::{self, dev};
 use unbroken_lab::replicalab::{addr, ReplicaLab};
 
@@ -376,11 +378,125 @@ fn replica_segment_suppression_ownership() {
     assert_eq!(ArpSuppress::owner(&mine).unwrap(), None);
 }
 
-/// What the backup's daemon will need beyond this item: on a hub the mirrored frames name the
-/// primary's MAC, so the backup's stack ignores them (PACKET_OTHERHOST). One nftables netdev
-/// rule on the backup's ingress (`meta pkttype set host` for packets to the service address)
-/// hands them to its stack, whose answers must then be withheld (here: dropped in OUTPUT and
-/// counted). Its server's socket answers the client's SYN, which proves the delivery.
+/// [`HubReceive`]'s table is owned like the suppression's: another running process's is never
+/// touched and the error names it; a dead owner's or an untagged one is replaced in one
+/// transaction; installing twice leaves one table with one rule; `Drop` removes it; an IPv6
+/// service address is refused before anything is touched.
+#[test]
+fn replica_segment_hub_receive_ownership() {
+    let Some(_g) = lab_or_skip("replica_segment_hub_receive_ownership") else {
+        return;
+    };
+    let pair = lab::Lab::pair().expect("build a pair");
+    let svc = IpAddr::V4(addr::SERVICE_V4);
+    let mut mine = HubReceiveSpec::new(dev::PEER, [svc]);
+    mine.netns = Some(pair.a.clone());
+    let tables = || {
+        let out = lab::run_ok(&pair.a, Command::new("nft").args(["list", "ruleset"])).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let one_table_one_rule = |what: &str| {
+        let text = tables();
+        assert_eq!(
+            text.matches("table netdev ").count(),
+            1,
+            "{what}: one table:\n{text}"
+        );
+        assert_eq!(
+            text.matches("meta pkttype set host").count(),
+            1,
+            "{what}: one rule:\n{text}"
+        );
+    };
+
+    let v6 = HubReceiveSpec {
+        addrs: vec![svc, "fd77:3::10".parse().unwrap()],
+        ..mine.clone()
+    };
+    let e = HubReceive::install(&v6).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
+    assert!(e.to_string().contains("fd77:3::10"), "{e}");
+    assert_eq!(HubReceive::owner(&mine).unwrap(), None, "nothing installed");
+    assert_eq!(
+        HubReceive::handed(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::NotFound
+    );
+
+    // An untagged table of the same name (an older version's, or hand-made) is replaced.
+    nft_stdin(
+        &pair.a,
+        &format!(
+            "table netdev {} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+             ip daddr {svc} meta pkttype other meta pkttype set host\n  }}\n}}\n",
+            mine.table,
+            dev::PEER
+        ),
+    );
+    assert_eq!(HubReceive::owner(&mine).unwrap(), Some(None));
+    let first = HubReceive::install(&mine).expect("replace an untagged table");
+    HubReceive::install(&mine)
+        .expect("installing again is idempotent")
+        .leave_installed();
+    one_table_one_rule("installed twice");
+    assert_eq!(
+        HubReceive::owner(&mine).unwrap(),
+        Some(Some(Owner::current()))
+    );
+    assert_eq!(HubReceive::handed(&mine).unwrap(), 0);
+    first.leave_installed();
+
+    // Another running process's table is never touched, and the error names it.
+    let mut other = lab::spawn(&pair.a, Command::new("sleep").arg("600")).unwrap();
+    let theirs = HubReceiveSpec {
+        owner: Owner::of_pid(other.id()).unwrap(),
+        ..mine.clone()
+    };
+    let e = HubReceive::install(&theirs).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        std::io::ErrorKind::AddrInUse,
+        "ours is alive: {e}"
+    );
+    HubReceive::remove_leftovers(&mine).unwrap();
+    HubReceive::install(&theirs).unwrap().leave_installed();
+    let e = HubReceive::install(&mine).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+    assert!(
+        e.to_string().contains(&format!("pid {}", other.id())),
+        "{e}"
+    );
+    assert_eq!(
+        HubReceive::remove_leftovers(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+    assert_eq!(
+        HubReceive::check_owner(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+    assert_eq!(HubReceive::owner(&mine).unwrap(), Some(Some(theirs.owner)));
+
+    // Once it is gone, its table is taken over in one transaction.
+    other.kill().unwrap();
+    other.wait().unwrap();
+    let s = HubReceive::install(&mine).expect("take over a dead owner's table");
+    assert_eq!(
+        HubReceive::owner(&mine).unwrap(),
+        Some(Some(Owner::current()))
+    );
+    one_table_one_rule("taken over");
+
+    // Drop removes it; removing again is no error.
+    drop(s);
+    assert_eq!(HubReceive::owner(&mine).unwrap(), None);
+    HubReceive::remove_leftovers(&mine).expect("removing an absent table");
+    assert!(!tables().contains("table netdev "), "{}", tables());
+}
+
+/// On a hub the mirrored frames name the primary's MAC, so the backup's stack ignores them
+/// (PACKET_OTHERHOST). [`HubReceive`] (one nftables netdev rule on the backup's ingress, `meta
+/// pkttype set host` for packets to the service address) hands them to its stack, whose answers
+/// must then be withheld (here: dropped in OUTPUT and counted). Its server's socket answers the
+/// client's SYN, which proves the delivery.
 #[test]
 fn replica_segment_backup_stack_gets_mirrored_frames() {
     let Some(_g) = lab_or_skip("replica_segment_backup_stack_gets_mirrored_frames") else {
@@ -393,15 +509,10 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
     rl.add_backup_service_ip().unwrap();
     lab::install_rst_counter(&client).unwrap();
-    nft_stdin(
-        &backup,
-        &format!(
-            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
-             ip daddr {} meta pkttype other meta pkttype set host counter\n  }}\n}}\n",
-            dev::APP,
-            addr::SERVICE_V4
-        ),
-    );
+    let mut rx = HubReceiveSpec::new(dev::APP, [IpAddr::V4(addr::SERVICE_V4)]);
+    rx.netns = Some(backup.clone());
+    let _rx = HubReceive::install(&rx).expect("install the pkttype rule");
+    assert_eq!(HubReceive::handed(&rx).unwrap(), 0);
     // The backup's output to clients is withheld (the daemon's job; a plain drop here).
     let withheld = |ns: &str| -> u64 {
         let out = lab::run_ok(
@@ -440,9 +551,9 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     echo_rounds(&mut s, 3);
     drop(s);
     assert!(
-        counted(&backup) >= 5,
+        HubReceive::handed(&rx).unwrap() >= 5,
         "only {} frames handed to the backup's stack",
-        counted(&backup)
+        HubReceive::handed(&rx).unwrap()
     );
     // The backup's server answered at least the SYN (a SYN-ACK, withheld).
     assert!(

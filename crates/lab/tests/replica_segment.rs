@@ -13,6 +13,8 @@
 //!   connections reach the backup's server, and a fresh resolution is answered by the backup.
 //! - Ownership of the suppression and hand-over tables; the hand-over ([`HubReceive`], one
 //!   netdev rule `meta pkttype set host`) gives the mirrored frames to the backup's stack.
+//! - Local injection: a packet "from the client" sent with `RawSender` in the backup reaches its
+//!   own server socket through `lo`, with `rp_filter=1` (what the backup daemon injects).
 //! - Without a hub: the router in front mirrors toward the backup (`segment::Mirror`).
 //!
 //! Needs root; without it each test prints why and passes without running (fails instead with
@@ -566,6 +568,217 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
         "nothing of the backup's reached the client"
     );
     assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
+}
+
+/// `ioctl(fd, req)` for an int-valued TCP queue figure (`SIOCOUTQ`, `SIOCOUTQNSD`).
+fn queue_bytes(s: &TcpStream, req: libc::c_ulong) -> u32 {
+    use std::os::fd::AsRawFd;
+    let mut v: libc::c_int = 0;
+    // SAFETY: a live socket and a live int for the ioctl to fill.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), req as _, &mut v) };
+    assert_eq!(r, 0, "ioctl {req:#x}: {}", std::io::Error::last_os_error());
+    v as u32
+}
+
+/// The socket's TSval clock now (`TCP_TIMESTAMP`; no repair mode needed to read it).
+fn ts_clock(s: &TcpStream) -> u32 {
+    use std::os::fd::AsRawFd;
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a live socket, a live int and its size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_TCP,
+            libc::TCP_TIMESTAMP,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "TCP_TIMESTAMP: {}", std::io::Error::last_os_error());
+    v as u32
+}
+
+/// A `TcpExt` figure of `/proc/net/netstat` in `ns`.
+fn tcp_ext(ns: &str, name: &str) -> u64 {
+    let out = lab::run_ok(ns, Command::new("cat").arg("/proc/net/netstat")).unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next().unwrap(), lines.next().unwrap());
+    let i = names
+        .split_whitespace()
+        .position(|n| n == name)
+        .unwrap_or_else(|| panic!("{name} not in {names}"));
+    values.split_whitespace().nth(i).unwrap().parse().unwrap()
+}
+
+/// What the backup's daemon injects into its own server's socket (`Backup::primary_report`: a
+/// client ACK the backup missed, as the client sent it): an IPv4 packet from the client's address
+/// to the service address, which is local on the backup, sent with `RawSender` (IP_HDRINCL,
+/// marked). Its route is the local table's, through `lo`, which keeps the output route on the
+/// packet, so the input side does no route lookup and reverse-path filtering never runs: with
+/// `rp_filter=1` on every interface of the backup the packet is delivered, and the kernel's
+/// `IPReversePathFilter` counter stays 0.
+///
+/// A real connection from the client reaches the backup's server through the hub and
+/// [`HubReceive`] (the primary drops it silently, the backup answers the client directly: the
+/// backup's output is not withheld here). Then the client goes silent and deaf (repair mode, its
+/// input dropped): the backup's next output stays unacknowledged until an injected ACK with the
+/// client's numbers acknowledges it; an injected data segment reaches the backup's server.
+#[test]
+fn replica_segment_backup_local_injection() {
+    use unbroken_drivers::rawsend::RawSender;
+    use unbroken_drivers::repair::{self, SIOCOUTQ, SIOCOUTQNSD};
+    use unbroken_wire::{ip, tcp, Seq};
+    let Some(_g) = lab_or_skip("replica_segment_backup_local_injection") else {
+        return;
+    };
+    let mut rl = ReplicaLab::build().expect("build the replica segment");
+    let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
+    let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
+    spec.netns = Some(backup.clone());
+    let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
+    rl.add_backup_service_ip().unwrap();
+    let mut rx = HubReceiveSpec::new(dev::APP, [IpAddr::V4(addr::SERVICE_V4)]);
+    rx.netns = Some(backup.clone());
+    let _rx = HubReceive::install(&rx).expect("install the pkttype rule");
+    let rp = "net.ipv4.conf.{}.rp_filter";
+    let keys: Vec<String> = ["all", "default", "lo", dev::APP]
+        .iter()
+        .map(|d| rp.replace("{}", d))
+        .collect();
+    let kv: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "1")).collect();
+    // arp_announce=2: the backup resolves the client with its host address as the ARP sender
+    // (the suppression drops ARP naming the service address).
+    let announce = format!("net.ipv4.conf.{}.arp_announce", dev::APP);
+    lab::sysctls(&backup, &kv).unwrap();
+    lab::sysctls(&backup, &[(announce.as_str(), "2")]).unwrap();
+    for k in &keys {
+        assert_eq!(lab::sysctl_get(&backup, k).unwrap().trim(), "1", "{k}");
+    }
+    // The primary stays silent for this port (no RST, no SYN-ACK): the backup serves it.
+    lab::run_ok(
+        &primary,
+        Command::new("iptables").args([
+            "-w",
+            "-A",
+            "INPUT",
+            "-p",
+            "tcp",
+            "-d",
+            &addr::SERVICE_V4.to_string(),
+            "--dport",
+            &PORT.to_string(),
+            "-j",
+            "DROP",
+        ]),
+    )
+    .unwrap();
+    let listener = lab::in_ns(&backup, || TcpListener::bind(service()))
+        .unwrap()
+        .unwrap();
+
+    let mut c = connect(&client);
+    let (mut b, peer) = listener.accept().unwrap();
+    b.set_read_timeout(Some(T)).unwrap();
+    assert_eq!(peer, c.local_addr().unwrap());
+    c.write_all(b"ping").unwrap();
+    let mut got = [0u8; 4];
+    b.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"ping");
+    b.write_all(b"pong").unwrap();
+    c.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"pong");
+    assert!(
+        wait_for(|| queue_bytes(&b, SIOCOUTQ) == 0),
+        "the client's ACK of pong never reached the backup's server"
+    );
+    assert!(
+        HubReceive::handed(&rx).unwrap() >= 3,
+        "handshake ACK, ping, ACK of pong"
+    );
+
+    // The client's numbers, then silence: nothing it sends or receives from here on.
+    let d = repair::dump(&c).expect("read the client's sequence numbers");
+    repair::enter_repair(std::os::fd::AsRawFd::as_raw_fd(&c)).unwrap();
+    lab::run_ok(
+        &client,
+        Command::new("iptables").args([
+            "-w",
+            "-A",
+            "INPUT",
+            "-p",
+            "tcp",
+            "-s",
+            &addr::SERVICE_V4.to_string(),
+            "--sport",
+            &PORT.to_string(),
+            "-j",
+            "DROP",
+        ]),
+    )
+    .unwrap();
+    let reply = vec![0x5au8; 1000];
+    b.write_all(&reply).unwrap();
+    assert!(
+        wait_for(|| queue_bytes(&b, SIOCOUTQNSD) == 0),
+        "the backup's server did not send its reply"
+    );
+    assert_eq!(queue_bytes(&b, SIOCOUTQ), 1000, "nothing acknowledged it");
+
+    let sender = lab::in_ns(&backup, || RawSender::new(0x7e9))
+        .unwrap()
+        .expect("open the raw sender in the backup");
+    assert_eq!(d.local, c.local_addr().unwrap());
+    let segment = |flags: u8, payload: &[u8]| {
+        let r = tcp::Repr {
+            src_port: d.local.port(),
+            dst_port: PORT,
+            seq: Seq(d.snd_nxt),
+            ack: Seq(d.rcv_nxt.wrapping_add(reply.len() as u32)),
+            flags,
+            window: 1000,
+            // The client's clock (PAWS) and the backup's latest TSval echoed, as the engine does.
+            timestamp: d.timestamp.map(|_| (ts_clock(&c), ts_clock(&b))),
+            ..Default::default()
+        };
+        ip::tcp_packet(
+            IpAddr::V4(addr::CLIENT_V4),
+            IpAddr::V4(addr::SERVICE_V4),
+            &r,
+            payload,
+        )
+        .unwrap()
+    };
+    let rpf_before = tcp_ext(&backup, "IPReversePathFilter");
+
+    // 1. A pure ACK the backup missed: its server's reply is acknowledged.
+    sender
+        .send(&segment(tcp::flags::ACK, &[]))
+        .expect("inject the ACK");
+    assert!(
+        wait_for(|| queue_bytes(&b, SIOCOUTQ) == 0),
+        "the injected ACK was not taken: {} bytes still unacknowledged",
+        queue_bytes(&b, SIOCOUTQ)
+    );
+
+    // 2. A data segment from the client: it reaches the backup's server.
+    let data = b"injected from the client's address";
+    sender
+        .send(&segment(tcp::flags::ACK | tcp::flags::PSH, data))
+        .expect("inject the data");
+    let mut got = vec![0u8; data.len()];
+    b.read_exact(&mut got)
+        .expect("the injected data reaches the server");
+    assert_eq!(&got, data);
+
+    assert_eq!(
+        tcp_ext(&backup, "IPReversePathFilter"),
+        rpf_before,
+        "reverse-path filtering dropped something"
+    );
+    assert_eq!(rpf_before, 0);
+    drop(c); // in repair mode: closes silently
 }
 
 /// A bridge-less segment: the router in front duplicates every frame it sends toward the

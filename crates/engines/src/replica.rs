@@ -188,11 +188,12 @@ const MAX_CHECKPOINTS: usize = 16;
 
 #[derive(Debug, Clone, Default)]
 struct BConn {
+    /// Its number in the table's insertion order.
+    born: u64,
     /// The backup server's ISN and its SYN-ACK's TSval.
     b_isn: Option<Seq>,
     b_ts0: Option<u32>,
-    /// The client's SYN offered window scaling; the backup's own shift.
-    client_ws: bool,
+    /// The backup's own window shift, from its server's SYN-ACK (0: no scaling).
     ws_b: u8,
     /// Δ = ISN(P) - ISN(B) and the timestamp offset are known (ST-TCP 3.3.0.1, step 3).
     aligned: bool,
@@ -228,7 +229,17 @@ struct BConn {
     server: Option<IpAddr>,
 }
 
-impl BConn {
+impl Entry for BConn {
+    fn born(&self) -> u64 {
+        self.born
+    }
+    fn set_born(&mut self, n: u64) {
+        self.born = n;
+    }
+    /// Not aligned: no acceptable client ACK of the handshake yet.
+    fn half_open(&self) -> bool {
+        !self.aligned
+    }
     fn finished(&self) -> bool {
         self.rst_out || (self.fin_out && self.client_fin)
     }
@@ -254,8 +265,12 @@ pub struct BackupCounters {
     pub output_gap: u64,
     /// Client ACKs the backup missed, relayed from the primary's report.
     pub acks_relayed: u64,
-    /// New connections not followed because the table was full (they cannot be taken over).
+    /// New connections not followed because the table was full of established connections
+    /// (they cannot be taken over).
     pub table_full: u64,
+    /// Half-open entries (no client handshake ACK yet: a SYN flood's) evicted, oldest first,
+    /// to make room for a new connection in a full table.
+    pub half_open_evicted: u64,
     /// Client packets outside the backup server's receive window (a forgery, or very old):
     /// nothing is learned from them; before alignment they are dropped.
     pub unacceptable: u64,
@@ -266,6 +281,7 @@ pub struct BackupCounters {
 #[derive(Debug)]
 pub struct Backup {
     conns: HashMap<ConnKey, BConn>,
+    births: Births,
     promoted: bool,
     max_conns: usize,
     pub counters: BackupCounters,
@@ -282,14 +298,85 @@ impl Default for Backup {
 /// without bound.
 pub const DEFAULT_MAX_CONNS: usize = 65_536;
 
-/// True when `map` has room for one more entry, forgetting a finished connection if needed.
-fn make_room<V>(map: &mut HashMap<ConnKey, V>, cap: usize, finished: impl Fn(&V) -> bool) -> bool {
+/// A connection table's entry as [`insert`] sees it.
+trait Entry {
+    /// Its number in the table's insertion order ([`Births`]).
+    fn born(&self) -> u64;
+    fn set_born(&mut self, n: u64);
+    /// The client's handshake has not completed (all a forged SYN ever gets to).
+    fn half_open(&self) -> bool;
+    /// Both sides are done with it: it can be forgotten.
+    fn finished(&self) -> bool;
+}
+
+/// A table's entries in the order they were made, oldest first, so that a full table evicts
+/// its oldest half-open entry in O(1) amortized (a SYN cache): a SYN flood churns half-open
+/// entries and never displaces an established connection, and a real connection opened during
+/// or after the flood gets a place (it is evicted only if a whole table's worth of SYNs arrive
+/// before its handshake completes). Entries that completed their handshake or left the table
+/// leave stale numbers behind, skipped on eviction and compacted away.
+#[derive(Debug, Default)]
+struct Births {
+    order: VecDeque<(ConnKey, u64)>,
+    next: u64,
+}
+
+/// What [`make_room`] did.
+enum Room<V> {
+    Free,
+    /// The oldest half-open entry was evicted.
+    Evicted(V),
+    /// A finished entry was forgotten.
+    Forgotten(V),
+    /// Every entry is an established connection that has not finished.
+    Full,
+}
+
+/// Room for one more entry in `map` (at most `cap`): the oldest half-open entry goes first,
+/// else a finished one.
+fn make_room<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usize) -> Room<V> {
     if map.len() < cap {
-        return true;
+        return Room::Free;
     }
-    let Some(k) = map.iter().find(|(_, v)| finished(v)).map(|(k, _)| *k) else { return false };
-    map.remove(&k);
-    true
+    while let Some((k, n)) = births.order.pop_front() {
+        if map.get(&k).is_some_and(|v| v.born() == n && v.half_open()) {
+            if let Some(v) = map.remove(&k) {
+                return Room::Evicted(v);
+            }
+        }
+    }
+    match map.iter().find(|(_, v)| v.finished()).map(|(k, _)| *k).and_then(|k| map.remove(&k)) {
+        Some(v) => Room::Forgotten(v),
+        None => Room::Full,
+    }
+}
+
+/// Makes `v` the entry of `key` (replacing one there), numbered as the youngest, after making
+/// room for it. `None`: the table is full of established connections, nothing changed.
+/// `Some(gone)`: the entry it replaced, or the one evicted (counted in `evicted`) or forgotten
+/// for it.
+fn insert<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usize, key: ConnKey, mut v: V, evicted: &mut u64) -> Option<Option<V>> {
+    let mut gone = None;
+    if !map.contains_key(&key) {
+        match make_room(map, births, cap.max(1)) {
+            Room::Full => return None,
+            Room::Evicted(old) => {
+                *evicted += 1;
+                gone = Some(old);
+            }
+            Room::Forgotten(old) => gone = Some(old),
+            Room::Free => {}
+        }
+    }
+    let n = births.next;
+    births.next += 1;
+    v.set_born(n);
+    let replaced = map.insert(key, v);
+    births.order.push_back((key, n));
+    if births.order.len() > 2 * map.len() + 64 {
+        births.order.retain(|(k, n)| map.get(k).is_some_and(|v| v.born() == *n && v.half_open()));
+    }
+    Some(gone.or(replaced))
 }
 
 impl Backup {
@@ -299,7 +386,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), promoted: false, max_conns: max_conns.max(1), counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), counters: BackupCounters::default() }
     }
 
     pub fn is_promoted(&self) -> bool {
@@ -327,19 +414,16 @@ impl Backup {
         }
         let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
         if s.has(F::SYN) && !s.has(F::ACK) {
-            if !self.conns.contains_key(&key) && !make_room(&mut self.conns, self.max_conns, BConn::finished) {
+            // A new connection, or the port reused after both sides closed (or the server
+            // reset): a new entry. A SYN on a live connection changes nothing (a
+            // retransmission, or a forgery, which the kernel answers with a challenge ACK).
+            let fresh = self.conns.get(&key).is_none_or(|c| c.finished() && c.client_isn != Some(s.seq));
+            if fresh && insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted).is_none() {
                 self.counters.table_full += 1;
                 return Verdict::PASS;
             }
-            let c = self.conns.entry(key).or_default();
-            if c.finished() && c.client_isn != Some(s.seq) {
-                // The port is reused after both sides closed (or the server reset): a new
-                // connection. A SYN on a live connection changes nothing (a retransmission, or
-                // a forgery, which the kernel answers with a challenge ACK).
-                *c = BConn::default();
-            }
-            if !c.aligned {
-                c.client_ws = s.wscale.is_some();
+            if let Some(c) = self.conns.get_mut(&key).filter(|c| !c.aligned) {
+                // Until the SYN-ACK names the SYN its server answered (any SYN may be forged).
                 c.client_isn = Some(s.seq);
             }
             return Verdict::PASS;
@@ -433,12 +517,17 @@ impl Backup {
             }
         };
         let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
-        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || make_room(&mut self.conns, self.max_conns, BConn::finished)) {
-            let c = self.conns.entry(key).or_default();
+        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted).is_some()) {
+            let Some(c) = self.conns.get_mut(&key) else { return self.withhold() };
             if !c.aligned {
                 c.b_isn = Some(s.seq);
                 c.b_ts0 = s.ts.map(|t| t.1);
-                c.ws_b = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
+                // The SYN its server answered (the SYN-ACK acknowledges it), not the latest SYN
+                // seen: any of them may be forged. Its window scaling is in effect only if the
+                // SYN-ACK carries the option (RFC 7323 2.2: only in answer to a SYN that did),
+                // so a forged SYN, with or without the option, cannot set it.
+                c.client_isn = Some(s.ack - 1u32);
+                c.ws_b = s.wscale.unwrap_or(0);
                 c.snd_max = s.seq + 1;
                 c.rcv_nxt = s.ack;
                 c.rcv_edge = s.ack + s.window as u32;
@@ -613,6 +702,11 @@ impl Backup {
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
+
+    /// Whether the engine follows `key` (it is in the table).
+    pub fn follows(&self, key: &ConnKey) -> bool {
+        self.conns.contains_key(key)
+    }
 }
 
 fn chunk(role: Role, beat: u64, recs: Vec<ConnProgress>) -> Vec<Progress> {
@@ -641,6 +735,10 @@ pub struct Config {
     pub max_delay_fin_ms: u64,
     /// Output held per connection before the backup counts as lagging.
     pub max_held_bytes: usize,
+    /// Output held for all connections together (bytes of held packets, as
+    /// [`Primary::held_bytes`] counts them): the connection whose output would go beyond it
+    /// runs unprotected ([`Why::HeldTotal`]), its held output released as its server built it.
+    pub max_held_total: usize,
     /// When the backup has missed client bytes the primary has (its ACK stays behind) for this
     /// long, three duplicate ACKs at the backup's ACK are injected, so the client resends at
     /// once (fast retransmit) instead of after its retransmission timeout; again after twice as
@@ -652,7 +750,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Config {
-        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
+        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, max_held_total: 256 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
     }
 }
 
@@ -671,6 +769,8 @@ pub enum Why {
     FinTimeout,
     /// Strict output commit found different bytes at the same offset.
     Diverged,
+    /// The host-wide cap on held output ([`Config::max_held_total`]) would have been passed.
+    HeldTotal,
 }
 
 /// Something the primary's daemon must act on or report.
@@ -706,8 +806,14 @@ pub struct PrimaryCounters {
     pub stale_progress: u64,
     /// Triples of duplicate ACKs injected for client bytes the backup missed.
     pub nudges: u64,
-    /// New connections not followed because the table was full (they run unprotected).
+    /// New connections not followed because the table was full of established connections
+    /// (they run unprotected).
     pub table_full: u64,
+    /// Half-open entries (no client handshake ACK yet: a SYN flood's) evicted, oldest first,
+    /// to make room for a new connection in a full table.
+    pub half_open_evicted: u64,
+    /// Connections made unprotected because the host-wide cap on held output was reached.
+    pub held_total_exceeded: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -731,8 +837,13 @@ struct HeldPkt {
 
 #[derive(Debug)]
 struct PConn {
+    /// Its number in the table's insertion order.
+    born: u64,
+    /// The server's SYN-ACK was seen, and an acceptable client ACK of it since.
+    answered: bool,
+    established: bool,
     server: IpAddr,
-    client_ws: bool,
+    /// The primary's window shift, from its server's SYN-ACK (0: no scaling).
     ws_p: u8,
     synack: Option<Vec<u8>>,
     synack_ack: Seq,
@@ -743,6 +854,8 @@ struct PConn {
     /// Backup output reports not yet verified: (end, digest).
     reports: VecDeque<(Seq, u64)>,
     held: VecDeque<HeldPkt>,
+    /// Bytes of the packets in `held`.
+    held_len: usize,
     /// Output bytes from `rel` to `p_end` (strict mode), not yet verified.
     held_bytes: VecDeque<u8>,
     rel: Seq,
@@ -784,6 +897,32 @@ struct PConn {
 }
 
 impl PConn {
+    /// Holds `h`, counted in `total` (all connections' held bytes).
+    fn hold(&mut self, h: HeldPkt, total: &mut usize) {
+        self.held_len += h.pkt.len();
+        *total += h.pkt.len();
+        self.held.push_back(h);
+    }
+
+    /// The oldest held packet, no longer counted.
+    fn unhold(&mut self, total: &mut usize) -> Option<HeldPkt> {
+        let h = self.held.pop_front()?;
+        self.held_len -= h.pkt.len();
+        *total -= h.pkt.len();
+        Some(h)
+    }
+}
+
+impl Entry for PConn {
+    fn born(&self) -> u64 {
+        self.born
+    }
+    fn set_born(&mut self, n: u64) {
+        self.born = n;
+    }
+    fn half_open(&self) -> bool {
+        !self.established
+    }
     fn finished(&self) -> bool {
         self.rst_since.is_some() || (self.p_fin && self.client_fin)
     }
@@ -798,6 +937,9 @@ impl PConn {
 pub struct Primary {
     cfg: Config,
     conns: HashMap<ConnKey, PConn>,
+    births: Births,
+    /// Bytes of every connection's held packets.
+    held_total: usize,
     unprotected: Option<Why>,
     last_beat: Option<u64>,
     out: Vec<Vec<u8>>,
@@ -807,7 +949,7 @@ pub struct Primary {
 
 impl Primary {
     pub fn new(cfg: Config) -> Primary {
-        Primary { cfg, conns: HashMap::new(), unprotected: None, last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
+        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
     }
 
     pub fn config(&self) -> &Config {
@@ -832,9 +974,14 @@ impl Primary {
         std::mem::take(&mut self.notices)
     }
 
-    /// Output bytes held for the backup, all connections.
+    /// Output bytes held for the backup, all connections (bytes of the held packets).
     pub fn held_bytes(&self) -> usize {
-        self.conns.values().map(|c| c.held.iter().map(|h| h.pkt.len()).sum::<usize>()).sum()
+        self.held_total
+    }
+
+    /// Whether the engine follows `key` (it is in the table).
+    pub fn follows(&self, key: &ConnKey) -> bool {
+        self.conns.contains_key(key)
     }
 
     /// A client packet toward the primary's server: learned from, never changed.
@@ -846,8 +993,10 @@ impl Primary {
         if s.csum_ok && s.has(F::SYN) && !s.has(F::ACK) && self.unprotected.is_none() {
             let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
             let fresh = PConn {
+                born: 0,
+                answered: false,
+                established: false,
                 server: s.info.dst,
-                client_ws: s.wscale.is_some(),
                 ws_p: 0,
                 synack: None,
                 synack_ack: s.seq + 1,
@@ -856,6 +1005,7 @@ impl Primary {
                 b: None,
                 reports: VecDeque::new(),
                 held: VecDeque::new(),
+                held_len: 0,
                 held_bytes: VecDeque::new(),
                 rel: Seq(0),
                 rel_hash: HASH_INIT,
@@ -886,11 +1036,10 @@ impl Primary {
             // or the server reset it) and the port is reused.
             // A retransmitted SYN (same ISN) is the same connection, however it ended.
             let keep = self.conns.get(&key).map(|c| !c.finished() || c.synack_ack == s.seq + 1);
-            match keep {
-                Some(true) => {}
-                None if !make_room(&mut self.conns, self.cfg.max_conns.max(1), PConn::finished) => self.counters.table_full += 1,
-                _ => {
-                    self.conns.insert(key, fresh);
+            if keep != Some(true) {
+                match insert(&mut self.conns, &mut self.births, self.cfg.max_conns, key, fresh, &mut self.counters.half_open_evicted) {
+                    None => self.counters.table_full += 1,
+                    Some(gone) => self.held_total -= gone.map_or(0, |g| g.held_len),
                 }
             }
         } else if s.csum_ok && s.has(F::ACK) {
@@ -902,6 +1051,11 @@ impl Primary {
                 // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
                 let in_window = acceptable(&s, c.ack_p, c.edge_p);
                 c.client_fin |= s.fin() && in_window;
+                // The handshake completed: an acceptable ACK of the SYN-ACK (a blind forgery
+                // must guess the server's ISN). From then on the entry is never evicted.
+                if c.answered && in_window && s.ack.ge(c.stream_start) && s.ack.le(c.snd_p) {
+                    c.established = true;
+                }
                 // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
                 // LastAckReceived); only within what the primary's server has sent.
                 let limit = c.snd_p;
@@ -933,7 +1087,11 @@ impl Primary {
         }
         if s.has(F::SYN) && s.has(F::ACK) {
             // Koch 7.1: the SYN-ACK goes out once the backup's server answered the SYN too.
-            c.ws_p = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
+            // Window scaling is in effect only if the SYN-ACK carries the option (RFC 7323
+            // 2.2: only in answer to a SYN that did): the SYN the server answered, not whichever
+            // SYN the engine saw first, which may be forged.
+            c.answered = true;
+            c.ws_p = s.wscale.unwrap_or(0);
             c.rel = s.seq + 1;
             c.stream_start = s.seq + 1;
             c.p_end = s.seq + 1;
@@ -952,6 +1110,12 @@ impl Primary {
             c.synack_since.get_or_insert(now_ms);
             self.counters.held += 1;
             return Verdict::Held;
+        }
+        if s.has(F::ACK) && !s.has(F::RST) {
+            // The server sends anything but its SYN-ACK only on an established connection (a
+            // handshake ACK the engine could not learn from, e.g. a bad checksum, would
+            // otherwise leave a connection with output evictable).
+            c.established |= c.answered;
         }
         if s.has(F::ACK) {
             if s.ack.gt(c.ack_p) {
@@ -1001,7 +1165,7 @@ impl Primary {
                 c.p_fin = true;
                 c.fin_since.get_or_insert(now_ms);
                 if let Some(f) = fin_segment(&s, c.ts) {
-                    c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+                    c.hold(HeldPkt { pkt: f, end, fin: true }, &mut self.held_total);
                 }
             }
             strip_fin(pkt, &s);
@@ -1049,18 +1213,24 @@ impl Primary {
             let mut data = pkt.to_vec();
             if let Some(f) = fin_segment(&s, c.ts) {
                 strip_fin(&mut data, &s);
-                c.held.push_back(HeldPkt { pkt: data, end, fin: false });
-                c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+                c.hold(HeldPkt { pkt: data, end, fin: false }, &mut self.held_total);
+                c.hold(HeldPkt { pkt: f, end, fin: true }, &mut self.held_total);
             } else {
-                c.held.push_back(HeldPkt { pkt: pkt.to_vec(), end, fin: true });
+                c.hold(HeldPkt { pkt: pkt.to_vec(), end, fin: true }, &mut self.held_total);
             }
         } else {
-            c.held.push_back(HeldPkt { pkt: pkt.to_vec(), end, fin: s.fin() });
+            c.hold(HeldPkt { pkt: pkt.to_vec(), end, fin: s.fin() }, &mut self.held_total);
         }
         self.counters.held += 1;
         let held: usize = c.held_bytes.len();
         if held > self.cfg.max_held_bytes {
             self.unprotect(key, Why::BackupLagging);
+        } else if self.held_total > self.cfg.max_held_total {
+            // Beyond the host-wide cap the connection whose output would pass it runs
+            // unprotected: its held output goes out as its server built it (never a wrong
+            // byte), which also frees what it held.
+            self.counters.held_total_exceeded += 1;
+            self.unprotect(key, Why::HeldTotal);
         } else {
             self.settle(key, now_ms);
         }
@@ -1181,7 +1351,9 @@ impl Primary {
     }
 
     pub fn forget(&mut self, key: &ConnKey) {
-        self.conns.remove(key);
+        if let Some(c) = self.conns.remove(key) {
+            self.held_total -= c.held_len;
+        }
     }
 
     /// Verifies what can be verified, releases what is verified, applies the lag and FIN
@@ -1261,7 +1433,7 @@ impl Primary {
             if !ok {
                 break;
             }
-            let h = c.held.pop_front().unwrap();
+            let Some(h) = c.unhold(&mut self.held_total) else { break };
             let mut pkt = h.pkt;
             if let Ok(s) = parse(&pkt) {
                 gate(c, &mut pkt, &s, &mut self.counters);
@@ -1383,7 +1555,7 @@ impl Primary {
             self.out.push(sa);
         }
         // Koch 6.1: everything held goes out as the primary's TCP built it.
-        for h in c.held.drain(..) {
+        while let Some(h) = c.unhold(&mut self.held_total) {
             self.out.push(h.pkt);
             self.counters.released += 1;
         }

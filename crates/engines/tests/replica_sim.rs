@@ -448,7 +448,7 @@ impl Sim {
         for i in 0..sc.nreq {
             expected.extend(reply(&request(sc.seed, i), i, sc.reply_len));
         }
-        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 1 << 20, nudge_after_ms: 40, max_conns: 16 };
+        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 1 << 20, max_held_total: 256 << 20, nudge_after_ms: 40, max_conns: 16 };
         Sim {
             rng: Rng::new(sc.seed ^ 0x5151),
             now: 0,

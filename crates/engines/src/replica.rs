@@ -217,6 +217,12 @@ struct BConn {
     acked_b: Option<Seq>,
     /// The primary reported a divergence: never answer on this connection.
     diverged: bool,
+    /// The primary's ISN, from its report: only the client's ACK of the primary's SYN-ACK
+    /// (ISN + 1) aligns, and an alignment made before it arrived is checked against it.
+    p_isn: Option<Seq>,
+    /// Aligned on a forged ACK (Δ differs from the primary's ISN - the backup's): its server's
+    /// connection is not the client's; never answer on it, and tell the primary.
+    misaligned: bool,
     client_fin: bool,
     /// The latest client ACK seen (`last_ack`): its window field, timestamps (client's clock,
     /// primary's TSecr) and the service address it was sent to.
@@ -271,9 +277,13 @@ pub struct BackupCounters {
     /// Half-open entries (no client handshake ACK yet: a SYN flood's) evicted, oldest first,
     /// to make room for a new connection in a full table.
     pub half_open_evicted: u64,
-    /// Client packets outside the backup server's receive window (a forgery, or very old):
+    /// Client packets outside the backup server's receive window (a forgery, or very old), or
+    /// (before alignment, the primary's ISN known) whose ACK is not the primary's ISN + 1:
     /// nothing is learned from them; before alignment they are dropped.
     pub unacceptable: u64,
+    /// Connections found aligned on a forged ACK once the primary's ISN arrived: silenced for
+    /// good, reported (MISALIGNED) so that the primary runs them unprotected.
+    pub misaligned: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -451,6 +461,14 @@ impl Backup {
                 self.counters.unaligned_dropped += 1;
                 return Verdict::Drop;
             };
+            // Once the primary reported its ISN only its SYN-ACK's ACK aligns (the primary holds
+            // output until the backup is aligned, so the client's first ACK is exactly that): a
+            // forgery must guess the primary's ISN, not just the client's sequence number.
+            // (After take-over the backup's own SYN-ACK may have gone out instead: its ACK too.)
+            if c.p_isn.is_some_and(|p| s.ack != p + 1u32 && !(self.promoted && s.ack == isn + 1u32)) {
+                self.counters.unacceptable += 1;
+                return Verdict::Drop;
+            }
             c.delta = (s.ack - 1u32) - isn;
             c.ts_off = match (s.ts, c.b_ts0) {
                 (Some((_, _, ecr)), Some(t0)) => ecr.wrapping_sub(t0),
@@ -580,7 +598,7 @@ impl Backup {
         if !promoted {
             return self.withhold();
         }
-        if c.diverged {
+        if c.diverged || c.misaligned {
             self.counters.diverged_silenced += 1;
             return Verdict::Drop;
         }
@@ -614,7 +632,7 @@ impl Backup {
         for k in keys {
             let c = &self.conns[k];
             let mut flags = 0;
-            for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
+            for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED), (c.b_isn.is_some(), rw::flag::ISN_KNOWN), (c.misaligned, rw::flag::MISALIGNED)] {
                 if on {
                     flags |= f;
                 }
@@ -628,6 +646,7 @@ impl Backup {
                 out_end: c.out_end,
                 out_hash: c.out_hash,
                 last_ack: c.last_ack,
+                isn: c.b_isn.unwrap_or(Seq(0)),
                 flags,
             };
             // Earlier output checkpoints the primary has not verified yet, oldest first: a
@@ -658,6 +677,19 @@ impl Backup {
             let Some(c) = self.conns.get_mut(&key) else { continue };
             if r.flags & rw::flag::DIVERGED != 0 {
                 c.diverged = true;
+            }
+            if r.flags & rw::flag::ISN_KNOWN != 0 {
+                c.p_isn = Some(r.isn);
+                // Δ learned from a client ACK before the primary's ISN was known: a forged ACK
+                // (one that guessed the client's sequence number) gave a wrong one. The backup's
+                // server has taken the forgery as its handshake: that connection cannot be
+                // taken over.
+                if let (true, Some(b), false, false) = (c.aligned, c.b_isn, c.misaligned, self.promoted) {
+                    if c.delta != r.isn - b {
+                        c.misaligned = true;
+                        self.counters.misaligned += 1;
+                    }
+                }
             }
             // The primary's out_end is what it verified: those checkpoints are done.
             while c.checkpoints.front().is_some_and(|(e, _)| e.le(r.out_end)) {
@@ -771,6 +803,9 @@ pub enum Why {
     Diverged,
     /// The host-wide cap on held output ([`Config::max_held_total`]) would have been passed.
     HeldTotal,
+    /// The backup aligned on a forged client ACK (its Δ disagrees with the primary's ISN): its
+    /// server's connection is not the client's.
+    BackupMisaligned,
 }
 
 /// Something the primary's daemon must act on or report.
@@ -814,6 +849,8 @@ pub struct PrimaryCounters {
     pub half_open_evicted: u64,
     /// Connections made unprotected because the host-wide cap on held output was reached.
     pub held_total_exceeded: u64,
+    /// Connections the backup reported aligned on a forged ACK (run unprotected).
+    pub backup_misaligned: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -1283,6 +1320,11 @@ impl Primary {
             if c.state.is_some() {
                 continue;
             }
+            if f(rw::flag::MISALIGNED) {
+                self.counters.backup_misaligned += 1;
+                self.unprotect(key, Why::BackupMisaligned);
+                continue;
+            }
             if b.rst && c.rst_since.is_none() {
                 self.unprotect(key, Why::BackupRst);
                 continue;
@@ -1341,7 +1383,9 @@ impl Primary {
                 out_end: if self.cfg.strict { c.rel } else { c.p_end },
                 out_hash: 0,
                 last_ack: c.client_ack,
+                isn: c.stream_start - 1u32,
                 flags: rw::flag::RCV_KNOWN
+                    | if c.answered { rw::flag::ISN_KNOWN } else { 0 }
                     | if c.state == Some(Why::Diverged) { rw::flag::DIVERGED } else { 0 }
                     | if c.p_fin { rw::flag::FIN_OUT } else { 0 }
                     | if c.rst_since.is_some() { rw::flag::RST_OUT } else { 0 },
@@ -1751,7 +1795,7 @@ mod tests {
         p.incoming(&ip::tcp_packet(cli, svc, &syn, &[]).unwrap());
         let sa = tcp::Repr { src_port: 6379, dst_port: 40000, seq: Seq(5), ack: Seq(c_isn + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() };
         p.outgoing(&mut ip::tcp_packet(svc, cli, &sa, &[]).unwrap(), 0);
-        let rec = ConnProgress { client: cli, client_port: 40000, server_port: 6379, rcv_nxt: Seq(c_isn + 1), rcv_edge: Seq(c_isn + 1001), out_end: Seq(6), out_hash: HASH_INIT, last_ack: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED };
+        let rec = ConnProgress { client: cli, client_port: 40000, server_port: 6379, rcv_nxt: Seq(c_isn + 1), rcv_edge: Seq(c_isn + 1001), out_end: Seq(6), out_hash: HASH_INIT, last_ack: Seq(0), isn: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED };
         p.backup_progress(&Progress { role: Role::Backup, beat: 1, flags: 0, records: vec![rec] }, 1);
         assert_eq!(p.take_transmit().len(), 1, "the SYN-ACK");
         let send = |p: &mut Primary, off: u32, flags: u8, len: usize| {

@@ -888,6 +888,10 @@ impl Sim {
             let (g, e) = (self.capp.got.len(), self.capp.expected.len());
             return Err(self.fail(&format!("stalled: the client has {g} of {e} bytes and no FIN after {} ms", self.sc.max_ms)));
         }
+        // Nothing is forged here: the primary's ISN never contradicts the backup's alignment.
+        if self.beng.counters.misaligned != 0 || self.peng.counters.backup_misaligned != 0 {
+            return Err(self.fail("the backup was found aligned on a wrong ACK, with no forgery in the simulation"));
+        }
         let mut r = self.report;
         r.virtual_ms = self.now;
         r.max_stall_ms = self.capp.max_stall;

@@ -123,7 +123,7 @@ fn koch_5_takeover_continues_in_the_primarys_space() {
 #[test]
 fn promoted_backup_silences_diverged_connections() {
     let mut b = aligned_backup();
-    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), flags: rw::flag::DIVERGED };
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(0), flags: rw::flag::DIVERGED };
     assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty());
     b.take_over();
     assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0).0, Verdict::Drop);
@@ -159,7 +159,7 @@ fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
     b.incoming(&mut ack);
     assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 11), "clamped to what the backup's server sent");
     let report = |beat| {
-        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), flags: 0 };
+        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), isn: Seq(0), flags: 0 };
         Progress { role: Role::Primary, beat, flags: 0, records: vec![rec] }
     };
     assert!(b.primary_report(&report(1)).is_empty(), "nothing more to give yet");
@@ -187,7 +187,7 @@ fn forged_client_ack_is_never_relayed() {
     let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
     b.incoming(&mut forged);
     backup_sends(&mut b, 10, &[2; 10], B_TS0 + 2);
-    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(21)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: 0 };
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(21)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), isn: Seq(0), flags: 0 };
     assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty(), "the client acknowledged nothing");
     assert_eq!(b.counters.acks_relayed, 0);
 }
@@ -228,6 +228,7 @@ fn progress(beat: u64, rcv_nxt: u32, out: &[u8], fin: bool) -> Progress {
         out_end: Seq(P_ISN.wrapping_add(1 + out.len() as u32)),
         out_hash: hash_continue(HASH_INIT, out),
         last_ack: Seq(0),
+        isn: Seq(0),
         flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED | if fin { rw::flag::FIN_OUT } else { 0 },
     };
     Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }
@@ -658,4 +659,60 @@ fn forged_client_fin_does_not_make_a_connection_forgettable() {
     p.incoming(&other);
     assert_eq!(p.counters.table_full, 1, "the live connection was kept");
     assert!(p.held_bytes() > 0, "its held output too");
+}
+
+/// The primary's report carries its server's ISN (wire version 2). Once the backup has it, only
+/// the client's ACK of the primary's SYN-ACK (ISN + 1) aligns: a forgery that guessed the
+/// client's sequence number within the window must now also guess the primary's ISN.
+#[test]
+fn forged_handshake_ack_cannot_align_once_the_primary_reported_its_isn() {
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let p = primary(true);
+    let report = p.report(1);
+    let rec = report[0].records[0];
+    assert_eq!((rec.isn, rec.flags & rw::flag::ISN_KNOWN), (Seq(P_ISN), rw::flag::ISN_KNOWN));
+    assert!(b.primary_report(&report[0]).is_empty());
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut forged), Verdict::Drop, "in the window, but not the ACK of the primary's SYN-ACK");
+    assert_eq!((b.counters.aligned, b.counters.unacceptable), (0, 1));
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut ack), Verdict::Accept { modified: true });
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 1), "aligned on the genuine ACK");
+    assert_eq!(b.counters.aligned, 1);
+}
+
+/// A forged in-window ACK that reached the backup before the primary's ISN did aligns it with a
+/// wrong Δ (and its server takes the forgery as its handshake): the primary's ISN shows it, the
+/// backup reports the connection MISALIGNED, the primary runs it unprotected, and a promoted
+/// backup never answers on it. A genuine alignment is not disturbed by the report.
+#[test]
+fn forged_handshake_ack_before_the_primarys_isn_is_found_and_unprotected() {
+    let p = primary(true);
+    let mut genuine = aligned_backup();
+    genuine.primary_report(&p.report(1)[0]);
+    assert_eq!(genuine.counters.misaligned, 0);
+    assert_eq!(genuine.progress(1)[0].records[0].flags & rw::flag::MISALIGNED, 0);
+
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }), "no way to tell yet");
+    assert_eq!(b.counters.aligned, 1);
+    let mut p = p;
+    b.primary_report(&p.report(1)[0]);
+    assert_eq!(b.counters.misaligned, 1);
+    let prog = b.progress(2);
+    assert_eq!(prog[0].records[0].flags & rw::flag::MISALIGNED, rw::flag::MISALIGNED);
+    p.backup_progress(&prog[0], 5);
+    assert_eq!(p.conn_state(&key()), Some(Why::BackupMisaligned));
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::BackupMisaligned }]);
+    assert_eq!(p.counters.backup_misaligned, 1);
+    b.take_over();
+    assert_eq!(backup_sends(&mut b, 0, b"+OK", B_TS0 + 1).0, Verdict::Drop, "never answered after take-over");
+    assert_eq!(b.counters.diverged_silenced, 1);
 }

@@ -28,8 +28,9 @@ use crate::store::{Op, OpKind};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use unbroken_drivers::sockdiag::Progress;
-use unbroken_engines::trods::{plan_recovery, plan_relearn, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, FAR_PAST_PROGRESS};
+use unbroken_engines::trods::{self, plan_recovery, plan_relearn, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, FAR_PAST_PROGRESS};
 use unbroken_engines::Verdict;
+use unbroken_wire::ip::IpInfo;
 
 /// How long a packet of an unknown connection waits for the LB's view to allow its failover
 /// (the kernel table can change a few ms before the news reaches the agent).
@@ -660,7 +661,10 @@ impl Core {
     }
 
     fn packet(&mut self, now: u64, lb: LbView<'_>, lease_ok: bool, mut p: Pkt) {
-        let key = Self::key_of(&p);
+        // The IP header is parsed once here; the key and the engine both read this (issue 10
+        // item 0).
+        let info = IpInfo::parse(&p.data).ok();
+        let key = info.as_ref().and_then(|i| trods::key_at(&p.data, i, p.dir));
         if p.dir == Dir::ToClient && !matches!(lb, LbView::NoLb) {
             if !lease_ok {
                 if self.fenced.len() < FENCE_MAX_PACKETS {
@@ -706,7 +710,7 @@ impl Core {
             }
         }
         if let (Some(k), Dir::FromClient) = (key, p.dir) {
-            let syn = is_syn(&p.data);
+            let syn = info.as_ref().is_some_and(|i| syn_at(&p.data, i));
             if syn && !p.csum_not_ready && !tcp_checksum_ok(&p.data) {
                 // Proves nothing (the kernel drops it too): it neither cancels nor joins a
                 // failover, nor is it filed as a handshake (issue 9, object review item 1).
@@ -766,7 +770,10 @@ impl Core {
                 return;
             }
         }
-        let v = self.engine.packet_csum(p.id as u64, &mut p.data, p.dir, now, p.csum_not_ready);
+        let v = match &info {
+            Some(i) => self.engine.packet_parsed(p.id as u64, &mut p.data, i, p.dir, now, p.csum_not_ready),
+            None => self.engine.packet_csum(p.id as u64, &mut p.data, p.dir, now, p.csum_not_ready),
+        };
         self.flush_released();
         self.fence_released(now, lb);
         match v {
@@ -1355,6 +1362,12 @@ impl Core {
             self.out.push_back(Out::Inject(pkt));
         }
     }
+}
+
+/// A SYN without ACK, from the IP header parsed already.
+fn syn_at(pkt: &[u8], ip: &IpInfo) -> bool {
+    use unbroken_wire::tcp::flags;
+    ip.protocol == 6 && pkt.get(ip.l4_offset + 13).is_some_and(|f| f & flags::SYN != 0 && f & flags::ACK == 0)
 }
 
 fn is_syn(pkt: &[u8]) -> bool {

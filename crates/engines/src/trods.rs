@@ -611,8 +611,27 @@ struct Seg<'a> {
     ts: Option<(u32, u32)>,
 }
 
-fn parse_seg(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
-    let ip = IpInfo::parse(pkt).ok()?;
+/// The connection a packet belongs to, from its IP header parsed once by the caller (ports
+/// read at the transport offset; no option is walked).
+pub fn key_at(pkt: &[u8], ip: &IpInfo, dir: Dir) -> Option<Key> {
+    if ip.protocol != 6 {
+        return None;
+    }
+    let ports = pkt.get(ip.l4_offset..ip.l4_offset + 4)?;
+    let (sp, dp) = (u16::from_be_bytes([ports[0], ports[1]]), u16::from_be_bytes([ports[2], ports[3]]));
+    Some(match dir {
+        Dir::FromClient => Key { client: SocketAddr::new(ip.src, sp), service: SocketAddr::new(ip.dst, dp) },
+        Dir::ToClient => Key { client: SocketAddr::new(ip.dst, dp), service: SocketAddr::new(ip.src, sp) },
+    })
+}
+
+/// A packet the engine kept (held or sent earlier), read again.
+fn parse_stored(pkt: &[u8], dir: Dir) -> Option<Seg<'_>> {
+    parse_seg(pkt, &IpInfo::parse(pkt).ok()?, dir)
+}
+
+fn parse_seg<'a>(pkt: &'a [u8], ip: &IpInfo, dir: Dir) -> Option<Seg<'a>> {
+    let ip = *ip;
     if ip.protocol != 6 {
         return None;
     }
@@ -784,7 +803,19 @@ impl Engine {
     /// connection; a FIN closes only at the end of the client's stream. So a blind attacker
     /// who spoofs the client's address cannot unprotect a download or delete its record.
     pub fn packet_csum(&mut self, id: u64, pkt: &mut [u8], dir: Dir, now: u64, csum_not_ready: bool) -> Verdict {
-        let Some(seg) = parse_seg(pkt, dir) else {
+        match IpInfo::parse(pkt) {
+            Ok(ip) => self.packet_parsed(id, pkt, &ip, dir, now, csum_not_ready),
+            Err(_) => {
+                self.counters.malformed += 1;
+                Verdict::Accept { modified: false }
+            }
+        }
+    }
+
+    /// [`Engine::packet_csum`] with the IP header already parsed by the caller (issue 10
+    /// item 0: a packet is parsed once; the agent's core needs its key before the engine).
+    pub fn packet_parsed(&mut self, id: u64, pkt: &mut [u8], ip: &IpInfo, dir: Dir, now: u64, csum_not_ready: bool) -> Verdict {
+        let Some(seg) = parse_seg(pkt, ip, dir) else {
             self.counters.malformed += 1;
             return Verdict::Accept { modified: false };
         };
@@ -1176,7 +1207,7 @@ impl Engine {
         let sent_next = c.sent_next;
         let before_held = end <= c.srv_next
             && c.held.front().is_some_and(|h| {
-                parse_seg(&h.bytes, Dir::ToClient).is_some_and(|g| end <= unwrap_near(g.seq.wrapping_sub(hs.iss.wrapping_add(1)), sent_next))
+                parse_stored(&h.bytes, Dir::ToClient).is_some_and(|g| end <= unwrap_near(g.seq.wrapping_sub(hs.iss.wrapping_add(1)), sent_next))
             });
         let mut why = None;
         let mut new_entry = false;
@@ -1862,7 +1893,7 @@ impl Conn {
 
     /// A server packet left for the client: what its ACK field told the client.
     fn note_told(&mut self, pkt: &[u8]) {
-        let Some(seg) = parse_seg(pkt, Dir::ToClient) else { return };
+        let Some(seg) = parse_stored(pkt, Dir::ToClient) else { return };
         if seg.flags & flags::ACK != 0 {
             let a = unwrap_near(seg.ack.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
             self.told = self.told.max(a);

@@ -126,9 +126,14 @@ fn run_with_fault(name: &str, env: &mut ReplicaEnv, n: u64, rate: u64, at: u64, 
         T,
     );
     let deadline = Instant::now() + T;
-    let reached = wait_for(T, || py.progress.load(Ordering::Relaxed) >= at);
+    let mut py = py;
+    let reached = wait_for(T, || py.progress.load(Ordering::Relaxed) >= at || py.done());
     let fault_at = py.progress.load(Ordering::Relaxed);
-    assert!(reached, "{name}: redis-py answered only {fault_at} of {at} INCRs before the fault\n{}", env.diagnostics());
+    if !reached || fault_at < at {
+        let seen = py.finish(Instant::now());
+        let cli = cli.stop();
+        panic!("{name}: redis-py answered only {fault_at} of {at} INCRs before the fault: {seen:?}\nredis-cli: {cli:?}\n{}", env.diagnostics());
+    }
     eprintln!("{name}: fault at {fault_at} INCRs");
     fault(env);
     let py = py.finish(deadline);

@@ -14,6 +14,8 @@ pub mod kv;
 pub mod lb;
 pub mod ratelog;
 pub mod records;
+pub mod replica;
+pub mod replicacore;
 pub mod runtime;
 pub mod signals;
 pub mod status;

@@ -9,7 +9,9 @@
 //! - [`iptables`]: installation and removal of the `iptables`/`ip6tables` rules that steer a
 //!   guard's traffic into its queue and let its injected packets through.
 //! - [`segment`]: replica mode's segment plumbing: ARP suppression for the service address on
-//!   the backup (an owned nftables `arp` table) and the gratuitous ARP it announces it with.
+//!   the backup (an owned nftables `arp` table), the rule that hands the backup the client frames
+//!   a hub delivers (an owned `netdev` table), the router's mirror, and the gratuitous ARP the
+//!   backup announces the address with.
 //!
 //! Everything here is Linux-only and needs `CAP_NET_ADMIN` (and `CAP_NET_RAW` for raw
 //! sockets) at run time. Nothing here parses packets beyond the netlink framing; checksums and

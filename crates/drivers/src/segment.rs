@@ -44,6 +44,15 @@
 //!   then announce (an announcement before the backup can answer makes clients' packets meet a
 //!   host that is not ready).
 //!
+//! - [`HubReceive`]: on the backup, the client's frames that a hub, a port mirror or [`Mirror`]
+//!   delivers name the primary's MAC, so the backup's stack drops them (`PACKET_OTHERHOST`)
+//!   although their IP destination is its own (the service address). One nftables netdev
+//!   ingress rule on the backup's device, `ip daddr { ADDRS } meta pkttype other meta pkttype set
+//!   host`, hands exactly those to its stack (whose answers replica mode's queue then withholds);
+//!   frames for its host address, broadcasts and other destinations are left alone. Counted
+//!   ([`HubReceive::handed`]); owned, installed and removed like [`ArpSuppress`]; IPv4 only
+//!   (IPv6 service addresses are refused: there is no neighbour-discovery suppression yet).
+//!
 //! - [`Mirror`]: for a segment without a hub, on the router in front: an nftables netdev egress
 //!   `dup` of every frame toward the primary for the service address, out of the router's link
 //!   to the backup. Owned like [`ArpSuppress`].
@@ -380,11 +389,7 @@ impl Mirror {
     pub fn mirrored(spec: &MirrorSpec) -> io::Result<u64> {
         let t = spec.nft_table();
         let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
-        Ok(text
-            .split("counter packets ")
-            .skip(1)
-            .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
-            .sum())
+        Ok(sum_counters(&text))
     }
 
     /// Removes the table.
@@ -411,6 +416,214 @@ impl Drop for Mirror {
             }
         }
     }
+}
+
+/// What [`HubReceive::install`] installs: on the backup, frames on `device` addressed to one
+/// of the service addresses but to another host's MAC (the primary's: a hub, a port mirror or
+/// [`Mirror`] delivers them) are handed to the backup's own stack. Build with
+/// [`HubReceiveSpec::new`].
+///
+/// ```text
+/// table netdev unbroken-rx-eth0 {
+///   comment "unbroken-owner:PID:START"
+///   chain c { type filter hook ingress device "eth0" priority filter; policy accept;
+///     ip daddr { 10.0.0.10 } meta pkttype other counter meta pkttype set host comment "unbroken-owner:PID:START" }
+/// }
+/// ```
+///
+/// IPv4 only for now: an IPv6 address is refused (the segment has no NDP counterpart of
+/// [`ArpSuppress`] yet, so an IPv6 service address would be answered for by both hosts).
+/// Owned, installed and removed like [`ArpSuppress`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubReceiveSpec {
+    /// The nftables table (family `netdev`), by default `unbroken-rx-DEVICE`.
+    pub table: String,
+    /// The backup's segment device (its ingress is hooked).
+    pub device: String,
+    /// The service addresses: only frames to them are handed over. At least one; IPv4 only.
+    pub addrs: Vec<std::net::IpAddr>,
+    /// Run `nft` inside this named network namespace.
+    pub netns: Option<String>,
+    /// The `nft` binary.
+    pub nft: String,
+    /// The process the table belongs to ([`Owner::current`] by default).
+    pub owner: Owner,
+}
+
+impl HubReceiveSpec {
+    /// Hand frames for `addrs` arriving on `device` to this host's stack, in this namespace,
+    /// owned by the calling process.
+    pub fn new(
+        device: impl Into<String>,
+        addrs: impl IntoIterator<Item = std::net::IpAddr>,
+    ) -> HubReceiveSpec {
+        let device = device.into();
+        HubReceiveSpec {
+            table: ArpSuppressSpec::table_name(&device).replacen(
+                "unbroken-arp-",
+                "unbroken-rx-",
+                1,
+            ),
+            device,
+            addrs: addrs.into_iter().collect(),
+            netns: None,
+            nft: "nft".into(),
+            owner: Owner::current(),
+        }
+    }
+
+    fn validate(&self) -> io::Result<()> {
+        check_iface_name(&self.device)?;
+        check_table_name(&self.table)?;
+        if self.addrs.is_empty() {
+            return Err(invalid("no service address to receive for".into()));
+        }
+        for a in &self.addrs {
+            match a {
+                std::net::IpAddr::V6(a) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        format!(
+                            "service address {a}: IPv6 is not supported on a replica segment yet \
+                             (no neighbour-discovery suppression); use IPv4 service addresses"
+                        ),
+                    ))
+                }
+                std::net::IpAddr::V4(a)
+                    if a.is_unspecified()
+                        || a.is_broadcast()
+                        || a.is_multicast()
+                        || a.is_loopback() =>
+                {
+                    return Err(invalid(format!("{a} is not a unicast service address")))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn nft_table(&self) -> NftTable<'_> {
+        NftTable {
+            family: "netdev",
+            name: &self.table,
+            netns: self.netns.as_deref(),
+            bin: &self.nft,
+        }
+    }
+
+    /// The `nft -f` transaction that installs (or atomically replaces) the table. The
+    /// addresses are sorted and deduplicated (nft refuses a set with one element twice).
+    fn ruleset(&self) -> String {
+        let (t, d, tag) = (&self.table, &self.device, self.owner.tag());
+        let mut addrs = self.addrs.clone();
+        addrs.sort();
+        addrs.dedup();
+        let set = addrs
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "table netdev {t}\n\
+             delete table netdev {t}\n\
+             table netdev {t} {{\n\
+             \x20 comment \"{tag}\"\n\
+             \x20 chain c {{\n\
+             \x20   type filter hook ingress device \"{d}\" priority filter; policy accept;\n\
+             \x20   ip daddr {{ {set} }} meta pkttype other counter meta pkttype set host comment \"{tag}\"\n\
+             \x20 }}\n\
+             }}\n"
+        )
+    }
+}
+
+/// An installed hand-over rule; removed by [`HubReceive::remove`] or on drop.
+#[derive(Debug)]
+pub struct HubReceive {
+    spec: HubReceiveSpec,
+    installed: bool,
+}
+
+impl HubReceive {
+    /// Installs (or atomically replaces a dead owner's or an untagged) table; refused
+    /// (`AddrInUse`, naming the owner, touching nothing) while another running process owns
+    /// it. Idempotent for the same owner.
+    pub fn install(spec: &HubReceiveSpec) -> io::Result<HubReceive> {
+        spec.validate()?;
+        let t = spec.nft_table();
+        check_owner(&t, spec.owner)?;
+        nft_stdin(&t, &spec.ruleset())?;
+        Ok(HubReceive {
+            spec: spec.clone(),
+            installed: true,
+        })
+    }
+
+    /// Fails (`AddrInUse`) when the table exists and belongs to a running process other than
+    /// `spec.owner`.
+    pub fn check_owner(spec: &HubReceiveSpec) -> io::Result<()> {
+        check_owner(&spec.nft_table(), spec.owner)
+    }
+
+    /// Deletes the table of `spec` when it is there and not another running process's; an
+    /// absent table is not an error.
+    pub fn remove_leftovers(spec: &HubReceiveSpec) -> io::Result<()> {
+        spec.validate()?;
+        delete_table(&spec.nft_table(), spec.owner)
+    }
+
+    /// Who owns the table of `spec`: `None` when it does not exist, `Some(None)` when it has
+    /// no owner comment.
+    pub fn owner(spec: &HubReceiveSpec) -> io::Result<Option<Option<Owner>>> {
+        table_owner(&spec.nft_table())
+    }
+
+    /// Frames handed to the stack so far; `NotFound` when not installed.
+    pub fn handed(spec: &HubReceiveSpec) -> io::Result<u64> {
+        let t = spec.nft_table();
+        let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
+        Ok(sum_counters(&text))
+    }
+
+    /// The spec installed.
+    pub fn spec(&self) -> &HubReceiveSpec {
+        &self.spec
+    }
+
+    /// Removes the table.
+    pub fn remove(mut self) -> io::Result<()> {
+        self.installed = false;
+        Self::remove_leftovers(&self.spec)
+    }
+
+    /// Leaves the table installed when this value goes away (a restarting backup daemon).
+    pub fn leave_installed(mut self) {
+        self.installed = false;
+    }
+}
+
+impl Drop for HubReceive {
+    fn drop(&mut self) {
+        if self.installed {
+            self.installed = false;
+            if let Err(e) = Self::remove_leftovers(&self.spec) {
+                eprintln!(
+                    "unbroken: removing nftables table netdev {}: {e}",
+                    self.spec.table
+                );
+            }
+        }
+    }
+}
+
+/// The sum of every `counter packets N` of a listing.
+fn sum_counters(listing: &str) -> u64 {
+    listing
+        .split("counter packets ")
+        .skip(1)
+        .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
 
 fn check_table_name(t: &str) -> io::Result<()> {
@@ -836,6 +1049,64 @@ mod tests {
             bad(&|b| b.addr = "255.255.255.255".parse().unwrap()),
             io::ErrorKind::InvalidInput
         );
+    }
+
+    #[test]
+    fn hub_receive_ruleset_and_specs() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        let mut h = HubReceiveSpec::new(
+            "eth0",
+            [ip("10.77.3.20"), ip("10.77.3.10"), ip("10.77.3.20")],
+        );
+        h.owner = Owner { pid: 7, start: 9 };
+        assert_eq!(h.table, "unbroken-rx-eth0");
+        assert!(h.validate().is_ok());
+        assert_eq!(
+            h.ruleset(),
+            "table netdev unbroken-rx-eth0\ndelete table netdev unbroken-rx-eth0\ntable netdev unbroken-rx-eth0 {\n  \
+             comment \"unbroken-owner:7:9\"\n  chain c {\n    type filter hook ingress device \"eth0\" priority filter; policy accept;\n    \
+             ip daddr { 10.77.3.10, 10.77.3.20 } meta pkttype other counter meta pkttype set host comment \"unbroken-owner:7:9\"\n  }\n}\n"
+        );
+        assert_eq!(
+            HubReceiveSpec::new("a.b", [ip("10.0.0.1")]).table,
+            "unbroken-rx-a_b"
+        );
+        let bad = |f: &dyn Fn(&mut HubReceiveSpec)| {
+            let mut b = h.clone();
+            f(&mut b);
+            b.validate().unwrap_err()
+        };
+        let e = bad(&|b| b.addrs.push(ip("fd77:3::10")));
+        assert_eq!(e.kind(), io::ErrorKind::Unsupported);
+        assert!(
+            e.to_string().contains("fd77:3::10") && e.to_string().contains("IPv6"),
+            "{e}"
+        );
+        assert_eq!(
+            bad(&|b| b.addrs.clear()).kind(),
+            io::ErrorKind::InvalidInput
+        );
+        for a in ["0.0.0.0", "255.255.255.255", "224.0.0.1", "127.0.0.1"] {
+            assert_eq!(
+                bad(&|b| b.addrs = vec![ip(a)]).kind(),
+                io::ErrorKind::InvalidInput,
+                "{a}"
+            );
+        }
+        assert_eq!(
+            bad(&|b| b.device = "eth0\" accept".into()).kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|b| b.table = "x;flush ruleset".into()).kind(),
+            io::ErrorKind::InvalidInput
+        );
+        // What `nft list table netdev ...` prints (nftables 1.0.6).
+        let listing = "table netdev unbroken-rx-eth0 {\n\tcomment \"unbroken-owner:7:9\"\n\tchain c {\n\
+            \t\ttype filter hook ingress device \"eth0\" priority filter; policy accept;\n\
+            \t\tip daddr { 10.77.3.10, 10.77.3.20 } meta pkttype other counter packets 12 bytes 840 meta pkttype set host comment \"unbroken-owner:7:9\"\n\t}\n}\n";
+        assert_eq!(parse_owner(listing), Some(Owner { pid: 7, start: 9 }));
+        assert_eq!(sum_counters(listing), 12);
     }
 
     #[test]

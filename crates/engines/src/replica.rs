@@ -235,7 +235,7 @@ impl BConn {
 }
 
 /// What the backup's engine counted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct BackupCounters {
     /// Packets of the backup's server toward clients dropped before take-over.
     pub withheld: u64,
@@ -610,6 +610,12 @@ impl Backup {
         self.conns.remove(key);
     }
 
+    /// Connections over on both sides (the server reset it, or both sent their FIN): the
+    /// daemon forgets them after a grace period.
+    pub fn finished(&self) -> Vec<ConnKey> {
+        self.conns.iter().filter(|(_, c)| c.finished()).map(|(k, _)| *k).collect()
+    }
+
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
@@ -685,7 +691,7 @@ pub enum Notice {
 }
 
 /// What the primary's engine counted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PrimaryCounters {
     /// Output packets held for the backup, and released.
     pub held: u64,
@@ -1182,6 +1188,16 @@ impl Primary {
 
     pub fn forget(&mut self, key: &ConnKey) {
         self.conns.remove(key);
+    }
+
+    /// Connections over on both sides (see [`Backup::finished`]).
+    pub fn finished(&self) -> Vec<ConnKey> {
+        self.conns.iter().filter(|(_, c)| c.finished()).map(|(k, _)| *k).collect()
+    }
+
+    /// Connections followed.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
     }
 
     /// Verifies what can be verified, releases what is verified, applies the lag and FIN

@@ -11,8 +11,10 @@
 //! - Takeover: the primary's host dies; the backup removes its suppression and announces the
 //!   address ([`Announcer`]); the client's neighbour entry names the backup's MAC, new
 //!   connections reach the backup's server, and a fresh resolution is answered by the backup.
-//! - Ownership of the suppression table, and what the backup's daemon will need next: one
-//!   netdev rule (`meta pkttype set host`) hands the mirrored frames to the backup's stack.
+//! - Ownership of the suppression and hand-over tables; the hand-over ([`HubReceive`], one
+//!   netdev rule `meta pkttype set host`) gives the mirrored frames to the backup's stack.
+//! - Local injection: a packet "from the client" sent with `RawSender` in the backup reaches its
+//!   own server socket through `lo`, with `rp_filter=1` (what the backup daemon injects).
 //! - Without a hub: the router in front mirrors toward the backup (`segment::Mirror`).
 //!
 //! Needs root; without it each test prints why and passes without running (fails instead with
@@ -24,7 +26,9 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec, Owner};
+use unbroken_drivers::segment::{
+    Announcer, ArpSuppress, ArpSuppressSpec, HubReceive, HubReceiveSpec, Owner,
+};
 use unbroken_lab::lab::{self, dev};
 use unbroken_lab::replicalab::{addr, ReplicaLab};
 
@@ -376,11 +380,125 @@ fn replica_segment_suppression_ownership() {
     assert_eq!(ArpSuppress::owner(&mine).unwrap(), None);
 }
 
-/// What the backup's daemon will need beyond this item: on a hub the mirrored frames name the
-/// primary's MAC, so the backup's stack ignores them (PACKET_OTHERHOST). One nftables netdev
-/// rule on the backup's ingress (`meta pkttype set host` for packets to the service address)
-/// hands them to its stack, whose answers must then be withheld (here: dropped in OUTPUT and
-/// counted). Its server's socket answers the client's SYN, which proves the delivery.
+/// [`HubReceive`]'s table is owned like the suppression's: another running process's is never
+/// touched and the error names it; a dead owner's or an untagged one is replaced in one
+/// transaction; installing twice leaves one table with one rule; `Drop` removes it; an IPv6
+/// service address is refused before anything is touched.
+#[test]
+fn replica_segment_hub_receive_ownership() {
+    let Some(_g) = lab_or_skip("replica_segment_hub_receive_ownership") else {
+        return;
+    };
+    let pair = lab::Lab::pair().expect("build a pair");
+    let svc = IpAddr::V4(addr::SERVICE_V4);
+    let mut mine = HubReceiveSpec::new(dev::PEER, [svc]);
+    mine.netns = Some(pair.a.clone());
+    let tables = || {
+        let out = lab::run_ok(&pair.a, Command::new("nft").args(["list", "ruleset"])).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let one_table_one_rule = |what: &str| {
+        let text = tables();
+        assert_eq!(
+            text.matches("table netdev ").count(),
+            1,
+            "{what}: one table:\n{text}"
+        );
+        assert_eq!(
+            text.matches("meta pkttype set host").count(),
+            1,
+            "{what}: one rule:\n{text}"
+        );
+    };
+
+    let v6 = HubReceiveSpec {
+        addrs: vec![svc, "fd77:3::10".parse().unwrap()],
+        ..mine.clone()
+    };
+    let e = HubReceive::install(&v6).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
+    assert!(e.to_string().contains("fd77:3::10"), "{e}");
+    assert_eq!(HubReceive::owner(&mine).unwrap(), None, "nothing installed");
+    assert_eq!(
+        HubReceive::handed(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::NotFound
+    );
+
+    // An untagged table of the same name (an older version's, or hand-made) is replaced.
+    nft_stdin(
+        &pair.a,
+        &format!(
+            "table netdev {} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+             ip daddr {svc} meta pkttype other meta pkttype set host\n  }}\n}}\n",
+            mine.table,
+            dev::PEER
+        ),
+    );
+    assert_eq!(HubReceive::owner(&mine).unwrap(), Some(None));
+    let first = HubReceive::install(&mine).expect("replace an untagged table");
+    HubReceive::install(&mine)
+        .expect("installing again is idempotent")
+        .leave_installed();
+    one_table_one_rule("installed twice");
+    assert_eq!(
+        HubReceive::owner(&mine).unwrap(),
+        Some(Some(Owner::current()))
+    );
+    assert_eq!(HubReceive::handed(&mine).unwrap(), 0);
+    first.leave_installed();
+
+    // Another running process's table is never touched, and the error names it.
+    let mut other = lab::spawn(&pair.a, Command::new("sleep").arg("600")).unwrap();
+    let theirs = HubReceiveSpec {
+        owner: Owner::of_pid(other.id()).unwrap(),
+        ..mine.clone()
+    };
+    let e = HubReceive::install(&theirs).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        std::io::ErrorKind::AddrInUse,
+        "ours is alive: {e}"
+    );
+    HubReceive::remove_leftovers(&mine).unwrap();
+    HubReceive::install(&theirs).unwrap().leave_installed();
+    let e = HubReceive::install(&mine).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+    assert!(
+        e.to_string().contains(&format!("pid {}", other.id())),
+        "{e}"
+    );
+    assert_eq!(
+        HubReceive::remove_leftovers(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+    assert_eq!(
+        HubReceive::check_owner(&mine).unwrap_err().kind(),
+        std::io::ErrorKind::AddrInUse
+    );
+    assert_eq!(HubReceive::owner(&mine).unwrap(), Some(Some(theirs.owner)));
+
+    // Once it is gone, its table is taken over in one transaction.
+    other.kill().unwrap();
+    other.wait().unwrap();
+    let s = HubReceive::install(&mine).expect("take over a dead owner's table");
+    assert_eq!(
+        HubReceive::owner(&mine).unwrap(),
+        Some(Some(Owner::current()))
+    );
+    one_table_one_rule("taken over");
+
+    // Drop removes it; removing again is no error.
+    drop(s);
+    assert_eq!(HubReceive::owner(&mine).unwrap(), None);
+    HubReceive::remove_leftovers(&mine).expect("removing an absent table");
+    assert!(!tables().contains("table netdev "), "{}", tables());
+}
+
+/// On a hub the mirrored frames name the primary's MAC, so the backup's stack ignores them
+/// (PACKET_OTHERHOST). [`HubReceive`] (one nftables netdev rule on the backup's ingress, `meta
+/// pkttype set host` for packets to the service address) hands them to its stack, whose answers
+/// must then be withheld (here: dropped in OUTPUT and counted). Its server's socket answers the
+/// client's SYN, which proves the delivery.
 #[test]
 fn replica_segment_backup_stack_gets_mirrored_frames() {
     let Some(_g) = lab_or_skip("replica_segment_backup_stack_gets_mirrored_frames") else {
@@ -393,15 +511,10 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
     rl.add_backup_service_ip().unwrap();
     lab::install_rst_counter(&client).unwrap();
-    nft_stdin(
-        &backup,
-        &format!(
-            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
-             ip daddr {} meta pkttype other meta pkttype set host counter\n  }}\n}}\n",
-            dev::APP,
-            addr::SERVICE_V4
-        ),
-    );
+    let mut rx = HubReceiveSpec::new(dev::APP, [IpAddr::V4(addr::SERVICE_V4)]);
+    rx.netns = Some(backup.clone());
+    let _rx = HubReceive::install(&rx).expect("install the pkttype rule");
+    assert_eq!(HubReceive::handed(&rx).unwrap(), 0);
     // The backup's output to clients is withheld (the daemon's job; a plain drop here).
     let withheld = |ns: &str| -> u64 {
         let out = lab::run_ok(
@@ -440,9 +553,9 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     echo_rounds(&mut s, 3);
     drop(s);
     assert!(
-        counted(&backup) >= 5,
+        HubReceive::handed(&rx).unwrap() >= 5,
         "only {} frames handed to the backup's stack",
-        counted(&backup)
+        HubReceive::handed(&rx).unwrap()
     );
     // The backup's server answered at least the SYN (a SYN-ACK, withheld).
     assert!(
@@ -455,6 +568,217 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
         "nothing of the backup's reached the client"
     );
     assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
+}
+
+/// `ioctl(fd, req)` for an int-valued TCP queue figure (`SIOCOUTQ`, `SIOCOUTQNSD`).
+fn queue_bytes(s: &TcpStream, req: libc::c_ulong) -> u32 {
+    use std::os::fd::AsRawFd;
+    let mut v: libc::c_int = 0;
+    // SAFETY: a live socket and a live int for the ioctl to fill.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), req as _, &mut v) };
+    assert_eq!(r, 0, "ioctl {req:#x}: {}", std::io::Error::last_os_error());
+    v as u32
+}
+
+/// The socket's TSval clock now (`TCP_TIMESTAMP`; no repair mode needed to read it).
+fn ts_clock(s: &TcpStream) -> u32 {
+    use std::os::fd::AsRawFd;
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a live socket, a live int and its size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_TCP,
+            libc::TCP_TIMESTAMP,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "TCP_TIMESTAMP: {}", std::io::Error::last_os_error());
+    v as u32
+}
+
+/// A `TcpExt` figure of `/proc/net/netstat` in `ns`.
+fn tcp_ext(ns: &str, name: &str) -> u64 {
+    let out = lab::run_ok(ns, Command::new("cat").arg("/proc/net/netstat")).unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next().unwrap(), lines.next().unwrap());
+    let i = names
+        .split_whitespace()
+        .position(|n| n == name)
+        .unwrap_or_else(|| panic!("{name} not in {names}"));
+    values.split_whitespace().nth(i).unwrap().parse().unwrap()
+}
+
+/// What the backup's daemon injects into its own server's socket (`Backup::primary_report`: a
+/// client ACK the backup missed, as the client sent it): an IPv4 packet from the client's address
+/// to the service address, which is local on the backup, sent with `RawSender` (IP_HDRINCL,
+/// marked). Its route is the local table's, through `lo`, which keeps the output route on the
+/// packet, so the input side does no route lookup and reverse-path filtering never runs: with
+/// `rp_filter=1` on every interface of the backup the packet is delivered, and the kernel's
+/// `IPReversePathFilter` counter stays 0.
+///
+/// A real connection from the client reaches the backup's server through the hub and
+/// [`HubReceive`] (the primary drops it silently, the backup answers the client directly: the
+/// backup's output is not withheld here). Then the client goes silent and deaf (repair mode, its
+/// input dropped): the backup's next output stays unacknowledged until an injected ACK with the
+/// client's numbers acknowledges it; an injected data segment reaches the backup's server.
+#[test]
+fn replica_segment_backup_local_injection() {
+    use unbroken_drivers::rawsend::RawSender;
+    use unbroken_drivers::repair::{self, SIOCOUTQ, SIOCOUTQNSD};
+    use unbroken_wire::{ip, tcp, Seq};
+    let Some(_g) = lab_or_skip("replica_segment_backup_local_injection") else {
+        return;
+    };
+    let mut rl = ReplicaLab::build().expect("build the replica segment");
+    let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
+    let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
+    spec.netns = Some(backup.clone());
+    let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
+    rl.add_backup_service_ip().unwrap();
+    let mut rx = HubReceiveSpec::new(dev::APP, [IpAddr::V4(addr::SERVICE_V4)]);
+    rx.netns = Some(backup.clone());
+    let _rx = HubReceive::install(&rx).expect("install the pkttype rule");
+    let rp = "net.ipv4.conf.{}.rp_filter";
+    let keys: Vec<String> = ["all", "default", "lo", dev::APP]
+        .iter()
+        .map(|d| rp.replace("{}", d))
+        .collect();
+    let kv: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "1")).collect();
+    // arp_announce=2: the backup resolves the client with its host address as the ARP sender
+    // (the suppression drops ARP naming the service address).
+    let announce = format!("net.ipv4.conf.{}.arp_announce", dev::APP);
+    lab::sysctls(&backup, &kv).unwrap();
+    lab::sysctls(&backup, &[(announce.as_str(), "2")]).unwrap();
+    for k in &keys {
+        assert_eq!(lab::sysctl_get(&backup, k).unwrap().trim(), "1", "{k}");
+    }
+    // The primary stays silent for this port (no RST, no SYN-ACK): the backup serves it.
+    lab::run_ok(
+        &primary,
+        Command::new("iptables").args([
+            "-w",
+            "-A",
+            "INPUT",
+            "-p",
+            "tcp",
+            "-d",
+            &addr::SERVICE_V4.to_string(),
+            "--dport",
+            &PORT.to_string(),
+            "-j",
+            "DROP",
+        ]),
+    )
+    .unwrap();
+    let listener = lab::in_ns(&backup, || TcpListener::bind(service()))
+        .unwrap()
+        .unwrap();
+
+    let mut c = connect(&client);
+    let (mut b, peer) = listener.accept().unwrap();
+    b.set_read_timeout(Some(T)).unwrap();
+    assert_eq!(peer, c.local_addr().unwrap());
+    c.write_all(b"ping").unwrap();
+    let mut got = [0u8; 4];
+    b.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"ping");
+    b.write_all(b"pong").unwrap();
+    c.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"pong");
+    assert!(
+        wait_for(|| queue_bytes(&b, SIOCOUTQ) == 0),
+        "the client's ACK of pong never reached the backup's server"
+    );
+    assert!(
+        HubReceive::handed(&rx).unwrap() >= 3,
+        "handshake ACK, ping, ACK of pong"
+    );
+
+    // The client's numbers, then silence: nothing it sends or receives from here on.
+    let d = repair::dump(&c).expect("read the client's sequence numbers");
+    repair::enter_repair(std::os::fd::AsRawFd::as_raw_fd(&c)).unwrap();
+    lab::run_ok(
+        &client,
+        Command::new("iptables").args([
+            "-w",
+            "-A",
+            "INPUT",
+            "-p",
+            "tcp",
+            "-s",
+            &addr::SERVICE_V4.to_string(),
+            "--sport",
+            &PORT.to_string(),
+            "-j",
+            "DROP",
+        ]),
+    )
+    .unwrap();
+    let reply = vec![0x5au8; 1000];
+    b.write_all(&reply).unwrap();
+    assert!(
+        wait_for(|| queue_bytes(&b, SIOCOUTQNSD) == 0),
+        "the backup's server did not send its reply"
+    );
+    assert_eq!(queue_bytes(&b, SIOCOUTQ), 1000, "nothing acknowledged it");
+
+    let sender = lab::in_ns(&backup, || RawSender::new(0x7e9))
+        .unwrap()
+        .expect("open the raw sender in the backup");
+    assert_eq!(d.local, c.local_addr().unwrap());
+    let segment = |flags: u8, payload: &[u8]| {
+        let r = tcp::Repr {
+            src_port: d.local.port(),
+            dst_port: PORT,
+            seq: Seq(d.snd_nxt),
+            ack: Seq(d.rcv_nxt.wrapping_add(reply.len() as u32)),
+            flags,
+            window: 1000,
+            // The client's clock (PAWS) and the backup's latest TSval echoed, as the engine does.
+            timestamp: d.timestamp.map(|_| (ts_clock(&c), ts_clock(&b))),
+            ..Default::default()
+        };
+        ip::tcp_packet(
+            IpAddr::V4(addr::CLIENT_V4),
+            IpAddr::V4(addr::SERVICE_V4),
+            &r,
+            payload,
+        )
+        .unwrap()
+    };
+    let rpf_before = tcp_ext(&backup, "IPReversePathFilter");
+
+    // 1. A pure ACK the backup missed: its server's reply is acknowledged.
+    sender
+        .send(&segment(tcp::flags::ACK, &[]))
+        .expect("inject the ACK");
+    assert!(
+        wait_for(|| queue_bytes(&b, SIOCOUTQ) == 0),
+        "the injected ACK was not taken: {} bytes still unacknowledged",
+        queue_bytes(&b, SIOCOUTQ)
+    );
+
+    // 2. A data segment from the client: it reaches the backup's server.
+    let data = b"injected from the client's address";
+    sender
+        .send(&segment(tcp::flags::ACK | tcp::flags::PSH, data))
+        .expect("inject the data");
+    let mut got = vec![0u8; data.len()];
+    b.read_exact(&mut got)
+        .expect("the injected data reaches the server");
+    assert_eq!(&got, data);
+
+    assert_eq!(
+        tcp_ext(&backup, "IPReversePathFilter"),
+        rpf_before,
+        "reverse-path filtering dropped something"
+    );
+    assert_eq!(rpf_before, 0);
+    drop(c); // in repair mode: closes silently
 }
 
 /// A bridge-less segment: the router in front duplicates every frame it sends toward the

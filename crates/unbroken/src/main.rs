@@ -72,6 +72,11 @@ usage:
         SIGINT/SIGTERM; configs/lb.example.toml shows every key. The table stays in the
         kernel on exit (traffic keeps flowing; the next run adopts it); --cleanup removes it.
         SIGHUP is ignored by lb, agent and guard (no reload).
+  unbroken replica --config FILE [--role primary|backup] [--remove-rules]
+        Run replica mode (ST-TCP / Koch et al.) on the primary or the backup host of an
+        unmodified deterministic server; configs/replica.example.toml shows every key. --role,
+        when given, must agree with the file. A stopped daemon leaves its queue rules (and a
+        backup its ARP suppression) in place; --remove-rules removes them.
   unbroken lab cleanup
         Remove network namespaces left behind by crashed runs.
 ";
@@ -101,6 +106,7 @@ fn main() -> ExitCode {
         "lab" => lab(args),
         "lb" => ExitCode::from(unbroken::lbcmd::main(args) as u8),
         "agent" => agent(args),
+        "replica" => replica(args),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             ExitCode::SUCCESS
@@ -502,6 +508,52 @@ fn guard(args: Vec<String>) -> ExitCode {
     match unbroken_control::runtime::run(cfg, opts) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),
+    }
+}
+
+fn replica(args: Vec<String>) -> ExitCode {
+    let mut it = args.into_iter();
+    let (mut config, mut role, mut remove_rules) = (None, None, false);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--config" => config = it.next(),
+            "--role" => role = it.next(),
+            "--remove-rules" => remove_rules = true,
+            o => return fail(format!("replica: unknown argument {o:?}")),
+        }
+    }
+    let Some(path) = config else { return fail("replica: --config FILE is required") };
+    let cfg = match unbroken_control::replica::Replica::load(std::path::Path::new(&path)) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    if let Some(r) = role {
+        let file = match cfg.role {
+            unbroken_wire::replica::Role::Primary => "primary",
+            unbroken_wire::replica::Role::Backup => "backup",
+        };
+        if r != "primary" && r != "backup" {
+            return fail(format!("replica: --role {r:?}: primary or backup"));
+        }
+        if r != file {
+            return fail(format!("replica: --role {r} but {path} says role = \"{file}\""));
+        }
+    }
+    if remove_rules {
+        return match unbroken_control::replica::remove_rules(&cfg) {
+            Ok(()) => {
+                println!("unbroken replica: queue rules (and a backup's ARP suppression) removed");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        };
+    }
+    match unbroken_control::replica::run(cfg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("unbroken: {e}");
+            ExitCode::from(1)
+        }
     }
 }
 

@@ -1,0 +1,578 @@
+//! `unbroken replica` (issue 10): the daemon of replica mode on the primary or the backup host.
+//! It only does I/O around [`crate::replicacore::Core`] on the shared packet loop
+//! ([`crate::daemon::run`]): the queue (client packets in, its server's packets out), the UDP
+//! side channel to the other host, the fencing command, and on the backup the segment
+//! plumbing ([`unbroken_drivers::segment`]): ARP suppression for the service address until it
+//! takes over, then the gratuitous ARP.
+//!
+//! ```toml
+//! [replica]
+//! role = "primary"                  # or "backup"
+//! queue = 9                         # NFQUEUE number
+//! interface = "eth0"                # the segment device (backup: ARP suppression, announcements)
+//! listen = "10.77.3.11:7790"        # side channel: this host's UDP address
+//! peer = "10.77.3.12:7790"          # the other host's (datagrams from elsewhere are dropped, counted)
+//! key = "00112233445566778899aabbccddeeff"   # shared key, hex (or key_file = "/path")
+//! heartbeat_interval_ms = 10
+//! missed_beats = 3
+//! fence_command = ["/usr/local/sbin/fence-peer"]   # required: exit 0 = the peer is fenced
+//! fence_timeout_ms = 5000
+//! strict = true                     # strict output commit (Koch 3.2)
+//! max_lag_bytes = 4194304
+//! max_lag_ms = 5000
+//! max_delay_fin_ms = 5000
+//! max_connections = 65536
+//! status_file = "/run/unbroken/replica.json"
+//!
+//! [[service]]                       # IPv4, one address (several ports)
+//! addr = "10.77.3.10"
+//! port = 6379
+//! ```
+
+use std::io::{self, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service as RuleService};
+use unbroken_drivers::nfqueue::{Queue, QueueConfig};
+use unbroken_drivers::rawsend::RawSender;
+use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec};
+use unbroken_engines::replica::{BackupCounters, Config as EngineConfig, DetectorConfig, PrimaryCounters};
+use unbroken_wire::ctl::Key;
+use unbroken_wire::replica::Role;
+
+use crate::config::Service;
+use crate::daemon::{self, Outbox, Wake};
+use crate::replicacore::{Core, Counters, Request, Settings, State};
+
+/// Mark of the packets the daemon sends (released output, fresh ACKs, relayed client ACKs):
+/// its queue rules let them pass.
+pub const REPLICA_MARK: u32 = 0x7562_0003;
+
+fn default_queue() -> u16 {
+    9
+}
+fn default_interval() -> u64 {
+    10
+}
+fn default_misses() -> u32 {
+    3
+}
+fn default_fence_timeout() -> u64 {
+    5_000
+}
+fn default_true() -> bool {
+    true
+}
+fn default_lag_bytes() -> u32 {
+    4 << 20
+}
+fn default_lag_ms() -> u64 {
+    5_000
+}
+fn default_fin_ms() -> u64 {
+    5_000
+}
+fn default_max_conns() -> usize {
+    unbroken_engines::replica::DEFAULT_MAX_CONNS
+}
+fn default_grace() -> u64 {
+    60
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoleName {
+    Primary,
+    Backup,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSection {
+    pub role: RoleName,
+    #[serde(default = "default_queue")]
+    pub queue: u16,
+    pub interface: String,
+    pub listen: SocketAddr,
+    pub peer: SocketAddr,
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    #[serde(default = "default_interval")]
+    pub heartbeat_interval_ms: u64,
+    #[serde(default = "default_misses")]
+    pub missed_beats: u32,
+    #[serde(default)]
+    pub fence_command: Vec<String>,
+    #[serde(default = "default_fence_timeout")]
+    pub fence_timeout_ms: u64,
+    #[serde(default = "default_true")]
+    pub strict: bool,
+    #[serde(default = "default_lag_bytes")]
+    pub max_lag_bytes: u32,
+    #[serde(default = "default_lag_ms")]
+    pub max_lag_ms: u64,
+    #[serde(default = "default_fin_ms")]
+    pub max_delay_fin_ms: u64,
+    #[serde(default = "default_max_conns")]
+    pub max_connections: usize,
+    /// Seconds a connection closed on both sides is remembered.
+    #[serde(default = "default_grace")]
+    pub closed_grace_secs: u64,
+    #[serde(default)]
+    pub status_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    pub replica: ReplicaSection,
+    #[serde(rename = "service", default)]
+    pub services: Vec<Service>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Replica {
+    pub raw: ReplicaConfig,
+    pub key: Key,
+    pub role: Role,
+    /// The service address (every service shares it).
+    pub addr: Ipv4Addr,
+}
+
+impl Replica {
+    pub fn load(path: &Path) -> Result<Replica, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("replica: config {}: {e}", path.display()))?;
+        Replica::from_toml(&text).map_err(|e| format!("replica: {}: {e}", path.display()))
+    }
+
+    /// Parses and checks a configuration; every problem is one precise error.
+    pub fn from_toml(text: &str) -> Result<Replica, String> {
+        let raw: ReplicaConfig = toml::from_str(text).map_err(|e| format!("config: {e}"))?;
+        let r = &raw.replica;
+        let key = match (&r.key, &r.key_file) {
+            (Some(k), None) => Key::from_hex(k).map_err(|e| format!("config: replica.key: {e} (give at least 32 hex digits)"))?,
+            (None, Some(p)) => {
+                let t = std::fs::read_to_string(p).map_err(|e| format!("config: replica.key_file {}: {e}", p.display()))?;
+                Key::from_hex(t.trim()).map_err(|e| format!("config: replica.key_file {}: {e}", p.display()))?
+            }
+            _ => return Err("config: give exactly one of replica.key and replica.key_file (the side channel's shared key, the same on both hosts)".into()),
+        };
+        if raw.services.is_empty() {
+            return Err("config: at least one [[service]] (addr, port) to replicate is required".into());
+        }
+        let mut addr = None;
+        for s in &raw.services {
+            let IpAddr::V4(a) = s.addr else {
+                return Err(format!("config: service {}: IPv6 is not supported by replica mode yet (its takeover announces IPv4 addresses with ARP)", s.addr));
+            };
+            if s.port == 0 {
+                return Err(format!("config: service {a}: port 0"));
+            }
+            if a.is_unspecified() || a.is_multicast() || a.is_broadcast() {
+                return Err(format!("config: service {a}: not a unicast address"));
+            }
+            match addr {
+                None => addr = Some(a),
+                Some(b) if b != a => return Err(format!("config: services on {b} and {a}: replica mode protects one service address (several ports) per daemon")),
+                _ => {}
+            }
+        }
+        let addr = addr.expect("at least one service");
+        unbroken_drivers::iptables::check_iface_name(&r.interface).map_err(|e| format!("config: replica.interface: {e}"))?;
+        if r.listen.is_ipv4() != r.peer.is_ipv4() {
+            return Err(format!("config: replica.listen {} and replica.peer {} are of different families", r.listen, r.peer));
+        }
+        if r.peer.port() == 0 || r.peer.ip().is_unspecified() {
+            return Err(format!("config: replica.peer {}: give the other host's side-channel address and port", r.peer));
+        }
+        if r.peer == r.listen {
+            return Err(format!("config: replica.peer {} is this host's own listen address", r.peer));
+        }
+        if r.peer.ip() == IpAddr::V4(addr) || r.listen.ip() == IpAddr::V4(addr) {
+            return Err(format!("config: the side channel must use the hosts' own addresses, not the service address {addr} (both hosts hold it)"));
+        }
+        if r.heartbeat_interval_ms == 0 || r.heartbeat_interval_ms > 10_000 {
+            return Err(format!("config: replica.heartbeat_interval_ms = {}: 1 to 10000", r.heartbeat_interval_ms));
+        }
+        if r.missed_beats == 0 || r.missed_beats > 1000 {
+            return Err(format!("config: replica.missed_beats = {}: 1 to 1000", r.missed_beats));
+        }
+        if r.fence_command.is_empty() || r.fence_command[0].trim().is_empty() {
+            return Err("config: replica.fence_command is required: the command (argv list) that cuts the other host off (power, switch port, its link) and exits 0 once it is: a live primary and an active backup must never both answer. [\"true\"] disables fencing at your own risk".into());
+        }
+        if r.fence_timeout_ms == 0 || r.fence_timeout_ms > 600_000 {
+            return Err(format!("config: replica.fence_timeout_ms = {}: 1 to 600000", r.fence_timeout_ms));
+        }
+        if r.max_lag_bytes == 0 || r.max_lag_bytes > 1 << 30 {
+            return Err(format!("config: replica.max_lag_bytes = {}: 1 to 1073741824", r.max_lag_bytes));
+        }
+        for (name, v) in [("max_lag_ms", r.max_lag_ms), ("max_delay_fin_ms", r.max_delay_fin_ms)] {
+            if v == 0 || v > 3_600_000 {
+                return Err(format!("config: replica.{name} = {v}: 1 to 3600000"));
+            }
+        }
+        if r.max_connections == 0 || r.max_connections > 1 << 24 {
+            return Err(format!("config: replica.max_connections = {}: 1 to {}", r.max_connections, 1 << 24));
+        }
+        if r.closed_grace_secs > 86_400 {
+            return Err(format!("config: replica.closed_grace_secs = {}: at most 86400", r.closed_grace_secs));
+        }
+        let role = match r.role {
+            RoleName::Primary => Role::Primary,
+            RoleName::Backup => Role::Backup,
+        };
+        Ok(Replica { raw, key, role, addr })
+    }
+
+    pub fn settings(&self) -> Settings {
+        let r = &self.raw.replica;
+        Settings {
+            role: self.role,
+            detector: DetectorConfig { interval_ms: r.heartbeat_interval_ms, misses: r.missed_beats },
+            engine: EngineConfig {
+                strict: r.strict,
+                max_lag_bytes: r.max_lag_bytes,
+                max_lag_ms: r.max_lag_ms,
+                max_delay_fin_ms: r.max_delay_fin_ms,
+                max_conns: r.max_connections,
+                ..EngineConfig::default()
+            },
+            finished_grace_ms: r.closed_grace_secs * 1000,
+        }
+    }
+
+    fn role_name(&self) -> &'static str {
+        match self.role {
+            Role::Primary => "primary",
+            Role::Backup => "backup",
+        }
+    }
+}
+
+/// The daemon's queue rules: client packets to the service (PREROUTING), its server's packets
+/// back (OUTPUT).
+fn rule_spec(cfg: &Replica) -> RuleSpec {
+    let r = &cfg.raw.replica;
+    let mut spec = RuleSpec::new(RuleSpec::chain_name("UNBROKEN-R", r.queue as u32), r.queue, REPLICA_MARK);
+    spec.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
+    spec.services = cfg.raw.services.iter().map(|s| RuleService::tcp(s.addr, s.port)).collect();
+    spec
+}
+
+fn arp_spec(cfg: &Replica) -> ArpSuppressSpec {
+    ArpSuppressSpec::new(cfg.raw.replica.interface.clone(), cfg.addr)
+}
+
+/// Removes what a stopped daemon left (`unbroken replica --remove-rules`): the queue rules and,
+/// on a backup, the ARP suppression. Refused while a daemon still reads the queue.
+pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
+    let r = &cfg.raw.replica;
+    match Queue::open(&QueueConfig { queue_num: r.queue, ..QueueConfig::default() }) {
+        Ok(q) => drop(q),
+        Err(e) => return Err(format!("replica: NFQUEUE {} is in use ({e}): stop the daemon that reads it first", r.queue)),
+    }
+    Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("replica: removing the queue rules: {e}"))?;
+    if cfg.role == Role::Backup {
+        ArpSuppress::remove_leftovers(&arp_spec(cfg)).map_err(|e| format!("replica: removing the ARP suppression: {e}"))?;
+    }
+    Ok(())
+}
+
+/// What the status thread shows, copied from the core at the end of every round.
+#[derive(Clone)]
+struct View {
+    state: State,
+    counters: Counters,
+    primary: Option<PrimaryCounters>,
+    backup: Option<BackupCounters>,
+    connections: usize,
+    held_bytes: usize,
+    peer_heard_at: Option<u64>,
+    takeover_ms: Option<u64>,
+    unprotected_by: Vec<(&'static str, u64)>,
+    queue: unbroken_drivers::nfqueue::Stats,
+    side_send_errors: u64,
+    announce_errors: u64,
+}
+
+struct ReplicaIo {
+    sock: UdpSocket,
+    peer: SocketAddr,
+    wake: Arc<Wake>,
+    fence_cmd: Vec<String>,
+    fence_timeout: Duration,
+    fence_tx: Sender<bool>,
+    fence_rx: Receiver<bool>,
+    arp: Option<ArpSuppress>,
+    announce: Option<(Announcer, Ipv4Addr)>,
+    view: Arc<Mutex<View>>,
+    dirty: Arc<AtomicBool>,
+    last_state: State,
+    side_send_errors: u64,
+    announce_errors: u64,
+    buf: Vec<u8>,
+}
+
+/// Runs `argv` with a deadline: exit status 0 in time is success.
+fn run_fence(argv: &[String], timeout: Duration) -> Result<(), String> {
+    let mut child = std::process::Command::new(&argv[0]).args(&argv[1..]).stdin(std::process::Stdio::null()).spawn().map_err(|e| format!("cannot start {:?}: {e}", argv[0]))?;
+    let t0 = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) if st.success() => return Ok(()),
+            Ok(Some(st)) => return Err(format!("{:?} exited with {st}", argv[0])),
+            Ok(None) if t0.elapsed() >= timeout => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{:?} did not finish within {} ms (killed)", argv[0], timeout.as_millis()));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(2)), // polling a child's exit, not a synchronisation
+            Err(e) => return Err(format!("waiting for {:?}: {e}", argv[0])),
+        }
+    }
+}
+
+impl ReplicaIo {
+    fn execute(&mut self, out: &mut Outbox<Request>) {
+        for r in out.requests.drain(..) {
+            match r {
+                Request::Side(d) => {
+                    if self.sock.send_to(&d, self.peer).is_err() {
+                        // The peer's host unreachable (its link cut): its detector and ours
+                        // decide; counted.
+                        self.side_send_errors += 1;
+                    }
+                }
+                Request::Fence => {
+                    let (argv, timeout, tx, wake) = (self.fence_cmd.clone(), self.fence_timeout, self.fence_tx.clone(), self.wake.clone());
+                    let spawned = std::thread::Builder::new().name("replica-fence".into()).spawn(move || {
+                        let r = run_fence(&argv, timeout);
+                        if let Err(e) = &r {
+                            eprintln!("replica: fencing command: {e}");
+                        }
+                        let _ = tx.send(r.is_ok());
+                        wake.ring();
+                    });
+                    if let Err(e) = spawned {
+                        eprintln!("replica: cannot start the fencing command's thread: {e}");
+                        let _ = self.fence_tx.send(false);
+                        self.wake.ring();
+                    }
+                }
+                Request::Announce => {
+                    // Output is released already (the core took over before asking); the
+                    // suppression goes, then the announcement (segment docs: in that order).
+                    if let Some(a) = self.arp.take() {
+                        if let Err(e) = a.remove() {
+                            self.announce_errors += 1;
+                            eprintln!("replica: removing the ARP suppression: {e}");
+                        }
+                    }
+                    if let Some((ann, ip)) = &self.announce {
+                        if let Err(e) = ann.announce(*ip) {
+                            self.announce_errors += 1;
+                            eprintln!("replica: announcing {ip}: {e}");
+                        }
+                    }
+                }
+                Request::Log(line) => eprintln!("{line}"),
+            }
+        }
+    }
+}
+
+impl daemon::Adapter<Core> for ReplicaIo {
+    fn fds(&self) -> Vec<std::os::fd::RawFd> {
+        vec![self.sock.as_raw_fd(), self.wake.as_raw_fd()]
+    }
+
+    fn service(&mut self, core: &mut Core, now: u64, ready: &[bool], out: &mut Outbox<Request>) {
+        use daemon::Mode;
+        self.execute(out);
+        if ready.get(1) == Some(&true) {
+            self.wake.clear();
+        }
+        // Side-channel datagrams: at most 256 a round (the packets come first).
+        for _ in 0..256 {
+            match self.sock.recv_from(&mut self.buf) {
+                Ok((n, from)) => core.side(now, from, &self.buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // ICMP errors of earlier sends (the peer's port closed): nothing to read.
+                Err(_) => break,
+            }
+        }
+        while let Ok(ok) = self.fence_rx.try_recv() {
+            core.fence_done(ok, now);
+        }
+        core.collect(out);
+        self.execute(out);
+    }
+
+    fn execute(&mut self, _: &mut Core, _: u64, out: &mut Outbox<Request>) {
+        self.execute(out);
+    }
+
+    fn end_round(&mut self, core: &mut Core, queue: unbroken_drivers::nfqueue::Stats) {
+        let state = core.state();
+        if state != self.last_state {
+            self.last_state = state;
+            self.dirty.store(true, Ordering::Relaxed);
+        }
+        let mut v = crate::sync::lock(&self.view, "replica: view");
+        v.state = state;
+        v.counters = core.counters;
+        v.primary = core.primary().map(|p| p.counters);
+        v.backup = core.backup().map(|b| b.counters);
+        v.connections = core.connections();
+        v.held_bytes = core.primary().map_or(0, |p| p.held_bytes());
+        v.peer_heard_at = core.peer_heard_at;
+        v.takeover_ms = core.takeover_ms;
+        if v.unprotected_by.len() != core.unprotected_by.len() || v.counters.unprotected != core.counters.unprotected {
+            v.unprotected_by = core.unprotected_by.iter().map(|(k, n)| (*k, *n)).collect();
+        }
+        v.queue = queue;
+        v.side_send_errors = self.side_send_errors;
+        v.announce_errors = self.announce_errors;
+    }
+}
+
+fn status_fields(view: Arc<Mutex<View>>, role: &'static str, started: Instant) -> impl FnMut(bool, u64) -> serde_json::Map<String, serde_json::Value> + Send + 'static {
+    move |_, _| {
+        let v = crate::sync::lock(&view, "replica: view").clone();
+        let now = started.elapsed().as_millis() as u64;
+        let mut m = serde_json::Map::new();
+        let j = serde_json::json!({
+            "role": role,
+            "state": v.state,
+            "peer_last_beat_age_ms": v.peer_heard_at.map(|t| now.saturating_sub(t)),
+            "takeover_ms": v.takeover_ms,
+            "connections": v.connections,
+            "held_bytes": v.held_bytes,
+            "unprotected": v.counters.unprotected,
+            "unprotected_by": v.unprotected_by.iter().map(|(k, n)| (k.to_string(), serde_json::json!(n))).collect::<serde_json::Map<_, _>>(),
+            "diverged": v.counters.diverged,
+            "side_send_errors": v.side_send_errors,
+            "announce_errors": v.announce_errors,
+            "queue_errors": v.queue.enobufs + v.queue.verdict_errors,
+            "engine": match (v.primary, v.backup) {
+                (Some(p), _) => serde_json::to_value(p).unwrap_or_default(),
+                (_, Some(b)) => serde_json::to_value(b).unwrap_or_default(),
+                _ => serde_json::Value::Null,
+            },
+        });
+        if let serde_json::Value::Object(o) = j {
+            m.extend(o);
+        }
+        if let Ok(serde_json::Value::Object(c)) = serde_json::to_value(v.counters) {
+            m.extend(c);
+        }
+        m
+    }
+}
+
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64)
+}
+
+/// Runs the daemon until SIGINT/SIGTERM. Prints one `ready` line once its rules, side channel
+/// and (backup) ARP suppression are in place.
+pub fn run(cfg: Replica) -> Result<(), String> {
+    daemon::install_signals("replica", true);
+    let r = cfg.raw.replica.clone();
+    let role = cfg.role_name();
+    let started = Instant::now();
+    if let Some(path) = &r.status_file {
+        crate::status::prepare(path, "replica: status_file")?;
+    }
+    // The backup's suppression first: its server must never answer ARP for the address.
+    let spec = rule_spec(&cfg);
+    Rules::check_owner(&spec).map_err(|e| format!("replica: {e}"))?;
+    let (arp, announce) = if cfg.role == Role::Backup {
+        let a = ArpSuppress::install(&arp_spec(&cfg)).map_err(|e| format!("replica: ARP suppression on {}: {e}", r.interface))?;
+        let ann = Announcer::open(&r.interface).map_err(|e| format!("replica: announcer on {}: {e}", r.interface))?;
+        (Some(a), Some((ann, cfg.addr)))
+    } else {
+        (None, None)
+    };
+    let sock = UdpSocket::bind(r.listen).map_err(|e| format!("replica: side channel on {}: {e}", r.listen))?;
+    sock.set_nonblocking(true).map_err(|e| format!("replica: side channel: {e}"))?;
+    // Without GSO the kernel hands over MTU-sized segments: a held segment the primary releases
+    // later goes out through a raw socket, which cannot send a 64 KiB one.
+    let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: false, ..QueueConfig::default() };
+    let mut queue = Queue::open(&qcfg).map_err(|e| format!("replica: cannot bind NFQUEUE {}: {e}", r.queue))?;
+    let rules = Rules::install_or_replace(&spec).map_err(|e| format!("replica: installing the queue rules: {e}"))?;
+    let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
+    let wake = Arc::new(Wake::new().map_err(|e| format!("replica: eventfd: {e}"))?);
+    let now_ms = move || started.elapsed().as_millis() as u64;
+    let core = Core::new(cfg.settings(), cfg.key.clone(), r.peer, unix_micros(), now_ms());
+    let view = Arc::new(Mutex::new(View {
+        state: core.state(),
+        counters: core.counters,
+        primary: None,
+        backup: None,
+        connections: 0,
+        held_bytes: 0,
+        peer_heard_at: None,
+        takeover_ms: None,
+        unprotected_by: Vec::new(),
+        queue: Default::default(),
+        side_send_errors: 0,
+        announce_errors: 0,
+    }));
+    let dirty = Arc::new(AtomicBool::new(true));
+    let plan = daemon::StatusPlan { name: "replica", path: r.status_file.clone(), period: Duration::from_millis(100), dirty: dirty.clone(), started };
+    daemon::spawn_status(plan, status_fields(view.clone(), role, started)).map_err(|e| format!("replica: status thread: {e}"))?;
+    let (fence_tx, fence_rx) = channel();
+    let mut io = ReplicaIo {
+        sock,
+        peer: r.peer,
+        wake,
+        fence_cmd: r.fence_command.clone(),
+        fence_timeout: Duration::from_millis(r.fence_timeout_ms),
+        fence_tx,
+        fence_rx,
+        arp,
+        announce,
+        view,
+        dirty,
+        last_state: State::WaitingForPeer,
+        side_send_errors: 0,
+        announce_errors: 0,
+        buf: vec![0u8; 2048],
+    };
+    println!(
+        "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",
+        cfg.addr,
+        cfg.raw.services.iter().map(|s| s.port).collect::<Vec<_>>(),
+        r.queue,
+        r.listen,
+        r.peer,
+        r.strict,
+        r.heartbeat_interval_ms,
+        r.missed_beats
+    );
+    let _ = io::stdout().flush();
+    let mode = Mutex::new(core);
+    let res = daemon::run(&mut daemon::PacketIo::new("replica", &mut queue, Some(&raw)), &mode, &mut io, now_ms);
+    daemon::stop();
+    // The queue rules stay (fail closed, as when the daemon is killed): a backup whose rules
+    // went would let its server answer the clients on its own. `--remove-rules` removes them.
+    rules.leave_installed();
+    // The suppression stays too: a backup that stops without taking over must never start
+    // answering ARP for the address.
+    if let Some(a) = io.arp.take() {
+        a.leave_installed();
+    }
+    res
+}

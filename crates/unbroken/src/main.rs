@@ -54,7 +54,7 @@ usage:
         two-sender connections. The seed is printed; --seed replays the same fault draws.
         LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
         (default all). --parts: Range GETs of the keep-alive client per download (default 4).
-  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--no-strict]
+  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--missed-beats N] [--no-strict]
         Run the replica-mode demo in network namespaces (root, needs redis-server, redis-tools and
         python3-redis): unmodified redis-server on a primary and a backup host, each behind
         `unbroken replica`; a redis-py client holding one connection does 100,000 INCRs on its own
@@ -300,6 +300,7 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
                 "--incrs" => s.incrs = num("--incrs", it.next())?,
                 "--crash-at" => s.crash_at = num("--crash-at", it.next())?,
                 "--heartbeat-ms" => s.heartbeat_interval_ms = num("--heartbeat-ms", it.next())?,
+                "--missed-beats" => s.missed_beats = num("--missed-beats", it.next())?,
                 "--no-strict" => s.strict = false,
                 "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
                 o => return Err(format!("demo replica: unknown argument {o:?}")),

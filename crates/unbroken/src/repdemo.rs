@@ -11,8 +11,9 @@
 //! server is otherwise unreachable: its answers on the service address are withheld).
 //!
 //! Fencing in the lab: each side's `fence_command` sets the other host's port of the switch down
-//! (`ip netns exec <lan> ip link set <port> down`); the namespace names are in the command and in
-//! the daemon's environment (`UNBROKEN_LAB_LAN`, `UNBROKEN_LAB_PRIMARY`, `UNBROKEN_LAB_BACKUP`).
+//! (`ip -n <lan> link set dev <port> down`), only while its own port is up and under one lock (see
+//! [`ReplicaEnv::fence_command`]); the namespace names are in the command and in the daemon's
+//! environment (`UNBROKEN_LAB_LAN`, `UNBROKEN_LAB_PRIMARY`, `UNBROKEN_LAB_BACKUP`).
 //! The run directory (configs, key, status files, daemon and redis logs) is removed on drop,
 //! kept with `UNBROKEN_KEEP=1`.
 
@@ -254,9 +255,20 @@ impl ReplicaEnv {
         }
     }
 
-    /// The command that fences the other side: its port of the switch goes down.
+    /// The command that fences the other side: its port of the switch goes down, but only
+    /// while this side's own port is up, under one lock for both sides. A switch's management
+    /// (or a power switch) is reached over the network: a host already cut off cannot cut off
+    /// the other, so two hosts that suspect each other at once never fence each other both
+    /// (without this arbitration both commands would reach the lab's switch namespace and the
+    /// service would be dead). Exits 1 when this side is the one cut off.
     pub fn fence_command(&self, side: Side) -> Vec<String> {
-        ["ip", "netns", "exec", &self.lab.lan, "ip", "link", "set", "dev", side.other().name(), "down"].iter().map(|s| s.to_string()).collect()
+        let script = format!(
+            "ip -n {lan} -o link show dev {me} | grep -q '[<,]UP[,>]' && ip -n {lan} link set dev {other} down",
+            lan = self.lab.lan,
+            me = side.name(),
+            other = side.other().name()
+        );
+        vec!["flock".into(), self.dir.join("fence.lock").display().to_string(), "sh".into(), "-c".into(), script]
     }
 
     /// The daemon's configuration for `side` (the spec's TOML).
@@ -820,11 +832,12 @@ pub struct ReplicaScenario {
     pub bin: Option<PathBuf>,
     pub strict: bool,
     pub heartbeat_interval_ms: u64,
+    pub missed_beats: u64,
 }
 
 impl Default for ReplicaScenario {
     fn default() -> Self {
-        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10 }
+        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 3 }
     }
 }
 
@@ -857,7 +870,7 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     if let Some(m) = tools_missing() {
         return Err(m);
     }
-    let mut opts = RepOpts { strict: s.strict, heartbeat_interval_ms: s.heartbeat_interval_ms, ..RepOpts::default() };
+    let mut opts = RepOpts { strict: s.strict, heartbeat_interval_ms: s.heartbeat_interval_ms, missed_beats: s.missed_beats, ..RepOpts::default() };
     if let Some(b) = &s.bin {
         opts.bin = b.clone();
     }

@@ -50,8 +50,14 @@ fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
     Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
+/// Beats every 10 ms as by default, but the peer is suspected after 10 missed beats (100 ms)
+/// instead of 3: the tests run on two cores shared with builds, where a daemon can be off the
+/// CPU for 40 ms (seen: both sides suspecting each other with no fault injected), and a false
+/// suspicion is not what these tests are about. The demo runs the defaults.
+const MISSED_BEATS: u64 = 10;
+
 fn opts() -> RepOpts {
-    RepOpts { bin: PathBuf::from(env!("CARGO_BIN_EXE_unbroken")), ..Default::default() }
+    RepOpts { bin: PathBuf::from(env!("CARGO_BIN_EXE_unbroken")), missed_beats: MISSED_BEATS, ..Default::default() }
 }
 
 fn start(name: &str, o: RepOpts) -> ReplicaEnv {
@@ -63,8 +69,13 @@ fn start(name: &str, o: RepOpts) -> ReplicaEnv {
 
 /// Every client run clean (see [`ClientResult::clean`]), its stall bounded.
 fn assert_clean(env: &ReplicaEnv, name: &str, runs: &[ClientResult]) {
+    for client in ["redis-py", "redis-cli", "redis-benchmark"] {
+        let of: Vec<&ClientResult> = runs.iter().filter(|r| r.name == client).collect();
+        if !of.is_empty() {
+            eprintln!("{name}: {client}: {} run(s), {} ops, longest stall {} ms", of.len(), of.iter().map(|r| r.ops).sum::<u64>(), of.iter().map(|r| r.max_gap_ms).max().unwrap_or(0));
+        }
+    }
     for r in runs {
-        eprintln!("{name}: {} ops {} exit {:?} stall {} ms", r.name, r.ops, r.exit, r.max_gap_ms);
         assert!(r.clean(), "{name}: {} saw a failure: {r:?}\n{}", r.name, env.diagnostics());
         if r.name != "redis-benchmark" {
             assert!(r.max_gap_ms < MAX_STALL_MS, "{name}: {} stalled {} ms\n{}", r.name, r.max_gap_ms, env.diagnostics());
@@ -187,11 +198,9 @@ fn replica_no_failure_backup_follows() {
 fn replica_primary_host_crash() {
     let name = "replica_primary_host_crash";
     let Some(_g) = lab_or_skip(name) else { return };
-    let s = ReplicaScenario { incrs: 20_000, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), ..Default::default() };
+    let s = ReplicaScenario { incrs: 20_000, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), missed_beats: MISSED_BEATS, ..Default::default() };
     let r = unbroken::repdemo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
-    for c in &r.clients {
-        eprintln!("{name}: {} ops {} exit {:?} stall {} ms", c.name, c.ops, c.exit, c.max_gap_ms);
-    }
+    eprintln!("{name}: {} client runs, {} ops", r.clients.len(), r.ops);
     eprintln!("{name}: crash at {} INCRs, takeover {:?} ms, longest stall {} ms", r.crash_at_ops, r.takeover_ms, r.max_stall_ms);
     assert!(r.ok, "{name}: {:?}", r.error);
     assert_eq!(r.failovers, 1);
@@ -223,7 +232,7 @@ fn replica_backup_host_crash() {
 fn replica_app_crash_on_primary() {
     let name = "replica_app_crash_on_primary";
     let Some(_g) = lab_or_skip(name) else { return };
-    let mut env = start(name, opts());
+    let mut env = start(name, low_bounds());
     let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Primary, libc::SIGKILL)));
     // The primary held its dying server's FIN, yielded, and the backup fenced it and took over.
     let b = env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -237,7 +246,7 @@ fn replica_app_crash_on_primary() {
 fn replica_app_crash_on_backup() {
     let name = "replica_app_crash_on_backup";
     let Some(_g) = lab_or_skip(name) else { return };
-    let mut env = start(name, opts());
+    let mut env = start(name, low_bounds());
     let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Backup, libc::SIGKILL)));
     check_run(&env, name, &r, 4000, Side::Primary);
     // Its connections go on unprotected; the backup host is alive, nobody took over.
@@ -246,15 +255,18 @@ fn replica_app_crash_on_backup() {
     assert!(env.port_up(Side::Primary), "{name}: the primary was not fenced");
 }
 
-fn low_lag() -> RepOpts {
-    RepOpts { max_lag_ms: 500, ..opts() }
+/// A server that fails only on one side is suspected after these bounds (ST-TCP's
+/// AppMaxLagTime and MaxDelayFIN, 5 s by default): low, so the stall they cause stays under
+/// [`MAX_STALL_MS`].
+fn low_bounds() -> RepOpts {
+    RepOpts { max_lag_ms: 500, max_delay_fin_ms: 500, ..opts() }
 }
 
 #[test]
 fn replica_app_hang_on_primary() {
     let name = "replica_app_hang_on_primary";
     let Some(_g) = lab_or_skip(name) else { return };
-    let mut env = start(name, low_lag());
+    let mut env = start(name, low_bounds());
     let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Primary, libc::SIGSTOP)));
     let b = env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
     eprintln!("{name}: takeover {:?} ms", b["takeover_ms"]);
@@ -266,7 +278,7 @@ fn replica_app_hang_on_primary() {
 fn replica_app_hang_on_backup() {
     let name = "replica_app_hang_on_backup";
     let Some(_g) = lab_or_skip(name) else { return };
-    let mut env = start(name, low_lag());
+    let mut env = start(name, low_bounds());
     let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Backup, libc::SIGSTOP)));
     check_run(&env, name, &r, 4000, Side::Primary);
     let p = env.status(Side::Primary).unwrap();

@@ -331,9 +331,9 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
                     println!("  error                   {e}");
                 }
                 println!("  primary host died after {} redis-py INCRs", r.crash_at_ops);
-                println!("  failovers               {} (takeover {:?} ms after the primary's last beat)", r.failovers, r.takeover_ms);
+                println!("  failovers               {} (takeover {} after the primary's last beat)", r.failovers, r.takeover_ms.map_or("not reported".into(), |t| format!("{t} ms")));
                 for (k, want, got) in &r.values {
-                    println!("  {k:<23} {got:?} (exact: {want})");
+                    println!("  {k:<23} {} (exact: {want})", got.map_or("unreadable".into(), |g| g.to_string()));
                 }
                 println!("  operations              {}", r.ops);
                 println!("  client runs with errors {} (of {})", r.errors_seen, r.clients.len());

@@ -3,7 +3,8 @@
 //! ([`crate::daemon::run`]): the queue (client packets in, its server's packets out), the UDP
 //! side channel to the other host, the fencing command, and on the backup the segment
 //! plumbing ([`unbroken_drivers::segment`]): ARP suppression for the service address until it
-//! takes over, then the gratuitous ARP.
+//! takes over, then the gratuitous ARP, and the receive rule ([`HubReceive`]) that hands its
+//! stack the client's frames addressed to the primary's MAC (hub or mirror).
 //!
 //! ```toml
 //! [replica]
@@ -42,7 +43,7 @@ use serde::Deserialize;
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service as RuleService};
 use unbroken_drivers::nfqueue::{Queue, QueueConfig};
 use unbroken_drivers::rawsend::RawSender;
-use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec};
+use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec, HubReceive, HubReceiveSpec};
 use unbroken_engines::replica::{BackupCounters, Config as EngineConfig, DetectorConfig, PrimaryCounters};
 use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::Role;
@@ -273,6 +274,12 @@ fn arp_spec(cfg: &Replica) -> ArpSuppressSpec {
     ArpSuppressSpec::new(cfg.raw.replica.interface.clone(), cfg.addr)
 }
 
+/// The backup's receive rule: the client's frames it gets by mirroring (or from a hub) carry
+/// the primary's MAC; without it the backup's stack ignores them.
+fn rx_spec(cfg: &Replica) -> HubReceiveSpec {
+    HubReceiveSpec::new(cfg.raw.replica.interface.clone(), [IpAddr::V4(cfg.addr)])
+}
+
 /// Removes what a stopped daemon left (`unbroken replica --remove-rules`): the queue rules and,
 /// on a backup, the ARP suppression. Refused while a daemon still reads the queue.
 pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
@@ -284,6 +291,7 @@ pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
     Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("replica: removing the queue rules: {e}"))?;
     if cfg.role == Role::Backup {
         ArpSuppress::remove_leftovers(&arp_spec(cfg)).map_err(|e| format!("replica: removing the ARP suppression: {e}"))?;
+        HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: removing the receive rule: {e}"))?;
     }
     Ok(())
 }
@@ -498,12 +506,13 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // The backup's suppression first: its server must never answer ARP for the address.
     let spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("replica: {e}"))?;
-    let (arp, announce) = if cfg.role == Role::Backup {
+    let (arp, rx, announce) = if cfg.role == Role::Backup {
         let a = ArpSuppress::install(&arp_spec(&cfg)).map_err(|e| format!("replica: ARP suppression on {}: {e}", r.interface))?;
+        let rx = HubReceive::install(&rx_spec(&cfg)).map_err(|e| format!("replica: receive rule on {}: {e}", r.interface))?;
         let ann = Announcer::open(&r.interface).map_err(|e| format!("replica: announcer on {}: {e}", r.interface))?;
-        (Some(a), Some((ann, cfg.addr)))
+        (Some(a), Some(rx), Some((ann, cfg.addr)))
     } else {
-        (None, None)
+        (None, None, None)
     };
     let sock = UdpSocket::bind(r.listen).map_err(|e| format!("replica: side channel on {}: {e}", r.listen))?;
     sock.set_nonblocking(true).map_err(|e| format!("replica: side channel: {e}"))?;
@@ -573,6 +582,9 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // answering ARP for the address.
     if let Some(a) = io.arp.take() {
         a.leave_installed();
+    }
+    if let Some(rx) = rx {
+        rx.leave_installed();
     }
     res
 }

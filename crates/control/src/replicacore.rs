@@ -242,11 +242,13 @@ impl Core {
         }
     }
 
-    /// Sends this host's progress now (a beat).
-    fn send_beat(&mut self, now_ms: u64) {
-        let msgs = match (&self.primary, &self.backup) {
+    /// Sends this host's progress now: a beat (`full`: every connection), or the backup's
+    /// connections a packet touched since its last message.
+    fn send_beat(&mut self, now_ms: u64, full: bool) {
+        let msgs = match (&self.primary, &mut self.backup) {
             (Some(p), _) => p.report(self.beat),
-            (_, Some(b)) => b.progress(self.beat),
+            (_, Some(b)) if full => b.progress(self.beat),
+            (_, Some(b)) => b.progress_changed(self.beat),
             _ => return,
         };
         for m in msgs {
@@ -260,7 +262,9 @@ impl Core {
         }
         self.beat += 1;
         self.dirty = false;
-        self.next_beat_at = now_ms + self.s.detector.interval_ms;
+        if full {
+            self.next_beat_at = now_ms + self.s.detector.interval_ms;
+        }
     }
 
     /// A datagram from `from` on the side channel.
@@ -408,12 +412,13 @@ impl Mode for Core {
                 v => v,
             }
         } else if let Some(b) = self.backup.as_mut() {
-            self.dirty = true;
-            if outgoing {
-                b.outgoing(&mut pkt[..len])
-            } else {
-                b.incoming(&mut pkt[..len])
-            }
+            // Its server's packets move the figures the primary waits for (ACK, window,
+            // output): sent at the end of the round.
+            self.dirty |= outgoing;
+            let v = if outgoing { b.outgoing(&mut pkt[..len]) } else { b.incoming(&mut pkt[..len]) };
+            // After a take-over: the RSTs of connections the primary found diverged.
+            self.send.extend(b.take_transmit());
+            v
         } else {
             Verdict::PASS
         };
@@ -441,8 +446,13 @@ impl Mode for Core {
                 self.requests.push(Request::Fence);
             }
         }
-        if self.state != State::Yielded && (now_ms >= self.next_beat_at || (self.dirty && self.backup.is_some())) {
-            self.send_beat(now_ms);
+        // After a failover the peer is fenced: nothing to tell it.
+        if !matches!(self.state, State::Yielded | State::TookOver | State::PeerFailed) {
+            if now_ms >= self.next_beat_at {
+                self.send_beat(now_ms, true);
+            } else if self.dirty && self.backup.is_some() {
+                self.send_beat(now_ms, false);
+            }
         }
         self.sweep(now_ms);
     }

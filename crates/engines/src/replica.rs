@@ -226,6 +226,11 @@ struct BConn {
     client_win: u16,
     client_ts: Option<(u32, u32)>,
     server: Option<IpAddr>,
+    /// The end of the output the primary verified (its reports' `out_end`): the client has
+    /// received at most this far.
+    p_out: Option<Seq>,
+    /// A promoted backup reset this diverged connection toward the client.
+    reset_sent: bool,
 }
 
 impl BConn {
@@ -250,6 +255,9 @@ pub struct BackupCounters {
     pub malformed: u64,
     /// Output of a promoted backup on a connection the primary found diverged, dropped.
     pub diverged_silenced: u64,
+    /// RSTs a promoted backup sent to the clients of diverged connections (the connection
+    /// cannot go on without a wrong byte; the client is told instead of left waiting).
+    pub diverged_reset: u64,
     /// Output beyond a gap in the backup server's stream (a local TCP never does that).
     pub output_gap: u64,
     /// Client ACKs the backup missed, relayed from the primary's report.
@@ -268,6 +276,12 @@ pub struct Backup {
     conns: HashMap<ConnKey, BConn>,
     promoted: bool,
     max_conns: usize,
+    /// Packets to send to clients (the RSTs of diverged connections after take-over).
+    out: Vec<Vec<u8>>,
+    /// Connections whose figures may have moved since the last progress message: the backup
+    /// server's packets move them (its ACK, window and output); a client packet changes
+    /// nothing the primary waits for.
+    changed: std::collections::HashSet<ConnKey>,
     pub counters: BackupCounters,
 }
 
@@ -299,7 +313,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), promoted: false, max_conns: max_conns.max(1), counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), changed: Default::default(), counters: BackupCounters::default() }
     }
 
     pub fn is_promoted(&self) -> bool {
@@ -357,6 +371,17 @@ impl Backup {
         }
         if s.fin() && in_window {
             c.client_fin = true;
+        }
+        if self.promoted && c.diverged && !s.has(F::RST) {
+            // A client still talking on a connection that cannot go on: its ACK names exactly
+            // where it stands; answered with a RST there (at most once per packet it sends).
+            if s.has(F::ACK) {
+                if let Some(r) = reset_to_client(&key, s.info.dst, s.ack) {
+                    self.counters.diverged_reset += 1;
+                    self.out.push(r);
+                }
+            }
+            return Verdict::Drop;
         }
         if !s.has(F::ACK) {
             return Verdict::PASS;
@@ -446,6 +471,7 @@ impl Backup {
             }
         }
         let Some(c) = self.conns.get_mut(&key) else { return self.withhold() };
+        self.changed.insert(key);
         if s.has(F::RST) {
             c.rst_out = true;
         }
@@ -492,7 +518,22 @@ impl Backup {
             return self.withhold();
         }
         if c.diverged {
+            // Never a byte of this output: the client has the primary's, which differed. Reset
+            // the connection once, at the furthest point the client can have reached (exact,
+            // or inside its window, where Linux answers with a challenge ACK that
+            // `incoming` resets exactly); never leave the client waiting for ever.
             self.counters.diverged_silenced += 1;
+            if !c.reset_sent {
+                c.reset_sent = true;
+                let at = match c.p_out {
+                    Some(p) if p.gt(c.last_ack) => p,
+                    _ => c.last_ack,
+                };
+                if let Some(r) = reset_to_client(&key, s.info.src, at) {
+                    self.counters.diverged_reset += 1;
+                    self.out.push(r);
+                }
+            }
             return Verdict::Drop;
         }
         let (delta, ts_off) = (c.delta, c.ts_off);
@@ -517,12 +558,29 @@ impl Backup {
         Verdict::Drop
     }
 
-    /// The backup's progress records (ST-TCP 3.6), at most [`rw::MAX_RECORDS`] a message.
-    pub fn progress(&self, beat: u64) -> Vec<Progress> {
-        let mut keys: Vec<&ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| k).collect();
+    /// The backup's progress records (ST-TCP 3.6), at most [`rw::MAX_RECORDS`] a message:
+    /// every connection (a beat).
+    pub fn progress(&mut self, beat: u64) -> Vec<Progress> {
+        self.changed.clear();
+        let keys: Vec<ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| *k).collect();
+        self.progress_of(beat, keys)
+    }
+
+    /// The records of the connections a packet touched since the last message (none: no
+    /// message), so that strict output commit and the primary's ACK need not wait for the beat
+    /// and a busy backup does not send every connection's figures after every packet.
+    pub fn progress_changed(&mut self, beat: u64) -> Vec<Progress> {
+        let keys: Vec<ConnKey> = self.changed.drain().filter(|k| self.conns.get(k).is_some_and(|c| c.b_isn.is_some() || c.rst_out)).collect();
+        if keys.is_empty() {
+            return vec![];
+        }
+        self.progress_of(beat, keys)
+    }
+
+    fn progress_of(&self, beat: u64, mut keys: Vec<ConnKey>) -> Vec<Progress> {
         keys.sort_by_key(|k| (k.client_port, k.server_port, k.client));
         let mut recs = vec![];
-        for k in keys {
+        for k in &keys {
             let c = &self.conns[k];
             let mut flags = 0;
             for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
@@ -574,6 +632,9 @@ impl Backup {
             while c.checkpoints.front().is_some_and(|(e, _)| e.le(r.out_end)) {
                 c.checkpoints.pop_front();
             }
+            if r.out_end != Seq(0) && c.p_out.is_none_or(|p| r.out_end.gt(p)) {
+                c.p_out = Some(r.out_end);
+            }
             let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
             // The client's latest ACK as the primary heard it (authenticated, and never beyond
             // what the primary's server sent; not the backup's own `last_ack`, which any packet
@@ -610,6 +671,11 @@ impl Backup {
         self.conns.remove(key);
     }
 
+    /// Packets for the clients the engine built (RSTs of diverged connections after take-over).
+    pub fn take_transmit(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.out)
+    }
+
     /// Connections over on both sides (the server reset it, or both sent their FIN): the
     /// daemon forgets them after a grace period.
     pub fn finished(&self) -> Vec<ConnKey> {
@@ -619,6 +685,12 @@ impl Backup {
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
+}
+
+/// A RST from the service address `server` to the client of `key` at `seq` (primary's space).
+fn reset_to_client(key: &ConnKey, server: IpAddr, seq: Seq) -> Option<Vec<u8>> {
+    let rep = tcp::Repr { src_port: key.server_port, dst_port: key.client_port, seq, flags: F::RST, ..Default::default() };
+    ip::tcp_packet(server, key.client, &rep, &[]).ok()
 }
 
 fn chunk(role: Role, beat: u64, recs: Vec<ConnProgress>) -> Vec<Progress> {

@@ -130,6 +130,37 @@ fn promoted_backup_silences_diverged_connections() {
     assert_eq!(b.counters.diverged_silenced, 1);
 }
 
+/// ...and its client is told: one RST at the furthest point the primary verified (the client
+/// cannot be further), then a RST exactly at the ACK of any packet the client still sends
+/// (Linux answers an in-window RST with a challenge ACK, which lands here). Never a byte of the
+/// backup's output, never a client left waiting for ever.
+#[test]
+fn promoted_backup_resets_the_clients_of_diverged_connections() {
+    let mut b = aligned_backup();
+    // The primary verified 5 bytes of output, then found the next ones different.
+    let verified = Seq(P_ISN.wrapping_add(1 + 5));
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1 + 1000), out_end: verified, out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: rw::flag::DIVERGED | rw::flag::RCV_KNOWN };
+    let _ = b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] });
+    assert!(b.take_transmit().is_empty(), "nothing before take-over: the primary still serves it");
+    b.take_over();
+    assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0).0, Verdict::Drop);
+    assert_eq!(backup_sends(&mut b, 10, &[2; 10], B_TS0).0, Verdict::Drop);
+    let out = b.take_transmit();
+    assert_eq!(out.len(), 1, "one RST for the connection, not one per segment");
+    let (r, payload) = seg(&out[0]);
+    assert_eq!((r.flags & F::RST, r.seq, r.src_port, r.dst_port), (F::RST, verified, 6379, 40000));
+    assert!(payload.is_empty());
+    // The client's challenge ACK (it had received 3 bytes only) is answered exactly.
+    let at = Seq(P_ISN.wrapping_add(1 + 3));
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: at, flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut ack), Verdict::Drop, "nothing reaches the backup's server any more");
+    let out = b.take_transmit();
+    assert_eq!(out.len(), 1);
+    let (r, _) = seg(&out[0]);
+    assert_eq!((r.flags & F::RST, r.seq), (F::RST, at));
+    assert_eq!(b.counters.diverged_reset, 2);
+}
+
 /// A client packet the backup cannot align yet (its server has not answered the SYN) is
 /// dropped: the primary's ACK waits for the backup, so the client resends it.
 #[test]

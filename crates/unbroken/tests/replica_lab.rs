@@ -11,7 +11,9 @@
 //! - application hang without FIN/RST (redis SIGSTOPped beyond `max_lag_ms`) on either side;
 //! - temporary loss at the backup (its input dropped for 200 ms): it catches up;
 //! - divergence in strict mode: the client gets the primary's bytes, the divergence is counted
-//!   and the connection goes on unprotected.
+//!   and the connection goes on unprotected; if the primary then dies, that connection is reset
+//!   (never handed the backup's bytes) while the others go on;
+//! - the primary host crash without strict output commit.
 //!
 //! Every test checks what the clients saw: each reply (redis-py and redis-cli check every
 //! INCR's value), the exit status, nothing on stderr, no reconnect (redis-py's socket and local
@@ -347,4 +349,62 @@ fn replica_strict_divergence_detected() {
     let deadline = Instant::now() + T;
     let py: ClientRun = env.py_incr(PY_KEY, 500, 0).unwrap();
     assert_clean(&env, name, &[py.finish(deadline)]);
+}
+
+/// The demo's scenario without strict output commit (the primary sends its server's output
+/// without waiting for the backup's).
+#[test]
+fn replica_primary_host_crash_not_strict() {
+    let name = "replica_primary_host_crash_not_strict";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let s = ReplicaScenario { incrs: 10_000, strict: false, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), missed_beats: MISSED_BEATS, ..Default::default() };
+    let r = unbroken::repdemo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+    eprintln!("{name}: {} client runs, {} ops; crash at {} INCRs, takeover {:?} ms, longest stall {} ms", r.clients.len(), r.ops, r.crash_at_ops, r.takeover_ms, r.max_stall_ms);
+    assert!(r.ok, "{name}: {:?}", r.error);
+    assert_eq!((r.failovers, r.errors_seen, r.resets_seen_by_client), (1, 0, 0));
+    assert!(r.values.iter().all(|(_, want, got)| Some(*want) == *got), "{:?}", r.values);
+    assert!(r.max_stall_ms < MAX_STALL_MS, "stall {} ms", r.max_stall_ms);
+}
+
+/// A connection whose output diverged runs on unprotected with the primary; when the primary
+/// then dies, the backup cannot continue it (its server's state differs): the client is reset,
+/// never handed a byte of the backup's output. Connections that did not diverge go on.
+#[test]
+fn replica_diverged_connection_reset_after_takeover() {
+    let name = "replica_diverged_connection_reset_after_takeover";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let (pv, bv) = ("value-from-primary", "value-from-backup!");
+    let o = RepOpts {
+        preload: vec![(Side::Primary, vec!["SET".into(), "div".into(), pv.into()]), (Side::Backup, vec!["SET".into(), "div".into(), bv.into()])],
+        ..opts()
+    };
+    let mut env = start(name, o);
+    let svc = SocketAddr::from((addr::SERVICE_V4, REDIS_PORT));
+    let mut s = lab::in_ns(&env.lab.client, || TcpStream::connect_timeout(&svc, Duration::from_secs(10))).unwrap().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"GET div\r\n").unwrap();
+    let want = format!("${}\r\n{pv}\r\n", pv.len());
+    let mut got = vec![0u8; want.len()];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(String::from_utf8_lossy(&got), want, "{name}: the primary's value");
+    assert!(wait_for(Duration::from_secs(5), || status_u64(&env, Side::Primary, "diverged") >= 1), "{name}: no divergence counted\n{}", env.diagnostics());
+    // A connection that did not diverge, running across the crash.
+    let py = env.py_incr(PY_KEY, 3000, 1000).unwrap();
+    let deadline = Instant::now() + T;
+    assert!(wait_for(T, || py.progress.load(Ordering::Relaxed) >= 1000), "{name}: redis-py stalled before the crash\n{}", env.diagnostics());
+    env.crash_host(Side::Primary).unwrap();
+    env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
+    // The diverged connection: the next request is answered by a reset, with no byte.
+    let _ = s.write_all(b"GET div\r\n");
+    let mut buf = [0u8; 256];
+    match s.read(&mut buf) {
+        Ok(0) => panic!("{name}: a FIN, not a reset\n{}", env.diagnostics()),
+        Ok(n) => panic!("{name}: the diverged connection received {:?} after the takeover\n{}", String::from_utf8_lossy(&buf[..n]), env.diagnostics()),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{name}: {e}\n{}", env.diagnostics()),
+    }
+    assert!(env.client_rsts() >= 1, "{name}: the reset was counted at the client");
+    let py = py.finish(deadline);
+    eprintln!("{name}: redis-py {} ops, longest stall {} ms; RSTs at the client {}", py.ops, py.max_gap_ms, env.client_rsts());
+    assert!(py.clean() && py.ops == 3000, "{name}: the connection that did not diverge: {py:?}\n{}", env.diagnostics());
+    assert_eq!(get(&env, Side::Backup, PY_KEY), Some(3000));
 }

@@ -572,6 +572,14 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         r.missed_beats
     );
     let _ = io::stdout().flush();
+    // The beats vouch for this loop (they are sent from it): on a loaded host a loop that waits
+    // for the CPU looks dead to the peer, which then fences this host. Nice -10 as the agent's
+    // loop (SCHED_FIFO starves the local server on a 2-core host, see agent.rs).
+    // SAFETY: plain system calls on the calling thread.
+    let raised = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::syscall(libc::SYS_gettid) as libc::id_t, -10) == 0 };
+    if !raised {
+        eprintln!("replica: cannot raise the packet loop's priority (nice -10): under CPU load its beats may be late and the peer may suspect this host");
+    }
     let mode = Mutex::new(core);
     let res = daemon::run(&mut daemon::PacketIo::new("replica", &mut queue, Some(&raw)), &mode, &mut io, now_ms);
     daemon::stop();

@@ -148,6 +148,8 @@ fn why_name(w: Why) -> &'static str {
         Why::BackupRst => "backup_rst",
         Why::FinTimeout => "fin_timeout",
         Why::Diverged => "diverged",
+        Why::HeldTotal => "held_total",
+        Why::BackupMisaligned => "backup_misaligned",
     }
 }
 

@@ -188,11 +188,12 @@ const MAX_CHECKPOINTS: usize = 16;
 
 #[derive(Debug, Clone, Default)]
 struct BConn {
+    /// Its number in the table's insertion order.
+    born: u64,
     /// The backup server's ISN and its SYN-ACK's TSval.
     b_isn: Option<Seq>,
     b_ts0: Option<u32>,
-    /// The client's SYN offered window scaling; the backup's own shift.
-    client_ws: bool,
+    /// The backup's own window shift, from its server's SYN-ACK (0: no scaling).
     ws_b: u8,
     /// Δ = ISN(P) - ISN(B) and the timestamp offset are known (ST-TCP 3.3.0.1, step 3).
     aligned: bool,
@@ -216,6 +217,12 @@ struct BConn {
     acked_b: Option<Seq>,
     /// The primary reported a divergence: never answer on this connection.
     diverged: bool,
+    /// The primary's ISN, from its report: only the client's ACK of the primary's SYN-ACK
+    /// (ISN + 1) aligns, and an alignment made before it arrived is checked against it.
+    p_isn: Option<Seq>,
+    /// Aligned on a forged ACK (Δ differs from the primary's ISN - the backup's): its server's
+    /// connection is not the client's; never answer on it, and tell the primary.
+    misaligned: bool,
     client_fin: bool,
     /// The latest client ACK seen (`last_ack`): its window field, timestamps (client's clock,
     /// primary's TSecr) and the service address it was sent to.
@@ -233,7 +240,17 @@ struct BConn {
     reset_sent: bool,
 }
 
-impl BConn {
+impl Entry for BConn {
+    fn born(&self) -> u64 {
+        self.born
+    }
+    fn set_born(&mut self, n: u64) {
+        self.born = n;
+    }
+    /// Not aligned: no acceptable client ACK of the handshake yet.
+    fn half_open(&self) -> bool {
+        !self.aligned
+    }
     fn finished(&self) -> bool {
         self.rst_out || (self.fin_out && self.client_fin)
     }
@@ -262,11 +279,19 @@ pub struct BackupCounters {
     pub output_gap: u64,
     /// Client ACKs the backup missed, relayed from the primary's report.
     pub acks_relayed: u64,
-    /// New connections not followed because the table was full (they cannot be taken over).
+    /// New connections not followed because the table was full of established connections
+    /// (they cannot be taken over).
     pub table_full: u64,
-    /// Client packets outside the backup server's receive window (a forgery, or very old):
+    /// Half-open entries (no client handshake ACK yet: a SYN flood's) evicted, oldest first,
+    /// to make room for a new connection in a full table.
+    pub half_open_evicted: u64,
+    /// Client packets outside the backup server's receive window (a forgery, or very old), or
+    /// (before alignment, the primary's ISN known) whose ACK is not the primary's ISN + 1:
     /// nothing is learned from them; before alignment they are dropped.
     pub unacceptable: u64,
+    /// Connections found aligned on a forged ACK once the primary's ISN arrived: silenced for
+    /// good, reported (MISALIGNED) so that the primary runs them unprotected.
+    pub misaligned: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -274,6 +299,7 @@ pub struct BackupCounters {
 #[derive(Debug)]
 pub struct Backup {
     conns: HashMap<ConnKey, BConn>,
+    births: Births,
     promoted: bool,
     max_conns: usize,
     /// Packets to send to clients (the RSTs of diverged connections after take-over).
@@ -296,14 +322,85 @@ impl Default for Backup {
 /// without bound.
 pub const DEFAULT_MAX_CONNS: usize = 65_536;
 
-/// True when `map` has room for one more entry, forgetting a finished connection if needed.
-fn make_room<V>(map: &mut HashMap<ConnKey, V>, cap: usize, finished: impl Fn(&V) -> bool) -> bool {
+/// A connection table's entry as [`insert`] sees it.
+trait Entry {
+    /// Its number in the table's insertion order ([`Births`]).
+    fn born(&self) -> u64;
+    fn set_born(&mut self, n: u64);
+    /// The client's handshake has not completed (all a forged SYN ever gets to).
+    fn half_open(&self) -> bool;
+    /// Both sides are done with it: it can be forgotten.
+    fn finished(&self) -> bool;
+}
+
+/// A table's entries in the order they were made, oldest first, so that a full table evicts
+/// its oldest half-open entry in O(1) amortized (a SYN cache): a SYN flood churns half-open
+/// entries and never displaces an established connection, and a real connection opened during
+/// or after the flood gets a place (it is evicted only if a whole table's worth of SYNs arrive
+/// before its handshake completes). Entries that completed their handshake or left the table
+/// leave stale numbers behind, skipped on eviction and compacted away.
+#[derive(Debug, Default)]
+struct Births {
+    order: VecDeque<(ConnKey, u64)>,
+    next: u64,
+}
+
+/// What [`make_room`] did.
+enum Room<V> {
+    Free,
+    /// The oldest half-open entry was evicted.
+    Evicted(V),
+    /// A finished entry was forgotten.
+    Forgotten(V),
+    /// Every entry is an established connection that has not finished.
+    Full,
+}
+
+/// Room for one more entry in `map` (at most `cap`): the oldest half-open entry goes first,
+/// else a finished one.
+fn make_room<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usize) -> Room<V> {
     if map.len() < cap {
-        return true;
+        return Room::Free;
     }
-    let Some(k) = map.iter().find(|(_, v)| finished(v)).map(|(k, _)| *k) else { return false };
-    map.remove(&k);
-    true
+    while let Some((k, n)) = births.order.pop_front() {
+        if map.get(&k).is_some_and(|v| v.born() == n && v.half_open()) {
+            if let Some(v) = map.remove(&k) {
+                return Room::Evicted(v);
+            }
+        }
+    }
+    match map.iter().find(|(_, v)| v.finished()).map(|(k, _)| *k).and_then(|k| map.remove(&k)) {
+        Some(v) => Room::Forgotten(v),
+        None => Room::Full,
+    }
+}
+
+/// Makes `v` the entry of `key` (replacing one there), numbered as the youngest, after making
+/// room for it. `None`: the table is full of established connections, nothing changed.
+/// `Some(gone)`: the entry it replaced, or the one evicted (counted in `evicted`) or forgotten
+/// for it.
+fn insert<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usize, key: ConnKey, mut v: V, evicted: &mut u64) -> Option<Option<V>> {
+    let mut gone = None;
+    if !map.contains_key(&key) {
+        match make_room(map, births, cap.max(1)) {
+            Room::Full => return None,
+            Room::Evicted(old) => {
+                *evicted += 1;
+                gone = Some(old);
+            }
+            Room::Forgotten(old) => gone = Some(old),
+            Room::Free => {}
+        }
+    }
+    let n = births.next;
+    births.next += 1;
+    v.set_born(n);
+    let replaced = map.insert(key, v);
+    births.order.push_back((key, n));
+    if births.order.len() > 2 * map.len() + 64 {
+        births.order.retain(|(k, n)| map.get(k).is_some_and(|v| v.born() == *n && v.half_open()));
+    }
+    Some(gone.or(replaced))
 }
 
 impl Backup {
@@ -313,7 +410,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), changed: Default::default(), counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), changed: Default::default(), counters: BackupCounters::default() }
     }
 
     pub fn is_promoted(&self) -> bool {
@@ -341,19 +438,16 @@ impl Backup {
         }
         let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
         if s.has(F::SYN) && !s.has(F::ACK) {
-            if !self.conns.contains_key(&key) && !make_room(&mut self.conns, self.max_conns, BConn::finished) {
+            // A new connection, or the port reused after both sides closed (or the server
+            // reset): a new entry. A SYN on a live connection changes nothing (a
+            // retransmission, or a forgery, which the kernel answers with a challenge ACK).
+            let fresh = self.conns.get(&key).is_none_or(|c| c.finished() && c.client_isn != Some(s.seq));
+            if fresh && insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted).is_none() {
                 self.counters.table_full += 1;
                 return Verdict::PASS;
             }
-            let c = self.conns.entry(key).or_default();
-            if c.finished() && c.client_isn != Some(s.seq) {
-                // The port is reused after both sides closed (or the server reset): a new
-                // connection. A SYN on a live connection changes nothing (a retransmission, or
-                // a forgery, which the kernel answers with a challenge ACK).
-                *c = BConn::default();
-            }
-            if !c.aligned {
-                c.client_ws = s.wscale.is_some();
+            if let Some(c) = self.conns.get_mut(&key).filter(|c| !c.aligned) {
+                // Until the SYN-ACK names the SYN its server answered (any SYN may be forged).
                 c.client_isn = Some(s.seq);
             }
             return Verdict::PASS;
@@ -372,7 +466,7 @@ impl Backup {
         if s.fin() && in_window {
             c.client_fin = true;
         }
-        if self.promoted && c.diverged && !s.has(F::RST) {
+        if self.promoted && (c.diverged || c.misaligned) && !s.has(F::RST) {
             // A client still talking on a connection that cannot go on: its ACK names exactly
             // where it stands; answered with a RST there (at most once per packet it sends).
             if s.has(F::ACK) {
@@ -392,6 +486,14 @@ impl Backup {
                 self.counters.unaligned_dropped += 1;
                 return Verdict::Drop;
             };
+            // Once the primary reported its ISN only its SYN-ACK's ACK aligns (the primary holds
+            // output until the backup is aligned, so the client's first ACK is exactly that): a
+            // forgery must guess the primary's ISN, not just the client's sequence number.
+            // (After take-over the backup's own SYN-ACK may have gone out instead: its ACK too.)
+            if c.p_isn.is_some_and(|p| s.ack != p + 1u32 && !(self.promoted && s.ack == isn + 1u32)) {
+                self.counters.unacceptable += 1;
+                return Verdict::Drop;
+            }
             c.delta = (s.ack - 1u32) - isn;
             c.ts_off = match (s.ts, c.b_ts0) {
                 (Some((_, _, ecr)), Some(t0)) => ecr.wrapping_sub(t0),
@@ -458,12 +560,17 @@ impl Backup {
             }
         };
         let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
-        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || make_room(&mut self.conns, self.max_conns, BConn::finished)) {
-            let c = self.conns.entry(key).or_default();
+        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted).is_some()) {
+            let Some(c) = self.conns.get_mut(&key) else { return self.withhold() };
             if !c.aligned {
                 c.b_isn = Some(s.seq);
                 c.b_ts0 = s.ts.map(|t| t.1);
-                c.ws_b = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
+                // The SYN its server answered (the SYN-ACK acknowledges it), not the latest SYN
+                // seen: any of them may be forged. Its window scaling is in effect only if the
+                // SYN-ACK carries the option (RFC 7323 2.2: only in answer to a SYN that did),
+                // so a forged SYN, with or without the option, cannot set it.
+                c.client_isn = Some(s.ack - 1u32);
+                c.ws_b = s.wscale.unwrap_or(0);
                 c.snd_max = s.seq + 1;
                 c.rcv_nxt = s.ack;
                 c.rcv_edge = s.ack + s.window as u32;
@@ -517,11 +624,12 @@ impl Backup {
         if !promoted {
             return self.withhold();
         }
-        if c.diverged {
-            // Never a byte of this output: the client has the primary's, which differed. Reset
-            // the connection once, at the furthest point the client can have reached (exact,
-            // or inside its window, where Linux answers with a challenge ACK that
-            // `incoming` resets exactly); never leave the client waiting for ever.
+        if c.diverged || c.misaligned {
+            // Never a byte of this output: the client has the primary's, which differed (or
+            // this backup's numbering of it is wrong). Reset the connection once, at the
+            // furthest point the client can have reached (exact, or inside its window, where
+            // Linux answers with a challenge ACK that `incoming` resets exactly); never leave
+            // the client waiting for ever.
             self.counters.diverged_silenced += 1;
             if !c.reset_sent {
                 c.reset_sent = true;
@@ -583,7 +691,7 @@ impl Backup {
         for k in &keys {
             let c = &self.conns[k];
             let mut flags = 0;
-            for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED)] {
+            for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED), (c.b_isn.is_some(), rw::flag::ISN_KNOWN), (c.misaligned, rw::flag::MISALIGNED)] {
                 if on {
                     flags |= f;
                 }
@@ -597,6 +705,7 @@ impl Backup {
                 out_end: c.out_end,
                 out_hash: c.out_hash,
                 last_ack: c.last_ack,
+                isn: c.b_isn.unwrap_or(Seq(0)),
                 flags,
             };
             // Earlier output checkpoints the primary has not verified yet, oldest first: a
@@ -627,6 +736,19 @@ impl Backup {
             let Some(c) = self.conns.get_mut(&key) else { continue };
             if r.flags & rw::flag::DIVERGED != 0 {
                 c.diverged = true;
+            }
+            if r.flags & rw::flag::ISN_KNOWN != 0 {
+                c.p_isn = Some(r.isn);
+                // Δ learned from a client ACK before the primary's ISN was known: a forged ACK
+                // (one that guessed the client's sequence number) gave a wrong one. The backup's
+                // server has taken the forgery as its handshake: that connection cannot be
+                // taken over.
+                if let (true, Some(b), false, false) = (c.aligned, c.b_isn, c.misaligned, self.promoted) {
+                    if c.delta != r.isn - b {
+                        c.misaligned = true;
+                        self.counters.misaligned += 1;
+                    }
+                }
             }
             // The primary's out_end is what it verified: those checkpoints are done.
             while c.checkpoints.front().is_some_and(|(e, _)| e.le(r.out_end)) {
@@ -685,6 +807,11 @@ impl Backup {
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
+
+    /// Whether the engine follows `key` (it is in the table).
+    pub fn follows(&self, key: &ConnKey) -> bool {
+        self.conns.contains_key(key)
+    }
 }
 
 /// A RST from the service address `server` to the client of `key` at `seq` (primary's space).
@@ -719,6 +846,10 @@ pub struct Config {
     pub max_delay_fin_ms: u64,
     /// Output held per connection before the backup counts as lagging.
     pub max_held_bytes: usize,
+    /// Output held for all connections together (bytes of held packets, as
+    /// [`Primary::held_bytes`] counts them): the connection whose output would go beyond it
+    /// runs unprotected ([`Why::HeldTotal`]), its held output released as its server built it.
+    pub max_held_total: usize,
     /// When the backup has missed client bytes the primary has (its ACK stays behind) for this
     /// long, three duplicate ACKs at the backup's ACK are injected, so the client resends at
     /// once (fast retransmit) instead of after its retransmission timeout; again after twice as
@@ -730,7 +861,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Config {
-        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
+        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, max_held_total: 256 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
     }
 }
 
@@ -749,6 +880,11 @@ pub enum Why {
     FinTimeout,
     /// Strict output commit found different bytes at the same offset.
     Diverged,
+    /// The host-wide cap on held output ([`Config::max_held_total`]) would have been passed.
+    HeldTotal,
+    /// The backup aligned on a forged client ACK (its Δ disagrees with the primary's ISN): its
+    /// server's connection is not the client's.
+    BackupMisaligned,
 }
 
 /// Something the primary's daemon must act on or report.
@@ -784,8 +920,16 @@ pub struct PrimaryCounters {
     pub stale_progress: u64,
     /// Triples of duplicate ACKs injected for client bytes the backup missed.
     pub nudges: u64,
-    /// New connections not followed because the table was full (they run unprotected).
+    /// New connections not followed because the table was full of established connections
+    /// (they run unprotected).
     pub table_full: u64,
+    /// Half-open entries (no client handshake ACK yet: a SYN flood's) evicted, oldest first,
+    /// to make room for a new connection in a full table.
+    pub half_open_evicted: u64,
+    /// Connections made unprotected because the host-wide cap on held output was reached.
+    pub held_total_exceeded: u64,
+    /// Connections the backup reported aligned on a forged ACK (run unprotected).
+    pub backup_misaligned: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -809,8 +953,13 @@ struct HeldPkt {
 
 #[derive(Debug)]
 struct PConn {
+    /// Its number in the table's insertion order.
+    born: u64,
+    /// The server's SYN-ACK was seen, and an acceptable client ACK of it since.
+    answered: bool,
+    established: bool,
     server: IpAddr,
-    client_ws: bool,
+    /// The primary's window shift, from its server's SYN-ACK (0: no scaling).
     ws_p: u8,
     synack: Option<Vec<u8>>,
     synack_ack: Seq,
@@ -821,6 +970,8 @@ struct PConn {
     /// Backup output reports not yet verified: (end, digest).
     reports: VecDeque<(Seq, u64)>,
     held: VecDeque<HeldPkt>,
+    /// Bytes of the packets in `held`.
+    held_len: usize,
     /// Output bytes from `rel` to `p_end` (strict mode), not yet verified.
     held_bytes: VecDeque<u8>,
     rel: Seq,
@@ -862,6 +1013,32 @@ struct PConn {
 }
 
 impl PConn {
+    /// Holds `h`, counted in `total` (all connections' held bytes).
+    fn hold(&mut self, h: HeldPkt, total: &mut usize) {
+        self.held_len += h.pkt.len();
+        *total += h.pkt.len();
+        self.held.push_back(h);
+    }
+
+    /// The oldest held packet, no longer counted.
+    fn unhold(&mut self, total: &mut usize) -> Option<HeldPkt> {
+        let h = self.held.pop_front()?;
+        self.held_len -= h.pkt.len();
+        *total -= h.pkt.len();
+        Some(h)
+    }
+}
+
+impl Entry for PConn {
+    fn born(&self) -> u64 {
+        self.born
+    }
+    fn set_born(&mut self, n: u64) {
+        self.born = n;
+    }
+    fn half_open(&self) -> bool {
+        !self.established
+    }
     fn finished(&self) -> bool {
         self.rst_since.is_some() || (self.p_fin && self.client_fin)
     }
@@ -876,6 +1053,9 @@ impl PConn {
 pub struct Primary {
     cfg: Config,
     conns: HashMap<ConnKey, PConn>,
+    births: Births,
+    /// Bytes of every connection's held packets.
+    held_total: usize,
     unprotected: Option<Why>,
     last_beat: Option<u64>,
     out: Vec<Vec<u8>>,
@@ -885,7 +1065,7 @@ pub struct Primary {
 
 impl Primary {
     pub fn new(cfg: Config) -> Primary {
-        Primary { cfg, conns: HashMap::new(), unprotected: None, last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
+        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
     }
 
     pub fn config(&self) -> &Config {
@@ -910,9 +1090,14 @@ impl Primary {
         std::mem::take(&mut self.notices)
     }
 
-    /// Output bytes held for the backup, all connections.
+    /// Output bytes held for the backup, all connections (bytes of the held packets).
     pub fn held_bytes(&self) -> usize {
-        self.conns.values().map(|c| c.held.iter().map(|h| h.pkt.len()).sum::<usize>()).sum()
+        self.held_total
+    }
+
+    /// Whether the engine follows `key` (it is in the table).
+    pub fn follows(&self, key: &ConnKey) -> bool {
+        self.conns.contains_key(key)
     }
 
     /// A client packet toward the primary's server: learned from, never changed.
@@ -924,8 +1109,10 @@ impl Primary {
         if s.csum_ok && s.has(F::SYN) && !s.has(F::ACK) && self.unprotected.is_none() {
             let key = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
             let fresh = PConn {
+                born: 0,
+                answered: false,
+                established: false,
                 server: s.info.dst,
-                client_ws: s.wscale.is_some(),
                 ws_p: 0,
                 synack: None,
                 synack_ack: s.seq + 1,
@@ -934,6 +1121,7 @@ impl Primary {
                 b: None,
                 reports: VecDeque::new(),
                 held: VecDeque::new(),
+                held_len: 0,
                 held_bytes: VecDeque::new(),
                 rel: Seq(0),
                 rel_hash: HASH_INIT,
@@ -964,11 +1152,10 @@ impl Primary {
             // or the server reset it) and the port is reused.
             // A retransmitted SYN (same ISN) is the same connection, however it ended.
             let keep = self.conns.get(&key).map(|c| !c.finished() || c.synack_ack == s.seq + 1);
-            match keep {
-                Some(true) => {}
-                None if !make_room(&mut self.conns, self.cfg.max_conns.max(1), PConn::finished) => self.counters.table_full += 1,
-                _ => {
-                    self.conns.insert(key, fresh);
+            if keep != Some(true) {
+                match insert(&mut self.conns, &mut self.births, self.cfg.max_conns, key, fresh, &mut self.counters.half_open_evicted) {
+                    None => self.counters.table_full += 1,
+                    Some(gone) => self.held_total -= gone.map_or(0, |g| g.held_len),
                 }
             }
         } else if s.csum_ok && s.has(F::ACK) {
@@ -980,6 +1167,11 @@ impl Primary {
                 // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
                 let in_window = acceptable(&s, c.ack_p, c.edge_p);
                 c.client_fin |= s.fin() && in_window;
+                // The handshake completed: an acceptable ACK of the SYN-ACK (a blind forgery
+                // must guess the server's ISN). From then on the entry is never evicted.
+                if c.answered && in_window && s.ack.ge(c.stream_start) && s.ack.le(c.snd_p) {
+                    c.established = true;
+                }
                 // The client's ACK as the primary heard it, for the backup (ST-TCP 3.6's
                 // LastAckReceived); only within what the primary's server has sent.
                 let limit = c.snd_p;
@@ -1011,7 +1203,11 @@ impl Primary {
         }
         if s.has(F::SYN) && s.has(F::ACK) {
             // Koch 7.1: the SYN-ACK goes out once the backup's server answered the SYN too.
-            c.ws_p = if c.client_ws { s.wscale.unwrap_or(0) } else { 0 };
+            // Window scaling is in effect only if the SYN-ACK carries the option (RFC 7323
+            // 2.2: only in answer to a SYN that did): the SYN the server answered, not whichever
+            // SYN the engine saw first, which may be forged.
+            c.answered = true;
+            c.ws_p = s.wscale.unwrap_or(0);
             c.rel = s.seq + 1;
             c.stream_start = s.seq + 1;
             c.p_end = s.seq + 1;
@@ -1030,6 +1226,12 @@ impl Primary {
             c.synack_since.get_or_insert(now_ms);
             self.counters.held += 1;
             return Verdict::Held;
+        }
+        if s.has(F::ACK) && !s.has(F::RST) {
+            // The server sends anything but its SYN-ACK only on an established connection (a
+            // handshake ACK the engine could not learn from, e.g. a bad checksum, would
+            // otherwise leave a connection with output evictable).
+            c.established |= c.answered;
         }
         if s.has(F::ACK) {
             if s.ack.gt(c.ack_p) {
@@ -1079,7 +1281,7 @@ impl Primary {
                 c.p_fin = true;
                 c.fin_since.get_or_insert(now_ms);
                 if let Some(f) = fin_segment(&s, c.ts) {
-                    c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+                    c.hold(HeldPkt { pkt: f, end, fin: true }, &mut self.held_total);
                 }
             }
             strip_fin(pkt, &s);
@@ -1127,18 +1329,24 @@ impl Primary {
             let mut data = pkt.to_vec();
             if let Some(f) = fin_segment(&s, c.ts) {
                 strip_fin(&mut data, &s);
-                c.held.push_back(HeldPkt { pkt: data, end, fin: false });
-                c.held.push_back(HeldPkt { pkt: f, end, fin: true });
+                c.hold(HeldPkt { pkt: data, end, fin: false }, &mut self.held_total);
+                c.hold(HeldPkt { pkt: f, end, fin: true }, &mut self.held_total);
             } else {
-                c.held.push_back(HeldPkt { pkt: pkt.to_vec(), end, fin: true });
+                c.hold(HeldPkt { pkt: pkt.to_vec(), end, fin: true }, &mut self.held_total);
             }
         } else {
-            c.held.push_back(HeldPkt { pkt: pkt.to_vec(), end, fin: s.fin() });
+            c.hold(HeldPkt { pkt: pkt.to_vec(), end, fin: s.fin() }, &mut self.held_total);
         }
         self.counters.held += 1;
         let held: usize = c.held_bytes.len();
         if held > self.cfg.max_held_bytes {
             self.unprotect(key, Why::BackupLagging);
+        } else if self.held_total > self.cfg.max_held_total {
+            // Beyond the host-wide cap the connection whose output would pass it runs
+            // unprotected: its held output goes out as its server built it (never a wrong
+            // byte), which also frees what it held.
+            self.counters.held_total_exceeded += 1;
+            self.unprotect(key, Why::HeldTotal);
         } else {
             self.settle(key, now_ms);
         }
@@ -1189,6 +1397,11 @@ impl Primary {
             b.fin |= f(rw::flag::FIN_OUT);
             b.rst |= f(rw::flag::RST_OUT);
             if c.state.is_some() {
+                continue;
+            }
+            if f(rw::flag::MISALIGNED) {
+                self.counters.backup_misaligned += 1;
+                self.unprotect(key, Why::BackupMisaligned);
                 continue;
             }
             if b.rst && c.rst_since.is_none() {
@@ -1249,7 +1462,9 @@ impl Primary {
                 out_end: if self.cfg.strict { c.rel } else { c.p_end },
                 out_hash: 0,
                 last_ack: c.client_ack,
+                isn: c.stream_start - 1u32,
                 flags: rw::flag::RCV_KNOWN
+                    | if c.answered { rw::flag::ISN_KNOWN } else { 0 }
                     | if c.state == Some(Why::Diverged) { rw::flag::DIVERGED } else { 0 }
                     | if c.p_fin { rw::flag::FIN_OUT } else { 0 }
                     | if c.rst_since.is_some() { rw::flag::RST_OUT } else { 0 },
@@ -1259,7 +1474,9 @@ impl Primary {
     }
 
     pub fn forget(&mut self, key: &ConnKey) {
-        self.conns.remove(key);
+        if let Some(c) = self.conns.remove(key) {
+            self.held_total -= c.held_len;
+        }
     }
 
     /// Connections over on both sides (see [`Backup::finished`]).
@@ -1349,7 +1566,7 @@ impl Primary {
             if !ok {
                 break;
             }
-            let h = c.held.pop_front().unwrap();
+            let Some(h) = c.unhold(&mut self.held_total) else { break };
             let mut pkt = h.pkt;
             if let Ok(s) = parse(&pkt) {
                 gate(c, &mut pkt, &s, &mut self.counters);
@@ -1471,7 +1688,7 @@ impl Primary {
             self.out.push(sa);
         }
         // Koch 6.1: everything held goes out as the primary's TCP built it.
-        for h in c.held.drain(..) {
+        while let Some(h) = c.unhold(&mut self.held_total) {
             self.out.push(h.pkt);
             self.counters.released += 1;
         }
@@ -1667,7 +1884,7 @@ mod tests {
         p.incoming(&ip::tcp_packet(cli, svc, &syn, &[]).unwrap());
         let sa = tcp::Repr { src_port: 6379, dst_port: 40000, seq: Seq(5), ack: Seq(c_isn + 1), flags: F::SYN | F::ACK, window: 65535, ..Default::default() };
         p.outgoing(&mut ip::tcp_packet(svc, cli, &sa, &[]).unwrap(), 0);
-        let rec = ConnProgress { client: cli, client_port: 40000, server_port: 6379, rcv_nxt: Seq(c_isn + 1), rcv_edge: Seq(c_isn + 1001), out_end: Seq(6), out_hash: HASH_INIT, last_ack: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED };
+        let rec = ConnProgress { client: cli, client_port: 40000, server_port: 6379, rcv_nxt: Seq(c_isn + 1), rcv_edge: Seq(c_isn + 1001), out_end: Seq(6), out_hash: HASH_INIT, last_ack: Seq(0), isn: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED };
         p.backup_progress(&Progress { role: Role::Backup, beat: 1, flags: 0, records: vec![rec] }, 1);
         assert_eq!(p.take_transmit().len(), 1, "the SYN-ACK");
         let send = |p: &mut Primary, off: u32, flags: u8, len: usize| {

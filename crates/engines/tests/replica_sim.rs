@@ -448,7 +448,7 @@ impl Sim {
         for i in 0..sc.nreq {
             expected.extend(reply(&request(sc.seed, i), i, sc.reply_len));
         }
-        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 1 << 20, nudge_after_ms: 40, max_conns: 16 };
+        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 1 << 20, max_held_total: 256 << 20, nudge_after_ms: 40, max_conns: 16 };
         Sim {
             rng: Rng::new(sc.seed ^ 0x5151),
             now: 0,
@@ -887,6 +887,10 @@ impl Sim {
         if !self.capp.eof {
             let (g, e) = (self.capp.got.len(), self.capp.expected.len());
             return Err(self.fail(&format!("stalled: the client has {g} of {e} bytes and no FIN after {} ms", self.sc.max_ms)));
+        }
+        // Nothing is forged here: the primary's ISN never contradicts the backup's alignment.
+        if self.beng.counters.misaligned != 0 || self.peng.counters.backup_misaligned != 0 {
+            return Err(self.fail("the backup was found aligned on a wrong ACK, with no forgery in the simulation"));
         }
         let mut r = self.report;
         r.virtual_ms = self.now;

@@ -123,7 +123,7 @@ fn koch_5_takeover_continues_in_the_primarys_space() {
 #[test]
 fn promoted_backup_silences_diverged_connections() {
     let mut b = aligned_backup();
-    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), flags: rw::flag::DIVERGED };
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(0), flags: rw::flag::DIVERGED };
     assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty());
     b.take_over();
     assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0).0, Verdict::Drop);
@@ -139,7 +139,7 @@ fn promoted_backup_resets_the_clients_of_diverged_connections() {
     let mut b = aligned_backup();
     // The primary verified 5 bytes of output, then found the next ones different.
     let verified = Seq(P_ISN.wrapping_add(1 + 5));
-    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1 + 1000), out_end: verified, out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: rw::flag::DIVERGED | rw::flag::RCV_KNOWN };
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1 + 1000), out_end: verified, out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: rw::flag::DIVERGED | rw::flag::RCV_KNOWN, isn: Seq(P_ISN) };
     let _ = b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] });
     assert!(b.take_transmit().is_empty(), "nothing before take-over: the primary still serves it");
     b.take_over();
@@ -190,7 +190,7 @@ fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
     b.incoming(&mut ack);
     assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 11), "clamped to what the backup's server sent");
     let report = |beat| {
-        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), flags: 0 };
+        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), isn: Seq(0), flags: 0 };
         Progress { role: Role::Primary, beat, flags: 0, records: vec![rec] }
     };
     assert!(b.primary_report(&report(1)).is_empty(), "nothing more to give yet");
@@ -218,7 +218,7 @@ fn forged_client_ack_is_never_relayed() {
     let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
     b.incoming(&mut forged);
     backup_sends(&mut b, 10, &[2; 10], B_TS0 + 2);
-    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(21)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), flags: 0 };
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(21)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1)), isn: Seq(0), flags: 0 };
     assert!(b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }).is_empty(), "the client acknowledged nothing");
     assert_eq!(b.counters.acks_relayed, 0);
 }
@@ -259,6 +259,7 @@ fn progress(beat: u64, rcv_nxt: u32, out: &[u8], fin: bool) -> Progress {
         out_end: Seq(P_ISN.wrapping_add(1 + out.len() as u32)),
         out_hash: hash_continue(HASH_INIT, out),
         last_ack: Seq(0),
+        isn: Seq(0),
         flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED | if fin { rw::flag::FIN_OUT } else { 0 },
     };
     Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }
@@ -425,24 +426,211 @@ fn port_reuse_after_close_is_a_new_connection() {
     assert_eq!(primary_sends(&mut p, 0, b"ab", C_ISN + 1, 0, 2).0, Verdict::Held, "still protected after a SYN on a live connection");
 }
 
-/// Every SYN may be forged: the tables are bounded. Beyond the cap a new connection is not
-/// followed (counted; it runs unprotected), unless a finished one can be forgotten for it.
+/// Every SYN may be forged: the tables are bounded. A table full of established connections
+/// follows no new one (counted; it runs unprotected), unless a finished one can be forgotten for
+/// it; forged SYNs never displace an established connection.
 #[test]
 fn tables_are_bounded_forged_syns_do_not_grow_them() {
     let mut b = Backup::with_capacity(2);
     let mut p = Primary::new(Config { max_conns: 2, ..Config::default() });
-    for port in 1..=5u16 {
+    let mut beat = 0;
+    open(&mut b, &mut p, 1, &mut beat);
+    open(&mut b, &mut p, 2, &mut beat);
+    for port in 3..=5u16 {
         let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: port, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
         assert_eq!(p.incoming(&s), Verdict::PASS);
         assert_eq!(b.incoming(&mut s), Verdict::PASS);
     }
     assert_eq!((b.connections(), b.counters.table_full, p.counters.table_full), (2, 3, 3));
+    assert_eq!((b.counters.half_open_evicted, p.counters.half_open_evicted), (0, 0));
     // A connection of the full table that finished (its server reset it) makes room.
-    let mut rst = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 1, seq: Seq(5), ack: Seq(10), flags: F::RST | F::ACK, ..Default::default() }, &[]).unwrap();
+    let mut rst = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 1, seq: Seq(B_ISN + 1), ack: Seq(C_ISN + 1), flags: F::RST | F::ACK, ..Default::default() }, &[]).unwrap();
     b.outgoing(&mut rst);
     let mut s = ip::tcp_packet(cli(), svc(), &Repr { src_port: 9, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
     b.incoming(&mut s);
     assert_eq!((b.connections(), b.counters.table_full), (2, 3));
+    assert!(b.follows(&port_key(9)) && !b.follows(&port_key(1)) && b.follows(&port_key(2)));
+}
+
+fn port_key(port: u16) -> ConnKey {
+    ConnKey { client_port: port, ..key() }
+}
+
+/// Opens a connection from client port `port` on both engines, through the handshake: the
+/// client's SYN, both servers' SYN-ACKs (the backup's withheld, the primary's held until the
+/// backup's progress shows its server answered), the client's handshake ACK (the backup aligns).
+fn open(b: &mut Backup, p: &mut Primary, port: u16, beat: &mut u64) {
+    let from_c = |r: Repr| ip::tcp_packet(cli(), svc(), &Repr { src_port: port, dst_port: 6379, ..r }, &[]).unwrap();
+    let from_s = |r: Repr| ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: port, ..r }, &[]).unwrap();
+    let mut syn = from_c(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, wscale: Some(7), ..Default::default() });
+    assert_eq!(p.incoming(&syn), Verdict::PASS);
+    assert_eq!(b.incoming(&mut syn), Verdict::PASS);
+    let mut sa = from_s(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() });
+    assert_eq!(b.outgoing(&mut sa), Verdict::Drop, "port {port}: the backup's SYN-ACK is withheld");
+    let mut sa = from_s(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() });
+    assert_eq!(p.outgoing(&mut sa, 0), Verdict::Held, "port {port}: followed by the primary");
+    for m in b.progress(*beat) {
+        p.backup_progress(&m, 1);
+    }
+    *beat += 1;
+    // (With the SYN-ACKs of other connections the backup's server answered too.)
+    assert!(p.take_transmit().contains(&sa), "port {port}: the SYN-ACK released");
+    let mut ack = from_c(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() });
+    assert_eq!(p.incoming(&ack), Verdict::PASS);
+    assert!(matches!(b.incoming(&mut ack), Verdict::Accept { .. }));
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 1), "port {port}: the backup aligned");
+}
+
+/// `n` forged SYNs from as many addresses, each answered by both servers (the kernels answer a
+/// SYN with a SYN-ACK whoever sent it); numbered from `first`.
+fn syn_flood(b: &mut Backup, p: &mut Primary, first: u32, n: u32) {
+    for i in first..first + n {
+        let a = IpAddr::from([10, 1, (i >> 8) as u8, i as u8]);
+        let mut syn = ip::tcp_packet(a, svc(), &Repr { src_port: 1024 + (i % 60000) as u16, dst_port: 6379, seq: Seq(i.wrapping_mul(7919)), flags: F::SYN, window: 1000, ..Default::default() }, &[]).unwrap();
+        assert_eq!(p.incoming(&syn), Verdict::PASS);
+        assert_eq!(b.incoming(&mut syn), Verdict::PASS);
+        let sa = Repr { src_port: 6379, dst_port: 1024 + (i % 60000) as u16, ack: Seq(i.wrapping_mul(7919).wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, ..Default::default() };
+        let mut bsa = ip::tcp_packet(svc(), a, &Repr { seq: Seq(B_ISN), ..sa }, &[]).unwrap();
+        assert_eq!(b.outgoing(&mut bsa), Verdict::Drop);
+        let mut psa = ip::tcp_packet(svc(), a, &Repr { seq: Seq(P_ISN), ..sa }, &[]).unwrap();
+        p.outgoing(&mut psa, 0);
+    }
+}
+
+fn flood_key(i: u32) -> ConnKey {
+    ConnKey { client: IpAddr::from([10, 1, (i >> 8) as u8, i as u8]), client_port: 1024 + (i % 60000) as u16, server_port: 6379 }
+}
+
+/// A SYN flood of ten times the table's size (forged SYNs whose handshakes never complete)
+/// churns the half-open entries, oldest first, on both engines: an established connection is
+/// never evicted, a real connection opened after the flood is followed and protected (the
+/// primary holds its output for the backup), and a second flood does not evict it either. (The
+/// tables used to fill with the flood's half-open entries: every later connection ran
+/// unprotected, `table_full`, until the daemon forgot them.)
+#[test]
+fn syn_flood_evicts_half_open_entries_oldest_first() {
+    const CAP: u32 = 64;
+    let mut b = Backup::with_capacity(CAP as usize);
+    let mut p = Primary::new(Config { strict: true, max_conns: CAP as usize, ..Config::default() });
+    let mut beat = 1;
+    open(&mut b, &mut p, 40000, &mut beat);
+    syn_flood(&mut b, &mut p, 0, 10 * CAP);
+    assert_eq!(b.connections(), CAP as usize);
+    assert_eq!((b.counters.table_full, p.counters.table_full), (0, 0));
+    let evicted = u64::from(10 * CAP - (CAP - 1));
+    assert_eq!((b.counters.half_open_evicted, p.counters.half_open_evicted), (evicted, evicted));
+    assert!(b.follows(&key()) && p.follows(&key()), "the established connection stays");
+    // Oldest first: the youngest CAP - 1 forged entries are the ones left.
+    for i in 0..10 * CAP {
+        let young = i >= 10 * CAP - (CAP - 1);
+        assert_eq!((b.follows(&flood_key(i)), p.follows(&flood_key(i))), (young, young), "forged SYN {i}");
+    }
+
+    open(&mut b, &mut p, 40001, &mut beat);
+    syn_flood(&mut b, &mut p, 10 * CAP, 10 * CAP);
+    assert_eq!((b.counters.table_full, p.counters.table_full), (0, 0));
+    for port in [40000, 40001] {
+        assert!(b.follows(&port_key(port)) && p.follows(&port_key(port)), "port {port} is still followed");
+        assert_eq!(p.conn_state(&port_key(port)), None, "port {port} is protected");
+    }
+    let mut out = from_server(Repr { src_port: 6379, dst_port: 40001, seq: Seq(P_ISN.wrapping_add(1)), ack: Seq(C_ISN + 1), flags: F::ACK | F::PSH, window: 100, ..Default::default() }, b"+OK");
+    // `from_server` names port 40000: build it for 40001.
+    out = ip::tcp_packet(svc(), cli(), &Repr { dst_port: 40001, ..seg(&out).0 }, b"+OK").unwrap();
+    assert_eq!(p.outgoing(&mut out, 5), Verdict::Held, "strict output commit waits for the backup");
+    let mut bout = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 40001, seq: Seq(B_ISN + 1), ack: Seq(C_ISN + 1), flags: F::ACK | F::PSH, window: 100, ..Default::default() }, b"+OK").unwrap();
+    assert_eq!(b.outgoing(&mut bout), Verdict::Drop);
+    for m in b.progress(beat) {
+        p.backup_progress(&m, 6);
+    }
+    // (With the flood's SYN-ACKs the backup's server answered too.)
+    let sent: Vec<_> = p.take_transmit().iter().map(|x| seg(x)).filter(|(r, _)| r.dst_port == 40001).collect();
+    assert_eq!(sent.len(), 1, "released once the backup produced the same bytes");
+    assert_eq!(sent[0].1, b"+OK");
+}
+
+/// Window scaling is in effect only if the server's SYN-ACK carries the option (RFC 7323 2.2),
+/// so both engines learn it from the SYN-ACK, the answer to the SYN the server took: a forged
+/// SYN without the option (the primary used to keep the first SYN's options, the backup the
+/// latest's) no longer makes them read the scaled windows unscaled, and one with the option
+/// does not make them scale windows of a connection without scaling.
+#[test]
+fn forged_syn_does_not_set_window_scaling() {
+    let forged = |ws: Option<u8>| from_client(Repr { seq: Seq(C_ISN + 50_000), flags: F::SYN, window: 1000, wscale: ws, ..Default::default() }, &[]);
+    let real = |ws: Option<u8>| from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, wscale: ws, ..Default::default() }, &[]);
+    for (real_ws, forged_ws, scaled_edge) in [(Some(7), None, 1000u32 << 7), (None, Some(7), 65535)] {
+        let what = format!("real SYN {real_ws:?}, forged {forged_ws:?}");
+        // The primary: the forged SYN first.
+        let mut p = Primary::new(Config { strict: false, ..Config::default() });
+        p.incoming(&forged(forged_ws));
+        p.incoming(&real(real_ws));
+        let mut sa = from_server(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: real_ws, ..Default::default() }, &[]);
+        assert_eq!(p.outgoing(&mut sa, 0), Verdict::Held, "{what}");
+        p.backup_progress(&progress(1, C_ISN + 1, &[], false), 1);
+        let mut ack = from_server(Repr { seq: Seq(P_ISN.wrapping_add(1)), ack: Seq(C_ISN + 1), flags: F::ACK, window: 1000, ..Default::default() }, &[]);
+        p.outgoing(&mut ack, 2);
+        assert_eq!(p.report(1)[0].records[0].rcv_edge, Seq(C_ISN + 1 + scaled_edge), "primary, {what}");
+        // The backup: the forged SYN after the real one.
+        let mut b = Backup::new();
+        b.incoming(&mut real(real_ws));
+        b.incoming(&mut forged(forged_ws));
+        let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: real_ws, ..Default::default() }, &[]);
+        b.outgoing(&mut sa);
+        let mut hs = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+        b.incoming(&mut hs);
+        let mut ack = from_server(Repr { seq: Seq(B_ISN + 1), ack: Seq(C_ISN + 1), flags: F::ACK, window: 1000, ..Default::default() }, &[]);
+        b.outgoing(&mut ack);
+        let rec = &b.progress(1)[0].records[0];
+        assert_eq!(rec.flags & rw::flag::ALIGNED, rw::flag::ALIGNED, "{what}");
+        assert_eq!(rec.rcv_edge, Seq(C_ISN + 1 + scaled_edge), "backup, {what}");
+    }
+}
+
+/// The host-wide cap on held output (`Config::max_held_total`): the connection whose output
+/// would pass it runs unprotected (`Why::HeldTotal`, counted), everything it held goes out as
+/// its server built it (never a wrong byte), the other connections stay protected, and the
+/// engine's count of held bytes follows every release and forget.
+#[test]
+fn host_wide_cap_on_held_output() {
+    let mut b = Backup::new();
+    let mut p = Primary::new(Config { strict: true, max_held_total: 3_000, ..Config::default() });
+    let mut beat = 1;
+    open(&mut b, &mut p, 40000, &mut beat);
+    open(&mut b, &mut p, 40001, &mut beat);
+    let send = |p: &mut Primary, port: u16, off: u32, byte: u8| {
+        let mut pkt = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: port, seq: Seq(P_ISN.wrapping_add(1 + off)), ack: Seq(C_ISN + 1), flags: F::ACK | F::PSH, window: 100, ..Default::default() }, &[byte; 1000]).unwrap();
+        let v = p.outgoing(&mut pkt, 10);
+        (v, pkt)
+    };
+    let (v, a1) = send(&mut p, 40000, 0, 1);
+    assert_eq!(v, Verdict::Held);
+    let (v, b1) = send(&mut p, 40001, 0, 2);
+    assert_eq!(v, Verdict::Held);
+    assert_eq!(p.held_bytes(), a1.len() + b1.len());
+    assert!(p.take_notices().is_empty());
+    // 40000's next segment would pass 3,000 bytes held on the host.
+    let (v, a2) = send(&mut p, 40000, 1000, 3);
+    assert_eq!(v, Verdict::Held);
+    assert_eq!(p.conn_state(&port_key(40000)), Some(Why::HeldTotal));
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: port_key(40000), why: Why::HeldTotal }]);
+    assert_eq!(p.counters.held_total_exceeded, 1);
+    assert_eq!(p.take_transmit(), vec![a1, a2], "its output, in order, as its server built it");
+    assert_eq!(p.held_bytes(), b1.len(), "what the other connection holds");
+    assert_eq!(p.conn_state(&port_key(40001)), None, "the other connection stays protected");
+    // From now on 40000's output passes at once.
+    assert_eq!(send(&mut p, 40000, 2000, 4).0, Verdict::PASS);
+    // The other connection's output is released when the backup produced the same bytes.
+    let mut bout = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 40001, seq: Seq(B_ISN + 1), ack: Seq(C_ISN + 1), flags: F::ACK | F::PSH, window: 100, ..Default::default() }, &[2; 1000]).unwrap();
+    b.outgoing(&mut bout);
+    for m in b.progress(beat) {
+        p.backup_progress(&m, 11);
+    }
+    assert_eq!(p.take_transmit().len(), 1);
+    assert_eq!(p.held_bytes(), 0);
+    let (v, _) = send(&mut p, 40001, 1000, 5);
+    assert_eq!(v, Verdict::Held);
+    assert!(p.held_bytes() > 0);
+    p.forget(&port_key(40001));
+    assert_eq!(p.held_bytes(), 0, "forgetting a connection forgets what it held");
 }
 
 /// ST-TCP's MaxDelayFIN counts from the client's ACK of every byte before the lone FIN: until
@@ -502,4 +690,60 @@ fn forged_client_fin_does_not_make_a_connection_forgettable() {
     p.incoming(&other);
     assert_eq!(p.counters.table_full, 1, "the live connection was kept");
     assert!(p.held_bytes() > 0, "its held output too");
+}
+
+/// The primary's report carries its server's ISN (wire version 2). Once the backup has it, only
+/// the client's ACK of the primary's SYN-ACK (ISN + 1) aligns: a forgery that guessed the
+/// client's sequence number within the window must now also guess the primary's ISN.
+#[test]
+fn forged_handshake_ack_cannot_align_once_the_primary_reported_its_isn() {
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let p = primary(true);
+    let report = p.report(1);
+    let rec = report[0].records[0];
+    assert_eq!((rec.isn, rec.flags & rw::flag::ISN_KNOWN), (Seq(P_ISN), rw::flag::ISN_KNOWN));
+    assert!(b.primary_report(&report[0]).is_empty());
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut forged), Verdict::Drop, "in the window, but not the ACK of the primary's SYN-ACK");
+    assert_eq!((b.counters.aligned, b.counters.unacceptable), (0, 1));
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
+    assert_eq!(b.incoming(&mut ack), Verdict::Accept { modified: true });
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 1), "aligned on the genuine ACK");
+    assert_eq!(b.counters.aligned, 1);
+}
+
+/// A forged in-window ACK that reached the backup before the primary's ISN did aligns it with a
+/// wrong Δ (and its server takes the forgery as its handshake): the primary's ISN shows it, the
+/// backup reports the connection MISALIGNED, the primary runs it unprotected, and a promoted
+/// backup never answers on it. A genuine alignment is not disturbed by the report.
+#[test]
+fn forged_handshake_ack_before_the_primarys_isn_is_found_and_unprotected() {
+    let p = primary(true);
+    let mut genuine = aligned_backup();
+    genuine.primary_report(&p.report(1)[0]);
+    assert_eq!(genuine.counters.misaligned, 0);
+    assert_eq!(genuine.progress(1)[0].records[0].flags & rw::flag::MISALIGNED, 0);
+
+    let mut b = Backup::new();
+    b.incoming(&mut syn());
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 1000)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }), "no way to tell yet");
+    assert_eq!(b.counters.aligned, 1);
+    let mut p = p;
+    b.primary_report(&p.report(1)[0]);
+    assert_eq!(b.counters.misaligned, 1);
+    let prog = b.progress(2);
+    assert_eq!(prog[0].records[0].flags & rw::flag::MISALIGNED, rw::flag::MISALIGNED);
+    p.backup_progress(&prog[0], 5);
+    assert_eq!(p.conn_state(&key()), Some(Why::BackupMisaligned));
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::BackupMisaligned }]);
+    assert_eq!(p.counters.backup_misaligned, 1);
+    b.take_over();
+    assert_eq!(backup_sends(&mut b, 0, b"+OK", B_TS0 + 1).0, Verdict::Drop, "never answered after take-over");
+    assert_eq!(b.counters.diverged_silenced, 1);
 }

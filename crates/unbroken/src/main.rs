@@ -24,8 +24,9 @@ usage:
   unbroken guard --config FILE [--remove-rules]
         Run the checkpoint guard (RTCP) with the given TOML config.
   unbroken status --file STATUS.json [--json]
-        Print a guard's or an agent's status file (agent: protected connections, failovers,
-        failover times, refusals, store state; --json prints the file as it is).
+        Print a guard's, an agent's or a replica daemon's status file (agent: protected
+        connections, failovers, failover times, refusals, store state; replica: state, peer,
+        fencing, takeover time, unprotected connections; --json prints the file as it is).
   unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--save FILE]
         Benchmark checkpoint mode against unprotected TCP in the lab (root): the paper's
         TCP_STREAM, TCP_MAERTS, TCP_RR, recovery cycle and engine microbenchmark
@@ -593,6 +594,23 @@ fn status(args: Vec<String>) -> ExitCode {
                 for x in r {
                     println!("    {}", x.as_str().unwrap_or(""));
                 }
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(v) if !json && v.get("role").is_some() && v.get("state").is_some() => {
+            let n = |x: &serde_json::Value| x.as_u64().unwrap_or(0);
+            let e = &v["engine"];
+            println!("unbroken replica, {} (pid {}, up {} s{})", v["role"].as_str().unwrap_or("?"), v["pid"], n(&v["uptime_ms"]) / 1000, if v["stopped"] == true { ", stopped" } else { "" });
+            println!("  state                  {}", v["state"].as_str().unwrap_or("?"));
+            let age = v["peer_last_beat_age_ms"].as_u64().map_or("never".to_string(), |a| format!("{a} ms ago"));
+            println!("  peer                   last heard {age}; beats sent {}, received {}, refused: bad {} stale {} foreign {}", n(&v["beats_sent"]), n(&v["beats_received"]), n(&v["beats_bad"]), n(&v["beats_stale"]), n(&v["beats_foreign"]));
+            println!("  fencing                {} run, {} failed{}", n(&v["fences_run"]), n(&v["fences_failed"]), v["takeover_ms"].as_u64().map_or(String::new(), |t| format!("; took over {t} ms after the primary's last message")));
+            println!("  connections            {} followed; {} became unprotected ({} diverged) {}", n(&v["connections"]), n(&v["unprotected"]), n(&v["diverged"]), v["unprotected_by"]);
+            if v["role"] == "primary" {
+                println!("  output                 {} held, {} released, {} bytes held now; {} ACKs lowered, {} fresh ACKs", n(&e["held"]), n(&e["released"]), n(&v["held_bytes"]), n(&e["acks_lowered"]), n(&e["fresh_acks"]));
+                println!("  passed unprotected     {} packets (no backup yet or any more)", n(&v["passed_unprotected"]));
+            } else {
+                println!("  followed               {} aligned, {} output packets withheld, {} client ACKs relayed, {} diverged connections reset", n(&e["aligned"]), n(&e["withheld"]), n(&e["acks_relayed"]), n(&e["diverged_reset"]));
             }
             ExitCode::SUCCESS
         }

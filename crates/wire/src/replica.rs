@@ -8,9 +8,9 @@
 //! side channel's [`Key`]:
 //!
 //! ```text
-//! 0  magic "UBRP"   4  version 1   5  role (1 primary, 2 backup)   6  flags   7  count
+//! 0  magic "UBRP"   4  version 2   5  role (1 primary, 2 backup)   6  flags   7  count
 //! 8  beat (u64, the sender's counter)
-//! 16 count records of 48 bytes:
+//! 16 count records of 52 bytes:
 //!    0 client address (16; IPv4 in the first 4, the rest zero, flag V6 clear)
 //!    16 client port   18 server port
 //!    20 rcv_nxt (client's sequence space)   24 rcv_edge (rcv_nxt + window, bytes)
@@ -18,12 +18,18 @@
 //!    32 out_hash (u64: FNV-1a over the output bytes from the ISN + 1 to out_end)
 //!    40 last_ack (the client's latest ACK, primary's space; in the primary's records it is
 //!       what the primary heard, which the backup relays to its server if it missed it)
-//!    44 flags   45 zero (3)
-//! 16 + 48 * count: MAC (16)
+//!    44 isn (the sender's server's ISN, in its own space; flag ISN_KNOWN. The backup checks
+//!       the Δ it learned from the client's handshake ACK against the primary's: a forged ACK
+//!       cannot align it unnoticed)
+//!    48 flags   49 zero (3)
+//! 16 + 52 * count: MAC (16)
 //! ```
 //!
+//! Version 1 had no `isn` (records of 48 bytes, flags at 44); a version mismatch is refused
+//! (`Unsupported`), so both hosts must run the same version.
+//!
 //! Fewer than 20 bytes per connection, as in ST-TCP, is not reached: the digest and the full
-//! client address cost 48. [`MAX_RECORDS`] records fit one 1400-byte datagram.
+//! client address cost 52. [`MAX_RECORDS`] records fit one 1400-byte datagram.
 
 use crate::ctl::Key;
 use crate::{Error, Result, Seq};
@@ -31,9 +37,9 @@ use hmac::Mac;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 pub const MAGIC: [u8; 4] = *b"UBRP";
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 16;
-pub const RECORD_LEN: usize = 48;
+pub const RECORD_LEN: usize = 52;
 pub const MAC_LEN: usize = 16;
 /// Records per datagram (1400 bytes at most).
 pub const MAX_RECORDS: usize = (1400 - HEADER_LEN - MAC_LEN) / RECORD_LEN;
@@ -60,7 +66,12 @@ pub mod flag {
     pub const DIVERGED: u8 = 1 << 4;
     /// The client address is IPv6.
     pub const V6: u8 = 1 << 5;
-    pub const ALL: u8 = 0x3f;
+    /// `isn` is known (the sender saw its server's SYN-ACK).
+    pub const ISN_KNOWN: u8 = 1 << 6;
+    /// The backup aligned on a client ACK that did not acknowledge the primary's SYN-ACK (a
+    /// forgery): its server's connection cannot be taken over.
+    pub const MISALIGNED: u8 = 1 << 7;
+    pub const ALL: u8 = 0xff;
 }
 
 /// One connection's figures.
@@ -74,6 +85,8 @@ pub struct ConnProgress {
     pub out_end: Seq,
     pub out_hash: u64,
     pub last_ack: Seq,
+    /// The sender's server's ISN, its own space (meaningful with [`flag::ISN_KNOWN`]).
+    pub isn: Seq,
     /// [`flag`] bits (V6 is set from `client` on emit).
     pub flags: u8,
 }
@@ -131,7 +144,8 @@ impl Progress {
             x[28..32].copy_from_slice(&r.out_end.0.to_be_bytes());
             x[32..40].copy_from_slice(&r.out_hash.to_be_bytes());
             x[40..44].copy_from_slice(&r.last_ack.0.to_be_bytes());
-            x[44] = flags;
+            x[44..48].copy_from_slice(&r.isn.0.to_be_bytes());
+            x[48] = flags;
         }
         let at = HEADER_LEN + n * RECORD_LEN;
         let tag = key.mac(&b[..at]).finalize().into_bytes();
@@ -166,8 +180,8 @@ impl Progress {
         for i in 0..n {
             let o = HEADER_LEN + i * RECORD_LEN;
             let x = &b[o..o + RECORD_LEN];
-            let flags = x[44];
-            if flags & !flag::ALL != 0 || x[45..48] != [0, 0, 0] {
+            let flags = x[48];
+            if x[49..52] != [0, 0, 0] {
                 return Err(Error::Malformed("progress record reserved bits"));
             }
             let client = if flags & flag::V6 != 0 {
@@ -187,6 +201,7 @@ impl Progress {
                 out_end: Seq(u32at(x, 28)),
                 out_hash: u64::from_be_bytes(x[32..40].try_into().unwrap()),
                 last_ack: Seq(u32at(x, 40)),
+                isn: Seq(u32at(x, 44)),
                 flags,
             });
         }
@@ -212,7 +227,8 @@ mod tests {
             out_end: Seq(1 << 31),
             out_hash: hash_continue(HASH_INIT, b"+OK\r\n"),
             last_ack: Seq(77),
-            flags: flag::RCV_KNOWN | flag::ALIGNED | flag::FIN_OUT,
+            isn: Seq(0x0102_0304 + i),
+            flags: flag::RCV_KNOWN | flag::ALIGNED | flag::FIN_OUT | flag::ISN_KNOWN,
         };
         Progress {
             role: Role::Backup,
@@ -251,6 +267,28 @@ mod tests {
         assert!(too_many.emit(&key()).is_err());
         let full = Progress { records: vec![sample().records[0]; MAX_RECORDS], ..sample() };
         assert!(full.emit(&key()).unwrap().len() <= 1400);
+    }
+
+    /// The bytes of version 2, pinned: a change of layout must change this test and VERSION.
+    #[test]
+    fn layout_is_pinned() {
+        let p = Progress { records: vec![sample().records[0]], ..sample() };
+        let b = p.emit(&key()).unwrap();
+        assert_eq!(b.len(), 16 + 52 + 16);
+        assert_eq!(b[..16], [b'U', b'B', b'R', b'P', 2, 2, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0]);
+        let h = hash_continue(HASH_INIT, b"+OK\r\n").to_be_bytes();
+        let mut rec = vec![10, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        rec.extend([0x9c, 0x41, 0x18, 0xeb]); // ports 40001, 6379
+        rec.extend([0xff, 0xff, 0xff, 0xfe, 0, 0, 0, 6, 0x80, 0, 0, 0]); // rcv_nxt, rcv_edge, out_end
+        rec.extend(h);
+        rec.extend([0, 0, 0, 77, 1, 2, 3, 5]); // last_ack, isn
+        rec.extend([flag::RCV_KNOWN | flag::ALIGNED | flag::FIN_OUT | flag::ISN_KNOWN, 0, 0, 0]);
+        assert_eq!(b[16..68], rec[..]);
+        assert_eq!((MAX_RECORDS, VERSION), (26, 2));
+        // A version 1 datagram (48-byte records) is refused, not misread.
+        let mut v1 = b.clone();
+        v1[4] = 1;
+        assert_eq!(Progress::parse(&v1, &key()).unwrap_err(), Error::Unsupported("progress version"));
     }
 
     #[test]

@@ -18,8 +18,9 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # iputils-ping is not in the lab's own needs list but its tests ping across namespaces.
+# python3-redis: the redis-py client of the replica-mode demo and tests (run with /usr/bin/python3).
 PKGS=(iproute2 iptables nftables socat tcpdump iputils-arping iputils-ping ethtool redis-server nginx
-      curl wget iperf3 wrk procps ca-certificates build-essential pkg-config)
+      curl wget iperf3 wrk procps ca-certificates build-essential pkg-config python3 python3-redis)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 

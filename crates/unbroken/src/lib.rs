@@ -9,4 +9,5 @@ pub mod objbench;
 pub mod objchaos;
 pub mod objdemo;
 pub mod peer;
+pub mod repdemo;
 pub mod scenario;

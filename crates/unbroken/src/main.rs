@@ -55,6 +55,14 @@ usage:
         two-sender connections. The seed is printed; --seed replays the same fault draws.
         LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
         (default all). --parts: Range GETs of the keep-alive client per download (default 4).
+  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--missed-beats N] [--no-strict]
+        Run the replica-mode demo in network namespaces (root, needs redis-server, redis-tools and
+        python3-redis): unmodified redis-server on a primary and a backup host, each behind
+        `unbroken replica`; a redis-py client holding one connection does 100,000 INCRs on its own
+        key while redis-cli and redis-benchmark run beside it, and the primary host dies (processes
+        killed, link cut) at 40 % of the INCRs. The final values must be exact, no client may see
+        an error or a reconnect, 0 RSTs; --json prints ok, failovers, ops, errors_seen,
+        resets_seen_by_client, max_stall_ms (and takeover_ms, values). Exit status 1 unless ok.
   unbroken agent --config FILE [--remove-rules]
         Run object mode's server agent (TRODS-KV) beside the local HTTP server;
         configs/agent.example.toml shows every key. A stopped agent leaves its queue
@@ -282,6 +290,73 @@ fn demo_object(args: Vec<String>) -> ExitCode {
     }
 }
 
+fn demo_replica(args: Vec<String>) -> ExitCode {
+    let mut s = unbroken::repdemo::ReplicaScenario { live: true, ..Default::default() };
+    let mut json = false;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let r: Result<(), String> = (|| {
+            match a.as_str() {
+                "--json" => json = true,
+                "--incrs" => s.incrs = num("--incrs", it.next())?,
+                "--crash-at" => s.crash_at = num("--crash-at", it.next())?,
+                "--heartbeat-ms" => s.heartbeat_interval_ms = num("--heartbeat-ms", it.next())?,
+                "--missed-beats" => s.missed_beats = num("--missed-beats", it.next())?,
+                "--no-strict" => s.strict = false,
+                "--timeout" => s.timeout = Duration::from_secs(num("--timeout", it.next())?),
+                o => return Err(format!("demo replica: unknown argument {o:?}")),
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            return fail(e);
+        }
+    }
+    if json {
+        s.live = false;
+    } else {
+        eprintln!("unbroken demo replica: redis-server on a primary and a backup host; redis-py ({} INCRs on one connection), redis-cli and redis-benchmark run while the primary host dies", s.incrs);
+    }
+    match unbroken::repdemo::run_replica(&s) {
+        Ok(r) => {
+            if json {
+                let mut v = serde_json::to_value(&r).unwrap_or_default();
+                if let Some(m) = v.as_object_mut() {
+                    m.remove("clients");
+                }
+                println!("{v}");
+            } else {
+                println!("\nreport");
+                println!("  ok                      {}", r.ok);
+                if let Some(e) = &r.error {
+                    println!("  error                   {e}");
+                }
+                println!("  primary host died after {} redis-py INCRs", r.crash_at_ops);
+                println!("  failovers               {} (takeover {} after the primary's last beat)", r.failovers, r.takeover_ms.map_or("not reported".into(), |t| format!("{t} ms")));
+                for (k, want, got) in &r.values {
+                    println!("  {k:<23} {} (exact: {want})", got.map_or("unreadable".into(), |g| g.to_string()));
+                }
+                println!("  operations              {}", r.ops);
+                println!("  client runs with errors {} (of {})", r.errors_seen, r.clients.len());
+                println!("  RSTs seen by the client {}", r.resets_seen_by_client);
+                println!("  longest stall           {} ms", r.max_stall_ms);
+                println!("  duration                {} ms", r.duration_ms);
+            }
+            if r.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({"ok": false, "error": e}));
+            }
+            fail(e)
+        }
+    }
+}
+
 fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: u64, kinds: Option<Vec<String>>, parts: Option<u64>, json: bool) -> ExitCode {
     let seed = seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1));
     let mut o = unbroken::objchaos::ChaosOpts { trials, seed, live: !json, ..Default::default() };
@@ -324,6 +399,9 @@ fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: 
 fn demo(args: Vec<String>) -> ExitCode {
     if args.first().map(String::as_str) == Some("object") {
         return demo_object(args[1..].to_vec());
+    }
+    if args.first().map(String::as_str) == Some("replica") {
+        return demo_replica(args[1..].to_vec());
     }
     let mut s = Scenario { rate: 20_000, live: true, ..Scenario::default() };
     let mut json = false;

@@ -1,0 +1,412 @@
+//! Replica mode on real kernels (issue 10 items 2 and 5): unmodified redis-server on a primary
+//! and a backup host, `unbroken replica` on each ([`ReplicaEnv`]), unmodified clients (redis-py
+//! on one connection, redis-cli, redis-benchmark) in the client namespace, and every
+//! single-failure case of ST-TCP's Table 3.3:
+//!
+//! - no failure: the backup follows, both servers end with the same values;
+//! - primary host crash (processes killed, link cut): the backup fences it and takes over;
+//! - backup host crash: the primary fences it and goes on unprotected;
+//! - application crash with FIN/RST (redis SIGKILLed) on the primary only (it yields, the backup
+//!   takes over) and on the backup only (the primary goes on unprotected);
+//! - application hang without FIN/RST (redis SIGSTOPped beyond `max_lag_ms`) on either side;
+//! - temporary loss at the backup (its input dropped for 200 ms): it catches up;
+//! - divergence in strict mode: the client gets the primary's bytes, the divergence is counted
+//!   and the connection goes on unprotected; if the primary then dies, that connection is reset
+//!   (never handed the backup's bytes) while the others go on;
+//! - the primary host crash without strict output commit.
+//!
+//! Every test checks what the clients saw: each reply (redis-py and redis-cli check every
+//! INCR's value), the exit status, nothing on stderr, no reconnect (redis-py's socket and local
+//! port unchanged), 0 RSTs at the client, the final values, bounded waits (deadlines) and the
+//! longest stall (printed; bounded as "no hang").
+//!
+//! Needs root, redis-server, redis-cli, redis-benchmark and python3-redis; without them each test
+//! prints why and passes without running (fails instead with UNBROKEN_REQUIRE_LAB=1).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use unbroken::repdemo::{ClientResult, ClientRun, RepOpts, ReplicaEnv, ReplicaScenario, Repeat, Side, REDIS_PORT};
+use unbroken_lab::lab;
+use unbroken_lab::replicalab::addr;
+
+/// One lab at a time: two cores.
+static LAB: Mutex<()> = Mutex::new(());
+
+/// Bound on a client run and on every wait for a state.
+const T: Duration = Duration::from_secs(60);
+/// The longest stall a client may see in any test: beyond it the failover counts as a hang.
+const MAX_STALL_MS: u64 = 5000;
+
+fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
+    if !lab::lab_or_skip(name) {
+        return None;
+    }
+    if let Some(m) = unbroken::repdemo::tools_missing() {
+        lab::skip_or_fail(name, &m);
+        return None;
+    }
+    Some(LAB.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Beats every 10 ms as by default, but the peer is suspected after 10 missed beats (100 ms)
+/// instead of 3: the tests run on two cores shared with builds, where a daemon was seen off the
+/// CPU for 40 ms (both sides suspecting each other with no fault injected, before the daemon's
+/// packet loop ran at nice -10; since then one run of all these tests at 3 passed, takeovers
+/// 45-58 ms), and a false suspicion is not what these tests are about. The demo runs the
+/// defaults.
+const MISSED_BEATS: u64 = 10;
+
+fn opts() -> RepOpts {
+    RepOpts { bin: PathBuf::from(env!("CARGO_BIN_EXE_unbroken")), missed_beats: MISSED_BEATS, ..Default::default() }
+}
+
+fn start(name: &str, o: RepOpts) -> ReplicaEnv {
+    let t = Instant::now();
+    let env = ReplicaEnv::start(o).unwrap_or_else(|e| panic!("{name}: starting the system: {e}"));
+    eprintln!("{name}: both daemons protecting after {} ms ({})", t.elapsed().as_millis(), env.dir.display());
+    env
+}
+
+/// Every client run clean (see [`ClientResult::clean`]), its stall bounded.
+fn assert_clean(env: &ReplicaEnv, name: &str, runs: &[ClientResult]) {
+    for client in ["redis-py", "redis-cli", "redis-benchmark"] {
+        let of: Vec<&ClientResult> = runs.iter().filter(|r| r.name == client).collect();
+        if !of.is_empty() {
+            eprintln!("{name}: {client}: {} run(s), {} ops, longest stall {} ms", of.len(), of.iter().map(|r| r.ops).sum::<u64>(), of.iter().map(|r| r.max_gap_ms).max().unwrap_or(0));
+        }
+    }
+    for r in runs {
+        assert!(r.clean(), "{name}: {} saw a failure: {r:?}\n{}", r.name, env.diagnostics());
+        if r.name != "redis-benchmark" {
+            assert!(r.max_gap_ms < MAX_STALL_MS, "{name}: {} stalled {} ms\n{}", r.name, r.max_gap_ms, env.diagnostics());
+        }
+    }
+    assert_eq!(env.client_rsts(), 0, "{name}: RSTs reached the client\n{}", env.diagnostics());
+}
+
+fn get(env: &ReplicaEnv, side: Side, key: &str) -> Option<u64> {
+    env.redis_cli(side, &["GET", key]).ok()?.parse().ok()
+}
+
+/// Waits (bounded) until `cond` holds.
+fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10)); // polling an event with a deadline
+    }
+}
+
+fn status_u64(env: &ReplicaEnv, side: Side, field: &str) -> u64 {
+    env.status(side).and_then(|v| v[field].as_u64()).unwrap_or(0)
+}
+
+/// What the clients of one faulted run saw.
+struct Run {
+    py: ClientResult,
+    cli: Vec<ClientResult>,
+    /// INCRs redis-cli got answered (over all its runs): the value its key must hold.
+    cli_ops: u64,
+    /// The redis-py INCRs answered when the fault hit.
+    fault_at: u64,
+}
+
+const PY_KEY: &str = "lab:redis-py";
+const CLI_KEY: &str = "lab:redis-cli";
+
+/// Starts redis-py (`n` INCRs paced at `rate`/s on one connection) and back-to-back redis-cli
+/// runs (500 INCRs each, one connection each); once redis-py has `at` answers, `fault` hits;
+/// then waits (bounded) for redis-py to finish and stops redis-cli after its current run.
+fn run_with_fault(name: &str, env: &mut ReplicaEnv, n: u64, rate: u64, at: u64, fault: impl FnOnce(&mut ReplicaEnv)) -> Run {
+    let py = env.py_incr(PY_KEY, n, rate).expect("start redis-py");
+    let sp = env.spawner();
+    let total = Arc::new(Mutex::new(0u64));
+    let tt = total.clone();
+    let cli = Repeat::start(
+        move |_| {
+            let mut t = tt.lock().unwrap();
+            let r = sp.cli_incr(CLI_KEY, 500, *t);
+            *t += 500;
+            r
+        },
+        T,
+    );
+    let deadline = Instant::now() + T;
+    let mut py = py;
+    let reached = wait_for(T, || py.progress.load(Ordering::Relaxed) >= at || py.done());
+    let fault_at = py.progress.load(Ordering::Relaxed);
+    if !reached || fault_at < at {
+        let seen = py.finish(Instant::now());
+        let cli = cli.stop();
+        panic!("{name}: redis-py answered only {fault_at} of {at} INCRs before the fault: {seen:?}\nredis-cli: {cli:?}\n{}", env.diagnostics());
+    }
+    eprintln!("{name}: fault at {fault_at} INCRs");
+    fault(env);
+    let py = py.finish(deadline);
+    let cli = cli.stop();
+    let cli_ops = cli.iter().map(|r| r.ops).sum();
+    Run { py, cli, cli_ops, fault_at }
+}
+
+fn check_run(env: &ReplicaEnv, name: &str, r: &Run, n: u64, serving: Side) {
+    let mut all = vec![r.py.clone()];
+    all.extend(r.cli.iter().cloned());
+    assert_clean(env, name, &all);
+    assert_eq!(r.py.ops, n, "{name}: redis-py");
+    assert!(r.fault_at < n, "{name}: the fault hit after the last INCR");
+    assert_eq!(get(env, serving, PY_KEY), Some(n), "{name}: redis-py's key on the {}\n{}", serving.name(), env.diagnostics());
+    assert_eq!(get(env, serving, CLI_KEY), Some(r.cli_ops), "{name}: redis-cli's key on the {}\n{}", serving.name(), env.diagnostics());
+}
+
+#[test]
+fn replica_no_failure_backup_follows() {
+    let name = "replica_no_failure_backup_follows";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let env = start(name, opts());
+    let deadline = Instant::now() + T;
+    let py = env.py_incr(PY_KEY, 3000, 0).unwrap();
+    let cli = env.cli_incr(CLI_KEY, 1000, 0).unwrap();
+    let bench = env.benchmark(1000, 4).unwrap();
+    let runs = [py.finish(deadline), cli.finish(deadline), bench.finish(deadline)];
+    assert_clean(&env, name, &runs);
+    assert_eq!(runs[2].ops, 4, "redis-benchmark's four tests (PING_INLINE, PING_MBULK, SET, GET)");
+    for (key, want) in [(PY_KEY, 3000), (CLI_KEY, 1000)] {
+        assert_eq!(get(&env, Side::Primary, key), Some(want), "{key} on the primary");
+        // The backup's server followed every connection: the same value (strict output commit
+        // released each reply only once the backup had produced it too).
+        assert!(wait_for(Duration::from_secs(5), || get(&env, Side::Backup, key) == Some(want)), "{key} on the backup: {:?}\n{}", get(&env, Side::Backup, key), env.diagnostics());
+    }
+    for side in [Side::Primary, Side::Backup] {
+        let s = env.status(side).unwrap();
+        assert_eq!(s["state"], "protecting", "{}: {s}", side.name());
+        assert_eq!(s["diverged"], 0, "{}: {s}", side.name());
+        assert_eq!(s["unprotected"], 0, "{}: {s}", side.name());
+        assert!(s["beats_received"].as_u64().unwrap_or(0) > 0, "{}: {s}", side.name());
+        assert_eq!(s["fences_run"], 0, "{}: {s}", side.name());
+    }
+    assert!(env.port_up(Side::Primary) && env.port_up(Side::Backup), "nobody fenced");
+}
+
+/// The demo's scenario on a smaller count: the primary host dies at 40 % of redis-py's INCRs
+/// while redis-cli and redis-benchmark run.
+#[test]
+fn replica_primary_host_crash() {
+    let name = "replica_primary_host_crash";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let s = ReplicaScenario { incrs: 20_000, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), missed_beats: MISSED_BEATS, ..Default::default() };
+    let r = unbroken::repdemo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+    eprintln!("{name}: {} client runs, {} ops", r.clients.len(), r.ops);
+    eprintln!("{name}: crash at {} INCRs, takeover {:?} ms, longest stall {} ms", r.crash_at_ops, r.takeover_ms, r.max_stall_ms);
+    assert!(r.ok, "{name}: {:?}", r.error);
+    assert_eq!(r.failovers, 1);
+    assert_eq!(r.errors_seen, 0);
+    assert_eq!(r.resets_seen_by_client, 0);
+    assert!(r.values.iter().all(|(_, want, got)| Some(*want) == *got), "{:?}", r.values);
+    assert!(r.crash_at_ops > 0 && r.crash_at_ops < s.incrs);
+    assert!(r.takeover_ms.is_some(), "the backup reports its takeover time");
+    assert!(r.max_stall_ms < MAX_STALL_MS, "stall {} ms", r.max_stall_ms);
+    let py = r.clients.iter().find(|c| c.name == "redis-py").unwrap();
+    let rep = py.report.as_ref().unwrap();
+    assert_eq!(rep["reconnects"], 0);
+    assert_eq!(rep["port_start"], rep["port_end"], "one connection: the same local port");
+    assert!(r.clients.iter().any(|c| c.name == "redis-benchmark" && c.ops > 0), "redis-benchmark ran");
+}
+
+#[test]
+fn replica_backup_host_crash() {
+    let name = "replica_backup_host_crash";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| env.crash_host(Side::Backup).unwrap());
+    check_run(&env, name, &r, 4000, Side::Primary);
+    let s = env.wait_state(Side::Primary, &["peer_failed"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert!(s["fences_run"].as_u64().unwrap_or(0) >= 1 && s["fences_failed"] == 0, "{name}: the primary fenced the backup: {s}");
+}
+
+#[test]
+fn replica_app_crash_on_primary() {
+    let name = "replica_app_crash_on_primary";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, low_bounds());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Primary, libc::SIGKILL)));
+    // The primary held its dying server's FIN, yielded, and the backup fenced it and took over.
+    let b = env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
+    eprintln!("{name}: takeover {:?} ms", b["takeover_ms"]);
+    check_run(&env, name, &r, 4000, Side::Backup);
+    assert_eq!(env.state(Side::Primary).as_deref(), Some("yielded"), "{name}\n{}", env.diagnostics());
+    assert!(!env.port_up(Side::Primary), "{name}: the backup fenced the primary");
+}
+
+#[test]
+fn replica_app_crash_on_backup() {
+    let name = "replica_app_crash_on_backup";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, low_bounds());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Backup, libc::SIGKILL)));
+    check_run(&env, name, &r, 4000, Side::Primary);
+    // Its connections go on unprotected; the backup host is alive, nobody took over.
+    assert!(status_u64(&env, Side::Primary, "unprotected") >= 1, "{name}: the primary's connections are unprotected\n{}", env.diagnostics());
+    assert_ne!(env.state(Side::Backup).as_deref(), Some("took_over"), "{name}\n{}", env.diagnostics());
+    assert!(env.port_up(Side::Primary), "{name}: the primary was not fenced");
+}
+
+/// A server that fails only on one side is suspected after these bounds (ST-TCP's
+/// AppMaxLagTime and MaxDelayFIN, 5 s by default): low, so the stall they cause stays under
+/// [`MAX_STALL_MS`].
+fn low_bounds() -> RepOpts {
+    RepOpts { max_lag_ms: 500, max_delay_fin_ms: 500, ..opts() }
+}
+
+#[test]
+fn replica_app_hang_on_primary() {
+    let name = "replica_app_hang_on_primary";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, low_bounds());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Primary, libc::SIGSTOP)));
+    let b = env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
+    eprintln!("{name}: takeover {:?} ms", b["takeover_ms"]);
+    check_run(&env, name, &r, 4000, Side::Backup);
+    assert!(!env.port_up(Side::Primary), "{name}: the backup fenced the primary");
+}
+
+#[test]
+fn replica_app_hang_on_backup() {
+    let name = "replica_app_hang_on_backup";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, low_bounds());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Backup, libc::SIGSTOP)));
+    check_run(&env, name, &r, 4000, Side::Primary);
+    let p = env.status(Side::Primary).unwrap();
+    assert!(p["unprotected"].as_u64().unwrap_or(0) >= 1 || p["state"] == "peer_failed", "{name}: the primary stopped waiting for the lagging backup: {p}");
+    assert_ne!(env.state(Side::Backup).as_deref(), Some("took_over"), "{name}\n{}", env.diagnostics());
+    assert!(env.port_up(Side::Primary), "{name}: the primary was not fenced");
+}
+
+/// ST-TCP Table 3.3 row 5: the backup misses 200 ms of the clients' packets and catches up.
+#[test]
+fn replica_temporary_loss_at_backup() {
+    let name = "replica_temporary_loss_at_backup";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let dropped = Arc::new(Mutex::new(0u64));
+    let d = dropped.clone();
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, move |env| *d.lock().unwrap() = env.drop_backup_input(Duration::from_millis(200)).unwrap());
+    let dropped = *dropped.lock().unwrap();
+    eprintln!("{name}: {dropped} packets dropped at the backup");
+    assert!(dropped > 0, "{name}: the loss hit no packet");
+    check_run(&env, name, &r, 4000, Side::Primary);
+    for (key, want) in [(PY_KEY, 4000), (CLI_KEY, r.cli_ops)] {
+        assert!(wait_for(Duration::from_secs(5), || get(&env, Side::Backup, key) == Some(want)), "{name}: {key} on the backup: {:?}, want {want}\n{}", get(&env, Side::Backup, key), env.diagnostics());
+    }
+    for side in [Side::Primary, Side::Backup] {
+        assert_eq!(env.state(side).as_deref(), Some("protecting"), "{name}: {}\n{}", side.name(), env.diagnostics());
+    }
+    assert_eq!(status_u64(&env, Side::Primary, "unprotected"), 0, "{name}: nothing unprotected\n{}", env.diagnostics());
+}
+
+/// Strict output commit: the two servers hold different values for one key (pre-loaded through
+/// their host addresses, outside the replicated service). A client GETs it: it receives the
+/// primary's bytes, never the backup's; the primary counts the divergence and the connection
+/// goes on unprotected.
+#[test]
+fn replica_strict_divergence_detected() {
+    let name = "replica_strict_divergence_detected";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let (pv, bv) = ("value-from-primary", "value-from-backup!");
+    assert_eq!(pv.len(), bv.len(), "the same length: only the content differs");
+    let o = RepOpts {
+        preload: vec![(Side::Primary, vec!["SET".into(), "div".into(), pv.into()]), (Side::Backup, vec!["SET".into(), "div".into(), bv.into()])],
+        ..opts()
+    };
+    let env = start(name, o);
+    assert_eq!(env.redis_cli(Side::Backup, &["GET", "div"]).unwrap(), bv);
+    let svc = SocketAddr::from((addr::SERVICE_V4, REDIS_PORT));
+    let mut s = lab::in_ns(&env.lab.client, || TcpStream::connect_timeout(&svc, Duration::from_secs(10))).unwrap().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut ask = |req: &[u8], want: &[u8]| {
+        s.write_all(req).unwrap();
+        let mut got = vec![0u8; want.len()];
+        s.read_exact(&mut got).unwrap_or_else(|e| panic!("{name}: reading the answer to {:?}: {e}\n{}", String::from_utf8_lossy(req), env.diagnostics()));
+        assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(want), "{name}: the answer to {:?}", String::from_utf8_lossy(req));
+    };
+    ask(b"PING\r\n", b"+PONG\r\n");
+    ask(b"GET div\r\n", format!("${}\r\n{pv}\r\n", pv.len()).as_bytes());
+    // The connection goes on (unprotected) with the primary.
+    ask(b"INCR after\r\n", b":1\r\n");
+    ask(b"GET div\r\n", format!("${}\r\n{pv}\r\n", pv.len()).as_bytes());
+    assert!(wait_for(Duration::from_secs(5), || status_u64(&env, Side::Primary, "diverged") >= 1), "{name}: no divergence counted\n{}", env.diagnostics());
+    assert!(status_u64(&env, Side::Primary, "unprotected") >= 1, "{name}: the diverged connection is unprotected\n{}", env.diagnostics());
+    drop(s);
+    assert_eq!(env.client_rsts(), 0, "{name}\n{}", env.diagnostics());
+    // A connection that does not touch the diverged key is still followed.
+    let deadline = Instant::now() + T;
+    let py: ClientRun = env.py_incr(PY_KEY, 500, 0).unwrap();
+    assert_clean(&env, name, &[py.finish(deadline)]);
+}
+
+/// The demo's scenario without strict output commit (the primary sends its server's output
+/// without waiting for the backup's).
+#[test]
+fn replica_primary_host_crash_not_strict() {
+    let name = "replica_primary_host_crash_not_strict";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let s = ReplicaScenario { incrs: 10_000, strict: false, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), missed_beats: MISSED_BEATS, ..Default::default() };
+    let r = unbroken::repdemo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+    eprintln!("{name}: {} client runs, {} ops; crash at {} INCRs, takeover {:?} ms, longest stall {} ms", r.clients.len(), r.ops, r.crash_at_ops, r.takeover_ms, r.max_stall_ms);
+    assert!(r.ok, "{name}: {:?}", r.error);
+    assert_eq!((r.failovers, r.errors_seen, r.resets_seen_by_client), (1, 0, 0));
+    assert!(r.values.iter().all(|(_, want, got)| Some(*want) == *got), "{:?}", r.values);
+    assert!(r.max_stall_ms < MAX_STALL_MS, "stall {} ms", r.max_stall_ms);
+}
+
+/// A connection whose output diverged runs on unprotected with the primary; when the primary
+/// then dies, the backup cannot continue it (its server's state differs): the client is reset,
+/// never handed a byte of the backup's output. Connections that did not diverge go on.
+#[test]
+fn replica_diverged_connection_reset_after_takeover() {
+    let name = "replica_diverged_connection_reset_after_takeover";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let (pv, bv) = ("value-from-primary", "value-from-backup!");
+    let o = RepOpts {
+        preload: vec![(Side::Primary, vec!["SET".into(), "div".into(), pv.into()]), (Side::Backup, vec!["SET".into(), "div".into(), bv.into()])],
+        ..opts()
+    };
+    let mut env = start(name, o);
+    let svc = SocketAddr::from((addr::SERVICE_V4, REDIS_PORT));
+    let mut s = lab::in_ns(&env.lab.client, || TcpStream::connect_timeout(&svc, Duration::from_secs(10))).unwrap().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"GET div\r\n").unwrap();
+    let want = format!("${}\r\n{pv}\r\n", pv.len());
+    let mut got = vec![0u8; want.len()];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(String::from_utf8_lossy(&got), want, "{name}: the primary's value");
+    assert!(wait_for(Duration::from_secs(5), || status_u64(&env, Side::Primary, "diverged") >= 1), "{name}: no divergence counted\n{}", env.diagnostics());
+    // A connection that did not diverge, running across the crash.
+    let py = env.py_incr(PY_KEY, 3000, 1000).unwrap();
+    let deadline = Instant::now() + T;
+    assert!(wait_for(T, || py.progress.load(Ordering::Relaxed) >= 1000), "{name}: redis-py stalled before the crash\n{}", env.diagnostics());
+    env.crash_host(Side::Primary).unwrap();
+    env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
+    // The diverged connection: the next request is answered by a reset, with no byte.
+    let _ = s.write_all(b"GET div\r\n");
+    let mut buf = [0u8; 256];
+    match s.read(&mut buf) {
+        Ok(0) => panic!("{name}: a FIN, not a reset\n{}", env.diagnostics()),
+        Ok(n) => panic!("{name}: the diverged connection received {:?} after the takeover\n{}", String::from_utf8_lossy(&buf[..n]), env.diagnostics()),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{name}: {e}\n{}", env.diagnostics()),
+    }
+    assert!(env.client_rsts() >= 1, "{name}: the reset was counted at the client");
+    let py = py.finish(deadline);
+    eprintln!("{name}: redis-py {} ops, longest stall {} ms; RSTs at the client {}", py.ops, py.max_gap_ms, env.client_rsts());
+    assert!(py.clean() && py.ops == 3000, "{name}: the connection that did not diverge: {py:?}\n{}", env.diagnostics());
+    assert_eq!(get(&env, Side::Backup, PY_KEY), Some(3000));
+}

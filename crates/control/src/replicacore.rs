@@ -328,6 +328,8 @@ impl Core {
                 self.state = State::TookOver;
                 if let Some(b) = self.backup.as_mut() {
                     b.take_over();
+                    // Its withheld output the client lacks goes out at once (Backup::take_over).
+                    self.send.extend(b.take_transmit());
                 }
                 self.takeover_ms = self.peer_heard_at.map(|t| now_ms.saturating_sub(t));
                 let n = self.connections();

@@ -238,6 +238,10 @@ struct BConn {
     p_out: Option<Seq>,
     /// A promoted backup reset this diverged connection toward the client.
     reset_sent: bool,
+    /// Withheld segments with payload or FIN the client may not have (end in the backup's
+    /// space), resent at take-over; trimmed as the client's ACKs reach the backup's server.
+    kept: VecDeque<(Seq, Vec<u8>)>,
+    kept_bytes: usize,
 }
 
 impl Entry for BConn {
@@ -272,6 +276,10 @@ pub struct BackupCounters {
     pub malformed: u64,
     /// Output of a promoted backup on a connection the primary found diverged, dropped.
     pub diverged_silenced: u64,
+    /// Connections whose withheld, unacknowledged output was resent at take-over.
+    pub takeover_resent: u64,
+    /// Withheld segments not kept for the take-over (beyond the per-connection bound).
+    pub kept_dropped: u64,
     /// RSTs a promoted backup sent to the clients of diverged connections (the connection
     /// cannot go on without a wrong byte; the client is told instead of left waiting).
     pub diverged_reset: u64,
@@ -419,8 +427,41 @@ impl Backup {
 
     /// Koch 5: the primary failed (and was fenced): stop withholding; every connection goes on
     /// in the primary's sequence space, translations stay on for good.
+    ///
+    /// The output the backup's server produced last was withheld: its TCP counts it as sent
+    /// and lost and would resend it only at its retransmission timeout (200 ms and more,
+    /// backed off), while the client, which never got it from the dead primary, waits; a
+    /// duplicate ACK does not hurry it on a SACK connection. So the engine keeps a copy of the
+    /// withheld segments the client has not acknowledged (at most [`MAX_KEPT_BYTES`] per
+    /// connection) and sends them now, translated ([`Backup::take_transmit`]): the client gets
+    /// them one round trip after the take-over, and its ACKs settle the backup's TCP.
     pub fn take_over(&mut self) {
+        if self.promoted {
+            return;
+        }
         self.promoted = true;
+        for c in self.conns.values_mut() {
+            let kept = std::mem::take(&mut c.kept);
+            c.kept_bytes = 0;
+            if c.diverged || c.misaligned || !c.aligned {
+                continue;
+            }
+            let acked = c.acked_b;
+            let mut any = false;
+            for (end, mut pkt) in kept {
+                if acked.is_some_and(|a| end.le(a)) {
+                    continue;
+                }
+                let Ok(s) = parse(&pkt) else { continue };
+                if translate_out(c, &mut pkt, &s) {
+                    any = true;
+                    self.out.push(pkt);
+                }
+            }
+            if any {
+                self.counters.takeover_resent += 1;
+            }
+        }
     }
 
     /// A client packet toward the backup's server: align on the handshake ACK, translate.
@@ -622,6 +663,21 @@ impl Backup {
             c.fin_out = true;
         }
         if !promoted {
+            if let Some(a) = c.acked_b {
+                while c.kept.front().is_some_and(|(e, _)| e.le(a)) {
+                    let (_, p) = c.kept.pop_front().expect("front");
+                    c.kept_bytes -= p.len();
+                }
+            }
+            if n > 0 || s.fin() {
+                while c.kept_bytes + pkt.len() > MAX_KEPT_BYTES {
+                    let Some((_, p)) = c.kept.pop_front() else { break };
+                    c.kept_bytes -= p.len();
+                    self.counters.kept_dropped += 1;
+                }
+                c.kept_bytes += pkt.len();
+                c.kept.push_back((end_b, pkt.to_vec()));
+            }
             return self.withhold();
         }
         if c.diverged || c.misaligned {
@@ -644,16 +700,9 @@ impl Backup {
             }
             return Verdict::Drop;
         }
-        let (delta, ts_off) = (c.delta, c.ts_off);
-        let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::Drop };
-        let mut modified = false;
-        if delta != 0 {
-            t.rewrite_seq(sp);
-            modified = true;
-        }
-        if let (Some((at, v, _)), true) = (s.ts, ts_off != 0) {
-            t.rewrite_u32_at(at + 2, v.wrapping_add(ts_off));
-            modified = true;
+        let modified = c.delta != 0 || (s.ts.is_some() && c.ts_off != 0);
+        if !translate_out(c, pkt, &s) {
+            return Verdict::Drop;
         }
         Verdict::Accept { modified }
     }
@@ -812,6 +861,22 @@ impl Backup {
     pub fn follows(&self, key: &ConnKey) -> bool {
         self.conns.contains_key(key)
     }
+}
+
+/// Withheld output a backup keeps per connection for its take-over ([`Backup::take_over`]).
+pub const MAX_KEPT_BYTES: usize = 256 << 10;
+
+/// A backup server's segment into the primary's space (SEQ + delta, TSval + offset); false when
+/// the packet cannot be written.
+fn translate_out(c: &BConn, pkt: &mut [u8], s: &Seg) -> bool {
+    let Ok(mut t) = tcp_mut(pkt, s) else { return false };
+    if c.delta != 0 {
+        t.rewrite_seq(s.seq + c.delta);
+    }
+    if let (Some((at, v, _)), true) = (s.ts, c.ts_off != 0) {
+        t.rewrite_u32_at(at + 2, v.wrapping_add(c.ts_off));
+    }
+    true
 }
 
 /// A RST from the service address `server` to the client of `key` at `seq` (primary's space).

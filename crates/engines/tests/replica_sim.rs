@@ -791,6 +791,10 @@ impl Sim {
                     if let Some(DetectorAction::TakeOver) = self.bdet.fence_result(ok, now) {
                         self.note("backup: take-over".into());
                         self.beng.take_over();
+                        // The daemon sends what the take-over resends at once.
+                        for pkt in self.beng.take_transmit() {
+                            self.send(To::Client, pkt, "backup (take-over)")?;
+                        }
                         self.report.takeover_at = Some(now);
                     }
                 }

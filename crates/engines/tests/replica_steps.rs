@@ -747,3 +747,33 @@ fn forged_handshake_ack_before_the_primarys_isn_is_found_and_unprotected() {
     assert_eq!(backup_sends(&mut b, 0, b"+OK", B_TS0 + 1).0, Verdict::Drop, "never answered after take-over");
     assert_eq!(b.counters.diverged_silenced, 1);
 }
+
+/// Koch 5 with Linux's timers: what the backup's server sent last was withheld, and its TCP
+/// would resend it only at its retransmission timeout; the client never got it from the dead
+/// primary. The engine kept a copy of the withheld segments the client has not acknowledged and
+/// sends them at take-over, translated; what the client acknowledged is not resent.
+#[test]
+fn koch_5_takeover_resends_the_withheld_output_the_client_lacks() {
+    let mut b = aligned_backup();
+    assert_eq!(backup_sends(&mut b, 0, &[7; 10], B_TS0 + 2).0, Verdict::Drop);
+    // The client acknowledges those 10 bytes (it got them from the primary).
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(11)), flags: F::ACK, window: 512, timestamp: Some((502, P_TS0 + 2)), ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut ack), Verdict::Accept { .. }));
+    // Then 20 more bytes, and the primary dies before the client has them.
+    assert_eq!(backup_sends(&mut b, 10, &[8; 20], B_TS0 + 3).0, Verdict::Drop);
+    assert!(b.take_transmit().is_empty(), "nothing before the take-over");
+    b.take_over();
+    let out = b.take_transmit();
+    assert_eq!(out.len(), 1, "only the segment the client lacks");
+    let (r, payload) = seg(&out[0]);
+    assert_eq!(r.seq, Seq(P_ISN.wrapping_add(11)), "in the primary's space");
+    assert_eq!(payload, vec![8; 20]);
+    assert_eq!(r.timestamp.map(|t| t.0), Some(P_TS0 + 3), "TSval in the primary's clock");
+    assert_eq!(b.counters.takeover_resent, 1);
+    b.take_over();
+    assert!(b.take_transmit().is_empty(), "a second take-over repeats nothing");
+
+    let mut quiet = aligned_backup();
+    quiet.take_over();
+    assert!(quiet.take_transmit().is_empty(), "nothing outstanding: nothing sent");
+}

@@ -635,12 +635,16 @@ fn workloads(o: &Opts, config: &str, say: &dyn Fn(String)) -> Result<Value, Stri
     // of an unreplicated run.
     let mut states = json!(null);
     if config != "unreplicated" {
-        let p = env.status(Side::Primary).unwrap_or(Value::Null);
-        let b = env.status(Side::Backup).unwrap_or(Value::Null);
+        let p = fresh_status(&env, Side::Primary);
+        let b = fresh_status(&env, Side::Backup);
         if p["state"] != "protecting" || b["state"] != "protecting" {
             return Err(format!("{config}: a side left `protecting` during the workloads (primary {}, backup {}): the figures would not be replicated ones\n{}", p["state"], b["state"], env.diagnostics()));
         }
-        states = json!({ "primary": { "unprotected": p["unprotected"], "diverged": p["diverged"], "connections": p["connections"] }, "backup": { "diverged": b["diverged"] } });
+        // Protected, not passed through: every connection followed, none diverged.
+        if p["unprotected"] != 0 || p["diverged"] != 0 || b["diverged"] != 0 {
+            return Err(format!("{config}: connections ran unprotected ({}) or diverged (primary {}, backup {}): the figures would not be replicated ones\n{}", p["unprotected"], p["diverged"], b["diverged"], env.diagnostics()));
+        }
+        states = json!({ "primary": p, "backup": b });
     }
     if rsts != 0 {
         return Err(format!("{config}: {rsts} RSTs reached the client"));
@@ -652,6 +656,22 @@ fn workloads(o: &Opts, config: &str, say: &dyn Fn(String)) -> Result<Value, Stri
         "resets_seen_by_client": rsts,
         "daemons": states,
     }))
+}
+
+/// `side`'s status written after this call (its counters include everything done before): the
+/// daemon rewrites the file every 100 ms; waits (bounded, 2 s) for one composed 200 ms after the
+/// one on disk now.
+fn fresh_status(env: &ReplicaEnv, side: Side) -> Value {
+    let up = |v: &Value| v["uptime_ms"].as_u64().unwrap_or(0);
+    let u0 = env.status(side).map_or(0, |v| up(&v));
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let v = env.status(side).unwrap_or(Value::Null);
+        if up(&v) >= u0 + 200 || Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20)); // polling a status file with a deadline
+    }
 }
 
 /// One failover trial: a fresh lab, the paced echo, the primary host dies after

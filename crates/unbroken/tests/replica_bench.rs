@@ -62,6 +62,7 @@ fn bench_replica_quick_json_reports_every_field() {
             let d = &w["daemons"];
             assert_eq!((d["primary"]["state"].as_str(), d["backup"]["state"].as_str()), (Some("protecting"), Some("protecting")), "{c}: {d}");
             assert_eq!(d["primary"]["unprotected"], 0, "{c}: {d}");
+            assert_eq!(w["unprotected"], serde_json::json!({ "echo": 0, "rr": 0, "bulk": 0 }), "{c}: 1 MB stays within max_lag_bytes");
             assert!(num(&d["backup"]["engine"]["aligned"], "aligned") >= 3.0, "{c}: three connections aligned: {d}");
         }
     }

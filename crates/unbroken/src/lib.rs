@@ -10,4 +10,5 @@ pub mod objchaos;
 pub mod objdemo;
 pub mod peer;
 pub mod repdemo;
+pub mod replbench;
 pub mod scenario;

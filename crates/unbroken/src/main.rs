@@ -34,6 +34,11 @@ usage:
   unbroken bench object [--json] [--quick] [--runs N] [--secs S] [--requests N] [--trials N] [--size MIB] [--skip rps,latency,stall] [--save FILE]
         Benchmark object mode against unprotected nginx in the lab (root, needs wrk): requests/s
         for 1 B and 16 KiB pages, first-byte latency, the stall after a server death.
+  unbroken bench replica [--json] [--quick] [--runs N] [--exchanges N] [--bulk-mb LIST] [--intervals LIST] [--trials N] [--skip workloads,failover] [--save FILE]
+        Benchmark replica mode in the lab (root): ST-TCP's echo (150 B x100), request/reply
+        (150 B, 10 KB reply, x100) and bulk (1, 5, 20, 100 MB) workloads unreplicated against
+        replicated with and without strict output commit (every byte checked), and the failover
+        time (backup's takeover_ms, client stall) for heartbeats of 50, 10 and 2 ms.
   unbroken bench detector [--secs S] [--load] [--clients N] [--every S] [--json] [--save FILE]
         Measure the gaps between heartbeats at the LB on the object-mode lab (root), idle or
         with both cores loaded (busy loops plus curl downloads through the agents): how many
@@ -101,6 +106,8 @@ fn main() -> ExitCode {
         "bench" => bench(args),
         "bench-app" => ExitCode::from(unbroken::bench::app_main(args) as u8),
         "bench-peer" => ExitCode::from(unbroken::bench::peer_main(args) as u8),
+        "bench-replica-server" => ExitCode::from(unbroken::replbench::server_main(args) as u8),
+        "bench-replica-client" => ExitCode::from(unbroken::replbench::client_main(args) as u8),
         "bench-passthrough" => ExitCode::from(unbroken::bench::passthrough_main(args) as u8),
         "peer" => peer(args),
         "journal-server" => ExitCode::from(unbroken_journal::server::main_with_args(args.into_iter()) as u8),
@@ -626,6 +633,9 @@ fn bench(args: Vec<String>) -> ExitCode {
     use unbroken::bench;
     if args.first().map(String::as_str) == Some("object") {
         return ExitCode::from(unbroken::objbench::main(args) as u8);
+    }
+    if args.first().map(String::as_str) == Some("replica") {
+        return ExitCode::from(unbroken::replbench::main(args) as u8);
     }
     if args.first().map(String::as_str) == Some("detector") {
         return ExitCode::from(unbroken::detbench::main(args) as u8);

@@ -95,6 +95,9 @@ pub struct RepOpts {
     pub daemons: bool,
     /// Bound on each start-up step (ready line, `protecting`).
     pub start_timeout: Duration,
+    /// More ports of the service address the daemons replicate beside redis's (a `[[service]]`
+    /// each; the caller runs its own servers on them, e.g. `unbroken bench replica`).
+    pub extra_ports: Vec<u16>,
 }
 
 impl Default for RepOpts {
@@ -111,6 +114,7 @@ impl Default for RepOpts {
             preload: Vec::new(),
             daemons: true,
             start_timeout: Duration::from_secs(20),
+            extra_ports: Vec::new(),
         }
     }
 }
@@ -291,7 +295,7 @@ impl ReplicaEnv {
             o.max_delay_fin_ms,
             self.status_path(side).display().to_string(),
             addr::SERVICE_V4,
-        )
+        ) + &self.opts.extra_ports.iter().map(|p| format!("\n[[service]]\naddr = \"{}\"\nport = {p}\n", addr::SERVICE_V4)).collect::<String>()
     }
 
     /// Starts redis-server (unmodified, no persistence) on `side`, listening on the service

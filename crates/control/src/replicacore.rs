@@ -18,7 +18,8 @@
 //! - `Fencing`: the peer missed its beats; the fencing command runs (ST-TCP 3.2.2: a live
 //!   primary and an active backup must never both answer). Traffic is handled as in
 //!   `Protecting` meanwhile (a primary keeps holding unverified output). A failed fence returns
-//!   to `Protecting` and is retried after the next silence.
+//!   to `Protecting` and is retried after the next silence, no sooner than a backoff that
+//!   doubles from 100 ms to 5 s (a live but cut-off peer's fence device is not hammered).
 //! - `TookOver` (backup): the primary is fenced; withheld output is released and translated from
 //!   now on; the daemon removes the ARP suppression and announces the address.
 //! - `PeerFailed` (primary): the backup is fenced; the primary runs unprotected, reported.
@@ -39,6 +40,10 @@ use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::{Progress, Role};
 
 use crate::daemon::{IoEvent, Meta, Mode, Outbox};
+
+/// The first wait after a failed fence, and the longest.
+pub const FENCE_BACKOFF_MIN_MS: u64 = 100;
+pub const FENCE_BACKOFF_MAX_MS: u64 = 5_000;
 
 /// Netfilter's LOCAL_OUT hook: a packet this host's server sends.
 const HOOK_LOCAL_OUT: u8 = 3;
@@ -133,6 +138,11 @@ pub struct Core {
     pub takeover_ms: Option<u64>,
     finished_since: HashMap<ConnKey, u64>,
     next_sweep_at: u64,
+    /// After a failed fence, the next may run no sooner than this (backoff doubling from
+    /// [`FENCE_BACKOFF_MIN_MS`] to [`FENCE_BACKOFF_MAX_MS`]): a peer that is alive but cut off, or
+    /// a fence device that refuses, is not hammered every few beats.
+    fence_backoff_ms: u64,
+    next_fence_at: u64,
     requests: Vec<Request>,
     send: Vec<Vec<u8>>,
     pub counters: Counters,
@@ -184,6 +194,8 @@ impl Core {
             takeover_ms: None,
             finished_since: HashMap::new(),
             next_sweep_at: now_ms + 1000,
+            fence_backoff_ms: 0,
+            next_fence_at: 0,
             requests: Vec::new(),
             send: Vec::new(),
             counters: Counters::default(),
@@ -349,7 +361,9 @@ impl Core {
             _ => {
                 self.counters.fences_failed += 1;
                 self.state = State::Protecting;
-                let line = format!("replica: the fencing command failed ({} time(s) so far): {} not taken over; tried again after the next silence", self.counters.fences_failed, if self.s.role == Role::Backup { "the primary's connections are" } else { "the backup is" });
+                self.fence_backoff_ms = (self.fence_backoff_ms * 2).clamp(FENCE_BACKOFF_MIN_MS, FENCE_BACKOFF_MAX_MS);
+                self.next_fence_at = now_ms + self.fence_backoff_ms;
+                let line = format!("replica: the fencing command failed ({} time(s) so far): {} not taken over; tried again after the next silence, not before {} ms", self.counters.fences_failed, if self.s.role == Role::Backup { "the primary's connections are" } else { "the backup is" }, self.fence_backoff_ms);
                 self.log(line);
             }
         }
@@ -441,7 +455,7 @@ impl Mode for Core {
             }
             self.drain_primary();
         }
-        if matches!(self.state, State::Protecting) {
+        if matches!(self.state, State::Protecting) && now_ms >= self.next_fence_at {
             if let Some(DetectorAction::RunFence) = self.det.as_mut().and_then(|d| d.tick(now_ms)) {
                 self.state = State::Fencing;
                 self.counters.fences_run += 1;

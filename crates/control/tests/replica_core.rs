@@ -128,12 +128,16 @@ fn backup_takes_over_only_after_a_successful_fence_and_retries_a_failed_one() {
     let mut out = Outbox::default();
     c.collect(&mut out);
     assert!(!out.requests.contains(&Request::Announce), "a failed fence never takes over");
-    // Retried after another silence.
-    let again = (401..500).find(|&t| fences(&tick(&mut c, t)) > 0);
-    assert_eq!(again, Some(431));
-    c.fence_done(true, 440);
+    // Retried after another silence, and not before the backoff (100 ms, then 200 ms).
+    let again = (401..1000).find(|&t| fences(&tick(&mut c, t)) > 0);
+    assert_eq!(again, Some(500));
+    c.fence_done(false, 510);
+    let third = (511..2000).find(|&t| fences(&tick(&mut c, t)) > 0);
+    assert_eq!(third, Some(710));
+    assert_eq!(c.counters.fences_failed, 2);
+    c.fence_done(true, 720);
     assert_eq!(c.state(), State::TookOver);
-    assert_eq!(c.takeover_ms, Some(340), "from the primary's last message (at 100)");
+    assert_eq!(c.takeover_ms, Some(620), "from the primary's last message (at 100)");
     let mut out = Outbox::default();
     c.collect(&mut out);
     assert!(out.requests.contains(&Request::Announce));

@@ -72,7 +72,7 @@ fn beats_are_authenticated_progress_of_this_hosts_role_with_rising_numbers() {
 }
 
 #[test]
-fn the_side_channel_accepts_only_the_peer_authenticated_of_the_other_role_and_not_older() {
+fn hostile_side_channel_accepts_only_the_peer_authenticated_of_the_other_role_and_not_older() {
     let mut c = core(Role::Backup);
     let stranger: SocketAddr = "10.77.3.99:7790".parse().unwrap();
     c.side(1, stranger, &msg(Role::Primary, 5, &key()));
@@ -95,7 +95,7 @@ fn the_side_channel_accepts_only_the_peer_authenticated_of_the_other_role_and_no
 }
 
 #[test]
-fn replayed_messages_do_not_keep_a_dead_primary_alive() {
+fn hostile_replayed_messages_do_not_keep_a_dead_primary_alive() {
     let mut c = core(Role::Backup);
     let old = msg(Role::Primary, 7, &key());
     c.side(0, peer(), &msg(Role::Primary, 8, &key()));

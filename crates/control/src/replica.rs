@@ -315,7 +315,6 @@ struct View {
 
 struct ReplicaIo {
     sock: UdpSocket,
-    peer: SocketAddr,
     wake: Arc<Wake>,
     fence_cmd: Vec<String>,
     fence_timeout: Duration,
@@ -329,6 +328,8 @@ struct ReplicaIo {
     side_send_errors: u64,
     announce_errors: u64,
     buf: Vec<u8>,
+    /// Why the daemon stopped on its own (the exit status says so).
+    fatal: Option<String>,
 }
 
 /// Runs `argv` with a deadline: exit status 0 in time is success.
@@ -355,7 +356,7 @@ impl ReplicaIo {
         for r in out.requests.drain(..) {
             match r {
                 Request::Side(d) => {
-                    if self.sock.send_to(&d, self.peer).is_err() {
+                    if self.sock.send(&d).is_err() {
                         // The peer's host unreachable (its link cut): its detector and ours
                         // decide; counted.
                         self.side_send_errors += 1;
@@ -394,6 +395,11 @@ impl ReplicaIo {
                     }
                 }
                 Request::Log(line) => eprintln!("{line}"),
+                Request::Fatal(why) => {
+                    eprintln!("{why}");
+                    self.fatal.get_or_insert(why);
+                    daemon::stop();
+                }
             }
         }
     }
@@ -516,6 +522,15 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     };
     let sock = UdpSocket::bind(r.listen).map_err(|e| format!("replica: side channel on {}: {e}", r.listen))?;
     sock.set_nonblocking(true).map_err(|e| format!("replica: side channel: {e}"))?;
+    // Only the peer's datagrams reach the socket (the kernel drops the rest: a flood from
+    // elsewhere cannot crowd the peer's beats out of the buffer), and room for a burst of full
+    // beats of a large table.
+    sock.connect(r.peer).map_err(|e| format!("replica: side channel to {}: {e}", r.peer))?;
+    {
+        let bytes: libc::c_int = 4 << 20;
+        // SAFETY: a plain int option on a socket we own.
+        unsafe { libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &bytes as *const libc::c_int as *const libc::c_void, std::mem::size_of::<libc::c_int>() as libc::socklen_t) };
+    }
     // Without GSO the kernel hands over MTU-sized segments: a held segment the primary releases
     // later goes out through a raw socket, which cannot send a 64 KiB one.
     let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: false, ..QueueConfig::default() };
@@ -545,7 +560,6 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     let (fence_tx, fence_rx) = channel();
     let mut io = ReplicaIo {
         sock,
-        peer: r.peer,
         wake,
         fence_cmd: r.fence_command.clone(),
         fence_timeout: Duration::from_millis(r.fence_timeout_ms),
@@ -559,6 +573,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         side_send_errors: 0,
         announce_errors: 0,
         buf: vec![0u8; 2048],
+        fatal: None,
     };
     println!(
         "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",
@@ -594,5 +609,8 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     if let Some(rx) = rx {
         rx.leave_installed();
     }
-    res
+    match io.fatal.take() {
+        Some(why) => Err(why),
+        None => res,
+    }
 }

@@ -28,8 +28,10 @@
 //!   the backup's detector fences it and takes over.
 //!
 //! Side-channel messages are accepted only from the configured peer address, authenticated
-//! ([`unbroken_wire::replica`]), of the other role, and with a beat number not below the highest
-//! accepted (a replayed older message is stale; the chunks of one beat share its number).
+//! ([`unbroken_wire::replica`]), of the other role, and with a number above the highest accepted
+//! (every datagram has its own, a beat's chunks too: a replay, even of the newest, is stale).
+//! An authenticated message of this host's own role from the peer's address means both hosts
+//! were given the same role: the daemon stops ([`Request::Fatal`]).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -71,6 +73,9 @@ pub enum Request {
     Announce,
     /// A line for the log.
     Log(String),
+    /// The daemon cannot go on (a configuration error only the peer's messages reveal): stop
+    /// with this error.
+    Fatal(String),
 }
 
 /// The core's settings.
@@ -102,6 +107,8 @@ pub struct Counters {
     pub passed_unprotected: u64,
     /// Packets dropped by a primary that yielded.
     pub yielded_dropped: u64,
+    /// Yields not done because the backup was not heard within a detector window.
+    pub yields_refused: u64,
     /// Connections that became unprotected (engine notices), and those by divergence.
     pub unprotected: u64,
     pub diverged: u64,
@@ -145,6 +152,10 @@ pub struct Core {
     next_fence_at: u64,
     requests: Vec<Request>,
     send: Vec<Vec<u8>>,
+    /// The latest time passed in.
+    clock: u64,
+    /// This host's first message number (its own numbers are `first_beat..beat`).
+    first_beat: u64,
     pub counters: Counters,
     /// Connections that became unprotected, by reason (as the engine names it).
     pub unprotected_by: HashMap<&'static str, u64>,
@@ -198,6 +209,8 @@ impl Core {
             next_fence_at: 0,
             requests: Vec::new(),
             send: Vec::new(),
+            clock: now_ms,
+            first_beat: first_beat.max(1),
             counters: Counters::default(),
             unprotected_by: HashMap::new(),
         }
@@ -246,6 +259,18 @@ impl Core {
                     }
                 }
                 Notice::YieldToBackup { key } => {
+                    // Only to a backup that is there: one silent for a detector window (dead,
+                    // or being fenced) would never take over, and a yielded primary drops
+                    // everything: an outage for every client. That connection stays held until
+                    // the backup is heard again or declared failed (then it goes out alone).
+                    let window = self.s.detector.interval_ms * self.s.detector.misses as u64;
+                    let backup_alive = self.state == State::Protecting && self.peer_heard_at.is_some_and(|t| self.clock.saturating_sub(t) <= window);
+                    if !backup_alive {
+                        self.counters.yields_refused += 1;
+                        let line = format!("replica: the primary's server failed on {} but the backup is not heard: not yielding (the backup may be dead)", key_text(&key));
+                        self.log(line);
+                        continue;
+                    }
                     if self.state != State::Yielded {
                         self.state = State::Yielded;
                         let line = format!("replica: the primary's server failed on {} where the backup's did not: yielding (no more beats, the service's packets dropped) so that the backup fences this host and takes over", key_text(&key));
@@ -265,7 +290,11 @@ impl Core {
             (_, Some(b)) => b.progress_changed(self.beat),
             _ => return,
         };
-        for m in msgs {
+        // Every datagram its own number (a beat's chunks too), so a receiver accepts each at
+        // most once: a replayed datagram, even the newest, is stale.
+        for mut m in msgs {
+            m.beat = self.beat;
+            self.beat += 1;
             match m.emit(&self.key) {
                 Ok(d) => {
                     self.counters.beats_sent += 1;
@@ -274,7 +303,6 @@ impl Core {
                 Err(_) => self.counters.beats_unsent += 1,
             }
         }
-        self.beat += 1;
         self.dirty = false;
         if full {
             self.next_beat_at = now_ms + self.s.detector.interval_ms;
@@ -283,6 +311,7 @@ impl Core {
 
     /// A datagram from `from` on the side channel.
     pub fn side(&mut self, now_ms: u64, from: SocketAddr, dgram: &[u8]) {
+        self.clock = self.clock.max(now_ms);
         if from != self.peer {
             self.counters.beats_foreign += 1;
             return;
@@ -296,9 +325,16 @@ impl Core {
         };
         if p.role == self.s.role {
             self.counters.beats_foreign += 1;
+            // From the peer's address, under the shared key, and not a reflection of this
+            // host's own numbers: the other host runs the same role. Two primaries both
+            // answer; two backups leave the service with none. Stop, loudly.
+            if !(self.first_beat..self.beat).contains(&p.beat) && self.state == State::WaitingForPeer {
+                let role = if self.s.role == Role::Primary { "primary" } else { "backup" };
+                self.requests.push(Request::Fatal(format!("replica: the peer {} also runs as the {role} (an authenticated message of that role from its address): fix the role in one of the two configs", self.peer)));
+            }
             return;
         }
-        if self.peer_beat.is_some_and(|b| p.beat < b) {
+        if self.peer_beat.is_some_and(|b| p.beat <= b) {
             self.counters.beats_stale += 1;
             return;
         }
@@ -331,6 +367,7 @@ impl Core {
 
     /// The fencing command's result.
     pub fn fence_done(&mut self, ok: bool, now_ms: u64) {
+        self.clock = self.clock.max(now_ms);
         let Some(d) = self.det.as_mut() else { return };
         if self.state != State::Fencing {
             return;
@@ -403,6 +440,7 @@ impl Mode for Core {
     type Request = Request;
 
     fn packet(&mut self, now_ms: u64, meta: Meta, pkt: &mut [u8], len: usize, out: &mut Outbox<Request>) -> (Verdict, usize) {
+        self.clock = self.clock.max(now_ms);
         let _ = out;
         let outgoing = meta.hook == HOOK_LOCAL_OUT;
         if self.state == State::Yielded {
@@ -448,6 +486,7 @@ impl Mode for Core {
     }
 
     fn tick(&mut self, now_ms: u64, out: &mut Outbox<Request>) {
+        self.clock = self.clock.max(now_ms);
         let _ = out;
         if let Some(p) = self.primary.as_mut() {
             if self.state != State::WaitingForPeer && self.state != State::Yielded {

@@ -87,17 +87,20 @@ fn hostile_side_channel_accepts_only_the_peer_authenticated_of_the_other_role_an
     assert_eq!((c.counters.beats_foreign, c.state()), (2, State::WaitingForPeer));
     c.side(5, peer(), &msg(Role::Primary, 5, &key()));
     assert_eq!((c.counters.beats_received, c.state()), (1, State::Protecting));
-    // The same beat (another chunk of it) is accepted; an older one is a replay.
+    // Every datagram has its own number: a replay of the newest is as stale as an older one.
     c.side(6, peer(), &msg(Role::Primary, 5, &key()));
     c.side(7, peer(), &msg(Role::Primary, 4, &key()));
-    assert_eq!((c.counters.beats_received, c.counters.beats_stale), (2, 1));
-    assert_eq!(c.peer_heard_at, Some(6), "a replay does not count as the peer being alive");
+    assert_eq!((c.counters.beats_received, c.counters.beats_stale), (1, 2));
+    assert_eq!(c.peer_heard_at, Some(5), "a replay does not count as the peer being alive");
+    c.side(8, peer(), &msg(Role::Primary, 6, &key()));
+    assert_eq!((c.counters.beats_received, c.peer_heard_at), (2, Some(8)));
 }
 
 #[test]
 fn hostile_replayed_messages_do_not_keep_a_dead_primary_alive() {
     let mut c = core(Role::Backup);
-    let old = msg(Role::Primary, 7, &key());
+    // The newest datagram, replayed for ever (the rule used to accept a beat's number twice).
+    let old = msg(Role::Primary, 8, &key());
     c.side(0, peer(), &msg(Role::Primary, 8, &key()));
     let mut fenced_at = None;
     for now in (1..200).step_by(1) {
@@ -174,4 +177,25 @@ fn a_primary_waiting_for_its_backup_passes_traffic_untouched_and_counts_it() {
     assert_eq!((v, n), (unbroken_engines::Verdict::PASS, len));
     assert_eq!(c.counters.passed_unprotected, 1);
     assert_eq!(c.connections(), 0, "a connection opened before the backup came is not followed");
+}
+
+/// Both hosts given the same role: the first authenticated message of that role from the peer's
+/// address (not a reflection of this host's own numbers) stops the daemon with a precise error;
+/// a reflection changes nothing.
+#[test]
+fn a_peer_configured_with_the_same_role_stops_the_daemon() {
+    let mut c = core(Role::Primary);
+    // A reflection of this host's own first message (numbers 1000.. here).
+    let _ = tick(&mut c, 0);
+    c.side(1, peer(), &msg(Role::Primary, 1000, &key()));
+    let mut out = Outbox::default();
+    c.collect(&mut out);
+    assert!(!out.requests.iter().any(|r| matches!(r, Request::Fatal(_))), "a reflection is not a second primary");
+    c.side(2, peer(), &msg(Role::Primary, 5_000_000, &key()));
+    let mut out = Outbox::default();
+    c.collect(&mut out);
+    let fatal: Vec<&Request> = out.requests.iter().filter(|r| matches!(r, Request::Fatal(_))).collect();
+    assert_eq!(fatal.len(), 1);
+    assert!(matches!(fatal[0], Request::Fatal(m) if m.contains("also runs as the primary")));
+    assert_eq!(c.state(), State::WaitingForPeer);
 }

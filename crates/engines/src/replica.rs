@@ -312,6 +312,9 @@ pub struct Backup {
     max_conns: usize,
     /// Packets to send to clients (the RSTs of diverged connections after take-over).
     out: Vec<Vec<u8>>,
+    /// Bytes kept for the take-over, all connections (recounted with every full progress, so
+    /// connections forgotten or evicted meanwhile only make it overestimate).
+    kept_total: usize,
     /// Connections whose figures may have moved since the last progress message: the backup
     /// server's packets move them (its ACK, window and output); a client packet changes
     /// nothing the primary waits for.
@@ -418,7 +421,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), changed: Default::default(), counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), counters: BackupCounters::default() }
     }
 
     pub fn is_promoted(&self) -> bool {
@@ -440,10 +443,35 @@ impl Backup {
             return;
         }
         self.promoted = true;
-        for c in self.conns.values_mut() {
+        self.kept_total = 0;
+        for (key, c) in self.conns.iter_mut() {
             let kept = std::mem::take(&mut c.kept);
             c.kept_bytes = 0;
+            // A connection the primary reported it no longer protects (DIVERGED: it diverged,
+            // or ran unprotected for any reason, so its input here may have a hole the client
+            // will never fill) or that this backup numbered wrong never goes on: its client is
+            // reset now, at the client's last ACK and at the end the primary verified (one of
+            // them is where the client stands, or inside its window, where Linux answers with a
+            // challenge ACK that `incoming` resets exactly), and whatever it sends later is
+            // answered with a RST. (A connection the primary never followed at all is not told
+            // apart yet: docs/architecture.md, open review findings.)
             if c.diverged || c.misaligned || !c.aligned {
+                if c.aligned && !c.finished() {
+                    c.diverged = true;
+                    c.reset_sent = true;
+                    if let (Some(server), true) = (c.server, c.client_seen) {
+                        let mut at = vec![c.last_ack];
+                        if let Some(p) = c.p_out.filter(|p| p.gt(c.last_ack)) {
+                            at.push(p);
+                        }
+                        for seq in at {
+                            if let Some(r) = reset_to_client(key, server, seq) {
+                                self.counters.diverged_reset += 1;
+                                self.out.push(r);
+                            }
+                        }
+                    }
+                }
                 continue;
             }
             let acked = c.acked_b;
@@ -664,19 +692,26 @@ impl Backup {
         }
         if !promoted {
             if let Some(a) = c.acked_b {
-                while c.kept.front().is_some_and(|(e, _)| e.le(a)) {
-                    let (_, p) = c.kept.pop_front().expect("front");
+                while let Some((e, p)) = c.kept.pop_front() {
+                    if !e.le(a) {
+                        c.kept.push_front((e, p));
+                        break;
+                    }
                     c.kept_bytes -= p.len();
+                    self.kept_total = self.kept_total.saturating_sub(p.len());
                 }
             }
             if n > 0 || s.fin() {
-                while c.kept_bytes + pkt.len() > MAX_KEPT_BYTES {
-                    let Some((_, p)) = c.kept.pop_front() else { break };
-                    c.kept_bytes -= p.len();
+                if c.kept_bytes + pkt.len() > MAX_KEPT_BYTES || self.kept_total + pkt.len() > MAX_KEPT_TOTAL {
+                    // Beyond the bounds (per connection, host-wide) the newest segments are
+                    // left to the backup's own retransmission timer: the client needs the
+                    // oldest first, a resend with a hole at its front would only wait.
                     self.counters.kept_dropped += 1;
+                } else {
+                    c.kept_bytes += pkt.len();
+                    self.kept_total += pkt.len();
+                    c.kept.push_back((end_b, pkt.to_vec()));
                 }
-                c.kept_bytes += pkt.len();
-                c.kept.push_back((end_b, pkt.to_vec()));
             }
             return self.withhold();
         }
@@ -719,6 +754,7 @@ impl Backup {
     /// every connection (a beat).
     pub fn progress(&mut self, beat: u64) -> Vec<Progress> {
         self.changed.clear();
+        self.kept_total = self.conns.values().map(|c| c.kept_bytes).sum();
         let keys: Vec<ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| *k).collect();
         self.progress_of(beat, keys)
     }
@@ -863,8 +899,10 @@ impl Backup {
     }
 }
 
-/// Withheld output a backup keeps per connection for its take-over ([`Backup::take_over`]).
+/// Withheld output a backup keeps per connection for its take-over ([`Backup::take_over`]),
+/// and for all connections together.
 pub const MAX_KEPT_BYTES: usize = 256 << 10;
+pub const MAX_KEPT_TOTAL: usize = 256 << 20;
 
 /// A backup server's segment into the primary's space (SEQ + delta, TSval + offset); false when
 /// the packet cannot be written.
@@ -1530,7 +1568,10 @@ impl Primary {
                 isn: c.stream_start - 1u32,
                 flags: rw::flag::RCV_KNOWN
                     | if c.answered { rw::flag::ISN_KNOWN } else { 0 }
-                    | if c.state == Some(Why::Diverged) { rw::flag::DIVERGED } else { 0 }
+                    // Any connection this primary no longer protects (not only a divergence):
+                    // a backup must never continue it after a take-over, its input may have a
+                    // hole the client will never fill.
+                    | if c.state.is_some() { rw::flag::DIVERGED } else { 0 }
                     | if c.p_fin { rw::flag::FIN_OUT } else { 0 }
                     | if c.rst_since.is_some() { rw::flag::RST_OUT } else { 0 },
             })

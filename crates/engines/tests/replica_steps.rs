@@ -130,8 +130,8 @@ fn promoted_backup_silences_diverged_connections() {
     assert_eq!(b.counters.diverged_silenced, 1);
 }
 
-/// ...and its client is told: one RST at the furthest point the primary verified (the client
-/// cannot be further), then a RST exactly at the ACK of any packet the client still sends
+/// ...and its client is told at the take-over: RSTs at its last ACK and at the furthest point the
+/// primary verified (the client cannot be further), then a RST exactly at the ACK of any packet it still sends
 /// (Linux answers an in-window RST with a challenge ACK, which lands here). Never a byte of the
 /// backup's output, never a client left waiting for ever.
 #[test]
@@ -143,13 +143,20 @@ fn promoted_backup_resets_the_clients_of_diverged_connections() {
     let _ = b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] });
     assert!(b.take_transmit().is_empty(), "nothing before take-over: the primary still serves it");
     b.take_over();
+    // At once, even if neither side sends again (an idle client): at the client's last ACK
+    // and at the end the primary verified.
+    let out = b.take_transmit();
+    assert_eq!(out.len(), 2, "{out:?}");
+    let seqs: Vec<Seq> = out.iter().map(|p| seg(p).0.seq).collect();
+    assert_eq!(seqs, vec![Seq(P_ISN.wrapping_add(1)), verified]);
+    for p in &out {
+        let (r, payload) = seg(p);
+        assert_eq!((r.flags & F::RST, r.src_port, r.dst_port), (F::RST, 6379, 40000));
+        assert!(payload.is_empty());
+    }
     assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0).0, Verdict::Drop);
     assert_eq!(backup_sends(&mut b, 10, &[2; 10], B_TS0).0, Verdict::Drop);
-    let out = b.take_transmit();
-    assert_eq!(out.len(), 1, "one RST for the connection, not one per segment");
-    let (r, payload) = seg(&out[0]);
-    assert_eq!((r.flags & F::RST, r.seq, r.src_port, r.dst_port), (F::RST, verified, 6379, 40000));
-    assert!(payload.is_empty());
+    assert!(b.take_transmit().is_empty(), "not one more per segment");
     // The client's challenge ACK (it had received 3 bytes only) is answered exactly.
     let at = Seq(P_ISN.wrapping_add(1 + 3));
     let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: at, flags: F::ACK, window: 512, ..Default::default() }, &[]);
@@ -158,7 +165,7 @@ fn promoted_backup_resets_the_clients_of_diverged_connections() {
     assert_eq!(out.len(), 1);
     let (r, _) = seg(&out[0]);
     assert_eq!((r.flags & F::RST, r.seq), (F::RST, at));
-    assert_eq!(b.counters.diverged_reset, 2);
+    assert_eq!(b.counters.diverged_reset, 3);
 }
 
 /// A client packet the backup cannot align yet (its server has not answered the SYN) is
@@ -776,4 +783,17 @@ fn koch_5_takeover_resends_the_withheld_output_the_client_lacks() {
     let mut quiet = aligned_backup();
     quiet.take_over();
     assert!(quiet.take_transmit().is_empty(), "nothing outstanding: nothing sent");
+}
+
+/// Review finding: a connection the primary runs unprotected for any reason (not only a
+/// divergence) is flagged in its report, so that a backup never continues it after a take-over
+/// (its input there may have a hole the client will never fill).
+#[test]
+fn primary_reports_every_unprotected_connection_as_not_to_be_continued() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"abc", C_ISN + 1 + 50, 0, 2).0, Verdict::Held);
+    let flags = |p: &Primary| p.report(1)[0].records[0].flags;
+    assert_eq!(flags(&p) & rw::flag::DIVERGED, 0, "protected: not flagged");
+    p.backup_failed();
+    assert_ne!(flags(&p) & rw::flag::DIVERGED, 0, "unprotected (backup failed): flagged");
 }

@@ -396,14 +396,17 @@ fn replica_diverged_connection_reset_after_takeover() {
     assert!(wait_for(T, || py.progress.load(Ordering::Relaxed) >= 1000), "{name}: redis-py stalled before the crash\n{}", env.diagnostics());
     env.crash_host(Side::Primary).unwrap();
     env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
-    // The diverged connection: the next request is answered by a reset, with no byte.
-    let _ = s.write_all(b"GET div\r\n");
+    // The diverged connection is reset, with no byte: at the takeover already (the backup
+    // resets it at once), or at the latest in answer to the next request. The socket reports
+    // the reset once, to whichever call comes first.
+    let w = s.write_all(b"GET div\r\n");
     let mut buf = [0u8; 256];
-    match s.read(&mut buf) {
-        Ok(0) => panic!("{name}: a FIN, not a reset\n{}", env.diagnostics()),
-        Ok(n) => panic!("{name}: the diverged connection received {:?} after the takeover\n{}", String::from_utf8_lossy(&buf[..n]), env.diagnostics()),
-        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{name}: {e}\n{}", env.diagnostics()),
+    let r = s.read(&mut buf);
+    if let Ok(n) = r {
+        assert_eq!(n, 0, "{name}: the diverged connection received {:?} after the takeover\n{}", String::from_utf8_lossy(&buf[..n]), env.diagnostics());
     }
+    let reset = |x: &std::io::Result<()>| matches!(x, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
+    assert!(reset(&w) || reset(&r.map(|_| ())), "{name}: no reset seen by the client (write {w:?})\n{}", env.diagnostics());
     assert!(env.client_rsts() >= 1, "{name}: the reset was counted at the client");
     let py = py.finish(deadline);
     eprintln!("{name}: redis-py {} ops, longest stall {} ms; RSTs at the client {}", py.ops, py.max_gap_ms, env.client_rsts());

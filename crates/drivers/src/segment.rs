@@ -69,6 +69,81 @@ use crate::iptables::check_iface_name;
 pub use crate::iptables::Owner;
 use crate::sys;
 
+/// The owned-table driver every segment table shares (ArpSuppress, Mirror, HubReceive): a
+/// value holding an installed table of a spec with `validate`, `nft_table`, `ruleset` and
+/// `owner`. `install` reads the table first: another running owner's is never touched
+/// (`AddrInUse`, naming it), a dead owner's or an untagged one is replaced in one transaction;
+/// installing twice from the same owner is idempotent. `remove_leftovers` deletes it unless
+/// another running process owns it (absent: not an error); `remove` and `Drop` remove it,
+/// unless `leave_installed`.
+macro_rules! owned_table {
+    ($(#[$doc:meta])* $name:ident, $spec:ident, $family:literal) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name {
+            spec: $spec,
+            installed: bool,
+        }
+
+        impl $name {
+            /// Installs the table of `spec` (see the driver's docs for ownership).
+            pub fn install(spec: &$spec) -> io::Result<$name> {
+                spec.validate()?;
+                let t = spec.nft_table();
+                check_owner(&t, spec.owner)?;
+                nft_stdin(&t, &spec.ruleset())?;
+                Ok($name { spec: spec.clone(), installed: true })
+            }
+
+            /// Fails (`AddrInUse`) when the table exists and belongs to a running process other
+            /// than `spec.owner`.
+            pub fn check_owner(spec: &$spec) -> io::Result<()> {
+                check_owner(&spec.nft_table(), spec.owner)
+            }
+
+            /// Deletes the table of `spec` when it is there and not another running process's;
+            /// an absent table is not an error.
+            pub fn remove_leftovers(spec: &$spec) -> io::Result<()> {
+                spec.validate()?;
+                delete_table(&spec.nft_table(), spec.owner)
+            }
+
+            /// Who owns the table of `spec`: `None` when it does not exist, `Some(None)` when it
+            /// has no owner comment.
+            pub fn owner(spec: &$spec) -> io::Result<Option<Option<Owner>>> {
+                table_owner(&spec.nft_table())
+            }
+
+            /// The spec installed.
+            pub fn spec(&self) -> &$spec {
+                &self.spec
+            }
+
+            /// Removes the table.
+            pub fn remove(mut self) -> io::Result<()> {
+                self.installed = false;
+                Self::remove_leftovers(&self.spec)
+            }
+
+            /// Leaves the table installed when this value goes away (e.g. a restarting daemon).
+            pub fn leave_installed(mut self) {
+                self.installed = false;
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                if self.installed {
+                    self.installed = false;
+                    if let Err(e) = Self::remove_leftovers(&self.spec) {
+                        eprintln!("unbroken: removing nftables table {} {}: {e}", $family, self.spec.table);
+                    }
+                }
+            }
+        }
+    };
+}
+
 /// What [`ArpSuppress::install`] installs. Build with [`ArpSuppressSpec::new`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArpSuppressSpec {
@@ -172,84 +247,20 @@ pub struct ArpSuppressCounters {
     pub announcements_dropped: u64,
 }
 
-/// An installed suppression; removed by [`ArpSuppress::remove`] or on drop.
-#[derive(Debug)]
-pub struct ArpSuppress {
-    spec: ArpSuppressSpec,
-    installed: bool,
+owned_table! {
+    /// An installed suppression; removed by [`ArpSuppress::remove`] (takeover: the backup
+    /// answers for the address from now on) or on drop; [`ArpSuppress::leave_installed`] keeps
+    /// it (a backup daemon restarting must not let its host answer ARP for the address in
+    /// between).
+    ArpSuppress, ArpSuppressSpec, "arp"
 }
 
 impl ArpSuppress {
-    /// Installs the table of `spec`, replacing in one transaction whatever a process that is
-    /// gone left under the same name. Refused (`AddrInUse`, naming it, touching nothing) while
-    /// the table belongs to another process that still runs. Installing twice from the same
-    /// owner is idempotent.
-    pub fn install(spec: &ArpSuppressSpec) -> io::Result<ArpSuppress> {
-        spec.validate()?;
-        let t = spec.nft_table();
-        check_owner(&t, spec.owner)?;
-        nft_stdin(&t, &spec.ruleset())?;
-        Ok(ArpSuppress {
-            spec: spec.clone(),
-            installed: true,
-        })
-    }
-
-    /// Fails (`AddrInUse`) when the table exists and belongs to a running process other than
-    /// `spec.owner`.
-    pub fn check_owner(spec: &ArpSuppressSpec) -> io::Result<()> {
-        check_owner(&spec.nft_table(), spec.owner)
-    }
-
-    /// Deletes the table of `spec` when it is there and not another running process's; an
-    /// absent table is not an error.
-    pub fn remove_leftovers(spec: &ArpSuppressSpec) -> io::Result<()> {
-        spec.validate()?;
-        delete_table(&spec.nft_table(), spec.owner)
-    }
-
-    /// Who owns the table of `spec`: `None` when it does not exist, `Some(None)` when it has
-    /// no owner comment.
-    pub fn owner(spec: &ArpSuppressSpec) -> io::Result<Option<Option<Owner>>> {
-        table_owner(&spec.nft_table())
-    }
-
     /// What the table has dropped so far; `NotFound` when it is not installed.
     pub fn counters(spec: &ArpSuppressSpec) -> io::Result<ArpSuppressCounters> {
         let t = spec.nft_table();
         let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
         Ok(parse_counters(&text))
-    }
-
-    /// The spec installed.
-    pub fn spec(&self) -> &ArpSuppressSpec {
-        &self.spec
-    }
-
-    /// Removes the table (takeover: the backup answers for the address from now on).
-    pub fn remove(mut self) -> io::Result<()> {
-        self.installed = false;
-        Self::remove_leftovers(&self.spec)
-    }
-
-    /// Leaves the table installed when this value goes away (a backup daemon restarting must
-    /// not let its host answer ARP for the address in between).
-    pub fn leave_installed(mut self) {
-        self.installed = false;
-    }
-}
-
-impl Drop for ArpSuppress {
-    fn drop(&mut self) {
-        if self.installed {
-            self.installed = false;
-            if let Err(e) = Self::remove_leftovers(&self.spec) {
-                eprintln!(
-                    "unbroken: removing nftables table arp {}: {e}",
-                    self.spec.table
-                );
-            }
-        }
     }
 }
 
@@ -358,63 +369,17 @@ impl MirrorSpec {
     }
 }
 
-/// An installed mirror; removed by [`Mirror::remove`] or on drop.
-#[derive(Debug)]
-pub struct Mirror {
-    spec: MirrorSpec,
-    installed: bool,
+owned_table! {
+    /// An installed mirror; removed by [`Mirror::remove`] or on drop.
+    Mirror, MirrorSpec, "netdev"
 }
 
 impl Mirror {
-    /// Installs (or atomically replaces a dead owner's) mirror table; refused (`AddrInUse`)
-    /// while another running process owns it. Idempotent for the same owner.
-    pub fn install(spec: &MirrorSpec) -> io::Result<Mirror> {
-        spec.validate()?;
-        let t = spec.nft_table();
-        check_owner(&t, spec.owner)?;
-        nft_stdin(&t, &spec.ruleset())?;
-        Ok(Mirror {
-            spec: spec.clone(),
-            installed: true,
-        })
-    }
-
-    /// Deletes the table of `spec` when it is there and not another running process's.
-    pub fn remove_leftovers(spec: &MirrorSpec) -> io::Result<()> {
-        spec.validate()?;
-        delete_table(&spec.nft_table(), spec.owner)
-    }
-
     /// Packets mirrored so far; `NotFound` when not installed.
     pub fn mirrored(spec: &MirrorSpec) -> io::Result<u64> {
         let t = spec.nft_table();
         let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
         Ok(sum_counters(&text))
-    }
-
-    /// Removes the table.
-    pub fn remove(mut self) -> io::Result<()> {
-        self.installed = false;
-        Self::remove_leftovers(&self.spec)
-    }
-
-    /// Leaves the table installed when this value goes away.
-    pub fn leave_installed(mut self) {
-        self.installed = false;
-    }
-}
-
-impl Drop for Mirror {
-    fn drop(&mut self) {
-        if self.installed {
-            self.installed = false;
-            if let Err(e) = Self::remove_leftovers(&self.spec) {
-                eprintln!(
-                    "unbroken: removing nftables table netdev {}: {e}",
-                    self.spec.table
-                );
-            }
-        }
     }
 }
 
@@ -538,82 +503,17 @@ impl HubReceiveSpec {
     }
 }
 
-/// An installed hand-over rule; removed by [`HubReceive::remove`] or on drop.
-#[derive(Debug)]
-pub struct HubReceive {
-    spec: HubReceiveSpec,
-    installed: bool,
+owned_table! {
+    /// An installed hand-over rule; removed by [`HubReceive::remove`] or on drop.
+    HubReceive, HubReceiveSpec, "netdev"
 }
 
 impl HubReceive {
-    /// Installs (or atomically replaces a dead owner's or an untagged) table; refused
-    /// (`AddrInUse`, naming the owner, touching nothing) while another running process owns
-    /// it. Idempotent for the same owner.
-    pub fn install(spec: &HubReceiveSpec) -> io::Result<HubReceive> {
-        spec.validate()?;
-        let t = spec.nft_table();
-        check_owner(&t, spec.owner)?;
-        nft_stdin(&t, &spec.ruleset())?;
-        Ok(HubReceive {
-            spec: spec.clone(),
-            installed: true,
-        })
-    }
-
-    /// Fails (`AddrInUse`) when the table exists and belongs to a running process other than
-    /// `spec.owner`.
-    pub fn check_owner(spec: &HubReceiveSpec) -> io::Result<()> {
-        check_owner(&spec.nft_table(), spec.owner)
-    }
-
-    /// Deletes the table of `spec` when it is there and not another running process's; an
-    /// absent table is not an error.
-    pub fn remove_leftovers(spec: &HubReceiveSpec) -> io::Result<()> {
-        spec.validate()?;
-        delete_table(&spec.nft_table(), spec.owner)
-    }
-
-    /// Who owns the table of `spec`: `None` when it does not exist, `Some(None)` when it has
-    /// no owner comment.
-    pub fn owner(spec: &HubReceiveSpec) -> io::Result<Option<Option<Owner>>> {
-        table_owner(&spec.nft_table())
-    }
-
     /// Frames handed to the stack so far; `NotFound` when not installed.
     pub fn handed(spec: &HubReceiveSpec) -> io::Result<u64> {
         let t = spec.nft_table();
         let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
         Ok(sum_counters(&text))
-    }
-
-    /// The spec installed.
-    pub fn spec(&self) -> &HubReceiveSpec {
-        &self.spec
-    }
-
-    /// Removes the table.
-    pub fn remove(mut self) -> io::Result<()> {
-        self.installed = false;
-        Self::remove_leftovers(&self.spec)
-    }
-
-    /// Leaves the table installed when this value goes away (a restarting backup daemon).
-    pub fn leave_installed(mut self) {
-        self.installed = false;
-    }
-}
-
-impl Drop for HubReceive {
-    fn drop(&mut self) {
-        if self.installed {
-            self.installed = false;
-            if let Err(e) = Self::remove_leftovers(&self.spec) {
-                eprintln!(
-                    "unbroken: removing nftables table netdev {}: {e}",
-                    self.spec.table
-                );
-            }
-        }
     }
 }
 

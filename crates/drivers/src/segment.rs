@@ -70,8 +70,8 @@ pub use crate::iptables::Owner;
 use crate::sys;
 
 /// The owned-table driver every segment table shares (ArpSuppress, Mirror, HubReceive): a
-/// value holding an installed table of a spec with `validate`, `nft_table`, `ruleset` and
-/// `owner`. `install` reads the table first: another running owner's is never touched
+/// value holding an installed table of `family` for a spec with `table`, `netns`, `nft`,
+/// `owner`, `validate` and `ruleset` (the macro gives the spec its `nft_table`). `install` reads the table first: another running owner's is never touched
 /// (`AddrInUse`, naming it), a dead owner's or an untagged one is replaced in one transaction;
 /// installing twice from the same owner is idempotent. `remove_leftovers` deletes it unless
 /// another running process owns it (absent: not an error); `remove` and `Drop` remove it,
@@ -131,6 +131,13 @@ macro_rules! owned_table {
             }
         }
 
+        impl $spec {
+            /// The table as `nft` names it.
+            fn nft_table(&self) -> NftTable<'_> {
+                NftTable { family: $family, name: &self.table, netns: self.netns.as_deref(), bin: &self.nft }
+            }
+        }
+
         impl Drop for $name {
             fn drop(&mut self) {
                 if self.installed {
@@ -179,42 +186,13 @@ impl ArpSuppressSpec {
 
     /// `unbroken-arp-DEVICE` (characters nftables would not take in a name become `_`).
     pub fn table_name(device: &str) -> String {
-        let d: String = device
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        format!("unbroken-arp-{d}")
+        table_name("unbroken-arp", device)
     }
 
     fn validate(&self) -> io::Result<()> {
         check_iface_name(&self.device)?;
         check_table_name(&self.table)?;
-        if self.addr.is_unspecified()
-            || self.addr.is_broadcast()
-            || self.addr.is_multicast()
-            || self.addr.is_loopback()
-        {
-            return Err(invalid(format!(
-                "{} is not a unicast service address",
-                self.addr
-            )));
-        }
-        Ok(())
-    }
-
-    fn nft_table(&self) -> NftTable<'_> {
-        NftTable {
-            family: "arp",
-            name: &self.table,
-            netns: self.netns.as_deref(),
-            bin: &self.nft,
-        }
+        check_unicast(std::net::IpAddr::V4(self.addr))
     }
 
     /// The `nft -f` transaction that installs (or atomically replaces) the table.
@@ -307,11 +285,7 @@ impl MirrorSpec {
     ) -> MirrorSpec {
         let device = device.into();
         MirrorSpec {
-            table: ArpSuppressSpec::table_name(&device).replacen(
-                "unbroken-arp-",
-                "unbroken-mirror-",
-                1,
-            ),
+            table: table_name("unbroken-mirror", &device),
             device,
             to: to.into(),
             addr,
@@ -328,24 +302,7 @@ impl MirrorSpec {
             return Err(invalid(format!("mirroring {} to itself", self.device)));
         }
         check_table_name(&self.table)?;
-        let a = self.addr;
-        if a.is_unspecified()
-            || a.is_multicast()
-            || a.is_loopback()
-            || a == std::net::IpAddr::V4(Ipv4Addr::BROADCAST)
-        {
-            return Err(invalid(format!("{a} is not a unicast service address")));
-        }
-        Ok(())
-    }
-
-    fn nft_table(&self) -> NftTable<'_> {
-        NftTable {
-            family: "netdev",
-            name: &self.table,
-            netns: self.netns.as_deref(),
-            bin: &self.nft,
-        }
+        check_unicast(self.addr)
     }
 
     /// The `nft -f` transaction that installs (or atomically replaces) the table.
@@ -424,11 +381,7 @@ impl HubReceiveSpec {
     ) -> HubReceiveSpec {
         let device = device.into();
         HubReceiveSpec {
-            table: ArpSuppressSpec::table_name(&device).replacen(
-                "unbroken-arp-",
-                "unbroken-rx-",
-                1,
-            ),
+            table: table_name("unbroken-rx", &device),
             device,
             addrs: addrs.into_iter().collect(),
             netns: None,
@@ -454,27 +407,10 @@ impl HubReceiveSpec {
                         ),
                     ))
                 }
-                std::net::IpAddr::V4(a)
-                    if a.is_unspecified()
-                        || a.is_broadcast()
-                        || a.is_multicast()
-                        || a.is_loopback() =>
-                {
-                    return Err(invalid(format!("{a} is not a unicast service address")))
-                }
-                _ => {}
+                v4 => check_unicast(*v4)?,
             }
         }
         Ok(())
-    }
-
-    fn nft_table(&self) -> NftTable<'_> {
-        NftTable {
-            family: "netdev",
-            name: &self.table,
-            netns: self.netns.as_deref(),
-            bin: &self.nft,
-        }
     }
 
     /// The `nft -f` transaction that installs (or atomically replaces) the table. The
@@ -515,6 +451,21 @@ impl HubReceive {
         let text = list_table(&t)?.ok_or_else(|| not_installed(&t))?;
         Ok(sum_counters(&text))
     }
+}
+
+/// `PREFIX-DEVICE` (characters nftables would not take in a name become `_`).
+fn table_name(prefix: &str, device: &str) -> String {
+    let d: String = device.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect();
+    format!("{prefix}-{d}")
+}
+
+/// A service address must be one host's: not unspecified, broadcast, multicast or loopback.
+fn check_unicast(a: std::net::IpAddr) -> io::Result<()> {
+    let bad = a.is_unspecified() || a.is_multicast() || a.is_loopback() || a == std::net::IpAddr::V4(Ipv4Addr::BROADCAST);
+    if bad {
+        return Err(invalid(format!("{a} is not a unicast service address")));
+    }
+    Ok(())
 }
 
 /// The sum of every `counter packets N` of a listing.

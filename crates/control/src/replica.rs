@@ -252,11 +252,9 @@ impl Replica {
         }
     }
 
-    fn role_name(&self) -> &'static str {
-        match self.role {
-            Role::Primary => "primary",
-            Role::Backup => "backup",
-        }
+    /// This host's role as the config names it.
+    pub fn role_name(&self) -> &'static str {
+        crate::replicacore::role_name(self.role)
     }
 }
 

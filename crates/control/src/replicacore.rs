@@ -161,6 +161,14 @@ pub struct Core {
     pub unprotected_by: HashMap<&'static str, u64>,
 }
 
+/// How a role is named in configs, status files and logs.
+pub fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Primary => "primary",
+        Role::Backup => "backup",
+    }
+}
+
 fn why_name(w: Why) -> &'static str {
     match w {
         Why::BackupFailed => "backup_failed",
@@ -222,6 +230,14 @@ impl Core {
 
     pub fn role(&self) -> Role {
         self.s.role
+    }
+
+    /// The other host's role, as logs name it.
+    fn peer_role(&self) -> &'static str {
+        role_name(match self.s.role {
+            Role::Primary => Role::Backup,
+            Role::Backup => Role::Primary,
+        })
     }
 
     pub fn primary(&self) -> Option<&Primary> {
@@ -329,7 +345,7 @@ impl Core {
             // host's own numbers: the other host runs the same role. Two primaries both
             // answer; two backups leave the service with none. Stop, loudly.
             if !(self.first_beat..self.beat).contains(&p.beat) && self.state == State::WaitingForPeer {
-                let role = if self.s.role == Role::Primary { "primary" } else { "backup" };
+                let role = role_name(self.s.role);
                 self.requests.push(Request::Fatal(format!("replica: the peer {} also runs as the {role} (an authenticated message of that role from its address): fix the role in one of the two configs", self.peer)));
             }
             return;
@@ -345,7 +361,7 @@ impl Core {
             State::WaitingForPeer => {
                 self.state = State::Protecting;
                 self.det = Some(Detector::new(self.s.detector, self.s.role, now_ms));
-                let line = format!("replica: the {} is there (first authenticated message from {}): protecting new connections", if self.s.role == Role::Primary { "backup" } else { "primary" }, self.peer);
+                let line = format!("replica: the {} is there (first authenticated message from {}): protecting new connections", self.peer_role(), self.peer);
                 self.log(line);
             }
             // After a failover the peer is fenced: whatever it still sends changes nothing.
@@ -499,7 +515,7 @@ impl Mode for Core {
                 self.state = State::Fencing;
                 self.counters.fences_run += 1;
                 let silent = self.peer_heard_at.map_or(0, |t| now_ms.saturating_sub(t));
-                self.log(format!("replica: no message from the {} for {silent} ms: running the fencing command", if self.s.role == Role::Primary { "backup" } else { "primary" }));
+                self.log(format!("replica: no message from the {} for {silent} ms: running the fencing command", self.peer_role()));
                 self.requests.push(Request::Fence);
             }
         }

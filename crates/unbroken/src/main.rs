@@ -537,10 +537,7 @@ fn replica(args: Vec<String>) -> ExitCode {
         Err(e) => return fail(e),
     };
     if let Some(r) = role {
-        let file = match cfg.role {
-            unbroken_wire::replica::Role::Primary => "primary",
-            unbroken_wire::replica::Role::Backup => "backup",
-        };
+        let file = cfg.role_name();
         if r != "primary" && r != "backup" {
             return fail(format!("replica: --role {r:?}: primary or backup"));
         }

@@ -98,13 +98,6 @@ impl Opts {
         let quick = args.iter().any(|a| a == "--quick");
         let mut o = Opts::new(quick);
         let mut it = args.iter();
-        fn val<T: std::str::FromStr>(
-            it: &mut std::slice::Iter<String>,
-            f: &str,
-        ) -> Result<T, String> {
-            let v = it.next().ok_or(format!("{f} needs a value"))?;
-            v.parse().map_err(|_| format!("{f}: not a number: {v:?}"))
-        }
         while let Some(a) = it.next() {
             match a.as_str() {
                 "object" | "--quick" => {}
@@ -245,7 +238,13 @@ fn machine() -> Value {
     json!({ "cpu": cpu, "cpus": std::thread::available_parallelism().map(|n| n.get()).ok(), "mem_gib": mem, "kernel": kernel, "nginx": nginx, "wrk": wrk })
 }
 
-fn round2(x: f64) -> f64 {
+/// The value after option `f`, parsed; a precise error when it is missing or not a number.
+pub(crate) fn val<T: std::str::FromStr>(it: &mut std::slice::Iter<String>, f: &str) -> Result<T, String> {
+    let v = it.next().ok_or(format!("{f} needs a value"))?;
+    v.parse().map_err(|_| format!("{f}: not a number: {v:?}"))
+}
+
+pub(crate) fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
@@ -269,7 +268,7 @@ fn dist(v: &[f64]) -> Value {
     json!({ "n": s.len(), "p50": round2(pct(&s, 0.5)), "p90": round2(pct(&s, 0.9)), "p99": round2(pct(&s, 0.99)), "max": round2(s[s.len() - 1]), "min": round2(s[0]), "mean": round2(mean) })
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if s.is_empty() {
@@ -281,7 +280,8 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-fn med_min_max(v: &[f64]) -> Value {
+/// `{runs, median, min, max}` of `v` (2 decimals); null when empty.
+pub(crate) fn med_min_max(v: &[f64]) -> Value {
     if v.is_empty() {
         return Value::Null;
     }

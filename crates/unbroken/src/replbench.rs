@@ -27,6 +27,7 @@
 //! retried with more missed beats (the smallest stable setting is reported).
 
 use crate::repdemo::{RepOpts, ReplicaEnv, Side};
+use crate::objbench::{med_min_max, round2, val};
 use serde_json::{json, Value};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -379,10 +380,6 @@ impl Opts {
         let quick = args.iter().any(|a| a == "--quick");
         let mut o = Opts::new(quick);
         let mut it = args.iter();
-        fn val<T: std::str::FromStr>(it: &mut std::slice::Iter<String>, f: &str) -> Result<T, String> {
-            let v = it.next().ok_or(format!("{f} needs a value"))?;
-            v.parse().map_err(|_| format!("{f}: not a number: {v:?}"))
-        }
         fn list<T: std::str::FromStr>(it: &mut std::slice::Iter<String>, f: &str) -> Result<Vec<T>, String> {
             let v = it.next().ok_or(format!("{f} needs a comma-separated list"))?;
             v.split(',').map(|x| x.trim().parse().map_err(|_| format!("{f}: not a number: {x:?}"))).collect()
@@ -552,30 +549,6 @@ fn s(v: impl ToString) -> String {
     v.to_string()
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
-}
-
-/// `{runs, median, min, max}` of `v`.
-fn stats(v: &[f64]) -> Value {
-    if v.is_empty() {
-        return Value::Null;
-    }
-    let min = v.iter().cloned().fold(f64::INFINITY, f64::min);
-    let max = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    json!({ "runs": v.iter().map(|x| round2(*x)).collect::<Vec<_>>(), "median": round2(median(v)), "min": round2(min), "max": round2(max) })
-}
-
 /// The three configurations of the workload part.
 const CONFIGS: [&str; 3] = ["unreplicated", "strict", "relaxed"];
 
@@ -661,9 +634,9 @@ fn workloads(o: &Opts, config: &str, say: &dyn Fn(String)) -> Result<Value, Stri
         return Err(format!("{config}: {rsts} RSTs reached the client"));
     }
     Ok(json!({
-        "echo": { "total_ms": stats(&echo_total), "p50_us": stats(&echo_p50), "p99_us": stats(&echo_p99) },
-        "rr": { "total_ms": stats(&rr_total), "p50_us": stats(&rr_p50), "p99_us": stats(&rr_p99) },
-        "bulk": sizes.iter().zip(&bulk).map(|(n, b)| json!({ "mb": *n as f64 / 1e6, "mbit_s": stats(b) })).collect::<Vec<_>>(),
+        "echo": { "total_ms": med_min_max(&echo_total), "p50_us": med_min_max(&echo_p50), "p99_us": med_min_max(&echo_p99) },
+        "rr": { "total_ms": med_min_max(&rr_total), "p50_us": med_min_max(&rr_p50), "p99_us": med_min_max(&rr_p99) },
+        "bulk": sizes.iter().zip(&bulk).map(|(n, b)| json!({ "mb": *n as f64 / 1e6, "mbit_s": med_min_max(b) })).collect::<Vec<_>>(),
         "resets_seen_by_client": rsts,
         // Connections (one per workload and run) the primary stopped protecting, and why.
         "unprotected": if daemons { unprotected } else { Value::Null },
@@ -762,8 +735,8 @@ fn failover(o: &Opts, interval: u64, say: &dyn Fn(String)) -> Result<Value, Stri
             "trials": trials,
             "false_suspicions": false_suspicions.len(),
             "false_suspicion_detail": false_suspicions,
-            "takeover_ms": stats(&take),
-            "stall_ms": stats(&stall),
+            "takeover_ms": med_min_max(&take),
+            "stall_ms": med_min_max(&stall),
             "stable": stable,
         }));
         if stable {

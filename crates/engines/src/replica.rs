@@ -183,8 +183,13 @@ fn map_sack(t: &mut Tcp<&mut [u8]>, at: usize, n: u8, mut f: impl FnMut(Seq) -> 
 // The backup (ST-TCP 3.3.0.1 / 3.3.1, Koch 3.1)
 // ---------------------------------------------------------------------------------------------
 
-/// Output checkpoints a backup keeps for the primary (one per output segment).
-const MAX_CHECKPOINTS: usize = 16;
+/// Output checkpoints a backup keeps for the primary (one per output segment), oldest first:
+/// the primary verifies its held output in order, so the ones it needs next are the oldest. At
+/// 4,096 segments they cover more output than the primary holds ([`Config::max_held_bytes`]).
+const MAX_CHECKPOINTS: usize = 4096;
+/// Unverified checkpoints a full beat repeats (the oldest), so that a lost message never leaves
+/// the primary without a digest at an offset it reached.
+const BEAT_CHECKPOINTS: usize = 16;
 
 #[derive(Debug, Clone, Default)]
 struct BConn {
@@ -230,6 +235,22 @@ struct BConn {
     client_isn: Option<Seq>,
     /// Output ends (with their digests) not yet verified by the primary, oldest first.
     checkpoints: VecDeque<(Seq, u64)>,
+    /// The newest checkpoint already sent in a message: a message between beats carries only
+    /// the newer ones.
+    cp_sent: Option<Seq>,
+    /// The newest TSval the client has seen from this connection (its TSecr, and after take-over
+    /// what this backup sent): a promoted backup never sends an older one, which the client would
+    /// discard (PAWS, RFC 7323 5), however the offset learned at the handshake drifted.
+    ts_floor: Option<u32>,
+    /// The newest TSval of the backup's server and when it was seen (the engine's clock, ms):
+    /// at take-over the server's clock now is estimated from it (Linux's timestamp clock runs
+    /// at 1 kHz), so that resent withheld segments carry a current TSval, not the one of
+    /// seconds ago, which the client would discard (PAWS).
+    b_ts_seen: Option<(u32, u64)>,
+    /// Output seen beyond a gap in the digest (start, payload, FIN), at most
+    /// [`MAX_KEPT_BYTES`].
+    ooo: Vec<(Seq, Vec<u8>, bool)>,
+    ooo_bytes: usize,
     client_win: u16,
     client_ts: Option<(u32, u32)>,
     server: Option<IpAddr>,
@@ -242,6 +263,16 @@ struct BConn {
     /// space), resent at take-over; trimmed as the client's ACKs reach the backup's server.
     kept: VecDeque<(Seq, Vec<u8>)>,
     kept_bytes: usize,
+    /// When the primary's report last named this connection (ms, the backup's clock): only a
+    /// connection the primary follows is continued at take-over, and a half-open entry it
+    /// still names is not expired.
+    p_seen_at: Option<u64>,
+    /// The client reset the connection (an acceptable RST): it is over.
+    client_rst: bool,
+    /// How many of the primary's beats the backup had heard when it aligned this connection:
+    /// a connection the primary's reports still do not name two beats later is one it does not
+    /// follow.
+    aligned_at_beats: u64,
 }
 
 impl Entry for BConn {
@@ -256,7 +287,7 @@ impl Entry for BConn {
         !self.aligned
     }
     fn finished(&self) -> bool {
-        self.rst_out || (self.fin_out && self.client_fin)
+        self.rst_out || self.client_rst || (self.fin_out && self.client_fin)
     }
 }
 
@@ -300,6 +331,22 @@ pub struct BackupCounters {
     /// Connections found aligned on a forged ACK once the primary's ISN arrived: silenced for
     /// good, reported (MISALIGNED) so that the primary runs them unprotected.
     pub misaligned: u64,
+    /// Client ACKs beyond anything the backup's server sent and the primary reported (a blind
+    /// forgery, or ahead of the primary's report): lowered to the last known ACK, not learned.
+    pub ack_unverified: u64,
+    /// Half-open entries (no handshake within [`HALF_OPEN_TTL_MS`], not named by the primary)
+    /// forgotten.
+    pub half_open_expired: u64,
+    /// Client RSTs that ended a connection.
+    pub client_resets: u64,
+    /// Connections the primary never reported (it did not follow them: started before it
+    /// armed, its table full), reset at take-over instead of continued unchecked.
+    pub unreported_reset: u64,
+    /// After take-over: client packets of connections this backup does not follow answered
+    /// with a RST, and its server's packets of such connections dropped (never sent in the
+    /// backup's own numbering).
+    pub unknown_reset: u64,
+    pub unknown_dropped: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -319,6 +366,11 @@ pub struct Backup {
     /// server's packets move them (its ACK, window and output); a client packet changes
     /// nothing the primary waits for.
     changed: std::collections::HashSet<ConnKey>,
+    /// The latest time passed to [`Backup::tick`] (ms).
+    clock: u64,
+    /// The primary's beats heard (distinct beat numbers, growing), and the newest.
+    p_beats: u64,
+    p_last_beat: Option<u64>,
     pub counters: BackupCounters,
 }
 
@@ -352,8 +404,38 @@ trait Entry {
 /// leave stale numbers behind, skipped on eviction and compacted away.
 #[derive(Debug, Default)]
 struct Births {
-    order: VecDeque<(ConnKey, u64)>,
+    /// (key, its number, when it was made or last found in use (ms)).
+    order: VecDeque<(ConnKey, u64, u64)>,
     next: u64,
+}
+
+/// How long an entry may stay half-open (its handshake not completed: all a forged SYN gets
+/// to) before it is forgotten. A real client completes its handshake within a round trip, or
+/// within the server's SYN-ACK retransmissions (1, 3, 7 s) when its ACK is lost.
+pub const HALF_OPEN_TTL_MS: u64 = 30_000;
+
+/// Forgets the half-open entries made more than `ttl` ago, oldest first, in O(1) amortized
+/// (their places in the birth order are oldest first; established entries' places are dropped
+/// on the way, they are never needed again). `keep` may spare an entry (it is found in use: its
+/// place moves to the back, stamped `now`).
+fn expire_half_open<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, now: u64, ttl: u64, keep: impl Fn(&V) -> bool) -> Vec<(ConnKey, V)> {
+    let mut gone = vec![];
+    while let Some(&(k, n, t)) = births.order.front() {
+        let Some(v) = map.get(&k).filter(|v| v.born() == n && v.half_open()) else {
+            births.order.pop_front();
+            continue;
+        };
+        if now < t.saturating_add(ttl) {
+            break;
+        }
+        births.order.pop_front();
+        if keep(v) {
+            births.order.push_back((k, n, now));
+        } else if let Some(v) = map.remove(&k) {
+            gone.push((k, v));
+        }
+    }
+    gone
 }
 
 /// What [`make_room`] did.
@@ -373,7 +455,7 @@ fn make_room<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: 
     if map.len() < cap {
         return Room::Free;
     }
-    while let Some((k, n)) = births.order.pop_front() {
+    while let Some((k, n, _)) = births.order.pop_front() {
         if map.get(&k).is_some_and(|v| v.born() == n && v.half_open()) {
             if let Some(v) = map.remove(&k) {
                 return Room::Evicted(v);
@@ -390,7 +472,7 @@ fn make_room<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: 
 /// room for it. `None`: the table is full of established connections, nothing changed.
 /// `Some(gone)`: the entry it replaced, or the one evicted (counted in `evicted`) or forgotten
 /// for it.
-fn insert<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usize, key: ConnKey, mut v: V, evicted: &mut u64) -> Option<Option<V>> {
+fn insert<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usize, key: ConnKey, mut v: V, evicted: &mut u64, now: u64) -> Option<Option<V>> {
     let mut gone = None;
     if !map.contains_key(&key) {
         match make_room(map, births, cap.max(1)) {
@@ -407,9 +489,9 @@ fn insert<V: Entry>(map: &mut HashMap<ConnKey, V>, births: &mut Births, cap: usi
     births.next += 1;
     v.set_born(n);
     let replaced = map.insert(key, v);
-    births.order.push_back((key, n));
+    births.order.push_back((key, n, now));
     if births.order.len() > 2 * map.len() + 64 {
-        births.order.retain(|(k, n)| map.get(k).is_some_and(|v| v.born() == *n && v.half_open()));
+        births.order.retain(|(k, n, _)| map.get(k).is_some_and(|v| v.born() == *n && v.half_open()));
     }
     Some(gone.or(replaced))
 }
@@ -421,7 +503,20 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, p_beats: 0, p_last_beat: None, counters: BackupCounters::default() }
+    }
+
+    /// Time passes: half-open entries older than [`HALF_OPEN_TTL_MS`] that the primary no
+    /// longer names are forgotten (a burst of forged SYNs loads the tables and the side channel
+    /// for that long, not for good).
+    pub fn tick(&mut self, now_ms: u64) {
+        self.clock = self.clock.max(now_ms);
+        let now = self.clock;
+        let gone = expire_half_open(&mut self.conns, &mut self.births, now, HALF_OPEN_TTL_MS, |c: &BConn| c.p_seen_at.is_some_and(|t| t + HALF_OPEN_TTL_MS / 2 > now));
+        self.counters.half_open_expired += gone.len() as u64;
+        for (_, c) in gone {
+            self.kept_total = self.kept_total.saturating_sub(c.kept_bytes);
+        }
     }
 
     pub fn is_promoted(&self) -> bool {
@@ -455,8 +550,17 @@ impl Backup {
             // challenge ACK that `incoming` resets exactly), and whatever it sends later is
             // answered with a RST. (A connection the primary never followed at all is not told
             // apart yet: docs/architecture.md, open review findings.)
-            if c.diverged || c.misaligned || !c.aligned {
+            // A connection the primary's reports have not named although two of its beats came
+            // since it was aligned: the primary does not follow it (it started before the
+            // primary armed, or its table was full), so nothing checked its output. One aligned
+            // more recently gets the benefit of the doubt: the primary's report of it may not
+            // have come yet.
+            let unreported = c.p_seen_at.is_none() && self.p_beats >= c.aligned_at_beats + 2;
+            if c.diverged || c.misaligned || !c.aligned || unreported {
                 if c.aligned && !c.finished() {
+                    if unreported && !c.diverged && !c.misaligned {
+                        self.counters.unreported_reset += 1;
+                    }
                     c.diverged = true;
                     c.reset_sent = true;
                     if let (Some(server), true) = (c.server, c.client_seen) {
@@ -473,6 +577,13 @@ impl Backup {
                     }
                 }
                 continue;
+            }
+            if let Some((v, t)) = c.b_ts_seen {
+                let now_b = v.wrapping_add(self.clock.saturating_sub(t).min(1 << 30) as u32);
+                let est = now_b.wrapping_add(c.ts_off);
+                if c.ts_floor.is_none_or(|f| ts_before(f, est)) {
+                    c.ts_floor = Some(est);
+                }
             }
             let acked = c.acked_b;
             let mut any = false;
@@ -511,7 +622,7 @@ impl Backup {
             // reset): a new entry. A SYN on a live connection changes nothing (a
             // retransmission, or a forgery, which the kernel answers with a challenge ACK).
             let fresh = self.conns.get(&key).is_none_or(|c| c.finished() && c.client_isn != Some(s.seq));
-            if fresh && insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted).is_none() {
+            if fresh && insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted, self.clock).is_none() {
                 self.counters.table_full += 1;
                 return Verdict::PASS;
             }
@@ -521,7 +632,19 @@ impl Backup {
             }
             return Verdict::PASS;
         }
-        let Some(c) = self.conns.get_mut(&key) else { return Verdict::PASS };
+        let Some(c) = self.conns.get_mut(&key) else {
+            if self.promoted && s.has(F::ACK) && !s.has(F::RST) {
+                // A connection this backup does not follow (the primary never reported it, or
+                // its table was full): its server cannot continue it in the client's numbering.
+                // The client's ACK names where it stands: a RST there, never a silent hang.
+                if let Some(r) = reset_to_client(&key, s.info.dst, s.ack) {
+                    self.counters.unknown_reset += 1;
+                    self.out.push(r);
+                }
+                return Verdict::Drop;
+            }
+            return Verdict::PASS;
+        };
         // Only a segment the backup's server would accept teaches anything (RFC 793's test,
         // against the receive window it announced): a blind forgery must guess the client's
         // sequence number, not merely its address, to align the connection or move its ACK.
@@ -534,6 +657,15 @@ impl Backup {
         }
         if s.fin() && in_window {
             c.client_fin = true;
+        }
+        if s.has(F::RST) && c.rcv_known && s.seq == c.rcv_nxt {
+            // The client ended it (RFC 5961: only a RST exactly at RCV.NXT resets; an
+            // in-window one draws a challenge ACK): a reused 4-tuple must not inherit this entry.
+            if !c.client_rst {
+                self.counters.client_resets += 1;
+            }
+            c.client_rst = true;
+            return Verdict::PASS;
         }
         if self.promoted && (c.diverged || c.misaligned) && !s.has(F::RST) {
             // A client still talking on a connection that cannot go on: its ACK names exactly
@@ -569,11 +701,29 @@ impl Backup {
                 _ => 0,
             };
             c.aligned = true;
+            c.aligned_at_beats = self.p_beats;
             c.out_end = isn + 1 + c.delta;
             c.out_hash = HASH_INIT;
             self.counters.aligned += 1;
         }
-        if in_window && (s.ack.gt(c.last_ack) || !c.client_seen) {
+        if let (true, Some((_, _, ecr))) = (in_window, s.ts) {
+            if c.ts_floor.is_none_or(|f| ts_before(f, ecr)) {
+                c.ts_floor = Some(ecr);
+            }
+        }
+        // An ACK beyond what the backup's server sent is lowered to it only where the primary
+        // reported output that far (the client may legitimately acknowledge it: the backup's
+        // server is behind); beyond, it is a blind forgery or ahead of the report, lowered to
+        // the last ACK the backup's server was given and not learned (the primary's report
+        // relays the client's real ACK). Clamping it to everything sent would turn a forged
+        // in-window segment into a full acknowledgement.
+        // (After take-over no report will come: the client's ACK is all there is, and only an
+        // in-window one, which a blind forgery must guess, is learned.)
+        let beyond = !self.promoted && (s.ack - c.delta).gt(c.snd_max) && !c.p_out.is_some_and(|p| s.ack.le(p));
+        if beyond {
+            self.counters.ack_unverified += 1;
+        }
+        if in_window && !beyond && (s.ack.gt(c.last_ack) || !c.client_seen) {
             c.last_ack = s.ack;
             c.client_win = s.window;
             c.client_ts = s.ts.map(|t| (t.1, t.2));
@@ -583,12 +733,13 @@ impl Backup {
         let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
         let limit = c.snd_max;
         let delta = c.delta;
+        let floor = if beyond { c.acked_b.filter(|a| a.le(limit)).unwrap_or(limit) } else { limit };
         let mut clamped = false;
         let mut to_b = |v: Seq| {
             let b = v - delta;
             if b.gt(limit) {
                 clamped = true;
-                limit
+                floor
             } else {
                 b
             }
@@ -629,7 +780,7 @@ impl Backup {
             }
         };
         let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
-        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted).is_some()) {
+        if s.has(F::SYN) && s.has(F::ACK) && (self.conns.contains_key(&key) || insert(&mut self.conns, &mut self.births, self.max_conns, key, BConn::default(), &mut self.counters.half_open_evicted, self.clock).is_some()) {
             let Some(c) = self.conns.get_mut(&key) else { return self.withhold() };
             if !c.aligned {
                 c.b_isn = Some(s.seq);
@@ -646,10 +797,23 @@ impl Backup {
                 c.rcv_known = true;
             }
         }
-        let Some(c) = self.conns.get_mut(&key) else { return self.withhold() };
+        let Some(c) = self.conns.get_mut(&key) else {
+            if promoted && !(s.has(F::SYN) && s.has(F::ACK)) {
+                // Never the backup's own numbering on a connection nobody followed (a SYN-ACK
+                // of a connection opened after take-over needs no translation: it passes).
+                self.counters.unknown_dropped += 1;
+                return Verdict::Drop;
+            }
+            return self.withhold();
+        };
         self.changed.insert(key);
         if s.has(F::RST) {
             c.rst_out = true;
+        }
+        if let Some((_, v, _)) = s.ts {
+            if c.b_ts_seen.is_none_or(|(w, _)| !ts_before(v, w)) {
+                c.b_ts_seen = Some((v, self.clock));
+            }
         }
         if !c.aligned {
             // Before alignment nothing can be translated. After take-over such a SYN-ACK goes
@@ -676,15 +840,24 @@ impl Backup {
         if n > 0 && !s.has(F::RST) {
             let e = sp + n;
             if sp.le(c.out_end) && e.gt(c.out_end) {
-                let skip = (c.out_end - sp) as usize;
-                c.out_hash = hash_continue(c.out_hash, &pkt[s.payload_at + skip..s.payload_at + s.payload_len]);
-                c.out_end = e;
-                if c.checkpoints.len() >= MAX_CHECKPOINTS {
-                    c.checkpoints.pop_front();
+                learn_output(c, sp, &pkt[s.payload_at..s.payload_at + s.payload_len], s.fin());
+                // Output that arrived beyond a gap (a segment this engine never saw: its queue
+                // overflowed) continues the digest once the gap is filled, instead of waiting for
+                // its server to send it all again, which it does only after timeouts.
+                while let Some(i) = c.ooo.iter().position(|(a, d, _)| a.le(c.out_end) && (*a + d.len() as u32).gt(c.out_end)) {
+                    let (a, d, fin) = c.ooo.swap_remove(i);
+                    c.ooo_bytes -= d.len();
+                    learn_output(c, a, &d, fin);
                 }
-                c.checkpoints.push_back((e, c.out_hash));
+                let end = c.out_end;
+                c.ooo.retain(|(a, d, _)| (*a + d.len() as u32).gt(end));
+                c.ooo_bytes = c.ooo.iter().map(|(_, d, _)| d.len()).sum();
             } else if sp.gt(c.out_end) {
                 self.counters.output_gap += 1;
+                if c.ooo_bytes + n as usize <= MAX_KEPT_BYTES && !c.ooo.iter().any(|(a, _, _)| *a == sp) {
+                    c.ooo_bytes += n as usize;
+                    c.ooo.push((sp, pkt[s.payload_at..s.payload_at + s.payload_len].to_vec(), s.fin()));
+                }
             }
         }
         if s.fin() && sp + n == c.out_end {
@@ -735,7 +908,7 @@ impl Backup {
             }
             return Verdict::Drop;
         }
-        let modified = c.delta != 0 || (s.ts.is_some() && c.ts_off != 0);
+        let modified = c.delta != 0 || s.ts.is_some();
         if !translate_out(c, pkt, &s) {
             return Verdict::Drop;
         }
@@ -756,7 +929,7 @@ impl Backup {
         self.changed.clear();
         self.kept_total = self.conns.values().map(|c| c.kept_bytes).sum();
         let keys: Vec<ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| *k).collect();
-        self.progress_of(beat, keys)
+        self.progress_of(beat, keys, true)
     }
 
     /// The records of the connections a packet touched since the last message (none: no
@@ -767,14 +940,16 @@ impl Backup {
         if keys.is_empty() {
             return vec![];
         }
-        self.progress_of(beat, keys)
+        self.progress_of(beat, keys, false)
     }
 
-    fn progress_of(&self, beat: u64, mut keys: Vec<ConnKey>) -> Vec<Progress> {
+    /// A beat (`full`) repeats the oldest unverified checkpoints; a message between beats
+    /// carries the checkpoints made since the last message.
+    fn progress_of(&mut self, beat: u64, mut keys: Vec<ConnKey>, full: bool) -> Vec<Progress> {
         keys.sort_by_key(|k| (k.client_port, k.server_port, k.client));
         let mut recs = vec![];
         for k in &keys {
-            let c = &self.conns[k];
+            let Some(c) = self.conns.get_mut(k) else { continue };
             let mut flags = 0;
             for (on, f) in [(c.rcv_known, rw::flag::RCV_KNOWN), (c.aligned, rw::flag::ALIGNED), (c.fin_out, rw::flag::FIN_OUT), (c.rst_out, rw::flag::RST_OUT), (c.diverged, rw::flag::DIVERGED), (c.b_isn.is_some(), rw::flag::ISN_KNOWN), (c.misaligned, rw::flag::MISALIGNED)] {
                 if on {
@@ -796,9 +971,19 @@ impl Backup {
             // Earlier output checkpoints the primary has not verified yet, oldest first: a
             // lost message must not leave the primary without a digest at an offset it reached
             // (it may be unable to go further while its output is held).
-            for &(end, hash) in c.checkpoints.iter().filter(|(e, _)| e.lt(c.out_end)) {
-                recs.push(ConnProgress { out_end: end, out_hash: hash, flags: flags & !(rw::flag::FIN_OUT | rw::flag::RST_OUT), ..rec });
+            let cp_flags = flags & !(rw::flag::FIN_OUT | rw::flag::RST_OUT);
+            let before_end = |e: &Seq| e.lt(c.out_end);
+            if full {
+                for &(end, hash) in c.checkpoints.iter().filter(|(e, _)| before_end(e)).take(BEAT_CHECKPOINTS) {
+                    recs.push(ConnProgress { out_end: end, out_hash: hash, flags: cp_flags, ..rec });
+                }
+            } else {
+                let sent = c.cp_sent;
+                for &(end, hash) in c.checkpoints.iter().filter(|(e, _)| before_end(e) && sent.is_none_or(|s| e.gt(s))) {
+                    recs.push(ConnProgress { out_end: end, out_hash: hash, flags: cp_flags, ..rec });
+                }
             }
+            c.cp_sent = Some(c.out_end);
             recs.push(rec);
         }
         chunk(Role::Backup, beat, recs)
@@ -816,9 +1001,14 @@ impl Backup {
         if p.role != Role::Primary {
             return inject;
         }
+        if self.p_last_beat.is_none_or(|b| p.beat > b) {
+            self.p_last_beat = Some(p.beat);
+            self.p_beats += 1;
+        }
         for r in &p.records {
             let key = ConnKey::of(r);
             let Some(c) = self.conns.get_mut(&key) else { continue };
+            c.p_seen_at = Some(self.clock);
             if r.flags & rw::flag::DIVERGED != 0 {
                 c.diverged = true;
             }
@@ -899,22 +1089,54 @@ impl Backup {
     }
 }
 
+/// Continues a backup's output digest with `data` (at `at`, primary's space, reaching past the
+/// digest's end), records the checkpoint, and a FIN at its end.
+fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool) {
+    let e = at + data.len() as u32;
+    if !(at.le(c.out_end) && e.gt(c.out_end)) {
+        return;
+    }
+    let skip = (c.out_end - at) as usize;
+    c.out_hash = hash_continue(c.out_hash, &data[skip..]);
+    c.out_end = e;
+    // Beyond the bound the newest are left out: every message ends with the current end
+    // anyway, and the primary needs the oldest first.
+    if c.checkpoints.len() < MAX_CHECKPOINTS {
+        c.checkpoints.push_back((e, c.out_hash));
+    }
+    if fin {
+        c.fin_out = true;
+    }
+}
+
 /// Withheld output a backup keeps per connection for its take-over ([`Backup::take_over`]),
 /// and for all connections together.
-pub const MAX_KEPT_BYTES: usize = 256 << 10;
+pub const MAX_KEPT_BYTES: usize = 8 << 20;
 pub const MAX_KEPT_TOTAL: usize = 256 << 20;
 
 /// A backup server's segment into the primary's space (SEQ + delta, TSval + offset); false when
 /// the packet cannot be written.
-fn translate_out(c: &BConn, pkt: &mut [u8], s: &Seg) -> bool {
+fn translate_out(c: &mut BConn, pkt: &mut [u8], s: &Seg) -> bool {
     let Ok(mut t) = tcp_mut(pkt, s) else { return false };
     if c.delta != 0 {
         t.rewrite_seq(s.seq + c.delta);
     }
-    if let (Some((at, v, _)), true) = (s.ts, c.ts_off != 0) {
-        t.rewrite_u32_at(at + 2, v.wrapping_add(c.ts_off));
+    if let Some((at, v, _)) = s.ts {
+        let mut out = v.wrapping_add(c.ts_off);
+        match c.ts_floor {
+            Some(f) if ts_before(out, f) => out = f,
+            _ => c.ts_floor = Some(out),
+        }
+        if out != v {
+            t.rewrite_u32_at(at + 2, out);
+        }
     }
     true
+}
+
+/// `a` is older than `b` in timestamp space (RFC 7323's serial comparison).
+fn ts_before(a: u32, b: u32) -> bool {
+    (b.wrapping_sub(a) as i32) > 0
 }
 
 /// A RST from the service address `server` to the client of `key` at `seq` (primary's space).
@@ -988,6 +1210,14 @@ pub enum Why {
     /// The backup aligned on a forged client ACK (its Δ disagrees with the primary's ISN): its
     /// server's connection is not the client's.
     BackupMisaligned,
+    /// The primary's server alone failed on this connection (closed or reset it where the
+    /// backup's went on, or stalled where the backup's answered) while the host shows no sign of
+    /// sickness: one connection's failure (a close race, an idle timeout meeting a request) is
+    /// that connection's, the client sees what the primary's server did (issue 20 item 9).
+    PrimaryFailed,
+    /// The backup can no longer take over ([`Primary::backup_stale`]): every connection runs
+    /// unprotected.
+    BackupStale,
 }
 
 /// Something the primary's daemon must act on or report.
@@ -995,10 +1225,16 @@ pub enum Why {
 pub enum Notice {
     /// The connection runs unprotected from now on.
     Unprotected { key: ConnKey, why: Why },
-    /// The primary's application failed on this connection while the backup's did not (Table
-    /// 3.3 rows 2-3, primary): the daemon must stop the primary (stop beating, take the
-    /// address down) so that the backup's detector fences it and takes over.
-    YieldToBackup { key: ConnKey },
+    /// The primary's server failed and the host shows it (Table 3.3 rows 2-3, primary): it
+    /// stalled on a connection while producing nothing on any for the lag bound, or its
+    /// listening socket is gone ([`Primary::server_listening`]; `key` is then `None`). The
+    /// daemon must stop the primary (stop beating, take the address down) so that the backup's
+    /// detector fences it and takes over.
+    YieldToBackup { key: Option<ConnKey> },
+    /// The backup missed input the primary's server consumed, or its server failed on a
+    /// connection: its state is no longer the primary's and it must never take over
+    /// ([`Primary::backup_stale`]). Every connection runs unprotected from now on.
+    BackupStale { why: Why },
 }
 
 /// What the primary's engine counted.
@@ -1033,7 +1269,36 @@ pub struct PrimaryCounters {
     pub held_total_exceeded: u64,
     /// Connections the backup reported aligned on a forged ACK (run unprotected).
     pub backup_misaligned: u64,
+    /// Output segments dropped because the connection already held [`Config::max_held_bytes`]
+    /// (its server sends them again once the held output is verified and acknowledged).
+    pub held_cap_dropped: u64,
+    /// Verified bytes sent ahead of the rest of their held segment (the backup's checkpoint
+    /// fell inside it), and retransmissions trimmed to their verified part.
+    pub partial_released: u64,
+    /// Released segments whose TSval was raised to the newest sent (PAWS).
+    pub ts_raised: u64,
+    /// Segments of its server's output seen beyond a gap (kept aside until the gap fills).
+    pub output_gap: u64,
+    /// Triples of duplicate ACKs injected into the primary's own server for output it sent
+    /// that this engine never saw.
+    pub self_nudges: u64,
+    /// Connections on which the primary's server alone failed ([`Why::PrimaryFailed`] or a
+    /// yield).
+    pub primary_failed: u64,
+    /// Half-open entries (no handshake within [`HALF_OPEN_TTL_MS`]) forgotten.
+    pub half_open_expired: u64,
+    /// Client RSTs that ended a connection.
+    pub client_resets: u64,
 }
+
+/// How long a failure of the primary's server on one connection waits for evidence of a sick
+/// host (its listening socket gone, which the daemon checks every beat) before it is taken for
+/// that connection's own.
+pub const PRIMARY_FAIL_GRACE_MS: u64 = 100;
+
+/// Backup checkpoints the primary keeps per connection (the oldest; the newest replaces the
+/// last place when full).
+const MAX_REPORTS: usize = 4096;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct BRec {
@@ -1095,11 +1360,34 @@ struct PConn {
     /// Highest sequence number (FIN included) the client has been sent.
     snd_c: Seq,
     ts: Option<(u32, u32)>,
+    /// The newest TSval sent to the client: a held segment released after younger ones (a
+    /// retransmission of released bytes, a pure ACK) carries it instead of its own older one,
+    /// which the client would discard (PAWS, RFC 7323 5: thousands of discarded segments and
+    /// stalls of 200-600 ms with large replies, issue 20 item 2).
+    ts_max: Option<u32>,
     state: Option<Why>,
     behind: Option<(Seq, Seq, u64)>,
     ahead: Option<(Seq, u64)>,
-    yielded: bool,
     client_fin: bool,
+    /// The client reset the connection (an acceptable RST): it is over.
+    client_rst: bool,
+    /// Since when the primary's FIN stands where the backup's server has more output.
+    fin_alone_since: Option<u64>,
+    /// Output seen beyond a gap (start, end, packet), at most [`Config::max_held_bytes`], and
+    /// the furthest its server has sent: its application is not behind the backup's while its
+    /// output only waits for a gap to fill.
+    ooo: Vec<(Seq, Seq, Vec<u8>)>,
+    ooo_len: usize,
+    p_max: Seq,
+    /// The client's latest acceptable segment: the end of its data, its window field and
+    /// timestamps (for duplicate ACKs built in its name toward the primary's own server).
+    client_last: Option<(Seq, u16, Option<(u32, u32)>)>,
+    /// The backup has output the primary's engine never saw from its own server although the
+    /// client acknowledged everything before it (a segment lost before this engine, when its
+    /// queue overflowed, at the tail of what its server sent): since (ms), next nudge at, gap.
+    tail_since: Option<u64>,
+    tail_nudge_at: u64,
+    tail_gap: u64,
     /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
     client_ack: Seq,
     snd_p: Seq,
@@ -1143,7 +1431,7 @@ impl Entry for PConn {
         !self.established
     }
     fn finished(&self) -> bool {
-        self.rst_since.is_some() || (self.p_fin && self.client_fin)
+        self.rst_since.is_some() || self.client_rst || (self.p_fin && self.client_fin)
     }
 }
 
@@ -1160,6 +1448,23 @@ pub struct Primary {
     /// Bytes of every connection's held packets.
     held_total: usize,
     unprotected: Option<Why>,
+    /// Set once the backup can no longer take over.
+    stale: Option<Why>,
+    /// A yield was asked for (once).
+    yielded: bool,
+    /// When the primary's server last produced new output on any connection (ms).
+    last_output_ms: u64,
+    /// The daemon's latest word on the server's listening socket (`None`: not told yet).
+    listening: Option<bool>,
+    /// Connections whose timers run (held output, a held SYN-ACK or FIN or RST, a lag or a
+    /// nudge pending): [`Primary::tick`] walks only these.
+    timed: std::collections::HashSet<ConnKey>,
+    /// The latest time passed in (ms).
+    clock: u64,
+    /// A connection whose output moved on while it has output kept beyond a gap.
+    refill: Option<ConnKey>,
+    /// Packets in the client's name for the primary's own server ([`Primary::take_inject`]).
+    inject: Vec<Vec<u8>>,
     last_beat: Option<u64>,
     out: Vec<Vec<u8>>,
     notices: Vec<Notice>,
@@ -1168,7 +1473,7 @@ pub struct Primary {
 
 impl Primary {
     pub fn new(cfg: Config) -> Primary {
-        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
+        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, stale: None, yielded: false, last_output_ms: 0, listening: None, timed: Default::default(), clock: 0, refill: None, inject: vec![], last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
     }
 
     pub fn config(&self) -> &Config {
@@ -1185,12 +1490,31 @@ impl Primary {
         self.conns.get(key).and_then(|c| c.state)
     }
 
+    /// The packets the engine built or released, in order. Their timestamps are raised to the
+    /// newest sent on their connection at this moment: a packet built earlier (a nudge, a fresh
+    /// ACK) may leave after a younger segment its server sent meanwhile (PAWS).
     pub fn take_transmit(&mut self) -> Vec<Vec<u8>> {
-        std::mem::take(&mut self.out)
+        let mut out = std::mem::take(&mut self.out);
+        for pkt in out.iter_mut() {
+            let Ok(s) = parse(pkt) else { continue };
+            let key = ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port };
+            if let Some(c) = self.conns.get_mut(&key) {
+                if stamp(c, pkt, &s) {
+                    self.counters.ts_raised += 1;
+                }
+            }
+        }
+        out
     }
 
     pub fn take_notices(&mut self) -> Vec<Notice> {
         std::mem::take(&mut self.notices)
+    }
+
+    /// Packets for the daemon to inject into the primary's own stack, as if from the client
+    /// (duplicate ACKs that make its server resend output this engine never saw).
+    pub fn take_inject(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.inject)
     }
 
     /// Output bytes held for the backup, all connections (bytes of the held packets).
@@ -1236,11 +1560,20 @@ impl Primary {
                 sent_ack: None,
                 snd_c: Seq(0),
                 ts: None,
+                ts_max: None,
                 state: None,
                 behind: None,
                 ahead: None,
-                yielded: false,
                 client_fin: false,
+                client_rst: false,
+                fin_alone_since: None,
+                ooo: Vec::new(),
+                ooo_len: 0,
+                p_max: Seq(0),
+                client_last: None,
+                tail_since: None,
+                tail_nudge_at: 0,
+                tail_gap: 0,
                 client_ack: Seq(0),
                 snd_p: Seq(0),
                 rcv_behind_since: None,
@@ -1256,7 +1589,7 @@ impl Primary {
             // A retransmitted SYN (same ISN) is the same connection, however it ended.
             let keep = self.conns.get(&key).map(|c| !c.finished() || c.synack_ack == s.seq + 1);
             if keep != Some(true) {
-                match insert(&mut self.conns, &mut self.births, self.cfg.max_conns, key, fresh, &mut self.counters.half_open_evicted) {
+                match insert(&mut self.conns, &mut self.births, self.cfg.max_conns, key, fresh, &mut self.counters.half_open_evicted, self.clock) {
                     None => self.counters.table_full += 1,
                     Some(gone) => self.held_total -= gone.map_or(0, |g| g.held_len),
                 }
@@ -1270,6 +1603,13 @@ impl Primary {
                 // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
                 let in_window = acceptable(&s, c.ack_p, c.edge_p);
                 c.client_fin |= s.fin() && in_window;
+                if s.has(F::RST) && s.seq == c.ack_p && c.answered && !c.client_rst {
+                    // The client ended it (RFC 5961: only a RST exactly at RCV.NXT resets; an
+                    // in-window one draws a challenge ACK): a reused 4-tuple must not inherit
+                    // this entry.
+                    c.client_rst = true;
+                    self.counters.client_resets += 1;
+                }
                 // The handshake completed: an acceptable ACK of the SYN-ACK (a blind forgery
                 // must guess the server's ISN). From then on the entry is never evicted.
                 if c.answered && in_window && s.ack.ge(c.stream_start) && s.ack.le(c.snd_p) {
@@ -1281,6 +1621,9 @@ impl Primary {
                 if c.synack.is_none() && in_window && s.ack.gt(c.client_ack) && s.ack.le(limit) {
                     c.client_ack = s.ack;
                 }
+                if in_window {
+                    c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
+                }
             }
         }
         Verdict::PASS
@@ -1288,6 +1631,29 @@ impl Primary {
 
     /// A packet of the primary's server toward a client.
     pub fn outgoing(&mut self, pkt: &mut [u8], now_ms: u64) -> Verdict {
+        let v = self.outgoing_one(pkt, now_ms);
+        // Output its server sent beyond a gap (a segment this engine never saw: its queue
+        // overflowed) was kept aside; once the gap is filled it is taken as if it came now,
+        // instead of waiting for its server to send it all again after timeouts.
+        while let Some(key) = self.refill.take() {
+            let Some(c) = self.conns.get_mut(&key) else { continue };
+            let p_end = c.p_end;
+            let Some(i) = c.ooo.iter().position(|(a, z, _)| a.le(p_end) && z.gt(p_end)) else {
+                c.ooo.retain(|(_, z, _)| z.gt(p_end));
+                c.ooo_len = c.ooo.iter().map(|(_, _, p)| p.len()).sum();
+                continue;
+            };
+            let (_, _, mut p) = c.ooo.swap_remove(i);
+            c.ooo_len -= p.len();
+            if let Verdict::Accept { .. } = self.outgoing_one(&mut p, now_ms) {
+                self.out.push(p);
+            }
+            self.refill.get_or_insert(key);
+        }
+        v
+    }
+
+    fn outgoing_one(&mut self, pkt: &mut [u8], now_ms: u64) -> Verdict {
         let Ok(s) = parse(pkt) else {
             self.counters.malformed += 1;
             return Verdict::PASS;
@@ -1301,7 +1667,25 @@ impl Primary {
             self.counters.unknown_conns += 1;
             return Verdict::PASS;
         };
+        self.clock = self.clock.max(now_ms);
         if c.state.is_some() {
+            // Unprotected: its output goes out as its server built it, but its ACK still waits
+            // for the backup, which may take over (with the others) as long as it is not stale:
+            // it must miss none of the input the primary's server consumes.
+            if s.has(F::ACK) && !s.has(F::RST) && !s.has(F::SYN) {
+                if s.ack.gt(c.ack_p) {
+                    c.ack_p = s.ack;
+                }
+                let edge = s.ack + ((s.window as u32) << c.ws_p);
+                if edge.gt(c.edge_p) {
+                    c.edge_p = edge;
+                }
+                let m = gate(c, pkt, &s, &mut self.counters);
+                if c.behind.is_none() && c.b.is_some_and(|b| b.rcv_known && c.ack_p.gt(b.rcv_nxt)) {
+                    self.timed.insert(key);
+                }
+                return Verdict::Accept { modified: m };
+            }
             return Verdict::PASS;
         }
         if s.has(F::SYN) && s.has(F::ACK) {
@@ -1314,6 +1698,7 @@ impl Primary {
             c.rel = s.seq + 1;
             c.stream_start = s.seq + 1;
             c.p_end = s.seq + 1;
+            c.p_max = s.seq + 1;
             c.snd_c = s.seq + 1;
             c.ack_p = s.ack;
             c.edge_p = s.ack + s.window as u32;
@@ -1328,6 +1713,7 @@ impl Primary {
             c.synack = Some(pkt.to_vec());
             c.synack_since.get_or_insert(now_ms);
             self.counters.held += 1;
+            self.timed.insert(key);
             return Verdict::Held;
         }
         if s.has(F::ACK) && !s.has(F::RST) {
@@ -1359,6 +1745,7 @@ impl Primary {
             }
             c.rst_since.get_or_insert(now_ms);
             self.counters.rst_held += 1;
+            self.timed.insert(key);
             return Verdict::Drop;
         }
         let n = s.payload_len as u32;
@@ -1366,6 +1753,9 @@ impl Primary {
         let e_all = end + s.fin() as u32;
         if e_all.gt(c.snd_p) {
             c.snd_p = e_all;
+        }
+        if e_all.gt(c.p_max) {
+            c.p_max = e_all;
         }
         if n == 0 && !s.fin() {
             let m = gate(c, pkt, &s, &mut self.counters);
@@ -1389,10 +1779,26 @@ impl Primary {
             }
             strip_fin(pkt, &s);
             gate(c, pkt, &s, &mut self.counters);
+            self.timed.insert(key);
             return Verdict::Accept { modified: true };
         }
         if start.gt(c.p_end) {
-            self.counters.malformed += 1;
+            // Beyond a gap: kept aside (bounded) until the gap is filled.
+            self.counters.output_gap += 1;
+            if e_all.gt(c.p_max) {
+                c.p_max = e_all;
+            }
+            if c.ooo_len + pkt.len() <= self.cfg.max_held_bytes && !c.ooo.iter().any(|(a, _, _)| *a == start) {
+                c.ooo_len += pkt.len();
+                c.ooo.push((start, e_all, pkt.to_vec()));
+            }
+            return Verdict::Drop;
+        }
+        if strict && end.gt(c.p_end) && c.held_bytes.len() + (end - c.p_end) as usize > self.cfg.max_held_bytes {
+            // Flow control rather than giving up: beyond the bound new output is dropped (not
+            // learned), its server sends it again once the held output is verified and the
+            // client acknowledged it. A backup that stays behind is caught by the lag bound.
+            self.counters.held_cap_dropped += 1;
             return Verdict::Drop;
         }
         let old_end = c.p_end;
@@ -1404,6 +1810,10 @@ impl Primary {
             }
             c.p_end = end;
             c.out_seen = true;
+            self.last_output_ms = now_ms;
+            if !c.ooo.is_empty() {
+                self.refill = Some(key);
+            }
         }
         if s.fin() && end == c.p_end {
             c.p_fin = true;
@@ -1422,6 +1832,20 @@ impl Primary {
             return Verdict::Accept { modified: m };
         }
         if !news {
+            // A retransmission of held bytes: the copy waits. Its verified part (the backup's
+            // checkpoint fell inside it) goes out now, with this segment's fresh timestamp, so
+            // a client that lost it is not left waiting for the rest to be verified.
+            if strict && start.lt(c.rel) && !s.fin() {
+                if let Some(p) = trimmed(pkt, &s, start, c.rel) {
+                    if let Ok(ps) = parse(&p) {
+                        let mut p = p;
+                        gate(c, &mut p, &ps, &mut self.counters);
+                        self.out.push(p);
+                        self.counters.partial_released += 1;
+                        return Verdict::Drop;
+                    }
+                }
+            }
             self.counters.retrans_dropped += 1;
             return Verdict::Drop;
         }
@@ -1441,10 +1865,7 @@ impl Primary {
             c.hold(HeldPkt { pkt: pkt.to_vec(), end, fin: s.fin() }, &mut self.held_total);
         }
         self.counters.held += 1;
-        let held: usize = c.held_bytes.len();
-        if held > self.cfg.max_held_bytes {
-            self.unprotect(key, Why::BackupLagging);
-        } else if self.held_total > self.cfg.max_held_total {
+        if self.held_total > self.cfg.max_held_total {
             // Beyond the host-wide cap the connection whose output would pass it runs
             // unprotected: its held output goes out as its server built it (never a wrong
             // byte), which also frees what it held.
@@ -1490,11 +1911,19 @@ impl Primary {
                     b.out_end = r.out_end;
                 }
                 b.aligned = true;
-                if strict && c.reports.back().is_none_or(|&(e, _)| r.out_end.gt(e)) {
-                    if c.reports.len() >= 64 {
-                        c.reports.pop_back();
+                // Kept in offset order, each once: a beat repeats the oldest checkpoints the
+                // primary has not verified, which are older than ones already kept (taking only
+                // newer ones than the last kept lost exactly those, and strict output commit then
+                // waited for the lag bound: issue 20 item 1).
+                if strict && r.out_end.gt(c.rel) {
+                    let at = c.reports.iter().position(|&(e, _)| !e.lt(r.out_end)).unwrap_or(c.reports.len());
+                    let dup = c.reports.get(at).is_some_and(|&(e, _)| e == r.out_end);
+                    if !dup && (c.reports.len() < MAX_REPORTS || at < c.reports.len()) {
+                        if c.reports.len() >= MAX_REPORTS {
+                            c.reports.pop_back();
+                        }
+                        c.reports.insert(at, (r.out_end, r.out_hash));
                     }
-                    c.reports.push_back((r.out_end, r.out_hash));
                 }
             }
             b.fin |= f(rw::flag::FIN_OUT);
@@ -1525,15 +1954,79 @@ impl Primary {
         }
     }
 
-    /// Time passes: MaxDelayFIN, AppMaxLagTime.
+    /// Time passes: MaxDelayFIN, AppMaxLagTime, nudges, half-open entries expire. Walks only
+    /// the connections with a timer running, not the whole table.
     pub fn tick(&mut self, now_ms: u64) {
+        self.clock = self.clock.max(now_ms);
+        let gone = expire_half_open(&mut self.conns, &mut self.births, self.clock, HALF_OPEN_TTL_MS, |_| false);
+        self.counters.half_open_expired += gone.len() as u64;
+        for (k, c) in gone {
+            self.held_total -= c.held_len;
+            self.timed.remove(&k);
+        }
         if self.unprotected.is_some() {
             return;
         }
-        let keys: Vec<ConnKey> = self.conns.keys().copied().collect();
+        let keys: Vec<ConnKey> = self.timed.iter().copied().collect();
         for key in keys {
             self.settle(key, now_ms);
         }
+    }
+
+    /// The daemon's check of the server's listening socket (every beat or so). A server seen
+    /// listening whose socket is gone has died or restarted (its state lost): the primary is
+    /// the sick host, it yields to the backup ([`Notice::YieldToBackup`] with no key).
+    pub fn server_listening(&mut self, up: bool) {
+        let was = self.listening.replace(up);
+        if was == Some(true) && !up {
+            self.yield_to_backup(None);
+        }
+    }
+
+    /// `Some(why)` once the backup can no longer take over: it missed input the primary's
+    /// server consumed (a connection's ACK stopped waiting for it), or its server failed on a
+    /// connection. Its server's state is no longer the primary's for every connection that
+    /// shares it (issue 20 item 5): the daemon tells it (it must never take over), and the
+    /// primary runs every connection unprotected.
+    pub fn backup_stale(&self) -> Option<Why> {
+        self.stale
+    }
+
+    fn yield_to_backup(&mut self, key: Option<ConnKey>) {
+        if self.yielded || self.unprotected.is_some() {
+            return;
+        }
+        self.yielded = true;
+        self.notices.push(Notice::YieldToBackup { key });
+    }
+
+    /// The primary's server alone failed on `key`. A host-wide yield needs evidence that the
+    /// host is sick: its listening socket gone, or (a stall) no new output on any connection for
+    /// the lag bound. Otherwise the failure is the connection's own (a close race, an idle
+    /// timeout meeting a request): it runs unprotected, the client sees what the primary's
+    /// server did, and no client can force a failover (issue 20 item 9).
+    fn primary_failed(&mut self, key: ConnKey, now: u64, stalled: bool) {
+        self.counters.primary_failed += 1;
+        let sick = self.listening == Some(false) || (stalled && now >= self.last_output_ms + self.cfg.max_lag_ms);
+        if sick {
+            self.yield_to_backup(Some(key));
+        } else {
+            self.unprotect(key, Why::PrimaryFailed);
+        }
+    }
+
+    fn make_stale(&mut self, why: Why) {
+        if self.stale.is_some() || self.unprotected.is_some() {
+            return;
+        }
+        self.stale = Some(why);
+        self.notices.push(Notice::BackupStale { why });
+        let keys: Vec<ConnKey> = self.conns.keys().copied().collect();
+        for key in keys {
+            self.unprotect(key, Why::BackupStale);
+        }
+        self.unprotected = Some(Why::BackupStale);
+        self.timed.clear();
     }
 
     /// Koch 6: the backup failed. Every held byte goes out now; ACK and window pass unchanged.
@@ -1598,9 +2091,42 @@ impl Primary {
     /// Verifies what can be verified, releases what is verified, applies the lag and FIN
     /// rules (ST-TCP 3.7.3, 3.7.4).
     fn settle(&mut self, key: ConnKey, now: u64) {
+        self.clock = self.clock.max(now);
+        self.settle_inner(key, now);
+        match self.conns.get(&key) {
+            Some(c) if self.unprotected.is_none() && timer_runs(c) => {
+                self.timed.insert(key);
+            }
+            _ => {
+                self.timed.remove(&key);
+            }
+        }
+    }
+
+    fn settle_inner(&mut self, key: ConnKey, now: u64) {
         let cfg = self.cfg;
         let Some(c) = self.conns.get_mut(&key) else { return };
         if c.state.is_some() {
+            // Unprotected, but its ACK still waits for the backup (so that the backup misses no
+            // input while it may take over): if the backup's input stays behind for the lag
+            // bound, it cannot catch up, and it is stale.
+            let Some(b) = c.b.filter(|b| b.rcv_known && !c.finished()) else {
+                c.behind = None;
+                return;
+            };
+            if c.ack_p.gt(b.rcv_nxt) {
+                match c.behind {
+                    Some((_, mr, _)) if b.rcv_nxt.ge(mr) => c.behind = Some((c.p_end, c.ack_p, now)),
+                    Some((_, _, t)) if now >= t + cfg.max_lag_ms => {
+                        c.behind = None;
+                        self.make_stale(Why::BackupLagging);
+                    }
+                    Some(_) => {}
+                    None => c.behind = Some((c.p_end, c.ack_p, now)),
+                }
+            } else {
+                c.behind = None;
+            }
             return;
         }
         if c.synack.is_some() {
@@ -1644,9 +2170,14 @@ impl Primary {
             self.unprotect(key, Why::BackupFinAlone);
             return;
         }
-        if c.p_fin && !fin_ok && b.aligned && b.out_end.gt(c.p_end) && !c.yielded {
-            c.yielded = true;
-            self.notices.push(Notice::YieldToBackup { key });
+        if c.p_fin && !fin_ok && b.aligned && b.out_end.gt(c.p_end) {
+            // Decided after a grace in which the daemon's check of the listening socket can
+            // show a crashed server (then the whole host yields, this connection with it).
+            let t = *c.fin_alone_since.get_or_insert(now);
+            if now >= t + PRIMARY_FAIL_GRACE_MS {
+                self.primary_failed(key, now, false);
+                return;
+            }
         }
         if c.p_fin && !fin_ok && c.fin_since.is_some() && c.client_ack.ge(c.p_end) {
             c.fin_acked_since.get_or_insert(now);
@@ -1655,9 +2186,9 @@ impl Primary {
             self.unprotect(key, Why::FinTimeout);
             return;
         }
-        if c.rst_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) && !b.rst && !c.yielded {
-            c.yielded = true;
-            self.notices.push(Notice::YieldToBackup { key });
+        if c.rst_since.is_some_and(|t| now >= t + cfg.max_delay_fin_ms) && !b.rst {
+            self.primary_failed(key, now, false);
+            return;
         }
         // Release.
         let mut any = false;
@@ -1688,6 +2219,25 @@ impl Primary {
             self.counters.released += 1;
             any = true;
         }
+        // The oldest held segment straddles the verified end (the backup's segments end
+        // elsewhere than the primary's): its verified part goes out now. Otherwise a client whose
+        // server retransmits only that segment (its window collapsed after a timeout) waits until
+        // the backup reports an end beyond it, which may never come (issue 20 item 1).
+        if cfg.strict && c.rel.gt(c.snd_c) {
+            if let Some(h) = c.held.front().filter(|h| !h.fin && h.end.gt(c.rel)) {
+                if let Ok(s) = parse(&h.pkt) {
+                    let from = if c.snd_c.gt(s.seq) { c.snd_c } else { s.seq };
+                    if let Some(mut p) = trimmed(&h.pkt, &s, from, c.rel) {
+                        if let Ok(ps) = parse(&p) {
+                            gate(c, &mut p, &ps, &mut self.counters);
+                            c.snd_c = c.rel;
+                            self.out.push(p);
+                            self.counters.partial_released += 1;
+                        }
+                    }
+                }
+            }
+        }
         if any {
             c.fin_since = if c.held.iter().any(|h| h.fin) { c.fin_since } else { None };
             c.fin_acked_since = c.fin_since.and(c.fin_acked_since);
@@ -1710,6 +2260,7 @@ impl Primary {
             });
             if now >= c.nudge_at && now > since {
                 if let Some((ack, win)) = gated(c) {
+                    note_ts(c);
                     let r = tcp::Repr { src_port: key.server_port, dst_port: key.client_port, seq: c.snd_c, ack, flags: F::ACK, window: win, timestamp: c.ts, ..Default::default() };
                     if let Ok(p) = ip::tcp_packet(c.server, key.client, &r, &[]) {
                         for _ in 0..3 {
@@ -1739,15 +2290,43 @@ impl Primary {
         } else {
             c.behind = None;
         }
+        // Output the backup produced beyond everything the primary's engine saw, while the client
+        // acknowledged all of that: the primary's server sent it (it has the same input) but
+        // the segment was lost before this engine (its queue overflowed). Its server resends it
+        // only at its retransmission timeout (backed off, seconds): three duplicate ACKs in
+        // the client's name make it resend at once (fast retransmit), again after twice as long.
+        let tail = (b.out_end.gt(c.p_end) || !c.ooo.is_empty()) && c.client_ack.ge(c.p_end) && !c.p_fin && c.ack_p.ge(b.rcv_nxt) && c.held.is_empty();
+        if !tail || cfg.nudge_after_ms == 0 {
+            c.tail_since = None;
+        } else {
+            let since = *c.tail_since.get_or_insert_with(|| {
+                c.tail_gap = cfg.nudge_after_ms;
+                c.tail_nudge_at = now + cfg.nudge_after_ms;
+                now
+            });
+            if now >= c.tail_nudge_at && now > since {
+                if let Some((cseq, cwin, cts)) = c.client_last {
+                    let r = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: cseq, ack: c.p_end, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
+                    if let Ok(p) = ip::tcp_packet(key.client, c.server, &r, &[]) {
+                        for _ in 0..3 {
+                            self.inject.push(p.clone());
+                        }
+                        self.counters.self_nudges += 1;
+                    }
+                }
+                c.tail_gap = c.tail_gap.saturating_mul(2);
+                c.tail_nudge_at = now + c.tail_gap;
+            }
+        }
         // The primary counts as lagging only while it has all the input the backup has: a
         // primary that missed a client segment waits for the client's retransmission, which
         // is the network's delay, not its application's.
-        if b.out_end.gt(c.p_end) && !c.p_fin && c.ack_p.ge(b.rcv_nxt) {
+        if b.out_end.gt(c.p_end) && b.out_end.gt(c.p_max) && !c.p_fin && c.ack_p.ge(b.rcv_nxt) {
             match c.ahead {
                 Some((m, _)) if c.p_end.ge(m) => c.ahead = Some((b.out_end, now)),
-                Some((_, t)) if now >= t + cfg.max_lag_ms && !c.yielded => {
-                    c.yielded = true;
-                    self.notices.push(Notice::YieldToBackup { key });
+                Some((_, t)) if now >= t + cfg.max_lag_ms => {
+                    c.ahead = None;
+                    self.primary_failed(key, now, true);
                 }
                 Some(_) => {}
                 None => c.ahead = Some((b.out_end, now)),
@@ -1767,6 +2346,7 @@ impl Primary {
         if !ack.gt(sent) {
             return;
         }
+        note_ts(c);
         let r = tcp::Repr {
             src_port: key.server_port,
             dst_port: key.client_port,
@@ -1793,15 +2373,78 @@ impl Primary {
         if let Some(sa) = c.synack.take() {
             self.out.push(sa);
         }
-        // Koch 6.1: everything held goes out as the primary's TCP built it.
+        // Koch 6.1: everything held goes out as the primary's TCP built it (its timestamps
+        // raised to the newest sent, PAWS).
         while let Some(h) = c.unhold(&mut self.held_total) {
-            self.out.push(h.pkt);
+            let mut pkt = h.pkt;
+            if let Ok(s) = parse(&pkt) {
+                if stamp(c, &mut pkt, &s) {
+                    self.counters.ts_raised += 1;
+                }
+            }
+            self.out.push(pkt);
             self.counters.released += 1;
         }
         c.held_bytes.clear();
         c.reports.clear();
+        c.ahead = None;
+        c.behind = None;
         self.notices.push(Notice::Unprotected { key, why });
+        // The backup's server failed on this connection (or numbers it wrong): it no longer
+        // receives what the primary's does there, so its state is no longer the primary's.
+        if matches!(why, Why::BackupLagging | Why::BackupRst | Why::BackupFinAlone | Why::BackupMisaligned) {
+            self.make_stale(why);
+        }
     }
+}
+
+/// A connection whose state needs [`Primary::tick`]: something held, a lag or FIN or RST
+/// clock running, a nudge pending.
+fn timer_runs(c: &PConn) -> bool {
+    c.synack.is_some() || !c.held.is_empty() || c.behind.is_some() || c.ahead.is_some() || c.rcv_behind_since.is_some() || c.fin_since.is_some() || c.rst_since.is_some() || c.tail_since.is_some()
+}
+
+/// Keeps the client's view of the server's timestamps monotonic (PAWS, RFC 7323 5): a segment
+/// older than the newest sent gets the newest TSval (and the newest TSecr the server echoed, so
+/// that the client's RTT sample is not inflated by the time it was held); true when changed.
+fn stamp(c: &mut PConn, pkt: &mut [u8], s: &Seg) -> bool {
+    let Some((at, v, e)) = s.ts else { return false };
+    match c.ts_max {
+        Some(m) if ts_before(v, m) => {
+            let Ok(mut t) = tcp_mut(pkt, s) else { return false };
+            t.rewrite_u32_at(at + 2, m);
+            if let Some((_, latest_ecr)) = c.ts.filter(|t| ts_before(e, t.1)) {
+                t.rewrite_u32_at(at + 6, latest_ecr);
+            }
+            true
+        }
+        _ => {
+            c.ts_max = Some(v);
+            false
+        }
+    }
+}
+
+/// A segment the engine builds carries the server's latest timestamps: from now on no older
+/// TSval may reach the client.
+fn note_ts(c: &mut PConn) {
+    if let Some((v, _)) = c.ts {
+        if c.ts_max.is_none_or(|m| ts_before(m, v)) {
+            c.ts_max = Some(v);
+        }
+    }
+}
+
+/// A copy of the segment `s` describes carrying only its bytes [`from`, `to`) (no FIN, no SYN),
+/// as its server's TCP would have sent them: same ACK, window and timestamps.
+fn trimmed(pkt: &[u8], s: &Seg, from: Seq, to: Seq) -> Option<Vec<u8>> {
+    if !from.lt(to) || from.lt(s.seq) || (to - s.seq) as usize > s.payload_len {
+        return None;
+    }
+    let a = s.payload_at + (from - s.seq) as usize;
+    let z = s.payload_at + (to - s.seq) as usize;
+    let r = tcp::Repr { src_port: s.src_port, dst_port: s.dst_port, seq: from, ack: s.ack, flags: s.flags & (F::ACK | F::PSH), window: s.window, timestamp: s.ts.map(|t| (t.1, t.2)), ..Default::default() };
+    ip::tcp_packet(s.info.src, s.info.dst, &r, &pkt[a..z]).ok()
 }
 
 /// Clears the FIN flag of the segment `s` describes, keeping its checksum right.
@@ -1841,12 +2484,16 @@ fn gated(c: &PConn) -> Option<(Seq, u16)> {
 
 /// Rewrites the ACK and window of an outgoing packet to [`gated`]'s; true when changed.
 fn gate(c: &mut PConn, pkt: &mut [u8], s: &Seg, counters: &mut PrimaryCounters) -> bool {
-    if !s.has(F::ACK) {
-        return false;
+    let stamped = stamp(c, pkt, s);
+    if stamped {
+        counters.ts_raised += 1;
     }
-    let Some((ack, win)) = gated(c) else { return false };
-    let Ok(mut t) = tcp_mut(pkt, s) else { return false };
-    let mut m = false;
+    if !s.has(F::ACK) {
+        return stamped;
+    }
+    let Some((ack, win)) = gated(c) else { return stamped };
+    let Ok(mut t) = tcp_mut(pkt, s) else { return stamped };
+    let mut m = stamped;
     if t.ack() != ack {
         if ack.lt(t.ack()) {
             counters.acks_lowered += 1;

@@ -58,7 +58,15 @@ fn aligned_backup() -> Backup {
     assert_eq!(r.ack, Seq(B_ISN + 1), "(3) the handshake ACK names the backup's SYN-ACK");
     assert_eq!(r.timestamp, Some((501, B_TS0)), "TSecr in the backup's clock");
     assert_eq!(b.counters.aligned, 1);
+    // The primary follows it too (its report names it): a take-over continues it.
+    assert!(b.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(0))).is_empty());
     b
+}
+
+/// The primary's report of the one connection, with these flags and verified output end.
+fn primary_names(flags: u8, out_end: Seq) -> Progress {
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1000), out_end, out_hash: 0, last_ack: Seq(0), isn: Seq(P_ISN), flags };
+    Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] }
 }
 
 /// The backup's server sends `n` bytes from its stream offset `off` (withheld or not).
@@ -92,6 +100,8 @@ fn st_tcp_3_3_0_1_backup_aligns_and_translates_sack_and_timestamps() {
 fn backup_clamps_acks_beyond_what_its_server_sent() {
     let mut b = aligned_backup();
     backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    // The primary reported output that far: the client may have acknowledged it.
+    b.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(P_ISN.wrapping_add(1 + 700))));
     let mut r = Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 500)), flags: F::ACK, window: 512, ..Default::default() };
     r.sack[0] = (Seq(P_ISN.wrapping_add(600)), Seq(P_ISN.wrapping_add(700)));
     r.sack_len = 1;
@@ -193,6 +203,8 @@ fn backup_drops_what_it_cannot_align_yet() {
 fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
     let mut b = aligned_backup();
     backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    // The primary verified 30 bytes (the backup's server is behind it).
+    b.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(P_ISN.wrapping_add(31))));
     let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 30)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
     b.incoming(&mut ack);
     assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 11), "clamped to what the backup's server sent");
@@ -322,8 +334,14 @@ fn koch_3_2_strict_output_commit_holds_then_releases() {
     assert_eq!(primary_sends(&mut p, 0, b"hello ", C_ISN + 1, 0, 3).0, Verdict::Drop, "retransmission of held bytes");
     p.backup_progress(&progress(2, C_ISN + 1, b"hello wo", false), 4);
     let out = p.take_transmit();
-    assert_eq!(out.len(), 1, "only the segment whose bytes are all verified");
+    assert_eq!(out.len(), 2, "the verified segment, then the verified part of the next");
     assert_eq!(seg(&out[0]).1, b"hello ");
+    let (t, payload) = seg(&out[1]);
+    assert_eq!((t.seq, payload.as_slice()), (Seq(P_ISN.wrapping_add(7)), &b"wo"[..]), "only verified bytes, never the unverified 'rld'");
+    assert_eq!(p.counters.partial_released, 1);
+    // Nothing more is verified: the partial part is not sent again.
+    p.tick(5);
+    assert!(p.take_transmit().is_empty());
     p.backup_progress(&progress(3, C_ISN + 1, b"hello world", false), 5);
     let out = p.take_transmit();
     assert_eq!(out.len(), 1);
@@ -366,26 +384,82 @@ fn st_tcp_3_7_4_fin_waits_for_the_backups() {
     assert_eq!((t.seq, d.len(), t.flags & F::FIN), (Seq(P_ISN.wrapping_add(4)), 0, F::FIN));
 }
 
-/// ST-TCP Table 3.3 row 3, primary: a FIN where the backup has more output means the
-/// primary's application failed: yield.
+/// ST-TCP Table 3.3 row 3, primary: a FIN where the backup has more output, while the server's
+/// listening socket is gone (it crashed): the host is sick, yield. The FIN never goes out.
 #[test]
-fn table_3_3_row3_primary_fin_alone_yields() {
+fn table_3_3_row3_primary_fin_alone_with_its_listener_gone_yields() {
     let mut p = primary(true);
+    p.server_listening(true);
     primary_sends(&mut p, 0, b"ab", C_ISN + 1, F::FIN, 2);
+    p.server_listening(false);
+    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: None }], "a listener gone is a sick host at once");
     p.backup_progress(&progress(2, C_ISN + 1, b"abcdef", false), 3);
-    assert!(p.take_notices().contains(&Notice::YieldToBackup { key: key() }));
+    assert!(p.take_notices().is_empty(), "one yield");
     assert!(p.take_transmit().iter().all(|pkt| seg(pkt).0.flags & F::FIN == 0), "the FIN never went out");
+    assert_eq!(p.conn_state(&key()), None, "the connection stays protected: the backup continues it");
 }
 
-/// ST-TCP 3.7.4: a RST of the primary's server never reaches the client while protected.
+/// Issue 20 item 9: one connection's close race (an idle timeout meeting a request: the
+/// primary's server closed, the backup's answered) while the server still listens is that
+/// connection's failure, not the host's: it runs unprotected and the client gets what the
+/// primary's server did (its bytes, then its FIN); no yield, so no client can force a failover.
 #[test]
-fn st_tcp_3_7_4_primary_rst_held_then_yield() {
+fn hostile_one_connections_close_race_does_not_move_the_host() {
+    let mut p = primary(true);
+    p.server_listening(true);
+    primary_sends(&mut p, 0, b"ab", C_ISN + 1, F::FIN, 2);
+    p.backup_progress(&progress(2, C_ISN + 1, b"abcdef", false), 3);
+    assert!(p.take_notices().is_empty(), "a grace for the daemon's listener check");
+    p.tick(3 + unbroken_engines::replica::PRIMARY_FAIL_GRACE_MS);
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::PrimaryFailed }]);
+    assert_eq!(p.counters.primary_failed, 1);
+    let out = p.take_transmit();
+    assert!(out.iter().any(|pkt| seg(pkt).1 == b"ab"), "its verified bytes");
+    assert!(out.iter().any(|pkt| seg(pkt).0.flags & F::FIN != 0), "then the primary's FIN, as an unreplicated server");
+    assert_eq!(p.backup_stale(), None, "the backup still follows every other connection");
+}
+
+/// ST-TCP 3.7.4: a RST of the primary's server never reaches the client while protected; alone
+/// for MaxDelayFIN it is that connection's failure (unprotected), a yield only with a sick host.
+#[test]
+fn st_tcp_3_7_4_primary_rst_held_then_the_connections_failure() {
     let mut p = primary(true);
     assert_eq!(primary_sends(&mut p, 0, &[], C_ISN + 1, F::RST, 10).0, Verdict::Drop);
     p.tick(500);
     assert!(p.take_notices().is_empty());
     p.tick(1_010);
-    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: key() }]);
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::PrimaryFailed }]);
+    let mut q = primary(true);
+    q.server_listening(true);
+    assert_eq!(primary_sends(&mut q, 0, &[], C_ISN + 1, F::RST, 10).0, Verdict::Drop);
+    q.server_listening(false);
+    assert_eq!(q.take_notices(), vec![Notice::YieldToBackup { key: None }]);
+}
+
+/// Table 3.3 row 2, primary: the primary's server stalls on a connection (the backup's answered)
+/// while producing nothing anywhere for the lag bound: a hung server, yield. If it produced output
+/// on another connection meanwhile, the stall is that connection's only.
+#[test]
+fn table_3_3_row2_primary_stall_yields_only_when_the_whole_server_stalls() {
+    let mut p = primary(true);
+    p.backup_progress(&progress(2, C_ISN + 1, b"abc", false), 3);
+    p.tick(100);
+    p.tick(5_200);
+    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: Some(key()) }]);
+    let mut q = primary(true);
+    q.backup_progress(&progress(2, C_ISN + 1, b"abc", false), 3);
+    q.tick(100);
+    // Output on another connection at 4 s: the server is alive.
+    let other = ConnKey { client_port: 40001, ..key() };
+    let syn2 = ip::tcp_packet(cli(), svc(), &Repr { src_port: 40001, dst_port: 6379, seq: Seq(5), flags: F::SYN, window: 100, ..Default::default() }, &[]).unwrap();
+    q.incoming(&syn2);
+    let mut sa2 = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 40001, seq: Seq(9), ack: Seq(6), flags: F::SYN | F::ACK, window: 100, ..Default::default() }, &[]).unwrap();
+    q.outgoing(&mut sa2, 3_000);
+    let mut d2 = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 40001, seq: Seq(10), ack: Seq(6), flags: F::ACK, window: 100, ..Default::default() }, b"zz").unwrap();
+    q.outgoing(&mut d2, 4_000);
+    assert!(q.follows(&other));
+    q.tick(5_200);
+    assert_eq!(q.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::PrimaryFailed }]);
 }
 
 /// Koch 6: the backup failed: everything held goes out, later output passes unchanged.
@@ -623,8 +697,9 @@ fn host_wide_cap_on_held_output() {
     assert_eq!(p.take_transmit(), vec![a1, a2], "its output, in order, as its server built it");
     assert_eq!(p.held_bytes(), b1.len(), "what the other connection holds");
     assert_eq!(p.conn_state(&port_key(40001)), None, "the other connection stays protected");
-    // From now on 40000's output passes at once.
-    assert_eq!(send(&mut p, 40000, 2000, 4).0, Verdict::PASS);
+    // From now on 40000's output passes at once (its ACK still waits for the backup, which
+    // may take over the other connections: it must miss none of this one's input either).
+    assert!(matches!(send(&mut p, 40000, 2000, 4).0, Verdict::Accept { .. }));
     // The other connection's output is released when the backup produced the same bytes.
     let mut bout = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: 40001, seq: Seq(B_ISN + 1), ack: Seq(C_ISN + 1), flags: F::ACK | F::PSH, window: 100, ..Default::default() }, &[2; 1000]).unwrap();
     b.outgoing(&mut bout);
@@ -748,7 +823,10 @@ fn forged_handshake_ack_before_the_primarys_isn_is_found_and_unprotected() {
     assert_eq!(prog[0].records[0].flags & rw::flag::MISALIGNED, rw::flag::MISALIGNED);
     p.backup_progress(&prog[0], 5);
     assert_eq!(p.conn_state(&key()), Some(Why::BackupMisaligned));
-    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::BackupMisaligned }]);
+    // Its server took the forgery as its handshake: it no longer receives what the primary's
+    // does on that connection, so its state is not the primary's (issue 20 item 5): stale.
+    assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::BackupMisaligned }, Notice::BackupStale { why: Why::BackupMisaligned }]);
+    assert_eq!(p.backup_stale(), Some(Why::BackupMisaligned));
     assert_eq!(p.counters.backup_misaligned, 1);
     b.take_over();
     assert_eq!(backup_sends(&mut b, 0, b"+OK", B_TS0 + 1).0, Verdict::Drop, "never answered after take-over");

@@ -179,6 +179,16 @@ fn why_name(w: Why) -> &'static str {
         Why::Diverged => "diverged",
         Why::HeldTotal => "held_total",
         Why::BackupMisaligned => "backup_misaligned",
+        Why::PrimaryFailed => "primary_failed",
+        Why::BackupStale => "backup_stale",
+    }
+}
+
+/// What failed on the primary, for a log line: a connection, or its server as a whole.
+fn yield_text(key: &Option<ConnKey>) -> String {
+    match key {
+        Some(k) => key_text(k),
+        None => "its listening socket (the server is gone)".to_string(),
     }
 }
 
@@ -283,15 +293,19 @@ impl Core {
                     let backup_alive = self.state == State::Protecting && self.peer_heard_at.is_some_and(|t| self.clock.saturating_sub(t) <= window);
                     if !backup_alive {
                         self.counters.yields_refused += 1;
-                        let line = format!("replica: the primary's server failed on {} but the backup is not heard: not yielding (the backup may be dead)", key_text(&key));
+                        let line = format!("replica: the primary's server failed on {} but the backup is not heard: not yielding (the backup may be dead)", yield_text(&key));
                         self.log(line);
                         continue;
                     }
                     if self.state != State::Yielded {
                         self.state = State::Yielded;
-                        let line = format!("replica: the primary's server failed on {} where the backup's did not: yielding (no more beats, the service's packets dropped) so that the backup fences this host and takes over", key_text(&key));
+                        let line = format!("replica: the primary's server failed on {} where the backup's did not: yielding (no more beats, the service's packets dropped) so that the backup fences this host and takes over", yield_text(&key));
                         self.log(line);
                     }
+                }
+                Notice::BackupStale { why } => {
+                    let line = format!("replica: the backup missed input this host's server consumed ({}): it can no longer take over; every connection runs unprotected until both are restarted", why_name(why));
+                    self.log(line);
                 }
             }
         }

@@ -1278,8 +1278,7 @@ fn write_rebuilt(path: &std::path::Path, keys: impl Iterator<Item = (Key, Option
     for (k, b) in keys {
         text.push_str(&format!("{} {} {}\n", k.client, k.service, b.map_or("-".to_string(), |b| b.to_string())));
     }
-    let tmp = path.with_extension("tmp");
-    if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
+    if let Err(e) = crate::status::write_atomic(path, text.as_bytes()) {
         eprintln!("agent: keeping the list of rebuilt connections in {}: {e}", path.display());
     }
 }
@@ -1697,6 +1696,23 @@ mod tests {
         let e = prepare_status_file(&dir.join("file/agent.json")).unwrap_err();
         assert!(e.contains("status_file") && e.contains("cannot create its directory"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 20 item 14: the list of rebuilt connections went through `<path>.tmp`, written
+    /// following symlinks: a planted one had the root agent overwrite any file. Now the list is
+    /// written and the target is untouched.
+    #[test]
+    fn hostile_rebuilt_list_does_not_follow_a_planted_temp_symlink() {
+        let d = crate::status::tests::Scratch::new("agent-rebuilt-symlink");
+        let path = d.0.join("rebuilt.list");
+        let victim = d.plant(&path.with_extension("tmp"));
+        let k = Key {
+            client: SocketAddr::from(([10, 77, 0, 2], 40000)),
+            service: SocketAddr::from(([10, 77, 0, 10], 6379)),
+        };
+        write_rebuilt(&path, [(k, Some(7))].into_iter());
+        assert_eq!(read_rebuilt(&path), (vec![(k, Some(7))], 0), "the list is written");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious", "the symlink's target is untouched");
     }
 
     #[test]

@@ -105,21 +105,19 @@ pub fn poll_fds(fds: &[RawFd], timeout_ms: i32) -> Vec<bool> {
 
 // ---- status files -------------------------------------------------------------------------------
 
-/// A status file written atomically (a temporary file beside it, `<path>.tmp<pid>`, then a
-/// rename: a reader never sees half a document). A failure is said once, and its end too.
+/// A status file written atomically ([`crate::status::write_atomic`]: a new temporary file
+/// beside it, never one found there, then a rename: a reader never sees half a document). A
+/// failure is said once, and its end too.
 pub struct StatusFile {
     name: String,
     path: PathBuf,
-    tmp: PathBuf,
     failed: bool,
 }
 
 impl StatusFile {
     /// The status file of the daemon `name` (the prefix of its log lines) at `path`.
     pub fn new(name: &str, path: PathBuf) -> StatusFile {
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".tmp{}", std::process::id()));
-        StatusFile { name: name.into(), path, tmp: tmp.into(), failed: false }
+        StatusFile { name: name.into(), path, failed: false }
     }
 
     pub fn path(&self) -> &Path {
@@ -128,7 +126,7 @@ impl StatusFile {
 
     /// Replaces the file's content with `bytes` atomically.
     pub fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
-        let r = std::fs::write(&self.tmp, bytes).and_then(|_| std::fs::rename(&self.tmp, &self.path));
+        let r = crate::status::write_atomic(&self.path, bytes);
         match &r {
             Ok(()) if self.failed => {
                 self.failed = false;
@@ -631,6 +629,26 @@ mod tests {
         assert!(!f.failed);
         assert_eq!(std::fs::read(&path).unwrap(), b"{\"a\":3}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 20 item 14: the temporary file was `<path>.tmp<pid>`, opened with O_TRUNC and
+    /// following symlinks: a local user who planted a symlink there had the root daemon
+    /// overwrite any file with its status. Now the status is still written and the target is
+    /// untouched.
+    #[test]
+    fn hostile_status_file_does_not_follow_a_planted_temp_symlink() {
+        let d = crate::status::tests::Scratch::new("daemon-status-symlink");
+        let path = d.0.join("s.json");
+        let mut old = path.as_os_str().to_owned();
+        old.push(format!(".tmp{}", std::process::id()));
+        let victim = d.plant(std::path::Path::new(&old));
+        let mut f = StatusFile::new("test", path.clone());
+        f.write(b"{\"a\":1}").expect("the status is written");
+        assert_eq!(std::fs::read(&path).unwrap(), b"{\"a\":1}");
+        assert!(!std::fs::symlink_metadata(&path).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious", "the symlink's target is untouched");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777 & !0o022, 0o644);
     }
 
     #[test]

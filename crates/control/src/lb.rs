@@ -961,6 +961,11 @@ pub struct LbCounters {
     /// stall, or a total outage): nobody was declared dead.
     #[serde(default)]
     pub common_mode_stalls: u64,
+    /// Monitor rounds that stopped reading after `MONITOR_BATCH` (1024) datagrams to look at
+    /// the deadlines first: a flood of datagrams on the heartbeat port (or a monitor far
+    /// behind). Deaths are still declared meanwhile.
+    #[serde(default)]
+    pub monitor_batches_cut: u64,
 }
 
 /// What [`Lb::status`] reports (also the JSON of `unbroken lb --status-file`).
@@ -1830,168 +1835,222 @@ enum Answer {
     Small(Vec<u8>),
 }
 
+/// Most datagrams the monitor reads in one round before it runs the detector's deadlines
+/// (issue 20 item 14). Well above what a heartbeat socket's default receive buffer holds
+/// (208 KiB of skbs of at least 768 bytes each, under 300), so a monitor that woke late still
+/// reads every beat queued meanwhile before it looks at deadlines (a late monitor must not kill
+/// a live server); and a flood, which refills the queue as fast as it is read, holds the
+/// deadlines off for one batch at most instead of for as long as it lasts.
+const MONITOR_BATCH: usize = 1024;
+
+/// What the monitor keeps from round to round besides the shared state.
+struct MonitorState {
+    key_id: u32,
+    last_nack: Option<Instant>,
+    log_bad_mac: LogLimit,
+    log_short: LogLimit,
+    log_stale: LogLimit,
+    buf: Vec<u8>,
+}
+
+impl MonitorState {
+    fn new(key: &[u8]) -> MonitorState {
+        MonitorState {
+            key_id: crate::hbproto::key_id(key),
+            last_nack: None,
+            log_bad_mac: LogLimit::new(Duration::from_secs(10)),
+            log_short: LogLimit::new(Duration::from_secs(10)),
+            log_stale: LogLimit::new(Duration::from_secs(10)),
+            buf: vec![0u8; 2048],
+        }
+    }
+}
+
 fn monitor(sh: &Shared, sock: UdpSocket, started: std::sync::mpsc::Sender<()>) {
     let rt = try_realtime(10);
     sh.lock().monitor_realtime = rt;
     let _ = started.send(());
-    let key_id = crate::hbproto::key_id(&sh.key);
-    let mut last_nack: Option<Instant> = None;
-    let mut log_bad_mac = LogLimit::new(Duration::from_secs(10));
-    let mut log_short = LogLimit::new(Duration::from_secs(10));
-    let mut log_stale = LogLimit::new(Duration::from_secs(10));
-    let mut buf = vec![0u8; 2048];
+    let mut m = MonitorState::new(&sh.key);
     while !sh.stop.load(Ordering::Relaxed) {
-        // 1. Drain every queued datagram first: a late monitor must not kill a live server.
-        let mut notify = false;
-        loop {
-            let (len, src) = match sock.recv_from(&mut buf) {
-                Ok(x) => x,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => {
-                    sh.lock().counters.recv_errors += 1;
-                    break;
-                }
-            };
-            let now = Instant::now();
-            let t_ms = sh.now_ms(now);
-            let dgram = &buf[..len];
-            let hb = decode_heartbeat(&sh.key, dgram);
-            let mut st = sh.lock();
-            let hb = match hb {
-                Ok(h) => h,
-                Err(e) => {
-                    let c = &mut st.counters;
-                    match e {
-                        ProtoError::Length => c.bad_length += 1,
-                        ProtoError::Magic => c.bad_magic += 1,
-                        ProtoError::Version => c.bad_version += 1,
-                        ProtoError::Kind => c.bad_kind += 1,
-                        ProtoError::Mac => c.bad_mac += 1,
-                    }
-                    if e != ProtoError::Mac {
-                        continue;
-                    }
-                    // A heartbeat with another key: say so (rate-limited), and hint the
-                    // sender with a NACK no longer than its datagram (at most one per
-                    // NACK_GAP_MS for the whole balancer: no reflector).
-                    let total = c.bad_mac;
-                    let nack = crate::hbproto::looks_like_heartbeat(dgram)
-                        && last_nack.is_none_or(|t| {
-                            now.saturating_duration_since(t)
-                                >= Duration::from_millis(crate::hbproto::NACK_GAP_MS)
-                        });
-                    if nack {
-                        c.nacks += 1;
-                        last_nack = Some(now);
-                    }
-                    drop(st);
-                    if log_bad_mac.hit(now).is_some() {
-                        eprintln!("lb: heartbeat from {src} failed authentication ({total} so far): the agent there has another key than this balancer's `key`");
-                    }
-                    if nack {
-                        let _ = sock.send_to(&crate::hbproto::encode_nack(key_id), src);
-                    }
-                    continue;
-                }
-            };
-            let Some(i) = st.servers.iter().position(|s| s.id == hb.server) else {
-                st.counters.unknown_server += 1;
-                continue;
-            };
-            let answer = match st.guard.check(i, &hb, src, t_ms) {
-                BeatVerdict::Replay => {
-                    st.counters.replayed += 1;
-                    Answer::None
-                }
-                BeatVerdict::Challenge { challenge, stale_cookie } => {
-                    st.counters.challenges += 1;
-                    if stale_cookie {
-                        st.counters.stale_cookies += 1;
-                        let total = st.counters.stale_cookies;
-                        if log_stale.hit(now).is_some() {
-                            eprintln!("lb: server {} : a heartbeat of an earlier agent run (or from another source) with a stale cookie from {src} ({total} so far): replayed?", hb.server);
-                        }
-                    }
-                    Answer::Small(crate::hbproto::encode_challenge(&sh.key, &challenge))
-                }
-                BeatVerdict::Accept { .. } if hb.len < reply_len(sh.cfg.buckets) => {
-                    // The reply would be longer than the beat: no answer, no liveness.
-                    st.counters.short_beats += 1;
-                    let total = st.counters.short_beats;
-                    if log_short.hit(now).is_some() {
-                        eprintln!("lb: server {}: heartbeat of {} bytes from {src} is shorter than its reply ({} bytes) and is not answered ({total} so far)", hb.server, hb.len, reply_len(sh.cfg.buckets));
-                    }
-                    Answer::None
-                }
-                BeatVerdict::Accept { .. } => {
-                    st.counters.heartbeats += 1;
-                    let before = st.det.want().0;
-                    if let Some(l) = st.det.heartbeat(i, hb.seq, t_ms) {
-                        st.record(l, now, t_ms);
-                        notify = true;
-                    }
-                    if st.det.want().0 != before {
-                        sh.work.notify_one();
-                    }
-                    let g = st.det.grant(i, t_ms);
-                    let reply = Reply {
-                        server: hb.server,
-                        boot: hb.boot,
-                        seq: hb.seq,
-                        epoch: g.epoch,
-                        buckets: sh.cfg.buckets,
-                        owned: g.owned,
-                        allowed: g.allowed,
-                        lease_ms: g.lease_ms.min(u16::MAX as u64) as u16,
-                    };
-                    Answer::Reply(encode_reply(&sh.key, &reply))
-                }
-            };
-            drop(st);
-            let (r, is_reply) = match answer {
-                Answer::None => continue,
-                Answer::Reply(r) => (r, true),
-                Answer::Small(r) => (r, false),
-            };
-            // Never answer with more bytes than the beat had.
-            debug_assert!(r.len() <= len);
-            if r.len() > len {
-                continue;
-            }
-            let sent = sock.send_to(&r, src);
-            let mut st = sh.lock();
-            match sent {
-                Ok(_) if is_reply => st.counters.replies += 1,
-                Ok(_) => {}
-                Err(_) => st.counters.send_errors += 1,
-            }
+        let wait = monitor_round(sh, &mut m, MONITOR_BATCH, |b| sock.recv_from(b), |r, to| sock.send_to(r, to));
+        if let Some(wait) = wait {
+            wait_readable(&sock, wait);
         }
+    }
+}
 
-        // 2. Deadlines: deaths, and moves whose old owner's lease ran out.
+/// One round of the monitor, its socket given as `recv` (non-blocking) and `send`:
+/// 1. at most `batch` queued datagrams (heartbeats answered, the rest counted);
+/// 2. the deadlines: deaths, and moves whose old owner's lease ran out.
+///
+/// How long to wait for the next datagram, or `None` when the batch was cut short (more are
+/// queued: the next round reads on at once, after these deadlines were seen to).
+fn monitor_round(
+    sh: &Shared,
+    m: &mut MonitorState,
+    batch: usize,
+    mut recv: impl FnMut(&mut [u8]) -> io::Result<(usize, SocketAddr)>,
+    mut send: impl FnMut(&[u8], SocketAddr) -> io::Result<usize>,
+) -> Option<Duration> {
+    // 1. Drain what is queued first (up to `batch`): a late monitor must not kill a live server.
+    let mut notify = false;
+    let mut read = 0;
+    let cut = loop {
+        if read == batch {
+            break true;
+        }
+        let (len, src) = match recv(&mut m.buf) {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => {
+                sh.lock().counters.recv_errors += 1;
+                break false;
+            }
+        };
+        read += 1;
         let now = Instant::now();
         let t_ms = sh.now_ms(now);
-        let next = {
-            let mut st = sh.lock();
-            let before = st.det.want().0;
-            for l in st.det.tick(t_ms) {
-                st.record(l, now, t_ms);
-                notify = true;
+        let dgram = &m.buf[..len];
+        let hb = decode_heartbeat(&sh.key, dgram);
+        let mut st = sh.lock();
+        let hb = match hb {
+            Ok(h) => h,
+            Err(e) => {
+                let c = &mut st.counters;
+                match e {
+                    ProtoError::Length => c.bad_length += 1,
+                    ProtoError::Magic => c.bad_magic += 1,
+                    ProtoError::Version => c.bad_version += 1,
+                    ProtoError::Kind => c.bad_kind += 1,
+                    ProtoError::Mac => c.bad_mac += 1,
+                }
+                if e != ProtoError::Mac {
+                    continue;
+                }
+                // A heartbeat with another key: say so (rate-limited), and hint the
+                // sender with a NACK no longer than its datagram (at most one per
+                // NACK_GAP_MS for the whole balancer: no reflector).
+                let total = c.bad_mac;
+                let nack = crate::hbproto::looks_like_heartbeat(dgram)
+                    && m.last_nack.is_none_or(|t| {
+                        now.saturating_duration_since(t)
+                            >= Duration::from_millis(crate::hbproto::NACK_GAP_MS)
+                    });
+                if nack {
+                    c.nacks += 1;
+                    m.last_nack = Some(now);
+                }
+                drop(st);
+                if m.log_bad_mac.hit(now).is_some() {
+                    eprintln!("lb: heartbeat from {src} failed authentication ({total} so far): the agent there has another key than this balancer's `key`");
+                }
+                if nack {
+                    let _ = send(&crate::hbproto::encode_nack(m.key_id), src);
+                }
+                continue;
             }
-            if st.det.want().0 != before {
-                sh.work.notify_one();
-            }
-            st.det.next_deadline(t_ms)
         };
-        if notify {
-            sh.changed.notify_all();
+        let Some(i) = st.servers.iter().position(|s| s.id == hb.server) else {
+            st.counters.unknown_server += 1;
+            continue;
+        };
+        let answer = match st.guard.check(i, &hb, src, t_ms) {
+            BeatVerdict::Replay => {
+                st.counters.replayed += 1;
+                Answer::None
+            }
+            BeatVerdict::Challenge { challenge, stale_cookie } => {
+                st.counters.challenges += 1;
+                if stale_cookie {
+                    st.counters.stale_cookies += 1;
+                    let total = st.counters.stale_cookies;
+                    if m.log_stale.hit(now).is_some() {
+                        eprintln!("lb: server {} : a heartbeat of an earlier agent run (or from another source) with a stale cookie from {src} ({total} so far): replayed?", hb.server);
+                    }
+                }
+                Answer::Small(crate::hbproto::encode_challenge(&sh.key, &challenge))
+            }
+            BeatVerdict::Accept { .. } if hb.len < reply_len(sh.cfg.buckets) => {
+                // The reply would be longer than the beat: no answer, no liveness.
+                st.counters.short_beats += 1;
+                let total = st.counters.short_beats;
+                if m.log_short.hit(now).is_some() {
+                    eprintln!("lb: server {}: heartbeat of {} bytes from {src} is shorter than its reply ({} bytes) and is not answered ({total} so far)", hb.server, hb.len, reply_len(sh.cfg.buckets));
+                }
+                Answer::None
+            }
+            BeatVerdict::Accept { .. } => {
+                st.counters.heartbeats += 1;
+                let before = st.det.want().0;
+                if let Some(l) = st.det.heartbeat(i, hb.seq, t_ms) {
+                    st.record(l, now, t_ms);
+                    notify = true;
+                }
+                if st.det.want().0 != before {
+                    sh.work.notify_one();
+                }
+                let g = st.det.grant(i, t_ms);
+                let reply = Reply {
+                    server: hb.server,
+                    boot: hb.boot,
+                    seq: hb.seq,
+                    epoch: g.epoch,
+                    buckets: sh.cfg.buckets,
+                    owned: g.owned,
+                    allowed: g.allowed,
+                    lease_ms: g.lease_ms.min(u16::MAX as u64) as u16,
+                };
+                Answer::Reply(encode_reply(&sh.key, &reply))
+            }
+        };
+        drop(st);
+        let (r, is_reply) = match answer {
+            Answer::None => continue,
+            Answer::Reply(r) => (r, true),
+            Answer::Small(r) => (r, false),
+        };
+        // Never answer with more bytes than the beat had.
+        debug_assert!(r.len() <= len);
+        if r.len() > len {
+            continue;
         }
+        let sent = send(&r, src);
+        let mut st = sh.lock();
+        match sent {
+            Ok(_) if is_reply => st.counters.replies += 1,
+            Ok(_) => {}
+            Err(_) => st.counters.send_errors += 1,
+        }
+    };
 
-        // 3. Sleep until a datagram arrives or the next deadline.
-        let wait = Duration::from_millis(next.saturating_sub(sh.now_ms(Instant::now())))
-            .min(MONITOR_MAX_WAIT);
-        wait_readable(&sock, wait);
+    // 2. Deadlines: deaths, and moves whose old owner's lease ran out.
+    let now = Instant::now();
+    let t_ms = sh.now_ms(now);
+    let next = {
+        let mut st = sh.lock();
+        if cut {
+            st.counters.monitor_batches_cut += 1;
+        }
+        let before = st.det.want().0;
+        for l in st.det.tick(t_ms) {
+            st.record(l, now, t_ms);
+            notify = true;
+        }
+        if st.det.want().0 != before {
+            sh.work.notify_one();
+        }
+        st.det.next_deadline(t_ms)
+    };
+    if notify {
+        sh.changed.notify_all();
     }
+    if cut {
+        return None;
+    }
+
+    // 3. Then sleep until a datagram arrives or the next deadline.
+    Some(Duration::from_millis(next.saturating_sub(sh.now_ms(Instant::now()))).min(MONITOR_MAX_WAIT))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2427,6 +2486,123 @@ mac = "02:75:62:01:00:02"
 id = 3
 mac = "02:75:62:01:00:03"
 "#;
+
+    /// A balancer's shared state without nftables or threads: `cfg`'s servers, a detector that
+    /// started `ago_ms` before the clock's base.
+    fn bare_shared(cfg: LbConfig, ago_ms: u64) -> Shared {
+        let p = cfg.parse().unwrap();
+        let n = cfg.servers.len();
+        let det = Detector::new(cfg.detector_config(), home_owners(cfg.buckets, n), CLOCK_BASE_MS - ago_ms).unwrap();
+        let servers = cfg
+            .servers
+            .iter()
+            .zip(&p.macs)
+            .map(|(s, &mac)| ServerInfo { id: s.id, mac, check: MacCheck::default() })
+            .collect();
+        let st = State {
+            det,
+            guard: BeatGuard::new(n, [7; 32]),
+            servers,
+            decided: Vec::new(),
+            events: Vec::new(),
+            next_event: 1,
+            counters: LbCounters::default(),
+            last_nft_error: None,
+            monitor_realtime: false,
+            programmer_realtime: false,
+            adopted: false,
+            stop: false,
+            generation: 1,
+        };
+        Shared {
+            rules: ruleset_of(&cfg, &p),
+            key: p.key,
+            cfg,
+            started: Instant::now(),
+            state: Mutex::new(st),
+            work: Condvar::new(),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+        }
+    }
+
+    /// Issue 20 item 14: the monitor drained its socket until it was empty before it looked at
+    /// any deadline, so a flood of datagrams on the heartbeat port (which refills the queue as
+    /// fast as it is read) held off every death for as long as it lasted. Now one round reads at
+    /// most `MONITOR_BATCH` datagrams, then runs the deadlines: a server that went silent is
+    /// declared dead while the flood goes on, the round is counted, and the monitor reads on at
+    /// once. The flood here never runs dry within a batch; it is capped only so that an
+    /// unbounded drain ends (and fails) instead of hanging.
+    #[test]
+    fn hostile_heartbeat_flood_does_not_hold_off_death_detection() {
+        let mut cfg = LbConfig::from_toml(GOOD).unwrap();
+        // No server that beat at the start of the test can be overdue, however slow the machine.
+        cfg.dead_after_ms = 600_000;
+        let dc = cfg.detector_config();
+        let sh = bare_shared(cfg, dc.startup_grace_ms + dc.dead_after_ms + 1);
+        let t = sh.now_ms(Instant::now());
+        {
+            // Servers 1 and 2 are alive (they just beat); server 3 has been silent since the start.
+            let mut st = sh.lock();
+            st.det.heartbeat(0, 1, t);
+            st.det.heartbeat(1, 1, t);
+            assert!(st.det.server(2, t).alive, "not declared dead before the round");
+        }
+        let mut m = MonitorState::new(&sh.key);
+        let from: SocketAddr = "10.78.0.66:9999".parse().unwrap();
+        let cap = 50 * MONITOR_BATCH;
+        let (mut reads, mut sent) = (0usize, 0usize);
+        let wait = monitor_round(
+            &sh,
+            &mut m,
+            MONITOR_BATCH,
+            |b| {
+                if reads == cap {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                reads += 1;
+                b[..64].fill(0xee);
+                Ok((64, from))
+            },
+            |_, _| {
+                sent += 1;
+                Ok(0)
+            },
+        );
+        assert_eq!(reads, MONITOR_BATCH, "one round reads one batch of the flood, not all of it");
+        assert_eq!(wait, None, "more are queued: the next round reads on at once");
+        assert_eq!(sent, 0, "garbage is not answered");
+        let st = sh.lock();
+        let t = sh.now_ms(Instant::now());
+        assert!(!st.det.server(2, t).alive, "the silent server was declared dead during the flood");
+        assert!(st.det.server(0, t).alive && st.det.server(1, t).alive);
+        assert!(st.events.iter().any(|e| e.server == 3 && e.kind == EventKind::Down), "{:?}", st.events);
+        let c = &st.counters;
+        assert_eq!(c.monitor_batches_cut, 1);
+        assert_eq!(c.bad_length + c.bad_magic + c.bad_version + c.bad_kind + c.bad_mac, reads as u64, "every datagram counted");
+        drop(st);
+
+        // A queue shorter than a batch is read whole before the deadlines (a late monitor must
+        // not kill a live server), and the round then waits for more.
+        let mut left = 10;
+        let wait = monitor_round(
+            &sh,
+            &mut m,
+            MONITOR_BATCH,
+            |b| {
+                if left == 0 {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                left -= 1;
+                b[..64].fill(0xee);
+                Ok((64, from))
+            },
+            |_, _| Ok(0),
+        );
+        assert_eq!(left, 0);
+        assert!(wait.is_some_and(|w| w <= MONITOR_MAX_WAIT), "{wait:?}");
+        assert_eq!(sh.lock().counters.monitor_batches_cut, 1, "not cut");
+    }
 
     #[test]
     fn config_parses_with_defaults() {

@@ -47,9 +47,11 @@
 //! - [`HubReceive`]: on the backup, the client's frames that a hub, a port mirror or [`Mirror`]
 //!   delivers name the primary's MAC, so the backup's stack drops them (`PACKET_OTHERHOST`)
 //!   although their IP destination is its own (the service address). One nftables netdev
-//!   ingress rule on the backup's device, `ip daddr { ADDRS } meta pkttype other meta pkttype set
-//!   host`, hands exactly those to its stack (whose answers replica mode's queue then withholds);
-//!   frames for its host address, broadcasts and other destinations are left alone. Counted
+//!   ingress rule on the backup's device, `ip daddr { ADDRS } tcp dport { PORTS } meta pkttype
+//!   other meta pkttype set host`, hands exactly the replicated services' TCP segments to its
+//!   stack (whose answers replica mode's queue then withholds); everything else stays the
+//!   primary's alone: pings (one reply, not two), other TCP ports (no RST from the backup), UDP,
+//!   frames for its host address, broadcasts and other destinations. Counted
 //!   ([`HubReceive::handed`]); owned, installed and removed like [`ArpSuppress`]; IPv4 only
 //!   (IPv6 service addresses are refused: there is no neighbour-discovery suppression yet).
 //!
@@ -340,18 +342,23 @@ impl Mirror {
     }
 }
 
-/// What [`HubReceive::install`] installs: on the backup, frames on `device` addressed to one
-/// of the service addresses but to another host's MAC (the primary's: a hub, a port mirror or
-/// [`Mirror`] delivers them) are handed to the backup's own stack. Build with
-/// [`HubReceiveSpec::new`].
+/// What [`HubReceive::install`] installs: on the backup, TCP segments on `device` to one of
+/// the replicated services (service address and port) but to another host's MAC (the
+/// primary's: a hub, a port mirror or [`Mirror`] delivers them) are handed to the backup's own
+/// stack. Build with [`HubReceiveSpec::tcp`].
 ///
 /// ```text
 /// table netdev unbroken-rx-eth0 {
 ///   comment "unbroken-owner:PID:START"
 ///   chain c { type filter hook ingress device "eth0" priority filter; policy accept;
-///     ip daddr { 10.0.0.10 } meta pkttype other counter meta pkttype set host comment "unbroken-owner:PID:START" }
+///     ip daddr { 10.0.0.10 } tcp dport { 6379 } meta pkttype other counter meta pkttype set host comment "unbroken-owner:PID:START" }
 /// }
 /// ```
+///
+/// Nothing else addressed to the service address reaches the backup's stack: it would answer
+/// it beside the primary (a second echo reply to every ping, a RST to a SYN for another port
+/// the primary serves, ICMP port-unreachable for UDP). Non-first IP fragments carry no port and
+/// are not handed over either.
 ///
 /// IPv4 only for now: an IPv6 address is refused (the segment has no NDP counterpart of
 /// [`ArpSuppress`] yet, so an IPv6 service address would be answered for by both hosts).
@@ -364,6 +371,10 @@ pub struct HubReceiveSpec {
     pub device: String,
     /// The service addresses: only frames to them are handed over. At least one; IPv4 only.
     pub addrs: Vec<std::net::IpAddr>,
+    /// The replicated services' TCP ports (at least one, none 0): only TCP segments to them are
+    /// handed over. `None`: TCP to every port of `addrs`, what the transitional
+    /// [`HubReceiveSpec::new`] gives (still no ICMP, UDP or other protocol).
+    pub ports: Option<Vec<u16>>,
     /// Run `nft` inside this named network namespace.
     pub netns: Option<String>,
     /// The `nft` binary.
@@ -373,8 +384,21 @@ pub struct HubReceiveSpec {
 }
 
 impl HubReceiveSpec {
-    /// Hand frames for `addrs` arriving on `device` to this host's stack, in this namespace,
-    /// owned by the calling process.
+    /// Hand TCP segments to `ports` of `addrs` arriving on `device` to this host's stack, in
+    /// this namespace, owned by the calling process.
+    pub fn tcp(
+        device: impl Into<String>,
+        addrs: impl IntoIterator<Item = std::net::IpAddr>,
+        ports: impl IntoIterator<Item = u16>,
+    ) -> HubReceiveSpec {
+        let mut s = HubReceiveSpec::new(device, addrs);
+        s.ports = Some(ports.into_iter().collect());
+        s
+    }
+
+    /// Transitional, for callers that do not give the service ports yet: TCP to every port of
+    /// `addrs` (a SYN for another port the primary serves still draws the backup's RST). Use
+    /// [`HubReceiveSpec::tcp`].
     pub fn new(
         device: impl Into<String>,
         addrs: impl IntoIterator<Item = std::net::IpAddr>,
@@ -384,6 +408,7 @@ impl HubReceiveSpec {
             table: table_name("unbroken-rx", &device),
             device,
             addrs: addrs.into_iter().collect(),
+            ports: None,
             netns: None,
             nft: "nft".into(),
             owner: Owner::current(),
@@ -410,21 +435,28 @@ impl HubReceiveSpec {
                 v4 => check_unicast(*v4)?,
             }
         }
-        Ok(())
+        match &self.ports {
+            Some(p) if p.is_empty() => Err(invalid("no service port to receive for".into())),
+            Some(p) if p.contains(&0) => Err(invalid("service port 0".into())),
+            _ => Ok(()),
+        }
     }
 
-    /// The `nft -f` transaction that installs (or atomically replaces) the table. The
-    /// addresses are sorted and deduplicated (nft refuses a set with one element twice).
+    /// The `nft -f` transaction that installs (or atomically replaces) the table. Addresses
+    /// and ports are sorted and deduplicated (nft refuses a set with one element twice).
     fn ruleset(&self) -> String {
         let (t, d, tag) = (&self.table, &self.device, self.owner.tag());
-        let mut addrs = self.addrs.clone();
-        addrs.sort();
-        addrs.dedup();
-        let set = addrs
-            .iter()
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
+        fn sorted<T: Ord + Clone + ToString>(v: &[T]) -> String {
+            let mut v = v.to_vec();
+            v.sort();
+            v.dedup();
+            v.iter().map(T::to_string).collect::<Vec<_>>().join(", ")
+        }
+        let set = sorted(&self.addrs);
+        let tcp = match &self.ports {
+            Some(p) => format!("tcp dport {{ {} }}", sorted(p)),
+            None => "meta l4proto tcp".into(),
+        };
         format!(
             "table netdev {t}\n\
              delete table netdev {t}\n\
@@ -432,7 +464,7 @@ impl HubReceiveSpec {
              \x20 comment \"{tag}\"\n\
              \x20 chain c {{\n\
              \x20   type filter hook ingress device \"{d}\" priority filter; policy accept;\n\
-             \x20   ip daddr {{ {set} }} meta pkttype other counter meta pkttype set host comment \"{tag}\"\n\
+             \x20   ip daddr {{ {set} }} {tcp} meta pkttype other counter meta pkttype set host comment \"{tag}\"\n\
              \x20 }}\n\
              }}\n"
         )
@@ -905,9 +937,10 @@ mod tests {
     #[test]
     fn hub_receive_ruleset_and_specs() {
         let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
-        let mut h = HubReceiveSpec::new(
+        let mut h = HubReceiveSpec::tcp(
             "eth0",
             [ip("10.77.3.20"), ip("10.77.3.10"), ip("10.77.3.20")],
+            [7000, 6379, 7000],
         );
         h.owner = Owner { pid: 7, start: 9 };
         assert_eq!(h.table, "unbroken-rx-eth0");
@@ -916,11 +949,22 @@ mod tests {
             h.ruleset(),
             "table netdev unbroken-rx-eth0\ndelete table netdev unbroken-rx-eth0\ntable netdev unbroken-rx-eth0 {\n  \
              comment \"unbroken-owner:7:9\"\n  chain c {\n    type filter hook ingress device \"eth0\" priority filter; policy accept;\n    \
-             ip daddr { 10.77.3.10, 10.77.3.20 } meta pkttype other counter meta pkttype set host comment \"unbroken-owner:7:9\"\n  }\n}\n"
+             ip daddr { 10.77.3.10, 10.77.3.20 } tcp dport { 6379, 7000 } meta pkttype other counter meta pkttype set host comment \"unbroken-owner:7:9\"\n  }\n}\n"
         );
         assert_eq!(
-            HubReceiveSpec::new("a.b", [ip("10.0.0.1")]).table,
+            HubReceiveSpec::tcp("a.b", [ip("10.0.0.1")], [1]).table,
             "unbroken-rx-a_b"
+        );
+        // The transitional constructor: TCP only, every port.
+        let mut any = HubReceiveSpec::new("eth0", [ip("10.77.3.10")]);
+        any.owner = h.owner;
+        assert!(any.validate().is_ok());
+        assert!(
+            any.ruleset().contains(
+                "ip daddr { 10.77.3.10 } meta l4proto tcp meta pkttype other counter meta pkttype set host"
+            ),
+            "{}",
+            any.ruleset()
         );
         let bad = |f: &dyn Fn(&mut HubReceiveSpec)| {
             let mut b = h.clone();
@@ -935,6 +979,14 @@ mod tests {
         );
         assert_eq!(
             bad(&|b| b.addrs.clear()).kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|b| b.ports = Some(vec![])).kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            bad(&|b| b.ports = Some(vec![6379, 0])).kind(),
             io::ErrorKind::InvalidInput
         );
         for a in ["0.0.0.0", "255.255.255.255", "224.0.0.1", "127.0.0.1"] {
@@ -955,7 +1007,7 @@ mod tests {
         // What `nft list table netdev ...` prints (nftables 1.0.6).
         let listing = "table netdev unbroken-rx-eth0 {\n\tcomment \"unbroken-owner:7:9\"\n\tchain c {\n\
             \t\ttype filter hook ingress device \"eth0\" priority filter; policy accept;\n\
-            \t\tip daddr { 10.77.3.10, 10.77.3.20 } meta pkttype other counter packets 12 bytes 840 meta pkttype set host comment \"unbroken-owner:7:9\"\n\t}\n}\n";
+            \t\tip daddr { 10.77.3.10, 10.77.3.20 } tcp dport { 6379, 7000 } meta pkttype other counter packets 12 bytes 840 meta pkttype set host comment \"unbroken-owner:7:9\"\n\t}\n}\n";
         assert_eq!(parse_owner(listing), Some(Owner { pid: 7, start: 9 }));
         assert_eq!(sum_counters(listing), 12);
     }

@@ -13,6 +13,8 @@
 //!   connections reach the backup's server, and a fresh resolution is answered by the backup.
 //! - Ownership of the suppression and hand-over tables; the hand-over ([`HubReceive`], one
 //!   netdev rule `meta pkttype set host`) gives the mirrored frames to the backup's stack.
+//! - The hand-over is the replicated service's TCP only: a ping gets one echo reply (the
+//!   primary's), a SYN for another port the primary serves draws no RST from the backup.
 //! - Local injection: a packet "from the client" sent with `RawSender` in the backup reaches its
 //!   own server socket through `lo`, with `rp_filter=1` (what the backup daemon injects).
 //! - Without a hub: the router in front mirrors toward the backup (`segment::Mirror`).
@@ -391,7 +393,7 @@ fn replica_segment_hub_receive_ownership() {
     };
     let pair = lab::Lab::pair().expect("build a pair");
     let svc = IpAddr::V4(addr::SERVICE_V4);
-    let mut mine = HubReceiveSpec::new(dev::PEER, [svc]);
+    let mut mine = HubReceiveSpec::tcp(dev::PEER, [svc], [PORT]);
     mine.netns = Some(pair.a.clone());
     let tables = || {
         let out = lab::run_ok(&pair.a, Command::new("nft").args(["list", "ruleset"])).unwrap();
@@ -511,7 +513,7 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
     let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
     rl.add_backup_service_ip().unwrap();
     lab::install_rst_counter(&client).unwrap();
-    let mut rx = HubReceiveSpec::new(dev::APP, [IpAddr::V4(addr::SERVICE_V4)]);
+    let mut rx = HubReceiveSpec::tcp(dev::APP, [IpAddr::V4(addr::SERVICE_V4)], [PORT]);
     rx.netns = Some(backup.clone());
     let _rx = HubReceive::install(&rx).expect("install the pkttype rule");
     assert_eq!(HubReceive::handed(&rx).unwrap(), 0);
@@ -568,6 +570,210 @@ fn replica_segment_backup_stack_gets_mirrored_frames() {
         "nothing of the backup's reached the client"
     );
     assert_eq!(neigh(&client), Some(addr::PRIMARY_MAC));
+}
+
+/// Issue 20 item 13: the hand-over gives the backup's stack only the replicated service's TCP,
+/// nothing else addressed to the service address. Before, every protocol and port went over:
+/// each ping drew a second echo reply (the backup's), and a SYN for another port the primary
+/// serves drew the backup's RST beside the primary's SYN-ACK.
+///
+/// The backup's own output is counted in its OUTPUT hook (before neighbour resolution, so an
+/// answer counts whether or not it could leave). Every probe and the final barrier are sent
+/// from threads pinned to one CPU, so they cross the hub and reach the backup's stack in the
+/// order sent; the barrier is a SYN to the service port, whose (withheld) SYN-ACK from the
+/// backup's stack proves that the service port still reaches it and that everything sent
+/// before it has been processed there.
+#[test]
+fn hostile_replica_segment_hub_receive_hands_over_only_the_service_port() {
+    let Some(_g) =
+        lab_or_skip("hostile_replica_segment_hub_receive_hands_over_only_the_service_port")
+    else {
+        return;
+    };
+    const OTHER: u16 = PORT + 1;
+    let mut rl = ReplicaLab::build().expect("build the replica segment");
+    let (client, primary, backup) = (rl.client.clone(), rl.primary.clone(), rl.backup.clone());
+    let mut spec = ArpSuppressSpec::new(dev::APP, addr::SERVICE_V4);
+    spec.netns = Some(backup.clone());
+    let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
+    rl.add_backup_service_ip().unwrap();
+    lab::install_rst_counter(&client).unwrap();
+    let mut rx = HubReceiveSpec::tcp(dev::APP, [IpAddr::V4(addr::SERVICE_V4)], [PORT]);
+    rx.netns = Some(backup.clone());
+    let _rx = HubReceive::install(&rx).expect("install the hand-over rule");
+    let svc = addr::SERVICE_V4;
+    // What the backup's stack sends from the service address, by kind; its answers on the
+    // service port are withheld (the daemon's job; a plain drop here).
+    nft_stdin(
+        &backup,
+        &format!(
+            "table inet {COUNT_TABLE} {{\n  chain out {{\n    type filter hook output priority 0; policy accept;\n    \
+             ip saddr {svc} icmp type echo-reply counter comment \"echo\"\n    \
+             ip saddr {svc} tcp sport {OTHER} counter comment \"other\"\n    \
+             ip saddr {svc} tcp sport {PORT} counter drop comment \"service\"\n  }}\n}}\n"
+        ),
+    );
+    // The echo replies the client receives, from either host.
+    nft_stdin(
+        &client,
+        &format!(
+            "table netdev {COUNT_TABLE} {{\n  chain c {{\n    type filter hook ingress device \"{}\" priority 0; policy accept;\n    \
+             ip saddr {svc} icmp type echo-reply counter comment \"replies\"\n  }}\n}}\n",
+            dev::APP
+        ),
+    );
+    let backup_sent = |what: &str| counted_by(&backup, "inet", what);
+    let replies = || counted_by(&client, "netdev", "replies");
+    // The primary serves both ports; the backup's server only the replicated one.
+    echo_server(&primary);
+    echo_server(&backup);
+    let other = SocketAddr::new(IpAddr::V4(svc), OTHER);
+    let _other_listener = lab::in_ns(&primary, || TcpListener::bind(other))
+        .unwrap()
+        .unwrap();
+    let cpu = first_allowed_cpu();
+
+    // 1. A ping: the primary answers it, the backup's stack never sees it.
+    pinned_in_ns(&client, cpu, || send_echo_request(svc, 0x7e9, 1)).expect("send the ping");
+    assert!(
+        wait_for(|| replies() >= 1),
+        "the primary never answered the ping"
+    );
+
+    // 2. A connection to another port the primary serves: only the primary answers.
+    let c = pinned_in_ns(&client, cpu, || TcpStream::connect_timeout(&other, T))
+        .expect("the primary accepts on the other port");
+
+    // 3. The barrier: a SYN to the replicated port reaches the backup's stack, which answers.
+    let s = pinned_in_ns(&client, cpu, || TcpStream::connect_timeout(&service(), T))
+        .expect("the primary accepts on the service port");
+    assert!(
+        wait_for(|| backup_sent("service") >= 1),
+        "the service port no longer reaches the backup's stack"
+    );
+    assert!(HubReceive::handed(&rx).unwrap() >= 1);
+
+    assert_eq!(
+        backup_sent("echo"),
+        0,
+        "the backup's stack answered the ping"
+    );
+    assert_eq!(
+        backup_sent("other"),
+        0,
+        "the backup's stack answered a SYN for a port it does not replicate (a RST)"
+    );
+    assert_eq!(replies(), 1, "exactly one echo reply, the primary's");
+    assert_eq!(
+        lab::rsts_seen(&client).unwrap(),
+        0,
+        "no RST reached the client"
+    );
+    drop((c, s));
+}
+
+/// The packet count of the rule commented `comment` in the test's counter table of `family`.
+fn counted_by(ns: &str, family: &str, comment: &str) -> u64 {
+    let out = lab::run_ok(
+        ns,
+        Command::new("nft").args(["list", "table", family, COUNT_TABLE]),
+    )
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("comment \"{comment}\"")))
+        .unwrap_or_else(|| panic!("no rule {comment:?} in\n{text}"));
+    let after = line.split_once("counter packets ").expect("a counter").1;
+    after.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// The lowest CPU this thread may run on.
+fn first_allowed_cpu() -> usize {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the call fills it for this thread.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    assert_eq!(
+        r,
+        0,
+        "sched_getaffinity: {}",
+        std::io::Error::last_os_error()
+    );
+    (0..libc::CPU_SETSIZE as usize)
+        .find(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .expect("some CPU")
+}
+
+/// `f` on a thread in `ns` pinned to `cpu`: what it sends is queued on that CPU's backlog, so
+/// frames sent by successive calls cross the veths and the hub in the order sent.
+fn pinned_in_ns<T: Send>(
+    ns: &str,
+    cpu: usize,
+    f: impl FnOnce() -> std::io::Result<T> + Send,
+) -> std::io::Result<T> {
+    lab::in_ns(ns, || {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; one CPU added; this thread only.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+        if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        f()
+    })?
+}
+
+/// One ICMP echo request to `to` from a raw socket of the calling thread's namespace.
+fn send_echo_request(to: std::net::Ipv4Addr, id: u16, seq: u16) -> std::io::Result<()> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut msg = vec![8u8, 0, 0, 0];
+    msg.extend_from_slice(&id.to_be_bytes());
+    msg.extend_from_slice(&seq.to_be_bytes());
+    msg.extend_from_slice(b"unbroken-hub-receive");
+    let mut sum: u32 = msg
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    msg[2..4].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    // SAFETY: plain socket(2); the fd is owned below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_INET,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::IPPROTO_ICMP,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let sa = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(to).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a live socket, a live buffer and a live sockaddr_in with their sizes.
+    let r = unsafe {
+        libc::sendto(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            msg.as_ptr().cast(),
+            msg.len(),
+            0,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `ioctl(fd, req)` for an int-valued TCP queue figure (`SIOCOUTQ`, `SIOCOUTQNSD`).
@@ -639,7 +845,7 @@ fn replica_segment_backup_local_injection() {
     spec.netns = Some(backup.clone());
     let _suppress = ArpSuppress::install(&spec).expect("install the ARP suppression");
     rl.add_backup_service_ip().unwrap();
-    let mut rx = HubReceiveSpec::new(dev::APP, [IpAddr::V4(addr::SERVICE_V4)]);
+    let mut rx = HubReceiveSpec::tcp(dev::APP, [IpAddr::V4(addr::SERVICE_V4)], [PORT]);
     rx.netns = Some(backup.clone());
     let _rx = HubReceive::install(&rx).expect("install the pkttype rule");
     let rp = "net.ipv4.conf.{}.rp_filter";

@@ -275,7 +275,9 @@ fn arp_spec(cfg: &Replica) -> ArpSuppressSpec {
 /// The backup's receive rule: the client's frames it gets by mirroring (or from a hub) carry
 /// the primary's MAC; without it the backup's stack ignores them.
 fn rx_spec(cfg: &Replica) -> HubReceiveSpec {
-    HubReceiveSpec::new(cfg.raw.replica.interface.clone(), [IpAddr::V4(cfg.addr)])
+    // Only TCP to the replicated ports: other ports and protocols of the address are the
+    // primary's alone (a ping answered twice, a SYN to another port reset by the backup).
+    HubReceiveSpec::tcp(cfg.raw.replica.interface.clone(), [IpAddr::V4(cfg.addr)], cfg.raw.services.iter().map(|s| s.port))
 }
 
 /// Removes what a stopped daemon left (`unbroken replica --remove-rules`): the queue rules and,
@@ -328,7 +330,14 @@ struct ReplicaIo {
     buf: Vec<u8>,
     /// Why the daemon stopped on its own (the exit status says so).
     fatal: Option<String>,
+    /// Primary: its server's listening sockets, checked every [`LISTEN_CHECK_MS`] (sock_diag):
+    /// a server whose listener is gone has died or restarted, a sick host that yields.
+    listen_check: Option<(unbroken_drivers::sockdiag::SockDiag, Vec<std::net::SocketAddr>)>,
+    next_listen_check: u64,
 }
+
+/// How often a primary checks its server's listening sockets.
+const LISTEN_CHECK_MS: u64 = 20;
 
 /// Runs `argv` with a deadline: exit status 0 in time is success.
 fn run_fence(argv: &[String], timeout: Duration) -> Result<(), String> {
@@ -426,6 +435,23 @@ impl daemon::Adapter<Core> for ReplicaIo {
         }
         while let Ok(ok) = self.fence_rx.try_recv() {
             core.fence_done(ok, now);
+        }
+        if now >= self.next_listen_check {
+            self.next_listen_check = now + LISTEN_CHECK_MS;
+            if let Some((diag, addrs)) = self.listen_check.as_mut() {
+                // An error of the check itself says nothing about the server: no verdict.
+                let mut up = Some(true);
+                for a in addrs.iter() {
+                    match diag.listening(*a) {
+                        Ok(true) => {}
+                        Ok(false) => up = up.and(Some(false)),
+                        Err(_) => up = None,
+                    }
+                }
+                if let Some(up) = up {
+                    core.server_listening(up);
+                }
+            }
         }
         core.collect(out);
         self.execute(out);
@@ -572,6 +598,17 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         announce_errors: 0,
         buf: vec![0u8; 2048],
         fatal: None,
+        listen_check: match cfg.settings().role {
+            unbroken_wire::replica::Role::Primary => match unbroken_drivers::sockdiag::SockDiag::open() {
+                Ok(d) => Some((d, cfg.raw.services.iter().map(|s| std::net::SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).collect())),
+                Err(e) => {
+                    eprintln!("replica: cannot open sock_diag to watch the server's listener ({e}): a crashed server is found only through its connections");
+                    None
+                }
+            },
+            unbroken_wire::replica::Role::Backup => None,
+        },
+        next_listen_check: 0,
     };
     println!(
         "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",

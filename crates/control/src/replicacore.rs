@@ -267,10 +267,24 @@ impl Core {
         self.requests.push(Request::Log(line));
     }
 
+    /// The primary's check of its server's listening sockets (every few beats, by the daemon):
+    /// a listener gone is a sick host (the engine asks to yield).
+    pub fn server_listening(&mut self, up: bool) {
+        if let Some(p) = self.primary.as_mut() {
+            if self.state != State::WaitingForPeer {
+                p.server_listening(up);
+            }
+        }
+        self.drain_primary();
+    }
+
     /// The primary engine's packets to send and notices.
     fn drain_primary(&mut self) {
         let Some(p) = self.primary.as_mut() else { return };
         self.send.extend(p.take_transmit());
+        // Duplicate ACKs in the client's name for this host's own server (to the service
+        // address, which is local: the raw sender delivers them to it).
+        self.send.extend(p.take_inject());
         for n in p.take_notices() {
             match n {
                 Notice::Unprotected { key, why } => {
@@ -523,6 +537,9 @@ impl Mode for Core {
                 p.tick(now_ms);
             }
             self.drain_primary();
+        }
+        if let Some(b) = self.backup.as_mut() {
+            b.tick(now_ms);
         }
         if matches!(self.state, State::Protecting) && now_ms >= self.next_fence_at {
             if let Some(DetectorAction::RunFence) = self.det.as_mut().and_then(|d| d.tick(now_ms)) {

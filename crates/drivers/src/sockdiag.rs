@@ -157,6 +157,37 @@ pub fn parse_reply(buf: &[u8], seq: u32) -> io::Result<Option<SockInfo>> {
     Err(bad())
 }
 
+/// The state of the socket in the kernel's answer to request `seq`: `Some(Some(state))`, or
+/// `Some(None)` for no socket (`ENOENT`); `None` when the message answers another request.
+fn reply_state(buf: &[u8], seq: u32) -> io::Result<Option<Option<u8>>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "sock_diag: malformed reply");
+    let mut at = 0;
+    while at + NLMSG_HDRLEN <= buf.len() {
+        let h = &buf[at..];
+        let len = u32::from_ne_bytes([h[0], h[1], h[2], h[3]]) as usize;
+        let ty = u16::from_ne_bytes([h[4], h[5]]);
+        let s = u32::from_ne_bytes([h[8], h[9], h[10], h[11]]);
+        if len < NLMSG_HDRLEN || at + len > buf.len() {
+            return Err(bad());
+        }
+        let body = &h[NLMSG_HDRLEN..len];
+        if s == seq {
+            if ty == NLMSG_ERROR {
+                let e = body.get(..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).ok_or_else(bad)?;
+                return match -e {
+                    0 | libc::ENOENT => Ok(Some(None)),
+                    e => Err(io::Error::from_raw_os_error(e)),
+                };
+            }
+            if ty == SOCK_DIAG_BY_FAMILY {
+                return body.get(1).map(|&st| Some(Some(st))).ok_or_else(bad);
+            }
+        }
+        at += (len + 3) & !3;
+    }
+    Ok(None)
+}
+
 /// The `INET_DIAG_INFO` attribute among `attrs` (netlink attributes: length, type, payload,
 /// padded to 4 bytes), if present and long enough.
 fn progress(mut attrs: &[u8]) -> Option<Progress> {
@@ -209,6 +240,38 @@ impl SockDiag {
     /// [`SockDiag::lookup`] with the socket's [`Progress`] (`None` in it for a request socket).
     pub fn lookup_progress(&mut self, local: SocketAddr, remote: SocketAddr) -> io::Result<Option<SockInfo>> {
         self.ask(local, remote, true)
+    }
+
+    /// Whether a TCP socket listens on `local` (its address or the wildcard): the kernel's
+    /// exact lookup with no peer falls back to the listener. A server whose process died, or
+    /// that closed its listener, has none.
+    pub fn listening(&mut self, local: SocketAddr) -> io::Result<bool> {
+        let unspecified: IpAddr = match local.ip() {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let Some(req) = request_ext(local, SocketAddr::new(unspecified, 0), seq, false) else { return Ok(false) };
+        let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        sa.nl_family = libc::AF_NETLINK as u16;
+        // SAFETY: a valid buffer and address.
+        let n = unsafe { libc::sendto(self.fd.as_raw_fd(), req.as_ptr() as *const libc::c_void, req.len(), 0, &sa as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_nl>() as u32) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut buf = [0u8; 8192];
+        loop {
+            // SAFETY: a valid buffer.
+            let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            match reply_state(&buf[..n as usize], seq)? {
+                Some(st) => return Ok(st == Some(TCP_LISTEN)),
+                None => continue, // an answer to an earlier request
+            }
+        }
     }
 
     fn ask(&mut self, local: SocketAddr, remote: SocketAddr, info: bool) -> io::Result<Option<SockInfo>> {

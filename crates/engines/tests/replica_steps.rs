@@ -875,3 +875,160 @@ fn primary_reports_every_unprotected_connection_as_not_to_be_continued() {
     p.backup_failed();
     assert_ne!(flags(&p) & rw::flag::DIVERGED, 0, "unprotected (backup failed): flagged");
 }
+
+// --- issue 20: large replies, timestamps, hostile inputs ------------------------------------
+
+/// Issue 20 item 1: a beat repeats the oldest checkpoints the primary has not verified, which
+/// are older than one it already keeps (the backup's current end, far ahead). They must be kept
+/// and used: taking only newer ones than the last kept left the held output waiting for the
+/// lag bound.
+#[test]
+fn koch_3_2_older_checkpoints_repeated_by_a_beat_are_used() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"0123456789", C_ISN + 1, 0, 2).0, Verdict::Held);
+    let cp = |beat: u64, out: &[u8]| progress(beat, C_ISN + 1, out, false);
+    // The backup is ahead (its current end at 20 bytes, beyond what the primary has).
+    p.backup_progress(&cp(2, b"0123456789abcdefghij"), 3);
+    assert!(p.take_transmit().is_empty(), "nothing the primary has is verified yet");
+    // A beat repeats an older checkpoint at 10 bytes: it verifies the primary's segment.
+    p.backup_progress(&cp(3, b"0123456789"), 4);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1);
+    assert_eq!(seg(&out[0]).1, b"0123456789");
+}
+
+/// Issue 20 item 2: held output released after a younger segment went out (a retransmission
+/// of released bytes with a fresh timestamp) carries the newest TSval: the client would discard
+/// an older one (PAWS), thousands of times with large replies.
+#[test]
+fn paws_released_output_never_carries_an_older_timestamp() {
+    let mut p = primary(true);
+    let send_ts = |p: &mut Primary, off: u32, data: &[u8], ts: u32, now: u64| {
+        let mut pkt = from_server(Repr { seq: Seq(P_ISN.wrapping_add(1 + off)), ack: Seq(C_ISN + 1), flags: F::ACK, window: 100, timestamp: Some((ts, 500)), ..Default::default() }, data);
+        let v = p.outgoing(&mut pkt, now);
+        (v, pkt)
+    };
+    assert_eq!(send_ts(&mut p, 0, b"aaaa", 1_000, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"aaaa", false), 3);
+    assert_eq!(p.take_transmit().len(), 1);
+    assert_eq!(send_ts(&mut p, 4, b"bbbb", 1_001, 4).0, Verdict::Held, "held at TSval 1001");
+    // The client lost "aaaa": its server resends it 200 ms later with TSval 1200; it passes.
+    let (v, _) = send_ts(&mut p, 0, b"aaaa", 1_200, 204);
+    assert!(matches!(v, Verdict::Accept { .. }));
+    p.backup_progress(&progress(3, C_ISN + 1, b"aaaabbbb", false), 205);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1);
+    let (t, d) = seg(&out[0]);
+    assert_eq!((d.as_slice(), t.timestamp.map(|x| x.0)), (&b"bbbb"[..], Some(1_200)), "raised to the newest sent");
+    assert!(p.counters.ts_raised >= 1);
+}
+
+/// Issue 20 item 4: a promoted backup's resent withheld output carries its server's clock now
+/// (estimated from its newest TSval and the engine's clock), never the TSval of when it was
+/// withheld, which the client would discard (PAWS).
+#[test]
+fn paws_takeover_resend_carries_a_current_timestamp() {
+    let mut b = aligned_backup();
+    b.tick(1_000);
+    assert_eq!(backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1).0, Verdict::Drop);
+    // Three seconds later the primary dies; the backup's server sent nothing since.
+    b.tick(4_000);
+    b.take_over();
+    let out = b.take_transmit();
+    assert_eq!(out.len(), 1, "the withheld segment is resent");
+    let (t, _) = seg(&out[0]);
+    let tsval = t.timestamp.unwrap().0;
+    assert!(tsval.wrapping_sub(P_TS0 + 1) >= 3_000 && tsval.wrapping_sub(P_TS0 + 1) < 3_100, "TSval {tsval}: the primary's clock 3 s later");
+}
+
+/// Issue 20 item 10: forged SYNs leave half-open entries that expire (they loaded both loops and
+/// the side channel for good); a half-open entry the primary still names is kept on the backup.
+#[test]
+fn hostile_forged_syns_expire() {
+    let mut p = Primary::new(Config::default());
+    let forged = |port: u16| ip::tcp_packet(cli(), svc(), &Repr { src_port: port, dst_port: 6379, seq: Seq(9), flags: F::SYN, window: 100, ..Default::default() }, &[]).unwrap();
+    p.tick(0);
+    for port in 1000..1100 {
+        p.incoming(&forged(port));
+    }
+    assert_eq!(p.connections(), 100);
+    p.tick(unbroken_engines::replica::HALF_OPEN_TTL_MS - 1);
+    assert_eq!(p.connections(), 100, "not before their time");
+    p.tick(unbroken_engines::replica::HALF_OPEN_TTL_MS + 1);
+    assert_eq!((p.connections(), p.counters.half_open_expired), (0, 100));
+
+    let mut b = Backup::new();
+    b.tick(0);
+    for port in [2000u16, 2001] {
+        let mut syn = forged(port);
+        b.incoming(&mut syn);
+        let mut sa = ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: port, seq: Seq(B_ISN), ack: Seq(10), flags: F::SYN | F::ACK, window: 100, ..Default::default() }, &[]).unwrap();
+        b.outgoing(&mut sa);
+    }
+    // The primary still names port 2001 (its handshake may be slow).
+    let named = ConnProgress { client: cli(), client_port: 2001, server_port: 6379, rcv_nxt: Seq(10), rcv_edge: Seq(110), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(P_ISN), flags: rw::flag::RCV_KNOWN };
+    b.tick(unbroken_engines::replica::HALF_OPEN_TTL_MS - 5);
+    b.primary_report(&Progress { role: Role::Primary, beat: 7, flags: 0, records: vec![named] });
+    b.tick(unbroken_engines::replica::HALF_OPEN_TTL_MS + 1);
+    assert!(!b.follows(&port_key(2000)), "expired");
+    assert!(b.follows(&port_key(2001)), "the primary names it");
+    assert_eq!(b.counters.half_open_expired, 1);
+}
+
+/// Issue 20 item 10: a client RST exactly at the server's RCV.NXT ends the entry on both engines
+/// (a reused 4-tuple must not inherit it); an in-window RST elsewhere (Linux answers it with a
+/// challenge ACK, RFC 5961) does not.
+#[test]
+fn hostile_client_rst_ends_an_entry_only_when_exact() {
+    let mut b = Backup::new();
+    let mut p = Primary::new(Config::default());
+    let mut beat = 1;
+    open(&mut b, &mut p, 40000, &mut beat);
+    let rst = |seq: u32| ip::tcp_packet(cli(), svc(), &Repr { src_port: 40000, dst_port: 6379, seq: Seq(seq), ack: Seq(P_ISN.wrapping_add(1)), flags: F::RST | F::ACK, window: 0, ..Default::default() }, &[]).unwrap();
+    assert_eq!(p.incoming(&rst(C_ISN + 1 + 300)), Verdict::PASS);
+    b.incoming(&mut rst(C_ISN + 1 + 300));
+    assert!(p.finished().is_empty() && b.finished().is_empty(), "an in-window RST is not the end");
+    p.incoming(&rst(C_ISN + 1));
+    b.incoming(&mut rst(C_ISN + 1));
+    assert_eq!(p.finished(), vec![port_key(40000)]);
+    assert_eq!(b.finished(), vec![port_key(40000)]);
+    assert_eq!((p.counters.client_resets, b.counters.client_resets), (1, 1));
+}
+
+/// Issue 20 item 12: a connection the primary's reports never named (it did not follow it:
+/// started before it armed, its table full) is not continued at take-over without any output
+/// check: its client is reset, and the backup's output on it never goes out.
+#[test]
+fn hostile_connection_the_primary_never_reported_is_reset_at_takeover() {
+    let mut b = Backup::new();
+    assert_eq!(b.incoming(&mut syn()), Verdict::PASS);
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() }, &[]);
+    b.outgoing(&mut sa);
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut ack), Verdict::Accept { .. }));
+    // Two of the primary's beats that do not name it.
+    let other = ConnProgress { client: cli(), client_port: 1, server_port: 6379, rcv_nxt: Seq(0), rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(0), flags: 0 };
+    for beat in [10, 11] {
+        b.primary_report(&Progress { role: Role::Primary, beat, flags: 0, records: vec![other] });
+    }
+    b.take_over();
+    let out = b.take_transmit();
+    assert!(!out.is_empty() && out.iter().all(|p| seg(p).0.flags & F::RST != 0), "its client is told");
+    assert_eq!(b.counters.unreported_reset, 1);
+    assert_eq!(backup_sends(&mut b, 0, b"+OK", B_TS0 + 1).0, Verdict::Drop, "never answered");
+}
+
+/// Issue 20 item 14: a blind in-window segment whose ACK lies beyond everything the backup's
+/// server sent (and beyond what the primary reported) is not clamped into a full
+/// acknowledgement of its output: its ACK stays at the last one given, and is not learned.
+#[test]
+fn hostile_blind_ack_beyond_what_was_sent_is_not_a_full_acknowledgement() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 5_000)), flags: F::ACK, window: 512, ..Default::default() }, b"x");
+    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }));
+    let (t, payload) = seg(&forged);
+    assert_eq!(t.ack, Seq(B_ISN + 1), "the last ACK its server was given, not its whole output");
+    assert_eq!(payload, b"x", "the payload still reaches the server");
+    assert_eq!(b.counters.ack_unverified, 1);
+}

@@ -98,6 +98,10 @@ pub struct RepOpts {
     /// More ports of the service address the daemons replicate beside redis's (a `[[service]]`
     /// each; the caller runs its own servers on them, e.g. `unbroken bench replica`).
     pub extra_ports: Vec<u16>,
+    /// Leave the beats and the lag bounds (`heartbeat_interval_ms`, `missed_beats`,
+    /// `max_lag_bytes`, `max_lag_ms`, `max_delay_fin_ms`) out of the configs: the daemon's own
+    /// defaults apply, as for an operator who keeps them (`unbroken demo replica --chaos`).
+    pub daemon_defaults: bool,
 }
 
 impl Default for RepOpts {
@@ -115,6 +119,7 @@ impl Default for RepOpts {
             daemons: true,
             start_timeout: Duration::from_secs(20),
             extra_ports: Vec::new(),
+            daemon_defaults: false,
         }
     }
 }
@@ -279,20 +284,23 @@ impl ReplicaEnv {
     pub fn config_toml(&self, side: Side) -> String {
         let o = &self.opts;
         let fence = self.fence_command(side).iter().map(|a| format!("{a:?}")).collect::<Vec<_>>().join(", ");
+        let tuned = if o.daemon_defaults {
+            String::new()
+        } else {
+            format!(
+                "heartbeat_interval_ms = {}\nmissed_beats = {}\nmax_lag_bytes = {}\nmax_lag_ms = {}\nmax_delay_fin_ms = {}\n",
+                o.heartbeat_interval_ms, o.missed_beats, o.max_lag_bytes, o.max_lag_ms, o.max_delay_fin_ms
+            )
+        };
         format!(
-            "[replica]\nrole = \"{}\"\nqueue = {QUEUE}\ninterface = \"{}\"\nlisten = \"{}:{SIDE_PORT}\"\npeer = \"{}:{SIDE_PORT}\"\nkey_file = {:?}\nheartbeat_interval_ms = {}\nmissed_beats = {}\nfence_command = [{fence}]\nfence_timeout_ms = {}\nstrict = {}\nmax_lag_bytes = {}\nmax_lag_ms = {}\nmax_delay_fin_ms = {}\nstatus_file = {:?}\n\n[[service]]\naddr = \"{}\"\nport = {REDIS_PORT}\n",
+            "[replica]\nrole = \"{}\"\nqueue = {QUEUE}\ninterface = \"{}\"\nlisten = \"{}:{SIDE_PORT}\"\npeer = \"{}:{SIDE_PORT}\"\nkey_file = {:?}\n{tuned}fence_command = [{fence}]\nfence_timeout_ms = {}\nstrict = {}\nstatus_file = {:?}\n\n[[service]]\naddr = \"{}\"\nport = {REDIS_PORT}\n",
             side.name(),
             dev::APP,
             side.host_addr(),
             side.other().host_addr(),
             self.key_path().display().to_string(),
-            o.heartbeat_interval_ms,
-            o.missed_beats,
             o.fence_timeout_ms,
             o.strict,
-            o.max_lag_bytes,
-            o.max_lag_ms,
-            o.max_delay_fin_ms,
             self.status_path(side).display().to_string(),
             addr::SERVICE_V4,
         ) + &self.opts.extra_ports.iter().map(|p| format!("\n[[service]]\naddr = \"{}\"\nport = {p}\n", addr::SERVICE_V4)).collect::<String>()
@@ -480,11 +488,16 @@ impl ReplicaEnv {
         ok
     }
 
-    /// ST-TCP Table 3.3 row 5, temporary loss at the backup: every packet to the service
-    /// address is dropped on the backup's interface (nftables netdev ingress, before anything
-    /// of the daemon's) for `dur`, then the rule is removed. Returns how many were dropped.
+    /// ST-TCP Table 3.3 row 5, temporary loss at the backup: see [`ReplicaEnv::drop_input`].
     pub fn drop_backup_input(&self, dur: Duration) -> io::Result<u64> {
-        let ns = &self.lab.backup;
+        self.drop_input(Side::Backup, dur)
+    }
+
+    /// Temporary loss toward `side`: every packet to the service address is dropped on its
+    /// interface (nftables netdev ingress at priority -500, before anything of the daemon's)
+    /// for `dur`, then the rule is removed. Returns how many were dropped.
+    pub fn drop_input(&self, side: Side, dur: Duration) -> io::Result<u64> {
+        let ns = self.ns(side);
         nft_stdin(
             ns,
             &format!(
@@ -498,6 +511,53 @@ impl ReplicaEnv {
         lab::run_ok(ns, Command::new("nft").args(["delete", "table", "netdev", LOSS_TABLE]))?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         Ok(text.split_once("counter packets ").and_then(|(_, a)| a.split_whitespace().next()?.parse().ok()).unwrap_or(0))
+    }
+
+    /// Kills `side`'s daemon (SIGKILL: a crash, not a clean stop; its rules and a backup's ARP
+    /// suppression stay, as they do when it dies) and starts it again with the same config;
+    /// returns once the new one printed its ready line.
+    pub fn restart_daemon(&mut self, side: Side) -> io::Result<()> {
+        if let Some(mut c) = self.daemons[side.idx()].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.start_daemon(side)
+    }
+
+    /// One authenticated side-channel datagram from the primary to the backup, as it was on the
+    /// wire (Ethernet frame), captured in the client namespace within `timeout`: the lab's switch
+    /// is a hub, so every frame between the two hosts reaches the client's interface too (as it
+    /// would an attacker's on the same segment).
+    pub fn capture_side_datagram(&self, timeout: Duration) -> io::Result<Vec<u8>> {
+        let (src, dst) = (addr::PRIMARY_V4.octets(), addr::BACKUP_V4.octets());
+        lab::capture_frame(&self.lab.client, dev::APP, timeout, move |f| {
+            let ihl = f.get(14).map_or(0, |b| usize::from(b & 0xf) * 4);
+            ihl >= 20
+                && f.len() >= 14 + ihl + 8
+                && f[12..14] == [0x08, 0x00]
+                && f[23] == 17
+                && f[26..30] == src
+                && f[30..34] == dst
+                && f[14 + ihl..16 + ihl] == SIDE_PORT.to_be_bytes()
+                && f[16 + ihl..18 + ihl] == SIDE_PORT.to_be_bytes()
+        })
+    }
+
+    /// Sends a captured frame again, unchanged, from the client's interface (it reaches the
+    /// host its destination MAC names, through the hub).
+    pub fn replay_frame(&self, frame: &[u8]) -> io::Result<()> {
+        lab::send_frame(&self.lab.client, dev::APP, frame)
+    }
+
+    /// The client namespace's `TcpExtPAWSEstab`: segments of established connections it
+    /// discarded by PAWS (a timestamp older than one already seen).
+    pub fn client_paws_estab(&self) -> io::Result<u64> {
+        lab::netstat_counter(&self.lab.client, "TcpExt", "PAWSEstab")
+    }
+
+    /// `side`'s redis-server through its host address (outside the replicated service).
+    pub fn redis_host_addr(&self, side: Side) -> std::net::SocketAddr {
+        std::net::SocketAddr::from((side.host_addr(), REDIS_PORT))
     }
 
     /// RSTs that reached the client namespace so far (`u64::MAX` when unreadable).

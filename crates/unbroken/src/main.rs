@@ -60,14 +60,16 @@ usage:
         two-sender connections. The seed is printed; --seed replays the same fault draws.
         LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
         (default all). --parts: Range GETs of the keep-alive client per download (default 4).
-  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--missed-beats N] [--no-strict]
+  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--missed-beats N] [--no-strict] [--conns K]
         Run the replica-mode demo in network namespaces (root, needs redis-server, redis-tools and
         python3-redis): unmodified redis-server on a primary and a backup host, each behind
         `unbroken replica`; a redis-py client holding one connection does 100,000 INCRs on its own
-        key while redis-cli and redis-benchmark run beside it, and the primary host dies (processes
-        killed, link cut) at 40 % of the INCRs. The final values must be exact, no client may see
+        key while redis-cli, redis-benchmark and our verifying client (--conns K, default 4,
+        connections of INCR and SET/GET of 1 KiB-1 MiB values) run beside it, and the primary host
+        dies (processes killed, link cut) at 40 % of the INCRs. The final values must be exact, no client may see
         an error or a reconnect, 0 RSTs; --json prints ok, failovers, ops, errors_seen,
-        resets_seen_by_client, max_stall_ms (and takeover_ms, values). Exit status 1 unless ok.
+        resets_seen_by_client, max_stall_ms (and takeover_ms, values, large_values: the verifying
+        client's ops, stall and lost acknowledged writes). Exit status 1 unless ok.
   unbroken demo replica --chaos N [--seed S] [--secs S] [--conns K] [--faults LIST] [--json]
         N trials, each on a fresh lab with the daemons' default beats and bounds: K (8)
         connections of a verifying client (INCR single and pipelined, SET/GET of 1 KiB-1 MiB
@@ -324,7 +326,10 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
                 "--chaos" => trials = Some(num("--chaos", it.next())?),
                 "--seed" => seed = Some(num("--seed", it.next())?),
                 "--secs" => chaos.client.secs = num("--secs", it.next())?,
-                "--conns" => chaos.client.conns = num("--conns", it.next())?,
+                "--conns" => {
+                    chaos.client.conns = num("--conns", it.next())?;
+                    s.large_conns = chaos.client.conns;
+                }
                 "--faults" => {
                     let list = it.next().ok_or("--faults needs a list")?;
                     chaos.faults = list
@@ -376,6 +381,9 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
                     println!("  {k:<23} {} (exact: {want})", got.map_or("unreadable".into(), |g| g.to_string()));
                 }
                 println!("  operations              {}", r.ops);
+                if let Some(l) = &r.large_values {
+                    println!("  large values            {} ({} connections, {} ops, {} MB, longest stall {} ms, lost acknowledged writes {}{})", if l.ok && l.lost_acknowledged_writes == 0 { "ok" } else { "FAILED" }, l.conns, l.ops, l.bytes / 1_000_000, l.stall_ms, l.lost_acknowledged_writes, l.failures.first().or(l.error.as_ref()).map(|f| format!("; {f}")).unwrap_or_default());
+                }
                 println!("  client runs with errors {} (of {})", r.errors_seen, r.clients.len());
                 println!("  RSTs seen by the client {}", r.resets_seen_by_client);
                 println!("  longest stall           {} ms", r.max_stall_ms);

@@ -151,6 +151,9 @@ pub struct Trial {
     pub client_retrans: u64,
     /// What the fault did (packets dropped, the replay refused, ...).
     pub fault_detail: String,
+    /// Loss: the packets dropped; replay: the datagrams the backup refused (its bad, stale and
+    /// foreign counters' growth).
+    pub fault_packets: u64,
     /// Each connection's failure, if any.
     pub client_failures: Vec<String>,
     pub lost_details: Vec<String>,
@@ -207,16 +210,18 @@ fn refused(env: &ReplicaEnv) -> u64 {
     env.status(Side::Backup).map_or(0, |s| ["beats_stale", "beats_bad", "beats_foreign"].iter().map(|f| s[*f].as_u64().unwrap_or(0)).sum())
 }
 
-/// Injects `fault`; what it did. `frame`: the captured datagram of [`Fault::Replay`].
-fn inject(env: &mut ReplicaEnv, fault: Fault, frame: Option<&[u8]>) -> Result<String, String> {
+/// Injects `fault`; what it did, and the packets it touched (see [`Trial::fault_packets`]).
+/// `frame`: the captured datagram of [`Fault::Replay`].
+fn inject(env: &mut ReplicaEnv, fault: Fault, frame: Option<&[u8]>) -> Result<(String, u64), String> {
+    let none = |_| (String::new(), 0);
     match fault {
-        Fault::None => Ok(String::new()),
-        Fault::PrimaryHostCrash => env.crash_host(Side::Primary).map(|_| String::new()).map_err(|e| format!("crashing the primary: {e}")),
-        Fault::BackupHostCrash => env.crash_host(Side::Backup).map(|_| String::new()).map_err(|e| format!("crashing the backup: {e}")),
+        Fault::None => Ok((String::new(), 0)),
+        Fault::PrimaryHostCrash => env.crash_host(Side::Primary).map(none).map_err(|e| format!("crashing the primary: {e}")),
+        Fault::BackupHostCrash => env.crash_host(Side::Backup).map(none).map_err(|e| format!("crashing the backup: {e}")),
         Fault::RedisKill(s) | Fault::RedisStop(s) => {
             let sig = if matches!(fault, Fault::RedisKill(_)) { libc::SIGKILL } else { libc::SIGSTOP };
             if env.signal_redis(s, sig) {
-                Ok(String::new())
+                Ok((String::new(), 0))
             } else {
                 Err(format!("the {}'s redis-server is not running", s.name()))
             }
@@ -224,9 +229,9 @@ fn inject(env: &mut ReplicaEnv, fault: Fault, frame: Option<&[u8]>) -> Result<St
         Fault::DaemonRestart(s) => {
             let t = Instant::now();
             env.restart_daemon(s).map_err(|e| format!("restarting the {}'s daemon: {e}", s.name()))?;
-            Ok(format!("the new daemon ready after {} ms", t.elapsed().as_millis()))
+            Ok((format!("the new daemon ready after {} ms", t.elapsed().as_millis()), 0))
         }
-        Fault::Loss(s) => env.drop_input(s, LOSS).map(|n| format!("{n} packets dropped toward the {}", s.name())).map_err(|e| format!("loss toward the {}: {e}", s.name())),
+        Fault::Loss(s) => env.drop_input(s, LOSS).map(|n| (format!("{n} packets dropped toward the {}", s.name()), n)).map_err(|e| format!("loss toward the {}: {e}", s.name())),
         Fault::Replay => {
             let frame = frame.ok_or("no datagram captured")?;
             let before = refused(env);
@@ -237,7 +242,8 @@ fn inject(env: &mut ReplicaEnv, fault: Fault, frame: Option<&[u8]>) -> Result<St
                 std::thread::sleep(Duration::from_millis(20)); // polling a status file with a deadline
             }
             let after = refused(env);
-            Ok(if after > before { format!("the backup refused it (bad/stale/foreign +{})", after - before) } else { "the backup did not count it as refused within 3 s".into() })
+            let detail = if after > before { format!("the backup refused it (bad/stale/foreign +{})", after - before) } else { "the backup did not count it as refused within 3 s".into() };
+            Ok((detail, after.saturating_sub(before)))
         }
     }
 }
@@ -274,7 +280,10 @@ pub fn run_trial(env: &mut ReplicaEnv, fault: Fault, at: f64, o: &TrialOpts) -> 
     }
     if t.error.is_none() {
         match inject(env, fault, frame.as_deref()) {
-            Ok(d) => t.fault_detail = d,
+            Ok((d, n)) => {
+                t.fault_detail = d;
+                t.fault_packets = n;
+            }
             Err(e) => t.error = Some(e),
         }
     }
@@ -463,6 +472,7 @@ impl Trial {
             bytes: 0,
             client_retrans: 0,
             fault_detail: String::new(),
+            fault_packets: 0,
             client_failures: Vec::new(),
             lost_details: Vec::new(),
             daemons: serde_json::Value::Null,

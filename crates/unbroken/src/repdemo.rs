@@ -1,6 +1,7 @@
 //! Replica mode end to end in the lab (issue 10 items 4 and 5): an unmodified redis-server on
 //! the primary and on the backup of a [`ReplicaLab`] segment, `unbroken replica` on each, and
-//! unmodified clients (redis-py, redis-cli, redis-benchmark) in the client namespace.
+//! unmodified clients (redis-py, redis-cli, redis-benchmark) in the client namespace, beside our
+//! own verifying client of large values ([`crate::repclient`]).
 //! [`ReplicaEnv`] is the running system (used by `unbroken demo replica` and the namespace tests
 //! in `tests/replica_lab.rs`); [`run_replica`] is the demo: the primary host dies while the
 //! clients run.
@@ -543,10 +544,16 @@ impl ReplicaEnv {
         })
     }
 
-    /// Sends a captured frame again, unchanged, from the client's interface (it reaches the
-    /// host its destination MAC names, through the hub).
+    /// Sends a captured frame again from the client's interface (it reaches the host its
+    /// destination MAC names, through the hub), unchanged but for an IPv4 UDP checksum that
+    /// the sender left to offload: veths carry such a packet across namespaces with the
+    /// checksum field holding only the pseudo-header's sum, so the capture is completed as a
+    /// real NIC would have put it on the wire (else the receiver's kernel drops the replay as
+    /// corrupt and it never reaches the daemon).
     pub fn replay_frame(&self, frame: &[u8]) -> io::Result<()> {
-        lab::send_frame(&self.lab.client, dev::APP, frame)
+        let mut f = frame.to_vec();
+        complete_udp_checksum(&mut f);
+        lab::send_frame(&self.lab.client, dev::APP, &f)
     }
 
     /// The client namespace's `TcpExtPAWSEstab`: segments of established connections it
@@ -615,6 +622,40 @@ impl ReplicaEnv {
         })
         .unwrap_or_default()
     }
+}
+
+/// Writes the correct UDP checksum into an Ethernet + IPv4 + UDP frame (no-op for anything
+/// else or a zero, "no checksum", field).
+fn complete_udp_checksum(f: &mut [u8]) {
+    let ihl = f.get(14).map_or(0, |b| usize::from(b & 0xf) * 4);
+    if ihl < 20 || f.len() < 14 + ihl + 8 || f[12..14] != [0x08, 0x00] || f[23] != 17 {
+        return;
+    }
+    let u = 14 + ihl;
+    let len = usize::from(u16::from_be_bytes([f[u + 4], f[u + 5]]));
+    if len < 8 || u + len > f.len() || f[u + 6..u + 8] == [0, 0] {
+        return;
+    }
+    f[u + 6] = 0;
+    f[u + 7] = 0;
+    let mut sum: u32 = 0;
+    let mut add = |b: &[u8]| {
+        for c in b.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+        }
+    };
+    add(&f[26..34]);
+    add(&[0, 17]);
+    add(&(len as u16).to_be_bytes());
+    add(&f[u..u + len]);
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let c = match !(sum as u16) {
+        0 => 0xffff,
+        c => c,
+    };
+    f[u + 6..u + 8].copy_from_slice(&c.to_be_bytes());
 }
 
 fn redis_cli_at(ns: &str, host: &str, args: &[&str]) -> io::Result<String> {
@@ -897,12 +938,35 @@ pub struct ReplicaScenario {
     pub strict: bool,
     pub heartbeat_interval_ms: u64,
     pub missed_beats: u64,
+    /// Connections of the verifying client ([`crate::repclient`]: INCR and SET/GET of
+    /// 1 KiB-1 MiB values, every reply checked) running beside the others from start to end;
+    /// 0: none.
+    pub large_conns: usize,
 }
 
 impl Default for ReplicaScenario {
     fn default() -> Self {
-        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 3 }
+        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 3, large_conns: 4 }
     }
+}
+
+/// What the verifying client of large values saw in the demo.
+#[derive(Debug, Clone, Serialize)]
+pub struct LargeValues {
+    pub conns: usize,
+    /// Every connection ran to the end, every reply byte-exact.
+    pub ok: bool,
+    pub ops: u64,
+    pub bytes: u64,
+    pub stall_ms: u64,
+    pub max_op_ms: u64,
+    /// Each connection's failure (reset, EOF, wrong byte, hang), if any.
+    pub failures: Vec<String>,
+    /// Acknowledged writes the surviving server lacks, and keys it could not be read for.
+    pub lost_acknowledged_writes: u64,
+    pub unreadable_keys: u64,
+    pub lost_details: Vec<String>,
+    pub error: Option<String>,
 }
 
 /// The demo's report (`--json` prints it).
@@ -926,6 +990,8 @@ pub struct ReplicaReport {
     pub clients: Vec<ClientResult>,
     pub crash_at_ops: u64,
     pub duration_ms: u64,
+    /// The verifying client of large values (None when `large_conns` is 0).
+    pub large_values: Option<LargeValues>,
 }
 
 /// `unbroken demo replica`.
@@ -947,6 +1013,21 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     let mut env = ReplicaEnv::start(opts).map_err(|e| format!("starting the system: {e}"))?;
     say(format!("{:>6} ms  both daemons protecting; clients start ({})", t0.elapsed().as_millis(), env.dir.display()));
     let deadline = Instant::now() + s.timeout;
+    let large_args = crate::repclient::Args {
+        connect: std::net::SocketAddr::from((addr::SERVICE_V4, REDIS_PORT)),
+        conns: s.large_conns,
+        secs: s.timeout.as_secs_f64(),
+        until_stdin_eof: true,
+        prefix: "demo:large".into(),
+        ..Default::default()
+    };
+    let large = if s.large_conns > 0 {
+        let c = crate::repclient::CheckClient::start(&env.lab.client, &env.opts.bin, large_args, Duration::from_secs(30)).map_err(|e| format!("starting the verifying client: {e}"))?;
+        say(format!("{:>6} ms  the verifying client runs {} connections of INCR and 1 KiB-1 MiB SET/GET", t0.elapsed().as_millis(), s.large_conns));
+        Some(c)
+    } else {
+        None
+    };
     let py = env.py_incr("demo:redis-py", s.incrs, 0).map_err(|e| format!("starting the redis-py client: {e}"))?;
     let env_cli = CliSpawner { ns: env.lab.client.clone() };
     let cli_n = s.cli_incrs;
@@ -988,6 +1069,11 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
         std::thread::sleep(Duration::from_millis(5)); // polling progress to time the crash
     }
     let pyr = py.take().map(|p| p.finish(deadline));
+    let large = large.map(|mut c| {
+        c.stop();
+        let hang = Duration::from_millis(c.args.hang_ms);
+        c.finish(Instant::now() + hang + Duration::from_secs(20))
+    });
     let mut clients: Vec<ClientResult> = pyr.into_iter().collect();
     let cli_runs = cli.stop();
     let bench_runs = bench.stop();
@@ -1008,9 +1094,31 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     let rsts = env.client_rsts();
     let max_stall_ms = clients.iter().filter(|c| c.name != "redis-benchmark").map(|c| c.max_gap_ms).max().unwrap_or(0);
     let exact = values.iter().all(|(_, want, got)| Some(*want) == *got) && py_ops == s.incrs;
-    let ok = error.is_none() && exact && errors_seen == 0 && rsts == 0 && failovers == 1;
+    // The verifying client's writes, read back from the server that serves now.
+    let serving = if failovers == 1 { Side::Backup } else { Side::Primary };
+    let large_values = large.map(|r| match r {
+        Ok(r) => {
+            let l = crate::repclient::lost_writes(&env.lab.client, env.redis_host_addr(serving), &r);
+            LargeValues {
+                conns: r.conns.len(),
+                ok: r.ok,
+                ops: r.ops,
+                bytes: r.bytes,
+                stall_ms: r.stall_ms,
+                max_op_ms: r.max_op_ms,
+                failures: r.conns.iter().filter_map(|c| Some(format!("conn {} (port {}): {}: {}", c.conn, c.local_port, c.failure.as_deref()?, c.error.as_deref().unwrap_or("")))).collect(),
+                lost_acknowledged_writes: l.lost,
+                unreadable_keys: l.unreadable,
+                lost_details: l.details,
+                error: None,
+            }
+        }
+        Err(e) => LargeValues { conns: s.large_conns, ok: false, ops: 0, bytes: 0, stall_ms: 0, max_op_ms: 0, failures: Vec::new(), lost_acknowledged_writes: 0, unreadable_keys: 0, lost_details: Vec::new(), error: Some(e) },
+    });
+    let large_ok = large_values.as_ref().map_or(true, |l| l.ok && l.error.is_none() && l.lost_acknowledged_writes == 0 && l.unreadable_keys == 0);
+    let ok = error.is_none() && exact && errors_seen == 0 && rsts == 0 && failovers == 1 && large_ok;
     if !ok && error.is_none() {
-        error = Some(format!("values {values:?}, {errors_seen} client runs saw an error, {rsts} RSTs, failovers {failovers}\n{}", env.diagnostics()));
+        error = Some(format!("values {values:?}, {errors_seen} client runs saw an error, {rsts} RSTs, failovers {failovers}, large values {large_values:?}\n{}", env.diagnostics()));
     }
     Ok(ReplicaReport {
         ok,
@@ -1025,6 +1133,7 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
         clients,
         crash_at_ops: crashed_at.unwrap_or(0),
         duration_ms: t0.elapsed().as_millis() as u64,
+        large_values,
     })
 }
 
@@ -1056,5 +1165,47 @@ impl ReplicaEnv {
     /// A [`CliSpawner`] for this env's client namespace.
     pub fn spawner(&self) -> CliSpawner {
         CliSpawner { ns: self.lab.client.clone() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A UDP checksum completed over the pseudo-header and the datagram sums, with itself, to
+    /// 0xffff (RFC 768); a zero field ("no checksum") and other protocols stay as they are.
+    #[test]
+    fn udp_checksum_is_completed() {
+        let mut f = vec![0u8; 14 + 20 + 8 + 5];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[23] = 17;
+        f[26..30].copy_from_slice(&[10, 77, 3, 11]);
+        f[30..34].copy_from_slice(&[10, 77, 3, 12]);
+        f[34..36].copy_from_slice(&7790u16.to_be_bytes());
+        f[36..38].copy_from_slice(&7790u16.to_be_bytes());
+        f[38..40].copy_from_slice(&13u16.to_be_bytes());
+        f[40..42].copy_from_slice(&[0x12, 0x34]); // a partial (pseudo-header) sum
+        f[42..].copy_from_slice(b"hello");
+        complete_udp_checksum(&mut f);
+        let mut sum: u32 = 0;
+        let mut add = |b: &[u8]| b.chunks(2).for_each(|c| sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])));
+        add(&f[26..34]);
+        add(&[0, 17, 0, 13]);
+        add(&f[34..]);
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        assert_eq!(sum, 0xffff);
+        let mut z = f.clone();
+        z[40..42].copy_from_slice(&[0, 0]);
+        let before = z.clone();
+        complete_udp_checksum(&mut z);
+        assert_eq!(z, before, "no checksum stays no checksum");
+        let mut tcp = f.clone();
+        tcp[23] = 6;
+        let before = tcp.clone();
+        complete_udp_checksum(&mut tcp);
+        assert_eq!(tcp, before);
     }
 }

@@ -289,7 +289,7 @@ impl Conn {
             c.last = now;
         }
         if now.duration_since(c.start) > self.hang {
-            return Err(Fail { kind: "hang", msg: format!("an operation outstanding for more than {} ms (no progress for {gap} ms)", self.hang.as_millis()), matched: 0 });
+            return Err(Fail { kind: "hang", msg: format!("an operation outstanding for more than {} ms (the last {gap} ms without any progress)", self.hang.as_millis()), matched: 0 });
         }
         Ok(())
     }

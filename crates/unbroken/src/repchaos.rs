@@ -16,7 +16,8 @@
 //! and sent again unchanged at the fault's time: the backup must refuse it, counted as
 //! `beats_stale`/`beats_bad`/`beats_foreign`); and no fault.
 //!
-//! After each trial: the client's report, RSTs at the client (`lab::install_rst_counter`), the
+//! After each trial (and a settling window in which a takeover the run caused may still come):
+//! the client's report, RSTs at the client (`lab::install_rst_counter`), the
 //! takeover (the backup's state `took_over`), the client namespace's `TcpExtPAWSEstab` delta,
 //! and the acknowledged writes the surviving server lacks (the backup's server after a
 //! takeover, else the primary's; every counter and SET key read through its host address). A
@@ -111,12 +112,17 @@ pub struct TrialOpts {
     pub max_value: u64,
     /// An operation longer than this is a hang.
     pub hang_ms: u64,
+    /// After the client ends, how long a takeover is still waited for (and counted): a primary
+    /// yields when a connection's output is held beyond `max_lag_ms`, or a lone FIN beyond
+    /// `max_delay_fin_ms` (5 s each by default), so the client's last operations and its
+    /// closing can still move the service after it ended. The window ends early at a takeover.
+    pub settle: Duration,
 }
 
 impl Default for TrialOpts {
     fn default() -> Self {
         let a = Args::default();
-        TrialOpts { secs: 20.0, conns: a.conns, seed: 1, min_value: a.min_value, max_value: a.max_value, hang_ms: a.hang_ms }
+        TrialOpts { secs: 20.0, conns: a.conns, seed: 1, min_value: a.min_value, max_value: a.max_value, hang_ms: a.hang_ms, settle: Duration::from_secs(6) }
     }
 }
 
@@ -290,6 +296,11 @@ pub fn run_trial(env: &mut ReplicaEnv, fault: Fault, at: f64, o: &TrialOpts) -> 
     // The client's own bound: its run, one operation at the hang bound, and a margin.
     let deadline = t0 + Duration::from_secs_f64(o.secs) + Duration::from_millis(o.hang_ms) + Duration::from_secs(20);
     let report = client.finish(deadline);
+    // A takeover the run caused may come after the client ended (see `TrialOpts::settle`).
+    let settled = Instant::now() + o.settle;
+    while env.state(Side::Backup).as_deref() != Some("took_over") && Instant::now() < settled {
+        std::thread::sleep(Duration::from_millis(20)); // polling a status file with a deadline
+    }
     t.takeover = env.state(Side::Backup).as_deref() == Some("took_over");
     t.false_failover = t.takeover && fault.primary_healthy();
     t.resets_seen_by_client = env.client_rsts();

@@ -607,7 +607,7 @@ pub fn get_value(ns: &str, at: SocketAddr, key: &str) -> io::Result<Option<Vec<u
     let key = key.to_string();
     unbroken_lab::lab::in_ns(ns, move || -> io::Result<Option<Vec<u8>>> {
         let mut s = TcpStream::connect_timeout(&at, Duration::from_secs(5))?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
         s.write_all(&resp(&[b"GET", key.as_bytes()]))?;
         let mut r = BufReader::new(s);
         let mut head = String::new();
@@ -639,15 +639,27 @@ pub struct LostWrites {
 }
 
 /// Reads every connection's counter and SET keys from the server at `at` (from `ns`) and
-/// compares them with what the client was acknowledged.
+/// compares them with what the client was acknowledged. After the first key that cannot be
+/// read (the server unreachable, or not answering within 5 s: a stopped server), the remaining
+/// keys count as unreadable without trying again.
 pub fn lost_writes(ns: &str, at: SocketAddr, r: &ClientReport) -> LostWrites {
     let mut l = LostWrites::default();
+    let mut down: Option<String> = None;
+    let mut get = |key: &str| -> io::Result<Option<Vec<u8>>> {
+        if let Some(e) = &down {
+            return Err(io::Error::other(format!("not tried: {e}")));
+        }
+        get_value(ns, at, key).map_err(|e| {
+            down = Some(format!("{at} did not answer ({e})"));
+            e
+        })
+    };
     for c in &r.conns {
         if c.local_port == 0 {
             continue;
         }
         l.incr_keys += 1;
-        match get_value(ns, at, &c.incr_key) {
+        match get(&c.incr_key) {
             Ok(v) => {
                 let got = v.as_deref().map_or(Some(0), |b| std::str::from_utf8(b).ok().and_then(|s| s.parse::<u64>().ok()));
                 match got {
@@ -667,7 +679,7 @@ pub fn lost_writes(ns: &str, at: SocketAddr, r: &ClientReport) -> LostWrites {
         }
         for k in &c.set_keys {
             l.set_keys += 1;
-            match get_value(ns, at, &k.key) {
+            match get(&k.key) {
                 Ok(v) => {
                     let got = v.as_deref().map(sha_hex);
                     let fine = got == k.acked || (got.is_some() && got == k.pending);

@@ -902,6 +902,98 @@ pub fn send_unsolicited_na(ns: &str, dev: &str, mac: [u8; 6], ip: Ipv6Addr) -> i
     })?
 }
 
+/// One counter of `/proc/net/netstat` or `/proc/net/snmp` as `ns` sees it: `group` is the
+/// line's prefix without the colon (`TcpExt`, `IpExt`, `Tcp`), `field` the column
+/// (`PAWSEstab`), as `nstat` names them `TcpExtPAWSEstab`.
+pub fn netstat_counter(ns: &str, group: &str, field: &str) -> io::Result<u64> {
+    let out = run_ok(ns, Command::new("cat").args(["/proc/net/netstat", "/proc/net/snmp"]))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let prefix = format!("{group}:");
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(&prefix)).collect();
+    // Each group is a line of names followed by a line of values.
+    for pair in lines.chunks(2) {
+        if let [names, values] = pair {
+            if let Some(i) = names.split_whitespace().position(|n| n == field) {
+                return values
+                    .split_whitespace()
+                    .nth(i)
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| io::Error::other(format!("{group}{field} in {ns}: unreadable value")));
+            }
+        }
+    }
+    Err(io::Error::new(io::ErrorKind::NotFound, format!("no counter {group}{field} in {ns}")))
+}
+
+/// The first frame arriving on or leaving `dev` in `ns` for which `want` holds, as it was on
+/// the wire (Ethernet header included), within `timeout`. An `AF_PACKET` socket sees every
+/// frame the device delivers, those addressed to other hosts included (a hub floods them).
+pub fn capture_frame(ns: &str, dev: &str, timeout: Duration, want: impl Fn(&[u8]) -> bool + Send) -> io::Result<Vec<u8>> {
+    let dev_c = std::ffi::CString::new(dev).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    in_ns(ns, move || -> io::Result<Vec<u8>> {
+        let fd = packet_socket(&dev_c, true)?;
+        let _guard = FdGuard(fd);
+        let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
+        // SAFETY: setsockopt on a descriptor we own with a correctly sized value.
+        unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as u32) };
+        let end = Instant::now() + timeout;
+        let mut buf = vec![0u8; 65536];
+        while Instant::now() < end {
+            // SAFETY: reads at most buf.len() bytes into buf.
+            let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n > 0 && want(&buf[..n as usize]) {
+                return Ok(buf[..n as usize].to_vec());
+            }
+        }
+        Err(io::Error::new(io::ErrorKind::TimedOut, format!("no matching frame on {dev} within {timeout:?}")))
+    })?
+}
+
+/// Sends `frame` (Ethernet header included, as [`capture_frame`] returns it) unchanged out of
+/// `dev` in `ns`.
+pub fn send_frame(ns: &str, dev: &str, frame: &[u8]) -> io::Result<()> {
+    let dev_c = std::ffi::CString::new(dev).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    in_ns(ns, || -> io::Result<()> {
+        let fd = packet_socket(&dev_c, false)?;
+        let _guard = FdGuard(fd);
+        // SAFETY: sends frame.len() bytes from frame on a bound packet socket.
+        let r = unsafe { libc::send(fd, frame.as_ptr().cast(), frame.len(), 0) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    })?
+}
+
+/// A raw `AF_PACKET` socket bound to `dev` of the calling thread's namespace; receiving every
+/// protocol when `receive`, else protocol 0 (send only: nothing is queued to it).
+fn packet_socket(dev: &std::ffi::CStr, receive: bool) -> io::Result<i32> {
+    // SAFETY: if_nametoindex reads a NUL-terminated string.
+    let ifindex = unsafe { libc::if_nametoindex(dev.as_ptr()) };
+    if ifindex == 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let proto = if receive { (libc::ETH_P_ALL as u16).to_be() } else { 0 };
+    // SAFETY: plain socket call; the caller owns (and closes) the descriptor.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto as i32) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a zeroed sockaddr_ll is valid; bind reads exactly its size.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = proto;
+    sll.sll_ifindex = ifindex as i32;
+    let r = unsafe { libc::bind(fd, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32) };
+    if r != 0 {
+        let e = io::Error::last_os_error();
+        // SAFETY: closing the descriptor opened above.
+        unsafe { libc::close(fd) };
+        return Err(e);
+    }
+    Ok(fd)
+}
+
 struct FdGuard(i32);
 impl Drop for FdGuard {
     fn drop(&mut self) {

@@ -96,7 +96,7 @@ impl Rng {
 }
 
 /// The nearest-rank percentile of sorted values.
-fn pct(sorted: &[u64], p: f64) -> u64 {
+pub fn pct(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }

@@ -9,6 +9,8 @@ pub mod objbench;
 pub mod objchaos;
 pub mod objdemo;
 pub mod peer;
+pub mod repchaos;
+pub mod repclient;
 pub mod repdemo;
 pub mod replbench;
 pub mod scenario;

@@ -60,14 +60,29 @@ usage:
         two-sender connections. The seed is printed; --seed replays the same fault draws.
         LIST: comma-separated among crash,revive,false_suspicion,store_blip,agent_restart
         (default all). --parts: Range GETs of the keep-alive client per download (default 4).
-  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--missed-beats N] [--no-strict]
+  unbroken demo replica [--json] [--incrs N] [--crash-at FRACTION] [--heartbeat-ms N] [--missed-beats N] [--no-strict] [--conns K]
         Run the replica-mode demo in network namespaces (root, needs redis-server, redis-tools and
         python3-redis): unmodified redis-server on a primary and a backup host, each behind
         `unbroken replica`; a redis-py client holding one connection does 100,000 INCRs on its own
-        key while redis-cli and redis-benchmark run beside it, and the primary host dies (processes
-        killed, link cut) at 40 % of the INCRs. The final values must be exact, no client may see
+        key while redis-cli, redis-benchmark and our verifying client (--conns K, default 4,
+        connections of INCR and SET/GET of 1 KiB-1 MiB values) run beside it, and the primary host
+        dies (processes killed, link cut) at 40 % of the INCRs. The final values must be exact, no client may see
         an error or a reconnect, 0 RSTs; --json prints ok, failovers, ops, errors_seen,
-        resets_seen_by_client, max_stall_ms (and takeover_ms, values). Exit status 1 unless ok.
+        resets_seen_by_client, max_stall_ms (and takeover_ms, values, large_values: the verifying
+        client's ops, stall and lost acknowledged writes). Exit status 1 unless ok.
+  unbroken demo replica --chaos N [--seed S] [--secs S] [--conns K] [--faults LIST] [--json]
+        N trials, each on a fresh lab with the daemons' default beats and bounds: K (8)
+        connections of a verifying client (INCR single and pipelined, SET/GET of 1 KiB-1 MiB
+        values, every reply checked byte for byte, never reconnecting) for S (20) seconds, and
+        one seeded fault between 20 % and 80 % of the run, among none, primary_host_crash,
+        backup_host_crash, redis_kill_primary/_backup, redis_stop_primary/_backup (SIGSTOP, never
+        continued), daemon_restart_primary/_backup (SIGKILL and start again),
+        loss_toward_primary/_backup (200 ms), replayed_datagram (a captured side-channel datagram
+        sent to the backup again). --json prints ok, trials, byte_exact, resets_seen_by_client,
+        hangs, false_failovers, lost_acknowledged_writes, stall_ms {p50,p99,max}, faults, seed,
+        takeovers, paws_estab and trial_log (per trial: takeover, paws_estab, the daemons'
+        counters). Exit status 1 unless every trial is byte-exact with 0 RSTs, 0 hangs, 0 false
+        failovers and 0 lost acknowledged writes.
   unbroken agent --config FILE [--remove-rules]
         Run object mode's server agent (TRODS-KV) beside the local HTTP server;
         configs/agent.example.toml shows every key. A stopped agent leaves its queue
@@ -108,6 +123,7 @@ fn main() -> ExitCode {
         "bench-peer" => ExitCode::from(unbroken::bench::peer_main(args) as u8),
         "bench-replica-server" => ExitCode::from(unbroken::replbench::server_main(args) as u8),
         "bench-replica-client" => ExitCode::from(unbroken::replbench::client_main(args) as u8),
+        "replica-check-client" => ExitCode::from(unbroken::repclient::client_main(args) as u8),
         "bench-passthrough" => ExitCode::from(unbroken::bench::passthrough_main(args) as u8),
         "peer" => peer(args),
         "journal-server" => ExitCode::from(unbroken_journal::server::main_with_args(args.into_iter()) as u8),
@@ -300,11 +316,27 @@ fn demo_object(args: Vec<String>) -> ExitCode {
 fn demo_replica(args: Vec<String>) -> ExitCode {
     let mut s = unbroken::repdemo::ReplicaScenario { live: true, ..Default::default() };
     let mut json = false;
+    let mut chaos = unbroken::repchaos::ChaosOpts { verbose: true, ..Default::default() };
+    let (mut trials, mut seed): (Option<usize>, Option<u64>) = (None, None);
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let r: Result<(), String> = (|| {
             match a.as_str() {
                 "--json" => json = true,
+                "--chaos" => trials = Some(num("--chaos", it.next())?),
+                "--seed" => seed = Some(num("--seed", it.next())?),
+                "--secs" => chaos.client.secs = num("--secs", it.next())?,
+                "--conns" => {
+                    chaos.client.conns = num("--conns", it.next())?;
+                    s.large_conns = chaos.client.conns;
+                }
+                "--faults" => {
+                    let list = it.next().ok_or("--faults needs a list")?;
+                    chaos.faults = list
+                        .split(',')
+                        .map(|k| unbroken::repchaos::Fault::parse(k.trim()).ok_or_else(|| format!("--faults: unknown fault {k:?} ({})", unbroken::repchaos::FAULTS.map(|f| f.name()).join(", "))))
+                        .collect::<Result<_, _>>()?;
+                }
                 "--incrs" => s.incrs = num("--incrs", it.next())?,
                 "--crash-at" => s.crash_at = num("--crash-at", it.next())?,
                 "--heartbeat-ms" => s.heartbeat_interval_ms = num("--heartbeat-ms", it.next())?,
@@ -318,6 +350,11 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
         if let Err(e) = r {
             return fail(e);
         }
+    }
+    if let Some(n) = trials {
+        chaos.trials = n;
+        chaos.seed = seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1));
+        return demo_replica_chaos(&chaos, json);
     }
     if json {
         s.live = false;
@@ -344,6 +381,9 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
                     println!("  {k:<23} {} (exact: {want})", got.map_or("unreadable".into(), |g| g.to_string()));
                 }
                 println!("  operations              {}", r.ops);
+                if let Some(l) = &r.large_values {
+                    println!("  large values            {} ({} connections, {} ops, {} MB, longest stall {} ms, lost acknowledged writes {}{})", if l.ok && l.lost_acknowledged_writes == 0 { "ok" } else { "FAILED" }, l.conns, l.ops, l.bytes / 1_000_000, l.stall_ms, l.lost_acknowledged_writes, l.failures.first().or(l.error.as_ref()).map(|f| format!("; {f}")).unwrap_or_default());
+                }
                 println!("  client runs with errors {} (of {})", r.errors_seen, r.clients.len());
                 println!("  RSTs seen by the client {}", r.resets_seen_by_client);
                 println!("  longest stall           {} ms", r.max_stall_ms);
@@ -358,6 +398,48 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
         Err(e) => {
             if json {
                 println!("{}", serde_json::json!({"ok": false, "error": e}));
+            }
+            fail(e)
+        }
+    }
+}
+
+/// `demo replica --chaos N`: N trials, one random fault each (see `unbroken::repchaos`).
+fn demo_replica_chaos(o: &unbroken::repchaos::ChaosOpts, json: bool) -> ExitCode {
+    eprintln!(
+        "unbroken demo replica --chaos {}: seed {} (replay with --seed {}); {} connections of INCR and 1 KiB-1 MiB SET/GET for {} s a trial, faults among {}",
+        o.trials,
+        o.seed,
+        o.seed,
+        o.client.conns,
+        o.client.secs,
+        o.faults.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
+    );
+    match unbroken::repchaos::run_chaos(o) {
+        Ok(r) => {
+            if json {
+                println!("{}", serde_json::to_value(&r).unwrap_or_default());
+            } else {
+                println!("\nreplica chaos report (seed {})", r.seed);
+                println!("  ok                       {}", r.ok);
+                println!("  trials                   {} (byte-exact {}, hangs {})", r.trials, r.byte_exact, r.hangs);
+                println!("  RSTs seen by the client  {}", r.resets_seen_by_client);
+                println!("  takeovers                {} (false failovers {})", r.takeovers, r.false_failovers);
+                println!("  lost acknowledged writes {}", r.lost_acknowledged_writes);
+                println!("  stall ms                 p50 {} p99 {} max {}", r.stall_ms.p50, r.stall_ms.p99, r.stall_ms.max);
+                println!("  PAWS discards (client)   {}", r.paws_estab);
+                println!("  faults                   {:?}", r.faults);
+            }
+            if r.ok {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("unbroken demo replica --chaos: NOT ok (seed {})", r.seed);
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({"ok": false, "seed": o.seed, "error": e}));
             }
             fail(e)
         }

@@ -1,6 +1,7 @@
 //! Replica mode end to end in the lab (issue 10 items 4 and 5): an unmodified redis-server on
 //! the primary and on the backup of a [`ReplicaLab`] segment, `unbroken replica` on each, and
-//! unmodified clients (redis-py, redis-cli, redis-benchmark) in the client namespace.
+//! unmodified clients (redis-py, redis-cli, redis-benchmark) in the client namespace, beside our
+//! own verifying client of large values ([`crate::repclient`]).
 //! [`ReplicaEnv`] is the running system (used by `unbroken demo replica` and the namespace tests
 //! in `tests/replica_lab.rs`); [`run_replica`] is the demo: the primary host dies while the
 //! clients run.
@@ -98,6 +99,10 @@ pub struct RepOpts {
     /// More ports of the service address the daemons replicate beside redis's (a `[[service]]`
     /// each; the caller runs its own servers on them, e.g. `unbroken bench replica`).
     pub extra_ports: Vec<u16>,
+    /// Leave the beats and the lag bounds (`heartbeat_interval_ms`, `missed_beats`,
+    /// `max_lag_bytes`, `max_lag_ms`, `max_delay_fin_ms`) out of the configs: the daemon's own
+    /// defaults apply, as for an operator who keeps them (`unbroken demo replica --chaos`).
+    pub daemon_defaults: bool,
 }
 
 impl Default for RepOpts {
@@ -115,6 +120,7 @@ impl Default for RepOpts {
             daemons: true,
             start_timeout: Duration::from_secs(20),
             extra_ports: Vec::new(),
+            daemon_defaults: false,
         }
     }
 }
@@ -279,20 +285,23 @@ impl ReplicaEnv {
     pub fn config_toml(&self, side: Side) -> String {
         let o = &self.opts;
         let fence = self.fence_command(side).iter().map(|a| format!("{a:?}")).collect::<Vec<_>>().join(", ");
+        let tuned = if o.daemon_defaults {
+            String::new()
+        } else {
+            format!(
+                "heartbeat_interval_ms = {}\nmissed_beats = {}\nmax_lag_bytes = {}\nmax_lag_ms = {}\nmax_delay_fin_ms = {}\n",
+                o.heartbeat_interval_ms, o.missed_beats, o.max_lag_bytes, o.max_lag_ms, o.max_delay_fin_ms
+            )
+        };
         format!(
-            "[replica]\nrole = \"{}\"\nqueue = {QUEUE}\ninterface = \"{}\"\nlisten = \"{}:{SIDE_PORT}\"\npeer = \"{}:{SIDE_PORT}\"\nkey_file = {:?}\nheartbeat_interval_ms = {}\nmissed_beats = {}\nfence_command = [{fence}]\nfence_timeout_ms = {}\nstrict = {}\nmax_lag_bytes = {}\nmax_lag_ms = {}\nmax_delay_fin_ms = {}\nstatus_file = {:?}\n\n[[service]]\naddr = \"{}\"\nport = {REDIS_PORT}\n",
+            "[replica]\nrole = \"{}\"\nqueue = {QUEUE}\ninterface = \"{}\"\nlisten = \"{}:{SIDE_PORT}\"\npeer = \"{}:{SIDE_PORT}\"\nkey_file = {:?}\n{tuned}fence_command = [{fence}]\nfence_timeout_ms = {}\nstrict = {}\nstatus_file = {:?}\n\n[[service]]\naddr = \"{}\"\nport = {REDIS_PORT}\n",
             side.name(),
             dev::APP,
             side.host_addr(),
             side.other().host_addr(),
             self.key_path().display().to_string(),
-            o.heartbeat_interval_ms,
-            o.missed_beats,
             o.fence_timeout_ms,
             o.strict,
-            o.max_lag_bytes,
-            o.max_lag_ms,
-            o.max_delay_fin_ms,
             self.status_path(side).display().to_string(),
             addr::SERVICE_V4,
         ) + &self.opts.extra_ports.iter().map(|p| format!("\n[[service]]\naddr = \"{}\"\nport = {p}\n", addr::SERVICE_V4)).collect::<String>()
@@ -480,11 +489,16 @@ impl ReplicaEnv {
         ok
     }
 
-    /// ST-TCP Table 3.3 row 5, temporary loss at the backup: every packet to the service
-    /// address is dropped on the backup's interface (nftables netdev ingress, before anything
-    /// of the daemon's) for `dur`, then the rule is removed. Returns how many were dropped.
+    /// ST-TCP Table 3.3 row 5, temporary loss at the backup: see [`ReplicaEnv::drop_input`].
     pub fn drop_backup_input(&self, dur: Duration) -> io::Result<u64> {
-        let ns = &self.lab.backup;
+        self.drop_input(Side::Backup, dur)
+    }
+
+    /// Temporary loss toward `side`: every packet to the service address is dropped on its
+    /// interface (nftables netdev ingress at priority -500, before anything of the daemon's)
+    /// for `dur`, then the rule is removed. Returns how many were dropped.
+    pub fn drop_input(&self, side: Side, dur: Duration) -> io::Result<u64> {
+        let ns = self.ns(side);
         nft_stdin(
             ns,
             &format!(
@@ -498,6 +512,59 @@ impl ReplicaEnv {
         lab::run_ok(ns, Command::new("nft").args(["delete", "table", "netdev", LOSS_TABLE]))?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         Ok(text.split_once("counter packets ").and_then(|(_, a)| a.split_whitespace().next()?.parse().ok()).unwrap_or(0))
+    }
+
+    /// Kills `side`'s daemon (SIGKILL: a crash, not a clean stop; its rules and a backup's ARP
+    /// suppression stay, as they do when it dies) and starts it again with the same config;
+    /// returns once the new one printed its ready line.
+    pub fn restart_daemon(&mut self, side: Side) -> io::Result<()> {
+        if let Some(mut c) = self.daemons[side.idx()].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.start_daemon(side)
+    }
+
+    /// One authenticated side-channel datagram from the primary to the backup, as it was on the
+    /// wire (Ethernet frame), captured in the client namespace within `timeout`: the lab's switch
+    /// is a hub, so every frame between the two hosts reaches the client's interface too (as it
+    /// would an attacker's on the same segment).
+    pub fn capture_side_datagram(&self, timeout: Duration) -> io::Result<Vec<u8>> {
+        let (src, dst) = (addr::PRIMARY_V4.octets(), addr::BACKUP_V4.octets());
+        lab::capture_frame(&self.lab.client, dev::APP, timeout, move |f| {
+            let ihl = f.get(14).map_or(0, |b| usize::from(b & 0xf) * 4);
+            ihl >= 20
+                && f.len() >= 14 + ihl + 8
+                && f[12..14] == [0x08, 0x00]
+                && f[23] == 17
+                && f[26..30] == src
+                && f[30..34] == dst
+                && f[14 + ihl..16 + ihl] == SIDE_PORT.to_be_bytes()
+                && f[16 + ihl..18 + ihl] == SIDE_PORT.to_be_bytes()
+        })
+    }
+
+    /// Sends a captured frame again from the client's interface (it reaches the host its
+    /// destination MAC names, through the hub), unchanged but for an IPv4 UDP checksum that
+    /// the sender left to offload: veths carry such a packet across namespaces with the
+    /// checksum field holding only the pseudo-header's sum, so the capture is completed as a
+    /// real NIC would have put it on the wire (else the receiver's kernel drops the replay as
+    /// corrupt and it never reaches the daemon).
+    pub fn replay_frame(&self, frame: &[u8]) -> io::Result<()> {
+        let mut f = frame.to_vec();
+        complete_udp_checksum(&mut f);
+        lab::send_frame(&self.lab.client, dev::APP, &f)
+    }
+
+    /// The client namespace's `TcpExtPAWSEstab`: segments of established connections it
+    /// discarded by PAWS (a timestamp older than one already seen).
+    pub fn client_paws_estab(&self) -> io::Result<u64> {
+        lab::netstat_counter(&self.lab.client, "TcpExt", "PAWSEstab")
+    }
+
+    /// `side`'s redis-server through its host address (outside the replicated service).
+    pub fn redis_host_addr(&self, side: Side) -> std::net::SocketAddr {
+        std::net::SocketAddr::from((side.host_addr(), REDIS_PORT))
     }
 
     /// RSTs that reached the client namespace so far (`u64::MAX` when unreadable).
@@ -555,6 +622,40 @@ impl ReplicaEnv {
         })
         .unwrap_or_default()
     }
+}
+
+/// Writes the correct UDP checksum into an Ethernet + IPv4 + UDP frame (no-op for anything
+/// else or a zero, "no checksum", field).
+fn complete_udp_checksum(f: &mut [u8]) {
+    let ihl = f.get(14).map_or(0, |b| usize::from(b & 0xf) * 4);
+    if ihl < 20 || f.len() < 14 + ihl + 8 || f[12..14] != [0x08, 0x00] || f[23] != 17 {
+        return;
+    }
+    let u = 14 + ihl;
+    let len = usize::from(u16::from_be_bytes([f[u + 4], f[u + 5]]));
+    if len < 8 || u + len > f.len() || f[u + 6..u + 8] == [0, 0] {
+        return;
+    }
+    f[u + 6] = 0;
+    f[u + 7] = 0;
+    let mut sum: u32 = 0;
+    let mut add = |b: &[u8]| {
+        for c in b.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+        }
+    };
+    add(&f[26..34]);
+    add(&[0, 17]);
+    add(&(len as u16).to_be_bytes());
+    add(&f[u..u + len]);
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let c = match !(sum as u16) {
+        0 => 0xffff,
+        c => c,
+    };
+    f[u + 6..u + 8].copy_from_slice(&c.to_be_bytes());
 }
 
 fn redis_cli_at(ns: &str, host: &str, args: &[&str]) -> io::Result<String> {
@@ -837,12 +938,35 @@ pub struct ReplicaScenario {
     pub strict: bool,
     pub heartbeat_interval_ms: u64,
     pub missed_beats: u64,
+    /// Connections of the verifying client ([`crate::repclient`]: INCR and SET/GET of
+    /// 1 KiB-1 MiB values, every reply checked) running beside the others from start to end;
+    /// 0: none.
+    pub large_conns: usize,
 }
 
 impl Default for ReplicaScenario {
     fn default() -> Self {
-        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 3 }
+        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 3, large_conns: 4 }
     }
+}
+
+/// What the verifying client of large values saw in the demo.
+#[derive(Debug, Clone, Serialize)]
+pub struct LargeValues {
+    pub conns: usize,
+    /// Every connection ran to the end, every reply byte-exact.
+    pub ok: bool,
+    pub ops: u64,
+    pub bytes: u64,
+    pub stall_ms: u64,
+    pub max_op_ms: u64,
+    /// Each connection's failure (reset, EOF, wrong byte, hang), if any.
+    pub failures: Vec<String>,
+    /// Acknowledged writes the surviving server lacks, and keys it could not be read for.
+    pub lost_acknowledged_writes: u64,
+    pub unreadable_keys: u64,
+    pub lost_details: Vec<String>,
+    pub error: Option<String>,
 }
 
 /// The demo's report (`--json` prints it).
@@ -866,6 +990,8 @@ pub struct ReplicaReport {
     pub clients: Vec<ClientResult>,
     pub crash_at_ops: u64,
     pub duration_ms: u64,
+    /// The verifying client of large values (None when `large_conns` is 0).
+    pub large_values: Option<LargeValues>,
 }
 
 /// `unbroken demo replica`.
@@ -887,6 +1013,21 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     let mut env = ReplicaEnv::start(opts).map_err(|e| format!("starting the system: {e}"))?;
     say(format!("{:>6} ms  both daemons protecting; clients start ({})", t0.elapsed().as_millis(), env.dir.display()));
     let deadline = Instant::now() + s.timeout;
+    let large_args = crate::repclient::Args {
+        connect: std::net::SocketAddr::from((addr::SERVICE_V4, REDIS_PORT)),
+        conns: s.large_conns,
+        secs: s.timeout.as_secs_f64(),
+        until_stdin_eof: true,
+        prefix: "demo:large".into(),
+        ..Default::default()
+    };
+    let large = if s.large_conns > 0 {
+        let c = crate::repclient::CheckClient::start(&env.lab.client, &env.opts.bin, large_args, Duration::from_secs(30)).map_err(|e| format!("starting the verifying client: {e}"))?;
+        say(format!("{:>6} ms  the verifying client runs {} connections of INCR and 1 KiB-1 MiB SET/GET", t0.elapsed().as_millis(), s.large_conns));
+        Some(c)
+    } else {
+        None
+    };
     let py = env.py_incr("demo:redis-py", s.incrs, 0).map_err(|e| format!("starting the redis-py client: {e}"))?;
     let env_cli = CliSpawner { ns: env.lab.client.clone() };
     let cli_n = s.cli_incrs;
@@ -928,6 +1069,11 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
         std::thread::sleep(Duration::from_millis(5)); // polling progress to time the crash
     }
     let pyr = py.take().map(|p| p.finish(deadline));
+    let large = large.map(|mut c| {
+        c.stop();
+        let hang = Duration::from_millis(c.args.hang_ms);
+        c.finish(Instant::now() + hang + Duration::from_secs(20))
+    });
     let mut clients: Vec<ClientResult> = pyr.into_iter().collect();
     let cli_runs = cli.stop();
     let bench_runs = bench.stop();
@@ -948,9 +1094,31 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     let rsts = env.client_rsts();
     let max_stall_ms = clients.iter().filter(|c| c.name != "redis-benchmark").map(|c| c.max_gap_ms).max().unwrap_or(0);
     let exact = values.iter().all(|(_, want, got)| Some(*want) == *got) && py_ops == s.incrs;
-    let ok = error.is_none() && exact && errors_seen == 0 && rsts == 0 && failovers == 1;
+    // The verifying client's writes, read back from the server that serves now.
+    let serving = if failovers == 1 { Side::Backup } else { Side::Primary };
+    let large_values = large.map(|r| match r {
+        Ok(r) => {
+            let l = crate::repclient::lost_writes(&env.lab.client, env.redis_host_addr(serving), &r);
+            LargeValues {
+                conns: r.conns.len(),
+                ok: r.ok,
+                ops: r.ops,
+                bytes: r.bytes,
+                stall_ms: r.stall_ms,
+                max_op_ms: r.max_op_ms,
+                failures: r.conns.iter().filter_map(|c| Some(format!("conn {} (port {}): {}: {}", c.conn, c.local_port, c.failure.as_deref()?, c.error.as_deref().unwrap_or("")))).collect(),
+                lost_acknowledged_writes: l.lost,
+                unreadable_keys: l.unreadable,
+                lost_details: l.details,
+                error: None,
+            }
+        }
+        Err(e) => LargeValues { conns: s.large_conns, ok: false, ops: 0, bytes: 0, stall_ms: 0, max_op_ms: 0, failures: Vec::new(), lost_acknowledged_writes: 0, unreadable_keys: 0, lost_details: Vec::new(), error: Some(e) },
+    });
+    let large_ok = large_values.as_ref().map_or(true, |l| l.ok && l.error.is_none() && l.lost_acknowledged_writes == 0 && l.unreadable_keys == 0);
+    let ok = error.is_none() && exact && errors_seen == 0 && rsts == 0 && failovers == 1 && large_ok;
     if !ok && error.is_none() {
-        error = Some(format!("values {values:?}, {errors_seen} client runs saw an error, {rsts} RSTs, failovers {failovers}\n{}", env.diagnostics()));
+        error = Some(format!("values {values:?}, {errors_seen} client runs saw an error, {rsts} RSTs, failovers {failovers}, large values {large_values:?}\n{}", env.diagnostics()));
     }
     Ok(ReplicaReport {
         ok,
@@ -965,6 +1133,7 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
         clients,
         crash_at_ops: crashed_at.unwrap_or(0),
         duration_ms: t0.elapsed().as_millis() as u64,
+        large_values,
     })
 }
 
@@ -996,5 +1165,47 @@ impl ReplicaEnv {
     /// A [`CliSpawner`] for this env's client namespace.
     pub fn spawner(&self) -> CliSpawner {
         CliSpawner { ns: self.lab.client.clone() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A UDP checksum completed over the pseudo-header and the datagram sums, with itself, to
+    /// 0xffff (RFC 768); a zero field ("no checksum") and other protocols stay as they are.
+    #[test]
+    fn udp_checksum_is_completed() {
+        let mut f = vec![0u8; 14 + 20 + 8 + 5];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[23] = 17;
+        f[26..30].copy_from_slice(&[10, 77, 3, 11]);
+        f[30..34].copy_from_slice(&[10, 77, 3, 12]);
+        f[34..36].copy_from_slice(&7790u16.to_be_bytes());
+        f[36..38].copy_from_slice(&7790u16.to_be_bytes());
+        f[38..40].copy_from_slice(&13u16.to_be_bytes());
+        f[40..42].copy_from_slice(&[0x12, 0x34]); // a partial (pseudo-header) sum
+        f[42..].copy_from_slice(b"hello");
+        complete_udp_checksum(&mut f);
+        let mut sum: u32 = 0;
+        let mut add = |b: &[u8]| b.chunks(2).for_each(|c| sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])));
+        add(&f[26..34]);
+        add(&[0, 17, 0, 13]);
+        add(&f[34..]);
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        assert_eq!(sum, 0xffff);
+        let mut z = f.clone();
+        z[40..42].copy_from_slice(&[0, 0]);
+        let before = z.clone();
+        complete_udp_checksum(&mut z);
+        assert_eq!(z, before, "no checksum stays no checksum");
+        let mut tcp = f.clone();
+        tcp[23] = 6;
+        let before = tcp.clone();
+        complete_udp_checksum(&mut tcp);
+        assert_eq!(tcp, before);
     }
 }

@@ -13,7 +13,12 @@
 //! - divergence in strict mode: the client gets the primary's bytes, the divergence is counted
 //!   and the connection goes on unprotected; if the primary then dies, that connection is reset
 //!   (never handed the backup's bytes) while the others go on;
-//! - the primary host crash without strict output commit.
+//! - the primary host crash without strict output commit;
+//! - large values (issue 20): our verifying client ([`unbroken::repclient`], 8 connections of
+//!   INCR and 1 KiB-1 MiB SET/GET, every reply byte for byte) with no fault and with 200 ms of
+//!   loss toward the backup: no takeover, no unprotected connection, no PAWS discard at the
+//!   client, no stall beyond 300 ms, no acknowledged write lost; and `unbroken demo replica
+//!   --chaos 3 --json` through the binary.
 //!
 //! Every test checks what the clients saw: each reply (redis-py and redis-cli check every
 //! INCR's value), the exit status, nothing on stderr, no reconnect (redis-py's socket and local
@@ -29,6 +34,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use unbroken::repchaos::{run_trial, Fault, Trial, TrialOpts};
 use unbroken::repdemo::{ClientResult, ClientRun, RepOpts, ReplicaEnv, ReplicaScenario, Repeat, Side, REDIS_PORT};
 use unbroken_lab::lab;
 use unbroken_lab::replicalab::addr;
@@ -412,4 +418,173 @@ fn replica_diverged_connection_reset_after_takeover() {
     eprintln!("{name}: redis-py {} ops, longest stall {} ms; RSTs at the client {}", py.ops, py.max_gap_ms, env.client_rsts());
     assert!(py.clean() && py.ops == 3000, "{name}: the connection that did not diverge: {py:?}\n{}", env.diagnostics());
     assert_eq!(get(&env, Side::Backup, PY_KEY), Some(3000));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large values (issue 20)
+
+/// The longest stall the large-value tests accept: issue 20's bound for the chaos run's p99.
+const LARGE_STALL_MS: u64 = 300;
+
+/// Our verifying client for `secs`: 8 connections, INCR (single and pipelined) and SET/GET of
+/// 1 KiB-1 MiB values, a fixed seed.
+fn large(secs: f64) -> TrialOpts {
+    TrialOpts { secs, seed: 20, ..TrialOpts::default() }
+}
+
+/// Prints everything a large-value trial observed (the reproduction's record), before any
+/// assertion.
+fn observed(name: &str, t: &Trial) {
+    eprintln!(
+        "{name}: fault {} ({}), takeover {}, {} ops, {} MB, longest stall {} ms, longest operation {} ms, client PAWSEstab +{:?}, client retransmissions {}, RSTs {}, lost acknowledged writes {} (checked on the {}), unreadable keys {}",
+        t.fault,
+        t.fault_detail,
+        t.takeover,
+        t.ops,
+        t.bytes / 1_000_000,
+        t.stall_ms,
+        t.max_op_ms,
+        t.paws_estab,
+        t.client_retrans,
+        t.resets_seen_by_client,
+        t.lost_acknowledged_writes,
+        t.checked_on,
+        t.unreadable_keys
+    );
+    if let Some(c) = &t.client {
+        for k in &c.conns {
+            eprintln!("{name}:   conn {} port {}: {} ops ({} INCR, {} SET, {} GET), stall {} ms, longest op {} ms, retrans {}, INCR acknowledged {} (+{} unanswered){}", k.conn, k.local_port, k.ops, k.incrs, k.sets, k.gets, k.stall_ms, k.max_op_ms, k.retrans, k.incr_acked, k.incr_pending, k.error.as_deref().map(|e| format!(", {}: {e}", k.failure.as_deref().unwrap_or(""))).unwrap_or_default());
+        }
+    }
+    for l in t.yield_log.iter().chain(&t.lost_details).chain(&t.client_failures) {
+        eprintln!("{name}:   {l}");
+    }
+    eprintln!("{name}:   daemons {}", t.daemons);
+    if let Some(e) = &t.error {
+        eprintln!("{name}:   error {e}");
+    }
+}
+
+/// Every connection ran to its end with every reply byte-exact, no RST, no takeover, nothing
+/// unprotected, no PAWS discard at the client, no stall beyond [`LARGE_STALL_MS`], no
+/// acknowledged write lost.
+fn assert_large_clean(name: &str, env: &ReplicaEnv, t: &Trial) {
+    let diag = || format!("{}\n{}", serde_json::to_string(t).unwrap_or_default(), env.diagnostics());
+    assert!(t.error.is_none(), "{name}: {:?}\n{}", t.error, diag());
+    assert!(t.byte_exact, "{name}: not every connection ran clean: {:?}\n{}", t.client_failures, diag());
+    assert_eq!(t.hangs, 0, "{name}: hangs\n{}", diag());
+    assert_eq!(t.resets_seen_by_client, 0, "{name}: RSTs reached the client\n{}", diag());
+    assert!(!t.takeover, "{name}: the backup took over with a healthy primary ({:?})\n{}", t.yield_log, diag());
+    assert_eq!((t.lost_acknowledged_writes, t.unreadable_keys), (0, 0), "{name}: acknowledged writes lost: {:?}\n{}", t.lost_details, diag());
+    for (i, side) in [Side::Primary, Side::Backup].into_iter().enumerate() {
+        let s = t.status[i].as_ref().unwrap_or_else(|| panic!("{name}: no status of the {}", side.name()));
+        assert_eq!(s["state"], "protecting", "{name}: the {}\n{}", side.name(), diag());
+        assert_eq!(s["unprotected"], 0, "{name}: the {} ran connections unprotected: {}\n{}", side.name(), s["unprotected_by"], diag());
+    }
+    assert_eq!(t.paws_estab, Some(0), "{name}: the client discarded the service's segments by PAWS\n{}", diag());
+    assert!(t.stall_ms <= LARGE_STALL_MS, "{name}: a connection stalled {} ms\n{}", t.stall_ms, diag());
+}
+
+/// Issue 20 defects 1 and 2: with large values and no fault at all, one connection stalled for
+/// `max_lag_ms`, the primary yielded and the backup took over; the client discarded thousands
+/// of segments by PAWS and stalled 200-600 ms again and again.
+#[test]
+fn replica_large_values_no_failure() {
+    let name = "replica_large_values_no_failure";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let t = run_trial(&mut env, Fault::None, 0.5, &large(15.0));
+    observed(name, &t);
+    assert!(t.ops > 0, "{name}: the client did nothing");
+    assert_large_clean(name, &env, &t);
+}
+
+/// Issue 20 defect 5 (and ST-TCP Table 3.3 row 5 under large values): 200 ms of loss toward the
+/// backup only. The backup catches up; nobody takes over; no acknowledged write is lost.
+#[test]
+fn replica_loss_toward_backup_large_values() {
+    let name = "replica_loss_toward_backup_large_values";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let mut env = start(name, opts());
+    let t = run_trial(&mut env, Fault::Loss(Side::Backup), 0.4, &large(15.0));
+    observed(name, &t);
+    assert!(t.fault_packets > 0, "{name}: the loss hit no packet");
+    assert_large_clean(name, &env, &t);
+}
+
+/// `unbroken demo replica --chaos 3 --json --seed 470 --secs 8` through the binary: the seed
+/// draws a replayed side-channel datagram, a primary host crash and loss toward the backup; the
+/// JSON carries every field of issue 20 and per trial the takeover and the PAWS count, agrees
+/// with itself and with the exit status, and the run is ok.
+#[test]
+fn replica_chaos_through_the_binary() {
+    let name = "replica_chaos_through_the_binary";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let seed = 470;
+    let mut rng = unbroken::repclient::Rng(seed);
+    let want: Vec<&str> = (0..3).map(|_| unbroken::repchaos::draw(&mut rng, &unbroken::repchaos::FAULTS).0.name()).collect();
+    assert_eq!(want, ["replayed_datagram", "primary_host_crash", "loss_toward_backup"], "the seed's draws");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_unbroken"))
+        .args(["demo", "replica", "--chaos", "3", "--json", "--seed", &seed.to_string(), "--secs", "8"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let read = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut t = String::new();
+            let _ = r.read_to_string(&mut t);
+            t
+        })
+    };
+    let (out, err) = (read(Box::new(out)), read(Box::new(err)));
+    // Three trials of 8 s, each with its system's start, the fault and the checks.
+    let deadline = Instant::now() + Duration::from_secs(400);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{name}: the chaos run did not finish within 400 s");
+        }
+        std::thread::sleep(Duration::from_millis(50)); // polling a child's exit with a deadline
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    eprintln!("{name}: exit {status}; stderr:\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{name}: stdout is not one JSON object ({e}): {out}"));
+    eprintln!("{name}: {v}");
+    for f in ["ok", "trials", "byte_exact", "resets_seen_by_client", "hangs", "false_failovers", "lost_acknowledged_writes", "stall_ms", "faults", "seed", "trial_log"] {
+        assert!(!v[f].is_null(), "{name}: no {f} in {v}");
+    }
+    assert_eq!(v["trials"], 3);
+    assert_eq!(v["seed"], seed);
+    for p in ["p50", "p99", "max"] {
+        assert!(v["stall_ms"][p].is_u64(), "{name}: stall_ms.{p}");
+    }
+    let log = v["trial_log"].as_array().unwrap();
+    assert_eq!(log.iter().map(|t| t["fault"].as_str().unwrap()).collect::<Vec<_>>(), want);
+    for w in &want {
+        assert_eq!(v["faults"][*w], 1, "{name}: faults {}", v["faults"]);
+    }
+    for t in log {
+        assert!(t["takeover"].is_boolean() && (t["paws_estab"].is_u64() || t["paws_estab"].is_null()), "{name}: {t}");
+        let at = t["at"].as_f64().unwrap();
+        assert!((0.2..=0.8).contains(&at), "{name}: fault at {at}");
+    }
+    // The summary agrees with its trials and with the exit status.
+    let sum = |f: &str| log.iter().map(|t| t[f].as_u64().unwrap_or(0)).sum::<u64>();
+    assert_eq!(v["resets_seen_by_client"], sum("resets_seen_by_client"));
+    assert_eq!(v["lost_acknowledged_writes"], sum("lost_acknowledged_writes"));
+    assert_eq!(v["hangs"], sum("hangs"));
+    assert_eq!(v["false_failovers"], log.iter().filter(|t| t["false_failover"] == true).count());
+    assert_eq!(v["byte_exact"], log.iter().filter(|t| t["byte_exact"] == true).count());
+    assert_eq!(status.success(), v["ok"] == true, "{name}: exit status and ok");
+    // The replay reached the backup and was refused; the primary's crash was taken over.
+    assert!(log[0]["fault_packets"].as_u64().unwrap_or(0) >= 1, "{name}: the replayed datagram was not refused by the backup: {}", log[0]);
+    assert_eq!(log[1]["takeover"], true, "{name}: {}", log[1]);
+    assert!(v["ok"] == true, "{name}: the chaos run is not ok: {v}");
 }

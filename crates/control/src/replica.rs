@@ -761,3 +761,75 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         None => res,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    static LEFT: AtomicU32 = AtomicU32::new(0);
+
+    struct Table;
+
+    impl LeaveInstalled for Table {
+        fn leave(self) {
+            LEFT.fetch_add(1, Ordering::SeqCst);
+        }
+        fn what(&self) -> &'static str {
+            "a test table"
+        }
+    }
+
+    /// Issue 20 item 14: a panic in the loop (or a start-up error after the tables went in)
+    /// unwinds through their owners; they must stay installed (fail closed), not be removed.
+    /// Only taking one out (the takeover) lets it go.
+    #[test]
+    fn hostile_panic_leaves_the_backup_tables_installed() {
+        let r = std::panic::catch_unwind(|| {
+            let _arp = FailClosed::new(Some(Table));
+            let _rx = FailClosed::new(Some(Table));
+            panic!("a bug reached by a hostile datagram");
+        });
+        assert!(r.is_err());
+        assert_eq!(LEFT.load(Ordering::SeqCst), 2);
+        let mut taken = FailClosed::new(Some(Table));
+        assert!(taken.take().is_some());
+        drop(taken);
+        assert_eq!(LEFT.load(Ordering::SeqCst), 2, "taken out: the caller removes it");
+    }
+
+    /// Issue 20 item 14: at the deadline the fencing command's whole process group is killed,
+    /// not only the direct child (a shell's `sleep` used to live on).
+    #[test]
+    fn hostile_fence_timeout_kills_the_whole_process_group() {
+        let dir = std::env::temp_dir().join(format!("unbroken-fence-pg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pidfile = dir.join("pid");
+        let script = format!("sleep 600 & echo $! > {}.tmp && mv {0}.tmp {0}; wait", pidfile.display());
+        let argv: Vec<String> = vec!["sh".into(), "-c".into(), script];
+        // A fence timeout the shell outlasts after starting its child; on a host so loaded that
+        // it had not started it yet, again with a longer one (never a guess at how long it takes).
+        let mut pid = None;
+        for timeout_ms in [1_000, 4_000, 16_000] {
+            let e = run_fence(&argv, Duration::from_millis(timeout_ms)).unwrap_err();
+            assert!(e.contains("process group killed"), "{e}");
+            if let Ok(t) = std::fs::read_to_string(&pidfile) {
+                pid = Some(t.trim().parse::<u32>().unwrap());
+                break;
+            }
+        }
+        let pid = pid.expect("the shell started its child within 16 s");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // Wait (bounded) for the grandchild to be gone or a zombie awaiting its reaper.
+        let gone = loop {
+            match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                Err(_) => break true,
+                Ok(st) if st.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')) => break true,
+                Ok(_) if Instant::now() > deadline => break false,
+                Ok(_) => std::thread::yield_now(),
+            }
+        };
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(gone, "the fencing command's child {pid} outlived its deadline");
+    }
+}

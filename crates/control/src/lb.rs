@@ -1787,7 +1787,7 @@ fn wait_readable(sock: &UdpSocket, wait: Duration) -> bool {
 }
 
 /// 32 bytes from the kernel's CSPRNG (getrandom(2)).
-fn random_secret() -> io::Result<[u8; 32]> {
+pub(crate) fn random_secret() -> io::Result<[u8; 32]> {
     let mut b = [0u8; 32];
     let mut got = 0;
     while got < b.len() {

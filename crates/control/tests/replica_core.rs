@@ -1,29 +1,43 @@
 //! The replica daemon's I/O-free core (`replicacore::Core`): when the peer counts as present,
-//! what the side channel accepts, beats, fencing and its results. No queue, socket or clock.
+//! what the side channel accepts (authenticated, fresh across restarts), beats, fencing and its
+//! results, takeover announcements, staleness, what the operator is told. No queue, socket or
+//! clock: two cores talk through a scripted link, or one core talks to a scripted peer.
 
 use std::net::SocketAddr;
 
 use unbroken_control::daemon::{Mode, Outbox};
-use unbroken_control::replicacore::{Core, Request, Settings, State};
-use unbroken_engines::replica::{Config, DetectorConfig};
+use unbroken_control::replicacore::{Boot, Core, Request, Settings, State, ANNOUNCE_SCHEDULE_MS, PEER_WARN_MS};
+use unbroken_engines::replica::{Config, DetectorConfig, Why};
 use unbroken_wire::ctl::Key;
-use unbroken_wire::replica::{Progress, Role};
+use unbroken_wire::replica::{hdr, Progress, Role, Session};
 
 fn key() -> Key {
     Key::from_hex("00112233445566778899aabbccddeeff").unwrap()
 }
 
+fn other_key() -> Key {
+    Key::from_hex("ffeeddccbbaa99887766554433221100").unwrap()
+}
+
+/// The backup's address as the primary's core sees it, and the primary's as the backup's.
 fn peer() -> SocketAddr {
     "10.77.3.12:7790".parse().unwrap()
 }
 
-fn core(role: Role) -> Core {
-    let s = Settings { role, detector: DetectorConfig { interval_ms: 10, misses: 3 }, engine: Config::default(), finished_grace_ms: 1000 };
-    Core::new(s, key(), peer(), 1000, 0)
+fn boot(id: u64) -> Boot {
+    Boot { id, secret: [id as u8; 32] }
 }
 
-fn msg(role: Role, beat: u64, k: &Key) -> Vec<u8> {
-    Progress { role, beat, flags: 0, records: vec![] }.emit(k).unwrap()
+fn settings(role: Role) -> Settings {
+    Settings { role, detector: DetectorConfig { interval_ms: 10, misses: 3 }, engine: Config::default(), finished_grace_ms: 1000 }
+}
+
+fn core_at(role: Role, id: u64, now: u64) -> Core {
+    Core::new(settings(role), key(), peer(), boot(id), now)
+}
+
+fn core(role: Role) -> Core {
+    core_at(role, 0xc0de, 0)
 }
 
 fn tick(c: &mut Core, now: u64) -> Vec<Request> {
@@ -33,8 +47,128 @@ fn tick(c: &mut Core, now: u64) -> Vec<Request> {
     out.requests
 }
 
+fn drain(c: &mut Core) -> Vec<Request> {
+    let mut out = Outbox::default();
+    c.collect(&mut out);
+    out.requests
+}
+
 fn fences(r: &[Request]) -> usize {
     r.iter().filter(|r| **r == Request::Fence).count()
+}
+
+fn sides(r: &[Request]) -> Vec<Vec<u8>> {
+    r.iter().filter_map(|r| if let Request::Side(d) = r { Some(d.clone()) } else { None }).collect()
+}
+
+fn logs(r: &[Request]) -> Vec<String> {
+    r.iter().filter_map(|r| if let Request::Log(l) = r { Some(l.clone()) } else { None }).collect()
+}
+
+fn fatal(r: &[Request]) -> bool {
+    r.iter().any(|r| matches!(r, Request::Fatal(_)))
+}
+
+/// A scripted peer: a boot of its own, numbers its messages, takes the core's challenge from
+/// what the core sends and echoes it.
+struct Peer {
+    role: Role,
+    boot: u64,
+    beat: u64,
+    echo: (u64, u64),
+}
+
+impl Peer {
+    fn new(role: Role, boot: u64) -> Peer {
+        Peer { role, boot, beat: 0, echo: (0, 0) }
+    }
+
+    /// Takes the latest challenge from the core's datagrams.
+    fn hear(&mut self, reqs: &[Request]) {
+        for d in sides(reqs) {
+            let (_, s) = Progress::parse_session(&d, &key()).unwrap();
+            self.echo = (s.nonce_t, s.nonce);
+        }
+    }
+
+    fn msg(&mut self, flags: u8) -> Vec<u8> {
+        self.beat += 1;
+        let s = Session { boot: self.boot, nonce_t: self.beat, nonce: 0x5eed ^ self.beat, echo_t: self.echo.0, echo: self.echo.1 };
+        Progress { role: self.role, beat: self.beat, flags, records: vec![] }.emit_session(&s, &key()).unwrap()
+    }
+
+    /// Binds `c` to this peer at `now`: hears its challenge, answers.
+    fn bind(&mut self, c: &mut Core, now: u64) {
+        let r = tick(c, now);
+        self.hear(&r);
+        let m = self.msg(0);
+        c.side(now, peer(), &m);
+    }
+}
+
+/// Two cores over a side channel that can be cut, one direction or both.
+struct Pair {
+    p: Core,
+    b: Core,
+    p_to_b: bool,
+    b_to_p: bool,
+    /// Every datagram each sent (for replays).
+    sent_by_p: Vec<Vec<u8>>,
+    sent_by_b: Vec<Vec<u8>>,
+    /// Requests other than Side, per core, with their time.
+    p_req: Vec<(u64, Request)>,
+    b_req: Vec<(u64, Request)>,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        Pair { p: core_at(Role::Primary, 0xaaaa, 0), b: core_at(Role::Backup, 0xbbbb, 0), p_to_b: true, b_to_p: true, sent_by_p: vec![], sent_by_b: vec![], p_req: vec![], b_req: vec![] }
+    }
+
+    fn step(&mut self, now: u64) {
+        for r in tick(&mut self.p, now) {
+            match r {
+                Request::Side(d) => {
+                    if self.p_to_b {
+                        self.b.side(now, peer(), &d);
+                    }
+                    self.sent_by_p.push(d);
+                }
+                r => self.p_req.push((now, r)),
+            }
+        }
+        for r in tick(&mut self.b, now) {
+            match r {
+                Request::Side(d) => {
+                    if self.b_to_p {
+                        self.p.side(now, peer(), &d);
+                    }
+                    self.sent_by_b.push(d);
+                }
+                r => self.b_req.push((now, r)),
+            }
+        }
+        for r in drain(&mut self.p) {
+            self.p_req.push((now, r));
+        }
+        for r in drain(&mut self.b) {
+            self.b_req.push((now, r));
+        }
+    }
+
+    fn run(&mut self, from: u64, to: u64) {
+        for now in from..to {
+            self.step(now);
+        }
+    }
+
+    fn fences_of(req: &[(u64, Request)], since: u64) -> usize {
+        req.iter().filter(|(t, r)| *t >= since && *r == Request::Fence).count()
+    }
+}
+
+fn flags_of(d: &[u8]) -> u8 {
+    Progress::parse(d, &key()).unwrap().flags
 }
 
 #[test]
@@ -51,59 +185,78 @@ fn a_host_that_never_heard_its_peer_never_fences_it() {
 }
 
 #[test]
-fn beats_are_authenticated_progress_of_this_hosts_role_with_rising_numbers() {
+fn beats_are_authenticated_progress_of_this_hosts_role_with_rising_numbers_and_its_boot() {
     let mut c = core(Role::Backup);
     let mut beats = vec![];
     for now in [0, 10, 20, 30] {
-        for r in tick(&mut c, now) {
-            if let Request::Side(d) = r {
-                let p = Progress::parse(&d, &key()).expect("authenticated");
-                assert_eq!(p.role, Role::Backup);
-                beats.push(p.beat);
-            }
+        for d in sides(&tick(&mut c, now)) {
+            let (p, s) = Progress::parse_session(&d, &key()).expect("authenticated");
+            assert_eq!((p.role, s.boot), (Role::Backup, 0xc0de));
+            assert_ne!(s.nonce_t, 0, "every message carries a challenge");
+            beats.push(p.beat);
         }
     }
-    assert_eq!(beats.len(), 4, "one beat per interval: {beats:?}");
-    assert!(beats.windows(2).all(|w| w[1] > w[0]), "{beats:?}");
-    let other = Key::from_hex("ffeeddccbbaa99887766554433221100").unwrap();
-    if let Some(Request::Side(d)) = tick(&mut c, 40).into_iter().find(|r| matches!(r, Request::Side(_))) {
-        assert!(Progress::parse(&d, &other).is_err(), "a wrong key must not verify");
-    }
+    assert_eq!(beats, vec![1, 2, 3, 4], "one beat per interval, numbered from 1 within the boot");
+    let d = sides(&tick(&mut c, 40)).remove(0);
+    assert!(Progress::parse(&d, &other_key()).is_err(), "a wrong key must not verify");
 }
 
 #[test]
-fn hostile_side_channel_accepts_only_the_peer_authenticated_of_the_other_role_and_not_older() {
+fn two_cores_bind_each_other_within_two_beats() {
+    let mut x = Pair::new();
+    x.run(0, 25);
+    assert_eq!((x.p.state(), x.b.state()), (State::Protecting, State::Protecting));
+    assert_eq!((x.p.peer_boot(), x.b.peer_boot()), (Some(0xbbbb), Some(0xaaaa)));
+    x.run(25, 5_000);
+    assert_eq!(Pair::fences_of(&x.p_req, 0) + Pair::fences_of(&x.b_req, 0), 0);
+    assert_eq!((x.p.counters.beats_unproven, x.b.counters.beats_unproven, x.b.counters.beats_stale), (0, 1, 0), "only the primary's first beat came before it had the backup's challenge");
+}
+
+#[test]
+fn hostile_side_channel_accepts_only_the_peer_authenticated_fresh_and_of_the_other_role() {
     let mut c = core(Role::Backup);
+    let mut pr = Peer::new(Role::Primary, 77);
+    pr.hear(&tick(&mut c, 0));
     let stranger: SocketAddr = "10.77.3.99:7790".parse().unwrap();
-    c.side(1, stranger, &msg(Role::Primary, 5, &key()));
+    let m = pr.msg(0);
+    c.side(1, stranger, &m);
     assert_eq!((c.counters.beats_foreign, c.state()), (1, State::WaitingForPeer));
-    let other = Key::from_hex("ffeeddccbbaa99887766554433221100").unwrap();
-    c.side(2, peer(), &msg(Role::Primary, 5, &other));
+    let wrong = Progress { role: Role::Primary, beat: 9, flags: 0, records: vec![] }.emit(&other_key()).unwrap();
+    c.side(2, peer(), &wrong);
     assert_eq!((c.counters.beats_bad, c.state()), (1, State::WaitingForPeer));
     c.side(3, peer(), b"garbage");
     assert_eq!(c.counters.beats_bad, 2);
-    // Its own role reflected back at it.
-    c.side(4, peer(), &msg(Role::Backup, 5, &key()));
-    assert_eq!((c.counters.beats_foreign, c.state()), (2, State::WaitingForPeer));
-    c.side(5, peer(), &msg(Role::Primary, 5, &key()));
+    // Authenticated but echoing no challenge of this process: not fresh.
+    let unproven = Progress { role: Role::Primary, beat: 50, flags: 0, records: vec![] }.emit_session(&Session { boot: 99, nonce_t: 1, ..Session::default() }, &key()).unwrap();
+    c.side(4, peer(), &unproven);
+    assert_eq!((c.counters.beats_unproven, c.state()), (1, State::WaitingForPeer));
+    let m = pr.msg(0);
+    c.side(5, peer(), &m);
     assert_eq!((c.counters.beats_received, c.state()), (1, State::Protecting));
     // Every datagram has its own number: a replay of the newest is as stale as an older one.
-    c.side(6, peer(), &msg(Role::Primary, 5, &key()));
-    c.side(7, peer(), &msg(Role::Primary, 4, &key()));
-    assert_eq!((c.counters.beats_received, c.counters.beats_stale), (1, 2));
+    c.side(6, peer(), &m);
+    assert_eq!((c.counters.beats_received, c.counters.beats_stale), (1, 1));
     assert_eq!(c.peer_heard_at, Some(5), "a replay does not count as the peer being alive");
-    c.side(8, peer(), &msg(Role::Primary, 6, &key()));
+    // Bound to boot 77: another boot's message, even authenticated and numbered higher, is not
+    // the peer until it echoes a fresh challenge.
+    c.side(7, peer(), &unproven);
+    assert_eq!((c.counters.beats_unproven, c.peer_heard_at), (2, Some(5)));
+    let m = pr.msg(0);
+    c.side(8, peer(), &m);
     assert_eq!((c.counters.beats_received, c.peer_heard_at), (2, Some(8)));
 }
 
 #[test]
 fn hostile_replayed_messages_do_not_keep_a_dead_primary_alive() {
     let mut c = core(Role::Backup);
-    // The newest datagram, replayed for ever (the rule used to accept a beat's number twice).
-    let old = msg(Role::Primary, 8, &key());
-    c.side(0, peer(), &msg(Role::Primary, 8, &key()));
+    let mut pr = Peer::new(Role::Primary, 5);
+    pr.bind(&mut c, 0);
+    assert_eq!(c.state(), State::Protecting);
+    // The newest datagram, replayed for ever.
+    let old = pr.msg(0);
+    c.side(0, peer(), &old);
     let mut fenced_at = None;
-    for now in (1..200).step_by(1) {
+    for now in 1..200 {
         c.side(now, peer(), &old);
         if fences(&tick(&mut c, now)) > 0 {
             fenced_at = Some(now);
@@ -113,10 +266,97 @@ fn hostile_replayed_messages_do_not_keep_a_dead_primary_alive() {
     assert_eq!(fenced_at, Some(31), "silence of 3 x 10 ms since the last fresh beat (at 0)");
 }
 
+/// Issue 20 item 8: one datagram captured from the live primary, replayed to a backup that
+/// restarted, made it take the primary for present, fence it when the replays stopped and take
+/// over with an empty table. A restarted backup has a new secret: the captured datagram's echo
+/// proves nothing; likewise for a restarted primary.
+#[test]
+fn hostile_datagram_replayed_to_a_restarted_host_counts_for_nothing() {
+    for restarted in [Role::Backup, Role::Primary] {
+        let mut x = Pair::new();
+        x.run(0, 1_000);
+        assert_eq!(x.b.state(), State::Protecting);
+        let captured = if restarted == Role::Backup { x.sent_by_p.clone() } else { x.sent_by_b.clone() };
+        // The host restarts (a new process: another boot and secret) while its peer is dead;
+        // an attacker replays everything it captured, again and again.
+        let mut c = core_at(restarted, 0xfeed, 1_000);
+        let mut fenced = 0;
+        for (i, now) in (1_000..61_000).enumerate() {
+            c.side(now, peer(), &captured[i % captured.len()]);
+            fenced += fences(&tick(&mut c, now));
+        }
+        assert_eq!(fenced, 0, "{restarted:?} fenced a peer it only heard in replays");
+        assert_eq!(c.state(), State::WaitingForPeer, "{restarted:?}: a replay is not the peer");
+        assert_eq!(c.counters.beats_received, 0);
+        assert_eq!(c.counters.beats_unproven, 60_000);
+        assert_eq!(c.peer_problem(), Some("unproven"), "and the operator is told");
+    }
+}
+
+#[test]
+fn a_restarted_peer_is_bound_again_once_it_answers_and_its_earlier_run_stays_out() {
+    let mut x = Pair::new();
+    x.run(0, 500);
+    let old_backup = x.sent_by_b.clone();
+    // The backup's daemon restarts; the primary keeps running.
+    x.b = core_at(Role::Backup, 0xbbb2, 500);
+    x.run(500, 530);
+    assert_eq!(x.p.peer_boot(), Some(0xbbb2));
+    assert_eq!(x.p.counters.peer_restarts, 1);
+    assert!(x.p_req.iter().any(|(_, r)| matches!(r, Request::Log(l) if l.contains("the backup restarted"))));
+    assert_eq!(x.b.state(), State::Protecting);
+    // The earlier run's datagrams, replayed: unproven (their echoes are older than the new
+    // boot's), the binding stays.
+    let before = x.p.counters.beats_received;
+    for d in &old_backup {
+        x.p.side(540, peer(), d);
+    }
+    assert_eq!((x.p.counters.beats_received, x.p.peer_boot()), (before, Some(0xbbb2)));
+    assert_eq!(Pair::fences_of(&x.p_req, 0), 0);
+}
+
+/// Issue 20 item 8: reflecting a host's own datagram at it stopped its daemon (taken for a
+/// second primary). Its own boot's datagrams are counted and ignored; an earlier run's
+/// (another boot, but no fresh echo of this process's challenge) likewise.
+#[test]
+fn hostile_reflected_own_datagram_is_counted_and_never_stops_the_daemon() {
+    let mut earlier = core_at(Role::Primary, 0x01d, 0);
+    let old: Vec<Vec<u8>> = (0..50).flat_map(|t| sides(&tick(&mut earlier, t * 10))).collect();
+    let mut c = core_at(Role::Primary, 0x2e2, 1_000);
+    for now in 1_000..3_000 {
+        for d in sides(&tick(&mut c, now)) {
+            c.side(now, peer(), &d);
+        }
+        c.side(now, peer(), &old[(now as usize) % old.len()]);
+        assert!(!fatal(&drain(&mut c)), "a reflection stopped the daemon at {now}");
+    }
+    assert_eq!(c.state(), State::WaitingForPeer);
+    assert_eq!(c.counters.beats_reflected, 200);
+    assert_eq!(c.counters.beats_foreign, 2_000);
+}
+
+/// Both hosts given the same role: a live host of that role answers this process's challenge;
+/// its message stops the daemon with a precise error before the peer was heard.
+#[test]
+fn a_peer_configured_with_the_same_role_stops_the_daemon() {
+    let mut c = core(Role::Primary);
+    let mut other = Peer::new(Role::Primary, 0x5a5a);
+    let first = other.msg(0);
+    c.side(0, peer(), &first);
+    assert!(!fatal(&drain(&mut c)), "no proof yet: it could be a reflection of an earlier run");
+    other.bind(&mut c, 1);
+    let r = drain(&mut c);
+    let f: Vec<&Request> = r.iter().filter(|r| matches!(r, Request::Fatal(_))).collect();
+    assert_eq!(f.len(), 1);
+    assert!(matches!(f[0], Request::Fatal(m) if m.contains("also runs as the primary")));
+    assert_eq!(c.state(), State::WaitingForPeer);
+}
+
 #[test]
 fn backup_takes_over_only_after_a_successful_fence_and_retries_a_failed_one() {
     let mut c = core(Role::Backup);
-    c.side(100, peer(), &msg(Role::Primary, 1, &key()));
+    let mut pr = Peer::new(Role::Primary, 1);
+    pr.bind(&mut c, 100);
     for now in 101..=130 {
         assert_eq!(fences(&tick(&mut c, now)), 0, "suspected too early at {now}");
     }
@@ -128,9 +368,7 @@ fn backup_takes_over_only_after_a_successful_fence_and_retries_a_failed_one() {
     }
     c.fence_done(false, 400);
     assert_eq!((c.state(), c.counters.fences_failed), (State::Protecting, 1));
-    let mut out = Outbox::default();
-    c.collect(&mut out);
-    assert!(!out.requests.contains(&Request::Announce), "a failed fence never takes over");
+    assert!(!drain(&mut c).contains(&Request::Announce), "a failed fence never takes over");
     // Retried after another silence, and not before the backoff (100 ms, then 200 ms).
     let again = (401..1000).find(|&t| fences(&tick(&mut c, t)) > 0);
     assert_eq!(again, Some(500));
@@ -141,27 +379,23 @@ fn backup_takes_over_only_after_a_successful_fence_and_retries_a_failed_one() {
     c.fence_done(true, 720);
     assert_eq!(c.state(), State::TookOver);
     assert_eq!(c.takeover_ms, Some(620), "from the primary's last message (at 100)");
-    let mut out = Outbox::default();
-    c.collect(&mut out);
-    assert!(out.requests.contains(&Request::Announce));
-    // The fenced primary's messages change nothing any more.
-    c.side(450, peer(), &msg(Role::Primary, 2, &key()));
-    assert_eq!(c.state(), State::TookOver);
-    assert_eq!(fences(&tick(&mut c, 10_000)), 0);
+    assert!(drain(&mut c).contains(&Request::Announce));
 }
 
 #[test]
-fn primary_runs_unprotected_once_the_backup_is_fenced() {
+fn primary_runs_unprotected_once_the_backup_is_fenced_and_says_so_in_its_beats() {
     let mut c = core(Role::Primary);
-    c.side(0, peer(), &msg(Role::Backup, 1, &key()));
+    Peer::new(Role::Backup, 1).bind(&mut c, 0);
     assert_eq!(c.state(), State::Protecting);
     let at = (1..100).find(|&t| fences(&tick(&mut c, t)) > 0);
     assert_eq!(at, Some(31));
     c.fence_done(true, 35);
-    assert_eq!(c.state(), State::PeerFailed);
-    let mut out = Outbox::default();
-    c.collect(&mut out);
-    assert!(!out.requests.contains(&Request::Announce), "only a backup announces");
+    assert_eq!((c.state(), c.stale_why()), (State::PeerFailed, Some("backup_failed")));
+    assert!(!drain(&mut c).contains(&Request::Announce), "only a backup announces");
+    // It keeps beating, flagged STALE: a backup that comes back must not take over.
+    let beats: Vec<Vec<u8>> = (36..1_000).flat_map(|t| sides(&tick(&mut c, t))).collect();
+    assert!(beats.len() >= 90, "{}", beats.len());
+    assert!(beats.iter().all(|d| flags_of(d) == hdr::STALE));
 }
 
 #[test]
@@ -179,23 +413,232 @@ fn a_primary_waiting_for_its_backup_passes_traffic_untouched_and_counts_it() {
     assert_eq!(c.connections(), 0, "a connection opened before the backup came is not followed");
 }
 
-/// Both hosts given the same role: the first authenticated message of that role from the peer's
-/// address (not a reflection of this host's own numbers) stops the daemon with a precise error;
-/// a reflection changes nothing.
+/// Issue 20 item 11: the side channel cut both ways, both suspect; the backup's fence wins, the
+/// primary's is refused (an arbitrating fence: its own port is down). The link comes back: the
+/// primary hears that the backup took over before its retry and yields for good, never
+/// fencing the winner; the winner fences the loser again once (it was heard, active), then not
+/// again (its beats say passive).
 #[test]
-fn a_peer_configured_with_the_same_role_stops_the_daemon() {
+fn hostile_fenced_primary_that_comes_back_yields_instead_of_cutting_the_winner() {
+    let mut x = Pair::new();
+    x.run(0, 500);
+    x.p_to_b = false;
+    x.b_to_p = false;
+    let mut now = 500;
+    while Pair::fences_of(&x.p_req, 500) == 0 || Pair::fences_of(&x.b_req, 500) == 0 {
+        x.step(now);
+        now += 1;
+    }
+    x.b.fence_done(true, now);
+    x.p.fence_done(false, now);
+    assert_eq!((x.b.state(), x.p.state()), (State::TookOver, State::Protecting));
+    // The primary's retry waits for its backoff (100 ms) after the next silence: the link
+    // returns within it.
+    x.run(now, now + 50);
+    // The primary's datagrams get through first: the winner hears an active loser.
+    x.p_to_b = true;
+    let back = now + 50;
+    x.run(back, back + 20);
+    x.b_to_p = true;
+    x.run(back + 20, back + 10_000);
+    assert_eq!(x.p.state(), State::Yielded, "the loser yields once it hears the winner");
+    assert_eq!(Pair::fences_of(&x.p_req, back), 0, "the loser never fences the winner");
+    assert!(x.p_req.iter().any(|(_, r)| matches!(r, Request::Log(l) if l.contains("says it took over"))));
+    assert_eq!(Pair::fences_of(&x.b_req, back), 1, "the winner fences the active loser it hears again, once");
+    x.b.fence_done(true, back + 10_000);
+    x.run(back + 10_000, back + 20_000);
+    assert_eq!(Pair::fences_of(&x.b_req, back), 1, "a passive loser is not fenced again");
+    assert_eq!(x.b.state(), State::TookOver);
+    assert!(x.sent_by_p.iter().rev().take(100).all(|d| flags_of(d) == hdr::PASSIVE));
+}
+
+/// Issue 20 item 11: the winner keeps beating (flagged TOOK_OVER) and never fences a peer
+/// that stayed silent since its fence.
+#[test]
+fn winner_keeps_beating_and_does_not_fence_a_silent_peer_again() {
+    let mut c = core(Role::Backup);
+    Peer::new(Role::Primary, 1).bind(&mut c, 0);
+    let at = (1..100).find(|&t| fences(&tick(&mut c, t)) > 0).unwrap();
+    c.fence_done(true, at + 5);
+    let mut beats = 0;
+    for now in at + 5..at + 60_000 {
+        let r = tick(&mut c, now);
+        assert_eq!(fences(&r), 0, "a silent fenced primary fenced again at {now}");
+        for d in sides(&r) {
+            assert_eq!(flags_of(&d), hdr::TOOK_OVER);
+            beats += 1;
+        }
+    }
+    assert!(beats >= 5_900, "{beats}");
+}
+
+/// Issue 20 item 11: a fenced peer heard again (its fence did not hold) is fenced again, with
+/// the backoff, not at every beat.
+#[test]
+fn hostile_fenced_peer_heard_again_is_fenced_again_with_backoff() {
     let mut c = core(Role::Primary);
-    // A reflection of this host's own first message (numbers 1000.. here).
-    let _ = tick(&mut c, 0);
-    c.side(1, peer(), &msg(Role::Primary, 1000, &key()));
-    let mut out = Outbox::default();
-    c.collect(&mut out);
-    assert!(!out.requests.iter().any(|r| matches!(r, Request::Fatal(_))), "a reflection is not a second primary");
-    c.side(2, peer(), &msg(Role::Primary, 5_000_000, &key()));
-    let mut out = Outbox::default();
-    c.collect(&mut out);
-    let fatal: Vec<&Request> = out.requests.iter().filter(|r| matches!(r, Request::Fatal(_))).collect();
-    assert_eq!(fatal.len(), 1);
-    assert!(matches!(fatal[0], Request::Fatal(m) if m.contains("also runs as the primary")));
-    assert_eq!(c.state(), State::WaitingForPeer);
+    let mut b = Peer::new(Role::Backup, 1);
+    b.bind(&mut c, 0);
+    let at = (1..100).find(|&t| fences(&tick(&mut c, t)) > 0).unwrap();
+    c.fence_done(true, at);
+    assert_eq!(c.state(), State::PeerFailed);
+    let mut asked = vec![];
+    for now in at..at + 1_000 {
+        let r = tick(&mut c, now);
+        b.hear(&r);
+        let m = b.msg(0);
+        c.side(now, peer(), &m);
+        if fences(&drain(&mut c)) > 0 {
+            asked.push(now);
+            c.fence_done(true, now + 1);
+        }
+    }
+    assert_eq!(asked.len(), 4, "at once, then after 100, 200, 400 ms: {asked:?}");
+    assert_eq!(c.counters.refences, 4);
+}
+
+/// Issue 20 item 6: after the takeover the address is announced at once and again on the
+/// schedule (a link that still dropped at the takeover gets a later one); a late tick does not
+/// burst.
+#[test]
+fn takeover_announces_again_and_again_on_the_schedule() {
+    let mut c = core(Role::Backup);
+    Peer::new(Role::Primary, 1).bind(&mut c, 0);
+    let at = (1..100).find(|&t| fences(&tick(&mut c, t)) > 0).unwrap();
+    c.fence_done(true, at);
+    let mut times: Vec<u64> = drain(&mut c).iter().filter(|r| **r == Request::Announce).map(|_| 0).collect();
+    for now in at..at + 120_000 {
+        for r in tick(&mut c, now) {
+            if r == Request::Announce {
+                times.push(now - at);
+            }
+        }
+    }
+    assert_eq!(times, ANNOUNCE_SCHEDULE_MS.to_vec());
+    assert_eq!(c.counters.announces, ANNOUNCE_SCHEDULE_MS.len() as u64);
+    // Ticks 3 s apart (a wedged loop): one announcement per tick at most.
+    let mut c = core(Role::Backup);
+    Peer::new(Role::Primary, 1).bind(&mut c, 0);
+    let at = (1..100).find(|&t| fences(&tick(&mut c, t)) > 0).unwrap();
+    c.fence_done(true, at);
+    drain(&mut c);
+    let per_tick: Vec<usize> = (1..40).map(|i| tick(&mut c, at + i * 3_000).iter().filter(|r| **r == Request::Announce).count()).collect();
+    assert!(per_tick.iter().all(|&n| n <= 1), "{per_tick:?}");
+    assert_eq!(per_tick.iter().sum::<usize>(), 8, "{per_tick:?}");
+}
+
+/// Issue 20 items 5 and 11: a backup told STALE never fences and never takes over, even when
+/// the primary dies later (it says so); its beats say passive.
+#[test]
+fn hostile_stale_backup_never_fences_nor_takes_over() {
+    let mut c = core(Role::Backup);
+    let mut pr = Peer::new(Role::Primary, 1);
+    pr.bind(&mut c, 0);
+    let r = tick(&mut c, 1);
+    pr.hear(&r);
+    let m = pr.msg(hdr::STALE);
+    c.side(2, peer(), &m);
+    assert_eq!((c.state(), c.stale_why()), (State::Stale, Some("primary_says_stale")));
+    let said: Vec<String> = logs(&drain(&mut c));
+    assert!(said.iter().any(|l| l.contains("stale for good")), "{said:?}");
+    // The primary dies.
+    let mut all = vec![];
+    for now in 3..60_000 {
+        all.extend(tick(&mut c, now));
+    }
+    assert_eq!(fences(&all), 0);
+    assert!(!all.contains(&Request::Announce));
+    assert_eq!(c.state(), State::Stale);
+    assert!(logs(&all).iter().any(|l| l.contains("stale: it neither fences")));
+    assert_eq!(logs(&all).len(), 1, "said once per silence: {:?}", logs(&all));
+    assert!(sides(&all).iter().all(|d| flags_of(d) == hdr::PASSIVE));
+}
+
+/// Issue 20 item 5 (plumbing): once the engine finds the backup stale, the primary's state is
+/// `peer_stale` with the reason, said once, and every message carries STALE; the backup that
+/// receives it is stale for good.
+#[test]
+fn primary_with_a_stale_backup_flags_every_message_and_the_backup_turns_stale() {
+    let mut x = Pair::new();
+    x.run(0, 100);
+    x.p.backup_stale(Why::BackupLagging);
+    x.p.backup_stale(Why::BackupLagging);
+    assert_eq!((x.p.state(), x.p.stale_why()), (State::PeerStale, Some("backup_lagging")));
+    let n = x.sent_by_p.len();
+    x.run(100, 1_000);
+    assert!(x.sent_by_p[n..].iter().all(|d| flags_of(d) == hdr::STALE));
+    assert_eq!(x.b.state(), State::Stale);
+    let said = x.p_req.iter().filter(|(_, r)| matches!(r, Request::Log(l) if l.contains("can no longer take over"))).count();
+    assert_eq!(said, 1);
+    // The primary dies: the stale backup stays put.
+    x.p_to_b = false;
+    x.run(1_000, 20_000);
+    assert_eq!(Pair::fences_of(&x.b_req, 0), 0);
+    assert_eq!(x.b.state(), State::Stale);
+}
+
+/// Issue 20 item 15: a wrong key leaves both hosts `waiting_for_peer` while the primary runs
+/// unprotected: said (rate-limited) and shown; as is a peer that never speaks.
+#[test]
+fn hostile_wrong_key_or_missing_peer_is_said_and_shown_not_silent() {
+    let mut c = core(Role::Primary);
+    let wrong = Core::new(settings(Role::Backup), other_key(), peer(), boot(9), 0);
+    let mut wrong = wrong;
+    let mut said = vec![];
+    for now in 0..120_000 {
+        for d in sides(&tick(&mut wrong, now)) {
+            c.side(now, peer(), &d);
+        }
+        said.extend(logs(&tick(&mut c, now)));
+    }
+    assert_eq!(c.peer_problem(), Some("bad_datagrams"));
+    let about: Vec<&String> = said.iter().filter(|l| l.contains("fail authentication")).collect();
+    assert!(!about.is_empty() && about.len() <= 5, "{about:?}");
+    assert!(about[0].contains("replica.key differs") && about[0].contains("unprotected"), "{}", about[0]);
+    // Nobody there at all: told after PEER_WARN_MS, then every 30 s.
+    let mut c = core(Role::Backup);
+    let mut at = vec![];
+    for now in 0..70_000 {
+        if logs(&tick(&mut c, now)).iter().any(|l| l.contains("no authenticated message from the primary")) {
+            at.push(now);
+        }
+    }
+    assert_eq!(c.peer_problem(), Some("no_peer"));
+    assert_eq!(at, vec![PEER_WARN_MS, PEER_WARN_MS + 30_000, PEER_WARN_MS + 60_000]);
+    // Once the peer is heard, the problem is gone.
+    Peer::new(Role::Primary, 3).bind(&mut c, 70_000);
+    for now in 70_001..72_500 {
+        tick(&mut c, now);
+    }
+    assert_eq!(c.peer_problem(), None);
+}
+
+/// Issue 20 item 14: every line a datagram can cause goes through the core's rate limiter.
+#[test]
+fn hostile_flood_of_same_role_datagrams_is_bounded_in_the_log() {
+    let mut c = core(Role::Primary);
+    Peer::new(Role::Backup, 1).bind(&mut c, 0);
+    drain(&mut c);
+    let mut same = Peer::new(Role::Primary, 0x5a5a);
+    let r = tick(&mut c, 10);
+    same.hear(&r);
+    let mut lines = 0;
+    for i in 0..10_000 {
+        let m = same.msg(0);
+        c.side(10 + i / 1000, peer(), &m);
+        lines += logs(&drain(&mut c)).len();
+    }
+    assert!(lines <= 5, "{lines} lines");
+    assert!(c.counters.log_suppressed >= 9_990);
+    assert_eq!(c.state(), State::Protecting, "a live peer, the daemon keeps what it has");
+}
+
+/// Issue 20 item 7: the loop's lateness is measured (beats are sent from it).
+#[test]
+fn late_ticks_are_counted() {
+    let mut c = core(Role::Backup);
+    for now in [0, 5, 10, 45, 50] {
+        tick(&mut c, now);
+    }
+    assert_eq!((c.counters.tick_gap_max_ms, c.counters.tick_gaps_over_interval), (35, 1));
 }

@@ -97,7 +97,9 @@ usage:
         Run replica mode (ST-TCP / Koch et al.) on the primary or the backup host of an
         unmodified deterministic server; configs/replica.example.toml shows every key. --role,
         when given, must agree with the file. A stopped daemon leaves its queue rules (and a
-        backup its ARP suppression) in place; --remove-rules removes them.
+        backup its ARP suppression and receive rule) in place; --remove-rules removes them.
+        Refuses to start when the fence command is missing or not executable; state and
+        counters: unbroken status --file <status_file>.
   unbroken lab cleanup
         Remove network namespaces left behind by crashed runs.
 ";
@@ -610,6 +612,13 @@ fn replica(args: Vec<String>) -> ExitCode {
             "--config" => config = it.next(),
             "--role" => role = it.next(),
             "--remove-rules" => remove_rules = true,
+            "-h" | "--help" => {
+                // The replica part of the usage, from its line to the next command's.
+                let from = USAGE.find("  unbroken replica ").unwrap_or(0);
+                let to = USAGE[from + 2..].find("\n  unbroken ").map_or(USAGE.len(), |i| from + 2 + i + 1);
+                print!("{}", &USAGE[from..to]);
+                return ExitCode::SUCCESS;
+            }
             o => return fail(format!("replica: unknown argument {o:?}")),
         }
     }

@@ -8,9 +8,15 @@
 //! side channel's [`Key`]:
 //!
 //! ```text
-//! 0  magic "UBRP"   4  version 2   5  role (1 primary, 2 backup)   6  flags   7  count
-//! 8  beat (u64, the sender's counter)
-//! 16 count records of 52 bytes:
+//! 0  magic "UBRP"   4  version 3   5  role (1 primary, 2 backup)   6  flags ([`hdr`])   7  count
+//! 8  beat (u64, the sender's counter within its boot, from 1)
+//! 16 boot (u64, random per start of the sending process)          } [`Session`]: freshness
+//! 24 nonce_t (u64, the sender's clock, ms, above 0)               } across restarts (a
+//! 32 nonce (u64, the sender's challenge: a MAC of nonce_t under   } receiver binds the peer
+//!    a secret random per start, opaque to the receiver)           } to one boot; a new boot
+//! 40 echo_t (u64, the peer's nonce_t this sender echoes; 0: none) } counts once it echoed a
+//! 48 echo (u64, that nonce)                                       } fresh nonce of the receiver)
+//! 56 count records of 52 bytes:
 //!    0 client address (16; IPv4 in the first 4, the rest zero, flag V6 clear)
 //!    16 client port   18 server port
 //!    20 rcv_nxt (client's sequence space)   24 rcv_edge (rcv_nxt + window, bytes)
@@ -22,11 +28,13 @@
 //!       the Δ it learned from the client's handshake ACK against the primary's: a forged ACK
 //!       cannot align it unnoticed)
 //!    48 flags   49 zero (3)
-//! 16 + 52 * count: MAC (16)
+//! 56 + 52 * count: MAC (16)
 //! ```
 //!
-//! Version 1 had no `isn` (records of 48 bytes, flags at 44); a version mismatch is refused
-//! (`Unsupported`), so both hosts must run the same version.
+//! Version 1 had no `isn` (records of 48 bytes, flags at 44); version 2 had no session (a
+//! header of 16 bytes: a datagram captured before a restart counted as fresh afterwards); a
+//! version mismatch is refused (`Unsupported`), so both hosts must run the same version. What
+//! the receiver decides about the session fields is `unbroken_control::replicacore`'s.
 //!
 //! Fewer than 20 bytes per connection, as in ST-TCP, is not reached: the digest and the full
 //! client address cost 52. [`MAX_RECORDS`] records fit one 1400-byte datagram.
@@ -37,8 +45,8 @@ use hmac::Mac;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 pub const MAGIC: [u8; 4] = *b"UBRP";
-pub const VERSION: u8 = 2;
-pub const HEADER_LEN: usize = 16;
+pub const VERSION: u8 = 3;
+pub const HEADER_LEN: usize = 56;
 pub const RECORD_LEN: usize = 52;
 pub const MAC_LEN: usize = 16;
 /// Records per datagram (1400 bytes at most).
@@ -49,6 +57,48 @@ pub const MAX_RECORDS: usize = (1400 - HEADER_LEN - MAC_LEN) / RECORD_LEN;
 pub enum Role {
     Primary = 1,
     Backup = 2,
+}
+
+/// Byte ranges of the header (see the module documentation).
+pub mod field {
+    pub type Field = core::ops::Range<usize>;
+    pub const MAGIC: Field = 0..4;
+    pub const VERSION: usize = 4;
+    pub const ROLE: usize = 5;
+    pub const FLAGS: usize = 6;
+    pub const COUNT: usize = 7;
+    pub const BEAT: Field = 8..16;
+    pub const BOOT: Field = 16..24;
+    pub const NONCE_T: Field = 24..32;
+    pub const NONCE: Field = 32..40;
+    pub const ECHO_T: Field = 40..48;
+    pub const ECHO: Field = 48..56;
+}
+
+/// Flag bits of a message's header ([`Progress::flags`]).
+pub mod hdr {
+    /// Backup: it fenced the primary and took over. A primary that reads it never sends on
+    /// the service again.
+    pub const TOOK_OVER: u8 = 1 << 0;
+    /// Primary: this backup can no longer take over (it missed input the primary's server
+    /// consumed, or the primary declared it failed and runs alone): it must never fence the
+    /// primary nor take over.
+    pub const STALE: u8 = 1 << 1;
+    /// Either: the sender has stopped acting for good (a primary that yielded or learned of a
+    /// takeover; a stale backup): its messages are no sign of an active peer.
+    pub const PASSIVE: u8 = 1 << 2;
+    pub const ALL: u8 = TOOK_OVER | STALE | PASSIVE;
+}
+
+/// A message's freshness fields (see the module documentation): the sender's boot and
+/// challenge, and its echo of the receiver's challenge. All zero in [`Progress::emit`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Session {
+    pub boot: u64,
+    pub nonce_t: u64,
+    pub nonce: u64,
+    pub echo_t: u64,
+    pub echo: u64,
 }
 
 /// Flag bits of a [`ConnProgress`].
@@ -113,8 +163,13 @@ pub fn hash_continue(mut h: u64, bytes: &[u8]) -> u64 {
 }
 
 impl Progress {
-    /// Serializes and authenticates. At most [`MAX_RECORDS`] records.
+    /// Serializes and authenticates, with a zero [`Session`]. At most [`MAX_RECORDS`] records.
     pub fn emit(&self, key: &Key) -> Result<Vec<u8>> {
+        self.emit_session(&Session::default(), key)
+    }
+
+    /// Serializes and authenticates with the session fields `s`.
+    pub fn emit_session(&self, s: &Session, key: &Key) -> Result<Vec<u8>> {
         if self.records.len() > MAX_RECORDS {
             return Err(Error::Malformed("too many progress records"));
         }
@@ -125,7 +180,12 @@ impl Progress {
         b[5] = self.role as u8;
         b[6] = self.flags;
         b[7] = n as u8;
-        b[8..16].copy_from_slice(&self.beat.to_be_bytes());
+        b[field::BEAT].copy_from_slice(&self.beat.to_be_bytes());
+        b[field::BOOT].copy_from_slice(&s.boot.to_be_bytes());
+        b[field::NONCE_T].copy_from_slice(&s.nonce_t.to_be_bytes());
+        b[field::NONCE].copy_from_slice(&s.nonce.to_be_bytes());
+        b[field::ECHO_T].copy_from_slice(&s.echo_t.to_be_bytes());
+        b[field::ECHO].copy_from_slice(&s.echo.to_be_bytes());
         for (i, r) in self.records.iter().enumerate() {
             let o = HEADER_LEN + i * RECORD_LEN;
             let x = &mut b[o..o + RECORD_LEN];
@@ -153,8 +213,13 @@ impl Progress {
         Ok(b)
     }
 
-    /// Authenticates (constant time) and parses a datagram.
+    /// Authenticates (constant time) and parses a datagram, dropping its session fields.
     pub fn parse(b: &[u8], key: &Key) -> Result<Progress> {
+        Progress::parse_session(b, key).map(|(p, _)| p)
+    }
+
+    /// Authenticates (constant time) and parses a datagram with its session fields.
+    pub fn parse_session(b: &[u8], key: &Key) -> Result<(Progress, Session)> {
         if b.len() < HEADER_LEN + MAC_LEN {
             return Err(Error::Truncated);
         }
@@ -205,7 +270,9 @@ impl Progress {
                 flags,
             });
         }
-        Ok(Progress { role, beat: u64::from_be_bytes(b[8..16].try_into().unwrap()), flags: b[6], records })
+        let u64at = |r: field::Field| u64::from_be_bytes(b[r].try_into().unwrap());
+        let s = Session { boot: u64at(field::BOOT), nonce_t: u64at(field::NONCE_T), nonce: u64at(field::NONCE), echo_t: u64at(field::ECHO_T), echo: u64at(field::ECHO) };
+        Ok((Progress { role, beat: u64at(field::BEAT), flags: b[field::FLAGS], records }, s))
     }
 }
 
@@ -269,13 +336,33 @@ mod tests {
         assert!(full.emit(&key()).unwrap().len() <= 1400);
     }
 
-    /// The bytes of version 2, pinned: a change of layout must change this test and VERSION.
+    fn session() -> Session {
+        Session { boot: 0x0102_0304_0506_0708, nonce_t: 9, nonce: 0xa0a1_a2a3_a4a5_a6a7, echo_t: 0x10, echo: 0xb0b1_b2b3_b4b5_b6b7 }
+    }
+
+    #[test]
+    fn session_roundtrips_and_is_authenticated() {
+        let p = sample();
+        let b = p.emit_session(&session(), &key()).unwrap();
+        assert_eq!(Progress::parse_session(&b, &key()).unwrap().1, session());
+        assert_eq!(Progress::parse(&b, &key()).unwrap().records.len(), 2);
+        for i in field::BOOT.start..field::ECHO.end {
+            let mut x = b.clone();
+            x[i] ^= 0x80;
+            assert_eq!(Progress::parse_session(&x, &key()).unwrap_err(), Error::Unauthenticated, "session byte {i}");
+        }
+        assert_eq!(Progress::parse_session(&p.emit(&key()).unwrap(), &key()).unwrap().1, Session::default());
+    }
+
+    /// The bytes of version 3, pinned: a change of layout must change this test and VERSION.
     #[test]
     fn layout_is_pinned() {
-        let p = Progress { records: vec![sample().records[0]], ..sample() };
-        let b = p.emit(&key()).unwrap();
-        assert_eq!(b.len(), 16 + 52 + 16);
-        assert_eq!(b[..16], [b'U', b'B', b'R', b'P', 2, 2, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0]);
+        let p = Progress { records: vec![sample().records[0]], flags: hdr::TOOK_OVER | hdr::PASSIVE, ..sample() };
+        let b = p.emit_session(&session(), &key()).unwrap();
+        assert_eq!(b.len(), 56 + 52 + 16);
+        assert_eq!(b[..16], [b'U', b'B', b'R', b'P', 3, 2, 5, 1, 0, 0, 1, 0, 0, 0, 0, 0]);
+        assert_eq!(b[16..56], [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 9, 0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, 0, 0, 0, 0, 0, 0, 0, 0x10, 0xb0, 0xb1, 0xb2, 0xb3, 0xb4, 0xb5, 0xb6, 0xb7]);
+        assert_eq!((hdr::TOOK_OVER, hdr::STALE, hdr::PASSIVE), (1, 2, 4));
         let h = hash_continue(HASH_INIT, b"+OK\r\n").to_be_bytes();
         let mut rec = vec![10, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         rec.extend([0x9c, 0x41, 0x18, 0xeb]); // ports 40001, 6379
@@ -283,12 +370,14 @@ mod tests {
         rec.extend(h);
         rec.extend([0, 0, 0, 77, 1, 2, 3, 5]); // last_ack, isn
         rec.extend([flag::RCV_KNOWN | flag::ALIGNED | flag::FIN_OUT | flag::ISN_KNOWN, 0, 0, 0]);
-        assert_eq!(b[16..68], rec[..]);
-        assert_eq!((MAX_RECORDS, VERSION), (26, 2));
-        // A version 1 datagram (48-byte records) is refused, not misread.
-        let mut v1 = b.clone();
-        v1[4] = 1;
-        assert_eq!(Progress::parse(&v1, &key()).unwrap_err(), Error::Unsupported("progress version"));
+        assert_eq!(b[56..108], rec[..]);
+        assert_eq!((MAX_RECORDS, VERSION), (25, 3));
+        // Version 1 (48-byte records) and 2 (no session) datagrams are refused, not misread.
+        for v in [1, 2] {
+            let mut old = b.clone();
+            old[4] = v;
+            assert_eq!(Progress::parse(&old, &key()).unwrap_err(), Error::Unsupported("progress version"));
+        }
     }
 
     #[test]

@@ -70,7 +70,7 @@ use sha2::Sha256;
 use unbroken_engines::replica::{Backup, Config as EngineConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary, Why};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
-use unbroken_wire::replica::{hdr, Progress, Role, Session};
+use unbroken_wire::replica::{hdr, ConnProgress, Progress, Role, Session};
 
 use crate::daemon::{IoEvent, Meta, Mode, Outbox};
 use crate::ratelog::RateLimit;
@@ -190,6 +190,10 @@ pub struct Counters {
     pub diverged: u64,
     /// Client ACKs relayed into the backup's own stack.
     pub acks_injected: u64,
+    /// Input messages (client bytes the backup missed) sent by the primary, and injected into
+    /// its server by the backup.
+    pub input_sent: u64,
+    pub input_injected: u64,
     /// Finished connections forgotten after their grace period.
     pub forgotten: u64,
     /// Packets whose checksum was left for the NIC (GSO/veth): completed before the engine.
@@ -497,6 +501,7 @@ impl Core {
         // Duplicate ACKs in the client's name for this host's own server (to the service
         // address, which is local: the raw sender delivers them to it).
         self.send.extend(p.take_inject());
+        let relay = p.take_relay();
         let stale = engine_backup_stale(p);
         for n in p.take_notices() {
             match n {
@@ -536,6 +541,20 @@ impl Core {
         }
         if let Some(why) = stale {
             self.backup_stale(why);
+        }
+        // Client bytes the backup missed (ST-TCP 3.6): input messages, each its own number.
+        for (key, seq, data) in relay {
+            let rec = ConnProgress { client: key.client, client_port: key.client_port, server_port: key.server_port, rcv_nxt: seq, rcv_edge: unbroken_wire::Seq(0), out_end: unbroken_wire::Seq(0), out_hash: 0, last_ack: unbroken_wire::Seq(0), isn: unbroken_wire::Seq(0), flags: 0 };
+            let m = Progress { role: self.s.role, beat: self.beat, flags: self.flags(), records: vec![rec] };
+            self.beat += 1;
+            let session = self.session();
+            match m.emit_input(&session, &data, &self.key) {
+                Ok(d) => {
+                    self.counters.input_sent += 1;
+                    self.requests.push(Request::Side(d));
+                }
+                Err(_) => self.counters.beats_unsent += 1,
+            }
         }
     }
 
@@ -607,7 +626,7 @@ impl Core {
             self.counters.beats_foreign += 1;
             return;
         }
-        let (p, s) = match Progress::parse_session(dgram, &self.key) {
+        let (p, s, input) = match Progress::parse_message(dgram, &self.key) {
             Ok(x) => x,
             Err(_) => {
                 self.counters.beats_bad += 1;
@@ -670,6 +689,19 @@ impl Core {
         }
         self.echo = (s.nonce_t, s.nonce);
         self.counters.beats_received += 1;
+        if p.flags & hdr::INPUT != 0 {
+            // Client bytes the backup missed, from the primary: into the backup's server, as
+            // the client would have sent them. Nothing else in such a message counts (its one
+            // record names the connection, not its figures).
+            if let (Some(b), true, Some(r)) = (self.backup.as_mut(), matches!(self.state, State::Protecting | State::Fencing), p.records.first()) {
+                let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
+                if let Some(pkt) = b.relayed_input(&key, r.rcv_nxt, &input) {
+                    self.counters.input_injected += 1;
+                    self.send.push(pkt);
+                }
+            }
+            return;
+        }
         self.accepted(now_ms, &p);
     }
 

@@ -347,6 +347,8 @@ pub struct BackupCounters {
     /// backup's own numbering).
     pub unknown_reset: u64,
     pub unknown_dropped: u64,
+    /// Client bytes the primary relayed (the backup missed them), handed to its server.
+    pub relayed_in: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -1063,6 +1065,24 @@ impl Backup {
         inject
     }
 
+    /// Client bytes the primary relayed (already authenticated): a segment as the client
+    /// would have sent it (its latest ACK, window and timestamps, translated), for the daemon
+    /// to inject into the backup's stack; `None` when nothing in it is new to the backup's
+    /// server or the connection is unknown.
+    pub fn relayed_input(&mut self, key: &ConnKey, seq: Seq, data: &[u8]) -> Option<Vec<u8>> {
+        let c = self.conns.get_mut(key)?;
+        let (Some(server), true, true, false) = (c.server, c.aligned, c.rcv_known, self.promoted) else { return None };
+        if data.is_empty() || !(seq + data.len() as u32).gt(c.rcv_nxt) || seq.gt(c.rcv_edge) {
+            return None;
+        }
+        let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
+        let ack = c.acked_b.unwrap_or(c.snd_max);
+        let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq, ack, flags: F::ACK | F::PSH, window: c.client_win, timestamp: ts, ..Default::default() };
+        let pkt = ip::tcp_packet(key.client, server, &rep, data).ok()?;
+        self.counters.relayed_in += data.len() as u64;
+        Some(pkt)
+    }
+
     /// Forgets a connection (the daemon's grace period after it closed).
     pub fn forget(&mut self, key: &ConnKey) {
         self.conns.remove(key);
@@ -1282,6 +1302,8 @@ pub struct PrimaryCounters {
     /// Triples of duplicate ACKs injected into the primary's own server for output it sent
     /// that this engine never saw.
     pub self_nudges: u64,
+    /// Client bytes sent to the backup because it missed them.
+    pub relayed_bytes: u64,
     /// Connections on which the primary's server alone failed ([`Why::PrimaryFailed`] or a
     /// yield).
     pub primary_failed: u64,
@@ -1290,6 +1312,9 @@ pub struct PrimaryCounters {
     /// Client RSTs that ended a connection.
     pub client_resets: u64,
 }
+
+/// Client bytes relayed to the backup at a time (then again once it confirmed them).
+pub const RELAY_BUDGET: usize = 256 << 10;
 
 /// How long a failure of the primary's server on one connection waits for evidence of a sick
 /// host (its listening socket gone, which the daemon checks every beat) before it is taken for
@@ -1388,6 +1413,15 @@ struct PConn {
     tail_since: Option<u64>,
     tail_nudge_at: u64,
     tail_gap: u64,
+    /// Copies of the client's bytes the backup has not confirmed yet (start, bytes), their
+    /// total, and the end of what was copied: sent to the backup when it missed them (ST-TCP
+    /// 3.6), instead of waiting for the client to resend, which after a loss it does one
+    /// segment per retransmission timeout (seconds; issue 20 item 5).
+    input: VecDeque<(Seq, Vec<u8>)>,
+    input_len: usize,
+    input_end: Seq,
+    /// The end of the last bytes relayed to the backup.
+    relay_end: Option<Seq>,
     /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
     client_ack: Seq,
     snd_p: Seq,
@@ -1465,6 +1499,8 @@ pub struct Primary {
     refill: Option<ConnKey>,
     /// Packets in the client's name for the primary's own server ([`Primary::take_inject`]).
     inject: Vec<Vec<u8>>,
+    /// Client bytes for the backup ([`Primary::take_relay`]).
+    relay: Vec<(ConnKey, Seq, Vec<u8>)>,
     last_beat: Option<u64>,
     out: Vec<Vec<u8>>,
     notices: Vec<Notice>,
@@ -1473,7 +1509,7 @@ pub struct Primary {
 
 impl Primary {
     pub fn new(cfg: Config) -> Primary {
-        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, stale: None, yielded: false, last_output_ms: 0, listening: None, timed: Default::default(), clock: 0, refill: None, inject: vec![], last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
+        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, stale: None, yielded: false, last_output_ms: 0, listening: None, timed: Default::default(), clock: 0, refill: None, inject: vec![], relay: vec![], last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
     }
 
     pub fn config(&self) -> &Config {
@@ -1515,6 +1551,13 @@ impl Primary {
     /// (duplicate ACKs that make its server resend output this engine never saw).
     pub fn take_inject(&mut self) -> Vec<Vec<u8>> {
         std::mem::take(&mut self.inject)
+    }
+
+    /// Client bytes the backup missed, for the daemon to send it (connection, client sequence
+    /// number of the first byte, at most [`rw::MAX_INPUT`] bytes each): ST-TCP 3.6's
+    /// retransmission from the primary.
+    pub fn take_relay(&mut self) -> Vec<(ConnKey, Seq, Vec<u8>)> {
+        std::mem::take(&mut self.relay)
     }
 
     /// Output bytes held for the backup, all connections (bytes of the held packets).
@@ -1574,6 +1617,10 @@ impl Primary {
                 tail_since: None,
                 tail_nudge_at: 0,
                 tail_gap: 0,
+                input: VecDeque::new(),
+                input_len: 0,
+                input_end: s.seq + 1,
+                relay_end: None,
                 client_ack: Seq(0),
                 snd_p: Seq(0),
                 rcv_behind_since: None,
@@ -1623,6 +1670,16 @@ impl Primary {
                 }
                 if in_window {
                     c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
+                }
+                let end = s.seq + s.payload_len as u32;
+                if in_window && c.state.is_none() && c.answered && s.payload_len > 0 && end.gt(c.input_end) {
+                    let from = if s.seq.lt(c.input_end) { c.input_end } else { s.seq };
+                    let bytes = &pkt[s.payload_at + (from - s.seq) as usize..s.payload_at + s.payload_len];
+                    if c.input_len + bytes.len() <= self.cfg.max_held_bytes {
+                        c.input_len += bytes.len();
+                        c.input.push_back((from, bytes.to_vec()));
+                        c.input_end = end;
+                    }
                 }
             }
         }
@@ -1703,6 +1760,7 @@ impl Primary {
             c.ack_p = s.ack;
             c.edge_p = s.ack + s.window as u32;
             c.synack_ack = s.ack;
+            c.input_end = s.ack;
             c.snd_p = s.seq + 1;
             c.client_ack = s.seq + 1;
             c.ts = s.ts.map(|t| (t.1, t.2));
@@ -2250,6 +2308,42 @@ impl Primary {
         let rcv_behind = if c.ack_p.gt(b.rcv_nxt) { c.ack_p - b.rcv_nxt } else { 0 };
         // Koch 4 leaves client bytes the backup missed to the client's retransmission timer
         // (seconds, with backoff); three duplicate ACKs make the client resend them at once.
+        while c.input.front().is_some_and(|(a, d)| (*a + d.len() as u32).le(b.rcv_nxt)) {
+            if let Some((_, d)) = c.input.pop_front() {
+                c.input_len -= d.len();
+            }
+        }
+        if rcv_behind == 0 {
+            c.relay_end = None;
+        } else if cfg.nudge_after_ms > 0 && c.rcv_behind_since.is_some_and(|t| now >= t + cfg.nudge_after_ms / 2) && c.relay_end.is_none_or(|e| b.rcv_nxt.ge(e)) {
+            // ST-TCP 3.6: the backup missed client bytes the primary's server has: they go to
+            // the backup over the side channel (its daemon injects them into its server), a
+            // budget at a time, again as soon as it confirmed the last.
+            let mut at = b.rcv_nxt;
+            let mut budget = RELAY_BUDGET;
+            for (a, d) in c.input.iter() {
+                let e = *a + d.len() as u32;
+                if !e.gt(at) {
+                    continue;
+                }
+                if a.gt(at) || budget == 0 || !at.lt(c.ack_p) {
+                    break;
+                }
+                let mut from = (at - *a) as usize;
+                let stop = ((c.ack_p - *a) as usize).min(d.len());
+                while from < stop && budget > 0 {
+                    let n = (stop - from).min(rw::MAX_INPUT).min(budget);
+                    self.relay.push((key, *a + from as u32, d[from..from + n].to_vec()));
+                    self.counters.relayed_bytes += n as u64;
+                    budget -= n;
+                    from += n;
+                }
+                at = *a + from as u32;
+            }
+            if at.gt(b.rcv_nxt) {
+                c.relay_end = Some(at);
+            }
+        }
         if rcv_behind == 0 {
             c.rcv_behind_since = None;
         } else if cfg.nudge_after_ms > 0 {

@@ -47,10 +47,11 @@ use smoltcp::socket::tcp::{self, State};
 use smoltcp::time::Instant;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
 
-use unbroken_engines::replica::{Backup, Config as PConfig, Detector, DetectorAction, DetectorConfig, Notice, Primary, Why};
+use unbroken_engines::replica::{Backup, Config as PConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary, Why};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
-use unbroken_wire::replica::{Progress, Role};
+use unbroken_wire::replica::{ConnProgress, Progress, Role};
+use unbroken_wire::Seq;
 
 const SVC: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 2);
@@ -396,6 +397,8 @@ struct Report {
     aligned: u64,
     ack_clamped: u64,
     unaligned_dropped: u64,
+    /// Client bytes the primary relayed to the backup (ST-TCP 3.6).
+    relayed: u64,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -742,7 +745,18 @@ impl Sim {
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.side).into_iter().partition(|(t, _, _)| *t <= now);
         self.side = later;
         for (_, from, dgram) in due {
-            let p = Progress::parse(&dgram, &self.key).map_err(|e| self.fail(&format!("side channel: {e}")))?;
+            let (p, _, input) = Progress::parse_message(&dgram, &self.key).map_err(|e| self.fail(&format!("side channel: {e}")))?;
+            if !input.is_empty() {
+                if from == Role::Primary && self.backup_alive {
+                    let r = p.records[0];
+                    let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
+                    if let Some(pkt) = self.beng.relayed_input(&key, r.rcv_nxt, &input) {
+                        self.note(format!("backup engine injects relayed client bytes: {}", describe(&pkt)));
+                        self.backup.dev.rx.push_back(pkt);
+                    }
+                }
+                continue;
+            }
             match from {
                 Role::Backup if self.primary_alive => {
                     if self.trace { self.note(format!("backup progress: {:?}", p.records.iter().map(|r| r.out_end.0).collect::<Vec<_>>())); }
@@ -917,6 +931,15 @@ impl Sim {
         for pkt in self.peng.take_transmit() {
             self.send(To::Client, pkt, "primary (engine)")?;
         }
+        for (key, seq, data) in self.peng.take_relay() {
+            // Over the side channel, as an input message (its loss and delay too).
+            let rec = ConnProgress { client: key.client, client_port: key.client_port, server_port: key.server_port, rcv_nxt: seq, rcv_edge: Seq(0), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(0), flags: 0 };
+            let d = Progress { role: Role::Primary, beat: self.now + 1, flags: 0, records: vec![rec] }.emit_input(&Default::default(), &data, &self.key).unwrap();
+            if !self.rng.chance(self.sc.side_loss) {
+                let at = self.delay();
+                self.side.push((at, Role::Primary, d));
+            }
+        }
         for pkt in self.peng.take_inject() {
             // The daemon injects these into its own stack (a raw socket, like the backup's
             // relayed ACKs).
@@ -1022,6 +1045,7 @@ impl Sim {
         r.aligned = bc.aligned;
         r.ack_clamped = bc.ack_clamped;
         r.unaligned_dropped = bc.unaligned_dropped;
+        r.relayed = pc.relayed_bytes;
         Ok(r)
     }
 }
@@ -1119,6 +1143,8 @@ fn table_3_3_row3_application_crash_with_fin_or_rst() {
 #[test]
 fn table_3_3_row5_temporary_loss_at_backup() {
     let reps = sweep(Fault::BackupTemporaryLoss, 300);
+    // ST-TCP 3.6: the primary sends the backup the client bytes it missed.
+    assert!(reps.iter().filter(|(_, r)| r.relayed > 0).count() > reps.len() / 4, "the primary never relayed what the backup missed");
     assert!(reps.iter().filter(|(_, r)| r.unprotected.is_empty() && r.takeover_at.is_none()).count() > reps.len() / 2);
 }
 

@@ -247,6 +247,8 @@ struct BConn {
     /// at 1 kHz), so that resent withheld segments carry a current TSval, not the one of
     /// seconds ago, which the client would discard (PAWS).
     b_ts_seen: Option<(u32, u64)>,
+    /// The newest TSval (and its TSecr) of any acceptable client segment.
+    client_ts_max: Option<(u32, u32)>,
     /// Output seen beyond a gap in the digest (start, payload, FIN), at most
     /// [`MAX_KEPT_BYTES`].
     ooo: Vec<(Seq, Vec<u8>, bool)>,
@@ -708,9 +710,14 @@ impl Backup {
             c.out_hash = HASH_INIT;
             self.counters.aligned += 1;
         }
-        if let (true, Some((_, _, ecr))) = (in_window, s.ts) {
+        if let (true, Some((_, val, ecr))) = (in_window, s.ts) {
             if c.ts_floor.is_none_or(|f| ts_before(f, ecr)) {
                 c.ts_floor = Some(ecr);
+            }
+            // The client's newest timestamps: a relayed segment carries them (an older TSval
+            // would be discarded by the backup's server, PAWS).
+            if c.client_ts_max.is_none_or(|(v, _)| !ts_before(val, v)) {
+                c.client_ts_max = Some((val, ecr));
             }
         }
         // An ACK beyond what the backup's server sent is lowered to it only where the primary
@@ -1051,7 +1058,7 @@ impl Backup {
             if c.acked_b.is_some_and(|a| !ack_b.gt(a)) {
                 continue;
             }
-            let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
+            let ts = c.client_ts_max.or(c.client_ts).map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
             let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.rcv_nxt, ack: ack_b, flags: F::ACK, window: c.client_win, timestamp: ts, ..Default::default() };
             if let Ok(pkt) = ip::tcp_packet(key.client, server, &rep, &[]) {
                 if latest.gt(c.last_ack) {
@@ -1075,7 +1082,7 @@ impl Backup {
         if data.is_empty() || !(seq + data.len() as u32).gt(c.rcv_nxt) || seq.gt(c.rcv_edge) {
             return None;
         }
-        let ts = c.client_ts.map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
+        let ts = c.client_ts_max.or(c.client_ts).map(|(v, e)| (v, e.wrapping_sub(c.ts_off)));
         let ack = c.acked_b.unwrap_or(c.snd_max);
         let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq, ack, flags: F::ACK | F::PSH, window: c.client_win, timestamp: ts, ..Default::default() };
         let pkt = ip::tcp_packet(key.client, server, &rep, data).ok()?;

@@ -713,6 +713,16 @@ impl Core {
         let passive = p.flags & hdr::PASSIVE != 0 && p.role == Role::Primary;
         if !passive {
             self.peer_heard_at = Some(now_ms);
+        } else if self.s.role == Role::Backup && self.state == State::Protecting && now_ms >= self.next_fence_at {
+            // The primary says it yielded (its server failed): fence it now rather than after a
+            // detector window of silence.
+            if let Some(DetectorAction::RunFence) = self.det.as_mut().and_then(|d| d.peer_yielded()) {
+                self.state = State::Fencing;
+                self.fence = FenceRun::Detector;
+                self.counters.fences_run += 1;
+                self.log(format!("replica: the {} says it yielded: running the fencing command", self.peer_role()));
+                self.requests.push(Request::Fence);
+            }
         }
         self.stale_silence_said = false;
         if self.state == State::WaitingForPeer {

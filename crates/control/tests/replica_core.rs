@@ -642,3 +642,37 @@ fn late_ticks_are_counted() {
     }
     assert_eq!((c.counters.tick_gap_max_ms, c.counters.tick_gaps_over_interval), (35, 1));
 }
+
+/// A primary whose server failed says so (its beats turn PASSIVE): the backup fences it at once
+/// instead of waiting a detector window of silence (the client's stall is that much shorter).
+/// A stale backup never does (it cannot take over).
+#[test]
+fn backup_fences_at_once_when_the_primary_says_it_yielded() {
+    let mut b = core(Role::Backup);
+    let mut p = Peer::new(Role::Primary, 0xaaaa);
+    p.bind(&mut b, 0);
+    assert_eq!(b.state(), State::Protecting);
+    let r = tick(&mut b, 1);
+    p.hear(&r);
+    let m = p.msg(hdr::PASSIVE);
+    b.side(2, peer(), &m);
+    let r = drain(&mut b);
+    assert_eq!(fences(&r), 1, "fenced at the yield, not after 30 ms of silence");
+    assert_eq!(b.state(), State::Fencing);
+    b.fence_done(true, 5);
+    assert_eq!(b.state(), State::TookOver);
+
+    let mut s = core(Role::Backup);
+    let mut q = Peer::new(Role::Primary, 0xaaab);
+    q.bind(&mut s, 0);
+    let r = tick(&mut s, 1);
+    q.hear(&r);
+    let m = q.msg(hdr::STALE);
+    s.side(2, peer(), &m);
+    assert_eq!(s.state(), State::Stale);
+    let r = tick(&mut s, 3);
+    q.hear(&r);
+    let m = q.msg(hdr::PASSIVE);
+    s.side(4, peer(), &m);
+    assert_eq!(fences(&drain(&mut s)), 0, "a stale backup never fences");
+}

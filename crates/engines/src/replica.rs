@@ -2697,6 +2697,16 @@ impl Detector {
         Some(DetectorAction::RunFence)
     }
 
+    /// The peer said it stopped acting (a primary that yielded, authenticated and fresh): no need
+    /// to wait for its silence, fence it now.
+    pub fn peer_yielded(&mut self) -> Option<DetectorAction> {
+        if self.state != DetectorState::Watching || self.role != Role::Backup {
+            return None;
+        }
+        self.state = DetectorState::Fencing;
+        Some(DetectorAction::RunFence)
+    }
+
     /// The fencing hook's result.
     pub fn fence_result(&mut self, ok: bool, now_ms: u64) -> Option<DetectorAction> {
         if self.state != DetectorState::Fencing {

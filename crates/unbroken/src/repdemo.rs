@@ -111,7 +111,7 @@ impl Default for RepOpts {
             bin: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("unbroken")),
             strict: true,
             heartbeat_interval_ms: 10,
-            missed_beats: 3,
+            missed_beats: 10,
             max_lag_bytes: 4 << 20,
             max_lag_ms: 5000,
             max_delay_fin_ms: 5000,
@@ -946,7 +946,7 @@ pub struct ReplicaScenario {
 
 impl Default for ReplicaScenario {
     fn default() -> Self {
-        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 3, large_conns: 4 }
+        ReplicaScenario { incrs: 100_000, crash_at: 0.4, cli_incrs: 2000, bench_requests: 2000, timeout: Duration::from_secs(300), live: false, bin: None, strict: true, heartbeat_interval_ms: 10, missed_beats: 10, large_conns: 4 }
     }
 }
 

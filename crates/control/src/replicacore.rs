@@ -309,6 +309,7 @@ pub fn why_name(w: Why) -> &'static str {
         Why::BackupMisaligned => "backup_misaligned",
         Why::PrimaryFailed => "primary_failed",
         Why::BackupStale => "backup_stale",
+        Why::BackupRestarted => "backup_restarted",
     }
 }
 
@@ -683,6 +684,13 @@ impl Core {
                     self.counters.peer_restarts += 1;
                     let line = format!("replica: the {} restarted (boot {:016x}, was {:016x}): its messages count from now on", self.peer_role(), s.boot, b.boot);
                     self.log(line);
+                    // A restarted backup daemon lost every connection's state (alignment, what
+                    // its server received and produced): it can no longer take over any of
+                    // them. At once, rather than after the lag bound with the output held.
+                    if let Some(pr) = self.primary.as_mut() {
+                        pr.backup_restarted();
+                        self.drain_primary();
+                    }
                 }
                 self.bound = Some(Binding { boot: s.boot, beat: p.beat, echo_t: s.echo_t });
             }

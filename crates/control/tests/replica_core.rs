@@ -304,7 +304,10 @@ fn a_restarted_peer_is_bound_again_once_it_answers_and_its_earlier_run_stays_out
     assert_eq!(x.p.peer_boot(), Some(0xbbb2));
     assert_eq!(x.p.counters.peer_restarts, 1);
     assert!(x.p_req.iter().any(|(_, r)| matches!(r, Request::Log(l) if l.contains("the backup restarted"))));
-    assert_eq!(x.b.state(), State::Protecting);
+    // Its daemon lost every connection's state: it can no longer take any over, and says so
+    // (stale for good) instead of looking like a spare.
+    assert_eq!(x.p.state(), State::PeerStale);
+    assert_eq!(x.b.state(), State::Stale);
     // The earlier run's datagrams, replayed: unproven (their echoes are older than the new
     // boot's), the binding stays.
     let before = x.p.counters.beats_received;

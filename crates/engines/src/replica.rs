@@ -1245,6 +1245,8 @@ pub enum Why {
     /// The backup can no longer take over ([`Primary::backup_stale`]): every connection runs
     /// unprotected.
     BackupStale,
+    /// The backup's daemon restarted: its engine lost every connection's state.
+    BackupRestarted,
 }
 
 /// Something the primary's daemon must act on or report.
@@ -2057,6 +2059,12 @@ impl Primary {
         self.stale
     }
 
+    /// The backup's daemon restarted (a new boot on the side channel): it lost every
+    /// connection's state and can take none of them over; it is stale at once.
+    pub fn backup_restarted(&mut self) {
+        self.make_stale(Why::BackupRestarted);
+    }
+
     fn yield_to_backup(&mut self, key: Option<ConnKey>) {
         if self.yielded || self.unprotected.is_some() {
             return;
@@ -2072,7 +2080,9 @@ impl Primary {
     /// server did, and no client can force a failover (issue 20 item 9).
     fn primary_failed(&mut self, key: ConnKey, now: u64, stalled: bool) {
         self.counters.primary_failed += 1;
-        let sick = self.listening == Some(false) || (stalled && now >= self.last_output_ms + self.cfg.max_lag_ms);
+        // (A stalled server's kernel still sends what its buffers hold for a while after the
+        // process stopped: half the lag bound without new output anywhere is a stall.)
+        let sick = self.listening == Some(false) || (stalled && now >= self.last_output_ms + self.cfg.max_lag_ms / 2);
         if sick {
             self.yield_to_backup(Some(key));
         } else {

@@ -690,6 +690,13 @@ impl Core {
                     if let Some(pr) = self.primary.as_mut() {
                         pr.backup_restarted();
                         self.drain_primary();
+                    } else if matches!(self.state, State::Protecting | State::Fencing) {
+                        // A restarted primary daemon no longer follows the connections its
+                        // predecessor did (it passes them unprotected: their input is no longer
+                        // held for this backup): this backup can take none of them over.
+                        self.state = State::Stale;
+                        self.stale_why = Some("primary_restarted");
+                        self.log("replica: the primary's daemon restarted: the connections it followed are no longer protected, so this backup is stale for good, it never fences the primary nor takes over; restart this host's server and daemon to protect new connections again".to_string());
                     }
                 }
                 self.bound = Some(Binding { boot: s.boot, beat: p.beat, echo_t: s.echo_t });

@@ -679,3 +679,18 @@ fn backup_fences_at_once_when_the_primary_says_it_yielded() {
     s.side(4, peer(), &m);
     assert_eq!(fences(&drain(&mut s)), 0, "a stale backup never fences");
 }
+
+/// A restarted primary daemon no longer follows its predecessor's connections (they pass
+/// unprotected): the backup, which could not continue them without wrong input, turns stale
+/// instead of looking like a spare.
+#[test]
+fn backup_turns_stale_when_the_primarys_daemon_restarts() {
+    let mut x = Pair::new();
+    x.run(0, 500);
+    assert_eq!(x.b.state(), State::Protecting);
+    x.p = core_at(Role::Primary, 0xaaa2, 500);
+    x.run(500, 530);
+    assert_eq!(x.b.counters.peer_restarts, 1);
+    assert_eq!(x.b.state(), State::Stale);
+    assert!(x.b_req.iter().any(|(_, r)| matches!(r, Request::Log(l) if l.contains("primary's daemon restarted"))));
+}

@@ -526,6 +526,10 @@ impl Core {
                     let backup_alive = self.state == State::Protecting && self.peer_heard_at.is_some_and(|t| self.clock.saturating_sub(t) <= window);
                     if !backup_alive {
                         self.counters.yields_refused += 1;
+                        if let Some(p) = self.primary.as_mut() {
+                            // Asked again at the next evidence (the backup may be heard again).
+                            p.yield_refused();
+                        }
                         let why = if self.stale_why.is_some() { "is stale" } else { "is not heard" };
                         self.log_limited("replica: yield refused", || format!("replica: the primary's server failed on {} but the backup {why}: not yielding", yield_text(&key)));
                         continue;
@@ -705,6 +709,13 @@ impl Core {
         self.echo = (s.nonce_t, s.nonce);
         self.counters.beats_received += 1;
         if p.flags & hdr::INPUT != 0 {
+            // An authenticated, fresh message of the primary: it is alive.
+            if p.role == Role::Primary && p.flags & hdr::PASSIVE == 0 && matches!(self.state, State::Protecting | State::Fencing) {
+                self.peer_heard_at = Some(now_ms);
+                if let Some(d) = self.det.as_mut() {
+                    d.beat(now_ms);
+                }
+            }
             // Client bytes the backup missed, from the primary: into the backup's server, as
             // the client would have sent them. Nothing else in such a message counts (its one
             // record names the connection, not its figures).

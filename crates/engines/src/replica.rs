@@ -34,19 +34,28 @@
 //!    (Koch 6), reported.
 //! 2. Application failure without FIN/RST: the side whose application lags by more than
 //!    [`Config::max_lag_bytes`] or holds one byte back longer than [`Config::max_lag_ms`] is the
-//!    failed one: a lagging backup makes the connection unprotected; a lagging primary asks its
-//!    daemon to yield ([`Notice::YieldToBackup`]: stop, so the backup's detector takes over).
+//!    failed one: a lagging backup makes the connection unprotected and the backup stale
+//!    ([`Primary::backup_stale`]); a lagging primary asks its daemon to yield
+//!    ([`Notice::YieldToBackup`]: stop, so the backup fences it and takes over) only when its
+//!    whole server stalled (nothing new left it on any connection for half the lag bound),
+//!    otherwise that connection runs unprotected ([`Why::PrimaryFailed`]).
 //! 3. Application failure with FIN/RST on one side: a FIN is output like a byte and is released
 //!    only once the backup produced its FIN at the same offset. A FIN where the other side has
-//!    data at that offset marks the FIN's side as failed (primary: yield; backup: unprotected).
-//!    A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN) from the
-//!    client's ACK of every byte before it, then goes out unprotected. A primary RST is never sent while protected: if the backup does not reset
-//!    too within MaxDelayFIN, the primary yields. A backup RST makes the connection unprotected.
+//!    data at that offset marks the FIN's side as failed (primary: after
+//!    [`PRIMARY_FAIL_GRACE_MS`], a yield if its listening socket is gone
+//!    ([`Primary::server_listening`]), else that connection's failure; backup: unprotected and
+//!    stale). A lone primary FIN waits [`Config::max_delay_fin_ms`] (ST-TCP's MaxDelayFIN) from
+//!    the client's ACK of every byte before it, then goes out unprotected. A primary RST is never
+//!    sent while protected: if the backup does not reset too within MaxDelayFIN, it is that
+//!    connection's failure (a yield with its listener gone). A backup RST makes the connection
+//!    unprotected and the backup stale.
 //! 4. NIC or cable failure (two heartbeat links, gateway pings): not handled; the daemon's
 //!    business, it has one side channel for now.
-//! 5. Temporary loss at the backup: the primary's ACK stays at the backup's, so the client
-//!    retransmits what the backup missed (Koch 4), instead of ST-TCP's fetch from the primary;
-//!    after [`Config::nudge_after_ms`] three duplicate ACKs make it do so at once.
+//! 5. Temporary loss at the backup: the primary's ACK stays at the backup's, so the client keeps
+//!    what the backup missed (Koch 4), and the primary sends those bytes to the backup itself
+//!    (ST-TCP 3.6's retransmission from the primary: [`Primary::take_relay`],
+//!    [`Backup::relayed_input`]); after [`Config::nudge_after_ms`] three duplicate ACKs also make
+//!    the client resend at once.
 //!
 //! Divergence (strict mode): the connection becomes unprotected on the primary, which goes on
 //! alone with its own output (the bytes the client has seen so far were verified, and the rest
@@ -247,7 +256,7 @@ struct BConn {
     /// at 1 kHz), so that resent withheld segments carry a current TSval, not the one of
     /// seconds ago, which the client would discard (PAWS).
     b_ts_seen: Option<(u32, u64)>,
-    /// The newest TSval (and its TSecr) of any acceptable client segment.
+    /// The client's TSval the backup's server accepted last (its TSecr), with a TSecr to send.
     client_ts_max: Option<(u32, u32)>,
     /// Output seen beyond a gap in the digest (start, payload, FIN), at most
     /// [`MAX_KEPT_BYTES`].
@@ -552,8 +561,7 @@ impl Backup {
             // reset now, at the client's last ACK and at the end the primary verified (one of
             // them is where the client stands, or inside its window, where Linux answers with a
             // challenge ACK that `incoming` resets exactly), and whatever it sends later is
-            // answered with a RST. (A connection the primary never followed at all is not told
-            // apart yet: docs/architecture.md, open review findings.)
+            // answered with a RST. So is a connection the primary does not follow:
             // A connection the primary's reports have not named although two of its beats came
             // since it was aligned: the primary does not follow it (it started before the
             // primary armed, or its table was full), so nothing checked its output. One aligned
@@ -714,11 +722,7 @@ impl Backup {
             if c.ts_floor.is_none_or(|f| ts_before(f, ecr)) {
                 c.ts_floor = Some(ecr);
             }
-            // The client's newest timestamps: a relayed segment carries them (an older TSval
-            // would be discarded by the backup's server, PAWS).
-            if c.client_ts_max.is_none_or(|(v, _)| !ts_before(val, v)) {
-                c.client_ts_max = Some((val, ecr));
-            }
+            let _ = val;
         }
         // An ACK beyond what the backup's server sent is lowered to it only where the primary
         // reported output that far (the client may legitimately acknowledge it: the backup's
@@ -730,7 +734,13 @@ impl Backup {
         // in-window one, which a blind forgery must guess, is learned.)
         let beyond = !self.promoted && (s.ack - c.delta).gt(c.snd_max) && !c.p_out.is_some_and(|p| s.ack.le(p));
         if beyond {
+            // Linux would discard this segment, payload and all (its ACK covers unsent data):
+            // so does the backup, where a lowered ACK let bytes the primary's server refused into
+            // the backup's alone (a forgery that merely guessed the client's sequence number).
+            // A genuine one (ahead of the primary's report) is not lost: the primary relays the
+            // client's ACK and the bytes its server took.
             self.counters.ack_unverified += 1;
+            return Verdict::Drop;
         }
         if in_window && !beyond && (s.ack.gt(c.last_ack) || !c.client_seen) {
             c.last_ack = s.ack;
@@ -819,9 +829,15 @@ impl Backup {
         if s.has(F::RST) {
             c.rst_out = true;
         }
-        if let Some((_, v, _)) = s.ts {
+        if let Some((_, v, e)) = s.ts {
             if c.b_ts_seen.is_none_or(|(w, _)| !ts_before(v, w)) {
                 c.b_ts_seen = Some((v, self.clock));
+            }
+            // The client TSval its server's kernel accepted last (its TS.Recent, echoed): a
+            // relayed segment carries it, never older (PAWS) and never a value only a forged
+            // segment claimed (which would make the kernel discard the client's real ones).
+            if c.client_ts_max.is_none_or(|(w, _)| ts_before(w, e)) {
+                c.client_ts_max = Some((e, c.client_ts.map_or(0, |t| t.1)));
             }
         }
         if !c.aligned {
@@ -1429,8 +1445,10 @@ struct PConn {
     input: VecDeque<(Seq, Vec<u8>)>,
     input_len: usize,
     input_end: Seq,
-    /// The end of the last bytes relayed to the backup.
+    /// The end of the last bytes relayed to the backup, and when (a relay lost on the side
+    /// channel is sent again after `nudge_after_ms`).
     relay_end: Option<Seq>,
+    relay_at: u64,
     /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
     client_ack: Seq,
     snd_p: Seq,
@@ -1630,6 +1648,7 @@ impl Primary {
                 input_len: 0,
                 input_end: s.seq + 1,
                 relay_end: None,
+                relay_at: 0,
                 client_ack: Seq(0),
                 snd_p: Seq(0),
                 rcv_behind_since: None,
@@ -1681,7 +1700,10 @@ impl Primary {
                     c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
                 }
                 let end = s.seq + s.payload_len as u32;
-                if in_window && c.state.is_none() && c.answered && s.payload_len > 0 && end.gt(c.input_end) {
+                // Only bytes that continue the copy exactly, in a segment the server's kernel
+                // takes (its ACK within what the server sent): never a range the kernel refused.
+                let takes = s.ack.le(c.snd_p) && !s.seq.gt(c.input_end);
+                if in_window && takes && c.state.is_none() && c.answered && s.payload_len > 0 && end.gt(c.input_end) {
                     let from = if s.seq.lt(c.input_end) { c.input_end } else { s.seq };
                     let bytes = &pkt[s.payload_at + (from - s.seq) as usize..s.payload_at + s.payload_len];
                     if c.input_len + bytes.len() <= self.cfg.max_held_bytes {
@@ -1738,6 +1760,11 @@ impl Primary {
             // Unprotected: its output goes out as its server built it, but its ACK still waits
             // for the backup, which may take over (with the others) as long as it is not stale:
             // it must miss none of the input the primary's server consumes.
+            if s.payload_len > 0 && (s.seq + s.payload_len as u32).gt(c.p_end) {
+                // New output of this server, on any connection: it is not stalled.
+                c.p_end = s.seq + s.payload_len as u32;
+                self.last_output_ms = now_ms;
+            }
             if s.has(F::ACK) && !s.has(F::RST) && !s.has(F::SYN) {
                 if s.ack.gt(c.ack_p) {
                     c.ack_p = s.ack;
@@ -2044,10 +2071,20 @@ impl Primary {
     /// listening whose socket is gone has died or restarted (its state lost): the primary is
     /// the sick host, it yields to the backup ([`Notice::YieldToBackup`] with no key).
     pub fn server_listening(&mut self, up: bool) {
-        let was = self.listening.replace(up);
-        if was == Some(true) && !up {
+        if up {
+            self.listening = Some(true);
+        } else if self.listening.is_some() {
+            // Seen listening before (a server that never started is not one that died); asked
+            // again at every check while the yield was refused.
+            self.listening = Some(false);
             self.yield_to_backup(None);
         }
+    }
+
+    /// The daemon refused the yield (the backup is not heard, or is stale): ask again at the
+    /// next evidence instead of never.
+    pub fn yield_refused(&mut self) {
+        self.yielded = false;
     }
 
     /// `Some(why)` once the backup can no longer take over: it missed input the primary's
@@ -2332,7 +2369,7 @@ impl Primary {
         }
         if rcv_behind == 0 {
             c.relay_end = None;
-        } else if cfg.nudge_after_ms > 0 && c.rcv_behind_since.is_some_and(|t| now >= t + cfg.nudge_after_ms / 2) && c.relay_end.is_none_or(|e| b.rcv_nxt.ge(e)) {
+        } else if cfg.nudge_after_ms > 0 && c.rcv_behind_since.is_some_and(|t| now >= t + cfg.nudge_after_ms / 2) && (c.relay_end.is_none_or(|e| b.rcv_nxt.ge(e)) || now >= c.relay_at + cfg.nudge_after_ms) {
             // ST-TCP 3.6: the backup missed client bytes the primary's server has: they go to
             // the backup over the side channel (its daemon injects them into its server), a
             // budget at a time, again as soon as it confirmed the last.
@@ -2359,6 +2396,7 @@ impl Primary {
             }
             if at.gt(b.rcv_nxt) {
                 c.relay_end = Some(at);
+                c.relay_at = now;
             }
         }
         if rcv_behind == 0 {
@@ -2416,7 +2454,10 @@ impl Primary {
                 now
             });
             if now >= c.tail_nudge_at && now > since {
-                if let Some((cseq, cwin, cts)) = c.client_last {
+                if let Some((cseq, cwin, _)) = c.client_last {
+                    // The client's TSval its server accepted last (echoed in its TSecr), never
+                    // one only a forged segment claimed.
+                    let cts = c.ts.map(|(v, e)| (e, v));
                     let r = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: cseq, ack: c.p_end, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
                     if let Ok(p) = ip::tcp_packet(key.client, c.server, &r, &[]) {
                         for _ in 0..3 {
@@ -2500,6 +2541,14 @@ impl Primary {
         c.reports.clear();
         c.ahead = None;
         c.behind = None;
+        c.input.clear();
+        c.input_len = 0;
+        c.ooo.clear();
+        c.ooo_len = 0;
+        c.rcv_behind_since = None;
+        c.tail_since = None;
+        c.fin_since = None;
+        c.fin_acked_since = None;
         self.notices.push(Notice::Unprotected { key, why });
         // The backup's server failed on this connection (or numbers it wrong): it no longer
         // receives what the primary's does there, so its state is no longer the primary's.
@@ -2635,7 +2684,7 @@ pub struct DetectorConfig {
 
 impl Default for DetectorConfig {
     fn default() -> DetectorConfig {
-        DetectorConfig { interval_ms: 10, misses: 3 }
+        DetectorConfig { interval_ms: 10, misses: 10 }
     }
 }
 

@@ -1019,16 +1019,34 @@ fn hostile_connection_the_primary_never_reported_is_reset_at_takeover() {
 }
 
 /// Issue 20 item 14: a blind in-window segment whose ACK lies beyond everything the backup's
-/// server sent (and beyond what the primary reported) is not clamped into a full
-/// acknowledgement of its output: its ACK stays at the last one given, and is not learned.
+/// server sent (and beyond what the primary reported) is neither clamped into a full
+/// acknowledgement of its output nor lets its bytes into the backup's server alone: Linux
+/// discards such a segment, payload and all, on the primary, and so does the backup's engine
+/// (a genuine one, ahead of the primary's report, comes again through the primary's relay).
 #[test]
 fn hostile_blind_ack_beyond_what_was_sent_is_not_a_full_acknowledgement() {
     let mut b = aligned_backup();
     backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
-    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 5_000)), flags: F::ACK, window: 512, ..Default::default() }, b"x");
-    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }));
-    let (t, payload) = seg(&forged);
-    assert_eq!(t.ack, Seq(B_ISN + 1), "the last ACK its server was given, not its whole output");
-    assert_eq!(payload, b"x", "the payload still reaches the server");
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 5_000)), flags: F::ACK, window: 512, ..Default::default() }, b"SET x 1");
+    assert_eq!(b.incoming(&mut forged), Verdict::Drop);
     assert_eq!(b.counters.ack_unverified, 1);
+    // The genuine client's next segment is still taken.
+    let mut real = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 10)), flags: F::ACK, window: 512, ..Default::default() }, b"GET x");
+    assert!(matches!(b.incoming(&mut real), Verdict::Accept { .. }));
+    assert_eq!(seg(&real).0.ack, Seq(B_ISN + 11));
+}
+
+/// A yield the daemon refused (the backup not heard) is asked again at the next evidence,
+/// never dropped for good: a dead server on a primary that keeps beating was an outage.
+#[test]
+fn refused_yield_is_asked_again() {
+    let mut p = primary(true);
+    p.server_listening(true);
+    p.server_listening(false);
+    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: None }]);
+    p.server_listening(false);
+    assert!(p.take_notices().is_empty(), "one request while it stands");
+    p.yield_refused();
+    p.server_listening(false);
+    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: None }], "asked again");
 }

@@ -256,7 +256,7 @@ struct BConn {
     /// at 1 kHz), so that resent withheld segments carry a current TSval, not the one of
     /// seconds ago, which the client would discard (PAWS).
     b_ts_seen: Option<(u32, u64)>,
-    /// The client's TSval the backup's server accepted last (its TSecr), with a TSecr to send.
+    /// The newest TSval (and its TSecr) of a client segment the backup's server takes.
     client_ts_max: Option<(u32, u32)>,
     /// Output seen beyond a gap in the digest (start, payload, FIN), at most
     /// [`MAX_KEPT_BYTES`].
@@ -718,11 +718,10 @@ impl Backup {
             c.out_hash = HASH_INIT;
             self.counters.aligned += 1;
         }
-        if let (true, Some((_, val, ecr))) = (in_window, s.ts) {
+        if let (true, Some((_, _, ecr))) = (in_window, s.ts) {
             if c.ts_floor.is_none_or(|f| ts_before(f, ecr)) {
                 c.ts_floor = Some(ecr);
             }
-            let _ = val;
         }
         // An ACK beyond what the backup's server sent is lowered to it only where the primary
         // reported output that far (the client may legitimately acknowledge it: the backup's
@@ -733,6 +732,14 @@ impl Backup {
         // (After take-over no report will come: the client's ACK is all there is, and only an
         // in-window one, which a blind forgery must guess, is learned.)
         let beyond = !self.promoted && (s.ack - c.delta).gt(c.snd_max) && !c.p_out.is_some_and(|p| s.ack.le(p));
+        // The client's newest timestamps, from a segment its server's kernel takes (in window,
+        // its ACK not beyond what was sent): a relayed segment carries them (an older TSval would
+        // be discarded, PAWS). A forgery must guess the client's sequence number to set them.
+        if let (true, false, Some((_, val, ecr))) = (in_window, beyond, s.ts) {
+            if c.client_ts_max.is_none_or(|(v, _)| !ts_before(val, v)) {
+                c.client_ts_max = Some((val, ecr));
+            }
+        }
         if beyond {
             // Linux would discard this segment, payload and all (its ACK covers unsent data):
             // so does the backup, where a lowered ACK let bytes the primary's server refused into
@@ -829,15 +836,9 @@ impl Backup {
         if s.has(F::RST) {
             c.rst_out = true;
         }
-        if let Some((_, v, e)) = s.ts {
+        if let Some((_, v, _)) = s.ts {
             if c.b_ts_seen.is_none_or(|(w, _)| !ts_before(v, w)) {
                 c.b_ts_seen = Some((v, self.clock));
-            }
-            // The client TSval its server's kernel accepted last (its TS.Recent, echoed): a
-            // relayed segment carries it, never older (PAWS) and never a value only a forged
-            // segment claimed (which would make the kernel discard the client's real ones).
-            if c.client_ts_max.is_none_or(|(w, _)| ts_before(w, e)) {
-                c.client_ts_max = Some((e, c.client_ts.map_or(0, |t| t.1)));
             }
         }
         if !c.aligned {
@@ -2454,10 +2455,7 @@ impl Primary {
                 now
             });
             if now >= c.tail_nudge_at && now > since {
-                if let Some((cseq, cwin, _)) = c.client_last {
-                    // The client's TSval its server accepted last (echoed in its TSecr), never
-                    // one only a forged segment claimed.
-                    let cts = c.ts.map(|(v, e)| (e, v));
+                if let Some((cseq, cwin, cts)) = c.client_last {
                     let r = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: cseq, ack: c.p_end, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
                     if let Ok(p) = ip::tcp_packet(key.client, c.server, &r, &[]) {
                         for _ in 0..3 {

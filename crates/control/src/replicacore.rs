@@ -339,7 +339,11 @@ impl Core {
     pub fn new(settings: Settings, key: Key, peer: SocketAddr, boot: Boot, now_ms: u64) -> Core {
         let (primary, backup) = match settings.role {
             Role::Primary => (Some(Primary::new(settings.engine)), None),
-            Role::Backup => (None, Some(Backup::with_capacity(settings.engine.max_conns))),
+            Role::Backup => (None, Some({
+                let mut b = Backup::with_capacity(settings.engine.max_conns);
+                b.set_strict(settings.engine.strict);
+                b
+            })),
         };
         Core {
             s: settings,

@@ -381,6 +381,10 @@ pub struct Backup {
     changed: std::collections::HashSet<ConnKey>,
     /// The latest time passed to [`Backup::tick`] (ms).
     clock: u64,
+    /// Strict output commit (the primary's [`Config::strict`]): no genuine client ACK can lie
+    /// beyond what the backup's server sent, so a segment whose does is dropped. Without it the
+    /// primary's output passes at once and a genuine ACK may: lowered, as before.
+    strict: bool,
     /// The primary's beats heard (distinct beat numbers, growing), and the newest.
     p_beats: u64,
     p_last_beat: Option<u64>,
@@ -516,7 +520,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, p_beats: 0, p_last_beat: None, counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, strict: true, p_beats: 0, p_last_beat: None, counters: BackupCounters::default() }
     }
 
     /// Time passes: half-open entries older than [`HALF_OPEN_TTL_MS`] that the primary no
@@ -534,6 +538,11 @@ impl Backup {
 
     pub fn is_promoted(&self) -> bool {
         self.promoted
+    }
+
+    /// Whether the pair runs strict output commit (default true), as the daemon's config says.
+    pub fn set_strict(&mut self, strict: bool) {
+        self.strict = strict;
     }
 
     /// Koch 5: the primary failed (and was fenced): stop withholding; every connection goes on
@@ -741,12 +750,16 @@ impl Backup {
             }
         }
         if beyond {
+            self.counters.ack_unverified += 1;
+        }
+        if beyond && self.strict {
             // Linux would discard this segment, payload and all (its ACK covers unsent data):
             // so does the backup, where a lowered ACK let bytes the primary's server refused into
             // the backup's alone (a forgery that merely guessed the client's sequence number).
-            // A genuine one (ahead of the primary's report) is not lost: the primary relays the
-            // client's ACK and the bytes its server took.
-            self.counters.ack_unverified += 1;
+            // In strict mode no genuine ACK lies beyond what the backup's server sent. (Without
+            // strict mode one may, ahead of the primary's report: its ACK is lowered instead,
+            // and such a forgery's bytes can reach the backup's server alone: a limit of that
+            // mode, docs/threat-model.md.)
             return Verdict::Drop;
         }
         if in_window && !beyond && (s.ack.gt(c.last_ack) || !c.client_seen) {
@@ -2835,7 +2848,8 @@ mod tests {
 
     #[test]
     fn detector_backup_fences_before_taking_over() {
-        let mut d = Detector::new(DetectorConfig::default(), Role::Backup, 0);
+        let mut d = Detector::new(DetectorConfig { interval_ms: 10, misses: 3 }, Role::Backup, 0);
+        assert_eq!(DetectorConfig::default(), DetectorConfig { interval_ms: 10, misses: 10 }, "the daemon's default: 100 ms of silence");
         for t in (0..100).step_by(10) {
             d.beat(t);
             assert_eq!(d.tick(t + 5), None);

@@ -497,7 +497,11 @@ impl Sim {
             backup,
             bapp: App::new(bf, sc.at),
             peng: Primary::new(pcfg),
-            beng: Backup::new(),
+            beng: {
+                let mut b = Backup::new();
+                b.set_strict(sc.strict);
+                b
+            },
             pdet: Detector::new(sc.hb, Role::Primary, 0),
             bdet: Detector::new(sc.hb, Role::Backup, 0),
             primary_alive: true,

@@ -772,7 +772,11 @@ impl Backup {
         let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
         let limit = c.snd_max;
         let delta = c.delta;
-        let floor = if beyond { c.acked_b.filter(|a| a.le(limit)).unwrap_or(limit) } else { limit };
+        // (Without strict output commit a beyond ACK is genuine as often as not: the primary's
+        // output passes at once, before the backup's server sent the same. Lowered below what
+        // that server sent, its server was starved of ACKs, fell behind by megabytes with
+        // large values and went stale; clamped to what it sent, it goes on, as before issue 20.)
+        let floor = limit;
         let mut clamped = false;
         let mut to_b = |v: Seq| {
             let b = v - delta;

@@ -2266,6 +2266,8 @@ impl Primary {
             let reset = c.b.is_some_and(|b| b.rst);
             if reset || c.synack_since.is_some_and(|t| now >= t + cfg.max_lag_ms) {
                 self.unprotect(key, if reset { Why::BackupRst } else { Why::BackupLagging });
+                // Its server never had this connection: it missed its input.
+                self.make_stale(if reset { Why::BackupRst } else { Why::BackupLagging });
             }
             return;
         }
@@ -2440,8 +2442,15 @@ impl Primary {
                 c.nudge_at = now + c.nudge_gap;
             }
         }
+        // A backup whose input lags has missed what the primary's server consumed: stale. One
+        // whose output only lags still has the same input (its state follows): that connection
+        // runs unprotected, its ACK still waiting for the backup, which stays a spare.
+        let input_lags = rcv_behind > 0;
         if out_behind > cfg.max_lag_bytes || rcv_behind > cfg.max_lag_bytes {
             self.unprotect(key, Why::BackupLagging);
+            if input_lags {
+                self.make_stale(Why::BackupLagging);
+            }
             return;
         }
         if out_behind > 0 || rcv_behind > 0 {
@@ -2449,6 +2458,9 @@ impl Primary {
                 Some((mo, mr, _)) if b.out_end.ge(mo) && b.rcv_nxt.ge(mr) => c.behind = Some((c.p_end, c.ack_p, now)),
                 Some((_, _, t)) if now >= t + cfg.max_lag_ms => {
                     self.unprotect(key, Why::BackupLagging);
+                    if input_lags {
+                        self.make_stale(Why::BackupLagging);
+                    }
                     return;
                 }
                 Some(_) => {}
@@ -2567,7 +2579,7 @@ impl Primary {
         self.notices.push(Notice::Unprotected { key, why });
         // The backup's server failed on this connection (or numbers it wrong): it no longer
         // receives what the primary's does there, so its state is no longer the primary's.
-        if matches!(why, Why::BackupLagging | Why::BackupRst | Why::BackupFinAlone | Why::BackupMisaligned) {
+        if matches!(why, Why::BackupRst | Why::BackupFinAlone | Why::BackupMisaligned) {
             self.make_stale(why);
         }
     }

@@ -119,47 +119,9 @@ fn request_ext(local: SocketAddr, remote: SocketAddr, seq: u32, info: bool) -> O
     Some(m)
 }
 
-/// Parses the kernel's answer: `Ok(Some)` for a socket, `Ok(None)` for `ENOENT`.
-pub fn parse_reply(buf: &[u8], seq: u32) -> io::Result<Option<SockInfo>> {
-    let bad = || io::Error::new(io::ErrorKind::InvalidData, "sock_diag: malformed reply");
-    let mut at = 0;
-    while at + NLMSG_HDRLEN <= buf.len() {
-        let h = &buf[at..];
-        let len = u32::from_ne_bytes([h[0], h[1], h[2], h[3]]) as usize;
-        let ty = u16::from_ne_bytes([h[4], h[5]]);
-        let s = u32::from_ne_bytes([h[8], h[9], h[10], h[11]]);
-        if len < NLMSG_HDRLEN || at + len > buf.len() {
-            return Err(bad());
-        }
-        let body = &h[NLMSG_HDRLEN..len];
-        if s == seq {
-            if ty == NLMSG_ERROR {
-                let e = body.get(..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).ok_or_else(bad)?;
-                return match -e {
-                    0 | libc::ENOENT => Ok(None),
-                    e => Err(io::Error::from_raw_os_error(e)),
-                };
-            }
-            if ty == SOCK_DIAG_BY_FAMILY {
-                if body.len() < MSG_LEN {
-                    return Err(bad());
-                }
-                let inode = u32::from_ne_bytes([body[68], body[69], body[70], body[71]]);
-                // The kernel's lookup falls back to a listener: not this pair's socket.
-                if body[1] == TCP_LISTEN {
-                    return Ok(None);
-                }
-                return Ok(Some(SockInfo { state: body[1], inode, progress: progress(&body[MSG_LEN..]) }));
-            }
-        }
-        at += (len + 3) & !3;
-    }
-    Err(bad())
-}
-
-/// The state of the socket in the kernel's answer to request `seq`: `Some(Some(state))`, or
-/// `Some(None)` for no socket (`ENOENT`); `None` when the message answers another request.
-fn reply_state(buf: &[u8], seq: u32) -> io::Result<Option<Option<u8>>> {
+/// The kernel's answer to request `seq` in `buf`: `Some(Some(body))` of its socket message,
+/// `Some(None)` for no socket (`ENOENT`), `None` when `buf` holds no answer to it.
+fn answer(buf: &[u8], seq: u32) -> io::Result<Option<Option<&[u8]>>> {
     let bad = || io::Error::new(io::ErrorKind::InvalidData, "sock_diag: malformed reply");
     let mut at = 0;
     while at + NLMSG_HDRLEN <= buf.len() {
@@ -180,12 +142,38 @@ fn reply_state(buf: &[u8], seq: u32) -> io::Result<Option<Option<u8>>> {
                 };
             }
             if ty == SOCK_DIAG_BY_FAMILY {
-                return body.get(1).map(|&st| Some(Some(st))).ok_or_else(bad);
+                return Ok(Some(Some(body)));
             }
         }
         at += (len + 3) & !3;
     }
     Ok(None)
+}
+
+/// Parses the kernel's answer: `Ok(Some)` for a socket, `Ok(None)` for `ENOENT`.
+pub fn parse_reply(buf: &[u8], seq: u32) -> io::Result<Option<SockInfo>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "sock_diag: malformed reply");
+    let Some(found) = answer(buf, seq)? else { return Err(bad()) };
+    let Some(body) = found else { return Ok(None) };
+    if body.len() < MSG_LEN {
+        return Err(bad());
+    }
+    let inode = u32::from_ne_bytes([body[68], body[69], body[70], body[71]]);
+    // The kernel's lookup falls back to a listener: not this pair's socket.
+    if body[1] == TCP_LISTEN {
+        return Ok(None);
+    }
+    Ok(Some(SockInfo { state: body[1], inode, progress: progress(&body[MSG_LEN..]) }))
+}
+
+/// The state of the socket in the kernel's answer to request `seq`: `Some(Some(state))`, or
+/// `Some(None)` for no socket (`ENOENT`); `None` when the message answers another request.
+fn reply_state(buf: &[u8], seq: u32) -> io::Result<Option<Option<u8>>> {
+    match answer(buf, seq)? {
+        Some(Some(body)) => body.get(1).map(|&st| Some(Some(st))).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "sock_diag: malformed reply")),
+        Some(None) => Ok(Some(None)),
+        None => Ok(None),
+    }
 }
 
 /// The `INET_DIAG_INFO` attribute among `attrs` (netlink attributes: length, type, payload,

@@ -92,6 +92,17 @@ impl Rng {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     }
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Fills `buf` with its next numbers' bytes.
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let x = self.next().to_le_bytes();
+            c.copy_from_slice(&x[..c.len()]);
+        }
+    }
     /// Uniform in `lo..=hi`.
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next() % (hi - lo + 1)

@@ -401,7 +401,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<ChaosReport, String> {
     if o.faults.is_empty() {
         return Err("no fault to draw from".into());
     }
-    let mut rng = Rng(o.seed);
+    let mut rng = Rng::new(o.seed);
     let mut log = Vec::new();
     let mut faults = BTreeMap::new();
     for i in 0..o.trials {
@@ -505,7 +505,7 @@ mod tests {
     #[test]
     fn the_trials_replay_from_the_seed() {
         let run = |seed| {
-            let mut r = Rng(seed);
+            let mut r = Rng::new(seed);
             (0..30).map(|_| draw(&mut r, &FAULTS)).map(|(f, at, s)| (f.name(), (at * 1000.0) as u64, s)).collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));

@@ -33,35 +33,7 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 /// splitmix64: a small seeded generator (runs replay from the printed seed).
-#[derive(Debug, Clone)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn between(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-
-    fn fill(&mut self, buf: &mut [u8]) {
-        for c in buf.chunks_mut(8) {
-            let x = self.next().to_le_bytes();
-            c.copy_from_slice(&x[..c.len()]);
-        }
-    }
-}
+pub use crate::objchaos::Rng;
 
 /// Options of the client (`unbroken replica-check-client`).
 #[derive(Debug, Clone)]
@@ -378,7 +350,7 @@ fn run_conn(a: &Args, i: usize, start: &Barrier, stop: &AtomicBool) -> ConnRepor
     };
     rep.local_port = s.local_addr().map(|l| l.port()).unwrap_or(0);
     let mut c = Conn { s, rep, hang: Duration::from_millis(a.hang_ms), buf: vec![0u8; 256 << 10] };
-    let mut rng = Rng(a.seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let mut rng = Rng::new(a.seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
     let mut values: Vec<Option<Vec<u8>>> = vec![None; a.set_keys];
     let t0 = Instant::now();
     let secs = Duration::from_secs_f64(a.secs);
@@ -387,7 +359,7 @@ fn run_conn(a: &Args, i: usize, start: &Barrier, stop: &AtomicBool) -> ConnRepor
         let r = match pick {
             // INCR, half of the operations: 1 to max_pipeline at once.
             0 | 1 => {
-                let n = rng.between(1, a.max_pipeline);
+                let n = rng.range(1, a.max_pipeline);
                 let one = resp(&[b"INCR", c.rep.incr_key.as_bytes()]);
                 let req: Vec<u8> = (0..n).flat_map(|_| one.iter().copied()).collect();
                 let from = c.rep.incr_acked;
@@ -414,7 +386,7 @@ fn run_conn(a: &Args, i: usize, start: &Barrier, stop: &AtomicBool) -> ConnRepor
             }
             2 => {
                 let j = rng.below(a.set_keys as u64) as usize;
-                let mut v = vec![0u8; rng.between(a.min_value, a.max_value) as usize];
+                let mut v = vec![0u8; rng.range(a.min_value, a.max_value) as usize];
                 rng.fill(&mut v);
                 c.rep.set_keys[j].pending = Some(sha_hex(&v));
                 let r = c.op(&resp(&[b"SET", keys[j].as_bytes(), &v]), &[b"+OK\r\n"]);

@@ -521,7 +521,7 @@ fn replica_chaos_through_the_binary() {
     let name = "replica_chaos_through_the_binary";
     let Some(_g) = lab_or_skip(name) else { return };
     let seed = 470;
-    let mut rng = unbroken::repclient::Rng(seed);
+    let mut rng = unbroken::repclient::Rng::new(seed);
     let want: Vec<&str> = (0..3).map(|_| unbroken::repchaos::draw(&mut rng, &unbroken::repchaos::FAULTS).0.name()).collect();
     assert_eq!(want, ["replayed_datagram", "primary_host_crash", "loss_toward_backup"], "the seed's draws");
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_unbroken"))

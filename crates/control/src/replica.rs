@@ -22,6 +22,7 @@
 //! max_lag_bytes = 4194304
 //! max_lag_ms = 5000
 //! max_delay_fin_ms = 5000
+//! max_hang_ms = 150                 # a server reading nothing, using no CPU: hung (0: off)
 //! max_connections = 65536
 //! status_file = "/run/unbroken/replica.json"
 //!
@@ -43,8 +44,12 @@ use serde::Deserialize;
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service as RuleService};
 use unbroken_drivers::nfqueue::{Queue, QueueConfig};
 use unbroken_drivers::rawsend::RawSender;
-use unbroken_drivers::segment::{Announcer, ArpSuppress, ArpSuppressSpec, HubReceive, HubReceiveSpec};
-use unbroken_engines::replica::{BackupCounters, Config as EngineConfig, DetectorConfig, PrimaryCounters};
+use unbroken_drivers::segment::{
+    Announcer, ArpSuppress, ArpSuppressSpec, HubReceive, HubReceiveSpec,
+};
+use unbroken_engines::replica::{
+    BackupCounters, Config as EngineConfig, DetectorConfig, PrimaryCounters, ServerSocket,
+};
 use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::Role;
 
@@ -82,6 +87,9 @@ fn default_lag_ms() -> u64 {
 }
 fn default_fin_ms() -> u64 {
     5_000
+}
+fn default_hang_ms() -> u64 {
+    unbroken_engines::replica::DEFAULT_MAX_HANG_MS
 }
 fn default_max_conns() -> usize {
     unbroken_engines::replica::DEFAULT_MAX_CONNS
@@ -126,6 +134,10 @@ pub struct ReplicaSection {
     pub max_lag_ms: u64,
     #[serde(default = "default_fin_ms")]
     pub max_delay_fin_ms: u64,
+    /// A server that reads none of its waiting input and uses no CPU for this long, while the
+    /// other host's server went on, is hung: the failed one at once (0: only `max_lag_ms`).
+    #[serde(default = "default_hang_ms")]
+    pub max_hang_ms: u64,
     #[serde(default = "default_max_conns")]
     pub max_connections: usize,
     /// Seconds a connection closed on both sides is remembered.
@@ -225,6 +237,9 @@ impl Replica {
                 return Err(format!("config: replica.{name} = {v}: 1 to 3600000"));
             }
         }
+        if r.max_hang_ms > 60_000 || (r.max_hang_ms > 0 && r.max_hang_ms < 2 * LISTEN_CHECK_MS) {
+            return Err(format!("config: replica.max_hang_ms = {}: 0 (off) or {} to 60000 (the server is sampled every {LISTEN_CHECK_MS} ms)", r.max_hang_ms, 2 * LISTEN_CHECK_MS));
+        }
         if r.max_connections == 0 || r.max_connections > 1 << 24 {
             return Err(format!("config: replica.max_connections = {}: 1 to {}", r.max_connections, 1 << 24));
         }
@@ -248,6 +263,7 @@ impl Replica {
                 max_lag_bytes: r.max_lag_bytes,
                 max_lag_ms: r.max_lag_ms,
                 max_delay_fin_ms: r.max_delay_fin_ms,
+                max_hang_ms: r.max_hang_ms,
                 max_conns: r.max_connections,
                 ..EngineConfig::default()
             },
@@ -344,6 +360,8 @@ struct View {
     stale_why: Option<&'static str>,
     peer_problem: Option<&'static str>,
     peer_boot: Option<u64>,
+    /// Backup: its server is hung (read and computed nothing while input waited).
+    server_hung: bool,
     unprotected_by: Vec<(&'static str, u64)>,
     queue: unbroken_drivers::nfqueue::Stats,
     side_send_errors: u64,
@@ -367,14 +385,79 @@ struct ReplicaIo {
     buf: Vec<u8>,
     /// Why the daemon stopped on its own (the exit status says so).
     fatal: Option<String>,
-    /// Primary: its server's listening sockets, checked every [`LISTEN_CHECK_MS`] (sock_diag):
-    /// a server whose listener is gone has died or restarted, a sick host that yields.
-    listen_check: Option<(unbroken_drivers::sockdiag::SockDiag, Vec<std::net::SocketAddr>)>,
+    /// This host's server, checked every [`LISTEN_CHECK_MS`].
+    listen_check: Option<ServerCheck>,
     next_listen_check: u64,
 }
 
-/// How often a primary checks its server's listening sockets.
+/// How often a host checks its server (its listeners, its sockets' input, its CPU time).
 const LISTEN_CHECK_MS: u64 = 20;
+/// How often the server's processes are looked up again (also whenever a listener changed or
+/// one of them is gone): a walk of every process's descriptors.
+const OWNER_SCAN_MS: u64 = 5_000;
+
+/// The daemon's look at its own server (sock_diag and /proc; the verdicts are the core's):
+/// its listening sockets (a server whose listener is gone has died or restarted: a primary
+/// yields), the input its connections hold unread and its processes' CPU time (a server that
+/// reads and computes nothing while input waits is hung: [`Core::server_sample`]).
+struct ServerCheck {
+    diag: unbroken_drivers::sockdiag::SockDiag,
+    listen: Vec<std::net::SocketAddr>,
+    /// The listeners' inodes at the last look, and the processes that hold them.
+    inodes: Vec<u32>,
+    pids: Vec<u32>,
+    next_owner_scan: u64,
+}
+
+impl ServerCheck {
+    fn run(&mut self, core: &mut Core, now: u64) {
+        use unbroken_drivers::procfs;
+        // An error of the check itself says nothing about the server: no verdict.
+        let mut up = Some(true);
+        let mut inodes = vec![];
+        for a in self.listen.iter() {
+            match self.diag.listener_inode(*a) {
+                Ok(Some(i)) => inodes.push(i),
+                Ok(None) => up = up.and(Some(false)),
+                Err(_) => up = None,
+            }
+        }
+        if let Some(up) = up {
+            core.server_listening(up);
+        }
+        inodes.sort_unstable();
+        inodes.dedup();
+        if inodes != self.inodes || now >= self.next_owner_scan {
+            self.pids = procfs::socket_owners(&inodes);
+            self.inodes = inodes;
+            self.next_owner_scan = now + OWNER_SCAN_MS;
+        }
+        let cpu = if self.pids.is_empty() {
+            None
+        } else {
+            procfs::cpu_ticks(&self.pids)
+        };
+        if cpu.is_none() {
+            // A process gone (or none known): look again at the next check.
+            self.next_owner_scan = now;
+        }
+        let mut socks = vec![];
+        let mut ports: Vec<u16> = self.listen.iter().map(|a| a.port()).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        for port in ports {
+            match self.diag.receive_queues(port) {
+                Ok(q) => socks.extend(q.into_iter().map(|q| ServerSocket {
+                    id: q.cookie,
+                    unread: q.unread,
+                    received: q.received,
+                })),
+                Err(_) => return,
+            }
+        }
+        core.server_sample(now, &socks, cpu);
+    }
+}
 
 /// What the backup installed to keep its stack from answering on its own (the ARP
 /// suppression, the receive rule) and the queue rules that withhold its server's output:
@@ -545,19 +628,8 @@ impl daemon::Adapter<Core> for ReplicaIo {
         }
         if now >= self.next_listen_check {
             self.next_listen_check = now + LISTEN_CHECK_MS;
-            if let Some((diag, addrs)) = self.listen_check.as_mut() {
-                // An error of the check itself says nothing about the server: no verdict.
-                let mut up = Some(true);
-                for a in addrs.iter() {
-                    match diag.listening(*a) {
-                        Ok(true) => {}
-                        Ok(false) => up = up.and(Some(false)),
-                        Err(_) => up = None,
-                    }
-                }
-                if let Some(up) = up {
-                    core.server_listening(up);
-                }
+            if let Some(check) = self.listen_check.as_mut() {
+                check.run(core, now);
             }
         }
         core.collect(out);
@@ -586,7 +658,10 @@ impl daemon::Adapter<Core> for ReplicaIo {
         v.stale_why = core.stale_why();
         v.peer_problem = core.peer_problem();
         v.peer_boot = core.peer_boot();
-        if v.unprotected_by.len() != core.unprotected_by.len() || v.counters.unprotected != core.counters.unprotected {
+        v.server_hung = core.server_hung();
+        if v.unprotected_by.len() != core.unprotected_by.len()
+            || v.counters.unprotected != core.counters.unprotected
+        {
             v.unprotected_by = core.unprotected_by.iter().map(|(k, n)| (*k, *n)).collect();
         }
         v.queue = queue;
@@ -607,6 +682,7 @@ fn status_fields(view: Arc<Mutex<View>>, role: &'static str, started: Instant) -
             "takeover_ms": v.takeover_ms,
             "stale_why": v.stale_why,
             "peer_problem": v.peer_problem,
+            "server_hung": v.server_hung,
             "peer_boot": v.peer_boot.map(|b| format!("{b:016x}")),
             "connections": v.connections,
             "held_bytes": v.held_bytes,
@@ -723,6 +799,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         stale_why: None,
         peer_problem: None,
         peer_boot: None,
+        server_hung: false,
         unprotected_by: Vec::new(),
         queue: Default::default(),
         side_send_errors: 0,
@@ -748,15 +825,23 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         announce_errors: 0,
         buf: vec![0u8; 2048],
         fatal: None,
-        listen_check: match cfg.settings().role {
-            unbroken_wire::replica::Role::Primary => match unbroken_drivers::sockdiag::SockDiag::open() {
-                Ok(d) => Some((d, cfg.raw.services.iter().map(|s| std::net::SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).collect())),
-                Err(e) => {
-                    eprintln!("replica: cannot open sock_diag to watch the server's listener ({e}): a crashed server is found only through its connections");
-                    None
-                }
-            },
-            unbroken_wire::replica::Role::Backup => None,
+        listen_check: match unbroken_drivers::sockdiag::SockDiag::open() {
+            Ok(diag) => Some(ServerCheck {
+                diag,
+                listen: cfg
+                    .raw
+                    .services
+                    .iter()
+                    .map(|s| std::net::SocketAddr::new(IpAddr::V4(cfg.addr), s.port))
+                    .collect(),
+                inodes: vec![],
+                pids: vec![],
+                next_owner_scan: 0,
+            }),
+            Err(e) => {
+                eprintln!("replica: cannot open sock_diag to watch this host's server ({e}): a crashed or hung server is found only through its connections, after max_lag_ms");
+                None
+            }
         },
         next_listen_check: 0,
     };

@@ -67,7 +67,10 @@ use std::net::{IpAddr, SocketAddr};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
-use unbroken_engines::replica::{Backup, Config as EngineConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary, Why};
+use unbroken_engines::replica::{
+    Backup, Config as EngineConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice,
+    Primary, ReadWatch, ServerSocket, Why,
+};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::{hdr, ConnProgress, Progress, Role, Session};
@@ -278,6 +281,10 @@ pub struct Core {
     peer_problem_said_at: Option<u64>,
     started_at: u64,
     last_tick: Option<u64>,
+    /// This host's server: whether it reads ([`Core::server_sample`]); backup: hung (its
+    /// messages say so, [`hdr::HUNG`]) and when that was logged.
+    watch: ReadWatch,
+    hung: bool,
     limit: RateLimit,
     requests: Vec<Request>,
     send: Vec<Vec<u8>>,
@@ -310,6 +317,7 @@ pub fn why_name(w: Why) -> &'static str {
         Why::PrimaryFailed => "primary_failed",
         Why::BackupStale => "backup_stale",
         Why::BackupRestarted => "backup_restarted",
+        Why::BackupHung => "backup_hung",
     }
 }
 
@@ -367,6 +375,8 @@ impl Core {
             stale_silence_said: false,
             finished_since: HashMap::new(),
             next_sweep_at: now_ms + 1000,
+            watch: ReadWatch::default(),
+            hung: false,
             fence_backoff_ms: 0,
             next_fence_at: 0,
             took_over_at: 0,
@@ -446,6 +456,36 @@ impl Core {
 
     /// The primary's check of its server's listening sockets (every few beats, by the daemon):
     /// a listener gone is a sick host (the engine asks to yield).
+    /// The daemon's sample of this host's server (every few tens of ms): its sockets on the
+    /// service ports and its processes' CPU time. The primary's engine compares a stall with
+    /// the backup's progress; the backup says in its messages that its server is hung (it has
+    /// read and computed nothing while input waited, for the hang bound).
+    pub fn server_sample(&mut self, now_ms: u64, socks: &[ServerSocket], cpu: Option<u64>) {
+        self.clock = self.clock.max(now_ms);
+        let since = self.watch.sample(now_ms, socks, cpu);
+        if let Some(p) = self.primary.as_mut() {
+            p.server_reading(since);
+            return;
+        }
+        let bound = self.s.engine.max_hang_ms;
+        let hung = bound > 0 && since.is_some_and(|t| now_ms >= t + bound);
+        if hung != self.hung {
+            self.hung = hung;
+            self.dirty = true;
+            let line = if hung {
+                format!("replica: this host's server has read none of its waiting input and used no CPU for {bound} ms: hung; the primary stops waiting for it (this backup goes stale when the primary's server went on)")
+            } else {
+                "replica: this host's server reads again".to_string()
+            };
+            self.log_limited("hung", || line);
+        }
+    }
+
+    /// Backup: its server is hung (its messages say so).
+    pub fn server_hung(&self) -> bool {
+        self.hung
+    }
+
     pub fn server_listening(&mut self, up: bool) {
         if let Some(p) = self.primary.as_mut() {
             if self.state != State::WaitingForPeer {
@@ -589,6 +629,7 @@ impl Core {
             State::TookOver => hdr::TOOK_OVER,
             State::Yielded | State::Stale => hdr::PASSIVE,
             _ if self.primary.is_some() && self.stale_why.is_some() => hdr::STALE,
+            _ if self.backup.is_some() && self.hung => hdr::HUNG,
             _ => 0,
         }
     }
@@ -761,7 +802,13 @@ impl Core {
             let line = format!("replica: the {} is there (first authenticated message from {}): protecting new connections", self.peer_role(), self.peer);
             self.log(line);
         }
-        if self.s.role == Role::Primary && p.flags & hdr::TOOK_OVER != 0 && self.state != State::Yielded {
+        if let (Some(pe), Role::Backup) = (self.primary.as_mut(), p.role) {
+            pe.backup_hung(p.flags & hdr::HUNG != 0);
+        }
+        if self.s.role == Role::Primary
+            && p.flags & hdr::TOOK_OVER != 0
+            && self.state != State::Yielded
+        {
             // The backup fenced this host and serves the clients: whatever this host believed
             // (its fence failed, it was cut off, it fenced the backup too), it never sends on
             // the service again.

@@ -19,7 +19,10 @@ fn err(edit: impl Fn(String) -> String) -> String {
 fn the_example_loads_with_its_defaults() {
     let c = Replica::from_toml(&example()).expect("example");
     let s = c.settings();
-    assert_eq!((s.detector.interval_ms, s.detector.misses, s.engine.strict), (10, 10, true));
+    assert_eq!((s.detector.interval_ms, s.detector.misses, s.engine.strict, s.engine.max_hang_ms), (10, 10, true, 150));
+    // 0 turns the hang rule off.
+    let off = Replica::from_toml(&example().replace("max_hang_ms = 150", "max_hang_ms = 0")).expect("max_hang_ms = 0");
+    assert_eq!(off.settings().engine.max_hang_ms, 0);
     assert_eq!(c.addr.to_string(), "10.77.3.10");
 }
 
@@ -41,6 +44,8 @@ fn each_mistake_is_a_precise_error() {
         (Box::new(|s| s.replace("max_connections = 65536", "max_connections = 0")), "max_connections = 0"),
         (Box::new(|s| s.replace("strict = true", "strict = true\nstrictt = 1")), "unknown field"),
         (Box::new(|s| s.replace("max_lag_ms = 5000", "max_lag_ms = 0")), "max_lag_ms = 0"),
+        (Box::new(|s| s.replace("max_hang_ms = 150", "max_hang_ms = 10")), "max_hang_ms = 10: 0 (off) or 40 to 60000"),
+        (Box::new(|s| s.replace("max_hang_ms = 150", "max_hang_ms = 60001")), "max_hang_ms = 60001"),
     ];
     for (i, (edit, want)) in cases.iter().enumerate() {
         let e = err(edit);

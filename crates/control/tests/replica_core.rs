@@ -694,3 +694,68 @@ fn backup_turns_stale_when_the_primarys_daemon_restarts() {
     assert_eq!(x.b.state(), State::Stale);
     assert!(x.b_req.iter().any(|(_, r)| matches!(r, Request::Log(l) if l.contains("primary's daemon restarted"))));
 }
+
+/// Issue 20 (a stopped server): the backup's daemon samples its server; once it has read and
+/// computed nothing while input waited for the hang bound, the backup's messages say HUNG
+/// (said once in the log), and stop saying it when the server reads again. A server with
+/// nothing to read, or busy computing, is never hung.
+#[test]
+fn backup_says_its_server_is_hung_in_every_message_until_it_reads_again() {
+    use unbroken_engines::replica::ServerSocket;
+    let sock = |unread: u32, received: u64| {
+        [ServerSocket {
+            id: 7,
+            unread,
+            received,
+        }]
+    };
+    let mut x = Pair::new();
+    x.run(0, 100);
+    // Idle (nothing waits) for a long time, then busy computing with input waiting: not hung.
+    for now in (100..1_000).step_by(20) {
+        x.b.server_sample(now, &sock(0, 500), Some(3));
+    }
+    for now in (1_000..2_000).step_by(20) {
+        x.b.server_sample(now, &sock(40, 540), Some(now));
+    }
+    x.run(100, 2_000);
+    assert!(x.sent_by_b.iter().all(|d| flags_of(d) & hdr::HUNG == 0));
+    // Stopped: input waits, no CPU. Hung after 150 ms.
+    let n = x.sent_by_b.len();
+    for now in (2_000..2_400).step_by(20) {
+        x.b.server_sample(now, &sock(40, 540), Some(5_000));
+        x.run(now, now + 20);
+    }
+    let flagged: Vec<bool> = x.sent_by_b[n..]
+        .iter()
+        .map(|d| flags_of(d) & hdr::HUNG != 0)
+        .collect();
+    let first = flagged.iter().position(|&f| f).expect("HUNG said");
+    assert!(
+        flagged[first..].iter().all(|&f| f),
+        "every message after the first: {flagged:?}"
+    );
+    // Beats every 10 ms: hung at 2 140-2 160 ms, said at the next message.
+    assert!(
+        (12..=18).contains(&first),
+        "said after the bound and within a beat or two: {flagged:?}"
+    );
+    let said = x
+        .b_req
+        .iter()
+        .filter(|(_, r)| matches!(r, Request::Log(l) if l.contains("hung")))
+        .count();
+    assert_eq!(said, 1);
+    // It reads again: no longer said.
+    x.b.server_sample(2_400, &sock(0, 540), Some(5_000));
+    let n = x.sent_by_b.len();
+    x.run(2_400, 2_500);
+    assert!(x.sent_by_b[n..]
+        .iter()
+        .all(|d| flags_of(d) & hdr::HUNG == 0));
+    assert_eq!(
+        (x.p.state(), x.b.state()),
+        (State::Protecting, State::Protecting),
+        "no connection: nothing stale"
+    );
+}

@@ -220,13 +220,9 @@ fn start_time(pid: u32) -> Option<u64> {
     proc_stat(pid).map(|(_, start)| start)
 }
 
-/// Fields 3 (state) and 22 (start time) of `/proc/PID/stat` (read after the command name,
-/// which may hold spaces and parens).
+/// Fields 3 (state) and 22 (start time) of `/proc/PID/stat`.
 fn proc_stat(pid: u32) -> Option<(char, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    Some((state, fields.nth(22 - 4)?.parse().ok()?))
+    crate::procfs::stat(pid).map(|s| (s.state, s.start))
 }
 
 /// What to install. Build with [`RuleSpec::new`] and adjust the public fields.

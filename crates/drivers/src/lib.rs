@@ -20,6 +20,7 @@
 pub mod iptables;
 mod netlink;
 pub mod nfqueue;
+pub mod procfs;
 pub mod rawsend;
 pub mod repair;
 pub mod segment;

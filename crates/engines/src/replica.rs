@@ -1243,13 +1243,34 @@ pub struct Config {
     pub nudge_after_ms: u64,
     /// Connections followed at most; beyond, a new one runs unprotected (counted).
     pub max_conns: usize,
+    /// A hung server (issue 20: stopped, deadlocked): one that has read none of the input its
+    /// sockets hold for this long ([`ReadWatch`], [`Primary::server_reading`]) while the other
+    /// host's server went on, for this long too, is the failed one at once, without waiting
+    /// for [`Config::max_lag_ms`]: a hung primary yields, a hung backup is stale. Both hung (a
+    /// long command of a deterministic server runs on both) is no failure. 0: only the lag
+    /// bound.
+    pub max_hang_ms: u64,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { strict: true, max_lag_bytes: 4 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 4 << 20, max_held_total: 256 << 20, nudge_after_ms: 40, max_conns: DEFAULT_MAX_CONNS }
+        Config {
+            strict: true,
+            max_lag_bytes: 4 << 20,
+            max_lag_ms: 5_000,
+            max_delay_fin_ms: 5_000,
+            max_held_bytes: 4 << 20,
+            max_held_total: 256 << 20,
+            nudge_after_ms: 40,
+            max_conns: DEFAULT_MAX_CONNS,
+            max_hang_ms: DEFAULT_MAX_HANG_MS,
+        }
     }
 }
+
+/// [`Config::max_hang_ms`] by default: with the daemon's check every 20 ms, the backup takes
+/// over a stopped primary about 200 ms after its server stopped reading.
+pub const DEFAULT_MAX_HANG_MS: u64 = 150;
 
 /// Why a connection (or the whole primary) runs unprotected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1281,6 +1302,9 @@ pub enum Why {
     BackupStale,
     /// The backup's daemon restarted: its engine lost every connection's state.
     BackupRestarted,
+    /// The backup's server is hung (it read none of its input for [`Config::max_hang_ms`])
+    /// while the primary's answered: the backup is stale.
+    BackupHung,
 }
 
 /// Something the primary's daemon must act on or report.
@@ -1354,6 +1378,8 @@ pub struct PrimaryCounters {
     pub half_open_expired: u64,
     /// Client RSTs that ended a connection.
     pub client_resets: u64,
+    /// Yields because this host's server was hung while the backup's answered.
+    pub hung_yields: u64,
 }
 
 /// Client bytes relayed to the backup at a time (then again once it confirmed them).
@@ -1535,6 +1561,13 @@ pub struct Primary {
     last_output_ms: u64,
     /// The daemon's latest word on the server's listening socket (`None`: not told yet).
     listening: Option<bool>,
+    /// Since when this host's server has read none of its pending input
+    /// ([`Primary::server_reading`]).
+    stalled_since: Option<u64>,
+    /// The backup says its server is hung ([`Primary::backup_hung`]), and when it last said
+    /// so: the backup is ahead of a hung primary only from then on.
+    backup_hung: bool,
+    backup_hung_at: u64,
     /// Connections whose timers run (held output, a held SYN-ACK or FIN or RST, a lag or a
     /// nudge pending): [`Primary::tick`] walks only these.
     timed: std::collections::HashSet<ConnKey>,
@@ -1554,7 +1587,29 @@ pub struct Primary {
 
 impl Primary {
     pub fn new(cfg: Config) -> Primary {
-        Primary { cfg, conns: HashMap::new(), births: Births::default(), held_total: 0, unprotected: None, stale: None, yielded: false, last_output_ms: 0, listening: None, timed: Default::default(), clock: 0, refill: None, inject: vec![], relay: vec![], last_beat: None, out: vec![], notices: vec![], counters: PrimaryCounters::default() }
+        Primary {
+            cfg,
+            conns: HashMap::new(),
+            births: Births::default(),
+            held_total: 0,
+            unprotected: None,
+            stale: None,
+            yielded: false,
+            last_output_ms: 0,
+            listening: None,
+            stalled_since: None,
+            backup_hung: false,
+            backup_hung_at: 0,
+            timed: Default::default(),
+            clock: 0,
+            refill: None,
+            inject: vec![],
+            relay: vec![],
+            last_beat: None,
+            out: vec![],
+            notices: vec![],
+            counters: PrimaryCounters::default(),
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -2099,6 +2154,32 @@ impl Primary {
         }
     }
 
+    /// The daemon's latest sample of its server's sockets ([`ReadWatch::sample`]): since when
+    /// the server has read none of the input they hold (`None`: it reads, or has nothing to
+    /// read). Hung for [`Config::max_hang_ms`] while the backup's server answered beyond it
+    /// for as long, the primary yields (its timers see it at the next [`Primary::tick`]).
+    pub fn server_reading(&mut self, stalled_since: Option<u64>) {
+        self.stalled_since = stalled_since;
+    }
+
+    /// The backup's word (in its beats) on its own server: hung or not. A hung backup whose
+    /// output the primary has waited for [`Config::max_hang_ms`] is stale
+    /// ([`Why::BackupHung`]), unless this host's server is hung too.
+    pub fn backup_hung(&mut self, hung: bool) {
+        self.backup_hung = hung;
+        if hung {
+            self.backup_hung_at = self.clock;
+        }
+    }
+
+    /// Whether this host's server is hung at `now` (see [`Config::max_hang_ms`]).
+    fn hung(&self, now: u64) -> bool {
+        self.cfg.max_hang_ms > 0
+            && self
+                .stalled_since
+                .is_some_and(|t| now >= t + self.cfg.max_hang_ms)
+    }
+
     /// The daemon refused the yield (the backup is not heard, or is stale): ask again at the
     /// next evidence instead of never.
     pub fn yield_refused(&mut self) {
@@ -2235,7 +2316,14 @@ impl Primary {
 
     fn settle_inner(&mut self, key: ConnKey, now: u64) {
         let cfg = self.cfg;
-        let Some(c) = self.conns.get_mut(&key) else { return };
+        // A hung server on one side only (both hung: a long command runs on both).
+        let own_hung = self.hung(now);
+        let i_hang = own_hung && !self.backup_hung;
+        let backup_went_on = self.backup_hung_at;
+        let backup_hangs = self.backup_hung && !own_hung && cfg.max_hang_ms > 0;
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
         if c.state.is_some() {
             // Unprotected, but its ACK still waits for the backup (so that the backup misses no
             // input while it may take over): if the backup's input stays behind for the lag
@@ -2246,10 +2334,19 @@ impl Primary {
             };
             if c.ack_p.gt(b.rcv_nxt) {
                 match c.behind {
-                    Some((_, mr, _)) if b.rcv_nxt.ge(mr) => c.behind = Some((c.p_end, c.ack_p, now)),
-                    Some((_, _, t)) if now >= t + cfg.max_lag_ms => {
+                    Some((_, mr, _)) if b.rcv_nxt.ge(mr) => {
+                        c.behind = Some((c.p_end, c.ack_p, now))
+                    }
+                    Some((_, _, t))
+                        if now >= t + cfg.max_lag_ms
+                            || (backup_hangs && now >= t + cfg.max_hang_ms) =>
+                    {
                         c.behind = None;
-                        self.make_stale(Why::BackupLagging);
+                        self.make_stale(if now >= t + cfg.max_lag_ms {
+                            Why::BackupLagging
+                        } else {
+                            Why::BackupHung
+                        });
                     }
                     Some(_) => {}
                     None => c.behind = Some((c.p_end, c.ack_p, now)),
@@ -2463,6 +2560,13 @@ impl Primary {
                     }
                     return;
                 }
+                Some((_, _, t)) if backup_hangs && now >= t + cfg.max_hang_ms => {
+                    // The backup's server stopped reading while this host's went on: it
+                    // cannot follow any connection (table 3.3 row 2, backup), at once.
+                    self.unprotect(key, Why::BackupHung);
+                    self.make_stale(Why::BackupHung);
+                    return;
+                }
                 Some(_) => {}
                 None => c.behind = Some((c.p_end, c.ack_p, now)),
             }
@@ -2506,6 +2610,14 @@ impl Primary {
                 Some((_, t)) if now >= t + cfg.max_lag_ms => {
                     c.ahead = None;
                     self.primary_failed(key, now, true);
+                }
+                Some((_, t)) if i_hang && now >= t.max(backup_went_on) + cfg.max_hang_ms => {
+                    // This host's server reads nothing while the backup's answered (table 3.3
+                    // row 2, primary): the host is sick, the backup takes every connection.
+                    c.ahead = None;
+                    self.counters.primary_failed += 1;
+                    self.counters.hung_yields += 1;
+                    self.yield_to_backup(Some(key));
                 }
                 Some(_) => {}
                 None => c.ahead = Some((b.out_end, now)),
@@ -2696,6 +2808,72 @@ fn gate(c: &mut PConn, pkt: &mut [u8], s: &Seg, counters: &mut PrimaryCounters) 
         c.sent_ack = Some(ack);
     }
     m
+}
+
+// ---------------------------------------------------------------------------------------------
+// A hung server (issue 20; ST-TCP Table 3.3 row 2 without waiting for AppMaxLagTime)
+// ---------------------------------------------------------------------------------------------
+
+/// One socket of the local server as the kernel counts it (the daemon asks `sock_diag`): its
+/// cookie, the input it holds unread by the process, and every byte received in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerSocket {
+    pub id: u64,
+    pub unread: u32,
+    pub received: u64,
+}
+
+/// Whether the local server reads its input: a server that consumed nothing on any socket
+/// while some socket holds input it has not read, and used no CPU meanwhile, has stalled
+/// (stopped, deadlocked, waiting on a dead disk). A server with nothing to read is not
+/// stalled, however long it is quiet; one slow to answer that still reads is not either, nor
+/// one busy computing (a long command, which a deterministic server runs on both hosts, each
+/// at its own moment among its connections). What counts is the kernel's own count of
+/// consumed bytes (`received - unread`), which no packet can forge, and the server processes'
+/// CPU time. A stall is a failure only beside a server that went on
+/// ([`Primary::server_reading`], [`Config::max_hang_ms`]).
+#[derive(Debug, Default)]
+pub struct ReadWatch {
+    /// Bytes consumed per socket at the last sample.
+    consumed: HashMap<u64, u64>,
+    /// The server's CPU time at the last sample (any unit).
+    cpu: Option<u64>,
+    since: Option<u64>,
+}
+
+impl ReadWatch {
+    /// One sample of every socket of the server at `now_ms` and of its processes' CPU time
+    /// (`None`: unknown): since when the server has read nothing and computed nothing while
+    /// input waited (`None`: it read or computed since the last sample, or nothing waits). A
+    /// socket whose counts make no sense (more unread than received: no `tcp_info`) is
+    /// ignored.
+    pub fn sample(&mut self, now_ms: u64, socks: &[ServerSocket], cpu: Option<u64>) -> Option<u64> {
+        let busy = matches!((self.cpu, cpu), (Some(a), Some(b)) if b != a);
+        self.cpu = cpu;
+        let mut read = busy;
+        let mut waiting = false;
+        let mut consumed = HashMap::with_capacity(socks.len());
+        for s in socks {
+            let Some(c) = s.received.checked_sub(s.unread as u64) else {
+                continue;
+            };
+            match self.consumed.get(&s.id) {
+                Some(&was) if c > was => read = true,
+                // A socket new since the last sample whose input was partly read already.
+                None if c > 0 && !self.consumed.is_empty() => read = true,
+                _ if s.unread > 0 => waiting = true,
+                _ => {}
+            }
+            consumed.insert(s.id, c);
+        }
+        self.consumed = consumed;
+        if read || !waiting {
+            self.since = None;
+        } else {
+            self.since.get_or_insert(now_ms);
+        }
+        self.since
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,10 +47,13 @@ use smoltcp::socket::tcp::{self, State};
 use smoltcp::time::Instant;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
 
-use unbroken_engines::replica::{Backup, Config as PConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary, Why};
+use unbroken_engines::replica::{
+    Backup, Config as PConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary,
+    ReadWatch, ServerSocket, Why,
+};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
-use unbroken_wire::replica::{ConnProgress, Progress, Role};
+use unbroken_wire::replica::{self as rw, ConnProgress, Progress, Role};
 use unbroken_wire::Seq;
 
 const SVC: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
@@ -58,6 +61,10 @@ const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 9, 2);
 const PORT: u16 = 6379;
 const CPORT: u16 = 40123;
 const REQ: usize = 150;
+/// The daemons sample their servers' sockets this often ([`ReadWatch`]).
+const READ_CHECK_MS: u64 = 20;
+/// The hang bound ([`PConfig::max_hang_ms`]), the daemons' default.
+const MAX_HANG_MS: u64 = unbroken_engines::replica::DEFAULT_MAX_HANG_MS;
 
 fn scale() -> u64 {
     std::env::var("SIM_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1)
@@ -169,10 +176,16 @@ enum AppFault {
     Slow,
     /// Answers request `at` differently (non-determinism).
     Corrupt,
+    /// Reads and answers nothing for a second from `at` (a long command), then goes on.
+    Pause,
 }
 
 struct App {
     inbuf: Vec<u8>,
+    /// Bytes read from the socket so far (the kernel's `received - unread`).
+    consumed: u64,
+    /// The daemon's read watch on this server.
+    watch: ReadWatch,
     served: usize,
     outq: VecDeque<u8>,
     closed: bool,
@@ -184,8 +197,40 @@ struct App {
 
 impl App {
     fn new(fault: AppFault, at: u64) -> App {
-        App { inbuf: vec![], served: 0, outq: VecDeque::new(), closed: false, dead: false, fault, at, last_served_ms: 0 }
+        App {
+            inbuf: vec![],
+            consumed: 0,
+            watch: ReadWatch::default(),
+            served: 0,
+            outq: VecDeque::new(),
+            closed: false,
+            dead: false,
+            fault,
+            at,
+            last_served_ms: 0,
+        }
     }
+    /// The daemon's sample of this server's socket: since when it has read nothing while input
+    /// waited ([`ReadWatch::sample`]).
+    fn sample(&mut self, s: &tcp::Socket<'static>, now: u64) -> Option<u64> {
+        let unread = s.recv_queue() as u32;
+        // Its CPU time: a paused (busy) server computes, a hung one does not.
+        let cpu = if self.fault == AppFault::Pause && now >= self.at && now < self.at + 1_000 {
+            now
+        } else {
+            self.consumed
+        };
+        self.watch.sample(
+            now,
+            &[ServerSocket {
+                id: 1,
+                unread,
+                received: self.consumed + unread as u64,
+            }],
+            Some(cpu),
+        )
+    }
+
     fn run(&mut self, s: &mut tcp::Socket<'static>, sc: &Scenario, now: u64) {
         if self.dead {
             return;
@@ -203,6 +248,7 @@ impl App {
                     return;
                 }
                 AppFault::Hang => return,
+                AppFault::Pause if now < self.at + 1_000 => return,
                 _ => {}
             }
         }
@@ -213,6 +259,7 @@ impl App {
                 break;
             }
             self.inbuf.extend_from_slice(&b[..n]);
+            self.consumed += n as u64;
         }
         while self.inbuf.len() >= REQ && self.served < sc.nreq {
             if self.fault == AppFault::Slow && now >= self.at && now < self.last_served_ms + 8_000 {
@@ -283,9 +330,12 @@ enum Fault {
     /// crashes. ST-TCP loses the bytes the backup was fetching from the primary (3.7.5); with
     /// Koch's min ACK the client still holds them and resends them to the backup.
     LossThenPrimaryCrash,
+    /// Both servers stop reading and answering for a second at the same time (a long command
+    /// of a deterministic server): both hung, neither failed.
+    LongCommand,
 }
 
-const ALL_FAULTS: [Fault; 14] = [
+const ALL_FAULTS: [Fault; 15] = [
     Fault::None,
     Fault::PrimaryHostCrash,
     Fault::BackupHostCrash,
@@ -300,6 +350,7 @@ const ALL_FAULTS: [Fault; 14] = [
     Fault::SideChannelCut,
     Fault::Nondeterministic,
     Fault::LossThenPrimaryCrash,
+    Fault::LongCommand,
 ];
 
 #[derive(Clone, Debug)]
@@ -416,6 +467,8 @@ enum To {
 }
 
 struct Sim {
+    /// The backup's daemon found its server hung (flagged in its progress messages).
+    backup_hung: bool,
     sc: Scenario,
     rng: Rng,
     now: u64,
@@ -480,13 +533,24 @@ impl Sim {
             Fault::BackupAppRst => (AppFault::None, AppFault::Rst),
             Fault::BackupLagging => (AppFault::None, AppFault::Slow),
             Fault::Nondeterministic => (AppFault::None, AppFault::Corrupt),
+            Fault::LongCommand => (AppFault::Pause, AppFault::Pause),
             _ => (AppFault::None, AppFault::None),
         };
         let mut expected = vec![];
         for i in 0..sc.nreq {
             expected.extend(reply(&request(sc.seed, i), i, sc.reply_len));
         }
-        let pcfg = PConfig { strict: sc.strict, max_lag_bytes: 1 << 20, max_lag_ms: 5_000, max_delay_fin_ms: 5_000, max_held_bytes: 1 << 20, max_held_total: 256 << 20, nudge_after_ms: 40, max_conns: 16 };
+        let pcfg = PConfig {
+            strict: sc.strict,
+            max_lag_bytes: 1 << 20,
+            max_lag_ms: 5_000,
+            max_delay_fin_ms: 5_000,
+            max_held_bytes: 1 << 20,
+            max_held_total: 256 << 20,
+            nudge_after_ms: 40,
+            max_conns: 16,
+            max_hang_ms: MAX_HANG_MS,
+        };
         Sim {
             rng: Rng::new(sc.seed ^ 0x5151),
             now: 0,
@@ -510,6 +574,7 @@ impl Sim {
             side: vec![],
             key: Key::new(&[0x42; 32]).unwrap(),
             beat: 0,
+            backup_hung: false,
             fence_attempts: 0,
             server_isn: None,
             client_rcv: 0,
@@ -765,6 +830,7 @@ impl Sim {
                 Role::Backup if self.primary_alive => {
                     if self.trace { self.note(format!("backup progress: {:?}", p.records.iter().map(|r| r.out_end.0).collect::<Vec<_>>())); }
                     self.pdet.beat(now);
+                    self.peng.backup_hung(p.flags & rw::hdr::HUNG != 0);
                     self.peng.backup_progress(&p, now);
                 }
                 Role::Primary if self.backup_alive => {
@@ -824,6 +890,11 @@ impl Sim {
             let sc = self.sc.clone();
             let s = self.primary.sockets.get_mut::<tcp::Socket>(self.primary.sock);
             self.papp.run(s, &sc, now);
+            if now.is_multiple_of(READ_CHECK_MS) {
+                // The daemon's sock_diag sample of its server's sockets.
+                let since = self.papp.sample(s, now);
+                self.peng.server_reading(since);
+            }
             self.primary.poll(now);
             for mut pkt in std::mem::take(&mut self.primary.dev.tx) {
                 if self.rng.chance(self.sc.out_drop) {
@@ -857,6 +928,12 @@ impl Sim {
             let sc = self.sc.clone();
             let s = self.backup.sockets.get_mut::<tcp::Socket>(self.backup.sock);
             self.bapp.run(s, &sc, now);
+            if now.is_multiple_of(READ_CHECK_MS) {
+                self.backup_hung = self
+                    .bapp
+                    .sample(s, now)
+                    .is_some_and(|t| now >= t + MAX_HANG_MS);
+            }
             self.backup.poll(now);
             let mut produced = false;
             for mut pkt in std::mem::take(&mut self.backup.dev.tx) {
@@ -877,7 +954,11 @@ impl Sim {
             let cut = self.sc.fault == Fault::SideChannelCut && now >= self.sc.at;
             if (produced || now.is_multiple_of(self.sc.hb.interval_ms)) && !cut {
                 self.beat += 1;
-                for p in self.beng.progress(self.beat) {
+                for mut p in self.beng.progress(self.beat) {
+                    if self.backup_hung {
+                        // The backup's daemon says its server is hung.
+                        p.flags |= rw::hdr::HUNG;
+                    }
                     let d = p.emit(&self.key).unwrap();
                     if !self.rng.chance(self.sc.side_loss) {
                         let at = self.delay();
@@ -1122,9 +1203,36 @@ fn table_3_3_row1_backup_host_crash() {
 #[test]
 fn table_3_3_row2_application_hang() {
     let p = sweep(Fault::PrimaryAppHang, 300);
-    assert!(p.iter().any(|(_, r)| r.yields > 0 && r.takeover_at.is_some()), "a hung primary must yield to the backup");
+    assert!(
+        p.iter()
+            .any(|(_, r)| r.yields > 0 && r.takeover_at.is_some()),
+        "a hung primary must yield to the backup"
+    );
+    // With client input waiting unread (the read watch's evidence), the takeover comes after
+    // the hang bound, not after AppMaxLagTime (5 s); without (the server hung between reading a
+    // request and answering it), when the client's next segment waits, or at the lag bound.
+    let after: Vec<u64> = p
+        .iter()
+        .filter_map(|(sc, r)| r.takeover_at.map(|t| t - sc.at))
+        .collect();
+    let quick = after.iter().filter(|&&d| d < 400).count();
+    assert!(
+        quick * 4 >= after.len() * 3,
+        "most hung primaries must be taken over within 400 ms: {after:?}"
+    );
+    assert!(after.iter().all(|&d| d < 5_000 + 1_000), "{after:?}");
     let b = sweep(Fault::BackupAppHang, 300);
-    assert!(b.iter().any(|(_, r)| r.unprotected.contains(&Why::BackupLagging)));
+    // The backup's daemon says its server is hung: the primary stops waiting for it.
+    let hung: Vec<u64> = b
+        .iter()
+        .filter(|(_, r)| r.stale == Some(Why::BackupHung))
+        .map(|(_, r)| r.max_stall_ms)
+        .collect();
+    assert!(hung.len() * 2 > b.len(), "{} of {}", hung.len(), b.len());
+    assert!(
+        hung.iter().filter(|&&m| m < 400).count() * 4 >= hung.len() * 3,
+        "{hung:?}"
+    );
     assert!(b.iter().all(|(_, r)| r.takeover_at.is_none()));
 }
 
@@ -1159,6 +1267,27 @@ fn table_3_3_row5_temporary_loss_at_backup() {
 fn temporary_loss_at_backup_then_primary_crash() {
     let reps = sweep(Fault::LossThenPrimaryCrash, 300);
     assert!(reps.iter().filter(|(_, r)| r.takeover_at.is_some()).count() > reps.len() / 2);
+}
+
+/// A second-long command runs on both servers (both stop reading and answering at the same
+/// time): each side's read watch says hung, and each side's daemon says so, so neither is
+/// the failed one: no yield, no stale backup, no unprotected connection, no take-over.
+#[test]
+fn long_command_on_both_hosts_is_no_failure() {
+    let reps = sweep(Fault::LongCommand, 300);
+    for (sc, r) in &reps {
+        assert!(
+            r.yields == 0
+                && r.stale.is_none()
+                && r.unprotected.is_empty()
+                && r.takeover_at.is_none(),
+            "{sc:?} {r:?}"
+        );
+    }
+    assert!(
+        reps.iter().filter(|(_, r)| r.max_stall_ms >= 900).count() > reps.len() / 2,
+        "the pause must stall the client"
+    );
 }
 
 /// The backup lags beyond the bound (AppMaxLagTime): the primary stops waiting for it.

@@ -4,7 +4,9 @@
 
 use std::net::IpAddr;
 
-use unbroken_engines::replica::{Backup, Config, ConnKey, Notice, Primary, Why};
+use unbroken_engines::replica::{
+    Backup, Config, ConnKey, Notice, Primary, ReadWatch, ServerSocket, Why,
+};
 use unbroken_engines::Verdict;
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::replica::{self as rw, hash_continue, ConnProgress, Progress, Role, HASH_INIT};
@@ -460,6 +462,161 @@ fn table_3_3_row2_primary_stall_yields_only_when_the_whole_server_stalls() {
     assert!(q.follows(&other));
     q.tick(5_200);
     assert_eq!(q.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::PrimaryFailed }]);
+}
+
+/// Table 3.3 row 2 without AppMaxLagTime: the primary's server reads none of its input
+/// ([`ReadWatch`]) while the backup's answered beyond it: after `max_hang_ms` of both, the
+/// primary yields (issue 20: a stopped server stalled its clients for the 5 s lag bound).
+#[test]
+fn table_3_3_row2_hung_primary_yields_after_the_hang_bound() {
+    let mut p = primary(true);
+    p.backup_progress(&progress(2, C_ISN + 1, b"abc", false), 3);
+    p.server_reading(Some(20));
+    p.tick(100);
+    assert!(p.take_notices().is_empty(), "hung for 80 ms only");
+    p.tick(160);
+    assert!(
+        p.take_notices().is_empty(),
+        "the backup ahead for 157 ms, hung 140 ms"
+    );
+    p.tick(175);
+    assert_eq!(
+        p.take_notices(),
+        vec![Notice::YieldToBackup { key: Some(key()) }]
+    );
+    assert_eq!(p.counters.hung_yields, 1);
+}
+
+/// A stalled primary server whose backup is not ahead is no failure (nothing to compare:
+/// idle, or waiting as much as the backup); nor is a stall the backup shares (a long command
+/// of a deterministic server); nor a stall the backup's server was ahead of for less than the
+/// bound (it finished the same long command a few ms sooner).
+#[test]
+fn hung_on_both_sides_or_not_ahead_is_no_failure() {
+    let mut p = primary(true);
+    p.server_reading(Some(10));
+    p.tick(1_000);
+    assert!(
+        p.take_notices().is_empty(),
+        "stalled but the backup is not ahead"
+    );
+    // Both hung (the backup says so), the backup ahead with an earlier answer.
+    p.backup_hung(true);
+    p.backup_progress(&progress(2, C_ISN + 1, b"abc", false), 1_000);
+    p.tick(1_100);
+    p.tick(1_400);
+    p.backup_hung(true);
+    assert!(p.take_notices().is_empty(), "both servers hung");
+    // The backup's server finished first: it went on from 1 400 ms, the primary still stalled.
+    p.backup_hung(false);
+    p.backup_progress(&progress(3, C_ISN + 1, b"abcdef", false), 1_400);
+    p.tick(1_500);
+    assert!(p.take_notices().is_empty(), "gone on for 100 ms only");
+    // The primary's server reads and answers: nothing more.
+    p.server_reading(None);
+    primary_sends(&mut p, 0, b"abcdef", C_ISN + 1, 0, 1_520);
+    assert_eq!(p.take_transmit().len(), 1, "verified, released");
+    p.tick(2_000);
+    assert!(p.take_notices().is_empty());
+    // The hang rule off: only the lag bound.
+    let mut q = Primary::new(Config {
+        max_hang_ms: 0,
+        ..Config::default()
+    });
+    q.server_reading(Some(0));
+    q.tick(10_000);
+    assert!(q.take_notices().is_empty());
+}
+
+/// Table 3.3 row 2, backup, without AppMaxLagTime: the backup says its server is hung while
+/// the primary holds output for it: after `max_hang_ms` the backup is stale, everything held
+/// goes out, and the client waits no longer.
+#[test]
+fn table_3_3_row2_hung_backup_is_stale_after_the_hang_bound() {
+    let mut p = primary(true);
+    assert_eq!(
+        primary_sends(&mut p, 0, b"abc", C_ISN + 1, 0, 10).0,
+        Verdict::Held
+    );
+    p.backup_progress(&progress(2, C_ISN + 1, &[], false), 11);
+    p.backup_hung(true);
+    p.tick(100);
+    assert!(
+        p.take_transmit().is_empty(),
+        "held: the backup lags for 90 ms only"
+    );
+    // This host's server hung too: a shared stall, nothing happens.
+    p.server_reading(Some(0));
+    p.tick(200);
+    assert!(
+        p.take_transmit().is_empty() && p.backup_stale().is_none(),
+        "both hung"
+    );
+    p.server_reading(None);
+    p.tick(210);
+    assert_eq!(p.backup_stale(), Some(Why::BackupHung));
+    assert_eq!(p.take_transmit().len(), 1, "the held output goes out");
+    assert!(p.take_notices().contains(&Notice::BackupStale {
+        why: Why::BackupHung
+    }));
+}
+
+/// The read watch: a stall is input waiting while nothing anywhere is consumed; a server with
+/// nothing to read, or that read anything, is not stalled; nonsense counts are ignored.
+#[test]
+fn read_watch_sees_a_server_that_reads_nothing() {
+    let s = |id, unread, received| ServerSocket {
+        id,
+        unread,
+        received,
+    };
+    let mut w = ReadWatch::default();
+    assert_eq!(
+        w.sample(0, &[s(1, 0, 100), s(2, 0, 50)], None),
+        None,
+        "nothing to read"
+    );
+    assert_eq!(
+        w.sample(20, &[s(1, 30, 130), s(2, 0, 50)], None),
+        Some(20),
+        "input waits, nothing read"
+    );
+    assert_eq!(
+        w.sample(40, &[s(1, 60, 160), s(2, 10, 60)], None),
+        Some(20),
+        "still nothing read"
+    );
+    assert_eq!(
+        w.sample(60, &[s(1, 60, 160), s(2, 0, 60)], None),
+        None,
+        "socket 2 read its 10 bytes"
+    );
+    assert_eq!(w.sample(80, &[s(1, 60, 160), s(2, 0, 60)], None), Some(80));
+    // A new connection whose input was read already: the server reads.
+    assert_eq!(w.sample(100, &[s(1, 60, 160), s(3, 0, 5)], None), None);
+    assert_eq!(w.sample(120, &[s(1, 60, 160), s(3, 0, 5)], None), Some(120));
+    // Socket 1 closed and gone: nothing waits.
+    assert_eq!(w.sample(140, &[s(3, 0, 5)], None), None);
+    // More unread than received (no tcp_info): ignored, never a stall.
+    assert_eq!(w.sample(160, &[s(4, 10, 0)], None), None);
+    assert_eq!(w.sample(180, &[s(4, 10, 0)], None), None);
+    // Input waits while the server computes (its CPU time grows): busy, not stalled; once its
+    // CPU time stands still, stalled.
+    let mut w = ReadWatch::default();
+    assert_eq!(w.sample(0, &[s(1, 30, 130)], Some(7)), Some(0));
+    assert_eq!(w.sample(20, &[s(1, 30, 130)], Some(9)), None, "busy");
+    assert_eq!(w.sample(40, &[s(1, 30, 130)], Some(11)), None, "busy");
+    assert_eq!(
+        w.sample(60, &[s(1, 30, 130)], Some(11)),
+        Some(60),
+        "stopped"
+    );
+    assert_eq!(w.sample(80, &[s(1, 30, 130)], Some(11)), Some(60));
+    assert_eq!(
+        w.sample(100, &[s(1, 30, 130)], None),
+        Some(60),
+        "unknown CPU: the sockets alone"
+    );
 }
 
 /// Koch 6: the backup failed: everything held goes out, later output passes unchanged.

@@ -46,6 +46,22 @@ static LAB: Mutex<()> = Mutex::new(());
 const T: Duration = Duration::from_secs(60);
 /// The longest stall a client may see in any test: beyond it the failover counts as a hang.
 const MAX_STALL_MS: u64 = 5000;
+/// The longest stall a stopped server may cause (the hang bound, 150 ms, the sampling, the
+/// fence and takeover, and margin for a loaded 2-core host): a tenth of the lag bound.
+const HANG_STALL_MS: u64 = 1000;
+
+/// Every client of `r` stalled less than `ms`.
+fn assert_stall_below(env: &ReplicaEnv, name: &str, r: &Run, ms: u64) {
+    for c in std::iter::once(&r.py).chain(r.cli.iter()) {
+        assert!(
+            c.max_gap_ms < ms,
+            "{name}: {} stalled {} ms (bound {ms})\n{}",
+            c.name,
+            c.max_gap_ms,
+            env.diagnostics()
+        );
+    }
+}
 
 fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
     if !lab::lab_or_skip(name) {
@@ -276,25 +292,58 @@ fn low_bounds() -> RepOpts {
 fn replica_app_hang_on_primary() {
     let name = "replica_app_hang_on_primary";
     let Some(_g) = lab_or_skip(name) else { return };
-    let mut env = start(name, low_bounds());
-    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Primary, libc::SIGSTOP)));
-    let b = env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
+    // The default bounds (max_lag_ms 5 s): the hang rule (max_hang_ms) finds the stopped
+    // server, not the lag bound.
+    let mut env = start(name, opts());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| {
+        assert!(env.signal_redis(Side::Primary, libc::SIGSTOP))
+    });
+    let b = env
+        .wait_state(Side::Backup, &["took_over"], T)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     eprintln!("{name}: takeover {:?} ms", b["takeover_ms"]);
     check_run(&env, name, &r, 4000, Side::Backup);
-    assert!(!env.port_up(Side::Primary), "{name}: the backup fenced the primary");
+    assert_stall_below(&env, name, &r, HANG_STALL_MS);
+    let p = env.status(Side::Primary).unwrap();
+    assert!(
+        p["engine"]["hung_yields"].as_u64().unwrap_or(0) >= 1,
+        "{name}: the primary yielded for its hung server: {p}"
+    );
+    assert!(
+        !env.port_up(Side::Primary),
+        "{name}: the backup fenced the primary"
+    );
 }
 
 #[test]
 fn replica_app_hang_on_backup() {
     let name = "replica_app_hang_on_backup";
     let Some(_g) = lab_or_skip(name) else { return };
-    let mut env = start(name, low_bounds());
-    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| assert!(env.signal_redis(Side::Backup, libc::SIGSTOP)));
+    let mut env = start(name, opts());
+    let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| {
+        assert!(env.signal_redis(Side::Backup, libc::SIGSTOP))
+    });
     check_run(&env, name, &r, 4000, Side::Primary);
+    assert_stall_below(&env, name, &r, HANG_STALL_MS);
     let p = env.status(Side::Primary).unwrap();
-    assert!(p["unprotected"].as_u64().unwrap_or(0) >= 1 || p["state"] == "peer_failed", "{name}: the primary stopped waiting for the lagging backup: {p}");
-    assert_ne!(env.state(Side::Backup).as_deref(), Some("took_over"), "{name}\n{}", env.diagnostics());
-    assert!(env.port_up(Side::Primary), "{name}: the primary was not fenced");
+    assert_eq!(
+        p["state"], "peer_stale",
+        "{name}: the primary stopped waiting for the hung backup: {p}"
+    );
+    assert!(
+        p["unprotected_by"]["backup_hung"].as_u64().unwrap_or(0) >= 1,
+        "{name}: {p}"
+    );
+    assert_ne!(
+        env.state(Side::Backup).as_deref(),
+        Some("took_over"),
+        "{name}\n{}",
+        env.diagnostics()
+    );
+    assert!(
+        env.port_up(Side::Primary),
+        "{name}: the primary was not fenced"
+    );
 }
 
 /// ST-TCP Table 3.3 row 5: the backup misses 200 ms of the clients' packets and catches up.

@@ -92,7 +92,11 @@ pub mod hdr {
     /// byte; after the record come a length (u16) and the bytes ([`MAX_INPUT`] at most), then
     /// the MAC ([`Progress::emit_input`], [`Progress::parse_message`]).
     pub const INPUT: u8 = 1 << 3;
-    pub const ALL: u8 = TOOK_OVER | STALE | PASSIVE | INPUT;
+    /// Backup: its server is hung (it has read none of its input for the hang bound): a
+    /// primary that holds output for it stops waiting ([`crate::replica`] users: the
+    /// engines' `Primary::backup_hung`).
+    pub const HUNG: u8 = 1 << 4;
+    pub const ALL: u8 = TOOK_OVER | STALE | PASSIVE | INPUT | HUNG;
 }
 
 /// Client bytes one input message carries at most (one 1400-byte datagram).

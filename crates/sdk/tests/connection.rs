@@ -308,19 +308,21 @@ fn recover_reports_connect_errors() {
     }
 }
 
+/// The socket's IP_TOS byte.
+fn tos(s: &TcpStream) -> u8 {
+    use std::os::fd::AsRawFd;
+    let mut v: libc::c_int = 0;
+    let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: v is a c_int of l bytes.
+    assert_eq!(unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_TOS, (&mut v as *mut libc::c_int).cast(), &mut l) }, 0);
+    v as u8
+}
+
 /// Issue 9, checkpoint misconfiguration: when `establish` fails (here: nothing answers at the
 /// guard's address), the socket is marked unprotected (DSCP UNPROTECTED_DSCP) so the guard lets
 /// its close through; when it succeeds, the socket is left alone.
 #[test]
 fn hostile_establish_failure_marks_the_socket_unprotected() {
-    use std::os::fd::AsRawFd;
-    let tos = |s: &TcpStream| {
-        let mut v: libc::c_int = 0;
-        let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: v is a c_int of l bytes.
-        assert_eq!(unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_TOS, (&mut v as *mut libc::c_int).cast(), &mut l) }, 0);
-        v as u8
-    };
     let silent = UdpSocket::bind("127.0.0.1:0").unwrap();
     let cfg = ClientConfig { initial_timeout: Duration::from_millis(10), max_tries: 2, ..ClientConfig::default() };
     let c = GuardClient::with_config(silent.local_addr().unwrap(), Key::from_hex(KEY_HEX).unwrap(), cfg).unwrap();
@@ -335,4 +337,73 @@ fn hostile_establish_failure_marks_the_socket_unprotected() {
     g.handshake(app, peer, 5000, 9000, true);
     sdk::establish(&a, &client(&g)).unwrap();
     assert_eq!(tos(&a), 0);
+}
+
+/// Issue 21, item 8: once the start-up check has failed (here the guard drops the probe, as a
+/// silent wrong address would), `establish` sends nothing and fails at once, marking the socket
+/// unprotected. Before, every connection spent the side channel's whole retry budget on a TELL
+/// (3.2 s with the default timeouts) before it was closed. A probe that succeeds ends it.
+#[test]
+fn hostile_establish_after_a_failed_guard_check_sends_nothing() {
+    let g = TestGuard::start();
+    let cfg = ClientConfig { initial_timeout: Duration::from_millis(20), max_tries: 2, ..ClientConfig::default() };
+    let c = GuardClient::with_config(g.addr, Key::from_hex(KEY_HEX).unwrap(), cfg).unwrap();
+    let (a, _b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    g.handshake(app, peer, 0x1000, 0x2000, true);
+    g.state().drop_requests = 2;
+    assert!(matches!(c.probe(app), Err(Error::Timeout { tries: 2 })));
+    assert!(matches!(c.failed_check(), Some(Error::Timeout { tries: 2 })));
+    let before = c.stats();
+
+    let t0 = std::time::Instant::now();
+    match sdk::establish(&a, &c) {
+        Err(e @ Error::GuardCheckFailed(_)) => {
+            assert!(matches!(&e, Error::GuardCheckFailed(inner) if matches!(**inner, Error::Timeout { tries: 2 })), "{e:?}");
+            assert!(e.to_string().contains("nothing answered"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.stats(), before, "no request, no datagram, no retransmission");
+    assert!(g.ops().is_empty(), "the guard saw nothing: {:?}", g.ops());
+    assert_eq!(tos(&a) >> 2, unbroken_wire::ctl::UNPROTECTED_DSCP, "marked unprotected");
+    // A sanity bound only (the counts above are the test): nothing near the retry budget.
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+
+    // The guard answers again: a successful probe lifts it, and connections are protected.
+    assert!(c.probe(app).is_ok());
+    assert!(c.failed_check().is_none());
+    let (a2, _b2) = pair();
+    let (app2, peer2) = (a2.local_addr().unwrap(), a2.peer_addr().unwrap());
+    g.handshake(app2, peer2, 0x3000, 0x4000, true);
+    sdk::establish(&a2, &c).unwrap();
+    assert_eq!(tos(&a2), 0);
+}
+
+/// Issue 21, item 8: a connection the application will not serve, whose input it never read.
+/// Closed plainly, the kernel answers with a RST and the peer sees a reset; `decline` sends the
+/// FIN at once, so the peer reads the end of the stream, and discards the input until the
+/// peer's FIN, so that no RST follows.
+#[test]
+fn decline_closes_with_a_fin_where_close_would_reset() {
+    // Waits until the peer's bytes are in the application's receive queue (unread).
+    let queued = |a: &TcpStream| {
+        let mut one = [0u8; 1];
+        assert_eq!(a.peek(&mut one).unwrap(), 1);
+    };
+    let (a, mut b) = pair();
+    b.write_all(b"a request").unwrap();
+    queued(&a);
+    drop(a);
+    let mut buf = [0u8; 64];
+    assert_eq!(b.read(&mut buf).unwrap_err().kind(), ErrorKind::ConnectionReset, "what a plain close does");
+
+    let (a, mut b) = pair();
+    b.write_all(b"a request").unwrap();
+    queued(&a);
+    let app = std::thread::spawn(move || sdk::decline(a, Duration::from_secs(60)));
+    assert_eq!(b.read(&mut buf).unwrap(), 0, "the peer reads the end of the stream");
+    b.write_all(b" and more").unwrap();
+    drop(b); // the peer closes in turn: its FIN ends the lingering
+    assert_eq!(app.join().unwrap().unwrap(), 18, "all the peer's input discarded, then its FIN");
 }

@@ -1195,6 +1195,16 @@ mod tests {
         let r = Command::decode(&c.command(from_app(), &adopt, 1, 4, &mut [0u8; 128]).unwrap().reply, &key()).unwrap();
         assert_eq!(r.status, Status::NoConnection as u8, "not offered for adoption");
 
+        // TELLs only ask: after TELLs whose answers were lost (a one-way side channel), the mark
+        // still releases the connection. (The journal lab test no longer shows this end to end:
+        // after its failed start-up check the SDK sends no TELL for a connection.)
+        let mut c = core();
+        handshake(&mut c, peer());
+        c.command(from_app(), &cmd(Op::Tell, 90, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        c.command(from_app(), &cmd(Op::Tell, 91, 1), 1, 0, &mut [0u8; 128]).unwrap();
+        assert_eq!(marked_fin(&mut c, peer()).0, Verdict::Accept { modified: false });
+        assert_eq!((c.counters.unprotected_released, c.counters.hostile_unprotect_refused), (1, 0));
+
         // A connection its application protects (an authenticated checkpoint): the mark is
         // ignored, the FIN is still a spurious one (a RST for the app), and counted.
         let mut c = core();

@@ -100,7 +100,9 @@ int ub_client_set_timeouts(ub_client *c, uint32_t initial_ms, uint32_t tries,
  * briefly while the guard has not seen the end of the handshake; then UB_ENOTRECOVERABLE or
  * UB_ENOCONN. UB_EKEY / UB_ECLOCK / UB_ETIMEDOUT say the guard refused our key or clock, or
  * nothing answered. On any failure fd is marked unprotected (ub_unprotect) so that closing it
- * reaches the peer as without the guard.
+ * reaches the peer as without the guard. After a failed ub_probe() (until one succeeds again)
+ * it sends nothing and fails at once with the probe's code. Before close(), read what the peer
+ * sent (shutdown(fd, SHUT_WR), then read until 0): close() with input unread sends a RST.
  */
 int ub_establish(ub_client *c, int fd, ub_record *out);
 
@@ -110,7 +112,8 @@ int ub_unprotect(int fd);
 
 /* At start-up: does a guard answer at the client's address, accept our key and clock, and
  * protect service_addr ("ip:port")? UB_OK, UB_EKEY, UB_ECLOCK, UB_ETIMEDOUT (nothing answers
- * there), UB_EBADREQ (not a service of that guard). */
+ * there), UB_EBADREQ (not a service of that guard). The client remembers a failure: until a
+ * ub_probe() succeeds, ub_establish() sends nothing and fails at once with the same code. */
 int ub_probe(const ub_client *c, const char *service_addr);
 
 /*

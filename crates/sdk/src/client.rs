@@ -140,6 +140,8 @@ pub struct GuardClient {
     retransmissions: AtomicU64,
     ignored: AtomicU64,
     timeouts: AtomicU64,
+    /// The error of the last probe, if it failed ([`GuardClient::failed_check`]).
+    failed_check: Mutex<Option<Error>>,
 }
 
 impl core::fmt::Debug for GuardClient {
@@ -187,6 +189,7 @@ impl GuardClient {
             retransmissions: AtomicU64::new(0),
             ignored: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
+            failed_check: Mutex::new(None),
         })
     }
 
@@ -228,12 +231,27 @@ impl GuardClient {
     /// [`Error::Refused`] (wrong key or clock), [`Error::Timeout`] (nothing answers at that
     /// address, or the guard does not accept our source address),
     /// [`Error::Rejected`]`(`[`status::BAD_REQUEST`]`)` (the guard does not protect `service`).
+    ///
+    /// The client remembers the outcome: after a failed probe, [`establish`](crate::establish)
+    /// gives up at once, without a datagram, with [`Error::GuardCheckFailed`] (instead of
+    /// spending the whole retry budget, about 3.2 s with the defaults, on every connection
+    /// while it is misconfigured), until a probe succeeds again. An application that wants to
+    /// notice a guard that appears later probes again (periodically, say).
     pub fn probe(&self, service: SocketAddr) -> Result<()> {
         let nobody = SocketAddr::new(if service.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() }, 0);
-        match self.tell(service, nobody) {
+        let res = match self.tell(service, nobody) {
             Ok(_) | Err(Error::Rejected(status::NO_CONNECTION)) => Ok(()),
             Err(e) => Err(e),
-        }
+        };
+        *self.failed_check.lock().unwrap_or_else(|e| e.into_inner()) = res.as_ref().err().map(Error::copy);
+        res
+    }
+
+    /// The error of the last [`probe`](Self::probe) if it failed; `None` if it succeeded or
+    /// none was made. While it is `Some`, [`establish`](crate::establish) sends nothing and
+    /// fails at once with [`Error::GuardCheckFailed`].
+    pub fn failed_check(&self) -> Option<Error> {
+        self.failed_check.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(Error::copy)
     }
 
     /// C1, RTCP_TELL: asks for the guard's state of connection `app` <-> `peer`, notably ackB.

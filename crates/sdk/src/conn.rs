@@ -3,6 +3,7 @@
 //! | moment | call | side-channel command |
 //! |---|---|---|
 //! | right after `accept` / `connect`, before sending | [`establish`] → persist the [`ConnRecord`] | RTCP_TELL |
+//! | [`establish`] failed: the connection is not protected | [`decline`] (or serve it unprotected) | none |
 //! | input safely stored or processed | [`acknowledge`] (or [`acknowledge_eof`] after `recv` returned 0) | RTCP_ACKNOWLEDGE |
 //! | after the last `send` succeeded, before `close` | [`shutdown`] (or [`shutdown_writing`] / [`shutdown_reading`]) | RTCP_SHUTDOWN(_WRITING/_READING) |
 //! | after the connection is fully closed (TIME-WAIT over) | [`clear`] | RTCP_CLEAR |
@@ -27,7 +28,7 @@
 use crate::client::{GuardClient, Reply};
 use crate::error::{status, Error, Result};
 use crate::record::{normalize, ConnRecord};
-use std::io;
+use std::io::{self, Read};
 use std::mem::{size_of, zeroed};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -60,7 +61,17 @@ use unbroken_wire::ctl::ConnOptions;
 /// the application does next (close it, or use it unprotected) reaches the peer as if there
 /// were no guard. Either suffices: the SHUTDOWN makes the application's FIN genuine, the mark
 /// releases a connection no protecting command named.
+///
+/// After a failed start-up check ([`GuardClient::probe`], until a probe succeeds again) it
+/// sends nothing: it marks the socket unprotected and fails at once with
+/// [`Error::GuardCheckFailed`]. Close such a connection with [`decline`], so that the peer sees
+/// the end of the stream rather than a reset.
 pub fn establish<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord> {
+    if let Some(e) = client.failed_check() {
+        // No TELL has named the connection: the mark alone releases it at the guard.
+        let _ = unprotect(stream);
+        return Err(Error::GuardCheckFailed(Box::new(e)));
+    }
     let fd = stream.as_fd();
     let (app, peer) = match (sockname(fd, false), sockname(fd, true)) {
         (Ok(a), Ok(p)) => (normalize(a), normalize(p)),
@@ -239,6 +250,38 @@ pub fn recover(rec: &ConnRecord, client: &GuardClient, consumed_total: u64, sent
     }
     let delivered = rec.delivered(reply.ack_b, sent_total)?;
     Ok((stream, delivered))
+}
+
+/// Closes a connection the application will not serve — after [`establish`] failed — cleanly,
+/// as a server without a guard would: `shutdown(SHUT_WR)` sends the FIN at once (the peer reads
+/// the end of the stream), then the peer's input is read and discarded until its FIN, for at
+/// most `linger`, and the socket is closed. (A plain `close` with input unread makes the kernel
+/// answer with a RST instead of a FIN, and the peer sees a reset.) Blocks until the peer's FIN
+/// or `linger`; call it where the connection would have been served (its own thread, say).
+///
+/// Returns the number of input bytes discarded. [`io::ErrorKind::TimedOut`] if `linger` passed
+/// before the peer's FIN: the socket is closed all the same, with a RST if input is still
+/// unread. Other errors are the socket's (a reset from the peer, for instance).
+pub fn decline(stream: TcpStream, linger: Duration) -> io::Result<u64> {
+    stream.shutdown(std::net::Shutdown::Write)?;
+    stream.set_nonblocking(false)?;
+    let deadline = Instant::now() + linger;
+    let mut buf = [0u8; 16 << 10];
+    let mut discarded = 0u64;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the peer did not close within the linger time"));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match (&stream).read(&mut buf) {
+            Ok(0) => return Ok(discarded),
+            Ok(n) => discarded += n as u64,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// A listening socket with `SO_REUSEADDR` and `SO_REUSEPORT`, so that [`recover`] can bind

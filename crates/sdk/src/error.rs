@@ -57,6 +57,12 @@ pub enum Error {
     Wire(unbroken_wire::Error),
     /// A system call failed (socket, bind, connect, send, TCP_INFO...).
     Io(io::Error),
+    /// Nothing was asked: the client's start-up check
+    /// ([`GuardClient::probe`](crate::GuardClient::probe)) failed with this error and no probe
+    /// has succeeded since, so [`establish`](crate::establish) gave up at once, without a
+    /// datagram (and marked the socket unprotected). See
+    /// [`GuardClient::failed_check`](crate::GuardClient::failed_check).
+    GuardCheckFailed(Box<Error>),
 }
 
 /// Response status codes of side-channel format v1 (byte 6 of a response).
@@ -88,6 +94,7 @@ impl fmt::Display for Error {
             Error::InvalidArgument(w) => write!(f, "invalid argument: {w}"),
             Error::Wire(e) => write!(f, "side-channel encoding: {e}"),
             Error::Io(e) => write!(f, "i/o: {e}"),
+            Error::GuardCheckFailed(e) => write!(f, "not asked: the guard check at start-up failed ({e})"),
         }
     }
 }
@@ -97,7 +104,31 @@ impl std::error::Error for Error {
         match self {
             Error::Io(e) => Some(e),
             Error::Wire(e) => Some(e),
+            Error::GuardCheckFailed(e) => Some(e.as_ref()),
             _ => None,
+        }
+    }
+}
+
+impl Error {
+    /// A copy to keep (the error of a failed probe, returned again by later calls); an I/O
+    /// error keeps its OS error code, or its kind and message.
+    pub(crate) fn copy(&self) -> Error {
+        match self {
+            Error::Timeout { tries } => Error::Timeout { tries: *tries },
+            Error::Refused { reason } => Error::Refused { reason: *reason },
+            Error::Rejected(s) => Error::Rejected(*s),
+            Error::NotRecoverable { flags } => Error::NotRecoverable { flags: *flags },
+            Error::DeliveredBeyondSent { delivered, sent } => Error::DeliveredBeyondSent { delivered: *delivered, sent: *sent },
+            Error::Inconsistent(w) => Error::Inconsistent(w),
+            Error::BadRecord(w) => Error::BadRecord(w),
+            Error::InvalidArgument(w) => Error::InvalidArgument(w),
+            Error::Wire(e) => Error::Wire(*e),
+            Error::Io(e) => Error::Io(match e.raw_os_error() {
+                Some(code) => io::Error::from_raw_os_error(code),
+                None => io::Error::new(e.kind(), e.to_string()),
+            }),
+            Error::GuardCheckFailed(e) => Error::GuardCheckFailed(Box::new(e.copy())),
         }
     }
 }

@@ -89,6 +89,8 @@ pub fn error_code(e: &Error) -> c_int {
             set_errno(io.raw_os_error().unwrap_or(libc::EIO));
             UB_EIO
         }
+        // The code of the failed check's error: what is wrong is the same.
+        Error::GuardCheckFailed(e) => error_code(e),
     }
 }
 
@@ -177,7 +179,7 @@ pub extern "C" fn ub_unprotect(fd: c_int) -> c_int {
 /// `service_addr` (`"ip:port"`, the application's listening address). `UB_OK`;
 /// `UB_EKEY` / `UB_ECLOCK` (the guard refused our key / clock); `UB_ETIMEDOUT` (nothing
 /// answers at that address, or the guard drops our source); `UB_EBADREQ` (the guard does not
-/// protect that service).
+/// protect that service). The client remembers a failure: see [`ub_establish`].
 ///
 /// # Safety
 /// `c` must be a live client; `service_addr` null or a NUL-terminated string.
@@ -219,7 +221,9 @@ pub unsafe extern "C" fn ub_client_set_timeouts(c: *mut UbClient, initial_ms: u3
 /// `int ub_establish(ub_client *c, int fd, ub_record *out)`: [`establish`](crate::establish)
 /// on connected TCP socket `fd` (not closed); fills `*out` with the record to persist. On
 /// failure the socket is marked unprotected ([`unprotect`](crate::unprotect): its IP_TOS /
-/// IPV6_TCLASS), so its close reaches the peer.
+/// IPV6_TCLASS), so its close reaches the peer. After a failed [`ub_probe`] (until one
+/// succeeds) it sends nothing and fails at once with the probe's code
+/// ([`Error::GuardCheckFailed`]).
 ///
 /// # Safety
 /// `c` null or live; `out` null or writable.

@@ -54,7 +54,7 @@ pub mod ffi;
 pub mod record;
 
 pub use client::{ClientConfig, ClientStats, GuardClient, Reply};
-pub use conn::{acknowledge, acknowledge_eof, acknowledge_nowait, adopt, clear, establish, recover, reuseport_listener, shutdown, shutdown_reading, shutdown_writing, tcp_info_options, unprotect};
+pub use conn::{acknowledge, acknowledge_eof, acknowledge_nowait, adopt, clear, decline, establish, recover, reuseport_listener, shutdown, shutdown_reading, shutdown_writing, tcp_info_options, unprotect};
 pub use error::{status, Error, Result};
 pub use record::{delivered_total, ConnRecord, RECORD_LEN, RECORD_MAGIC, RECORD_VERSION};
 /// The side-channel format this API speaks: `Key`, `ConnOptions`, `Op`, `Command`, flags.

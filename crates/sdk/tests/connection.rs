@@ -264,13 +264,43 @@ fn recover_without_a_guard_fails_before_touching_the_network() {
     assert_eq!(b_listener.accept().unwrap_err().kind(), ErrorKind::WouldBlock, "no SYN was sent");
 }
 
+/// A loopback TCP port that refuses connections for as long as the returned socket lives: it
+/// is bound (without SO_REUSEADDR or SO_REUSEPORT, so no other socket can bind the port, not
+/// even one that sets both) and never listens, so a SYN to it is answered with a RST.
+fn refusing_port() -> (std::os::fd::OwnedFd, SocketAddr) {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain socket(2); the descriptor is owned exactly once.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: sockaddr_in is plain data; all-zero is valid, then filled in.
+    let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    sin.sin_family = libc::AF_INET as libc::sa_family_t;
+    sin.sin_addr = libc::in_addr { s_addr: u32::from_ne_bytes([127, 0, 0, 1]) };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: sin is a sockaddr_in of len bytes, for bind to read and getsockname to write.
+    let p = (&mut sin as *mut libc::sockaddr_in).cast::<libc::sockaddr>();
+    assert_eq!(unsafe { libc::bind(fd.as_raw_fd(), p, len) }, 0, "{}", std::io::Error::last_os_error());
+    assert_eq!(unsafe { libc::getsockname(fd.as_raw_fd(), p, &mut len) }, 0, "{}", std::io::Error::last_os_error());
+    (fd, SocketAddr::from(([127, 0, 0, 1], u16::from_be(sin.sin_port))))
+}
+
+/// The peer's port refuses the recovery SYN: `recover` reports the connect error.
+///
+/// The port is held, not freed: this test once failed with `NotRecoverable { flags: 2 }` (1 of
+/// 582 tests in a `.ci/run`) when it took a listener's port and closed it. Any `bind(0)` on the
+/// host could then take that port, including `recover`'s own bind of the record's
+/// `127.0.0.1:0` (a self-connection: both binds set SO_REUSEADDR, and Linux picks such ports
+/// from the same half of the ephemeral range; 6 in 20 000 pairs of such binds in a loop, 0 in
+/// 12 000 runs of this test alone) or a listener of a test running beside it; `connect` then
+/// succeeded, and the guard, which has only the checkpoint from
+/// `recover`'s ACKNOWLEDGE (ACK_ALLOWED, 2) and never saw the peer, rightly said the connection
+/// is not recoverable. With the ephemeral range narrowed to 10 ports in a network namespace,
+/// the old test failed that way 43 times in 50.
 #[test]
 fn recover_reports_connect_errors() {
     let g = TestGuard::start();
-    // A port nobody listens on: the connection is refused.
-    let gone = TcpListener::bind("127.0.0.1:0").unwrap();
-    let peer = gone.local_addr().unwrap();
-    drop(gone);
+    let (_held, peer) = refusing_port();
     let rec = ConnRecord::new("127.0.0.1:0".parse().unwrap(), peer, 1, 2, None).unwrap();
     match sdk::recover(&rec, &client(&g), 0, 0) {
         Err(Error::Io(e)) => assert_eq!(e.kind(), ErrorKind::ConnectionRefused),
@@ -278,19 +308,21 @@ fn recover_reports_connect_errors() {
     }
 }
 
+/// The socket's IP_TOS byte.
+fn tos(s: &TcpStream) -> u8 {
+    use std::os::fd::AsRawFd;
+    let mut v: libc::c_int = 0;
+    let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: v is a c_int of l bytes.
+    assert_eq!(unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_TOS, (&mut v as *mut libc::c_int).cast(), &mut l) }, 0);
+    v as u8
+}
+
 /// Issue 9, checkpoint misconfiguration: when `establish` fails (here: nothing answers at the
 /// guard's address), the socket is marked unprotected (DSCP UNPROTECTED_DSCP) so the guard lets
 /// its close through; when it succeeds, the socket is left alone.
 #[test]
 fn hostile_establish_failure_marks_the_socket_unprotected() {
-    use std::os::fd::AsRawFd;
-    let tos = |s: &TcpStream| {
-        let mut v: libc::c_int = 0;
-        let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: v is a c_int of l bytes.
-        assert_eq!(unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_TOS, (&mut v as *mut libc::c_int).cast(), &mut l) }, 0);
-        v as u8
-    };
     let silent = UdpSocket::bind("127.0.0.1:0").unwrap();
     let cfg = ClientConfig { initial_timeout: Duration::from_millis(10), max_tries: 2, ..ClientConfig::default() };
     let c = GuardClient::with_config(silent.local_addr().unwrap(), Key::from_hex(KEY_HEX).unwrap(), cfg).unwrap();
@@ -305,4 +337,73 @@ fn hostile_establish_failure_marks_the_socket_unprotected() {
     g.handshake(app, peer, 5000, 9000, true);
     sdk::establish(&a, &client(&g)).unwrap();
     assert_eq!(tos(&a), 0);
+}
+
+/// Issue 21, item 8: once the start-up check has failed (here the guard drops the probe, as a
+/// silent wrong address would), `establish` sends nothing and fails at once, marking the socket
+/// unprotected. Before, every connection spent the side channel's whole retry budget on a TELL
+/// (3.2 s with the default timeouts) before it was closed. A probe that succeeds ends it.
+#[test]
+fn hostile_establish_after_a_failed_guard_check_sends_nothing() {
+    let g = TestGuard::start();
+    let cfg = ClientConfig { initial_timeout: Duration::from_millis(20), max_tries: 2, ..ClientConfig::default() };
+    let c = GuardClient::with_config(g.addr, Key::from_hex(KEY_HEX).unwrap(), cfg).unwrap();
+    let (a, _b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    g.handshake(app, peer, 0x1000, 0x2000, true);
+    g.state().drop_requests = 2;
+    assert!(matches!(c.probe(app), Err(Error::Timeout { tries: 2 })));
+    assert!(matches!(c.failed_check(), Some(Error::Timeout { tries: 2 })));
+    let before = c.stats();
+
+    let t0 = std::time::Instant::now();
+    match sdk::establish(&a, &c) {
+        Err(e @ Error::GuardCheckFailed(_)) => {
+            assert!(matches!(&e, Error::GuardCheckFailed(inner) if matches!(**inner, Error::Timeout { tries: 2 })), "{e:?}");
+            assert!(e.to_string().contains("nothing answered"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.stats(), before, "no request, no datagram, no retransmission");
+    assert!(g.ops().is_empty(), "the guard saw nothing: {:?}", g.ops());
+    assert_eq!(tos(&a) >> 2, unbroken_wire::ctl::UNPROTECTED_DSCP, "marked unprotected");
+    // A sanity bound only (the counts above are the test): nothing near the retry budget.
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+
+    // The guard answers again: a successful probe lifts it, and connections are protected.
+    assert!(c.probe(app).is_ok());
+    assert!(c.failed_check().is_none());
+    let (a2, _b2) = pair();
+    let (app2, peer2) = (a2.local_addr().unwrap(), a2.peer_addr().unwrap());
+    g.handshake(app2, peer2, 0x3000, 0x4000, true);
+    sdk::establish(&a2, &c).unwrap();
+    assert_eq!(tos(&a2), 0);
+}
+
+/// Issue 21, item 8: a connection the application will not serve, whose input it never read.
+/// Closed plainly, the kernel answers with a RST and the peer sees a reset; `decline` sends the
+/// FIN at once, so the peer reads the end of the stream, and discards the input until the
+/// peer's FIN, so that no RST follows.
+#[test]
+fn decline_closes_with_a_fin_where_close_would_reset() {
+    // Waits until the peer's bytes are in the application's receive queue (unread).
+    let queued = |a: &TcpStream| {
+        let mut one = [0u8; 1];
+        assert_eq!(a.peek(&mut one).unwrap(), 1);
+    };
+    let (a, mut b) = pair();
+    b.write_all(b"a request").unwrap();
+    queued(&a);
+    drop(a);
+    let mut buf = [0u8; 64];
+    assert_eq!(b.read(&mut buf).unwrap_err().kind(), ErrorKind::ConnectionReset, "what a plain close does");
+
+    let (a, mut b) = pair();
+    b.write_all(b"a request").unwrap();
+    queued(&a);
+    let app = std::thread::spawn(move || sdk::decline(a, Duration::from_secs(60)));
+    assert_eq!(b.read(&mut buf).unwrap(), 0, "the peer reads the end of the stream");
+    b.write_all(b" and more").unwrap();
+    drop(b); // the peer closes in turn: its FIN ends the lingering
+    assert_eq!(app.join().unwrap().unwrap(), 18, "all the peer's input discarded, then its FIN");
 }

@@ -741,8 +741,18 @@ fn connect_from(local: SocketAddr, remote: SocketAddr) -> Result<TcpStream, Stri
         if libc::bind(fd, (&la as *const libc::sockaddr_in).cast(), len) != 0 {
             return Err(err("bind"));
         }
+        // A blocking connect() gives up after SO_SNDTIMEO (Linux): a dropped SYN is then an
+        // error within 10 s, not a wait of the kernel's SYN retries (over a minute).
+        let tv = libc::timeval { tv_sec: 10, tv_usec: 0 };
+        if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as libc::socklen_t) != 0 {
+            return Err(err("setsockopt"));
+        }
         if libc::connect(fd, (&ra as *const libc::sockaddr_in).cast(), len) != 0 {
             return Err(err("connect"));
+        }
+        let none = libc::timeval { tv_sec: 0, tv_usec: 0 };
+        if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDTIMEO, (&none as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as libc::socklen_t) != 0 {
+            return Err(err("setsockopt"));
         }
         Ok(s)
     }
@@ -822,7 +832,11 @@ fn app_recover(a: &WorkerArgs, mut s: TcpStream, c: &unbroken_sdk::GuardClient, 
         }
         drop(s);
         let t0 = Instant::now();
-        unbroken_sdk::acknowledge(rec, c, consumed).map_err(|e| format!("breakdown {i}: acknowledge: {e}"))?;
+        // recover()'s first step exactly: the ACKNOWLEDGE with the RECOVERY flag, which announces
+        // the SYN that follows. A plain one announces nothing, and the guard drops the SYN of an
+        // unannounced recovery (issue 9): connect() then hung until the orchestrator gave up
+        // ("bench-peer: no result within 64.5s", issue 21 item 6).
+        c.acknowledge_recovery(rec.app(), rec.peer(), rec.ack_a(consumed), rec.options()).map_err(|e| format!("breakdown {i}: acknowledge: {e}"))?;
         let t1 = Instant::now();
         s = connect_from(rec.app(), rec.peer()).map_err(|e| format!("breakdown {i}: connect: {e}"))?;
         let t2 = Instant::now();

@@ -429,9 +429,9 @@ pub struct MisconfigReport {
 
 /// Issue 9, checkpoint misconfiguration: the guard and the journal server in the lab, the
 /// server given a wrong key or a wrong guard address (or neither), and one peer connection
-/// made with plain sockets from the peer's namespace. For a misconfiguration the peer sends
-/// nothing and waits (bounded) for the server to close; for the control run it sends one
-/// record and expects its reply, and the connection to stay open.
+/// made with plain sockets from the peer's namespace. For a misconfiguration the peer sends a
+/// few bytes (less than a record) and waits (bounded) for the server to close; for the control
+/// run it sends one record and expects its reply, and the connection to stay open.
 pub fn run_misconfigured(m: Misconfig) -> Result<MisconfigReport, String> {
     lab::lab_available()?;
     let lab = Lab::checkpoint(CheckpointOpts::default()).map_err(|e| format!("lab: {e}"))?;
@@ -519,6 +519,11 @@ fn peer_sees(service: SocketAddr, wait: Duration, control: bool) -> (String, u64
             Ok(_) => ("unexpected data".into(), ms(start)),
             Err(e) => (format!("reset: {e}"), ms(start)),
         };
+    }
+    // Input the application never reads: closing the connection with it unread would send a
+    // RST instead of a FIN (the SDK's `decline` drains it).
+    if let Err(e) = s.write_all(b"input the server will not read") {
+        return (format!("write failed: {e}"), ms(start));
     }
     let _ = s.set_read_timeout(Some(wait));
     match s.read(&mut buf) {

@@ -15,7 +15,8 @@
 //! ([`GuardClient::probe`]) and says on stdout what is wrong if anything is (`journal-server:
 //! guard check FAILED: ...`); it still serves, and each connection it cannot protect is closed
 //! the way it would be without the guard (the SDK marks it unprotected), so peers see a close,
-//! never a hang.
+//! never a hang. After a failed check that close comes at once (the SDK does not ask the guard)
+//! and is clean ([`unbroken_sdk::decline`]: a FIN, the peer's unread input drained, no RST).
 //!
 //! Journal layout, one directory per connection under `DIR/conns/`:
 //! `record` (the SDK's ConnRecord), `in.log` (every input byte, in order), `out.log` (every reply
@@ -360,7 +361,15 @@ fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync:
     crash_point("accepted");
     let rec = match unbroken_sdk::establish(&stream, &client) {
         Ok(r) => r,
-        Err(e) => return log(&format!("{peer}: not protected, closing: {e}")),
+        Err(e) => {
+            // At once after a failed guard check (the SDK then asks nothing). A FIN, not a RST:
+            // decline reads the peer's unread input until its FIN before closing.
+            log(&format!("{peer}: not protected, closing: {e}"));
+            if let Err(e) = unbroken_sdk::decline(stream, std::time::Duration::from_secs(10)) {
+                log(&format!("{peer}: closing: {e}"));
+            }
+            return;
+        }
     };
     let dir = conn_dir(&base, peer);
     if let Err(e) = persist_record(&dir, &rec, fsync) {

@@ -1380,10 +1380,17 @@ pub struct PrimaryCounters {
     pub client_resets: u64,
     /// Yields because this host's server was hung while the backup's answered.
     pub hung_yields: u64,
+    /// Client ACKs the backup heard and this host did not, handed to its server.
+    pub acks_from_backup: u64,
 }
 
 /// Client bytes relayed to the backup at a time (then again once it confirmed them).
 pub const RELAY_BUDGET: usize = 256 << 10;
+
+/// How long the primary must have heard nothing of a client whose ACK the backup heard before
+/// that ACK is handed to the primary's server: the backup's progress comes at least every beat
+/// (10 ms), so in a steady stream the primary has heard what it reports by then.
+pub const ACK_RELAY_AFTER_MS: u64 = 20;
 
 /// How long a failure of the primary's server on one connection waits for evidence of a sick
 /// host (its listening socket gone, which the daemon checks every beat) before it is taken for
@@ -1496,6 +1503,8 @@ struct PConn {
     /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
     client_ack: Seq,
     snd_p: Seq,
+    /// When the primary last heard an acceptable segment of the client (ms, its clock).
+    client_heard_at: u64,
     /// The backup's ACK is behind the primary's since (ms), and the next nudge is due at.
     rcv_behind_since: Option<u64>,
     nudge_at: u64,
@@ -1723,6 +1732,7 @@ impl Primary {
                 relay_end: None,
                 relay_at: 0,
                 client_ack: Seq(0),
+                client_heard_at: 0,
                 snd_p: Seq(0),
                 rcv_behind_since: None,
                 nudge_at: 0,
@@ -1771,6 +1781,7 @@ impl Primary {
                 }
                 if in_window {
                     c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
+                    c.client_heard_at = self.clock;
                 }
                 let end = s.seq + s.payload_len as u32;
                 // Only bytes that continue the copy exactly, in a segment the server's kernel
@@ -2095,6 +2106,22 @@ impl Primary {
             }
             b.fin |= f(rw::flag::FIN_OUT);
             b.rst |= f(rw::flag::RST_OUT);
+            // Loss toward the primary (its host misses the client's segments, the backup's does
+            // not): the client's ACK as the backup heard it (from an acceptable segment, within
+            // what the primary verified), into the primary's own server in the client's name,
+            // once the primary has heard nothing of that client for a while: its server stops
+            // retransmitting into the loss with a backed-off timer (issue 20).
+            let quiet = now_ms >= c.client_heard_at + ACK_RELAY_AFTER_MS;
+            if quiet && c.answered && r.last_ack != Seq(0) && r.last_ack.gt(c.client_ack) && r.last_ack.le(c.snd_p) {
+                if let Some((_, cwin, cts)) = c.client_last {
+                    let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.ack_p, ack: r.last_ack, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
+                    if let Ok(pkt) = ip::tcp_packet(key.client, c.server, &rep, &[]) {
+                        self.inject.push(pkt);
+                        c.client_ack = r.last_ack;
+                        self.counters.acks_from_backup += 1;
+                    }
+                }
+            }
             if c.state.is_some() {
                 continue;
             }

@@ -333,9 +333,11 @@ enum Fault {
     /// Both servers stop reading and answering for a second at the same time (a long command
     /// of a deterministic server): both hung, neither failed.
     LongCommand,
+    /// Every client packet toward the primary is lost for 300 ms (the backup hears them).
+    PrimaryTemporaryLoss,
 }
 
-const ALL_FAULTS: [Fault; 15] = [
+const ALL_FAULTS: [Fault; 16] = [
     Fault::None,
     Fault::PrimaryHostCrash,
     Fault::BackupHostCrash,
@@ -351,6 +353,7 @@ const ALL_FAULTS: [Fault; 15] = [
     Fault::Nondeterministic,
     Fault::LossThenPrimaryCrash,
     Fault::LongCommand,
+    Fault::PrimaryTemporaryLoss,
 ];
 
 #[derive(Clone, Debug)]
@@ -441,6 +444,8 @@ struct Report {
     fences: u32,
     max_stall_ms: u64,
     fresh_acks: u64,
+    /// Client ACKs the backup heard and the primary's host missed, given to its server.
+    acks_from_backup: u64,
     acks_lowered: u64,
     held: u64,
     diverged: u64,
@@ -858,7 +863,8 @@ impl Sim {
         for pkt in std::mem::take(&mut self.client.dev.tx) {
             self.note(format!("client: {}", describe(&pkt)));
             // To the primary: unchanged (the engine sees what reaches the host).
-            if self.primary_alive && !self.rng.chance(self.sc.loss) {
+            let lost_p = self.sc.fault == Fault::PrimaryTemporaryLoss && now >= self.sc.at && now < self.sc.at + 300;
+            if self.primary_alive && !lost_p && !self.rng.chance(self.sc.loss) {
                 let v = self.peng.incoming(&pkt);
                 if v != Verdict::PASS {
                     return Err(self.fail(&format!("primary incoming verdict {v:?}")));
@@ -1123,6 +1129,7 @@ impl Sim {
         r.max_stall_ms = self.capp.max_stall;
         let (pc, bc) = (self.peng.counters, self.beng.counters);
         r.fresh_acks = pc.fresh_acks;
+        r.acks_from_backup = pc.acks_from_backup;
         r.acks_lowered = pc.acks_lowered;
         r.held = pc.held;
         r.diverged = pc.diverged;
@@ -1267,6 +1274,20 @@ fn table_3_3_row5_temporary_loss_at_backup() {
 fn temporary_loss_at_backup_then_primary_crash() {
     let reps = sweep(Fault::LossThenPrimaryCrash, 300);
     assert!(reps.iter().filter(|(_, r)| r.takeover_at.is_some()).count() > reps.len() / 2);
+}
+
+/// Every client packet toward the primary is lost for 300 ms: the backup, which heard them,
+/// gives the primary's server the client's ACKs it missed (that server then stops
+/// retransmitting into the loss with a backed-off timer); the client's own bytes wait for its
+/// retransmission. Byte-exact (the run's invariants), never a takeover, a stale backup or an
+/// unprotected connection.
+#[test]
+fn temporary_loss_at_primary() {
+    let reps = sweep(Fault::PrimaryTemporaryLoss, 300);
+    for (sc, r) in &reps {
+        assert!(r.yields == 0 && r.stale.is_none() && r.unprotected.is_empty() && r.takeover_at.is_none(), "{sc:?} {r:?}");
+    }
+    assert!(reps.iter().filter(|(_, r)| r.acks_from_backup > 0).count() > reps.len() / 4, "the client's ACKs never reached the primary's server");
 }
 
 /// A second-long command runs on both servers (both stop reading and answering at the same

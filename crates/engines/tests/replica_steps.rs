@@ -1207,3 +1207,40 @@ fn refused_yield_is_asked_again() {
     p.server_listening(false);
     assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: None }], "asked again");
 }
+
+// --- loss toward the primary: the client's ACK the backup heard -------------------------------
+
+/// A primary established with a client (its handshake ACK heard at 1 ms).
+fn primary_established() -> Primary {
+    let mut p = primary(false);
+    p.tick(1);
+    let ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
+    assert_eq!(p.incoming(&ack), Verdict::PASS);
+    p
+}
+
+/// The client's ACK the backup heard goes into the primary's own server, in the client's name,
+/// once the primary has heard nothing of that client for `ACK_RELAY_AFTER_MS`, once, and never
+/// beyond what that server sent.
+#[test]
+fn loss_toward_primary_the_backups_view_of_the_clients_ack_reaches_the_server() {
+    let mut p = primary_established();
+    primary_sends(&mut p, 0, &[7; 10], C_ISN + 1, 0, 5);
+    let rep = |beat, last_ack: u32| {
+        let rec = ConnProgress { last_ack: Seq(last_ack), ..progress(beat, C_ISN + 1, &[], false).records[0] };
+        Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }
+    };
+    p.backup_progress(&rep(2, P_ISN.wrapping_add(11)), 10);
+    assert!(p.take_inject().is_empty(), "the primary heard the client 9 ms ago");
+    p.backup_progress(&rep(3, P_ISN.wrapping_add(500)), 30);
+    assert!(p.take_inject().is_empty(), "beyond what its server sent: a forgery or nonsense");
+    p.backup_progress(&rep(4, P_ISN.wrapping_add(11)), 31);
+    let inj = p.take_inject();
+    assert_eq!(inj.len(), 1);
+    let (t, d) = seg(&inj[0]);
+    assert_eq!((t.src_port, t.dst_port, t.seq, t.ack, t.flags, d.len()), (40000, 6379, Seq(C_ISN + 1), Seq(P_ISN.wrapping_add(11)), F::ACK, 0));
+    assert_eq!(t.timestamp, Some((501, P_TS0)), "the client's latest timestamps this host heard (never older: PAWS)");
+    p.backup_progress(&rep(5, P_ISN.wrapping_add(11)), 50);
+    assert!(p.take_inject().is_empty(), "once");
+    assert_eq!(p.counters.acks_from_backup, 1);
+}

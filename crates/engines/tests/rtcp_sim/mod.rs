@@ -428,11 +428,13 @@ pub struct Report {
     /// `filter_restart_before_first_tell` and counted.
     pub adopt_declined: bool,
     /// *B* acknowledged one byte more than *A* ever produced, the FIN of an earlier
-    /// incarnation (a TELL said so, or the filter's ackB at a stall). The new socket's FIN then lies one past *B*'s
-    /// acknowledgments, and *A*, waiting for its output to be acknowledged before close(),
-    /// may wait forever: the known gap of `known_gap_peer_acks_old_fin_after_tell` (sim.rs).
-    /// A stall after it is reported, not failed.
+    /// incarnation (a TELL said so). Before issue 21 item 2 the new socket's TCP discarded
+    /// those ACKs and *A*, waiting for its output to be acknowledged before close(), waited
+    /// forever; now the filter lowers them (`peer_acks_clamped`) and a stall fails the run.
     pub peer_acked_old_fin: bool,
+    /// *B*'s ACKs the filter lowered to the end of what *A*'s current socket sent (checked to be
+    /// exactly that end by `Sim::check_incoming`).
+    pub peer_acks_clamped: u32,
     /// B's stack was left in LAST-ACK after its application closed (see `Sim::b_step`).
     pub b_stuck_in_last_ack: bool,
     /// Packets that had crossed when A's first TELL was answered.
@@ -1007,11 +1009,21 @@ impl<X: Filter> Sim<X> {
     }
 
     /// Independent checks of a packet algorithm I forwarded unchanged in meaning: ACK + Δ, SACK
-    /// edges + Δ (I3).
+    /// edges + Δ (I3); an ACK beyond what *A*'s current socket sent is lowered to exactly that
+    /// (issue 21, item 2), never below.
     fn check_incoming(&mut self, r0: &wtcp::Repr, r1: &wtcp::Repr) {
         let d = self.filter.conn().delta;
         if r0.flags & F::ACK != 0 && r0.flags & F::SYN == 0 && r1.ack != r0.ack + d {
-            self.fail(&format!("I3: ack {} is not {} + Δ {d}", r1.ack.0, r0.ack.0));
+            // Exactly A's SND.MAX; while A has no socket (down, or a new one that sent nothing)
+            // the dead socket's end, which only has to lie below B's ACK.
+            let clamped = match self.a_snd_max {
+                Some(max) => r1.ack == max && (r0.ack + d).gt(max),
+                None => (r0.ack + d).gt(r1.ack),
+            };
+            if !clamped {
+                self.fail(&format!("I3: ack {} is not {} + Δ {d} (nor A's SND.MAX {:?} below it)", r1.ack.0, r0.ack.0, self.a_snd_max.map(|s| s.0)));
+            }
+            self.rep.peer_acks_clamped += 1;
         }
         for i in 0..r0.sack_len as usize {
             let (l, r) = r0.sack[i];
@@ -1718,15 +1730,6 @@ impl<X: Filter> Sim<X> {
             if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
                 if self.rep.filter_restart_before_first_tell {
                     return Err(format!("stalled: the filter restarted before A's first TELL ({})", self.sc.name));
-                }
-                // Or B's ACK of that FIN came after the TELL (the filter's ackB says so).
-                if let Some(rec) = self.a.dur.record {
-                    if self.filter.conn().ack_b.wrapping_sub(rec.ack_b0) as usize == self.a.dur.output.len() + 1 {
-                        self.rep.peer_acked_old_fin = true;
-                    }
-                }
-                if self.rep.peer_acked_old_fin && self.a.shutdown_sent {
-                    return Err(format!("stalled: B had acknowledged an earlier incarnation's FIN (known gap) ({})", self.sc.name));
                 }
                 if self.rep.adopt_declined {
                     return Err(format!("stalled: ADOPT declined a connection inside its handshake ({})", self.sc.name));

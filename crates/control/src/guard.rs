@@ -85,6 +85,22 @@ impl Entry {
         self.conn.flags & need == need && !self.conn.is_closed() && !self.unprotected
     }
 
+    /// What ADOPT offers: an established connection, or one inside its handshake whose
+    /// application's SYN-ACK went out here (the application's kernel accepted it) while the
+    /// peer's handshake ACK has not arrived yet (issue 21, item 3). The engine knows ackB0
+    /// there already (the SYN-ACK's SEQ + 1, the only ACK the peer's handshake can carry), and
+    /// an application that died between its kernel's SYN-ACK and that ACK would otherwise listen
+    /// again while the peer is established: its segments meet the new listener's RSTs, which
+    /// O1 drops, and the peer hangs until its own timeout. Its recovery SYN is forwarded (O4)
+    /// and the peer's answer (its challenge ACK, or its late handshake ACK) becomes the
+    /// SYN-ACK (section 6).
+    fn adoptable(&self) -> bool {
+        use unbroken_engines::rtcp::flag;
+        let answered = flag::SYNCED | flag::ACK_ALLOWED | flag::OPTS_KNOWN;
+        let inside_handshake = self.conn.flags & answered == answered && self.conn.flags & (flag::RECOVERABLE | flag::SYN_PENDING | flag::ACK_EVERYTHING) == 0 && self.a_hi.is_some() && !self.conn.is_closed() && !self.unprotected;
+        self.established() || inside_handshake
+    }
+
     /// A recovery SYN for this connection is announced at `now_ms`.
     fn recovery_armed(&self, now_ms: u64) -> bool {
         self.recovery_armed_until.is_some_and(|t| now_ms <= t)
@@ -417,7 +433,7 @@ impl Core {
     }
 
     /// ADOPT: the first connection of `app` after `cursor` (by peer address and port) that no
-    /// TELL claimed and that a recovery SYN could resynchronize.
+    /// TELL claimed and that a recovery SYN could resynchronize ([`Entry::adoptable`]).
     fn next_unclaimed(&self, app: SocketAddr, cursor: SocketAddr) -> Option<SocketAddr> {
         let order = |a: SocketAddr| {
             let ip = match a.ip() {
@@ -428,7 +444,7 @@ impl Core {
         };
         self.table
             .iter()
-            .filter(|(k, e)| k.app == app && !e.told && e.established())
+            .filter(|(k, e)| k.app == app && !e.told && e.adoptable())
             .map(|(k, _)| k.peer)
             .filter(|p| order(*p) > order(cursor))
             .min_by_key(|p| order(*p))
@@ -1293,6 +1309,42 @@ mod tests {
         let tell = Command::request(Op::Tell, app(), r1.peer, 23, 1);
         c.command(from_app(), &tell.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
         assert_eq!(adopt(&mut c, "0.0.0.0:0".parse().unwrap(), 24).peer.port(), 41001);
+    }
+
+    /// Issue 21, item 3: the application's kernel answered the peer's SYN, the application died
+    /// before the peer's handshake ACK arrived. ADOPT offers the connection with ackB0 = the
+    /// SYN-ACK's SEQ + 1 (not one whose SYN-ACK never went out); the recovery SYN is forwarded
+    /// and the peer's challenge ACK comes back as the SYN-ACK the new socket waits for.
+    #[test]
+    fn adopt_offers_a_connection_inside_its_handshake_and_recovers_it() {
+        let mut c = core();
+        let adopt = |c: &mut Core, nonce: u64| {
+            let cmd = Command::request(Op::Adopt, app(), "0.0.0.0:0".parse().unwrap(), nonce, 1);
+            let out = c.command(from_app(), &cmd.encode(&key()).unwrap(), 1, 0, &mut [0u8; 128]).unwrap();
+            Command::decode(&out.reply, &key()).unwrap()
+        };
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1400), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        assert_eq!(adopt(&mut c, 20).status, Status::NoConnection as u8, "no SYN-ACK went out: the peer resends its SYN to the new listener");
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1400), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let r = adopt(&mut c, 21);
+        assert_eq!((r.status, r.peer, r.ack_a, r.ack_b), (0, peer(), 101, 901));
+        // The SDK's recover: ACKNOWLEDGE (announces the SYN), connect, TELL.
+        assert!(c.command(from_app(), &recovery_ack(22, 101), 1, 0, &mut [0u8; 128]).is_some());
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), flags: F::SYN, mss: Some(1400), ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 1).0, Verdict::Accept { modified: false }, "forwarded: the peer's answer says where it is");
+        // The peer, established, answers with a challenge ACK: it becomes the SYN-ACK.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        let (v, n) = c.packet(&mut b, n, 2);
+        assert_eq!(v, Verdict::Accept { modified: true });
+        let t = Tcp::new_checked(&b[20..n]).unwrap();
+        assert_eq!((t.flags(), t.seq(), t.ack()), (F::SYN | F::ACK, Seq(100), Seq(5001)));
+        assert_eq!(c.counters.recovered_from_peer_ack, 1);
+        let tell = Command::request(Op::Tell, app(), peer(), 23, 1);
+        let out = c.command(from_app(), &tell.encode(&key()).unwrap(), 1, 0, &mut [0u8; 128]).unwrap();
+        let r = Command::decode(&out.reply, &key()).unwrap();
+        assert_eq!((r.ack_a, r.ack_b), (101, 901), "delivered = ackB - ackB0 = 0");
     }
 
     #[test]

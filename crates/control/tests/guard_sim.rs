@@ -561,14 +561,42 @@ fn guard_s2_4_exit_and_second_crash_during_recovery_at_every_packet() {
     base.crash_modes = vec![CrashMode::CloseOnExit];
     base.crash_on_reconnect = 1;
     base.restart_delay_ms = 1;
-    // Lost positions: A restarted inside the handshake before B's ACK reached the guard (see
-    // `Report::adopt_declined`), printed by the sweep.
-    let reps = sweep("guard-s2.4-exit-twice", base, true, |sc, k| {
+    // Positions 1-2 (A restarted inside the handshake before B's ACK reached the guard) were
+    // lost until ADOPT offered such connections (issue 21, item 3).
+    let reps = sweep("guard-s2.4-exit-twice", base, false, |sc, k| {
         sc.crash_after = vec![k];
         sc.seed = 3000 + k;
     });
     assert!(reps.iter().map(|r| r.count(Event::SpuriousFinReset)).sum::<u32>() > 0);
     assert!(reps.iter().filter(|r| r.crashes == 2).count() > 10);
+}
+
+/// ADOPT after a crash inside the handshake (issue 21, item 3): *A*'s kernel sent its SYN-ACK,
+/// *A* died and restarted at once, before *B*'s handshake ACK reached the guard. The guard used
+/// to offer only completed handshakes, so *A* listened again while *B* was established and *B*
+/// hung (positions 1-2 lost). Now the connection is offered with ackB0 = the SYN-ACK's SEQ + 1
+/// (the SDK's record straight from ADOPT's answer), the recovery SYN is forwarded and *B*'s
+/// answer becomes its SYN-ACK; on a clean and on a lossy link, every crash mode.
+#[test]
+fn guard_adopt_after_crash_inside_handshake() {
+    for (mode, loss) in [(CrashMode::Wipe, 0.0), (CrashMode::CloseOnExit, 0.0), (CrashMode::Silent, 0.0), (CrashMode::Wipe, 0.03)] {
+        let mut base = scenario("", 31, 10_000).lossy(loss, 0.0, 0.0);
+        base.crash_modes = vec![mode];
+        base.restart_delay_ms = 0;
+        base.max_virtual = Duration::from_secs(60);
+        let first_tell = run(Scenario { name: "adopt baseline".into(), ..base.clone() }).first_tell_at.unwrap();
+        let mut adopted = 0;
+        for k in 1..=first_tell + 2 {
+            let mut sc = base.clone();
+            sc.name = format!("guard-adopt {mode:?} loss={loss} k={k}");
+            sc.crash_after = vec![k];
+            sc.seed = 31 + k;
+            let r = run(sc);
+            assert!(!r.adopt_declined || r.recoveries_completed + r.pre_accept_recoveries > 0, "{r:?}");
+            adopted += r.pre_accept_recoveries;
+        }
+        assert!(adopted >= 1, "{mode:?} loss={loss}: no crash before accept was adopted");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

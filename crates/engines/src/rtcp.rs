@@ -47,6 +47,9 @@
 //!   acknowledgement hung, and a sender whose congestion window was smaller than the old data
 //!   in flight stalled. The ACK is lowered to the new socket's end: true (*B* has every byte
 //!   below it) and acceptable (issue 21, item 2; `peer_acks_of_an_old_fin_after_tell_are_clamped`).
+//! - *A*'s SYN-ACK (*A* the server) records ackB0, its SEQ + 1, in `ack_b` without setting
+//!   RECOVERABLE: the only ACK *B*'s handshake can carry. ADOPT can then hand over a connection
+//!   whose application died before *B*'s handshake ACK arrived (issue 21, item 3).
 
 use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
 use unbroken_wire::ip::{self, IpInfo};
@@ -853,7 +856,13 @@ pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) 
     }
 
     if f & F::SYN != 0 {
-        // A's SYN-ACK (A is the server): it completes the option negotiation B's SYN began.
+        // A's SYN-ACK (A is the server): it completes the option negotiation B's SYN began,
+        // and fixes ackB0: B's handshake ACK can only be A's ISN + 1. Not yet RECOVERABLE (B
+        // may not have it), but ADOPT can hand the connection over with it if the application
+        // dies before B's ACK arrives (issue 21, item 3).
+        if !c.has(flag::RECOVERABLE) {
+            c.ack_b = (t.seq() + 1).0;
+        }
         let a_ws = if c.b_ws() == WS_NONE { WS_NONE } else { o.ws.unwrap_or(WS_NONE) };
         let b_ws = if a_ws == WS_NONE { WS_NONE } else { c.b_ws() };
         c.set_ws(b_ws, a_ws);

@@ -185,7 +185,8 @@ pub fn clear(rec: &ConnRecord, client: &GuardClient) -> Result<Reply> {
 
 /// ADOPT (unbroken's addition to RTCP's commands): the connections to `app` (the service's
 /// address and port) that the guard holds but no application has claimed with a TELL — those
-/// whose application died after its kernel completed the handshake but before [`establish`].
+/// whose application died after its kernel completed the handshake (or sent its SYN-ACK: the
+/// guard then knows the peer's handshake ACK in advance) but before [`establish`].
 /// Each comes back as a [`ConnRecord`] built from the guard's state, which is still the
 /// initial one (nothing can have been consumed or sent before `establish`): persist it, then
 /// [`recover`] it with `consumed_total = 0` and `sent_total = 0`.

@@ -275,9 +275,10 @@ pub struct Scenario {
     pub crash_modes: Vec<CrashMode>,
     pub restart_delay_ms: u64,
     /// Which unclaimed connection RTCP_ADOPT hands to an application that crashed before it
-    /// accepted: `true` is the guard's rule (SYNCED, RECOVERABLE and ACK_ALLOWED: the handshake
-    /// completed at the guard); `false` adopts as soon as the guard saw B's SYN (ACK_ALLOWED) and
-    /// takes ackB0 from the TELL after reconnecting.
+    /// accepted: `true` is the guard's rule (the handshake completed at the guard, or A's
+    /// SYN-ACK went out through it, which fixes ackB0; the SDK's way: the record straight from
+    /// ADOPT's answer); `false` adopts as soon as the guard saw B's SYN (ACK_ALLOWED) and takes
+    /// ackB0 from the TELL after reconnecting.
     pub adopt_needs_recoverable: bool,
     /// Whether *A* waits for its output to be acknowledged between RTCP_SHUTDOWN and close().
     /// `None`: only on a faulty link (the paper's application closes at once; see the smoltcp
@@ -421,11 +422,12 @@ pub struct Report {
     /// SYN's question "which ACK?": the connection is lost. Not a bug of the engine, a window of
     /// the protocol; the tests accept a stall only in that case.
     pub filter_restart_before_first_tell: bool,
-    /// A crashed inside the handshake and restarted before B's handshake ACK reached the
-    /// filter; ADOPT by the guard's rule (`Scenario::adopt_needs_recoverable`) did not offer the
-    /// connection, so A listens again while B is established: the connection is lost (B's
-    /// segments meet A's RSTs, which O1 drops). A known gap of that rule, accepted like
-    /// `filter_restart_before_first_tell` and counted.
+    /// A crashed inside the handshake and ADOPT did not offer the connection although the
+    /// filter saw B's SYN, so A listens again; if B is established the connection is lost (B's
+    /// segments meet A's RSTs, which O1 drops). Before issue 21 item 3 the guard's rule
+    /// (`Scenario::adopt_needs_recoverable`) declined every connection whose handshake ACK had
+    /// not reached it; now only one whose SYN-ACK did not go out (then B's SYN is retransmitted
+    /// to the new listener). A stall after it is reported, not failed.
     pub adopt_declined: bool,
     /// *B* acknowledged one byte more than *A* ever produced, the FIN of an earlier
     /// incarnation (a TELL said so). Before issue 21 item 2 the new socket's TCP discarded
@@ -721,8 +723,16 @@ impl Filter for EngineFilter {
         self.conn
     }
     fn adopted(&self, _reply: &Command, sc: &Scenario) -> bool {
-        let need = if sc.adopt_needs_recoverable { rtcp::flag::SYNCED | rtcp::flag::RECOVERABLE | rtcp::flag::ACK_ALLOWED } else { rtcp::flag::ACK_ALLOWED };
-        self.conn.flags & need == need && !self.conn.is_closed()
+        use rtcp::flag;
+        if !sc.adopt_needs_recoverable {
+            return self.conn.flags & flag::ACK_ALLOWED != 0 && !self.conn.is_closed();
+        }
+        // The guard's rule (`Entry::adoptable`): the handshake completed, or A's SYN-ACK went out
+        // (SYNCED and OPTS_KNOWN without RECOVERABLE: ackB0 is its SEQ + 1, issue 21 item 3).
+        let est = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
+        let answered = flag::SYNCED | flag::ACK_ALLOWED | flag::OPTS_KNOWN;
+        let f = self.conn.flags;
+        (f & est == est || (f & answered == answered && f & (flag::SYN_PENDING | flag::ACK_EVERYTHING) == 0)) && !self.conn.is_closed()
     }
     fn describe(&self) -> String {
         format!("{:?}", self.conn)

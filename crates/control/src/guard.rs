@@ -214,6 +214,11 @@ pub struct Counters {
     /// Connections an application marked unprotected (`ctl::UNPROTECTED_DSCP`, the SDK does
     /// it when it cannot protect a connection): from then on passed untouched.
     pub unprotected_released: u64,
+    /// Connections released by an application's SHUTDOWN with the ABANDON flag that this guard
+    /// could not protect (it did not see their handshake), and peers reset for them at once
+    /// (issue 21, item 4).
+    pub abandoned_released: u64,
+    pub abandoned_peer_reset: u64,
     /// Packets of such connections, passed untouched.
     pub unprotected_passed: u64,
     /// Packets marked unprotected on a connection that an authenticated command named, that
@@ -893,6 +898,7 @@ impl Core {
         // one-way or lossy side channel) gives up and marks the socket unprotected, and that
         // mark must still be honoured, or the guard would hold the application's FIN and the
         // peer hang (issue 9, checkpoint misconfiguration).
+        let claimed_before = e.claimed;
         if cmd.op != ctl::Op::Tell {
             e.claimed = true;
         }
@@ -903,6 +909,38 @@ impl Core {
         if cmd.op == ctl::Op::Acknowledge && cmd.flags & ctl::flag::RECOVERY != 0 {
             e.recovery_armed_until = Some(now_ms + RECOVERY_WINDOW_MS);
             e.recovery_syns.clear();
+        }
+        // An application gives up a connection it has no record of (the SDK's `establish`
+        // failed), and this guard cannot protect it either: it did not see the handshake (it
+        // restarted, or forgot the connection, between the peer's SYN and the first TELL), so
+        // nobody knows the checkpoint and the connection cannot be recovered. Before, the
+        // application's close met O6 (its FIN reset, its RSTs dropped) and the peer waited for
+        // its own timeout (issue 21, item 4). Now the connection is released (every packet
+        // passes untouched: the application's kernel answers the peer's next segment with a RST
+        // that reaches it) and, when the peer's latest ACK is known (its RCV.NXT, the SEQ its
+        // TCP accepts a RST at, RFC 5961), a RST goes to the peer at once. Only for a state that
+        // no protecting command named before and that never witnessed the connection (Δ = 0 is
+        // then the application's word: it holds no record, so this socket was never
+        // recovered); a guard that did see the handshake keeps the plain SHUTDOWN's meaning.
+        if cmd.op == ctl::Op::Shutdown && cmd.flags & ctl::flag::ABANDON != 0 && !claimed_before && !e.unprotected {
+            use unbroken_engines::rtcp::flag;
+            let witnessed = e.conn.flags & (flag::SYNCED | flag::ACK_ALLOWED) == flag::SYNCED | flag::ACK_ALLOWED;
+            if !witnessed {
+                e.unprotected = true;
+                let rst = (e.conn.flags & flag::RECOVERABLE != 0).then(|| {
+                    let r = unbroken_wire::tcp::Repr { src_port: cmd.app.port(), dst_port: cmd.peer.port(), seq: Seq(e.conn.ack_b), flags: unbroken_wire::tcp::flags::RST, ..Default::default() };
+                    emit_bare(ack_buf, cmd.app.ip(), cmd.peer.ip(), &r)
+                });
+                let reply = rtcp::command(&mut Conn::default(), &cmd, &mut []).reply;
+                self.counters.abandoned_released += 1;
+                self.counters.commands_answered += 1;
+                let ack_len = rst.flatten();
+                if ack_len.is_some() {
+                    self.counters.abandoned_peer_reset += 1;
+                }
+                let reply = Command { time_ms: wall_ms, ..reply };
+                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len });
+            }
         }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
         if cmd.op == ctl::Op::Tell && std::mem::take(&mut e.nudge) && nudging {
@@ -1345,6 +1383,50 @@ mod tests {
         let out = c.command(from_app(), &tell.encode(&key()).unwrap(), 1, 0, &mut [0u8; 128]).unwrap();
         let r = Command::decode(&out.reply, &key()).unwrap();
         assert_eq!((r.ack_a, r.ack_b), (101, 901), "delivered = ackB - ackB0 = 0");
+    }
+
+    /// Issue 21, item 4: a guard that restarted between the peer's SYN and the first TELL cannot
+    /// protect the connection; the application's failing `establish` sends SHUTDOWN with
+    /// ABANDON. The guard releases the connection (the application's RST passes) and resets the
+    /// peer at once, at the SEQ of the peer's latest ACK. On a connection whose handshake the
+    /// guard saw, or that a protecting command named, the flag changes nothing (a plain SHUTDOWN).
+    #[test]
+    fn hostile_abandon_releases_only_a_connection_the_guard_cannot_protect() {
+        use unbroken_engines::rtcp::flag;
+        let abandon = |nonce: u64| {
+            let mut c = Command::request(Op::Shutdown, app(), peer(), nonce, 1);
+            c.flags = ctl::flag::ABANDON;
+            c.encode(&key()).unwrap().to_vec()
+        };
+        // A restarted guard: the peer's data arrives (the I0 probe), then the application's TELL
+        // finds no checkpoint and it gives up.
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let mut ack = [0u8; 128];
+        let out = c.command(from_app(), &abandon(30), 1, 0, &mut ack).unwrap();
+        let n = out.ack_len.expect("a RST for the peer");
+        let t = Tcp::new_checked(&ack[20..n]).unwrap();
+        assert_eq!((t.src_port(), t.dst_port(), t.flags(), t.seq()), (7000, 41000, F::RST, Seq(901)));
+        assert_eq!((c.counters.abandoned_released, c.counters.abandoned_peer_reset), (1, 1));
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), flags: F::RST, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Verdict::Accept { modified: false }, "the application's RST reaches the peer");
+        // A guard that saw the handshake: a plain SHUTDOWN (the mark or the FIN end it).
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let out = c.command(from_app(), &abandon(31), 1, 0, &mut ack).unwrap();
+        assert!(out.ack_len.is_none());
+        assert_ne!(c.conn(&FlowKey { app: app(), peer: peer() }).unwrap().flags & flag::FIN_ALLOWED, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), flags: F::RST, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Verdict::Drop, "O1 as before");
+        // A connection an application checkpointed (it has a record): never released.
+        let mut c = core();
+        assert!(c.command(from_app(), &recovery_ack(32, 101), 1, 0, &mut ack).is_some());
+        assert!(c.command(from_app(), &abandon(33), 1, 0, &mut ack).unwrap().ack_len.is_none());
+        assert_eq!(c.counters.abandoned_released, 0);
     }
 
     #[test]

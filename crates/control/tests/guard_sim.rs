@@ -381,6 +381,9 @@ impl Filter for GuardFilter {
     fn conn(&self) -> Conn {
         self.core.conn(&self.flow).copied().unwrap_or_default()
     }
+    fn releases_abandoned() -> bool {
+        true
+    }
     fn adopted(&self, reply: &Command, _sc: &Scenario) -> bool {
         reply.status == Status::Ok as u8 && reply.peer == b_sockaddr()
     }
@@ -623,6 +626,42 @@ fn guard_restart_at_every_packet() {
             assert!(reps.iter().map(|r| r.count(Event::RecoveredFromPeerAck)).sum::<u32>() > 0);
         }
     }
+}
+
+/// A guard restart between the peer's SYN and the application's first TELL (issue 21, item 4):
+/// nobody knows the checkpoint (ackA0), so the connection cannot be recovered. The application
+/// accepts, waits 20 ms, TELLs; the new guard cannot answer, `establish` gives up with a
+/// SHUTDOWN carrying ABANDON and the application closes. Before, its close met O6 (FIN reset,
+/// RSTs dropped) and the peer waited for its own timeout; now the guard releases the connection
+/// and resets the peer at once. Every position from the SYN to the TELL: the run completes (the
+/// restart came before anything was lost), or *B* is reset within a round trip of *A* giving
+/// up, or (positions 1-2) the guard's probe reset *A*'s socket before the application ever saw
+/// it (see architecture.md, known limits).
+#[test]
+fn guard_restart_before_the_first_tell_ends_the_connection_visibly() {
+    let mut base = scenario("", 13, 20_000);
+    base.first_tell_delay_ms = 20;
+    let first_tell = run(Scenario { name: "first-tell baseline".into(), ..base.clone() }).first_tell_at.unwrap();
+    let mut visible = vec![];
+    let mut never_accepted = vec![];
+    for k in 1..=first_tell {
+        let mut sc = base.clone();
+        sc.name = format!("guard-restart-before-tell k={k}/{first_tell}");
+        sc.filter_restart_after = vec![k];
+        match try_run(sc) {
+            Ok(_) => {}
+            Err(e) if e.starts_with("lost visibly") => {
+                let ms: u64 = e["lost visibly: B reset ".len()..].split(' ').next().unwrap().parse().unwrap();
+                assert!(ms <= 2 * 5 + 1, "k={k}: B reset only {ms} ms after A gave up");
+                visible.push(k);
+            }
+            Err(e) if e.starts_with("stalled: the filter restarted before A accepted") => never_accepted.push(k),
+            Err(e) => panic!("k={k}: {e}"),
+        }
+    }
+    eprintln!("guard restart before the first TELL: peer reset at once at {visible:?}, socket reset before accept at {never_accepted:?}, of 1..={first_tell}");
+    assert!(!visible.is_empty(), "no position reached the case");
+    assert!(never_accepted.iter().all(|&k| k <= 2), "{never_accepted:?}");
 }
 
 /// The guard restarts while A recovers from a crash, and A crashes again as soon as its

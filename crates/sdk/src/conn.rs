@@ -60,7 +60,9 @@ use unbroken_wire::ctl::ConnOptions;
 /// marks the socket unprotected ([`unprotect`]) before returning the error, so that whatever
 /// the application does next (close it, or use it unprotected) reaches the peer as if there
 /// were no guard. Either suffices: the SHUTDOWN makes the application's FIN genuine, the mark
-/// releases a connection no protecting command named.
+/// releases a connection no protecting command named. The SHUTDOWN carries the ABANDON flag: a
+/// guard that restarted before this TELL (it cannot protect the connection, and neither mark nor
+/// FIN would pass it) releases the connection and resets the peer at once.
 ///
 /// After a failed start-up check ([`GuardClient::probe`], until a probe succeeds again) it
 /// sends nothing: it marks the socket unprotected and fails at once with
@@ -82,7 +84,9 @@ pub fn establish<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord
     };
     let res = establish_inner(&fd, app, peer, client);
     if res.is_err() {
-        let _ = client.post(unbroken_wire::ctl::Op::Shutdown, app, peer, 0, None);
+        // ABANDON: a guard that cannot protect the connection either (it restarted before
+        // this first TELL) releases it and resets the peer at once (issue 21, item 4).
+        let _ = client.post_flags(unbroken_wire::ctl::Op::Shutdown, app, peer, 0, None, unbroken_wire::ctl::flag::ABANDON);
         let _ = unprotect(stream);
     }
     res

@@ -96,6 +96,9 @@ fn establish_gives_up() {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert_eq!(g.ops(), want);
+    // The SHUTDOWNs say the application gives the connection up (ABANDON): a guard that cannot
+    // protect it either resets the peer (issue 21, item 4).
+    assert!(g.state().log.iter().filter(|c| c.op == Op::Shutdown).all(|c| c.flags & flag::ABANDON != 0));
 }
 
 #[test]

@@ -293,6 +293,9 @@ pub struct Scenario {
     pub crash_on_reconnect: u32,
     /// Delay between *A*'s socket reconnecting and its TELL (0: in the same step).
     pub tell_delay_ms: u64,
+    /// Delay between *A*'s accept (its socket established) and its first TELL (0: in the same
+    /// step). The TELL follows even if the socket was reset meanwhile (accept returned it).
+    pub first_tell_delay_ms: u64,
     /// *A*'s receive buffer per incarnation (cycled): changes *A*'s window scale.
     pub a_rx: Vec<usize>,
     /// Interface seeds for *A*'s incarnations (else drawn from the scenario's PRNG).
@@ -356,6 +359,7 @@ impl Scenario {
             crash_modes: vec![CrashMode::Wipe],
             restart_delay_ms: 30,
             tell_delay_ms: 0,
+            first_tell_delay_ms: 0,
             crash_on_reconnect: 0,
             adopt_needs_recoverable: false,
             stall_is_err: false,
@@ -512,6 +516,12 @@ pub struct AppA {
     /// `Scenario::read_rate`: bytes the application may still read, and when it last did.
     read_budget: usize,
     read_at: Instant,
+    /// When *A* gave the connection up (its first TELL found a filter that lost it, see
+    /// [`Report::filter_restart_before_first_tell`]) and told a filter that releases such
+    /// connections ([`Filter::releases_abandoned`]).
+    gave_up_at: Option<Instant>,
+    /// When the listening socket's connection was first seen established (accept returned it).
+    accepted_at: Option<Instant>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -689,6 +699,15 @@ pub trait Filter {
     fn counts(&self) -> Vec<(&'static str, u64)> {
         vec![]
     }
+    /// Whether the filter ends a connection its application gives up (SHUTDOWN with ABANDON)
+    /// when it cannot protect it: then such a run must end with *B* reset ("lost visibly"),
+    /// never stall (issue 21, item 4; the guard does, the bare engine does not).
+    fn releases_abandoned() -> bool
+    where
+        Self: Sized,
+    {
+        false
+    }
 }
 
 /// The bare engine: the `rtcp` functions on one `Conn`, the side channel decoded with the key
@@ -807,7 +826,7 @@ impl<X: Filter> Sim<X> {
             ts_recent: None,
             lastack_since: None,
         };
-        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None, read_budget: 0, read_at: now };
+        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None, read_budget: 0, read_at: now, gave_up_at: None, accepted_at: None };
         let filter = X::new(&sc);
         let mut sim = Sim {
             sc,
@@ -975,6 +994,10 @@ impl<X: Filter> Sim<X> {
 
     /// Independent checks of a packet algorithm O forwarded (`r0` before, `r1` after).
     fn check_outgoing(&mut self, r0: &wtcp::Repr, r1: &wtcp::Repr) {
+        if self.a.gave_up_at.is_some() {
+            // A released connection passes untouched: nothing is checkpointed any more.
+            return;
+        }
         // Checkpointed acknowledgment, the point of RTCP: B never sees an ACK for input A has
         // not persisted (B's FIN counts once B sent it).
         if r1.flags & F::ACK != 0 {
@@ -1118,7 +1141,7 @@ impl<X: Filter> Sim<X> {
             }
             Side::B => {
                 let f = facts(&pkt);
-                if f.flags & F::RST != 0 {
+                if f.flags & F::RST != 0 && self.a.gave_up_at.is_none() {
                     self.fail(&format!("a RST reached B: {}", describe(&pkt)));
                 }
                 let state = self.b.host.sockets.get::<tcp::Socket>(self.b.sock).state();
@@ -1288,12 +1311,23 @@ impl<X: Filter> Sim<X> {
                 }
             }
             Phase::Listening => {
-                let st = self.a_tcp().state();
-                if matches!(st, State::Established | State::CloseWait) {
+                if self.first_tell_due() {
+                    self.a.accepted_at = None;
                     // accept(): TELL, persist ackA0/ackB0 and the options (section 4).
                     let r = self.command(Op::Tell, 0, None);
                     if r.flags & ctl::flag::RECOVERABLE == 0 || r.flags & ctl::flag::ACK_ALLOWED == 0 {
                         if self.rep.filter_restart_before_first_tell {
+                            if X::releases_abandoned() {
+                                // As the SDK's failing `establish`: SHUTDOWN with ABANDON, then
+                                // the application closes (here: aborts) the socket. The filter
+                                // must make B see the end (issue 21, item 4).
+                                self.command_flags(Op::Shutdown, 0, None, ctl::flag::ABANDON);
+                                self.a.gave_up_at = Some(self.now);
+                                self.a_tcp().abort();
+                                self.a.phase = Phase::Done;
+                                self.note("A: gives the connection up (SHUTDOWN with ABANDON), aborts its socket".into());
+                                return;
+                            }
                             // A real application would close the connection here; its RST would
                             // be dropped (O1), so B is left to its own timeout.
                             self.abandoned = Some(format!("TELL after accept: the restarted filter does not know ackA0 ({})", self.sc.name));
@@ -1399,6 +1433,23 @@ impl<X: Filter> Sim<X> {
 
     /// The application's latency between seeing its socket connected and sending TELL
     /// (scheduling, a side-channel round trip): true while it still waits.
+    /// Whether the first TELL is due: the connection was accepted (its socket seen established)
+    /// at least `Scenario::first_tell_delay_ms` ago.
+    fn first_tell_due(&mut self) -> bool {
+        let st = self.a_tcp().state();
+        if matches!(st, State::Established | State::CloseWait) && self.a.accepted_at.is_none() {
+            self.a.accepted_at = Some(self.now);
+        }
+        let Some(at) = self.a.accepted_at else { return false };
+        let due = at + Duration::from_millis(self.sc.first_tell_delay_ms);
+        if self.now < due {
+            self.a.tell_at = Some(due);
+            return false;
+        }
+        self.a.tell_at = None;
+        true
+    }
+
     fn tell_wait(&mut self) -> bool {
         if self.sc.tell_delay_ms == 0 {
             return false;
@@ -1561,6 +1612,7 @@ impl<X: Filter> Sim<X> {
             }
             self.a.sock = Some(host.sockets.add(s));
             self.a_snd_max = None;
+            self.a.accepted_at = None;
             self.a.phase = Phase::Listening;
         }
     }
@@ -1571,6 +1623,7 @@ impl<X: Filter> Sim<X> {
         self.note(format!("*** CRASH of A ({mode:?})"));
         self.a.dur.incarnation += 1;
         self.a_snd_max = None;
+        self.a.accepted_at = None;
         match mode {
             CrashMode::Wipe => {
                 self.a.sock = None;
@@ -1620,6 +1673,14 @@ impl<X: Filter> Sim<X> {
     fn b_step(&mut self) {
         let s = self.b.host.sockets.get_mut::<tcp::Socket>(self.b.sock);
         let st = s.state();
+        if let Some(at) = self.a.gave_up_at {
+            // A gave the connection up: B must see its end (a reset), never hang.
+            if st == State::Closed {
+                let ms = (self.now - at).total_millis();
+                self.abandoned = Some(format!("lost visibly: B reset {ms} ms after A gave up ({})", self.sc.name));
+            }
+            return;
+        }
         if st == State::Established {
             self.b.ever_established = true;
         }
@@ -1738,8 +1799,14 @@ impl<X: Filter> Sim<X> {
                 break;
             }
             if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
+                if let Some(at) = self.a.gave_up_at {
+                    self.fail(&format!("silent hang: A gave the connection up at {} ms and B never saw its end", at.total_millis()));
+                }
                 if self.rep.filter_restart_before_first_tell {
-                    return Err(format!("stalled: the filter restarted before A's first TELL ({})", self.sc.name));
+                    // A never accepted the connection: the filter's probe reset A's socket
+                    // inside or right after the handshake (see `Filter::releases_abandoned`).
+                    let when = if self.a.dur.record.is_none() && self.a.gave_up_at.is_none() { "before A accepted" } else { "before A's first TELL" };
+                    return Err(format!("stalled: the filter restarted {when} ({})", self.sc.name));
                 }
                 if self.rep.adopt_declined {
                     return Err(format!("stalled: ADOPT declined a connection inside its handshake ({})", self.sc.name));
@@ -1862,7 +1929,10 @@ pub fn sweep_on<F: Filter>(name: &str, base: Scenario, allow_lost: bool, f: impl
         f(&mut sc, k);
         match try_run_on::<F>(sc) {
             Ok(r) => reps.push(r),
-            Err(e) if allow_lost => lost.push((k, e)),
+            // A filter that releases abandoned connections must end them visibly.
+            // A filter that releases abandoned connections must end them visibly once the
+            // application gave up; only a connection no application ever saw may stall.
+            Err(e) if allow_lost && (!F::releases_abandoned() || e.starts_with("lost visibly") || e.starts_with("stalled: the filter restarted before A accepted")) => lost.push((k, e)),
             Err(e) => panic!("{e}"),
         }
     }

@@ -191,6 +191,9 @@ pub struct Counters {
     pub cmd_rejected_auth: u64,
     pub cmd_rejected_stale: u64,
     pub cmd_rejected_replay: u64,
+    /// Of those, commands older than what the previous guard instance accepted from the same
+    /// service address (the persisted high-water mark, [`ReplayFloor`]): replays across a restart.
+    pub cmd_rejected_replay_restart: u64,
     pub cmd_malformed: u64,
     pub cmd_not_protected: u64,
     pub cmd_no_connection: u64,
@@ -271,6 +274,88 @@ impl ReplayCache {
     }
 }
 
+/// Nonces kept per service address at its high-water time (see [`ReplayFloor`]).
+pub const FLOOR_NONCES: usize = 16;
+
+/// The replay high-water mark of one service address, persisted across guard restarts (issue
+/// 21, item 5): the replay cache of nonces lives in memory, so a datagram captured before a
+/// restart and replayed to the new guard within the clock window was accepted once. A guard
+/// restored with it refuses a command for that address whose clock is below `time_ms`, or
+/// equal to it with a nonce in `nonces` (or any, once more than [`FLOOR_NONCES`] commands
+/// shared that millisecond: `full`). A command's clock is its sender's, so each address is
+/// compared with its own commands only: an application's clock need not agree with the guard's
+/// or other hosts' beyond the allowed skew, only run forward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayFloor {
+    pub app_ip: IpAddr,
+    pub time_ms: u64,
+    pub nonces: Vec<u64>,
+    pub full: bool,
+}
+
+impl ReplayFloor {
+    /// Whether a command with this clock and nonce is at or below the mark (a replay).
+    fn covers(&self, time_ms: u64, nonce: u64) -> bool {
+        time_ms < self.time_ms || (time_ms == self.time_ms && (self.full || self.nonces.contains(&nonce)))
+    }
+    /// Raises the mark with an accepted command; true if it changed.
+    fn raise(&mut self, time_ms: u64, nonce: u64) -> bool {
+        if time_ms > self.time_ms {
+            self.time_ms = time_ms;
+            self.nonces.clear();
+            self.full = false;
+        } else if time_ms < self.time_ms || self.full {
+            return false;
+        }
+        if self.nonces.len() < FLOOR_NONCES {
+            self.nonces.push(nonce);
+        } else {
+            self.full = true;
+        }
+        true
+    }
+}
+
+/// The persisted form of [`ReplayFloor`]s: one line per service address,
+/// `<address> <time_ms> <full 0|1> <nonce hex,...>`, after a first line `unbroken-guard-replay 1`.
+pub fn encode_replay_floors(floors: &[ReplayFloor]) -> String {
+    let mut s = String::from("unbroken-guard-replay 1\n");
+    for f in floors {
+        let nonces: Vec<String> = f.nonces.iter().map(|n| format!("{n:016x}")).collect();
+        s.push_str(&format!("{} {} {} {}\n", f.app_ip, f.time_ms, f.full as u8, if nonces.is_empty() { "-".to_string() } else { nonces.join(",") }));
+    }
+    s
+}
+
+/// Parses [`encode_replay_floors`]'s text; the error says which line is wrong.
+pub fn decode_replay_floors(text: &str) -> Result<Vec<ReplayFloor>, String> {
+    let mut lines = text.lines();
+    if lines.next() != Some("unbroken-guard-replay 1") {
+        return Err("not an unbroken guard replay file (version 1)".into());
+    }
+    let mut out = Vec::new();
+    for (i, l) in lines.enumerate() {
+        let bad = || format!("line {}: {l:?}", i + 2);
+        let f: Vec<&str> = l.split(' ').collect();
+        if f.len() != 4 {
+            return Err(bad());
+        }
+        let app_ip: IpAddr = f[0].parse().map_err(|_| bad())?;
+        let time_ms: u64 = f[1].parse().map_err(|_| bad())?;
+        let full = match f[2] {
+            "0" => false,
+            "1" => true,
+            _ => return Err(bad()),
+        };
+        let nonces = if f[3] == "-" { vec![] } else { f[3].split(',').map(|n| u64::from_str_radix(n, 16).map_err(|_| bad())).collect::<Result<Vec<_>, _>>()? };
+        if nonces.len() > FLOOR_NONCES {
+            return Err(bad());
+        }
+        out.push(ReplayFloor { app_ip, time_ms, nonces, full });
+    }
+    Ok(out)
+}
+
 /// Every decision of the guard, without I/O.
 pub struct Core {
     services: HashSet<(IpAddr, u16)>,
@@ -285,6 +370,12 @@ pub struct Core {
     grace_ms: u64,
     max_conns: usize,
     replay: ReplayCache,
+    /// The high-water marks restored from the previous instance (see [`ReplayFloor`]).
+    replay_restored: HashMap<IpAddr, ReplayFloor>,
+    /// This instance's marks, to persist for the next ([`Core::take_replay_floors`]), and
+    /// whether they changed since last taken.
+    replay_floors: HashMap<IpAddr, ReplayFloor>,
+    replay_floors_dirty: bool,
     /// Send the recovery nudge (config `recovery_nudge`; experimental, off by default).
     pub recovery_nudge: bool,
     /// Token bucket of refusals: tokens (in thousandths) and when it was last filled.
@@ -319,6 +410,9 @@ impl Core {
             grace_ms,
             max_conns: max_conns.max(1),
             replay: ReplayCache::new(1 << 18),
+            replay_restored: HashMap::new(),
+            replay_floors: HashMap::new(),
+            replay_floors_dirty: false,
             recovery_nudge: false,
             nak_tokens: NAK_PER_SEC * 1000,
             nak_filled_ms: None,
@@ -336,6 +430,27 @@ impl Core {
 
     pub fn connections(&self) -> usize {
         self.table.len()
+    }
+
+    /// Restores the replay high-water marks the previous instance persisted (issue 21, item
+    /// 5): commands at or below them are refused as replays (`cmd_rejected_replay_restart`).
+    pub fn restore_replay_floors(&mut self, floors: Vec<ReplayFloor>) {
+        for f in floors {
+            self.replay_floors.insert(f.app_ip, f.clone());
+            self.replay_restored.insert(f.app_ip, f);
+        }
+    }
+
+    /// The replay high-water marks, when they changed since last taken: the daemon persists
+    /// them before it acts on the command that raised them (injects its ACK, answers it), so a
+    /// datagram whose effect anyone saw is refused by the next instance.
+    pub fn take_replay_floors(&mut self) -> Option<Vec<ReplayFloor>> {
+        if !std::mem::take(&mut self.replay_floors_dirty) {
+            return None;
+        }
+        let mut v: Vec<ReplayFloor> = self.replay_floors.values().cloned().collect();
+        v.sort_by_key(|f| f.app_ip);
+        Some(v)
     }
 
     /// The engine state of a connection, if remembered.
@@ -868,6 +983,16 @@ impl Core {
         if !self.services.contains(&(cmd.app.ip(), cmd.app.port())) {
             self.counters.cmd_not_protected += 1;
             return status_reply(Status::BadRequest, &self.key);
+        }
+        // Across restarts (issue 21, item 5): at or below what the previous instance accepted
+        // for this service address, a replay of a datagram captured before the restart.
+        if self.replay_restored.get(&cmd.app.ip()).is_some_and(|f| f.covers(cmd.time_ms, cmd.nonce)) {
+            self.counters.cmd_rejected_replay += 1;
+            self.counters.cmd_rejected_replay_restart += 1;
+            return None;
+        }
+        if self.replay_floors.entry(cmd.app.ip()).or_insert_with(|| ReplayFloor { app_ip: cmd.app.ip(), time_ms: 0, nonces: Vec::new(), full: false }).raise(cmd.time_ms, cmd.nonce) {
+            self.replay_floors_dirty = true;
         }
         if cmd.op == ctl::Op::Adopt {
             return match self.next_unclaimed(cmd.app, cmd.peer) {
@@ -1427,6 +1552,50 @@ mod tests {
         assert!(c.command(from_app(), &recovery_ack(32, 101), 1, 0, &mut ack).is_some());
         assert!(c.command(from_app(), &abandon(33), 1, 0, &mut ack).unwrap().ack_len.is_none());
         assert_eq!(c.counters.abandoned_released, 0);
+    }
+
+    /// Issue 21, item 5: the nonce cache dies with the guard; a datagram captured before a
+    /// restart, replayed to the new guard inside the clock window, was accepted once. The new
+    /// guard restored from the persisted high-water marks refuses it (and every older one of
+    /// that service address, and one of the same millisecond whose nonce was seen), and accepts
+    /// the application's next command. The marks survive their text form; a damaged file is an
+    /// error, never a silent start without them.
+    #[test]
+    fn hostile_command_replayed_to_a_restarted_guard_is_refused() {
+        let mut ack = [0u8; 128];
+        let t = 1_000_000;
+        let mut c1 = core();
+        let shutdown = cmd(Op::Shutdown, 40, t);
+        let earlier = cmd(Op::Acknowledge, 41, t - 5);
+        assert!(c1.command(from_app(), &earlier, t, 0, &mut ack).is_some());
+        assert!(c1.command(from_app(), &shutdown, t, 0, &mut ack).is_some());
+        let same_ms = cmd(Op::Tell, 42, t);
+        assert!(c1.command(from_app(), &same_ms, t, 0, &mut ack).is_some());
+        let floors = c1.take_replay_floors().expect("raised");
+        assert!(c1.take_replay_floors().is_none(), "taken once");
+        assert_eq!(floors.len(), 1);
+        assert_eq!((floors[0].app_ip, floors[0].time_ms, floors[0].nonces.clone()), (app().ip(), t, vec![40, 42]));
+        let text = encode_replay_floors(&floors);
+        assert_eq!(decode_replay_floors(&text).unwrap(), floors);
+        assert!(decode_replay_floors(&text.replace(" 0 ", " 7 ")).is_err());
+        assert!(decode_replay_floors("").is_err());
+
+        // The restart: a new core, restored from the file; the replays come 10 s later.
+        let mut c2 = core();
+        c2.restore_replay_floors(decode_replay_floors(&text).unwrap());
+        for d in [&shutdown, &earlier, &same_ms] {
+            assert!(c2.command(from_app(), d, t + 10_000, 0, &mut ack).is_none());
+        }
+        assert_eq!((c2.counters.cmd_rejected_replay, c2.counters.cmd_rejected_replay_restart), (3, 3));
+        assert!(c2.conn(&FlowKey { app: app(), peer: peer() }).is_none(), "nothing changed");
+        // Another datagram of that millisecond whose nonce the old guard never saw, and the
+        // application's next commands, pass.
+        assert!(c2.command(from_app(), &cmd(Op::Tell, 43, t), t + 10_000, 0, &mut ack).is_some());
+        assert!(c2.command(from_app(), &cmd(Op::Acknowledge, 44, t + 10_000), t + 10_000, 0, &mut ack).is_some());
+        assert_eq!(c2.counters.cmd_rejected_replay, 3);
+        // Without the marks (before): the captured SHUTDOWN was accepted by the new guard.
+        let mut c3 = core();
+        assert!(c3.command(from_app(), &shutdown, t + 10_000, 0, &mut ack).is_some());
     }
 
     #[test]

@@ -31,7 +31,7 @@ mod rtcp_sim;
 use rtcp_sim::*;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use unbroken_control::config::{Prefix, Service};
-use unbroken_control::guard::{Core, Counters, FlowKey};
+use unbroken_control::guard::{Core, Counters, FlowKey, ReplayFloor};
 use unbroken_wire::ctl::Status;
 use unbroken_wire::ip;
 use unbroken_wire::tcp::{flags as TF, Packet as Tcp, Repr};
@@ -52,6 +52,8 @@ struct Hostile {
     foreign_key: u32,
     wrong_source: u32,
     stale: u32,
+    /// Datagrams of a previous guard instance replayed to the restarted one (issue 21, item 5).
+    replayed_across_restart: u32,
 }
 
 struct GuardFilter {
@@ -61,6 +63,12 @@ struct GuardFilter {
     flow: FlowKey,
     /// Genuine command datagrams since the guard's last restart, with their wall time.
     history: Vec<(Vec<u8>, u64)>,
+    /// Those of the instance before the last restart, replayed (when `hostile_commands`) to the
+    /// new one at its first command: each must be refused (issue 21, item 5).
+    before_restart: Vec<(Vec<u8>, u64)>,
+    /// The replay file: the high-water marks as the daemon persists them after each command,
+    /// restored into the next instance.
+    replay_file: Vec<ReplayFloor>,
     hostile: Hostile,
     /// A fresh nonce space for the datagrams an attacker with the key would build.
     hostile_nonce: u64,
@@ -331,6 +339,8 @@ impl Filter for GuardFilter {
             rng: Rng::new(sc.seed ^ 0x6A7D),
             flow: FlowKey { app: a_sockaddr(), peer: b_sockaddr() },
             history: vec![],
+            before_restart: vec![],
+            replay_file: vec![],
             hostile: Hostile::default(),
             hostile_nonce: 1 << 60,
             noise_port: 20_000,
@@ -351,7 +361,8 @@ impl Filter for GuardFilter {
         self.nudges += self.core.counters.recovery_nudges;
         self.race_undone += self.core.counters.recovery_race_undone;
         self.core = new_core(&self.opts);
-        self.history.clear();
+        self.core.restore_replay_floors(self.replay_file.clone());
+        self.before_restart = std::mem::take(&mut self.history);
         self.present = false;
         self.restarts += 1;
     }
@@ -362,8 +373,22 @@ impl Filter for GuardFilter {
         self.decide(buf, len, now_ms, false)
     }
     fn command(&mut self, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<(Vec<u8>, Option<usize>)> {
+        if self.opts.hostile_commands > 0.0 {
+            // Everything the previous instance accepted, still inside the clock window, replayed
+            // to this one before the application's next command.
+            for (old, sent) in std::mem::take(&mut self.before_restart) {
+                if wall_ms - sent <= SKEW_MS {
+                    self.hostile.replayed_across_restart += 1;
+                    self.expect_refused("replay across a restart", a_cmd_source(), &old, wall_ms, now_ms, |c| c.cmd_rejected_replay_restart);
+                }
+            }
+        }
         let armed = self.core.recovery_armed(&self.flow, now_ms);
-        let out = self.core.command(a_cmd_source(), dgram, wall_ms, now_ms, ack_buf)?;
+        let out = self.core.command(a_cmd_source(), dgram, wall_ms, now_ms, ack_buf);
+        if let Some(f) = self.core.take_replay_floors() {
+            self.replay_file = f;
+        }
+        let out = out?;
         self.observe();
         if !armed && self.core.recovery_armed(&self.flow, now_ms) && self.rng.chance(self.opts.racing_syns) {
             // A forged SYN right after the announcement, ahead of the genuine one.
@@ -428,6 +453,7 @@ impl Filter for GuardFilter {
             ("foreign_key", h.foreign_key as u64),
             ("wrong_source", h.wrong_source as u64),
             ("stale", h.stale as u64),
+            ("replayed_across_restart", h.replayed_across_restart as u64),
             ("evicted_idle", self.evicted_idle),
             ("noise_syns", self.noise_syns),
             ("forged_syns", self.forged_syns),
@@ -515,6 +541,31 @@ fn guard_common_case_with_hostile_commands() {
     for kind in ["replayed_now", "replayed_old", "forged", "foreign_key", "wrong_source", "stale"] {
         assert!(reps.iter().map(|r| r.filter_count(kind)).sum::<u64>() > 0, "no {kind} datagram sent");
     }
+}
+
+/// Issue 21, item 5: the guard restarts (twice per run, mid-transfer, alone or with *A*'s
+/// crash) with its replay file (the high-water marks the daemon persists); at the new
+/// instance's first command, every datagram the previous instance accepted within the clock
+/// window is replayed to it: each must be refused (`cmd_rejected_replay_restart`) and change
+/// nothing, while *A*'s own commands go on being answered and every run completes byte-exact.
+/// Without the marks the new guard accepted such a replay once.
+#[test]
+fn hostile_commands_replayed_across_guard_restarts_are_refused() {
+    let mut replayed = 0;
+    for seed in 0..(6 * scale() as u64) {
+        let mut sc = scenario(&format!("guard-replay-restart-{seed}"), 900 + seed, 60_000);
+        let packets = baseline_on::<GuardFilter>(&sc).packets;
+        sc.filter_restart_after = vec![packets / 3, 2 * packets / 3];
+        if seed % 2 == 1 {
+            sc.crash_after = vec![packets / 3];
+            sc.restart_delay_ms = [0, 30][(seed / 2 % 2) as usize];
+        }
+        sc.guard.hostile_commands = 1.0;
+        let r = run(sc);
+        assert_eq!(r.filter_restarts, 2, "{r:?}");
+        replayed += r.filter_count("replayed_across_restart");
+    }
+    assert!(replayed > 0, "no datagram was replayed across a restart");
 }
 
 /// Issue 9, item 1, the race: A crashes after every packet position and recovers; every

@@ -1496,7 +1496,9 @@ mod tests {
         // The SDK's recover: ACKNOWLEDGE (announces the SYN), connect, TELL.
         assert!(c.command(from_app(), &recovery_ack(22, 101), 1, 0, &mut [0u8; 128]).is_some());
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), flags: F::SYN, mss: Some(1400), ..Default::default() });
-        assert_eq!(c.packet(&mut b, n, 1).0, Verdict::Accept { modified: false }, "forwarded: the peer's answer says where it is");
+        let (v, n) = c.packet(&mut b, n, 1);
+        assert_eq!(v, Verdict::Accept { modified: true }, "forwarded: the peer's answer says where it is");
+        assert_eq!(Tcp::new_checked(&b[20..n]).unwrap().seq(), Seq(900), "with the old ISN, whatever the peer got");
         // The peer, established, answers with a challenge ACK: it becomes the SYN-ACK.
         let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
         let (v, n) = c.packet(&mut b, n, 2);

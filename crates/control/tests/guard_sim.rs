@@ -653,6 +653,30 @@ fn guard_adopt_after_crash_inside_handshake() {
     }
 }
 
+/// The same when *A*'s SYN-ACK never reached *B* (lost): *A* dies right after sending it and
+/// restarts at once, while *B* still waits in SYN-SENT. ADOPT offers the connection (the
+/// SYN-ACK passed the guard); the recovery SYN goes to *B* with *A*'s old ISN, so *B*'s
+/// simultaneous open answers the old numbering, and its SYN-ACK becomes the new socket's
+/// (section 6). Before, the SYN went out with the new ISN: *B* took it for the connection's
+/// ISN, the TELL named another ackB0 than the adopted record, and the recovery failed each
+/// time it was tried. Every crash mode, each restart delay shorter than *B*'s SYN timeout.
+#[test]
+fn guard_adopt_after_crash_inside_handshake_with_the_syn_ack_lost() {
+    for mode in [CrashMode::Wipe, CrashMode::CloseOnExit, CrashMode::Silent] {
+        for delay in [0, 1, 30] {
+            let mut sc = scenario(&format!("guard-adopt-synack-lost {mode:?} delay={delay}"), 37, 10_000);
+            sc.crash_modes = vec![mode];
+            sc.restart_delay_ms = delay;
+            sc.lose_to_b = vec![1];
+            sc.crash_after = vec![1];
+            sc.max_virtual = Duration::from_secs(60);
+            let r = run(sc);
+            assert_eq!(r.crashes, 1, "{r:?}");
+            assert_eq!(r.pre_accept_recoveries, 1, "adopted: {r:?}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. The guard restarting (section 2.7, its self-recovery)
 // ---------------------------------------------------------------------------------------------

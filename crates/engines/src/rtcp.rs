@@ -49,7 +49,10 @@
 //!   below it) and acceptable (issue 21, item 2; `peer_acks_of_an_old_fin_after_tell_are_clamped`).
 //! - *A*'s SYN-ACK (*A* the server) records ackB0, its SEQ + 1, in `ack_b` without setting
 //!   RECOVERABLE: the only ACK *B*'s handshake can carry. ADOPT can then hand over a connection
-//!   whose application died before *B*'s handshake ACK arrived (issue 21, item 3).
+//!   whose application died before *B*'s handshake ACK arrived (issue 21, item 3). Its
+//!   recovery SYN is forwarded with *A*'s old ISN, so that a *B* that never got the SYN-ACK
+//!   (still in SYN-SENT) answers the old numbering with a simultaneous open's SYN-ACK, which
+//!   becomes the new socket's SYN-ACK like section 6's challenge ACK.
 
 use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
 use unbroken_wire::ip::{self, IpInfo};
@@ -527,6 +530,10 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
     let synchronized = c.has(flag::RECOVERABLE) && c.has(flag::SYNCED) && !c.is_closed();
     let where_ = place(c, t.seq(), t.seq_len());
     let out_of_window = Outcome::with(Verdict::Drop, len, Event::PeerOutOfWindow);
+    // B's SYN-ACK to a recovery SYN that `outgoing` sent with A's old ISN (an adopted
+    // connection inside its handshake whose SYN-ACK B never got: a simultaneous open). It
+    // confirms ackB0 and becomes the SYN-ACK A's new socket waits for, as in section 6.
+    let renumbered_answer = c.has(flag::SYN_PENDING) && c.has(flag::SYNCED) && c.has(flag::OPTS_KNOWN) && !c.has(flag::RECOVERABLE) && f & (F::SYN | F::ACK | F::RST) == F::SYN | F::ACK && t.ack() == Seq(c.ack_b) && t.seq() + 1 == Seq(c.ack_a);
 
     if f & F::RST != 0 {
         // RFC 5961 section 3: only a RST within A's receive window may reach A's TCP, which
@@ -558,7 +565,7 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
                 // B resends its SYN-ACK (A's handshake ACK was lost): A's TCP answers it again.
                 return Ok(Outcome::forward(len, modified));
             }
-            if (pending && t.ack() != Seq(c.delta) + 1) || (!pending && synchronized) {
+            if (pending && t.ack() != Seq(c.delta) + 1 && !renumbered_answer) || (!pending && synchronized) {
                 return Ok(out_of_window);
             }
         }
@@ -603,7 +610,7 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
     }
 
     // I2. Initialize checkpointed acknowledgments: SEQ is B's initial sequence number.
-    if f & F::SYN != 0 {
+    if f & F::SYN != 0 && !renumbered_answer {
         let syn_ack = f & F::ACK != 0;
         c.ack_a = (t.seq() + 1).0;
         c.set(flag::ACK_ALLOWED);
@@ -657,7 +664,7 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
         c.set(flag::RECOVERABLE);
 
         // Section 6: B's answer to a forwarded recovery SYN becomes the SYN-ACK A waits for.
-        if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
+        if c.has(flag::SYN_PENDING) && (f & F::SYN == 0 || renumbered_answer) {
             if !c.has(flag::ACK_ALLOWED) && !c.has(flag::ACK_EVERYTHING) {
                 // No checkpoint: the filter restarted after the application's ACKNOWLEDGE and
                 // before its SYN. Nothing would ever teach us ackA (the SDK sends ACKNOWLEDGE
@@ -821,6 +828,16 @@ pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) 
         // O4. Recovery impossible for now: a first connection, or state lost. Forward unchanged
         // and remember the SYN so B's answer can be rewritten (section 6).
         let first = !c.has(flag::RECOVERABLE) && !have_ack && !c.has(flag::OPTS_KNOWN);
+        // An adopted connection inside its handshake (issue 21, item 3): A's SYN-ACK went out
+        // (ackB0 = its SEQ + 1 is known, not yet confirmed by B). B may not have received that
+        // SYN-ACK (lost) and still be in SYN-SENT: the SYN goes out with A's old ISN, so that
+        // either B's answer names the old numbering, its challenge ACK (established) or its
+        // SYN-ACK (a simultaneous open, see `incoming`), and the record's ackB0 holds.
+        let renumber = c.has(flag::SYNCED) && c.has(flag::OPTS_KNOWN) && !c.has(flag::RECOVERABLE) && have_ack;
+        if renumber {
+            t.rewrite_seq(Seq(c.ack_b) - 1);
+            modified = true;
+        }
         c.delta = syn.seq.0;
         c.ts_off = syn.tsval;
         c.set_ws_cur(c.a_ws_cur(), syn.ws);

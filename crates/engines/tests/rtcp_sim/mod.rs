@@ -293,6 +293,8 @@ pub struct Scenario {
     pub crash_on_reconnect: u32,
     /// Delay between *A*'s socket reconnecting and its TELL (0: in the same step).
     pub tell_delay_ms: u64,
+    /// Packets toward *B* lost on the wide link, by their order (1 = the first one sent).
+    pub lose_to_b: Vec<u64>,
     /// Delay between *A*'s accept (its socket established) and its first TELL (0: in the same
     /// step). The TELL follows even if the socket was reset meanwhile (accept returned it).
     pub first_tell_delay_ms: u64,
@@ -360,6 +362,7 @@ impl Scenario {
             restart_delay_ms: 30,
             tell_delay_ms: 0,
             first_tell_delay_ms: 0,
+            lose_to_b: vec![],
             crash_on_reconnect: 0,
             adopt_needs_recoverable: false,
             stall_is_err: false,
@@ -791,6 +794,8 @@ pub struct Sim<X: Filter> {
     /// The highest sequence number A's current socket has sent (for the emulation at
     /// [`Sim::linux_answers_probe`]); `None` for a new socket.
     a_snd_max: Option<Seq>,
+    /// Packets put on the wide link toward B so far (`Scenario::lose_to_b`).
+    sent_to_b: u64,
     /// Set when A gives up on the connection (only in the case described at
     /// [`Report::filter_restart_before_first_tell`]).
     abandoned: Option<String>,
@@ -851,6 +856,7 @@ impl<X: Filter> Sim<X> {
             abandoned: None,
             b_syn_seq: None,
             a_snd_max: None,
+            sent_to_b: 0,
             reconnect_crashes_left: 0,
         };
         sim.reconnect_crashes_left = sim.sc.crash_on_reconnect;
@@ -921,6 +927,13 @@ impl<X: Filter> Sim<X> {
     /// Puts a packet on the wide link (between the filter and B), with the scenario's faults.
     fn wide_send(&mut self, to: Side, pkt: Vec<u8>) {
         let at = self.now + Duration::from_millis(self.sc.latency_ms);
+        if to == Side::B {
+            self.sent_to_b += 1;
+            if self.sc.lose_to_b.contains(&self.sent_to_b) {
+                self.note(format!("LOST (scenario) {}", describe(&pkt)));
+                return;
+            }
+        }
         if self.rng.chance(self.sc.loss) {
             self.note(format!("LOST      {}", describe(&pkt)));
             return;

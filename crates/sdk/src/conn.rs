@@ -458,7 +458,25 @@ fn sockname(fd: BorrowedFd<'_>, peer: bool) -> io::Result<SocketAddr> {
     let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
     let p = (&mut ss as *mut libc::sockaddr_storage).cast();
     // SAFETY: the kernel writes at most len bytes into ss.
-    cvt(unsafe { if peer { libc::getpeername(fd.as_raw_fd(), p, &mut len) } else { libc::getsockname(fd.as_raw_fd(), p, &mut len) } })?;
+    let r = cvt(unsafe { if peer { libc::getpeername(fd.as_raw_fd(), p, &mut len) } else { libc::getsockname(fd.as_raw_fd(), p, &mut len) } });
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if peer && r.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
+        // A connection reset before `establish` (e.g. by a guard that restarted before its
+        // first TELL) has no peer for getpeername, but SO_PEERNAME still names it, so that
+        // `establish` can tell the guard it gives that connection up (ABANDON: the peer is
+        // reset instead of hanging; issue 21, item 4).
+        // The kernel wants a length no larger than the address: IPv6's, else IPv4's.
+        for want in [size_of::<libc::sockaddr_in6>(), size_of::<libc::sockaddr_in>()] {
+            len = want as libc::socklen_t;
+            // SAFETY: the kernel writes at most len bytes into ss.
+            match cvt(unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERNAME, p.cast(), &mut len) }) {
+                Ok(_) => return from_sockaddr(&ss, len),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    r?;
     from_sockaddr(&ss, len)
 }
 

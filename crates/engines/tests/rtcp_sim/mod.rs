@@ -46,7 +46,9 @@
 //! before TIME-WAIT ran out means "recover", like any ECONNRESET.
 //!
 //! Known limits, reported rather than failed: the filter losing its state between *B*'s SYN
-//! and *A*'s first TELL loses the connection (see `Report::filter_restart_before_first_tell`);
+//! and *A*'s first TELL loses the connection (see `Report::filter_restart_before_first_tell`;
+//! through the guard it must then end visibly, *B* reset, once *A* gave it up, see
+//! `Filter::releases_abandoned`, unless *A*'s socket was reset before *A* accepted it);
 //! *B*'s stack may stay in LAST-ACK after its application finished (see `Sim::b_step`).
 //!
 //! `SIM_SCALE` (default 1) multiplies the seeds of the randomized scenarios and of the lossy

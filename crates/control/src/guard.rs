@@ -221,6 +221,9 @@ pub struct Counters {
     /// could not protect (it did not see their handshake), and peers reset for them at once
     /// (issue 21, item 4).
     pub abandoned_released: u64,
+    /// The peer's first packets on a state that knew nothing of their connection, passed
+    /// without the I0 probe (issue 21, item 4, see `Core::packet_with`).
+    pub peer_first_unprobed: u64,
     pub abandoned_peer_reset: u64,
     /// Packets of such connections, passed untouched.
     pub unprotected_passed: u64,
@@ -730,8 +733,29 @@ impl Core {
             }
         }
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
+        // The peer's first packet on a state that knows nothing of the connection (a guard that
+        // restarted, or forgot it): kept, see below.
+        let first_seen = (!outgoing && e.conn.is_empty()).then(|| buf[..len].to_vec());
         // The IP header was parsed once, above: the engine reads the segment through that view.
-        let res = if outgoing { rtcp::outgoing_parsed(&mut e.conn, buf, len, &info) } else { rtcp::incoming_parsed(&mut e.conn, buf, len, &info, csum) };
+        let mut res = if outgoing { rtcp::outgoing_parsed(&mut e.conn, buf, len, &info) } else { rtcp::incoming_parsed(&mut e.conn, buf, len, &info, csum) };
+        // I0 would turn it into the out-of-window probe. But a guard that restarted inside the
+        // handshake (the application's SYN-ACK out, the peer's ACK not yet in) meets the
+        // peer's handshake ACK first: probed, the application's half-open socket answers, O6
+        // resets it, and the application never sees the connection (nor can it tell the guard
+        // to end it): the peer hung (issue 21, item 4). So the first packet passes as it is:
+        // the handshake completes, the application accepts, and its failing TELL ends the
+        // connection visibly (ABANDON). The next one is probed as before; on a connection
+        // recovered before the restart (Δ ≠ 0) this costs at most one packet the application's
+        // TCP drops, which the peer resends (its data stays unacknowledged), so the recovery
+        // starts one retransmission later.
+        let mut unprobed = false;
+        if let (Some(orig), Ok(o)) = (&first_seen, &res) {
+            if o.event == Some(Event::PeerWithoutState) {
+                buf[..len].copy_from_slice(orig);
+                unprobed = true;
+                res = Ok(rtcp::Outcome { verdict: Verdict::Accept { modified: false }, len, event: None });
+            }
+        }
         if let Ok(o) = &res {
             if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
                 e.nudge = true;
@@ -775,6 +799,9 @@ impl Core {
                     }
                 }
             }
+        }
+        if unprobed {
+            self.counters.peer_first_unprobed += 1;
         }
         self.finish(res, len)
     }
@@ -1554,6 +1581,26 @@ mod tests {
         assert!(c.command(from_app(), &recovery_ack(32, 101), 1, 0, &mut ack).is_some());
         assert!(c.command(from_app(), &abandon(33), 1, 0, &mut ack).unwrap().ack_len.is_none());
         assert_eq!(c.counters.abandoned_released, 0);
+    }
+
+    /// Issue 21, item 4: a guard that restarted inside a handshake meets the peer's handshake
+    /// ACK first. It passes unprobed (so the application's half-open socket completes and the
+    /// application gets to see, and give up, the connection); the peer's next packet gets the
+    /// I0 probe as before.
+    #[test]
+    fn the_peers_first_packet_on_an_unknown_connection_passes_unprobed() {
+        let mut c = core();
+        let hs = Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() };
+        let (mut b, n) = pkt(peer(), app(), hs);
+        let orig = b[..n].to_vec();
+        assert_eq!(c.packet(&mut b, n, 0), (Verdict::Accept { modified: false }, n));
+        assert_eq!(&b[..n], &orig[..], "untouched");
+        assert_eq!(c.counters.peer_first_unprobed, 1);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK | F::PSH, window: 5, ..Default::default() });
+        let (v, m) = c.packet(&mut b, n, 1);
+        assert_eq!(v, Verdict::Accept { modified: true });
+        assert_eq!(Tcp::new_checked(&b[20..m]).unwrap().seq(), Seq(101) + 0x8000_0000, "the I0 probe");
+        assert_eq!((c.counters.peer_first_unprobed, c.counters.peer_without_state), (1, 1));
     }
 
     /// Issue 21, item 5: the nonce cache dies with the guard; a datagram captured before a

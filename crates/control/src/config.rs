@@ -48,6 +48,12 @@ pub struct GuardSection {
     pub allowed_sources: Vec<String>,
     #[serde(default)]
     pub status_file: Option<PathBuf>,
+    /// Where the side channel's replay high-water marks survive a restart (issue 21, item 5;
+    /// `guard::ReplayFloor`). Default: `status_file` + ".replay"; with neither, a command
+    /// captured before a restart can be replayed once to the new guard within the clock window.
+    /// On persistent storage it also covers a host reboot.
+    #[serde(default)]
+    pub replay_file: Option<PathBuf>,
     /// Mark put on packets the guard injects, so its rules skip them.
     #[serde(default = "default_mark")]
     pub injection_mark: u32,
@@ -205,6 +211,17 @@ impl Guard {
         let text = std::fs::read_to_string(path).map_err(|e| format!("config {}: {e}", path.display()))?;
         Guard::from_toml(&text)
     }
+    /// The replay file in effect: `replay_file`, else `status_file` + ".replay".
+    pub fn replay_file(&self) -> Option<PathBuf> {
+        let g = &self.raw.guard;
+        g.replay_file.clone().or_else(|| {
+            g.status_file.as_ref().map(|p| {
+                let mut s = p.clone().into_os_string();
+                s.push(".replay");
+                PathBuf::from(s)
+            })
+        })
+    }
 }
 
 #[cfg(test)]
@@ -234,6 +251,12 @@ port = 7000
         assert!(!g.allowed[0].contains("10.77.1.2".parse().unwrap()));
         assert!(g.allowed[1].contains("fd77:2::12".parse().unwrap()));
         assert_eq!(g.raw.guard.closed_grace_secs, 60);
+        // The replay file (issue 21, item 5): explicit, else beside the status file, else none.
+        assert_eq!(g.replay_file(), None);
+        let s = GOOD.replace("allowed_sources", "status_file = \"/run/unbroken/guard.json\"\nallowed_sources");
+        assert_eq!(Guard::from_toml(&s).unwrap().replay_file(), Some("/run/unbroken/guard.json.replay".into()));
+        let r = s.replace("allowed_sources", "replay_file = \"/var/lib/unbroken/guard.replay\"\nallowed_sources");
+        assert_eq!(Guard::from_toml(&r).unwrap().replay_file(), Some("/var/lib/unbroken/guard.replay".into()));
     }
 
     #[test]

@@ -85,6 +85,22 @@ impl Entry {
         self.conn.flags & need == need && !self.conn.is_closed() && !self.unprotected
     }
 
+    /// What ADOPT offers: an established connection, or one inside its handshake whose
+    /// application's SYN-ACK went out here (the application's kernel accepted it) while the
+    /// peer's handshake ACK has not arrived yet (issue 21, item 3). The engine knows ackB0
+    /// there already (the SYN-ACK's SEQ + 1, the only ACK the peer's handshake can carry), and
+    /// an application that died between its kernel's SYN-ACK and that ACK would otherwise listen
+    /// again while the peer is established: its segments meet the new listener's RSTs, which
+    /// O1 drops, and the peer hangs until its own timeout. Its recovery SYN is forwarded (O4)
+    /// and the peer's answer (its challenge ACK, or its late handshake ACK) becomes the
+    /// SYN-ACK (section 6).
+    fn adoptable(&self) -> bool {
+        use unbroken_engines::rtcp::flag;
+        let answered = flag::SYNCED | flag::ACK_ALLOWED | flag::OPTS_KNOWN;
+        let inside_handshake = self.conn.flags & answered == answered && self.conn.flags & (flag::RECOVERABLE | flag::SYN_PENDING | flag::ACK_EVERYTHING) == 0 && self.a_hi.is_some() && !self.conn.is_closed() && !self.unprotected;
+        self.established() || inside_handshake
+    }
+
     /// A recovery SYN for this connection is announced at `now_ms`.
     fn recovery_armed(&self, now_ms: u64) -> bool {
         self.recovery_armed_until.is_some_and(|t| now_ms <= t)
@@ -175,6 +191,9 @@ pub struct Counters {
     pub cmd_rejected_auth: u64,
     pub cmd_rejected_stale: u64,
     pub cmd_rejected_replay: u64,
+    /// Of those, commands older than what the previous guard instance accepted from the same
+    /// service address (the persisted high-water mark, [`ReplayFloor`]): replays across a restart.
+    pub cmd_rejected_replay_restart: u64,
     pub cmd_malformed: u64,
     pub cmd_not_protected: u64,
     pub cmd_no_connection: u64,
@@ -198,6 +217,14 @@ pub struct Counters {
     /// Connections an application marked unprotected (`ctl::UNPROTECTED_DSCP`, the SDK does
     /// it when it cannot protect a connection): from then on passed untouched.
     pub unprotected_released: u64,
+    /// Connections released by an application's SHUTDOWN with the ABANDON flag that this guard
+    /// could not protect (it did not see their handshake), and peers reset for them at once
+    /// (issue 21, item 4).
+    pub abandoned_released: u64,
+    /// The peer's first packets on a state that knew nothing of their connection, passed
+    /// without the I0 probe (issue 21, item 4, see `Core::packet_with`).
+    pub peer_first_unprobed: u64,
+    pub abandoned_peer_reset: u64,
     /// Packets of such connections, passed untouched.
     pub unprotected_passed: u64,
     /// Packets marked unprotected on a connection that an authenticated command named, that
@@ -250,6 +277,88 @@ impl ReplayCache {
     }
 }
 
+/// Nonces kept per service address at its high-water time (see [`ReplayFloor`]).
+pub const FLOOR_NONCES: usize = 16;
+
+/// The replay high-water mark of one service address, persisted across guard restarts (issue
+/// 21, item 5): the replay cache of nonces lives in memory, so a datagram captured before a
+/// restart and replayed to the new guard within the clock window was accepted once. A guard
+/// restored with it refuses a command for that address whose clock is below `time_ms`, or
+/// equal to it with a nonce in `nonces` (or any, once more than [`FLOOR_NONCES`] commands
+/// shared that millisecond: `full`). A command's clock is its sender's, so each address is
+/// compared with its own commands only: an application's clock need not agree with the guard's
+/// or other hosts' beyond the allowed skew, only run forward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayFloor {
+    pub app_ip: IpAddr,
+    pub time_ms: u64,
+    pub nonces: Vec<u64>,
+    pub full: bool,
+}
+
+impl ReplayFloor {
+    /// Whether a command with this clock and nonce is at or below the mark (a replay).
+    fn covers(&self, time_ms: u64, nonce: u64) -> bool {
+        time_ms < self.time_ms || (time_ms == self.time_ms && (self.full || self.nonces.contains(&nonce)))
+    }
+    /// Raises the mark with an accepted command; true if it changed.
+    fn raise(&mut self, time_ms: u64, nonce: u64) -> bool {
+        if time_ms > self.time_ms {
+            self.time_ms = time_ms;
+            self.nonces.clear();
+            self.full = false;
+        } else if time_ms < self.time_ms || self.full {
+            return false;
+        }
+        if self.nonces.len() < FLOOR_NONCES {
+            self.nonces.push(nonce);
+        } else {
+            self.full = true;
+        }
+        true
+    }
+}
+
+/// The persisted form of [`ReplayFloor`]s: one line per service address,
+/// `<address> <time_ms> <full 0|1> <nonce hex,...>`, after a first line `unbroken-guard-replay 1`.
+pub fn encode_replay_floors(floors: &[ReplayFloor]) -> String {
+    let mut s = String::from("unbroken-guard-replay 1\n");
+    for f in floors {
+        let nonces: Vec<String> = f.nonces.iter().map(|n| format!("{n:016x}")).collect();
+        s.push_str(&format!("{} {} {} {}\n", f.app_ip, f.time_ms, f.full as u8, if nonces.is_empty() { "-".to_string() } else { nonces.join(",") }));
+    }
+    s
+}
+
+/// Parses [`encode_replay_floors`]'s text; the error says which line is wrong.
+pub fn decode_replay_floors(text: &str) -> Result<Vec<ReplayFloor>, String> {
+    let mut lines = text.lines();
+    if lines.next() != Some("unbroken-guard-replay 1") {
+        return Err("not an unbroken guard replay file (version 1)".into());
+    }
+    let mut out = Vec::new();
+    for (i, l) in lines.enumerate() {
+        let bad = || format!("line {}: {l:?}", i + 2);
+        let f: Vec<&str> = l.split(' ').collect();
+        if f.len() != 4 {
+            return Err(bad());
+        }
+        let app_ip: IpAddr = f[0].parse().map_err(|_| bad())?;
+        let time_ms: u64 = f[1].parse().map_err(|_| bad())?;
+        let full = match f[2] {
+            "0" => false,
+            "1" => true,
+            _ => return Err(bad()),
+        };
+        let nonces = if f[3] == "-" { vec![] } else { f[3].split(',').map(|n| u64::from_str_radix(n, 16).map_err(|_| bad())).collect::<Result<Vec<_>, _>>()? };
+        if nonces.len() > FLOOR_NONCES {
+            return Err(bad());
+        }
+        out.push(ReplayFloor { app_ip, time_ms, nonces, full });
+    }
+    Ok(out)
+}
+
 /// Every decision of the guard, without I/O.
 pub struct Core {
     services: HashSet<(IpAddr, u16)>,
@@ -264,6 +373,12 @@ pub struct Core {
     grace_ms: u64,
     max_conns: usize,
     replay: ReplayCache,
+    /// The high-water marks restored from the previous instance (see [`ReplayFloor`]).
+    replay_restored: HashMap<IpAddr, ReplayFloor>,
+    /// This instance's marks, to persist for the next ([`Core::take_replay_floors`]), and
+    /// whether they changed since last taken.
+    replay_floors: HashMap<IpAddr, ReplayFloor>,
+    replay_floors_dirty: bool,
     /// Send the recovery nudge (config `recovery_nudge`; experimental, off by default).
     pub recovery_nudge: bool,
     /// Token bucket of refusals: tokens (in thousandths) and when it was last filled.
@@ -298,6 +413,9 @@ impl Core {
             grace_ms,
             max_conns: max_conns.max(1),
             replay: ReplayCache::new(1 << 18),
+            replay_restored: HashMap::new(),
+            replay_floors: HashMap::new(),
+            replay_floors_dirty: false,
             recovery_nudge: false,
             nak_tokens: NAK_PER_SEC * 1000,
             nak_filled_ms: None,
@@ -315,6 +433,27 @@ impl Core {
 
     pub fn connections(&self) -> usize {
         self.table.len()
+    }
+
+    /// Restores the replay high-water marks the previous instance persisted (issue 21, item
+    /// 5): commands at or below them are refused as replays (`cmd_rejected_replay_restart`).
+    pub fn restore_replay_floors(&mut self, floors: Vec<ReplayFloor>) {
+        for f in floors {
+            self.replay_floors.insert(f.app_ip, f.clone());
+            self.replay_restored.insert(f.app_ip, f);
+        }
+    }
+
+    /// The replay high-water marks, when they changed since last taken: the daemon persists
+    /// them before it acts on the command that raised them (injects its ACK, answers it), so a
+    /// datagram whose effect anyone saw is refused by the next instance.
+    pub fn take_replay_floors(&mut self) -> Option<Vec<ReplayFloor>> {
+        if !std::mem::take(&mut self.replay_floors_dirty) {
+            return None;
+        }
+        let mut v: Vec<ReplayFloor> = self.replay_floors.values().cloned().collect();
+        v.sort_by_key(|f| f.app_ip);
+        Some(v)
     }
 
     /// The engine state of a connection, if remembered.
@@ -417,7 +556,7 @@ impl Core {
     }
 
     /// ADOPT: the first connection of `app` after `cursor` (by peer address and port) that no
-    /// TELL claimed and that a recovery SYN could resynchronize.
+    /// TELL claimed and that a recovery SYN could resynchronize ([`Entry::adoptable`]).
     fn next_unclaimed(&self, app: SocketAddr, cursor: SocketAddr) -> Option<SocketAddr> {
         let order = |a: SocketAddr| {
             let ip = match a.ip() {
@@ -428,7 +567,7 @@ impl Core {
         };
         self.table
             .iter()
-            .filter(|(k, e)| k.app == app && !e.told && e.established())
+            .filter(|(k, e)| k.app == app && !e.told && e.adoptable())
             .map(|(k, _)| k.peer)
             .filter(|p| order(*p) > order(cursor))
             .min_by_key(|p| order(*p))
@@ -594,8 +733,29 @@ impl Core {
             }
         }
         let csum = if csum_partial { rtcp::PeerChecksum::Partial } else { rtcp::PeerChecksum::Verify };
+        // The peer's first packet on a state that knows nothing of the connection (a guard that
+        // restarted, or forgot it): kept, see below.
+        let first_seen = (!outgoing && e.conn.is_empty()).then(|| buf[..len].to_vec());
         // The IP header was parsed once, above: the engine reads the segment through that view.
-        let res = if outgoing { rtcp::outgoing_parsed(&mut e.conn, buf, len, &info) } else { rtcp::incoming_parsed(&mut e.conn, buf, len, &info, csum) };
+        let mut res = if outgoing { rtcp::outgoing_parsed(&mut e.conn, buf, len, &info) } else { rtcp::incoming_parsed(&mut e.conn, buf, len, &info, csum) };
+        // I0 would turn it into the out-of-window probe. But a guard that restarted inside the
+        // handshake (the application's SYN-ACK out, the peer's ACK not yet in) meets the
+        // peer's handshake ACK first: probed, the application's half-open socket answers, O6
+        // resets it, and the application never sees the connection (nor can it tell the guard
+        // to end it): the peer hung (issue 21, item 4). So the first packet passes as it is:
+        // the handshake completes, the application accepts, and its failing TELL ends the
+        // connection visibly (ABANDON). The next one is probed as before; on a connection
+        // recovered before the restart (Δ ≠ 0) this costs at most one packet the application's
+        // TCP drops, which the peer resends (its data stays unacknowledged), so the recovery
+        // starts one retransmission later.
+        let mut unprobed = false;
+        if let (Some(orig), Ok(o)) = (&first_seen, &res) {
+            if o.event == Some(Event::PeerWithoutState) {
+                buf[..len].copy_from_slice(orig);
+                unprobed = true;
+                res = Ok(rtcp::Outcome { verdict: Verdict::Accept { modified: false }, len, event: None });
+            }
+        }
         if let Ok(o) = &res {
             if matches!(o.event, Some(Event::Recovered | Event::RecoveredFromPeerAck)) {
                 e.nudge = true;
@@ -639,6 +799,9 @@ impl Core {
                     }
                 }
             }
+        }
+        if unprobed {
+            self.counters.peer_first_unprobed += 1;
         }
         self.finish(res, len)
     }
@@ -848,6 +1011,16 @@ impl Core {
             self.counters.cmd_not_protected += 1;
             return status_reply(Status::BadRequest, &self.key);
         }
+        // Across restarts (issue 21, item 5): at or below what the previous instance accepted
+        // for this service address, a replay of a datagram captured before the restart.
+        if self.replay_restored.get(&cmd.app.ip()).is_some_and(|f| f.covers(cmd.time_ms, cmd.nonce)) {
+            self.counters.cmd_rejected_replay += 1;
+            self.counters.cmd_rejected_replay_restart += 1;
+            return None;
+        }
+        if self.replay_floors.entry(cmd.app.ip()).or_insert_with(|| ReplayFloor { app_ip: cmd.app.ip(), time_ms: 0, nonces: Vec::new(), full: false }).raise(cmd.time_ms, cmd.nonce) {
+            self.replay_floors_dirty = true;
+        }
         if cmd.op == ctl::Op::Adopt {
             return match self.next_unclaimed(cmd.app, cmd.peer) {
                 Some(peer) => {
@@ -877,6 +1050,7 @@ impl Core {
         // one-way or lossy side channel) gives up and marks the socket unprotected, and that
         // mark must still be honoured, or the guard would hold the application's FIN and the
         // peer hang (issue 9, checkpoint misconfiguration).
+        let claimed_before = e.claimed;
         if cmd.op != ctl::Op::Tell {
             e.claimed = true;
         }
@@ -887,6 +1061,38 @@ impl Core {
         if cmd.op == ctl::Op::Acknowledge && cmd.flags & ctl::flag::RECOVERY != 0 {
             e.recovery_armed_until = Some(now_ms + RECOVERY_WINDOW_MS);
             e.recovery_syns.clear();
+        }
+        // An application gives up a connection it has no record of (the SDK's `establish`
+        // failed), and this guard cannot protect it either: it did not see the handshake (it
+        // restarted, or forgot the connection, between the peer's SYN and the first TELL), so
+        // nobody knows the checkpoint and the connection cannot be recovered. Before, the
+        // application's close met O6 (its FIN reset, its RSTs dropped) and the peer waited for
+        // its own timeout (issue 21, item 4). Now the connection is released (every packet
+        // passes untouched: the application's kernel answers the peer's next segment with a RST
+        // that reaches it) and, when the peer's latest ACK is known (its RCV.NXT, the SEQ its
+        // TCP accepts a RST at, RFC 5961), a RST goes to the peer at once. Only for a state that
+        // no protecting command named before and that never witnessed the connection (Δ = 0 is
+        // then the application's word: it holds no record, so this socket was never
+        // recovered); a guard that did see the handshake keeps the plain SHUTDOWN's meaning.
+        if cmd.op == ctl::Op::Shutdown && cmd.flags & ctl::flag::ABANDON != 0 && !claimed_before && !e.unprotected {
+            use unbroken_engines::rtcp::flag;
+            let witnessed = e.conn.flags & (flag::SYNCED | flag::ACK_ALLOWED) == flag::SYNCED | flag::ACK_ALLOWED;
+            if !witnessed {
+                e.unprotected = true;
+                let rst = (e.conn.flags & flag::RECOVERABLE != 0).then(|| {
+                    let r = unbroken_wire::tcp::Repr { src_port: cmd.app.port(), dst_port: cmd.peer.port(), seq: Seq(e.conn.ack_b), flags: unbroken_wire::tcp::flags::RST, ..Default::default() };
+                    emit_bare(ack_buf, cmd.app.ip(), cmd.peer.ip(), &r)
+                });
+                let reply = rtcp::command(&mut Conn::default(), &cmd, &mut []).reply;
+                self.counters.abandoned_released += 1;
+                self.counters.commands_answered += 1;
+                let ack_len = rst.flatten();
+                if ack_len.is_some() {
+                    self.counters.abandoned_peer_reset += 1;
+                }
+                let reply = Command { time_ms: wall_ms, ..reply };
+                return reply.encode(&self.key).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len });
+            }
         }
         let res = rtcp::command(&mut e.conn, &cmd, ack_buf);
         if cmd.op == ctl::Op::Tell && std::mem::take(&mut e.nudge) && nudging {
@@ -1293,6 +1499,152 @@ mod tests {
         let tell = Command::request(Op::Tell, app(), r1.peer, 23, 1);
         c.command(from_app(), &tell.encode(&key()).unwrap(), 1, 0, &mut ack).unwrap();
         assert_eq!(adopt(&mut c, "0.0.0.0:0".parse().unwrap(), 24).peer.port(), 41001);
+    }
+
+    /// Issue 21, item 3: the application's kernel answered the peer's SYN, the application died
+    /// before the peer's handshake ACK arrived. ADOPT offers the connection with ackB0 = the
+    /// SYN-ACK's SEQ + 1 (not one whose SYN-ACK never went out); the recovery SYN is forwarded
+    /// and the peer's challenge ACK comes back as the SYN-ACK the new socket waits for.
+    #[test]
+    fn adopt_offers_a_connection_inside_its_handshake_and_recovers_it() {
+        let mut c = core();
+        let adopt = |c: &mut Core, nonce: u64| {
+            let cmd = Command::request(Op::Adopt, app(), "0.0.0.0:0".parse().unwrap(), nonce, 1);
+            let out = c.command(from_app(), &cmd.encode(&key()).unwrap(), 1, 0, &mut [0u8; 128]).unwrap();
+            Command::decode(&out.reply, &key()).unwrap()
+        };
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, mss: Some(1400), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        assert_eq!(adopt(&mut c, 20).status, Status::NoConnection as u8, "no SYN-ACK went out: the peer resends its SYN to the new listener");
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, mss: Some(1400), ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let r = adopt(&mut c, 21);
+        assert_eq!((r.status, r.peer, r.ack_a, r.ack_b), (0, peer(), 101, 901));
+        // The SDK's recover: ACKNOWLEDGE (announces the SYN), connect, TELL.
+        assert!(c.command(from_app(), &recovery_ack(22, 101), 1, 0, &mut [0u8; 128]).is_some());
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5000), flags: F::SYN, mss: Some(1400), ..Default::default() });
+        let (v, n) = c.packet(&mut b, n, 1);
+        assert_eq!(v, Verdict::Accept { modified: true }, "forwarded: the peer's answer says where it is");
+        assert_eq!(Tcp::new_checked(&b[20..n]).unwrap().seq(), Seq(900), "with the old ISN, whatever the peer got");
+        // The peer, established, answers with a challenge ACK: it becomes the SYN-ACK.
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        let (v, n) = c.packet(&mut b, n, 2);
+        assert_eq!(v, Verdict::Accept { modified: true });
+        let t = Tcp::new_checked(&b[20..n]).unwrap();
+        assert_eq!((t.flags(), t.seq(), t.ack()), (F::SYN | F::ACK, Seq(100), Seq(5001)));
+        assert_eq!(c.counters.recovered_from_peer_ack, 1);
+        let tell = Command::request(Op::Tell, app(), peer(), 23, 1);
+        let out = c.command(from_app(), &tell.encode(&key()).unwrap(), 1, 0, &mut [0u8; 128]).unwrap();
+        let r = Command::decode(&out.reply, &key()).unwrap();
+        assert_eq!((r.ack_a, r.ack_b), (101, 901), "delivered = ackB - ackB0 = 0");
+    }
+
+    /// Issue 21, item 4: a guard that restarted between the peer's SYN and the first TELL cannot
+    /// protect the connection; the application's failing `establish` sends SHUTDOWN with
+    /// ABANDON. The guard releases the connection (the application's RST passes) and resets the
+    /// peer at once, at the SEQ of the peer's latest ACK. On a connection whose handshake the
+    /// guard saw, or that a protecting command named, the flag changes nothing (a plain SHUTDOWN).
+    #[test]
+    fn hostile_abandon_releases_only_a_connection_the_guard_cannot_protect() {
+        use unbroken_engines::rtcp::flag;
+        let abandon = |nonce: u64| {
+            let mut c = Command::request(Op::Shutdown, app(), peer(), nonce, 1);
+            c.flags = ctl::flag::ABANDON;
+            c.encode(&key()).unwrap().to_vec()
+        };
+        // A restarted guard: the peer's data arrives (the I0 probe), then the application's TELL
+        // finds no checkpoint and it gives up.
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let mut ack = [0u8; 128];
+        let out = c.command(from_app(), &abandon(30), 1, 0, &mut ack).unwrap();
+        let n = out.ack_len.expect("a RST for the peer");
+        let t = Tcp::new_checked(&ack[20..n]).unwrap();
+        assert_eq!((t.src_port(), t.dst_port(), t.flags(), t.seq()), (7000, 41000, F::RST, Seq(901)));
+        assert_eq!((c.counters.abandoned_released, c.counters.abandoned_peer_reset), (1, 1));
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), flags: F::RST, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Verdict::Accept { modified: false }, "the application's RST reaches the peer");
+        // A guard that saw the handshake: a plain SHUTDOWN (the mark or the FIN end it).
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let out = c.command(from_app(), &abandon(31), 1, 0, &mut ack).unwrap();
+        assert!(out.ack_len.is_none());
+        assert_ne!(c.conn(&FlowKey { app: app(), peer: peer() }).unwrap().flags & flag::FIN_ALLOWED, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), flags: F::RST, ..Default::default() });
+        assert_eq!(c.packet(&mut b, n, 2).0, Verdict::Drop, "O1 as before");
+        // A connection an application checkpointed (it has a record): never released.
+        let mut c = core();
+        assert!(c.command(from_app(), &recovery_ack(32, 101), 1, 0, &mut ack).is_some());
+        assert!(c.command(from_app(), &abandon(33), 1, 0, &mut ack).unwrap().ack_len.is_none());
+        assert_eq!(c.counters.abandoned_released, 0);
+    }
+
+    /// Issue 21, item 4: a guard that restarted inside a handshake meets the peer's handshake
+    /// ACK first. It passes unprobed (so the application's half-open socket completes and the
+    /// application gets to see, and give up, the connection); the peer's next packet gets the
+    /// I0 probe as before.
+    #[test]
+    fn the_peers_first_packet_on_an_unknown_connection_passes_unprobed() {
+        let mut c = core();
+        let hs = Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() };
+        let (mut b, n) = pkt(peer(), app(), hs);
+        let orig = b[..n].to_vec();
+        assert_eq!(c.packet(&mut b, n, 0), (Verdict::Accept { modified: false }, n));
+        assert_eq!(&b[..n], &orig[..], "untouched");
+        assert_eq!(c.counters.peer_first_unprobed, 1);
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK | F::PSH, window: 5, ..Default::default() });
+        let (v, m) = c.packet(&mut b, n, 1);
+        assert_eq!(v, Verdict::Accept { modified: true });
+        assert_eq!(Tcp::new_checked(&b[20..m]).unwrap().seq(), Seq(101) + 0x8000_0000, "the I0 probe");
+        assert_eq!((c.counters.peer_first_unprobed, c.counters.peer_without_state), (1, 1));
+    }
+
+    /// Issue 21, item 5: the nonce cache dies with the guard; a datagram captured before a
+    /// restart, replayed to the new guard inside the clock window, was accepted once. The new
+    /// guard restored from the persisted high-water marks refuses it (and every older one of
+    /// that service address, and one of the same millisecond whose nonce was seen), and accepts
+    /// the application's next command. The marks survive their text form; a damaged file is an
+    /// error, never a silent start without them.
+    #[test]
+    fn hostile_command_replayed_to_a_restarted_guard_is_refused() {
+        let mut ack = [0u8; 128];
+        let t = 1_000_000;
+        let mut c1 = core();
+        let shutdown = cmd(Op::Shutdown, 40, t);
+        let earlier = cmd(Op::Acknowledge, 41, t - 5);
+        assert!(c1.command(from_app(), &earlier, t, 0, &mut ack).is_some());
+        assert!(c1.command(from_app(), &shutdown, t, 0, &mut ack).is_some());
+        let same_ms = cmd(Op::Tell, 42, t);
+        assert!(c1.command(from_app(), &same_ms, t, 0, &mut ack).is_some());
+        let floors = c1.take_replay_floors().expect("raised");
+        assert!(c1.take_replay_floors().is_none(), "taken once");
+        assert_eq!(floors.len(), 1);
+        assert_eq!((floors[0].app_ip, floors[0].time_ms, floors[0].nonces.clone()), (app().ip(), t, vec![40, 42]));
+        let text = encode_replay_floors(&floors);
+        assert_eq!(decode_replay_floors(&text).unwrap(), floors);
+        assert!(decode_replay_floors(&text.replace(" 0 ", " 7 ")).is_err());
+        assert!(decode_replay_floors("").is_err());
+
+        // The restart: a new core, restored from the file; the replays come 10 s later.
+        let mut c2 = core();
+        c2.restore_replay_floors(decode_replay_floors(&text).unwrap());
+        for d in [&shutdown, &earlier, &same_ms] {
+            assert!(c2.command(from_app(), d, t + 10_000, 0, &mut ack).is_none());
+        }
+        assert_eq!((c2.counters.cmd_rejected_replay, c2.counters.cmd_rejected_replay_restart), (3, 3));
+        assert!(c2.conn(&FlowKey { app: app(), peer: peer() }).is_none(), "nothing changed");
+        // Another datagram of that millisecond whose nonce the old guard never saw, and the
+        // application's next commands, pass.
+        assert!(c2.command(from_app(), &cmd(Op::Tell, 43, t), t + 10_000, 0, &mut ack).is_some());
+        assert!(c2.command(from_app(), &cmd(Op::Acknowledge, 44, t + 10_000), t + 10_000, 0, &mut ack).is_some());
+        assert_eq!(c2.counters.cmd_rejected_replay, 3);
+        // Without the marks (before): the captured SHUTDOWN was accepted by the new guard.
+        let mut c3 = core();
+        assert!(c3.command(from_app(), &shutdown, t + 10_000, 0, &mut ack).is_some());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! SIGHUP is ignored (logged and counted, see [`crate::signals`]).
 
 use crate::config::{Guard as Config, Placement};
-use crate::guard::Core;
+use crate::guard::{Core, ReplayFloor};
 use std::net::UdpSocket;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -28,7 +28,20 @@ pub struct RunOptions {
 pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     let g = cfg.raw.guard.clone();
     crate::daemon::install_signals("guard", false);
-    let core = Arc::new(Mutex::new(Core::from_config(&cfg)));
+    let mut c = Core::from_config(&cfg);
+    // The previous instance's replay high-water marks (issue 21, item 5), before any command.
+    let replay = match cfg.replay_file() {
+        Some(path) => {
+            let (store, floors) = ReplayStore::open(path)?;
+            c.restore_replay_floors(floors);
+            Some(Arc::new(Mutex::new(store)))
+        }
+        None => {
+            eprintln!("guard: no replay_file (nor status_file): a command captured before a restart can be replayed once to the next guard within max_clock_skew_ms");
+            None
+        }
+    };
+    let core = Arc::new(Mutex::new(c));
     let started = Instant::now();
     let mono_ms = move || started.elapsed().as_millis() as u64;
 
@@ -55,8 +68,9 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     for sock in socks {
         let core = core.clone();
         let raw = raw.clone();
+        let replay = replay.clone();
         sock.set_read_timeout(Some(Duration::from_millis(200))).map_err(|e| e.to_string())?;
-        threads.push(std::thread::spawn(move || command_loop(sock, core, raw, mono_ms)));
+        threads.push(std::thread::spawn(move || command_loop(sock, core, raw, replay, mono_ms)));
     }
     if let Some(path) = g.status_file.clone() {
         let plan = crate::daemon::StatusPlan { name: "guard", path: Some(path), period: Duration::from_millis(250), dirty: Default::default(), started };
@@ -83,20 +97,91 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     res
 }
 
-fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, mono_ms: impl Fn() -> u64) {
+/// The replay file (`guard.replay_file`): the side channel's high-water marks
+/// ([`ReplayFloor`]), replaced whole (write a temporary file, rename) whenever the core raised
+/// them, before the command that raised them has any effect outside the guard; synced to disk
+/// at most every [`REPLAY_SYNC_MS`], so a process restart loses nothing and a host crash at
+/// most that much.
+struct ReplayStore {
+    path: std::path::PathBuf,
+    tmp: std::path::PathBuf,
+    unsynced_since: Option<Instant>,
+}
+
+/// How long the replay file may stay written but not synced to disk.
+const REPLAY_SYNC_MS: u64 = 250;
+
+impl ReplayStore {
+    fn open(path: std::path::PathBuf) -> Result<(ReplayStore, Vec<ReplayFloor>), String> {
+        let what = |e: &dyn std::fmt::Display| format!("guard: replay_file {}: {e}", path.display());
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| what(&e))?;
+        }
+        let floors = match std::fs::read_to_string(&path) {
+            Ok(t) => crate::guard::decode_replay_floors(&t).map_err(|e| what(&format!("{e} (remove the file to start without the previous guard's replay marks)")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![],
+            Err(e) => return Err(what(&e)),
+        };
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".tmp");
+        Ok((ReplayStore { path, tmp: tmp.into(), unsynced_since: None }, floors))
+    }
+
+    fn write(&mut self, floors: &[ReplayFloor]) -> std::io::Result<()> {
+        std::fs::write(&self.tmp, crate::guard::encode_replay_floors(floors))?;
+        std::fs::rename(&self.tmp, &self.path)?;
+        self.unsynced_since.get_or_insert_with(Instant::now);
+        self.sync_due()
+    }
+
+    fn sync_due(&mut self) -> std::io::Result<()> {
+        if self.unsynced_since.is_some_and(|t| t.elapsed() >= Duration::from_millis(REPLAY_SYNC_MS)) {
+            self.unsynced_since = None;
+            std::fs::File::open(&self.path)?.sync_all()?;
+            if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, replay: Option<Arc<Mutex<ReplayStore>>>, mono_ms: impl Fn() -> u64) {
     let mut buf = [0u8; 2048];
     let mut ack = [0u8; 128];
     while !crate::daemon::stopping() {
         let (n, src) = match sock.recv_from(&mut buf) {
             Ok(x) => x,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => continue,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {
+                if let Some(r) = &replay {
+                    if let Err(e) = crate::sync::lock(r, "guard: replay file").sync_due() {
+                        crate::ratelog::log("guard: replay file", || format!("guard: replay file: {e}"));
+                    }
+                }
+                continue;
+            }
             Err(e) => {
                 crate::ratelog::log("guard: side channel receive", || format!("guard: side channel receive: {e}"));
                 continue;
             }
         };
         // A datagram that trips a bug costs that datagram, not the side channel.
-        let Some(out) = crate::sync::catch("guard: side channel", || crate::sync::lock(&core, "guard: core").command(src, &buf[..n], wall_ms(), mono_ms(), &mut ack)) else { continue };
+        // The replay file's lock first, then the core's: commands are persisted in the order the
+        // core took them, and the packet path never waits for the file.
+        let mut store = replay.as_ref().map(|r| crate::sync::lock(r, "guard: replay file"));
+        let Some((out, floors)) = crate::sync::catch("guard: side channel", || {
+            let mut c = crate::sync::lock(&core, "guard: core");
+            let out = c.command(src, &buf[..n], wall_ms(), mono_ms(), &mut ack);
+            (out, c.take_replay_floors())
+        }) else {
+            continue;
+        };
+        if let (Some(s), Some(f)) = (store.as_mut(), floors) {
+            if let Err(e) = s.write(&f) {
+                crate::ratelog::log("guard: replay file", || format!("guard: replay file {}: {e}", s.path.display()));
+            }
+        }
+        drop(store);
         if let Some(out) = out {
             if let Some(l) = out.ack_len {
                 if let Err(e) = raw.send(&ack[..l]) {
@@ -133,5 +218,28 @@ fn status_fields(core: Arc<Mutex<Core>>, spec: unbroken_drivers::iptables::RuleS
         m.insert("forged_source_dropped".into(), forged.into());
         m.insert("counters".into(), serde_json::to_value(counters).unwrap_or_default());
         m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replay file survives a restart: written, reopened, the same marks; a damaged one is
+    /// an error naming the file, a missing one is an empty start.
+    #[test]
+    fn replay_file_round_trip() {
+        let dir = std::env::temp_dir().join(format!("unbroken-replay-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("sub/guard.replay");
+        let (mut store, floors) = ReplayStore::open(path.clone()).unwrap();
+        assert!(floors.is_empty());
+        let f = vec![ReplayFloor { app_ip: "10.0.2.10".parse().unwrap(), time_ms: 1234, nonces: vec![7, 9], full: false }];
+        store.write(&f).unwrap();
+        assert_eq!(ReplayStore::open(path.clone()).unwrap().1, f);
+        std::fs::write(&path, "garbage").unwrap();
+        let e = ReplayStore::open(path.clone()).err().unwrap();
+        assert!(e.contains("guard.replay") && e.contains("remove the file"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -31,7 +31,7 @@ mod rtcp_sim;
 use rtcp_sim::*;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use unbroken_control::config::{Prefix, Service};
-use unbroken_control::guard::{Core, Counters, FlowKey};
+use unbroken_control::guard::{Core, Counters, FlowKey, ReplayFloor};
 use unbroken_wire::ctl::Status;
 use unbroken_wire::ip;
 use unbroken_wire::tcp::{flags as TF, Packet as Tcp, Repr};
@@ -52,6 +52,8 @@ struct Hostile {
     foreign_key: u32,
     wrong_source: u32,
     stale: u32,
+    /// Datagrams of a previous guard instance replayed to the restarted one (issue 21, item 5).
+    replayed_across_restart: u32,
 }
 
 struct GuardFilter {
@@ -61,6 +63,12 @@ struct GuardFilter {
     flow: FlowKey,
     /// Genuine command datagrams since the guard's last restart, with their wall time.
     history: Vec<(Vec<u8>, u64)>,
+    /// Those of the instance before the last restart, replayed (when `hostile_commands`) to the
+    /// new one at its first command: each must be refused (issue 21, item 5).
+    before_restart: Vec<(Vec<u8>, u64)>,
+    /// The replay file: the high-water marks as the daemon persists them after each command,
+    /// restored into the next instance.
+    replay_file: Vec<ReplayFloor>,
     hostile: Hostile,
     /// A fresh nonce space for the datagrams an attacker with the key would build.
     hostile_nonce: u64,
@@ -331,6 +339,8 @@ impl Filter for GuardFilter {
             rng: Rng::new(sc.seed ^ 0x6A7D),
             flow: FlowKey { app: a_sockaddr(), peer: b_sockaddr() },
             history: vec![],
+            before_restart: vec![],
+            replay_file: vec![],
             hostile: Hostile::default(),
             hostile_nonce: 1 << 60,
             noise_port: 20_000,
@@ -351,7 +361,8 @@ impl Filter for GuardFilter {
         self.nudges += self.core.counters.recovery_nudges;
         self.race_undone += self.core.counters.recovery_race_undone;
         self.core = new_core(&self.opts);
-        self.history.clear();
+        self.core.restore_replay_floors(self.replay_file.clone());
+        self.before_restart = std::mem::take(&mut self.history);
         self.present = false;
         self.restarts += 1;
     }
@@ -362,8 +373,22 @@ impl Filter for GuardFilter {
         self.decide(buf, len, now_ms, false)
     }
     fn command(&mut self, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<(Vec<u8>, Option<usize>)> {
+        if self.opts.hostile_commands > 0.0 {
+            // Everything the previous instance accepted, still inside the clock window, replayed
+            // to this one before the application's next command.
+            for (old, sent) in std::mem::take(&mut self.before_restart) {
+                if wall_ms - sent <= SKEW_MS {
+                    self.hostile.replayed_across_restart += 1;
+                    self.expect_refused("replay across a restart", a_cmd_source(), &old, wall_ms, now_ms, |c| c.cmd_rejected_replay_restart);
+                }
+            }
+        }
         let armed = self.core.recovery_armed(&self.flow, now_ms);
-        let out = self.core.command(a_cmd_source(), dgram, wall_ms, now_ms, ack_buf)?;
+        let out = self.core.command(a_cmd_source(), dgram, wall_ms, now_ms, ack_buf);
+        if let Some(f) = self.core.take_replay_floors() {
+            self.replay_file = f;
+        }
+        let out = out?;
         self.observe();
         if !armed && self.core.recovery_armed(&self.flow, now_ms) && self.rng.chance(self.opts.racing_syns) {
             // A forged SYN right after the announcement, ahead of the genuine one.
@@ -380,6 +405,9 @@ impl Filter for GuardFilter {
     }
     fn conn(&self) -> Conn {
         self.core.conn(&self.flow).copied().unwrap_or_default()
+    }
+    fn releases_abandoned() -> bool {
+        true
     }
     fn adopted(&self, reply: &Command, _sc: &Scenario) -> bool {
         reply.status == Status::Ok as u8 && reply.peer == b_sockaddr()
@@ -425,6 +453,7 @@ impl Filter for GuardFilter {
             ("foreign_key", h.foreign_key as u64),
             ("wrong_source", h.wrong_source as u64),
             ("stale", h.stale as u64),
+            ("replayed_across_restart", h.replayed_across_restart as u64),
             ("evicted_idle", self.evicted_idle),
             ("noise_syns", self.noise_syns),
             ("forged_syns", self.forged_syns),
@@ -514,6 +543,31 @@ fn guard_common_case_with_hostile_commands() {
     }
 }
 
+/// Issue 21, item 5: the guard restarts (twice per run, mid-transfer, alone or with *A*'s
+/// crash) with its replay file (the high-water marks the daemon persists); at the new
+/// instance's first command, every datagram the previous instance accepted within the clock
+/// window is replayed to it: each must be refused (`cmd_rejected_replay_restart`) and change
+/// nothing, while *A*'s own commands go on being answered and every run completes byte-exact.
+/// Without the marks the new guard accepted such a replay once.
+#[test]
+fn hostile_commands_replayed_across_guard_restarts_are_refused() {
+    let mut replayed = 0;
+    for seed in 0..(6 * scale() as u64) {
+        let mut sc = scenario(&format!("guard-replay-restart-{seed}"), 900 + seed, 60_000);
+        let packets = baseline_on::<GuardFilter>(&sc).packets;
+        sc.filter_restart_after = vec![packets / 3, 2 * packets / 3];
+        if seed % 2 == 1 {
+            sc.crash_after = vec![packets / 3];
+            sc.restart_delay_ms = [0, 30][(seed / 2 % 2) as usize];
+        }
+        sc.guard.hostile_commands = 1.0;
+        let r = run(sc);
+        assert_eq!(r.filter_restarts, 2, "{r:?}");
+        replayed += r.filter_count("replayed_across_restart");
+    }
+    assert!(replayed > 0, "no datagram was replayed across a restart");
+}
+
 /// Issue 9, item 1, the race: A crashes after every packet position and recovers; every
 /// announced recovery is raced by a forged SYN from A's address, right after the announcing
 /// ACKNOWLEDGE or right after the genuine SYN was answered. The guard answers SYNs it cannot
@@ -561,14 +615,66 @@ fn guard_s2_4_exit_and_second_crash_during_recovery_at_every_packet() {
     base.crash_modes = vec![CrashMode::CloseOnExit];
     base.crash_on_reconnect = 1;
     base.restart_delay_ms = 1;
-    // Lost positions: A restarted inside the handshake before B's ACK reached the guard (see
-    // `Report::adopt_declined`), printed by the sweep.
-    let reps = sweep("guard-s2.4-exit-twice", base, true, |sc, k| {
+    // Positions 1-2 (A restarted inside the handshake before B's ACK reached the guard) were
+    // lost until ADOPT offered such connections (issue 21, item 3).
+    let reps = sweep("guard-s2.4-exit-twice", base, false, |sc, k| {
         sc.crash_after = vec![k];
         sc.seed = 3000 + k;
     });
     assert!(reps.iter().map(|r| r.count(Event::SpuriousFinReset)).sum::<u32>() > 0);
     assert!(reps.iter().filter(|r| r.crashes == 2).count() > 10);
+}
+
+/// ADOPT after a crash inside the handshake (issue 21, item 3): *A*'s kernel sent its SYN-ACK,
+/// *A* died and restarted at once, before *B*'s handshake ACK reached the guard. The guard used
+/// to offer only completed handshakes, so *A* listened again while *B* was established and *B*
+/// hung (positions 1-2 lost). Now the connection is offered with ackB0 = the SYN-ACK's SEQ + 1
+/// (the SDK's record straight from ADOPT's answer), the recovery SYN is forwarded and *B*'s
+/// answer becomes its SYN-ACK; on a clean and on a lossy link, every crash mode.
+#[test]
+fn guard_adopt_after_crash_inside_handshake() {
+    for (mode, loss) in [(CrashMode::Wipe, 0.0), (CrashMode::CloseOnExit, 0.0), (CrashMode::Silent, 0.0), (CrashMode::Wipe, 0.03)] {
+        let mut base = scenario("", 31, 10_000).lossy(loss, 0.0, 0.0);
+        base.crash_modes = vec![mode];
+        base.restart_delay_ms = 0;
+        base.max_virtual = Duration::from_secs(60);
+        let first_tell = run(Scenario { name: "adopt baseline".into(), ..base.clone() }).first_tell_at.unwrap();
+        let mut adopted = 0;
+        for k in 1..=first_tell + 2 {
+            let mut sc = base.clone();
+            sc.name = format!("guard-adopt {mode:?} loss={loss} k={k}");
+            sc.crash_after = vec![k];
+            sc.seed = 31 + k;
+            let r = run(sc);
+            assert!(!r.adopt_declined || r.recoveries_completed + r.pre_accept_recoveries > 0, "{r:?}");
+            adopted += r.pre_accept_recoveries;
+        }
+        assert!(adopted >= 1, "{mode:?} loss={loss}: no crash before accept was adopted");
+    }
+}
+
+/// The same when *A*'s SYN-ACK never reached *B* (lost): *A* dies right after sending it and
+/// restarts at once, while *B* still waits in SYN-SENT. ADOPT offers the connection (the
+/// SYN-ACK passed the guard); the recovery SYN goes to *B* with *A*'s old ISN, so *B*'s
+/// simultaneous open answers the old numbering, and its SYN-ACK becomes the new socket's
+/// (section 6). Before, the SYN went out with the new ISN: *B* took it for the connection's
+/// ISN, the TELL named another ackB0 than the adopted record, and the recovery failed each
+/// time it was tried. Every crash mode, each restart delay shorter than *B*'s SYN timeout.
+#[test]
+fn guard_adopt_after_crash_inside_handshake_with_the_syn_ack_lost() {
+    for mode in [CrashMode::Wipe, CrashMode::CloseOnExit, CrashMode::Silent] {
+        for delay in [0, 1, 30] {
+            let mut sc = scenario(&format!("guard-adopt-synack-lost {mode:?} delay={delay}"), 37, 10_000);
+            sc.crash_modes = vec![mode];
+            sc.restart_delay_ms = delay;
+            sc.lose_to_b = vec![1];
+            sc.crash_after = vec![1];
+            sc.max_virtual = Duration::from_secs(60);
+            let r = run(sc);
+            assert_eq!(r.crashes, 1, "{r:?}");
+            assert_eq!(r.pre_accept_recoveries, 1, "adopted: {r:?}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -595,6 +701,42 @@ fn guard_restart_at_every_packet() {
             assert!(reps.iter().map(|r| r.count(Event::RecoveredFromPeerAck)).sum::<u32>() > 0);
         }
     }
+}
+
+/// A guard restart between the peer's SYN and the application's first TELL (issue 21, item 4):
+/// nobody knows the checkpoint (ackA0), so the connection cannot be recovered. The application
+/// accepts, waits 20 ms, TELLs; the new guard cannot answer, `establish` gives up with a
+/// SHUTDOWN carrying ABANDON and the application closes. Before, its close met O6 (FIN reset,
+/// RSTs dropped) and the peer waited for its own timeout; now the guard releases the connection
+/// and resets the peer at once. Every position from the SYN to the TELL: the run completes (the
+/// restart came before anything was lost), or *B* is reset within a round trip of *A* giving
+/// up, or (positions 1-2) the guard's probe reset *A*'s socket before the application ever saw
+/// it (see architecture.md, known limits).
+#[test]
+fn guard_restart_before_the_first_tell_ends_the_connection_visibly() {
+    let mut base = scenario("", 13, 20_000);
+    base.first_tell_delay_ms = 20;
+    let first_tell = run(Scenario { name: "first-tell baseline".into(), ..base.clone() }).first_tell_at.unwrap();
+    let mut visible = vec![];
+    let mut never_accepted = vec![];
+    for k in 1..=first_tell {
+        let mut sc = base.clone();
+        sc.name = format!("guard-restart-before-tell k={k}/{first_tell}");
+        sc.filter_restart_after = vec![k];
+        match try_run(sc) {
+            Ok(_) => {}
+            Err(e) if e.starts_with("lost visibly") => {
+                let ms: u64 = e["lost visibly: B reset ".len()..].split(' ').next().unwrap().parse().unwrap();
+                assert!(ms <= 2 * 5 + 1, "k={k}: B reset only {ms} ms after A gave up");
+                visible.push(k);
+            }
+            Err(e) if e.starts_with("stalled: the filter restarted before A accepted") => never_accepted.push(k),
+            Err(e) => panic!("k={k}: {e}"),
+        }
+    }
+    eprintln!("guard restart before the first TELL: peer reset at once at {visible:?}, socket reset before accept at {never_accepted:?}, of 1..={first_tell}");
+    assert!(!visible.is_empty(), "no position reached the case");
+    assert!(never_accepted.iter().all(|&k| k <= 2), "{never_accepted:?}");
 }
 
 /// The guard restarts while A recovers from a crash, and A crashes again as soon as its

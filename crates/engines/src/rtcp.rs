@@ -3,7 +3,8 @@
 //! Read side by side with section 3.1 of the paper: [`incoming`] is algorithm I (I1-I4),
 //! [`outgoing`] is algorithm O (O1-O9), [`command`] is algorithm C (C1-C6). *A* is the
 //! protected application, *B* its remote peer. Like librtcp, the engine keeps a constant
-//! [`Conn`] per connection (32 bytes, asserted by a test), buffers nothing, has no clock, and a
+//! [`Conn`] per connection (36 bytes, asserted by a test: the paper's 32 and the end of what
+//! *A*'s current socket sent, see [`Conn::a_end`]), buffers nothing, has no clock, and a
 //! zeroed `Conn` means both "new connection" and "the filter restarted" (section 2.7).
 //!
 //! Beyond the paper, required by unbroken:
@@ -39,6 +40,19 @@
 //!   *A*'s real one. Without it, an application that stops reading while it writes (its kernel
 //!   holding more than a window beyond ackA) deadlocks: *B*'s ACKs arrive with a SEQ *A*'s TCP
 //!   discards as old, so *A*'s output never drains (found by the >4 GiB echo test).
+//! - *B*'s acknowledgments never run ahead of what *A*'s current socket sent ([`Conn::a_end`],
+//!   4 bytes beyond the paper's 32): after a recovery, *B* may still acknowledge the dead
+//!   incarnation's output or FIN, beyond anything the new socket has resent yet. *A*'s TCP
+//!   discards such an ACK (RFC 793 3.9), so an application waiting for its FIN's
+//!   acknowledgement hung, and a sender whose congestion window was smaller than the old data
+//!   in flight stalled. The ACK is lowered to the new socket's end: true (*B* has every byte
+//!   below it) and acceptable (issue 21, item 2; `peer_acks_of_an_old_fin_after_tell_are_clamped`).
+//! - *A*'s SYN-ACK (*A* the server) records ackB0, its SEQ + 1, in `ack_b` without setting
+//!   RECOVERABLE: the only ACK *B*'s handshake can carry. ADOPT can then hand over a connection
+//!   whose application died before *B*'s handshake ACK arrived (issue 21, item 3). Its
+//!   recovery SYN is forwarded with *A*'s old ISN, so that a *B* that never got the SYN-ACK
+//!   (still in SYN-SENT) answers the old numbering with a simultaneous open's SYN-ACK, which
+//!   becomes the new socket's SYN-ACK like section 6's challenge ACK.
 
 use unbroken_wire::ctl::{self, Command, ConnOptions, Op};
 use unbroken_wire::ip::{self, IpInfo};
@@ -98,7 +112,7 @@ pub mod flag {
     pub const SYNCED: u16 = 1 << 15;
 }
 
-/// Per-connection state: 32 bytes, all zero for a new connection or a restarted filter.
+/// Per-connection state: 36 bytes, all zero for a new connection or a restarted filter.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Conn {
@@ -116,6 +130,13 @@ pub struct Conn {
     /// Added to *A*'s TSval going out, subtracted from *B*'s TSecr coming in. While
     /// `SYN_PENDING`: the pending SYN's TSval.
     pub ts_off: u32,
+    /// The end (SEQ + length, SYN and FIN counted) of what *A*'s current socket has sent, in
+    /// *B*'s view of *A*'s sequence space (after O8): set by the handshake and by a recovery (the
+    /// new socket's origin, ackB), raised by every segment O forwards. *B*'s ACKs beyond it are
+    /// lowered to it (they acknowledge an earlier incarnation's output, which this socket has
+    /// not resent yet). Meaningful once `SYNCED` and `A_WIN_KNOWN` hold (no flag bit is free).
+    /// Not in the paper's 32 bytes (issue 21, item 2).
+    pub a_end: u32,
     /// *B*'s MSS from the handshake (0 unknown).
     pub b_mss: u16,
     /// Last window field *B* saw from *A*.
@@ -374,6 +395,7 @@ struct SynOffer {
 /// original connection and the new SYN have. Updates Δ, the timestamp offset and window scales.
 fn synthesize_synack(c: &mut Conn, buf: &mut [u8], a: std::net::IpAddr, b: std::net::IpAddr, a_port: u16, b_port: u16, syn: &SynOffer, b_window: u16) -> Result<usize> {
     c.delta = (syn.seq + 1 - Seq(c.ack_b)) as u32; // Δ ← seq + 1 - ackB
+    c.a_end = c.ack_b; // the new socket's origin: it has sent nothing but its SYN
     let known = c.has(flag::OPTS_KNOWN);
     let b_ws = if known { c.b_ws() } else { WS_NONE };
     let use_ws = b_ws != WS_NONE && syn.ws != WS_NONE;
@@ -480,8 +502,10 @@ pub fn incoming(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
 /// - any other segment beyond ackA + span is dropped; one entirely below ackA (an old
 ///   duplicate, or a forgery) is forwarded without teaching anything (ackB, timestamps, FIN).
 ///
-/// Not checked here: that *B*'s ACK field stays below what *A* sent (the 32-byte state has no
-/// room for *A*'s SND.NXT; the guard's flow table checks it when it saw the handshake), nor
+/// Not checked here: that *B*'s ACK field stays below what *A* ever sent (an ACK beyond what the
+/// current socket sent is lowered to it, [`Conn::a_end`], but may be genuine: an earlier
+/// incarnation sent more; the guard's flow table drops one beyond the connection's end when it
+/// saw the handshake), nor
 /// its TSecr (a restarted filter knows only a lower bound of the TSval
 /// *B* saw last). A forger must still land its SEQ in the span (odds span / 2^32 per try); a
 /// wrong ackB then shows at the application's recovery as `DeliveredBeyondSent`, never as a
@@ -506,6 +530,10 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
     let synchronized = c.has(flag::RECOVERABLE) && c.has(flag::SYNCED) && !c.is_closed();
     let where_ = place(c, t.seq(), t.seq_len());
     let out_of_window = Outcome::with(Verdict::Drop, len, Event::PeerOutOfWindow);
+    // B's SYN-ACK to a recovery SYN that `outgoing` sent with A's old ISN (an adopted
+    // connection inside its handshake whose SYN-ACK B never got: a simultaneous open). It
+    // confirms ackB0 and becomes the SYN-ACK A's new socket waits for, as in section 6.
+    let renumbered_answer = c.has(flag::SYN_PENDING) && c.has(flag::SYNCED) && c.has(flag::OPTS_KNOWN) && !c.has(flag::RECOVERABLE) && f & (F::SYN | F::ACK | F::RST) == F::SYN | F::ACK && t.ack() == Seq(c.ack_b) && t.seq() + 1 == Seq(c.ack_a);
 
     if f & F::RST != 0 {
         // RFC 5961 section 3: only a RST within A's receive window may reach A's TCP, which
@@ -537,7 +565,7 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
                 // B resends its SYN-ACK (A's handshake ACK was lost): A's TCP answers it again.
                 return Ok(Outcome::forward(len, modified));
             }
-            if (pending && t.ack() != Seq(c.delta) + 1) || (!pending && synchronized) {
+            if (pending && t.ack() != Seq(c.delta) + 1 && !renumbered_answer) || (!pending && synchronized) {
                 return Ok(out_of_window);
             }
         }
@@ -547,10 +575,13 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
             Place::Old => {
                 // Translate it like any other (A's TCP answers it with a duplicate ACK) but
                 // learn nothing from it.
-                if f & F::ACK != 0 && c.delta != 0 && !c.has(flag::SYN_PENDING) && c.has(flag::SYNCED) {
-                    t.rewrite_ack(t.ack() + c.delta);
-                    shift_sack(&mut t, &o, c.delta);
-                    modified = true;
+                if f & F::ACK != 0 && !c.has(flag::SYN_PENDING) && c.has(flag::SYNCED) {
+                    let ack = peer_ack(c, t.ack());
+                    if c.delta != 0 || ack != t.ack() {
+                        t.rewrite_ack(ack + c.delta);
+                        shift_sack(&mut t, &o, c.delta);
+                        modified = true;
+                    }
                 }
                 if let (Some(at), true) = (o.ts_at, c.ts_off != 0 && o.tsecr != 0 && !c.has(flag::SYN_PENDING)) {
                     t.rewrite_u32_at(at + 6, o.tsecr.wrapping_sub(c.ts_off));
@@ -579,7 +610,7 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
     }
 
     // I2. Initialize checkpointed acknowledgments: SEQ is B's initial sequence number.
-    if f & F::SYN != 0 {
+    if f & F::SYN != 0 && !renumbered_answer {
         let syn_ack = f & F::ACK != 0;
         c.ack_a = (t.seq() + 1).0;
         c.set(flag::ACK_ALLOWED);
@@ -588,6 +619,9 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
         c.ts_off = 0;
         c.clear(flag::SYN_PENDING | flag::ORIGIN_PINNED | flag::FIN_ALLOWED | flag::ACK_EVERYTHING | flag::FIN_A_SEEN | flag::FIN_B_SEEN);
         c.set(flag::SYNCED);
+        // What A sent is known again from A's SYN-ACK (A is the server) or from B's SYN-ACK.
+        c.clear(flag::A_WIN_KNOWN);
+        c.a_end = if syn_ack { t.ack().0 } else { 0 };
         c.b_mss = o.mss.unwrap_or(536);
         let b_ws = o.ws.unwrap_or(WS_NONE);
         if syn_ack {
@@ -623,13 +657,14 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
             // The recovered socket has sent nothing yet: its stream now begins where B is.
             c.delta = c.delta.wrapping_sub(ack - Seq(c.ack_b));
             c.ack_b = ack.0;
+            c.a_end = ack.0;
         } else if !c.has(flag::RECOVERABLE) || ack.ge(Seq(c.ack_b)) {
             c.ack_b = ack.0;
         }
         c.set(flag::RECOVERABLE);
 
         // Section 6: B's answer to a forwarded recovery SYN becomes the SYN-ACK A waits for.
-        if c.has(flag::SYN_PENDING) && f & F::SYN == 0 {
+        if c.has(flag::SYN_PENDING) && (f & F::SYN == 0 || renumbered_answer) {
             if !c.has(flag::ACK_ALLOWED) && !c.has(flag::ACK_EVERYTHING) {
                 // No checkpoint: the filter restarted after the application's ACKNOWLEDGE and
                 // before its SYN. Nothing would ever teach us ackA (the SDK sends ACKNOWLEDGE
@@ -659,11 +694,15 @@ pub fn incoming_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo, 
             return Ok(Outcome::with(REWRITTEN, n, Event::RecoveredFromPeerAck));
         }
 
-        // I3. Handle acknowledgment: ACK ← ACK + Δ, and the SACK edges with it.
-        if c.delta != 0 {
-            t.rewrite_ack(ack + c.delta);
-            shift_sack(&mut t, &o, c.delta);
+        // I3. Handle acknowledgment: ACK ← ACK + Δ, and the SACK edges with it. The ACK never
+        // covers more than A's current socket sent (`peer_ack`); ackB above keeps B's own.
+        let fwd = peer_ack(c, ack);
+        if c.delta != 0 || fwd != ack {
+            t.rewrite_ack(fwd + c.delta);
             modified = true;
+        }
+        if c.delta != 0 {
+            shift_sack(&mut t, &o, c.delta);
         }
     }
     // B's pure ACK carries B's SND.NXT as its SEQ. After a recovery that may lie far beyond the
@@ -734,6 +773,20 @@ fn window_unscaled(w: u16, ws: u8) -> u16 {
     ((w as u32) << s).min(0xffff) as u16
 }
 
+/// *B*'s ACK as *A*'s current socket may see it, before I3 adds Δ: never beyond what that
+/// socket sent ([`Conn::a_end`]). After a recovery *B* may acknowledge the dead incarnation's
+/// output or FIN that the new socket has not resent yet; *A*'s TCP discards an ACK beyond its
+/// SND.MAX, so an application waiting for its FIN's acknowledgement hung (issue 21, item 2). The
+/// lowered ACK is true: *B* has every byte below the one it acknowledged.
+fn peer_ack(c: &Conn, ack: Seq) -> Seq {
+    let need = flag::SYNCED | flag::A_WIN_KNOWN;
+    if c.flags & need == need && !c.has(flag::SYN_PENDING) && ack.gt(Seq(c.a_end)) {
+        Seq(c.a_end)
+    } else {
+        ack
+    }
+}
+
 /// Algorithm O: a packet from *A* to *B*.
 pub fn outgoing(c: &mut Conn, buf: &mut [u8], len: usize) -> Result<Outcome> {
     let info = IpInfo::parse(&buf[..len])?;
@@ -775,6 +828,16 @@ pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) 
         // O4. Recovery impossible for now: a first connection, or state lost. Forward unchanged
         // and remember the SYN so B's answer can be rewritten (section 6).
         let first = !c.has(flag::RECOVERABLE) && !have_ack && !c.has(flag::OPTS_KNOWN);
+        // An adopted connection inside its handshake (issue 21, item 3): A's SYN-ACK went out
+        // (ackB0 = its SEQ + 1 is known, not yet confirmed by B). B may not have received that
+        // SYN-ACK (lost) and still be in SYN-SENT: the SYN goes out with A's old ISN, so that
+        // either B's answer names the old numbering, its challenge ACK (established) or its
+        // SYN-ACK (a simultaneous open, see `incoming`), and the record's ackB0 holds.
+        let renumber = c.has(flag::SYNCED) && c.has(flag::OPTS_KNOWN) && !c.has(flag::RECOVERABLE) && have_ack;
+        if renumber {
+            t.rewrite_seq(Seq(c.ack_b) - 1);
+            modified = true;
+        }
         c.delta = syn.seq.0;
         c.ts_off = syn.tsval;
         c.set_ws_cur(c.a_ws_cur(), syn.ws);
@@ -810,7 +873,13 @@ pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) 
     }
 
     if f & F::SYN != 0 {
-        // A's SYN-ACK (A is the server): it completes the option negotiation B's SYN began.
+        // A's SYN-ACK (A is the server): it completes the option negotiation B's SYN began,
+        // and fixes ackB0: B's handshake ACK can only be A's ISN + 1. Not yet RECOVERABLE (B
+        // may not have it), but ADOPT can hand the connection over with it if the application
+        // dies before B's ACK arrives (issue 21, item 3).
+        if !c.has(flag::RECOVERABLE) {
+            c.ack_b = (t.seq() + 1).0;
+        }
         let a_ws = if c.b_ws() == WS_NONE { WS_NONE } else { o.ws.unwrap_or(WS_NONE) };
         let b_ws = if a_ws == WS_NONE { WS_NONE } else { c.b_ws() };
         c.set_ws(b_ws, a_ws);
@@ -844,6 +913,11 @@ pub fn outgoing_parsed(c: &mut Conn, buf: &mut [u8], len: usize, info: &IpInfo) 
     if c.delta != 0 {
         t.rewrite_seq(t.seq() - c.delta);
         modified = true;
+    }
+    // The end of what the current socket sent (see `Conn::a_end`); A's SYN-ACK starts it.
+    let end = t.seq() + t.seq_len();
+    if f & F::SYN != 0 || end.gt(Seq(c.a_end)) {
+        c.a_end = end.0;
     }
     // Timestamps: keep what B sees monotonic across sockets.
     if let Some(at) = o.ts_at {

@@ -96,8 +96,9 @@ fn established() -> Conn {
 }
 
 #[test]
-fn state_is_at_most_32_bytes() {
-    assert!(std::mem::size_of::<Conn>() <= 32, "{}", std::mem::size_of::<Conn>());
+fn state_is_at_most_36_bytes() {
+    // The paper's 32 and `a_end`, the end of what A's current socket sent (issue 21, item 2).
+    assert!(std::mem::size_of::<Conn>() <= 36, "{}", std::mem::size_of::<Conn>());
 }
 
 #[test]
@@ -338,6 +339,36 @@ fn after_recovery_sequence_ack_sack_timestamps_and_window_are_translated() {
     assert_eq!(r3.timestamp, Some((160, 25)), "TSecr translated back into A's clock");
 }
 
+/// Issue 21, item 2: after a recovery *B* may still acknowledge the dead incarnation's output
+/// (or FIN) beyond anything the new socket has resent; *A*'s TCP would discard that ACK (it
+/// covers data never sent), so it is lowered to the end of what the new socket sent, and ackB
+/// keeps *B*'s own.
+#[test]
+fn peer_ack_beyond_what_the_recovered_socket_sent_is_lowered_to_its_end() {
+    let new_isn = 777;
+    let (mut c, _, _) = recovered(new_isn);
+    let mut ackbuf = [0u8; 128];
+    let cmd = Command::request(Op::Tell, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), 6, 6);
+    assert_eq!(rtcp::command(&mut c, &cmd, &mut ackbuf).reply.ack_b, A_ISN + 3001);
+    // The new socket resends 100 bytes; the dead one had sent 500 more, and its FIN.
+    let r = Repr { seq: Seq(new_isn + 1), ack: Seq(B_ISN + 2001), flags: F::ACK | F::PSH, window: 100, timestamp: Some((25, 150)), ..Default::default() };
+    let (o, _) = out(&mut c, from_a(r, &[7u8; 100]));
+    assert_eq!(kind(o.verdict), FORWARD);
+    let late = Repr { seq: Seq(B_ISN + 4001), ack: Seq(A_ISN + 3502), flags: F::ACK, window: 500, timestamp: Some((160, 9700)), ..Default::default() };
+    let (o, p) = inc(&mut c, from_b(late, b""));
+    assert_eq!(kind(o.verdict), FORWARD);
+    assert_eq!(parse(&p, o.len).1.ack, Seq(new_isn + 101), "lowered to what the new socket sent");
+    assert_eq!(c.ack_b, A_ISN + 3502, "ackB is B's own");
+    // Once the new socket sent beyond it (the rest and its FIN, after SHUTDOWN), B's ACK
+    // passes unchanged (+ Δ).
+    rtcp::command(&mut c, &Command { op: Op::Shutdown, ..cmd }, &mut ackbuf);
+    let r = Repr { seq: Seq(new_isn + 101), ack: Seq(B_ISN + 2001), flags: F::ACK | F::PSH | F::FIN, window: 100, timestamp: Some((26, 160)), ..Default::default() };
+    let (o, _) = out(&mut c, from_a(r, &[7u8; 400]));
+    assert_eq!(kind(o.verdict), FORWARD);
+    let (o, p) = inc(&mut c, from_b(Repr { timestamp: Some((161, 9701)), ..late }, b""));
+    assert_eq!(parse(&p, o.len).1.ack, Seq(new_isn + 502), "the FIN's ACK reaches A's TCP");
+}
+
 #[test]
 fn recovery_across_sequence_wrap() {
     // The new ISN sits just below 2^32, the old stream well above 0: delta wraps.
@@ -492,7 +523,7 @@ mod hostile {
         #![proptest_config(ProptestConfig::with_cases(2000))]
         /// Arbitrary bytes never panic the engine, in either direction, whatever the state.
         #[test]
-        fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..120), state in any::<[u32; 8]>()) {
+        fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..120), state in any::<[u32; 9]>()) {
             let mut c: Conn = unsafe { std::mem::transmute(state) };
             let mut buf = bytes.clone();
             buf.resize(bytes.len() + 64, 0);

@@ -375,6 +375,11 @@ impl GuardClient {
     /// supersedes it: an ACKNOWLEDGE on the data path ([`crate::acknowledge_nowait`]). Answers
     /// to earlier posts still queued on the socket are discarded first, so they cannot pile up.
     pub fn post(&self, op: Op, app: SocketAddr, peer: SocketAddr, ack_a: u32, options: Option<ConnOptions>) -> Result<()> {
+        self.post_flags(op, app, peer, ack_a, options, 0)
+    }
+
+    /// [`post`](Self::post) with request flags (`ctl::flag::ABANDON`).
+    pub fn post_flags(&self, op: Op, app: SocketAddr, peer: SocketAddr, ack_a: u32, options: Option<ConnOptions>, flags: u8) -> Result<()> {
         if app.is_ipv4() != peer.is_ipv4() {
             return Err(Error::InvalidArgument("application and peer addresses of different families"));
         }
@@ -388,6 +393,7 @@ impl GuardClient {
         let mut cmd = Command::request(op, app, peer, random_u64()?, now_ms());
         cmd.ack_a = ack_a;
         cmd.options = options;
+        cmd.flags = flags;
         let bytes = cmd.encode(&self.key)?;
         self.sent.fetch_add(1, Relaxed);
         match self.sock.send_to(&bytes, self.guard) {

@@ -60,7 +60,9 @@ use unbroken_wire::ctl::ConnOptions;
 /// marks the socket unprotected ([`unprotect`]) before returning the error, so that whatever
 /// the application does next (close it, or use it unprotected) reaches the peer as if there
 /// were no guard. Either suffices: the SHUTDOWN makes the application's FIN genuine, the mark
-/// releases a connection no protecting command named.
+/// releases a connection no protecting command named. The SHUTDOWN carries the ABANDON flag: a
+/// guard that restarted before this TELL (it cannot protect the connection, and neither mark nor
+/// FIN would pass it) releases the connection and resets the peer at once.
 ///
 /// After a failed start-up check ([`GuardClient::probe`], until a probe succeeds again) it
 /// sends nothing: it marks the socket unprotected and fails at once with
@@ -82,7 +84,9 @@ pub fn establish<S: AsFd>(stream: &S, client: &GuardClient) -> Result<ConnRecord
     };
     let res = establish_inner(&fd, app, peer, client);
     if res.is_err() {
-        let _ = client.post(unbroken_wire::ctl::Op::Shutdown, app, peer, 0, None);
+        // ABANDON: a guard that cannot protect the connection either (it restarted before
+        // this first TELL) releases it and resets the peer at once (issue 21, item 4).
+        let _ = client.post_flags(unbroken_wire::ctl::Op::Shutdown, app, peer, 0, None, unbroken_wire::ctl::flag::ABANDON);
         let _ = unprotect(stream);
     }
     res
@@ -185,7 +189,8 @@ pub fn clear(rec: &ConnRecord, client: &GuardClient) -> Result<Reply> {
 
 /// ADOPT (unbroken's addition to RTCP's commands): the connections to `app` (the service's
 /// address and port) that the guard holds but no application has claimed with a TELL — those
-/// whose application died after its kernel completed the handshake but before [`establish`].
+/// whose application died after its kernel completed the handshake (or sent its SYN-ACK: the
+/// guard then knows the peer's handshake ACK in advance) but before [`establish`].
 /// Each comes back as a [`ConnRecord`] built from the guard's state, which is still the
 /// initial one (nothing can have been consumed or sent before `establish`): persist it, then
 /// [`recover`] it with `consumed_total = 0` and `sent_total = 0`.
@@ -453,7 +458,25 @@ fn sockname(fd: BorrowedFd<'_>, peer: bool) -> io::Result<SocketAddr> {
     let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
     let p = (&mut ss as *mut libc::sockaddr_storage).cast();
     // SAFETY: the kernel writes at most len bytes into ss.
-    cvt(unsafe { if peer { libc::getpeername(fd.as_raw_fd(), p, &mut len) } else { libc::getsockname(fd.as_raw_fd(), p, &mut len) } })?;
+    let r = cvt(unsafe { if peer { libc::getpeername(fd.as_raw_fd(), p, &mut len) } else { libc::getsockname(fd.as_raw_fd(), p, &mut len) } });
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if peer && r.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN)) {
+        // A connection reset before `establish` (e.g. by a guard that restarted before its
+        // first TELL) has no peer for getpeername, but SO_PEERNAME still names it, so that
+        // `establish` can tell the guard it gives that connection up (ABANDON: the peer is
+        // reset instead of hanging; issue 21, item 4).
+        // The kernel wants a length no larger than the address: IPv6's, else IPv4's.
+        for want in [size_of::<libc::sockaddr_in6>(), size_of::<libc::sockaddr_in>()] {
+            len = want as libc::socklen_t;
+            // SAFETY: the kernel writes at most len bytes into ss.
+            match cvt(unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERNAME, p.cast(), &mut len) }) {
+                Ok(_) => return from_sockaddr(&ss, len),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    r?;
     from_sockaddr(&ss, len)
 }
 

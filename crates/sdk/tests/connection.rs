@@ -74,6 +74,31 @@ fn establish_retries_until_the_guard_saw_the_final_ack() {
     assert_eq!(g.state().tells[&(app, peer)], 2);
 }
 
+/// Issue 21, item 4: a connection reset before `establish` (a restarted guard's probe made the
+/// application's TCP reset it) has no peer for getpeername; `establish` still names it (Linux's
+/// SO_PEERNAME) and posts its SHUTDOWN with ABANDON for that exact connection, so a guard that
+/// cannot protect it resets the peer instead of leaving it to hang.
+#[test]
+fn establish_on_a_reset_connection_still_abandons_it_by_name() {
+    let g = TestGuard::start();
+    let (a, b) = pair();
+    let (app, peer) = (a.local_addr().unwrap(), a.peer_addr().unwrap());
+    // The peer resets the connection (SO_LINGER 0), and the application's socket learns it.
+    let zero = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a valid linger struct for a valid socket.
+    assert_eq!(unsafe { libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(&b), libc::SOL_SOCKET, libc::SO_LINGER, (&zero as *const libc::linger).cast(), std::mem::size_of::<libc::linger>() as libc::socklen_t) }, 0);
+    drop(b);
+    assert_eq!((&a).read(&mut [0u8; 16]).unwrap_err().kind(), ErrorKind::ConnectionReset);
+    assert_eq!(a.peer_addr().unwrap_err().raw_os_error(), Some(libc::ENOTCONN), "getpeername no longer names it");
+    let c = client_with(&g, ClientConfig { establish_tries: 1, ..ClientConfig::default() });
+    let r = sdk::establish(&a, &c);
+    assert!(matches!(r, Err(Error::Rejected(status::NO_CONNECTION))), "{r:?}");
+    // The posted SHUTDOWN follows the TELL; a blocking TELL after it is handled after it.
+    let _ = c.tell(app, "127.0.0.1:9".parse().unwrap());
+    let log = g.state().log.clone();
+    assert!(log.iter().any(|cmd| cmd.op == Op::Shutdown && cmd.flags & flag::ABANDON != 0 && cmd.app == app && cmd.peer == peer), "{log:?}");
+}
+
 #[test]
 fn establish_gives_up() {
     let g = TestGuard::start();
@@ -96,6 +121,9 @@ fn establish_gives_up() {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert_eq!(g.ops(), want);
+    // The SHUTDOWNs say the application gives the connection up (ABANDON): a guard that cannot
+    // protect it either resets the peer (issue 21, item 4).
+    assert!(g.state().log.iter().filter(|c| c.op == Op::Shutdown).all(|c| c.flags & flag::ABANDON != 0));
 }
 
 #[test]

@@ -1763,7 +1763,7 @@ pub mod micro {
                     Input::Command(_) => &empty,
                 };
                 let plen = pkt.len();
-                // The copy alone: packet bytes and the 32-byte state.
+                // The copy alone: packet bytes and the 36-byte state.
                 let copy = per_iter(iters, || {
                     let mut c = black_box(case.conn);
                     buf[..plen].copy_from_slice(black_box(pkt));

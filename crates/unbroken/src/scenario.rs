@@ -405,6 +405,11 @@ pub enum Misconfig {
     /// answers are dropped (an iptables rule in the application's namespace, like a firewall
     /// that lets only outgoing UDP through).
     OneWaySideChannel,
+    /// Not a misconfiguration: the guard is SIGKILLed and restarted between the peer's
+    /// handshake and the application's first TELL (the application stopped at its `accepted`
+    /// point meanwhile). Nobody knows the checkpoint: the connection cannot be protected, and
+    /// the peer must see its end, not hang (issue 21, item 4).
+    GuardRestartBeforeFirstTell,
 }
 
 /// What [`run_misconfigured`] saw.
@@ -472,6 +477,10 @@ fn misconfigured_in(w: &World, m: Misconfig) -> Result<MisconfigReport, String> 
         .arg("--dir")
         .arg(w.dir.join("journal"))
         .stderr(log);
+    let restart = m == Misconfig::GuardRestartBeforeFirstTell;
+    if restart {
+        cmd.env("JOURNAL_PAUSE_AT", "accepted");
+    }
     let mut app = Proc::spawn(w.lab.app(1), &mut cmd)?;
     // The probe of a silent address takes the SDK's whole retry budget (about 3 s).
     let guard_check = app.wait_line("journal-server: guard check", Duration::from_secs(30)).map_err(|e| format!("app: {e}"))?;
@@ -479,7 +488,33 @@ fn misconfigured_in(w: &World, m: Misconfig) -> Result<MisconfigReport, String> 
     let service = w.service();
     let wait = Duration::from_secs(30);
     let control = m == Misconfig::None;
-    let (peer, peer_ms) = lab::in_ns(&w.lab.peer, move || peer_sees(service, wait, control)).map_err(|e| format!("peer namespace: {e}"))?;
+    let (peer, peer_ms) = if restart {
+        let ns = w.lab.peer.clone();
+        let peer = std::thread::spawn(move || lab::in_ns(&ns, move || peer_sees(service, wait, false)));
+        app.wait_line("journal-server: paused at accepted", Duration::from_secs(10)).map_err(|e| format!("app: {e}"))?;
+        guard.kill();
+        guard = w.start_guard(&cfg)?;
+        // The peer's retransmitted input meets the new guard, which cannot translate it: its
+        // probe makes the application's TCP answer, and that answer is turned into a reset of
+        // the socket the application has not told the guard about yet (getpeername then fails
+        // on it; `establish` must still name it).
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = read_status(&w.status_path());
+            if v["pid"].as_u64() == Some(guard.child.id() as u64) && v["counters"]["no_checkpoint_reset"].as_u64().unwrap_or(0) >= 1 {
+                break;
+            }
+            if !matches!(guard.child.try_wait(), Ok(None)) || Instant::now() > end {
+                return Err(format!("the new guard never reset the application's socket (status {v})"));
+            }
+            std::thread::sleep(Duration::from_millis(10)); // polling the status file with a deadline
+        }
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(app.child.id() as i32, libc::SIGCONT) };
+        peer.join().map_err(|_| "peer thread panicked".to_string())?.map_err(|e| format!("peer namespace: {e}"))?
+    } else {
+        lab::in_ns(&w.lab.peer, move || peer_sees(service, wait, control)).map_err(|e| format!("peer namespace: {e}"))?
+    };
     let status = fresh_status(&w.status_path(), &mut guard).unwrap_or(serde_json::Value::Null);
     drop(app);
     let app_log = std::fs::read_to_string(&log_path).unwrap_or_default();

@@ -289,6 +289,24 @@ fn misconfigured(name: &str, m: Misconfig) -> MisconfigReport {
     r
 }
 
+/// Issue 21, item 4, with real kernels: the guard restarts between the peer's handshake and the
+/// application's first TELL (the application stopped at `accepted` meanwhile; the peer has sent
+/// input, whose retransmission makes the new guard reset the application's socket before the
+/// application looks at it). Nobody knows the checkpoint, so the connection cannot be
+/// protected; `establish` still names the reset connection (SO_PEERNAME), gives up with
+/// ABANDON, and the new guard releases the connection and resets the peer at once. Before, the
+/// peer hung until its own timeout.
+#[test]
+fn guard_restart_before_the_first_tell_ends_the_connection_visibly_in_the_lab() {
+    let Some(_g) = lab_or_skip("restart_before_tell") else { return };
+    let r = misconfigured("restart_before_tell", Misconfig::GuardRestartBeforeFirstTell);
+    assert!(r.peer.starts_with("reset"), "the peer is reset, not {} after {} ms", r.peer, r.peer_ms);
+    assert!(r.peer_ms < 15_000, "{} after {} ms", r.peer, r.peer_ms);
+    assert!(r.app_log.contains("not protected, closing"), "{}", r.app_log);
+    let c = &r.guard["counters"];
+    assert_eq!((c["abandoned_released"].as_u64(), c["abandoned_peer_reset"].as_u64()), (Some(1), Some(1)), "{c}");
+}
+
 #[test]
 fn hostile_journal_with_a_wrong_key_says_so_and_the_peer_sees_the_close() {
     let Some(_g) = lab_or_skip("wrong_key") else { return };

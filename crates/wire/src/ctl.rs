@@ -9,7 +9,7 @@
 //! | 4 | 1 | version, 1 |
 //! | 5 | 1 | op: 1 TELL, 2 ACKNOWLEDGE, 3 SHUTDOWN, 4 SHUTDOWN_READING, 5 SHUTDOWN_WRITING, 6 CLEAR, 7 ADOPT; responses set bit 7 |
 //! | 6 | 1 | status (responses): 0 ok, 1 no such connection, 2 bad request |
-//! | 7 | 1 | flags: bit 0 options present, bits 1-4 (responses) ack_allowed, recoverable, fin_allowed, ack_everything; bit 5 (ACKNOWLEDGE requests) recovery |
+//! | 7 | 1 | flags: bit 0 options present, bits 1-4 (responses) ack_allowed, recoverable, fin_allowed, ack_everything; bit 5 (ACKNOWLEDGE requests) recovery; bit 6 (SHUTDOWN requests) abandon |
 //! | 8 | 8 | nonce, chosen by the sender of the request, echoed in the response |
 //! | 16 | 8 | sender's clock, milliseconds since the Unix epoch (replay window) |
 //! | 24 | 1 | address family, 4 or 6 |
@@ -94,6 +94,12 @@ pub mod flag {
     /// In an ACKNOWLEDGE request: it begins a recovery (the SDK's `recover`); the guard answers
     /// the recovery SYN that follows, and no unannounced one (issue 9, item 1).
     pub const RECOVERY: u8 = 1 << 5;
+    /// In a SHUTDOWN request: the application gives up a connection it holds no record of
+    /// (the SDK's `establish` failed). A guard that cannot protect it (it did not see the
+    /// handshake: it restarted or forgot the connection before the first TELL) releases it and
+    /// resets the peer, so the connection ends visibly instead of hanging (issue 21, item 4).
+    /// Older guards ignore the bit (a plain SHUTDOWN).
+    pub const ABANDON: u8 = 1 << 6;
 }
 
 /// TCP options negotiated on a connection, as the application's socket knows them

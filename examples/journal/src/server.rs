@@ -175,8 +175,9 @@ fn crash_point(name: &str) {
 /// Fault injection for tests: when `JOURNAL_PAUSE_AT` names this point, the first thread to
 /// reach it prints `journal-server: paused at NAME` on stdout and stops the whole process
 /// (SIGSTOP), so a test can inject another fault at that exact moment and then let the process
-/// go on (SIGCONT). Points: `recovering` (a connection's recovery is about to start: nothing
-/// sent to the guard yet) and `recovered` (its new socket is connected through the guard and
+/// go on (SIGCONT). Points: `accepted` (a new connection accepted, not yet told to the guard),
+/// `recovering` (a connection's recovery is about to start: nothing sent to the guard yet) and
+/// `recovered` (its new socket is connected through the guard and
 /// TELL answered; nothing resent yet).
 fn pause_point(name: &str) {
     static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -353,12 +354,9 @@ fn conn_dir(base: &Path, peer: SocketAddr) -> PathBuf {
     base.join("conns").join(format!("{}_{}", peer.ip(), peer.port()).replace(':', "-"))
 }
 
-fn handle_new(client: Arc<GuardClient>, stream: TcpStream, base: PathBuf, fsync: bool, echo: bool) {
-    let peer = match stream.peer_addr() {
-        Ok(p) => p,
-        Err(e) => return log(&format!("accept: {e}")),
-    };
+fn handle_new(client: Arc<GuardClient>, stream: TcpStream, peer: std::net::SocketAddr, base: PathBuf, fsync: bool, echo: bool) {
     crash_point("accepted");
+    pause_point("accepted");
     let rec = match unbroken_sdk::establish(&stream, &client) {
         Ok(r) => r,
         Err(e) => {
@@ -486,16 +484,18 @@ pub fn main_with_args(args: impl Iterator<Item = String>) -> i32 {
     let unprotected = if guard_ok { "" } else { " UNPROTECTED: see the guard check" };
     println!("journal-server: listening on {} ({} connection(s) recovering){unprotected}", args.listen, workers.len());
     let _ = std::io::stdout().flush();
-    for s in listener.incoming() {
-        match s {
-            Ok(s) => {
+    loop {
+        // The peer's address from accept itself: a connection reset before we looked at it
+        // (a guard that restarted before our TELL) has none for getpeername, and must still be
+        // named to the guard so that it resets the peer (issue 21, item 4).
+        match listener.accept() {
+            Ok((s, peer)) => {
                 let c = client.clone();
                 let base = args.dir.clone();
                 let (f, e) = (args.fsync, args.echo);
-                std::thread::spawn(move || handle_new(c, s, base, f, e));
+                std::thread::spawn(move || handle_new(c, s, peer, base, f, e));
             }
             Err(e) => log(&format!("accept: {e}")),
         }
     }
-    0
 }

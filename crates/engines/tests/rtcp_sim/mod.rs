@@ -46,7 +46,9 @@
 //! before TIME-WAIT ran out means "recover", like any ECONNRESET.
 //!
 //! Known limits, reported rather than failed: the filter losing its state between *B*'s SYN
-//! and *A*'s first TELL loses the connection (see `Report::filter_restart_before_first_tell`);
+//! and *A*'s first TELL loses the connection (see `Report::filter_restart_before_first_tell`;
+//! through the guard it must then end visibly, *B* reset, once *A* gave it up, see
+//! `Filter::releases_abandoned`, unless *A*'s socket was reset before *A* accepted it);
 //! *B*'s stack may stay in LAST-ACK after its application finished (see `Sim::b_step`).
 //!
 //! `SIM_SCALE` (default 1) multiplies the seeds of the randomized scenarios and of the lossy
@@ -275,9 +277,10 @@ pub struct Scenario {
     pub crash_modes: Vec<CrashMode>,
     pub restart_delay_ms: u64,
     /// Which unclaimed connection RTCP_ADOPT hands to an application that crashed before it
-    /// accepted: `true` is the guard's rule (SYNCED, RECOVERABLE and ACK_ALLOWED: the handshake
-    /// completed at the guard); `false` adopts as soon as the guard saw B's SYN (ACK_ALLOWED) and
-    /// takes ackB0 from the TELL after reconnecting.
+    /// accepted: `true` is the guard's rule (the handshake completed at the guard, or A's
+    /// SYN-ACK went out through it, which fixes ackB0; the SDK's way: the record straight from
+    /// ADOPT's answer); `false` adopts as soon as the guard saw B's SYN (ACK_ALLOWED) and takes
+    /// ackB0 from the TELL after reconnecting.
     pub adopt_needs_recoverable: bool,
     /// Whether *A* waits for its output to be acknowledged between RTCP_SHUTDOWN and close().
     /// `None`: only on a faulty link (the paper's application closes at once; see the smoltcp
@@ -292,6 +295,11 @@ pub struct Scenario {
     pub crash_on_reconnect: u32,
     /// Delay between *A*'s socket reconnecting and its TELL (0: in the same step).
     pub tell_delay_ms: u64,
+    /// Packets toward *B* lost on the wide link, by their order (1 = the first one sent).
+    pub lose_to_b: Vec<u64>,
+    /// Delay between *A*'s accept (its socket established) and its first TELL (0: in the same
+    /// step). The TELL follows even if the socket was reset meanwhile (accept returned it).
+    pub first_tell_delay_ms: u64,
     /// *A*'s receive buffer per incarnation (cycled): changes *A*'s window scale.
     pub a_rx: Vec<usize>,
     /// Interface seeds for *A*'s incarnations (else drawn from the scenario's PRNG).
@@ -355,6 +363,8 @@ impl Scenario {
             crash_modes: vec![CrashMode::Wipe],
             restart_delay_ms: 30,
             tell_delay_ms: 0,
+            first_tell_delay_ms: 0,
+            lose_to_b: vec![],
             crash_on_reconnect: 0,
             adopt_needs_recoverable: false,
             stall_is_err: false,
@@ -421,18 +431,21 @@ pub struct Report {
     /// SYN's question "which ACK?": the connection is lost. Not a bug of the engine, a window of
     /// the protocol; the tests accept a stall only in that case.
     pub filter_restart_before_first_tell: bool,
-    /// A crashed inside the handshake and restarted before B's handshake ACK reached the
-    /// filter; ADOPT by the guard's rule (`Scenario::adopt_needs_recoverable`) did not offer the
-    /// connection, so A listens again while B is established: the connection is lost (B's
-    /// segments meet A's RSTs, which O1 drops). A known gap of that rule, accepted like
-    /// `filter_restart_before_first_tell` and counted.
+    /// A crashed inside the handshake and ADOPT did not offer the connection although the
+    /// filter saw B's SYN, so A listens again; if B is established the connection is lost (B's
+    /// segments meet A's RSTs, which O1 drops). Before issue 21 item 3 the guard's rule
+    /// (`Scenario::adopt_needs_recoverable`) declined every connection whose handshake ACK had
+    /// not reached it; now only one whose SYN-ACK did not go out (then B's SYN is retransmitted
+    /// to the new listener). A stall after it is reported, not failed.
     pub adopt_declined: bool,
     /// *B* acknowledged one byte more than *A* ever produced, the FIN of an earlier
-    /// incarnation (a TELL said so, or the filter's ackB at a stall). The new socket's FIN then lies one past *B*'s
-    /// acknowledgments, and *A*, waiting for its output to be acknowledged before close(),
-    /// may wait forever: the known gap of `known_gap_peer_acks_old_fin_after_tell` (sim.rs).
-    /// A stall after it is reported, not failed.
+    /// incarnation (a TELL said so). Before issue 21 item 2 the new socket's TCP discarded
+    /// those ACKs and *A*, waiting for its output to be acknowledged before close(), waited
+    /// forever; now the filter lowers them (`peer_acks_clamped`) and a stall fails the run.
     pub peer_acked_old_fin: bool,
+    /// *B*'s ACKs the filter lowered to the end of what *A*'s current socket sent (checked to be
+    /// exactly that end by `Sim::check_incoming`).
+    pub peer_acks_clamped: u32,
     /// B's stack was left in LAST-ACK after its application closed (see `Sim::b_step`).
     pub b_stuck_in_last_ack: bool,
     /// Packets that had crossed when A's first TELL was answered.
@@ -508,6 +521,12 @@ pub struct AppA {
     /// `Scenario::read_rate`: bytes the application may still read, and when it last did.
     read_budget: usize,
     read_at: Instant,
+    /// When *A* gave the connection up (its first TELL found a filter that lost it, see
+    /// [`Report::filter_restart_before_first_tell`]) and told a filter that releases such
+    /// connections ([`Filter::releases_abandoned`]).
+    gave_up_at: Option<Instant>,
+    /// When the listening socket's connection was first seen established (accept returned it).
+    accepted_at: Option<Instant>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -685,6 +704,15 @@ pub trait Filter {
     fn counts(&self) -> Vec<(&'static str, u64)> {
         vec![]
     }
+    /// Whether the filter ends a connection its application gives up (SHUTDOWN with ABANDON)
+    /// when it cannot protect it: then such a run must end with *B* reset ("lost visibly"),
+    /// never stall (issue 21, item 4; the guard does, the bare engine does not).
+    fn releases_abandoned() -> bool
+    where
+        Self: Sized,
+    {
+        false
+    }
 }
 
 /// The bare engine: the `rtcp` functions on one `Conn`, the side channel decoded with the key
@@ -719,8 +747,16 @@ impl Filter for EngineFilter {
         self.conn
     }
     fn adopted(&self, _reply: &Command, sc: &Scenario) -> bool {
-        let need = if sc.adopt_needs_recoverable { rtcp::flag::SYNCED | rtcp::flag::RECOVERABLE | rtcp::flag::ACK_ALLOWED } else { rtcp::flag::ACK_ALLOWED };
-        self.conn.flags & need == need && !self.conn.is_closed()
+        use rtcp::flag;
+        if !sc.adopt_needs_recoverable {
+            return self.conn.flags & flag::ACK_ALLOWED != 0 && !self.conn.is_closed();
+        }
+        // The guard's rule (`Entry::adoptable`): the handshake completed, or A's SYN-ACK went out
+        // (SYNCED and OPTS_KNOWN without RECOVERABLE: ackB0 is its SEQ + 1, issue 21 item 3).
+        let est = flag::SYNCED | flag::RECOVERABLE | flag::ACK_ALLOWED;
+        let answered = flag::SYNCED | flag::ACK_ALLOWED | flag::OPTS_KNOWN;
+        let f = self.conn.flags;
+        (f & est == est || (f & answered == answered && f & (flag::SYN_PENDING | flag::ACK_EVERYTHING) == 0)) && !self.conn.is_closed()
     }
     fn describe(&self) -> String {
         format!("{:?}", self.conn)
@@ -760,6 +796,8 @@ pub struct Sim<X: Filter> {
     /// The highest sequence number A's current socket has sent (for the emulation at
     /// [`Sim::linux_answers_probe`]); `None` for a new socket.
     a_snd_max: Option<Seq>,
+    /// Packets put on the wide link toward B so far (`Scenario::lose_to_b`).
+    sent_to_b: u64,
     /// Set when A gives up on the connection (only in the case described at
     /// [`Report::filter_restart_before_first_tell`]).
     abandoned: Option<String>,
@@ -795,7 +833,7 @@ impl<X: Filter> Sim<X> {
             ts_recent: None,
             lastack_since: None,
         };
-        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None, read_budget: 0, read_at: now };
+        let a = AppA { dur: Durable::default(), host: None, sock: None, orphan: None, phase: Phase::Listening, sent: 0, shutdown_sent: false, close_called: false, timewait_since: None, prev_state: None, tell_at: None, read_budget: 0, read_at: now, gave_up_at: None, accepted_at: None };
         let filter = X::new(&sc);
         let mut sim = Sim {
             sc,
@@ -820,6 +858,7 @@ impl<X: Filter> Sim<X> {
             abandoned: None,
             b_syn_seq: None,
             a_snd_max: None,
+            sent_to_b: 0,
             reconnect_crashes_left: 0,
         };
         sim.reconnect_crashes_left = sim.sc.crash_on_reconnect;
@@ -890,6 +929,13 @@ impl<X: Filter> Sim<X> {
     /// Puts a packet on the wide link (between the filter and B), with the scenario's faults.
     fn wide_send(&mut self, to: Side, pkt: Vec<u8>) {
         let at = self.now + Duration::from_millis(self.sc.latency_ms);
+        if to == Side::B {
+            self.sent_to_b += 1;
+            if self.sc.lose_to_b.contains(&self.sent_to_b) {
+                self.note(format!("LOST (scenario) {}", describe(&pkt)));
+                return;
+            }
+        }
         if self.rng.chance(self.sc.loss) {
             self.note(format!("LOST      {}", describe(&pkt)));
             return;
@@ -963,6 +1009,10 @@ impl<X: Filter> Sim<X> {
 
     /// Independent checks of a packet algorithm O forwarded (`r0` before, `r1` after).
     fn check_outgoing(&mut self, r0: &wtcp::Repr, r1: &wtcp::Repr) {
+        if self.a.gave_up_at.is_some() {
+            // A released connection passes untouched: nothing is checkpointed any more.
+            return;
+        }
         // Checkpointed acknowledgment, the point of RTCP: B never sees an ACK for input A has
         // not persisted (B's FIN counts once B sent it).
         if r1.flags & F::ACK != 0 {
@@ -1007,11 +1057,24 @@ impl<X: Filter> Sim<X> {
     }
 
     /// Independent checks of a packet algorithm I forwarded unchanged in meaning: ACK + Δ, SACK
-    /// edges + Δ (I3).
+    /// edges + Δ (I3); an ACK beyond what *A*'s current socket sent is lowered, never above
+    /// *A*'s SND.MAX (issue 21, item 2).
     fn check_incoming(&mut self, r0: &wtcp::Repr, r1: &wtcp::Repr) {
         let d = self.filter.conn().delta;
         if r0.flags & F::ACK != 0 && r0.flags & F::SYN == 0 && r1.ack != r0.ack + d {
-            self.fail(&format!("I3: ack {} is not {} + Δ {d}", r1.ack.0, r0.ack.0));
+            // Lowered, to the end of what A's socket sent through the filter: at most A's
+            // SND.MAX (a segment the filter did not forward, reset instead, counts there but
+            // not here). While A has no socket (down, or a new one that sent nothing), the dead
+            // socket's end, which only has to lie below B's ACK.
+            let lowered = (r0.ack + d).gt(r1.ack);
+            let clamped = match self.a_snd_max {
+                Some(max) => lowered && !r1.ack.gt(max),
+                None => lowered,
+            };
+            if !clamped {
+                self.fail(&format!("I3: ack {} is not {} + Δ {d} (nor A's SND.MAX {:?} below it)", r1.ack.0, r0.ack.0, self.a_snd_max.map(|s| s.0)));
+            }
+            self.rep.peer_acks_clamped += 1;
         }
         for i in 0..r0.sack_len as usize {
             let (l, r) = r0.sack[i];
@@ -1096,7 +1159,7 @@ impl<X: Filter> Sim<X> {
             }
             Side::B => {
                 let f = facts(&pkt);
-                if f.flags & F::RST != 0 {
+                if f.flags & F::RST != 0 && self.a.gave_up_at.is_none() {
                     self.fail(&format!("a RST reached B: {}", describe(&pkt)));
                 }
                 let state = self.b.host.sockets.get::<tcp::Socket>(self.b.sock).state();
@@ -1266,12 +1329,23 @@ impl<X: Filter> Sim<X> {
                 }
             }
             Phase::Listening => {
-                let st = self.a_tcp().state();
-                if matches!(st, State::Established | State::CloseWait) {
+                if self.first_tell_due() {
+                    self.a.accepted_at = None;
                     // accept(): TELL, persist ackA0/ackB0 and the options (section 4).
                     let r = self.command(Op::Tell, 0, None);
                     if r.flags & ctl::flag::RECOVERABLE == 0 || r.flags & ctl::flag::ACK_ALLOWED == 0 {
                         if self.rep.filter_restart_before_first_tell {
+                            if X::releases_abandoned() {
+                                // As the SDK's failing `establish`: SHUTDOWN with ABANDON, then
+                                // the application closes (here: aborts) the socket. The filter
+                                // must make B see the end (issue 21, item 4).
+                                self.command_flags(Op::Shutdown, 0, None, ctl::flag::ABANDON);
+                                self.a.gave_up_at = Some(self.now);
+                                self.a_tcp().abort();
+                                self.a.phase = Phase::Done;
+                                self.note("A: gives the connection up (SHUTDOWN with ABANDON), aborts its socket".into());
+                                return;
+                            }
                             // A real application would close the connection here; its RST would
                             // be dropped (O1), so B is left to its own timeout.
                             self.abandoned = Some(format!("TELL after accept: the restarted filter does not know ackA0 ({})", self.sc.name));
@@ -1377,6 +1451,23 @@ impl<X: Filter> Sim<X> {
 
     /// The application's latency between seeing its socket connected and sending TELL
     /// (scheduling, a side-channel round trip): true while it still waits.
+    /// Whether the first TELL is due: the connection was accepted (its socket seen established)
+    /// at least `Scenario::first_tell_delay_ms` ago.
+    fn first_tell_due(&mut self) -> bool {
+        let st = self.a_tcp().state();
+        if matches!(st, State::Established | State::CloseWait) && self.a.accepted_at.is_none() {
+            self.a.accepted_at = Some(self.now);
+        }
+        let Some(at) = self.a.accepted_at else { return false };
+        let due = at + Duration::from_millis(self.sc.first_tell_delay_ms);
+        if self.now < due {
+            self.a.tell_at = Some(due);
+            return false;
+        }
+        self.a.tell_at = None;
+        true
+    }
+
     fn tell_wait(&mut self) -> bool {
         if self.sc.tell_delay_ms == 0 {
             return false;
@@ -1539,6 +1630,7 @@ impl<X: Filter> Sim<X> {
             }
             self.a.sock = Some(host.sockets.add(s));
             self.a_snd_max = None;
+            self.a.accepted_at = None;
             self.a.phase = Phase::Listening;
         }
     }
@@ -1549,6 +1641,7 @@ impl<X: Filter> Sim<X> {
         self.note(format!("*** CRASH of A ({mode:?})"));
         self.a.dur.incarnation += 1;
         self.a_snd_max = None;
+        self.a.accepted_at = None;
         match mode {
             CrashMode::Wipe => {
                 self.a.sock = None;
@@ -1598,6 +1691,14 @@ impl<X: Filter> Sim<X> {
     fn b_step(&mut self) {
         let s = self.b.host.sockets.get_mut::<tcp::Socket>(self.b.sock);
         let st = s.state();
+        if let Some(at) = self.a.gave_up_at {
+            // A gave the connection up: B must see its end (a reset), never hang.
+            if st == State::Closed {
+                let ms = (self.now - at).total_millis();
+                self.abandoned = Some(format!("lost visibly: B reset {ms} ms after A gave up ({})", self.sc.name));
+            }
+            return;
+        }
         if st == State::Established {
             self.b.ever_established = true;
         }
@@ -1716,17 +1817,14 @@ impl<X: Filter> Sim<X> {
                 break;
             }
             if self.now.total_millis() as u64 > self.sc.max_virtual.total_millis() {
+                if let Some(at) = self.a.gave_up_at {
+                    self.fail(&format!("silent hang: A gave the connection up at {} ms and B never saw its end", at.total_millis()));
+                }
                 if self.rep.filter_restart_before_first_tell {
-                    return Err(format!("stalled: the filter restarted before A's first TELL ({})", self.sc.name));
-                }
-                // Or B's ACK of that FIN came after the TELL (the filter's ackB says so).
-                if let Some(rec) = self.a.dur.record {
-                    if self.filter.conn().ack_b.wrapping_sub(rec.ack_b0) as usize == self.a.dur.output.len() + 1 {
-                        self.rep.peer_acked_old_fin = true;
-                    }
-                }
-                if self.rep.peer_acked_old_fin && self.a.shutdown_sent {
-                    return Err(format!("stalled: B had acknowledged an earlier incarnation's FIN (known gap) ({})", self.sc.name));
+                    // A never accepted the connection: the filter's probe reset A's socket
+                    // inside or right after the handshake (see `Filter::releases_abandoned`).
+                    let when = if self.a.dur.record.is_none() && self.a.gave_up_at.is_none() { "before A accepted" } else { "before A's first TELL" };
+                    return Err(format!("stalled: the filter restarted {when} ({})", self.sc.name));
                 }
                 if self.rep.adopt_declined {
                     return Err(format!("stalled: ADOPT declined a connection inside its handshake ({})", self.sc.name));
@@ -1849,7 +1947,10 @@ pub fn sweep_on<F: Filter>(name: &str, base: Scenario, allow_lost: bool, f: impl
         f(&mut sc, k);
         match try_run_on::<F>(sc) {
             Ok(r) => reps.push(r),
-            Err(e) if allow_lost => lost.push((k, e)),
+            // A filter that releases abandoned connections must end them visibly.
+            // A filter that releases abandoned connections must end them visibly once the
+            // application gave up; only a connection no application ever saw may stall.
+            Err(e) if allow_lost && (!F::releases_abandoned() || e.starts_with("lost visibly") || e.starts_with("stalled: the filter restarted before A accepted")) => lost.push((k, e)),
             Err(e) => panic!("{e}"),
         }
     }

@@ -385,9 +385,8 @@ struct ReplicaIo {
     buf: Vec<u8>,
     /// Why the daemon stopped on its own (the exit status says so).
     fatal: Option<String>,
-    /// This host's server, checked every [`LISTEN_CHECK_MS`].
-    listen_check: Option<ServerCheck>,
-    next_listen_check: u64,
+    /// This host's server, looked at every [`LISTEN_CHECK_MS`] by its own thread.
+    server_looks: Option<Receiver<ServerLook>>,
 }
 
 /// How often a host checks its server (its listeners, its sockets' input, its CPU time).
@@ -398,19 +397,44 @@ const OWNER_SCAN_MS: u64 = 5_000;
 
 /// The daemon's look at its own server (sock_diag and /proc; the verdicts are the core's):
 /// its listening sockets (a server whose listener is gone has died or restarted: a primary
-/// yields), the input its connections hold unread and its processes' CPU time (a server that
-/// reads and computes nothing while input waits is hung: [`Core::server_sample`]).
+/// yields), the input its connections on the service address hold unread and its processes'
+/// CPU time (a server that reads and computes nothing while input waits is hung:
+/// [`Core::server_sample`]). It runs on a thread of its own ([`ServerCheck::spawn`]): a dump of
+/// many sockets or a walk of `/proc` must never delay the packet loop and its beats.
 struct ServerCheck {
     diag: unbroken_drivers::sockdiag::SockDiag,
     listen: Vec<std::net::SocketAddr>,
     /// The listeners' inodes at the last look, and the processes that hold them.
     inodes: Vec<u32>,
     pids: Vec<u32>,
-    next_owner_scan: u64,
+    next_owner_scan: Instant,
+}
+
+/// One look of the [`ServerCheck`] thread: the listeners (`None`: the check failed), and the
+/// server's sockets on the service address and CPU time (`None`: the dump failed, no verdict).
+struct ServerLook {
+    listening: Option<bool>,
+    socks: Option<Vec<ServerSocket>>,
+    cpu: Option<u64>,
 }
 
 impl ServerCheck {
-    fn run(&mut self, core: &mut Core, now: u64) {
+    /// Looks every [`LISTEN_CHECK_MS`] on a thread of its own until the receiver is dropped.
+    fn spawn(mut self) -> Receiver<ServerLook> {
+        let (tx, rx) = channel();
+        let spawned = std::thread::Builder::new().name("replica-check".into()).spawn(move || loop {
+            if tx.send(self.look()).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(LISTEN_CHECK_MS)); // the sampling period
+        });
+        if let Err(e) = spawned {
+            eprintln!("replica: cannot start the thread that watches this host's server ({e}): a crashed or hung server is found only through its connections, after max_lag_ms");
+        }
+        rx
+    }
+
+    fn look(&mut self) -> ServerLook {
         use unbroken_drivers::procfs;
         // An error of the check itself says nothing about the server: no verdict.
         let mut up = Some(true);
@@ -422,24 +446,20 @@ impl ServerCheck {
                 Err(_) => up = None,
             }
         }
-        if let Some(up) = up {
-            core.server_listening(up);
-        }
         inodes.sort_unstable();
         inodes.dedup();
-        if inodes != self.inodes || now >= self.next_owner_scan {
+        let now = Instant::now();
+        // The processes are looked up again when a listener changed, now and then, and (at
+        // most that often) when one is gone; never with no listener (a walk for nothing).
+        if !inodes.is_empty() && (inodes != self.inodes || now >= self.next_owner_scan) {
             self.pids = procfs::socket_owners(&inodes);
-            self.inodes = inodes;
-            self.next_owner_scan = now + OWNER_SCAN_MS;
+            self.next_owner_scan = now + Duration::from_millis(OWNER_SCAN_MS);
         }
-        let cpu = if self.pids.is_empty() {
-            None
-        } else {
-            procfs::cpu_ticks(&self.pids)
-        };
-        if cpu.is_none() {
-            // A process gone (or none known): look again at the next check.
-            self.next_owner_scan = now;
+        self.inodes = inodes;
+        let cpu = if self.pids.is_empty() { None } else { procfs::cpu_ticks(&self.pids) };
+        if cpu.is_none() && !self.pids.is_empty() {
+            // A process gone: look again within a second.
+            self.next_owner_scan = self.next_owner_scan.min(now + Duration::from_secs(1));
         }
         let mut socks = vec![];
         let mut ports: Vec<u16> = self.listen.iter().map(|a| a.port()).collect();
@@ -447,15 +467,18 @@ impl ServerCheck {
         ports.dedup();
         for port in ports {
             match self.diag.receive_queues(port) {
-                Ok(q) => socks.extend(q.into_iter().map(|q| ServerSocket {
+                // Only the service address's sockets: the ones both hosts share (a socket on
+                // the host's own address or loopback exists on one host only).
+                Ok(q) => socks.extend(q.into_iter().filter(|q| self.listen.iter().any(|a| a.ip() == q.local.ip())).map(|q| ServerSocket {
                     id: q.cookie,
+                    key: unbroken_engines::replica::ConnKey { client: q.remote.ip(), client_port: q.remote.port(), server_port: q.local.port() },
                     unread: q.unread,
                     received: q.received,
                 })),
-                Err(_) => return,
+                Err(_) => return ServerLook { listening: up, socks: None, cpu },
             }
         }
-        core.server_sample(now, &socks, cpu);
+        ServerLook { listening: up, socks: Some(socks), cpu }
     }
 }
 
@@ -626,10 +649,15 @@ impl daemon::Adapter<Core> for ReplicaIo {
         while let Ok(ok) = self.fence_rx.try_recv() {
             core.fence_done(ok, now);
         }
-        if now >= self.next_listen_check {
-            self.next_listen_check = now + LISTEN_CHECK_MS;
-            if let Some(check) = self.listen_check.as_mut() {
-                check.run(core, now);
+        if let Some(rx) = self.server_looks.as_ref() {
+            while let Ok(look) = rx.try_recv() {
+                if let Some(up) = look.listening {
+                    core.server_listening(up);
+                }
+                match look.socks {
+                    Some(socks) => core.server_sample(now, &socks, look.cpu),
+                    None => core.server_sample_failed(),
+                }
             }
         }
         core.collect(out);
@@ -825,25 +853,16 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         announce_errors: 0,
         buf: vec![0u8; 2048],
         fatal: None,
-        listen_check: match unbroken_drivers::sockdiag::SockDiag::open() {
-            Ok(diag) => Some(ServerCheck {
-                diag,
-                listen: cfg
-                    .raw
-                    .services
-                    .iter()
-                    .map(|s| std::net::SocketAddr::new(IpAddr::V4(cfg.addr), s.port))
-                    .collect(),
-                inodes: vec![],
-                pids: vec![],
-                next_owner_scan: 0,
-            }),
+        server_looks: match unbroken_drivers::sockdiag::SockDiag::open() {
+            Ok(diag) => {
+                let listen = cfg.raw.services.iter().map(|s| std::net::SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).collect();
+                Some(ServerCheck { diag, listen, inodes: vec![], pids: vec![], next_owner_scan: Instant::now() }.spawn())
+            }
             Err(e) => {
                 eprintln!("replica: cannot open sock_diag to watch this host's server ({e}): a crashed or hung server is found only through its connections, after max_lag_ms");
                 None
             }
         },
-        next_listen_check: 0,
     };
     println!(
         "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",

@@ -454,8 +454,6 @@ impl Core {
         self.requests.push(Request::Log(line));
     }
 
-    /// The primary's check of its server's listening sockets (every few beats, by the daemon):
-    /// a listener gone is a sick host (the engine asks to yield).
     /// The daemon's sample of this host's server (every few tens of ms): its sockets on the
     /// service ports and its processes' CPU time. The primary's engine compares a stall with
     /// the backup's progress; the backup says in its messages that its server is hung (it has
@@ -464,7 +462,7 @@ impl Core {
         self.clock = self.clock.max(now_ms);
         let since = self.watch.sample(now_ms, socks, cpu);
         if let Some(p) = self.primary.as_mut() {
-            p.server_reading(since);
+            p.server_reading(since, self.watch.waiting());
             return;
         }
         let bound = self.s.engine.max_hang_ms;
@@ -481,11 +479,25 @@ impl Core {
         }
     }
 
+    /// The daemon could not sample its server (sock_diag failed): no verdict, so none stands
+    /// (a stall seen before must not grow into a hang while nobody looks).
+    pub fn server_sample_failed(&mut self) {
+        self.watch = ReadWatch::default();
+        if let Some(p) = self.primary.as_mut() {
+            p.server_reading(None, &Default::default());
+        } else if self.hung {
+            self.hung = false;
+            self.dirty = true;
+        }
+    }
+
     /// Backup: its server is hung (its messages say so).
     pub fn server_hung(&self) -> bool {
         self.hung
     }
 
+    /// The primary's check of its server's listening sockets (every few beats, by the daemon):
+    /// a listener gone is a sick host (the engine asks to yield).
     pub fn server_listening(&mut self, up: bool) {
         if let Some(p) = self.primary.as_mut() {
             if self.state != State::WaitingForPeer {

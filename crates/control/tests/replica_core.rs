@@ -705,6 +705,7 @@ fn backup_says_its_server_is_hung_in_every_message_until_it_reads_again() {
     let sock = |unread: u32, received: u64| {
         [ServerSocket {
             id: 7,
+            key: unbroken_engines::replica::ConnKey { client: "10.77.3.2".parse().unwrap(), client_port: 40000, server_port: 6379 },
             unread,
             received,
         }]

@@ -211,6 +211,9 @@ fn progress(mut attrs: &[u8]) -> Option<Progress> {
 pub struct RecvQueue {
     /// The kernel's socket cookie: one socket's name for as long as it lives.
     pub cookie: u64,
+    /// Its addresses (an IPv4-mapped IPv6 address as IPv4).
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
     pub unread: u32,
     pub received: u64,
 }
@@ -280,11 +283,17 @@ fn parse_dump(buf: &[u8], seq: u32, port: u16, out: &mut Vec<RecvQueue>) -> io::
                 let cookie = u64::from_ne_bytes(body[44..52].try_into().unwrap());
                 let unread = u32::from_ne_bytes([body[56], body[57], body[58], body[59]]);
                 let received = progress(&body[MSG_LEN..]).map_or(0, |p| p.bytes_received);
-                out.push(RecvQueue {
-                    cookie,
-                    unread,
-                    received,
-                });
+                let ip = |b: &[u8]| -> IpAddr {
+                    if body[0] == libc::AF_INET as u8 {
+                        IpAddr::from([b[0], b[1], b[2], b[3]])
+                    } else {
+                        let v6 = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&b[..16]).unwrap());
+                        v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+                    }
+                };
+                let local = SocketAddr::new(ip(&body[8..24]), port);
+                let remote = SocketAddr::new(ip(&body[24..40]), u16::from_be_bytes([body[6], body[7]]));
+                out.push(RecvQueue { cookie, local, remote, unread, received });
             }
             _ => {}
         }
@@ -500,6 +509,7 @@ mod tests {
                 );
             };
             let a = wait(&mut d, 500, 500);
+            assert_eq!((a.local, a.remote), (s.local_addr().unwrap(), c.local_addr().unwrap()), "{any}: the socket's own addresses");
             s.read_exact(&mut [0u8; 200]).unwrap();
             let b = wait(&mut d, 300, 500);
             assert_eq!(a.cookie, b.cookie, "one socket, one cookie");

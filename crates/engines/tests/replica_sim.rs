@@ -224,6 +224,7 @@ impl App {
             now,
             &[ServerSocket {
                 id: 1,
+                key: ConnKey { client: std::net::IpAddr::V4(CLIENT), client_port: CPORT, server_port: PORT },
                 unread,
                 received: self.consumed + unread as u64,
             }],
@@ -899,7 +900,7 @@ impl Sim {
             if now.is_multiple_of(READ_CHECK_MS) {
                 // The daemon's sock_diag sample of its server's sockets.
                 let since = self.papp.sample(s, now);
-                self.peng.server_reading(since);
+                self.peng.server_reading(since, self.papp.watch.waiting());
             }
             self.primary.poll(now);
             for mut pkt in std::mem::take(&mut self.primary.dev.tx) {

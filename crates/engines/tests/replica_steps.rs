@@ -471,7 +471,7 @@ fn table_3_3_row2_primary_stall_yields_only_when_the_whole_server_stalls() {
 fn table_3_3_row2_hung_primary_yields_after_the_hang_bound() {
     let mut p = primary(true);
     p.backup_progress(&progress(2, C_ISN + 1, b"abc", false), 3);
-    p.server_reading(Some(20));
+    p.server_reading(Some(20), &[key()].into());
     p.tick(100);
     assert!(p.take_notices().is_empty(), "hung for 80 ms only");
     p.tick(160);
@@ -494,7 +494,7 @@ fn table_3_3_row2_hung_primary_yields_after_the_hang_bound() {
 #[test]
 fn hung_on_both_sides_or_not_ahead_is_no_failure() {
     let mut p = primary(true);
-    p.server_reading(Some(10));
+    p.server_reading(Some(10), &[key()].into());
     p.tick(1_000);
     assert!(
         p.take_notices().is_empty(),
@@ -513,7 +513,7 @@ fn hung_on_both_sides_or_not_ahead_is_no_failure() {
     p.tick(1_500);
     assert!(p.take_notices().is_empty(), "gone on for 100 ms only");
     // The primary's server reads and answers: nothing more.
-    p.server_reading(None);
+    p.server_reading(None, &[key()].into());
     primary_sends(&mut p, 0, b"abcdef", C_ISN + 1, 0, 1_520);
     assert_eq!(p.take_transmit().len(), 1, "verified, released");
     p.tick(2_000);
@@ -523,7 +523,7 @@ fn hung_on_both_sides_or_not_ahead_is_no_failure() {
         max_hang_ms: 0,
         ..Config::default()
     });
-    q.server_reading(Some(0));
+    q.server_reading(Some(0), &[key()].into());
     q.tick(10_000);
     assert!(q.take_notices().is_empty());
 }
@@ -546,14 +546,16 @@ fn table_3_3_row2_hung_backup_is_stale_after_the_hang_bound() {
         "held: the backup lags for 90 ms only"
     );
     // This host's server hung too: a shared stall, nothing happens.
-    p.server_reading(Some(0));
+    p.server_reading(Some(0), &[key()].into());
     p.tick(200);
     assert!(
         p.take_transmit().is_empty() && p.backup_stale().is_none(),
         "both hung"
     );
-    p.server_reading(None);
+    p.server_reading(None, &[key()].into());
     p.tick(210);
+    assert!(p.backup_stale().is_none(), "this host's server was stalled (last seen at 100 ms) less than the bound ago: the one that finishes first does not condemn the other");
+    p.tick(250);
     assert_eq!(p.backup_stale(), Some(Why::BackupHung));
     assert_eq!(p.take_transmit().len(), 1, "the held output goes out");
     assert!(p.take_notices().contains(&Notice::BackupStale {
@@ -567,6 +569,7 @@ fn table_3_3_row2_hung_backup_is_stale_after_the_hang_bound() {
 fn read_watch_sees_a_server_that_reads_nothing() {
     let s = |id, unread, received| ServerSocket {
         id,
+        key: key(),
         unread,
         received,
     };
@@ -1243,4 +1246,22 @@ fn loss_toward_primary_the_backups_view_of_the_clients_ack_reaches_the_server() 
     p.backup_progress(&rep(5, P_ISN.wrapping_add(11)), 50);
     assert!(p.take_inject().is_empty(), "once");
     assert_eq!(p.counters.acks_from_backup, 1);
+}
+
+/// Issue 20 review: a client that parks unread bytes on its own connection makes the server
+/// look stalled, but that is no evidence about another connection: the primary yields only for
+/// a connection whose own input waits unread while the backup is ahead on it.
+#[test]
+fn hostile_unread_input_parked_on_another_connection_is_no_evidence() {
+    let mut p = primary(true);
+    p.backup_progress(&progress(2, C_ISN + 1, b"abc", false), 3);
+    let other = ConnKey { client_port: 40001, ..key() };
+    p.server_reading(Some(20), &[other].into());
+    p.tick(100);
+    p.tick(400);
+    assert!(p.take_notices().is_empty(), "stalled on another connection only");
+    // Its own input waits too: a hung server.
+    p.server_reading(Some(20), &[other, key()].into());
+    p.tick(420);
+    assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: Some(key()) }]);
 }

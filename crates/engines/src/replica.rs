@@ -1385,6 +1385,9 @@ pub struct PrimaryCounters {
     pub hung_yields: u64,
     /// Client ACKs the backup heard and this host did not, handed to its server.
     pub acks_from_backup: u64,
+    /// Connections the backup's server reset after both servers had closed them with a FIN
+    /// and the backup had all the input (no failure).
+    pub backup_rst_after_close: u64,
 }
 
 /// Client bytes relayed to the backup at a time (then again once it confirmed them).
@@ -1508,6 +1511,8 @@ struct PConn {
     snd_p: Seq,
     /// When the primary last heard an acceptable segment of the client (ms, its clock).
     client_heard_at: u64,
+    /// The backup's server reset it after both servers had closed it (no failure).
+    late_rst: bool,
     /// The backup's ACK is behind the primary's since (ms), and the next nudge is due at.
     rcv_behind_since: Option<u64>,
     nudge_at: u64,
@@ -1740,6 +1745,7 @@ impl Primary {
                 relay_at: 0,
                 client_ack: Seq(0),
                 client_heard_at: 0,
+                late_rst: false,
                 snd_p: Seq(0),
                 rcv_behind_since: None,
                 nudge_at: 0,
@@ -2138,8 +2144,19 @@ impl Primary {
                 continue;
             }
             if b.rst && c.rst_since.is_none() {
-                self.unprotect(key, Why::BackupRst);
-                continue;
+                // Both servers closed with a FIN and the backup's had every byte of input the
+                // primary's got: a RST after that answers a segment that came after its close
+                // (a late retransmission, a relayed copy): the connection ended the same way on
+                // both, nothing diverged.
+                if b.fin && c.p_fin && b.rcv_known && b.rcv_nxt.ge(c.ack_p) {
+                    if !c.late_rst {
+                        c.late_rst = true;
+                        self.counters.backup_rst_after_close += 1;
+                    }
+                } else {
+                    self.unprotect(key, Why::BackupRst);
+                    continue;
+                }
             }
             if let Some(sa) = c.synack.take() {
                 if b.rcv_known && b.rcv_nxt.ge(c.synack_ack) {

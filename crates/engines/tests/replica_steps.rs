@@ -1265,3 +1265,27 @@ fn hostile_unread_input_parked_on_another_connection_is_no_evidence() {
     p.tick(420);
     assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: Some(key()) }]);
 }
+
+/// Both servers closed with a FIN and the backup had all the input: a RST from the backup's
+/// server after that (a late segment after its close) is no failure, the backup stays a spare;
+/// a RST before its FIN (or with input missing) is one (unprotected, stale).
+#[test]
+fn backup_rst_after_both_closed_is_no_failure() {
+    let rst_after_fin = |beat, rcv_nxt| {
+        let mut p = progress(beat, rcv_nxt, b"bye", true);
+        p.records[0].flags |= rw::flag::RST_OUT;
+        p
+    };
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"bye", C_ISN + 1, F::FIN, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"bye", true), 3);
+    assert!(!p.take_transmit().is_empty(), "data and FIN verified, released");
+    p.backup_progress(&rst_after_fin(3, C_ISN + 1), 4);
+    p.tick(10_000);
+    assert!(p.backup_stale().is_none() && p.unprotected().is_none(), "{:?}", p.take_notices());
+    assert_eq!(p.counters.backup_rst_after_close, 1);
+    // A RST where the primary's server has not closed: the backup's failure.
+    let mut q = primary(true);
+    q.backup_progress(&rst_after_fin(2, C_ISN + 1), 3);
+    assert_eq!(q.backup_stale(), Some(Why::BackupRst));
+}

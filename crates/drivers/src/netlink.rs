@@ -117,7 +117,6 @@ impl<'a> MsgWriter<'a> {
 pub(crate) struct Msg<'a> {
     pub ty: u16,
     pub flags: u16,
-    #[allow(dead_code)] // read by tests; kept for debugging
     pub seq: u32,
     /// Everything after the `nlmsghdr`, up to `nlmsg_len`.
     pub payload: &'a [u8],

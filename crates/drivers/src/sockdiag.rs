@@ -250,18 +250,10 @@ fn dump_request(family: u8, seq: u32) -> Vec<u8> {
 /// once the dump's end (`NLMSG_DONE`) was in it. Messages of other requests are skipped.
 fn parse_dump(buf: &[u8], seq: u32, port: u16, out: &mut Vec<RecvQueue>) -> io::Result<bool> {
     let bad = || io::Error::new(io::ErrorKind::InvalidData, "sock_diag: malformed dump");
-    let mut at = 0;
-    while at + NLMSG_HDRLEN <= buf.len() {
-        let h = &buf[at..];
-        let len = u32::from_ne_bytes([h[0], h[1], h[2], h[3]]) as usize;
-        let ty = u16::from_ne_bytes([h[4], h[5]]);
-        let s = u32::from_ne_bytes([h[8], h[9], h[10], h[11]]);
-        if len < NLMSG_HDRLEN || at + len > buf.len() {
-            return Err(bad());
-        }
-        let body = &h[NLMSG_HDRLEN..len];
-        at += (len + 3) & !3;
-        if s != seq {
+    for m in crate::netlink::messages(buf) {
+        let m = m.map_err(|_| bad())?;
+        let (ty, body) = (m.ty, m.payload);
+        if m.seq != seq {
             continue;
         }
         match ty {

@@ -1388,10 +1388,76 @@ pub struct PrimaryCounters {
     /// Connections the backup's server reset after both servers had closed them with a FIN
     /// and the backup had all the input (no failure).
     pub backup_rst_after_close: u64,
+    /// Client segments whose bytes differed from a copy already kept for the same sequence
+    /// numbers (a forgery that guessed the client's sequence number): the copies of that range
+    /// are dropped, never relayed; the backup waits for the client's own retransmission.
+    pub input_conflicts: u64,
 }
 
 /// Client bytes relayed to the backup at a time (then again once it confirmed them).
 pub const RELAY_BUDGET: usize = 256 << 10;
+
+/// The longest an unconfirmed relay waits before it is sent again.
+pub const MAX_RELAY_GAP_MS: u64 = 1_000;
+
+/// Keeps a copy of the client's bytes `data` at `seq` in `input` (disjoint ranges in sequence
+/// order, `len` bytes in all): only what lies at or beyond `from` and is not kept yet, at most
+/// `cap` bytes in all (the lowest ranges, which the backup needs first, stay). Returns whether
+/// the segment contradicted a copy already kept (bytes that differ for the same sequence
+/// numbers): those copies are dropped, so that only bytes every copy agreed on are relayed.
+fn keep_input(input: &mut VecDeque<(Seq, Vec<u8>)>, len: &mut usize, from: Seq, seq: Seq, data: &[u8], cap: usize) -> bool {
+    let end = seq + data.len() as u32;
+    if !end.gt(from) {
+        return false;
+    }
+    let (mut at, mut rest) = if seq.lt(from) { (from, &data[(from - seq) as usize..]) } else { (seq, data) };
+    // The usual case: the next bytes in order, after everything kept.
+    if input.back().is_none_or(|(a, d)| !at.lt(*a + d.len() as u32)) {
+        if *len + rest.len() <= cap {
+            *len += rest.len();
+            input.push_back((at, rest.to_vec()));
+        }
+        return false;
+    }
+    let mut conflict = false;
+    let mut i = 0;
+    while i < input.len() && !rest.is_empty() {
+        let (a, e) = (input[i].0, input[i].0 + input[i].1.len() as u32);
+        if !e.gt(at) {
+            i += 1;
+            continue;
+        }
+        if at.lt(a) {
+            // A gap before this range: the part of the segment that fills it.
+            let n = ((a - at) as usize).min(rest.len());
+            if *len + n <= cap {
+                *len += n;
+                input.insert(i, (at, rest[..n].to_vec()));
+                i += 1;
+            }
+            at = at + n as u32;
+            rest = &rest[n..];
+            continue;
+        }
+        // Overlapping this range: the same bytes, or a contradiction.
+        let off = (at - a) as usize;
+        let n = (input[i].1.len() - off).min(rest.len());
+        if input[i].1[off..off + n] != rest[..n] {
+            conflict = true;
+            let gone = input.remove(i).map_or(0, |(_, d)| d.len());
+            *len -= gone;
+        } else {
+            i += 1;
+        }
+        at = at + n as u32;
+        rest = &rest[n..];
+    }
+    if !rest.is_empty() && *len + rest.len() <= cap {
+        *len += rest.len();
+        input.insert(i, (at, rest.to_vec()));
+    }
+    conflict
+}
 
 /// How long the primary must have heard nothing of a client whose ACK the backup heard before
 /// that ACK is handed to the primary's server: the backup's progress comes at least every beat
@@ -1495,17 +1561,22 @@ struct PConn {
     tail_since: Option<u64>,
     tail_nudge_at: u64,
     tail_gap: u64,
-    /// Copies of the client's bytes the backup has not confirmed yet (start, bytes), their
-    /// total, and the end of what was copied: sent to the backup when it missed them (ST-TCP
-    /// 3.6), instead of waiting for the client to resend, which after a loss it does one
-    /// segment per retransmission timeout (seconds; issue 20 item 5).
+    /// Copies of the client's bytes the backup has not confirmed yet (start, bytes: disjoint
+    /// ranges in order, gaps allowed), their total, and where copies start to matter (what the
+    /// backup confirmed, or the stream's start): sent to the backup when it missed them
+    /// (ST-TCP 3.6), instead of waiting for the client to resend, which after a loss it does
+    /// one segment per retransmission timeout (seconds; issue 20 item 5).
     input: VecDeque<(Seq, Vec<u8>)>,
     input_len: usize,
-    input_end: Seq,
-    /// The end of the last bytes relayed to the backup, and when (a relay lost on the side
-    /// channel is sent again after `nudge_after_ms`).
+    input_from: Seq,
+    /// The end of the last bytes relayed to the backup, and when (a relay it does not confirm
+    /// is sent again after `relay_gap`).
     relay_end: Option<Seq>,
     relay_at: u64,
+    /// How long an unconfirmed relay waits before it goes again (doubling), and the backup's
+    /// receive point as last reported with when it last moved.
+    relay_gap: u64,
+    relay_seen: (Seq, u64),
     /// The client's latest ACK (primary's space), and the primary server's SND.MAX.
     client_ack: Seq,
     snd_p: Seq,
@@ -1740,9 +1811,11 @@ impl Primary {
                 tail_gap: 0,
                 input: VecDeque::new(),
                 input_len: 0,
-                input_end: s.seq + 1,
+                input_from: s.seq + 1,
                 relay_end: None,
                 relay_at: 0,
+                relay_gap: 0,
+                relay_seen: (Seq(0), 0),
                 client_ack: Seq(0),
                 client_heard_at: 0,
                 late_rst: false,
@@ -1796,17 +1869,17 @@ impl Primary {
                     c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
                     c.client_heard_at = self.clock;
                 }
-                let end = s.seq + s.payload_len as u32;
-                // Only bytes that continue the copy exactly, in a segment the server's kernel
-                // takes (its ACK within what the server sent): never a range the kernel refused.
-                let takes = s.ack.le(c.snd_p) && !s.seq.gt(c.input_end);
-                if in_window && takes && c.state.is_none() && c.answered && s.payload_len > 0 && end.gt(c.input_end) {
-                    let from = if s.seq.lt(c.input_end) { c.input_end } else { s.seq };
-                    let bytes = &pkt[s.payload_at + (from - s.seq) as usize..s.payload_at + s.payload_len];
-                    if c.input_len + bytes.len() <= self.cfg.max_held_bytes {
-                        c.input_len += bytes.len();
-                        c.input.push_back((from, bytes.to_vec()));
-                        c.input_end = end;
+                // Only bytes of a segment the server's kernel takes (in its window, its ACK
+                // within what the server sent): never a range the kernel refused. Out of order
+                // too: a copy that waited for the next byte in order stopped for good at the
+                // first segment the primary saw early or could not keep (its bound), and with it
+                // every later relay (issue 20: a backup stale after a 200 ms loss).
+                let takes = s.ack.le(c.snd_p);
+                if in_window && takes && c.state.is_none() && c.answered && s.payload_len > 0 {
+                    let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
+                    let cap = self.cfg.max_held_bytes;
+                    if keep_input(&mut c.input, &mut c.input_len, c.input_from, s.seq, data, cap) {
+                        self.counters.input_conflicts += 1;
                     }
                 }
             }
@@ -1893,7 +1966,7 @@ impl Primary {
             c.ack_p = s.ack;
             c.edge_p = s.ack + s.window as u32;
             c.synack_ack = s.ack;
-            c.input_end = s.ack;
+            c.input_from = s.ack;
             c.snd_p = s.seq + 1;
             c.client_ack = s.seq + 1;
             c.ts = s.ts.map(|t| (t.1, t.2));
@@ -2545,12 +2618,28 @@ impl Primary {
                 c.input_len -= d.len();
             }
         }
+        if b.rcv_nxt.gt(c.input_from) {
+            c.input_from = b.rcv_nxt;
+        }
+        if c.relay_seen.0 != b.rcv_nxt {
+            c.relay_seen = (b.rcv_nxt, now);
+        }
+        // Only a backup whose server stopped taking input (for half the nudge bound) missed
+        // some: one that is merely behind (its daemon's queue holds the client's packets on a
+        // loaded host) gets them from the client, and copies sent to it then are duplicates
+        // that load it further. A relay it did not confirm goes again after a gap that doubles
+        // each time (a backlog takes longer to clear than a lost message): resending every
+        // nudge bound fed a loaded backup megabytes of duplicates until it fell seconds behind
+        // and went stale (issue 20, `replica_loss_toward_backup_large_values`).
+        let stuck = now >= c.relay_seen.1 + cfg.nudge_after_ms / 2;
+        let confirmed = c.relay_end.is_none_or(|e| b.rcv_nxt.ge(e));
         if rcv_behind == 0 {
             c.relay_end = None;
-        } else if cfg.nudge_after_ms > 0 && c.rcv_behind_since.is_some_and(|t| now >= t + cfg.nudge_after_ms / 2) && (c.relay_end.is_none_or(|e| b.rcv_nxt.ge(e)) || now >= c.relay_at + cfg.nudge_after_ms) {
+        } else if cfg.nudge_after_ms > 0 && stuck && c.rcv_behind_since.is_some_and(|t| now >= t + cfg.nudge_after_ms / 2) && (confirmed || now >= c.relay_at + c.relay_gap) {
             // ST-TCP 3.6: the backup missed client bytes the primary's server has: they go to
             // the backup over the side channel (its daemon injects them into its server), a
-            // budget at a time, again as soon as it confirmed the last.
+            // budget at a time, again once it confirmed the last and stopped again.
+            c.relay_gap = if confirmed { cfg.nudge_after_ms } else { (c.relay_gap * 2).clamp(cfg.nudge_after_ms, MAX_RELAY_GAP_MS) };
             let mut at = b.rcv_nxt;
             let mut budget = RELAY_BUDGET;
             for (a, d) in c.input.iter() {

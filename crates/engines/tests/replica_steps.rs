@@ -1289,3 +1289,99 @@ fn backup_rst_after_both_closed_is_no_failure() {
     q.backup_progress(&rst_after_fin(2, C_ISN + 1), 3);
     assert_eq!(q.backup_stale(), Some(Why::BackupRst));
 }
+
+/// A client segment the primary's server took, whose bytes the primary copied for the backup.
+fn client_sends(p: &mut Primary, off: u32, data: &[u8]) {
+    let pkt = from_client(Repr { seq: Seq(C_ISN + 1 + off), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, data);
+    assert_eq!(p.incoming(&pkt), Verdict::PASS);
+}
+
+/// The client bytes the primary relays to a backup that missed everything since the
+/// handshake: its server consumed `consumed` bytes (its ACK), the backup reports none.
+fn relayed_after_backup_missed(p: &mut Primary, consumed: u32) -> Vec<(u32, Vec<u8>)> {
+    primary_sends(p, 0, &[], C_ISN + 1 + consumed, 0, 5);
+    p.backup_progress(&progress(2, C_ISN + 1, &[], false), 10);
+    p.backup_progress(&progress(3, C_ISN + 1, &[], false), 40);
+    p.take_relay().into_iter().map(|(k, seq, d)| {
+        assert_eq!(k, key());
+        (seq.0 - (C_ISN + 1), d)
+    }).collect()
+}
+
+/// ST-TCP 3.6 (issue 20, a backup stale after 200 ms of loss): the primary's copy of the
+/// client's input for the backup went on only in order, so one segment it saw early (or could
+/// not keep) stopped every later copy and relay for good; the backup then crawled at the
+/// client's retransmission timeouts until it was made stale. Bytes seen out of order are kept
+/// and relayed like the others.
+#[test]
+fn st_tcp_3_6_input_the_primary_saw_out_of_order_is_relayed() {
+    let mut p = primary_established();
+    client_sends(&mut p, 10, b"klmnopqrst");
+    client_sends(&mut p, 0, b"abcdefghij");
+    client_sends(&mut p, 20, b"uvw");
+    let relayed = relayed_after_backup_missed(&mut p, 23);
+    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    assert_eq!(relayed.first().map(|r| r.0), Some(0));
+    assert_eq!(joined, b"abcdefghijklmnopqrstuvw".to_vec(), "{relayed:?}");
+    assert_eq!(p.counters.input_conflicts, 0);
+}
+
+/// A retransmission overlapping what was kept adds only what is new; a segment that
+/// contradicts a kept copy (a forgery that guessed the client's sequence number) leaves that
+/// range unrelayed (the relay stops before it: the backup waits for the client's own
+/// retransmission), counted, never a byte the primary's server may not have.
+#[test]
+fn hostile_contradicting_input_is_never_relayed() {
+    let mut p = primary_established();
+    client_sends(&mut p, 0, b"abcde");
+    client_sends(&mut p, 10, b"klmno");
+    client_sends(&mut p, 3, b"defghijklm");
+    let relayed = relayed_after_backup_missed(&mut p, 15);
+    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    assert_eq!(joined, b"abcdefghijklmno".to_vec(), "overlaps add only the new bytes: {relayed:?}");
+    assert_eq!(p.counters.input_conflicts, 0);
+
+    let mut q = primary_established();
+    client_sends(&mut q, 0, b"abcde");
+    client_sends(&mut q, 10, b"klmno");
+    client_sends(&mut q, 8, b"ijXlm");
+    assert_eq!(q.counters.input_conflicts, 1);
+    let relayed = relayed_after_backup_missed(&mut q, 15);
+    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    assert_eq!(joined, b"abcde".to_vec(), "the gap before the contradicted range stops the relay: {relayed:?}");
+}
+
+/// ST-TCP 3.6's relay does not feed a loaded backup duplicates (issue 20: resent every 40 ms,
+/// 74 MB of copies went to a backup whose queue held the client's own packets, until it fell
+/// seconds behind and went stale): nothing is relayed while the backup's server still takes
+/// input, and a relay it does not confirm goes again after gaps that double.
+#[test]
+fn st_tcp_3_6_relay_waits_for_a_stopped_backup_and_backs_off() {
+    let mut p = primary_established();
+    client_sends(&mut p, 0, &[b'x'; 3000]);
+    primary_sends(&mut p, 0, &[], C_ISN + 1 + 3000, 0, 5);
+    // The backup's server takes input, slowly: no relay.
+    for (i, t) in (10..=90).step_by(10).enumerate() {
+        p.backup_progress(&progress(2 + i as u64, C_ISN + 1 + 100 * i as u32, &[], false), t);
+    }
+    assert!(p.take_relay().is_empty(), "a backup that still takes input is not sent copies");
+    // It stopped: relayed once, then again only after 40, 80, 160 ms without confirmation.
+    let mut sent_at = vec![];
+    for t in (91..=500).step_by(1) {
+        p.backup_progress(&progress(20 + t, C_ISN + 1 + 800, &[], false), t);
+        if !p.take_relay().is_empty() {
+            sent_at.push(t);
+        }
+    }
+    assert_eq!(sent_at, vec![110, 150, 230, 390], "relayed when stopped for 20 ms, then after gaps of 40, 80, 160 ms");
+    // Confirmed (its receive point reached the relay's end), more input it missed, stopped
+    // again: relayed once it stopped for 20 ms, whatever the last gap was.
+    client_sends(&mut p, 3000, &[b'y'; 1000]);
+    primary_sends(&mut p, 0, &[], C_ISN + 1 + 4000, 0, 501);
+    p.backup_progress(&progress(600, C_ISN + 1 + 3000, &[], false), 501);
+    p.backup_progress(&progress(601, C_ISN + 1 + 3000, &[], false), 511);
+    assert!(p.take_relay().is_empty());
+    p.backup_progress(&progress(602, C_ISN + 1 + 3000, &[], false), 521);
+    let r = p.take_relay();
+    assert_eq!(r.iter().map(|(_, s, d)| (s.0 - (C_ISN + 1), d.len())).collect::<Vec<_>>(), vec![(3000, 1000)]);
+}

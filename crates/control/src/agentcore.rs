@@ -1291,6 +1291,18 @@ impl Core {
         if fresh.is_some_and(|v| v.epoch != self.owner_epoch) || now.saturating_sub(self.last_owner_check) >= OWNER_CHECK_MS {
             self.last_owner_check = now;
             if let Some(v) = fresh {
+                // Tables this server never saw (its heartbeats lost, or two changes within one
+                // of them): a bucket it owns again that changed hands recently may have been
+                // another server's in between, which adopted connections of it (object sim
+                // seed 10216: the local socket, behind what the client had from the stand-in,
+                // took the client's ACKs when the bucket came back, and retransmitted forever).
+                // A client ACK beyond what the local socket sent supersedes it then.
+                if self.owner_epoch != 0 && v.epoch.wrapping_sub(self.owner_epoch) > 1 {
+                    let maybe: Vec<Key> = self.buckets.iter().filter_map(|(k, b)| b.filter(|&b| v.owns(b) && v.allowed(b)).map(|_| *k)).collect();
+                    for k in maybe {
+                        self.engine.may_have_moved(k);
+                    }
+                }
                 self.owner_epoch = v.epoch;
                 let moved: Vec<(Key, u16)> = self.buckets.iter().filter_map(|(k, b)| b.filter(|&b| !v.owns(b)).map(|b| (*k, b))).collect();
                 for (k, b) in moved {

@@ -502,6 +502,9 @@ struct Conn {
     muted: bool,
     /// Rebuilt here by a failover ([`Engine::adopt`]).
     adopted: bool,
+    /// Its bucket may have been another server's while this one lived ([`Engine::may_have_moved`]):
+    /// a stand-in may have sent the client bytes this server's socket never did.
+    moved_unseen: bool,
     last_seen: u64,
     // client stream
     cli_next: u64,
@@ -1663,6 +1666,17 @@ impl Engine {
         muted
     }
 
+    /// The LB's tables may have given this connection's bucket to another server and back
+    /// while this one lived without seeing it (its heartbeats lost: it saw the bucket owned
+    /// before and after): a stand-in may have adopted the connection and sent the client more
+    /// than this server's socket did. A client ACK of such bytes then supersedes this socket
+    /// (a failover from the stand-in's record), as for a rebuilt one; nothing else changes.
+    pub fn may_have_moved(&mut self, key: Key) {
+        if let Some(c) = self.conns.get_mut(&key) {
+            c.moved_unseen = true;
+        }
+    }
+
     /// Drops the connection's held and future packets to the client and stops its store
     /// operations (see [`Engine::mute`]). Returns whether it was known and not silent yet.
     fn silence(&mut self, key: Key) -> bool {
@@ -1802,6 +1816,7 @@ impl Conn {
             closed_at: None,
             muted: false,
             adopted: false,
+            moved_unseen: false,
             last_seen: now,
             cli_next: 0,
             req_buf: Vec::new(),
@@ -1908,15 +1923,17 @@ impl Conn {
     /// number where the client's stream stands, so a blind forgery is as unlikely to cause a
     /// rebuild as an in-window RST is to be accepted.
     fn acks_unsent(&self, seq: u32, ack: u32) -> bool {
-        if !self.adopted || self.muted || self.closed_at.is_some() {
+        if !(self.adopted || self.moved_unseen) || self.muted || self.closed_at.is_some() {
             return false;
         }
         let a = unwrap_near(ack.wrapping_sub(self.hs.iss.wrapping_add(1)), self.sent_next);
         let s = unwrap_near(seq.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
         let lo = self.ack_limit.unwrap_or(self.cli_next).min(self.cli_next);
         // The client's stream may stand a little past what the record held (a pipelined
-        // request the rebuilt socket has not received yet; object sim seed 4493).
-        a > self.sent_next + self.srv_fin.is_some() as u64 && a <= self.srv_next.max(self.sent_next) + 1 && (lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s)
+        // request the rebuilt socket has not received yet; object sim seed 4493). A stand-in
+        // may have sent up to the end of the responses this server parsed.
+        let high = self.srv_next.max(self.sent_next).max(if self.moved_unseen { self.entries.back().map_or(0, |e| e.end_off()) } else { 0 });
+        a > self.sent_next + self.srv_fin.is_some() as u64 && a <= high + 1 && (lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s)
     }
 
     /// The client stream offset the record may let the client know about: the first request

@@ -1603,3 +1603,38 @@ fn hostile_blind_segments_behind_the_window_or_acking_unsent_bytes_teach_nothing
     assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
     assert_eq!(actions(&mut t).1, 1, "the genuine FIN deletes the record");
 }
+
+/// Object sim seed 10216: a live server whose bucket went to a stand-in and came back in
+/// tables it never saw keeps its original socket, behind what the client got from the
+/// stand-in. Once the driver says the bucket may have moved, a client ACK beyond what this
+/// socket sent (within the response it parsed, the client's sequence number in window)
+/// supersedes it: silenced, a failover candidate. Without that word, or beyond the response,
+/// nothing changes (the kernel gets the packet).
+#[test]
+fn case3_ack_beyond_the_socket_after_an_unseen_move_supersedes_it() {
+    let setup = || {
+        let mut t = T::new();
+        t.handshake();
+        t.store_all();
+        t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+        let mut p1 = HDR.to_vec();
+        p1.extend(body(500, 1));
+        t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
+        t.store_all();
+        t.released();
+        (t, p1.len() as u32)
+    };
+    let (mut t, sent) = setup();
+    let beyond = sent + 1000;
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(beyond), F::ACK, b""), Verdict::Accept { modified: false }, "no move in sight: the kernel's business");
+    assert_eq!(t.e.counters.superseded, 0);
+
+    let (mut t, sent) = setup();
+    t.e.may_have_moved(key());
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(sent + 3000 + HDR.len() as u32), F::ACK, b""), Verdict::Accept { modified: false }, "beyond the response: not the stand-in's");
+    assert_eq!(t.c(cs(REQ.len() as u32 + 100_000), ss(sent + 1000), F::ACK, b""), Verdict::Accept { modified: false }, "out of window: a blind forgery");
+    assert_eq!(t.e.counters.superseded, 0);
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(sent + 1000), F::ACK, b""), Verdict::Unknown);
+    assert_eq!(t.e.counters.superseded, 1);
+    assert_eq!(t.s(ss(sent), cs(REQ.len() as u32), F::ACK, &body(10, 2)).0, Verdict::Drop, "silenced");
+}

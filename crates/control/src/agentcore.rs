@@ -46,6 +46,9 @@ pub const FENCE_MAX_PACKETS: usize = 4096;
 pub const RESTART_GRACE_MS: u64 = 30_000;
 /// A connection whose server packets wait for their bucket is probed at most this often.
 pub const ELICIT_EVERY_MS: u64 = 200;
+
+/// Probes sent after a refused failover, [`ELICIT_EVERY_MS`] apart (see `refusal_probes`).
+pub const REFUSAL_PROBES: u32 = 5;
 /// Refusals are remembered this long (a refused connection's packets pass to the kernel):
 /// the negative cache, so a key with no record costs one store lookup per this long.
 const REFUSED_MS: u64 = 10_000;
@@ -419,6 +422,9 @@ pub struct Core {
     inherited: HashMap<Key, Option<u16>>,
     /// When each connection whose server packets wait for their bucket was last elicited.
     elicited: HashMap<Key, u64>,
+    /// Probes still to send for refused failovers (see [`REFUSAL_PROBES`]): the packet, how
+    /// many are left, when the next is due.
+    refusal_probes: HashMap<Key, (Vec<u8>, u32, u64)>,
     /// Probe retries due: (when, buckets).
     probe_retries: Vec<(u64, Vec<u16>)>,
     /// Released server packets waiting for the fence ([`Core::fence_released`]).
@@ -462,6 +468,7 @@ impl Core {
             born: None,
             inherited: HashMap::new(),
             elicited: HashMap::new(),
+            refusal_probes: HashMap::new(),
             probe_retries: Vec::new(),
             released_wait: Vec::new(),
             looking: HashSet::new(),
@@ -761,6 +768,8 @@ impl Core {
                 // The negative cache: no second lookup within REFUSED_MS. The kernel's answer
                 // leaves under this packet's bucket.
                 self.counters.negative_hits += 1;
+                // The client answered: the kernel's RST goes to it now, no more probes.
+                self.refusal_probes.remove(&k);
                 if let Some(b) = p.bucket {
                     if self.handed.len() < MAX_REMEMBERED || self.handed.contains_key(&k) {
                         self.handed.insert(k, (now, Some(b)));
@@ -838,7 +847,35 @@ impl Core {
             for k in gone {
                 self.counters.plan_refused += 1;
                 self.say("plan refused", now, || format!("agent: refused {} -> {}: no client packet planned against its record within {PLAN_KEEP_MS} ms", k.client, k.service));
+                let probe = self.planning.get(&k).and_then(|p| probe_packet(&k, &p.rec));
                 self.refused(now, k);
+                // A client whose packets the record could not plan (a stale record: its
+                // answers to the probes were dropped as unexplained) and that waits for data
+                // sends nothing more: asked again, its answer now meets the refusal and draws
+                // the kernel's RST, exact, instead of a silent hang (object sim seed 16858). A
+                // few times, spaced: one probe or its answer may be lost. A client with no
+                // such connection answers with a RST of its own.
+                if let Some(e) = probe {
+                    if self.refusal_probes.len() < MAX_REMEMBERED {
+                        self.refusal_probes.insert(k, (e, REFUSAL_PROBES, now));
+                    }
+                }
+            }
+        }
+        if !self.refusal_probes.is_empty() {
+            let due: Vec<Key> = self.refusal_probes.iter().filter(|(_, p)| now >= p.2).map(|(k, _)| *k).collect();
+            for k in due {
+                // Stopped once the refusal is over (a new connection, a rebuild elsewhere).
+                let live = self.refused.contains_key(&k) && !self.engine.knows(&k);
+                let Some(p) = self.refusal_probes.get_mut(&k) else { continue };
+                if live && p.1 > 0 {
+                    p.1 -= 1;
+                    p.2 = now + ELICIT_EVERY_MS;
+                    self.elicited.insert(k, now);
+                    self.out.push_back(Out::Elicit(p.0.clone()));
+                } else {
+                    self.refusal_probes.remove(&k);
+                }
             }
         }
         if self.gate_wait.is_empty() {

@@ -776,8 +776,8 @@ fn hostile_forged_trigger_first_then_genuine_packet_resumes_from_the_right_offse
 
 /// Only forged packets wait for a found record: nothing plans, the genuine client never
 /// speaks: after PLAN_WAIT_MS the client is probed and a stale local socket destroyed, the
-/// connection keeps waiting; after PLAN_KEEP_MS the failover is refused; nothing forged
-/// reached the kernel.
+/// connection keeps waiting; after PLAN_KEEP_MS the failover is refused and the client asked
+/// once more; nothing forged reached the kernel.
 #[test]
 fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
     let mut t = T::new();
@@ -801,6 +801,12 @@ fn hostile_forged_triggers_alone_never_plan_and_end_in_a_refusal() {
     assert_eq!(t.core.counters.plan_refused, 1);
     assert!(!t.core.recovering(&k));
     assert!(!t.accepted(forged));
+    // Object sim seed 16858: a client waiting for data sends nothing more; asked once again
+    // at the refusal, its answer meets the refusal and goes to the kernel (its exact RST).
+    assert_eq!(elicits(&t), 2, "probed once more at the refusal");
+    let answer = pkt_from(&mut t, c_ip(), 40011, C_ISN + 51, S_ISN.wrapping_add(1), false);
+    t.tick(false);
+    assert!(t.accepted(answer), "the client's answer reaches the kernel");
 }
 
 /// Issue 9 item 3: a flood of bogus ACKs from 20,000 spoofed sources in a bucket that just

@@ -768,8 +768,6 @@ impl Core {
                 // The negative cache: no second lookup within REFUSED_MS. The kernel's answer
                 // leaves under this packet's bucket.
                 self.counters.negative_hits += 1;
-                // The client answered: the kernel's RST goes to it now, no more probes.
-                self.refusal_probes.remove(&k);
                 if let Some(b) = p.bucket {
                     if self.handed.len() < MAX_REMEMBERED || self.handed.contains_key(&k) {
                         self.handed.insert(k, (now, Some(b)));
@@ -853,7 +851,8 @@ impl Core {
                 // answers to the probes were dropped as unexplained) and that waits for data
                 // sends nothing more: asked again, its answer now meets the refusal and draws
                 // the kernel's RST, exact, instead of a silent hang (object sim seed 16858). A
-                // few times, spaced: one probe or its answer may be lost. A client with no
+                // few times, spaced: one probe or its answer may be lost; all of them (a
+                // forged packet meeting the refusal must not cancel them). A client with no
                 // such connection answers with a RST of its own.
                 if let Some(e) = probe {
                     if self.refusal_probes.len() < MAX_REMEMBERED {
@@ -1334,7 +1333,8 @@ impl Core {
                 // seed 10216: the local socket, behind what the client had from the stand-in,
                 // took the client's ACKs when the bucket came back, and retransmitted forever).
                 // A client ACK beyond what the local socket sent supersedes it then.
-                if self.owner_epoch != 0 && v.epoch.wrapping_sub(self.owner_epoch) > 1 {
+                let skipped = v.epoch.wrapping_sub(self.owner_epoch);
+                if self.owner_epoch != 0 && skipped > 1 && skipped < 1 << 31 {
                     let maybe: Vec<Key> = self.buckets.iter().filter_map(|(k, b)| b.filter(|&b| v.owns(b) && v.allowed(b)).map(|_| *k)).collect();
                     for k in maybe {
                         self.engine.may_have_moved(k);

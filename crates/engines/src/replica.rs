@@ -1400,61 +1400,89 @@ pub const RELAY_BUDGET: usize = 256 << 10;
 /// The longest an unconfirmed relay waits before it is sent again.
 pub const MAX_RELAY_GAP_MS: u64 = 1_000;
 
+/// Ranges of kept client bytes a connection may hold: a client that leaves holes (1-byte
+/// segments every other offset) must not cost memory and time per byte.
+pub const MAX_INPUT_RANGES: usize = 4096;
+
+/// A kept range grows in place up to this size (a stream in order is a few ranges, not one
+/// per segment); beyond, a new one starts (ranges are freed whole once the backup has them).
+const INPUT_RANGE_BYTES: usize = 64 << 10;
+
 /// Keeps a copy of the client's bytes `data` at `seq` in `input` (disjoint ranges in sequence
-/// order, `len` bytes in all): only what lies at or beyond `from` and is not kept yet, at most
-/// `cap` bytes in all (the lowest ranges, which the backup needs first, stay). Returns whether
-/// the segment contradicted a copy already kept (bytes that differ for the same sequence
-/// numbers): those copies are dropped, so that only bytes every copy agreed on are relayed.
-fn keep_input(input: &mut VecDeque<(Seq, Vec<u8>)>, len: &mut usize, from: Seq, seq: Seq, data: &[u8], cap: usize) -> bool {
+/// order, `len` bytes in all): only what lies at or beyond `from` (what the backup confirmed
+/// and the primary's kernel had not taken yet when the segment came: bytes below it were
+/// kept when they came, and a later copy of them proves nothing), outside `poison`, not kept
+/// yet, within `cap` bytes and [`MAX_INPUT_RANGES`] ranges. Returns the extent of the copies
+/// the segment contradicted (bytes that differ for the same sequence numbers), which are
+/// dropped: the caller never keeps that extent again until the backup has it, so that only
+/// bytes every copy agreed on are relayed.
+fn keep_input(input: &mut VecDeque<(Seq, Vec<u8>)>, len: &mut usize, from: Seq, poison: Option<(Seq, Seq)>, seq: Seq, data: &[u8], cap: usize) -> Option<(Seq, Seq)> {
     let end = seq + data.len() as u32;
     if !end.gt(from) {
-        return false;
+        return None;
     }
     let (mut at, mut rest) = if seq.lt(from) { (from, &data[(from - seq) as usize..]) } else { (seq, data) };
-    // The usual case: the next bytes in order, after everything kept.
-    if input.back().is_none_or(|(a, d)| !at.lt(*a + d.len() as u32)) {
-        if *len + rest.len() <= cap {
-            *len += rest.len();
-            input.push_back((at, rest.to_vec()));
-        }
-        return false;
-    }
-    let mut conflict = false;
-    let mut i = 0;
-    while i < input.len() && !rest.is_empty() {
-        let (a, e) = (input[i].0, input[i].0 + input[i].1.len() as u32);
-        if !e.gt(at) {
-            i += 1;
-            continue;
-        }
-        if at.lt(a) {
-            // A gap before this range: the part of the segment that fills it.
-            let n = ((a - at) as usize).min(rest.len());
-            if *len + n <= cap {
-                *len += n;
-                input.insert(i, (at, rest[..n].to_vec()));
-                i += 1;
-            }
+    let mut conflict: Option<(Seq, Seq)> = None;
+    // The first range that ends beyond `at` (ranges are disjoint and in order).
+    let mut i = input.partition_point(|(a, d)| !(*a + d.len() as u32).gt(at));
+    while !rest.is_empty() {
+        if let Some((_, pe)) = poison.filter(|(pa, pe)| !at.lt(*pa) && at.lt(*pe)) {
+            let n = ((pe - at) as usize).min(rest.len());
             at = at + n as u32;
             rest = &rest[n..];
+            while i < input.len() && !(input[i].0 + input[i].1.len() as u32).gt(at) {
+                i += 1;
+            }
             continue;
         }
-        // Overlapping this range: the same bytes, or a contradiction.
-        let off = (at - a) as usize;
-        let n = (input[i].1.len() - off).min(rest.len());
-        if input[i].1[off..off + n] != rest[..n] {
-            conflict = true;
-            let gone = input.remove(i).map_or(0, |(_, d)| d.len());
-            *len -= gone;
-        } else {
-            i += 1;
+        if i < input.len() && !input[i].0.gt(at) {
+            // Overlapping range i: the same bytes, or a contradiction.
+            let (a, e) = (input[i].0, input[i].0 + input[i].1.len() as u32);
+            let off = (at - a) as usize;
+            let n = (input[i].1.len() - off).min(rest.len());
+            if input[i].1[off..off + n] != rest[..n] {
+                conflict = Some(match conflict {
+                    Some((ca, ce)) => (if a.lt(ca) { a } else { ca }, if e.gt(ce) { e } else { ce }),
+                    None => (a, e),
+                });
+                let gone = input.remove(i).map_or(0, |(_, d)| d.len());
+                *len -= gone;
+                // The rest of the removed extent is the caller's poison from now on.
+                let skip = ((e - at) as usize).min(rest.len());
+                at = at + skip as u32;
+                rest = &rest[skip..];
+            } else {
+                at = at + n as u32;
+                rest = &rest[n..];
+                i += 1;
+            }
+            continue;
+        }
+        // A gap before range i (or after every range): the part of the segment that fills it,
+        // up to that range or the poisoned extent.
+        let mut n = rest.len();
+        if i < input.len() {
+            n = n.min((input[i].0 - at) as usize);
+        }
+        if let Some((pa, _)) = poison.filter(|(pa, _)| pa.gt(at)) {
+            n = n.min((pa - at) as usize);
+        }
+        if let Some((ca, _)) = conflict.filter(|(ca, _)| ca.gt(at)) {
+            n = n.min((ca - at) as usize);
+        }
+        if *len + n <= cap {
+            let joins = i > 0 && input[i - 1].0 + input[i - 1].1.len() as u32 == at && input[i - 1].1.len() < INPUT_RANGE_BYTES;
+            if joins {
+                input[i - 1].1.extend_from_slice(&rest[..n]);
+                *len += n;
+            } else if input.len() < MAX_INPUT_RANGES {
+                input.insert(i, (at, rest[..n].to_vec()));
+                *len += n;
+                i += 1;
+            }
         }
         at = at + n as u32;
         rest = &rest[n..];
-    }
-    if !rest.is_empty() && *len + rest.len() <= cap {
-        *len += rest.len();
-        input.insert(i, (at, rest.to_vec()));
     }
     conflict
 }
@@ -1569,6 +1597,9 @@ struct PConn {
     input: VecDeque<(Seq, Vec<u8>)>,
     input_len: usize,
     input_from: Seq,
+    /// The extent of copies a contradicting segment dropped: never kept again until the
+    /// backup has it (a forgery's second try must not fill the hole its first one made).
+    input_poison: Option<(Seq, Seq)>,
     /// The end of the last bytes relayed to the backup, and when (a relay it does not confirm
     /// is sent again after `relay_gap`).
     relay_end: Option<Seq>,
@@ -1812,6 +1843,7 @@ impl Primary {
                 input: VecDeque::new(),
                 input_len: 0,
                 input_from: s.seq + 1,
+                input_poison: None,
                 relay_end: None,
                 relay_at: 0,
                 relay_gap: 0,
@@ -1878,8 +1910,13 @@ impl Primary {
                 if in_window && takes && c.state.is_none() && c.answered && s.payload_len > 0 {
                     let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
                     let cap = self.cfg.max_held_bytes;
-                    if keep_input(&mut c.input, &mut c.input_len, c.input_from, s.seq, data, cap) {
+                    let from = if c.ack_p.gt(c.input_from) { c.ack_p } else { c.input_from };
+                    if let Some((a, e)) = keep_input(&mut c.input, &mut c.input_len, from, c.input_poison, s.seq, data, cap) {
                         self.counters.input_conflicts += 1;
+                        c.input_poison = Some(match c.input_poison {
+                            Some((pa, pe)) => (if a.lt(pa) { a } else { pa }, if e.gt(pe) { e } else { pe }),
+                            None => (a, e),
+                        });
                     }
                 }
             }
@@ -2621,6 +2658,9 @@ impl Primary {
         if b.rcv_nxt.gt(c.input_from) {
             c.input_from = b.rcv_nxt;
         }
+        if c.input_poison.is_some_and(|(_, e)| !e.gt(b.rcv_nxt)) {
+            c.input_poison = None;
+        }
         if c.relay_seen.0 != b.rcv_nxt {
             c.relay_seen = (b.rcv_nxt, now);
         }
@@ -2639,7 +2679,7 @@ impl Primary {
             // ST-TCP 3.6: the backup missed client bytes the primary's server has: they go to
             // the backup over the side channel (its daemon injects them into its server), a
             // budget at a time, again once it confirmed the last and stopped again.
-            c.relay_gap = if confirmed { cfg.nudge_after_ms } else { (c.relay_gap * 2).clamp(cfg.nudge_after_ms, MAX_RELAY_GAP_MS) };
+            let gap = if confirmed { cfg.nudge_after_ms } else { (c.relay_gap * 2).min(MAX_RELAY_GAP_MS).max(cfg.nudge_after_ms) };
             let mut at = b.rcv_nxt;
             let mut budget = RELAY_BUDGET;
             for (a, d) in c.input.iter() {
@@ -2664,6 +2704,7 @@ impl Primary {
             if at.gt(b.rcv_nxt) {
                 c.relay_end = Some(at);
                 c.relay_at = now;
+                c.relay_gap = gap;
             }
         }
         if rcv_behind == 0 {
@@ -2838,6 +2879,7 @@ impl Primary {
         c.behind = None;
         c.input.clear();
         c.input_len = 0;
+        c.input_poison = None;
         c.ooo.clear();
         c.ooo_len = 0;
         c.rcv_behind_since = None;

@@ -884,6 +884,17 @@ impl Engine {
                     self.counters.unknown_from_client += 1;
                     return Verdict::Unknown;
                 }
+                if fl & flags::ACK != 0 && fl & flags::RST == 0 {
+                    // The client's in-window ACK within what this socket sent: no stand-in sent
+                    // it more, so the mark of a possible unseen move (a wider opening for a
+                    // blind forgery's ACK) ends here.
+                    if let Some(c) = self.conns.get_mut(&key).filter(|c| c.moved_unseen && c.in_window(seq, 0)) {
+                        let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
+                        if a <= c.sent_next + c.srv_fin.is_some() as u64 {
+                            c.moved_unseen = false;
+                        }
+                    }
+                }
                 if !self.conns.contains_key(&key) {
                     // A client SYN seen without its SYN-ACK says nothing of this packet: the
                     // SYN may have been a blind one on the address pair of a connection that

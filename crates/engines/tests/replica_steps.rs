@@ -1349,6 +1349,32 @@ fn hostile_contradicting_input_is_never_relayed() {
     let relayed = relayed_after_backup_missed(&mut q, 15);
     let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
     assert_eq!(joined, b"abcde".to_vec(), "the gap before the contradicted range stops the relay: {relayed:?}");
+
+    // The forger's second try (or anyone's) never fills the extent its first one emptied,
+    // until the backup has it: the relay stops there even once the gap before it is filled.
+    let mut r = primary_established();
+    client_sends(&mut r, 0, b"abcde");
+    client_sends(&mut r, 10, b"klmno");
+    client_sends(&mut r, 8, b"ijXlm");
+    client_sends(&mut r, 5, b"fgh");
+    client_sends(&mut r, 10, b"ZZZZZ");
+    let relayed = relayed_after_backup_missed(&mut r, 15);
+    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    assert_eq!(joined, b"abcdefghij".to_vec(), "{relayed:?}");
+    assert_eq!(r.counters.input_conflicts, 1);
+}
+
+/// Bytes the primary's server had already taken when a copy of them came (a retransmission,
+/// or a forgery that guessed the sequence numbers) are not kept: they were kept when they
+/// first came, or never (the backup then waits for the client).
+#[test]
+fn hostile_input_below_what_the_primarys_server_took_is_not_kept() {
+    let mut p = primary_established();
+    primary_sends(&mut p, 0, &[], C_ISN + 1 + 10, 0, 2);
+    client_sends(&mut p, 0, b"FORGEDXXXX");
+    client_sends(&mut p, 10, b"klmno");
+    let relayed = relayed_after_backup_missed(&mut p, 15);
+    assert_eq!(relayed, vec![], "the relay stops at the first byte it has no copy of");
 }
 
 /// ST-TCP 3.6's relay does not feed a loaded backup duplicates (issue 20: resent every 40 ms,

@@ -1637,4 +1637,12 @@ fn case3_ack_beyond_the_socket_after_an_unseen_move_supersedes_it() {
     assert_eq!(t.c(cs(REQ.len() as u32), ss(sent + 1000), F::ACK, b""), Verdict::Unknown);
     assert_eq!(t.e.counters.superseded, 1);
     assert_eq!(t.s(ss(sent), cs(REQ.len() as u32), F::ACK, &body(10, 2)).0, Verdict::Drop, "silenced");
+
+    // The client's first ACK within what this socket sent proves no stand-in sent it more:
+    // the wider opening closes (a blind forgery's ACK later is the kernel's business again).
+    let (mut t, sent) = setup();
+    t.e.may_have_moved(key());
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(sent), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(sent + 1000), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.e.counters.superseded, 0);
 }

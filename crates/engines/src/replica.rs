@@ -1408,6 +1408,19 @@ pub const MAX_INPUT_RANGES: usize = 4096;
 /// per segment); beyond, a new one starts (ranges are freed whole once the backup has them).
 const INPUT_RANGE_BYTES: usize = 64 << 10;
 
+/// The smallest extent covering `a` (if any) and `b` (sequence numbers within a window).
+fn span(a: Option<(Seq, Seq)>, b: (Seq, Seq)) -> (Seq, Seq) {
+    match a {
+        Some((x, y)) => (if b.0.lt(x) { b.0 } else { x }, if b.1.gt(y) { b.1 } else { y }),
+        None => b,
+    }
+}
+
+/// The index of the first kept range that ends beyond `at` (ranges are disjoint, in order).
+fn first_ending_after(input: &VecDeque<(Seq, Vec<u8>)>, at: Seq) -> usize {
+    input.partition_point(|(a, d)| !(*a + d.len() as u32).gt(at))
+}
+
 /// Keeps a copy of the client's bytes `data` at `seq` in `input` (disjoint ranges in sequence
 /// order, `len` bytes in all): only what lies at or beyond `from` (what the backup confirmed
 /// and the primary's kernel had not taken yet when the segment came: bytes below it were
@@ -1423,16 +1436,13 @@ fn keep_input(input: &mut VecDeque<(Seq, Vec<u8>)>, len: &mut usize, from: Seq, 
     }
     let (mut at, mut rest) = if seq.lt(from) { (from, &data[(from - seq) as usize..]) } else { (seq, data) };
     let mut conflict: Option<(Seq, Seq)> = None;
-    // The first range that ends beyond `at` (ranges are disjoint and in order).
-    let mut i = input.partition_point(|(a, d)| !(*a + d.len() as u32).gt(at));
+    let mut i = first_ending_after(input, at);
     while !rest.is_empty() {
         if let Some((_, pe)) = poison.filter(|(pa, pe)| !at.lt(*pa) && at.lt(*pe)) {
             let n = ((pe - at) as usize).min(rest.len());
             at = at + n as u32;
             rest = &rest[n..];
-            while i < input.len() && !(input[i].0 + input[i].1.len() as u32).gt(at) {
-                i += 1;
-            }
+            i = first_ending_after(input, at);
             continue;
         }
         if i < input.len() && !input[i].0.gt(at) {
@@ -1441,10 +1451,7 @@ fn keep_input(input: &mut VecDeque<(Seq, Vec<u8>)>, len: &mut usize, from: Seq, 
             let off = (at - a) as usize;
             let n = (input[i].1.len() - off).min(rest.len());
             if input[i].1[off..off + n] != rest[..n] {
-                conflict = Some(match conflict {
-                    Some((ca, ce)) => (if a.lt(ca) { a } else { ca }, if e.gt(ce) { e } else { ce }),
-                    None => (a, e),
-                });
+                conflict = Some(span(conflict, (a, e)));
                 let gone = input.remove(i).map_or(0, |(_, d)| d.len());
                 *len -= gone;
                 // The rest of the removed extent is the caller's poison from now on.
@@ -1911,12 +1918,9 @@ impl Primary {
                     let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
                     let cap = self.cfg.max_held_bytes;
                     let from = if c.ack_p.gt(c.input_from) { c.ack_p } else { c.input_from };
-                    if let Some((a, e)) = keep_input(&mut c.input, &mut c.input_len, from, c.input_poison, s.seq, data, cap) {
+                    if let Some(hit) = keep_input(&mut c.input, &mut c.input_len, from, c.input_poison, s.seq, data, cap) {
                         self.counters.input_conflicts += 1;
-                        c.input_poison = Some(match c.input_poison {
-                            Some((pa, pe)) => (if a.lt(pa) { a } else { pa }, if e.gt(pe) { e } else { pe }),
-                            None => (a, e),
-                        });
+                        c.input_poison = Some(span(c.input_poison, hit));
                     }
                 }
             }

@@ -889,8 +889,7 @@ impl Engine {
                     // it more, so the mark of a possible unseen move (a wider opening for a
                     // blind forgery's ACK) ends here.
                     if let Some(c) = self.conns.get_mut(&key).filter(|c| c.moved_unseen && c.in_window(seq, 0)) {
-                        let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
-                        if a <= c.sent_next + c.srv_fin.is_some() as u64 {
+                        if c.within_sent(c.srv_off(ack)) {
                             c.moved_unseen = false;
                         }
                     }
@@ -940,7 +939,7 @@ impl Engine {
                 if !c.protected && !c.degraded {
                     // A stale record must never become ambiguous: hold what would run too far
                     // past its progress mark until the tombstone is stored.
-                    let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
+                    let off = c.srv_off(seq);
                     c.sent_next = c.sent_next.max(off + payload_len as u64);
                     if c.stale_record && (!c.held.is_empty() || c.sent_next.saturating_sub(c.progress_stored) > STALE_SEND_LIMIT) {
                         c.held.push_back(Held { id, bytes: pkt.to_vec(), need: u64::MAX });
@@ -1041,7 +1040,7 @@ impl Engine {
             }
             // RFC 5961 section 5.2: an acknowledgement of bytes the server never sent (one
             // more: its FIN) makes the kernel drop the segment; nothing is learned from it.
-            if fl & flags::ACK != 0 && unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next) > c.sent_next + 1 {
+            if fl & flags::ACK != 0 && c.srv_off(ack) > c.sent_next + 1 {
                 self.counters.ack_unsent_dropped += 1;
                 return PASS;
             }
@@ -1105,7 +1104,7 @@ impl Engine {
         }
         // What the client acknowledged: prune fully received responses.
         if fl & flags::ACK != 0 {
-            let a = unwrap_near(ack.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
+            let a = c.srv_off(ack);
             // Never past what this server sent (one more: its FIN). A plausible ACK past it on
             // an adopted connection rebuilds the connection from that ACK (`acks_unsent`);
             // an implausible one is ignored, as the kernel ignores it.
@@ -1210,7 +1209,7 @@ impl Engine {
         let max_head = self.cfg.max_response_head;
         let step = self.cfg.progress_step;
         let c = self.conns.get_mut(&key).unwrap();
-        let off = unwrap_near(seq.wrapping_sub(c.hs.iss.wrapping_add(1)), c.sent_next);
+        let off = c.srv_off(seq);
         let end = off + len as u64;
         // A retransmission of bytes that all lie before the first held packet: they left once
         // already, under records stored then, and wait for nothing. Held behind a packet that
@@ -1933,18 +1932,30 @@ impl Conn {
     /// plausible packet: its ACK within the responses this connection knows and its sequence
     /// number where the client's stream stands, so a blind forgery is as unlikely to cause a
     /// rebuild as an in-window RST is to be accepted.
+    /// The server stream offset a 32-bit number of the server's space names (a sequence or
+    /// acknowledgement number), placed nearest to what the server sent.
+    fn srv_off(&self, v: u32) -> u64 {
+        unwrap_near(v.wrapping_sub(self.hs.iss.wrapping_add(1)), self.sent_next)
+    }
+
+    /// Whether a client ACK `a` (a server stream offset) lies within what this socket sent
+    /// (one more: its FIN).
+    fn within_sent(&self, a: u64) -> bool {
+        a <= self.sent_next + self.srv_fin.is_some() as u64
+    }
+
     fn acks_unsent(&self, seq: u32, ack: u32) -> bool {
         if !(self.adopted || self.moved_unseen) || self.muted || self.closed_at.is_some() {
             return false;
         }
-        let a = unwrap_near(ack.wrapping_sub(self.hs.iss.wrapping_add(1)), self.sent_next);
+        let a = self.srv_off(ack);
         let s = unwrap_near(seq.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
         let lo = self.ack_limit.unwrap_or(self.cli_next).min(self.cli_next);
         // The client's stream may stand a little past what the record held (a pipelined
         // request the rebuilt socket has not received yet; object sim seed 4493). A stand-in
         // may have sent up to the end of the responses this server parsed.
         let high = self.srv_next.max(self.sent_next).max(if self.moved_unseen { self.entries.back().map_or(0, |e| e.end_off()) } else { 0 });
-        a > self.sent_next + self.srv_fin.is_some() as u64 && a <= high + 1 && (lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s)
+        !self.within_sent(a) && a <= high + 1 && (lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s)
     }
 
     /// The client stream offset the record may let the client know about: the first request

@@ -1308,6 +1308,22 @@ fn relayed_after_backup_missed(p: &mut Primary, consumed: u32) -> Vec<(u32, Vec<
     }).collect()
 }
 
+/// The relayed bytes, in order, as one stream.
+fn stream(relayed: &[(u32, Vec<u8>)]) -> Vec<u8> {
+    relayed.iter().flat_map(|(_, d)| d.clone()).collect()
+}
+
+/// A primary that kept "abcde" at 0 and "klmno" at 10, then saw "ijXlm" at 8, which
+/// contradicts the second copy.
+fn primary_with_contradicted_input() -> Primary {
+    let mut p = primary_established();
+    client_sends(&mut p, 0, b"abcde");
+    client_sends(&mut p, 10, b"klmno");
+    client_sends(&mut p, 8, b"ijXlm");
+    assert_eq!(p.counters.input_conflicts, 1);
+    p
+}
+
 /// ST-TCP 3.6 (issue 20, a backup stale after 200 ms of loss): the primary's copy of the
 /// client's input for the backup went on only in order, so one segment it saw early (or could
 /// not keep) stopped every later copy and relay for good; the backup then crawled at the
@@ -1320,7 +1336,7 @@ fn st_tcp_3_6_input_the_primary_saw_out_of_order_is_relayed() {
     client_sends(&mut p, 0, b"abcdefghij");
     client_sends(&mut p, 20, b"uvw");
     let relayed = relayed_after_backup_missed(&mut p, 23);
-    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let joined = stream(&relayed);
     assert_eq!(relayed.first().map(|r| r.0), Some(0));
     assert_eq!(joined, b"abcdefghijklmnopqrstuvw".to_vec(), "{relayed:?}");
     assert_eq!(p.counters.input_conflicts, 0);
@@ -1337,29 +1353,22 @@ fn hostile_contradicting_input_is_never_relayed() {
     client_sends(&mut p, 10, b"klmno");
     client_sends(&mut p, 3, b"defghijklm");
     let relayed = relayed_after_backup_missed(&mut p, 15);
-    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let joined = stream(&relayed);
     assert_eq!(joined, b"abcdefghijklmno".to_vec(), "overlaps add only the new bytes: {relayed:?}");
     assert_eq!(p.counters.input_conflicts, 0);
 
-    let mut q = primary_established();
-    client_sends(&mut q, 0, b"abcde");
-    client_sends(&mut q, 10, b"klmno");
-    client_sends(&mut q, 8, b"ijXlm");
-    assert_eq!(q.counters.input_conflicts, 1);
+    let mut q = primary_with_contradicted_input();
     let relayed = relayed_after_backup_missed(&mut q, 15);
-    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let joined = stream(&relayed);
     assert_eq!(joined, b"abcde".to_vec(), "the gap before the contradicted range stops the relay: {relayed:?}");
 
     // The forger's second try (or anyone's) never fills the extent its first one emptied,
     // until the backup has it: the relay stops there even once the gap before it is filled.
-    let mut r = primary_established();
-    client_sends(&mut r, 0, b"abcde");
-    client_sends(&mut r, 10, b"klmno");
-    client_sends(&mut r, 8, b"ijXlm");
+    let mut r = primary_with_contradicted_input();
     client_sends(&mut r, 5, b"fgh");
     client_sends(&mut r, 10, b"ZZZZZ");
     let relayed = relayed_after_backup_missed(&mut r, 15);
-    let joined: Vec<u8> = relayed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let joined = stream(&relayed);
     assert_eq!(joined, b"abcdefghij".to_vec(), "{relayed:?}");
     assert_eq!(r.counters.input_conflicts, 1);
 }

@@ -77,6 +77,15 @@ pub struct GuardSection {
     /// hung in 2 of about 40 lab runs with it (docs/benchmarks.md).
     #[serde(default)]
     pub recovery_nudge: bool,
+    /// A connection this guard never saw begin (it restarted, or forgot it) and that no
+    /// application claimed (no command named it, no recovery was announced) for this many
+    /// seconds after the guard first saw it ends when the application's host resets it: the
+    /// host's RST passes to the peer instead of being dropped (O1). That ends the double fault
+    /// of an application dying before its first TELL and the guard restarting before it is
+    /// back visibly (issue 21, item 4); an application holding a record of such a connection
+    /// that restarts slower than this loses it. 0: never (the peer waits for its own timeout).
+    #[serde(default = "default_unclaimed_reset")]
+    pub unclaimed_reset_secs: u64,
 }
 
 /// Upper bounds of the numeric settings (see [`Guard::from_toml`]).
@@ -89,6 +98,9 @@ fn default_mark() -> u32 {
 }
 fn default_grace() -> u64 {
     60
+}
+fn default_unclaimed_reset() -> u64 {
+    30
 }
 fn default_max_conns() -> usize {
     1 << 20
@@ -188,6 +200,9 @@ impl Guard {
         if g.closed_grace_secs > MAX_GRACE_SECS {
             return Err(format!("config: guard.closed_grace_secs = {}: at most {MAX_GRACE_SECS} (a day)", g.closed_grace_secs));
         }
+        if g.unclaimed_reset_secs > MAX_GRACE_SECS {
+            return Err(format!("config: guard.unclaimed_reset_secs = {}: at most {MAX_GRACE_SECS} (a day; 0 = never)", g.unclaimed_reset_secs));
+        }
         if g.max_clock_skew_ms == 0 || g.max_clock_skew_ms > MAX_SKEW_MS {
             return Err(format!("config: guard.max_clock_skew_ms = {}: 1 to {MAX_SKEW_MS} (an hour)", g.max_clock_skew_ms));
         }
@@ -251,6 +266,7 @@ port = 7000
         assert!(!g.allowed[0].contains("10.77.1.2".parse().unwrap()));
         assert!(g.allowed[1].contains("fd77:2::12".parse().unwrap()));
         assert_eq!(g.raw.guard.closed_grace_secs, 60);
+        assert_eq!(g.raw.guard.unclaimed_reset_secs, 30);
         // The replay file (issue 21, item 5): explicit, else beside the status file, else none.
         assert_eq!(g.replay_file(), None);
         let s = GOOD.replace("allowed_sources", "status_file = \"/run/unbroken/guard.json\"\nallowed_sources");
@@ -285,6 +301,8 @@ port = 7000
             ("max_clock_skew_ms", "0", "guard.max_clock_skew_ms"),
             ("max_connections", "9223372036854775807", "guard.max_connections"),
             ("max_connections", "0", "guard.max_connections"),
+            ("unclaimed_reset_secs", "86401", "guard.unclaimed_reset_secs"),
+            ("unclaimed_reset_secs", "18446744073709552", "guard.unclaimed_reset_secs"),
         ] {
             let e = Guard::from_toml(&GOOD.replace("queue = 7", &format!("queue = 7\n{field} = {value}"))).err().unwrap_or_else(|| panic!("{field} = {value} accepted"));
             assert!(e.contains(want), "{field} = {value}: {e}");

@@ -221,6 +221,11 @@ pub struct Counters {
     /// could not protect (it did not see their handshake), and peers reset for them at once
     /// (issue 21, item 4).
     pub abandoned_released: u64,
+    /// Connections this guard never saw begin and no application claimed for
+    /// `unclaimed_reset_secs` after it first saw them, ended by passing the application host's
+    /// RST to the peer (issue 21, item 4: the application died before its first TELL and the
+    /// guard restarted before it was back; see [`Core::unclaimed_reset_ms`]).
+    pub unclaimed_released: u64,
     /// The peer's first packets on a state that knew nothing of their connection, passed
     /// without the I0 probe (issue 21, item 4, see `Core::packet_with`).
     pub peer_first_unprobed: u64,
@@ -386,8 +391,18 @@ pub struct Core {
     nak_filled_ms: Option<u64>,
     /// When [`Core::expire`] last ran from [`crate::daemon::Mode::tick`].
     last_expire_ms: u64,
+    /// Config `unclaimed_reset_secs` in ms (0: never): see [`Core::unclaimed_rst`].
+    pub unclaimed_reset_ms: u64,
+    /// When this instance first saw each connection it knows nothing of (not witnessed, not
+    /// claimed), kept apart from the table so that an eviction does not restart the clock;
+    /// bounded by `max_conns`, oldest first out ([`Core::unknown_order`]).
+    unknown_since: HashMap<FlowKey, u64>,
+    unknown_order: VecDeque<FlowKey>,
     pub counters: Counters,
 }
+
+/// Default of `guard.unclaimed_reset_secs`, in ms.
+pub const UNCLAIMED_RESET_MS: u64 = 30_000;
 
 /// Reply to a command: the response datagram and, for ACKNOWLEDGE, a TCP ACK for the peer.
 pub struct CommandOut {
@@ -420,6 +435,9 @@ impl Core {
             nak_tokens: NAK_PER_SEC * 1000,
             nak_filled_ms: None,
             last_expire_ms: 0,
+            unclaimed_reset_ms: UNCLAIMED_RESET_MS,
+            unknown_since: HashMap::new(),
+            unknown_order: VecDeque::new(),
             counters: Counters::default(),
         }
     }
@@ -428,6 +446,7 @@ impl Core {
         let g = &cfg.raw.guard;
         let mut c = Core::new(&cfg.raw.services, cfg.key.clone(), cfg.allowed.clone(), g.max_clock_skew_ms, g.closed_grace_secs.saturating_mul(1000), g.max_connections);
         c.recovery_nudge = g.recovery_nudge;
+        c.unclaimed_reset_ms = g.unclaimed_reset_secs.saturating_mul(1000);
         c
     }
 
@@ -679,6 +698,9 @@ impl Core {
                 }
             }
         }
+        if self.unclaimed_rst(key, outgoing, &buf[..len], &info, now_ms) {
+            return (Verdict::Accept { modified: false }, len);
+        }
         // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
         // application's address, for a live connection this state witnessed (SYNCED: a forged
         // SYN would re-key it), is answered (O5) only within the window an authenticated
@@ -804,6 +826,65 @@ impl Core {
             self.counters.peer_first_unprobed += 1;
         }
         self.finish(res, len)
+    }
+
+    /// The double fault of issue 21, item 4: the application died before its first TELL and
+    /// the guard restarted (or forgot the connection) before the application was back. Nobody
+    /// but the peer holds the connection: the restarted application has no record and ADOPT
+    /// offers nothing, and O1 drops its host's RSTs for the peer's segments, so the peer hung
+    /// until its own timeout. Such a connection ends visibly once it stayed unclaimed for
+    /// [`Core::unclaimed_reset_ms`] after this instance first saw it: the application host's
+    /// RST passes (it answers one of the peer's segments, so it carries that segment's ACK as
+    /// its SEQ: RFC 5961's exact match) and the connection is released (every later packet
+    /// passes untouched). Unclaimed means: this state never witnessed its handshake or a
+    /// recovery (neither SYNCED nor SYN_PENDING), no authenticated command named it (not even a
+    /// TELL: an application that asks is alive and ends it itself, see ABANDON), and no
+    /// recovery was announced for it. An application that holds a record of it and restarts
+    /// slower than the bound loses it (it would have recovered it); an application that is
+    /// alive never sends such a RST (its socket answers the probe with an ACK, and O6 starts
+    /// its recovery). Returns true when the packet is to pass as it is.
+    fn unclaimed_rst(&mut self, key: FlowKey, outgoing: bool, pkt: &[u8], info: &IpInfo, now_ms: u64) -> bool {
+        use unbroken_engines::rtcp::flag;
+        use unbroken_wire::tcp::flags as F;
+        if self.unclaimed_reset_ms == 0 || info.l4_len < 14 {
+            return false;
+        }
+        let unclaimed = |e: &Entry| e.conn.flags & (flag::SYNCED | flag::SYN_PENDING) == 0 && !e.claimed && !e.told && !e.unprotected && e.recovery_syns.is_empty() && e.recovery_armed_until.is_none();
+        let f = pkt[info.l4_offset + 13];
+        if !self.table.get(&key).is_none_or(unclaimed) {
+            // Witnessed or claimed: its clock, if any, is void (a later connection on the same
+            // ports starts with a handshake this state sees).
+            if self.unknown_since.remove(&key).is_some() {
+                self.unknown_order.retain(|k| *k != key);
+            }
+            return false;
+        }
+        // A SYN begins a handshake this state will witness; it starts no clock.
+        if f & F::SYN != 0 {
+            return false;
+        }
+        let Some(&since) = self.unknown_since.get(&key) else {
+            if self.unknown_order.len() >= self.max_conns {
+                if let Some(old) = self.unknown_order.pop_front() {
+                    self.unknown_since.remove(&old);
+                }
+            }
+            self.unknown_since.insert(key, now_ms);
+            self.unknown_order.push_back(key);
+            return false;
+        };
+        if !outgoing || f & F::RST == 0 || now_ms.saturating_sub(since) < self.unclaimed_reset_ms {
+            return false;
+        }
+        self.unknown_since.remove(&key);
+        self.unknown_order.retain(|k| *k != key);
+        let e = self.entry(key, now_ms);
+        e.unprotected = true;
+        e.unprotected_fins = 3;
+        self.counters.unclaimed_released += 1;
+        self.counters.unprotected_passed += 1;
+        self.counters.forwarded += 1;
+        true
     }
 
     /// Issue 9, item 2: a packet from the peer for a connection the table does not hold.
@@ -1601,6 +1682,77 @@ mod tests {
         assert_eq!(v, Verdict::Accept { modified: true });
         assert_eq!(Tcp::new_checked(&b[20..m]).unwrap().seq(), Seq(101) + 0x8000_0000, "the I0 probe");
         assert_eq!((c.counters.peer_first_unprobed, c.counters.peer_without_state), (1, 1));
+    }
+
+    /// Issue 21, item 4's double fault: the application died before its first TELL and the guard
+    /// restarted before it was back; the restarted application has no record. Its host's RSTs
+    /// for the peer's segments are dropped (O1) until the connection stayed unclaimed for
+    /// `unclaimed_reset_ms` after this guard first saw it; the first one after passes (its
+    /// SEQ is the peer's segment's ACK) and the connection is released. An eviction does not
+    /// restart the clock; 0 turns it off.
+    #[test]
+    fn unclaimed_connection_ends_with_the_app_hosts_reset_after_the_bound() {
+        let bound = UNCLAIMED_RESET_MS;
+        let peer_data = |c: &mut Core, at: u64| {
+            let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK | F::PSH, window: 5, ..Default::default() });
+            c.packet(&mut b, n, at).0
+        };
+        let app_rst = |c: &mut Core, at: u64| {
+            let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), flags: F::RST, ..Default::default() });
+            c.packet(&mut b, n, at)
+        };
+        let mut c = core();
+        peer_data(&mut c, 1_000);
+        assert_eq!(app_rst(&mut c, 1_000).0, Verdict::Drop, "O1: the application may still recover it");
+        assert_eq!(app_rst(&mut c, 1_000 + bound - 1).0, Verdict::Drop);
+        // The table forgets the entry (a SYN flood, max_connections): the clock goes on.
+        c.table.clear();
+        peer_data(&mut c, 1_000 + bound - 1);
+        let (v, n) = app_rst(&mut c, 1_000 + bound);
+        assert_eq!((v, n), (Verdict::Accept { modified: false }, 40), "the reset reaches the peer");
+        assert_eq!(c.counters.unclaimed_released, 1);
+        assert_eq!(peer_data(&mut c, 1_000 + bound + 1), Verdict::Accept { modified: false }, "released: untouched from now on");
+        // Off: never.
+        let mut c = core();
+        c.unclaimed_reset_ms = 0;
+        peer_data(&mut c, 0);
+        assert_eq!(app_rst(&mut c, 10 * bound).0, Verdict::Drop);
+        assert_eq!(c.counters.unclaimed_released, 0);
+    }
+
+    /// What the bound must never release: a connection whose handshake this guard saw (the
+    /// application crashed: it recovers through its record, O1 holds its host's RSTs however
+    /// long it takes), one an authenticated command named (a checkpoint, a recovery announced)
+    /// or that the application asked about (TELL: it is alive and ends it itself). Forged peer
+    /// packets change none of that: they can only start the clock of a connection nobody holds.
+    #[test]
+    fn hostile_unclaimed_bound_never_releases_a_claimed_or_witnessed_connection() {
+        let bound = UNCLAIMED_RESET_MS;
+        let app_rst = |c: &mut Core, at: u64| {
+            let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(901), flags: F::RST, ..Default::default() });
+            c.packet(&mut b, n, at).0
+        };
+        let forged_peer = |c: &mut Core, at: u64| {
+            let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(7), ack: Seq(12345), flags: F::ACK, window: 5, ..Default::default() });
+            c.packet(&mut b, n, at);
+        };
+        // Witnessed: the handshake went through this guard; the application crashed after.
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() });
+        c.packet(&mut b, n, 0);
+        forged_peer(&mut c, 1);
+        assert_eq!(app_rst(&mut c, 3 * bound), Verdict::Drop);
+        // Claimed by a recovery announcement, or asked about by a TELL, on a restarted guard.
+        for cmd in [recovery_ack(40, 101), Command::request(Op::Tell, app(), peer(), 41, 1).encode(&key()).unwrap().to_vec()] {
+            let mut c = core();
+            forged_peer(&mut c, 0);
+            let _ = c.command(from_app(), &cmd, 1, 0, &mut [0u8; 128]);
+            forged_peer(&mut c, 1);
+            assert_eq!(app_rst(&mut c, 3 * bound), Verdict::Drop);
+        }
+        assert_eq!(c.counters.unclaimed_released, 0);
     }
 
     /// Issue 21, item 5: the nonce cache dies with the guard; a datagram captured before a

@@ -1092,8 +1092,13 @@ impl<X: Filter> Sim<X> {
     /// ACK field first and drops an old one silently. Emulated: the probe's ACK is moved above
     /// everything *A*'s socket has sent, which smoltcp answers with the same ACK Linux sends
     /// (rate-limited to one per second), so the exchange is Linux's.
+    /// With no socket of the connection (A listens, or is down), both answer with a RST at the
+    /// probe's ACK: nothing to emulate.
     fn linux_answers_probe(&mut self, buf: &mut [u8]) {
         let Some(max) = self.a_snd_max else { return };
+        if matches!(self.a_state(), None | Some(State::Listen | State::Closed)) {
+            return;
+        }
         let info = IpInfo::parse(buf).expect("ip");
         let pseudo = info.pseudo_sum(info.l4_len);
         let mut t = wtcp::Packet::new_checked(&mut buf[info.l4_offset..info.l4_offset + info.l4_len]).expect("tcp");
@@ -1159,7 +1164,7 @@ impl<X: Filter> Sim<X> {
             }
             Side::B => {
                 let f = facts(&pkt);
-                if f.flags & F::RST != 0 && self.a.gave_up_at.is_none() {
+                if f.flags & F::RST != 0 && self.a.gave_up_at.is_none() && !self.unclaimed() {
                     self.fail(&format!("a RST reached B: {}", describe(&pkt)));
                 }
                 let state = self.b.host.sockets.get::<tcp::Socket>(self.b.sock).state();
@@ -1688,7 +1693,15 @@ impl<X: Filter> Sim<X> {
 
     // ----- application B -----
 
+    /// Nobody can recover the connection (issue 21, item 4's double fault): the filter forgot
+    /// it before A's first TELL and A holds no record of it. A filter that releases what it
+    /// cannot protect may let A's host's RST reach B then.
+    fn unclaimed(&self) -> bool {
+        X::releases_abandoned() && self.rep.filter_restart_before_first_tell && self.a.dur.record.is_none()
+    }
+
     fn b_step(&mut self) {
+        let unclaimed = self.unclaimed();
         let s = self.b.host.sockets.get_mut::<tcp::Socket>(self.b.sock);
         let st = s.state();
         if let Some(at) = self.a.gave_up_at {
@@ -1697,6 +1710,14 @@ impl<X: Filter> Sim<X> {
                 let ms = (self.now - at).total_millis();
                 self.abandoned = Some(format!("lost visibly: B reset {ms} ms after A gave up ({})", self.sc.name));
             }
+            return;
+        }
+        // The double fault of issue 21, item 4: the filter forgot the connection before A's
+        // first TELL and A holds no record of it (it died, and restarted with nothing). Nobody
+        // can recover it; a filter that ends it (the guard's `unclaimed_reset_ms`) lets A's
+        // host's RST through: B must see that end, never hang.
+        if st == State::Closed && self.b.ever_established && !self.b.close_called && unclaimed {
+            self.abandoned = Some(format!("lost visibly, unclaimed: B reset at {} ms ({})", self.now.total_millis(), self.sc.name));
             return;
         }
         if st == State::Established {

@@ -1425,7 +1425,8 @@ fn first_ending_after(input: &VecDeque<(Seq, Vec<u8>)>, at: Seq) -> usize {
 /// order, `len` bytes in all): only what lies at or beyond `from` (what the backup confirmed
 /// and the primary's kernel had not taken yet when the segment came: bytes below it were
 /// kept when they came, and a later copy of them proves nothing), outside `poison`, not kept
-/// yet, within `cap` bytes and [`MAX_INPUT_RANGES`] ranges. Returns the extent of the copies
+/// yet, within `cap` bytes and [`MAX_INPUT_RANGES`] ranges (higher ranges are dropped to make
+/// room for lower bytes). Returns the extent of the copies
 /// the segment contradicted (bytes that differ for the same sequence numbers), which are
 /// dropped: the caller never keeps that extent again until the backup has it, so that only
 /// bytes every copy agreed on are relayed.
@@ -1477,8 +1478,16 @@ fn keep_input(input: &mut VecDeque<(Seq, Vec<u8>)>, len: &mut usize, from: Seq, 
         if let Some((ca, _)) = conflict.filter(|(ca, _)| ca.gt(at)) {
             n = n.min((ca - at) as usize);
         }
+        let joins = i > 0 && input[i - 1].0 + input[i - 1].1.len() as u32 == at && input[i - 1].1.len() < INPUT_RANGE_BYTES;
+        // At a bound, the highest ranges make room for these lower bytes: the backup takes
+        // input in order, so what lies above a hole is worth nothing until the hole is filled
+        // (refusing the hole's bytes stopped the relay for good once the bound was reached).
+        while input.len() > i && (*len + n > cap || (!joins && input.len() >= MAX_INPUT_RANGES)) {
+            if let Some((_, d)) = input.pop_back() {
+                *len -= d.len();
+            }
+        }
         if *len + n <= cap {
-            let joins = i > 0 && input[i - 1].0 + input[i - 1].1.len() as u32 == at && input[i - 1].1.len() < INPUT_RANGE_BYTES;
             if joins {
                 input[i - 1].1.extend_from_slice(&rest[..n]);
                 *len += n;

@@ -1386,6 +1386,21 @@ fn hostile_input_below_what_the_primarys_server_took_is_not_kept() {
     assert_eq!(relayed, vec![], "the relay stops at the first byte it has no copy of");
 }
 
+/// The copy's bounds keep what the backup can use: it takes input in order, so bytes above a
+/// hole are worth nothing until the hole is filled. A client (or a forger) that leaves holes
+/// until the range bound is reached no longer stops the relay for good: the hole's bytes,
+/// when they come, push out the highest ranges.
+#[test]
+fn hostile_holes_up_to_the_bound_do_not_keep_out_the_bytes_the_backup_needs() {
+    let mut p = primary_established();
+    for k in 0..unbroken_engines::replica::MAX_INPUT_RANGES as u32 {
+        client_sends(&mut p, 10 + 2 * k, b"z");
+    }
+    client_sends(&mut p, 0, b"abcdefghij");
+    let relayed = relayed_after_backup_missed(&mut p, 11);
+    assert_eq!(stream(&relayed), b"abcdefghijz".to_vec(), "{:?}", &relayed[..relayed.len().min(3)]);
+}
+
 /// ST-TCP 3.6's relay does not feed a loaded backup duplicates (issue 20: resent every 40 ms,
 /// 74 MB of copies went to a backup whose queue held the client's own packets, until it fell
 /// seconds behind and went stale): nothing is relayed while the backup's server still takes

@@ -397,7 +397,9 @@ pub struct Core {
     /// claimed), kept apart from the table so that an eviction does not restart the clock;
     /// bounded by `max_conns`, oldest first out ([`Core::unknown_order`]).
     unknown_since: HashMap<FlowKey, u64>,
-    unknown_order: VecDeque<FlowKey>,
+    /// Insertion order of `unknown_since` as (key, since): entries since removed or replaced are
+    /// skipped when met (lazy), and dropped when the deque outgrows the map.
+    unknown_order: VecDeque<(FlowKey, u64)>,
     pub counters: Counters,
 }
 
@@ -854,8 +856,8 @@ impl Core {
         if !self.table.get(&key).is_none_or(unclaimed) {
             // Witnessed or claimed: its clock, if any, is void (a later connection on the same
             // ports starts with a handshake this state sees).
-            if self.unknown_since.remove(&key).is_some() {
-                self.unknown_order.retain(|k| *k != key);
+            if !self.unknown_since.is_empty() {
+                self.unknown_since.remove(&key);
             }
             return false;
         }
@@ -864,20 +866,25 @@ impl Core {
             return false;
         }
         let Some(&since) = self.unknown_since.get(&key) else {
-            if self.unknown_order.len() >= self.max_conns {
-                if let Some(old) = self.unknown_order.pop_front() {
+            // Bounded like the table: the oldest clock makes room (skipping stale order slots).
+            while self.unknown_since.len() >= self.max_conns {
+                let Some((old, at)) = self.unknown_order.pop_front() else { break };
+                if self.unknown_since.get(&old) == Some(&at) {
                     self.unknown_since.remove(&old);
                 }
             }
+            if self.unknown_order.len() > 2 * self.unknown_since.len() + 1024 {
+                let m = &self.unknown_since;
+                self.unknown_order.retain(|(k, at)| m.get(k) == Some(at));
+            }
             self.unknown_since.insert(key, now_ms);
-            self.unknown_order.push_back(key);
+            self.unknown_order.push_back((key, now_ms));
             return false;
         };
         if !outgoing || f & F::RST == 0 || now_ms.saturating_sub(since) < self.unclaimed_reset_ms {
             return false;
         }
         self.unknown_since.remove(&key);
-        self.unknown_order.retain(|k| *k != key);
         let e = self.entry(key, now_ms);
         e.unprotected = true;
         e.unprotected_fins = 3;
@@ -1712,6 +1719,18 @@ mod tests {
         assert_eq!((v, n), (Verdict::Accept { modified: false }, 40), "the reset reaches the peer");
         assert_eq!(c.counters.unclaimed_released, 1);
         assert_eq!(peer_data(&mut c, 1_000 + bound + 1), Verdict::Accept { modified: false }, "released: untouched from now on");
+        // The clocks are bounded like the table (max_connections 1000 here): a flood of forged
+        // packets for other 4-tuples pushes out the oldest, whose clock then starts again.
+        let mut c = core();
+        peer_data(&mut c, 0);
+        for port in 0..3000u16 {
+            let (mut b, n) = pkt(SocketAddr::new(peer().ip(), 20_000 + port), app(), Repr { seq: Seq(7), ack: Seq(9), flags: F::ACK, window: 5, ..Default::default() });
+            c.packet(&mut b, n, 1);
+        }
+        assert!(c.unknown_since.len() <= 1000 && c.unknown_order.len() <= 2 * 1000 + 1024 + 1, "{} {}", c.unknown_since.len(), c.unknown_order.len());
+        peer_data(&mut c, 2);
+        assert_eq!(app_rst(&mut c, bound).0, Verdict::Drop, "its clock started again at 2 ms");
+        assert_eq!(app_rst(&mut c, bound + 2).0, Verdict::Accept { modified: false });
         // Off: never.
         let mut c = core();
         c.unclaimed_reset_ms = 0;

@@ -569,6 +569,28 @@ fn peer_sees(service: SocketAddr, wait: Duration, control: bool) -> (String, u64
     }
 }
 
+/// How long a transfer may make no progress before its state is dumped (see `run_in`).
+const STUCK_DUMP_AFTER: Duration = Duration::from_secs(20);
+
+/// What a stuck transfer looks like from every side: `ss -tinoe` in the peer's and the
+/// application host's namespaces, the guard's NFQUEUE statistics and its status counters.
+fn stuck_diagnostics(w: &World, app_host: &str, verified: u64, total: u64) -> String {
+    let mut out = format!("diagnostics: no progress for {STUCK_DUMP_AFTER:?} at {verified} of {total} bytes verified (app on {app_host})\n");
+    let mut run = |ns: &str, what: &str, cmd: &mut Command| {
+        let text = match lab::run(ns, cmd) {
+            Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr),
+            Err(e) => format!("({e})"),
+        };
+        out.push_str(&format!("--- {what} in {ns}:\n{text}"));
+    };
+    for ns in [w.lab.peer.as_str(), app_host] {
+        run(ns, "ss -tinoe", Command::new("ss").args(["-tinoe"]));
+    }
+    run(&w.lab.guard, "nfnetlink_queue", Command::new("cat").arg("/proc/net/netfilter/nfnetlink_queue"));
+    out.push_str(&format!("--- guard status: {}\n", read_status(&w.status_path())));
+    out
+}
+
 fn read_status(p: &Path) -> serde_json::Value {
     std::fs::read_to_string(p).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(serde_json::Value::Null)
 }
@@ -675,7 +697,18 @@ fn run_in(w: &mut World, s: &Scenario) -> Result<Report, String> {
     let mut log = Vec::new();
     let mut last_verified = 0;
     let deadline = start + s.timeout;
+    // A transfer that stops moving is dumped once, while it is still stuck (the peer reports
+    // the hang only after its idle timeout and then closes): the sockets on both ends, the
+    // guard's queue and counters. Issue 21 item 1's hang left nothing else to read.
+    let mut moved_at = (Instant::now(), 0u64);
+    let mut dumped = false;
     loop {
+        if last_verified != moved_at.1 {
+            moved_at = (Instant::now(), last_verified);
+        } else if !dumped && moved_at.0.elapsed() >= STUCK_DUMP_AFTER {
+            dumped = true;
+            eprintln!("{}", stuck_diagnostics(w, &app_host, last_verified, total));
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(format!("scenario timed out after {:?} at {} of {} bytes verified", s.timeout, last_verified, total));

@@ -220,10 +220,14 @@ fn hostile_input_never_reaches_the_connection() {
 }
 
 #[test]
-#[ignore = "open: found a hang in a fresh-clone CI run (seed 11, trial 1: host crash on a bulk stream at 62.9 %; the app recovered with 25,042,082 of 25,287,738 reply bytes at the peer, then no progress for 180 s at 25,241,906 of 34,000,000 verified, 0 RSTs); run with --ignored"]
 fn chaos_three_trials_through_the_binary() {
     // `unbroken demo checkpoint --chaos 3 --json`: three fresh labs, one random fault each
     // (seed fixed so a failure replays), every trial byte-exact with 0 RSTs and no hang, exit 0.
+    // Ignored from 2026-11-23 to issue 21 (item 1) for one hang in a fresh-clone CI run (trial
+    // 1, host crash on a bulk stream: no progress for 180 s after the recovery, 0 RSTs). Not
+    // reproduced since: 64 runs of this seed on the code before issue 21's fixes, 90 after, and
+    // 180 random trials; a transfer that stops for 20 s now dumps both ends' sockets, the guard's
+    // queue and counters to stderr (`stuck_diagnostics`), so a recurrence is diagnosable.
     let Some(_g) = lab_or_skip("chaos") else { return };
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_unbroken"))
         .args(["demo", "checkpoint", "--chaos", "3", "--json", "--seed", "11"])

@@ -700,7 +700,7 @@ impl Core {
                 }
             }
         }
-        if self.unclaimed_rst(key, outgoing, &buf[..len], &info, now_ms) {
+        if self.unclaimed_rst(key, outgoing, &buf[..len], &info, csum_partial, now_ms) {
             return (Verdict::Accept { modified: false }, len);
         }
         // A recovery SYN must have been announced (issue 9, item 1): a SYN without ACK from the
@@ -845,7 +845,7 @@ impl Core {
     /// slower than the bound loses it (it would have recovered it); an application that is
     /// alive never sends such a RST (its socket answers the probe with an ACK, and O6 starts
     /// its recovery). Returns true when the packet is to pass as it is.
-    fn unclaimed_rst(&mut self, key: FlowKey, outgoing: bool, pkt: &[u8], info: &IpInfo, now_ms: u64) -> bool {
+    fn unclaimed_rst(&mut self, key: FlowKey, outgoing: bool, pkt: &[u8], info: &IpInfo, csum_partial: bool, now_ms: u64) -> bool {
         use unbroken_engines::rtcp::flag;
         use unbroken_wire::tcp::flags as F;
         if self.unclaimed_reset_ms == 0 || info.l4_len < 14 {
@@ -866,6 +866,11 @@ impl Core {
             return false;
         }
         let Some(&since) = self.unknown_since.get(&key) else {
+            // A packet from the peer's side starts the clock only with a valid checksum.
+            let seg = &pkt[info.l4_offset..info.l4_offset + info.l4_len];
+            if !outgoing && !csum_partial && !Tcp::new_checked(seg).is_ok_and(|t| t.verify_checksum(info.pseudo_sum(info.l4_len))) {
+                return false;
+            }
             // Bounded like the table: the oldest clock makes room (skipping stale order slots).
             while self.unknown_since.len() >= self.max_conns {
                 let Some((old, at)) = self.unknown_order.pop_front() else { break };
@@ -1731,6 +1736,12 @@ mod tests {
         peer_data(&mut c, 2);
         assert_eq!(app_rst(&mut c, bound).0, Verdict::Drop, "its clock started again at 2 ms");
         assert_eq!(app_rst(&mut c, bound + 2).0, Verdict::Accept { modified: false });
+        // A packet with a bad checksum starts no clock.
+        let mut c = core();
+        let (mut b, n) = pkt(peer(), app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK | F::PSH, window: 5, ..Default::default() });
+        b[20 + 16] ^= 0xff;
+        c.packet(&mut b, n, 0);
+        assert!(c.unknown_since.is_empty());
         // Off: never.
         let mut c = core();
         c.unclaimed_reset_ms = 0;

@@ -1985,6 +1985,18 @@ impl Primary {
                 c.p_end = s.seq + s.payload_len as u32;
                 self.last_output_ms = now_ms;
             }
+            // Where its stream stands as the client saw it (all of it passes), for the fresh
+            // ACK that follows the backup (Koch 3.4): past the server's FIN, with its latest
+            // timestamp.
+            if !s.has(F::RST) && !s.has(F::SYN) {
+                let e_all = s.seq + s.payload_len as u32 + s.fin() as u32;
+                if e_all.gt(c.snd_c) {
+                    c.snd_c = e_all;
+                }
+                if let Some((_, v, e)) = s.ts {
+                    c.ts = Some((v, e));
+                }
+            }
             if s.has(F::ACK) && !s.has(F::RST) && !s.has(F::SYN) {
                 if s.ack.gt(c.ack_p) {
                     c.ack_p = s.ack;
@@ -2259,6 +2271,8 @@ impl Primary {
                 }
             }
             if c.state.is_some() {
+                // Unprotected: nothing to verify or release, but its ACK waits for the backup.
+                self.fresh_ack(key);
                 continue;
             }
             if f(rw::flag::MISALIGNED) {
@@ -2838,9 +2852,12 @@ impl Primary {
     }
 
     /// Koch 3.4: when the backup caught up, the client hears of it at once.
+    /// Also on an unprotected connection, whose ACKs still wait for the backup: after its
+    /// server answered the client's FIN with its own and closed, nothing else would tell the
+    /// client that its FIN arrived, and its retransmission would meet the closed socket's RST.
     fn fresh_ack(&mut self, key: ConnKey) {
         let Some(c) = self.conns.get_mut(&key) else { return };
-        if c.state.is_some() || c.synack.is_some() {
+        if c.synack.is_some() || c.state.is_some() && c.client_rst {
             return;
         }
         let (Some(sent), Some((ack, win))) = (c.sent_ack, gated(c)) else { return };

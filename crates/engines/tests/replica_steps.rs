@@ -368,6 +368,34 @@ fn koch_strict_divergence_detected() {
     assert_ne!(rep[0].records[0].flags & rw::flag::DIVERGED, 0, "reported to the backup");
 }
 
+/// Koch 3.4 on an unprotected connection (a fresh-clone CI failure of
+/// `replica_strict_divergence_detected`): its ACK still waits for the backup (the backup's
+/// server must miss no input the primary's took), so when the primary's server answered the
+/// client's FIN with its own FIN and closed, the ACK of the client's FIN was lowered, and no
+/// fresh ACK followed once the backup had it: the client resent its FIN to a closed socket and
+/// got a RST. Now the fresh ACK follows the backup on unprotected connections too, after the
+/// server's FIN, with its latest timestamp.
+#[test]
+fn koch_3_4_fresh_ack_after_the_close_of_an_unprotected_connection() {
+    let mut p = primary(true);
+    assert_eq!(primary_sends(&mut p, 0, b"value=1", C_ISN + 1, 0, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, b"value=2", false), 3);
+    assert_eq!(p.conn_state(&key()), Some(Why::Diverged));
+    p.take_transmit();
+    // The client's FIN (after 4 request bytes); the primary's server answers with its FIN.
+    let fin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(8)), flags: F::ACK | F::FIN, window: 512, ..Default::default() }, b"QUIT");
+    assert_eq!(p.incoming(&fin), Verdict::PASS);
+    let mut sfin = from_server(Repr { seq: Seq(P_ISN.wrapping_add(8)), ack: Seq(C_ISN + 6), flags: F::ACK | F::FIN, window: 100, timestamp: Some((900, 77)), ..Default::default() }, &[]);
+    assert!(matches!(p.outgoing(&mut sfin, 4), Verdict::Accept { .. }), "unprotected: its output passes");
+    assert_eq!(seg(&sfin).0.ack, Seq(C_ISN + 1), "its ACK waits for the backup");
+    p.backup_progress(&progress(3, C_ISN + 6, b"value=2", true), 5);
+    let out = p.take_transmit();
+    assert_eq!(out.len(), 1, "Koch 3.4: a fresh ACK");
+    let (t, payload) = seg(&out[0]);
+    assert_eq!((t.ack, t.seq, payload.len()), (Seq(C_ISN + 6), Seq(P_ISN.wrapping_add(9)), 0), "past the server's FIN");
+    assert_eq!(t.timestamp.map(|x| x.0), Some(900), "its timestamp is the server's latest");
+}
+
 /// ST-TCP 3.7.4: the primary's FIN waits for the backup's at the same offset; its data goes
 /// out on its own once verified.
 #[test]

@@ -188,8 +188,13 @@ fn table1_request_ack_dropped_resp1_held_until_stored_then_acks_lowered() {
     assert_eq!((t.e.counters.entries, t.e.counters.held, t.e.counters.pure_acks_dropped), (1, 2, 1));
 }
 
+/// Table 1's end, once the connection no longer needs its record: the client acknowledged the
+/// whole response and the server's FIN (its own FIN carries that ACK), and then the server
+/// acknowledges the client's FIN: that ACK leaves unchanged, the record is deleted and the
+/// ACK limit lifted. Until the server's ACK, the record (naming the client's FIN) stays: a
+/// new server must still take the client's FIN, which it sends again after a death.
 #[test]
-fn table1_client_fin_deletes_record_and_lifts_the_limit() {
+fn table1_record_deleted_once_both_fins_are_acknowledged() {
     let mut t = T::new();
     t.handshake();
     t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
@@ -199,19 +204,113 @@ fn table1_client_fin_deletes_record_and_lifts_the_limit() {
     t.store_all();
     t.released();
     let end = p1.len() as u32;
-    t.c(cs(REQ.len() as u32), ss(end + 1), F::ACK | F::FIN, b"");
-    let mut deletes = 0;
+    let l1 = REQ.len() as u32;
+    t.c(cs(l1), ss(end + 1), F::ACK | F::FIN, b"");
+    let (mut deletes, mut stored) = (0, vec![]);
     while let Some(a) = t.e.poll_action() {
-        if let Action::Delete { token, .. } = a {
-            deletes += 1;
-            t.e.store_done(token, true);
+        match a {
+            Action::Delete { token, .. } => {
+                deletes += 1;
+                t.e.store_done(token, true);
+            }
+            Action::Store { token, value, .. } => {
+                stored.push(Record::decode(&value).unwrap());
+                t.e.store_done(token, true);
+            }
         }
     }
-    assert_eq!(deletes, 1);
+    assert_eq!(deletes, 0, "the server has not acknowledged the client's FIN yet");
+    assert!(t.injected().iter().all(|p| repr(p).ack == Seq(cs(l1))), "never the FIN's acknowledgement");
+    let last = stored.last().expect("the response's acknowledgement is stored");
+    assert_eq!((last.entries.len(), last.hold_off, last.client_fin), (0, l1 as u64, Some(l1 as u64)));
+    // A new server planning from it: the client's FIN again, acknowledging the server's FIN.
+    let p = plan_recovery(last, &trig(cs(l1), ss(end + 1), F::ACK | F::FIN, 0)).unwrap();
+    assert!(p.refin && p.resume.is_empty());
+    assert_eq!((p.snd_nxt, p.rcv_nxt), (ss(end), cs(l1)), "the rebuilt socket takes the FIN");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
     // The server's last ACK acknowledges the request and the FIN, unmodified.
-    let (v, p) = t.s(ss(end + 1), cs(REQ.len() as u32 + 1), F::ACK, b"");
+    let (v, p) = t.s(ss(end + 1), cs(l1 + 1), F::ACK, b"");
     assert_eq!(v, Verdict::Accept { modified: false });
-    assert_eq!(repr(&p).ack, Seq(cs(REQ.len() as u32 + 1)));
+    assert_eq!(repr(&p).ack, Seq(cs(l1 + 1)));
+    assert_eq!(actions(&mut t), (0, 1));
+    assert_eq!((t.e.counters.client_fins, t.e.counters.closed), (1, 1));
+    assert!(t.injected().is_empty(), "the server's own ACK told the client");
+}
+
+/// The client half-closes (`shutdown(SHUT_WR)` after its request) and reads on: its FIN
+/// comes while the response is being sent. The connection stays protected and its record,
+/// naming the FIN, is kept (it was deleted at the FIN: a server death then left the client,
+/// still reading, with a RST). A new server planning from that record resumes the response,
+/// closes after it, and its socket expects the FIN (never acknowledged to the client
+/// meanwhile). The record goes once the client has the whole response and the server's FIN
+/// and the server acknowledged the client's FIN; the client is told that at once.
+#[test]
+fn half_closed_client_keeps_its_record_until_the_response_and_both_fins_are_acknowledged() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let (l1, hl) = (REQ.len() as u32, HDR.len() as u32);
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    t.c(cs(l1), ss(0), F::ACK | F::FIN, b"");
+    assert_eq!(t.e.counters.client_fins, 1);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(1000, 1));
+    // The server acknowledges the request and the FIN: lowered to the hold (the request).
+    let (v, p) = t.s(ss(0), cs(l1 + 1), F::ACK | F::PSH, &p1);
+    assert_eq!(v, Verdict::Held, "still protected: the response waits for its record");
+    assert!(repr(&p).ack == Seq(cs(l1 + 1)));
+    let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
+    let rel = t.released();
+    assert_eq!(rel.len(), 1);
+    assert_eq!(repr(&rel[0].1).ack, Seq(cs(0)), "neither the request nor the FIN is acknowledged");
+    let rec = stored.last().unwrap().clone();
+    assert_eq!((rec.entries.len(), rec.client_fin), (1, Some(l1 as u64)));
+    // The client acknowledged 700 body bytes; its FIN comes again to a new server.
+    t.c(cs(l1 + 1), ss(hl + 700), F::ACK, b"");
+    t.store_all();
+    assert_eq!(actions(&mut t), (0, 0));
+    for trigger in [trig(cs(l1), ss(hl + 700), F::ACK | F::FIN, 0), trig(cs(l1 + 1), ss(hl + 700), F::ACK, 0)] {
+        let p = plan_recovery(&rec, &trigger).unwrap();
+        assert_eq!(p.case, Case::DuringDownload);
+        assert_eq!(p.resume, vec![trods::Resume { entry: 0, header_from: HDR.len(), body_from: 700 }]);
+        assert!(p.close_after && !p.refin, "the server closes after the response it resumes");
+        assert_eq!(p.rcv_nxt, cs(l1), "the rebuilt socket expects the client's FIN");
+    }
+    // The adopting server knows the FIN too: a second failure still closes after the response.
+    let mut t2 = T::new();
+    let plan = plan_recovery(&rec, &trig(cs(l1), ss(hl + 700), F::ACK | F::FIN, 0)).unwrap();
+    t2.e.adopt(key(), &rec, &plan, t2.now);
+    assert_eq!(t2.c(cs(l1), ss(hl + 700), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    let rest = body(3000, 1)[700..].to_vec();
+    let _ = t2.s(ss(hl + 700), cs(l1 + 1), F::ACK, &rest);
+    t2.c(cs(l1 + 1), ss(hl + 3000), F::ACK, b"");
+    let rec2 = t2.store_all().iter().map(|v| Record::decode(v).unwrap()).last().expect("the acknowledged response is stored");
+    assert_eq!((rec2.entries.len(), rec2.client_fin), (0, Some(l1 as u64)));
+    let p2 = plan_recovery(&rec2, &trig(cs(l1 + 1), ss(hl + 3000), F::ACK, 0)).unwrap();
+    assert!(p2.close_after && p2.resume.is_empty() && !p2.refin, "the server had not closed yet: it closes now");
+    // Back on the first server: the rest of the response and the server's FIN.
+    let mut rest = body(3000, 1)[1000..].to_vec();
+    let end = hl + 3000;
+    rest.truncate(2000);
+    let (v, _) = t.s(ss(hl + 1000), cs(l1 + 1), F::ACK | F::FIN, &rest);
+    assert!(matches!(v, Verdict::Accept { .. }));
+    t.c(cs(l1 + 1), ss(end), F::ACK, b"");
+    assert_eq!(actions(&mut t).1, 0, "the server's FIN is not acknowledged yet");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    // (The stored hold moved past the request: the client is told, never of the FIN.)
+    assert!(t.injected().iter().all(|p| repr(p).ack == Seq(cs(l1))));
+    // The client acknowledges the server's FIN: nothing needs the record any more.
+    t.c(cs(l1 + 1), ss(end + 1), F::ACK, b"");
+    assert_eq!(actions(&mut t), (0, 1));
+    assert_eq!(t.e.counters.closed, 1);
+    // The server's ACK of the FIN was lowered: the client is told now.
+    let inj = t.injected();
+    assert_eq!(inj.len(), 1);
+    let r = repr(&inj[0]);
+    assert_eq!((r.seq, r.ack), (Seq(ss(end + 1)), Seq(cs(l1 + 1))));
+    // And later server packets pass unchanged.
+    let (v, p) = t.s(ss(end + 1), cs(l1 + 1), F::ACK, b"");
+    assert_eq!((v, repr(&p).ack), (Verdict::Accept { modified: false }, Seq(cs(l1 + 1))));
 }
 
 #[test]
@@ -1092,8 +1191,13 @@ fn records_of_quiet_live_connections_are_refreshed() {
     assert!(stored[0].0 >= 1000 + 100_000 && stored[0].0 <= 1000 + 110_000);
     assert_eq!(stored[0].1, want, "the same record, stored again");
     assert_eq!(t.e.counters.refreshed, 1);
-    // The client's FIN: its record is deleted, and never refreshed again.
-    t.c(cs(REQ.len() as u32), ss(p1.len() as u32), F::ACK | F::FIN, b"");
+    // The client's FIN, the server's FIN (acknowledging it), the client's ACK of that: its
+    // record is deleted, and never refreshed again.
+    let (l1, end) = (REQ.len() as u32, p1.len() as u32);
+    t.c(cs(l1), ss(end), F::ACK | F::FIN, b"");
+    t.s(ss(end), cs(l1 + 1), F::ACK | F::FIN, b"");
+    assert_eq!(actions(&mut t), (1, 0), "the acknowledged response is stored, nothing deleted");
+    t.c(cs(l1 + 1), ss(end + 1), F::ACK, b"");
     assert!(matches!(t.e.poll_action(), Some(Action::Delete { .. })));
     for _ in 0..30 {
         t.now += 5_000;
@@ -1464,9 +1568,13 @@ fn hostile_blind_fin_and_data_leave_the_record_alone() {
     assert_eq!(actions(&mut t), (0, 0));
     assert_eq!(t.e.is_protected(&key()), Some(true));
     assert_eq!((t.e.counters.out_of_window, t.e.counters.fin_deferred, t.e.counters.bad_checksum), (2, 1, 1));
-    // The real FIN, at the end of the client's stream.
+    assert_eq!(t.e.counters.client_fins, 0);
+    // The real FIN, at the end of the client's stream: taken, and the record (a response is
+    // under way) says so; it is not deleted.
     assert_eq!(t.c(cs(l1), ss(0), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
-    assert_eq!(actions(&mut t), (0, 1));
+    assert_eq!(actions(&mut t), (1, 0));
+    assert_eq!(t.e.counters.client_fins, 1);
+    assert_eq!(t.e.is_protected(&key()), Some(true));
 }
 
 /// A FIN that arrives before the bytes ahead of it (reordering) closes the connection once
@@ -1483,9 +1591,12 @@ fn a_fin_ahead_of_a_gap_closes_when_the_stream_reaches_it() {
     assert_eq!(t.e.counters.client_gaps, 1);
     // The bytes after the gap come again (the kernel had them queued; the client's
     // retransmission, here), then the stream reaches the FIN.
+    assert_eq!(t.e.counters.client_fins, 0);
     t.c(cs(20), ss(0), F::ACK | F::FIN, &REQ[20..]);
-    let (_, del) = actions(&mut t);
-    assert_eq!(del, 1);
+    assert_eq!(t.e.counters.client_fins, 1);
+    // The request it follows is not answered yet: the record stays (and a new server would
+    // get the request and the FIN again).
+    assert_eq!(actions(&mut t).1, 0);
 }
 
 /// A SYN flood (a SYN and the kernel's SYN-ACK for each of 5000 spoofed ports): no store
@@ -1596,12 +1707,13 @@ fn hostile_blind_segments_behind_the_window_or_acking_unsent_bytes_teach_nothing
     assert!(t.store_all().is_empty(), "an ACK behind the window changes no record");
     assert_eq!(t.c(cs(l1), ss(hl + 3000 + 70_000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
     assert_eq!(actions(&mut t), (0, 0), "a FIN acknowledging unsent bytes deletes nothing");
+    assert_eq!(t.e.counters.client_fins, 0, "nor is it taken as the client's FIN");
     assert_eq!(t.e.is_protected(&key()), Some(true));
     assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK, b""), Verdict::Accept { modified: false });
     let stored: Vec<Record> = t.store_all().iter().map(|v| Record::decode(v).unwrap()).collect();
     assert_eq!(stored.last().map(|r| r.acked_off), Some((hl + 3000) as u64), "the genuine ACK is learned");
     assert_eq!(t.c(cs(l1), ss(hl + 3000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
-    assert_eq!(actions(&mut t).1, 1, "the genuine FIN deletes the record");
+    assert_eq!(t.e.counters.client_fins, 1, "the genuine FIN is taken");
 }
 
 /// Object sim seed 10216: a live server whose bucket went to a stand-in and came back in

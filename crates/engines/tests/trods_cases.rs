@@ -1577,6 +1577,42 @@ fn hostile_blind_fin_and_data_leave_the_record_alone() {
     assert_eq!(t.e.is_protected(&key()), Some(true));
 }
 
+/// After the client's FIN (a half-close: it reads on), forged segments neither end the
+/// record early nor keep it alive for good: an ACK of bytes the server never sent (with a FIN,
+/// as if everything ended), one with a wrong checksum, one behind the window, request bytes
+/// at the FIN's place (no byte after a FIN is a request) change nothing; nor does a second
+/// FIN elsewhere. The record still goes at idle expiry.
+#[test]
+fn hostile_after_the_clients_fin_forged_segments_neither_delete_the_record_nor_keep_it() {
+    let mut t = T::new();
+    let sent = download(&mut t);
+    let l1 = REQ.len() as u32;
+    assert_eq!(t.c(cs(l1), ss(sent), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!((actions(&mut t), t.e.counters.client_fins), ((1, 0), 1));
+    let entries = t.e.counters.entries;
+    // The server's ACK of the FIN has been seen (lowered): only the client's side is missing.
+    t.s(ss(sent), cs(l1 + 1), F::ACK, b"");
+    let everything = ss(sent + 2000 + 1);
+    assert_eq!(t.c(cs(l1 + 1), everything.wrapping_add(70_000), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    let (v, _) = t.send(Dir::FromClient, bad_csum(from_c(cs(l1 + 1), ss(sent), F::ACK | F::FIN, b"")));
+    assert_eq!(v, Verdict::Drop);
+    assert_eq!(t.c(cs(l1).wrapping_sub(30_000), ss(sent), F::ACK, b""), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(l1), ss(sent), F::ACK | F::PSH, REQ), Verdict::Accept { modified: false });
+    assert_eq!(t.c(cs(l1 + 700), ss(sent), F::ACK | F::FIN, b""), Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0), "nothing stored, nothing deleted");
+    assert_eq!(t.e.is_protected(&key()), Some(true));
+    assert_eq!((t.e.counters.client_fins, t.e.counters.closed, t.e.counters.entries), (1, 0, entries));
+    // The next response bytes still wait for nothing new (no request was added) and the
+    // record still names one response.
+    let p = body(3000, 1)[1000..2000].to_vec();
+    assert!(matches!(t.s(ss(sent), cs(l1 + 1), F::ACK, &p).0, Verdict::Accept { .. }));
+    // Abandoned (no packet for the idle time): forgotten, the record deleted.
+    t.now += Config::default().idle_ms;
+    t.e.expire(t.now);
+    assert_eq!(actions(&mut t), (0, 1));
+    assert!(!t.e.tracks(&key()));
+}
+
 /// A FIN that arrives before the bytes ahead of it (reordering) closes the connection once
 /// the stream reaches it.
 #[test]

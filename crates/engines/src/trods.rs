@@ -368,6 +368,9 @@ pub struct Counters {
     pub unprotected_store: u64,
     pub unprotected_http: u64,
     pub unprotected_no_syn: u64,
+    /// Of `unprotected_no_syn`: tombstones stored once the client's exact ACK of the SYN-ACK
+    /// proved the connection real (see `Conn::tomb_on_ack`).
+    pub no_syn_tombstones: u64,
     /// Of `unprotected_http`: requests with credentials (Authorization, Cookie), which are
     /// never stored (issue 9 item 7).
     pub unprotected_credentials: u64,
@@ -572,6 +575,14 @@ struct Conn {
     /// Client stream offset of the client's FIN, taken at the end of its stream (`cli_next`
     /// then): the record is kept, and says so, until [`Conn::needs_no_record`].
     cli_fin: Option<u64>,
+    /// Set up by a SYN-ACK whose SYN this engine never saw (its agent restarted during the
+    /// handshake, or the SYN was evicted): unprotected, and nothing in the store names it. A
+    /// tombstone is stored once the client's exact ACK of the SYN-ACK proves the connection
+    /// real (a spoofed SYN flood still costs no store write), so that after a server death
+    /// the new owner's probe of its moved buckets finds it, draws the client's ACK and resets
+    /// the client visibly; without it a client waiting for data was never heard from again
+    /// (object sim seed 12764: a hang).
+    tomb_on_ack: bool,
     /// When the last challenge ACK was built.
     challenged_at: Option<u64>,
 }
@@ -995,6 +1006,7 @@ impl Engine {
                 let mut c = Conn::new(Handshake { iss, ..Handshake::default() }, now);
                 c.protected = false;
                 c.ack_limit = None;
+                c.tomb_on_ack = true;
                 self.conns.insert(key, c);
                 self.half_open.push_back((key, now));
             }
@@ -1075,6 +1087,16 @@ impl Engine {
             c.est = true;
         }
         c.last_seen = now;
+        if c.tomb_on_ack && fl & flags::ACK != 0 && ack == c.hs.iss.wrapping_add(1) && c.closed_at.is_none() && !c.muted {
+            // (Its checksum was checked by the caller; the first client segment after the
+            // handshake starts at the client's initial sequence number plus one.)
+            c.tomb_on_ack = false;
+            c.hs.irs = seq.wrapping_sub(1);
+            c.stale_record = true;
+            self.counters.no_syn_tombstones += 1;
+            self.store_tombstone(key);
+        }
+        let c = self.conns.get_mut(&key).unwrap();
         if c.closed_at.is_some() || (!c.protected && !c.degraded) {
             if fin && c.closed_at.is_none() {
                 c.closed_at = Some(now);
@@ -1918,6 +1940,7 @@ impl Conn {
             est: false,
             fin_at: None,
             cli_fin: None,
+            tomb_on_ack: false,
             challenged_at: None,
         }
     }

@@ -1613,6 +1613,47 @@ fn hostile_after_the_clients_fin_forged_segments_neither_delete_the_record_nor_k
     assert!(!t.e.tracks(&key()));
 }
 
+/// Object sim seed 12764: a SYN-ACK whose SYN this engine never saw (its agent restarted
+/// during the handshake) sets up an unprotected connection that nothing in the store named;
+/// its server died and its client, waiting for data, was never heard from again (a hang).
+/// Now the client's exact ACK of the SYN-ACK (with a right checksum) stores a tombstone, once,
+/// so the new owner's probe finds it and the client meets a visible reset. SYN-ACKs alone,
+/// and client ACKs that do not acknowledge the SYN-ACK exactly (blind ones), store nothing.
+#[test]
+fn hostile_syn_ack_without_its_syn_stores_a_tombstone_only_at_the_clients_exact_ack() {
+    let mut t = T::new();
+    let sa = |port: u16| {
+        let r = Repr { src_port: 80, dst_port: port, seq: Seq(S_ISN), ack: Seq(cs(0)), flags: F::SYN | F::ACK, window: 65160, mss: Some(1460), ..Default::default() };
+        build(s_ip(), c_ip(), r, b"")
+    };
+    // A flood of SYN-ACKs without SYNs (the SYNs evicted, say): no store write.
+    for port in 1024..2024 {
+        assert_eq!(t.send(Dir::ToClient, sa(port)).0, Verdict::Accept { modified: false });
+    }
+    assert_eq!(t.send(Dir::ToClient, sa(40000)).0, Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0));
+    assert_eq!(t.e.is_protected(&key()), Some(false));
+    // Blind ACKs: a wrong acknowledgement, a wrong checksum.
+    assert_eq!(t.c(cs(0), ss(0).wrapping_add(77), F::ACK, b""), Verdict::Accept { modified: false });
+    let (v, _) = t.send(Dir::FromClient, bad_csum(from_c(cs(0), ss(0), F::ACK, b"")));
+    assert_eq!(v, Verdict::Drop);
+    assert_eq!(actions(&mut t), (0, 0));
+    // The client's own ACK of the SYN-ACK, with its request.
+    assert_eq!(t.c(cs(0), ss(0), F::ACK | F::PSH, REQ), Verdict::Accept { modified: false });
+    let stored = t.store_all();
+    assert_eq!(stored.len(), 1);
+    let tomb = Record::decode(&stored[0]).unwrap();
+    assert!(tomb.unprotected && tomb.entries.is_empty());
+    assert_eq!((tomb.hs.iss, tomb.hs.irs), (S_ISN, C_ISN));
+    assert_eq!(t.e.counters.no_syn_tombstones, 1);
+    // Once: later ACKs store nothing more, and the connection's packets pass unchanged.
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(0), F::ACK, b""), Verdict::Accept { modified: false });
+    let (v, _) = t.s(ss(0), cs(REQ.len() as u32), F::ACK, HDR);
+    assert_eq!(v, Verdict::Accept { modified: false });
+    assert_eq!(actions(&mut t), (0, 0));
+    assert_eq!(t.e.is_protected(&key()), Some(false));
+}
+
 /// A FIN that arrives before the bytes ahead of it (reordering) closes the connection once
 /// the stream reaches it.
 #[test]

@@ -1479,7 +1479,7 @@ impl Engine {
         let rec = Record {
             hs: c.hs,
             hold_off: c.hold_off(),
-            sent_off: c.sent_next,
+            sent_off: c.sent_off(),
             acked_off: c.client_acked,
             entries: c.entries.iter().cloned().collect(),
             unprotected: false,
@@ -1660,7 +1660,7 @@ impl Engine {
         if c.deleting.is_some() || !c.stale_record || c.muted {
             return;
         }
-        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_next, acked_off: c.client_acked, entries: Vec::new(), unprotected: true, client_fin: None };
+        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_off(), acked_off: c.client_acked, entries: Vec::new(), unprotected: true, client_fin: None };
         let token = self.token(key);
         self.counters.stores += 1;
         self.conns.get_mut(&key).unwrap().deleting = Some(token);
@@ -2037,6 +2037,15 @@ impl Conn {
     /// acknowledgement number), placed nearest to what the server sent.
     fn srv_off(&self, v: u32) -> u64 {
         unwrap_near(v.wrapping_sub(self.hs.iss.wrapping_add(1)), self.sent_next)
+    }
+
+    /// The record's `sent_off`: server stream bytes sent, never the FIN's sequence number
+    /// (segments after the FIN start one past the last byte). A planner takes a client ACK
+    /// one past `sent_off` as acknowledging the FIN, and one at it as a client still waiting
+    /// for it (object sim seed 17926: a record counting the FIN refused the ACK of a client
+    /// that had every byte but not the FIN, and its failovers never planned).
+    fn sent_off(&self) -> u64 {
+        self.sent_next.min(self.srv_fin.unwrap_or(u64::MAX))
     }
 
     /// Whether a client ACK `a` (a server stream offset) lies within what this socket sent

@@ -1577,6 +1577,36 @@ fn hostile_blind_fin_and_data_leave_the_record_alone() {
     assert_eq!(t.e.is_protected(&key()), Some(true));
 }
 
+/// A record never counts the server's FIN in `sent_off`, also once segments after the FIN
+/// (an ACK of the client's FIN) passed: a client that has every byte but not the FIN
+/// acknowledges `sent_off` and is rebuilt to get the FIN; one that has the FIN acknowledges one
+/// more and gets it again (object sim seed 17926: the record counted the FIN, and the client's
+/// every ACK was refused as describing nothing the record knew).
+#[test]
+fn a_record_never_counts_the_servers_fin_in_sent_off() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    let l1 = REQ.len() as u32;
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    t.c(cs(l1), ss(0), F::ACK | F::FIN, b"");
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(3000, 1));
+    let end = p1.len() as u32;
+    assert_eq!(t.s(ss(0), cs(l1 + 1), F::ACK | F::PSH | F::FIN, &p1).0, Verdict::Held);
+    t.store_all();
+    t.released();
+    // The server's ACK after its FIN: one past the last byte.
+    t.s(ss(end + 1), cs(l1 + 1), F::ACK, b"");
+    // The client has every byte, not the FIN.
+    t.c(cs(l1 + 1), ss(end), F::ACK, b"");
+    let rec = t.store_all().iter().map(|v| Record::decode(v).unwrap()).last().expect("the acknowledged response is stored");
+    assert_eq!((rec.entries.len(), rec.sent_off, rec.client_fin), (0, end as u64, Some(l1 as u64)));
+    let p = plan_recovery(&rec, &trig(cs(l1 + 1), ss(end), F::ACK, 0)).unwrap();
+    assert!(p.close_after && !p.refin && p.resume.is_empty(), "the rebuilt socket sends the FIN");
+    assert!(plan_recovery(&rec, &trig(cs(l1), ss(end + 1), F::ACK | F::FIN, 0)).unwrap().refin);
+}
+
 /// After the client's FIN (a half-close: it reads on), forged segments neither end the
 /// record early nor keep it alive for good: an ACK of bytes the server never sent (with a FIN,
 /// as if everything ended), one with a wrong checksum, one behind the window, request bytes

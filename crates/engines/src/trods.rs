@@ -1188,6 +1188,7 @@ impl Engine {
             c.fin_at = None;
             if c.cli_fin.is_none() {
                 c.cli_fin = Some(c.cli_next);
+                c.fin_acceptable();
                 self.counters.client_fins += 1;
                 // A response not fully received: the record must say that the server closes
                 // after it. (With none, a new server learns the FIN from the client's packet.)
@@ -1579,6 +1580,7 @@ impl Engine {
         c.progress_stored = f.sent_off;
         if c.ack_limit.is_some() {
             c.ack_limit = Some(f.hold_off.max(c.ack_limit.unwrap_or(0)));
+            c.fin_acceptable();
         }
         self.release_ready(key);
         self.announce_hold(key);
@@ -1965,6 +1967,21 @@ impl Conn {
             && matches!(self.parse, SrvParse::Idle)
             && self.srv_fin.is_some_and(|sf| self.client_acked > sf)
             && self.srv_ack > f
+    }
+
+    /// Once the stored hold has reached the client's FIN (every request answered and its
+    /// response fully acknowledged), the client may be told its FIN was received: the ACK
+    /// limit takes it in, so the server's own FIN carries that acknowledgement (as in plain
+    /// TCP). Then the client that acknowledges the server's FIN has surely had its own
+    /// acknowledged, and never sends its FIN again to a server whose socket (and record) is
+    /// gone, which would answer with a RST. Until the client has the server's FIN the record
+    /// stays, so a client left waiting for it by a death is probed and rebuilt (closing after
+    /// nothing: `close_after`). Not while unprotected by a store failure: there the FIN stays
+    /// unacknowledged, so a waiting client keeps sending it and meets a visible reset.
+    fn fin_acceptable(&mut self) {
+        if self.protected && self.cli_fin.is_some_and(|f| self.ack_limit == Some(f)) {
+            self.ack_limit = self.cli_fin.map(|f| f + 1);
+        }
     }
 
     /// Guards a record (or will): its packets must prove knowledge of the connection.

@@ -241,9 +241,9 @@ fn table1_record_deleted_once_both_fins_are_acknowledged() {
 /// comes while the response is being sent. The connection stays protected and its record,
 /// naming the FIN, is kept (it was deleted at the FIN: a server death then left the client,
 /// still reading, with a RST). A new server planning from that record resumes the response,
-/// closes after it, and its socket expects the FIN (never acknowledged to the client
-/// meanwhile). The record goes once the client has the whole response and the server's FIN
-/// and the server acknowledged the client's FIN; the client is told that at once.
+/// closes after it, and its socket expects the FIN (not acknowledged to the client while a
+/// response is unacknowledged). Once the whole response is acknowledged the client is told
+/// its FIN was received; the record goes once the client also has the server's FIN.
 #[test]
 fn half_closed_client_keeps_its_record_until_the_response_and_both_fins_are_acknowledged() {
     let mut t = T::new();
@@ -297,17 +297,18 @@ fn half_closed_client_keeps_its_record_until_the_response_and_both_fins_are_ackn
     t.c(cs(l1 + 1), ss(end), F::ACK, b"");
     assert_eq!(actions(&mut t).1, 0, "the server's FIN is not acknowledged yet");
     assert_eq!(t.e.is_protected(&key()), Some(true));
-    // (The stored hold moved past the request: the client is told, never of the FIN.)
-    assert!(t.injected().iter().all(|p| repr(p).ack == Seq(cs(l1))));
-    // The client acknowledges the server's FIN: nothing needs the record any more.
-    t.c(cs(l1 + 1), ss(end + 1), F::ACK, b"");
-    assert_eq!(actions(&mut t), (0, 1));
-    assert_eq!(t.e.counters.closed, 1);
-    // The server's ACK of the FIN was lowered: the client is told now.
+    // The stored hold moved past the request and reached the FIN: the client is told both
+    // now (the server acknowledged its FIN long ago; that ACK was lowered), so when it
+    // acknowledges the server's FIN it has had its own acknowledged.
     let inj = t.injected();
     assert_eq!(inj.len(), 1);
     let r = repr(&inj[0]);
     assert_eq!((r.seq, r.ack), (Seq(ss(end + 1)), Seq(cs(l1 + 1))));
+    // The client acknowledges the server's FIN: nothing needs the record any more.
+    t.c(cs(l1 + 1), ss(end + 1), F::ACK, b"");
+    assert_eq!(actions(&mut t), (0, 1));
+    assert_eq!(t.e.counters.closed, 1);
+    assert!(t.injected().is_empty(), "the client was told already");
     // And later server packets pass unchanged.
     let (v, p) = t.s(ss(end + 1), cs(l1 + 1), F::ACK, b"");
     assert_eq!((v, repr(&p).ack), (Verdict::Accept { modified: false }, Seq(cs(l1 + 1))));
@@ -1575,6 +1576,30 @@ fn hostile_blind_fin_and_data_leave_the_record_alone() {
     assert_eq!(actions(&mut t), (1, 0));
     assert_eq!(t.e.counters.client_fins, 1);
     assert_eq!(t.e.is_protected(&key()), Some(true));
+}
+
+/// A kept-alive connection the client closes after its response (curl at Content-Length):
+/// the response is acknowledged and stored, then the client's FIN. The server's FIN carries
+/// the acknowledgement of the client's FIN unlowered (as plain TCP's would), so the client
+/// that acknowledges the server's FIN has had its own acknowledged and never sends it again:
+/// with it lowered, a lost injected ACK made the client send its FIN again to a server whose
+/// socket was gone (a RST, even without any failure). The record goes at the client's ACK.
+#[test]
+fn keepalive_close_the_servers_fin_carries_the_ack_of_the_clients_fin() {
+    let mut t = T::new();
+    let len = first_exchange(&mut t);
+    let l1 = REQ.len() as u32;
+    t.c(cs(l1), ss(len), F::ACK, b"");
+    t.store_all();
+    t.injected();
+    t.c(cs(l1), ss(len), F::ACK | F::FIN, b"");
+    assert_eq!(actions(&mut t), (0, 0));
+    let (v, p) = t.s(ss(len), cs(l1 + 1), F::ACK | F::FIN, b"");
+    assert_eq!((v, repr(&p).ack), (Verdict::Accept { modified: false }, Seq(cs(l1 + 1))));
+    assert_eq!(t.e.is_protected(&key()), Some(true), "until the client has the server's FIN");
+    t.c(cs(l1 + 1), ss(len + 1), F::ACK, b"");
+    assert_eq!(actions(&mut t), (0, 1));
+    assert!(t.injected().is_empty());
 }
 
 /// A record never counts the server's FIN in `sent_off`, also once segments after the FIN

@@ -284,7 +284,7 @@ fn half_closed_client_keeps_its_record_until_the_response_and_both_fins_are_ackn
     let rest = body(3000, 1)[700..].to_vec();
     let _ = t2.s(ss(hl + 700), cs(l1 + 1), F::ACK, &rest);
     t2.c(cs(l1 + 1), ss(hl + 3000), F::ACK, b"");
-    let rec2 = t2.store_all().iter().map(|v| Record::decode(v).unwrap()).last().expect("the acknowledged response is stored");
+    let rec2 = t2.store_all().iter().map(|v| Record::decode(v).unwrap()).next_back().expect("the acknowledged response is stored");
     assert_eq!((rec2.entries.len(), rec2.client_fin), (0, Some(l1 as u64)));
     let p2 = plan_recovery(&rec2, &trig(cs(l1 + 1), ss(hl + 3000), F::ACK, 0)).unwrap();
     assert!(p2.close_after && p2.resume.is_empty() && !p2.refin, "the server had not closed yet: it closes now");
@@ -1625,7 +1625,7 @@ fn a_record_never_counts_the_servers_fin_in_sent_off() {
     t.s(ss(end + 1), cs(l1 + 1), F::ACK, b"");
     // The client has every byte, not the FIN.
     t.c(cs(l1 + 1), ss(end), F::ACK, b"");
-    let rec = t.store_all().iter().map(|v| Record::decode(v).unwrap()).last().expect("the acknowledged response is stored");
+    let rec = t.store_all().iter().map(|v| Record::decode(v).unwrap()).next_back().expect("the acknowledged response is stored");
     assert_eq!((rec.entries.len(), rec.sent_off, rec.client_fin), (0, end as u64, Some(l1 as u64)));
     let p = plan_recovery(&rec, &trig(cs(l1 + 1), ss(end), F::ACK, 0)).unwrap();
     assert!(p.close_after && !p.refin && p.resume.is_empty(), "the rebuilt socket sends the FIN");

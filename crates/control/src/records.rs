@@ -113,6 +113,7 @@ mod tests {
                 ..Entry::default()
             }],
             unprotected: false,
+            client_fin: None,
         }
     }
 

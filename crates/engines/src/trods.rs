@@ -13,7 +13,7 @@
 //! | Resp₁ | extract objectISN; block until objectID/objectISN are durably stored; do not ack the request | the response header is parsed (it may span segments); every response segment is held until the record naming it is stored |
 //! | Resp₂… | do not ack the client's request | ACK fields are lowered to the stored hold, SACK blocks above it removed |
 //! | client ACK of the whole response | (the paper has one request per connection) | the hold moves past the request once stored; a pure ACK tells the client at once ([`Engine::take_injected`]) |
-//! | server FIN, client FIN/ACK | delete objectID/objectISN, delete local state | [`Action::Delete`] (off the critical path) |
+//! | server FIN, client FIN/ACK | delete objectID/objectISN, delete local state | [`Action::Delete`] (off the critical path) once the connection no longer needs its record: the client acknowledged every response byte and the server's FIN, and the server acknowledged the client's FIN (until then a client that half-closed and still reads stays protected, and its FIN stays unacknowledged so it comes again to a new server) |
 //!
 //! Beyond the paper's assumptions (its section 3.3), the engine keeps a *list* of responses per
 //! connection (persistent and pipelined requests), stores the whole response header (so a
@@ -279,10 +279,15 @@ pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
         close_after: false,
         acked_off: a,
     };
+    // The client closed its side right after the last answered request: the server (which
+    // read that end of stream) closes after its responses. A FIN after request bytes the
+    // record does not answer comes again with them, and whoever serves them closes then.
+    let fin_follows = |answered: u64| rec.client_fin == Some(answered);
     let Some(last) = rec.entries.last() else {
         // Case ②, or ④ with every response acknowledged and pruned.
         if a == rec.sent_off {
             plan.case = if rec.sent_off == 0 { Case::DuringSetup } else { Case::AfterDownload };
+            plan.close_after = fin_follows(rec.hold_off);
             return Ok(plan);
         }
         if a == rec.sent_off + 1 && rec.sent_off > 0 {
@@ -308,7 +313,7 @@ pub fn plan_recovery(rec: &Record, t: &Trigger) -> Result<Plan, Refusal> {
         plan.snd_nxt = t.ack.wrapping_sub(1);
         return Ok(plan);
     }
-    plan.close_after = last.close;
+    plan.close_after = last.close || fin_follows(answered);
     for (i, e) in rec.entries.iter().enumerate() {
         if e.end_off() <= a {
             continue;
@@ -363,6 +368,9 @@ pub struct Counters {
     pub unprotected_store: u64,
     pub unprotected_http: u64,
     pub unprotected_no_syn: u64,
+    /// Of `unprotected_no_syn`: tombstones stored once the client's exact ACK of the SYN-ACK
+    /// proved the connection real (see `Conn::tomb_on_ack`).
+    pub no_syn_tombstones: u64,
     /// Of `unprotected_http`: requests with credentials (Authorization, Cookie), which are
     /// never stored (issue 9 item 7).
     pub unprotected_credentials: u64,
@@ -425,6 +433,10 @@ pub struct Counters {
     /// FINs not at the end of the client's stream as seen (out of order or forged): ignored
     /// until the stream reaches them.
     pub fin_deferred: u64,
+    /// Client FINs on protected connections: the connection (and its record) stays protected
+    /// until both FINs are acknowledged ([`Counters::closed`] then), so a client that
+    /// half-closed and still reads is served by a new server too.
+    pub client_fins: u64,
     /// Challenge ACKs built ([`Engine::take_injected`]); at most one per connection per
     /// [`CHALLENGE_EVERY_MS`].
     pub challenge_acks: u64,
@@ -560,6 +572,17 @@ struct Conn {
     /// Client stream offset of a FIN seen ahead of the stream (a gap before it): the
     /// connection closes when the stream reaches it.
     fin_at: Option<u64>,
+    /// Client stream offset of the client's FIN, taken at the end of its stream (`cli_next`
+    /// then): the record is kept, and says so, until [`Conn::needs_no_record`].
+    cli_fin: Option<u64>,
+    /// Set up by a SYN-ACK whose SYN this engine never saw (its agent restarted during the
+    /// handshake, or the SYN was evicted): unprotected, and nothing in the store names it. A
+    /// tombstone is stored once the client's exact ACK of the SYN-ACK proves the connection
+    /// real (a spoofed SYN flood still costs no store write), so that after a server death
+    /// the new owner's probe of its moved buckets finds it, draws the client's ACK and resets
+    /// the client visibly; without it a client waiting for data was never heard from again
+    /// (object sim seed 12764: a hang).
+    tomb_on_ack: bool,
     /// When the last challenge ACK was built.
     challenged_at: Option<u64>,
 }
@@ -927,13 +950,21 @@ impl Engine {
                 c.last_ts = seg.ts;
                 let ack_off = (fl & flags::ACK != 0).then(|| unwrap_near(ack.wrapping_sub(c.hs.irs.wrapping_add(1)), c.cli_next));
                 if let Some(a) = ack_off {
-                    c.srv_ack = c.srv_ack.max(a.min(c.cli_next));
+                    // (One more: the client's FIN.)
+                    c.srv_ack = c.srv_ack.max(a.min(c.cli_next + c.cli_fin.is_some() as u64));
                 }
                 if fl & flags::RST != 0 {
                     self.forget(key, true);
                     return Verdict::Accept { modified: false };
                 }
                 if c.closed_at.is_some() {
+                    return Verdict::Accept { modified: false };
+                }
+                if c.needs_no_record() {
+                    // This packet acknowledges the client's FIN, the last thing the record
+                    // waited for: it leaves unchanged (and tells the client), and the record goes.
+                    c.told = c.told.max(ack_off.unwrap_or(0));
+                    self.close(key, now);
                     return Verdict::Accept { modified: false };
                 }
                 if !c.protected && !c.degraded {
@@ -975,6 +1006,7 @@ impl Engine {
                 let mut c = Conn::new(Handshake { iss, ..Handshake::default() }, now);
                 c.protected = false;
                 c.ack_limit = None;
+                c.tomb_on_ack = true;
                 self.conns.insert(key, c);
                 self.half_open.push_back((key, now));
             }
@@ -1020,7 +1052,9 @@ impl Engine {
                 // server's socket sees it, or the acknowledgement the client was last told,
                 // which is what a client answering a challenge ACK puts there).
                 let told = c.hs.irs.wrapping_add(1).wrapping_add(c.told as u32);
-                if c.client_delta(seq) == 0 || seq == told {
+                // (After its FIN the client's next number is one past the stream's end.)
+                let end = c.client_delta(seq) == c.cli_fin.is_some() as i64;
+                if c.client_delta(seq) == 0 || end || seq == told {
                     self.counters.rst_exact += 1;
                     self.forget(key, true);
                     return PASS;
@@ -1053,6 +1087,16 @@ impl Engine {
             c.est = true;
         }
         c.last_seen = now;
+        if c.tomb_on_ack && fl & flags::ACK != 0 && ack == c.hs.iss.wrapping_add(1) && c.closed_at.is_none() && !c.muted {
+            // (Its checksum was checked by the caller; the first client segment after the
+            // handshake starts at the client's initial sequence number plus one.)
+            c.tomb_on_ack = false;
+            c.hs.irs = seq.wrapping_sub(1);
+            c.stale_record = true;
+            self.counters.no_syn_tombstones += 1;
+            self.store_tombstone(key);
+        }
+        let c = self.conns.get_mut(&key).unwrap();
         if c.closed_at.is_some() || (!c.protected && !c.degraded) {
             if fin && c.closed_at.is_none() {
                 c.closed_at = Some(now);
@@ -1074,8 +1118,9 @@ impl Engine {
         if c.gen == 0 && c.stored_gen == 0 && !c.adopted && acks_synack {
             c.gen += 1;
         }
-        // Requests, in byte order.
-        if !payload.is_empty() {
+        // Requests, in byte order (none after the client's FIN: the kernel takes no byte
+        // past it either).
+        if !payload.is_empty() && c.cli_fin.is_none() {
             let off = unwrap_near(seq.wrapping_sub(c.hs.irs.wrapping_add(1)), c.cli_next);
             let end = off + payload.len() as u64;
             if off > c.cli_next {
@@ -1133,20 +1178,55 @@ impl Engine {
             }
         }
         if close {
-            // Table 1: the client's FIN ends the connection's need for protection.
-            c.closed_at = Some(now);
-            c.ack_limit = None;
-            self.counters.closed += 1;
-            self.release_all(key);
-            self.delete(key);
-            return PASS;
+            // The client closed its side. It may still read (a half-close, `shutdown(SHUT_WR)`):
+            // the connection stays protected, and its record (now naming the FIN) stays until
+            // the connection no longer needs it. The FIN is never acknowledged to the client
+            // meanwhile (it lies past every hold), so after a server death the client sends it
+            // again to the new server, which plans from this record. (Unprotected since a
+            // store failed, the same: its FIN unacknowledged, a client that reads on sends it
+            // again after a server death and meets a visible reset, never silence.)
+            c.fin_at = None;
+            if c.cli_fin.is_none() {
+                c.cli_fin = Some(c.cli_next);
+                c.fin_acceptable();
+                self.counters.client_fins += 1;
+                // A response not fully received: the record must say that the server closes
+                // after it. (With none, a new server learns the FIN from the client's packet.)
+                if !c.entries.is_empty() {
+                    c.gen += 1;
+                }
+            }
         }
         if let Some(why) = why {
             self.unprotect(key, why, false);
             return PASS;
         }
+        if c.needs_no_record() {
+            self.close(key, now);
+            return PASS;
+        }
         self.maybe_store(key);
         PASS
+    }
+
+    /// Table 1's end: the connection no longer needs its record ([`Conn::needs_no_record`]).
+    /// Closed (forgotten after [`Config::linger_ms`]), the record deleted, the ACK limit
+    /// lifted; and when the server's acknowledgement of the client's FIN was lowered before,
+    /// the client is told now (a pure ACK), so it does not send its FIN again to a server
+    /// that no longer has the record.
+    fn close(&mut self, key: Key, now: u64) {
+        let Some(c) = self.conns.get_mut(&key) else { return };
+        c.closed_at = Some(now);
+        c.ack_limit = None;
+        self.counters.closed += 1;
+        let fin_ack = c.cli_fin.map(|f| f + 1).filter(|&a| c.srv_ack >= a && c.told < a);
+        if let Some(pkt) = fin_ack.and_then(|a| c.pure_ack(key, a)) {
+            c.told = fin_ack.unwrap();
+            self.counters.acks_injected += 1;
+            self.injected.push_back(pkt);
+        }
+        self.release_all(key);
+        self.delete(key);
     }
 
     /// A challenge ACK (RFC 5961 sections 3.2 and 4.2) for `key`, at most one per
@@ -1400,10 +1480,11 @@ impl Engine {
         let rec = Record {
             hs: c.hs,
             hold_off: c.hold_off(),
-            sent_off: c.sent_next,
+            sent_off: c.sent_off(),
             acked_off: c.client_acked,
             entries: c.entries.iter().cloned().collect(),
             unprotected: false,
+            client_fin: c.cli_fin,
         };
         let (gen, hold_off, sent_off) = (c.gen, rec.hold_off, rec.sent_off);
         let token = self.token(key);
@@ -1499,6 +1580,7 @@ impl Engine {
         c.progress_stored = f.sent_off;
         if c.ack_limit.is_some() {
             c.ack_limit = Some(f.hold_off.max(c.ack_limit.unwrap_or(0)));
+            c.fin_acceptable();
         }
         self.release_ready(key);
         self.announce_hold(key);
@@ -1580,7 +1662,7 @@ impl Engine {
         if c.deleting.is_some() || !c.stale_record || c.muted {
             return;
         }
-        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_next, acked_off: c.client_acked, entries: Vec::new(), unprotected: true };
+        let rec = Record { hs: c.hs, hold_off: c.hold_off(), sent_off: c.sent_off(), acked_off: c.client_acked, entries: Vec::new(), unprotected: true, client_fin: None };
         let token = self.token(key);
         self.counters.stores += 1;
         self.conns.get_mut(&key).unwrap().deleting = Some(token);
@@ -1752,7 +1834,7 @@ impl Engine {
         self.conns.insert(key, c);
         self.counters.learned += 1;
         self.counters.unprotected += 1;
-        let rec = Record { hs: Handshake::default(), hold_off: 0, sent_off: 0, acked_off: 0, entries: Vec::new(), unprotected: true };
+        let rec = Record { hs: Handshake::default(), hold_off: 0, sent_off: 0, acked_off: 0, entries: Vec::new(), unprotected: true, client_fin: None };
         let token = self.token(key);
         self.counters.stores += 1;
         self.conns.get_mut(&key).unwrap().deleting = Some(token);
@@ -1811,6 +1893,9 @@ impl Engine {
         // `cli_next` (its receive point).
         c.told = rec.hold_off;
         c.srv_ack = cli_next;
+        // The client's FIN, when it directly follows the answered requests (the rebuilt socket
+        // expects it: it was never acknowledged while the record lived, and comes again).
+        c.cli_fin = rec.client_fin.filter(|&f| f == cli_next);
         c.adopted = adopted;
         self.counters.connections += 1;
         self.syns.remove(&key);
@@ -1856,6 +1941,8 @@ impl Conn {
             born: now,
             est: false,
             fin_at: None,
+            cli_fin: None,
+            tomb_on_ack: false,
             challenged_at: None,
         }
     }
@@ -1864,6 +1951,37 @@ impl Conn {
     /// record. The first to go when the table is full.
     fn half_open(&self) -> bool {
         !self.est && !self.adopted && !self.muted && self.gen == 0 && self.stored_gen == 0 && self.closed_at.is_none()
+    }
+
+    /// A protected (or degraded) connection whose client sent its FIN no longer needs its record: the client
+    /// acknowledged every response byte and the server's FIN, and the server acknowledged the
+    /// client's FIN. Before that a server death leaves a client that may still read (a
+    /// half-close) or may still send its FIN, and the new server must rebuild it, not reset it.
+    fn needs_no_record(&self) -> bool {
+        let Some(f) = self.cli_fin else { return false };
+        (self.protected || self.degraded)
+            && !self.muted
+            && self.closed_at.is_none()
+            && self.entries.is_empty()
+            && self.reqs.is_empty()
+            && matches!(self.parse, SrvParse::Idle)
+            && self.srv_fin.is_some_and(|sf| self.client_acked > sf)
+            && self.srv_ack > f
+    }
+
+    /// Once the stored hold has reached the client's FIN (every request answered and its
+    /// response fully acknowledged), the client may be told its FIN was received: the ACK
+    /// limit takes it in, so the server's own FIN carries that acknowledgement (as in plain
+    /// TCP). Then the client that acknowledges the server's FIN has surely had its own
+    /// acknowledged, and never sends its FIN again to a server whose socket (and record) is
+    /// gone, which would answer with a RST. Until the client has the server's FIN the record
+    /// stays, so a client left waiting for it by a death is probed and rebuilt (closing after
+    /// nothing: `close_after`). Not while unprotected by a store failure: there the FIN stays
+    /// unacknowledged, so a waiting client keeps sending it and meets a visible reset.
+    fn fin_acceptable(&mut self) {
+        if self.protected && self.cli_fin.is_some_and(|f| self.ack_limit == Some(f)) {
+            self.ack_limit = self.cli_fin.map(|f| f + 1);
+        }
     }
 
     /// Guards a record (or will): its packets must prove knowledge of the connection.
@@ -1936,6 +2054,15 @@ impl Conn {
     /// acknowledgement number), placed nearest to what the server sent.
     fn srv_off(&self, v: u32) -> u64 {
         unwrap_near(v.wrapping_sub(self.hs.iss.wrapping_add(1)), self.sent_next)
+    }
+
+    /// The record's `sent_off`: server stream bytes sent, never the FIN's sequence number
+    /// (segments after the FIN start one past the last byte). A planner takes a client ACK
+    /// one past `sent_off` as acknowledging the FIN, and one at it as a client still waiting
+    /// for it (object sim seed 17926: a record counting the FIN refused the ACK of a client
+    /// that had every byte but not the FIN, and its failovers never planned).
+    fn sent_off(&self) -> u64 {
+        self.sent_next.min(self.srv_fin.unwrap_or(u64::MAX))
     }
 
     /// Whether a client ACK `a` (a server stream offset) lies within what this socket sent

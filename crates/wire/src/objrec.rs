@@ -8,7 +8,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `UBT1` |
-//! | 4 | 1 | flags: bit 0 SACK, bit 1 timestamps, bit 2 window scaling, bit 3 tombstone (`unprotected`), bit 4 `acked_off` present |
+//! | 4 | 1 | flags: bit 0 SACK, bit 1 timestamps, bit 2 window scaling, bit 3 tombstone (`unprotected`), bit 4 `acked_off` present, bit 5 `client_fin` present |
 //! | 5 | 2 | the client's MSS |
 //! | 7 | 1 | the client's window scale (0 without window scaling) |
 //! | 8 | 1 | the server's window scale |
@@ -17,9 +17,14 @@
 //! | 17 | 8 | `hold_off` |
 //! | 25 | 8 | `sent_off` |
 //! | 33 | 8 | `acked_off` (only with flag bit 4; a record without it decodes with 0) |
-//! | 41 | 2 | number of entries |
+//! | 41 | 8 | `client_fin` (only with flag bit 5, i.e. only in a record of a connection whose client sent its FIN; a record without it decodes with `None`) |
+//! | 41 or 49 | 2 | number of entries |
 //!
-//! 43 bytes, then each [`Entry`]:
+//! 43 bytes (51 with `client_fin`), then each [`Entry`]. A record without `client_fin` is
+//! byte for byte what writers before it stored; a reader older than the field refuses one
+//! with it (its bytes are not where that reader looks: a "trailing bytes" or "out of order"
+//! error), so a mixed cluster refuses such a failover (a visible reset) rather than
+//! resuming without knowing the client closed.
 //!
 //! | size | field |
 //! |---|---|
@@ -110,6 +115,12 @@ pub struct Record {
     /// A tombstone: the connection stopped being protected (e.g. a chunked response). A new
     /// server that finds it resets the client at once instead of leaving it waiting.
     pub unprotected: bool,
+    /// Client stream offset of the client's FIN (it closed its side, or half-closed and still
+    /// reads), once the server saw it at the end of the client's stream. The record outlives
+    /// that FIN until the connection no longer needs it; a rebuilt socket still expects the
+    /// FIN (it is never acknowledged to the client while the record lives) and, when the FIN
+    /// follows the last answered request, closes after the resumed responses.
+    pub client_fin: Option<u64>,
 }
 
 /// First bytes of a record (inside the sealed envelope).
@@ -122,7 +133,8 @@ impl Record {
         b.extend_from_slice(MAGIC);
         let h = &self.hs;
         // Bit 4: `acked_off` follows `sent_off` (records without it decode with 0).
-        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2 | (self.unprotected as u8) << 3 | 1 << 4;
+        // Bit 5: `client_fin` follows `acked_off` (only when there is one).
+        let fl = (h.sack as u8) | (h.timestamps as u8) << 1 | (h.client_ws.is_some() as u8) << 2 | (self.unprotected as u8) << 3 | 1 << 4 | (self.client_fin.is_some() as u8) << 5;
         b.push(fl);
         b.extend_from_slice(&h.client_mss.to_be_bytes());
         b.push(h.client_ws.unwrap_or(0));
@@ -132,6 +144,9 @@ impl Record {
         b.extend_from_slice(&self.hold_off.to_be_bytes());
         b.extend_from_slice(&self.sent_off.to_be_bytes());
         b.extend_from_slice(&self.acked_off.to_be_bytes());
+        if let Some(f) = self.client_fin {
+            b.extend_from_slice(&f.to_be_bytes());
+        }
         b.extend_from_slice(&(self.entries.len() as u16).to_be_bytes());
         for e in &self.entries {
             b.extend_from_slice(&e.req_off.to_be_bytes());
@@ -174,6 +189,7 @@ impl Record {
         let hold_off = r.u64()?;
         let sent_off = r.u64()?;
         let acked_off = if fl & 16 != 0 { r.u64()? } else { 0 };
+        let client_fin = if fl & 32 != 0 { Some(r.u64()?) } else { None };
         let n = r.u16()? as usize;
         let mut entries = Vec::with_capacity(n.min(64));
         for _ in 0..n {
@@ -210,6 +226,7 @@ impl Record {
             acked_off,
             entries,
             unprotected: fl & 8 != 0,
+            client_fin,
         })
     }
 }
@@ -256,7 +273,7 @@ mod tests {
         let hs = Handshake { iss: 0x01020304, irs: 0xa0b0c0d0, client_mss: 1460, client_ws: Some(7), server_ws: 9, sack: true, timestamps: false };
         let e1 = Entry { req_off: 0, req_len: 20, resp_off: 0, status: 200, head: false, close: false, body_len: 5, range_start: 0, header: b"HTTP/1.1 200 OK\r\n\r\n".to_vec(), object_id: b"GET /a".to_vec(), etag: b"\"e\"".to_vec(), last_modified: vec![] };
         let e2 = Entry { req_off: 20, req_len: 10, resp_off: e1.end_off(), status: 206, head: true, close: true, body_len: 0, range_start: 7, header: b"H".to_vec(), object_id: b"HEAD /b".to_vec(), etag: vec![], last_modified: b"lm".to_vec() };
-        Record { hs, hold_off: 30, sent_off: 0x1_0000_0001, acked_off: 3, entries: vec![e1, e2], unprotected: true }
+        Record { hs, hold_off: 30, sent_off: 0x1_0000_0001, acked_off: 3, entries: vec![e1, e2], unprotected: true, client_fin: None }
     }
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -288,6 +305,22 @@ mod tests {
         b[4] &= !16;
         b.drain(33..41);
         assert_eq!(Record::decode(&b), Ok(Record { acked_off: 0, ..sample() }));
+    }
+
+    #[test]
+    fn client_fin_is_stored_only_when_there_is_one() {
+        // Without it: the golden bytes (what writers before the field stored).
+        assert_eq!(Record { client_fin: None, ..sample() }.encode(), unhex(GOLDEN));
+        let r = Record { client_fin: Some(0x0102_0304_0506), ..sample() };
+        let b = r.encode();
+        assert_eq!(b.len(), unhex(GOLDEN).len() + 8);
+        assert_eq!(b[4] & 32, 32);
+        assert_eq!(&b[41..49], &0x0102_0304_0506u64.to_be_bytes());
+        assert_eq!(Record::decode(&b), Ok(r));
+        // A reader that does not know bit 5 (it reads the entry count at 41) refuses it.
+        let mut old_view = b.clone();
+        old_view[4] &= !32;
+        assert!(Record::decode(&old_view).is_err());
     }
 
     #[test]

@@ -2459,7 +2459,7 @@ fn agent_down_past_the_deadline_then_back_during_a_download() {
 fn closed_gaps_stay_closed_strictly() {
     STRICT.with(|s| s.set(true));
     let mut failed = Vec::new();
-    for seed in [25, 136, 166, 251, 5515, 9954, 10216, 12764, 13544, 15223, 16858, 17926] {
+    for seed in [25, 136, 166, 251, 5515, 9954, 10216, 12764, 13544, 15223, 16858, 17926, 22704, 25182] {
         if let Err(e) = run_seed(seed) {
             failed.push(e);
         }

@@ -517,6 +517,9 @@ struct Conn {
     /// Its bucket may have been another server's while this one lived ([`Engine::may_have_moved`]):
     /// a stand-in may have sent the client bytes this server's socket never did.
     moved_unseen: bool,
+    /// In-window client ACKs beyond everything this rebuilt socket sent, in a row: how many,
+    /// and since when (see [`Conn::keeps_acking_unsent`]).
+    unsent_acks: Option<(u32, u64)>,
     last_seen: u64,
     // client stream
     cli_next: u64,
@@ -605,6 +608,11 @@ struct SynInfo {
 }
 
 /// The TRODS engine for one server: every connection of its services.
+/// See [`Conn::keeps_acking_unsent`]: client ACKs beyond what a rebuilt socket sent, in a row,
+/// and the time they must span, before the connection is planned again.
+pub const UNSENT_ACKS_REPLAN: u32 = 4;
+pub const UNSENT_ACKS_MS: u64 = 1_000;
+
 pub struct Engine {
     cfg: Config,
     conns: HashMap<Key, Conn>,
@@ -896,7 +904,7 @@ impl Engine {
                     self.counters.unknown_from_client += 1;
                     return Verdict::Unknown;
                 }
-                if fl & flags::ACK != 0 && fl & flags::RST == 0 && self.conns.get(&key).is_some_and(|c| c.acks_unsent(seq, ack) && c.in_window(seq, 0)) {
+                if fl & flags::ACK != 0 && fl & flags::RST == 0 && self.conns.get_mut(&key).is_some_and(|c| (c.acks_unsent(seq, ack) && c.in_window(seq, 0)) || c.keeps_acking_unsent(seq, ack, now)) {
                     // The client acknowledged bytes this rebuilt socket never sent: another
                     // server sent them after this server planned its resume point (a stand-in
                     // still sending when its bucket came home). The kernel would discard this
@@ -1912,6 +1920,7 @@ impl Conn {
             muted: false,
             adopted: false,
             moved_unseen: false,
+            unsent_acks: None,
             last_seen: now,
             cli_next: 0,
             req_buf: Vec::new(),
@@ -2069,6 +2078,27 @@ impl Conn {
     /// (one more: its FIN).
     fn within_sent(&self, a: u64) -> bool {
         a <= self.sent_next + self.srv_fin.is_some() as u64
+    }
+
+    /// A rebuilt socket whose client keeps acknowledging, in window, bytes it never sent and
+    /// that no record explained (the record it was rebuilt from was stale: a store outage left
+    /// a second pipelined response out of it, which the dead server had sent; object sim seeds
+    /// 22704, 25182). The kernel discards every such ACK and the socket retransmits forever:
+    /// after [`UNSENT_ACKS_REPLAN`] of them in a row over at least [`UNSENT_ACKS_MS`] the
+    /// connection is planned again from the store, which resumes it if the record explains
+    /// the ACK by now and resets the client visibly if not. A blind forger must land that many
+    /// in-window segments in a row to force the replan.
+    fn keeps_acking_unsent(&mut self, seq: u32, ack: u32, now: u64) -> bool {
+        if !self.adopted || self.muted || self.closed_at.is_some() || !self.in_window(seq, 0) {
+            return false;
+        }
+        if self.within_sent(self.srv_off(ack)) {
+            self.unsent_acks = None;
+            return false;
+        }
+        let (n, since) = self.unsent_acks.get_or_insert((0, now));
+        *n += 1;
+        *n >= UNSENT_ACKS_REPLAN && now >= *since + UNSENT_ACKS_MS
     }
 
     fn acks_unsent(&self, seq: u32, ack: u32) -> bool {

@@ -1074,6 +1074,43 @@ fn adopted_connection_superseded_by_an_ack_of_unsent_bytes() {
     assert_eq!(t.e.counters.superseded, 1);
 }
 
+/// A connection rebuilt from a stale record (a store outage left a second pipelined response
+/// out of it, which the dead server had sent): its client acknowledges bytes beyond every
+/// response the record names, which no supersede explains, and the kernel discards each such
+/// ACK while the socket retransmits forever (object sim seeds 22704, 25182 hung). Once
+/// `UNSENT_ACKS_REPLAN` of them came in a row over `UNSENT_ACKS_MS`, the connection is planned
+/// again from the store (a resume if the record explains the ACK by now, a visible reset if
+/// not). An ACK within what the socket sent starts the count again; out-of-window ones never
+/// count.
+#[test]
+fn adopted_connection_whose_client_keeps_acking_beyond_the_record_is_planned_again() {
+    use unbroken_engines::trods::{UNSENT_ACKS_MS, UNSENT_ACKS_REPLAN};
+    let rec = record_with_download();
+    let hl = HDR.len() as u32;
+    let plan = plan_recovery(&rec, &trig(cs(0), ss(hl + 700), F::ACK, 0)).unwrap();
+    let mut t = T::new();
+    t.e.adopt(key(), &rec, &plan, 1);
+    let (v, _) = t.s(ss(hl + 700), cs(REQ.len() as u32), F::ACK, &body(500, 5));
+    assert!(matches!(v, Verdict::Accept { .. }), "{v:?}");
+    let beyond = || ss(hl + 9000);
+    for i in 1..UNSENT_ACKS_REPLAN {
+        assert_eq!(t.c(cs(REQ.len() as u32), beyond(), F::ACK, b""), Verdict::Accept { modified: false }, "{i}: the kernel's, as before");
+        assert_eq!(t.c(cs(REQ.len() as u32 + 70_000), beyond(), F::ACK, b""), Verdict::Accept { modified: false }, "out of window: not counted");
+    }
+    // An ACK within what was sent: the count starts again.
+    assert_eq!(t.c(cs(REQ.len() as u32), ss(hl + 1200), F::ACK, b""), Verdict::Accept { modified: false });
+    for _ in 1..UNSENT_ACKS_REPLAN {
+        assert_eq!(t.c(cs(REQ.len() as u32), beyond(), F::ACK, b""), Verdict::Accept { modified: false });
+    }
+    // Enough in a row, but within less than the time bound: still the kernel's.
+    assert_eq!(t.c(cs(REQ.len() as u32), beyond(), F::ACK, b""), Verdict::Accept { modified: false });
+    assert!(t.e.knows(&key()));
+    t.now += UNSENT_ACKS_MS;
+    assert_eq!(t.c(cs(REQ.len() as u32), beyond(), F::ACK, b""), Verdict::Unknown, "planned again");
+    assert!(!t.e.knows(&key()), "silenced: the agent starts a failover from the store");
+    assert_eq!(t.e.counters.superseded, 1);
+}
+
 #[test]
 fn restart_a_connection_served_by_a_local_socket_is_learned_unprotected() {
     // A fresh engine (the agent restarted) sees the middle of a download it never saw set up.

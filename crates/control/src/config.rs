@@ -83,7 +83,9 @@ pub struct GuardSection {
     /// host's RST passes to the peer instead of being dropped (O1). That ends the double fault
     /// of an application dying before its first TELL and the guard restarting before it is
     /// back visibly (issue 21, item 4); an application holding a record of such a connection
-    /// that restarts slower than this loses it. 0: never (the peer waits for its own timeout).
+    /// that restarts slower than this loses it, and so does a live application that does not
+    /// touch a connection for this long after the guard restarted (O6 reset its socket; it
+    /// recovers at its next call). 0: never (the peer waits for its own timeout).
     #[serde(default = "default_unclaimed_reset")]
     pub unclaimed_reset_secs: u64,
 }
@@ -100,7 +102,7 @@ fn default_grace() -> u64 {
     60
 }
 fn default_unclaimed_reset() -> u64 {
-    30
+    120
 }
 fn default_max_conns() -> usize {
     1 << 20
@@ -266,7 +268,7 @@ port = 7000
         assert!(!g.allowed[0].contains("10.77.1.2".parse().unwrap()));
         assert!(g.allowed[1].contains("fd77:2::12".parse().unwrap()));
         assert_eq!(g.raw.guard.closed_grace_secs, 60);
-        assert_eq!(g.raw.guard.unclaimed_reset_secs, 30);
+        assert_eq!(g.raw.guard.unclaimed_reset_secs, 120);
         // The replay file (issue 21, item 5): explicit, else beside the status file, else none.
         assert_eq!(g.replay_file(), None);
         let s = GOOD.replace("allowed_sources", "status_file = \"/run/unbroken/guard.json\"\nallowed_sources");

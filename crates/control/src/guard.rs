@@ -404,7 +404,7 @@ pub struct Core {
 }
 
 /// Default of `guard.unclaimed_reset_secs`, in ms.
-pub const UNCLAIMED_RESET_MS: u64 = 30_000;
+pub const UNCLAIMED_RESET_MS: u64 = 120_000;
 
 /// Reply to a command: the response datagram and, for ACKNOWLEDGE, a TCP ACK for the peer.
 pub struct CommandOut {

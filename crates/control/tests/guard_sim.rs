@@ -96,8 +96,13 @@ fn new_core(o: &GuardOpts) -> Core {
     let max = if o.max_conns == 0 { 4096 } else { o.max_conns };
     let mut c = Core::new(&svc, sim_key(), vec![Prefix::parse("10.0.2.0/24").unwrap()], SKEW_MS, grace, max);
     c.recovery_nudge = o.nudge;
+    c.unclaimed_reset_ms = SIM_UNCLAIMED_MS;
     c
 }
+
+/// `unclaimed_reset_secs` in the simulation (30 s: the runs are bounded at 120 s virtual; the
+/// default is 120 s).
+const SIM_UNCLAIMED_MS: u64 = 30_000;
 
 /// A bare SYN (MSS 1460) from `src` to `dst` with sequence number `isn`, in a buffer with
 /// `HEADROOM` to grow; returns the buffer and the packet's length.
@@ -748,7 +753,7 @@ fn guard_restart_before_the_first_tell_ends_the_connection_visibly() {
 /// the end of its 120 s).
 #[test]
 fn guard_double_fault_before_the_first_tell_ends_visibly() {
-    let bound = unbroken_control::guard::UNCLAIMED_RESET_MS;
+    let bound = SIM_UNCLAIMED_MS;
     for seed in [857u64, 1017, 1417, 1644] {
         let e = chaos_run(seed).expect_err("the double fault cannot be recovered");
         let at: u64 = e.strip_prefix("lost visibly, unclaimed: B reset at ").and_then(|r| r.split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("seed {seed}: {e}"));

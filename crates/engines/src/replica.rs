@@ -2899,6 +2899,12 @@ impl Primary {
                 if stamp(c, &mut pkt, &s) {
                     self.counters.ts_raised += 1;
                 }
+                // Where the stream stands for the client now, for the fresh ACKs of an
+                // unprotected connection (past a released FIN).
+                let e = s.seq + s.payload_len as u32 + s.fin() as u32;
+                if e.gt(c.snd_c) {
+                    c.snd_c = e;
+                }
             }
             self.out.push(pkt);
             self.counters.released += 1;

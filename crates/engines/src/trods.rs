@@ -518,8 +518,10 @@ struct Conn {
     /// a stand-in may have sent the client bytes this server's socket never did.
     moved_unseen: bool,
     /// In-window client ACKs beyond everything this rebuilt socket sent, in a row: how many,
-    /// and since when (see [`Conn::keeps_acking_unsent`]).
-    unsent_acks: Option<(u32, u64)>,
+    /// since when, and the latest ACK's offset (see [`Conn::keeps_acking_unsent`]).
+    unsent_acks: Option<(u32, u64, u64)>,
+    /// A stored record names the client's FIN ([`Conn::fin_acceptable`]).
+    fin_recorded: bool,
     last_seen: u64,
     // client stream
     cli_next: u64,
@@ -595,6 +597,8 @@ struct InFlight {
     gen: u64,
     hold_off: u64,
     sent_off: u64,
+    /// The client's FIN as that record names it.
+    client_fin: Option<u64>,
 }
 
 #[derive(Clone, Copy)]
@@ -612,6 +616,8 @@ struct SynInfo {
 /// and the time they must span, before the connection is planned again.
 pub const UNSENT_ACKS_REPLAN: u32 = 4;
 pub const UNSENT_ACKS_MS: u64 = 1_000;
+/// A run of such ACKs longer than this starts again.
+pub const UNSENT_ACKS_SPAN_MS: u64 = 10_000;
 
 pub struct Engine {
     cfg: Config,
@@ -1188,21 +1194,23 @@ impl Engine {
         if close {
             // The client closed its side. It may still read (a half-close, `shutdown(SHUT_WR)`):
             // the connection stays protected, and its record (now naming the FIN) stays until
-            // the connection no longer needs it. The FIN is never acknowledged to the client
-            // meanwhile (it lies past every hold), so after a server death the client sends it
-            // again to the new server, which plans from this record. (Unprotected since a
+            // the connection no longer needs it. The FIN is acknowledged to the client only once
+            // a stored record names it and every response is acknowledged (`fin_acceptable`);
+            // before, after a server death the client sends it again to the new server, which
+            // plans from this record; after, the record tells the new server to close. (Unprotected since a
             // store failed, the same: its FIN unacknowledged, a client that reads on sends it
             // again after a server death and meets a visible reset, never silence.)
             c.fin_at = None;
             if c.cli_fin.is_none() {
                 c.cli_fin = Some(c.cli_next);
-                c.fin_acceptable();
-                self.counters.client_fins += 1;
-                // A response not fully received: the record must say that the server closes
-                // after it. (With none, a new server learns the FIN from the client's packet.)
-                if !c.entries.is_empty() {
-                    c.gen += 1;
+                if c.protected && c.ack_limit.is_none_or(|l| l > c.cli_next) {
+                    c.ack_limit = Some(c.cli_next);
                 }
+                self.counters.client_fins += 1;
+                // The record must name the FIN before the client may learn it arrived (see
+                // `fin_acceptable`): a new server then closes after the resumed responses, or
+                // after nothing, for a client that will not send its FIN again.
+                c.gen += 1;
             }
         }
         if let Some(why) = why {
@@ -1494,10 +1502,10 @@ impl Engine {
             unprotected: false,
             client_fin: c.cli_fin,
         };
-        let (gen, hold_off, sent_off) = (c.gen, rec.hold_off, rec.sent_off);
+        let (gen, hold_off, sent_off, client_fin) = (c.gen, rec.hold_off, rec.sent_off, rec.client_fin);
         let token = self.token(key);
         let c = self.conns.get_mut(&key).unwrap();
-        c.in_flight = Some(InFlight { token, gen, hold_off, sent_off });
+        c.in_flight = Some(InFlight { token, gen, hold_off, sent_off, client_fin });
         self.counters.stores += 1;
         self.actions.push_back(Action::Store {
             token,
@@ -1586,6 +1594,7 @@ impl Engine {
         self.counters.stores_ok += 1;
         c.stored_gen = c.stored_gen.max(f.gen);
         c.progress_stored = f.sent_off;
+        c.fin_recorded |= f.client_fin.is_some() && f.client_fin == c.cli_fin;
         if c.ack_limit.is_some() {
             c.ack_limit = Some(f.hold_off.max(c.ack_limit.unwrap_or(0)));
             c.fin_acceptable();
@@ -1904,6 +1913,7 @@ impl Engine {
         // The client's FIN, when it directly follows the answered requests (the rebuilt socket
         // expects it: it was never acknowledged while the record lived, and comes again).
         c.cli_fin = rec.client_fin.filter(|&f| f == cli_next);
+        c.fin_recorded = c.cli_fin.is_some();
         c.adopted = adopted;
         self.counters.connections += 1;
         self.syns.remove(&key);
@@ -1921,6 +1931,7 @@ impl Conn {
             adopted: false,
             moved_unseen: false,
             unsent_acks: None,
+            fin_recorded: false,
             last_seen: now,
             cli_next: 0,
             req_buf: Vec::new(),
@@ -1987,8 +1998,11 @@ impl Conn {
     /// stays, so a client left waiting for it by a death is probed and rebuilt (closing after
     /// nothing: `close_after`). Not while unprotected by a store failure: there the FIN stays
     /// unacknowledged, so a waiting client keeps sending it and meets a visible reset.
+    /// Only once a stored record names the FIN (`fin_recorded`): acknowledged before, a
+    /// server death would leave the client in FIN-WAIT-2, never sending its FIN again, with a
+    /// new server planning from a record that does not know it (no EOF for a half-closer).
     fn fin_acceptable(&mut self) {
-        if self.protected && self.cli_fin.is_some_and(|f| self.ack_limit == Some(f)) {
+        if self.protected && self.fin_recorded && self.cli_fin.is_some_and(|f| self.ack_limit == Some(f)) {
             self.ack_limit = self.cli_fin.map(|f| f + 1);
         }
     }
@@ -2087,17 +2101,33 @@ impl Conn {
     /// after [`UNSENT_ACKS_REPLAN`] of them in a row over at least [`UNSENT_ACKS_MS`] the
     /// connection is planned again from the store, which resumes it if the record explains
     /// the ACK by now and resets the client visibly if not. A blind forger must land that many
-    /// in-window segments in a row to force the replan.
+    /// segments in a row, each at the client's stream position (as `acks_unsent` checks), with
+    /// ACKs that never go back, within `UNSENT_ACKS_SPAN_MS`, to force the replan.
     fn keeps_acking_unsent(&mut self, seq: u32, ack: u32, now: u64) -> bool {
         if !self.adopted || self.muted || self.closed_at.is_some() || !self.in_window(seq, 0) {
             return false;
         }
-        if self.within_sent(self.srv_off(ack)) {
+        // The client's sequence number where `acks_unsent` expects it (a blind forger must
+        // land there, not just anywhere in the window).
+        let s = unwrap_near(seq.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
+        let lo = self.ack_limit.unwrap_or(self.cli_next).min(self.cli_next);
+        if !(lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s) {
+            return false;
+        }
+        let a = self.srv_off(ack);
+        if self.within_sent(a) {
             self.unsent_acks = None;
             return false;
         }
-        let (n, since) = self.unsent_acks.get_or_insert((0, now));
+        // A run: ACKs that never go back, within a few seconds (forgeries cannot be
+        // accumulated at leisure).
+        let fresh = self.unsent_acks.is_none_or(|(_, since, last)| a < last || now > since + UNSENT_ACKS_SPAN_MS);
+        if fresh {
+            self.unsent_acks = Some((0, now, a));
+        }
+        let Some((n, since, last)) = self.unsent_acks.as_mut() else { return false };
         *n += 1;
+        *last = a;
         *n >= UNSENT_ACKS_REPLAN && now >= *since + UNSENT_ACKS_MS
     }
 

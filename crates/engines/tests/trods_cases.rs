@@ -1109,6 +1109,23 @@ fn adopted_connection_whose_client_keeps_acking_beyond_the_record_is_planned_aga
     assert_eq!(t.c(cs(REQ.len() as u32), beyond(), F::ACK, b""), Verdict::Unknown, "planned again");
     assert!(!t.e.knows(&key()), "silenced: the agent starts a failover from the store");
     assert_eq!(t.e.counters.superseded, 1);
+
+    // A forger cannot accumulate: an ACK that goes back, or a run older than
+    // `UNSENT_ACKS_SPAN_MS`, starts the count again.
+    let mut t = T::new();
+    t.e.adopt(key(), &rec, &plan, 1);
+    t.s(ss(hl + 700), cs(REQ.len() as u32), F::ACK, &body(500, 5));
+    for _ in 1..UNSENT_ACKS_REPLAN {
+        t.c(cs(REQ.len() as u32), beyond(), F::ACK, b"");
+    }
+    t.now += UNSENT_ACKS_MS;
+    assert_eq!(t.c(cs(REQ.len() as u32), beyond() - 10, F::ACK, b""), Verdict::Accept { modified: false }, "went back: a new run");
+    for _ in 2..UNSENT_ACKS_REPLAN {
+        t.c(cs(REQ.len() as u32), beyond(), F::ACK, b"");
+    }
+    t.now += unbroken_engines::trods::UNSENT_ACKS_SPAN_MS + 1;
+    assert_eq!(t.c(cs(REQ.len() as u32), beyond(), F::ACK, b""), Verdict::Accept { modified: false }, "too old: a new run");
+    assert!(t.e.knows(&key()));
 }
 
 #[test]
@@ -1620,7 +1637,9 @@ fn hostile_blind_fin_and_data_leave_the_record_alone() {
 /// the acknowledgement of the client's FIN unlowered (as plain TCP's would), so the client
 /// that acknowledges the server's FIN has had its own acknowledged and never sends it again:
 /// with it lowered, a lost injected ACK made the client send its FIN again to a server whose
-/// socket was gone (a RST, even without any failure). The record goes at the client's ACK.
+/// socket was gone (a RST, even without any failure). But only once a stored record names the
+/// FIN (review: acknowledged before, a death left a half-closer without EOF). The record goes
+/// at the client's ACK.
 #[test]
 fn keepalive_close_the_servers_fin_carries_the_ack_of_the_clients_fin() {
     let mut t = T::new();
@@ -1630,7 +1649,12 @@ fn keepalive_close_the_servers_fin_carries_the_ack_of_the_clients_fin() {
     t.store_all();
     t.injected();
     t.c(cs(l1), ss(len), F::ACK | F::FIN, b"");
-    assert_eq!(actions(&mut t), (0, 0));
+    // Until a stored record names the FIN, its acknowledgement waits (a death now would
+    // leave the client in FIN-WAIT-2 and a new server planning from a record without it).
+    let (v, _) = t.s(ss(len), cs(l1 + 1), F::ACK, b"");
+    assert_eq!(v, Verdict::Drop, "the server's pure ACK of the FIN waits for the record naming it");
+    assert_eq!(actions(&mut t), (1, 0), "the record naming the FIN");
+    t.injected();
     let (v, p) = t.s(ss(len), cs(l1 + 1), F::ACK | F::FIN, b"");
     assert_eq!((v, repr(&p).ack), (Verdict::Accept { modified: false }, Seq(cs(l1 + 1))));
     assert_eq!(t.e.is_protected(&key()), Some(true), "until the client has the server's FIN");

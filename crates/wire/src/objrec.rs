@@ -117,8 +117,9 @@ pub struct Record {
     pub unprotected: bool,
     /// Client stream offset of the client's FIN (it closed its side, or half-closed and still
     /// reads), once the server saw it at the end of the client's stream. The record outlives
-    /// that FIN until the connection no longer needs it; a rebuilt socket still expects the
-    /// FIN (it is never acknowledged to the client while the record lives) and, when the FIN
+    /// that FIN until the connection no longer needs it. The FIN is acknowledged to the client
+    /// only once a record naming it is stored and every response is acknowledged; a rebuilt
+    /// socket expects it again (the client resends an unacknowledged FIN) and, when the FIN
     /// follows the last answered request, closes after the resumed responses.
     pub client_fin: Option<u64>,
 }

@@ -164,7 +164,8 @@ impl Checkpoint {
     }
 
     /// The kernel's mean time per run of `ip` through direction `d`'s program over `repeat`
-    /// runs (each on a fresh copy of the packet; the map entry is updated by every run).
+    /// runs. The kernel builds the packet once and runs the program on it `repeat` times, so
+    /// each run sees the packet (and the map entry) as the previous run left them.
     pub fn time_per_packet(&self, d: Direction, ip: &[u8], repeat: u32) -> Result<Duration, Error> {
         Ok(test_run(self.program(d)?, ip, repeat)?.1)
     }

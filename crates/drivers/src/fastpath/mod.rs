@@ -99,9 +99,9 @@ pub struct Run {
     pub packet: Vec<u8>,
 }
 
-/// Runs the IP packet `ip` through `prog` inside an Ethernet frame, `repeat` times (the
-/// kernel runs the program on a fresh copy each time); returns the last result and the
-/// kernel's mean time per run.
+/// Runs the IP packet `ip` through `prog` inside an Ethernet frame, `repeat` times (the kernel
+/// builds the skb once and runs the program on it again and again); returns the last run's
+/// result and the kernel's mean time per run.
 fn test_run(prog: &SchedClassifier, ip: &[u8], repeat: u32) -> Result<(Run, std::time::Duration), Error> {
     let mut frame = vec![0u8; ETH_HLEN + ip.len()];
     // Destination and source MAC (locally administered), EtherType by IP version.

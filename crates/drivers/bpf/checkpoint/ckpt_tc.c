@@ -90,13 +90,12 @@ int ckpt_outgoing(struct __sk_buff *skb)
 	__u32 held = 0;
 	if (!(c.flags & RTCP_F_ACK_EVERYTHING) && seq_lt(c.ack_a, ack)) {
 		held = ack - c.ack_a;
-		if (fp_rewrite32(skb, &p, FP_TCP_ACK, ack, c.ack_a))
-			return FP_DROP;
+		fp_set32(&p, FP_TCP_ACK, ack, c.ack_a);
 	}
 	/* O8. Fix SEQ. */
 	__u32 seq_b = seq - c.delta;
-	if (c.delta && fp_rewrite32(skb, &p, FP_TCP_SEQ, seq, seq_b))
-		return FP_DROP;
+	if (c.delta)
+		fp_set32(&p, FP_TCP_SEQ, seq, seq_b);
 	/* The end of what the current socket sent (Conn::a_end). */
 	__u32 end = seq_b + fp_payload_len(&p);
 	if (seq_gt(end, c.a_end))
@@ -104,8 +103,8 @@ int ckpt_outgoing(struct __sk_buff *skb)
 	/* Timestamps: keep what B sees monotonic across sockets. */
 	if (o->ts_at) {
 		__u32 v = o->tsval + c.ts_off;
-		if (c.ts_off && fp_rewrite32(skb, &p, o->ts_at + 2, o->tsval, v))
-			return FP_DROP;
+		if (c.ts_off)
+			fp_set32(&p, o->ts_at + 2, o->tsval, v);
 		if (!(c.flags & RTCP_F_TS_A_KNOWN) || seq_gt(v, c.ts_a)) {
 			c.ts_a = v;
 			set |= RTCP_F_TS_A_KNOWN;
@@ -119,10 +118,13 @@ int ckpt_outgoing(struct __sk_buff *skb)
 		__u64 w = (((__u64)win << ws_shift(cur)) + held) >> ws_shift(old);
 		w2 = w > 0xffff ? 0xffff : (__u16)w;
 	}
-	if (w2 != win && fp_rewrite16(skb, &p, FP_TCP_WINDOW, win, w2))
-		return FP_DROP;
+	if (w2 != win)
+		fp_set16(&p, FP_TCP_WINDOW, win, w2);
 	c.a_win = w2;
 	set |= RTCP_F_A_WIN_KNOWN;
+
+	if (fp_commit(skb, &p))
+		return FP_DROP;
 
 	/* O9. Forward; the state as the engine leaves it. */
 	e->a_end = c.a_end;
@@ -195,8 +197,8 @@ int ckpt_incoming(struct __sk_buff *skb)
 			c.ts_a = o->tsecr;
 			set |= RTCP_F_TS_A_KNOWN;
 		}
-		if (c.ts_off && o->tsecr && fp_rewrite32(skb, &p, o->ts_at + 6, o->tsecr, o->tsecr - c.ts_off))
-			return FP_DROP;
+		if (c.ts_off && o->tsecr)
+			fp_set32(&p, o->ts_at + 6, o->tsecr, o->tsecr - c.ts_off);
 	}
 	/* ackB: B's latest acknowledgment. */
 	if (!(c.flags & RTCP_F_RECOVERABLE) || seq_ge(ack, c.ack_b))
@@ -208,16 +210,15 @@ int ckpt_incoming(struct __sk_buff *skb)
 	__u32 fwd = ack;
 	if ((c.flags & RTCP_F_A_WIN_KNOWN) && seq_gt(ack, c.a_end))
 		fwd = c.a_end;
-	if ((c.delta || fwd != ack) && fp_rewrite32(skb, &p, FP_TCP_ACK, ack, fwd + c.delta))
-		return FP_DROP;
+	if (c.delta || fwd != ack)
+		fp_set32(&p, FP_TCP_ACK, ack, fwd + c.delta);
 	if (c.delta && o->sack_at) {
 		for (__u32 i = 0; i < 8; i++) {
 			if (i >= o->sack_n * 2)
 				break;
 			__u32 at = o->sack_at + 2 + 4 * i;
 			__u32 edge = fp_opt32(&p, at - sizeof(struct tcphdr));
-			if (fp_rewrite32(skb, &p, at, edge, edge + c.delta))
-				return FP_DROP;
+			fp_set32(&p, at, edge, edge + c.delta);
 		}
 	}
 	/* B's pure ACK carries B's SND.NXT as its SEQ: one beyond the right edge B last saw from
@@ -225,9 +226,12 @@ int ckpt_incoming(struct __sk_buff *skb)
 	__u16 need = RTCP_F_A_WIN_KNOWN | RTCP_F_ACK_ALLOWED;
 	if (!len && (c.flags & need) == need && !(c.flags & RTCP_F_ACK_EVERYTHING)) {
 		__u32 edge = c.ack_a + ((__u32)c.a_win << ws_shift(c.ws >> 4));
-		if (seq_gt(seq, edge) && fp_rewrite32(skb, &p, FP_TCP_SEQ, seq, edge))
-			return FP_DROP;
+		if (seq_gt(seq, edge))
+			fp_set32(&p, FP_TCP_SEQ, seq, edge);
 	}
+
+	if (fp_commit(skb, &p))
+		return FP_DROP;
 
 	/* I4. Forward; the state as the engine leaves it. */
 	e->ts_b = c.ts_b;

@@ -1,7 +1,8 @@
 /* What every mode's tc program shares: the two verdicts, one parse of the IP and TCP headers
  * (through bpf_skb_load_bytes, so a socket filter, which sees the packet from its IP header and
  * has no direct packet access, can call the same code with l3 = 0), the TCP options walk,
- * verification of a TCP checksum, and incremental rewrites of 16- and 32-bit header fields.
+ * verification of a TCP checksum, and edits of the TCP header written back with one incremental
+ * checksum update.
  *
  * Offsets named `at` are relative to the start of the TCP header. Values read from the packet
  * are kept in host order; rewrites take host order and store network order.
@@ -98,9 +99,13 @@ struct fp_pkt {
 	__u32 v6;
 	__u8 src[16];  /* IPv4 addresses as ::ffff:a.b.c.d */
 	__u8 dst[16];
-	struct tcphdr th;
-	__u8 opts[64]; /* the options (hdr_len - 20 <= 40 bytes), zero beyond; indexes masked */
+	union {
+		struct tcphdr th;
+		__u8 hdr[64]; /* the TCP header (hdr_len <= 60), zero beyond; indexes masked */
+	};
 	struct fp_opts o; /* what fp_scan_options found */
+	__u64 csum_diff; /* what the edits of hdr add to the TCP checksum (fp_set32, fp_set16) */
+	__u32 dirty;     /* hdr was edited: fp_commit writes it back */
 	__u32 walk_at;   /* the options walk: next option */
 	__s32 walk_err;
 };
@@ -176,7 +181,7 @@ static __always_inline int fp_parse(struct __sk_buff *skb, __u32 l3, struct fp_p
 	__u32 olen = p->hdr_len - sizeof(struct tcphdr);
 	if (olen > 40)
 		return -1;
-	if (olen && bpf_skb_load_bytes(skb, p->l4 + sizeof(struct tcphdr), p->opts, olen))
+	if (olen && bpf_skb_load_bytes(skb, p->l4 + sizeof(struct tcphdr), &p->hdr[sizeof(struct tcphdr)], olen))
 		return -1;
 	return 0;
 }
@@ -184,7 +189,7 @@ static __always_inline int fp_parse(struct __sk_buff *skb, __u32 l3, struct fp_p
 /* The option byte at `i` (relative to the first option). */
 static __always_inline __u32 fp_opt8(const struct fp_pkt *p, __u32 i)
 {
-	return p->opts[FP_BOUND(i, 63)];
+	return p->hdr[FP_BOUND(sizeof(struct tcphdr) + i, 63)];
 }
 
 static __always_inline __u32 fp_opt32(const struct fp_pkt *p, __u32 i)
@@ -345,23 +350,48 @@ static __always_inline int fp_l4_csum_ok(struct __sk_buff *skb, const struct fp_
 	return fp_fold(sum) == 0xffff;
 }
 
-/* Rewrites the 32-bit field at `at` (even) from `old` to `new`, updating the TCP checksum
- * incrementally (RFC 1624, like unbroken_wire's rewrite_*). A partial checksum (a locally
- * built packet) is left to the stack by bpf_l4_csum_replace. */
-static __always_inline int fp_rewrite32(struct __sk_buff *skb, const struct fp_pkt *p, __u32 at, __u32 old, __u32 new)
-{
-	__be32 o = bpf_htonl(old), n = bpf_htonl(new);
+/* Rewrites are edits of the header copy p->hdr, each adding its difference to one checksum
+ * update (RFC 1624: ~old + new, as bpf_l4_csum_replace would for the field alone), and
+ * fp_commit writes the header back with that update: two helper calls per packet, however many
+ * fields changed. The sums are kept in memory order, as the kernel's __wsum is. */
 
-	if (bpf_skb_store_bytes(skb, p->l4 + at, &n, 4, 0))
-		return -1;
-	return bpf_l4_csum_replace(skb, p->l4 + FP_TCP_CHECK, o, n, 4);
+/* The 32-bit field at `at` (even) from `old` to `new` (host order). */
+static __always_inline void fp_set32(struct fp_pkt *p, __u32 at, __u32 old, __u32 new)
+{
+	p->csum_diff += (__u32)~bpf_htonl(old);
+	p->csum_diff += bpf_htonl(new);
+	p->hdr[FP_BOUND(at, 63)] = new >> 24;
+	p->hdr[FP_BOUND(at + 1, 63)] = new >> 16;
+	p->hdr[FP_BOUND(at + 2, 63)] = new >> 8;
+	p->hdr[FP_BOUND(at + 3, 63)] = new;
+	p->dirty = 1;
 }
 
-static __always_inline int fp_rewrite16(struct __sk_buff *skb, const struct fp_pkt *p, __u32 at, __u16 old, __u16 new)
+/* The 16-bit field at `at` (even) from `old` to `new` (host order). */
+static __always_inline void fp_set16(struct fp_pkt *p, __u32 at, __u16 old, __u16 new)
 {
-	__be16 o = bpf_htons(old), n = bpf_htons(new);
+	p->csum_diff += (__u16)~bpf_htons(old);
+	p->csum_diff += bpf_htons(new);
+	p->hdr[FP_BOUND(at, 63)] = new >> 8;
+	p->hdr[FP_BOUND(at + 1, 63)] = new;
+	p->dirty = 1;
+}
 
-	if (bpf_skb_store_bytes(skb, p->l4 + at, &n, 2, 0))
+/* Writes the edited header back and updates the TCP checksum by the summed difference
+ * (incrementally; a partial checksum, of a locally built packet, is left to the stack by
+ * bpf_l4_csum_replace). 0, or -1 when the kernel refused (the skb could not be made writable). */
+static __always_inline int fp_commit(struct __sk_buff *skb, struct fp_pkt *p)
+{
+	if (!p->dirty)
+		return 0;
+	__u32 len = FP_BOUND(p->hdr_len, 63);
+	if (len < sizeof(struct tcphdr) || len > 60)
 		return -1;
-	return bpf_l4_csum_replace(skb, p->l4 + FP_TCP_CHECK, o, n, 2);
+	if (bpf_skb_store_bytes(skb, p->l4, p->hdr, len, 0))
+		return -1;
+	__u64 d = p->csum_diff;
+	d = (d & 0xffffffff) + (d >> 32);
+	d = (d & 0xffffffff) + (d >> 32);
+	/* Size 0: `to` is a checksum difference, `from` must be 0. */
+	return bpf_l4_csum_replace(skb, p->l4 + FP_TCP_CHECK, 0, (__u32)d, 0) ? -1 : 0;
 }

@@ -22,6 +22,11 @@ fi
 PKGS=(iproute2 iptables nftables socat tcpdump iputils-arping iputils-ping ethtool redis-server nginx
       curl wget iperf3 wrk procps ca-certificates build-essential pkg-config python3 python3-redis)
 
+# The BPF fast path's build (crates/drivers/build.rs runs clang -target bpf): the compiler,
+# libbpf's bpf_helpers.h and the kernel's UAPI headers. Without recommends (LLVM's whole
+# toolchain is not needed).
+BPF_PKGS=(clang libbpf-dev linux-libc-dev)
+
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
 if [ "${UNBROKEN_SKIP_APT:-0}" = "1" ]; then
@@ -31,14 +36,24 @@ else
     for p in "${PKGS[@]}"; do
         installed "$p" || missing+=("$p")
     done
-    if [ "${#missing[@]}" -eq 0 ]; then
-        log "system packages: all ${#PKGS[@]} present"
+    missing_bpf=()
+    for p in "${BPF_PKGS[@]}"; do
+        installed "$p" || missing_bpf+=("$p")
+    done
+    if [ "${#missing[@]}" -eq 0 ] && [ "${#missing_bpf[@]}" -eq 0 ]; then
+        log "system packages: all $(( ${#PKGS[@]} + ${#BPF_PKGS[@]} )) present"
     else
-        log "system packages missing: ${missing[*]}"
+        log "system packages missing: ${missing[*]} ${missing_bpf[*]}"
         log "apt-get update"
         "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
-        log "apt-get install -y ${missing[*]}"
-        "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null
+        if [ "${#missing[@]}" -gt 0 ]; then
+            log "apt-get install -y ${missing[*]}"
+            "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null
+        fi
+        if [ "${#missing_bpf[@]}" -gt 0 ]; then
+            log "apt-get install -y --no-install-recommends ${missing_bpf[*]}"
+            "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing_bpf[@]}" </dev/null
+        fi
     fi
 fi
 

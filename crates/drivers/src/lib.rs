@@ -12,11 +12,14 @@
 //!   the backup (an owned nftables `arp` table), the rule that hands the backup the client frames
 //!   a hub delivers (an owned `netdev` table), the router's mirror, and the gratuitous ARP the
 //!   backup announces the address with.
+//! - [`fastpath`]: the kernel fast path: each mode's tc-BPF programs (`bpf/`, compiled by
+//!   build.rs), their maps, and `BPF_PROG_TEST_RUN` to check them against the engines.
 //!
 //! Everything here is Linux-only and needs `CAP_NET_ADMIN` (and `CAP_NET_RAW` for raw
 //! sockets) at run time. Nothing here parses packets beyond the netlink framing; checksums and
 //! headers are `unbroken-wire`'s business.
 
+pub mod fastpath;
 pub mod iptables;
 mod netlink;
 pub mod nfqueue;

@@ -1,0 +1,243 @@
+/* Checkpoint mode's fast path: RTCP's per-packet transform (seed 004, section 3.1) for the
+ * established, unremarkable packets of a connection, as two tc programs beside
+ * crates/engines/src/rtcp.rs, whose steps they name:
+ *
+ *   ckpt_outgoing  A -> B  (algorithm O: O7 checkpointed ACK, O8 SEQ - Δ, timestamps, window)
+ *   ckpt_incoming  B -> A  (algorithm I: I3 ACK + Δ and SACK + Δ, timestamps, window edge)
+ *
+ * Each reads and updates the connection's entry in `ckpt_conns` exactly as
+ * rtcp::outgoing_parsed / rtcp::incoming_parsed update Conn, and claims a packet (FP_DONE) only
+ * where its answer is the engine's, byte for byte. Everything else is FP_SLOW, untouched: no
+ * entry; SYN, FIN, RST (O1, O3-O6, I2, RFC 5961), a packet without ACK; a state that is not
+ * synchronized (I0, O6), a recovery in progress (SYN_PENDING, ORIGIN_PINNED); an option the
+ * engine would overwrite with NOPs (I1 / O2) or a malformed one; IP options, fragments, IPv6
+ * extension headers; from B: a checksum that does not verify, a segment outside the window or
+ * entirely below the checkpoint.
+ *
+ * Not here yet (slow path or later steps): the guard's own checks around the engine (the end of
+ * what A ever sent, its counters), atomic updates of the entry against the other direction's
+ * CPU, and the attach itself.
+ */
+#include "../common/fastpath.h"
+#include "rtcp_state.h"
+
+/* The kernel lets only programs with a GPL-compatible license string call GPL-only helpers;
+ * none is called here (the project is BSD-3-Clause), but a debugging bpf_printk would be. */
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct ckpt_key);
+	__type(value, struct rtcp_conn);
+} ckpt_conns SEC(".maps");
+
+static __always_inline __u32 ws_shift(__u8 nibble)
+{
+	return nibble == RTCP_WS_NONE ? 0 : nibble;
+}
+
+/* The flags a state must have (and must not have) for either direction's fast path. */
+#define CKPT_NEED RTCP_F_SYNCED
+#define CKPT_REFUSE (RTCP_F_SYN_PENDING | RTCP_F_ORIGIN_PINNED)
+
+static __always_inline int established_ack(const struct fp_pkt *p)
+{
+	__u8 f = ((const __u8 *)&p->th)[FP_TCP_FLAGS];
+
+	return (f & (FP_ACK | FP_SYN | FP_FIN | FP_RST)) == FP_ACK;
+}
+
+/* Algorithm O for an established segment from A. */
+SEC("classifier")
+int ckpt_outgoing(struct __sk_buff *skb)
+{
+	struct fp_pkt p = {};
+	struct ckpt_key k = {};
+	const struct fp_opts *o = &p.o;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	__builtin_memcpy(k.a_addr, p.src, 16);
+	__builtin_memcpy(k.b_addr, p.dst, 16);
+	k.a_port = p.th.source;
+	k.b_port = p.th.dest;
+	struct rtcp_conn *e = bpf_map_lookup_elem(&ckpt_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	struct rtcp_conn c = *e;
+
+	/* O1 (RST), O3-O5 (SYN), O6 (FIN without SHUTDOWN, and the FIN's bookkeeping): slow. */
+	if (!established_ack(&p))
+		return FP_SLOW;
+	/* O6: no checkpoint or no Δ known (a restarted filter) resets A: slow. So does a recovery
+	 * in progress (a pending SYN; a recovered socket whose origin is still pinned to ackB). */
+	if ((c.flags & CKPT_NEED) != CKPT_NEED || (c.flags & CKPT_REFUSE))
+		return FP_SLOW;
+	if (!(c.flags & (RTCP_F_ACK_ALLOWED | RTCP_F_ACK_EVERYTHING)))
+		return FP_SLOW;
+	/* O2. Handle options: only those the engine keeps as they are. */
+	if (fp_scan_options(&p))
+		return FP_SLOW;
+
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	__u16 win = bpf_ntohs(p.th.window);
+	__u16 set = 0;
+
+	/* O7. Checkpoint ACK, never above what A's TCP acknowledges itself; the `held` bytes A's
+	 * TCP has but the application has not checkpointed stay unacknowledged. */
+	__u32 held = 0;
+	if (!(c.flags & RTCP_F_ACK_EVERYTHING) && seq_lt(c.ack_a, ack)) {
+		held = ack - c.ack_a;
+		fp_set32(&p, FP_TCP_ACK, ack, c.ack_a);
+	}
+	/* O8. Fix SEQ. */
+	__u32 seq_b = seq - c.delta;
+	if (c.delta)
+		fp_set32(&p, FP_TCP_SEQ, seq, seq_b);
+	/* The end of what the current socket sent (Conn::a_end). */
+	__u32 end = seq_b + fp_payload_len(&p);
+	if (seq_gt(end, c.a_end))
+		c.a_end = end;
+	/* Timestamps: keep what B sees monotonic across sockets. */
+	if (o->ts_at) {
+		__u32 v = o->tsval + c.ts_off;
+		if (c.ts_off)
+			fp_set32(&p, o->ts_at + 2, o->tsval, v);
+		if (!(c.flags & RTCP_F_TS_A_KNOWN) || seq_gt(v, c.ts_a)) {
+			c.ts_a = v;
+			set |= RTCP_F_TS_A_KNOWN;
+		}
+	}
+	/* Window: keep the right edge B sees where A's TCP put it (the ACK was lowered by `held`
+	 * bytes), in the scale B applies if the new socket's differs. */
+	__u8 cur = c.ws_cur & 0x0f, old = c.ws >> 4;
+	__u16 w2 = win;
+	if (cur != old || held) {
+		__u64 w = (((__u64)win << ws_shift(cur)) + held) >> ws_shift(old);
+		w2 = w > 0xffff ? 0xffff : (__u16)w;
+	}
+	if (w2 != win)
+		fp_set16(&p, FP_TCP_WINDOW, win, w2);
+	c.a_win = w2;
+	set |= RTCP_F_A_WIN_KNOWN;
+
+	if (fp_commit(skb, &p))
+		return FP_DROP;
+
+	/* O9. Forward; the state as the engine leaves it. */
+	e->a_end = c.a_end;
+	e->ts_a = c.ts_a;
+	e->a_win = c.a_win;
+	if ((c.flags & set) != set)
+		e->flags |= set;
+	return FP_DONE;
+}
+
+/* Algorithm I for an established segment from B. */
+SEC("classifier")
+int ckpt_incoming(struct __sk_buff *skb)
+{
+	struct fp_pkt p = {};
+	struct ckpt_key k = {};
+	const struct fp_opts *o = &p.o;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	__builtin_memcpy(k.a_addr, p.dst, 16);
+	__builtin_memcpy(k.b_addr, p.src, 16);
+	k.a_port = p.th.dest;
+	k.b_port = p.th.source;
+	struct rtcp_conn *e = bpf_map_lookup_elem(&ckpt_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	struct rtcp_conn c = *e;
+
+	/* SYN (I2, section 6, RFC 5961 challenges), RST (RFC 5961), FIN (its bookkeeping): slow. */
+	if (!established_ack(&p))
+		return FP_SLOW;
+	/* I0: a state that cannot translate B's ACK: slow. So is a recovery in progress. */
+	if ((c.flags & CKPT_NEED) != CKPT_NEED || (c.flags & CKPT_REFUSE))
+		return FP_SLOW;
+	/* Every packet from B may be forged: it must verify (issue 9, item 2). A packet that does
+	 * not is the engine's to drop and count. */
+	if (!fp_l4_csum_ok(skb, &p))
+		return FP_SLOW;
+	/* I1. Handle options. */
+	if (fp_scan_options(&p))
+		return FP_SLOW;
+
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	__u32 len = fp_payload_len(&p);
+	__u16 set = 0;
+
+	/* Where the segment lies: only one the engine learns from (in the window *A*'s TCP could
+	 * accept) is claimed; one beyond it (dropped) or entirely below the checkpoint (forwarded
+	 * unlearned) is the slow path's. */
+	if ((c.flags & RTCP_F_ACK_ALLOWED) && !(c.flags & RTCP_F_ACK_EVERYTHING)) {
+		__u32 s = !(c.flags & RTCP_F_OPTS_KNOWN) ? 14 : ws_shift(c.ws >> 4);
+		__u32 span = 0xffffu << s;
+		if (seq_ge(seq, c.ack_a)) {
+			if (seq - c.ack_a > span)
+				return FP_SLOW;
+		} else if (!seq_gt(seq + len, c.ack_a)) {
+			return FP_SLOW;
+		}
+	}
+
+	/* Timestamps: remember B's clock and what B has seen of A's; TSecr back into A's clock. */
+	if (o->ts_at) {
+		if (!(c.flags & RTCP_F_TS_B_KNOWN) || seq_gt(o->tsval, c.ts_b)) {
+			c.ts_b = o->tsval;
+			set |= RTCP_F_TS_B_KNOWN;
+		}
+		if (o->tsecr && (!(c.flags & RTCP_F_TS_A_KNOWN) || seq_gt(o->tsecr, c.ts_a))) {
+			c.ts_a = o->tsecr;
+			set |= RTCP_F_TS_A_KNOWN;
+		}
+		if (c.ts_off && o->tsecr)
+			fp_set32(&p, o->ts_at + 6, o->tsecr, o->tsecr - c.ts_off);
+	}
+	/* ackB: B's latest acknowledgment. */
+	if (!(c.flags & RTCP_F_RECOVERABLE) || seq_ge(ack, c.ack_b))
+		c.ack_b = ack;
+	set |= RTCP_F_RECOVERABLE;
+
+	/* I3. Handle acknowledgment: ACK + Δ, and the SACK edges with it. The ACK never covers
+	 * more than A's current socket sent (Conn::a_end). */
+	__u32 fwd = ack;
+	if ((c.flags & RTCP_F_A_WIN_KNOWN) && seq_gt(ack, c.a_end))
+		fwd = c.a_end;
+	if (c.delta || fwd != ack)
+		fp_set32(&p, FP_TCP_ACK, ack, fwd + c.delta);
+	if (c.delta && o->sack_at) {
+		for (__u32 i = 0; i < 8; i++) {
+			if (i >= o->sack_n * 2)
+				break;
+			__u32 at = o->sack_at + 2 + 4 * i;
+			__u32 edge = fp_opt32(&p, at - sizeof(struct tcphdr));
+			fp_set32(&p, at, edge, edge + c.delta);
+		}
+	}
+	/* B's pure ACK carries B's SND.NXT as its SEQ: one beyond the right edge B last saw from
+	 * A is lowered to that edge, which A's TCP accepts. */
+	__u16 need = RTCP_F_A_WIN_KNOWN | RTCP_F_ACK_ALLOWED;
+	if (!len && (c.flags & need) == need && !(c.flags & RTCP_F_ACK_EVERYTHING)) {
+		__u32 edge = c.ack_a + ((__u32)c.a_win << ws_shift(c.ws >> 4));
+		if (seq_gt(seq, edge))
+			fp_set32(&p, FP_TCP_SEQ, seq, edge);
+	}
+
+	if (fp_commit(skb, &p))
+		return FP_DROP;
+
+	/* I4. Forward; the state as the engine leaves it. */
+	e->ts_b = c.ts_b;
+	e->ts_a = c.ts_a;
+	e->ack_b = c.ack_b;
+	if ((c.flags & set) != set)
+		e->flags |= set;
+	return FP_DONE;
+}

@@ -1,0 +1,123 @@
+//! The kernel fast path (issue 22): each mode's per-packet transform as tc-BPF programs
+//! (`crates/drivers/bpf/<mode>/*.c`, compiled by `build.rs`), whose only state is BPF maps the
+//! daemon owns. A program claims only the packets it decides exactly as the mode's engine
+//! would ([`Verdict::Done`]); everything else comes back as [`Verdict::Slow`], untouched, for
+//! the engine behind NFQUEUE.
+//!
+//! What exists (step 1, checkpoint mode): loading, the map entries, and running packets through
+//! `BPF_PROG_TEST_RUN` ([`checkpoint::Checkpoint::run`]). Not yet: attaching, the kernel's
+//! steering of slow-path packets to the queue, the hand-off between the paths and map updates
+//! from the daemon (docs/architecture.md, "Fast path").
+
+pub mod checkpoint;
+
+use std::fmt;
+
+use aya::programs::{ProgramType, SchedClassifier, TestRun, TestRunOptions};
+
+/// `TC_ACT_OK`: the verdict of a packet the program claimed.
+const TC_ACT_OK: i32 = 0;
+/// `TC_ACT_SHOT`.
+const TC_ACT_SHOT: i32 = 2;
+/// `TC_ACT_UNSPEC`: not claimed; attached, the packet continues unchanged to the stack.
+const TC_ACT_UNSPEC: i32 = -1;
+
+/// Ethernet header length: a tc program on an Ethernet device (and `BPF_PROG_TEST_RUN` for
+/// one) sees the frame.
+const ETH_HLEN: usize = 14;
+
+/// What a fast-path program answered for one packet (`FP_*` in `bpf/common/fastpath.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Claimed: decided as the engine would, the packet goes on (rewritten where needed).
+    Done,
+    /// Not claimed, not a byte changed: the slow path decides.
+    Slow,
+    /// A rewrite failed halfway (the kernel could not make the packet writable): dropped, the
+    /// state untouched.
+    Drop,
+    /// Anything else a program returned (a bug).
+    Other(i32),
+}
+
+impl Verdict {
+    fn from_return(v: u32) -> Verdict {
+        match v as i32 {
+            TC_ACT_OK => Verdict::Done,
+            TC_ACT_UNSPEC => Verdict::Slow,
+            TC_ACT_SHOT => Verdict::Drop,
+            other => Verdict::Other(other),
+        }
+    }
+}
+
+/// Why the fast path cannot be loaded or run.
+#[derive(Debug)]
+pub enum Error {
+    /// This process cannot use BPF here (not root, or the kernel lacks tc-BPF): the caller
+    /// falls back to the slow path alone.
+    Unavailable(String),
+    /// Loading, the verifier, a map or a test run failed: a bug or a kernel that behaves
+    /// differently from the one the programs were written for.
+    Bpf(String),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Unavailable(why) => write!(f, "BPF fast path unavailable: {why}"),
+            Error::Bpf(why) => write!(f, "BPF fast path: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+fn bpf_err(what: &str, e: impl fmt::Display) -> Error {
+    Error::Bpf(format!("{what}: {e}"))
+}
+
+/// `Ok` when this process can load and run tc programs; otherwise why not.
+pub fn available() -> Result<(), Error> {
+    // SAFETY: trivial syscall.
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        return Err(Error::Unavailable(format!("not root (euid {euid}): loading BPF programs needs CAP_BPF and CAP_NET_ADMIN")));
+    }
+    match aya::sys::is_program_supported(ProgramType::SchedClassifier) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Error::Unavailable("the kernel does not load tc (sched_cls) programs".into())),
+        Err(e) => Err(Error::Unavailable(format!("probing for tc programs failed: {e}"))),
+    }
+}
+
+/// One packet's trip through a program by `BPF_PROG_TEST_RUN`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Run {
+    pub verdict: Verdict,
+    /// The IP packet as the program left it.
+    pub packet: Vec<u8>,
+}
+
+/// Runs the IP packet `ip` through `prog` inside an Ethernet frame, `repeat` times (the kernel
+/// builds the skb once and runs the program on it again and again); returns the last run's
+/// result and the kernel's mean time per run.
+fn test_run(prog: &SchedClassifier, ip: &[u8], repeat: u32) -> Result<(Run, std::time::Duration), Error> {
+    let mut frame = vec![0u8; ETH_HLEN + ip.len()];
+    // Destination and source MAC (locally administered), EtherType by IP version.
+    frame[..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    frame[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
+    let ethertype: u16 = if ip.first().map(|b| b >> 4) == Some(6) { 0x86dd } else { 0x0800 };
+    frame[12..14].copy_from_slice(&ethertype.to_be_bytes());
+    frame[ETH_HLEN..].copy_from_slice(ip);
+    let mut out = vec![0u8; frame.len() + 256];
+    let opts = TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), repeat: repeat.max(1), ..Default::default() };
+    let r = prog.test_run(opts).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
+    let n = (r.data_size_out as usize).min(out.len());
+    if n < ETH_HLEN {
+        return Err(Error::Bpf(format!("BPF_PROG_TEST_RUN returned {n} bytes, less than an Ethernet header")));
+    }
+    out.truncate(n);
+    let packet = out.split_off(ETH_HLEN);
+    Ok((Run { verdict: Verdict::from_return(r.return_value), packet }, r.duration))
+}

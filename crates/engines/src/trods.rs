@@ -2109,9 +2109,7 @@ impl Conn {
         }
         // The client's sequence number where `acks_unsent` expects it (a blind forger must
         // land there, not just anywhere in the window).
-        let s = unwrap_near(seq.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
-        let lo = self.ack_limit.unwrap_or(self.cli_next).min(self.cli_next);
-        if !(lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s) {
+        if !self.at_stream_position(seq) {
             return false;
         }
         let a = self.srv_off(ack);
@@ -2136,13 +2134,18 @@ impl Conn {
             return false;
         }
         let a = self.srv_off(ack);
+        // A stand-in may have sent up to the end of the responses this server parsed.
+        let high = self.srv_next.max(self.sent_next).max(if self.moved_unseen { self.entries.back().map_or(0, |e| e.end_off()) } else { 0 });
+        !self.within_sent(a) && a <= high + 1 && self.at_stream_position(seq)
+    }
+
+    /// Whether the client's `seq` lies where its stream stands: from the acknowledged hold (or
+    /// `cli_next`) to a little past `cli_next` (a pipelined request the rebuilt socket has not
+    /// received yet; object sim seed 4493).
+    fn at_stream_position(&self, seq: u32) -> bool {
         let s = unwrap_near(seq.wrapping_sub(self.hs.irs.wrapping_add(1)), self.cli_next);
         let lo = self.ack_limit.unwrap_or(self.cli_next).min(self.cli_next);
-        // The client's stream may stand a little past what the record held (a pipelined
-        // request the rebuilt socket has not received yet; object sim seed 4493). A stand-in
-        // may have sent up to the end of the responses this server parsed.
-        let high = self.srv_next.max(self.sent_next).max(if self.moved_unseen { self.entries.back().map_or(0, |e| e.end_off()) } else { 0 });
-        !self.within_sent(a) && a <= high + 1 && (lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s)
+        (lo..=self.cli_next + UNSEEN_REQUESTS).contains(&s)
     }
 
     /// The client stream offset the record may let the client know about: the first request

@@ -102,7 +102,7 @@ impl Both {
         let mut c = self.c;
         let engine = IpInfo::parse(pkt).and_then(|info| match d {
             Outgoing => rtcp::outgoing_parsed(&mut c, &mut buf, p.len, &info),
-            Incoming => rtcp::incoming_parsed(&mut c, &mut buf, p.len, &info, PeerChecksum::Verify),
+            Incoming => rtcp::incoming_parsed(&mut c, &mut buf, p.len, &info, peer_checksum(pkt, &info)),
         });
         match run.verdict {
             Verdict::Done => {
@@ -135,6 +135,25 @@ impl Both {
     /// `p` must be left to the slow path, untouched.
     fn leaves(&mut self, d: Direction, p: &P, what: &str) {
         assert_eq!(self.step(d, p, what), Verdict::Slow, "{what}: expected the slow path");
+    }
+}
+
+/// How the slow path would take a packet from *B*: a checksum field that holds the folded
+/// pseudo-header sum is what a host puts there before the checksum is completed
+/// (CHECKSUM_PARTIAL, NFQUEUE's csum_not_ready), and the fast path takes it as such (it cannot
+/// read ip_summed); any other packet must verify.
+fn peer_checksum(pkt: &[u8], info: &IpInfo) -> PeerChecksum {
+    use unbroken_wire::checksum;
+    let l4_len = info.l4_len as u32;
+    let sum = match (info.src, info.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => checksum::pseudo_v4(s.octets(), d.octets(), ip::PROTO_TCP, l4_len),
+        (IpAddr::V6(s), IpAddr::V6(d)) => checksum::pseudo_v6(s.octets(), d.octets(), ip::PROTO_TCP, l4_len),
+        _ => return PeerChecksum::Verify,
+    };
+    let at = info.l4_offset + 16;
+    match pkt.get(at..at + 2) {
+        Some(f) if u16::from_be_bytes([f[0], f[1]]) == checksum::fold(sum) => PeerChecksum::Partial,
+        _ => PeerChecksum::Verify,
     }
 }
 
@@ -553,4 +572,139 @@ fn random_states_and_packets_agree_with_the_engine() {
     eprintln!("random_states_and_packets_agree_with_the_engine: {cases} cases, {claimed} claimed, {slow} left to the slow path");
     assert!(claimed > cases / 4, "the fast path claimed only {claimed} of {cases}");
     assert!(slow > cases / 20, "the fast path left only {slow} of {cases} to the slow path");
+}
+
+fn key_ab() -> Key {
+    Key::new(SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT))
+}
+
+/// The hand-off between the paths (bpf/checkpoint/rtcp_state.h): a packet the fast path leaves
+/// to the slow path freezes the entry; while frozen, every packet of the connection goes the
+/// slow way, counted, and nothing in the entry changes; the daemon takes the state (Take for a
+/// counted packet, Freeze otherwise) and gives it back (Thaw) only when it took every counted
+/// packet, the state it wrote then being what the fast path continues from.
+#[test]
+fn handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_between_the_paths() {
+    use unbroken_drivers::fastpath::checkpoint::{ctl, Entry, Op, OpResult};
+    let Some(mut fp) = fast_path("handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_between_the_paths") else { return };
+    let told = recovered_told(NEW_ISN);
+    let key = key_ab();
+    assert!(fp.install(&key, &Entry::new(&told, None, None)).unwrap());
+    assert!(!fp.install(&key, &Entry::new(&Conn::default(), None, None)).unwrap(), "a second install leaves the entry alone");
+    assert_eq!(fp.get(&key).unwrap(), Some(told));
+    let c0 = fp.counters().unwrap();
+    let data = |seq: u32| data_from_a(seq, B_ISN + 2001, 100, Some((30, 150)), b"data");
+    assert_eq!(fp.run(Outgoing, &data(NEW_ISN + 1).buf[..data(NEW_ISN + 1).len]).unwrap().verdict, Verdict::Done);
+    let e1 = fp.entry(&key).unwrap().unwrap();
+    assert_eq!((e1.ctl, e1.slow, e1.seen), (0, 0, 0));
+    // O6: a FIN goes slow and freezes the entry.
+    let fin = from_a(Repr { seq: Seq(NEW_ISN + 5), ack: Seq(B_ISN + 2001), flags: F::FIN | F::ACK, window: 100, timestamp: Some((31, 150)), ..Default::default() }, b"");
+    assert_eq!(fp.run(Outgoing, &fin.buf[..fin.len]).unwrap().verdict, Verdict::Slow);
+    let e2 = fp.entry(&key).unwrap().unwrap();
+    assert_eq!((e2.ctl, e2.slow, e2.state), (ctl::FROZEN, 1, e1.state));
+    // Frozen: a packet the fast path would claim goes slow, untouched, counted; B's too.
+    let d2 = data(NEW_ISN + 5);
+    let run = fp.run(Outgoing, &d2.buf[..d2.len]).unwrap();
+    assert_eq!((run.verdict, hex(&run.packet)), (Verdict::Slow, hex(&d2.buf[..d2.len])));
+    let b = ack_from_b(B_ISN + 2001, A_ISN + 3001, 500, Some((170, 30)), &[]);
+    assert_eq!(fp.run(Incoming, &b.buf[..b.len]).unwrap().verdict, Verdict::Slow);
+    let e3 = fp.entry(&key).unwrap().unwrap();
+    assert_eq!((e3.slow, e3.state), (3, e1.state), "frozen: counted, the state unchanged");
+    // The daemon takes the first packet: the state is the fast path's newest (USER was clear).
+    let t1 = fp.op(Op::Take, &key, None).unwrap();
+    assert_eq!((t1.result, t1.ctl_before, t1.entry.seen), (OpResult::Done, ctl::FROZEN, 1));
+    assert_eq!(t1.entry.ctl, ctl::FROZEN | ctl::USER);
+    assert_eq!(t1.entry.conn(), e1.conn());
+    // Giving it back now would let two counted packets still in the queue be overtaken.
+    let mut mine = t1.entry;
+    mine.state.ack_a = mine.state.ack_a.wrapping_add(100);
+    assert_eq!(fp.op(Op::Thaw, &key, Some(&mine)).unwrap().result, OpResult::Stale);
+    assert_eq!(fp.entry(&key).unwrap().unwrap().state, e1.state, "a refused thaw writes nothing");
+    let t2 = fp.op(Op::Take, &key, None).unwrap();
+    assert_eq!(t2.ctl_before, ctl::FROZEN | ctl::USER, "the second take says the daemon's copy is the newest");
+    fp.op(Op::Take, &key, None).unwrap();
+    let th = fp.op(Op::Thaw, &key, Some(&mine)).unwrap();
+    assert_eq!(th.result, OpResult::Done);
+    assert_eq!((th.entry.ctl, th.entry.conn()), (0, mine.conn()));
+    // The fast path continues from the state the daemon wrote: the checkpoint it raised.
+    let d3 = data(NEW_ISN + 9);
+    let mut both = Both { fp, key, c: mine.conn(), claimed: 0, slow: 0 };
+    both.claims(Outgoing, &d3, "after the thaw, from the daemon's state");
+    let mut fp = both.fp;
+    // A command: Freeze (not counted) and Thaw at once.
+    let f = fp.op(Op::Freeze, &key, None).unwrap();
+    assert_eq!((f.ctl_before, f.entry.ctl), (0, ctl::FROZEN | ctl::USER));
+    let cur = f.entry;
+    assert_eq!(fp.op(Op::Thaw, &key, Some(&cur)).unwrap().result, OpResult::Done);
+    // A counted packet that never reached the daemon: only ThawForce gives the entry back.
+    assert_eq!(fp.run(Outgoing, &fin.buf[..fin.len]).unwrap().verdict, Verdict::Slow);
+    assert_eq!(fp.op(Op::Thaw, &key, Some(&cur)).unwrap().result, OpResult::Stale);
+    let forced = fp.op(Op::ThawForce, &key, Some(&cur)).unwrap();
+    assert_eq!((forced.result, forced.entry.ctl, forced.entry.seen, forced.entry.slow), (OpResult::Done, 0, 4, 4));
+    // No entry.
+    fp.remove(&key).unwrap();
+    assert_eq!(fp.op(Op::Take, &key, None).unwrap().result, OpResult::NoEntry);
+    let c1 = fp.counters().unwrap();
+    assert_eq!((c1.outgoing - c0.outgoing, c1.slow - c0.slow), (2, 4));
+}
+
+/// The guard's own checks around the engine (crates/control guard::Core::packet_with) on the
+/// fast path: B cannot acknowledge beyond the end of what A ever sent (RFC 5961 section 5.2: the
+/// slow path drops it), which A's claimed packets raise; the highest segment from B is kept
+/// for the recovery nudge; the application's unprotected mark goes to the slow path.
+#[test]
+fn guard_checks_on_the_fast_path() {
+    use unbroken_drivers::fastpath::checkpoint::{ctl, Entry};
+    let Some(mut fp) = fast_path("guard_checks_on_the_fast_path") else { return };
+    let told = recovered_told(NEW_ISN);
+    let key = key_ab();
+    let hi = A_ISN + 3001;
+    assert!(fp.install(&key, &Entry::new(&told, Some(hi), None)).unwrap());
+    let b_ack = |ack: u32, seq: u32, payload: &[u8]| from_b(Repr { seq: Seq(seq), ack: Seq(ack), flags: F::ACK, window: 500, timestamp: Some((170, 30)), ..Default::default() }, payload);
+    let beyond = b_ack(hi + 1, B_ISN + 2001, b"");
+    assert_eq!(fp.run(Incoming, &beyond.buf[..beyond.len]).unwrap().verdict, Verdict::Slow, "an ACK beyond a_hi");
+    // (It froze the entry: start again.)
+    fp.remove(&key).unwrap();
+    assert!(fp.install(&key, &Entry::new(&told, Some(hi), None)).unwrap());
+    let at = b_ack(hi, B_ISN + 2001, b"0123456789");
+    assert_eq!(fp.run(Incoming, &at.buf[..at.len]).unwrap().verdict, Verdict::Done, "an ACK at a_hi");
+    let e = fp.entry(&key).unwrap().unwrap();
+    assert_eq!((e.ctl, e.peer()), (ctl::A_HI | ctl::PEER, Some((B_ISN + 2001, B_ISN + 2011))));
+    // A pure ACK stands for an MSS-long segment ending at its SEQ; a lower one changes nothing.
+    let pure = b_ack(hi, B_ISN + 2011, b"");
+    assert_eq!(fp.run(Incoming, &pure.buf[..pure.len]).unwrap().verdict, Verdict::Done);
+    assert_eq!(fp.entry(&key).unwrap().unwrap().peer(), Some((B_ISN + 2001, B_ISN + 2011)), "not beyond the highest end");
+    let mss = told.b_mss.max(536) as u32;
+    let later = b_ack(hi, B_ISN + 2111, b"");
+    assert_eq!(fp.run(Incoming, &later.buf[..later.len]).unwrap().verdict, Verdict::Done);
+    assert_eq!(fp.entry(&key).unwrap().unwrap().peer(), Some((B_ISN + 2111 - mss, B_ISN + 2111)));
+    // A's data raises a_hi (in B's sequence space: after O8).
+    let d = data_from_a(NEW_ISN + 1, B_ISN + 2001, 100, Some((30, 150)), &[7u8; 50]);
+    assert_eq!(fp.run(Outgoing, &d.buf[..d.len]).unwrap().verdict, Verdict::Done);
+    let seq_b = (NEW_ISN + 1).wrapping_sub(told.delta);
+    assert_eq!(fp.entry(&key).unwrap().unwrap().a_hi(), Some(seq_b.wrapping_add(50)).filter(|v| Seq(*v).gt(Seq(hi))).or(Some(hi)));
+    // The unprotected mark (DSCP) goes slow.
+    let mut m = data_from_a(NEW_ISN + 51, B_ISN + 2001, 100, Some((31, 150)), b"x");
+    m.buf[1] = unbroken_wire::ctl::UNPROTECTED_DSCP << 2;
+    refill(&mut m);
+    assert_eq!(fp.run(Outgoing, &m.buf[..m.len]).unwrap().verdict, Verdict::Slow, "the unprotected mark");
+}
+
+/// A packet built on this host and handed over before its checksum was completed
+/// (CHECKSUM_PARTIAL: the field holds the pseudo-header's sum, as on a veth from a namespace)
+/// is taken on the fast path as the slow path takes it (NFQUEUE's csum_not_ready); one whose
+/// checksum is simply wrong goes slow.
+#[test]
+fn partial_checksums_from_this_host_as_the_slow_path_takes_them() {
+    let Some(fp) = fast_path("partial_checksums_from_this_host_as_the_slow_path_takes_them") else { return };
+    let mut both = Both::new(fp, recovered_told(NEW_ISN));
+    let mut p = from_b(Repr { seq: Seq(B_ISN + 2001), ack: Seq(A_ISN + 3001), flags: F::ACK, window: 500, timestamp: Some((170, 30)), ..Default::default() }, &[9u8; 300]);
+    let info = IpInfo::parse(&p.buf[..p.len]).unwrap();
+    let partial = unbroken_wire::checksum::fold(info.pseudo_sum(info.l4_len));
+    let at = info.l4_offset + 16;
+    p.buf[at..at + 2].copy_from_slice(&partial.to_be_bytes());
+    assert!(matches!(peer_checksum(&p.buf[..p.len], &info), PeerChecksum::Partial));
+    both.claims(Incoming, &p, "a partial checksum");
+    p.buf[at] ^= 0x10;
+    both.leaves(Incoming, &p, "neither partial nor right");
 }

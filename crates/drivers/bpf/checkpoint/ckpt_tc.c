@@ -14,9 +14,11 @@
  * extension headers; from B: a checksum that does not verify, a segment outside the window or
  * entirely below the checkpoint.
  *
- * Not here yet (slow path or later steps): the guard's own checks around the engine (the end of
- * what A ever sent, its counters), atomic updates of the entry against the other direction's
- * CPU, and the attach itself.
+ * Beside the engine's steps, the guard's own checks that the fast path must keep too: the
+ * application's unprotected mark, B's ACK beyond the end of what A ever sent (RFC 5961 section
+ * 5.2), the highest segment from B (the recovery nudge). The entry is read and written under its
+ * spin lock (the two directions run on different CPUs); the packet is rewritten after. The
+ * hand-off to and from the daemon is described in rtcp_state.h; ckpt_op is the daemon's side.
  */
 #include "../common/fastpath.h"
 #include "rtcp_state.h"
@@ -29,8 +31,74 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct ckpt_key);
-	__type(value, struct rtcp_conn);
+	__type(value, struct ckpt_entry);
 } ckpt_conns SEC(".maps");
+
+/* What the programs decided, per CPU, for the daemon's status (unbroken_drivers::fastpath::
+ * checkpoint::Counters). */
+struct ckpt_counters {
+	__u64 outgoing; /* claimed from A */
+	__u64 incoming; /* claimed from B */
+	__u64 slow;     /* of a connection with an entry, left to the slow path */
+	__u64 dropped;  /* a rewrite the kernel could not write (FP_DROP) */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct ckpt_counters);
+} ckpt_stats SEC(".maps");
+
+static __always_inline struct ckpt_counters *stats(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&ckpt_stats, &zero);
+}
+
+/* The application's "unprotected" mark (unbroken_wire::ctl::UNPROTECTED_DSCP): the guard's. */
+#define CKPT_UNPROTECTED_DSCP 0x0b
+
+/* Leaves the packet of entry `e` to the slow path: the entry freezes (see rtcp_state.h), the
+ * packet is counted and marked. Called with e->lock held; releases it. */
+static __always_inline int slow_locked(struct __sk_buff *skb, struct ckpt_entry *e)
+{
+	e->ctl |= CKPT_C_FROZEN;
+	e->slow++;
+	bpf_spin_unlock(&e->lock);
+	skb->mark |= CKPT_MARK_SLOW;
+	struct ckpt_counters *s = stats();
+	if (s)
+		s->slow++;
+	return FP_SLOW;
+}
+
+static __always_inline int slow(struct __sk_buff *skb, struct ckpt_entry *e)
+{
+	bpf_spin_lock(&e->lock);
+	return slow_locked(skb, e);
+}
+
+/* The end of a claimed packet: its rewrite written back, counted, marked. */
+static __always_inline int done(struct __sk_buff *skb, struct fp_pkt *p, int outgoing)
+{
+	struct ckpt_counters *s = stats();
+
+	if (fp_commit(skb, p)) {
+		if (s)
+			s->dropped++;
+		return FP_DROP;
+	}
+	skb->mark |= CKPT_MARK_DONE;
+	if (s) {
+		if (outgoing)
+			s->outgoing++;
+		else
+			s->incoming++;
+	}
+	return FP_DONE;
+}
 
 static __always_inline __u32 ws_shift(__u8 nibble)
 {
@@ -62,28 +130,34 @@ int ckpt_outgoing(struct __sk_buff *skb)
 	__builtin_memcpy(k.b_addr, p.dst, 16);
 	k.a_port = p.th.source;
 	k.b_port = p.th.dest;
-	struct rtcp_conn *e = bpf_map_lookup_elem(&ckpt_conns, &k);
+	struct ckpt_entry *e = bpf_map_lookup_elem(&ckpt_conns, &k);
 	if (!e)
 		return FP_SLOW;
-	struct rtcp_conn c = *e;
 
-	/* O1 (RST), O3-O5 (SYN), O6 (FIN without SHUTDOWN, and the FIN's bookkeeping): slow. */
-	if (!established_ack(&p))
-		return FP_SLOW;
-	/* O6: no checkpoint or no Δ known (a restarted filter) resets A: slow. So does a recovery
-	 * in progress (a pending SYN; a recovered socket whose origin is still pinned to ackB). */
-	if ((c.flags & CKPT_NEED) != CKPT_NEED || (c.flags & CKPT_REFUSE))
-		return FP_SLOW;
-	if (!(c.flags & (RTCP_F_ACK_ALLOWED | RTCP_F_ACK_EVERYTHING)))
-		return FP_SLOW;
+	/* O1 (RST), O3-O5 (SYN), O6 (FIN without SHUTDOWN, and the FIN's bookkeeping): slow. So is
+	 * the application's unprotected mark (the guard's decision). */
+	if (!established_ack(&p) || p.dscp == CKPT_UNPROTECTED_DSCP)
+		return slow(skb, e);
 	/* O2. Handle options: only those the engine keeps as they are. */
 	if (fp_scan_options(&p))
-		return FP_SLOW;
+		return slow(skb, e);
 
 	__u32 seq = bpf_ntohl(p.th.seq);
 	__u32 ack = bpf_ntohl(p.th.ack_seq);
 	__u16 win = bpf_ntohs(p.th.window);
+	__u32 plen = fp_payload_len(&p);
 	__u16 set = 0;
+
+	bpf_spin_lock(&e->lock);
+	if (e->ctl & CKPT_C_FROZEN)
+		return slow_locked(skb, e);
+	struct rtcp_conn c = e->conn;
+	/* O6: no checkpoint or no Δ known (a restarted filter) resets A: slow. So does a recovery
+	 * in progress (a pending SYN; a recovered socket whose origin is still pinned to ackB). */
+	if ((c.flags & CKPT_NEED) != CKPT_NEED || (c.flags & CKPT_REFUSE))
+		return slow_locked(skb, e);
+	if (!(c.flags & (RTCP_F_ACK_ALLOWED | RTCP_F_ACK_EVERYTHING)))
+		return slow_locked(skb, e);
 
 	/* O7. Checkpoint ACK, never above what A's TCP acknowledges itself; the `held` bytes A's
 	 * TCP has but the application has not checkpointed stay unacknowledged. */
@@ -97,7 +171,7 @@ int ckpt_outgoing(struct __sk_buff *skb)
 	if (c.delta)
 		fp_set32(&p, FP_TCP_SEQ, seq, seq_b);
 	/* The end of what the current socket sent (Conn::a_end). */
-	__u32 end = seq_b + fp_payload_len(&p);
+	__u32 end = seq_b + plen;
 	if (seq_gt(end, c.a_end))
 		c.a_end = end;
 	/* Timestamps: keep what B sees monotonic across sockets. */
@@ -123,16 +197,35 @@ int ckpt_outgoing(struct __sk_buff *skb)
 	c.a_win = w2;
 	set |= RTCP_F_A_WIN_KNOWN;
 
-	if (fp_commit(skb, &p))
-		return FP_DROP;
+	/* O9. The state as the engine leaves it, and the guard's end of what A ever sent (it
+	 * knows one only if it saw the handshake). The rewrite is written after the lock: a
+	 * packet the kernel then fails to write is dropped (TCP resends it) with the state
+	 * already advanced, which only ever records what A sent or what B saw of A. */
+	e->conn.a_end = c.a_end;
+	e->conn.ts_a = c.ts_a;
+	e->conn.a_win = c.a_win;
+	e->conn.flags |= set;
+	if ((e->ctl & CKPT_C_A_HI) && seq_gt(end, e->a_hi))
+		e->a_hi = end;
+	bpf_spin_unlock(&e->lock);
+	return done(skb, &p, 1);
+}
 
-	/* O9. Forward; the state as the engine leaves it. */
-	e->a_end = c.a_end;
-	e->ts_a = c.ts_a;
-	e->a_win = c.a_win;
-	if ((c.flags & set) != set)
-		e->flags |= set;
-	return FP_DONE;
+/* A peer's segment verifies: the NIC checked it (CHECKSUM_UNNECESSARY), or the sum over the
+ * pseudo-header and the segment is right, or it was built on this host (a namespace, a VM on a
+ * veth or tap) and handed over before its checksum was completed (CHECKSUM_PARTIAL: the field
+ * holds the pseudo-header's sum, which the engine's slow path accepts as NFQUEUE's
+ * csum_not_ready). A tc program cannot read ip_summed, so the last case is recognized by that
+ * value: a packet from the wire whose field holds exactly it is accepted unverified, which only
+ * one who forges packets can arrange, and who can as well compute a right checksum
+ * (docs/threat-model.md, "Fast path"). */
+static __always_inline int peer_csum_ok(struct __sk_buff *skb, const struct fp_pkt *p)
+{
+	if (bpf_csum_level(skb, BPF_CSUM_LEVEL_QUERY) >= 0)
+		return 1;
+	if (fp_l4_csum_partial(p))
+		return 1;
+	return fp_l4_csum_ok(skb, p);
 }
 
 /* Algorithm I for an established segment from B. */
@@ -149,29 +242,37 @@ int ckpt_incoming(struct __sk_buff *skb)
 	__builtin_memcpy(k.b_addr, p.src, 16);
 	k.a_port = p.th.dest;
 	k.b_port = p.th.source;
-	struct rtcp_conn *e = bpf_map_lookup_elem(&ckpt_conns, &k);
+	struct ckpt_entry *e = bpf_map_lookup_elem(&ckpt_conns, &k);
 	if (!e)
 		return FP_SLOW;
-	struct rtcp_conn c = *e;
 
 	/* SYN (I2, section 6, RFC 5961 challenges), RST (RFC 5961), FIN (its bookkeeping): slow. */
 	if (!established_ack(&p))
-		return FP_SLOW;
-	/* I0: a state that cannot translate B's ACK: slow. So is a recovery in progress. */
-	if ((c.flags & CKPT_NEED) != CKPT_NEED || (c.flags & CKPT_REFUSE))
-		return FP_SLOW;
+		return slow(skb, e);
 	/* Every packet from B may be forged: it must verify (issue 9, item 2). A packet that does
 	 * not is the engine's to drop and count. */
-	if (!fp_l4_csum_ok(skb, &p))
-		return FP_SLOW;
+	if (!peer_csum_ok(skb, &p))
+		return slow(skb, e);
 	/* I1. Handle options. */
 	if (fp_scan_options(&p))
-		return FP_SLOW;
+		return slow(skb, e);
 
 	__u32 seq = bpf_ntohl(p.th.seq);
 	__u32 ack = bpf_ntohl(p.th.ack_seq);
 	__u32 len = fp_payload_len(&p);
 	__u16 set = 0;
+
+	bpf_spin_lock(&e->lock);
+	if (e->ctl & CKPT_C_FROZEN)
+		return slow_locked(skb, e);
+	struct rtcp_conn c = e->conn;
+	/* I0: a state that cannot translate B's ACK: slow. So is a recovery in progress. */
+	if ((c.flags & CKPT_NEED) != CKPT_NEED || (c.flags & CKPT_REFUSE))
+		return slow_locked(skb, e);
+	/* The guard's RFC 5961 section 5.2: B cannot acknowledge what A never sent (the guard
+	 * drops and counts it). */
+	if ((e->ctl & CKPT_C_A_HI) && seq_gt(ack, e->a_hi))
+		return slow_locked(skb, e);
 
 	/* Where the segment lies: only one the engine learns from (in the window *A*'s TCP could
 	 * accept) is claimed; one beyond it (dropped) or entirely below the checkpoint (forwarded
@@ -181,9 +282,9 @@ int ckpt_incoming(struct __sk_buff *skb)
 		__u32 span = 0xffffu << s;
 		if (seq_ge(seq, c.ack_a)) {
 			if (seq - c.ack_a > span)
-				return FP_SLOW;
+				return slow_locked(skb, e);
 		} else if (!seq_gt(seq + len, c.ack_a)) {
-			return FP_SLOW;
+			return slow_locked(skb, e);
 		}
 	}
 
@@ -230,14 +331,77 @@ int ckpt_incoming(struct __sk_buff *skb)
 			fp_set32(&p, FP_TCP_SEQ, seq, edge);
 	}
 
-	if (fp_commit(skb, &p))
-		return FP_DROP;
+	/* I4. The state as the engine leaves it, and the guard's highest segment from B (for its
+	 * recovery nudge; a pure ACK stands for a last segment of an MSS ending at its SEQ). */
+	e->conn.ts_b = c.ts_b;
+	e->conn.ts_a = c.ts_a;
+	e->conn.ack_b = c.ack_b;
+	e->conn.flags |= set;
+	__u32 mss = c.b_mss ? c.b_mss : 1460;
+	if (mss < 536)
+		mss = 536;
+	__u32 lo = len ? seq : seq - mss, hi = seq + len;
+	if (!(e->ctl & CKPT_C_PEER) || seq_gt(hi, e->peer_hi)) {
+		e->peer_lo = lo;
+		e->peer_hi = hi;
+		e->ctl |= CKPT_C_PEER;
+	}
+	bpf_spin_unlock(&e->lock);
+	return done(skb, &p, 0);
+}
 
-	/* I4. Forward; the state as the engine leaves it. */
-	e->ts_b = c.ts_b;
-	e->ts_a = c.ts_a;
-	e->ack_b = c.ack_b;
-	if ((c.flags & set) != set)
-		e->flags |= set;
-	return FP_DONE;
+/* The daemon's operations on an entry (see rtcp_state.h), run through BPF_PROG_TEST_RUN: the
+ * request after a 14-byte Ethernet header, the answer written over it. Never attached. */
+SEC("classifier")
+int ckpt_op(struct __sk_buff *skb)
+{
+	struct ckpt_op_req rq = {};
+	struct ckpt_op_ans an = {};
+
+	if (bpf_skb_load_bytes(skb, FP_L3_ETH, &rq, sizeof(rq)))
+		return 3;
+	an.key = rq.key;
+	struct ckpt_entry *e = bpf_map_lookup_elem(&ckpt_conns, &rq.key);
+	if (!e) {
+		an.result = 1;
+		goto out;
+	}
+	bpf_spin_lock(&e->lock);
+	an.ctl_before = e->ctl;
+	switch (rq.op) {
+	case CKPT_OP_TAKE:
+		e->seen++;
+		/* fall through */
+	case CKPT_OP_FREEZE:
+		e->ctl |= CKPT_C_FROZEN | CKPT_C_USER;
+		break;
+	case CKPT_OP_THAW:
+		if (e->seen != e->slow) {
+			an.result = 2;
+			break;
+		}
+		/* fall through */
+	case CKPT_OP_THAW_FORCE:
+		e->seen = e->slow;
+		e->ctl = rq.value.ctl & (CKPT_C_A_HI | CKPT_C_PEER);
+		e->a_hi = rq.value.a_hi;
+		e->peer_lo = rq.value.peer_lo;
+		e->peer_hi = rq.value.peer_hi;
+		e->conn = rq.value.conn;
+		break;
+	default:
+		an.result = 3;
+	}
+	an.value.ctl = e->ctl;
+	an.value.slow = e->slow;
+	an.value.seen = e->seen;
+	an.value.a_hi = e->a_hi;
+	an.value.peer_lo = e->peer_lo;
+	an.value.peer_hi = e->peer_hi;
+	an.value.conn = e->conn;
+	bpf_spin_unlock(&e->lock);
+out:
+	if (bpf_skb_store_bytes(skb, FP_L3_ETH, &an, sizeof(an), 0))
+		return 3;
+	return an.result;
 }

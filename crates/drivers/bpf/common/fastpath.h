@@ -97,6 +97,7 @@ struct fp_pkt {
 	__u32 l4_len;  /* TCP header and payload, from the IP header's length field */
 	__u32 hdr_len; /* TCP header length (data offset * 4) */
 	__u32 v6;
+	__u32 dscp;    /* the IP header's DSCP */
 	__u8 src[16];  /* IPv4 addresses as ::ffff:a.b.c.d */
 	__u8 dst[16];
 	union {
@@ -149,6 +150,7 @@ static __always_inline int fp_parse(struct __sk_buff *skb, __u32 l3, struct fp_p
 		if (total < sizeof(ip) + sizeof(struct tcphdr) || l3 + total > skb->len)
 			return -1;
 		p->v6 = 0;
+		p->dscp = ip.tos >> 2;
 		p->l4 = l3 + sizeof(ip);
 		p->l4_len = total - sizeof(ip);
 		p->src[10] = p->src[11] = p->dst[10] = p->dst[11] = 0xff;
@@ -166,6 +168,7 @@ static __always_inline int fp_parse(struct __sk_buff *skb, __u32 l3, struct fp_p
 		if (plen < sizeof(struct tcphdr) || l3 + sizeof(ip6) + plen > skb->len)
 			return -1;
 		p->v6 = 1;
+		p->dscp = ((ip6.priority << 4) | (ip6.flow_lbl[0] >> 4)) >> 2;
 		p->l4 = l3 + sizeof(ip6);
 		p->l4_len = plen;
 		__builtin_memcpy(p->src, &ip6.saddr, 16);
@@ -278,17 +281,10 @@ static __always_inline __u32 fp_fold(__u64 s)
 	return (__u32)s;
 }
 
-/* 1 when the TCP checksum verifies over the pseudo-header and the whole segment (as the
- * engine's PeerChecksum::Verify does), 0 otherwise. Summed in FP_CHUNK pieces copied into a
- * per-CPU buffer, so it works on non-linear skbs. */
-static __always_inline int fp_l4_csum_ok(struct __sk_buff *skb, const struct fp_pkt *p)
+/* The sum of the TCP pseudo-header (RFC 793, RFC 8200 section 8.1), unfolded; negative when
+ * the kernel refused. */
+static __always_inline __s64 fp_pseudo_sum(const struct fp_pkt *p)
 {
-	__u32 zero = 0;
-	struct fp_scratch *s = bpf_map_lookup_elem(&fp_scratch, &zero);
-	__s64 sum;
-
-	if (!s)
-		return 0;
 	if (p->v6) {
 		struct {
 			__u8 src[16];
@@ -300,21 +296,43 @@ static __always_inline int fp_l4_csum_ok(struct __sk_buff *skb, const struct fp_
 		__builtin_memcpy(ph.dst, p->dst, 16);
 		ph.len = bpf_htonl(p->l4_len);
 		ph.proto = bpf_htonl(IPPROTO_TCP);
-		sum = bpf_csum_diff(0, 0, (__be32 *)&ph, sizeof(ph), 0);
-	} else {
-		struct {
-			__u8 src[4];
-			__u8 dst[4];
-			__u8 zero;
-			__u8 proto;
-			__be16 len;
-		} ph = {};
-		__builtin_memcpy(ph.src, &p->src[12], 4);
-		__builtin_memcpy(ph.dst, &p->dst[12], 4);
-		ph.proto = IPPROTO_TCP;
-		ph.len = bpf_htons(p->l4_len);
-		sum = bpf_csum_diff(0, 0, (__be32 *)&ph, sizeof(ph), 0);
+		return bpf_csum_diff(0, 0, (__be32 *)&ph, sizeof(ph), 0);
 	}
+	struct {
+		__u8 src[4];
+		__u8 dst[4];
+		__u8 zero;
+		__u8 proto;
+		__be16 len;
+	} ph = {};
+	__builtin_memcpy(ph.src, &p->src[12], 4);
+	__builtin_memcpy(ph.dst, &p->dst[12], 4);
+	ph.proto = IPPROTO_TCP;
+	ph.len = bpf_htons(p->l4_len);
+	return bpf_csum_diff(0, 0, (__be32 *)&ph, sizeof(ph), 0);
+}
+
+/* 1 when the checksum field holds what a host puts there before its NIC (or the stack, on
+ * the way out) completes the checksum: the folded pseudo-header sum (CHECKSUM_PARTIAL). */
+static __always_inline int fp_l4_csum_partial(const struct fp_pkt *p)
+{
+	__s64 sum = fp_pseudo_sum(p);
+
+	return sum >= 0 && fp_fold(sum) == p->th.check;
+}
+
+/* 1 when the TCP checksum verifies over the pseudo-header and the whole segment (as the
+ * engine's PeerChecksum::Verify does), 0 otherwise. Summed in FP_CHUNK pieces copied into a
+ * per-CPU buffer, so it works on non-linear skbs. */
+static __always_inline int fp_l4_csum_ok(struct __sk_buff *skb, const struct fp_pkt *p)
+{
+	__u32 zero = 0;
+	struct fp_scratch *s = bpf_map_lookup_elem(&fp_scratch, &zero);
+	__s64 sum;
+
+	if (!s)
+		return 0;
+	sum = fp_pseudo_sum(p);
 	if (sum < 0)
 		return 0;
 	__u32 off = p->l4, left = p->l4_len;

@@ -1,7 +1,9 @@
 //! Checkpoint mode's fast path: the RTCP engine's transform for established, unremarkable
 //! packets (`bpf/checkpoint/ckpt_tc.c`: `ckpt_outgoing` for *A* → *B*, `ckpt_incoming` for
-//! *B* → *A*), reading and updating the connection's entry of the `ckpt_conns` map, whose value
-//! is the engine's [`Conn`] byte for byte ([`State`]).
+//! *B* → *A*), reading and updating the connection's entry of the `ckpt_conns` map ([`Entry`]:
+//! the engine's [`Conn`] byte for byte ([`State`]), what the guard keeps beside it, and the
+//! hand-off between the paths), and the daemon's side of the hand-off ([`Checkpoint::op`], the
+//! `ckpt_op` program run by `BPF_PROG_TEST_RUN`; see `bpf/checkpoint/rtcp_state.h`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -11,12 +13,37 @@ use aya::programs::SchedClassifier;
 use aya::Ebpf;
 use unbroken_engines::rtcp::Conn;
 
-use super::{bpf_err, test_run, Error, Run};
+use super::{bpf_err, test_run, Error, Run, Verdict};
 
 /// The compiled programs (build.rs).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ckpt_tc.o"));
 
 const MAP: &str = "ckpt_conns";
+const STATS: &str = "ckpt_stats";
+const OP_PROGRAM: &str = "ckpt_op";
+
+/// `BPF_F_LOCK`: map lookups and updates from here copy the value under its spin lock.
+const BPF_F_LOCK: u64 = 4;
+/// `BPF_NOEXIST`.
+const BPF_NOEXIST: u64 = 1;
+
+/// Bits of [`Entry::ctl`] (`CKPT_C_*`).
+pub mod ctl {
+    /// The programs leave every packet of the connection to the slow path.
+    pub const FROZEN: u32 = 1 << 0;
+    /// The daemon took the state: its copy is the newest, the entry's is stale.
+    pub const USER: u32 = 1 << 1;
+    /// [`super::Entry::a_hi`] is known.
+    pub const A_HI: u32 = 1 << 2;
+    /// [`super::Entry::peer_lo`] and `peer_hi` are known.
+    pub const PEER: u32 = 1 << 3;
+}
+
+/// Bits the programs OR into `skb->mark`: the steering chain RETURNs a packet with
+/// [`MARK_DONE`] (decided on the fast path); [`MARK_SLOW`] names a packet the daemon must take
+/// with [`Op::Take`].
+pub const MARK_DONE: u32 = 0x2000_0000;
+pub const MARK_SLOW: u32 = 0x1000_0000;
 
 /// Which of the two programs: the direction of the packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +66,7 @@ impl Direction {
 /// The map key: *A*'s and *B*'s endpoints (`struct ckpt_key`). IPv4 addresses are stored as
 /// `::ffff:a.b.c.d`, ports in network order.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Key {
     pub a_addr: [u8; 16],
     pub b_addr: [u8; 16],
@@ -101,6 +128,122 @@ impl From<State> for Conn {
     }
 }
 
+/// A map entry (`struct ckpt_entry`): the hand-off fields, the guard's own state beside the
+/// engine's, and [`State`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Entry {
+    /// `struct bpf_spin_lock`: never read or written from here (the kernel skips it).
+    lock: u32,
+    pub ctl: u32,
+    /// Packets the programs left to the slow path.
+    pub slow: u32,
+    /// Of those, how many the daemon took.
+    pub seen: u32,
+    pub a_hi: u32,
+    pub peer_lo: u32,
+    pub peer_hi: u32,
+    pub state: State,
+}
+
+// SAFETY: plain integers, no padding (64 bytes, asserted below and in C).
+unsafe impl aya::Pod for Entry {}
+
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
+
+impl Entry {
+    /// An entry the fast path owns, holding `c` and the guard's `a_hi` and `peer`.
+    pub fn new(c: &Conn, a_hi: Option<u32>, peer: Option<(u32, u32)>) -> Entry {
+        let mut e = Entry { state: State::from(c), ..Entry::default() };
+        if let Some(hi) = a_hi {
+            e.ctl |= ctl::A_HI;
+            e.a_hi = hi;
+        }
+        if let Some((lo, hi)) = peer {
+            e.ctl |= ctl::PEER;
+            e.peer_lo = lo;
+            e.peer_hi = hi;
+        }
+        e
+    }
+
+    pub fn conn(&self) -> Conn {
+        self.state.into()
+    }
+
+    pub fn a_hi(&self) -> Option<u32> {
+        (self.ctl & ctl::A_HI != 0).then_some(self.a_hi)
+    }
+
+    pub fn peer(&self) -> Option<(u32, u32)> {
+        (self.ctl & ctl::PEER != 0).then_some((self.peer_lo, self.peer_hi))
+    }
+}
+
+/// The daemon's operations on an entry (`CKPT_OP_*`), atomic against the programs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// A packet marked [`MARK_SLOW`] arrived: freeze the entry, count the packet as taken,
+    /// and give the state to the daemon.
+    Take,
+    /// Freeze the entry and give the state to the daemon (a command, or a packet the
+    /// programs did not count).
+    Freeze,
+    /// Give the connection back to the fast path with this state, only if every packet the
+    /// programs left to the slow path was taken.
+    Thaw,
+    /// The same, even if not (a counted packet never reached the queue).
+    ThawForce,
+}
+
+/// What an [`Op`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpResult {
+    Done,
+    /// No entry for the key.
+    NoEntry,
+    /// [`Op::Thaw`] refused: a packet of the connection is still on its way to the daemon;
+    /// the entry stays frozen and the daemon's.
+    Stale,
+}
+
+/// The answer to an [`Op`]: the result, the entry's `ctl` before it, the entry after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpAnswer {
+    pub result: OpResult,
+    pub ctl_before: u32,
+    pub entry: Entry,
+}
+
+/// `struct ckpt_op_req` / `struct ckpt_op_ans`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct OpMsg {
+    word0: u32,
+    word1: u32,
+    key: Key,
+    value: Entry,
+}
+
+const _: () = assert!(std::mem::size_of::<OpMsg>() == 108);
+
+/// What the programs decided, summed over the CPUs (`struct ckpt_counters`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    /// Packets from *A* decided on the fast path.
+    pub outgoing: u64,
+    /// Packets from *B* decided on the fast path.
+    pub incoming: u64,
+    /// Packets of a connection with an entry left to the slow path.
+    pub slow: u64,
+    /// Rewrites the kernel could not write (the packet dropped; TCP resends it).
+    pub dropped: u64,
+}
+
+// SAFETY: plain integers.
+unsafe impl aya::Pod for Counters {}
+
 /// The loaded programs and their map.
 pub struct Checkpoint {
     ebpf: Ebpf,
@@ -112,8 +255,7 @@ impl Checkpoint {
     pub fn load() -> Result<Checkpoint, Error> {
         super::available()?;
         let mut ebpf = Ebpf::load(OBJECT).map_err(|e| bpf_err("loading bpf/checkpoint/ckpt_tc.o", e))?;
-        for d in [Direction::Outgoing, Direction::Incoming] {
-            let name = d.program();
+        for name in [Direction::Outgoing.program(), Direction::Incoming.program(), OP_PROGRAM] {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?
@@ -124,23 +266,94 @@ impl Checkpoint {
         Ok(Checkpoint { ebpf })
     }
 
-    fn map(&mut self) -> Result<HashMap<&mut aya::maps::MapData, Key, State>, Error> {
+    fn map(&mut self) -> Result<HashMap<&mut aya::maps::MapData, Key, Entry>, Error> {
         let m = self.ebpf.map_mut(MAP).ok_or_else(|| Error::Bpf(format!("no map {MAP}")))?;
         HashMap::try_from(m).map_err(|e| bpf_err(MAP, e))
     }
 
-    /// Writes the state of the connection `key` (creating or replacing its entry).
+    /// Writes the state of the connection `key` (creating or replacing its entry, which the
+    /// fast path then owns, nothing pending). For tests; the daemon uses [`Checkpoint::install`]
+    /// and [`Checkpoint::op`].
     pub fn insert(&mut self, key: &Key, c: &Conn) -> Result<(), Error> {
-        self.map()?.insert(key, State::from(c), 0).map_err(|e| bpf_err("map insert", e))
+        self.map()?.insert(key, Entry::new(c, None, None), 0).map_err(|e| bpf_err("map insert", e))
     }
 
-    /// The state of the connection `key`, if it has an entry.
-    pub fn get(&mut self, key: &Key) -> Result<Option<Conn>, Error> {
-        match self.map()?.get(key, 0) {
-            Ok(s) => Ok(Some(s.into())),
+    /// Creates the entry of `key` (the fast path owns it from now on); false when there is one
+    /// already (left as it is).
+    pub fn install(&mut self, key: &Key, e: &Entry) -> Result<bool, Error> {
+        let e = Entry { lock: 0, ctl: e.ctl & (ctl::A_HI | ctl::PEER), slow: 0, seen: 0, ..*e };
+        match self.map()?.insert(key, e, BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(e) => Err(bpf_err("map insert", e)),
+        }
+    }
+
+    /// The entry of `key`, read under its lock.
+    pub fn entry(&mut self, key: &Key) -> Result<Option<Entry>, Error> {
+        match self.map()?.get(key, BPF_F_LOCK) {
+            Ok(e) => Ok(Some(e)),
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
             Err(e) => Err(bpf_err("map lookup", e)),
         }
+    }
+
+    /// The engine's state in the entry of `key`, if it has one.
+    pub fn get(&mut self, key: &Key) -> Result<Option<Conn>, Error> {
+        Ok(self.entry(key)?.map(|e| e.conn()))
+    }
+
+    /// Carries out `op` on the entry of `key` (`value`: the state [`Op::Thaw`] writes).
+    pub fn op(&self, op: Op, key: &Key, value: Option<&Entry>) -> Result<OpAnswer, Error> {
+        let code = match op {
+            Op::Take => 1,
+            Op::Freeze => 2,
+            Op::Thaw => 3,
+            Op::ThawForce => 4,
+        };
+        let req = OpMsg { word0: code, word1: 0, key: *key, value: value.copied().unwrap_or_default() };
+        // SAFETY: OpMsg is #[repr(C)] integers without padding.
+        let bytes: [u8; 108] = unsafe { std::mem::transmute(req) };
+        let prog: &SchedClassifier = self.ebpf.program(OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(OP_PROGRAM, e))?;
+        let (run, _) = test_run(prog, &bytes, 1)?;
+        let mut out = [0u8; 108];
+        if run.packet.len() < out.len() {
+            return Err(Error::Bpf(format!("{OP_PROGRAM} answered {} bytes", run.packet.len())));
+        }
+        out.copy_from_slice(&run.packet[..108]);
+        // SAFETY: as above.
+        let ans: OpMsg = unsafe { std::mem::transmute(out) };
+        let result = match (run.verdict, ans.word0) {
+            (Verdict::Done, 0) => OpResult::Done,
+            (Verdict::Other(1), 1) => OpResult::NoEntry,
+            (Verdict::Drop, 2) => OpResult::Stale,
+            (v, r) => return Err(Error::Bpf(format!("{OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
+        };
+        Ok(OpAnswer { result, ctl_before: ans.word1, entry: ans.value })
+    }
+
+    /// What the programs decided so far, summed over the CPUs.
+    pub fn counters(&mut self) -> Result<Counters, Error> {
+        let m = self.ebpf.map_mut(STATS).ok_or_else(|| Error::Bpf(format!("no map {STATS}")))?;
+        let a: aya::maps::PerCpuArray<&mut aya::maps::MapData, Counters> = aya::maps::PerCpuArray::try_from(m).map_err(|e| bpf_err(STATS, e))?;
+        let per_cpu = a.get(&0, 0).map_err(|e| bpf_err("counters", e))?;
+        let mut t = Counters::default();
+        for c in per_cpu.iter() {
+            t.outgoing += c.outgoing;
+            t.incoming += c.incoming;
+            t.slow += c.slow;
+            t.dropped += c.dropped;
+        }
+        Ok(t)
+    }
+
+    /// Attaches direction `d`'s program to the ingress of `iface` (TCX; detached when this
+    /// value is dropped).
+    pub fn attach(&mut self, d: Direction, iface: &str) -> Result<(), Error> {
+        let name = d.program();
+        let prog: &mut SchedClassifier = self.ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
+        prog.attach(iface, aya::programs::TcAttachType::Ingress).map_err(|e| bpf_err(&format!("attaching {name} to {iface} (ingress)"), e))?;
+        Ok(())
     }
 
     /// Removes the entry of `key` (its packets then go to the slow path).

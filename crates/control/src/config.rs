@@ -9,6 +9,7 @@
 //! key = "00112233445566778899aabbccddeeff"   # shared key, hex (or key_file = "/etc/unbroken/key")
 //! allowed_sources = ["10.77.2.0/24"] # who may send commands
 //! status_file = "/run/unbroken/guard.json"
+//! fast_path = true                  # gateway: established packets stay in the kernel (tc-BPF)
 //!
 //! [[service]]                        # protected endpoints (the application A)
 //! addr = "10.77.2.10"
@@ -57,6 +58,12 @@ pub struct GuardSection {
     /// Mark put on packets the guard injects, so its rules skip them.
     #[serde(default = "default_mark")]
     pub injection_mark: u32,
+    /// Carry established, unremarkable packets in the kernel (tc-BPF, issue 22; gateway
+    /// placement): only what needs a decision reaches the queue. On by default; off, or when the
+    /// kernel or the placement cannot, every protected packet goes through the queue (the
+    /// guard says why in one line at start and in its status).
+    #[serde(default = "default_true")]
+    pub fast_path: bool,
     /// Let traffic bypass the queue while no guard is bound (`--queue-bypass`). Off by default:
     /// a recovered connection's packets must be renumbered, so bypassing cannot keep them alive.
     #[serde(default)]
@@ -94,6 +101,10 @@ pub struct GuardSection {
 pub const MAX_GRACE_SECS: u64 = 86_400;
 pub const MAX_SKEW_MS: u64 = 3_600_000;
 pub const MAX_CONNECTIONS: usize = 1 << 24;
+
+fn default_true() -> bool {
+    true
+}
 
 fn default_mark() -> u32 {
     0x7562_0001

@@ -295,11 +295,13 @@ pub struct Meta {
     pub hw_src: Option<[u8; 6]>,
     /// The TCP checksum is partial (GSO): a rewritten packet needs a full one.
     pub csum_not_ready: bool,
+    /// `skb->mark` as the queue reports it (0 when none): a fast path's marks.
+    pub mark: u32,
 }
 
 impl Meta {
     pub fn of(p: &QueuedPacket) -> Meta {
-        Meta { id: p.id, hook: p.hook, hw_src: p.hw_src, csum_not_ready: p.csum_not_ready }
+        Meta { id: p.id, hook: p.hook, hw_src: p.hw_src, csum_not_ready: p.csum_not_ready, mark: p.mark }
     }
 }
 

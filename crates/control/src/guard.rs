@@ -13,6 +13,10 @@ use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::Packet as Tcp;
 use unbroken_wire::{Error, Seq};
 
+#[path = "guard_fast.rs"]
+pub mod fast;
+pub use fast::{Fast, FastCounters, FastDone, FastMap, FastOp, FastState, FastTaken};
+
 /// A protected connection: the application's endpoint and the peer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FlowKey {
@@ -61,11 +65,13 @@ struct Entry {
     /// Of an unprotected connection (which the engine no longer follows): 1 = the
     /// application's FIN passed, 2 = the peer's; both, or a RST, and it expires like a closed one.
     unprotected_fins: u8,
+    /// Where its state is (see [`fast`]).
+    fast: Fast,
 }
 
 impl Entry {
     fn new(now_ms: u64) -> Entry {
-        Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false, unprotected_fins: 0 }
+        Entry { conn: Conn::default(), last_ms: now_ms, closed_ms: None, told: false, peer_hi: None, nudge: false, recovery_armed_until: None, recovery_syns: Vec::new(), keyed_isn: 0, a_hi: None, claimed: false, unprotected: false, unprotected_fins: 0, fast: Fast::Off }
     }
 
     /// Closed both ways (or reset): forgotten after the grace period.
@@ -143,6 +149,8 @@ pub const RECOVERY_WINDOW_MS: u64 = 15_000;
 /// Counters exported in the status file. Every dropped or refused input lands in one of them.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct Counters {
+    /// Packets the fast path had decided that reached the queue anyway (see the guard's mode).
+    pub fast_done_queued: u64,
     pub packets: u64,
     pub incoming: u64,
     pub outgoing: u64,
@@ -401,6 +409,10 @@ pub struct Core {
     /// skipped when met (lazy), and dropped when the deque outgrows the map.
     unknown_order: VecDeque<(FlowKey, u64)>,
     pub counters: Counters,
+    /// The fast path's part (off unless [`Core::enable_fast_path`]).
+    fast: fast::FastPart,
+    /// Why the fast path is off, for the status (set by the daemon).
+    pub fast_off_reason: Option<String>,
 }
 
 /// Default of `guard.unclaimed_reset_secs`, in ms.
@@ -441,6 +453,8 @@ impl Core {
             unknown_since: HashMap::new(),
             unknown_order: VecDeque::new(),
             counters: Counters::default(),
+            fast: fast::FastPart::default(),
+            fast_off_reason: None,
         }
     }
 
@@ -569,7 +583,9 @@ impl Core {
         }
         match half.or(est) {
             Some((_, k)) => {
-                self.table.remove(&k);
+                if let Some(e) = self.table.remove(&k) {
+                    self.fast_forget(k, e.fast);
+                }
                 self.counters.evicted_idle += 1;
             }
             None => self.counters.evict_nothing += 1,
@@ -608,11 +624,15 @@ impl Core {
     pub fn expire(&mut self, now_ms: u64) {
         let grace = self.grace_ms;
         let mut gone = 0;
-        self.table.retain(|_, e| {
+        let mut fast_gone = Vec::new();
+        self.table.retain(|k, e| {
             if e.closed() {
                 let since = *e.closed_ms.get_or_insert(now_ms);
                 if now_ms.saturating_sub(since) >= grace {
                     gone += 1;
+                    if e.fast != Fast::Off {
+                        fast_gone.push(*k);
+                    }
                     return false;
                 }
             }
@@ -620,6 +640,43 @@ impl Core {
         });
         self.counters.evicted_closed += gone;
         self.counters.connections = self.table.len() as u64;
+        for k in fast_gone {
+            self.fast_forget(k, Fast::Kernel);
+        }
+        self.fast_settle(now_ms);
+    }
+
+    /// The protected connection a packet belongs to, if any.
+    fn flow_key(&self, pkt: &[u8]) -> Option<FlowKey> {
+        let info = IpInfo::parse(pkt).ok()?;
+        if info.protocol != ip::PROTO_TCP || info.l4_len < 4 {
+            return None;
+        }
+        let l4 = &pkt[info.l4_offset..];
+        let src = SocketAddr::new(info.src, u16::from_be_bytes([l4[0], l4[1]]));
+        let dst = SocketAddr::new(info.dst, u16::from_be_bytes([l4[2], l4[3]]));
+        if self.services.contains(&(src.ip(), src.port())) {
+            Some(FlowKey { app: src, peer: dst })
+        } else if self.services.contains(&(dst.ip(), dst.port())) {
+            Some(FlowKey { app: dst, peer: src })
+        } else {
+            None
+        }
+    }
+
+    /// [`packet_with`](Self::packet_with) with the fast path on: the connection's state is
+    /// taken from the map first (`counted`: the programs counted the packet, see [`fast`]),
+    /// and given back after if the connection is still the programs' to carry.
+    pub fn packet_fast(&mut self, buf: &mut [u8], len: usize, now_ms: u64, csum_partial: bool, counted: bool) -> (Verdict, usize) {
+        if self.fast.map.is_none() {
+            return self.packet_with(buf, len, now_ms, csum_partial);
+        }
+        if let Some(key) = self.flow_key(&buf[..len]) {
+            self.fast_take(key, counted, now_ms);
+        }
+        let r = self.packet_with(buf, len, now_ms, csum_partial);
+        self.fast_settle(now_ms);
+        r
     }
 
     /// Decides a queued packet. `buf[..len]` is the IP packet; `buf` has room to grow (64 bytes
@@ -1063,6 +1120,12 @@ impl Core {
     /// counted: wrong source, bad MAC, stale clock, replay, malformed). A bad MAC or a stale
     /// clock from an allowed source is answered with a refusal ([`ctl::Nak`], rate-limited).
     pub fn command(&mut self, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<CommandOut> {
+        let out = self.command_inner(src, dgram, wall_ms, now_ms, ack_buf);
+        self.fast_settle(now_ms);
+        out
+    }
+
+    fn command_inner(&mut self, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, ack_buf: &mut [u8]) -> Option<CommandOut> {
         self.counters.commands += 1;
         let sip = match src.ip() {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(src.ip()),
@@ -1096,6 +1159,8 @@ impl Core {
             return None;
         }
         let key = FlowKey { app: cmd.app, peer: cmd.peer };
+        // Every later decision reads the connection's newest state.
+        self.fast_take(key, false, now_ms);
         let status_reply = |status: Status, k: &Key| {
             let r = Command { response: true, status: status as u8, flags: 0, time_ms: wall_ms, ack_a: 0, ack_b: 0, options: None, ..cmd };
             r.encode(k).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })
@@ -1119,6 +1184,7 @@ impl Core {
                 Some(peer) => {
                     let mut ack = [0u8; 0];
                     let k = FlowKey { app: cmd.app, peer };
+                    self.fast_take(k, false, now_ms);
                     let e = self.table.get_mut(&k).expect("just found");
                     e.claimed = true;
                     let res = rtcp::command(&mut e.conn, &Command { peer, ..cmd }, &mut ack);
@@ -1197,7 +1263,9 @@ impl Core {
             }
         }
         if cmd.op == ctl::Op::Clear {
-            self.table.remove(&key);
+            if let Some(e) = self.table.remove(&key) {
+                self.fast_forget(key, e.fast);
+            }
         }
         if res.ack_len.is_some() {
             self.counters.acks_injected += 1;
@@ -1320,10 +1388,19 @@ impl crate::daemon::Mode for Core {
     type Request = ();
 
     fn packet(&mut self, now_ms: u64, meta: crate::daemon::Meta, pkt: &mut [u8], len: usize, _: &mut crate::daemon::Outbox<()>) -> (Verdict, usize) {
-        self.packet_with(pkt, len, now_ms, meta.csum_not_ready)
+        use unbroken_drivers::fastpath::checkpoint::{MARK_DONE, MARK_SLOW};
+        // Decided on the fast path already (the steering chain RETURNs such packets; were it
+        // changed by hand): never rewritten twice.
+        if meta.mark & MARK_DONE != 0 {
+            self.counters.fast_done_queued += 1;
+            return (Verdict::Accept { modified: false }, len);
+        }
+        let counted = meta.mark & MARK_SLOW != 0;
+        self.packet_fast(pkt, len, now_ms, meta.csum_not_ready, counted)
     }
 
     fn tick(&mut self, now_ms: u64, _: &mut crate::daemon::Outbox<()>) {
+        self.fast_tick(now_ms);
         if now_ms.saturating_sub(self.last_expire_ms) >= 1000 {
             self.expire(now_ms);
             self.last_expire_ms = now_ms;

@@ -4,7 +4,7 @@
 //! SIGHUP is ignored (logged and counted, see [`crate::signals`]).
 
 use crate::config::{Guard as Config, Placement};
-use crate::guard::{Core, ReplayFloor};
+use crate::guard::{Core, FastDone, FastMap, FastOp, FastState, FastTaken, ReplayFloor};
 use std::net::UdpSocket;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -41,6 +41,20 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
             None
         }
     };
+    // The fast path (issue 22) before the rules: its programs claim nothing until the core
+    // installs a connection, and the rules then carry the RETURN for what they claimed.
+    let fast_on = match fast_path(&cfg) {
+        Ok(map) => {
+            eprintln!("guard: fast path on: established packets of protected connections stay in the kernel (tc-BPF on {})", map.ifaces.join(", "));
+            c.enable_fast_path(Box::new(map));
+            true
+        }
+        Err(why) => {
+            eprintln!("guard: fast path off: {why}; every protected packet goes through NFQUEUE {}", g.queue);
+            c.fast_off_reason = Some(why);
+            false
+        }
+    };
     let core = Arc::new(Mutex::new(c));
     let started = Instant::now();
     let mono_ms = move || started.elapsed().as_millis() as u64;
@@ -50,7 +64,10 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         Placement::Local => &["OUTPUT", "INPUT"],
     };
     // Another guard that still runs owns these rules: say which, before touching anything.
-    let spec = crate::steer::spec(&cfg, chains);
+    let mut spec = crate::steer::spec(&cfg, chains);
+    if fast_on {
+        spec.fast_mark = Some(unbroken_drivers::fastpath::checkpoint::MARK_DONE);
+    }
     unbroken_drivers::iptables::Rules::check_owner(&spec).map_err(|e| format!("guard: {e}"))?;
     crate::steer::check_app_interface(&cfg).map_err(|e| format!("guard: config: {e}"))?;
     // The queue first, the rules second: rules without a bound consumer drop traffic.
@@ -62,7 +79,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         .iter()
         .map(|a| UdpSocket::bind(a).map_err(|e| format!("guard: side channel {a}: {e}")))
         .collect::<Result<Vec<_>, _>>()?;
-    let rules = crate::steer::install(&cfg, chains).map_err(|e| format!("guard: installing rules: {e}"))?;
+    let rules = unbroken_drivers::iptables::Rules::install_or_replace(&spec).map_err(|e| format!("guard: installing rules: {e}"))?;
 
     let mut threads = Vec::new();
     for sock in socks {
@@ -95,6 +112,115 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
     }
     drop(queue);
     res
+}
+
+/// The kernel's map behind the core's [`FastMap`] (see `crate::guard::fast`), with the
+/// programs attached: `ckpt_outgoing` at the ingress of `guard.app_interface`, `ckpt_incoming`
+/// at the ingress of every other interface (but loopback) present at start (a packet arriving on
+/// one added later goes through the queue). Detached when dropped.
+struct KernelMap {
+    fp: unbroken_drivers::fastpath::checkpoint::Checkpoint,
+    ifaces: Vec<String>,
+}
+
+/// Loads and attaches the fast path for `cfg`, or says why not.
+fn fast_path(cfg: &Config) -> Result<KernelMap, String> {
+    use unbroken_drivers::fastpath::checkpoint::{Checkpoint, Direction};
+    let g = &cfg.raw.guard;
+    if !g.fast_path {
+        return Err("guard.fast_path = false".into());
+    }
+    let app_if = match (g.placement, &g.app_interface) {
+        (Placement::Gateway, Some(i)) => i.clone(),
+        _ => return Err("placement = \"local\" is not on the fast path yet (tc egress runs after netfilter's OUTPUT chain, where the queue rule decides)".into()),
+    };
+    let mut fp = Checkpoint::load().map_err(|e| e.to_string())?;
+    let mut others: Vec<String> = interfaces()?.into_iter().filter(|n| n != "lo" && *n != app_if).collect();
+    others.sort();
+    fp.attach(Direction::Outgoing, &app_if).map_err(|e| e.to_string())?;
+    let mut ifaces = vec![format!("{app_if} (from the applications)")];
+    for i in &others {
+        fp.attach(Direction::Incoming, i).map_err(|e| e.to_string())?;
+        ifaces.push(format!("{i} (from the peers)"));
+    }
+    Ok(KernelMap { fp, ifaces })
+}
+
+/// The names of this network namespace's interfaces (`if_nameindex`: /sys may show another
+/// namespace's when the guard was entered with nsenter).
+fn interfaces() -> Result<Vec<String>, String> {
+    // SAFETY: if_nameindex returns an array terminated by a zero entry, freed below.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return Err(format!("listing the interfaces: {}", std::io::Error::last_os_error()));
+        }
+        let mut names = Vec::new();
+        let mut p = list;
+        while (*p).if_index != 0 && !(*p).if_name.is_null() {
+            names.push(std::ffi::CStr::from_ptr((*p).if_name).to_string_lossy().into_owned());
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+        Ok(names)
+    }
+}
+
+fn fast_key(k: &crate::guard::FlowKey) -> unbroken_drivers::fastpath::checkpoint::Key {
+    unbroken_drivers::fastpath::checkpoint::Key::new(k.app, k.peer)
+}
+
+impl FastMap for KernelMap {
+    fn take(&mut self, key: &crate::guard::FlowKey, counted: bool) -> Option<FastTaken> {
+        use unbroken_drivers::fastpath::checkpoint::{ctl, Op, OpResult};
+        match self.fp.op(if counted { Op::Take } else { Op::Freeze }, &fast_key(key), None) {
+            Ok(a) if a.result == OpResult::Done => Some(FastTaken { newest: a.ctl_before & ctl::USER == 0, state: FastState { conn: a.entry.conn(), a_hi: a.entry.a_hi(), peer_hi: a.entry.peer() } }),
+            Ok(_) => None,
+            Err(e) => {
+                crate::ratelog::log("guard: fast path", || format!("guard: fast path: taking {key:?}: {e}"));
+                None
+            }
+        }
+    }
+
+    fn apply(&mut self, op: &FastOp) -> FastDone {
+        use unbroken_drivers::fastpath::checkpoint::{Entry, Op, OpResult};
+        let entry = |s: &FastState| Entry::new(&s.conn, s.a_hi, s.peer_hi);
+        let res = match op {
+            FastOp::Install(k, s) => match self.fp.install(&fast_key(k), &entry(s)) {
+                Ok(true) => Ok(FastDone::Kernel),
+                // An entry the core did not know of (a failed take): neither copy is sure to
+                // be the newest; the slow path carries the connection until it is installed again.
+                Ok(false) => self.fp.remove(&fast_key(k)).map(|_| FastDone::Gone),
+                Err(e) => Err(e),
+            },
+            FastOp::Thaw(k, s) | FastOp::ThawForce(k, s) => {
+                let o = if matches!(op, FastOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
+                self.fp.op(o, &fast_key(k), Some(&entry(s))).map(|a| match a.result {
+                    OpResult::Done => FastDone::Kernel,
+                    OpResult::Stale => FastDone::Held,
+                    OpResult::NoEntry => FastDone::Gone,
+                })
+            }
+            FastOp::Remove(k) => self.fp.remove(&fast_key(k)).map(|_| FastDone::Gone),
+        };
+        res.unwrap_or_else(|e| {
+            crate::ratelog::log("guard: fast path", || format!("guard: fast path: {op:?}: {e}"));
+            // A thaw that failed leaves the entry frozen: held. Anything else: the slow path.
+            if matches!(op, FastOp::Thaw(..) | FastOp::ThawForce(..)) {
+                FastDone::Held
+            } else {
+                FastDone::Gone
+            }
+        })
+    }
+
+    fn stats(&mut self) -> Vec<(&'static str, u64)> {
+        match self.fp.counters() {
+            Ok(c) => vec![("kernel_outgoing", c.outgoing), ("kernel_incoming", c.incoming), ("kernel_slow", c.slow), ("kernel_dropped", c.dropped)],
+            Err(_) => vec![],
+        }
+    }
 }
 
 /// The replay file (`guard.replay_file`): the side channel's high-water marks
@@ -209,12 +335,13 @@ fn status_fields(core: Arc<Mutex<Core>>, spec: unbroken_drivers::iptables::RuleS
             }
         }
         round += 1;
-        let (mut counters, conns) = {
-            let c = crate::sync::lock(&core, "guard: core");
-            (c.counters.clone(), c.connections())
+        let (mut counters, conns, fast) = {
+            let mut c = crate::sync::lock(&core, "guard: core");
+            (c.counters.clone(), c.connections(), c.fast_status())
         };
         counters.connections = conns as u64;
         let mut m = serde_json::Map::new();
+        m.insert("fast_path".into(), fast);
         m.insert("forged_source_dropped".into(), forged.into());
         m.insert("counters".into(), serde_json::to_value(counters).unwrap_or_default());
         m

@@ -246,6 +246,9 @@ pub struct RuleSpec {
     pub mark: u32,
     /// Mask for the mark match (`--mark mark/mask`); `0xffffffff` for an exact match.
     pub mark_mask: u32,
+    /// A mark bit a fast path sets on packets it decided (issue 22): such a packet `RETURN`s
+    /// before the queue rules (`--mark bit/bit`).
+    pub fast_mark: Option<u32>,
     /// Run the commands inside this named network namespace (`ip netns exec NAME ...`).
     pub netns: Option<String>,
     /// IPv4 binary, `iptables` by default (e.g. `iptables-legacy`).
@@ -274,6 +277,7 @@ impl RuleSpec {
             queue_bypass: false,
             mark,
             mark_mask: u32::MAX,
+            fast_mark: None,
             netns: None,
             iptables: "iptables".into(),
             ip6tables: "ip6tables".into(),
@@ -318,6 +322,9 @@ impl RuleSpec {
         if self.services.is_empty() {
             return Err(invalid("no service to protect".into()));
         }
+        if self.fast_mark.is_some_and(|b| b == 0 || b & (b - 1) != 0) {
+            return Err(invalid(format!("fast-path mark {:#x}: must be one bit", self.fast_mark.unwrap_or(0))));
+        }
         if self.mark & self.mark_mask == 0 {
             return Err(invalid(
                 "the injection mark must be nonzero under its mask".into(),
@@ -359,6 +366,12 @@ impl RuleSpec {
         mark_return.extend(comment.iter().cloned());
         mark_return.extend(args(&["-j", "RETURN"]));
         let mut cmds = vec![args(&["-N", &self.chain]), mark_return];
+        if let Some(bit) = self.fast_mark {
+            let mut r = args(&["-A", &self.chain, "-m", "mark", "--mark", &format!("{bit:#x}/{bit:#x}")]);
+            r.extend(comment.iter().cloned());
+            r.extend(args(&["-j", "RETURN"]));
+            cmds.push(r);
+        }
         let queue = self.queue_num.to_string();
         for s in self
             .services

@@ -2,13 +2,13 @@
 //!
 //! One packet loop runs the [`trods`](unbroken_engines::trods) engine over an NFQUEUE that
 //! sees the service's packets both ways (mangle PREROUTING for the client's, OUTPUT for the
-//! server's), and talks to the store through [`crate::kv::KvStore`] (Redis: the asynchronous [`crate::store::StoreHandle`]): a store that is
+//! server's), and talks to the store through [`crate::object::kv::KvStore`] (Redis: the asynchronous [`crate::object::store::StoreHandle`]): a store that is
 //! down or slow completes operations with errors, and the engine then lets the connection go
 //! on unprotected (counted) instead of stalling it.
 //!
 //! A client packet of a connection this server does not know starts a failover (section 3.2)
 //! when the load balancer says its bucket changed hands recently (section 5.1; the bucket is
-//! read from the marker source MAC the LB writes, see [`crate::lb`]). A worker thread fetches
+//! read from the marker source MAC the LB writes, see [`crate::object::lb`]). A worker thread fetches
 //! the record, plans with [`plan_recovery`], rebuilds the client's connection with TCP_REPAIR,
 //! hands it to the engine (so it stays protected), resumes the interrupted responses from the
 //! local server with Range requests, and then relays further requests to the local server.
@@ -17,12 +17,12 @@
 //! the packets reach the kernel, which has no socket for them and answers with a RST: the
 //! client learns at once, and the refusal is counted.
 
-use crate::agentcore::{Core, LbView, Out, Pkt};
+use crate::object::agentcore::{store_key, Core, LbView, Out, Pkt};
 use crate::daemon::{self, Wake};
-use crate::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
-use crate::kv::{KvStore, RedisKv};
-use crate::records::{Records, Refusal};
-use crate::store::StoreConfig;
+use crate::object::lb::{bucket_of_mac, HeartbeatClient, LoopWatch};
+use crate::object::kv::{KvStore, RedisKv};
+use crate::object::records::{Records, Refusal};
+use crate::object::store::StoreConfig;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -202,8 +202,8 @@ impl Agent {
             return Err("agent.heartbeat_interval_ms: 1..=10000".into());
         }
         let key = match lb {
-            Some(_) => crate::hbproto::check_key("agent.key", &a.key)?,
-            None => crate::lb::parse_key_hex(&a.key).map_err(|e| format!("agent.key: {e}"))?,
+            Some(_) => crate::object::hbproto::check_key("agent.key", &a.key)?,
+            None => crate::object::lb::parse_key_hex(&a.key).map_err(|e| format!("agent.key: {e}"))?,
         };
         if raw.store.nodes.is_empty() {
             return Err("store.nodes: at least one Redis address is needed".into());
@@ -263,15 +263,6 @@ fn record_key(s: &StoreSection, lb_key: &[u8]) -> Result<RecordKey, String> {
         return Err("store.record_key: the same as agent.key; use a key of its own (whoever holds the LB's heartbeat key must not be able to forge records)".into());
     }
     Ok(k)
-}
-
-/// The store key of a connection: its LB bucket first, so the clients of a bucket can be
-/// found when it moves (`b<bucket>/c/<client>/<service>`; `b-` without an LB).
-pub fn store_key(bucket: Option<u16>, key: &Key) -> String {
-    match bucket {
-        Some(b) => format!("b{b}/{}", key.store_key()),
-        None => format!("b-/{}", key.store_key()),
-    }
 }
 
 // ---- counters and status ------------------------------------------------------------------------
@@ -357,10 +348,10 @@ pub struct AgentCounters {
     /// Threads the system would not start (a rebuilt connection then refused, a probe or a
     /// socket destruction skipped).
     pub spawn_failed: u64,
-    /// The core's decisions (crate::agentcore::CoreCounters): failover admission (rate
+    /// The core's decisions (crate::object::agentcore::CoreCounters): failover admission (rate
     /// limits per source and bucket, lookups in flight, the negative cache), the gate's cap,
     /// client packets that could not plan against a record.
-    pub core: crate::agentcore::CoreCounters,
+    pub core: crate::object::agentcore::CoreCounters,
 }
 
 struct Shared {
@@ -445,7 +436,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let engine_view: Arc<Mutex<(trods::Counters, usize, usize)>> = Arc::new(Mutex::new(Default::default()));
     {
         // Always runs: it also says when the store or the LB's heartbeats go wrong.
-        let hbw = hb.as_ref().zip(cfg.lb).map(|(h, lb)| (h.probe(), crate::hbproto::HealthWatch::new(lb, &cfg.key, 0)));
+        let hbw = hb.as_ref().zip(cfg.lb).map(|(h, lb)| (h.probe(), crate::object::hbproto::HealthWatch::new(lb, &cfg.key, 0)));
         let plan = daemon::StatusPlan { name: "agent", path: a_status_file, period: Duration::from_millis(500), dirty: shared.dirty.clone(), started };
         daemon::spawn_status(plan, status_fields(shared.clone(), engine_view.clone(), store.clone(), hbw)).map_err(|e| format!("agent: status thread: {e}"))?;
     }
@@ -501,7 +492,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     }
     shared.count(|c| c.loop_realtime = loop_realtime);
     // The loop only does I/O (crate::daemon::run); every decision is the core's
-    // (crate::agentcore), and AgentIo carries out its requests.
+    // (crate::object::agentcore), and AgentIo carries out its requests.
     let mode = Mutex::new(AgentMode { core, view: None, lease_ok: false, fresh: false, pkts: Vec::with_capacity(64), inject_errors: 0, fallbacks: 0 });
     let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new() };
     let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
@@ -532,7 +523,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
 }
 
 /// The LB's view for the core: none configured, none yet, or the latest reply.
-fn lb_view(view: &Option<Option<crate::lb::BucketView>>, lease_ok: bool, fresh: bool) -> LbView<'_> {
+fn lb_view(view: &Option<Option<crate::object::lb::BucketView>>, lease_ok: bool, fresh: bool) -> LbView<'_> {
     match view {
         None => LbView::NoLb,
         Some(None) => LbView::Waiting,
@@ -540,14 +531,14 @@ fn lb_view(view: &Option<Option<crate::lb::BucketView>>, lease_ok: bool, fresh: 
     }
 }
 
-/// The agent as a queue daemon's mode ([`crate::daemon`]): its core ([`crate::agentcore`])
+/// The agent as a queue daemon's mode ([`crate::daemon`]): its core ([`crate::object::agentcore`])
 /// decides each batch; its verdicts come back as released packets, its injected ACKs and
 /// elicitations as packets to send after the flush, everything else ([`Out`]) as requests
 /// for [`AgentIo`].
 struct AgentMode {
     core: Core,
     /// The heartbeat view of this round (one copy per round); `None` without an LB.
-    view: Option<Option<crate::lb::BucketView>>,
+    view: Option<Option<crate::object::lb::BucketView>>,
     lease_ok: bool,
     fresh: bool,
     pkts: Vec<Pkt>,
@@ -626,7 +617,7 @@ struct AgentIo {
     watch: Arc<LoopWatch>,
     shared: Arc<Shared>,
     engine_view: Arc<Mutex<(trods::Counters, usize, usize)>>,
-    completions: Vec<crate::store::Completion>,
+    completions: Vec<crate::object::store::Completion>,
 }
 
 impl AgentIo {
@@ -793,7 +784,7 @@ fn note_refusal(shared: &Shared, key: Key, why: String) {
 /// Failover lookups and relearns run on a fixed pool of threads with a bounded queue (issue 9
 /// item 3): a flood of unknown connections never costs a thread each (a failed
 /// `thread::spawn` panics), and their store reads share the store's pooled clients
-/// ([`crate::kv::RedisKv`]). The core admits at most `AdmitConfig::max_in_flight` lookups at
+/// ([`crate::object::kv::RedisKv`]). The core admits at most `AdmitConfig::max_in_flight` lookups at
 /// once, fewer than the queue holds; a full queue refuses the job (counted, `pool_full`).
 struct Pool {
     tx: std::sync::mpsc::SyncSender<Box<dyn FnOnce() + Send>>,
@@ -1004,7 +995,7 @@ fn status_fields(
     shared: Arc<Shared>,
     ev: Arc<Mutex<(trods::Counters, usize, usize)>>,
     store: Arc<dyn KvStore>,
-    mut hbw: Option<(crate::lb::HeartbeatProbe, crate::hbproto::HealthWatch)>,
+    mut hbw: Option<(crate::object::lb::HeartbeatProbe, crate::object::hbproto::HealthWatch)>,
 ) -> impl FnMut(bool, u64) -> serde_json::Map<String, serde_json::Value> + Send + 'static {
     let mut store_watch = OutageWatch::new(1_000);
     move |_, now_ms| {
@@ -1100,7 +1091,7 @@ fn open_record(ctx: &WorkerCtx, skey: &str, value: &[u8]) -> Result<Record, Refu
 
 /// Reads `skey` from the store, retrying a failed read for up to `budget` (a transient error
 /// should not cost a connection its protection).
-fn get_retrying(ctx: &WorkerCtx, skey: &str, budget: Duration) -> Result<Option<Vec<u8>>, crate::store::StoreError> {
+fn get_retrying(ctx: &WorkerCtx, skey: &str, budget: Duration) -> Result<Option<Vec<u8>>, crate::object::store::StoreError> {
     let deadline = Instant::now() + budget;
     loop {
         match ctx.kv.get(skey.as_bytes()) {
@@ -1601,7 +1592,7 @@ fn probe_buckets(ctx: Arc<WorkerCtx>, buckets: Vec<u16>, skip: Vec<Key>) {
             let Ok(Some(v)) = ctx.kv.get(&k) else { continue };
             let Ok(rec) = open_record(&ctx, &String::from_utf8_lossy(&k), &v) else { continue };
             eprintln!("agent: probing {} (bucket {b})", conn.client);
-            if let Some(pkt) = crate::agentcore::probe_packet(&conn, &rec) {
+            if let Some(pkt) = crate::object::agentcore::probe_packet(&conn, &rec) {
                 if raw.send(&pkt).is_ok() {
                     ctx.shared.count(|c| c.probes_sent += 1);
                 }
@@ -1668,7 +1659,7 @@ mod tests {
     #[test]
     fn hostile_agent_config_without_a_good_key_is_refused() {
         // The example config, with its record key given inline instead of from a file.
-        let example = include_str!("../../../configs/agent.example.toml");
+        let example = include_str!("../../../../configs/agent.example.toml");
         let file_line = "record_key_file = \"/etc/unbroken/record.key\"";
         assert!(example.contains(file_line));
         let base = &example.replace(file_line, &format!("record_key = \"{RKEY}\""));

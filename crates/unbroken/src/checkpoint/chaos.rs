@@ -5,7 +5,8 @@
 //! application's recovery. A trial's stream is paced or bulk (drawn too). Every trial checks what the peer saw (byte-exact, exit status, RSTs,
 //! no hang, stall); the summary is `ok` only when every trial passed all of them.
 
-use crate::scenario::{run_checkpoint, Crash, Scenario};
+use crate::checkpoint::scenario::{run_checkpoint, Crash, Scenario};
+use crate::common::{pct, Percentiles};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -58,13 +59,6 @@ pub struct Trial {
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Percentiles {
-    pub p50: u64,
-    pub p99: u64,
-    pub max: u64,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
 pub struct ChaosReport {
     pub ok: bool,
     pub trials: usize,
@@ -93,15 +87,6 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
-}
-
-/// The nearest-rank percentile of sorted values.
-pub fn pct(sorted: &[u64], p: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
 }
 
 /// Runs the trials (root, network namespaces). A trial whose lab cannot be built is an error of

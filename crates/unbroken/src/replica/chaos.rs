@@ -1,6 +1,6 @@
 //! `unbroken demo replica --chaos N` (issue 20): N trials, each on a fresh [`ReplicaEnv`]
 //! (redis-server on both hosts, both daemons with their own defaults for beats and lag bounds),
-//! the verifying client ([`crate::repclient`]: 8 connections of INCR and 1 KiB-1 MiB SET/GET,
+//! the verifying client ([`crate::replica::client`]: 8 connections of INCR and 1 KiB-1 MiB SET/GET,
 //! every reply checked byte for byte) for a bounded time, and one fault drawn from the seed at a
 //! random time between 20 % and 80 % of the trial. [`run_trial`] is one trial on a running
 //! system (also used by the namespace tests in `tests/replica_lab.rs`).
@@ -27,9 +27,9 @@
 //! the restarted daemon has lost every connection's state (held output, alignment), so the
 //! backup taking over is the protection working, not a false failover.
 
-use crate::ckptchaos::{pct, Percentiles};
-use crate::repclient::{lost_writes, Args, CheckClient, ClientReport, Rng};
-use crate::repdemo::{tools_missing, RepOpts, ReplicaEnv, Side, REDIS_PORT};
+use crate::common::{pct, Percentiles, Rng};
+use crate::replica::client::{lost_writes, Args, CheckClient, ClientReport};
+use crate::replica::demo::{tools_missing, RepOpts, ReplicaEnv, Side, REDIS_PORT};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -20,7 +20,7 @@
 //! is a timed test: `cargo test` only checks that each microbenchmark case takes the code path it
 //! claims to measure.
 
-use crate::scenario::{self, Proc, World, KEY_HEX};
+use crate::checkpoint::scenario::{self, Proc, World, KEY_HEX};
 use serde_json::{json, Value};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -326,12 +326,12 @@ fn interrupted() -> Result<(), String> {
 fn passthrough(args: &[String]) -> Result<u64, String> {
     use unbroken_drivers::nfqueue::{Queue, QueueConfig, Verdict as QVerdict};
     let path = args.iter().position(|a| a == "--config").and_then(|i| args.get(i + 1)).ok_or("--config FILE is required")?;
-    let cfg = unbroken_control::config::Guard::load(Path::new(path))?;
+    let cfg = unbroken_control::checkpoint::config::Guard::load(Path::new(path))?;
     on_stop_signals();
     // The guard's own queue settings (GSO on, 16 MiB socket buffer) and rules.
     let qcfg = QueueConfig { queue_num: cfg.raw.guard.queue, ..QueueConfig::default() };
     let mut q = Queue::open(&qcfg).map_err(|e| format!("NFQUEUE {}: {e}", qcfg.queue_num))?;
-    let rules = unbroken_control::steer::install(&cfg, &["FORWARD"]).map_err(|e| format!("rules: {e}"))?;
+    let rules = unbroken_control::checkpoint::steer::install(&cfg, &["FORWARD"]).map_err(|e| format!("rules: {e}"))?;
     println!("bench-passthrough: ready queue={}", qcfg.queue_num);
     let _ = std::io::stdout().flush();
     let mut batch = Vec::with_capacity(64);
@@ -1817,8 +1817,9 @@ pub mod micro {
 
     /// The guard's per-packet path without I/O: a Core with one recovered connection.
     fn core_packet(iters: u64, reps: usize) -> (f64, f64) {
-        use unbroken_control::config::{Prefix, Service};
-        use unbroken_control::guard::Core;
+        use unbroken_control::checkpoint::config::Prefix;
+        use unbroken_control::checkpoint::guard::Core;
+        use unbroken_control::service::Service;
         let key = Key::from_hex(super::KEY_HEX).unwrap();
         let allowed = vec![Prefix::parse(&format!("{}/32", a_ip())).unwrap()];
         let mut core = Core::new(&[Service { addr: a_ip(), port: A_PORT }], key.clone(), allowed, 30_000, 60_000, 1 << 20);

@@ -3,7 +3,7 @@
 //! around them that the paper leaves to "the daemon": when the peer counts as present, what the
 //! side channel accepts, when beats and progress go out, when the detector fences, what a
 //! fence's result means, when a primary yields, when the address is announced, what to tell the
-//! operator, when finished connections are forgotten. The daemon ([`crate::replica`]) only does
+//! operator, when finished connections are forgotten. The daemon ([`crate::replica::daemon`]) only does
 //! I/O: the queue, the UDP side channel, the fencing command, the ARP suppression and
 //! announcement.
 //!
@@ -45,7 +45,7 @@
 //!
 //! Side-channel messages are accepted only from the configured peer address, authenticated
 //! ([`unbroken_wire::replica`]), of the other role, and fresh. Freshness across restarts, after
-//! the LB heartbeats ([`crate::hbproto`]): every process draws a random boot id and a random
+//! the LB heartbeats ([`crate::object::hbproto`]): every process draws a random boot id and a random
 //! secret ([`Boot`]); every message names its boot, numbers itself within it, carries a
 //! challenge (a nonce: a MAC of the sender's clock under its secret) and echoes the latest
 //! challenge of the peer it took. The receiver binds the peer to one boot and accepts from it
@@ -1062,7 +1062,7 @@ impl Mode for Core {
         // is completed first (a released copy goes out through a raw socket, with no NIC to
         // complete it).
         let mut modified = false;
-        if meta.csum_not_ready && crate::daemon::fill_tcp_checksum(pkt, len) {
+        if meta.csum_not_ready && unbroken_wire::ip::fill_tcp_checksum(pkt, len) {
             self.counters.checksums_completed += 1;
             modified = true;
         }

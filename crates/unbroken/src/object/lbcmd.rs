@@ -1,10 +1,10 @@
 //! `unbroken lb --config FILE [--status-file PATH] [--cleanup]`: object mode's load balancer
-//! and liveness monitor ([`unbroken_control::lb`]) as a command.
+//! and liveness monitor ([`unbroken_control::object::lb`]) as a command.
 //!
 //! Prints `ready ...` once the table is installed (`adopted=true` when it took over the table
 //! a previous `unbroken lb` left), then one line per liveness event
 //! (`down server=2 t_ms=... detect_ms=... buckets_moved=85 epoch=2`), until SIGINT or SIGTERM.
-//! SIGHUP is ignored (one log line). The status JSON ([`unbroken_control::lb::LbStatus`]) is
+//! SIGHUP is ignored (one log line). The status JSON ([`unbroken_control::object::lb::LbStatus`]) is
 //! written atomically (temporary file plus rename) on every change and every 500 ms.
 //!
 //! On SIGINT or SIGTERM the nft table stays in the kernel: traffic keeps flowing to the
@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use unbroken_control::daemon::{self, StatusFile};
-use unbroken_control::lb::{EventKind, Lb, LbConfig, LbEvent, LbStatus};
+use unbroken_control::object::lb::{EventKind, Lb, LbConfig, LbEvent, LbStatus};
 
 /// How often the status file is rewritten without a change.
 const STATUS_PERIOD: Duration = Duration::from_millis(500);
@@ -95,7 +95,7 @@ pub fn main(args: Vec<String>) -> i32 {
         }
     };
     if remove {
-        return match unbroken_control::lb::cleanup(&cfg.table) {
+        return match unbroken_control::object::lb::cleanup(&cfg.table) {
             Ok(true) => {
                 println!("removed table {}", cfg.table);
                 0
@@ -251,7 +251,7 @@ mod hostile {
         assert!(e.starts_with("--status-file") && e.contains("cannot create its directory"), "{e}");
         // The command says it once and exits 2 (before touching the network).
         let cfg = dir.join("lb.toml");
-        std::fs::write(&cfg, include_str!("../../../configs/lb.example.toml")).unwrap();
+        std::fs::write(&cfg, include_str!("../../../../configs/lb.example.toml")).unwrap();
         let code = main(vec!["--config".into(), cfg.display().to_string(), "--status-file".into(), dir.join("f/lb.json").display().to_string()]);
         assert_eq!(code, 2);
         let _ = std::fs::remove_dir_all(&dir);

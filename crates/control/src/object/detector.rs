@@ -1,6 +1,6 @@
 //! The load balancer's failure detector and bucket ownership, with leases: no I/O, no clock.
 //!
-//! [`crate::lb`]'s monitor thread feeds it heartbeats and clock ticks (milliseconds of a
+//! [`crate::object::lb`]'s monitor thread feeds it heartbeats and clock ticks (milliseconds of a
 //! monotonic clock) and asks it for replies; its table programmer asks it which owners the
 //! kernel table should hold ([`Detector::want`]) and reports what it installed
 //! ([`Detector::applied`]). The deterministic tests drive it the same way, with faults.
@@ -17,7 +17,7 @@
 //!
 //! Every reply grants its server a lease on the buckets it lists as owned, for `lease_ms`
 //! measured from when the server *sent* the heartbeat the reply answers (the agent times it
-//! with its own clock: see [`crate::lb::HeartbeatClient`]). An agent sends on a connection only
+//! with its own clock: see [`crate::object::lb::HeartbeatClient`]). An agent sends on a connection only
 //! while it holds a lease on the connection's bucket. The detector never lets the kernel table
 //! give a bucket to a new owner before the old owner's last lease on it has run out:
 //!
@@ -161,7 +161,7 @@ fn set_bit(bytes: &mut [u8], b: usize) {
     bytes[b / 8] |= 1 << (b % 8);
 }
 
-/// Recomputes desired owners for the liveness vector `alive` (see [`crate::lb`]'s docs:
+/// Recomputes desired owners for the liveness vector `alive` (see [`crate::object::lb`]'s docs:
 /// home when the home server lives; otherwise the current owner if it lives; otherwise
 /// round-robin over the live servers; unchanged when none lives). Returns the changed buckets.
 pub fn reassign(owners: &mut [u16], alive: &[bool]) -> Vec<u16> {

@@ -40,7 +40,7 @@ impl Default for EnvOpts {
             servers: 3,
             bin: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("unbroken")),
             store_timeout_ms: 50,
-            dead_after_ms: unbroken_control::lb::DEFAULT_DEAD_AFTER_MS,
+            dead_after_ms: unbroken_control::object::lb::DEFAULT_DEAD_AFTER_MS,
             gate: "lb".into(),
             probe: true,
             store: true,

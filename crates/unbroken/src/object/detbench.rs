@@ -10,11 +10,11 @@
 //! `detector::GAP_EDGES_MS`) and the longest gap. A gap of `g` ms would have been a false
 //! failover for every `dead_after_ms <= g`: the report counts them per threshold.
 
-use crate::objdemo::{make_object, EnvOpts, ObjectEnv};
+use crate::object::demo::{make_object, EnvOpts, ObjectEnv};
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use unbroken_control::detector::GAP_EDGES_MS;
+use unbroken_control::object::detector::GAP_EDGES_MS;
 
 /// Thresholds (ms) the report counts false failovers for.
 const THRESHOLDS: [u64; 10] = [20, 25, 30, 50, 75, 100, 150, 200, 300, 500];

@@ -1,7 +1,7 @@
 //! Replica mode end to end in the lab (issue 10 items 4 and 5): an unmodified redis-server on
 //! the primary and on the backup of a [`ReplicaLab`] segment, `unbroken replica` on each, and
 //! unmodified clients (redis-py, redis-cli, redis-benchmark) in the client namespace, beside our
-//! own verifying client of large values ([`crate::repclient`]).
+//! own verifying client of large values ([`crate::replica::client`]).
 //! [`ReplicaEnv`] is the running system (used by `unbroken demo replica` and the namespace tests
 //! in `tests/replica_lab.rs`); [`run_replica`] is the demo: the primary host dies while the
 //! clients run.
@@ -938,7 +938,7 @@ pub struct ReplicaScenario {
     pub strict: bool,
     pub heartbeat_interval_ms: u64,
     pub missed_beats: u64,
-    /// Connections of the verifying client ([`crate::repclient`]: INCR and SET/GET of
+    /// Connections of the verifying client ([`crate::replica::client`]: INCR and SET/GET of
     /// 1 KiB-1 MiB values, every reply checked) running beside the others from start to end;
     /// 0: none.
     pub large_conns: usize,
@@ -1013,7 +1013,7 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     let mut env = ReplicaEnv::start(opts).map_err(|e| format!("starting the system: {e}"))?;
     say(format!("{:>6} ms  both daemons protecting; clients start ({})", t0.elapsed().as_millis(), env.dir.display()));
     let deadline = Instant::now() + s.timeout;
-    let large_args = crate::repclient::Args {
+    let large_args = crate::replica::client::Args {
         connect: std::net::SocketAddr::from((addr::SERVICE_V4, REDIS_PORT)),
         conns: s.large_conns,
         secs: s.timeout.as_secs_f64(),
@@ -1022,7 +1022,7 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
         ..Default::default()
     };
     let large = if s.large_conns > 0 {
-        let c = crate::repclient::CheckClient::start(&env.lab.client, &env.opts.bin, large_args, Duration::from_secs(30)).map_err(|e| format!("starting the verifying client: {e}"))?;
+        let c = crate::replica::client::CheckClient::start(&env.lab.client, &env.opts.bin, large_args, Duration::from_secs(30)).map_err(|e| format!("starting the verifying client: {e}"))?;
         say(format!("{:>6} ms  the verifying client runs {} connections of INCR and 1 KiB-1 MiB SET/GET", t0.elapsed().as_millis(), s.large_conns));
         Some(c)
     } else {
@@ -1098,7 +1098,7 @@ pub fn run_replica(s: &ReplicaScenario) -> Result<ReplicaReport, String> {
     let serving = if failovers == 1 { Side::Backup } else { Side::Primary };
     let large_values = large.map(|r| match r {
         Ok(r) => {
-            let l = crate::repclient::lost_writes(&env.lab.client, env.redis_host_addr(serving), &r);
+            let l = crate::replica::client::lost_writes(&env.lab.client, env.redis_host_addr(serving), &r);
             LargeValues {
                 conns: r.conns.len(),
                 ok: r.ok,

@@ -1,5 +1,5 @@
 //! `unbroken replica` (issue 10): the daemon of replica mode on the primary or the backup host.
-//! It only does I/O around [`crate::replicacore::Core`] on the shared packet loop
+//! It only does I/O around [`crate::replica::core::Core`] on the shared packet loop
 //! ([`crate::daemon::run`]): the queue (client packets in, its server's packets out), the UDP
 //! side channel to the other host, the fencing command, and on the backup the segment
 //! plumbing ([`unbroken_drivers::segment`]): ARP suppression for the service address until it
@@ -53,9 +53,9 @@ use unbroken_engines::replica::{
 use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::Role;
 
-use crate::config::Service;
+use crate::service::Service;
 use crate::daemon::{self, Outbox, Wake};
-use crate::replicacore::{Boot, Core, Counters, Request, Settings, State};
+use crate::replica::core::{Boot, Core, Counters, Request, Settings, State};
 
 /// Mark of the packets the daemon sends (released output, fresh ACKs, relayed client ACKs):
 /// its queue rules let them pass.
@@ -273,7 +273,7 @@ impl Replica {
 
     /// This host's role as the config names it.
     pub fn role_name(&self) -> &'static str {
-        crate::replicacore::role_name(self.role)
+        crate::replica::core::role_name(self.role)
     }
 }
 
@@ -738,8 +738,8 @@ fn status_fields(view: Arc<Mutex<View>>, role: &'static str, started: Instant) -
 
 /// A random boot id and challenge secret for this process (the kernel's CSPRNG).
 fn new_boot() -> Result<Boot, String> {
-    let secret = crate::lb::random_secret().map_err(|e| format!("replica: getrandom: {e}"))?;
-    let more = crate::lb::random_secret().map_err(|e| format!("replica: getrandom: {e}"))?;
+    let secret = crate::daemon::random_secret().map_err(|e| format!("replica: getrandom: {e}"))?;
+    let more = crate::daemon::random_secret().map_err(|e| format!("replica: getrandom: {e}"))?;
     let id = u64::from_be_bytes(more[..8].try_into().expect("8 bytes")).max(1);
     Ok(Boot { id, secret })
 }

@@ -2,13 +2,13 @@
 //! which connection starts a failover, which is fenced, muted or learned, what goes to the
 //! store and which ACKs are injected. Packets, heartbeat views, store completions, worker
 //! results and the clock go in; verdicts and requests ([`Out`]) come out. The daemon loop in
-//! [`crate::agent`] only does the I/O around it (NFQUEUE, the store client, sock_diag, raw
+//! [`crate::object::agent`] only does the I/O around it (NFQUEUE, the store client, sock_diag, raw
 //! sends, failover workers); a simulation drives the same core with a simulated network.
 //!
 //! The steps, in the order the loop runs them each iteration:
 //!
 //! 0. **Fence** ([`Core::packets`]): server packets leave only while the LB's lease on their
-//!    bucket holds (see [`crate::detector`]); while it has lapsed they wait (at most
+//!    bucket holds (see [`crate::object::detector`]); while it has lapsed they wait (at most
 //!    [`FENCE_MAX_MS`], [`FENCE_MAX_PACKETS`]), and are dropped once their bucket is another
 //!    server's.
 //! 1. **Packets** go through the TRODS engine; a client packet of a connection the engine does
@@ -22,15 +22,23 @@
 //! 4. **After** ([`Core::after`]): store requests, housekeeping, muting connections whose
 //!    bucket went elsewhere, probes of moved buckets, injected ACKs (fenced too).
 
-use crate::agent::store_key;
-use crate::lb::BucketView;
-use crate::store::{Op, OpKind};
+use crate::object::lb::BucketView;
+use crate::object::store::{Op, OpKind};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use unbroken_drivers::sockdiag::Progress;
 use unbroken_engines::trods::{self, plan_recovery, plan_relearn, tcp_checksum_ok, Action, Dir, Engine, Key, Plan, Record, Trigger, FAR_PAST_PROGRESS};
 use unbroken_engines::Verdict;
 use unbroken_wire::ip::IpInfo;
+
+/// The store key of a connection: its LB bucket first, so the clients of a bucket can be
+/// found when it moves (`b<bucket>/c/<client>/<service>`; `b-` without an LB).
+pub fn store_key(bucket: Option<u16>, key: &Key) -> String {
+    match bucket {
+        Some(b) => format!("b{b}/{}", key.store_key()),
+        None => format!("b-/{}", key.store_key()),
+    }
+}
 
 /// How long a packet of an unknown connection waits for the LB's view to allow its failover
 /// (the kernel table can change a few ms before the news reaches the agent).

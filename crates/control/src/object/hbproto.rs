@@ -1,4 +1,4 @@
-//! The heartbeat protocol between object mode's agents and the load balancer ([`crate::lb`]),
+//! The heartbeat protocol between object mode's agents and the load balancer ([`crate::object::lb`]),
 //! version 3: the I/O-free decisions on both ends. The byte layouts are
 //! [`unbroken_wire::hb`]'s (see "Layouts" below).
 //!

@@ -19,6 +19,7 @@ use serde::Deserialize;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use unbroken_wire::ctl::Key;
+use crate::service::Service;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -109,13 +110,6 @@ fn default_max_conns() -> usize {
 }
 fn default_skew() -> u64 {
     30_000
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Service {
-    pub addr: IpAddr,
-    pub port: u16,
 }
 
 #[derive(Debug, Clone, Deserialize)]

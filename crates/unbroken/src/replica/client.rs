@@ -33,7 +33,7 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 /// splitmix64: a small seeded generator (runs replay from the printed seed).
-pub use crate::objchaos::Rng;
+use crate::common::Rng;
 
 /// Options of the client (`unbroken replica-check-client`).
 #[derive(Debug, Clone)]

@@ -88,7 +88,7 @@
 //! docs/benchmarks.md) is declared dead, and alive again after beating steadily for the revive
 //! hold. Before its first heartbeat a server counts as alive for `startup_grace_ms`. The
 //! decisions (deaths, revive hold, common-mode stalls, leases and when a bucket may move) live
-//! in [`crate::detector`], which has no I/O; this module feeds it and does the I/O. The monitor is a dedicated thread (it asks for `SCHED_FIFO`, best
+//! in [`crate::object::detector`], which has no I/O; this module feeds it and does the I/O. The monitor is a dedicated thread (it asks for `SCHED_FIFO`, best
 //! effort; [`LbStatus::monitor_realtime`] says whether it got it) that only receives
 //! heartbeats, answers them and checks deadlines against the monotonic clock; it drains every
 //! queued heartbeat before it checks deadlines, so its own lateness can make a server look
@@ -99,7 +99,7 @@
 //!
 //! # Heartbeat protocol, version 3
 //!
-//! UDP; the layouts and the decisions on both ends live in [`crate::hbproto`]: a mandatory
+//! UDP; the layouts and the decisions on both ends live in [`crate::object::hbproto`]: a mandatory
 //! key of at least 16 bytes, beats bound to the agent's boot id, source address and a
 //! strictly growing counter (a replayed beat is refused and counted; an agent that restarted
 //! proves it is live with a stateless challenge cookie), replies bound to the beat they answer
@@ -131,9 +131,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::detector::{Detector, Liveness, GAP_EDGES_MS};
-use crate::hbproto::{BeatGuard, BeatVerdict, ReplyCheck, ReplyVerdict};
-pub use crate::hbproto::{
+use crate::daemon::random_secret;
+use crate::object::detector::{Detector, Liveness, GAP_EDGES_MS};
+use crate::object::hbproto::{BeatGuard, BeatVerdict, ReplyCheck, ReplyVerdict};
+pub use crate::object::hbproto::{
     decode_heartbeat, decode_reply, encode_heartbeat, encode_reply, parse_key_hex, reply_len,
     Heartbeat, HeartbeatStats, ProtoError, Reply, MAX_BUCKETS, MIN_KEY_LEN,
 };
@@ -150,7 +151,7 @@ pub const DEFAULT_DEAD_AFTER_MS: u64 = 150;
 pub const DEFAULT_FAILOVER_WINDOW_S: u64 = 60;
 /// Default time a never-heard server counts as alive after the balancer starts.
 pub const DEFAULT_STARTUP_GRACE_MS: u64 = 1000;
-/// Default revive hold (see [`crate::detector`]).
+/// Default revive hold (see [`crate::object::detector`]).
 pub const DEFAULT_REVIVE_HOLD_MS: u64 = 500;
 /// Upper bound of every duration in the configuration, milliseconds (an hour).
 pub const MAX_CONFIG_MS: u64 = 3_600_000;
@@ -227,7 +228,7 @@ pub struct LbConfig {
     /// Lease a reply grants on the buckets it lists, milliseconds from the heartbeat's
     /// sending (agents send only while they hold one; a bucket moves only after its old
     /// owner's lease ran out). Default: `dead_after_ms` minus two heartbeat intervals
-    /// (see [`crate::detector`]); must stay below `dead_after_ms - 2`.
+    /// (see [`crate::object::detector`]); must stay below `dead_after_ms - 2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
     /// A dead server that beats again is up only after beating steadily this long
@@ -348,7 +349,7 @@ impl LbConfig {
 
     /// The shared key's bytes (refused when missing or shorter than [`MIN_KEY_LEN`] bytes).
     pub fn key_bytes(&self) -> Result<Vec<u8>, String> {
-        crate::hbproto::check_key("key", &self.key).map_err(|e| format!("config: {e}"))
+        crate::object::hbproto::check_key("key", &self.key).map_err(|e| format!("config: {e}"))
     }
 
     /// The lease in force: `lease_ms`, or `dead_after_ms` minus two heartbeat intervals (at
@@ -358,14 +359,14 @@ impl LbConfig {
             let two_beats = 2 * DEFAULT_INTERVAL.as_millis() as u64;
             self.dead_after_ms
                 .saturating_sub(two_beats)
-                .min(self.dead_after_ms.saturating_sub(crate::detector::LEASE_MARGIN_MS + 1))
+                .min(self.dead_after_ms.saturating_sub(crate::object::detector::LEASE_MARGIN_MS + 1))
                 .max(1)
         })
     }
 
     /// What the detector core needs.
-    pub fn detector_config(&self) -> crate::detector::DetectorConfig {
-        crate::detector::DetectorConfig {
+    pub fn detector_config(&self) -> crate::object::detector::DetectorConfig {
+        crate::object::detector::DetectorConfig {
             servers: self.servers.len(),
             buckets: self.buckets,
             dead_after_ms: self.dead_after_ms,
@@ -490,7 +491,7 @@ fn set_bit(bytes: &mut [u8], b: usize) {
 // ---------------------------------------------------------------------------------------------
 // Ownership decisions (no I/O)
 
-pub use crate::detector::reassign;
+pub use crate::object::detector::reassign;
 
 /// The initial owners: every bucket at home.
 pub fn home_owners(buckets: u16, servers: usize) -> Vec<u16> {
@@ -937,7 +938,7 @@ pub struct LbCounters {
     #[serde(default)]
     pub stale_cookies: u64,
     /// Authenticated heartbeats shorter than the reply they would draw: no answer, no
-    /// liveness (an agent must pad its beats; see [`crate::hbproto`]).
+    /// liveness (an agent must pad its beats; see [`crate::object::hbproto`]).
     #[serde(default)]
     pub short_beats: u64,
     /// NACKs sent to beats that failed authentication (rate-limited).
@@ -1786,25 +1787,6 @@ fn wait_readable(sock: &UdpSocket, wait: Duration) -> bool {
     unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) > 0 }
 }
 
-/// 32 bytes from the kernel's CSPRNG (getrandom(2)).
-pub(crate) fn random_secret() -> io::Result<[u8; 32]> {
-    let mut b = [0u8; 32];
-    let mut got = 0;
-    while got < b.len() {
-        // SAFETY: writes at most `len - got` bytes into our buffer.
-        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        got += r as usize;
-    }
-    Ok(b)
-}
-
 /// A log line said at most once per `every` (with the count of what happened meanwhile).
 struct LogLimit {
     every: Duration,
@@ -1856,7 +1838,7 @@ struct MonitorState {
 impl MonitorState {
     fn new(key: &[u8]) -> MonitorState {
         MonitorState {
-            key_id: crate::hbproto::key_id(key),
+            key_id: crate::object::hbproto::key_id(key),
             last_nack: None,
             log_bad_mac: LogLimit::new(Duration::from_secs(10)),
             log_short: LogLimit::new(Duration::from_secs(10)),
@@ -1932,10 +1914,10 @@ fn monitor_round(
                 // sender with a NACK no longer than its datagram (at most one per
                 // NACK_GAP_MS for the whole balancer: no reflector).
                 let total = c.bad_mac;
-                let nack = crate::hbproto::looks_like_heartbeat(dgram)
+                let nack = crate::object::hbproto::looks_like_heartbeat(dgram)
                     && m.last_nack.is_none_or(|t| {
                         now.saturating_duration_since(t)
-                            >= Duration::from_millis(crate::hbproto::NACK_GAP_MS)
+                            >= Duration::from_millis(crate::object::hbproto::NACK_GAP_MS)
                     });
                 if nack {
                     c.nacks += 1;
@@ -1946,7 +1928,7 @@ fn monitor_round(
                     eprintln!("lb: heartbeat from {src} failed authentication ({total} so far): the agent there has another key than this balancer's `key`");
                 }
                 if nack {
-                    let _ = send(&crate::hbproto::encode_nack(m.key_id), src);
+                    let _ = send(&crate::object::hbproto::encode_nack(m.key_id), src);
                 }
                 continue;
             }
@@ -1969,7 +1951,7 @@ fn monitor_round(
                         eprintln!("lb: server {} : a heartbeat of an earlier agent run (or from another source) with a stale cookie from {src} ({total} so far): replayed?", hb.server);
                     }
                 }
-                Answer::Small(crate::hbproto::encode_challenge(&sh.key, &challenge))
+                Answer::Small(crate::object::hbproto::encode_challenge(&sh.key, &challenge))
             }
             BeatVerdict::Accept { .. } if hb.len < reply_len(sh.cfg.buckets) => {
                 // The reply would be longer than the beat: no answer, no liveness.
@@ -2072,7 +2054,7 @@ pub struct BucketView {
     /// When the reply arrived.
     pub received_at: Instant,
     /// Until when this server may send on connections of its owned buckets: the send time
-    /// of the heartbeat this answers plus the reply's lease (see [`crate::detector`]).
+    /// of the heartbeat this answers plus the reply's lease (see [`crate::object::detector`]).
     pub lease_until: Instant,
 }
 
@@ -2379,12 +2361,12 @@ fn client_loop(sh: &ClientShared, sock: UdpSocket, mut rc: ReplyCheck, interval:
                         sh.replies.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
-                } else if let Ok(c) = crate::hbproto::decode_challenge(key, d) {
+                } else if let Ok(c) = crate::object::hbproto::decode_challenge(key, d) {
                     if rc.challenge(&c) {
                         sh.challenges.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
-                } else if let Ok(id) = crate::hbproto::decode_nack(d) {
+                } else if let Ok(id) = crate::object::hbproto::decode_nack(d) {
                     sh.lb_key_id.store(id as u64, Ordering::Relaxed);
                     sh.nacks.fetch_add(1, Ordering::Relaxed);
                     continue;
@@ -2613,7 +2595,7 @@ mac = "02:75:62:01:00:03"
         assert_eq!(c.table, "unbroken_lb");
         assert_eq!(c.servers.len(), 3);
         assert_eq!(c.key_bytes().unwrap().len(), 16);
-        let example = include_str!("../../../configs/lb.example.toml");
+        let example = include_str!("../../../../configs/lb.example.toml");
         LbConfig::from_toml(example).unwrap();
     }
 
@@ -2680,8 +2662,8 @@ mac = "02:75:62:01:00:03"
     fn hostile_lb_with_one_leg_is_refused_and_the_two_legs_are_documented() {
         let e = LbConfig::from_toml(&GOOD.replace("\"lbr\"", "\"l0\"")).unwrap_err();
         assert!(e.contains("different devices") && e.contains("two legs"), "{e}");
-        assert!(include_str!("../../../README.md").contains("The LB needs **two legs**"));
-        assert!(include_str!("../../../configs/lb.example.toml").contains("The LB needs two legs"));
+        assert!(include_str!("../../../../README.md").contains("The LB needs **two legs**"));
+        assert!(include_str!("../../../../configs/lb.example.toml").contains("The LB needs two legs"));
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! listen address, and the status writer ([`crate::daemon::spawn_status`]) until SIGINT/SIGTERM.
 //! SIGHUP is ignored (logged and counted, see [`crate::signals`]).
 
-use crate::config::{Guard as Config, Placement};
-use crate::guard::{Core, ReplayFloor};
+use crate::checkpoint::config::{Guard as Config, Placement};
+use crate::checkpoint::guard::{Core, ReplayFloor};
 use std::net::UdpSocket;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -50,9 +50,9 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         Placement::Local => &["OUTPUT", "INPUT"],
     };
     // Another guard that still runs owns these rules: say which, before touching anything.
-    let spec = crate::steer::spec(&cfg, chains);
+    let spec = crate::checkpoint::steer::spec(&cfg, chains);
     unbroken_drivers::iptables::Rules::check_owner(&spec).map_err(|e| format!("guard: {e}"))?;
-    crate::steer::check_app_interface(&cfg).map_err(|e| format!("guard: config: {e}"))?;
+    crate::checkpoint::steer::check_app_interface(&cfg).map_err(|e| format!("guard: config: {e}"))?;
     // The queue first, the rules second: rules without a bound consumer drop traffic.
     let qcfg = QueueConfig { queue_num: g.queue, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("guard: cannot bind NFQUEUE {}: {e}", g.queue))?;
@@ -62,7 +62,7 @@ pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
         .iter()
         .map(|a| UdpSocket::bind(a).map_err(|e| format!("guard: side channel {a}: {e}")))
         .collect::<Result<Vec<_>, _>>()?;
-    let rules = crate::steer::install(&cfg, chains).map_err(|e| format!("guard: installing rules: {e}"))?;
+    let rules = crate::checkpoint::steer::install(&cfg, chains).map_err(|e| format!("guard: installing rules: {e}"))?;
 
     let mut threads = Vec::new();
     for sock in socks {
@@ -118,7 +118,7 @@ impl ReplayStore {
             std::fs::create_dir_all(dir).map_err(|e| what(&e))?;
         }
         let floors = match std::fs::read_to_string(&path) {
-            Ok(t) => crate::guard::decode_replay_floors(&t).map_err(|e| what(&format!("{e} (remove the file to start without the previous guard's replay marks)")))?,
+            Ok(t) => crate::checkpoint::guard::decode_replay_floors(&t).map_err(|e| what(&format!("{e} (remove the file to start without the previous guard's replay marks)")))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![],
             Err(e) => return Err(what(&e)),
         };
@@ -128,7 +128,7 @@ impl ReplayStore {
     }
 
     fn write(&mut self, floors: &[ReplayFloor]) -> std::io::Result<()> {
-        std::fs::write(&self.tmp, crate::guard::encode_replay_floors(floors))?;
+        std::fs::write(&self.tmp, crate::checkpoint::guard::encode_replay_floors(floors))?;
         std::fs::rename(&self.tmp, &self.path)?;
         self.unsynced_since.get_or_insert_with(Instant::now);
         self.sync_due()

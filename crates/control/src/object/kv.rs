@@ -4,7 +4,7 @@
 //! in-memory map ([`MemStore`]) for unit tests and simulations. Demos and lab tests always use
 //! Redis.
 
-use crate::store::{Completion, Op, OpKind, Reply, Store, StoreConfig, StoreError, StoreHandle};
+use crate::object::store::{Completion, Op, OpKind, Reply, Store, StoreConfig, StoreError, StoreHandle};
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::RawFd;

@@ -6,7 +6,7 @@
 //! client gets the RST an unprotected server's death would give it) and counts the reason.
 //! See docs/store.md for the whole layout.
 
-use crate::store::{Op, OpKind};
+use crate::object::store::{Op, OpKind};
 use unbroken_engines::trods::Record;
 use unbroken_wire::sealed::{self, RecordKey, Refused};
 

@@ -32,7 +32,8 @@
 //! `wrk` must be installed (`apt-get install wrk`; `scripts/setup.sh`); the benchmark installs
 //! nothing itself.
 
-use crate::objdemo::{make_object, EnvOpts, ObjectEnv};
+use crate::common::{med_min_max, median, round2, val};
+use crate::object::demo::{make_object, EnvOpts, ObjectEnv};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read, Write};
@@ -42,7 +43,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use unbroken_lab::lab;
-use unbroken_control::lb::HeartbeatClient;
+use unbroken_control::object::lb::HeartbeatClient;
 use unbroken_lab::objlab::{addr, ObjectLab, ObjectOpts};
 
 // ---------------------------------------------------------------------------------------------
@@ -238,16 +239,6 @@ fn machine() -> Value {
     json!({ "cpu": cpu, "cpus": std::thread::available_parallelism().map(|n| n.get()).ok(), "mem_gib": mem, "kernel": kernel, "nginx": nginx, "wrk": wrk })
 }
 
-/// The value after option `f`, parsed; a precise error when it is missing or not a number.
-pub(crate) fn val<T: std::str::FromStr>(it: &mut std::slice::Iter<String>, f: &str) -> Result<T, String> {
-    let v = it.next().ok_or(format!("{f} needs a value"))?;
-    v.parse().map_err(|_| format!("{f}: not a number: {v:?}"))
-}
-
-pub(crate) fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
-}
-
 /// Nearest-rank percentile of sorted `v` (`q` in 0..=1).
 fn pct(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
@@ -266,28 +257,6 @@ fn dist(v: &[f64]) -> Value {
     s.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let mean = s.iter().sum::<f64>() / s.len() as f64;
     json!({ "n": s.len(), "p50": round2(pct(&s, 0.5)), "p90": round2(pct(&s, 0.9)), "p99": round2(pct(&s, 0.99)), "max": round2(s[s.len() - 1]), "min": round2(s[0]), "mean": round2(mean) })
-}
-
-pub(crate) fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    if s.is_empty() {
-        0.0
-    } else if s.len() % 2 == 1 {
-        s[s.len() / 2]
-    } else {
-        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
-    }
-}
-
-/// `{runs, median, min, max}` of `v` (2 decimals); null when empty.
-pub(crate) fn med_min_max(v: &[f64]) -> Value {
-    if v.is_empty() {
-        return Value::Null;
-    }
-    let min = v.iter().cloned().fold(f64::INFINITY, f64::min);
-    let max = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    json!({ "runs": v.iter().map(|x| round2(*x)).collect::<Vec<_>>(), "median": round2(median(v)), "min": round2(min), "max": round2(max) })
 }
 
 /// Requests a CPU wakeup latency of 0 (PM QoS) while the returned file stays open.

@@ -26,8 +26,8 @@
 //! suspected the other before the crash counts as a false suspicion, and the interval is then
 //! retried with more missed beats (the smallest stable setting is reported).
 
-use crate::repdemo::{RepOpts, ReplicaEnv, Side};
-use crate::objbench::{med_min_max, round2, val};
+use crate::replica::demo::{RepOpts, ReplicaEnv, Side};
+use crate::common::{med_min_max, round2, val};
 use serde_json::{json, Value};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -756,7 +756,7 @@ fn machine() -> Value {
 /// The whole benchmark; the JSON report.
 pub fn run(o: &Opts) -> Result<Value, String> {
     lab::lab_available().map_err(|e| format!("the lab is not available: {e}"))?;
-    if let Some(m) = crate::repdemo::tools_missing() {
+    if let Some(m) = crate::replica::demo::tools_missing() {
         return Err(m);
     }
     let say = |m: String| {

@@ -2,7 +2,8 @@
 //! channel. [`Core`] holds every decision and is free of I/O (tested directly); [`run`] wires it
 //! to the kernel: an NFQUEUE thread, a command thread per listen address, a status writer.
 
-use crate::config::{Guard as Config, Prefix, Service};
+use crate::checkpoint::config::{Guard as Config, Prefix};
+use crate::service::Service;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
@@ -1294,24 +1295,7 @@ fn emit_bare(buf: &mut [u8], src: IpAddr, dst: IpAddr, r: &unbroken_wire::tcp::R
     Some(hl + tl)
 }
 
-/// Recomputes the TCP checksum of the IP packet in `buf[..len]` from scratch (needed after
-/// rewriting a packet the kernel handed over with a partial checksum, e.g. GSO).
-pub fn fill_tcp_checksum(buf: &mut [u8], len: usize) -> bool {
-    let Ok(info) = IpInfo::parse(&buf[..len]) else { return false };
-    if info.protocol != ip::PROTO_TCP {
-        return false;
-    }
-    let pseudo = info.pseudo_sum(info.l4_len);
-    match Tcp::new_checked(&mut buf[info.l4_offset..info.l4_offset + info.l4_len]) {
-        Ok(mut t) => {
-            t.fill_checksum(pseudo);
-            true
-        }
-        Err(_) => false,
-    }
-}
-
-pub use crate::runtime::run;
+pub use crate::checkpoint::runtime::run;
 
 /// The guard as a queue daemon's mode ([`crate::daemon`]): a packet is [`Core::packet_with`],
 /// time expires closed connections once a second; it asks nothing of an adapter (its side

@@ -1,7 +1,7 @@
 //! The steering rules of a guard: its services' TCP traffic into its NFQUEUE, injected packets
 //! (carrying the guard's mark) exempt.
 
-use crate::config::Guard as Config;
+use crate::checkpoint::config::Guard as Config;
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules, Service};
 
 /// Installs the rules for `cfg` jumping from the named built-in chains, replacing those of a

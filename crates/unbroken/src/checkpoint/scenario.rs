@@ -2,7 +2,7 @@
 //! peer in their own network namespaces, with crashes injected while the peer streams. Used by
 //! `unbroken demo checkpoint`, the integration tests and `unbroken bench checkpoint`.
 
-use crate::peer::PeerResult;
+use crate::checkpoint::peer::PeerResult;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -111,7 +111,7 @@ pub struct CrashRecord {
     pub app_host: String,
 }
 
-/// A gap in one connection's replies of at least [`crate::peer::STALL_REPORT_MS`].
+/// A gap in one connection's replies of at least [`crate::checkpoint::peer::STALL_REPORT_MS`].
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Stall {
     /// Which connection (peer process), from 0.

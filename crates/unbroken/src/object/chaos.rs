@@ -23,7 +23,8 @@
 //! bridge, where the source MAC names the sending server (on the client's own leg every
 //! frame carries the LB's MAC).
 
-use crate::objdemo::{make_object, EnvOpts, ObjectEnv};
+use crate::common::Rng;
+use crate::object::demo::{make_object, EnvOpts, ObjectEnv};
 use serde::Serialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -74,45 +75,6 @@ pub const FAULT_KINDS: [(&str, u64); 5] = [("crash", 30), ("revive", 25), ("fals
 impl Default for ChaosOpts {
     fn default() -> Self {
         ChaosOpts { trials: 10, seed: 1, size: 64 << 20, rate: 8 << 20, parts: 4, live: false, bin: None, kinds: FAULT_KINDS.iter().map(|k| k.0.to_string()).collect() }
-    }
-}
-
-/// A small seeded RNG (splitmix64): the same seed draws the same faults.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Fills `buf` with its next numbers' bytes.
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        for c in buf.chunks_mut(8) {
-            let x = self.next().to_le_bytes();
-            c.copy_from_slice(&x[..c.len()]);
-        }
-    }
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-    /// Uniform in `[0, 1)`.
-    pub fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    pub fn pick<T: Copy>(&mut self, v: &[T]) -> Option<T> {
-        (!v.is_empty()).then(|| v[self.next() as usize % v.len()])
     }
 }
 
@@ -668,7 +630,7 @@ fn iptables_heartbeats(env: &ObjectEnv, server: usize, op: &str) -> Result<(), S
 /// How long after a fault's end its effects count (a revive and a false suspicion move buckets
 /// home after the LB's revive hold).
 fn settle_ms(kind: &str) -> u64 {
-    SETTLE_MS + if kind == "revive" || kind == "false_suspicion" { unbroken_control::lb::DEFAULT_REVIVE_HOLD_MS } else { 0 }
+    SETTLE_MS + if kind == "revive" || kind == "false_suspicion" { unbroken_control::object::lb::DEFAULT_REVIVE_HOLD_MS } else { 0 }
 }
 
 struct TrialOut {
@@ -762,7 +724,7 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
                 }
                 "false_suspicion" => {
                     // Past the LB's deadline, so the LB does declare the server dead.
-                    let dead = unbroken_control::lb::DEFAULT_DEAD_AFTER_MS;
+                    let dead = unbroken_control::object::lb::DEFAULT_DEAD_AFTER_MS;
                     let d = rng.range(dead + 50, dead + 200);
                     detail = format!("heartbeats dropped {d} ms");
                     suspected.push(target);
@@ -989,7 +951,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "transfers": transfers.iter().map(|t| json!({"trial": t.trial, "client": t.client, "exit": t.exit, "byte_exact": t.byte_exact, "hang": t.hang, "port": t.port, "stalls_ms": t.stalls_ms, "baseline_gap_ms": t.baseline_gap_ms})).collect::<Vec<_>>(),
         "failed_trials_by_faults": failed_by,
         "fault_log": faults,
-        "settings": {"kinds": o.kinds, "size": o.size, "rate": o.rate, "parts": o.parts, "dead_after_ms": unbroken_control::lb::DEFAULT_DEAD_AFTER_MS},
+        "settings": {"kinds": o.kinds, "size": o.size, "rate": o.rate, "parts": o.parts, "dead_after_ms": unbroken_control::object::lb::DEFAULT_DEAD_AFTER_MS},
         "duration_ms": t_all.elapsed().as_millis() as u64,
     }))
 }

@@ -229,12 +229,6 @@ pub fn settle_each<C, P>(what: &str, ctx: &mut C, pkts: &mut [P], id_of: impl Fn
     }
 }
 
-/// Fills in the full TCP checksum of `pkt[..len]` (an IP packet); false if it is not TCP or
-/// is too short.
-pub fn fill_tcp_checksum(pkt: &mut [u8], len: usize) -> bool {
-    crate::guard::fill_tcp_checksum(pkt, len)
-}
-
 /// What the verdict I/O reports back to the mode (for its counters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoEvent {
@@ -258,7 +252,7 @@ pub fn apply(queue: &mut Queue, raw: Option<&RawSender>, id: u32, pkt: &mut [u8]
     match verdict {
         Verdict::Accept { modified: false } => queue.set_verdict(id, QVerdict::Accept, None),
         Verdict::Accept { modified: true } => {
-            if csum_not_ready && fill_tcp_checksum(pkt, n) {
+            if csum_not_ready && unbroken_wire::ip::fill_tcp_checksum(pkt, n) {
                 event(IoEvent::FullChecksum, None);
             }
             queue.set_verdict(id, QVerdict::Accept, Some(&pkt[..n]))
@@ -566,6 +560,27 @@ fn release<M: Mode>(io: &mut PacketIo<'_>, m: &mut M, out: &mut Outbox<M::Reques
         }
         io.queue.recycle(r.data);
     }
+}
+
+// ---- secrets ------------------------------------------------------------------------------------
+
+/// 32 bytes from the kernel's CSPRNG (getrandom(2)).
+pub(crate) fn random_secret() -> io::Result<[u8; 32]> {
+    let mut b = [0u8; 32];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: writes at most `len - got` bytes into our buffer.
+        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        got += r as usize;
+    }
+    Ok(b)
 }
 
 #[cfg(test)]

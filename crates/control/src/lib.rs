@@ -1,24 +1,24 @@
-//! `unbroken-control`: the control floor. The checkpoint guard ([`guard`] decisions,
-//! [`runtime`] I/O), its configuration, the steering rules; object mode's agent ([`agentcore`] decisions, [`agent`]
-//! I/O), load balancer ([`lb`], [`detector`]) and store ([`store`], [`kv`]). The network-namespace
-//! labs live in the `unbroken-lab` crate.
+//! `unbroken-control`: the control floor, one folder per mode beside what every daemon shares.
+//!
+//! - [`checkpoint`]: the checkpoint guard ([`checkpoint::guard`] decisions,
+//!   [`checkpoint::runtime`] I/O), its configuration, the steering rules.
+//! - [`object`]: object mode's agent ([`object::agentcore`] decisions, [`object::agent`] I/O),
+//!   load balancer ([`object::lb`], [`object::detector`]) and store ([`object::store`],
+//!   [`object::kv`]).
+//! - [`replica`]: replica mode's daemon ([`replica::core`] decisions, [`replica::daemon`] I/O).
+//! - Shared: the packet loop every mode runs in ([`daemon`]), status files ([`status`]),
+//!   signals ([`signals`]), rate-limited logging ([`ratelog`]), lock and panic handling
+//!   ([`sync`]) and the configurations' common pieces ([`service`]).
+//!
+//! A mode's module uses only its own folder and the shared modules; the shared modules use no
+//! mode. The network-namespace labs live in the `unbroken-lab` crate.
 
-pub mod agent;
-pub mod agentcore;
-pub mod config;
+pub mod checkpoint;
 pub mod daemon;
-pub mod detector;
-pub mod guard;
-pub mod hbproto;
-pub mod kv;
-pub mod lb;
+pub mod object;
 pub mod ratelog;
-pub mod records;
 pub mod replica;
-pub mod replicacore;
-pub mod runtime;
+pub mod service;
 pub mod signals;
 pub mod status;
-pub mod steer;
 pub mod sync;
-pub mod store;

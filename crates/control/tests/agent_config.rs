@@ -2,7 +2,7 @@
 //! (issue 9, item 11): no value read from it can overflow the arithmetic done on it later
 //! (`ttl_s * 1000 / 3`, durations in milliseconds).
 
-use unbroken_control::agent::Agent;
+use unbroken_control::object::agent::Agent;
 
 const GOOD: &str = r#"
 [agent]

@@ -5,8 +5,8 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
-use unbroken_control::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
-use unbroken_control::lb::BucketView;
+use unbroken_control::object::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
+use unbroken_control::object::lb::BucketView;
 use unbroken_drivers::sockdiag::Progress;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
 use unbroken_wire::ip;
@@ -261,7 +261,7 @@ fn restart_a_local_socket_connection_is_protected_again_from_its_record() {
         at += n;
     }
     let stores: Vec<Record> = t.outs.iter().filter_map(|o| if let Out::Store(op) = o { Some(op) } else { None }).filter_map(|op| match &op.kind {
-        unbroken_control::store::OpKind::Set { val, .. } => Record::decode(val).ok(),
+        unbroken_control::object::store::OpKind::Set { val, .. } => Record::decode(val).ok(),
         _ => None,
     }).collect();
     assert!(stores.iter().all(|r| !r.unprotected && r.entries.len() == 1), "{stores:?}");
@@ -359,7 +359,7 @@ fn store_keys_carry_the_bucket() {
 /// here and buckets that are no longer moved here.
 #[test]
 fn moved_buckets_are_probed_again_until_their_connections_show_up() {
-    use unbroken_control::agentcore::PROBE_RETRY_MS;
+    use unbroken_control::object::agentcore::PROBE_RETRY_MS;
     let mut t = T::new();
     t.connect(40005); // known here, in bucket B
     t.view = Some(view(2, &[B, 9], &[B, 9]));
@@ -505,7 +505,7 @@ fn restart_inherited_rebuilt_connections_are_failover_candidates_and_probed() {
     assert_eq!(t.core.counters.failovers_denied, 1);
     // Retries of the first probe cover the buckets of inherited connections not known yet.
     t.take();
-    t.now = 1000 + unbroken_control::agentcore::PROBE_RETRY_MS[0];
+    t.now = 1000 + unbroken_control::object::agentcore::PROBE_RETRY_MS[0];
     t.tick(false);
     let retried: Vec<Vec<u16>> = t.take().into_iter().filter_map(|o| if let Out::Probe { buckets, .. } = o { Some(buckets) } else { None }).collect();
     assert_eq!(retried, vec![vec![B, 9]], "only the buckets of inherited connections not known yet (not 12)");
@@ -530,7 +530,7 @@ fn probes_carry_an_old_byte_only_where_the_record_proves_it_old() {
     use unbroken_wire::tcp::Packet as Tcp;
     let hs = Handshake { iss: S_ISN, irs: C_ISN, client_mss: 1460, ..Handshake::default() };
     let probe = |rec: &Record| -> (u32, u32, usize) {
-        let p = unbroken_control::agentcore::probe_packet(&key(40020), rec).unwrap();
+        let p = unbroken_control::object::agentcore::probe_packet(&key(40020), rec).unwrap();
         let info = IpInfo::parse(&p).unwrap();
         let t = Tcp::new_checked(&p[info.l4_offset..info.l4_offset + info.l4_len]).unwrap();
         assert!(t.verify_checksum(info.pseudo_sum(info.l4_len)));
@@ -1209,7 +1209,7 @@ fn tombstones(t: &T) -> usize {
         .iter()
         .filter(|o| match o {
             Out::Store(op) => match &op.kind {
-                unbroken_control::store::OpKind::Set { val, .. } => Record::decode(val).is_ok_and(|r| r.unprotected),
+                unbroken_control::object::store::OpKind::Set { val, .. } => Record::decode(val).is_ok_and(|r| r.unprotected),
                 _ => false,
             },
             _ => false,

@@ -3,8 +3,8 @@
 //! wake-up eventfd.
 
 use std::time::Duration;
-use unbroken_control::kv::{KvStore, RedisKv};
-use unbroken_control::store::StoreConfig;
+use unbroken_control::object::kv::{KvStore, RedisKv};
+use unbroken_control::object::store::StoreConfig;
 
 #[path = "../../drivers/tests/common/fdcheck.rs"]
 mod fdcheck;

@@ -30,8 +30,9 @@ mod rtcp_sim;
 
 use rtcp_sim::*;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use unbroken_control::config::{Prefix, Service};
-use unbroken_control::guard::{Core, Counters, FlowKey, ReplayFloor};
+use unbroken_control::checkpoint::config::Prefix;
+use unbroken_control::checkpoint::guard::{Core, Counters, FlowKey, ReplayFloor};
+use unbroken_control::service::Service;
 use unbroken_wire::ctl::Status;
 use unbroken_wire::ip;
 use unbroken_wire::tcp::{flags as TF, Packet as Tcp, Repr};

@@ -102,11 +102,11 @@ use smoltcp::socket::tcp::{self as stcp, State};
 use smoltcp::time::Instant as SInstant;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr};
 
-use unbroken_control::agent::store_key;
-use unbroken_control::agentcore::{Core, LbView, Out, Pkt};
-use unbroken_control::detector::{Detector, DetectorConfig, Grant};
-use unbroken_control::lb::BucketView;
-use unbroken_control::store::{Op, OpKind};
+use unbroken_control::object::agentcore::store_key;
+use unbroken_control::object::agentcore::{Core, LbView, Out, Pkt};
+use unbroken_control::object::detector::{Detector, DetectorConfig, Grant};
+use unbroken_control::object::lb::BucketView;
+use unbroken_control::object::store::{Op, OpKind};
 use unbroken_engines::trods::{self, Dir, Engine, Key, Plan, Record, Trigger};
 use unbroken_drivers::sockdiag::Progress;
 use unbroken_wire::ip::{self, IpInfo};
@@ -1801,7 +1801,7 @@ impl Sim {
             if skip.iter().any(|k| k.client.port() == port) {
                 continue;
             }
-            let Some(pkt) = unbroken_control::agentcore::probe_packet(&key_of_port(port), &rec) else { continue };
+            let Some(pkt) = unbroken_control::object::agentcore::probe_packet(&key_of_port(port), &rec) else { continue };
             self.report.probes += 1;
             self.note(format!("srv{s} probe {}", describe(&pkt)));
             self.send_client_path(true, pkt);
@@ -2499,6 +2499,6 @@ fn hostile_forged_triggers_and_bogus_ack_floods_in_failover_windows() {
     println!("{n} seeds with the attacker: {r:?}");
     assert!(r.bogus > n * 100 && r.forged > n / 2, "the attacker must have attacked: {r:?}");
     assert!(r.adopted > n / 10 && r.triggers_rejected > n / 4, "{r:?}");
-    assert!(r.max_lookups <= unbroken_control::agentcore::AdmitConfig::default().max_in_flight as u64, "{r:?}");
+    assert!(r.max_lookups <= unbroken_control::object::agentcore::AdmitConfig::default().max_in_flight as u64, "{r:?}");
     assert!(r.completed > r.conns * 9 / 10, "{r:?}");
 }

@@ -1,6 +1,6 @@
 //! `unbroken replica`'s configuration: the example loads, and each mistake is one precise error.
 
-use unbroken_control::replica::{check_fence_command, Replica};
+use unbroken_control::replica::daemon::{check_fence_command, Replica};
 
 fn example() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/replica.example.toml"))

@@ -1,4 +1,4 @@
-//! The replica daemon's I/O-free core (`replicacore::Core`): when the peer counts as present,
+//! The replica daemon's I/O-free core (`replica::core::Core`): when the peer counts as present,
 //! what the side channel accepts (authenticated, fresh across restarts), beats, fencing and its
 //! results, takeover announcements, staleness, what the operator is told. No queue, socket or
 //! clock: two cores talk through a scripted link, or one core talks to a scripted peer.
@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 
 use unbroken_control::daemon::{Mode, Outbox};
-use unbroken_control::replicacore::{Boot, Core, Request, Settings, State, ANNOUNCE_SCHEDULE_MS, PEER_WARN_MS};
+use unbroken_control::replica::core::{Boot, Core, Request, Settings, State, ANNOUNCE_SCHEDULE_MS, PEER_WARN_MS};
 use unbroken_engines::replica::{Config, DetectorConfig, Why};
 use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::{hdr, Progress, Role, Session};

@@ -399,7 +399,7 @@ pub fn cleanup_orphans() -> io::Result<usize> {
 // The generic lab
 
 /// `aa:bb:cc:dd:ee:ff`.
-pub use unbroken_control::lb::mac_string;
+pub use unbroken_control::object::lb::mac_string;
 
 fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];

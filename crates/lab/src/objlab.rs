@@ -1,5 +1,5 @@
 //! The object-mode lab (TRODS, seed 000, section 2.1): unmodified servers that share one
-//! service address (the VIP) behind a stateless layer-2 load balancer ([`unbroken_control::lb`]).
+//! service address (the VIP) behind a stateless layer-2 load balancer ([`unbroken_control::object::lb`]).
 //!
 //! ```text
 //!  client ─────────── lb ──────────────── bridge lbr ─┬─ s1 ── srv1 eth0 10.78.0.11  (VIP on lo)
@@ -25,7 +25,7 @@
 //! [`ObjectLab::revive_server`].
 
 use crate::lab::{self, Lab};
-use unbroken_control::lb::LbConfig;
+use unbroken_control::object::lb::LbConfig;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};

@@ -11,8 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use unbroken_lab::lab;
-use unbroken_control::hbproto::{self, Heartbeat, HealthWatch, HbState, ReplyCheck, ReplyVerdict};
-use unbroken_control::lb::{
+use unbroken_control::object::hbproto::{self, Heartbeat, HealthWatch, HbState, ReplyCheck, ReplyVerdict};
+use unbroken_control::object::lb::{
     self, encode_heartbeat, BucketView, EventKind, HeartbeatClient, Lb, LbConfig, LbStatus,
 };
 use unbroken_lab::objlab::{addr, server_mac as lab_mac, ObjectLab, ObjectOpts};
@@ -90,7 +90,7 @@ impl World {
         let mut cfg = w.lab.lb_config();
         cfg.key = KEY_HEX.to_string();
         // These tests revive servers many times within minutes; the revive hold doubles with
-        // each recent death (crate::detector's unit tests cover that): keep it short here.
+        // each recent death (unbroken_control::object::detector's unit tests cover that): keep it short here.
         cfg.revive_hold_ms = 20;
         tweak(&mut cfg);
         let l = lab::in_ns(w.lab.lb(), || Lb::start(cfg))
@@ -365,7 +365,7 @@ fn balances_detects_failure_moves_only_its_buckets_and_returns_them() {
         // Resume: buckets return home, epoch increases.
         w.start_hb(2);
         // Alive after the revive hold; its buckets come home once the stand-ins' leases ran
-        // out (crate::detector): wait for the kernel table to have them.
+        // out (unbroken_control::object::detector): wait for the kernel table to have them.
         let s = w.wait_status("server 2 alive again, its buckets home", |s| {
             s.server(2).unwrap().alive && s.owners == home && s.applied_epoch == s.epoch
         });

@@ -1,4 +1,4 @@
-//! The store client (`unbroken_control::store`) against real redis-server processes, each test
+//! The store client (`unbroken_control::object::store`) against real redis-server processes, each test
 //! starting its own on free loopback ports (killed on drop, also when a test panics). Skipped,
 //! with a message, when redis-server is not installed (a failure with UNBROKEN_REQUIRE_LAB=1).
 //!
@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
-use unbroken_control::store::{
+use unbroken_control::object::store::{
     key_slot, Completion, Op, OpKind, Reply, Store, StoreConfig, StoreError, StoreHandle,
 };
 

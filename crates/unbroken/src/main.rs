@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
-use unbroken::scenario::{self, Crash, Scenario};
+use unbroken::checkpoint::scenario::{self, Crash, Scenario};
 
 const USAGE: &str = "\
 unbroken: TCP connections that outlive the server that serves them
@@ -121,16 +121,16 @@ fn main() -> ExitCode {
         "guard" => guard(args),
         "status" => status(args),
         "bench" => bench(args),
-        "bench-app" => ExitCode::from(unbroken::bench::app_main(args) as u8),
-        "bench-peer" => ExitCode::from(unbroken::bench::peer_main(args) as u8),
-        "bench-replica-server" => ExitCode::from(unbroken::replbench::server_main(args) as u8),
-        "bench-replica-client" => ExitCode::from(unbroken::replbench::client_main(args) as u8),
-        "replica-check-client" => ExitCode::from(unbroken::repclient::client_main(args) as u8),
-        "bench-passthrough" => ExitCode::from(unbroken::bench::passthrough_main(args) as u8),
+        "bench-app" => ExitCode::from(unbroken::checkpoint::bench::app_main(args) as u8),
+        "bench-peer" => ExitCode::from(unbroken::checkpoint::bench::peer_main(args) as u8),
+        "bench-replica-server" => ExitCode::from(unbroken::replica::bench::server_main(args) as u8),
+        "bench-replica-client" => ExitCode::from(unbroken::replica::bench::client_main(args) as u8),
+        "replica-check-client" => ExitCode::from(unbroken::replica::client::client_main(args) as u8),
+        "bench-passthrough" => ExitCode::from(unbroken::checkpoint::bench::passthrough_main(args) as u8),
         "peer" => peer(args),
         "journal-server" => ExitCode::from(unbroken_journal::server::main_with_args(args.into_iter()) as u8),
         "lab" => lab(args),
-        "lb" => ExitCode::from(unbroken::lbcmd::main(args) as u8),
+        "lb" => ExitCode::from(unbroken::object::lbcmd::main(args) as u8),
         "agent" => agent(args),
         "replica" => replica(args),
         "-h" | "--help" | "help" => {
@@ -141,9 +141,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// `demo checkpoint --chaos N`: N trials, one random fault each (see `unbroken::ckptchaos`).
+/// `demo checkpoint --chaos N`: N trials, one random fault each (see `unbroken::checkpoint::chaos`).
 fn demo_chaos(s: &Scenario, trials: usize, seed_given: bool, records_given: bool, rate_given: bool, json: bool) -> ExitCode {
-    use unbroken::ckptchaos::{run_chaos, ChaosOpts};
+    use unbroken::checkpoint::chaos::{run_chaos, ChaosOpts};
     let seed = if seed_given { s.seed } else { std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1) };
     let o = ChaosOpts { trials, seed, records: records_given.then_some(s.records), rate: rate_given.then_some(s.rate), connections: s.connections, verbose: true, ..ChaosOpts::default() };
     let stream = match (o.records, o.rate) {
@@ -212,12 +212,12 @@ fn agent(args: Vec<String>) -> ExitCode {
         }
     }
     let Some(path) = config else { return fail("agent: --config FILE is required") };
-    let cfg = match unbroken_control::agent::Agent::load(std::path::Path::new(&path)) {
+    let cfg = match unbroken_control::object::agent::Agent::load(std::path::Path::new(&path)) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
     if remove_rules {
-        return match unbroken_control::agent::remove_rules(&cfg) {
+        return match unbroken_control::object::agent::remove_rules(&cfg) {
             Ok(()) => {
                 println!("unbroken agent: queue rules removed (the service is served unprotected)");
                 ExitCode::SUCCESS
@@ -225,7 +225,7 @@ fn agent(args: Vec<String>) -> ExitCode {
             Err(e) => fail(e),
         };
     }
-    match unbroken_control::agent::run(cfg) {
+    match unbroken_control::object::agent::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("unbroken: {e}");
@@ -235,7 +235,7 @@ fn agent(args: Vec<String>) -> ExitCode {
 }
 
 fn demo_object(args: Vec<String>) -> ExitCode {
-    let mut s = unbroken::objdemo::ObjectScenario { live: true, ..Default::default() };
+    let mut s = unbroken::object::demo::ObjectScenario { live: true, ..Default::default() };
     let mut json = false;
     let mut chaos: Option<usize> = None;
     let mut seed: Option<u64> = None;
@@ -281,7 +281,7 @@ fn demo_object(args: Vec<String>) -> ExitCode {
     } else {
         eprintln!("unbroken demo object: {} downloads {} MiB through the LB; {} server deaths", s.client, s.size >> 20, s.crash_at.len());
     }
-    match unbroken::objdemo::run_object(&s) {
+    match unbroken::object::demo::run_object(&s) {
         Ok(r) => {
             if json {
                 println!("{}", serde_json::to_value(&r).unwrap_or_default());
@@ -316,9 +316,9 @@ fn demo_object(args: Vec<String>) -> ExitCode {
 }
 
 fn demo_replica(args: Vec<String>) -> ExitCode {
-    let mut s = unbroken::repdemo::ReplicaScenario { live: true, ..Default::default() };
+    let mut s = unbroken::replica::demo::ReplicaScenario { live: true, ..Default::default() };
     let mut json = false;
-    let mut chaos = unbroken::repchaos::ChaosOpts { verbose: true, ..Default::default() };
+    let mut chaos = unbroken::replica::chaos::ChaosOpts { verbose: true, ..Default::default() };
     let (mut trials, mut seed): (Option<usize>, Option<u64>) = (None, None);
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
@@ -336,7 +336,7 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
                     let list = it.next().ok_or("--faults needs a list")?;
                     chaos.faults = list
                         .split(',')
-                        .map(|k| unbroken::repchaos::Fault::parse(k.trim()).ok_or_else(|| format!("--faults: unknown fault {k:?} ({})", unbroken::repchaos::FAULTS.map(|f| f.name()).join(", "))))
+                        .map(|k| unbroken::replica::chaos::Fault::parse(k.trim()).ok_or_else(|| format!("--faults: unknown fault {k:?} ({})", unbroken::replica::chaos::FAULTS.map(|f| f.name()).join(", "))))
                         .collect::<Result<_, _>>()?;
                 }
                 "--incrs" => s.incrs = num("--incrs", it.next())?,
@@ -363,7 +363,7 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
     } else {
         eprintln!("unbroken demo replica: redis-server on a primary and a backup host; redis-py ({} INCRs on one connection), redis-cli and redis-benchmark run while the primary host dies", s.incrs);
     }
-    match unbroken::repdemo::run_replica(&s) {
+    match unbroken::replica::demo::run_replica(&s) {
         Ok(r) => {
             if json {
                 let mut v = serde_json::to_value(&r).unwrap_or_default();
@@ -406,8 +406,8 @@ fn demo_replica(args: Vec<String>) -> ExitCode {
     }
 }
 
-/// `demo replica --chaos N`: N trials, one random fault each (see `unbroken::repchaos`).
-fn demo_replica_chaos(o: &unbroken::repchaos::ChaosOpts, json: bool) -> ExitCode {
+/// `demo replica --chaos N`: N trials, one random fault each (see `unbroken::replica::chaos`).
+fn demo_replica_chaos(o: &unbroken::replica::chaos::ChaosOpts, json: bool) -> ExitCode {
     eprintln!(
         "unbroken demo replica --chaos {}: seed {} (replay with --seed {}); {} connections of INCR and 1 KiB-1 MiB SET/GET for {} s a trial, faults among {}",
         o.trials,
@@ -417,7 +417,7 @@ fn demo_replica_chaos(o: &unbroken::repchaos::ChaosOpts, json: bool) -> ExitCode
         o.client.secs,
         o.faults.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
     );
-    match unbroken::repchaos::run_chaos(o) {
+    match unbroken::replica::chaos::run_chaos(o) {
         Ok(r) => {
             if json {
                 println!("{}", serde_json::to_value(&r).unwrap_or_default());
@@ -450,7 +450,7 @@ fn demo_replica_chaos(o: &unbroken::repchaos::ChaosOpts, json: bool) -> ExitCode
 
 fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: u64, kinds: Option<Vec<String>>, parts: Option<u64>, json: bool) -> ExitCode {
     let seed = seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 % 1_000_000_000).unwrap_or(1));
-    let mut o = unbroken::objchaos::ChaosOpts { trials, seed, live: !json, ..Default::default() };
+    let mut o = unbroken::object::chaos::ChaosOpts { trials, seed, live: !json, ..Default::default() };
     if let Some(s) = size {
         o.size = s;
     }
@@ -464,7 +464,7 @@ fn demo_object_chaos(trials: usize, seed: Option<u64>, size: Option<u64>, rate: 
         o.parts = p.max(1);
     }
     eprintln!("unbroken demo object --chaos {trials}: seed {seed} (replay with --seed {seed}); curl, wget and a python keep-alive client download {} MiB each at {} KiB/s", o.size >> 20, o.rate >> 10);
-    match unbroken::objchaos::run_chaos(&o) {
+    match unbroken::object::chaos::run_chaos(&o) {
         Ok(v) => {
             if json {
                 println!("{v}");
@@ -584,7 +584,7 @@ fn demo(args: Vec<String>) -> ExitCode {
 
 fn guard(args: Vec<String>) -> ExitCode {
     let mut cfg: Option<PathBuf> = None;
-    let mut opts = unbroken_control::runtime::RunOptions::default();
+    let mut opts = unbroken_control::checkpoint::runtime::RunOptions::default();
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -594,11 +594,11 @@ fn guard(args: Vec<String>) -> ExitCode {
         }
     }
     let Some(path) = cfg else { return fail("guard: --config FILE is required") };
-    let cfg = match unbroken_control::config::Guard::load(&path) {
+    let cfg = match unbroken_control::checkpoint::config::Guard::load(&path) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    match unbroken_control::runtime::run(cfg, opts) {
+    match unbroken_control::checkpoint::runtime::run(cfg, opts) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),
     }
@@ -623,7 +623,7 @@ fn replica(args: Vec<String>) -> ExitCode {
         }
     }
     let Some(path) = config else { return fail("replica: --config FILE is required") };
-    let cfg = match unbroken_control::replica::Replica::load(std::path::Path::new(&path)) {
+    let cfg = match unbroken_control::replica::daemon::Replica::load(std::path::Path::new(&path)) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
@@ -637,7 +637,7 @@ fn replica(args: Vec<String>) -> ExitCode {
         }
     }
     if remove_rules {
-        return match unbroken_control::replica::remove_rules(&cfg) {
+        return match unbroken_control::replica::daemon::remove_rules(&cfg) {
             Ok(()) => {
                 println!("unbroken replica: queue rules (and a backup's ARP suppression) removed");
                 ExitCode::SUCCESS
@@ -645,7 +645,7 @@ fn replica(args: Vec<String>) -> ExitCode {
             Err(e) => fail(e),
         };
     }
-    match unbroken_control::replica::run(cfg) {
+    match unbroken_control::replica::daemon::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("unbroken: {e}");
@@ -718,15 +718,15 @@ fn status(args: Vec<String>) -> ExitCode {
 }
 
 fn bench(args: Vec<String>) -> ExitCode {
-    use unbroken::bench;
+    use unbroken::checkpoint::bench;
     if args.first().map(String::as_str) == Some("object") {
-        return ExitCode::from(unbroken::objbench::main(args) as u8);
+        return ExitCode::from(unbroken::object::bench::main(args) as u8);
     }
     if args.first().map(String::as_str) == Some("replica") {
-        return ExitCode::from(unbroken::replbench::main(args) as u8);
+        return ExitCode::from(unbroken::replica::bench::main(args) as u8);
     }
     if args.first().map(String::as_str) == Some("detector") {
-        return ExitCode::from(unbroken::detbench::main(args) as u8);
+        return ExitCode::from(unbroken::object::detbench::main(args) as u8);
     }
     if args.first().map(String::as_str) != Some("checkpoint") {
         return fail("bench: usage: unbroken bench checkpoint [--json] [--quick] [--runs N] [--secs S] [--cycles N] [--read BYTES] [--sweep|--no-sweep] [--no-micro] [--micro-only] [--micro-iters N] [--no-passthrough] [--no-cpu-qos] [--tests LIST] [--retries N] [--save FILE]");
@@ -763,7 +763,7 @@ fn bench(args: Vec<String>) -> ExitCode {
 }
 
 fn peer(args: Vec<String>) -> ExitCode {
-    let mut a = unbroken::peer::PeerArgs {
+    let mut a = unbroken::checkpoint::peer::PeerArgs {
         connect: "127.0.0.1:7000".parse().unwrap(),
         records: 1000,
         seed: 1,
@@ -790,7 +790,7 @@ fn peer(args: Vec<String>) -> ExitCode {
             return fail(e);
         }
     }
-    let res = unbroken::peer::run(&a, &mut |v| println!("{v}"));
+    let res = unbroken::checkpoint::peer::run(&a, &mut |v| println!("{v}"));
     println!("{}", serde_json::to_string(&res).unwrap_or_default());
     if res.ok {
         ExitCode::SUCCESS

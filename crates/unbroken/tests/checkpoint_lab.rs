@@ -8,7 +8,7 @@
 
 use std::sync::Mutex;
 use std::time::Duration;
-use unbroken::scenario::{run_checkpoint, run_misconfigured, Crash, Misconfig, MisconfigReport, Report, Scenario};
+use unbroken::checkpoint::scenario::{run_checkpoint, run_misconfigured, Crash, Misconfig, MisconfigReport, Report, Scenario};
 
 /// One lab at a time: two cores, and the stall figures mean more without contention.
 static LAB: Mutex<()> = Mutex::new(());

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Instant;
-use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
+use unbroken::object::demo::{make_object, EnvOpts, ObjectEnv};
 use unbroken_lab::lab;
 use unbroken_lab::objlab::addr;
 

@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 use std::time::Duration;
-use unbroken::objdemo::{run_object, ObjectScenario};
+use unbroken::object::demo::{run_object, ObjectScenario};
 
 #[test]
 fn object_over_4gib_two_deaths_one_after_the_wrap() {

@@ -12,7 +12,7 @@
 //! UNBROKEN_REQUIRE_LAB=1).
 
 use std::path::PathBuf;
-use unbroken::objchaos::{run_chaos, ChaosOpts};
+use unbroken::object::chaos::{run_chaos, ChaosOpts};
 
 #[test]
 fn object_chaos_three_trials() {

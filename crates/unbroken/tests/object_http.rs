@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use unbroken::objdemo::{make_object, receive, service, EnvOpts, ObjectEnv, Received};
+use unbroken::object::demo::{make_object, receive, service, EnvOpts, ObjectEnv, Received};
 use unbroken_lab::lab;
 
 /// One lab at a time: each test builds a whole system, and the machine has two cores.

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use unbroken::objdemo::{EnvOpts, ObjectEnv};
+use unbroken::object::demo::{EnvOpts, ObjectEnv};
 use unbroken_lab::lab;
 use unbroken_lab::objlab::addr;
 
@@ -132,7 +132,7 @@ fn hostile_lb_misconfigurations_are_refused() {
     let dir = std::env::temp_dir().join(format!("ub-misconf-lb-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let run = |cfg: &unbroken_control::lb::LbConfig, status: &Path| {
+    let run = |cfg: &unbroken_control::object::lb::LbConfig, status: &Path| {
         let conf = dir.join("lb.toml");
         std::fs::write(&conf, toml::to_string(cfg).unwrap()).unwrap();
         lab::spawn(
@@ -155,7 +155,7 @@ fn hostile_lb_misconfigurations_are_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("key is missing or empty") && err.contains("mandatory"), "{err}");
-    assert!(!lab::in_ns(lab.lb(), || unbroken_control::lb::table_exists(&cfg.table)).unwrap().unwrap());
+    assert!(!lab::in_ns(lab.lb(), || unbroken_control::object::lb::table_exists(&cfg.table)).unwrap().unwrap());
     // The status file's directory does not exist: created; the LB runs and writes it.
     let cfg = lab.lb_config();
     let status = dir.join("not/yet/lb.json");
@@ -165,7 +165,7 @@ fn hostile_lb_misconfigurations_are_refused() {
     unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
     let out = c.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let _ = lab::in_ns(lab.lb(), || unbroken_control::lb::cleanup(&cfg.table));
+    let _ = lab::in_ns(lab.lb(), || unbroken_control::object::lb::cleanup(&cfg.table));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

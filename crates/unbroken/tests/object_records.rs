@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
-use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
+use unbroken::object::demo::{make_object, EnvOpts, ObjectEnv};
 use unbroken_lab::lab;
 use unbroken_lab::objlab::addr;
 

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use unbroken::objdemo::{make_object, EnvOpts, ObjectEnv};
+use unbroken::object::demo::{make_object, EnvOpts, ObjectEnv};
 use unbroken_lab::lab;
 use unbroken_lab::objlab::addr;
 

@@ -28,7 +28,7 @@ fn bench_replica_quick_json_reports_every_field() {
     if !lab::lab_or_skip("bench_replica_quick_json_reports_every_field") {
         return;
     }
-    if let Some(m) = unbroken::repdemo::tools_missing() {
+    if let Some(m) = unbroken::replica::demo::tools_missing() {
         lab::skip_or_fail("bench_replica_quick_json_reports_every_field", &m);
         return;
     }

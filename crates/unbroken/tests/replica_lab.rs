@@ -14,7 +14,7 @@
 //!   and the connection goes on unprotected; if the primary then dies, that connection is reset
 //!   (never handed the backup's bytes) while the others go on;
 //! - the primary host crash without strict output commit;
-//! - large values (issue 20): our verifying client ([`unbroken::repclient`], 8 connections of
+//! - large values (issue 20): our verifying client ([`unbroken::replica::client`], 8 connections of
 //!   INCR and 1 KiB-1 MiB SET/GET, every reply byte for byte) with no fault and with 200 ms of
 //!   loss toward the backup: no takeover, no unprotected connection, no PAWS discard at the
 //!   client, no stall beyond 300 ms, no acknowledged write lost; and `unbroken demo replica
@@ -34,8 +34,8 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use unbroken::repchaos::{run_trial, Fault, Trial, TrialOpts};
-use unbroken::repdemo::{ClientResult, ClientRun, RepOpts, ReplicaEnv, ReplicaScenario, Repeat, Side, REDIS_PORT};
+use unbroken::replica::chaos::{run_trial, Fault, Trial, TrialOpts};
+use unbroken::replica::demo::{ClientResult, ClientRun, RepOpts, ReplicaEnv, ReplicaScenario, Repeat, Side, REDIS_PORT};
 use unbroken_lab::lab;
 use unbroken_lab::replicalab::addr;
 
@@ -67,7 +67,7 @@ fn lab_or_skip(name: &str) -> Option<MutexGuard<'static, ()>> {
     if !lab::lab_or_skip(name) {
         return None;
     }
-    if let Some(m) = unbroken::repdemo::tools_missing() {
+    if let Some(m) = unbroken::replica::demo::tools_missing() {
         lab::skip_or_fail(name, &m);
         return None;
     }
@@ -225,7 +225,7 @@ fn replica_primary_host_crash() {
     let name = "replica_primary_host_crash";
     let Some(_g) = lab_or_skip(name) else { return };
     let s = ReplicaScenario { incrs: 20_000, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), missed_beats: MISSED_BEATS, ..Default::default() };
-    let r = unbroken::repdemo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = unbroken::replica::demo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
     eprintln!("{name}: {} client runs, {} ops", r.clients.len(), r.ops);
     eprintln!("{name}: crash at {} INCRs, takeover {:?} ms, longest stall {} ms", r.crash_at_ops, r.takeover_ms, r.max_stall_ms);
     assert!(r.ok, "{name}: {:?}", r.error);
@@ -415,7 +415,7 @@ fn replica_primary_host_crash_not_strict() {
     let name = "replica_primary_host_crash_not_strict";
     let Some(_g) = lab_or_skip(name) else { return };
     let s = ReplicaScenario { incrs: 10_000, strict: false, bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_unbroken"))), timeout: Duration::from_secs(120), missed_beats: MISSED_BEATS, ..Default::default() };
-    let r = unbroken::repdemo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = unbroken::replica::demo::run_replica(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
     eprintln!("{name}: {} client runs, {} ops; crash at {} INCRs, takeover {:?} ms, longest stall {} ms", r.clients.len(), r.ops, r.crash_at_ops, r.takeover_ms, r.max_stall_ms);
     assert!(r.ok, "{name}: {:?}", r.error);
     assert_eq!((r.failovers, r.errors_seen, r.resets_seen_by_client), (1, 0, 0));
@@ -577,8 +577,8 @@ fn replica_chaos_through_the_binary() {
     let name = "replica_chaos_through_the_binary";
     let Some(_g) = lab_or_skip(name) else { return };
     let seed = 470;
-    let mut rng = unbroken::repclient::Rng::new(seed);
-    let want: Vec<&str> = (0..3).map(|_| unbroken::repchaos::draw(&mut rng, &unbroken::repchaos::FAULTS).0.name()).collect();
+    let mut rng = unbroken::common::Rng::new(seed);
+    let want: Vec<&str> = (0..3).map(|_| unbroken::replica::chaos::draw(&mut rng, &unbroken::replica::chaos::FAULTS).0.name()).collect();
     assert_eq!(want, ["replayed_datagram", "primary_host_crash", "loss_toward_backup"], "the seed's draws");
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_unbroken"))
         .args(["demo", "replica", "--chaos", "3", "--json", "--seed", &seed.to_string(), "--secs", "8"])

@@ -1,7 +1,7 @@
 //! The heartbeat datagrams between object mode's agents and the load balancer, protocol
 //! version 3: every byte layout, the MAC over it and the key id of the NACK. What the two ends
 //! decide about a datagram (which beats count, which replies extend a lease, what to tell the
-//! operator) is not here but in `unbroken_control::hbproto`, which builds on this module.
+//! operator) is not here but in `unbroken_control::object::hbproto`, which builds on this module.
 //!
 //! Each datagram is a `Repr` ([`Heartbeat`], [`Reply`], [`Challenge`]; the NACK is just its key
 //! id) with `parse` (length, magic, version, kind, then the MAC, checked before any field is

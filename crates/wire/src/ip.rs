@@ -142,3 +142,21 @@ pub fn tcp_packet(src: IpAddr, dst: IpAddr, r: &crate::tcp::Repr, payload: &[u8]
     buf.truncate(hl + tl);
     Ok(buf)
 }
+
+/// Recomputes the TCP checksum of the IP packet in `buf[..len]` from scratch (needed after
+/// rewriting a packet the kernel handed over with a partial checksum, e.g. GSO); false if it
+/// is not TCP or is too short.
+pub fn fill_tcp_checksum(buf: &mut [u8], len: usize) -> bool {
+    let Ok(info) = IpInfo::parse(&buf[..len]) else { return false };
+    if info.protocol != PROTO_TCP {
+        return false;
+    }
+    let pseudo = info.pseudo_sum(info.l4_len);
+    match crate::tcp::Packet::new_checked(&mut buf[info.l4_offset..info.l4_offset + info.l4_len]) {
+        Ok(mut t) => {
+            t.fill_checksum(pseudo);
+            true
+        }
+        Err(_) => false,
+    }
+}

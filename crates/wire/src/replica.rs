@@ -34,7 +34,7 @@
 //! Version 1 had no `isn` (records of 48 bytes, flags at 44); version 2 had no session (a
 //! header of 16 bytes: a datagram captured before a restart counted as fresh afterwards); a
 //! version mismatch is refused (`Unsupported`), so both hosts must run the same version. What
-//! the receiver decides about the session fields is `unbroken_control::replicacore`'s.
+//! the receiver decides about the session fields is `unbroken_control::replica::core`'s.
 //!
 //! Fewer than 20 bytes per connection, as in ST-TCP, is not reached: the digest and the full
 //! client address cost 52. [`MAX_RECORDS`] records fit one 1400-byte datagram.

@@ -1,5 +1,5 @@
 //! RESP2, the protocol of Redis (<https://redis.io/docs/latest/develop/reference/protocol-spec/>),
-//! as object mode's store client (`unbroken_control::store`) speaks it: commands out (an array
+//! as object mode's store client (`unbroken_control::object::store`) speaks it: commands out (an array
 //! of bulk strings), replies in. The client's connections, pipelining, cluster routing and
 //! retries are the store module's; the bytes are here.
 //!

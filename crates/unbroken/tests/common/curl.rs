@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use unbroken::objdemo::ObjectEnv;
+use unbroken::object::demo::ObjectEnv;
 
 /// What a client received, compared byte by byte with the original object.
 #[derive(Debug, Default, Clone)]

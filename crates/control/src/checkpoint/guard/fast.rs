@@ -1,0 +1,295 @@
+//! The guard's fast-path half (issue 22): which connections the kernel's programs carry
+//! (`bpf/checkpoint/ckpt_tc.c`) and the hand-off of their state between the programs and
+//! [`Core`], decided here; the map itself is behind [`FastMap`] (the daemon's is the kernel's,
+//! `crate::checkpoint::runtime`; the simulation's an emulation).
+//!
+//! The protocol (`bpf/checkpoint/rtcp_state.h`): a connection is *installed* once it is
+//! [`eligible`] (synchronized, checkpointed, no recovery under way, protected, open); from then
+//! on the programs own its state and the core's copy is stale. A packet the programs leave to
+//! the slow path freezes the entry; before the core decides any packet or command of an
+//! installed connection it *takes* the state (the entry freezes, and the programs' copy is
+//! merged into the core's when it was the newest); after deciding, it gives the connection back
+//! (*thaw*) when still eligible, which the kernel refuses while a counted packet is still on its
+//! way to the queue (then the core keeps the state, and the next packet's thaw succeeds); a
+//! connection that closed or was released leaves the map. A frozen entry whose counted packet
+//! never arrives (a full queue) is given back after [`STALE_THAW_MS`].
+
+use super::*;
+
+/// How long a connection stays frozen, held by the core, without a packet or command, before it
+/// is given back even though a counted packet never reached the queue.
+pub const STALE_THAW_MS: u64 = 1000;
+
+/// Where a connection's state is, as the core knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fast {
+    /// Not in the map: the core's copy is the state.
+    #[default]
+    Off,
+    /// In the map, the programs' (the core's copy is stale until taken).
+    Kernel,
+    /// In the map, frozen, the core's.
+    Held,
+}
+
+/// What the fast path keeps of a connection: the engine's state and the guard's own beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastState {
+    pub conn: Conn,
+    pub a_hi: Option<u32>,
+    pub peer_hi: Option<(u32, u32)>,
+}
+
+/// A taken entry: its state, and whether it was the newest (the programs owned it until now;
+/// otherwise the core holds a newer copy since an earlier take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastTaken {
+    pub newest: bool,
+    pub state: FastState,
+}
+
+/// What the core asks of the map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastOp {
+    /// A new entry: the programs own the connection from now on.
+    Install(FlowKey, FastState),
+    /// Give a held connection back, unless a counted packet is still on its way.
+    Thaw(FlowKey, FastState),
+    /// Give it back anyway (see [`STALE_THAW_MS`]).
+    ThawForce(FlowKey, FastState),
+    Remove(FlowKey),
+}
+
+/// What became of a [`FastOp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastDone {
+    /// The programs own the connection.
+    Kernel,
+    /// The entry stays frozen and the core's (a refused thaw, or an install that found one).
+    Held,
+    /// No entry (removed, or the map failed: the slow path carries the connection).
+    Gone,
+}
+
+/// The map, as the core uses it.
+pub trait FastMap: Send {
+    /// Takes the state of `key` (freezing its entry); `counted`: the packet being decided was
+    /// counted by the programs (marked). `None`: no entry.
+    fn take(&mut self, key: &FlowKey, counted: bool) -> Option<FastTaken>;
+    fn apply(&mut self, op: &FastOp) -> FastDone;
+    /// The programs' own counters, for the status.
+    fn stats(&mut self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+}
+
+/// Counters of the hand-off (status `fast_path`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FastCounters {
+    pub installed: u64,
+    pub taken: u64,
+    pub thawed: u64,
+    /// Thaws refused: a counted packet was still on its way.
+    pub thaw_refused: u64,
+    pub thaw_forced: u64,
+    pub removed: u64,
+    /// Entries found missing or that the map would not create (the slow path carries them).
+    pub lost: u64,
+}
+
+/// The fast path's part of [`Core`].
+#[derive(Default)]
+pub struct FastPart {
+    pub map: Option<Box<dyn FastMap>>,
+    /// Connections whose entry may need an operation once the current packet or command is decided.
+    dirty: Vec<FlowKey>,
+    /// Connections in the map that left the table (expired, evicted, released).
+    gone: Vec<FlowKey>,
+    /// Connections held by the core, and since when (ms) nothing happened to them.
+    held: HashMap<FlowKey, u64>,
+    pub counters: FastCounters,
+}
+
+/// A connection the programs can carry: the engine's state lets them translate both ways
+/// (synchronized, a checkpoint or everything acknowledged, no recovery in progress), the guard
+/// has no decision pending on it (no recovery SYN race, no nudge to send), it is protected and
+/// open.
+fn eligible(e: &Entry, now_ms: u64) -> bool {
+    use unbroken_engines::rtcp::flag;
+    let c = &e.conn;
+    c.flags & flag::SYNCED != 0
+        && c.flags & (flag::SYN_PENDING | flag::ORIGIN_PINNED) == 0
+        && c.flags & (flag::ACK_ALLOWED | flag::ACK_EVERYTHING) != 0
+        && !c.is_closed()
+        && c.flags & (flag::FIN_A_SEEN | flag::FIN_B_SEEN) == 0
+        && !e.unprotected
+        && e.recovery_syns.is_empty()
+        && !e.recovery_armed(now_ms)
+        && !e.nudge
+}
+
+fn state_of(e: &Entry) -> FastState {
+    FastState { conn: e.conn, a_hi: e.a_hi, peer_hi: e.peer_hi }
+}
+
+impl Core {
+    /// Hands connections to `map` from now on.
+    pub fn enable_fast_path(&mut self, map: Box<dyn FastMap>) {
+        self.fast.map = Some(map);
+    }
+
+    pub fn fast_counters(&self) -> &FastCounters {
+        &self.fast.counters
+    }
+
+    /// The status's `fast_path` object: on or off (and why), the hand-off's counters, the
+    /// programs'.
+    pub fn fast_status(&mut self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        m.insert("on".into(), self.fast.map.is_some().into());
+        if let Some(why) = &self.fast_off_reason {
+            m.insert("off_because".into(), why.clone().into());
+        }
+        m.insert("handoff".into(), serde_json::to_value(&self.fast.counters).unwrap_or_default());
+        m.insert("held".into(), (self.fast.held.len() as u64).into());
+        if let Some(map) = self.fast.map.as_mut() {
+            for (k, v) in map.stats() {
+                m.insert(k.into(), v.into());
+            }
+        }
+        serde_json::Value::Object(m)
+    }
+
+    /// Before a packet (`counted`: marked by the programs) or a command of `key` is decided:
+    /// its state from the map, if the map holds it.
+    pub(super) fn fast_take(&mut self, key: FlowKey, counted: bool, now_ms: u64) {
+        let Some(map) = self.fast.map.as_mut() else { return };
+        let known = self.table.get(&key).map(|e| e.fast).unwrap_or_default();
+        if !counted && known == Fast::Off {
+            // Not in the map: installed after if it became eligible.
+            self.fast.dirty.push(key);
+            return;
+        }
+        match map.take(&key, counted) {
+            Some(t) => {
+                self.fast.counters.taken += 1;
+                let e = self.entry(key, now_ms);
+                if t.newest || e.fast != Fast::Held {
+                    e.conn = t.state.conn;
+                    e.a_hi = t.state.a_hi;
+                    e.peer_hi = t.state.peer_hi;
+                }
+                e.fast = Fast::Held;
+                self.fast.held.insert(key, now_ms);
+                self.fast.dirty.push(key);
+            }
+            None => {
+                if known != Fast::Off {
+                    self.fast.counters.lost += 1;
+                }
+                if let Some(e) = self.table.get_mut(&key) {
+                    e.fast = Fast::Off;
+                }
+                self.fast.held.remove(&key);
+                // Installed again below if eligible.
+                self.fast.dirty.push(key);
+            }
+        }
+    }
+
+    /// A connection the table forgets (expired, evicted, released).
+    pub(super) fn fast_forget(&mut self, key: FlowKey, was: Fast) {
+        if was != Fast::Off {
+            self.fast.gone.push(key);
+        }
+    }
+
+    /// After a packet or command was decided: what the map must do for the connections it
+    /// touched, carried out.
+    pub(super) fn fast_settle(&mut self, now_ms: u64) {
+        let Some(mut map) = self.fast.map.take() else { return };
+        for key in std::mem::take(&mut self.fast.gone) {
+            self.fast.held.remove(&key);
+            if !self.table.contains_key(&key) {
+                map.apply(&FastOp::Remove(key));
+                self.fast.counters.removed += 1;
+            }
+        }
+        let mut dirty = std::mem::take(&mut self.fast.dirty);
+        dirty.dedup();
+        for key in dirty.drain(..) {
+            let Some(e) = self.table.get_mut(&key) else {
+                if self.fast.held.remove(&key).is_some() {
+                    map.apply(&FastOp::Remove(key));
+                    self.fast.counters.removed += 1;
+                }
+                continue;
+            };
+            let op = if eligible(e, now_ms) {
+                match e.fast {
+                    Fast::Off => FastOp::Install(key, state_of(e)),
+                    Fast::Held => FastOp::Thaw(key, state_of(e)),
+                    Fast::Kernel => continue,
+                }
+            } else if e.fast != Fast::Off && (e.closed() || e.unprotected) {
+                FastOp::Remove(key)
+            } else {
+                // Stays the core's (a recovery under way): every packet goes slow.
+                continue;
+            };
+            let done = map.apply(&op);
+            let c = &mut self.fast.counters;
+            match (&op, done) {
+                (FastOp::Install(..), FastDone::Kernel) => c.installed += 1,
+                (FastOp::Thaw(..), FastDone::Kernel) => c.thawed += 1,
+                (FastOp::Thaw(..), FastDone::Held) => c.thaw_refused += 1,
+                (FastOp::Remove(_), _) => c.removed += 1,
+                (_, FastDone::Gone) => c.lost += 1,
+                _ => {}
+            }
+            e.fast = match (op, done) {
+                (FastOp::Remove(_), _) | (_, FastDone::Gone) => Fast::Off,
+                (_, d) => {
+                    if d == FastDone::Kernel {
+                        Fast::Kernel
+                    } else {
+                        Fast::Held
+                    }
+                }
+            };
+            if e.fast == Fast::Held {
+                self.fast.held.insert(key, now_ms);
+            } else {
+                self.fast.held.remove(&key);
+            }
+        }
+        self.fast.dirty = dirty;
+        self.fast.map = Some(map);
+    }
+
+    /// Time passes: a connection held for [`STALE_THAW_MS`] without anything happening to it
+    /// is given back if eligible, even though a counted packet never arrived.
+    pub(super) fn fast_tick(&mut self, now_ms: u64) {
+        if self.fast.map.is_none() || self.fast.held.is_empty() {
+            return;
+        }
+        let stale: Vec<FlowKey> = self.fast.held.iter().filter(|(_, t)| now_ms.saturating_sub(**t) >= STALE_THAW_MS).map(|(k, _)| *k).collect();
+        let Some(mut map) = self.fast.map.take() else { return };
+        for key in stale {
+            self.fast.held.remove(&key);
+            let Some(e) = self.table.get_mut(&key) else { continue };
+            if e.fast != Fast::Held || !eligible(e, now_ms) {
+                continue;
+            }
+            e.fast = match map.apply(&FastOp::ThawForce(key, state_of(e))) {
+                FastDone::Kernel => {
+                    self.fast.counters.thaw_forced += 1;
+                    Fast::Kernel
+                }
+                FastDone::Held => Fast::Held,
+                FastDone::Gone => Fast::Off,
+            };
+        }
+        self.fast.map = Some(map);
+    }
+}

@@ -1,0 +1,372 @@
+//! `unbroken guard` at run time: binds the queue, installs the steering rules, then runs the
+//! packet loop ([`crate::daemon::run`] around [`Core`], the guard's mode), one command loop per
+//! listen address, and the status writer ([`crate::daemon::spawn_status`]) until SIGINT/SIGTERM.
+//! SIGHUP is ignored (logged and counted, see [`crate::signals`]).
+
+use crate::checkpoint::config::{Guard as Config, Placement};
+use crate::checkpoint::guard::{Core, FastDone, FastMap, FastOp, FastState, FastTaken, ReplayFloor};
+use std::net::UdpSocket;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use unbroken_drivers::nfqueue::{Queue, QueueConfig};
+use unbroken_drivers::rawsend::RawSender;
+
+fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Options of a run beyond the config file.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Remove the steering rules at exit even if connections still need renumbering (their
+    /// packets will then bypass the guard; the peer drops them, or worse).
+    pub force_remove_rules: bool,
+}
+
+/// Runs the guard until a signal arrives. Prints one `ready` line on stdout once traffic is
+/// being steered.
+pub fn run(cfg: Config, opts: RunOptions) -> Result<(), String> {
+    let g = cfg.raw.guard.clone();
+    crate::daemon::install_signals("guard", false);
+    let mut c = Core::from_config(&cfg);
+    // The previous instance's replay high-water marks (issue 21, item 5), before any command.
+    let replay = match cfg.replay_file() {
+        Some(path) => {
+            let (store, floors) = ReplayStore::open(path)?;
+            c.restore_replay_floors(floors);
+            Some(Arc::new(Mutex::new(store)))
+        }
+        None => {
+            eprintln!("guard: no replay_file (nor status_file): a command captured before a restart can be replayed once to the next guard within max_clock_skew_ms");
+            None
+        }
+    };
+    // The fast path (issue 22) before the rules: its programs claim nothing until the core
+    // installs a connection, and the rules then carry the RETURN for what they claimed.
+    let fast_on = match fast_path(&cfg) {
+        Ok(map) => {
+            eprintln!("guard: fast path on: established packets of protected connections stay in the kernel (tc-BPF on {})", map.ifaces.join(", "));
+            c.enable_fast_path(Box::new(map));
+            true
+        }
+        Err(why) => {
+            eprintln!("guard: fast path off: {why}; every protected packet goes through NFQUEUE {}", g.queue);
+            c.fast_off_reason = Some(why);
+            false
+        }
+    };
+    let core = Arc::new(Mutex::new(c));
+    let started = Instant::now();
+    let mono_ms = move || started.elapsed().as_millis() as u64;
+
+    let chains: &[&str] = match g.placement {
+        Placement::Gateway => &["FORWARD"],
+        Placement::Local => &["OUTPUT", "INPUT"],
+    };
+    // Another guard that still runs owns these rules: say which, before touching anything.
+    let mut spec = crate::checkpoint::steer::spec(&cfg, chains);
+    if fast_on {
+        spec.fast_mark = Some(unbroken_drivers::fastpath::checkpoint::MARK_DONE);
+    }
+    unbroken_drivers::iptables::Rules::check_owner(&spec).map_err(|e| format!("guard: {e}"))?;
+    crate::checkpoint::steer::check_app_interface(&cfg).map_err(|e| format!("guard: config: {e}"))?;
+    // The queue first, the rules second: rules without a bound consumer drop traffic.
+    let qcfg = QueueConfig { queue_num: g.queue, ..QueueConfig::default() };
+    let mut queue = Queue::open(&qcfg).map_err(|e| format!("guard: cannot bind NFQUEUE {}: {e}", g.queue))?;
+    let raw = Arc::new(RawSender::new(g.injection_mark).map_err(|e| format!("guard: raw socket: {e} (root needed)"))?);
+    let socks = g
+        .control
+        .iter()
+        .map(|a| UdpSocket::bind(a).map_err(|e| format!("guard: side channel {a}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rules = unbroken_drivers::iptables::Rules::install_or_replace(&spec).map_err(|e| format!("guard: installing rules: {e}"))?;
+
+    let mut threads = Vec::new();
+    for sock in socks {
+        let core = core.clone();
+        let raw = raw.clone();
+        let replay = replay.clone();
+        sock.set_read_timeout(Some(Duration::from_millis(200))).map_err(|e| e.to_string())?;
+        threads.push(std::thread::spawn(move || command_loop(sock, core, raw, replay, mono_ms)));
+    }
+    if let Some(path) = g.status_file.clone() {
+        let plan = crate::daemon::StatusPlan { name: "guard", path: Some(path), period: Duration::from_millis(250), dirty: Default::default(), started };
+        threads.push(crate::daemon::spawn_status(plan, status_fields(core.clone(), spec.clone())).map_err(|e| format!("guard: status thread: {e}"))?);
+    }
+    println!("unbroken guard: ready queue={} placement={:?} services={} control={:?}", g.queue, g.placement, cfg.raw.services.len(), g.control);
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+
+    // The packet loop (crate::daemon): the core decides, the daemon does the verdict I/O.
+    let res = crate::daemon::run(&mut crate::daemon::PacketIo::new("guard", &mut queue, Some(&raw)), &core, &mut crate::daemon::NoAdapter, mono_ms);
+    crate::daemon::stop();
+    for t in threads {
+        let _ = t.join();
+    }
+    let translated = crate::sync::lock(&core, "guard: core").any_translated();
+    if translated && !opts.force_remove_rules {
+        eprintln!("guard: leaving the steering rules in place: recovered connections need renumbering, and unrewritten packets must not reach their peers. Restart the guard to continue, or run with --remove-rules to remove them anyway.");
+        std::mem::forget(rules);
+    } else {
+        drop(rules);
+    }
+    drop(queue);
+    res
+}
+
+/// The kernel's map behind the core's [`FastMap`] (see `crate::checkpoint::guard::fast`), with the
+/// programs attached: `ckpt_outgoing` at the ingress of `guard.app_interface`, `ckpt_incoming`
+/// at the ingress of every other interface (but loopback) present at start (a packet arriving on
+/// one added later goes through the queue). Detached when dropped.
+struct KernelMap {
+    fp: unbroken_drivers::fastpath::checkpoint::Checkpoint,
+    ifaces: Vec<String>,
+}
+
+/// Loads and attaches the fast path for `cfg`, or says why not.
+fn fast_path(cfg: &Config) -> Result<KernelMap, String> {
+    use unbroken_drivers::fastpath::checkpoint::{Checkpoint, Direction};
+    let g = &cfg.raw.guard;
+    if !g.fast_path {
+        return Err("guard.fast_path = false".into());
+    }
+    let app_if = match (g.placement, &g.app_interface) {
+        (Placement::Gateway, Some(i)) => i.clone(),
+        _ => return Err("placement = \"local\" is not on the fast path yet (tc egress runs after netfilter's OUTPUT chain, where the queue rule decides)".into()),
+    };
+    let mut fp = Checkpoint::load().map_err(|e| e.to_string())?;
+    let mut others: Vec<String> = interfaces()?.into_iter().filter(|n| n != "lo" && *n != app_if).collect();
+    others.sort();
+    fp.attach(Direction::Outgoing, &app_if).map_err(|e| e.to_string())?;
+    let mut ifaces = vec![format!("{app_if} (from the applications)")];
+    for i in &others {
+        fp.attach(Direction::Incoming, i).map_err(|e| e.to_string())?;
+        ifaces.push(format!("{i} (from the peers)"));
+    }
+    Ok(KernelMap { fp, ifaces })
+}
+
+/// The names of this network namespace's interfaces (`if_nameindex`: /sys may show another
+/// namespace's when the guard was entered with nsenter).
+fn interfaces() -> Result<Vec<String>, String> {
+    // SAFETY: if_nameindex returns an array terminated by a zero entry, freed below.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return Err(format!("listing the interfaces: {}", std::io::Error::last_os_error()));
+        }
+        let mut names = Vec::new();
+        let mut p = list;
+        while (*p).if_index != 0 && !(*p).if_name.is_null() {
+            names.push(std::ffi::CStr::from_ptr((*p).if_name).to_string_lossy().into_owned());
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+        Ok(names)
+    }
+}
+
+fn fast_key(k: &crate::checkpoint::guard::FlowKey) -> unbroken_drivers::fastpath::checkpoint::Key {
+    unbroken_drivers::fastpath::checkpoint::Key::new(k.app, k.peer)
+}
+
+impl FastMap for KernelMap {
+    fn take(&mut self, key: &crate::checkpoint::guard::FlowKey, counted: bool) -> Option<FastTaken> {
+        use unbroken_drivers::fastpath::checkpoint::{ctl, Op, OpResult};
+        match self.fp.op(if counted { Op::Take } else { Op::Freeze }, &fast_key(key), None) {
+            Ok(a) if a.result == OpResult::Done => Some(FastTaken { newest: a.ctl_before & ctl::USER == 0, state: FastState { conn: a.entry.conn(), a_hi: a.entry.a_hi(), peer_hi: a.entry.peer() } }),
+            Ok(_) => None,
+            Err(e) => {
+                crate::ratelog::log("guard: fast path", || format!("guard: fast path: taking {key:?}: {e}"));
+                None
+            }
+        }
+    }
+
+    fn apply(&mut self, op: &FastOp) -> FastDone {
+        use unbroken_drivers::fastpath::checkpoint::{Entry, Op, OpResult};
+        let entry = |s: &FastState| Entry::new(&s.conn, s.a_hi, s.peer_hi);
+        let res = match op {
+            FastOp::Install(k, s) => match self.fp.install(&fast_key(k), &entry(s)) {
+                Ok(true) => Ok(FastDone::Kernel),
+                // An entry the core did not know of (a failed take): neither copy is sure to
+                // be the newest; the slow path carries the connection until it is installed again.
+                Ok(false) => self.fp.remove(&fast_key(k)).map(|_| FastDone::Gone),
+                Err(e) => Err(e),
+            },
+            FastOp::Thaw(k, s) | FastOp::ThawForce(k, s) => {
+                let o = if matches!(op, FastOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
+                self.fp.op(o, &fast_key(k), Some(&entry(s))).map(|a| match a.result {
+                    OpResult::Done => FastDone::Kernel,
+                    OpResult::Stale => FastDone::Held,
+                    OpResult::NoEntry => FastDone::Gone,
+                })
+            }
+            FastOp::Remove(k) => self.fp.remove(&fast_key(k)).map(|_| FastDone::Gone),
+        };
+        res.unwrap_or_else(|e| {
+            crate::ratelog::log("guard: fast path", || format!("guard: fast path: {op:?}: {e}"));
+            // A thaw that failed leaves the entry frozen: held. Anything else: the slow path.
+            if matches!(op, FastOp::Thaw(..) | FastOp::ThawForce(..)) {
+                FastDone::Held
+            } else {
+                FastDone::Gone
+            }
+        })
+    }
+
+    fn stats(&mut self) -> Vec<(&'static str, u64)> {
+        match self.fp.counters() {
+            Ok(c) => vec![("kernel_outgoing", c.outgoing), ("kernel_incoming", c.incoming), ("kernel_slow", c.slow), ("kernel_dropped", c.dropped)],
+            Err(_) => vec![],
+        }
+    }
+}
+
+/// The replay file (`guard.replay_file`): the side channel's high-water marks
+/// ([`ReplayFloor`]), replaced whole (write a temporary file, rename) whenever the core raised
+/// them, before the command that raised them has any effect outside the guard; synced to disk
+/// at most every [`REPLAY_SYNC_MS`], so a process restart loses nothing and a host crash at
+/// most that much.
+struct ReplayStore {
+    path: std::path::PathBuf,
+    tmp: std::path::PathBuf,
+    unsynced_since: Option<Instant>,
+}
+
+/// How long the replay file may stay written but not synced to disk.
+const REPLAY_SYNC_MS: u64 = 250;
+
+impl ReplayStore {
+    fn open(path: std::path::PathBuf) -> Result<(ReplayStore, Vec<ReplayFloor>), String> {
+        let what = |e: &dyn std::fmt::Display| format!("guard: replay_file {}: {e}", path.display());
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| what(&e))?;
+        }
+        let floors = match std::fs::read_to_string(&path) {
+            Ok(t) => crate::checkpoint::guard::decode_replay_floors(&t).map_err(|e| what(&format!("{e} (remove the file to start without the previous guard's replay marks)")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![],
+            Err(e) => return Err(what(&e)),
+        };
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".tmp");
+        Ok((ReplayStore { path, tmp: tmp.into(), unsynced_since: None }, floors))
+    }
+
+    fn write(&mut self, floors: &[ReplayFloor]) -> std::io::Result<()> {
+        std::fs::write(&self.tmp, crate::checkpoint::guard::encode_replay_floors(floors))?;
+        std::fs::rename(&self.tmp, &self.path)?;
+        self.unsynced_since.get_or_insert_with(Instant::now);
+        self.sync_due()
+    }
+
+    fn sync_due(&mut self) -> std::io::Result<()> {
+        if self.unsynced_since.is_some_and(|t| t.elapsed() >= Duration::from_millis(REPLAY_SYNC_MS)) {
+            self.unsynced_since = None;
+            std::fs::File::open(&self.path)?.sync_all()?;
+            if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn command_loop(sock: UdpSocket, core: Arc<Mutex<Core>>, raw: Arc<RawSender>, replay: Option<Arc<Mutex<ReplayStore>>>, mono_ms: impl Fn() -> u64) {
+    let mut buf = [0u8; 2048];
+    let mut ack = [0u8; 128];
+    while !crate::daemon::stopping() {
+        let (n, src) = match sock.recv_from(&mut buf) {
+            Ok(x) => x,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {
+                if let Some(r) = &replay {
+                    if let Err(e) = crate::sync::lock(r, "guard: replay file").sync_due() {
+                        crate::ratelog::log("guard: replay file", || format!("guard: replay file: {e}"));
+                    }
+                }
+                continue;
+            }
+            Err(e) => {
+                crate::ratelog::log("guard: side channel receive", || format!("guard: side channel receive: {e}"));
+                continue;
+            }
+        };
+        // A datagram that trips a bug costs that datagram, not the side channel.
+        // The replay file's lock first, then the core's: commands are persisted in the order the
+        // core took them, and the packet path never waits for the file.
+        let mut store = replay.as_ref().map(|r| crate::sync::lock(r, "guard: replay file"));
+        let Some((out, floors)) = crate::sync::catch("guard: side channel", || {
+            let mut c = crate::sync::lock(&core, "guard: core");
+            let out = c.command(src, &buf[..n], wall_ms(), mono_ms(), &mut ack);
+            (out, c.take_replay_floors())
+        }) else {
+            continue;
+        };
+        if let (Some(s), Some(f)) = (store.as_mut(), floors) {
+            if let Err(e) = s.write(&f) {
+                crate::ratelog::log("guard: replay file", || format!("guard: replay file {}: {e}", s.path.display()));
+            }
+        }
+        drop(store);
+        if let Some(out) = out {
+            if let Some(l) = out.ack_len {
+                if let Err(e) = raw.send(&ack[..l]) {
+                    crate::ratelog::log("guard: ACK inject", || format!("guard: ACK inject failed: {e}"));
+                }
+            }
+            if let Err(e) = sock.send_to(&out.reply, src) {
+                crate::ratelog::log("guard: reply", || format!("guard: reply to {src}: {e}"));
+            }
+        }
+    }
+}
+
+/// The guard's own status fields (the daemon adds the common ones, see
+/// [`crate::daemon::common_fields`]): `forged_source_dropped` and `counters`.
+fn status_fields(core: Arc<Mutex<Core>>, spec: unbroken_drivers::iptables::RuleSpec) -> impl FnMut(bool, u64) -> serde_json::Map<String, serde_json::Value> + Send + 'static {
+    let mut forged: u64 = 0;
+    let mut round: u64 = 0;
+    move |_, _| {
+        // The rules' DROP counters (forged service sources from the peers' side): read once a
+        // second, not at every write (it runs iptables).
+        if spec.app_iface.is_some() && round % 4 == 0 {
+            if let Ok(n) = unbroken_drivers::iptables::dropped_by_rules(&spec) {
+                forged = n;
+            }
+        }
+        round += 1;
+        let (mut counters, conns, fast) = {
+            let mut c = crate::sync::lock(&core, "guard: core");
+            (c.counters.clone(), c.connections(), c.fast_status())
+        };
+        counters.connections = conns as u64;
+        let mut m = serde_json::Map::new();
+        m.insert("fast_path".into(), fast);
+        m.insert("forged_source_dropped".into(), forged.into());
+        m.insert("counters".into(), serde_json::to_value(counters).unwrap_or_default());
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replay file survives a restart: written, reopened, the same marks; a damaged one is
+    /// an error naming the file, a missing one is an empty start.
+    #[test]
+    fn replay_file_round_trip() {
+        let dir = std::env::temp_dir().join(format!("unbroken-replay-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("sub/guard.replay");
+        let (mut store, floors) = ReplayStore::open(path.clone()).unwrap();
+        assert!(floors.is_empty());
+        let f = vec![ReplayFloor { app_ip: "10.0.2.10".parse().unwrap(), time_ms: 1234, nonces: vec![7, 9], full: false }];
+        store.write(&f).unwrap();
+        assert_eq!(ReplayStore::open(path.clone()).unwrap().1, f);
+        std::fs::write(&path, "garbage").unwrap();
+        let e = ReplayStore::open(path.clone()).err().unwrap();
+        assert!(e.contains("guard.replay") && e.contains("remove the file"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

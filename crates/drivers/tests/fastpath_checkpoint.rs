@@ -708,3 +708,77 @@ fn partial_checksums_from_this_host_as_the_slow_path_takes_them() {
     p.buf[at] ^= 0x10;
     both.leaves(Incoming, &p, "neither partial nor right");
 }
+
+/// RTCP C2 in the kernel (Op::Acknowledge): for a connection the programs own, the checkpoint
+/// raised in place leaves the entry exactly as rtcp::command's ACKNOWLEDGE leaves the engine's
+/// state (ackA, and the window shrunk by the advance), over random states and checkpoints; it
+/// is refused (nothing changed) where C2 would change more (no checkpoint yet, options not
+/// known) and on a frozen entry.
+#[test]
+fn c2_acknowledge_in_the_kernel_is_the_engines() {
+    use unbroken_drivers::fastpath::checkpoint::{Entry, Op as MapOp, OpResult};
+    let Some(mut fp) = fast_path("c2_acknowledge_in_the_kernel_is_the_engines") else { return };
+    let key = key_ab();
+    let mut rng = Rng(0xacc0_2202);
+    let bases = [established(), recovered_told(NEW_ISN), recovered_told(u32::MAX - 2)];
+    let (mut done, mut refused) = (0, 0);
+    for case in 0..3000 {
+        let mut c = bases[rng.below(bases.len() as u64) as usize];
+        c.ack_a = rng.next() as u32;
+        c.a_win = rng.next() as u16;
+        c.ws = rng.next() as u8;
+        for f in [flag::ACK_ALLOWED, flag::OPTS_KNOWN, flag::A_WIN_KNOWN] {
+            if rng.chance(150) {
+                c.flags ^= f;
+            }
+        }
+        let ack = rng.near(c.ack_a, 200_000);
+        let frozen = rng.chance(50);
+        fp.remove(&key).unwrap();
+        assert!(fp.install(&key, &Entry::new(&c, None, None)).unwrap());
+        if frozen {
+            fp.op(MapOp::Freeze, &key, None).unwrap();
+        }
+        let mut req = Entry::new(&c, None, None);
+        req.state.ack_a = ack;
+        let ans = fp.op(MapOp::Acknowledge, &key, Some(&req)).unwrap();
+        let mut engine = c;
+        let mut cmd = Command::request(Op::Acknowledge, SocketAddr::new(a_ip(), A_PORT), SocketAddr::new(b_ip(), B_PORT), case as u64, 1);
+        cmd.ack_a = ack;
+        let mut buf = [0u8; 128];
+        rtcp::command(&mut engine, &cmd, &mut buf);
+        let light = c.flags & (flag::ACK_ALLOWED | flag::OPTS_KNOWN) == flag::ACK_ALLOWED | flag::OPTS_KNOWN && !frozen;
+        if light {
+            assert_eq!(ans.result, OpResult::Done, "case {case}: {c:?}");
+            assert_eq!(ans.entry.conn(), engine, "case {case}: {c:?}, checkpoint {ack}");
+            done += 1;
+        } else {
+            assert_eq!(ans.result, OpResult::Refused, "case {case}: {c:?}, frozen {frozen}");
+            assert_eq!(fp.get(&key).unwrap(), Some(c), "case {case}: refused, yet changed");
+            refused += 1;
+        }
+    }
+    assert!(done > 1000 && refused > 300, "{done} done, {refused} refused");
+}
+
+#[test]
+#[ignore]
+fn zz_op_timing() {
+    use unbroken_drivers::fastpath::checkpoint::{Entry, Op as MapOp};
+    let Some(mut fp) = fast_path("zz") else { return };
+    let key = key_ab();
+    let c = recovered_told(NEW_ISN);
+    fp.install(&key, &Entry::new(&c, None, None)).unwrap();
+    let mut req = Entry::new(&c, None, None);
+    let t = std::time::Instant::now();
+    for i in 0..20000u32 {
+        req.state.ack_a = c.ack_a.wrapping_add(i);
+        fp.op(MapOp::Acknowledge, &key, Some(&req)).unwrap();
+    }
+    eprintln!("ack op: {:?} each", t.elapsed() / 20000);
+    let t = std::time::Instant::now();
+    for _ in 0..20000u32 {
+        fp.entry(&key).unwrap();
+    }
+    eprintln!("lookup: {:?} each", t.elapsed() / 20000);
+}

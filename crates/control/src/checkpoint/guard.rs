@@ -1159,8 +1159,11 @@ impl Core {
             return None;
         }
         let key = FlowKey { app: cmd.app, peer: cmd.peer };
-        // Every later decision reads the connection's newest state.
-        self.fast_take(key, false, now_ms);
+        // Every later decision reads the connection's newest state: a checkpoint raised in
+        // the kernel in place, or the connection taken from it.
+        if !self.fast_acknowledge(key, &cmd) {
+            self.fast_take(key, false, now_ms);
+        }
         let status_reply = |status: Status, k: &Key| {
             let r = Command { response: true, status: status as u8, flags: 0, time_ms: wall_ms, ack_a: 0, ack_b: 0, options: None, ..cmd };
             r.encode(k).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })

@@ -198,7 +198,7 @@ impl FastMap for KernelMap {
                 let o = if matches!(op, FastOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
                 self.fp.op(o, &fast_key(k), Some(&entry(s))).map(|a| match a.result {
                     OpResult::Done => FastDone::Kernel,
-                    OpResult::Stale => FastDone::Held,
+                    OpResult::Stale | OpResult::Refused => FastDone::Held,
                     OpResult::NoEntry => FastDone::Gone,
                 })
             }
@@ -213,6 +213,20 @@ impl FastMap for KernelMap {
                 FastDone::Gone
             }
         })
+    }
+
+    fn acknowledge(&mut self, key: &crate::checkpoint::guard::FlowKey, ack_a: u32) -> Option<FastState> {
+        use unbroken_drivers::fastpath::checkpoint::{Entry, Op, OpResult};
+        let mut req = Entry::default();
+        req.state.ack_a = ack_a;
+        match self.fp.op(Op::Acknowledge, &fast_key(key), Some(&req)) {
+            Ok(a) if a.result == OpResult::Done => Some(FastState { conn: a.entry.conn(), a_hi: a.entry.a_hi(), peer_hi: a.entry.peer() }),
+            Ok(_) => None,
+            Err(e) => {
+                crate::ratelog::log("guard: fast path", || format!("guard: fast path: acknowledging {key:?}: {e}"));
+                None
+            }
+        }
     }
 
     fn stats(&mut self) -> Vec<(&'static str, u64)> {

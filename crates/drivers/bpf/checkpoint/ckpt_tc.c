@@ -389,6 +389,29 @@ int ckpt_op(struct __sk_buff *skb)
 		e->peer_hi = rq.value.peer_hi;
 		e->conn = rq.value.conn;
 		break;
+	case CKPT_OP_ACK: {
+		struct rtcp_conn c = e->conn;
+		__u16 need = RTCP_F_ACK_ALLOWED | RTCP_F_OPTS_KNOWN;
+		if ((e->ctl & CKPT_C_FROZEN) || (c.flags & need) != need) {
+			an.result = 4;
+			break;
+		}
+		__u32 ack = rq.value.conn.ack_a;
+		if (seq_ge(ack, c.ack_a)) {
+			/* The right edge B sees stays where A's TCP last put it: the window shrinks
+			 * by as much as the checkpoint advances. */
+			if (c.flags & RTCP_F_A_WIN_KNOWN) {
+				__u32 s = ws_shift(c.ws >> 4);
+				__u64 win = (__u64)c.a_win << s;
+				__u64 adv = ack - c.ack_a;
+				__u64 left = win > adv ? win - adv : 0;
+				left >>= s;
+				e->conn.a_win = left > 0xffff ? 0xffff : (__u16)left;
+			}
+			e->conn.ack_a = ack;
+		}
+		break;
+	}
 	default:
 		an.result = 3;
 	}

@@ -85,6 +85,12 @@ _Static_assert(__builtin_offsetof(struct ckpt_entry, conn) == 28, "conn at 28");
 #define CKPT_OP_FREEZE 2
 #define CKPT_OP_THAW 3
 #define CKPT_OP_THAW_FORCE 4
+/* RTCP C2 for a connection the programs own: the checkpoint (value.conn.ack_a) raised in
+ * place, as rtcp::command does it for ACKNOWLEDGE, so that a checkpoint reaches the data path
+ * without freezing it. Only where C2 changes nothing but ack_a and a_win (a checkpoint was
+ * set before, the options are known); otherwise, and on a frozen entry, result 4: the daemon
+ * takes the connection instead. */
+#define CKPT_OP_ACK 5
 
 struct ckpt_op_req {
 	__u32 op;
@@ -96,7 +102,7 @@ struct ckpt_op_req {
 };
 
 /* result: 0 done; 1 no entry; 2 THAW refused: a packet is still between the paths (the entry
- * stays frozen and the daemon's); 3 a malformed request. `value` is the entry after the
+ * stays frozen and the daemon's); 3 a malformed request; 4 ACK refused (see CKPT_OP_ACK). `value` is the entry after the
  * operation (lock zero). */
 struct ckpt_op_ans {
 	__u32 result;

@@ -194,6 +194,9 @@ pub enum Op {
     Thaw,
     /// The same, even if not (a counted packet never reached the queue).
     ThawForce,
+    /// RTCP C2 in place: raise the checkpoint to `value.state.ack_a` as the engine's
+    /// ACKNOWLEDGE does, on an entry the programs own ([`OpResult::Refused`] otherwise).
+    Acknowledge,
 }
 
 /// What an [`Op`] found.
@@ -205,6 +208,9 @@ pub enum OpResult {
     /// [`Op::Thaw`] refused: a packet of the connection is still on its way to the daemon;
     /// the entry stays frozen and the daemon's.
     Stale,
+    /// [`Op::Acknowledge`] refused: the entry is frozen, or C2 would change more than the
+    /// checkpoint and the window (the first checkpoint, options not known).
+    Refused,
 }
 
 /// The answer to an [`Op`]: the result, the entry's `ctl` before it, the entry after it.
@@ -310,6 +316,7 @@ impl Checkpoint {
             Op::Freeze => 2,
             Op::Thaw => 3,
             Op::ThawForce => 4,
+            Op::Acknowledge => 5,
         };
         let req = OpMsg { word0: code, word1: 0, key: *key, value: value.copied().unwrap_or_default() };
         // SAFETY: OpMsg is #[repr(C)] integers without padding.
@@ -327,6 +334,7 @@ impl Checkpoint {
             (Verdict::Done, 0) => OpResult::Done,
             (Verdict::Other(1), 1) => OpResult::NoEntry,
             (Verdict::Drop, 2) => OpResult::Stale,
+            (Verdict::Other(4), 4) => OpResult::Refused,
             (v, r) => return Err(Error::Bpf(format!("{OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
         };
         Ok(OpAnswer { result, ctl_before: ans.word1, entry: ans.value })
@@ -360,6 +368,7 @@ impl Checkpoint {
     pub fn remove(&mut self, key: &Key) -> Result<(), Error> {
         match self.map()?.remove(key) {
             Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
             Err(e) => Err(bpf_err("map remove", e)),
         }
     }

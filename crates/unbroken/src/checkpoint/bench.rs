@@ -1277,7 +1277,7 @@ pub fn run_checkpoint(o: &Opts) -> Result<Value, String> {
     let dir = std::env::temp_dir().join(format!("unbroken-bench-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let log = dir.join("stderr.log");
-    let w = World { lab, dir: dir.clone(), exe: scenario::self_exe(), ipv6: false, echo: false, local_guard: false, nudge: false };
+    let w = World { lab, dir: dir.clone(), exe: scenario::self_exe(), ipv6: false, echo: false, local_guard: false, nudge: false, fast_path: scenario::fast_path_default() };
     let mut b = Bench { w, o, log: log.clone(), filter: None, max_foreign: 0.0, retried: 0, disturbed: 0 };
     let res = run_in(&mut b, engine);
     if let Some((_, mut g)) = b.filter.take() {

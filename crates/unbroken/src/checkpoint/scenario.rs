@@ -75,6 +75,14 @@ pub struct Scenario {
     /// packets forged with the service's source address and the live connection's ports (see
     /// [`forge_app_source`]).
     pub forge_app_source: bool,
+    /// The guard's `fast_path` (issue 22): on unless the environment says
+    /// `UNBROKEN_FAST_PATH=0` (so that every lab test and demo runs on either path).
+    pub fast_path: bool,
+}
+
+/// `UNBROKEN_FAST_PATH=0` turns the guard's fast path off in every scenario (default on).
+pub fn fast_path_default() -> bool {
+    std::env::var("UNBROKEN_FAST_PATH").map(|v| v != "0").unwrap_or(true)
 }
 
 impl Default for Scenario {
@@ -96,6 +104,7 @@ impl Default for Scenario {
             connections: 1,
             nudge: false,
             forge_app_source: false,
+            fast_path: fast_path_default(),
         }
     }
 }
@@ -272,6 +281,8 @@ pub(crate) struct World {
     pub(crate) echo: bool,
     pub(crate) local_guard: bool,
     pub(crate) nudge: bool,
+    /// The guard's `fast_path`.
+    pub(crate) fast_path: bool,
 }
 
 impl World {
@@ -297,9 +308,10 @@ impl World {
         };
         let app_interface = if self.local_guard { String::new() } else { format!("app_interface = \"{}\"\n", lab::dev::GUARD_LAN) };
         let cfg = format!(
-            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\n{app_interface}control = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\nrecovery_nudge = {}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
+            "[guard]\nqueue = {QUEUE}\nplacement = \"{placement}\"\n{app_interface}control = [{control}]\nkey = \"{KEY_HEX}\"\nallowed_sources = [{allowed}]\nstatus_file = \"{}\"\nrecovery_nudge = {}\nfast_path = {}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n\n[[service]]\naddr = \"{}\"\nport = {SERVICE_PORT}\n",
             self.status_path().display(),
             self.nudge,
+            self.fast_path,
             addr::SERVICE_V4,
             addr::SERVICE_V6,
         );
@@ -442,7 +454,7 @@ pub fn run_misconfigured(m: Misconfig) -> Result<MisconfigReport, String> {
     let lab = Lab::checkpoint(CheckpointOpts::default()).map_err(|e| format!("lab: {e}"))?;
     let dir = std::env::temp_dir().join(format!("unbroken-misconf-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: false, echo: false, local_guard: false, nudge: false };
+    let w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: false, echo: false, local_guard: false, nudge: false, fast_path: fast_path_default() };
     let res = misconfigured_in(&w, m);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);
@@ -621,7 +633,7 @@ pub fn run_checkpoint(s: &Scenario) -> Result<Report, String> {
     let lab = Lab::checkpoint(opts).map_err(|e| format!("lab: {e}"))?;
     let dir = std::env::temp_dir().join(format!("unbroken-{}-{}", lab.prefix(), std::process::id()));
     std::fs::create_dir_all(dir.join("journal")).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard, nudge: s.nudge };
+    let mut w = World { lab, dir: dir.clone(), exe: self_exe(), ipv6: s.ipv6, echo: s.echo, local_guard: s.local_guard, nudge: s.nudge, fast_path: s.fast_path };
     let res = run_in(&mut w, s);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);

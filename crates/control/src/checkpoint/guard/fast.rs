@@ -77,6 +77,13 @@ pub trait FastMap: Send {
     /// counted by the programs (marked). `None`: no entry.
     fn take(&mut self, key: &FlowKey, counted: bool) -> Option<FastTaken>;
     fn apply(&mut self, op: &FastOp) -> FastDone;
+    /// RTCP C2 in place for a connection the programs own: the checkpoint raised to `ack_a`
+    /// as ACKNOWLEDGE does, without taking the connection; the state after. `None`: refused
+    /// (frozen, or C2 would change more), the core takes the connection instead.
+    fn acknowledge(&mut self, key: &FlowKey, ack_a: u32) -> Option<FastState> {
+        let _ = (key, ack_a);
+        None
+    }
     /// The programs' own counters, for the status.
     fn stats(&mut self) -> Vec<(&'static str, u64)> {
         Vec::new()
@@ -93,6 +100,8 @@ pub struct FastCounters {
     pub thaw_refused: u64,
     pub thaw_forced: u64,
     pub removed: u64,
+    /// Checkpoints (ACKNOWLEDGE) raised in the kernel without taking the connection.
+    pub acknowledged_in_place: u64,
     /// Entries found missing or that the map would not create (the slow path carries them).
     pub lost: u64,
 }
@@ -195,6 +204,28 @@ impl Core {
                 self.fast.dirty.push(key);
             }
         }
+    }
+
+    /// An ACKNOWLEDGE (without the RECOVERY flag) of a connection the programs own: the
+    /// checkpoint is raised in the map in place (C2, see [`FastMap::acknowledge`]) and the
+    /// core's copy refreshed from it, so that the command then decided on that copy (C2 again:
+    /// nothing changes) builds its answer and fresh ACK from the newest state. False when the
+    /// core must take the connection instead.
+    pub(super) fn fast_acknowledge(&mut self, key: FlowKey, cmd: &Command) -> bool {
+        let Some(map) = self.fast.map.as_mut() else { return false };
+        if cmd.op != ctl::Op::Acknowledge || cmd.flags & ctl::flag::RECOVERY != 0 {
+            return false;
+        }
+        let Some(e) = self.table.get_mut(&key) else { return false };
+        if e.fast != Fast::Kernel {
+            return false;
+        }
+        let Some(s) = map.acknowledge(&key, cmd.ack_a) else { return false };
+        e.conn = s.conn;
+        e.a_hi = s.a_hi;
+        e.peer_hi = s.peer_hi;
+        self.fast.counters.acknowledged_in_place += 1;
+        true
     }
 
     /// A connection the table forgets (expired, evicted, released).

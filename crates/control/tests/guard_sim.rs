@@ -31,10 +31,12 @@ mod rtcp_sim;
 use rtcp_sim::*;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use unbroken_control::checkpoint::config::Prefix;
-use unbroken_control::checkpoint::guard::{Core, Counters, FlowKey, ReplayFloor};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use unbroken_control::checkpoint::guard::{Core, Counters, FastDone, FastMap, FastOp, FastState, FastTaken, FlowKey, ReplayFloor};
 use unbroken_control::service::Service;
 use unbroken_wire::ctl::Status;
-use unbroken_wire::ip;
+use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::{flags as TF, Packet as Tcp, Repr};
 use unbroken_wire::Seq;
 
@@ -59,6 +61,11 @@ struct Hostile {
 
 struct GuardFilter {
     core: Core,
+    /// The emulated fast path's kernel side (`GuardOpts::fast_path`).
+    kernel: Option<Arc<Mutex<SimKernel>>>,
+    /// The fast path's own faults, apart from `rng` so that a seed's scenario is the same on
+    /// either path.
+    fast_rng: Rng,
     opts: GuardOpts,
     rng: Rng,
     flow: FlowKey,
@@ -91,6 +98,171 @@ struct GuardFilter {
     violation: Option<String>,
 }
 
+/// One entry of the emulated fast-path map (`struct ckpt_entry`).
+#[derive(Clone, Copy, Debug)]
+struct SimEntry {
+    state: FastState,
+    frozen: bool,
+    user: bool,
+    slow: u32,
+    seen: u32,
+}
+
+/// The kernel's side of the fast path, emulated (`bpf/checkpoint/ckpt_tc.c` and `ckpt_op`):
+/// the map, the programs' claim (the engine's transform where they would claim: an
+/// established ACK of an installed, unfrozen, synchronized connection, without a recovery, that
+/// the engine forwards without an event; the programs leave some more to the slow path, which
+/// only makes the emulation claim a superset), the hand-off operations. A guard restart loses
+/// it (the map lives and dies with the daemon).
+#[derive(Default, Debug)]
+struct SimKernel {
+    map: HashMap<FlowKey, SimEntry>,
+    claimed: u64,
+    slow: u64,
+}
+
+impl SimKernel {
+    fn key_of(&self, pkt: &[u8], outgoing: bool) -> Option<FlowKey> {
+        let info = IpInfo::parse(pkt).ok()?;
+        let l4 = pkt.get(info.l4_offset..info.l4_offset + 4)?;
+        let src = SocketAddr::new(info.src, u16::from_be_bytes([l4[0], l4[1]]));
+        let dst = SocketAddr::new(info.dst, u16::from_be_bytes([l4[2], l4[3]]));
+        Some(if outgoing { FlowKey { app: src, peer: dst } } else { FlowKey { app: dst, peer: src } })
+    }
+
+    /// The programs on one packet: `Some(verdict, len)` when they claim it (rewritten in
+    /// place), `None` when it goes to the slow path; `counted` then says they counted it (an
+    /// installed connection's: frozen from now on).
+    fn run(&mut self, buf: &mut [u8], len: usize, outgoing: bool, counted: &mut bool) -> Option<(Verdict, usize)> {
+        use rtcp::flag;
+        *counted = false;
+        let key = self.key_of(&buf[..len], outgoing)?;
+        let e = self.map.get_mut(&key)?;
+        *counted = true;
+        let info = IpInfo::parse(&buf[..len]).ok();
+        let claim = (|| {
+            let info = info?;
+            if e.frozen || info.l4_len < 20 {
+                return None;
+            }
+            let f = buf[info.l4_offset + 13];
+            if f & (TF::ACK | TF::SYN | TF::FIN | TF::RST) != TF::ACK || buf[1] >> 2 == unbroken_wire::ctl::UNPROTECTED_DSCP {
+                return None;
+            }
+            let c = e.state.conn;
+            if c.flags & flag::SYNCED == 0 || c.flags & (flag::SYN_PENDING | flag::ORIGIN_PINNED) != 0 {
+                return None;
+            }
+            if outgoing && c.flags & (flag::ACK_ALLOWED | flag::ACK_EVERYTHING) == 0 {
+                return None;
+            }
+            let t = Tcp::new_checked(&buf[info.l4_offset..info.l4_offset + info.l4_len]).ok()?;
+            let (seq, ack, plen) = (t.seq().0, t.ack().0, t.payload().len() as u32);
+            if !outgoing && e.state.a_hi.is_some_and(|hi| Seq(ack).gt(Seq(hi))) {
+                return None;
+            }
+            let mut copy = buf[..len + 64.min(buf.len() - len)].to_vec();
+            let mut conn = c;
+            let o = if outgoing { rtcp::outgoing_parsed(&mut conn, &mut copy, len, &info) } else { rtcp::incoming_parsed(&mut conn, &mut copy, len, &info, rtcp::PeerChecksum::Verify) }.ok()?;
+            if o.event.is_some() || !matches!(o.verdict, Verdict::Accept { .. }) || o.len != len {
+                return None;
+            }
+            e.state.conn = conn;
+            if outgoing {
+                let end = seq.wrapping_sub(c.delta).wrapping_add(plen);
+                if let Some(hi) = e.state.a_hi.filter(|hi| Seq(end).gt(Seq(*hi))) {
+                    let _ = hi;
+                    e.state.a_hi = Some(end);
+                }
+            } else {
+                let mss = if c.b_mss != 0 { c.b_mss } else { 1460 }.max(536) as u32;
+                let (lo, hi) = if plen > 0 { (seq, seq.wrapping_add(plen)) } else { (seq.wrapping_sub(mss), seq) };
+                if e.state.peer_hi.is_none_or(|(_, h)| Seq(hi).gt(Seq(h))) {
+                    e.state.peer_hi = Some((lo, hi));
+                }
+            }
+            buf[..len].copy_from_slice(&copy[..len]);
+            Some((o.verdict, len))
+        })();
+        match claim {
+            Some(v) => {
+                *counted = false;
+                self.claimed += 1;
+                Some(v)
+            }
+            None => {
+                e.frozen = true;
+                e.slow += 1;
+                self.slow += 1;
+                None
+            }
+        }
+    }
+
+    /// The connection's newest state: the map's while the programs own it.
+    fn newest(&self, key: &FlowKey) -> Option<Conn> {
+        self.map.get(key).filter(|e| !e.user).map(|e| e.state.conn)
+    }
+}
+
+/// The core's handle on the emulated map.
+struct SimMap(Arc<Mutex<SimKernel>>);
+
+impl FastMap for SimMap {
+    fn take(&mut self, key: &FlowKey, counted: bool) -> Option<FastTaken> {
+        let mut k = self.0.lock().unwrap();
+        let e = k.map.get_mut(key)?;
+        if counted {
+            e.seen += 1;
+        }
+        let newest = !e.user;
+        e.frozen = true;
+        e.user = true;
+        Some(FastTaken { newest, state: e.state })
+    }
+
+    fn apply(&mut self, op: &FastOp) -> FastDone {
+        let mut k = self.0.lock().unwrap();
+        match *op {
+            FastOp::Install(key, state) => {
+                if k.map.remove(&key).is_some() {
+                    return FastDone::Gone;
+                }
+                k.map.insert(key, SimEntry { state, frozen: false, user: false, slow: 0, seen: 0 });
+                FastDone::Kernel
+            }
+            FastOp::Thaw(key, state) | FastOp::ThawForce(key, state) => {
+                let force = matches!(op, FastOp::ThawForce(..));
+                let Some(e) = k.map.get_mut(&key) else { return FastDone::Gone };
+                if !force && e.seen != e.slow {
+                    return FastDone::Held;
+                }
+                *e = SimEntry { state, frozen: false, user: false, slow: e.slow, seen: e.slow };
+                FastDone::Kernel
+            }
+            FastOp::Remove(key) => {
+                k.map.remove(&key);
+                FastDone::Gone
+            }
+        }
+    }
+
+    fn acknowledge(&mut self, key: &FlowKey, ack_a: u32) -> Option<FastState> {
+        use rtcp::flag;
+        let mut k = self.0.lock().unwrap();
+        let e = k.map.get_mut(key)?;
+        let need = flag::ACK_ALLOWED | flag::OPTS_KNOWN;
+        if e.frozen || e.state.conn.flags & need != need {
+            return None;
+        }
+        // C2 as ckpt_op does it (checked against the engine's by the drivers' vectors).
+        let mut cmd = Command::request(unbroken_wire::ctl::Op::Acknowledge, key.app, key.peer, 0, 0);
+        cmd.ack_a = ack_a;
+        rtcp::command(&mut e.state.conn, &cmd, &mut []);
+        Some(e.state)
+    }
+}
+
 fn new_core(o: &GuardOpts) -> Core {
     let svc = [Service { addr: IpAddr::V4(A_IP), port: A_PORT }];
     let grace = if o.grace_ms == 0 { 1000 } else { o.grace_ms };
@@ -99,6 +271,17 @@ fn new_core(o: &GuardOpts) -> Core {
     c.recovery_nudge = o.nudge;
     c.unclaimed_reset_ms = SIM_UNCLAIMED_MS;
     c
+}
+
+/// A core with the emulated fast path when `o.fast_path`, and its kernel.
+fn new_guard(o: &GuardOpts) -> (Core, Option<Arc<Mutex<SimKernel>>>) {
+    let mut c = new_core(o);
+    if !o.fast_path {
+        return (c, None);
+    }
+    let k = Arc::new(Mutex::new(SimKernel::default()));
+    c.enable_fast_path(Box::new(SimMap(k.clone())));
+    (c, Some(k))
 }
 
 /// `unclaimed_reset_secs` in the simulation (30 s: the runs are bounded at 120 s virtual; the
@@ -154,10 +337,50 @@ impl GuardFilter {
         self.present = now;
     }
 
+    /// Adds what this instance's emulated programs did to the thread's totals.
+    fn tally_kernel(&mut self) {
+        if let Some(k) = self.kernel.take() {
+            let k = k.lock().unwrap();
+            KERNEL_TOTALS.with(|t| {
+                let (c, s) = t.get();
+                t.set((c + k.claimed, s + k.slow));
+            });
+        }
+    }
+
+    /// A packet injected by the simulation straight at the guard (a forged or another
+    /// client's SYN): through the emulated programs first, as every packet.
+    fn via_kernel(&mut self, b: &mut [u8], n: usize, now_ms: u64, outgoing: bool) -> (Verdict, usize) {
+        let mut counted = false;
+        if let Some(k) = &self.kernel {
+            if let Some(v) = k.lock().unwrap().run(b, n, outgoing, &mut counted) {
+                return v;
+            }
+        }
+        self.core.packet_fast(b, n, now_ms, false, counted)
+    }
+
+    /// The connection's newest state: the emulated kernel's while it owns it, else the core's.
+    fn conn_now(&self) -> Option<Conn> {
+        self.kernel.as_ref().and_then(|k| k.lock().unwrap().newest(&self.flow)).or_else(|| self.core.conn(&self.flow).copied())
+    }
+
     fn decide(&mut self, buf: &mut [u8], len: usize, now_ms: u64, outgoing: bool) -> Result<Step, String> {
+        let mut counted = false;
+        if let Some(k) = &self.kernel {
+            let claimed = k.lock().unwrap().run(buf, len, outgoing, &mut counted);
+            if let Some((verdict, n)) = claimed {
+                self.observe();
+                return Ok(Step { verdict, len: n, modified: true, event: None });
+            }
+            if counted && self.fast_rng.chance(self.opts.fast_counted_lost) {
+                // Counted, marked, and lost on its way to the queue.
+                return Ok(Step { verdict: Verdict::Drop, len, modified: false, event: None });
+            }
+        }
         let before = self.core.counters.clone();
         let evicted = before.evicted_idle;
-        let (action, n) = self.core.packet(buf, len, now_ms);
+        let (action, n) = self.core.packet_fast(buf, len, now_ms, false, counted);
         let c = &self.core.counters;
         self.evicted_idle += c.evicted_idle - evicted;
         if c.malformed != before.malformed || c.unsupported != before.unsupported {
@@ -194,7 +417,7 @@ impl GuardFilter {
     /// Sends `dgram` from `src`; it must be refused (no answer, no state change) and counted
     /// under `reason` (a counter of the guard, read through `pick`).
     fn expect_refused(&mut self, what: &str, src: SocketAddr, dgram: &[u8], wall_ms: u64, now_ms: u64, pick: fn(&Counters) -> u64) {
-        let conn = self.core.conn(&self.flow).copied();
+        let conn = self.conn_now();
         let n = self.core.connections();
         let before = pick(&self.core.counters);
         // A bad MAC or a stale clock from an allowed source may draw a refusal (a 24-byte NAK
@@ -207,7 +430,7 @@ impl GuardFilter {
         if pick(&self.core.counters) != before + 1 {
             self.violate(format!("hostile datagram ({what}) not counted under its reason: {:?}", self.core.counters));
         }
-        if self.core.conn(&self.flow).copied() != conn || self.core.connections() != n {
+        if self.conn_now() != conn || self.core.connections() != n {
             self.violate(format!("hostile datagram ({what}) changed the guard's state"));
         }
     }
@@ -282,18 +505,18 @@ impl GuardFilter {
     /// recovery inside its window is out of this check's reach.
     fn forged_syn(&mut self, now_ms: u64) {
         use rtcp::flag;
-        let Some(before) = self.core.conn(&self.flow).copied() else { return };
+        let Some(before) = self.conn_now() else { return };
         if before.flags & flag::SYNCED == 0 || before.flags & (flag::RECOVERABLE | flag::ACK_ALLOWED) == 0 || before.is_closed() || self.core.recovery_armed(&self.flow, now_ms) {
             return;
         }
         let (mut b, n) = syn_packet(a_sockaddr(), b_sockaddr(), self.rng.next() as u32);
         let n0 = self.core.counters.hostile_recovery_syn;
-        let (action, _) = self.core.packet(&mut b, n, now_ms);
+        let (action, _) = self.via_kernel(&mut b, n, now_ms, true);
         self.forged_syns += 1;
         if action != Verdict::Drop || self.core.counters.hostile_recovery_syn != n0 + 1 {
             self.violate(format!("a forged recovery SYN was not refused: {action:?}"));
         }
-        if self.core.conn(&self.flow).copied() != Some(before) {
+        if self.conn_now() != Some(before) {
             self.violate("a forged recovery SYN changed the connection's state".into());
         }
     }
@@ -308,7 +531,7 @@ impl GuardFilter {
         }
         let witnessed = self.core.conn(&self.flow).is_some_and(|c| c.flags & rtcp::flag::SYNCED != 0);
         let (mut b, n) = syn_packet(a_sockaddr(), b_sockaddr(), self.rng.next() as u32);
-        let (action, _) = self.core.packet(&mut b, n, now_ms);
+        let (action, _) = self.via_kernel(&mut b, n, now_ms, true);
         self.racing_syns += 1;
         // A restarted guard that has not resynchronized forwards any recovery SYN (section 6).
         if witnessed && action == (Verdict::Accept { modified: false }) {
@@ -324,7 +547,7 @@ impl GuardFilter {
         let evicted = self.core.counters.evicted_idle;
         let need = rtcp::flag::SYNCED | rtcp::flag::RECOVERABLE | rtcp::flag::ACK_ALLOWED;
         let established = self.core.conn(&self.flow).is_some_and(|c| c.flags & need == need && !c.is_closed());
-        let (action, _) = self.core.packet(&mut b, n, now_ms);
+        let (action, _) = self.via_kernel(&mut b, n, now_ms, false);
         if established && self.core.conn(&self.flow).is_none() {
             self.violate("another client's SYN evicted an established connection while half-open entries were in the table".into());
         }
@@ -337,10 +560,19 @@ impl GuardFilter {
     }
 }
 
+impl Drop for GuardFilter {
+    fn drop(&mut self) {
+        self.tally_kernel();
+    }
+}
+
 impl Filter for GuardFilter {
     fn new(sc: &Scenario) -> Self {
+        let (core, kernel) = new_guard(&sc.guard);
         GuardFilter {
-            core: new_core(&sc.guard),
+            core,
+            kernel,
+            fast_rng: Rng::new(sc.seed ^ 0xFA57),
             opts: sc.guard.clone(),
             rng: Rng::new(sc.seed ^ 0x6A7D),
             flow: FlowKey { app: a_sockaddr(), peer: b_sockaddr() },
@@ -364,9 +596,10 @@ impl Filter for GuardFilter {
         }
     }
     fn restart(&mut self) {
+        self.tally_kernel();
         self.nudges += self.core.counters.recovery_nudges;
         self.race_undone += self.core.counters.recovery_race_undone;
-        self.core = new_core(&self.opts);
+        (self.core, self.kernel) = new_guard(&self.opts);
         self.core.restore_replay_floors(self.replay_file.clone());
         self.before_restart = std::mem::take(&mut self.history);
         self.present = false;
@@ -410,7 +643,7 @@ impl Filter for GuardFilter {
         Some((out.reply.to_vec(), out.ack_len))
     }
     fn conn(&self) -> Conn {
-        self.core.conn(&self.flow).copied().unwrap_or_default()
+        self.conn_now().unwrap_or_default()
     }
     fn releases_abandoned() -> bool {
         true
@@ -433,6 +666,7 @@ impl Filter for GuardFilter {
             self.forged_syn(now_ms);
         }
         self.core.expire(now_ms);
+        self.core.fast_tick(now_ms);
         self.observe();
         notes
     }
@@ -850,8 +1084,58 @@ fn guard_chaos() {
     assert!(lost.len() * 10 <= (40 * scale()).max(10), "{lost:?}");
 }
 
+/// `guard_chaos` with the guard's fast path (issue 22), emulated: every connection the guard
+/// can hand to the kernel's programs is carried by them, and every packet, command, crash,
+/// restart and recovery goes through the hand-off; 1 % of the packets the programs count for
+/// the slow path are lost before the queue (the stale-thaw timer). The same invariants, and
+/// the hand-off must have happened.
+#[test]
+fn guard_chaos_on_the_fast_path() {
+    let seeds: Vec<u64> = match std::env::var("SIM_SEED").ok().and_then(|s| s.parse().ok()) {
+        Some(s) => vec![s],
+        None => (0..40 * scale() as u64).collect(),
+    };
+    let (mut crashes, mut restarts, mut lost, mut claimed, mut slow) = (0, 0, vec![], 0, 0);
+    for seed in seeds {
+        let (r, k) = chaos_run_with(seed, true);
+        match r {
+            Ok(r) => {
+                crashes += r.crashes;
+                restarts += r.filter_restarts;
+            }
+            Err(e) => lost.push((seed, e)),
+        }
+        claimed += k.0;
+        slow += k.1;
+    }
+    eprintln!("guard chaos on the fast path: {crashes} crashes of A, {restarts} guard restarts, {claimed} packets claimed by the programs, {slow} counted for the slow path; lost ({} runs): {lost:?}", lost.len());
+    assert!(crashes > 0 && restarts > 0);
+    assert!(claimed > 2 * slow && slow > 0, "claimed {claimed}, slow {slow}");
+    let silent: Vec<_> = lost.iter().filter(|(_, e)| !e.starts_with("lost visibly")).collect();
+    assert!(silent.is_empty(), "silent losses: {silent:?}");
+    assert!(lost.len() * 10 <= (40 * scale()).max(10), "{lost:?}");
+}
+
+thread_local! {
+    /// What the emulated programs did in the runs of this thread: claimed, counted slow.
+    static KERNEL_TOTALS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
 /// One seeded `guard_chaos` scenario.
 fn chaos_run(seed: u64) -> Result<Report, String> {
+    chaos_run_with(seed, false).0
+}
+
+fn chaos_run_with(seed: u64, fast_path: bool) -> (Result<Report, String>, (u64, u64)) {
+    KERNEL_TOTALS.with(|t| t.set((0, 0)));
+    let mut sc = chaos_scenario(seed);
+    sc.guard.fast_path = fast_path;
+    sc.guard.fast_counted_lost = if fast_path { 0.01 } else { 0.0 };
+    let r = try_run(sc);
+    (r, KERNEL_TOTALS.with(|t| t.get()))
+}
+
+fn chaos_scenario(seed: u64) -> Scenario {
     let mut rng = Rng::new(seed ^ 0xC4A05);
     let payload = 20_000 + rng.below(60_000) as usize;
     let mut sc = scenario(&format!("guard-chaos seed={seed}"), 900 + seed, payload);
@@ -883,5 +1167,5 @@ fn chaos_run(seed: u64) -> Result<Report, String> {
         sc.guard.noise_every_ms = 20 + rng.below(400);
     }
     sc.guard.grace_ms = [200, 1000, 10_000][rng.below(3) as usize];
-    try_run(sc)
+    sc
 }

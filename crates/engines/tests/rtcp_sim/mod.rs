@@ -344,6 +344,15 @@ pub struct GuardOpts {
     /// answers it (it cannot yet tell which SYN is genuine); *A*'s handshake ACK must prove
     /// the genuine one and undo the forged re-keying (issue 9, item 1).
     pub racing_syns: f64,
+    /// The guard's fast path (issue 22), emulated: a connection the guard installs is carried
+    /// by the engine's transform outside the guard's core (as the kernel's programs carry it;
+    /// the programs are the engine's, byte for byte, by crates/drivers/tests/fastpath_checkpoint.rs)
+    /// until a packet needs the core, through the hand-off the daemon uses.
+    pub fast_path: bool,
+    /// With `fast_path`: the chance that a packet the programs counted for the slow path
+    /// never reaches the guard (a full queue), so that the connection stays frozen until the
+    /// guard's stale-thaw timer gives it back.
+    pub fast_counted_lost: f64,
 }
 
 impl Scenario {

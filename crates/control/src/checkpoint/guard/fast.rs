@@ -300,7 +300,7 @@ impl Core {
 
     /// Time passes: a connection held for [`STALE_THAW_MS`] without anything happening to it
     /// is given back if eligible, even though a counted packet never arrived.
-    pub(super) fn fast_tick(&mut self, now_ms: u64) {
+    pub fn fast_tick(&mut self, now_ms: u64) {
         if self.fast.map.is_none() || self.fast.held.is_empty() {
             return;
         }

@@ -38,6 +38,10 @@ cd "$ROOT"
 log "cargo test --workspace --release --no-fail-fast"
 status=0
 cargo test --workspace --release --no-fail-fast 2>&1 | tee "$out" || status=$?
+# Every checkpoint lab test again with the guard's kernel fast path off (issue 22: both paths
+# carry every scenario; the run above had it on).
+log "UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test checkpoint_lab (the guard without its fast path)"
+UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test checkpoint_lab --no-fail-fast 2>&1 | tee -a "$out" || status=$?
 
 read -r passed failed ignored suites < <(awk '
     /^test result:/ {

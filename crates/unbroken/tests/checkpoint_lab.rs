@@ -34,7 +34,28 @@ fn check(name: &str, s: &Scenario) -> Report {
     assert_eq!(r.bytes_verified, s.records * unit, "{name}: not every byte verified");
     assert!(r.ok, "{name}: {:?}", r.error);
     eprintln!("{name}: longest stall {} ms over {} crash(es)", r.max_stall_ms, r.crashes);
+    // The guard runs on the path the scenario asked for (issue 22: every test on either).
+    let fp = &r.guard["fast_path"];
+    eprintln!("{name}: fast path {fp}");
+    let expected_on = s.fast_path && !s.local_guard;
+    assert_eq!(fp["on"].as_bool(), Some(expected_on), "{name}: fast path {fp}");
+    if !s.fast_path {
+        assert!(fp["off_because"].as_str().is_some_and(|w| w.contains("fast_path = false")), "{name}: {fp}");
+    }
     r
+}
+
+/// With the fast path on, the kernel carried most of the connection's packets: more than
+/// went through the queue.
+fn carried_by_the_kernel(name: &str, s: &Scenario, r: &Report) {
+    if !s.fast_path || s.local_guard {
+        return;
+    }
+    let fp = &r.guard["fast_path"];
+    let kernel = fp["kernel_outgoing"].as_u64().unwrap_or(0) + fp["kernel_incoming"].as_u64().unwrap_or(0);
+    let queued = r.guard["counters"]["packets"].as_u64().unwrap_or(0);
+    assert!(kernel > queued, "{name}: the kernel carried {kernel} packets, the queue {queued}: {fp}");
+    assert!(fp["handoff"]["installed"].as_u64().unwrap_or(0) >= 1, "{name}: {fp}");
 }
 
 fn base(records: u64) -> Scenario {
@@ -44,7 +65,9 @@ fn base(records: u64) -> Scenario {
 #[test]
 fn app_crash_restarts_on_same_host() {
     let Some(_g) = lab_or_skip("app_crash") else { return };
-    let r = check("app_crash", &Scenario { crashes: vec![Crash::App, Crash::App, Crash::App], ..base(30_000) });
+    let s = Scenario { crashes: vec![Crash::App, Crash::App, Crash::App], ..base(30_000) };
+    let r = check("app_crash", &s);
+    carried_by_the_kernel("app_crash", &s, &r);
     assert_eq!(r.crashes, 3);
     assert!(r.guard["counters"]["recovered"].as_u64().unwrap_or(0) >= 3, "each crash is a recovery");
 }
@@ -54,7 +77,9 @@ fn host_crash_recovers_on_other_host() {
     // app2 has another TS clock (tcp_timestamps=2) and another window scale: PAWS and window
     // translation are exercised for real.
     let Some(_g) = lab_or_skip("host_crash") else { return };
-    let r = check("host_crash", &Scenario { crashes: vec![Crash::Host], heterogeneous: true, ..base(30_000) });
+    let s = Scenario { crashes: vec![Crash::Host], heterogeneous: true, ..base(30_000) };
+    let r = check("host_crash", &s);
+    carried_by_the_kernel("host_crash", &s, &r);
     assert!(r.crash_log[0].app_host.ends_with("app2"));
 }
 

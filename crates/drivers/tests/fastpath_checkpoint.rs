@@ -653,9 +653,9 @@ fn handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_betwe
 /// slow path drops it), which A's claimed packets raise; the highest segment from B is kept
 /// for the recovery nudge; the application's unprotected mark goes to the slow path.
 #[test]
-fn guard_checks_on_the_fast_path() {
+fn hostile_peer_ack_beyond_a_hi_and_the_unprotected_mark_go_the_slow_way() {
     use unbroken_drivers::fastpath::checkpoint::{ctl, Entry};
-    let Some(mut fp) = fast_path("guard_checks_on_the_fast_path") else { return };
+    let Some(mut fp) = fast_path("hostile_peer_ack_beyond_a_hi_and_the_unprotected_mark_go_the_slow_way") else { return };
     let told = recovered_told(NEW_ISN);
     let key = key_ab();
     let hi = A_ISN + 3001;

@@ -1903,6 +1903,28 @@ mod tests {
         assert_eq!(c.counters.malformed, 1);
     }
 
+    /// A packet the fast path already decided (its mark bit) that reaches the queue anyway (a
+    /// steering chain edited by hand, or a forged mark on this host) passes as it is: the
+    /// engine never rewrites a packet a second time.
+    #[test]
+    fn hostile_packet_the_fast_path_decided_is_never_rewritten_again() {
+        use crate::daemon::{Meta, Mode, Outbox};
+        use unbroken_drivers::fastpath::checkpoint::MARK_DONE;
+        let mut c = core();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 50, ..Default::default() });
+        let orig = b.clone();
+        let meta = Meta { id: 1, hook: 2, hw_src: None, csum_not_ready: false, mark: MARK_DONE | 0x42 };
+        let (v, len) = Mode::packet(&mut c, 0, meta, &mut b, n, &mut Outbox::default());
+        assert_eq!((v, len), (Verdict::Accept { modified: false }, n));
+        assert_eq!(b, orig);
+        assert_eq!((c.counters.fast_done_queued, c.counters.packets, c.connections()), (1, 0, 0));
+        // Without the bit the same packet is the engine's (no checkpoint: O6 resets A).
+        let meta = Meta { mark: 0x42, ..meta };
+        let (v, _) = Mode::packet(&mut c, 0, meta, &mut b, n, &mut Outbox::default());
+        assert_ne!(v, Verdict::Accept { modified: false });
+        assert_eq!(c.counters.packets, 1);
+    }
+
     #[test]
     fn crash_and_recovery_through_the_core() {
         let mut c = core();

@@ -761,24 +761,3 @@ fn c2_acknowledge_in_the_kernel_is_the_engines() {
     assert!(done > 1000 && refused > 300, "{done} done, {refused} refused");
 }
 
-#[test]
-#[ignore]
-fn zz_op_timing() {
-    use unbroken_drivers::fastpath::checkpoint::{Entry, Op as MapOp};
-    let Some(mut fp) = fast_path("zz") else { return };
-    let key = key_ab();
-    let c = recovered_told(NEW_ISN);
-    fp.install(&key, &Entry::new(&c, None, None)).unwrap();
-    let mut req = Entry::new(&c, None, None);
-    let t = std::time::Instant::now();
-    for i in 0..20000u32 {
-        req.state.ack_a = c.ack_a.wrapping_add(i);
-        fp.op(MapOp::Acknowledge, &key, Some(&req)).unwrap();
-    }
-    eprintln!("ack op: {:?} each", t.elapsed() / 20000);
-    let t = std::time::Instant::now();
-    for _ in 0..20000u32 {
-        fp.entry(&key).unwrap();
-    }
-    eprintln!("lookup: {:?} each", t.elapsed() / 20000);
-}

@@ -1076,7 +1076,7 @@ struct PairResult {
 
 impl Bench<'_> {
     fn protected(&self) -> bool {
-        matches!(self.filter, Some((Setup::Protected, _)))
+        matches!(self.filter, Some((Setup::Protected | Setup::ProtectedNfqueue, _)))
     }
 
     /// Brings the lab into `setup`: starts the guard (`unbroken guard`) or the pass-through
@@ -1088,11 +1088,14 @@ impl Bench<'_> {
             }
             self.stop()?;
         }
+        // The guard with its kernel fast path (as the environment says, on by default), or
+        // without it (issue 22: both side by side).
+        self.w.fast_path = setup != Setup::ProtectedNfqueue && scenario::fast_path_default();
         let cfg = self.w.write_config()?;
         let mut cmd = Command::new(&self.w.exe);
         let ready = match setup {
             Setup::Unprotected => return self.check_no_rules(),
-            Setup::Protected => {
+            Setup::Protected | Setup::ProtectedNfqueue => {
                 // --remove-rules: after the recovery test the guard holds renumbered
                 // connections and would otherwise leave its rules behind.
                 cmd.arg("guard").arg("--config").arg(&cfg).arg("--remove-rules");
@@ -1115,7 +1118,7 @@ impl Bench<'_> {
         let Some((setup, mut p)) = self.filter.take() else { return Ok(None) };
         terminate(&mut p, Duration::from_secs(5)).map_err(|e| format!("{}: {e}", setup.as_str()))?;
         self.check_no_rules()?;
-        if setup != Setup::Protected {
+        if !matches!(setup, Setup::Protected | Setup::ProtectedNfqueue) {
             return Ok(None);
         }
         Ok(Some(std::fs::read_to_string(self.w.status_path()).ok().and_then(|s| serde_json::from_str::<Value>(&s).ok()).unwrap_or(Value::Null)))
@@ -1295,12 +1298,16 @@ pub fn run_checkpoint(o: &Opts) -> Result<Value, String> {
 }
 
 /// The three configurations of the paper: plain forwarding, the filter without the engine
-/// ("dummy RTCP": NFQUEUE pass-through) and the full guard with a checkpointing application.
+/// ("dummy RTCP": NFQUEUE pass-through) and the full guard with a checkpointing application;
+/// and the full guard without its kernel fast path (every protected packet through NFQUEUE,
+/// issue 22). `Protected` is the guard as deployed (its fast path on unless
+/// `UNBROKEN_FAST_PATH=0`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Setup {
     Unprotected,
     Dummy,
     Protected,
+    ProtectedNfqueue,
 }
 
 impl Setup {
@@ -1309,6 +1316,7 @@ impl Setup {
             Setup::Unprotected => "unprotected",
             Setup::Dummy => "nfqueue_passthrough",
             Setup::Protected => "protected",
+            Setup::ProtectedNfqueue => "protected_nfqueue",
         }
     }
 }
@@ -1335,12 +1343,15 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
         }
         w
     };
-    let setups: Vec<Setup> = if o.dummy { vec![Setup::Unprotected, Setup::Dummy, Setup::Protected] } else { vec![Setup::Unprotected, Setup::Protected] };
+    let mut setups: Vec<Setup> = if o.dummy { vec![Setup::Unprotected, Setup::Dummy, Setup::Protected] } else { vec![Setup::Unprotected, Setup::Protected] };
+    if scenario::fast_path_default() {
+        setups.push(Setup::ProtectedNfqueue);
+    }
     // [test][setup] -> one value per run
-    let mut vals: [[Vec<f64>; 3]; 3] = Default::default();
+    let mut vals: [[Vec<f64>; 4]; 3] = Default::default();
     let mut details = Vec::new();
     let mut recoveries = Vec::new();
-    let mut rsts = [0u64; 3];
+    let mut rsts = [0u64; 4];
     let mut guard_status = Value::Null;
     let rst_count = |b: &Bench| lab::rsts_seen(&b.w.lab.peer).map_err(|e| format!("rst counter: {e}"));
     for run in 0..o.runs {
@@ -1374,7 +1385,9 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
             }
             rsts[si] += rst_count(b)? - r0;
             if let Some(st) = b.stop()? {
-                guard_status = st;
+                if setup == Setup::Protected {
+                    guard_status = st;
+                }
             }
         }
     }
@@ -1425,13 +1438,16 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
         let per_run: Vec<f64> = u.iter().zip(p).map(|(u, p)| if *u > 0.0 { p / u } else { 0.0 }).collect();
         json!({ "median_ratio": if mu > 0.0 { round3(mp / mu) } else { 0.0 }, "per_run": med_min_max(&per_run) })
     };
-    let test = |v: &[Vec<f64>; 3], unit: &str, paper: f64| {
+    let test = |v: &[Vec<f64>; 4], unit: &str, paper: f64| {
         json!({
             "unit": unit,
             "unprotected": med_min_max(&v[0]),
             "nfqueue_passthrough": med_min_max(&v[1]),
             "protected": med_min_max(&v[2]),
+            "protected_nfqueue": med_min_max(&v[3]),
             "ratio": ratio(&v[0], &v[2]),
+            "fast_path": ratio(&v[0], &v[2]),
+            "nfqueue_only": ratio(&v[0], &v[3]),
             "passthrough_ratio": ratio(&v[0], &v[1]),
             "paper_ratio": paper,
         })
@@ -1454,7 +1470,7 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
         "paper_us": 378,
     });
     Ok(json!({
-        "ok": rsts[Setup::Protected as usize] == 0,
+        "ok": rsts[Setup::Protected as usize] == 0 && rsts[Setup::ProtectedNfqueue as usize] == 0,
         "machine": machine(),
         "config": { "secs": o.secs, "runs": o.runs, "cycles": o.cycles, "read_size": o.read, "rcvbuf": o.rcvbuf, "ack_thread": o.ack_thread, "ack_nowait": o.ack_nowait, "quick": o.quick, "tcp_rmem_wmem": BUF_SYSCTL, "guard_queue_gso": true, "cpu_dma_latency_0": o.cpu_qos },
         "stream": test(&vals[0], "Mbit/s", 0.977),
@@ -1464,7 +1480,7 @@ fn run_in(b: &mut Bench, engine: Option<Value>) -> Result<Value, String> {
         "max_foreign_cpu": round3(b.max_foreign),
         "tests_repeated_for_load": b.retried,
         "tests_disturbed": b.disturbed,
-        "rsts_seen_by_peer": { "unprotected": rsts[0], "nfqueue_passthrough": rsts[1], "protected": rsts[2] },
+        "rsts_seen_by_peer": { "unprotected": rsts[0], "nfqueue_passthrough": rsts[1], "protected": rsts[2], "protected_nfqueue": rsts[3] },
         "engine": engine,
         "sweep": sweep,
         "guard_status": guard_status,
@@ -1492,9 +1508,9 @@ pub fn print_table(v: &Value) {
 
 fn print_lab(v: &Value, c: &Value) {
     println!("{} run(s) of {} s per test, MAERTS read size {} KiB, {} recovery cycles per run; median [min..max] over runs", c["runs"], c["secs"], c["read_size"].as_u64().unwrap_or(0) >> 10, c["cycles"]);
-    println!("ratio = protected / unprotected (per-run min..max); pass = NFQUEUE pass-through filter / unprotected");
+    println!("ratio = protected (the guard as configured: its fast path on unless UNBROKEN_FAST_PATH=0) / unprotected (per-run min..max); nfq = the guard without its fast path / unprotected; pass = NFQUEUE pass-through filter / unprotected");
     println!("CPU idle states: {}\n", if c["cpu_dma_latency_0"].as_bool() == Some(true) { "polling (/dev/cpu_dma_latency held at 0)" } else { "as configured (halting)" });
-    println!("{:<28} {:>22} {:>22} {:>22} {:>17} {:>6} {:>6}", "test", "unprotected", "NFQUEUE pass-through", "protected", "ratio", "pass", "paper");
+    println!("{:<28} {:>22} {:>22} {:>22} {:>22} {:>17} {:>6} {:>6} {:>6}", "test", "unprotected", "NFQUEUE pass-through", "protected", "protected, NFQUEUE only", "ratio", "nfq", "pass", "paper");
     let mm = |x: &Value| {
         if x.is_null() {
             return "-".to_string();
@@ -1514,12 +1530,14 @@ fn print_lab(v: &Value, c: &Value) {
             format!("{} [{:.0}..{:.0}]", pct(r), r["per_run"]["min"].as_f64().unwrap_or(0.0) * 100.0, r["per_run"]["max"].as_f64().unwrap_or(0.0) * 100.0)
         };
         println!(
-            "{:<28} {:>22} {:>22} {:>22} {:>17} {:>6} {:>5.1}%",
+            "{:<28} {:>22} {:>22} {:>22} {:>22} {:>17} {:>6} {:>6} {:>5.1}%",
             name,
             mm(&t["unprotected"]),
             mm(&t["nfqueue_passthrough"]),
             mm(&t["protected"]),
+            mm(&t["protected_nfqueue"]),
             ratio,
+            pct(&t["nfqueue_only"]),
             pct(&t["passthrough_ratio"]),
             t["paper_ratio"].as_f64().unwrap_or(0.0) * 100.0
         );
@@ -1536,7 +1554,7 @@ fn print_lab(v: &Value, c: &Value) {
         println!("{:<28} {:>22} {:>22} {:>22}", "  idle side-channel TELL p50", "", "", format!("{:.0}", med(&rc["tell_us_p50"])));
     }
     let r = &v["rsts_seen_by_peer"];
-    println!("{:<28} {:>22} {:>22} {:>22}", "RSTs seen by the peer", r["unprotected"], r["nfqueue_passthrough"], r["protected"]);
+    println!("{:<28} {:>22} {:>22} {:>22} {:>22}", "RSTs seen by the peer", r["unprotected"], r["nfqueue_passthrough"], r["protected"], r["protected_nfqueue"]);
     let d = v["tests_disturbed"].as_u64().unwrap_or(0);
     if d > 0 {
         println!("WARNING: {d} test(s) ran while other processes used more than {FOREIGN_LIMIT} CPUs (up to {:.2}): their numbers are disturbed", v["max_foreign_cpu"].as_f64().unwrap_or(0.0));

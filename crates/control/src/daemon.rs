@@ -361,6 +361,11 @@ pub trait Mode {
     fn collect(&mut self, out: &mut Outbox<Self::Request>) {
         let _ = out;
     }
+    /// The round's verdicts have been sent to the kernel (e.g. a fast path may now hand
+    /// connections back to the kernel without letting later packets overtake them).
+    fn after_flush(&mut self, now_ms: u64) {
+        let _ = now_ms;
+    }
 }
 
 /// The I/O half of a mode beyond the queue: its own descriptors and requests.
@@ -533,8 +538,9 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
         release(io, &mut *m, &mut out);
         adapter.end_round(&mut m, io.queue.stats());
         drop(m);
-        if let Err(e) = io.queue.flush() {
-            crate::ratelog::log(io.kinds[2], || format!("{name}: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
+        match io.queue.flush() {
+            Ok(()) => crate::sync::lock(mode, &core).after_flush(now),
+            Err(e) => crate::ratelog::log(io.kinds[2], || format!("{name}: verdict flush: {e} (the verdicts are kept as drops and sent again)")),
         }
         // After the verdicts: a packet sent here never overtakes a segment released with it.
         for pkt in out.send.drain(..) {

@@ -357,7 +357,9 @@ impl GuardFilter {
                 return v;
             }
         }
-        self.core.packet_fast(b, n, now_ms, false, counted)
+        let r = self.core.packet_fast(b, n, now_ms, false, counted);
+        self.core.fast_after_flush(now_ms);
+        r
     }
 
     /// The connection's newest state: the emulated kernel's while it owns it, else the core's.
@@ -381,6 +383,8 @@ impl GuardFilter {
         let before = self.core.counters.clone();
         let evicted = before.evicted_idle;
         let (action, n) = self.core.packet_fast(buf, len, now_ms, false, counted);
+        // Each decision's verdict leaves at once here (the daemon flushes per batch).
+        self.core.fast_after_flush(now_ms);
         let c = &self.core.counters;
         self.evicted_idle += c.evicted_idle - evicted;
         if c.malformed != before.malformed || c.unsupported != before.unsupported {

@@ -367,10 +367,20 @@ impl RuleSpec {
         mark_return.extend(args(&["-j", "RETURN"]));
         let mut cmds = vec![args(&["-N", &self.chain]), mark_return];
         if let Some(bit) = self.fast_mark {
-            let mut r = args(&["-A", &self.chain, "-m", "mark", "--mark", &format!("{bit:#x}/{bit:#x}")]);
-            r.extend(comment.iter().cloned());
-            r.extend(args(&["-j", "RETURN"]));
-            cmds.push(r);
+            // Only in the directions the fast path claims: from the application's leg (its
+            // packets) and toward it (its peers'). A packet with the bit that arrived from the
+            // peers' side carrying a service's source still meets the DROP below.
+            let legs: Vec<Vec<String>> = match &self.app_iface {
+                Some(i) => vec![args(&["-i", i]), args(&["-o", i])],
+                None => vec![vec![]],
+            };
+            for leg in legs {
+                let mut r = args(&["-A", &self.chain, "-m", "mark", "--mark", &format!("{bit:#x}/{bit:#x}")]);
+                r.extend(leg);
+                r.extend(comment.iter().cloned());
+                r.extend(args(&["-j", "RETURN"]));
+                cmds.push(r);
+            }
         }
         let queue = self.queue_num.to_string();
         for s in self
@@ -926,6 +936,32 @@ mod tests {
             let mut b = s.clone();
             b.app_iface = Some(bad.into());
             assert_eq!(b.validate().unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:?}");
+        }
+    }
+
+    /// The fast path's RETURN (issue 22): only for packets on the legs it claims (from and to
+    /// the application side), so that a packet from the peers' side with a service's source
+    /// meets the DROP whatever its mark; a mark of more than one bit is refused.
+    #[test]
+    fn hostile_fast_path_return_only_on_the_application_legs() {
+        let mut s = spec();
+        s.hooks = vec![BuiltinChain::Forward];
+        s.app_iface = Some("lan0".into());
+        s.fast_mark = Some(0x2000_0000);
+        let v4: Vec<String> = s.install_commands(Family::V4).iter().map(|c| c.join(" ")).collect();
+        assert_eq!(
+            v4[2..5],
+            [
+                "-A UNBROKEN-Q2 -m mark --mark 0x20000000/0x20000000 -i lan0 -m comment --comment unbroken-owner:7:9 -j RETURN",
+                "-A UNBROKEN-Q2 -m mark --mark 0x20000000/0x20000000 -o lan0 -m comment --comment unbroken-owner:7:9 -j RETURN",
+                "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -i lan0 -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2",
+            ]
+        );
+        assert!(v4.iter().any(|r| r == "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -m comment --comment unbroken-owner:7:9 -j DROP"));
+        assert!(s.validate().is_ok());
+        for bad in [0, 0x3000_0000] {
+            s.fast_mark = Some(bad);
+            assert_eq!(s.validate().unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:#x}");
         }
     }
 

@@ -761,3 +761,53 @@ fn c2_acknowledge_in_the_kernel_is_the_engines() {
     assert!(done > 1000 && refused > 300, "{done} done, {refused} refused");
 }
 
+
+/// A packet the stack will drop after tc (TTL or hop limit 1: forwarding drops it; a bad IPv4
+/// header checksum; an IPv4-mapped IPv6 address) would, if counted, never be taken: the
+/// connection would stay frozen. The programs leave such packets alone without counting them
+/// or freezing the entry (a forger on the peer's side cannot hold a connection on the slow
+/// path with one packet). And a counted packet taken after ThawForce gave up on it opens no gap.
+#[test]
+fn hostile_packets_the_stack_drops_freeze_nothing() {
+    use unbroken_drivers::fastpath::checkpoint::{Entry, Op as MapOp, OpResult};
+    let Some(mut fp) = fast_path("hostile_packets_the_stack_drops_freeze_nothing") else { return };
+    let told = recovered_told(NEW_ISN);
+    let key = key_ab();
+    assert!(fp.install(&key, &Entry::new(&told, None, None)).unwrap());
+    let rst = |ttl: u8| {
+        let mut p = from_b(Repr { seq: Seq(B_ISN + 2001), ack: Seq(A_ISN + 3001), flags: F::RST | F::ACK, window: 0, ..Default::default() }, b"");
+        p.buf[8] = ttl;
+        refill(&mut p);
+        p
+    };
+    let mut bad_header = rst(64);
+    bad_header.buf[10] ^= 0x01;
+    for (what, p) in [("TTL 1", rst(1)), ("TTL 0", rst(0)), ("bad IPv4 header checksum", bad_header)] {
+        assert_eq!(fp.run(Incoming, &p.buf[..p.len]).unwrap().verdict, Verdict::Slow, "{what}");
+        let e = fp.entry(&key).unwrap().unwrap();
+        assert_eq!((e.ctl, e.slow), (0, 0), "{what}: froze or counted");
+    }
+    // IPv4-mapped IPv6 addresses alias the IPv4 connection's key.
+    let mapped = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) => IpAddr::V6(v4.to_ipv6_mapped()),
+        v6 => v6,
+    };
+    let m = build(mapped(b_ip()), mapped(a_ip()), Repr { src_port: B_PORT, dst_port: A_PORT, seq: Seq(B_ISN + 2001), ack: Seq(A_ISN + 3001), flags: F::RST, ..Default::default() }, b"");
+    assert_eq!(fp.run(Incoming, &m.buf[..m.len]).unwrap().verdict, Verdict::Slow);
+    assert_eq!(fp.entry(&key).unwrap().unwrap().slow, 0, "an IPv4-mapped IPv6 packet was counted");
+    // A hop limit of 1 on a real IPv6 connection.
+    let key6 = Key::new(SocketAddr::new(a6(), A_PORT), SocketAddr::new(b6(), B_PORT));
+    assert!(fp.install(&key6, &Entry::new(&told, None, None)).unwrap());
+    let mut h = build(b6(), a6(), Repr { src_port: B_PORT, dst_port: A_PORT, seq: Seq(B_ISN + 2001), ack: Seq(A_ISN + 3001), flags: F::RST, ..Default::default() }, b"");
+    h.buf[7] = 1;
+    assert_eq!(fp.run(Incoming, &h.buf[..h.len]).unwrap().verdict, Verdict::Slow);
+    assert_eq!(fp.entry(&key6).unwrap().unwrap().slow, 0, "hop limit 1 was counted");
+    // Counted, given up on (ThawForce), then taken late: no gap.
+    assert_eq!(fp.run(Incoming, &rst(64).buf[..rst(64).len]).unwrap().verdict, Verdict::Slow);
+    let cur = fp.entry(&key).unwrap().unwrap();
+    assert_eq!(cur.slow, 1);
+    assert_eq!(fp.op(MapOp::ThawForce, &key, Some(&cur)).unwrap().result, OpResult::Done);
+    let late = fp.op(MapOp::Take, &key, None).unwrap();
+    assert_eq!((late.entry.seen, late.entry.slow), (1, 1));
+    assert_eq!(fp.op(MapOp::Thaw, &key, Some(&late.entry)).unwrap().result, OpResult::Done, "a late take opened a gap");
+}

@@ -208,6 +208,10 @@ fn hostile_record_edited_in_the_store_is_refused_never_replayed() {
     assert!(dl.wait_bytes(size * 3 / 10, Duration::from_secs(30)), "{name}: download did not reach 30 %");
     let srv = dl.server(&env);
     let key = keys_of(&env, 42011).pop().unwrap_or_else(|| panic!("{name}: no record"));
+    // The serving agent is frozen first (its server is about to lose power anyway): otherwise
+    // it may store the record again between the edit and the crash (found under load, CI
+    // 2026-11-27), and the failover would rightly resume from its genuine record.
+    assert!(env.signal_agent(srv, libc::SIGSTOP), "{name}: SIGSTOP to agent {srv}");
     let v = raw_get(&env, &key);
     let at = v.windows(8).position(|w| w == b"/big.bin").unwrap_or_else(|| panic!("{name}: no objectID in the record"));
     // Points the objectID at the other object: /big.bin -> /bif.bin.

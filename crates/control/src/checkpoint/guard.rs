@@ -675,7 +675,9 @@ impl Core {
             self.fast_take(key, counted, now_ms);
         }
         let r = self.packet_with(buf, len, now_ms, csum_partial);
-        self.fast_settle(now_ms);
+        // The connections this packet touched are given back only once its verdict has left
+        // (see `fast::FastPart::after_flush`).
+        self.fast_defer();
         r
     }
 
@@ -1159,11 +1161,6 @@ impl Core {
             return None;
         }
         let key = FlowKey { app: cmd.app, peer: cmd.peer };
-        // Every later decision reads the connection's newest state: a checkpoint raised in
-        // the kernel in place, or the connection taken from it.
-        if !self.fast_acknowledge(key, &cmd) {
-            self.fast_take(key, false, now_ms);
-        }
         let status_reply = |status: Status, k: &Key| {
             let r = Command { response: true, status: status as u8, flags: 0, time_ms: wall_ms, ack_a: 0, ack_b: 0, options: None, ..cmd };
             r.encode(k).ok().map(|reply| CommandOut { reply: reply.to_vec(), ack_len: None })
@@ -1181,6 +1178,12 @@ impl Core {
         }
         if self.replay_floors.entry(cmd.app.ip()).or_insert_with(|| ReplayFloor { app_ip: cmd.app.ip(), time_ms: 0, nonces: Vec::new(), full: false }).raise(cmd.time_ms, cmd.nonce) {
             self.replay_floors_dirty = true;
+        }
+        // Accepted: every later decision reads the connection's newest state (a checkpoint
+        // raised in the kernel in place, or the connection taken from it). Never before the
+        // refusals above: a refused command changes nothing, not even in the kernel.
+        if cmd.op != ctl::Op::Adopt && !self.fast_acknowledge(key, &cmd) {
+            self.fast_take(key, false, now_ms);
         }
         if cmd.op == ctl::Op::Adopt {
             return match self.next_unclaimed(cmd.app, cmd.peer) {
@@ -1377,12 +1380,16 @@ impl crate::daemon::Mode for Core {
         use unbroken_drivers::fastpath::checkpoint::{MARK_DONE, MARK_SLOW};
         // Decided on the fast path already (the steering chain RETURNs such packets; were it
         // changed by hand): never rewritten twice.
-        if meta.mark & MARK_DONE != 0 {
+        if meta.mark & MARK_DONE != 0 && self.fast_path_on() {
             self.counters.fast_done_queued += 1;
             return (Verdict::Accept { modified: false }, len);
         }
         let counted = meta.mark & MARK_SLOW != 0;
         self.packet_fast(pkt, len, now_ms, meta.csum_not_ready, counted)
+    }
+
+    fn after_flush(&mut self, now_ms: u64) {
+        self.fast_after_flush(now_ms);
     }
 
     fn tick(&mut self, now_ms: u64, _: &mut crate::daemon::Outbox<()>) {
@@ -1910,7 +1917,26 @@ mod tests {
     fn hostile_packet_the_fast_path_decided_is_never_rewritten_again() {
         use crate::daemon::{Meta, Mode, Outbox};
         use unbroken_drivers::fastpath::checkpoint::MARK_DONE;
+        /// A map that holds nothing.
+        struct Empty;
+        impl FastMap for Empty {
+            fn take(&mut self, _: &FlowKey, _: bool) -> Option<FastTaken> {
+                None
+            }
+            fn apply(&mut self, _: &FastOp) -> FastDone {
+                FastDone::Gone
+            }
+        }
+        // Without the fast path the bit means nothing: whoever set it (another tool on this
+        // host), the engine decides the packet.
+        let mut off = core();
+        let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 50, ..Default::default() });
+        let meta = Meta { id: 1, hook: 2, hw_src: None, csum_not_ready: false, mark: MARK_DONE };
+        let (v, _) = Mode::packet(&mut off, 0, meta, &mut b, n, &mut Outbox::default());
+        assert_ne!(v, Verdict::Accept { modified: false });
+        assert_eq!((off.counters.fast_done_queued, off.counters.packets), (0, 1));
         let mut c = core();
+        c.enable_fast_path(Box::new(Empty));
         let (mut b, n) = pkt(app(), peer(), Repr { seq: Seq(5001), ack: Seq(101), flags: F::ACK, window: 50, ..Default::default() });
         let orig = b.clone();
         let meta = Meta { id: 1, hook: 2, hw_src: None, csum_not_ready: false, mark: MARK_DONE | 0x42 };

@@ -134,8 +134,14 @@ fn fast_path(cfg: &Config) -> Result<KernelMap, String> {
         (Placement::Gateway, Some(i)) => i.clone(),
         _ => return Err("placement = \"local\" is not on the fast path yet (tc egress runs after netfilter's OUTPUT chain, where the queue rule decides)".into()),
     };
+    mark_conflicts()?;
+    if !is_ethernet(&app_if) {
+        return Err(format!("guard.app_interface {app_if:?} is not an Ethernet device (the programs read an Ethernet header)"));
+    }
     let mut fp = Checkpoint::load().map_err(|e| e.to_string())?;
-    let mut others: Vec<String> = interfaces()?.into_iter().filter(|n| n != "lo" && *n != app_if).collect();
+    // Only Ethernet devices (the programs find the IP header after 14 bytes); a packet from the
+    // peers arriving on another kind (a tunnel) goes through the queue.
+    let mut others: Vec<String> = interfaces()?.into_iter().filter(|n| n != "lo" && *n != app_if && is_ethernet(n)).collect();
     others.sort();
     fp.attach(Direction::Outgoing, &app_if).map_err(|e| e.to_string())?;
     let mut ifaces = vec![format!("{app_if} (from the applications)")];
@@ -164,6 +170,67 @@ fn interfaces() -> Result<Vec<String>, String> {
         libc::if_freenameindex(list);
         Ok(names)
     }
+}
+
+/// Whether `name` is an Ethernet device (ARPHRD_ETHER), by SIOCGIFHWADDR.
+fn is_ethernet(name: &str) -> bool {
+    if name.len() >= libc::IFNAMSIZ {
+        return false;
+    }
+    // SAFETY: a zeroed ifreq with a NUL-terminated name, an ioctl on a socket we close.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return false;
+        }
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (i, b) in name.bytes().enumerate() {
+            ifr.ifr_name[i] = b as libc::c_char;
+        }
+        let ok = libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut ifr) == 0 && ifr.ifr_ifru.ifru_hwaddr.sa_family == libc::ARPHRD_ETHER;
+        libc::close(fd);
+        ok
+    }
+}
+
+/// The mark bits the programs set must reach FORWARD as they left them: a rule of the raw or
+/// mangle table that sets or restores the packet mark over those bits (policy routing often
+/// does, e.g. `CONNMARK --restore-mark` without a mask) would make a claimed packet be
+/// rewritten a second time, or a declined one pass unrewritten. Such a rule turns the fast path
+/// off, named. (nftables rules that set `meta mark` are not inspected: see docs.)
+fn mark_conflicts() -> Result<(), String> {
+    use unbroken_drivers::fastpath::checkpoint::{MARK_DONE, MARK_SLOW};
+    let ours = MARK_DONE | MARK_SLOW;
+    for bin in ["iptables-save", "ip6tables-save"] {
+        for table in ["raw", "mangle"] {
+            let Ok(out) = std::process::Command::new(bin).args(["-t", table]).env("LC_ALL", "C").output() else { continue };
+            if !out.status.success() {
+                continue;
+            }
+            let text = String::from_utf8_lossy(&out.stdout);
+            if let Some(rule) = text.lines().find(|l| sets_mark_bits(l, ours)) {
+                return Err(format!("{bin} -t {table} has a rule that sets the packet mark over bits {ours:#x}, which the fast path uses: {rule:?} (give it a mask without them)"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether an `iptables-save` line sets or restores mark bits in `bits`.
+fn sets_mark_bits(line: &str, bits: u32) -> bool {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let num = |s: &str| u32::from_str_radix(s.trim_start_matches("0x"), if s.starts_with("0x") { 16 } else { 10 }).ok();
+    let after = |flag: &str| w.iter().position(|x| *x == flag).and_then(|i| w.get(i + 1)).copied();
+    if w.windows(2).any(|p| p == ["-j", "MARK"]) {
+        // iptables-save writes every MARK form as --set-xmark value/mask.
+        // Unreadable: taken as a conflict.
+        let mask = after("--set-xmark").and_then(|v| v.split_once('/')).and_then(|(_, m)| num(m));
+        return mask.is_none_or(|m| m & bits != 0);
+    }
+    if w.windows(2).any(|p| p == ["-j", "CONNMARK"]) && w.contains(&"--restore-mark") {
+        return after("--nfmask").and_then(num).is_none_or(|m| m & bits != 0);
+    }
+    false
 }
 
 fn fast_key(k: &crate::checkpoint::guard::FlowKey) -> unbroken_drivers::fastpath::checkpoint::Key {
@@ -365,6 +432,30 @@ fn status_fields(core: Arc<Mutex<Core>>, spec: unbroken_drivers::iptables::RuleS
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rules that would clear or forge the fast path's mark bits are recognised in
+    /// iptables-save's forms; those that leave them alone are not.
+    #[test]
+    fn hostile_mark_rules_that_touch_the_fast_path_bits() {
+        let bits = 0x3000_0000;
+        for conflict in [
+            "-A PREROUTING -j MARK --set-xmark 0x1/0xffffffff",
+            "-A PREROUTING -i eth0 -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
+            "-A FORWARD -j MARK --set-xmark 0x0/0x30000000",
+            "-A PREROUTING -j CONNMARK --restore-mark",
+        ] {
+            assert!(sets_mark_bits(conflict, bits), "{conflict}");
+        }
+        for fine in [
+            "-A PREROUTING -j MARK --set-xmark 0x1/0xff",
+            "-A PREROUTING -j CONNMARK --restore-mark --nfmask 0xffff --ctmask 0xffff",
+            "-A PREROUTING -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff",
+            "-A UNBROKEN-Q7 -m mark --mark 0x20000000/0x20000000 -i lan0 -j RETURN",
+            "-A POSTROUTING -j MASQUERADE",
+        ] {
+            assert!(!sets_mark_bits(fine, bits), "{fine}");
+        }
+    }
 
     /// The replay file survives a restart: written, reopened, the same marks; a damaged one is
     /// an error naming the file, a missing one is an empty start.

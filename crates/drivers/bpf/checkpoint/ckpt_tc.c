@@ -124,7 +124,7 @@ int ckpt_outgoing(struct __sk_buff *skb)
 	struct ckpt_key k = {};
 	const struct fp_opts *o = &p.o;
 
-	if (fp_parse(skb, FP_L3_ETH, &p))
+	if (fp_parse(skb, FP_L3_ETH, &p) || fp_forwardable(skb, FP_L3_ETH, &p))
 		return FP_SLOW;
 	__builtin_memcpy(k.a_addr, p.src, 16);
 	__builtin_memcpy(k.b_addr, p.dst, 16);
@@ -236,7 +236,7 @@ int ckpt_incoming(struct __sk_buff *skb)
 	struct ckpt_key k = {};
 	const struct fp_opts *o = &p.o;
 
-	if (fp_parse(skb, FP_L3_ETH, &p))
+	if (fp_parse(skb, FP_L3_ETH, &p) || fp_forwardable(skb, FP_L3_ETH, &p))
 		return FP_SLOW;
 	__builtin_memcpy(k.a_addr, p.dst, 16);
 	__builtin_memcpy(k.b_addr, p.src, 16);
@@ -370,7 +370,10 @@ int ckpt_op(struct __sk_buff *skb)
 	an.ctl_before = e->ctl;
 	switch (rq.op) {
 	case CKPT_OP_TAKE:
-		e->seen++;
+		/* Never beyond what was counted: a counted packet taken after THAW_FORCE gave up
+		 * on it would otherwise open a gap no later packet closes. */
+		if (e->seen != e->slow)
+			e->seen++;
 		/* fall through */
 	case CKPT_OP_FREEZE:
 		e->ctl |= CKPT_C_FROZEN | CKPT_C_USER;

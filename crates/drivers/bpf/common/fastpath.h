@@ -189,6 +189,44 @@ static __always_inline int fp_parse(struct __sk_buff *skb, __u32 l3, struct fp_p
 	return 0;
 }
 
+/* 0 when the stack will carry this packet on from a tc ingress program's point of view: a
+ * packet for this host (not PACKET_OTHERHOST and the like), the IP version its EtherType says,
+ * an IPv4 header whose checksum verifies and a TTL (IPv6: hop limit) above 1, so that
+ * forwarding does not drop it, and no IPv4-mapped IPv6 address (the stack drops those). A
+ * program that counts what it leaves to the slow path counts only packets that reach it. -1
+ * otherwise. */
+static __always_inline int fp_forwardable(struct __sk_buff *skb, __u32 l3, const struct fp_pkt *p)
+{
+	if (skb->pkt_type != 0 /* PACKET_HOST */)
+		return -1;
+	if (p->v6) {
+		__u8 hop;
+		if (skb->protocol != bpf_htons(ETH_P_IPV6))
+			return -1;
+		if (bpf_skb_load_bytes(skb, l3 + 7, &hop, 1) || hop <= 1)
+			return -1;
+		const __u32 *s = (const __u32 *)p->src, *d = (const __u32 *)p->dst;
+		if (!s[0] && !s[1] && s[2] == bpf_htonl(0xffff))
+			return -1;
+		if (!d[0] && !d[1] && d[2] == bpf_htonl(0xffff))
+			return -1;
+		return 0;
+	}
+	struct iphdr ip;
+	if (skb->protocol != bpf_htons(ETH_P_IP))
+		return -1;
+	if (bpf_skb_load_bytes(skb, l3, &ip, sizeof(ip)) || ip.ttl <= 1)
+		return -1;
+	__s64 sum = bpf_csum_diff(0, 0, (__be32 *)&ip, sizeof(ip), 0);
+	if (sum < 0)
+		return -1;
+	__u64 x = (__u64)sum;
+	x = (x & 0xffff) + (x >> 16);
+	x = (x & 0xffff) + (x >> 16);
+	x = (x & 0xffff) + (x >> 16);
+	return x == 0xffff ? 0 : -1;
+}
+
 /* The option byte at `i` (relative to the first option). */
 static __always_inline __u32 fp_opt8(const struct fp_pkt *p, __u32 i)
 {

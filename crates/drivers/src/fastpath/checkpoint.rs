@@ -360,7 +360,11 @@ impl Checkpoint {
     pub fn attach(&mut self, d: Direction, iface: &str) -> Result<(), Error> {
         let name = d.program();
         let prog: &mut SchedClassifier = self.ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
-        prog.attach(iface, aya::programs::TcAttachType::Ingress).map_err(|e| bpf_err(&format!("attaching {name} to {iface} (ingress)"), e))?;
+        // TCX (a bpf_link, kernel 6.6 or later) only: the link dies with this process. aya
+        // falls back to a netlink filter on older kernels, which outlives a killed guard and
+        // would keep claiming packets from a map nobody updates any more.
+        let opts = aya::programs::tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::default());
+        prog.attach_with_options(iface, aya::programs::TcAttachType::Ingress, opts).map_err(|e| bpf_err(&format!("attaching {name} to {iface} (tc ingress, TCX: Linux 6.6 or later)"), e))?;
         Ok(())
     }
 

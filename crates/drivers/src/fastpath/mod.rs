@@ -104,8 +104,10 @@ pub struct Run {
 /// result and the kernel's mean time per run.
 fn test_run(prog: &SchedClassifier, ip: &[u8], repeat: u32) -> Result<(Run, std::time::Duration), Error> {
     let mut frame = vec![0u8; ETH_HLEN + ip.len()];
-    // Destination and source MAC (locally administered), EtherType by IP version.
-    frame[..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    // Destination MAC: the test device's own (loopback's, all zero), so that the kernel
+    // takes the frame as one for this host (PACKET_HOST, as the programs require); source
+    // locally administered; EtherType by IP version.
+    frame[..6].copy_from_slice(&[0, 0, 0, 0, 0, 0]);
     frame[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
     let ethertype: u16 = if ip.first().map(|b| b >> 4) == Some(6) { 0x86dd } else { 0x0800 };
     frame[12..14].copy_from_slice(&ethertype.to_be_bytes());

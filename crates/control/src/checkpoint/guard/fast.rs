@@ -12,13 +12,22 @@
 //! (*thaw*) when still eligible, which the kernel refuses while a counted packet is still on its
 //! way to the queue (then the core keeps the state, and the next packet's thaw succeeds); a
 //! connection that closed or was released leaves the map. A frozen entry whose counted packet
-//! never arrives (a full queue) is given back after [`STALE_THAW_MS`].
+//! never arrives (a full queue) is given back [`STALE_THAW_MS`] after the core began to hold it.
+//! A connection a packet touched is given back only after that packet's verdict was sent
+//! ([`Core::fast_after_flush`]: the queue's verdicts leave in batches), so that a packet the
+//! programs claim after the thaw never overtakes one still waiting for its verdict.
 
 use super::*;
 
-/// How long a connection stays frozen, held by the core, without a packet or command, before it
-/// is given back even though a counted packet never reached the queue.
-pub const STALE_THAW_MS: u64 = 1000;
+/// How long the core holds an eligible connection at most, counted from when it began to hold
+/// it (not from its last packet: a busy connection whose one counted packet was lost on its
+/// way would otherwise never be given back), before it gives it back even though a counted
+/// packet never reached the queue (a full queue dropped it). A counted packet that arrives
+/// later is taken as any other (the kernel does not count it twice).
+pub const STALE_THAW_MS: u64 = 200;
+
+/// After the map refused a new entry (full), no install is tried for this long.
+pub const INSTALL_BACKOFF_MS: u64 = 1000;
 
 /// Where a connection's state is, as the core knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -104,6 +113,8 @@ pub struct FastCounters {
     pub acknowledged_in_place: u64,
     /// Entries found missing or that the map would not create (the slow path carries them).
     pub lost: u64,
+    /// Installs the map refused (full: [`INSTALL_BACKOFF_MS`] without installs follows).
+    pub install_refused: u64,
 }
 
 /// The fast path's part of [`Core`].
@@ -114,19 +125,25 @@ pub struct FastPart {
     dirty: Vec<FlowKey>,
     /// Connections in the map that left the table (expired, evicted, released).
     gone: Vec<FlowKey>,
-    /// Connections held by the core, and since when (ms) nothing happened to them.
+    /// Connections held by the core, and since when (ms).
     held: HashMap<FlowKey, u64>,
+    /// Connections a packet touched whose verdict has not been sent yet: settled after the
+    /// flush.
+    deferred: Vec<FlowKey>,
+    /// No install before this time (ms): the map refused one (full).
+    install_after_ms: u64,
     pub counters: FastCounters,
 }
 
 /// A connection the programs can carry: the engine's state lets them translate both ways
-/// (synchronized, a checkpoint or everything acknowledged, no recovery in progress), the guard
-/// has no decision pending on it (no recovery SYN race, no nudge to send), it is protected and
-/// open.
+/// (synchronized, a checkpoint or everything acknowledged, no recovery in progress), its
+/// handshake is complete (the peer's ACK was seen: a spoofed SYN never gets an entry in the
+/// kernel's map, which is smaller than the guard's table), the guard has no decision pending on
+/// it (no recovery SYN race, no nudge to send), it is protected and open.
 fn eligible(e: &Entry, now_ms: u64) -> bool {
     use unbroken_engines::rtcp::flag;
     let c = &e.conn;
-    c.flags & flag::SYNCED != 0
+    c.flags & (flag::SYNCED | flag::RECOVERABLE) == flag::SYNCED | flag::RECOVERABLE
         && c.flags & (flag::SYN_PENDING | flag::ORIGIN_PINNED) == 0
         && c.flags & (flag::ACK_ALLOWED | flag::ACK_EVERYTHING) != 0
         && !c.is_closed()
@@ -149,6 +166,10 @@ impl Core {
 
     pub fn fast_counters(&self) -> &FastCounters {
         &self.fast.counters
+    }
+
+    pub fn fast_path_on(&self) -> bool {
+        self.fast.map.is_some()
     }
 
     /// The status's `fast_path` object: on or off (and why), the hand-off's counters, the
@@ -189,7 +210,7 @@ impl Core {
                     e.peer_hi = t.state.peer_hi;
                 }
                 e.fast = Fast::Held;
-                self.fast.held.insert(key, now_ms);
+                self.fast.held.entry(key).or_insert(now_ms);
                 self.fast.dirty.push(key);
             }
             None => {
@@ -249,6 +270,10 @@ impl Core {
         let mut dirty = std::mem::take(&mut self.fast.dirty);
         dirty.dedup();
         for key in dirty.drain(..) {
+            // A packet of it still waits for its verdict: after the flush.
+            if self.fast.deferred.contains(&key) {
+                continue;
+            }
             let Some(e) = self.table.get_mut(&key) else {
                 if self.fast.held.remove(&key).is_some() {
                     map.apply(&FastOp::Remove(key));
@@ -258,6 +283,7 @@ impl Core {
             };
             let op = if eligible(e, now_ms) {
                 match e.fast {
+                    Fast::Off if now_ms < self.fast.install_after_ms => continue,
                     Fast::Off => FastOp::Install(key, state_of(e)),
                     Fast::Held => FastOp::Thaw(key, state_of(e)),
                     Fast::Kernel => continue,
@@ -275,6 +301,10 @@ impl Core {
                 (FastOp::Thaw(..), FastDone::Kernel) => c.thawed += 1,
                 (FastOp::Thaw(..), FastDone::Held) => c.thaw_refused += 1,
                 (FastOp::Remove(_), _) => c.removed += 1,
+                (FastOp::Install(..), FastDone::Gone) => {
+                    c.install_refused += 1;
+                    self.fast.install_after_ms = now_ms + INSTALL_BACKOFF_MS;
+                }
                 (_, FastDone::Gone) => c.lost += 1,
                 _ => {}
             }
@@ -289,7 +319,7 @@ impl Core {
                 }
             };
             if e.fast == Fast::Held {
-                self.fast.held.insert(key, now_ms);
+                self.fast.held.entry(key).or_insert(now_ms);
             } else {
                 self.fast.held.remove(&key);
             }
@@ -298,13 +328,34 @@ impl Core {
         self.fast.map = Some(map);
     }
 
-    /// Time passes: a connection held for [`STALE_THAW_MS`] without anything happening to it
-    /// is given back if eligible, even though a counted packet never arrived.
+    /// After a packet was decided: the connections it touched wait for its verdict to leave
+    /// ([`Core::fast_after_flush`]).
+    pub(super) fn fast_defer(&mut self) {
+        if self.fast.map.is_none() {
+            return;
+        }
+        let d = std::mem::take(&mut self.fast.dirty);
+        self.fast.deferred.extend(d);
+    }
+
+    /// The queue's verdicts were sent: the connections the packets touched are settled now.
+    pub fn fast_after_flush(&mut self, now_ms: u64) {
+        if self.fast.deferred.is_empty() {
+            return;
+        }
+        let d = std::mem::take(&mut self.fast.deferred);
+        self.fast.dirty.extend(d);
+        self.fast_settle(now_ms);
+    }
+
+    /// Time passes: a connection held for [`STALE_THAW_MS`] since the core began to hold it is
+    /// given back if eligible, even though a counted packet never arrived.
     pub fn fast_tick(&mut self, now_ms: u64) {
         if self.fast.map.is_none() || self.fast.held.is_empty() {
             return;
         }
-        let stale: Vec<FlowKey> = self.fast.held.iter().filter(|(_, t)| now_ms.saturating_sub(**t) >= STALE_THAW_MS).map(|(k, _)| *k).collect();
+        let deferred = &self.fast.deferred;
+        let stale: Vec<FlowKey> = self.fast.held.iter().filter(|(k, t)| now_ms.saturating_sub(**t) >= STALE_THAW_MS && !deferred.contains(k)).map(|(k, _)| *k).collect();
         let Some(mut map) = self.fast.map.take() else { return };
         for key in stale {
             self.fast.held.remove(&key);

@@ -25,7 +25,8 @@
  * must decide it. TC_ACT_UNSPEC lets the packet continue (the next tc program, else the stack),
  * so an attached program hands the packet on to netfilter, where the steering rule sends it to
  * the queue (see docs/architecture.md, "Fast path"). The
- * per-connection state is written only after every rewrite succeeded. */
+ * per-connection state is written before the rewrite reaches the packet (see the mode's
+ * program for why that is safe). */
 #define FP_DONE TC_ACT_OK
 #define FP_SLOW TC_ACT_UNSPEC
 /* A rewrite failed halfway (the kernel could not make the skb writable): the packet is

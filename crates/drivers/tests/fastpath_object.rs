@@ -691,6 +691,8 @@ fn hostile_packets_go_slow() {
     cases.push(("wrong checksum", Dir::FromClient, q, mac, false));
     cases.push(("another bucket's marker", Dir::FromClient, good_c.clone(), marker_mac(BUCKET + 1), false));
     cases.push(("client data", Dir::FromClient, w.client_pkt(cs(req_end), ss(2000), F::ACK, b"x"), mac, false));
+    // Zero bytes of data add nothing to the checksum: the header's sum alone verifies.
+    cases.push(("client data that sums to zero", Dir::FromClient, w.client_pkt(cs(req_end), ss(2000), F::ACK, &[0, 0]), mac, false));
     // The client: ACK of bytes never sent, of the whole response, out of the window, before
     // the stream's position (a keepalive).
     cases.push(("ACK of unsent bytes", Dir::FromClient, w.client_pkt(cs(req_end), ss(2801), F::ACK, b""), mac, false));
@@ -752,6 +754,24 @@ fn hostile_packets_go_slow() {
     q[4..6].copy_from_slice(&plen.to_be_bytes());
     w6.check_user = false;
     assert_eq!(w6.send(Dir::FromClient, &q, "IPv6 extension header"), Steer::Slow);
+}
+
+/// Conn::in_window at its edges: a pure ACK at the stream's position plus the window the
+/// server announced (its latest window field, scaled, at least 64 KiB) is outside, one before
+/// it inside; one before the position is outside (a keepalive).
+#[test]
+fn window_edges_are_the_engines() {
+    let Some(fp) = fast_path("window_edges_are_the_engines") else { return };
+    drop(fp);
+    let pos = cs(REQ.len() as u32);
+    // (how far from the stream's position, in windows and bytes; the expected answer)
+    for (windows, bytes, expect) in [(0u32, 0i64, Steer::Pass), (0, 1, Steer::Pass), (1, -1, Steer::Pass), (1, 0, Steer::Slow), (0, -1, Steer::Slow)] {
+        let mut w = live(false);
+        let win = ((w.e.fast_view(&w.key).unwrap().last_window as u32) << 9).max(1 << 16);
+        let seq = pos.wrapping_add(windows * win).wrapping_add(bytes as u32);
+        let p = w.client_pkt(seq, ss(2000), F::ACK, b"");
+        assert_eq!(w.send(Dir::FromClient, &p, &format!("{windows} windows {bytes:+} bytes")), expect, "{windows} windows {bytes:+} bytes");
+    }
 }
 
 /// The tc program leaves alone what the slow path decided (the agent's verdict mark), and a

@@ -494,51 +494,129 @@ impl Rng {
     }
 }
 
-/// Random sequences on a live download: client ACKs and segments anywhere around the stream
-/// positions (in and out of the window, before, inside and past the response), server
-/// segments around what it sent (retransmissions, gaps, new bytes past the body, pure ACKs,
-/// ACK fields around the request), random flags and windows, store completions that come late
-/// or fail, the lease lapsing, both families. Whatever passes must be the engine's answer.
+/// How a random run starts: a live connection, the server's byte stream from offset 0, where
+/// the client's stream stands (its next sequence number), the ACK field the server sends, and
+/// how far the server has sent.
+struct Start {
+    w: World,
+    stream: Vec<u8>,
+    cseq: u32,
+    srv_ack: u32,
+    srv: u32,
+}
+
+const REQ2: &[u8] = b"GET /small.bin HTTP/1.1\r\nHost: s\r\n\r\n";
+
+/// The server's stream of responses with these body lengths (bodies as `body`).
+fn responses(lens: &[u32]) -> Vec<u8> {
+    let mut v = vec![];
+    for (i, &n) in lens.iter().enumerate() {
+        v.extend(hdr(n));
+        v.extend(body(n as usize, i as u8));
+    }
+    v
+}
+
+/// Sends the server's stream from `from` to `to` in 1400-byte segments, storing after each
+/// slow one; returns how many passed.
+fn serve(w: &mut World, stream: &[u8], from: u32, to: u32, ack: u32) -> usize {
+    let (mut off, mut passed) = (from, 0);
+    while off < to {
+        let n = (to - off).min(1400);
+        let st = w.s(ss(off), ack, F::ACK, &stream[off as usize..(off + n) as usize], &format!("segment at {off}"));
+        if st == Steer::Slow {
+            w.store_all(true);
+        } else {
+            passed += 1;
+        }
+        off += n;
+    }
+    passed
+}
+
+/// Starting points: 0 a download (Table 1), 1 a client that half-closed after its request,
+/// 2 two pipelined requests (the first response's end inside the run), 3 a connection this
+/// server rebuilt (§3.2 case ③, `Engine::adopt`).
+fn start(kind: u64, v6: bool, cfg: Config) -> Start {
+    let fp = Object::load().unwrap();
+    let mut w = if v6 { World::v6(fp, cfg.clone()) } else { World::v4(fp, cfg.clone()) };
+    let req_end = REQ.len() as u32;
+    match kind {
+        0 | 1 => {
+            w.handshake();
+            let fin = kind == 1;
+            w.c(cs(0), ss(0), F::ACK | F::PSH | if fin { F::FIN } else { 0 }, REQ, "request");
+            let stream = responses(&[BODY_LEN]);
+            let ack = cs(req_end + fin as u32);
+            serve(&mut w, &stream, 0, 1400, ack);
+            Start { w, stream, cseq: ack, srv_ack: ack, srv: 1400 }
+        }
+        2 => {
+            w.handshake();
+            let mut reqs = REQ.to_vec();
+            reqs.extend_from_slice(REQ2);
+            w.c(cs(0), ss(0), F::ACK | F::PSH, &reqs, "pipelined requests");
+            let stream = responses(&[2500, BODY_LEN]);
+            let ack = cs(reqs.len() as u32);
+            serve(&mut w, &stream, 0, 1400, ack);
+            Start { w, stream, cseq: ack, srv_ack: ack, srv: 1400 }
+        }
+        _ => {
+            // The dead server's record, then the rebuild from a client that has 3000 bytes.
+            let mut w0 = World::v4(Object::load().unwrap(), cfg);
+            w0.handshake();
+            w0.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request");
+            let stream = responses(&[BODY_LEN]);
+            w0.s(ss(0), cs(req_end), F::ACK, &stream[..1400], "first");
+            let rec = w0.store_all(true).pop().expect("the record of the first response");
+            let t = Trigger { seq: cs(req_end), ack: ss(1000), payload_len: 0, flags: F::ACK, window: 500, tsval: Some(1), tsecr: Some(2) };
+            let plan = plan_recovery(&rec, &t).unwrap();
+            let key = w.key;
+            w.e.adopt(key, &rec, &plan, w.now);
+            w.publish();
+            Start { w, stream, cseq: cs(req_end), srv_ack: cs(req_end), srv: 1000 }
+        }
+    }
+}
+
+/// Random sequences from each starting point: client ACKs and segments anywhere around the
+/// stream positions (in and out of the window, before, inside and past the responses),
+/// server segments of its real stream around what it sent (retransmissions, gaps, new bytes
+/// past a body, pure ACKs, ACK fields around the requests), random flags, store completions
+/// that come late or fail, the lease lapsing, both families. Whatever passes must be the
+/// engine's answer (`World::send`).
 #[test]
 fn random_sequences_agree_with_the_engine() {
     let Some(fp0) = fast_path("random_sequences_agree_with_the_engine") else { return };
     drop(fp0);
     let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x0b1e_c722u64);
-    let runs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
+    let runs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48);
     let mut rng = Rng(seed);
     let (mut passed, mut slow, mut packets) = (0usize, 0usize, 0usize);
+    let mut passed_by_kind = [0usize; 4];
     for run in 0..runs {
         let cfg = Config { progress_step: if rng.chance(300) { 6000 } else { 256 << 20 }, ..Config::default() };
-        let fp = Object::load().unwrap();
-        let mut w = if run % 4 == 3 { World::v6(fp, cfg) } else { World::v4(fp, cfg) };
-        w.handshake();
-        let req_end = REQ.len() as u32;
-        w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request");
-        let h = hdr(BODY_LEN);
-        let mut first = h.clone();
-        first.extend(body(1400 - h.len(), 1));
-        w.s(ss(0), cs(req_end), F::ACK, &first, "first");
-        w.store_all(true);
-        let total = h.len() as u32 + BODY_LEN;
-        // The stream positions the random packets play around.
-        let (mut srv, mut cli_acked) = (1400u32, 0u32);
+        let kind = (run % 4) as u64;
+        let Start { mut w, stream, cseq, srv_ack, mut srv } = start(kind, run % 8 == 5, cfg);
+        let total = stream.len() as u32;
+        let mut cli_acked = 0u32;
         for step in 0..100 {
-            let what = format!("seed {seed:#x} run {run} step {step}");
+            let what = format!("seed {seed:#x} run {run} (start {kind}) step {step}");
             let r = rng.below(100);
             if r < 40 {
                 // The server: mostly the next segment, sometimes a retransmission, a gap, a
-                // pure ACK, bytes past the body, an odd ACK field, flags.
+                // pure ACK, bytes past the stream, an odd ACK field, flags.
                 let (seq, len) = match rng.below(10) {
                     0 => (rng.below(srv as u64 + 1) as u32, rng.below(1400) as u32),
                     1 => (srv + 1 + rng.below(3000) as u32, 100),
                     2 => (srv, 0),
-                    3 => (srv, total.saturating_sub(srv) + rng.below(200) as u32),
-                    _ => (srv, rng.below(1401) as u32),
+                    3 => (total.saturating_sub(rng.below(1000) as u32).max(srv.min(total)), 1400),
+                    _ => (srv, 1 + rng.below(1400) as u32),
                 };
                 let ack = match rng.below(8) {
-                    0 => cs(rng.below(req_end as u64 + 100) as u32),
+                    0 => srv_ack.wrapping_sub(rng.below(100) as u32).wrapping_add(rng.below(4) as u32),
                     1 => rng.next() as u32,
-                    _ => cs(req_end),
+                    _ => srv_ack,
                 };
                 let mut fl = F::ACK;
                 if rng.chance(50) {
@@ -547,15 +625,16 @@ fn random_sequences_agree_with_the_engine() {
                 if rng.chance(20) {
                     fl &= !F::ACK;
                 }
-                let pl = body(len.min(1400) as usize, step as u8);
+                let pl: Vec<u8> = (seq..seq + len).map(|o| stream.get(o as usize).copied().unwrap_or(b'x')).collect();
                 let p = w.server_pkt(ss(seq), ack, fl, &pl);
                 if w.send(Dir::ToClient, &p, &what) == Steer::Pass {
                     passed += 1;
+                    passed_by_kind[kind as usize] += 1;
                 } else {
                     slow += 1;
                 }
-                if seq + pl.len() as u32 > srv && seq <= srv {
-                    srv = seq + pl.len() as u32;
+                if seq + len > srv && seq <= srv {
+                    srv = seq + len;
                 }
             } else if r < 85 {
                 // The client: mostly ACKs of what arrived, sometimes beyond, before, out of
@@ -567,10 +646,10 @@ fn random_sequences_agree_with_the_engine() {
                     _ => cli_acked.max(srv.saturating_sub(rng.below(3000) as u32)),
                 };
                 let seq = match rng.below(12) {
-                    0 => cs(req_end).wrapping_add(rng.below(1 << 20) as u32),
-                    1 => cs(req_end).wrapping_sub(1 + rng.below(5) as u32),
+                    0 => cseq.wrapping_add(rng.below(1 << 20) as u32),
+                    1 => cseq.wrapping_sub(1 + rng.below(5) as u32),
                     2 => rng.next() as u32,
-                    _ => cs(req_end),
+                    _ => cseq,
                 };
                 let mut fl = F::ACK;
                 if rng.chance(40) {
@@ -585,6 +664,7 @@ fn random_sequences_agree_with_the_engine() {
                 let mac = if rng.chance(30) { marker_mac(BUCKET + 1) } else { w.mac };
                 if w.send_mac(Dir::FromClient, &p, mac, &what) == Steer::Pass {
                     passed += 1;
+                    passed_by_kind[kind as usize] += 1;
                     cli_acked = cli_acked.max(a);
                 } else {
                     slow += 1;
@@ -604,8 +684,64 @@ fn random_sequences_agree_with_the_engine() {
             }
         }
     }
-    eprintln!("random sequences: {runs} runs, {packets} steps, {passed} passed, {slow} slow");
+    eprintln!("random sequences: {runs} runs, {packets} steps, {passed} passed ({passed_by_kind:?} by start), {slow} slow");
     assert!(passed > packets / 10, "too few passed: {passed} of {packets}");
+    assert!(passed_by_kind.iter().all(|&n| n > 0), "a start never passed anything: {passed_by_kind:?}");
+}
+
+/// Two pipelined requests: the first response's body passes up to its end; the segment that
+/// carries the second response's header and the client's ACK of the first response's end are
+/// the slow path's; the second body and the client's ACKs inside it pass.
+#[test]
+fn pipelined_responses_wall_at_each_end() {
+    let Some(fp) = fast_path("pipelined_responses_wall_at_each_end") else { return };
+    drop(fp);
+    let Start { mut w, stream, cseq, srv_ack, .. } = start(2, false, Config::default());
+    let end1 = (hdr(2500).len() + 2500) as u32;
+    let end2 = stream.len() as u32;
+    // Up to the segment that crosses into the second header.
+    assert_eq!(w.s(ss(1400), srv_ack, F::ACK, &stream[1400..end1 as usize], "the rest of the first body"), Steer::Pass);
+    assert_eq!(w.c(cseq, ss(2000), F::ACK, b"", "inside the first response"), Steer::Pass);
+    assert_eq!(w.s(ss(end1), srv_ack, F::ACK, &stream[end1 as usize..end1 as usize + 1400], "the second header"), Steer::Slow);
+    w.store_all(true);
+    assert_eq!(w.c(cseq, ss(end1), F::ACK, b"", "the first response's end"), Steer::Slow);
+    w.store_all(true);
+    let passed = serve(&mut w, &stream, end1 + 1400, end2, srv_ack);
+    assert!(passed >= 13, "{passed}");
+    assert_eq!(w.c(cseq, ss(end1 + 5000), F::ACK, b"", "inside the second response"), Steer::Pass);
+    assert_eq!(w.c(cseq, ss(end2), F::ACK, b"", "the second response's end"), Steer::Slow);
+}
+
+/// A client that half-closed with its request (`shutdown(SHUT_WR)`): the server's first ACK of
+/// the FIN is news (`srv_ack` counts one more), then the download passes as any; a failed
+/// store (degraded, unprotected) sends everything to the slow path.
+#[test]
+fn half_closed_client_downloads_and_a_failed_store_goes_slow() {
+    let Some(fp) = fast_path("half_closed_client_downloads_and_a_failed_store_goes_slow") else { return };
+    drop(fp);
+    let Start { mut w, stream, cseq, srv_ack, .. } = start(1, false, Config::default());
+    let v = w.e.fast_view(&w.key).unwrap();
+    assert_eq!((v.cli_fin, v.srv_ack), (Some(REQ.len() as u64), REQ.len() as u64 + 1));
+    let passed = serve(&mut w, &stream, 1400, 14_000, srv_ack);
+    assert!(passed >= 8, "{passed}");
+    assert_eq!(w.c(cseq, ss(7000), F::ACK, b"", "client ACK"), Steer::Pass);
+    // A progress store that fails: degraded, nothing passes any more.
+    w.e.expire(w.now);
+    assert_eq!(w.c(cseq, ss(14_000), F::ACK, b"", "the ACK of the first 14000 bytes"), Steer::Pass);
+    let Start { mut w, stream, cseq, srv_ack, .. } = start(0, false, Config { progress_step: 4000, ..Config::default() });
+    serve_until_slow(&mut w, &stream, srv_ack);
+    w.store_all(false);
+    assert!(w.e.is_protected(&w.key) == Some(false));
+    assert_eq!(w.c(cseq, ss(2000), F::ACK, b"", "degraded: client ACK"), Steer::Slow);
+    assert_eq!(w.s(ss(8400), srv_ack, F::ACK, &stream[8400..9800], "degraded: segment"), Steer::Slow);
+}
+
+/// Serves 1400-byte segments from 1400 until one goes slow (its store left pending).
+fn serve_until_slow(w: &mut World, stream: &[u8], ack: u32) {
+    let mut off = 1400;
+    while w.s(ss(off), ack, F::ACK, &stream[off as usize..off as usize + 1400], "until slow") == Steer::Pass {
+        off += 1400;
+    }
 }
 
 /// A live download: the first response segment stored, one body segment passed.

@@ -855,6 +855,7 @@ fn hostile_packets_go_slow() {
     cases.push(("a gap", Dir::ToClient, w.server_pkt(ss(2900), cs(req_end), F::ACK, &body(100, 2)), mac, false));
     cases.push(("pure ACK past the hold", Dir::ToClient, w.server_pkt(ss(2800), cs(req_end), F::ACK, b""), mac, false));
     cases.push(("ACK of unseen client bytes (the engine lowers it as any)", Dir::ToClient, w.server_pkt(ss(2800), cs(req_end + 3), F::ACK, &body(100, 2)), mac, true));
+    eprintln!("hostile packets: {} edits, and two more below", cases.len());
     for (i, (name, dir, p, mac, may_pass)) in cases.into_iter().enumerate() {
         let mut w = live(false);
         // (A packet the filter cannot parse names no connection: no entry is marked.)

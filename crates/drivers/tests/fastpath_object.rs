@@ -928,6 +928,15 @@ fn tc_leaves_marked_and_lowered_packets_alone() {
     let p = w.server_pkt(ss(1400), cs(req_end), F::ACK, &body(1400, 1));
     let marked = w.fp.run(Prog::ToClientTc, &p, w.mac, object::DECIDED_MARK).unwrap();
     assert_eq!(hex(&marked.packet), hex(&p));
+    // Another agent mark, set at load.
+    let fp2 = Object::load_marked(0x4242).unwrap();
+    let mut w2 = World { fp: fp2, ..w };
+    w2.publish();
+    let marked = w2.fp.run(Prog::ToClientTc, &p, w2.mac, 0x4242).unwrap();
+    assert_eq!(hex(&marked.packet), hex(&p));
+    let unmarked = w2.fp.run(Prog::ToClientTc, &p, w2.mac, object::DECIDED_MARK).unwrap();
+    assert_ne!(hex(&unmarked.packet), hex(&p));
+    let w = w2;
     let lowered = w.fp.run(Prog::ToClientTc, &p, w.mac, 0).unwrap();
     assert_ne!(hex(&lowered.packet), hex(&p));
     let again = w.fp.run(Prog::ToClientTc, &lowered.packet, w.mac, 0).unwrap();

@@ -24,9 +24,11 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define OBJ_SLOW 1
 #define OBJ_PASS 0
 
-/* The mark the agent's NFQUEUE verdicts put on every packet the slow path decided: the tc
- * program leaves those alone (the engine already lowered their ACK). Set by the loader. */
-volatile const __u32 obj_decided_mark = 0x75620100;
+/* The agent's mark: the ACKs its engine builds are sent with it (its queue rules let them
+ * pass), and its NFQUEUE verdicts are to put it on every packet the slow path decided. The tc
+ * program leaves those alone: the engine decided their ACK (an injected one may acknowledge the
+ * client's FIN past the published limit, once the engine lifted it). Set by the loader. */
+volatile const __u32 obj_decided_mark = 0x7562;
 
 /* Engine constants: trods::FAR_PAST_PROGRESS is folded into sent_wall by the agent. */
 #define OBJ_WIN_MIN (1u << 16)

@@ -28,9 +28,10 @@ const CONNS: &str = "obj_conns";
 const LEASES: &str = "obj_leases";
 const COUNTERS: &str = "obj_counters";
 
-/// The mark the agent's NFQUEUE verdicts will put on every packet the slow path decided
-/// (`obj_decided_mark`): [`Prog::ToClientTc`] leaves those alone.
-pub const DECIDED_MARK: u32 = 0x7562_0100;
+/// The agent's mark (`obj_decided_mark`; control's `AGENT_MARK`): its injected ACKs carry it,
+/// and its NFQUEUE verdicts are to set it on every packet the slow path decided.
+/// [`Prog::ToClientTc`] leaves those alone. [`Object::load_marked`] takes another.
+pub const DECIDED_MARK: u32 = 0x7562;
 
 /// `OBJ_NONE`: no ACK limit, no wall.
 pub const NONE: u64 = u64::MAX;
@@ -290,9 +291,15 @@ impl Object {
     /// Loads the three programs (through the verifier) and creates the maps.
     /// [`Error::Unavailable`] when this process cannot use BPF ([`super::available`]).
     pub fn load() -> Result<Object, Error> {
+        Object::load_marked(DECIDED_MARK)
+    }
+
+    /// [`Object::load`] with the agent's mark `mark` (the tc program leaves packets that carry
+    /// it alone).
+    pub fn load_marked(mark: u32) -> Result<Object, Error> {
         super::available()?;
         let mut ebpf = EbpfLoader::new()
-            .override_global("obj_decided_mark", &DECIDED_MARK, true)
+            .override_global("obj_decided_mark", &mark, true)
             .load(OBJECT)
             .map_err(|e| bpf_err("loading bpf/object/obj_fast.o", e))?;
         for p in [Prog::FromClient, Prog::ToClient] {

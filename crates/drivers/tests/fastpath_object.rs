@@ -149,6 +149,8 @@ impl World {
     fn publish(&mut self) {
         match self.e.fast_view(&self.key) {
             Some(v) => {
+                // The hand-off: the agent takes the entry before it writes it.
+                self.fp.take(&self.k).unwrap();
                 let s = State::publish(&v, self.bucket, self.fenced, monotonic_ns());
                 self.fp.insert(&self.k, &s).unwrap();
             }
@@ -942,6 +944,86 @@ fn tc_leaves_marked_and_lowered_packets_alone() {
     let again = w.fp.run(Prog::ToClientTc, &lowered.packet, w.mac, 0).unwrap();
     assert_eq!(hex(&again.packet), hex(&lowered.packet), "idempotent");
     let _ = IpAddr::from([0u8, 0, 0, 0]);
+}
+
+/// The hand-off against a program running on the other CPU: while one thread keeps passing
+/// client ACKs that move `client_acked` (200 runs of a packet per call, each a write of the
+/// kept fields), the other takes the entry (`Object::take`: `USER`, then a stable even write
+/// sequence) at random moments. What it reads must be final: at least the ACK of every call
+/// that completed before, at most the one in flight, and unchanged by every call after (they
+/// all go slow); then it publishes the entry again and the ACKs pass again.
+#[test]
+fn handoff_take_is_final_while_another_cpu_passes_packets() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    let Some(fp) = fast_path("handoff_take_is_final_while_another_cpu_passes_packets") else { return };
+    let mut w = World::v4(fp, Config::default());
+    let req_end = REQ.len() as u32;
+    let fast = State {
+        cli_next: req_end as u64,
+        ack_wall: object::NONE,
+        body_end: 0,
+        sent_wall: object::NONE,
+        ack_limit: 0,
+        srv_ack: req_end as u64,
+        srv_ack_cap: req_end as u64,
+        told: 0,
+        iss: S_ISN,
+        irs: C_ISN,
+        flags: flag::CLIENT_FAST | flag::NO_FENCE,
+        server_ws: 9,
+        last_window: 1000,
+        sent_next: 100_000_000,
+        ..State::default()
+    };
+    w.fp.insert(&w.k, &fast).unwrap();
+    let packets: Vec<Vec<u8>> = (1..=40_000u32).map(|a| w.client_pkt(cs(req_end), ss(a * 10), F::ACK, b"")).collect();
+    let (stop, attempted, completed, calls) = (AtomicBool::new(false), AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0));
+    let (fp, k, mac) = (&w.fp, w.k, [0x02, 0, 0, 0, 0, 9]);
+    let mut takes = 0;
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            for (i, p) in packets.iter().enumerate() {
+                if stop.load(SeqCst) {
+                    break;
+                }
+                let a = (i as u32 + 1) * 10;
+                attempted.store(a, SeqCst);
+                fp.run_repeat(Prog::FromClient, p, mac, 200).unwrap();
+                completed.store(a, SeqCst);
+                calls.fetch_add(1, SeqCst);
+            }
+            stop.store(true, SeqCst);
+        });
+        let mut rng = Rng(7);
+        // The last ACK taken, and the last call started before the entry was published again:
+        // every call after it started with the entry fast.
+        let (mut taken, mut started_before_publish) = (0u64, 0u64);
+        while !stop.load(SeqCst) {
+            std::thread::sleep(std::time::Duration::from_micros(rng.below(200)));
+            let done = completed.load(SeqCst) as u64;
+            let s = fp.take(&k).unwrap().unwrap();
+            let in_flight = attempted.load(SeqCst) as u64;
+            let before = if done > started_before_publish { done } else { taken };
+            assert_eq!(s.wseq % 2, 0);
+            assert!(s.client_acked >= before && s.client_acked <= in_flight, "took {} with calls done up to {before}, in flight {in_flight}", s.client_acked);
+            taken = s.client_acked;
+            // Two more calls: all slow, nothing written.
+            let c = calls.load(SeqCst);
+            while calls.load(SeqCst) < c + 2 && !stop.load(SeqCst) {
+                std::hint::spin_loop();
+            }
+            let after = fp.get(&k).unwrap().unwrap();
+            // (The write sequence may move: a run that read the flags before the take bails out
+            // with two increments.)
+            assert_eq!((after.client_acked, after.last_seen_ns), (s.client_acked, s.last_seen_ns), "written after the take");
+            takes += 1;
+            fp.publish(&k, &State { client_acked: s.client_acked, last_seen_ns: s.last_seen_ns, ..fast }).unwrap();
+            started_before_publish = attempted.load(SeqCst) as u64;
+        }
+    });
+    let c = w.fp.counters().unwrap();
+    eprintln!("hand-off: {takes} takes, {} runs passed, {} slow", c.client_passed, c.client_slow);
+    assert!(takes >= 5 && c.client_passed > 0 && c.client_slow > 0, "{takes} takes, {c:?}");
 }
 
 /// The kernel's cost per packet (BPF_PROG_TEST_RUN, mean of 100,000 runs): a passed client

@@ -34,12 +34,26 @@ volatile const __u32 obj_decided_mark = 0x7562;
 #define OBJ_WIN_MIN (1u << 16)
 #define OBJ_WIN_MAX (1u << 30)
 
+/* The connection's slot in obj_slots. Written by the agent once per connection (removed when
+ * the engine forgets it; a freed slot is reused only after a quarantine far longer than any
+ * program run, so a program that found the old slot cannot write into a new connection). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct obj_key);
+	__type(value, __u32);
+} obj_index SEC(".maps");
+
+/* The entries, in memory the agent maps into its address space (BPF_F_MMAPABLE): it takes an
+ * entry with an atomic `or` of OBJ_F_USER and publishes one in place, never replacing an element
+ * a program may still hold (docs: the hand-off). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__type(key, __u32);
 	__type(value, struct obj_conn);
-} obj_conns SEC(".maps");
+} obj_slots SEC(".maps");
 
 /* Per bucket: CLOCK_MONOTONIC ns until which this server holds the LB's lease on it and owns
  * it (0: not owned). The agent writes it at every heartbeat reply (agentcore's fence). */
@@ -116,6 +130,27 @@ static __always_inline int obj_marker(struct __sk_buff *skb, __u16 *b)
 	return 0;
 }
 
+static __always_inline struct obj_conn *obj_entry(const struct obj_key *k)
+{
+	__u32 *slot = bpf_map_lookup_elem(&obj_index, k);
+
+	if (!slot)
+		return NULL;
+	__u32 i = *slot;
+	return bpf_map_lookup_elem(&obj_slots, &i);
+}
+
+/* The entry's flags, then a copy of it: the agent publishes every other field before it
+ * clears OBJ_F_USER (a release store), so a copy made after flags were read without it holds
+ * the published values (the atomic is a full barrier). */
+static __always_inline __u32 obj_load(struct obj_conn *e, struct obj_conn *c)
+{
+	__u32 flags = __sync_fetch_and_or(&e->flags, 0);
+
+	*c = *e;
+	return flags;
+}
+
 /* The kept fields are written between two increments of wseq, and only while OBJ_F_USER is
  * clear after the first: a reader that saw OBJ_F_USER and an even wseq twice around its read
  * has every passed packet's update (docs: the hand-off). 0 to go on, -1 when the entry went
@@ -144,6 +179,15 @@ static __always_inline int obj_slow(struct obj_conn *e, __u32 counter)
 	return OBJ_SLOW;
 }
 
+/* A packet of an entry that is the agent's already goes slow without touching it: set again
+ * late (after the agent published the entry meanwhile), OBJ_F_USER would take back an entry for
+ * a packet that was slow only because of it. */
+static __always_inline int obj_user(__u32 counter)
+{
+	obj_count(counter);
+	return OBJ_SLOW;
+}
+
 /* The client's packets. trods::Engine::packet_parsed (Dir::FromClient) and on_client. */
 SEC("socket")
 int obj_from_client(struct __sk_buff *skb)
@@ -157,11 +201,14 @@ int obj_from_client(struct __sk_buff *skb)
 	__builtin_memcpy(k.service_addr, p.dst, 16);
 	__builtin_memcpy(k.client_port, &p.th.source, 2);
 	__builtin_memcpy(k.service_port, &p.th.dest, 2);
-	struct obj_conn *e = bpf_map_lookup_elem(&obj_conns, &k);
+	struct obj_conn *e = obj_entry(&k);
 	if (!e)
 		return OBJ_SLOW;
-	struct obj_conn c = *e;
-	if ((c.flags & (OBJ_F_CLIENT_FAST | OBJ_F_USER)) != OBJ_F_CLIENT_FAST)
+	struct obj_conn c;
+	__u32 flags = obj_load(e, &c);
+	if (flags & OBJ_F_USER)
+		return obj_user(OBJ_C_CLIENT_SLOW);
+	if (!(flags & OBJ_F_CLIENT_FAST))
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
 	/* SYN (filed, challenged), RST (RFC 5961), FIN (the client's close), no ACK, and any
 	 * payload (request bytes, retransmissions, out-of-window data): the engine's. */
@@ -170,7 +217,7 @@ int obj_from_client(struct __sk_buff *skb)
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
 	/* The core records the bucket the marker names (agentcore: `buckets`): a new one is news. */
 	__u16 b;
-	if (!obj_marker(skb, &b) && (!(c.flags & OBJ_F_BUCKET_KNOWN) || b != c.bucket))
+	if (!obj_marker(skb, &b) && (!(flags & OBJ_F_BUCKET_KNOWN) || b != c.bucket))
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
 	/* A wrong checksum is dropped and counted (bad_checksum). */
 	if (!obj_header_csum_ok(&p))
@@ -214,11 +261,14 @@ int obj_to_client(struct __sk_buff *skb)
 	__builtin_memcpy(k.service_addr, p.src, 16);
 	__builtin_memcpy(k.client_port, &p.th.dest, 2);
 	__builtin_memcpy(k.service_port, &p.th.source, 2);
-	struct obj_conn *e = bpf_map_lookup_elem(&obj_conns, &k);
+	struct obj_conn *e = obj_entry(&k);
 	if (!e)
 		return OBJ_SLOW;
-	struct obj_conn c = *e;
-	if ((c.flags & (OBJ_F_SERVER_FAST | OBJ_F_USER)) != OBJ_F_SERVER_FAST)
+	struct obj_conn c;
+	__u32 flags = obj_load(e, &c);
+	if (flags & OBJ_F_USER)
+		return obj_user(OBJ_C_SERVER_SLOW);
+	if (!(flags & OBJ_F_SERVER_FAST))
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
 	/* SYN-ACK (a connection), RST (forget), FIN (srv_fin, the record's end), no ACK. */
 	__u8 f = tcp_flags(&p);
@@ -226,8 +276,8 @@ int obj_to_client(struct __sk_buff *skb)
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
 	__u64 now = bpf_ktime_get_ns();
 	/* The fence: only under a lease on a bucket this server owns. */
-	if (!(c.flags & OBJ_F_NO_FENCE)) {
-		if (!(c.flags & OBJ_F_BUCKET_KNOWN))
+	if (!(flags & OBJ_F_NO_FENCE)) {
+		if (!(flags & OBJ_F_BUCKET_KNOWN))
 			return obj_slow(e, OBJ_C_SERVER_SLOW);
 		__u32 bk = c.bucket;
 		__u64 *lease = bpf_map_lookup_elem(&obj_leases, &bk);
@@ -293,7 +343,7 @@ int obj_to_client_tc(struct __sk_buff *skb)
 	__builtin_memcpy(k.service_addr, p.src, 16);
 	__builtin_memcpy(k.client_port, &p.th.dest, 2);
 	__builtin_memcpy(k.service_port, &p.th.source, 2);
-	struct obj_conn *e = bpf_map_lookup_elem(&obj_conns, &k);
+	struct obj_conn *e = obj_entry(&k);
 	if (!e)
 		return FP_DONE;
 	__u64 l = e->ack_limit;

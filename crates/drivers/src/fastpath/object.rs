@@ -11,8 +11,12 @@
 //! engine's state ([`State::publish`] of [`trods::FastView`]); the kernel keeps in it what the
 //! engine would have counted on the packets it passed ([`Kept`]). Nothing is attached yet.
 
+use std::collections::{HashMap as StdHashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
+use std::os::fd::{AsFd, AsRawFd};
+use std::ptr::addr_of_mut;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use aya::maps::{Array, HashMap, PerCpuArray};
 use aya::programs::{SchedClassifier, SocketFilter, TestRun, TestRunOptions};
@@ -24,7 +28,13 @@ use super::{bpf_err, Error, ETH_HLEN};
 /// The compiled programs (build.rs).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/obj_fast.o"));
 
-const CONNS: &str = "obj_conns";
+const INDEX: &str = "obj_index";
+const SLOTS: &str = "obj_slots";
+/// Entries in `obj_slots` (its `max_entries`).
+const SLOT_COUNT: u32 = 65536;
+/// A freed slot is reused only after this long: far longer than any program run, so a program
+/// that found the slot through the old index entry cannot write into a new connection's.
+const QUARANTINE: Duration = Duration::from_secs(1);
 const LEASES: &str = "obj_leases";
 const COUNTERS: &str = "obj_counters";
 
@@ -282,14 +292,38 @@ impl Run {
     }
 }
 
-/// The loaded programs and their maps.
+/// The loaded programs and their maps, with `obj_slots` mapped into this process.
 pub struct Object {
     ebpf: Ebpf,
+    /// `obj_slots`, mapped shared (`SLOT_COUNT` entries).
+    slots: *mut State,
+    map_len: usize,
+    /// The slot of every connection with an entry (what `obj_index` holds).
+    index: StdHashMap<Key, u32>,
+    /// Freed slots, oldest first, with when they were freed.
+    free: VecDeque<(u32, Instant)>,
+    /// Slots never used yet start here.
+    fresh: u32,
+}
+
+// SAFETY: the mapping is only touched through atomics (flags, wseq) and volatile reads and
+// writes of plain integers, which the programs on other CPUs share anyway; the index and the
+// free list change only through `&mut self`.
+unsafe impl Send for Object {}
+// SAFETY: as above.
+unsafe impl Sync for Object {}
+
+impl Drop for Object {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `load_marked`, unmapped once.
+        unsafe { libc::munmap(self.slots as *mut libc::c_void, self.map_len) };
+    }
 }
 
 impl Object {
-    /// Loads the three programs (through the verifier) and creates the maps.
-    /// [`Error::Unavailable`] when this process cannot use BPF ([`super::available`]).
+    /// Loads the three programs (through the verifier), creates the maps and maps the entries
+    /// into this process. [`Error::Unavailable`] when this process cannot use BPF
+    /// ([`super::available`]).
     pub fn load() -> Result<Object, Error> {
         Object::load_marked(DECIDED_MARK)
     }
@@ -310,38 +344,160 @@ impl Object {
         let name = Prog::ToClientTc.name();
         let prog: &mut SchedClassifier = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
         prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
-        Ok(Object { ebpf })
+        let fd = match ebpf.map(SLOTS) {
+            Some(aya::maps::Map::Array(md)) => md.fd().as_fd().as_raw_fd(),
+            _ => return Err(Error::Bpf(format!("no array map {SLOTS}"))),
+        };
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let map_len = (SLOT_COUNT as usize * std::mem::size_of::<State>()).div_ceil(page) * page;
+        // SAFETY: a shared mapping of the array map's memory (BPF_F_MMAPABLE), checked below;
+        // it lives until Drop, and the map (kept by `ebpf`) outlives it.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(bpf_err("mmap obj_slots", std::io::Error::last_os_error()));
+        }
+        Ok(Object { ebpf, slots: p as *mut State, map_len, index: StdHashMap::new(), free: VecDeque::new(), fresh: 0 })
     }
 
-    fn conns(&mut self) -> Result<HashMap<&mut aya::maps::MapData, Key, State>, Error> {
-        let m = self.ebpf.map_mut(CONNS).ok_or_else(|| Error::Bpf(format!("no map {CONNS}")))?;
-        HashMap::try_from(m).map_err(|e| bpf_err(CONNS, e))
+    fn index_map(&mut self) -> Result<HashMap<&mut aya::maps::MapData, Key, u32>, Error> {
+        let m = self.ebpf.map_mut(INDEX).ok_or_else(|| Error::Bpf(format!("no map {INDEX}")))?;
+        HashMap::try_from(m).map_err(|e| bpf_err(INDEX, e))
     }
 
-    /// Writes the entry of `key` (creating or replacing it).
+    fn slot(&self, i: u32) -> *mut State {
+        assert!(i < SLOT_COUNT);
+        // SAFETY: inside the mapping (SLOT_COUNT entries of State, the C struct's layout).
+        unsafe { self.slots.add(i as usize) }
+    }
+
+    fn flags(&self, i: u32) -> &AtomicU32 {
+        // SAFETY: an aligned u32 inside the mapping, shared with the programs, which use atomic
+        // operations on it too.
+        unsafe { AtomicU32::from_ptr(addr_of_mut!((*self.slot(i)).flags)) }
+    }
+
+    fn wseq(&self, i: u32) -> &AtomicU32 {
+        // SAFETY: as `flags`.
+        unsafe { AtomicU32::from_ptr(addr_of_mut!((*self.slot(i)).wseq)) }
+    }
+
+    /// Publishes `s` for the connection `key` (creating its entry, in a free slot, or writing
+    /// over its slot in place): every field but the kernel's write sequence, `flags` last (a
+    /// release store), so a program that reads the flags without `USER` reads the rest as
+    /// published. On a live entry the caller must hold it first ([`Object::take`]): a program
+    /// may be writing the kept fields otherwise.
     pub fn insert(&mut self, key: &Key, s: &State) -> Result<(), Error> {
-        self.conns()?.insert(key, *s, 0).map_err(|e| bpf_err("map insert", e))
+        let i = match self.index.get(key) {
+            Some(&i) => i,
+            None => {
+                let i = match self.free.front() {
+                    Some(&(i, at)) if at.elapsed() >= QUARANTINE => {
+                        self.free.pop_front();
+                        i
+                    }
+                    _ if self.fresh < SLOT_COUNT => {
+                        self.fresh += 1;
+                        self.fresh - 1
+                    }
+                    _ => return Err(Error::Bpf("every obj_slots entry is in use or in quarantine".into())),
+                };
+                // A fresh entry is the agent's until published.
+                self.flags(i).store(flag::USER, Ordering::SeqCst);
+                self.write(i, s);
+                self.index_map()?.insert(key, i, 0).map_err(|e| bpf_err("index insert", e))?;
+                self.index.insert(*key, i);
+                return Ok(());
+            }
+        };
+        self.write(i, s);
+        Ok(())
     }
 
-    /// The entry of `key`, if any.
-    pub fn get(&mut self, key: &Key) -> Result<Option<State>, Error> {
-        match self.conns()?.get(key, 0) {
-            Ok(s) => Ok(Some(s)),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(bpf_err("map lookup", e)),
+    /// Publishes `s` over the existing entry of `key` ([`Object::insert`] without creating
+    /// one; callable while other threads run packets through the programs).
+    pub fn publish(&self, key: &Key, s: &State) -> Result<(), Error> {
+        let &i = self.index.get(key).ok_or_else(|| Error::Bpf("publish: no entry".into()))?;
+        self.write(i, s);
+        Ok(())
+    }
+
+    fn write(&self, i: u32, s: &State) {
+        let p = self.slot(i);
+        let State { cli_next, ack_wall, body_end, sent_wall, ack_limit, srv_ack, srv_ack_cap, told, iss, irs, flags, wseq: _, bucket, server_ws, has_ts, last_window, pad, client_acked, srv_next, sent_next, last_seen_ns, last_tsval, last_tsecr } = *s;
+        // SAFETY: fields of a slot inside the mapping; programs read them concurrently but
+        // write them only while USER is clear, which the caller guarantees it is not.
+        unsafe {
+            addr_of_mut!((*p).cli_next).write_volatile(cli_next);
+            addr_of_mut!((*p).ack_wall).write_volatile(ack_wall);
+            addr_of_mut!((*p).body_end).write_volatile(body_end);
+            addr_of_mut!((*p).sent_wall).write_volatile(sent_wall);
+            addr_of_mut!((*p).ack_limit).write_volatile(ack_limit);
+            addr_of_mut!((*p).srv_ack).write_volatile(srv_ack);
+            addr_of_mut!((*p).srv_ack_cap).write_volatile(srv_ack_cap);
+            addr_of_mut!((*p).told).write_volatile(told);
+            addr_of_mut!((*p).iss).write_volatile(iss);
+            addr_of_mut!((*p).irs).write_volatile(irs);
+            addr_of_mut!((*p).bucket).write_volatile(bucket);
+            addr_of_mut!((*p).server_ws).write_volatile(server_ws);
+            addr_of_mut!((*p).has_ts).write_volatile(has_ts);
+            addr_of_mut!((*p).last_window).write_volatile(last_window);
+            addr_of_mut!((*p).pad).write_volatile(pad);
+            addr_of_mut!((*p).client_acked).write_volatile(client_acked);
+            addr_of_mut!((*p).srv_next).write_volatile(srv_next);
+            addr_of_mut!((*p).sent_next).write_volatile(sent_next);
+            addr_of_mut!((*p).last_seen_ns).write_volatile(last_seen_ns);
+            addr_of_mut!((*p).last_tsval).write_volatile(last_tsval);
+            addr_of_mut!((*p).last_tsecr).write_volatile(last_tsecr);
+        }
+        self.flags(i).store(flags, Ordering::Release);
+    }
+
+    /// The entry of `key` as it is now, if any (a plain read: torn while a program writes it;
+    /// [`Object::take`] is the hand-off's read).
+    pub fn get(&self, key: &Key) -> Result<Option<State>, Error> {
+        let Some(&i) = self.index.get(key) else { return Ok(None) };
+        // SAFETY: a slot inside the mapping.
+        Ok(Some(unsafe { self.slot(i).read_volatile() }))
+    }
+
+    /// The hand-off: takes the entry of `key` from the kernel (sets `USER`, after which every
+    /// packet of the connection goes slow and no program starts writing it), waits until no
+    /// program is writing it (an even write sequence, the same before and after the read), and
+    /// returns it, kept fields final. `None` without an entry.
+    pub fn take(&self, key: &Key) -> Result<Option<State>, Error> {
+        let Some(&i) = self.index.get(key) else { return Ok(None) };
+        self.flags(i).fetch_or(flag::USER, Ordering::SeqCst);
+        Ok(Some(self.read_stable(i)))
+    }
+
+    fn read_stable(&self, i: u32) -> State {
+        loop {
+            let s1 = self.wseq(i).load(Ordering::SeqCst);
+            if s1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            // SAFETY: a slot inside the mapping; a torn copy is caught by the second read.
+            let s = unsafe { self.slot(i).read_volatile() };
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.wseq(i).load(Ordering::SeqCst) == s1 {
+                return s;
+            }
         }
     }
 
-    /// Removes the entry of `key` (its packets then all go to the slow path).
+    /// Removes the entry of `key` (its packets then all go to the slow path); its slot is
+    /// reused after [`QUARANTINE`].
     pub fn remove(&mut self, key: &Key) -> Result<(), Error> {
-        // (aya reports a missing key from delete as a plain syscall error.)
-        if self.get(key)?.is_none() {
-            return Ok(());
+        let Some(i) = self.index.remove(key) else { return Ok(()) };
+        self.flags(i).fetch_or(flag::USER, Ordering::SeqCst);
+        match self.index_map()?.remove(key) {
+            Ok(()) => {}
+            Err(e) => return Err(bpf_err("index remove", e)),
         }
-        match self.conns()?.remove(key) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(e) => Err(bpf_err("map remove", e)),
-        }
+        self.free.push_back((i, Instant::now()));
+        Ok(())
     }
 
     /// This server holds the lease on `bucket` until `until_ns` (CLOCK_MONOTONIC; 0: it does
@@ -366,6 +522,12 @@ impl Object {
     /// updated them.
     pub fn run(&self, p: Prog, ip: &[u8], src_mac: [u8; 6], mark: u32) -> Result<Run, Error> {
         Ok(self.run_n(p, ip, src_mac, mark, 1)?.0)
+    }
+
+    /// Runs `ip` through `p` `repeat` times on one skb (each run sees the maps as the previous
+    /// one left them): the last run's result.
+    pub fn run_repeat(&self, p: Prog, ip: &[u8], src_mac: [u8; 6], repeat: u32) -> Result<Run, Error> {
+        Ok(self.run_n(p, ip, src_mac, 0, repeat)?.0)
     }
 
     /// The kernel's mean time per run of `ip` through `p` over `repeat` runs (each run sees

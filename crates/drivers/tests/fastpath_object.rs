@@ -615,9 +615,12 @@ fn random_sequences_agree_with_the_engine() {
                     3 => (total.saturating_sub(rng.below(1000) as u32).max(srv.min(total)), 1400),
                     _ => (srv, 1 + rng.below(1400) as u32),
                 };
-                let ack = match rng.below(8) {
+                // Where the client's stream stands now (requests sent during the run move it).
+                let (cli_next, fin) = w.e.fast_view(&w.key).map_or((0, false), |v| (v.cli_next as u32, v.cli_fin.is_some()));
+                let ack = match rng.below(10) {
                     0 => srv_ack.wrapping_sub(rng.below(100) as u32).wrapping_add(rng.below(4) as u32),
                     1 => rng.next() as u32,
+                    2 | 3 => cs(cli_next + fin as u32),
                     _ => srv_ack,
                 };
                 let mut fl = F::ACK;
@@ -647,17 +650,23 @@ fn random_sequences_agree_with_the_engine() {
                     2 => rng.next() as u32,
                     _ => cli_acked.max(srv.saturating_sub(rng.below(3000) as u32)),
                 };
+                let now_at = w.e.fast_view(&w.key).map_or(cseq, |v| cs(v.cli_next as u32 + v.cli_fin.is_some() as u32));
                 let seq = match rng.below(12) {
                     0 => cseq.wrapping_add(rng.below(1 << 20) as u32),
                     1 => cseq.wrapping_sub(1 + rng.below(5) as u32),
                     2 => rng.next() as u32,
+                    3..=6 => now_at,
                     _ => cseq,
                 };
                 let mut fl = F::ACK;
                 if rng.chance(40) {
                     fl |= [F::FIN, F::RST, F::SYN, F::PSH, F::URG][rng.below(5) as usize];
                 }
-                let pl: &[u8] = if rng.chance(30) { b"GET / HTTP/1.1\r\n" } else { b"" };
+                let pl: &[u8] = match rng.below(100) {
+                    0..=2 => b"GET / HTTP/1.1\r\n",
+                    3..=5 => REQ2,
+                    _ => b"",
+                };
                 let mut p = w.client_pkt(seq, ss(a), fl, pl);
                 if rng.chance(30) {
                     let n = p.len();
@@ -712,6 +721,23 @@ fn pipelined_responses_wall_at_each_end() {
     assert!(passed >= 13, "{passed}");
     assert_eq!(w.c(cseq, ss(end1 + 5000), F::ACK, b"", "inside the second response"), Steer::Pass);
     assert_eq!(w.c(cseq, ss(end2), F::ACK, b"", "the second response's end"), Steer::Slow);
+}
+
+/// A request pipelined during a download: the client's request is the slow path's (parsed),
+/// and so is the server's next body segment, whose ACK tells of it (`srv_ack` grows); the
+/// segments after it pass, their ACK lowered to the hold as before.
+#[test]
+fn request_during_a_download_makes_the_next_server_ack_slow() {
+    let Some(fp) = fast_path("request_during_a_download_makes_the_next_server_ack_slow") else { return };
+    drop(fp);
+    let Start { mut w, stream, cseq, srv_ack, .. } = start(0, false, Config::default());
+    assert_eq!(w.s(ss(1400), srv_ack, F::ACK, &stream[1400..2800], "body"), Steer::Pass);
+    assert_eq!(w.c(cseq, ss(2800), F::ACK | F::PSH, REQ2, "the next request"), Steer::Slow);
+    let ack2 = cseq.wrapping_add(REQ2.len() as u32);
+    assert_eq!(w.s(ss(2800), ack2, F::ACK, &stream[2800..4200], "the first ACK of it"), Steer::Slow);
+    w.store_all(true);
+    assert_eq!(w.s(ss(4200), ack2, F::ACK, &stream[4200..5600], "body"), Steer::Pass);
+    assert_eq!(w.c(ack2, ss(5600), F::ACK, b"", "client ACK after its request"), Steer::Pass);
 }
 
 /// A client that half-closed with its request (`shutdown(SHUT_WR)`): the server's first ACK of

@@ -20,7 +20,7 @@ use unbroken_drivers::fastpath::object::{self, flag, monotonic_ns, Kept, Object,
 use unbroken_drivers::fastpath::{Error, Verdict as TcVerdict};
 use unbroken_engines::trods::{self, plan_recovery, Action, Config, Dir, Engine, FastView, Record, Trigger};
 use unbroken_engines::Verdict;
-use unbroken_wire::ip;
+use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::marker::marker_mac;
 use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
 use unbroken_wire::Seq;
@@ -78,6 +78,9 @@ struct World {
     slow: usize,
     /// Check that the kernel's USER bit is set on every slow packet of a known entry.
     check_user: bool,
+    /// Tell the engine the client's packets were built on this host (NFQUEUE's
+    /// `csum_not_ready`): it trusts their checksum.
+    csum_not_ready: bool,
 }
 
 impl World {
@@ -99,6 +102,7 @@ impl World {
             passed_s: 0,
             slow: 0,
             check_user: true,
+            csum_not_ready: false,
         };
         w.lease(true);
         w
@@ -203,7 +207,7 @@ impl World {
         assert_eq!(hex(&run.packet), hex(pkt), "{what}: a socket filter changed the packet");
         self.id += 1;
         let mut buf = pkt.to_vec();
-        let v = self.e.packet(self.id, &mut buf, dir, self.now);
+        let v = self.e.packet_csum(self.id, &mut buf, dir, self.now, self.csum_not_ready);
         let after = self.e.fast_view(&self.key);
         let steer = run.steer();
         match steer {
@@ -774,7 +778,10 @@ fn serve_until_slow(w: &mut World, stream: &[u8], ack: u32) {
 
 /// A live download: the first response segment stored, one body segment passed.
 fn live(v6: bool) -> World {
-    let fp = Object::load().unwrap();
+    live_with(v6, Object::load().unwrap())
+}
+
+fn live_with(v6: bool, fp: Object) -> World {
     let mut w = if v6 { World::v6(fp, Config::default()) } else { World::v4(fp, Config::default()) };
     w.handshake();
     let req_end = REQ.len() as u32;
@@ -939,6 +946,46 @@ fn window_edges_are_the_engines() {
     }
 }
 
+/// A client ACK whose checksum the kernel has not computed (CHECKSUM_PARTIAL: its field holds
+/// the pseudo-header's sum, as a Linux sender on this host or behind a veth leaves it), which
+/// the engine trusts when NFQUEUE says so: slow by default (a socket filter cannot read
+/// `ip_summed`), passed with `trust_partial_csum`, with the engine's state. The price: the same
+/// field on a packet from the wire, which the engine verifies and drops, passes too.
+#[test]
+fn partial_checksums_pass_only_when_trusted() {
+    let Some(fp) = fast_path("partial_checksums_pass_only_when_trusted") else { return };
+    drop(fp);
+    let req_end = REQ.len() as u32;
+    let partial = |p: &mut Vec<u8>| {
+        let info = IpInfo::parse(p).unwrap();
+        let mut s = info.pseudo_sum(info.l4_len);
+        while s >> 16 != 0 {
+            s = (s & 0xffff) + (s >> 16);
+        }
+        p[info.l4_offset + 16..info.l4_offset + 18].copy_from_slice(&(s as u16).to_be_bytes());
+    };
+    for v6 in [false, true] {
+        for trust in [false, true] {
+            let fp = Object::load_with(object::Options { trust_partial_csum: trust, ..Default::default() }).unwrap();
+            let mut w = live_with(v6, fp);
+            w.csum_not_ready = true;
+            let mut p = w.client_pkt(cs(req_end), ss(2000), F::ACK, b"");
+            partial(&mut p);
+            let expect = if trust { Steer::Pass } else { Steer::Slow };
+            assert_eq!(w.send(Dir::FromClient, &p, &format!("partial, v6 {v6}, trusted {trust}")), expect);
+            // A full checksum passes either way.
+            let p = w.client_pkt(cs(req_end), ss(2400), F::ACK, b"");
+            assert_eq!(w.send(Dir::FromClient, &p, "full"), Steer::Pass);
+        }
+    }
+    let fp = Object::load_with(object::Options { trust_partial_csum: true, ..Default::default() }).unwrap();
+    let w = live_with(false, fp);
+    let mut p = w.client_pkt(cs(req_end), ss(2000), F::ACK, b"");
+    partial(&mut p);
+    assert_eq!(w.fp.run(Prog::FromClient, &p, w.mac, 0).unwrap().steer(), Steer::Pass, "the price");
+    assert!(!trods::tcp_checksum_ok(&p), "the engine, verifying, drops it");
+}
+
 /// The tc program leaves alone what the slow path decided (the agent's verdict mark), and a
 /// server packet whose ACK is already at or below the hold.
 #[test]
@@ -957,7 +1004,7 @@ fn tc_leaves_marked_and_lowered_packets_alone() {
     let marked = w.fp.run(Prog::ToClientTc, &p, w.mac, object::DECIDED_MARK).unwrap();
     assert_eq!(hex(&marked.packet), hex(&p));
     // Another agent mark, set at load.
-    let fp2 = Object::load_marked(0x4242).unwrap();
+    let fp2 = Object::load_with(object::Options { agent_mark: 0x4242, ..Default::default() }).unwrap();
     let mut w2 = World { fp: fp2, ..w };
     w2.publish();
     let marked = w2.fp.run(Prog::ToClientTc, &p, w2.mac, 0x4242).unwrap();

@@ -40,7 +40,7 @@ const COUNTERS: &str = "obj_counters";
 
 /// The agent's mark (`obj_decided_mark`; control's `AGENT_MARK`): its injected ACKs carry it,
 /// and its NFQUEUE verdicts are to set it on every packet the slow path decided.
-/// [`Prog::ToClientTc`] leaves those alone. [`Object::load_marked`] takes another.
+/// [`Prog::ToClientTc`] leaves those alone. [`Options::agent_mark`] sets another.
 pub const DECIDED_MARK: u32 = 0x7562;
 
 /// `OBJ_NONE`: no ACK limit, no wall.
@@ -292,6 +292,25 @@ impl Run {
     }
 }
 
+/// How the programs are loaded (their constants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// The agent's mark ([`DECIDED_MARK`] by default): tc egress leaves packets with it alone.
+    pub agent_mark: u32,
+    /// Take a client packet whose checksum field holds only the pseudo-header's sum as one the
+    /// kernel has not checksummed yet (built on this host or sent over a veth), as the engine
+    /// does when NFQUEUE flags it `csum_not_ready`. A socket filter cannot read `ip_summed`, so
+    /// a corrupted packet from the wire with that value (one in 65,536) passes too (the
+    /// kernel's TCP drops it; the entry has learned its ACK). Off by default.
+    pub trust_partial_csum: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options { agent_mark: DECIDED_MARK, trust_partial_csum: false }
+    }
+}
+
 /// The loaded programs and their maps, with `obj_slots` mapped into this process.
 pub struct Object {
     ebpf: Ebpf,
@@ -315,7 +334,7 @@ unsafe impl Sync for Object {}
 
 impl Drop for Object {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `load_marked`, unmapped once.
+        // SAFETY: the mapping made in `load_with`, unmapped once.
         unsafe { libc::munmap(self.slots as *mut libc::c_void, self.map_len) };
     }
 }
@@ -325,15 +344,16 @@ impl Object {
     /// into this process. [`Error::Unavailable`] when this process cannot use BPF
     /// ([`super::available`]).
     pub fn load() -> Result<Object, Error> {
-        Object::load_marked(DECIDED_MARK)
+        Object::load_with(Options::default())
     }
 
-    /// [`Object::load`] with the agent's mark `mark` (the tc program leaves packets that carry
-    /// it alone).
-    pub fn load_marked(mark: u32) -> Result<Object, Error> {
+    /// [`Object::load`] with other [`Options`].
+    pub fn load_with(o: Options) -> Result<Object, Error> {
         super::available()?;
+        let trust = o.trust_partial_csum as u32;
         let mut ebpf = EbpfLoader::new()
-            .override_global("obj_decided_mark", &mark, true)
+            .override_global("obj_decided_mark", &o.agent_mark, true)
+            .override_global("obj_trust_partial_csum", &trust, true)
             .load(OBJECT)
             .map_err(|e| bpf_err("loading bpf/object/obj_fast.o", e))?;
         for p in [Prog::FromClient, Prog::ToClient] {

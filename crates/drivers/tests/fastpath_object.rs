@@ -542,7 +542,8 @@ fn serve(w: &mut World, stream: &[u8], from: u32, to: u32, ack: u32) -> usize {
 
 /// Starting points: 0 a download (Table 1), 1 a client that half-closed after its request,
 /// 2 two pipelined requests (the first response's end inside the run), 3 a connection this
-/// server rebuilt (§3.2 case ③, `Engine::adopt`).
+/// server rebuilt (§3.2 case ③, `Engine::adopt`), 4 a chunked response (unprotected, passed
+/// through).
 fn start(kind: u64, v6: bool, cfg: Config) -> Start {
     let fp = Object::load().unwrap();
     let mut w = if v6 { World::v6(fp, cfg.clone()) } else { World::v4(fp, cfg.clone()) };
@@ -565,6 +566,22 @@ fn start(kind: u64, v6: bool, cfg: Config) -> Start {
             let stream = responses(&[2500, BODY_LEN]);
             let ack = cs(reqs.len() as u32);
             serve(&mut w, &stream, 0, 1400, ack);
+            Start { w, stream, cseq: ack, srv_ack: ack, srv: 1400 }
+        }
+        4 => {
+            // A chunked response: not resumable, so unprotected (a tombstone stored), then
+            // passed through.
+            w.handshake();
+            w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request");
+            let mut stream = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+            while stream.len() < 30_000 {
+                stream.extend_from_slice(b"400\r\n");
+                stream.extend(body(0x400, 9));
+                stream.extend_from_slice(b"\r\n");
+            }
+            let ack = cs(req_end);
+            serve(&mut w, &stream, 0, 1400, ack);
+            w.store_all(true);
             Start { w, stream, cseq: ack, srv_ack: ack, srv: 1400 }
         }
         _ => {
@@ -596,13 +613,13 @@ fn random_sequences_agree_with_the_engine() {
     let Some(fp0) = fast_path("random_sequences_agree_with_the_engine") else { return };
     drop(fp0);
     let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x0b1e_c722u64);
-    let runs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48);
+    let runs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
     let mut rng = Rng(seed);
     let (mut passed, mut slow, mut packets) = (0usize, 0usize, 0usize);
-    let mut passed_by_kind = [0usize; 4];
+    let mut passed_by_kind = [0usize; 5];
     for run in 0..runs {
         let cfg = Config { progress_step: if rng.chance(300) { 6000 } else { 256 << 20 }, ..Config::default() };
-        let kind = (run % 4) as u64;
+        let kind = (run % 5) as u64;
         let Start { mut w, stream, cseq, srv_ack, mut srv } = start(kind, run % 8 == 5, cfg);
         let total = stream.len() as u32;
         let mut cli_acked = 0u32;
@@ -742,6 +759,31 @@ fn request_during_a_download_makes_the_next_server_ack_slow() {
     w.store_all(true);
     assert_eq!(w.s(ss(4200), ack2, F::ACK, &stream[4200..5600], "body"), Steer::Pass);
     assert_eq!(w.c(ack2, ss(5600), F::ACK, b"", "client ACK after its request"), Steer::Pass);
+}
+
+/// An unprotected connection (a chunked response: `unprotected_http`, a tombstone): while the
+/// tombstone is being stored its ACKs are still lowered (slow); once stored, the engine parses
+/// nothing and the kernel passes its segments and the client's ACKs without the response walls,
+/// keeping only `sent_next` (not `srv_next`, not `client_acked`, which the engine no longer
+/// moves); its FIN is the slow path's.
+#[test]
+fn unprotected_connection_passes_through_once_its_tombstone_is_stored() {
+    let Some(fp) = fast_path("unprotected_connection_passes_through_once_its_tombstone_is_stored") else { return };
+    drop(fp);
+    let Start { mut w, stream, cseq, srv_ack, .. } = start(4, false, Config::default());
+    let v = w.e.fast_view(&w.key).unwrap();
+    assert!(!v.protected && v.ack_limit.is_none() && !v.stale_record, "{v:?}");
+    let s = w.fp.get(&w.k).unwrap().unwrap();
+    assert_ne!(s.flags & flag::PASSTHROUGH, 0);
+    let mut off = 1400;
+    while off + 1400 <= 20_000 {
+        assert_eq!(w.s(ss(off), srv_ack, F::ACK, &stream[off as usize..off as usize + 1400], "chunked body"), Steer::Pass);
+        off += 1400;
+        assert_eq!(w.c(cseq, ss(off - 700), F::ACK, b"", "client ACK"), Steer::Pass);
+    }
+    let v = w.e.fast_view(&w.key).unwrap();
+    assert_eq!((v.srv_next, v.client_acked), (1400, 0), "the engine moves neither");
+    assert_eq!(w.s(ss(off), srv_ack, F::ACK | F::FIN, &stream[off as usize..off as usize + 100], "FIN"), Steer::Slow);
 }
 
 /// A client that half-closed with its request (`shutdown(SHUT_WR)`): the server's first ACK of

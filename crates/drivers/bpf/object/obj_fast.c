@@ -266,7 +266,9 @@ int obj_from_client(struct __sk_buff *skb)
 
 	if (obj_write_begin(e))
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
-	if (a > e->client_acked)
+	/* (An unprotected connection's engine learns nothing from the ACK: on_client returns
+	 * before it.) */
+	if (a > e->client_acked && !(flags & OBJ_F_PASSTHROUGH))
 		e->client_acked = a;
 	e->last_seen_ns = bpf_ktime_get_ns();
 	obj_write_end(e);
@@ -322,9 +324,11 @@ int obj_to_client(struct __sk_buff *skb)
 	 * response header: an entry, a store, held); a progress mark due (held, a store). */
 	__u64 off = unwrap_near(seq - (c.iss + 1), c.sent_next);
 	__u64 end = off + len;
-	if (off > c.srv_next || (end > c.srv_next && end > c.body_end))
+	/* (An unprotected connection's stream is not parsed: only sent_next moves.) */
+	int parsed = !(flags & OBJ_F_PASSTHROUGH);
+	if (parsed && (off > c.srv_next || (end > c.srv_next && end > c.body_end)))
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
-	if (max64(c.sent_next, end) >= c.sent_wall)
+	if (parsed && max64(c.sent_next, end) >= c.sent_wall)
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
 	/* The server's ACK: news of client bytes (srv_ack), a pure ACK past the hold (dropped),
 	 * or more told to the client than before (told). */
@@ -341,7 +345,8 @@ int obj_to_client(struct __sk_buff *skb)
 
 	if (obj_write_begin(e))
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
-	e->srv_next = max64(e->srv_next, end);
+	if (parsed)
+		e->srv_next = max64(e->srv_next, end);
 	e->sent_next = max64(e->sent_next, end);
 	e->last_window = bpf_ntohs(p.th.window);
 	e->has_ts = p.o.ts_at != 0;

@@ -29,6 +29,11 @@ struct obj_key {
 #define OBJ_F_BUCKET_KNOWN (1u << 2)
 /* No load balancer (the gate open by configuration): server packets are not fenced. */
 #define OBJ_F_NO_FENCE (1u << 3)
+/* An unprotected connection (its responses cannot be resumed: chunked, credentials, no
+ * validator; or learned after an agent restart without a record that describes it), its
+ * tombstone stored: the engine parses nothing, prunes nothing and holds nothing, so neither
+ * the response walls nor client_acked and srv_next apply (they do not move). */
+#define OBJ_F_PASSTHROUGH (1u << 4)
 /* Set by the kernel (atomically) when it sent a packet of the connection to the slow path:
  * from then on both directions go slow until the agent publishes the entry again. */
 #define OBJ_F_USER (1u << 8)

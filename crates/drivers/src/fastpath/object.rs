@@ -52,6 +52,8 @@ pub mod flag {
     pub const SERVER_FAST: u32 = 1 << 1;
     pub const BUCKET_KNOWN: u32 = 1 << 2;
     pub const NO_FENCE: u32 = 1 << 3;
+    /// An unprotected connection whose tombstone is stored ([`passthrough`]).
+    pub const PASSTHROUGH: u32 = 1 << 4;
     /// Set by the kernel when it sent a packet of the connection to the slow path.
     pub const USER: u32 = 1 << 8;
 }
@@ -195,6 +197,26 @@ pub fn quiet(v: &FastView) -> bool {
         && (v.stored_gen > 0 || v.adopted)
 }
 
+/// Whether the engine's connection is unprotected and settled: its tombstone stored (no ACK
+/// limit, no stale record), nothing held or in flight. The engine then parses nothing of it and
+/// passes every packet but SYN, RST and FIN unchanged (`on_client` returns before the ACK is
+/// learned, `on_server` is not called), counting only the server's sent bytes, its window and
+/// timestamps, `srv_ack` and `told`; the kernel does the same, without the response walls.
+pub fn passthrough(v: &FastView) -> bool {
+    !v.protected
+        && !v.degraded
+        && !v.closed
+        && !v.muted
+        && !v.stale_record
+        && v.ack_limit.is_none()
+        && !v.in_flight
+        && !v.deleting
+        && v.held == 0
+        && !v.tomb_on_ack
+        && !v.moved_unseen
+        && !v.unsent_acks
+}
+
 impl State {
     /// The entry the agent publishes for a connection from the engine's view: `bucket` as its
     /// core recorded it, `fenced` unless there is no load balancer, `now_ns` the
@@ -209,6 +231,12 @@ impl State {
             }
             if !v.header_pending {
                 flags |= flag::SERVER_FAST;
+            }
+        }
+        if !q && passthrough(v) {
+            flags |= flag::PASSTHROUGH | flag::SERVER_FAST;
+            if v.est {
+                flags |= flag::CLIENT_FAST;
             }
         }
         if bucket.is_some() {
@@ -607,7 +635,7 @@ mod tests {
     #[test]
     fn c_flags_are_these() {
         let header = include_str!("../../bpf/object/obj_state.h");
-        for (name, v) in [("CLIENT_FAST", flag::CLIENT_FAST), ("SERVER_FAST", flag::SERVER_FAST), ("BUCKET_KNOWN", flag::BUCKET_KNOWN), ("NO_FENCE", flag::NO_FENCE), ("USER", flag::USER)] {
+        for (name, v) in [("CLIENT_FAST", flag::CLIENT_FAST), ("SERVER_FAST", flag::SERVER_FAST), ("BUCKET_KNOWN", flag::BUCKET_KNOWN), ("NO_FENCE", flag::NO_FENCE), ("PASSTHROUGH", flag::PASSTHROUGH), ("USER", flag::USER)] {
             let line = header.lines().find(|l| l.starts_with(&format!("#define OBJ_F_{name} "))).unwrap_or_else(|| panic!("OBJ_F_{name} missing"));
             let bit: u32 = line.split("(1u << ").nth(1).unwrap().trim_end_matches(')').parse().unwrap();
             assert_eq!(1 << bit, v, "OBJ_F_{name}");

@@ -11,8 +11,9 @@
  *                    packets obj_to_client passed (those the slow path decided carry its mark)
  *
  * Only a client's pure ACK and a server segment continuing a stored response's body (or
- * carrying nothing new) ever pass: everything that starts, ends or changes anything the engine
- * decides with goes slow. What the engine would have counted on a passed packet (the client's
+ * carrying nothing new), or either on an unprotected connection the engine only passes
+ * through, ever pass: everything that starts, ends or changes anything the engine decides with
+ * goes slow. What the engine would have counted on a passed packet (the client's
  * ACK, the server's sent bytes, its window and timestamps, the time) the kernel keeps in the
  * entry, for the agent to read back. Nothing is attached yet.
  */
@@ -34,8 +35,8 @@ volatile const __u32 obj_decided_mark = 0x7562;
  * checksum the kernel has not computed yet (CHECKSUM_PARTIAL: built on this host, or sent
  * through a veth by a local namespace), which the engine trusts when NFQUEUE says so
  * (`csum_not_ready`). A socket filter cannot read ip_summed; a corrupted packet from the wire
- * with that value (one in 65,536) would pass too, and the kernel's TCP drop it. Off unless the
- * loader sets it. */
+ * with that value (one in 65,536) would pass too, and the kernel's TCP drops it. Off unless
+ * the loader sets it. */
 volatile const __u32 obj_trust_partial_csum = 0;
 
 /* Engine constants: trods::FAR_PAST_PROGRESS is folded into sent_wall by the agent. */

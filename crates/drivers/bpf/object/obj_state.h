@@ -1,5 +1,5 @@
-/* Object mode's fast-path state: one entry per protected connection in `obj_conns`, keyed by
- * the client's and the service's endpoints. Part of it is published by the agent from the
+/* Object mode's fast-path state: one entry per connection in `obj_slots`, found through
+ * `obj_index` by the client's and the service's endpoints. Part of it is published by the agent from the
  * TRODS engine's state (trods::Engine::fast_view: the walls the kernel may not cross without
  * the engine), part is kept by the kernel as packets pass (what the engine would have counted
  * had it seen them); the agent reads that part back when the connection's next packet goes to

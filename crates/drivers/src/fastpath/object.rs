@@ -7,9 +7,11 @@
 //! - [`Prog::ToClientTc`]: tc egress, the one rewrite the engine makes on a server packet it
 //!   passes (the ACK lowered to the stored hold), on packets the slow path did not decide.
 //!
-//! The connection's entry in `obj_conns` ([`State`]) is published by the agent from the
-//! engine's state ([`State::publish`] of [`trods::FastView`]); the kernel keeps in it what the
-//! engine would have counted on the packets it passed ([`Kept`]). Nothing is attached yet.
+//! The connection's entry ([`State`], in `obj_slots`, found through `obj_index`, mapped into
+//! this process) is published by the agent from the engine's state ([`State::publish`] of
+//! [`trods::FastView`]); the kernel keeps in it what the engine would have counted on the
+//! packets it passed ([`Kept`]), and hands it over with [`Object::take`]. Nothing is attached
+//! yet.
 
 use std::collections::{HashMap as StdHashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};

@@ -7,8 +7,9 @@ use std::process::Command;
 
 const INSTALL: &str = "apt-get install -y --no-install-recommends clang libbpf-dev linux-libc-dev";
 
-/// The programs: (source under bpf/, object name).
-const PROGRAMS: &[(&str, &str)] = &[("checkpoint/ckpt_tc.c", "ckpt_tc.o")];
+/// The programs: (source under bpf/, object name, extra clang flags). Object mode's programs
+/// use atomic `or` on map values (BPF ISA v3; every kernel this project targets has it).
+const PROGRAMS: &[(&str, &str, &[&str])] = &[("checkpoint/ckpt_tc.c", "ckpt_tc.o", &[]), ("object/obj_fast.c", "obj_fast.o", &["-mcpu=v3"])];
 
 fn main() {
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("bpf");
@@ -22,9 +23,10 @@ fn main() {
     if !Path::new(&multiarch).join("asm/types.h").exists() {
         panic!("BPF fast path: {multiarch}/asm/types.h is missing (package linux-libc-dev). Install what the build needs with:\n  {INSTALL}");
     }
-    for (src, obj) in PROGRAMS {
+    for (src, obj, extra) in PROGRAMS {
         let status = Command::new("clang")
             .args(["-O2", "-g", "-target", "bpf", "-Wall"])
+            .args(*extra)
             .arg(format!("-I{multiarch}"))
             .arg("-c")
             .arg(dir.join(src))

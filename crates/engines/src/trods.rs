@@ -498,6 +498,54 @@ struct PendingReq {
     req: http::Request,
 }
 
+/// One connection as [`Engine::fast_view`] shows it: the fields of the engine's private
+/// state, by the same names (`parse` split into `header_pending` and `body_left`; queues by
+/// their length; the first stored response by its end), plus the configured `progress_step`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastView {
+    pub hs: Handshake,
+    pub protected: bool,
+    pub degraded: bool,
+    pub closed: bool,
+    pub muted: bool,
+    pub adopted: bool,
+    pub moved_unseen: bool,
+    pub unsent_acks: bool,
+    pub fin_recorded: bool,
+    pub last_seen: u64,
+    pub cli_next: u64,
+    pub req_buf: usize,
+    pub reqs: usize,
+    pub client_acked: u64,
+    pub srv_next: u64,
+    pub sent_next: u64,
+    pub srv_fin: Option<u64>,
+    pub header_pending: bool,
+    pub body_left: u64,
+    pub entries: usize,
+    pub first_end: Option<u64>,
+    pub ack_limit: Option<u64>,
+    pub gen: u64,
+    pub stored_gen: u64,
+    pub in_flight: bool,
+    pub progress_stored: u64,
+    pub progress_asked: u64,
+    pub held: usize,
+    pub deleting: bool,
+    pub stale_record: bool,
+    pub srv_ack: u64,
+    pub told: u64,
+    pub last_window: u16,
+    pub last_ts: Option<(u32, u32)>,
+    pub est: bool,
+    pub fin_at: Option<u64>,
+    pub cli_fin: Option<u64>,
+    pub tomb_on_ack: bool,
+    pub challenged_at: Option<u64>,
+    pub needs_no_record: bool,
+    pub progress_step: u64,
+}
+
 struct Held {
     id: u64,
     bytes: Vec<u8>,
@@ -796,6 +844,61 @@ impl Engine {
     /// `None` when the engine does not track it (for simulations and status pages).
     pub fn is_protected(&self, key: &Key) -> Option<bool> {
         self.conns.get(key).map(|c| c.protected && !c.muted)
+    }
+
+    /// A read-only snapshot of one connection's state (issue 22 item 3): what the kernel fast
+    /// path (`crates/drivers/bpf/object/`) needs to decide a packet as this engine would, and
+    /// what its tests compare the kernel's kept state with. `None` when `key` is not tracked.
+    pub fn fast_view(&self, key: &Key) -> Option<FastView> {
+        let c = self.conns.get(key)?;
+        let (header_pending, body_left) = match &c.parse {
+            SrvParse::Idle => (false, 0),
+            SrvParse::Header { .. } => (true, 0),
+            SrvParse::Body { left } => (false, *left),
+        };
+        Some(FastView {
+            hs: c.hs,
+            protected: c.protected,
+            degraded: c.degraded,
+            closed: c.closed_at.is_some(),
+            muted: c.muted,
+            adopted: c.adopted,
+            moved_unseen: c.moved_unseen,
+            unsent_acks: c.unsent_acks.is_some(),
+            fin_recorded: c.fin_recorded,
+            last_seen: c.last_seen,
+            cli_next: c.cli_next,
+            req_buf: c.req_buf.len(),
+            reqs: c.reqs.len(),
+            client_acked: c.client_acked,
+            srv_next: c.srv_next,
+            sent_next: c.sent_next,
+            srv_fin: c.srv_fin,
+            header_pending,
+            body_left,
+            entries: c.entries.len(),
+            first_end: c.entries.front().map(|e| e.end_off()),
+            ack_limit: c.ack_limit,
+            gen: c.gen,
+            stored_gen: c.stored_gen,
+            in_flight: c.in_flight.is_some(),
+            progress_stored: c.progress_stored,
+            progress_asked: c.progress_asked,
+            held: c.held.len(),
+            deleting: c.deleting.is_some(),
+            stale_record: c.stale_record,
+            srv_ack: c.srv_ack,
+            told: c.told,
+            last_window: c.last_window,
+            last_ts: c.last_ts,
+            est: c.est,
+            fin_at: c.fin_at,
+            cli_fin: c.cli_fin,
+            tomb_on_ack: c.tomb_on_ack,
+            challenged_at: c.challenged_at,
+            needs_no_record: c.needs_no_record(),
+            progress_step: self.cfg.progress_step,
+        })
     }
 
     /// Next store or delete to perform.

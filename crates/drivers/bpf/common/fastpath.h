@@ -88,6 +88,7 @@ struct fp_opts {
 	__u32 ts_at;   /* the timestamp option */
 	__u32 tsval;
 	__u32 tsecr;
+	__u32 ts_n;    /* how many timestamp options (the engines read the first, this the last) */
 	__u32 sack_at; /* the SACK option */
 	__u32 sack_n;  /* its blocks (1-4) */
 };
@@ -266,6 +267,7 @@ static long fp_option_step(__u32 n, void *ctx)
 		if (len != 10 || (i & 1))
 			goto bad;
 		p->o.ts_at = sizeof(struct tcphdr) + i;
+		p->o.ts_n++;
 		p->o.tsval = fp_opt32(p, i + 2);
 		p->o.tsecr = fp_opt32(p, i + 6);
 		break;

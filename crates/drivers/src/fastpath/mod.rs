@@ -10,6 +10,7 @@
 //! from the daemon (docs/architecture.md, "Fast path").
 
 pub mod checkpoint;
+pub mod object;
 
 use std::fmt;
 

@@ -1,6 +1,476 @@
+//! Replica mode's fast path, the backup's half, against the engine (issue 22 item 4, step 1):
+//! the same packets through `replica::Backup::incoming` / `outgoing` and, by
+//! `BPF_PROG_TEST_RUN`, through `bpf/replica/rep_tc.c`. A packet the programs claim must get
+//! the engine's verdict and bytes (checksums included), leave the entry holding the engine's
+//! per-connection fields, move the counters the engine moves, and send the daemon exactly the
+//! checkpoint and kept copy the engine recorded; a packet they leave to the slow path must come
+//! back untouched with its entry frozen and counted, and the daemon's hand-off (take, the
+//! engine decides, thaw) then puts the engine's state back. The engine's state is read from its
+//! `Debug` form (its fields are private; `BConn`'s names are the entry's).
+//!
+//! Root only, no namespace: SKIP otherwise (UNBROKEN_REQUIRE_LAB=1 makes a skip a failure).
+
 include!("common/require.rs");
-use unbroken_drivers::fastpath::replica::Replica;
+
+use std::net::IpAddr;
+
+use unbroken_drivers::fastpath::replica::{addr16, flag, Direction, Key, Op, OpResult, Record, Replica, State, CONSUMED};
+use unbroken_drivers::fastpath::{Error, Verdict};
+use unbroken_engines::replica::{Backup, BackupCounters};
+use unbroken_engines::Verdict as EVerdict;
+use unbroken_wire::ip::{self, IpInfo};
+use unbroken_wire::replica::{self as rw, ConnProgress, Progress, Role};
+use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
+use unbroken_wire::{ipv4, Seq};
+
+use Direction::{Incoming, Outgoing};
+
+fn fast_path(test: &str) -> Option<Replica> {
+    match Replica::load() {
+        Ok(fp) => Some(fp),
+        Err(Error::Unavailable(why)) => {
+            skip_or_fail(test, &why);
+            None
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
+const CPORT: u16 = 40000;
+const SPORT: u16 = 6379;
+
+// ---------------------------------------------------------------------------------------------
+// The engine's state, read from its Debug form
+// ---------------------------------------------------------------------------------------------
+
+/// The text of the one `BConn { .. }` in `b`'s Debug form.
+fn bconn(b: &Backup) -> String {
+    let s = format!("{b:?}");
+    let at = s.find("BConn {").expect("one connection in the engine");
+    let mut depth = 0;
+    for (j, ch) in s[at..].char_indices() {
+        match ch {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return s[at..at + j + 1].to_string();
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("unbalanced Debug output");
+}
+
+/// The value of field `name` in a struct's Debug text.
+fn field<'a>(s: &'a str, name: &str) -> &'a str {
+    let pat = format!(", {name}: ");
+    let i = s.find(&pat).unwrap_or_else(|| panic!("no field {name} in {s}")) + pat.len();
+    let rest = &s[i..];
+    let mut depth = 0i32;
+    for (j, ch) in rest.char_indices() {
+        match ch {
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' => {
+                if depth == 0 {
+                    return &rest[..j];
+                }
+                depth -= 1;
+            }
+            ',' if depth == 0 => return &rest[..j],
+            _ => {}
+        }
+    }
+    rest
+}
+
+/// The numbers in `v` (digits runs), in order.
+fn nums(v: &str) -> Vec<u64> {
+    v.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).map(|t| t.parse().unwrap()).collect()
+}
+
+fn some(v: &str) -> bool {
+    v.starts_with("Some")
+}
+
+/// The top-level items of a Debug list `[a, b, ..]`.
+fn items(v: &str) -> Vec<&str> {
+    let inner = &v[1..v.len() - 1];
+    let mut out = vec![];
+    let (mut depth, mut from) = (0i32, 0);
+    for (j, ch) in inner.char_indices() {
+        match ch {
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(inner[from..j].trim());
+                from = j + 1;
+            }
+            _ => {}
+        }
+    }
+    if !inner.trim().is_empty() {
+        out.push(inner[from..].trim());
+    }
+    out
+}
+
+/// What the engine keeps about the connection beyond the entry: checkpoints, kept copies (end,
+/// length), output kept beyond a gap.
+#[derive(Debug, Clone, PartialEq)]
+struct Side {
+    checkpoints: Vec<(u32, u64)>,
+    kept: Vec<(u32, usize)>,
+    ooo_empty: bool,
+    aligned: bool,
+}
+
+fn side(b: &Backup) -> Side {
+    let s = bconn(b);
+    let checkpoints = items(field(&s, "checkpoints")).iter().map(|i| {
+        let n = nums(i);
+        (n[0] as u32, n[1])
+    }).collect();
+    let kept = items(field(&s, "kept")).iter().map(|i| {
+        let list = format!("[{}]", &i[1..i.len() - 1]);
+        let parts = items(&list);
+        (nums(parts[0])[0] as u32, items(parts[1]).len())
+    }).collect();
+    Side { checkpoints, kept, ooo_empty: field(&s, "ooo") == "[]", aligned: field(&s, "aligned") == "true" }
+}
+
+/// The entry's state as the engine's fields give it (`b_ts_at` is the kernel's clock: taken
+/// from `kernel_ts_at`).
+fn state_of(b: &Backup, strict: bool, kernel_ts_at: u64) -> State {
+    let s = bconn(b);
+    let f = |n: &str| field(&s, n);
+    let n32 = |n: &str| nums(f(n)).first().copied().unwrap_or(0) as u32;
+    let mut st = State::default();
+    let mut fl = if strict { flag::STRICT } else { 0 };
+    for (on, bit) in [
+        (f("aligned") == "true", flag::ALIGNED),
+        (f("rcv_known") == "true", flag::RCV_KNOWN),
+        (f("client_seen") == "true", flag::CLIENT_SEEN),
+        (some(f("acked_b")), flag::ACKED_B),
+        (some(f("p_out")), flag::P_OUT),
+        (some(f("ts_floor")), flag::TS_FLOOR),
+        (some(f("client_ts_max")), flag::CTS_MAX),
+        (some(f("client_ts")), flag::CTS),
+        (some(f("b_ts_seen")), flag::B_TS),
+        (some(f("server")), flag::SERVER),
+    ] {
+        if on {
+            fl |= bit;
+        }
+    }
+    st.flags = fl;
+    st.out_hash = nums(f("out_hash"))[0];
+    st.delta = n32("delta");
+    st.ts_off = n32("ts_off");
+    st.snd_max = n32("snd_max");
+    st.rcv_nxt = n32("rcv_nxt");
+    st.rcv_edge = n32("rcv_edge");
+    st.out_end = n32("out_end");
+    st.last_ack = n32("last_ack");
+    st.acked_b = n32("acked_b");
+    st.p_out = n32("p_out");
+    st.ts_floor = n32("ts_floor");
+    let pair = |n: &str| {
+        let v = nums(f(n));
+        (v.first().copied().unwrap_or(0) as u32, v.get(1).copied().unwrap_or(0) as u32)
+    };
+    (st.cts_max_val, st.cts_max_ecr) = pair("client_ts_max");
+    (st.cts_val, st.cts_ecr) = pair("client_ts");
+    st.b_ts_val = pair("b_ts_seen").0;
+    st.b_ts_at = if some(f("b_ts_seen")) { kernel_ts_at } else { 0 };
+    let server = f("server");
+    if let Some(a) = server.strip_prefix("Some(").and_then(|x| x.strip_suffix(')')) {
+        st.server = addr16(a.parse::<IpAddr>().unwrap());
+    }
+    st.client_win = n32("client_win") as u16;
+    st.ws_b = n32("ws_b") as u8;
+    st
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packets
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy)]
+struct Conn {
+    cli: IpAddr,
+    svc: IpAddr,
+    c_isn: u32,
+    p_isn: u32,
+    b_isn: u32,
+    p_ts0: u32,
+    b_ts0: u32,
+}
+
+impl Conn {
+    fn v4() -> Conn {
+        Conn { cli: "10.0.9.2".parse().unwrap(), svc: "10.0.0.1".parse().unwrap(), c_isn: 77_777, p_isn: 0xffff_f000, b_isn: 1_000, p_ts0: 4_000_000_000, b_ts0: 12 }
+    }
+    fn v6() -> Conn {
+        Conn { cli: "fd77:9::2".parse().unwrap(), svc: "fd77::1".parse().unwrap(), ..Conn::v4() }
+    }
+    fn key(&self) -> Key {
+        Key::new(std::net::SocketAddr::new(self.cli, CPORT), SPORT)
+    }
+    fn from_client(&self, r: Repr, payload: &[u8]) -> Vec<u8> {
+        ip::tcp_packet(self.cli, self.svc, &Repr { src_port: CPORT, dst_port: SPORT, ..r }, payload).unwrap()
+    }
+    fn from_server(&self, r: Repr, payload: &[u8]) -> Vec<u8> {
+        ip::tcp_packet(self.svc, self.cli, &Repr { src_port: SPORT, dst_port: CPORT, ..r }, payload).unwrap()
+    }
+    /// Client → backup: its ACK names the primary's output offset `out` (from its ISN + 1).
+    fn client(&self, seq_off: u32, out: u32, ts: Option<(u32, u32)>, sack: &[(u32, u32)], payload: &[u8]) -> Vec<u8> {
+        let p = |x: u32| Seq(self.p_isn.wrapping_add(1).wrapping_add(x));
+        let mut r = Repr { seq: Seq(self.c_isn.wrapping_add(1).wrapping_add(seq_off)), ack: p(out), flags: F::ACK | F::PSH, window: 512, timestamp: ts, ..Default::default() };
+        for (i, (l, h)) in sack.iter().enumerate() {
+            r.sack[i] = (p(*l), p(*h));
+        }
+        r.sack_len = sack.len() as u8;
+        self.from_client(r, payload)
+    }
+    /// The backup's server: its output from stream offset `off`, acknowledging client offset
+    /// `rcv`.
+    fn server(&self, off: u32, rcv: u32, window: u16, ts: Option<(u32, u32)>, payload: &[u8]) -> Vec<u8> {
+        let r = Repr { seq: Seq(self.b_isn.wrapping_add(1).wrapping_add(off)), ack: Seq(self.c_isn.wrapping_add(1).wrapping_add(rcv)), flags: F::ACK | if payload.is_empty() { 0 } else { F::PSH }, window, timestamp: ts, ..Default::default() };
+        self.from_server(r, payload)
+    }
+}
+
+fn refill(p: &mut [u8]) {
+    let info = IpInfo::parse(p).unwrap();
+    if info.src.is_ipv4() {
+        ipv4::Packet::new_checked(&mut p[..]).unwrap().fill_checksum();
+    }
+    let (l4, n) = (info.l4_offset, info.l4_len);
+    Tcp::new_checked(&mut p[l4..l4 + n]).unwrap().fill_checksum(info.pseudo_sum(n));
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Both paths
+// ---------------------------------------------------------------------------------------------
+
+/// One connection on the engine and on the programs, the daemon's hand-off emulated.
+struct Both {
+    fp: Replica,
+    b: Backup,
+    conn: Conn,
+    key: Key,
+    strict: bool,
+    claimed: usize,
+    slow: usize,
+    /// The entry is frozen and the daemon's (not eligible to go back).
+    held: bool,
+}
+
+impl Both {
+    /// ST-TCP 3.3.0.1 (1)-(3) on the engine (the slow path's work), then the entry installed
+    /// from its state, as the daemon will.
+    fn new(mut fp: Replica, conn: Conn, strict: bool, ts: bool) -> Both {
+        let mut b = Backup::new();
+        b.set_strict(strict);
+        let key = conn.key();
+        fp.remove(&key).unwrap();
+        let syn = conn.from_client(Repr { seq: Seq(conn.c_isn), flags: F::SYN, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((500, 0)), ..Default::default() }, &[]);
+        assert_eq!(b.incoming(&mut syn.clone()), EVerdict::PASS);
+        let sa = conn.from_server(Repr { seq: Seq(conn.b_isn), ack: Seq(conn.c_isn.wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((conn.b_ts0, 500)), ..Default::default() }, &[]);
+        assert_eq!(b.outgoing(&mut sa.clone()), EVerdict::Drop);
+        let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
+        assert!(matches!(b.incoming(&mut ack.clone()), EVerdict::Accept { .. }));
+        assert_eq!(b.counters.aligned, 1);
+        let rec = ConnProgress { client: conn.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(conn.c_isn.wrapping_add(1)), rcv_edge: Seq(conn.c_isn.wrapping_add(1000)), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(conn.p_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN };
+        b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] });
+        let st = state_of(&b, strict, 0);
+        assert!(fp.install(&key, &st).unwrap());
+        let _ = fp.records();
+        Both { fp, b, conn, key, strict, claimed: 0, slow: 0, held: false }
+    }
+
+    fn kernel_state(&mut self) -> State {
+        self.fp.entry(&self.key).unwrap().expect("an entry").state
+    }
+
+    /// `pkt` through both paths, compared (module docs). Returns the programs' verdict.
+    fn step(&mut self, d: Direction, pkt: &[u8], what: &str) -> Verdict {
+        let before = self.fp.entry(&self.key).unwrap();
+        let side0 = side(&self.b);
+        let c0: BackupCounters = self.b.counters;
+        let k0 = self.fp.counters().unwrap();
+        let run = self.fp.run(d, pkt).unwrap();
+        let recs = self.fp.records();
+        let mut buf = pkt.to_vec();
+        let v = match d {
+            Incoming => self.b.incoming(&mut buf),
+            Outgoing => self.b.outgoing(&mut buf),
+        };
+        let side1 = side(&self.b);
+        let c1 = self.b.counters;
+        let k1 = self.fp.counters().unwrap();
+        let claimed = run.verdict == Verdict::Done || run.verdict == CONSUMED;
+        if claimed {
+            let before = before.expect("claimed without an entry");
+            match (run.verdict, v) {
+                (Verdict::Done, EVerdict::Accept { .. }) => assert_eq!(hex(&run.packet), hex(&buf), "{what}: the fast path's bytes differ from the engine's"),
+                (v0, EVerdict::Drop) if v0 == CONSUMED => {}
+                (a, b) => panic!("{what}: the fast path says {a:?}, the engine {b:?}"),
+            }
+            let k = self.kernel_state();
+            assert_eq!(k, state_of(&self.b, self.strict, k.b_ts_at), "{what}: the entry differs from the engine's state");
+            if d == Outgoing && before.state.b_ts_val != k.b_ts_val {
+                assert_ne!(k.b_ts_at, before.state.b_ts_at, "{what}: b_ts_seen's time not taken");
+            }
+            assert_eq!((k1.unacceptable - k0.unacceptable, k1.ack_unverified - k0.ack_unverified, k1.ack_clamped - k0.ack_clamped, k1.withheld - k0.withheld), (c1.unacceptable - c0.unacceptable, c1.ack_unverified - c0.ack_unverified, c1.ack_clamped - c0.ack_clamped, c1.withheld - c0.withheld), "{what}: counters");
+            // The records: the engine's new checkpoints, its new kept copy (the packet), and
+            // the change, once per collection.
+            let new_cps: Vec<(u32, u64)> = side1.checkpoints[side0.checkpoints.len().min(side1.checkpoints.len())..].to_vec();
+            let cps: Vec<(u32, u64)> = recs.iter().filter_map(|r| if let Record::Checkpoint { key, end, hash } = r { assert_eq!(*key, self.key); Some((*end, *hash)) } else { None }).collect();
+            assert_eq!(cps, new_cps, "{what}: checkpoints");
+            let mut kept = vec![];
+            let mut kept_end = None;
+            for r in &recs {
+                if let Record::Keep { key, end_b, total, off, bytes } = r {
+                    assert_eq!(*key, self.key);
+                    assert_eq!(*off as usize, kept.len(), "{what}: pieces in order");
+                    assert_eq!(*total as usize, pkt.len());
+                    kept.extend_from_slice(bytes);
+                    kept_end = Some(*end_b);
+                }
+            }
+            // The engine keeps a copy of every withheld segment with payload, unless beyond its
+            // bounds (counted).
+            let payload = IpInfo::parse(pkt).ok().map(|i| i.l4_len - Tcp::new_checked(&pkt[i.l4_offset..i.l4_offset + i.l4_len]).unwrap().header_len()).unwrap_or(0);
+            let engine_kept = d == Outgoing && payload > 0 && c1.kept_dropped == c0.kept_dropped;
+            if engine_kept {
+                let (end, len) = *side1.kept.last().unwrap();
+                assert_eq!(kept_end, Some(end), "{what}: kept copy's end");
+                assert_eq!(len, pkt.len());
+                assert_eq!(hex(&kept), hex(pkt), "{what}: the kept copy is the packet");
+            } else {
+                assert!(kept.is_empty(), "{what}: a copy the engine did not keep");
+            }
+            let changed = recs.iter().filter(|r| matches!(r, Record::Changed(_))).count();
+            let expect = (d == Outgoing && before.ctl & unbroken_drivers::fastpath::replica::ctl::CHANGED == 0) as usize;
+            assert_eq!(changed, expect, "{what}: change records");
+            self.claimed += 1;
+        } else {
+            assert_eq!(run.verdict, Verdict::Slow, "{what}: unexpected verdict");
+            assert_eq!(hex(&run.packet), hex(pkt), "{what}: left to the slow path, but modified");
+            assert!(recs.is_empty(), "{what}: records for a packet left to the slow path");
+            if let Some(e0) = before {
+                let e1 = self.fp.entry(&self.key).unwrap().unwrap();
+                assert_eq!(e1.state, e0.state, "{what}: left to the slow path, but the entry changed");
+                assert_eq!(e1.slow, e0.slow + 1, "{what}: not counted");
+                assert!(e1.ctl & unbroken_drivers::fastpath::replica::ctl::FROZEN != 0, "{what}: not frozen");
+                // The daemon takes it (the marked packet reached the queue), decides it with
+                // the engine (done above), and gives the connection back if it can.
+                let a = self.fp.op(Op::Take, &self.key, None).unwrap();
+                assert_eq!(a.result, OpResult::Done);
+                if !self.held {
+                    let k = a.entry.state;
+                    assert_eq!(k, State { b_ts_at: k.b_ts_at, ..state_of_before(&e0) }, "{what}: taken state");
+                }
+                self.give_back(what);
+            }
+            self.slow += 1;
+        }
+        run.verdict
+    }
+
+    /// The daemon's THAW with the engine's state when the connection is eligible (aligned, no
+    /// output kept beyond a gap); otherwise it stays frozen and the daemon's.
+    fn give_back(&mut self, what: &str) {
+        let s = side(&self.b);
+        if !(s.aligned && s.ooo_empty) {
+            self.held = true;
+            return;
+        }
+        let k = self.fp.entry(&self.key).unwrap().unwrap().state;
+        let st = state_of(&self.b, self.strict, k.b_ts_at);
+        let a = self.fp.op(Op::Thaw, &self.key, Some(&st)).unwrap();
+        assert_eq!(a.result, OpResult::Done, "{what}: thaw refused with nothing between the paths");
+        self.held = false;
+    }
+
+    /// A side-channel message the daemon applies to the engine: freeze, engine, thaw.
+    fn primary_report(&mut self, p_out: u32, last_ack: u32, what: &str) {
+        let a = self.fp.op(Op::Freeze, &self.key, None).unwrap();
+        assert_eq!(a.result, OpResult::Done);
+        if !self.held {
+            let k = a.entry.state;
+            assert_eq!(k, state_of(&self.b, self.strict, k.b_ts_at), "{what}: frozen state");
+        }
+        let c = self.conn;
+        let rec = ConnProgress { client: c.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(c.c_isn.wrapping_add(1)), rcv_edge: Seq(c.c_isn.wrapping_add(1000)), out_end: Seq(c.p_isn.wrapping_add(1).wrapping_add(p_out)), out_hash: 0, last_ack: Seq(c.p_isn.wrapping_add(1).wrapping_add(last_ack)), isn: Seq(c.p_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN };
+        self.b.primary_report(&Progress { role: Role::Primary, beat: 2, flags: 0, records: vec![rec] });
+        self.give_back(what);
+    }
+
+    fn claims(&mut self, d: Direction, pkt: &[u8], what: &str) {
+        let v = self.step(d, pkt, what);
+        assert!(v == Verdict::Done || v == CONSUMED, "{what}: expected the fast path to claim it, got {v:?}");
+    }
+
+    fn leaves(&mut self, d: Direction, pkt: &[u8], what: &str) {
+        assert_eq!(self.step(d, pkt, what), Verdict::Slow, "{what}: expected the slow path");
+    }
+}
+
+/// The state an entry held (for comparing a taken state with the engine's before the packet).
+fn state_of_before(e: &unbroken_drivers::fastpath::replica::Entry) -> State {
+    e.state
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+/// ST-TCP 3.3.1 / Koch 3.1 in the steady state: the backup's server answers requests (withheld,
+/// digested, kept), the client acknowledges the primary's output with SACK and timestamps; every
+/// packet claimed, each as the engine decides it.
+fn steady_stream(fp: Replica, conn: Conn, strict: bool) -> Replica {
+    let mut both = Both::new(fp, conn, strict, true);
+    let mut out = 0u32;
+    let mut rcv = 0u32;
+    for i in 0..20u32 {
+        let req = vec![b'a' + (i % 26) as u8; 100 + i as usize];
+        both.claims(Incoming, &conn.client(rcv, out, Some((502 + i, conn.p_ts0 + i)), &[], &req), &format!("request {i}"));
+        rcv += req.len() as u32;
+        let reply: Vec<u8> = (0..(1000 + 97 * i)).map(|x| (x * 7 + i) as u8).collect();
+        for (j, chunk) in reply.chunks(1448).enumerate() {
+            both.claims(Outgoing, &conn.server(out, rcv, 300, Some((conn.b_ts0 + 10 + i, 502 + i)), chunk), &format!("reply {i} segment {j}: withheld, digested"));
+            out += chunk.len() as u32;
+        }
+        let sack: &[(u32, u32)] = if i % 3 == 0 { &[(out - 10, out)] } else { &[] };
+        both.claims(Incoming, &conn.client(rcv, out.saturating_sub(20 * (i % 2)), Some((503 + i, conn.p_ts0 + i + 1)), sack, b""), &format!("ACK {i}"));
+        if i % 5 == 4 {
+            both.primary_report(out, out, &format!("primary's report {i}"));
+            let _ = both.fp.op(Op::Collect, &both.key, None).unwrap();
+        }
+    }
+    assert_eq!(both.slow, 0);
+    eprintln!("steady stream: {} packets claimed", both.claimed);
+    both.fp
+}
+
 #[test]
-fn loads() {
-    match Replica::load() { Ok(_) => {}, Err(e) => panic!("{e}") }
+fn st_tcp_3_3_1_steady_stream_is_the_engines_strict_and_not() {
+    let Some(mut fp) = fast_path("st_tcp_3_3_1_steady_stream_is_the_engines_strict_and_not") else { return };
+    for strict in [true, false] {
+        fp = steady_stream(fp, Conn::v4(), strict);
+    }
+}
+
+#[test]
+fn ipv6_steady_stream_is_the_engines() {
+    let Some(fp) = fast_path("ipv6_steady_stream_is_the_engines") else { return };
+    steady_stream(fp, Conn::v6(), true);
 }

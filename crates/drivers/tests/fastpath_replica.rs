@@ -368,11 +368,20 @@ impl Both {
             if let Some(e0) = before {
                 let e1 = self.fp.entry(&self.key).unwrap().unwrap();
                 assert_eq!(e1.state, e0.state, "{what}: left to the slow path, but the entry changed");
-                assert_eq!(e1.slow, e0.slow + 1, "{what}: not counted");
-                assert!(e1.ctl & unbroken_drivers::fastpath::replica::ctl::FROZEN != 0, "{what}: not frozen");
-                // The daemon takes it (the marked packet reached the queue), decides it with
-                // the engine (done above), and gives the connection back if it can.
-                let a = self.fp.op(Op::Take, &self.key, None).unwrap();
+                // A packet the programs could not parse far enough to name its connection (IP
+                // options, fragments, extension headers, truncated or not TCP) is neither counted
+                // nor marked: the daemon freezes the entry before its engine decides it (as
+                // checkpoint mode's guard does); one they named is counted and marked, and taken.
+                let marked = e1.slow == e0.slow + 1;
+                if marked {
+                    assert!(e1.ctl & unbroken_drivers::fastpath::replica::ctl::FROZEN != 0, "{what}: not frozen");
+                } else {
+                    assert_eq!((e1.slow, e1.ctl), (e0.slow, e0.ctl), "{what}: the entry changed");
+                    assert!(unparsable(pkt), "{what}: a parsable packet of the connection left unmarked");
+                }
+                // The daemon takes it, decides it with the engine (done above), and gives the
+                // connection back if it can.
+                let a = self.fp.op(if marked { Op::Take } else { Op::Freeze }, &self.key, None).unwrap();
                 assert_eq!(a.result, OpResult::Done);
                 if !self.held {
                     let k = a.entry.state;
@@ -424,6 +433,17 @@ impl Both {
     }
 }
 
+/// Whether `fp_parse` refuses `pkt` (no connection named): what the engine's parser calls
+/// malformed or unsupported, IP options, not TCP, a TCP header that does not fit.
+fn unparsable(pkt: &[u8]) -> bool {
+    let Ok(i) = IpInfo::parse(pkt) else { return true };
+    if i.protocol != ip::PROTO_TCP || (i.l4_offset != 20 && i.l4_offset != 40) || pkt.len() < i.l4_offset + i.l4_len || i.l4_len < 20 {
+        return true;
+    }
+    let doff = (pkt[i.l4_offset + 12] >> 4) as usize * 4;
+    doff < 20 || doff > i.l4_len
+}
+
 /// The state an entry held (for comparing a taken state with the engine's before the packet).
 fn state_of_before(e: &unbroken_drivers::fastpath::replica::Entry) -> State {
     e.state
@@ -473,4 +493,355 @@ fn st_tcp_3_3_1_steady_stream_is_the_engines_strict_and_not() {
 fn ipv6_steady_stream_is_the_engines() {
     let Some(fp) = fast_path("ipv6_steady_stream_is_the_engines") else { return };
     steady_stream(fp, Conn::v6(), true);
+}
+
+/// A small deterministic generator (xorshift*), as in fastpath_checkpoint.rs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, per_mille: u64) -> bool {
+        self.below(1000) < per_mille
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// The hostile packets: each mutation of a well-formed packet `p` of connection `conn`.
+const HOSTILE: usize = 15;
+
+fn hostile(p: &[u8], kind: usize, v6: bool) -> (Vec<u8>, &'static str) {
+    let info = IpInfo::parse(p).unwrap();
+    let (l4, n) = (info.l4_offset, info.l4_len);
+    let mut q = p.to_vec();
+    let what = match kind {
+        0 => {
+            q[l4 + 13] |= F::SYN;
+            refill(&mut q);
+            "forged SYN on an established connection"
+        }
+        1 => {
+            q[l4 + 13] |= F::FIN;
+            refill(&mut q);
+            "FIN"
+        }
+        2 => {
+            q[l4 + 13] |= F::RST;
+            refill(&mut q);
+            "RST"
+        }
+        3 => {
+            q[l4 + 13] &= !F::ACK;
+            refill(&mut q);
+            "no ACK"
+        }
+        4 => {
+            q.truncate(l4 + 10);
+            "truncated inside the TCP header (the IP length says more)"
+        }
+        5 => {
+            if v6 {
+                q[4..6].copy_from_slice(&10u16.to_be_bytes());
+            } else {
+                q[2..4].copy_from_slice(&30u16.to_be_bytes());
+                ipv4::Packet::new_checked(&mut q[..]).unwrap().fill_checksum();
+            }
+            "IP length shorter than the TCP header"
+        }
+        6 => {
+            q[l4 + 12] = (4 << 4) | (q[l4 + 12] & 0x0f);
+            "TCP data offset below 5"
+        }
+        7 => {
+            q[l4 + 12] = (15 << 4) | (q[l4 + 12] & 0x0f);
+            if n >= 60 {
+                q.truncate(l4 + 40);
+                if !v6 {
+                    let tl = q.len() as u16;
+                    q[2..4].copy_from_slice(&tl.to_be_bytes());
+                    ipv4::Packet::new_checked(&mut q[..]).unwrap().fill_checksum();
+                } else {
+                    q[4..6].copy_from_slice(&40u16.to_be_bytes());
+                }
+            }
+            "TCP data offset beyond the segment"
+        }
+        8 if !v6 => {
+            // Four bytes of IP options (NOP NOP NOP EOL).
+            let mut r = q[..20].to_vec();
+            r.extend_from_slice(&[1, 1, 1, 0]);
+            r.extend_from_slice(&q[20..]);
+            r[0] = 0x46;
+            let tl = r.len() as u16;
+            r[2..4].copy_from_slice(&tl.to_be_bytes());
+            ipv4::Packet::new_checked(&mut r[..]).unwrap().fill_checksum();
+            q = r;
+            "IP options"
+        }
+        8 => {
+            // A hop-by-hop extension header before TCP.
+            let mut r = q[..40].to_vec();
+            r[6] = 0;
+            r.extend_from_slice(&[6, 0, 1, 4, 0, 0, 0, 0]);
+            r.extend_from_slice(&q[40..]);
+            let pl = (r.len() - 40) as u16;
+            r[4..6].copy_from_slice(&pl.to_be_bytes());
+            q = r;
+            "IPv6 extension header"
+        }
+        9 if !v6 => {
+            q[6] |= 0x20;
+            ipv4::Packet::new_checked(&mut q[..]).unwrap().fill_checksum();
+            "first fragment (MF)"
+        }
+        10 if !v6 => {
+            q[7] = 0x10;
+            ipv4::Packet::new_checked(&mut q[..]).unwrap().fill_checksum();
+            "non-first fragment"
+        }
+        9 | 10 => {
+            // An IPv6 fragment header.
+            let mut r = q[..40].to_vec();
+            r[6] = 44;
+            r.extend_from_slice(&[6, 0, 0, 1, 0, 0, 0, 7]);
+            r.extend_from_slice(&q[40..]);
+            let pl = (r.len() - 40) as u16;
+            r[4..6].copy_from_slice(&pl.to_be_bytes());
+            q = r;
+            "IPv6 fragment header"
+        }
+        11 => {
+            let at = q.len() - 1;
+            q[at] ^= 0x5a;
+            if n == Tcp::new_checked(&q[l4..l4 + n]).unwrap().header_len() {
+                q[l4 + 16] ^= 0x01;
+            }
+            "bad TCP checksum"
+        }
+        12 => {
+            // The timestamp option's kind (after NOP NOP) made unknown.
+            if let Some(i) = (l4 + 20..l4 + Tcp::new_checked(&q[l4..l4 + n]).unwrap().header_len()).find(|&i| q[i] == 8 && q[i + 1] == 10) {
+                q[i] = 99;
+            } else {
+                q[l4 + 13] |= 0x20; // URG instead
+            }
+            refill(&mut q);
+            "an option the engines do not know (or URG)"
+        }
+        13 => {
+            // NOP TS NOP: the timestamp at an odd offset.
+            let hl = Tcp::new_checked(&q[l4..l4 + n]).unwrap().header_len();
+            if let Some(i) = (l4 + 20..l4 + hl - 1).find(|&i| q[i] == 1 && q[i + 1] == 1 && q.get(i + 2) == Some(&8)) {
+                let ts: Vec<u8> = q[i + 2..i + 12].to_vec();
+                q[i] = 1;
+                q[i + 1..i + 11].copy_from_slice(&ts);
+                q[i + 11] = 1;
+            }
+            refill(&mut q);
+            "timestamp at an odd offset"
+        }
+        _ => {
+            if !v6 {
+                q[9] = 17;
+                ipv4::Packet::new_checked(&mut q[..]).unwrap().fill_checksum();
+            } else {
+                q[6] = 17;
+            }
+            "not TCP"
+        }
+    };
+    (q, what)
+}
+
+/// Random connections (v4 and v6, strict and not, timestamps or none, ISNs anywhere on the
+/// ring) and random sequences of packets in both directions: new output, retransmissions,
+/// overlaps, output beyond a gap (the slow path, then given back), pure ACKs, windows; client
+/// segments in and out of the window, ACKs and SACK edges below and beyond what the backup's
+/// server sent, old and new timestamps; the primary's reports; hostile packets.
+#[test]
+fn random_sequences_agree_with_the_engine() {
+    let Some(mut fp) = fast_path("random_sequences_agree_with_the_engine") else { return };
+    let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2204u64);
+    let seqs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse::<usize>().ok()).map(|c| c / 100).unwrap_or(80).max(1);
+    let mut rng = Rng(seed | 1);
+    let (mut claimed, mut slow) = (0, 0);
+    for s in 0..seqs {
+        let v6 = rng.chance(300);
+        let base = if v6 { Conn::v6() } else { Conn::v4() };
+        let conn = Conn { c_isn: rng.next() as u32, p_isn: rng.next() as u32, b_isn: rng.next() as u32, p_ts0: rng.next() as u32, b_ts0: rng.next() as u32, ..base };
+        let strict = rng.chance(600);
+        let ts_on = rng.chance(800);
+        let mut both = Both::new(fp, conn, strict, ts_on);
+        let (mut out, mut c_sent, mut acked, mut rcv) = (0u32, 0u32, 0u32, 0u32);
+        let (mut bts, mut cts) = (conn.b_ts0.wrapping_add(1), 502u32);
+        for step in 0..100 {
+            let what = |w: &str| format!("sequence {s} step {step} (FASTPATH_SEED={seed}), strict {strict}, v6 {v6}, ts {ts_on}: {w}");
+            let r = rng.below(1000);
+            if r < 440 {
+                // The backup's server.
+                let (off, len, w) = match rng.below(10) {
+                    0 => (out, 0, "pure ACK"),
+                    1 => (out.saturating_sub(rng.below(2000) as u32), rng.below(1448) as u32 + 1, "retransmission or overlap"),
+                    2 if rng.chance(300) => (out + 1 + rng.below(600) as u32, rng.below(500) as u32 + 1, "beyond a gap"),
+                    3 => (out, rng.below(3000) as u32 + 1, "a super-packet (GSO)"),
+                    _ => (out, rng.below(1448) as u32 + 1, "new output"),
+                };
+                if rng.chance(900) {
+                    bts = bts.wrapping_add(rng.below(5) as u32);
+                }
+                rcv = rcv.max(c_sent.saturating_sub(rng.below(300) as u32));
+                let tsv = if ts_on { Some((if rng.chance(50) { bts.wrapping_sub(100) } else { bts }, cts)) } else { None };
+                let p = conn.server(off, rcv, rng.below(65536) as u16, tsv, &rng.bytes(len as usize));
+                both.step(Outgoing, &p, &what(w));
+                // (Output beyond a gap does not move the stream: the next new output fills the
+                // gap, as its server's retransmission would.)
+                if w != "beyond a gap" {
+                    out = out.max(off + len);
+                }
+            } else if r < 900 {
+                // The client.
+                let (seq_off, len, w) = match rng.below(12) {
+                    0 => (c_sent.wrapping_add(70_000 + rng.below(1 << 20) as u32), rng.below(100) as u32, "out of the window"),
+                    1 => (c_sent.saturating_sub(rng.below(3000) as u32 + 1), rng.below(300) as u32, "old data"),
+                    _ => (c_sent, if rng.chance(500) { 0 } else { rng.below(800) as u32 + 1 }, "in order"),
+                };
+                let ack = match rng.below(10) {
+                    0 => out + 1 + rng.below(5000) as u32,
+                    1 => acked.saturating_sub(rng.below(500) as u32),
+                    _ => acked.max(out.saturating_sub(rng.below(1500) as u32)),
+                };
+                acked = acked.max(ack.min(out));
+                cts = cts.wrapping_add(rng.below(3) as u32);
+                let tsv = if ts_on || rng.chance(20) { Some((if rng.chance(50) { cts.wrapping_sub(50) } else { cts }, if rng.chance(100) { bts.wrapping_sub(1000) } else { bts.wrapping_add(rng.below(3) as u32) })) } else { None };
+                let nblocks = rng.below(if tsv.is_some() { 4 } else { 5 }) as usize;
+                let blocks: Vec<(u32, u32)> = (0..nblocks).map(|_| {
+                    let l = ack + rng.below(3000) as u32;
+                    (l, l + 1 + rng.below(2000) as u32)
+                }).collect();
+                let p = conn.client(seq_off, ack, tsv, &blocks, &rng.bytes(len as usize));
+                both.step(Incoming, &p, &what(w));
+                if w == "in order" {
+                    c_sent += len;
+                }
+            } else if r < 940 {
+                let p_out = out.saturating_sub(rng.below(3000) as u32) + rng.below(100) as u32;
+                both.primary_report(p_out, acked.max(out.saturating_sub(rng.below(2000) as u32)), &what("the primary's report"));
+            } else if r < 960 {
+                let a = both.fp.op(Op::Collect, &both.key, None).unwrap();
+                assert_eq!(a.result, OpResult::Done);
+            } else {
+                let d = if rng.chance(500) { Incoming } else { Outgoing };
+                let n = rng.below(200) as usize;
+                let data = rng.bytes(n);
+                let p = match d {
+                    Incoming => conn.client(c_sent, acked, ts_on.then_some((cts, bts)), &[], &data),
+                    Outgoing => conn.server(out, rcv, 300, ts_on.then_some((bts, cts)), &data),
+                };
+                let (q, w) = hostile(&p, rng.below(HOSTILE as u64 + 1) as usize, v6);
+                both.step(d, &q, &what(&format!("hostile: {w}")));
+            }
+        }
+        claimed += both.claimed;
+        slow += both.slow;
+        fp = both.fp;
+    }
+    eprintln!("random_sequences_agree_with_the_engine: {seqs} sequences, {claimed} packets claimed, {slow} left to the slow path");
+    assert!(claimed > slow, "the fast path claims most packets of a steady connection");
+}
+
+/// Every hostile packet, in both directions and both families, goes the slow way untouched
+/// (or, where the engine treats it as an ordinary segment, is claimed as the engine decides).
+#[test]
+fn hostile_packets_never_pass_the_fast_path_unchecked() {
+    let Some(mut fp) = fast_path("hostile_packets_never_pass_the_fast_path_unchecked") else { return };
+    for conn in [Conn::v4(), Conn::v6()] {
+        let v6 = conn.cli.is_ipv6();
+        for kind in 0..=HOSTILE {
+            for d in [Incoming, Outgoing] {
+                let mut both = Both::new(fp, conn, true, true);
+                both.claims(Outgoing, &conn.server(0, 0, 300, Some((conn.b_ts0 + 1, 501)), b"+OK\r\n"), "output before");
+                let p = match d {
+                    Incoming => conn.client(0, 5, Some((502, conn.p_ts0 + 1)), &[], b"GET k\r\n"),
+                    Outgoing => conn.server(5, 0, 300, Some((conn.b_ts0 + 2, 501)), b"$3\r\nabc\r\n"),
+                };
+                let (q, w) = hostile(&p, kind, v6);
+                let v = both.step(d, &q, &format!("{d:?} v6 {v6}: {w}"));
+                let benign = (kind == 11 && d == Outgoing) || (kind == 12 && q[IpInfo::parse(&q).unwrap().l4_offset + 13] & 0x20 != 0);
+                if !benign {
+                    assert_eq!(v, Verdict::Slow, "{d:?} v6 {v6}: {w}: claimed");
+                }
+                // Whatever it was, the connection goes on on the fast path afterwards.
+                both.claims(Incoming, &conn.client(0, 5, Some((503, conn.p_ts0 + 2)), &[], b""), &format!("{d:?} v6 {v6}: after {w}"));
+                fp = both.fp;
+            }
+        }
+    }
+}
+
+/// The hand-off (rep_state.h): the first packet left to the slow path freezes the entry, every
+/// later one follows it there (counted, untouched), a THAW is refused while one of them has
+/// not reached the daemon, and output beyond a gap keeps the connection the daemon's until the
+/// gap is filled (the engine's `ooo`); then the programs own it again.
+#[test]
+fn handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_between_the_paths() {
+    let Some(fp) = fast_path("handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_between_the_paths") else { return };
+    let conn = Conn::v4();
+    let mut both = Both::new(fp, conn, true, true);
+    let key = both.key;
+    // A FIN from the client: slow; the entry freezes. The next ordinary ACK follows it.
+    let mut fin = conn.client(0, 0, Some((502, conn.p_ts0)), &[], b"QUIT\r\n");
+    let l4 = IpInfo::parse(&fin).unwrap().l4_offset;
+    fin[l4 + 13] |= F::FIN;
+    refill(&mut fin);
+    let r = both.fp.run(Incoming, &fin).unwrap();
+    assert_eq!(r.verdict, Verdict::Slow);
+    let r = both.fp.run(Incoming, &conn.client(0, 0, Some((502, conn.p_ts0)), &[], b"")).unwrap();
+    assert_eq!(r.verdict, Verdict::Slow, "frozen: every packet follows the first");
+    let r = both.fp.run(Outgoing, &conn.server(0, 6, 300, Some((conn.b_ts0 + 1, 502)), b"+OK\r\n")).unwrap();
+    assert_eq!(r.verdict, Verdict::Slow, "both directions");
+    assert!(both.fp.records().is_empty());
+    let e = both.fp.entry(&key).unwrap().unwrap();
+    assert_eq!((e.slow, e.seen), (3, 0));
+    let st = e.state;
+    assert_eq!(both.fp.op(Op::Thaw, &key, Some(&st)).unwrap().result, OpResult::Stale, "three packets between the paths");
+    for i in 0..3 {
+        let a = both.fp.op(Op::Take, &key, None).unwrap();
+        assert_eq!(a.entry.seen, i + 1);
+        if i < 2 {
+            assert_eq!(both.fp.op(Op::Thaw, &key, Some(&st)).unwrap().result, OpResult::Stale);
+        }
+    }
+    assert_eq!(both.fp.op(Op::Thaw, &key, Some(&st)).unwrap().result, OpResult::Done);
+    let r = both.fp.run(Incoming, &conn.client(0, 0, Some((502, conn.p_ts0)), &[], b"")).unwrap();
+    assert_eq!(r.verdict, Verdict::Done, "given back");
+    // A forced thaw gives it back even with a packet lost before the queue.
+    both.fp.run(Incoming, &fin).unwrap();
+    assert_eq!(both.fp.op(Op::Thaw, &key, Some(&st)).unwrap().result, OpResult::Stale);
+    assert_eq!(both.fp.op(Op::ThawForce, &key, Some(&st)).unwrap().result, OpResult::Done);
+
+    // Output beyond a gap: the daemon's until the gap is filled.
+    let mut both = Both::new(both.fp, conn, true, true);
+    both.claims(Outgoing, &conn.server(0, 0, 300, Some((conn.b_ts0 + 1, 501)), &[1; 100]), "in order");
+    both.leaves(Outgoing, &conn.server(200, 0, 300, Some((conn.b_ts0 + 2, 501)), &[3; 100]), "beyond a gap");
+    assert!(both.held, "the engine keeps it aside: not given back");
+    both.leaves(Incoming, &conn.client(0, 100, Some((502, conn.p_ts0 + 1)), &[], b""), "frozen meanwhile");
+    both.leaves(Outgoing, &conn.server(100, 0, 300, Some((conn.b_ts0 + 3, 501)), &[2; 100]), "the gap filled");
+    assert!(!both.held, "given back once nothing is kept aside");
+    both.claims(Outgoing, &conn.server(300, 0, 300, Some((conn.b_ts0 + 4, 501)), &[4; 10]), "on the fast path again");
+    assert_eq!(both.kernel_state().out_end, conn.p_isn.wrapping_add(1 + 310));
+
+    // No entry (not aligned, or after the take-over): nothing claimed, nothing recorded.
+    both.fp.remove(&key).unwrap();
+    assert_eq!(both.fp.run(Outgoing, &conn.server(310, 0, 300, None, &[5; 10])).unwrap().verdict, Verdict::Slow);
+    assert_eq!(both.fp.run(Incoming, &conn.client(0, 0, None, &[], b"x")).unwrap().verdict, Verdict::Slow);
+    assert!(both.fp.records().is_empty());
 }

@@ -469,6 +469,21 @@ fn steady_stream(fp: Replica, conn: Conn, strict: bool) -> Replica {
             both.claims(Outgoing, &conn.server(out, rcv, 300, Some((conn.b_ts0 + 10 + i, 502 + i)), chunk), &format!("reply {i} segment {j}: withheld, digested"));
             out += chunk.len() as u32;
         }
+        if i % 4 == 1 {
+            // Its server retransmits the reply's last bytes (a lost segment): withheld, kept,
+            // not digested again.
+            let n = reply.len().min(700);
+            both.claims(Outgoing, &conn.server(out - n as u32, rcv, 300, Some((conn.b_ts0 + 10 + i, 502 + i)), &reply[reply.len() - n..]), &format!("reply {i} retransmitted"));
+        }
+        if i % 4 == 2 {
+            // The primary's server is ahead (its report says so): the client acknowledges
+            // output the backup's server has not sent yet; clamped, not taken for a forgery.
+            both.primary_report(out + 300, out, &format!("primary ahead {i}"));
+            both.claims(Incoming, &conn.client(rcv, out + 200, Some((503 + i, conn.p_ts0 + i + 1)), &[(out + 250, out + 300)], b""), &format!("ACK of output the backup's server has not sent {i}"));
+            assert_eq!(both.kernel_state().acked_b, conn.b_isn.wrapping_add(1 + out), "clamped to SND.MAX");
+            let v = both.step(Incoming, &conn.client(rcv, out + 400, Some((503 + i, conn.p_ts0 + i + 1)), &[], b""), &format!("ACK beyond the primary's report {i}"));
+            assert_eq!(v == CONSUMED, strict, "dropped in strict mode only");
+        }
         let sack: &[(u32, u32)] = if i % 3 == 0 { &[(out - 10, out)] } else { &[] };
         both.claims(Incoming, &conn.client(rcv, out.saturating_sub(20 * (i % 2)), Some((503 + i, conn.p_ts0 + i + 1)), sack, b""), &format!("ACK {i}"));
         if i % 5 == 4 {

@@ -860,3 +860,298 @@ fn handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_betwe
     assert_eq!(both.fp.run(Incoming, &conn.client(0, 0, None, &[], b"x")).unwrap().verdict, Verdict::Slow);
     assert!(both.fp.records().is_empty());
 }
+
+// ---------------------------------------------------------------------------------------------
+// The primary's half: pure ACKs (Primary::incoming learns, Primary::outgoing gates)
+// ---------------------------------------------------------------------------------------------
+
+use unbroken_drivers::fastpath::replica::{pflag, PState, PrimaryDirection as PD};
+use unbroken_engines::replica::{Config, Primary};
+
+/// The text of the one `PConn { .. }` in `p`'s Debug form.
+fn pconn(p: &Primary) -> String {
+    let s = format!("{p:?}");
+    let at = s.find("PConn {").expect("one connection in the engine");
+    let mut depth = 0;
+    for (j, ch) in s[at..].char_indices() {
+        match ch {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return s[at..at + j + 1].to_string();
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("unbalanced Debug output");
+}
+
+/// The primary entry as the engine's fields give it (`heard_at`: the kernel's clock).
+fn pstate_of(p: &Primary, heard_at: u64) -> PState {
+    let s = pconn(p);
+    let f = |n: &str| field(&s, n);
+    let n32 = |n: &str| nums(f(n)).first().copied().unwrap_or(0) as u32;
+    let mut st = PState { heard_at, ..PState::default() };
+    let mut fl = 0;
+    if f("answered") == "true" {
+        fl |= pflag::ANSWERED;
+    }
+    if f("established") == "true" {
+        fl |= pflag::ESTABLISHED;
+    }
+    let b = f("b");
+    if some(b) {
+        fl |= pflag::B;
+        let inner = format!("{{ x: 0, {}", &b["Some(BRec { ".len()..]);
+        if field(&inner, "rcv_known") == "true" {
+            fl |= pflag::B_RCV_KNOWN;
+        }
+        st.b_rcv_nxt = nums(field(&inner, "rcv_nxt"))[0] as u32;
+        st.b_rcv_edge = nums(field(&inner, "rcv_edge"))[0] as u32;
+    }
+    let ts = nums(f("ts"));
+    if some(f("ts")) {
+        fl |= pflag::TS;
+        (st.ts_val, st.ts_ecr) = (ts[0] as u32, ts[1] as u32);
+    }
+    if some(f("ts_max")) {
+        fl |= pflag::TS_MAX;
+        st.ts_max = n32("ts_max");
+    }
+    if some(f("sent_ack")) {
+        fl |= pflag::SENT_ACK;
+        st.sent_ack = n32("sent_ack");
+    }
+    let cl = nums(f("client_last"));
+    if some(f("client_last")) {
+        fl |= pflag::CLIENT_LAST;
+        st.cl_end = cl[0] as u32;
+        st.cl_win = cl[1] as u16;
+        if cl.len() == 4 {
+            fl |= pflag::CL_TS;
+            (st.cl_ts_val, st.cl_ts_ecr) = (cl[2] as u32, cl[3] as u32);
+        }
+    }
+    st.flags = fl;
+    st.ack_p = n32("ack_p");
+    st.edge_p = n32("edge_p");
+    st.snd_p = n32("snd_p");
+    st.p_max = n32("p_max");
+    st.stream_start = n32("stream_start");
+    st.client_ack = n32("client_ack");
+    st.ws_p = n32("ws_p") as u8;
+    st
+}
+
+/// Whether the daemon would give the connection to the programs: protected, its SYN-ACK out.
+fn p_eligible(p: &Primary) -> bool {
+    let s = pconn(p);
+    field(&s, "state") == "None" && field(&s, "synack") == "None" && field(&s, "answered") == "true" && p.unprotected().is_none()
+}
+
+struct PBoth {
+    fp: Replica,
+    p: Primary,
+    conn: Conn,
+    key: Key,
+    now: u64,
+    claimed: usize,
+    slow: usize,
+    held: bool,
+}
+
+impl PBoth {
+    /// The handshake on the engine (SYN, the SYN-ACK held until the backup's first report,
+    /// Koch 7.1; the client's ACK), then the entry installed.
+    fn new(mut fp: Replica, conn: Conn, strict: bool, ts: bool) -> PBoth {
+        let mut p = Primary::new(Config { strict, ..Config::default() });
+        let key = conn.key();
+        fp.p_remove(&key).unwrap();
+        let syn = conn.from_client(Repr { seq: Seq(conn.c_isn), flags: F::SYN, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((500, 0)), ..Default::default() }, &[]);
+        p.incoming(&syn);
+        let mut sa = conn.from_server(Repr { seq: Seq(conn.p_isn), ack: Seq(conn.c_isn.wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((conn.p_ts0, 500)), ..Default::default() }, &[]);
+        assert_eq!(p.outgoing(&mut sa, 0), EVerdict::Held, "Koch 7.1: the SYN-ACK waits for the backup");
+        let mut both = PBoth { fp, p, conn, key, now: 1, claimed: 0, slow: 0, held: true };
+        both.report_to_engine(0, 65535 << 7);
+        assert_eq!(both.p.take_transmit().len(), 1, "the SYN-ACK released");
+        let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
+        both.p.incoming(&ack);
+        let st = pstate_of(&both.p, 0);
+        both.fp.p_insert(&key, &st).unwrap();
+        both.held = false;
+        both
+    }
+
+    fn report_to_engine(&mut self, rcv: u32, win: u32) {
+        let c = self.conn;
+        let nxt = c.c_isn.wrapping_add(1).wrapping_add(rcv);
+        let rec = ConnProgress { client: c.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(nxt), rcv_edge: Seq(nxt.wrapping_add(win)), out_end: Seq(c.p_isn.wrapping_add(1)), out_hash: rw::HASH_INIT, last_ack: Seq(0), isn: Seq(c.b_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED | rw::flag::ISN_KNOWN };
+        self.now += 1;
+        self.p.backup_progress(&Progress { role: Role::Backup, beat: self.now, flags: 0, records: vec![rec] }, self.now);
+    }
+
+    /// The backup's report, applied by the daemon: freeze, engine, thaw.
+    fn backup_report(&mut self, rcv: u32, win: u32, what: &str) {
+        let (r, _, e) = self.fp.p_op(Op::Freeze, &self.key, None).unwrap();
+        assert_eq!(r, OpResult::Done);
+        if !self.held {
+            assert_eq!(e.state, pstate_of(&self.p, e.state.heard_at), "{what}: frozen state");
+        }
+        self.report_to_engine(rcv, win);
+        let _ = self.p.take_transmit();
+        self.give_back(what);
+    }
+
+    fn give_back(&mut self, what: &str) {
+        if !p_eligible(&self.p) {
+            self.held = true;
+            return;
+        }
+        let k = self.fp.p_entry(&self.key).unwrap().unwrap().state;
+        let (r, _, _) = self.fp.p_op(Op::Thaw, &self.key, Some(&pstate_of(&self.p, k.heard_at))).unwrap();
+        assert_eq!(r, OpResult::Done, "{what}: thaw refused");
+        self.held = false;
+    }
+
+    fn step(&mut self, d: PD, pkt: &[u8], what: &str) -> Verdict {
+        let before = self.fp.p_entry(&self.key).unwrap();
+        let c0 = self.p.counters;
+        let k0 = self.fp.p_counters().unwrap();
+        let run = self.fp.run_primary(d, pkt).unwrap();
+        let mut buf = pkt.to_vec();
+        self.now += 1;
+        let v = match d {
+            PD::Incoming => self.p.incoming(&buf),
+            PD::Outgoing => self.p.outgoing(&mut buf, self.now),
+        };
+        let _ = self.p.take_transmit();
+        let _ = self.p.take_notices();
+        let c1 = self.p.counters;
+        let k1 = self.fp.p_counters().unwrap();
+        if run.verdict == Verdict::Done {
+            assert!(before.is_some(), "{what}: claimed without an entry");
+            assert!(matches!(v, EVerdict::Accept { .. }), "{what}: claimed, the engine says {v:?}");
+            assert_eq!(hex(&run.packet), hex(&buf), "{what}: the fast path's bytes differ from the engine's");
+            let k = self.fp.p_entry(&self.key).unwrap().unwrap().state;
+            assert_eq!(k, pstate_of(&self.p, k.heard_at), "{what}: the entry differs from the engine's state");
+            assert_eq!((k1.acks_lowered - k0.acks_lowered, k1.ts_raised - k0.ts_raised), (c1.acks_lowered - c0.acks_lowered, c1.ts_raised - c0.ts_raised), "{what}: counters");
+            self.claimed += 1;
+        } else {
+            assert_eq!(run.verdict, Verdict::Slow, "{what}: unexpected verdict");
+            assert_eq!(hex(&run.packet), hex(pkt), "{what}: left to the slow path, but modified");
+            if let Some(e0) = before {
+                let e1 = self.fp.p_entry(&self.key).unwrap().unwrap();
+                assert_eq!(e1.state, e0.state, "{what}: left to the slow path, but the entry changed");
+                let marked = e1.slow == e0.slow + 1;
+                if !marked {
+                    assert!(unparsable(pkt), "{what}: a parsable packet of the connection left unmarked");
+                }
+                let (r, _, _) = self.fp.p_op(if marked { Op::Take } else { Op::Freeze }, &self.key, None).unwrap();
+                assert_eq!(r, OpResult::Done);
+                self.give_back(what);
+            }
+            self.slow += 1;
+        }
+        run.verdict
+    }
+}
+
+/// Koch 3.2 on pure ACKs: the primary's server acknowledges client bytes the backup has not
+/// reported yet (lowered to the backup's), the window follows the lower edge, a TSval older than
+/// one sent is raised; the client's pure ACKs are learned from (LastAckReceived, established,
+/// client_last) and passed unchanged. Every pure ACK claimed, each as the engine decides it.
+#[test]
+fn koch_3_2_pure_acks_are_gated_as_the_engine_gates_them() {
+    let Some(mut fp) = fast_path("koch_3_2_pure_acks_are_gated_as_the_engine_gates_them") else { return };
+    for (conn, strict) in [(Conn::v4(), true), (Conn::v4(), false), (Conn::v6(), true)] {
+        let mut both = PBoth::new(fp, conn, strict, true);
+        let mut rcv = 0u32;
+        let mut backup_rcv = 0u32;
+        for i in 0..30u32 {
+            let req = vec![b'x'; 50 + i as usize];
+            let v = both.step(PD::Incoming, &conn.client(rcv, 0, Some((502 + i, conn.p_ts0 + i)), &[], &req), &format!("request {i}"));
+            assert_eq!(v, Verdict::Slow, "client data: the relay copy is the engine's");
+            rcv += req.len() as u32;
+            let tsv = conn.p_ts0 + 1 + i - if i % 7 == 3 { 5 } else { 0 };
+            let v = both.step(PD::Outgoing, &conn.server(0, rcv, 400 + i as u16, Some((tsv, 502 + i)), b""), &format!("server ACK {i}"));
+            assert_eq!(v, Verdict::Done, "server ACK {i}");
+            if i % 3 == 2 {
+                backup_rcv = rcv - (i % 2) * 10;
+                both.backup_report(backup_rcv, (300 + i) << 7, &format!("backup report {i}"));
+            }
+            let v = both.step(PD::Incoming, &conn.client(rcv, 0, Some((503 + i, conn.p_ts0 + i)), &[], b""), &format!("client ACK {i}"));
+            assert_eq!(v, Verdict::Done, "client ACK {i}");
+        }
+        assert!(both.p.counters.acks_lowered > 0, "some ACKs lowered to the backup's");
+        assert!(both.p.counters.ts_raised > 0, "some TSvals raised");
+        eprintln!("pure ACKs: {} claimed, {} slow (v6 {}, strict {strict}), backup at {backup_rcv}", both.claimed, both.slow, conn.cli.is_ipv6());
+        fp = both.fp;
+    }
+}
+
+/// Random pure ACKs both ways (ACKs behind and ahead, windows, old timestamps, out-of-window
+/// client segments), the backup's reports, client data and hostile packets between them.
+#[test]
+fn primary_random_pure_acks_agree_with_the_engine() {
+    let Some(mut fp) = fast_path("primary_random_pure_acks_agree_with_the_engine") else { return };
+    let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2205u64);
+    let seqs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse::<usize>().ok()).map(|c| c / 100).unwrap_or(60).max(1);
+    let mut rng = Rng(seed | 1);
+    let (mut claimed, mut slow) = (0, 0);
+    for s in 0..seqs {
+        let v6 = rng.chance(300);
+        let base = if v6 { Conn::v6() } else { Conn::v4() };
+        let conn = Conn { c_isn: rng.next() as u32, p_isn: rng.next() as u32, b_isn: rng.next() as u32, p_ts0: rng.next() as u32, ..base };
+        let strict = rng.chance(500);
+        let ts_on = rng.chance(800);
+        let mut both = PBoth::new(fp, conn, strict, ts_on);
+        let (mut c_sent, mut rcv) = (0u32, 0u32);
+        let mut pts = conn.p_ts0.wrapping_add(1);
+        for step in 0..100 {
+            let what = |w: &str| format!("sequence {s} step {step} (FASTPATH_SEED={seed}), strict {strict}, v6 {v6}, ts {ts_on}: {w}");
+            let r = rng.below(1000);
+            if r < 400 {
+                rcv = rcv.max(c_sent.saturating_sub(rng.below(200) as u32));
+                let ack = if rng.chance(100) { rcv.saturating_sub(rng.below(500) as u32) } else { rcv };
+                pts = pts.wrapping_add(rng.below(3) as u32);
+                let tsv = ts_on.then(|| (if rng.chance(100) { pts.wrapping_sub(7) } else { pts }, 502 + step));
+                let p = conn.server(0, ack, rng.below(65536) as u16, tsv, b"");
+                both.step(PD::Outgoing, &p, &what("server pure ACK"));
+            } else if r < 750 {
+                let seq = match rng.below(10) {
+                    0 => c_sent.wrapping_add(1 << 20),
+                    1 => c_sent.saturating_sub(rng.below(1000) as u32 + 1),
+                    _ => c_sent,
+                };
+                let out = if rng.chance(100) { 5 } else { 0 };
+                let tsv = if ts_on || rng.chance(20) { Some((502 + step as u32, pts)) } else { None };
+                let p = conn.client(seq, out, tsv, &[], b"");
+                both.step(PD::Incoming, &p, &what("client pure ACK"));
+            } else if r < 880 {
+                let n = rng.below(600) as usize + 1;
+                let data = rng.bytes(n);
+                let p = conn.client(c_sent, 0, ts_on.then_some((502 + step as u32, pts)), &[], &data);
+                both.step(PD::Incoming, &p, &what("client data (slow: the relay copy)"));
+                c_sent += n as u32;
+            } else if r < 960 {
+                let b = rcv.saturating_sub(rng.below(300) as u32);
+                both.backup_report(b, rng.below(1 << 20) as u32, &what("the backup's report"));
+            } else {
+                let d = if rng.chance(500) { PD::Incoming } else { PD::Outgoing };
+                let p = match d {
+                    PD::Incoming => conn.client(c_sent, 0, ts_on.then_some((502, pts)), &[], b""),
+                    PD::Outgoing => conn.server(0, rcv, 300, ts_on.then_some((pts, 502)), b""),
+                };
+                let (q, w) = hostile(&p, rng.below(HOSTILE as u64 + 1) as usize, v6);
+                both.step(d, &q, &what(&format!("hostile: {w}")));
+            }
+        }
+        claimed += both.claimed;
+        slow += both.slow;
+        fp = both.fp;
+    }
+    eprintln!("primary_random_pure_acks_agree_with_the_engine: {seqs} sequences, {claimed} claimed, {slow} left to the slow path");
+    assert!(claimed > slow);
+}

@@ -147,3 +147,65 @@ struct rep_op_ans {
 
 _Static_assert(sizeof(struct rep_op_req) == 160, "rep_op_req is 160 bytes");
 _Static_assert(sizeof(struct rep_op_ans) == 160, "rep_op_ans is 160 bytes");
+
+/* The primary's half (unbroken_engines::replica::Primary, Koch 3.2, ST-TCP 3.6): the PConn
+ * fields its steady-state pure-ACK steps read or write (docs/architecture.md, the table). */
+struct rep_p_state {
+	__u64 heard_at;     /* client_heard_at: the kernel's clock (ns) in the map */
+	__u32 flags;        /* REP_P_* */
+	__u32 ack_p;        /* the primary server's latest ACK */
+	__u32 edge_p;       /* and right window edge */
+	__u32 b_rcv_nxt;    /* the backup's (its reports: BRec) */
+	__u32 b_rcv_edge;
+	__u32 ts_val;       /* ts: the server's latest timestamps */
+	__u32 ts_ecr;
+	__u32 ts_max;       /* the newest TSval sent to the client */
+	__u32 sent_ack;     /* the highest ACK sent to the client */
+	__u32 snd_p;        /* the primary server's SND.MAX */
+	__u32 p_max;
+	__u32 stream_start; /* ISN + 1 */
+	__u32 client_ack;   /* ST-TCP 3.6's LastAckReceived */
+	__u32 cl_end;       /* client_last: end of its data, window, timestamps */
+	__u32 cl_ts_val;
+	__u32 cl_ts_ecr;
+	__u16 cl_win;
+	__u8 ws_p;
+	__u8 pad;
+	__u32 pad2;
+};
+
+_Static_assert(sizeof(struct rep_p_state) == 80, "rep_p_state is 80 bytes");
+
+#define REP_P_ANSWERED (1 << 0)
+#define REP_P_ESTABLISHED (1 << 1)
+#define REP_P_B_RCV_KNOWN (1 << 2)
+#define REP_P_TS (1 << 3)
+#define REP_P_TS_MAX (1 << 4)
+#define REP_P_SENT_ACK (1 << 5)
+#define REP_P_CLIENT_LAST (1 << 6)
+#define REP_P_CL_TS (1 << 7)
+/* The backup has reported the connection (PConn::b is Some). */
+#define REP_P_B (1 << 8)
+
+/* Same header as rep_b_entry (the helpers of rep_tc.c use it through that type). */
+struct rep_p_entry {
+	struct bpf_spin_lock lock;
+	__u32 ctl;
+	__u32 slow;
+	__u32 seen;
+	__u32 gen;
+	__u32 pad;
+	struct rep_p_state s;
+};
+
+_Static_assert(sizeof(struct rep_p_entry) == 104, "rep_p_entry is 104 bytes");
+
+struct rep_p_op_req {
+	__u32 op;
+	__u32 pad;
+	struct rep_key key;
+	__u32 pad2;
+	struct rep_p_entry value;
+};
+
+_Static_assert(sizeof(struct rep_p_op_req) == 136, "rep_p_op_req is 136 bytes");

@@ -519,3 +519,278 @@ out:
 		return 3;
 	return an.result;
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* The primary's half: Primary::incoming and Primary::outgoing for pure ACKs of a protected,  */
+/* established connection whose SYN-ACK went out (Koch 3.2's gate, issue 20's stamp).         */
+/* ------------------------------------------------------------------------------------------ */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct rep_key);
+	__type(value, struct rep_p_entry);
+} rep_p_conns SEC(".maps");
+
+/* Per CPU (unbroken_drivers::fastpath::replica::PrimaryCounters). */
+struct rep_p_counters {
+	__u64 incoming;     /* client pure ACKs claimed (learned, passed unchanged) */
+	__u64 outgoing;     /* server pure ACKs claimed (gated) */
+	__u64 slow;
+	__u64 dropped;
+	__u64 acks_lowered; /* PrimaryCounters::acks_lowered */
+	__u64 ts_raised;    /* PrimaryCounters::ts_raised */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_p_counters);
+} rep_p_stats SEC(".maps");
+
+#define P_COUNT(field)                                          \
+	({                                                      \
+		__u32 __z = 0;                                  \
+		struct rep_p_counters *__s = bpf_map_lookup_elem(&rep_p_stats, &__z); \
+		if (__s)                                        \
+			__s->field++;                           \
+	})
+
+static __always_inline int p_slow_locked(struct __sk_buff *skb, struct rep_p_entry *e)
+{
+	e->ctl |= REP_C_FROZEN;
+	e->slow++;
+	bpf_spin_unlock(&e->lock);
+	skb->mark |= REP_MARK_SLOW;
+	P_COUNT(slow);
+	return FP_SLOW;
+}
+
+static __always_inline int p_slow(struct __sk_buff *skb, struct rep_p_entry *e)
+{
+	bpf_spin_lock(&e->lock);
+	return p_slow_locked(skb, e);
+}
+
+static __always_inline int p_snapshot(struct __sk_buff *skb, struct rep_p_entry *e, struct rep_p_state *st, __u32 *gen)
+{
+	bpf_spin_lock(&e->lock);
+	if (e->ctl & REP_C_FROZEN)
+		return p_slow_locked(skb, e);
+	*st = e->s;
+	*gen = e->gen;
+	bpf_spin_unlock(&e->lock);
+	return 0;
+}
+
+static __always_inline int p_commit(struct __sk_buff *skb, struct rep_p_entry *e, const struct rep_p_state *st, __u32 gen)
+{
+	bpf_spin_lock(&e->lock);
+	if ((e->ctl & REP_C_FROZEN) || e->gen != gen)
+		return p_slow_locked(skb, e);
+	e->s = *st;
+	e->gen++;
+	bpf_spin_unlock(&e->lock);
+	return 0;
+}
+
+/* Primary::incoming for a client pure ACK (ACK only, no payload) that verifies: learned from,
+ * never changed. A segment with payload is the slow path's (the copy kept for the relay to
+ * the backup, keep_input, is not built here). */
+SEC("classifier")
+int rep_p_in(struct __sk_buff *skb)
+{
+	struct fp_pkt p = {};
+	struct rep_key k = {};
+	struct rep_p_state c;
+	const struct fp_opts *o = &p.o;
+	__u32 gen;
+	int r;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	key_of(&k, p.src, p.th.source, p.th.dest);
+	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	if (!ack_only(&p) || fp_payload_len(&p) || !client_csum_ok(skb, &p) || fp_scan_options(&p))
+		return p_slow(skb, e);
+	__u64 now = bpf_ktime_get_ns();
+	if ((r = p_snapshot(skb, e, &c, &gen)))
+		return r;
+	if (!(c.flags & REP_P_ANSWERED))
+		return p_slow(skb, e);
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	/* Only from a segment the server's TCP would accept (a blind forgery must guess the
+	 * client's sequence number). */
+	int in_window = seq_ge(seq, c.ack_p) && seq_le(seq, c.edge_p);
+	/* The handshake completed: an acceptable ACK of the SYN-ACK. */
+	if (in_window && seq_ge(ack, c.stream_start) && seq_le(ack, c.snd_p))
+		c.flags |= REP_P_ESTABLISHED;
+	/* The client's ACK as the primary heard it, for the backup (ST-TCP 3.6). */
+	if (in_window && seq_gt(ack, c.client_ack) && seq_le(ack, c.snd_p))
+		c.client_ack = ack;
+	if (in_window) {
+		c.cl_end = seq;
+		c.cl_win = bpf_ntohs(p.th.window);
+		if (o->ts_at) {
+			c.cl_ts_val = o->tsval;
+			c.cl_ts_ecr = o->tsecr;
+			c.flags |= REP_P_CL_TS;
+		} else {
+			c.cl_ts_val = c.cl_ts_ecr = 0;
+			c.flags &= ~REP_P_CL_TS;
+		}
+		c.flags |= REP_P_CLIENT_LAST;
+		c.heard_at = now;
+	}
+	if ((r = p_commit(skb, e, &c, gen)))
+		return r;
+	skb->mark |= REP_MARK_DONE;
+	P_COUNT(incoming);
+	return FP_DONE;
+}
+
+/* Primary::outgoing for a pure ACK of its server (ACK only, no payload): the ACK and window the
+ * client may see are the lower of both hosts' (Koch 3.2, gated), its TSval never older than one
+ * already sent (stamp). */
+SEC("classifier")
+int rep_p_out(struct __sk_buff *skb)
+{
+	struct fp_pkt p = {};
+	struct rep_key k = {};
+	struct rep_p_state c;
+	const struct fp_opts *o = &p.o;
+	__u32 gen;
+	int r;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	key_of(&k, p.dst, p.th.dest, p.th.source);
+	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	if (!ack_only(&p) || fp_payload_len(&p) || fp_scan_options(&p))
+		return p_slow(skb, e);
+	if ((r = p_snapshot(skb, e, &c, &gen)))
+		return r;
+	if (!(c.flags & REP_P_ANSWERED))
+		return p_slow(skb, e);
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	__u16 win = bpf_ntohs(p.th.window);
+	int lowered = 0, raised = 0;
+
+	c.flags |= REP_P_ESTABLISHED;
+	if (seq_gt(ack, c.ack_p))
+		c.ack_p = ack;
+	__u32 edge = ack + ((__u32)win << (c.ws_p & 15));
+	if (seq_gt(edge, c.edge_p))
+		c.edge_p = edge;
+	if (o->ts_at) {
+		c.ts_val = o->tsval;
+		c.ts_ecr = o->tsecr;
+		c.flags |= REP_P_TS;
+	}
+	if (seq_gt(seq, c.snd_p))
+		c.snd_p = seq;
+	if (seq_gt(seq, c.p_max))
+		c.p_max = seq;
+	/* stamp: the newest TSval sent (this packet's TSecr is the newest the server echoed). */
+	if (o->ts_at) {
+		if ((c.flags & REP_P_TS_MAX) && ts_before(o->tsval, c.ts_max)) {
+			fp_set32(&p, o->ts_at + 2, o->tsval, c.ts_max);
+			raised = 1;
+		} else {
+			c.ts_max = o->tsval;
+			c.flags |= REP_P_TS_MAX;
+		}
+	}
+	/* gated: the lower ACK and right edge of both hosts, once the backup reported. */
+	if ((c.flags & (REP_P_B | REP_P_B_RCV_KNOWN)) == (REP_P_B | REP_P_B_RCV_KNOWN)) {
+		__u32 g_ack = seq_lt(c.ack_p, c.b_rcv_nxt) ? c.ack_p : c.b_rcv_nxt;
+		__u32 g_edge = seq_lt(c.edge_p, c.b_rcv_edge) ? c.edge_p : c.b_rcv_edge;
+		__u32 w = seq_gt(g_edge, g_ack) ? g_edge - g_ack : 0;
+		w >>= (c.ws_p & 15);
+		__u16 g_win = w > 0xffff ? 0xffff : (__u16)w;
+		if (g_ack != ack) {
+			if (seq_lt(g_ack, ack))
+				lowered = 1;
+			fp_set32(&p, FP_TCP_ACK, ack, g_ack);
+		}
+		if (g_win != win)
+			fp_set16(&p, FP_TCP_WINDOW, win, g_win);
+		if (!(c.flags & REP_P_SENT_ACK) || seq_gt(g_ack, c.sent_ack)) {
+			c.sent_ack = g_ack;
+			c.flags |= REP_P_SENT_ACK;
+		}
+	}
+	if ((r = p_commit(skb, e, &c, gen)))
+		return r;
+	if (fp_commit(skb, &p)) {
+		P_COUNT(dropped);
+		return FP_DROP;
+	}
+	if (lowered)
+		P_COUNT(acks_lowered);
+	if (raised)
+		P_COUNT(ts_raised);
+	skb->mark |= REP_MARK_DONE;
+	P_COUNT(outgoing);
+	return FP_DONE;
+}
+
+/* The daemon's operations on a primary entry (REP_OP_*; COLLECT reads it). Never attached. */
+SEC("classifier")
+int rep_p_op(struct __sk_buff *skb)
+{
+	struct rep_p_op_req rq = {};
+
+	if (bpf_skb_load_bytes(skb, FP_L3_ETH, &rq, sizeof(rq)))
+		return 3;
+	__u32 op = rq.op, result = 0;
+	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &rq.key);
+	if (!e) {
+		result = 1;
+		goto out;
+	}
+	bpf_spin_lock(&e->lock);
+	rq.pad = e->ctl;
+	switch (op) {
+	case REP_OP_TAKE:
+		e->seen++;
+		/* fall through */
+	case REP_OP_FREEZE:
+		e->ctl |= REP_C_FROZEN | REP_C_USER;
+		break;
+	case REP_OP_THAW:
+		if (e->seen != e->slow) {
+			result = 2;
+			break;
+		}
+		/* fall through */
+	case REP_OP_THAW_FORCE:
+		e->seen = e->slow;
+		e->ctl = 0;
+		e->s = rq.value.s;
+		e->gen++;
+		break;
+	case REP_OP_COLLECT:
+		break;
+	default:
+		result = 3;
+	}
+	rq.value.ctl = e->ctl;
+	rq.value.slow = e->slow;
+	rq.value.seen = e->seen;
+	rq.value.gen = e->gen;
+	rq.value.s = e->s;
+	bpf_spin_unlock(&e->lock);
+out:
+	rq.op = result;
+	if (bpf_skb_store_bytes(skb, FP_L3_ETH, &rq, sizeof(rq), 0))
+		return 3;
+	return result;
+}

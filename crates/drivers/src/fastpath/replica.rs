@@ -6,7 +6,10 @@
 //! use), and sending the daemon what the engine keeps in collections (checkpoints, the copies
 //! kept for the take-over, which connections changed) as ring-buffer [`Record`]s. The daemon's
 //! side of the hand-off is [`Replica::op`] (`rep_op` by `BPF_PROG_TEST_RUN`; see
-//! `bpf/replica/rep_state.h`). Nothing here attaches the programs yet.
+//! `bpf/replica/rep_state.h`). The primary's half is the pure ACKs of a protected connection
+//! ([`PrimaryDirection`]: `rep_p_in` learns from the client's, `rep_p_out` gates its server's,
+//! Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). Nothing here attaches the
+//! programs yet.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -268,6 +271,120 @@ pub struct Counters {
 // SAFETY: plain integers.
 unsafe impl aya::Pod for Counters {}
 
+const P_MAP: &str = "rep_p_conns";
+const P_STATS: &str = "rep_p_stats";
+const P_OP_PROGRAM: &str = "rep_p_op";
+
+/// The primary's programs: the direction of the packet on the primary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrimaryDirection {
+    /// A client segment toward the primary's server (`Primary::incoming`: learned, unchanged).
+    Incoming,
+    /// A segment of the primary's server toward the client (`Primary::outgoing`: gated).
+    Outgoing,
+}
+
+impl PrimaryDirection {
+    fn program(self) -> &'static str {
+        match self {
+            PrimaryDirection::Incoming => "rep_p_in",
+            PrimaryDirection::Outgoing => "rep_p_out",
+        }
+    }
+}
+
+/// Bits of [`PState::flags`] (`REP_P_*`).
+pub mod pflag {
+    pub const ANSWERED: u32 = 1 << 0;
+    pub const ESTABLISHED: u32 = 1 << 1;
+    pub const B_RCV_KNOWN: u32 = 1 << 2;
+    pub const TS: u32 = 1 << 3;
+    pub const TS_MAX: u32 = 1 << 4;
+    pub const SENT_ACK: u32 = 1 << 5;
+    pub const CLIENT_LAST: u32 = 1 << 6;
+    pub const CL_TS: u32 = 1 << 7;
+    pub const B: u32 = 1 << 8;
+}
+
+/// `struct rep_p_state`: the engine's `PConn` fields the primary's programs keep.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PState {
+    /// `client_heard_at`: the kernel's clock (ns) where a program set it.
+    pub heard_at: u64,
+    pub flags: u32,
+    pub ack_p: u32,
+    pub edge_p: u32,
+    pub b_rcv_nxt: u32,
+    pub b_rcv_edge: u32,
+    pub ts_val: u32,
+    pub ts_ecr: u32,
+    pub ts_max: u32,
+    pub sent_ack: u32,
+    pub snd_p: u32,
+    pub p_max: u32,
+    pub stream_start: u32,
+    pub client_ack: u32,
+    pub cl_end: u32,
+    pub cl_ts_val: u32,
+    pub cl_ts_ecr: u32,
+    pub cl_win: u16,
+    pub ws_p: u8,
+    pub pad: u8,
+    pub pad2: u32,
+}
+
+// SAFETY: integers, no implicit padding (80 bytes).
+unsafe impl aya::Pod for PState {}
+
+/// A primary map entry (`struct rep_p_entry`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PEntry {
+    lock: u32,
+    pub ctl: u32,
+    pub slow: u32,
+    pub seen: u32,
+    pub gen: u32,
+    pad: u32,
+    pub state: PState,
+}
+
+// SAFETY: integers, no implicit padding (104 bytes).
+unsafe impl aya::Pod for PEntry {}
+
+const _: () = assert!(std::mem::size_of::<PState>() == 80);
+const _: () = assert!(std::mem::size_of::<PEntry>() == 104);
+
+/// `struct rep_p_op_req` (the answer is written over it).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct POpMsg {
+    word0: u32,
+    word1: u32,
+    key: Key,
+    pad: u32,
+    value: PEntry,
+}
+
+const _: () = assert!(std::mem::size_of::<POpMsg>() == 136);
+
+/// The primary programs' counters, summed over the CPUs (`struct rep_p_counters`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrimaryCounters {
+    pub incoming: u64,
+    pub outgoing: u64,
+    pub slow: u64,
+    pub dropped: u64,
+    /// The engine's `PrimaryCounters` of the same names, for the packets claimed here.
+    pub acks_lowered: u64,
+    pub ts_raised: u64,
+}
+
+// SAFETY: plain integers.
+unsafe impl aya::Pod for PrimaryCounters {}
+
 /// The loaded programs, their map and the ring.
 pub struct Replica {
     ebpf: Ebpf,
@@ -279,7 +396,7 @@ impl Replica {
     pub fn load() -> Result<Replica, Error> {
         super::available()?;
         let mut ebpf = Ebpf::load(OBJECT).map_err(|e| bpf_err("loading bpf/replica/rep_tc.o", e))?;
-        for name in [Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM] {
+        for name in [Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM] {
             let prog: &mut SchedClassifier = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?.try_into().map_err(|e| bpf_err(name, e))?;
             prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
         }
@@ -384,6 +501,96 @@ impl Replica {
         Ok(t)
     }
 
+    fn p_map(&mut self) -> Result<HashMap<&mut MapData, Key, PEntry>, Error> {
+        let m = self.ebpf.map_mut(P_MAP).ok_or_else(|| Error::Bpf(format!("no map {P_MAP}")))?;
+        HashMap::try_from(m).map_err(|e| bpf_err(P_MAP, e))
+    }
+
+    /// Writes the primary entry of `key` (created or replaced; the programs own it).
+    pub fn p_insert(&mut self, key: &Key, s: &PState) -> Result<(), Error> {
+        self.p_map()?.insert(key, PEntry { state: *s, ..PEntry::default() }, 0).map_err(|e| bpf_err("map insert", e))
+    }
+
+    /// The primary entry of `key`, read under its lock.
+    pub fn p_entry(&mut self, key: &Key) -> Result<Option<PEntry>, Error> {
+        match self.p_map()?.get(key, BPF_F_LOCK) {
+            Ok(e) => Ok(Some(e)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(bpf_err("map lookup", e)),
+        }
+    }
+
+    /// Removes the primary entry of `key`.
+    pub fn p_remove(&mut self, key: &Key) -> Result<(), Error> {
+        match self.p_map()?.remove(key) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(bpf_err("map remove", e)),
+        }
+    }
+
+    /// [`Replica::op`] on a primary entry ([`Op::Collect`] only reads it).
+    pub fn p_op(&self, op: Op, key: &Key, value: Option<&PState>) -> Result<(OpResult, u32, PEntry), Error> {
+        let code = match op {
+            Op::Take => 1,
+            Op::Freeze => 2,
+            Op::Thaw => 3,
+            Op::ThawForce => 4,
+            Op::Collect => 5,
+        };
+        let req = POpMsg { word0: code, word1: 0, key: *key, pad: 0, value: PEntry { state: value.copied().unwrap_or_default(), ..PEntry::default() } };
+        // SAFETY: POpMsg is #[repr(C)] integers and bytes without padding.
+        let bytes: [u8; 136] = unsafe { std::mem::transmute(req) };
+        let prog: &SchedClassifier = self.ebpf.program(P_OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {P_OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(P_OP_PROGRAM, e))?;
+        let (run, _) = test_run(prog, &bytes, 1)?;
+        if run.packet.len() < 136 {
+            return Err(Error::Bpf(format!("{P_OP_PROGRAM} answered {} bytes", run.packet.len())));
+        }
+        let mut out = [0u8; 136];
+        out.copy_from_slice(&run.packet[..136]);
+        // SAFETY: as above.
+        let ans: POpMsg = unsafe { std::mem::transmute(out) };
+        let result = match (run.verdict, ans.word0) {
+            (Verdict::Done, 0) => OpResult::Done,
+            (Verdict::Other(1), 1) => OpResult::NoEntry,
+            (Verdict::Drop, 2) => OpResult::Stale,
+            (v, r) => return Err(Error::Bpf(format!("{P_OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
+        };
+        Ok((result, ans.word1, ans.value))
+    }
+
+    /// The primary programs' counters, summed over the CPUs.
+    pub fn p_counters(&mut self) -> Result<PrimaryCounters, Error> {
+        let m = self.ebpf.map_mut(P_STATS).ok_or_else(|| Error::Bpf(format!("no map {P_STATS}")))?;
+        let a: aya::maps::PerCpuArray<&mut MapData, PrimaryCounters> = aya::maps::PerCpuArray::try_from(m).map_err(|e| bpf_err(P_STATS, e))?;
+        let per_cpu = a.get(&0, 0).map_err(|e| bpf_err("counters", e))?;
+        let mut t = PrimaryCounters::default();
+        for c in per_cpu.iter() {
+            t.incoming += c.incoming;
+            t.outgoing += c.outgoing;
+            t.slow += c.slow;
+            t.dropped += c.dropped;
+            t.acks_lowered += c.acks_lowered;
+            t.ts_raised += c.ts_raised;
+        }
+        Ok(t)
+    }
+
+    fn p_program(&self, d: PrimaryDirection) -> Result<&SchedClassifier, Error> {
+        let name = d.program();
+        self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
+    }
+
+    /// Runs `ip` through the primary's program for direction `d` once.
+    pub fn run_primary(&self, d: PrimaryDirection, ip: &[u8]) -> Result<Run, Error> {
+        Ok(test_run(self.p_program(d)?, ip, 1)?.0)
+    }
+
+    /// The kernel's mean time per run of `ip` through the primary's program for `d`.
+    pub fn primary_time_per_packet(&self, d: PrimaryDirection, ip: &[u8], repeat: u32) -> Result<Duration, Error> {
+        Ok(test_run(self.p_program(d)?, ip, repeat)?.1)
+    }
+
     fn program(&self, d: Direction) -> Result<&SchedClassifier, Error> {
         let name = d.program();
         self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
@@ -429,6 +636,15 @@ mod tests {
             ("REP_C_FROZEN", ctl::FROZEN),
             ("REP_C_USER", ctl::USER),
             ("REP_C_CHANGED", ctl::CHANGED),
+            ("REP_P_ANSWERED", pflag::ANSWERED),
+            ("REP_P_ESTABLISHED", pflag::ESTABLISHED),
+            ("REP_P_B_RCV_KNOWN", pflag::B_RCV_KNOWN),
+            ("REP_P_TS", pflag::TS),
+            ("REP_P_TS_MAX", pflag::TS_MAX),
+            ("REP_P_SENT_ACK", pflag::SENT_ACK),
+            ("REP_P_CLIENT_LAST", pflag::CLIENT_LAST),
+            ("REP_P_CL_TS", pflag::CL_TS),
+            ("REP_P_B", pflag::B),
         ] {
             assert_eq!(value(name), f, "{name}");
         }

@@ -965,7 +965,13 @@ struct PBoth {
 impl PBoth {
     /// The handshake on the engine (SYN, the SYN-ACK held until the backup's first report,
     /// Koch 7.1; the client's ACK), then the entry installed.
-    fn new(mut fp: Replica, conn: Conn, strict: bool, ts: bool) -> PBoth {
+    fn new(fp: Replica, conn: Conn, strict: bool, ts: bool) -> PBoth {
+        PBoth::with_handshake(fp, conn, strict, ts, true)
+    }
+
+    /// `handshake`: the client's handshake ACK reaches the engine before the entry is
+    /// installed (else the entry is installed as soon as the SYN-ACK went out).
+    fn with_handshake(mut fp: Replica, conn: Conn, strict: bool, ts: bool, handshake: bool) -> PBoth {
         let mut p = Primary::new(Config { strict, ..Config::default() });
         let key = conn.key();
         fp.p_remove(&key).unwrap();
@@ -977,7 +983,9 @@ impl PBoth {
         both.report_to_engine(0, 65535 << 7);
         assert_eq!(both.p.take_transmit().len(), 1, "the SYN-ACK released");
         let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
-        both.p.incoming(&ack);
+        if handshake {
+            both.p.incoming(&ack);
+        }
         let st = pstate_of(&both.p, 0);
         both.fp.p_insert(&key, &st).unwrap();
         both.held = false;
@@ -1154,4 +1162,21 @@ fn primary_random_pure_acks_agree_with_the_engine() {
     }
     eprintln!("primary_random_pure_acks_agree_with_the_engine: {seqs} sequences, {claimed} claimed, {slow} left to the slow path");
     assert!(claimed > slow);
+}
+
+/// An entry installed before the client's handshake ACK: only an acceptable ACK of what the
+/// primary's server sent establishes the connection (a blind forgery acknowledging more does
+/// not, so it stays evictable, as in the engine).
+#[test]
+fn primary_handshake_ack_establishes_only_within_what_was_sent() {
+    let Some(fp) = fast_path("primary_handshake_ack_establishes_only_within_what_was_sent") else { return };
+    let conn = Conn::v4();
+    let mut both = PBoth::with_handshake(fp, conn, true, true, false);
+    assert_eq!(both.fp.p_entry(&both.key).unwrap().unwrap().state.flags & pflag::ESTABLISHED, 0);
+    let v = both.step(PD::Incoming, &conn.client(0, 1000, Some((501, conn.p_ts0)), &[], b""), "an ACK of bytes never sent");
+    assert_eq!(v, Verdict::Done);
+    assert_eq!(both.fp.p_entry(&both.key).unwrap().unwrap().state.flags & pflag::ESTABLISHED, 0, "not established");
+    let v = both.step(PD::Incoming, &conn.client(0, 0, Some((501, conn.p_ts0)), &[], b""), "the handshake ACK");
+    assert_eq!(v, Verdict::Done);
+    assert_ne!(both.fp.p_entry(&both.key).unwrap().unwrap().state.flags & pflag::ESTABLISHED, 0, "established");
 }

@@ -145,6 +145,67 @@ fn main() {
         println!("{:<58} {:>10} {:>12.0}   (kernel repeat loop: {} ns)", what, bpf.as_nanos() / n as u128, engine, looped.as_nanos());
     }
 
+    // The primary's pure ACKs (rep_p_in / Primary::incoming, rep_p_out / Primary::outgoing's
+    // gate and stamp): the backup behind, so the ACK is lowered and the window recomputed.
+    {
+        use unbroken_drivers::fastpath::replica::{pflag, PState, PrimaryDirection};
+        use unbroken_engines::replica::{Config, Primary};
+        use unbroken_wire::replica::{self as rw, ConnProgress, Progress, Role};
+        let mut p = Primary::new(Config::default());
+        p.incoming(&from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: Some((500, 0)), ..Default::default() }, &[]));
+        p.outgoing(&mut from_server(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: Some((P_TS0, 500)), ..Default::default() }, &[]), 0);
+        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1 + 100_000), out_end: Seq(P_ISN.wrapping_add(1)), out_hash: rw::HASH_INIT, last_ack: Seq(0), isn: Seq(B_ISN), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED | rw::flag::ISN_KNOWN };
+        p.backup_progress(&Progress { role: Role::Backup, beat: 1, flags: 0, records: vec![rec] }, 1);
+        p.take_transmit();
+        p.incoming(&from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]));
+        let st = PState {
+            flags: pflag::ANSWERED | pflag::ESTABLISHED | pflag::B | pflag::B_RCV_KNOWN | pflag::TS | pflag::TS_MAX | pflag::SENT_ACK | pflag::CLIENT_LAST | pflag::CL_TS,
+            ack_p: C_ISN + 1,
+            edge_p: C_ISN + 1 + (65535 << 7),
+            b_rcv_nxt: C_ISN + 1,
+            b_rcv_edge: C_ISN + 1 + 100_000,
+            ts_val: P_TS0,
+            ts_ecr: 500,
+            ts_max: P_TS0,
+            sent_ack: C_ISN + 1,
+            snd_p: P_ISN.wrapping_add(1),
+            p_max: P_ISN.wrapping_add(1),
+            stream_start: P_ISN.wrapping_add(1),
+            client_ack: P_ISN.wrapping_add(1),
+            cl_end: C_ISN + 1,
+            cl_ts_val: 501,
+            cl_ts_ecr: P_TS0,
+            cl_win: 512,
+            ws_p: 7,
+            ..PState::default()
+        };
+        let cases: Vec<(&str, PrimaryDirection, Vec<u8>)> = vec![
+            ("primary: server pure ACK, TS (gate: ACK lowered, window)", PrimaryDirection::Outgoing, from_server(Repr { seq: Seq(P_ISN.wrapping_add(1)), ack: Seq(C_ISN + 1 + 5000), flags: F::ACK, window: 700, timestamp: Some((P_TS0 + 3, 600)), ..Default::default() }, &[])),
+            ("primary: client pure ACK, TS (learned, unchanged)", PrimaryDirection::Incoming, from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((600, P_TS0 + 3)), ..Default::default() }, &[])),
+        ];
+        for (what, d, pkt) in cases {
+            fp.p_insert(&key, &st).unwrap();
+            let mut bpf = Duration::ZERO;
+            let n = (repeat / 10).max(1);
+            for _ in 0..n {
+                bpf += fp.primary_time_per_packet(d, &pkt, 1).unwrap();
+            }
+            assert_eq!(fp.run_primary(d, &pkt).unwrap().verdict, Verdict::Done, "{what}: not claimed");
+            let looped = fp.primary_time_per_packet(d, &pkt, repeat).unwrap();
+            let mut buf = pkt.clone();
+            let t0 = thread_cpu_ns();
+            for i in 0..repeat {
+                buf.copy_from_slice(&pkt);
+                match d {
+                    PrimaryDirection::Outgoing => black_box(p.outgoing(&mut buf, 2 + i as u64)),
+                    PrimaryDirection::Incoming => black_box(p.incoming(&buf)),
+                };
+            }
+            let engine = (thread_cpu_ns() - t0) as f64 / repeat as f64;
+            println!("{:<58} {:>10} {:>12.0}   (kernel repeat loop: {} ns)", what, bpf.as_nanos() / n as u128, engine, looped.as_nanos());
+        }
+    }
+
     // What the programs pay before they decline: no entry.
     fp.remove(&key).unwrap();
     let p = server_seg(0, 1448);

@@ -1180,3 +1180,68 @@ fn primary_handshake_ack_establishes_only_within_what_was_sent() {
     assert_eq!(v, Verdict::Done);
     assert_ne!(both.fp.p_entry(&both.key).unwrap().unwrap().state.flags & pflag::ESTABLISHED, 0, "established");
 }
+
+/// Copy mode (how the egress programs are meant to run attached at tc egress, after netfilter's
+/// OUTPUT): a packet of the service they decline (no entry, frozen, a FIN) is copied to the
+/// daemon in pieces and consumed, never passed as its server built it; a packet of another
+/// port is passed untouched; a claimed one is as without copy mode.
+#[test]
+fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
+    let Some(mut fp) = fast_path("egress_copy_mode_never_passes_a_declined_packet_of_the_service") else { return };
+    let conn = Conn::v4();
+    fp.set_egress_copy(true).unwrap();
+    fp.add_service(std::net::SocketAddr::new(conn.svc, SPORT)).unwrap();
+    let mut both = Both::new(fp, conn, true, true);
+    let key = both.key;
+    let collect = |fp: &mut Replica| -> Vec<u8> {
+        let mut got = vec![];
+        for r in fp.records() {
+            if let Record::Slow { key: k, total, off, bytes } = r {
+                assert_eq!(k, key);
+                assert_eq!(off as usize, got.len());
+                got.extend_from_slice(&bytes);
+                assert!(got.len() <= total as usize);
+            }
+        }
+        got
+    };
+    // Claimed: withheld as without copy mode.
+    let p = conn.server(0, 0, 300, Some((conn.b_ts0 + 1, 501)), &[1; 100]);
+    assert_eq!(both.fp.run(Outgoing, &p).unwrap().verdict, CONSUMED);
+    assert!(collect(&mut both.fp).is_empty(), "no copy of a claimed packet");
+    // Declined (a FIN, a 3,000-byte one in two pieces): copied and consumed; the entry frozen.
+    let mut fin = conn.server(100, 0, 300, Some((conn.b_ts0 + 2, 501)), &[2; 3000]);
+    let l4 = IpInfo::parse(&fin).unwrap().l4_offset;
+    fin[l4 + 13] |= F::FIN;
+    refill(&mut fin);
+    assert_eq!(both.fp.run(Outgoing, &fin).unwrap().verdict, CONSUMED, "declined but not passed");
+    assert_eq!(hex(&collect(&mut both.fp)), hex(&fin), "the daemon gets the packet");
+    let e = both.fp.entry(&key).unwrap().unwrap();
+    assert_eq!((e.slow, e.ctl & unbroken_drivers::fastpath::replica::ctl::FROZEN), (1, unbroken_drivers::fastpath::replica::ctl::FROZEN));
+    // Frozen: the next ordinary segment follows it to the daemon.
+    let p = conn.server(3100, 0, 300, Some((conn.b_ts0 + 3, 501)), &[3; 10]);
+    assert_eq!(both.fp.run(Outgoing, &p).unwrap().verdict, CONSUMED);
+    assert_eq!(hex(&collect(&mut both.fp)), hex(&p));
+    // No entry (a new connection's SYN-ACK): copied and consumed.
+    both.fp.remove(&key).unwrap();
+    let sa = conn.from_server(Repr { seq: Seq(5), ack: Seq(6), flags: F::SYN | F::ACK, window: 100, ..Default::default() }, &[]);
+    assert_eq!(both.fp.run(Outgoing, &sa).unwrap().verdict, CONSUMED);
+    assert_eq!(hex(&collect(&mut both.fp)), hex(&sa));
+    // Another port of the host: not the service's, passed untouched.
+    let other = ip::tcp_packet(conn.svc, conn.cli, &Repr { src_port: 22, dst_port: CPORT, seq: Seq(5), ack: Seq(6), flags: F::ACK, window: 100, ..Default::default() }, b"ssh").unwrap();
+    let r = both.fp.run(Outgoing, &other).unwrap();
+    assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(&other)));
+    assert!(collect(&mut both.fp).is_empty());
+    // The primary's egress program too: a declined packet of the service (its server's data,
+    // which strict output commit holds) goes to the daemon, not ungated to the wire.
+    let mut pb = PBoth::new(both.fp, conn, true, true);
+    let data = conn.server(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"+OK\r\n");
+    assert_eq!(pb.fp.run_primary(PD::Outgoing, &data).unwrap().verdict, CONSUMED);
+    assert_eq!(hex(&collect(&mut pb.fp)), hex(&data));
+    let ack = conn.server(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"");
+    assert_eq!(pb.fp.run_primary(PD::Outgoing, &ack).unwrap().verdict, CONSUMED, "a pure ACK of the frozen entry: copied, not passed ungated");
+    assert_eq!(hex(&collect(&mut pb.fp)), hex(&ack));
+    let e = pb.fp.p_entry(&pb.key).unwrap().unwrap();
+    assert_eq!((e.slow, e.state), (2, pstate_of(&pb.p, e.state.heard_at)), "both counted, the state untouched");
+    pb.fp.set_egress_copy(false).unwrap();
+}

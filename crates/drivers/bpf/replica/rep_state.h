@@ -116,6 +116,30 @@ struct rep_rec {
 
 _Static_assert(sizeof(struct rep_rec) == 56, "rep_rec is 56 bytes");
 
+/* A piece of a packet of the service that an egress program declined while attached in copy
+ * mode (REP_CFG_EGRESS_COPY): consumed, its bytes for the daemon, whose engine decides it (the
+ * backup withholds it anyway; the primary's raw socket sends what its engine accepts). b = the
+ * IP packet's length, off = where this piece starts; key from the packet (zero if unparsed). */
+#define REP_REC_SLOW 4
+
+/* The programs' configuration (map rep_cfg, one entry). */
+struct rep_cfg {
+	__u32 flags; /* REP_CFG_* */
+	__u32 pad;
+};
+
+/* At tc egress a declined packet would go to the wire untranslated or ungated: in copy mode
+ * every packet of the service (rep_services) that an egress program declines is copied to the
+ * daemon (REP_REC_SLOW) and consumed. Off: FP_SLOW, untouched (BPF_PROG_TEST_RUN's tests). */
+#define REP_CFG_EGRESS_COPY (1 << 0)
+
+/* A service endpoint (rep_services): the address (IPv4 as ::ffff:a.b.c.d) and port. */
+struct rep_svc {
+	__u8 addr[16];
+	__be16 port;
+	__u16 pad;
+};
+
 /* Bytes of a withheld packet per REP_REC_KEEP record. */
 #define REP_KEEP_PIECE 2048
 

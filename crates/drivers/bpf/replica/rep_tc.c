@@ -73,6 +73,20 @@ struct {
 	__type(value, struct rep_piece);
 } rep_piece_buf SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_cfg);
+} rep_cfg SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, struct rep_svc);
+	__type(value, __u8);
+} rep_services SEC(".maps");
+
 static __always_inline struct rep_counters *stats(void)
 {
 	__u32 zero = 0;
@@ -328,6 +342,7 @@ static long hash_step(__u32 i, void *data)
 /* The pieces of a withheld packet (REP_REC_KEEP), a bpf_loop step each. */
 struct keep_ctx {
 	struct __sk_buff *skb;
+	__u32 type;
 	struct rep_key key;
 	__u32 end_b;
 	__u32 total;
@@ -355,7 +370,7 @@ static long keep_step(__u32 i, void *data)
 		x->err = -1;
 		return 1;
 	}
-	pc->h.type = REP_REC_KEEP;
+	pc->h.type = x->type;
 	pc->h.len = n;
 	pc->h.a = x->end_b;
 	pc->h.b = x->total;
@@ -372,22 +387,76 @@ static long keep_step(__u32 i, void *data)
 	return 0;
 }
 
+/* A record without bytes, built in the per-CPU piece buffer (the stack is the programs' scarcest
+ * resource). */
 static __always_inline void record(const struct rep_key *k, __u32 type, __u32 a, __u64 hash, __u64 flags)
 {
-	struct rep_rec r = {};
+	__u32 zero = 0;
+	struct rep_piece *pc = bpf_map_lookup_elem(&rep_piece_buf, &zero);
 
-	r.type = type;
-	r.a = a;
-	r.hash = hash;
-	r.key = *k;
-	if (bpf_ringbuf_output(&rep_records, &r, sizeof(r), flags))
+	if (!pc) {
 		COUNT(records_lost);
+		return;
+	}
+	pc->h.type = type;
+	pc->h.len = 0;
+	pc->h.a = a;
+	pc->h.b = 0;
+	pc->h.off = 0;
+	pc->h.pad = 0;
+	pc->h.hash = hash;
+	pc->h.key = *k;
+	pc->h.pad2 = 0;
+	if (bpf_ringbuf_output(&rep_records, &pc->h, sizeof(pc->h), flags))
+		COUNT(records_lost);
+}
+
+/* What an egress program answers for a packet it declines (`v`, FP_SLOW): attached in copy mode,
+ * a packet of the service goes to the daemon (REP_REC_SLOW pieces) and is consumed, never to
+ * the wire as its server built it; otherwise (and for packets of other services) `v`. A packet
+ * fp_parse refused is not the service's (the local stack builds TCP without IP options,
+ * fragments or extension headers). */
+/* What an egress program's wrapper needs of a packet it parsed. */
+struct eg_info {
+	__u8 src[16];
+	__be16 sport;
+	__u16 parsed;
+	__u32 l4;
+	__u32 l4_len;
+	struct rep_key key;
+};
+
+static __always_inline void eg_note(struct eg_info *g, const struct fp_pkt *p, const struct rep_key *k)
+{
+	__builtin_memcpy(g->src, p->src, 16);
+	g->sport = p->th.source;
+	g->l4 = p->l4;
+	g->l4_len = p->l4_len;
+	g->key = *k;
+	g->parsed = 1;
+}
+
+static __always_inline int egress_declined(struct __sk_buff *skb, const struct eg_info *g, int v)
+{
+	__u32 zero = 0;
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
+
+	if (v != FP_SLOW || !cfg || !(cfg->flags & REP_CFG_EGRESS_COPY) || !g->parsed)
+		return v;
+	struct rep_svc svc = {};
+	__builtin_memcpy(svc.addr, g->src, 16);
+	svc.port = g->sport;
+	if (!bpf_map_lookup_elem(&rep_services, &svc))
+		return v;
+	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = 0, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
+	if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
+		COUNT(records_lost);
+	return FP_CONSUMED;
 }
 
 /* Backup::outgoing for a segment of the backup's server on an aligned connection, before the
  * take-over: learned from, withheld. */
-SEC("classifier")
-int rep_b_out(struct __sk_buff *skb)
+static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 {
 	struct fp_pkt p = {};
 	struct rep_key k = {};
@@ -399,6 +468,7 @@ int rep_b_out(struct __sk_buff *skb)
 	if (fp_parse(skb, FP_L3_ETH, &p))
 		return FP_SLOW;
 	key_of(&k, p.dst, p.th.dest, p.th.source);
+	eg_note(g, &p, &k);
 	struct rep_b_entry *e = bpf_map_lookup_elem(&rep_b_conns, &k);
 	if (!e)
 		return FP_SLOW;
@@ -455,7 +525,7 @@ int rep_b_out(struct __sk_buff *skb)
 	if (learned)
 		record(&k, REP_REC_CHECKPOINT, c.out_end, c.out_hash, BPF_RB_NO_WAKEUP);
 	if (n > 0) {
-		struct keep_ctx kx = { .skb = skb, .key = k, .end_b = end_b, .total = p.l4 - FP_L3_ETH + p.l4_len, .off = 0 };
+		struct keep_ctx kx = { .skb = skb, .type = REP_REC_KEEP, .key = k, .end_b = end_b, .total = p.l4 - FP_L3_ETH + p.l4_len, .off = 0 };
 		if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
 			COUNT(records_lost);
 	}
@@ -464,6 +534,16 @@ int rep_b_out(struct __sk_buff *skb)
 	skb->mark |= REP_MARK_DONE;
 	COUNT(withheld);
 	return FP_CONSUMED;
+}
+
+/* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
+ * (egress_declined). */
+SEC("classifier")
+int rep_b_out(struct __sk_buff *skb)
+{
+	struct eg_info g = {};
+
+	return egress_declined(skb, &g, b_out(skb, &g));
 }
 
 /* The daemon's operations on an entry (rep_state.h), by BPF_PROG_TEST_RUN. Never attached. */
@@ -656,8 +736,7 @@ int rep_p_in(struct __sk_buff *skb)
 /* Primary::outgoing for a pure ACK of its server (ACK only, no payload): the ACK and window the
  * client may see are the lower of both hosts' (Koch 3.2, gated), its TSval never older than one
  * already sent (stamp). */
-SEC("classifier")
-int rep_p_out(struct __sk_buff *skb)
+static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 {
 	struct fp_pkt p = {};
 	struct rep_key k = {};
@@ -669,6 +748,7 @@ int rep_p_out(struct __sk_buff *skb)
 	if (fp_parse(skb, FP_L3_ETH, &p))
 		return FP_SLOW;
 	key_of(&k, p.dst, p.th.dest, p.th.source);
+	eg_note(g, &p, &k);
 	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
 	if (!e)
 		return FP_SLOW;
@@ -740,6 +820,16 @@ int rep_p_out(struct __sk_buff *skb)
 	skb->mark |= REP_MARK_DONE;
 	P_COUNT(outgoing);
 	return FP_DONE;
+}
+
+/* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
+ * (egress_declined). */
+SEC("classifier")
+int rep_p_out(struct __sk_buff *skb)
+{
+	struct eg_info g = {};
+
+	return egress_declined(skb, &g, p_out(skb, &g));
 }
 
 /* The daemon's operations on a primary entry (REP_OP_*; COLLECT reads it). Never attached. */

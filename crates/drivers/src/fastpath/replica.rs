@@ -169,6 +169,18 @@ impl Entry {
     }
 }
 
+/// `struct rep_svc`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Svc {
+    addr: [u8; 16],
+    port: [u8; 2],
+    pad: u16,
+}
+
+// SAFETY: bytes, no implicit padding (20 bytes).
+unsafe impl aya::Pod for Svc {}
+
 /// What the programs sent the daemon (`struct rep_rec`), in the order they decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
@@ -179,6 +191,10 @@ pub enum Record {
     /// A piece of a withheld segment kept for the take-over: the segment's end in the
     /// backup's space, the IP packet's length, where the piece starts, its bytes.
     Keep { key: Key, end_b: u32, total: u32, off: u32, bytes: Vec<u8> },
+    /// A piece of a packet of the service an egress program declined in copy mode
+    /// ([`Replica::set_egress_copy`]): consumed there, for the daemon's engine to decide. The IP
+    /// packet's length, where the piece starts, its bytes.
+    Slow { key: Key, total: u32, off: u32, bytes: Vec<u8> },
     /// A record this version does not know.
     Unknown(u32),
 }
@@ -201,6 +217,7 @@ impl Record {
             1 => Record::Changed(key),
             2 => Record::Checkpoint { key, end: a, hash },
             3 => Record::Keep { key, end_b: a, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            4 => Record::Slow { key, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
             t => Record::Unknown(t),
         })
     }
@@ -470,6 +487,23 @@ impl Replica {
             (v, r) => return Err(Error::Bpf(format!("{OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
         };
         Ok(OpAnswer { result, ctl_before: ans.word1, entry: ans.value })
+    }
+
+    /// Copy mode for the egress programs (`REP_CFG_EGRESS_COPY`): a packet of a service
+    /// ([`Replica::add_service`]) that `rep_b_out` or `rep_p_out` declines is copied to the
+    /// daemon ([`Record::Slow`]) and consumed instead of passed (attached at tc egress, a
+    /// declined packet would otherwise reach the wire as its server built it).
+    pub fn set_egress_copy(&mut self, on: bool) -> Result<(), Error> {
+        let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
+        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
+        a.set(0, [on as u32, 0], 0).map_err(|e| bpf_err("rep_cfg", e))
+    }
+
+    /// A service endpoint (the service address and a port) for copy mode.
+    pub fn add_service(&mut self, svc: SocketAddr) -> Result<(), Error> {
+        let m = self.ebpf.map_mut("rep_services").ok_or_else(|| Error::Bpf("no map rep_services".into()))?;
+        let mut h: HashMap<&mut MapData, Svc, u8> = HashMap::try_from(m).map_err(|e| bpf_err("rep_services", e))?;
+        h.insert(Svc { addr: addr16(svc.ip()), port: svc.port().to_be_bytes(), pad: 0 }, 1, 0).map_err(|e| bpf_err("rep_services", e))
     }
 
     /// The records the programs sent since the last call, in order.

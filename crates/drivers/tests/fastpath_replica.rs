@@ -74,15 +74,15 @@ fn field<'a>(s: &'a str, name: &str) -> &'a str {
             '(' | '[' | '{' => depth += 1,
             ')' | ']' | '}' => {
                 if depth == 0 {
-                    return &rest[..j];
+                    return rest[..j].trim();
                 }
                 depth -= 1;
             }
-            ',' if depth == 0 => return &rest[..j],
+            ',' if depth == 0 => return rest[..j].trim(),
             _ => {}
         }
     }
-    rest
+    rest.trim()
 }
 
 /// The numbers in `v` (digits runs), in order.
@@ -237,7 +237,14 @@ impl Conn {
     /// The backup's server: its output from stream offset `off`, acknowledging client offset
     /// `rcv`.
     fn server(&self, off: u32, rcv: u32, window: u16, ts: Option<(u32, u32)>, payload: &[u8]) -> Vec<u8> {
-        let r = Repr { seq: Seq(self.b_isn.wrapping_add(1).wrapping_add(off)), ack: Seq(self.c_isn.wrapping_add(1).wrapping_add(rcv)), flags: F::ACK | if payload.is_empty() { 0 } else { F::PSH }, window, timestamp: ts, ..Default::default() };
+        self.server_from(self.b_isn, off, rcv, window, ts, payload)
+    }
+    /// The primary's server, the same way.
+    fn pserver(&self, off: u32, rcv: u32, window: u16, ts: Option<(u32, u32)>, payload: &[u8]) -> Vec<u8> {
+        self.server_from(self.p_isn, off, rcv, window, ts, payload)
+    }
+    fn server_from(&self, isn: u32, off: u32, rcv: u32, window: u16, ts: Option<(u32, u32)>, payload: &[u8]) -> Vec<u8> {
+        let r = Repr { seq: Seq(isn.wrapping_add(1).wrapping_add(off)), ack: Seq(self.c_isn.wrapping_add(1).wrapping_add(rcv)), flags: F::ACK | if payload.is_empty() { 0 } else { F::PSH }, window, timestamp: ts, ..Default::default() };
         self.from_server(r, payload)
     }
 }
@@ -890,6 +897,7 @@ fn pconn(p: &Primary) -> String {
 
 /// The primary entry as the engine's fields give it (`heard_at`: the kernel's clock).
 fn pstate_of(p: &Primary, heard_at: u64) -> PState {
+    let strict = p.config().strict;
     let s = pconn(p);
     let f = |n: &str| field(&s, n);
     let n32 = |n: &str| nums(f(n)).first().copied().unwrap_or(0) as u32;
@@ -907,6 +915,9 @@ fn pstate_of(p: &Primary, heard_at: u64) -> PState {
         let inner = format!("{{ x: 0, {}", &b["Some(BRec { ".len()..]);
         if field(&inner, "rcv_known") == "true" {
             fl |= pflag::B_RCV_KNOWN;
+        }
+        if field(&inner, "aligned") == "true" {
+            fl |= pflag::B_ALIGNED;
         }
         st.b_rcv_nxt = nums(field(&inner, "rcv_nxt"))[0] as u32;
         st.b_rcv_edge = nums(field(&inner, "rcv_edge"))[0] as u32;
@@ -934,7 +945,16 @@ fn pstate_of(p: &Primary, heard_at: u64) -> PState {
             (st.cl_ts_val, st.cl_ts_ecr) = (cl[2] as u32, cl[3] as u32);
         }
     }
+    if f("out_seen") == "true" {
+        fl |= pflag::OUT_SEEN;
+    }
+    if strict {
+        fl |= pflag::STRICT;
+    }
     st.flags = fl;
+    st.rel = n32("rel");
+    st.p_end = n32("p_end");
+    st.snd_c = n32("snd_c");
     st.ack_p = n32("ack_p");
     st.edge_p = n32("edge_p");
     st.snd_p = n32("snd_p");
@@ -948,7 +968,7 @@ fn pstate_of(p: &Primary, heard_at: u64) -> PState {
 /// Whether the daemon would give the connection to the programs: protected, its SYN-ACK out.
 fn p_eligible(p: &Primary) -> bool {
     let s = pconn(p);
-    field(&s, "state") == "None" && field(&s, "synack") == "None" && field(&s, "answered") == "true" && p.unprotected().is_none()
+    field(&s, "state") == "None" && field(&s, "synack") == "None" && field(&s, "answered") == "true" && p.unprotected().is_none() && field(&s, "held") == "[]" && field(&s, "ooo") == "[]" && field(&s, "p_fin") == "false"
 }
 
 struct PBoth {
@@ -960,6 +980,10 @@ struct PBoth {
     claimed: usize,
     slow: usize,
     held: bool,
+    /// The primary server's output so far (the backup reports the same).
+    output: Vec<u8>,
+    /// The backup's reports say it aligned (ST-TCP 3.3.0.1).
+    aligned: bool,
 }
 
 impl PBoth {
@@ -971,7 +995,12 @@ impl PBoth {
 
     /// `handshake`: the client's handshake ACK reaches the engine before the entry is
     /// installed (else the entry is installed as soon as the SYN-ACK went out).
-    fn with_handshake(mut fp: Replica, conn: Conn, strict: bool, ts: bool, handshake: bool) -> PBoth {
+    fn with_handshake(fp: Replica, conn: Conn, strict: bool, ts: bool, handshake: bool) -> PBoth {
+        PBoth::with_options(fp, conn, strict, ts, handshake, true)
+    }
+
+    /// `aligned`: the backup's reports say it aligned.
+    fn with_options(mut fp: Replica, conn: Conn, strict: bool, ts: bool, handshake: bool, aligned: bool) -> PBoth {
         let mut p = Primary::new(Config { strict, ..Config::default() });
         let key = conn.key();
         fp.p_remove(&key).unwrap();
@@ -979,7 +1008,7 @@ impl PBoth {
         p.incoming(&syn);
         let mut sa = conn.from_server(Repr { seq: Seq(conn.p_isn), ack: Seq(conn.c_isn.wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((conn.p_ts0, 500)), ..Default::default() }, &[]);
         assert_eq!(p.outgoing(&mut sa, 0), EVerdict::Held, "Koch 7.1: the SYN-ACK waits for the backup");
-        let mut both = PBoth { fp, p, conn, key, now: 1, claimed: 0, slow: 0, held: true };
+        let mut both = PBoth { fp, p, conn, key, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned };
         both.report_to_engine(0, 65535 << 7);
         assert_eq!(both.p.take_transmit().len(), 1, "the SYN-ACK released");
         let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
@@ -995,7 +1024,10 @@ impl PBoth {
     fn report_to_engine(&mut self, rcv: u32, win: u32) {
         let c = self.conn;
         let nxt = c.c_isn.wrapping_add(1).wrapping_add(rcv);
-        let rec = ConnProgress { client: c.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(nxt), rcv_edge: Seq(nxt.wrapping_add(win)), out_end: Seq(c.p_isn.wrapping_add(1)), out_hash: rw::HASH_INIT, last_ack: Seq(0), isn: Seq(c.b_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ALIGNED | rw::flag::ISN_KNOWN };
+        // The backup's output: the same bytes as the primary's so far (a deterministic server).
+        let out_end = Seq(c.p_isn.wrapping_add(1).wrapping_add(self.output.len() as u32));
+        let out_hash = rw::hash_continue(rw::HASH_INIT, &self.output);
+        let rec = ConnProgress { client: c.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(nxt), rcv_edge: Seq(nxt.wrapping_add(win)), out_end, out_hash, last_ack: Seq(0), isn: Seq(c.b_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN | if self.aligned { rw::flag::ALIGNED } else { 0 } };
         self.now += 1;
         self.p.backup_progress(&Progress { role: Role::Backup, beat: self.now, flags: 0, records: vec![rec] }, self.now);
     }
@@ -1014,6 +1046,10 @@ impl PBoth {
 
     fn give_back(&mut self, what: &str) {
         if !p_eligible(&self.p) {
+            if std::env::var("FASTPATH_DEBUG").is_ok() && !self.held {
+                let s = pconn(&self.p);
+                eprintln!("held after {what}: state {} synack {} held {} ooo {} p_fin {}", field(&s, "state"), field(&s, "synack").len(), field(&s, "held").len(), field(&s, "ooo").len(), field(&s, "p_fin"));
+            }
             self.held = true;
             return;
         }
@@ -1083,7 +1119,7 @@ fn koch_3_2_pure_acks_are_gated_as_the_engine_gates_them() {
             assert_eq!(v, Verdict::Slow, "client data: the relay copy is the engine's");
             rcv += req.len() as u32;
             let tsv = conn.p_ts0 + 1 + i - if i % 7 == 3 { 5 } else { 0 };
-            let v = both.step(PD::Outgoing, &conn.server(0, rcv, 400 + i as u16, Some((tsv, 502 + i)), b""), &format!("server ACK {i}"));
+            let v = both.step(PD::Outgoing, &conn.pserver(0, rcv, 400 + i as u16, Some((tsv, 502 + i)), b""), &format!("server ACK {i}"));
             assert_eq!(v, Verdict::Done, "server ACK {i}");
             if i % 3 == 2 {
                 backup_rcv = rcv - (i % 2) * 10;
@@ -1092,6 +1128,10 @@ fn koch_3_2_pure_acks_are_gated_as_the_engine_gates_them() {
             let v = both.step(PD::Incoming, &conn.client(rcv, 0, Some((503 + i, conn.p_ts0 + i)), &[], b""), &format!("client ACK {i}"));
             assert_eq!(v, Verdict::Done, "client ACK {i}");
         }
+        // A client ACK without timestamps (a middlebox stripped them): client_last has none.
+        let v = both.step(PD::Incoming, &conn.client(rcv, 0, None, &[], b""), "client ACK without timestamps");
+        assert_eq!(v, Verdict::Done);
+        assert_eq!(both.fp.p_entry(&both.key).unwrap().unwrap().state.flags & pflag::CL_TS, 0);
         assert!(both.p.counters.acks_lowered > 0, "some ACKs lowered to the backup's");
         assert!(both.p.counters.ts_raised > 0, "some TSvals raised");
         eprintln!("pure ACKs: {} claimed, {} slow (v6 {}, strict {strict}), backup at {backup_rcv}", both.claimed, both.slow, conn.cli.is_ipv6());
@@ -1099,11 +1139,13 @@ fn koch_3_2_pure_acks_are_gated_as_the_engine_gates_them() {
     }
 }
 
-/// Random pure ACKs both ways (ACKs behind and ahead, windows, old timestamps, out-of-window
-/// client segments), the backup's reports, client data and hostile packets between them.
+/// Random sequences on the primary: pure ACKs both ways (ACKs behind and ahead, windows, old
+/// timestamps, out-of-window client segments), its server's output and retransmissions (strict:
+/// held until the backup's digest, then its retransmissions claimed; relaxed: claimed at once),
+/// the backup's reports, client data and hostile packets between them.
 #[test]
-fn primary_random_pure_acks_agree_with_the_engine() {
-    let Some(mut fp) = fast_path("primary_random_pure_acks_agree_with_the_engine") else { return };
+fn primary_random_sequences_agree_with_the_engine() {
+    let Some(mut fp) = fast_path("primary_random_sequences_agree_with_the_engine") else { return };
     let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2205u64);
     let seqs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse::<usize>().ok()).map(|c| c / 100).unwrap_or(60).max(1);
     let mut rng = Rng(seed | 1);
@@ -1125,8 +1167,28 @@ fn primary_random_pure_acks_agree_with_the_engine() {
                 let ack = if rng.chance(100) { rcv.saturating_sub(rng.below(500) as u32) } else { rcv };
                 pts = pts.wrapping_add(rng.below(3) as u32);
                 let tsv = ts_on.then(|| (if rng.chance(100) { pts.wrapping_sub(7) } else { pts }, 502 + step));
-                let p = conn.server(0, ack, rng.below(65536) as u16, tsv, b"");
+                let p = conn.pserver(0, ack, rng.below(65536) as u16, tsv, b"");
                 both.step(PD::Outgoing, &p, &what("server pure ACK"));
+            } else if r < 550 {
+                // Its server's output: new, or a retransmission of the last bytes.
+                let retrans = rng.chance(300) && !both.output.is_empty();
+                let (off, data) = if retrans {
+                    let n = rng.below(both.output.len().min(1448) as u64) as usize + 1;
+                    (both.output.len() - n, both.output[both.output.len() - n..].to_vec())
+                } else {
+                    let n = rng.below(1448) as usize + 1;
+                    (both.output.len(), rng.bytes(n))
+                };
+                pts = pts.wrapping_add(rng.below(3) as u32);
+                let p = conn.pserver(off as u32, rcv, rng.below(65536) as u16, ts_on.then_some((pts, 502 + step)), &data);
+                both.step(PD::Outgoing, &p, &what(if retrans { "server retransmission" } else { "server output" }));
+                if !retrans {
+                    both.output.extend_from_slice(&data);
+                    if strict && rng.chance(700) {
+                        // A backup that keeps up: its digest of the same bytes comes next.
+                        both.backup_report(rcv.saturating_sub(rng.below(100) as u32), 1 << 16, &what("the backup's report of that output"));
+                    }
+                }
             } else if r < 750 {
                 let seq = match rng.below(10) {
                     0 => c_sent.wrapping_add(1 << 20),
@@ -1150,7 +1212,7 @@ fn primary_random_pure_acks_agree_with_the_engine() {
                 let d = if rng.chance(500) { PD::Incoming } else { PD::Outgoing };
                 let p = match d {
                     PD::Incoming => conn.client(c_sent, 0, ts_on.then_some((502, pts)), &[], b""),
-                    PD::Outgoing => conn.server(0, rcv, 300, ts_on.then_some((pts, 502)), b""),
+                    PD::Outgoing => conn.pserver(0, rcv, 300, ts_on.then_some((pts, 502)), b""),
                 };
                 let (q, w) = hostile(&p, rng.below(HOSTILE as u64 + 1) as usize, v6);
                 both.step(d, &q, &what(&format!("hostile: {w}")));
@@ -1160,7 +1222,7 @@ fn primary_random_pure_acks_agree_with_the_engine() {
         slow += both.slow;
         fp = both.fp;
     }
-    eprintln!("primary_random_pure_acks_agree_with_the_engine: {seqs} sequences, {claimed} claimed, {slow} left to the slow path");
+    eprintln!("primary_random_sequences_agree_with_the_engine: {seqs} sequences, {claimed} claimed, {slow} left to the slow path");
     assert!(claimed > slow);
 }
 
@@ -1235,13 +1297,31 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
     // The primary's egress program too: a declined packet of the service (its server's data,
     // which strict output commit holds) goes to the daemon, not ungated to the wire.
     let mut pb = PBoth::new(both.fp, conn, true, true);
-    let data = conn.server(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"+OK\r\n");
+    let data = conn.pserver(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"+OK\r\n");
     assert_eq!(pb.fp.run_primary(PD::Outgoing, &data).unwrap().verdict, CONSUMED);
     assert_eq!(hex(&collect(&mut pb.fp)), hex(&data));
-    let ack = conn.server(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"");
+    let ack = conn.pserver(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"");
     assert_eq!(pb.fp.run_primary(PD::Outgoing, &ack).unwrap().verdict, CONSUMED, "a pure ACK of the frozen entry: copied, not passed ungated");
     assert_eq!(hex(&collect(&mut pb.fp)), hex(&ack));
     let e = pb.fp.p_entry(&pb.key).unwrap().unwrap();
     assert_eq!((e.slow, e.state), (2, pstate_of(&pb.p, e.state.heard_at)), "both counted, the state untouched");
     pb.fp.set_egress_copy(false).unwrap();
+}
+
+/// ST-TCP without strict output commit: the primary's output passes at once, but only once the
+/// backup is aligned (else the client could acknowledge output before the ACK the backup aligns
+/// on); before, the engine holds it and the programs leave it to the engine.
+#[test]
+fn relaxed_output_passes_at_once_only_once_the_backup_is_aligned() {
+    let Some(fp) = fast_path("relaxed_output_passes_at_once_only_once_the_backup_is_aligned") else { return };
+    let conn = Conn::v4();
+    let mut both = PBoth::with_options(fp, conn, false, true, true, false);
+    let v = both.step(PD::Outgoing, &conn.pserver(0, 0, 300, Some((conn.p_ts0 + 1, 501)), b"+OK\r\n"), "output before the backup aligned");
+    assert_eq!(v, Verdict::Slow);
+    both.output.extend_from_slice(b"+OK\r\n");
+    both.aligned = true;
+    both.backup_report(0, 1 << 16, "the backup aligned");
+    assert!(!both.held, "given back once the held output went");
+    let v = both.step(PD::Outgoing, &conn.pserver(5, 0, 300, Some((conn.p_ts0 + 2, 501)), b"$1\r\nx\r\n"), "output after");
+    assert_eq!(v, Verdict::Done);
 }

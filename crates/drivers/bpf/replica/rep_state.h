@@ -195,10 +195,13 @@ struct rep_p_state {
 	__u16 cl_win;
 	__u8 ws_p;
 	__u8 pad;
+	__u32 rel;          /* released (verified, or passed without strict mode) up to here */
+	__u32 p_end;        /* the end of the primary server's output */
+	__u32 snd_c;        /* the highest sequence number the client has been sent */
 	__u32 pad2;
 };
 
-_Static_assert(sizeof(struct rep_p_state) == 80, "rep_p_state is 80 bytes");
+_Static_assert(sizeof(struct rep_p_state) == 96, "rep_p_state is 96 bytes");
 
 #define REP_P_ANSWERED (1 << 0)
 #define REP_P_ESTABLISHED (1 << 1)
@@ -210,6 +213,11 @@ _Static_assert(sizeof(struct rep_p_state) == 80, "rep_p_state is 80 bytes");
 #define REP_P_CL_TS (1 << 7)
 /* The backup has reported the connection (PConn::b is Some). */
 #define REP_P_B (1 << 8)
+/* The backup reported its alignment (BRec::aligned). */
+#define REP_P_B_ALIGNED (1 << 9)
+#define REP_P_OUT_SEEN (1 << 10)
+/* The primary runs strict output commit (Config::strict). */
+#define REP_P_STRICT (1 << 11)
 
 /* Same header as rep_b_entry (the helpers of rep_tc.c use it through that type). */
 struct rep_p_entry {
@@ -222,7 +230,7 @@ struct rep_p_entry {
 	struct rep_p_state s;
 };
 
-_Static_assert(sizeof(struct rep_p_entry) == 104, "rep_p_entry is 104 bytes");
+_Static_assert(sizeof(struct rep_p_entry) == 120, "rep_p_entry is 120 bytes");
 
 struct rep_p_op_req {
 	__u32 op;
@@ -232,4 +240,4 @@ struct rep_p_op_req {
 	struct rep_p_entry value;
 };
 
-_Static_assert(sizeof(struct rep_p_op_req) == 136, "rep_p_op_req is 136 bytes");
+_Static_assert(sizeof(struct rep_p_op_req) == 152, "rep_p_op_req is 152 bytes");

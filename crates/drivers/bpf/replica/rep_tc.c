@@ -612,6 +612,15 @@ struct {
 	__type(value, struct rep_p_entry);
 } rep_p_conns SEC(".maps");
 
+/* When the primary's server last produced new output on a connection the programs carry
+ * (Primary::last_output_ms; the kernel's clock, ns). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} rep_p_clock SEC(".maps");
+
 /* Per CPU (unbroken_drivers::fastpath::replica::PrimaryCounters). */
 struct rep_p_counters {
 	__u64 incoming;     /* client pure ACKs claimed (learned, passed unchanged) */
@@ -733,9 +742,10 @@ int rep_p_in(struct __sk_buff *skb)
 	return FP_DONE;
 }
 
-/* Primary::outgoing for a pure ACK of its server (ACK only, no payload): the ACK and window the
- * client may see are the lower of both hosts' (Koch 3.2, gated), its TSval never older than one
- * already sent (stamp). */
+/* Primary::outgoing for a segment of its server without SYN, FIN or RST: a pure ACK, a
+ * retransmission of released bytes, or (without strict output commit) new output in order: the
+ * ACK and window the client may see are the lower of both hosts' (Koch 3.2, gated), its TSval
+ * never older than one already sent (stamp). */
 static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 {
 	struct fp_pkt p = {};
@@ -752,8 +762,9 @@ static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
 	if (!e)
 		return FP_SLOW;
-	if (!ack_only(&p) || fp_payload_len(&p) || fp_scan_options(&p))
+	if (!ack_only(&p) || fp_scan_options(&p))
 		return p_slow(skb, e);
+	__u64 now = bpf_ktime_get_ns();
 	if ((r = p_snapshot(skb, e, &c, &gen)))
 		return r;
 	if (!(c.flags & REP_P_ANSWERED))
@@ -761,7 +772,26 @@ static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 	__u32 seq = bpf_ntohl(p.th.seq);
 	__u32 ack = bpf_ntohl(p.th.ack_seq);
 	__u16 win = bpf_ntohs(p.th.window);
-	int lowered = 0, raised = 0;
+	__u32 n = fp_payload_len(&p);
+	__u32 end = seq + n;
+	int lowered = 0, raised = 0, new_output = 0;
+
+	/* Output: a retransmission of released bytes goes out at once (Koch 4); without strict
+	 * output commit, new output too once the backup is aligned (ST-TCP; the entry exists only
+	 * while nothing is held). Output beyond a gap, and new output held for the backup's digest
+	 * (strict mode), are the engine's. */
+	if (n > 0 && !seq_le(end, c.rel)) {
+		if ((c.flags & REP_P_STRICT) || !(c.flags & REP_P_B_ALIGNED) || seq_gt(seq, c.p_end))
+			return p_slow(skb, e);
+		if (seq_gt(end, c.p_end)) {
+			c.p_end = end;
+			c.flags |= REP_P_OUT_SEEN;
+			new_output = 1;
+		}
+		c.rel = c.p_end;
+		if (seq_gt(end, c.snd_c))
+			c.snd_c = end;
+	}
 
 	c.flags |= REP_P_ESTABLISHED;
 	if (seq_gt(ack, c.ack_p))
@@ -774,10 +804,10 @@ static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 		c.ts_ecr = o->tsecr;
 		c.flags |= REP_P_TS;
 	}
-	if (seq_gt(seq, c.snd_p))
-		c.snd_p = seq;
-	if (seq_gt(seq, c.p_max))
-		c.p_max = seq;
+	if (seq_gt(end, c.snd_p))
+		c.snd_p = end;
+	if (seq_gt(end, c.p_max))
+		c.p_max = end;
 	/* stamp: the newest TSval sent (this packet's TSecr is the newest the server echoed). */
 	if (o->ts_at) {
 		if ((c.flags & REP_P_TS_MAX) && ts_before(o->tsval, c.ts_max)) {
@@ -809,6 +839,13 @@ static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 	}
 	if ((r = p_commit(skb, e, &c, gen)))
 		return r;
+	if (new_output) {
+		/* Primary::last_output_ms: its server is not stalled (the daemon reads it). */
+		__u32 zero = 0;
+		__u64 *t = bpf_map_lookup_elem(&rep_p_clock, &zero);
+		if (t)
+			*t = now;
+	}
 	if (fp_commit(skb, &p)) {
 		P_COUNT(dropped);
 		return FP_DROP;

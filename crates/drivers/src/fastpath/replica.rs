@@ -6,9 +6,10 @@
 //! use), and sending the daemon what the engine keeps in collections (checkpoints, the copies
 //! kept for the take-over, which connections changed) as ring-buffer [`Record`]s. The daemon's
 //! side of the hand-off is [`Replica::op`] (`rep_op` by `BPF_PROG_TEST_RUN`; see
-//! `bpf/replica/rep_state.h`). The primary's half is the pure ACKs of a protected connection
-//! ([`PrimaryDirection`]: `rep_p_in` learns from the client's, `rep_p_out` gates its server's,
-//! Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). Nothing here attaches the
+//! `bpf/replica/rep_state.h`). The primary's half is the steady state of a protected
+//! connection ([`PrimaryDirection`]: `rep_p_in` learns from the client's pure ACKs, `rep_p_out`
+//! gates its server's pure ACKs, retransmissions of released bytes and, without strict output
+//! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). Nothing here attaches the
 //! programs yet.
 
 use std::net::{IpAddr, SocketAddr};
@@ -321,6 +322,9 @@ pub mod pflag {
     pub const CLIENT_LAST: u32 = 1 << 6;
     pub const CL_TS: u32 = 1 << 7;
     pub const B: u32 = 1 << 8;
+    pub const B_ALIGNED: u32 = 1 << 9;
+    pub const OUT_SEEN: u32 = 1 << 10;
+    pub const STRICT: u32 = 1 << 11;
 }
 
 /// `struct rep_p_state`: the engine's `PConn` fields the primary's programs keep.
@@ -348,10 +352,13 @@ pub struct PState {
     pub cl_win: u16,
     pub ws_p: u8,
     pub pad: u8,
+    pub rel: u32,
+    pub p_end: u32,
+    pub snd_c: u32,
     pub pad2: u32,
 }
 
-// SAFETY: integers, no implicit padding (80 bytes).
+// SAFETY: integers, no implicit padding (96 bytes).
 unsafe impl aya::Pod for PState {}
 
 /// A primary map entry (`struct rep_p_entry`).
@@ -367,11 +374,11 @@ pub struct PEntry {
     pub state: PState,
 }
 
-// SAFETY: integers, no implicit padding (104 bytes).
+// SAFETY: integers, no implicit padding (120 bytes).
 unsafe impl aya::Pod for PEntry {}
 
-const _: () = assert!(std::mem::size_of::<PState>() == 80);
-const _: () = assert!(std::mem::size_of::<PEntry>() == 104);
+const _: () = assert!(std::mem::size_of::<PState>() == 96);
+const _: () = assert!(std::mem::size_of::<PEntry>() == 120);
 
 /// `struct rep_p_op_req` (the answer is written over it).
 #[repr(C)]
@@ -384,7 +391,7 @@ struct POpMsg {
     value: PEntry,
 }
 
-const _: () = assert!(std::mem::size_of::<POpMsg>() == 136);
+const _: () = assert!(std::mem::size_of::<POpMsg>() == 152);
 
 /// The primary programs' counters, summed over the CPUs (`struct rep_p_counters`).
 #[repr(C)]
@@ -574,14 +581,14 @@ impl Replica {
         };
         let req = POpMsg { word0: code, word1: 0, key: *key, pad: 0, value: PEntry { state: value.copied().unwrap_or_default(), ..PEntry::default() } };
         // SAFETY: POpMsg is #[repr(C)] integers and bytes without padding.
-        let bytes: [u8; 136] = unsafe { std::mem::transmute(req) };
+        let bytes: [u8; 152] = unsafe { std::mem::transmute(req) };
         let prog: &SchedClassifier = self.ebpf.program(P_OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {P_OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(P_OP_PROGRAM, e))?;
         let (run, _) = test_run(prog, &bytes, 1)?;
-        if run.packet.len() < 136 {
+        if run.packet.len() < 152 {
             return Err(Error::Bpf(format!("{P_OP_PROGRAM} answered {} bytes", run.packet.len())));
         }
-        let mut out = [0u8; 136];
-        out.copy_from_slice(&run.packet[..136]);
+        let mut out = [0u8; 152];
+        out.copy_from_slice(&run.packet[..152]);
         // SAFETY: as above.
         let ans: POpMsg = unsafe { std::mem::transmute(out) };
         let result = match (run.verdict, ans.word0) {
@@ -679,6 +686,9 @@ mod tests {
             ("REP_P_CLIENT_LAST", pflag::CLIENT_LAST),
             ("REP_P_CL_TS", pflag::CL_TS),
             ("REP_P_B", pflag::B),
+            ("REP_P_B_ALIGNED", pflag::B_ALIGNED),
+            ("REP_P_OUT_SEEN", pflag::OUT_SEEN),
+            ("REP_P_STRICT", pflag::STRICT),
         ] {
             assert_eq!(value(name), f, "{name}");
         }

@@ -177,10 +177,15 @@ fn main() {
             cl_ts_ecr: P_TS0,
             cl_win: 512,
             ws_p: 7,
+            // 1,448 bytes released already: the output row is a retransmission of them.
+            rel: P_ISN.wrapping_add(1 + 1448),
+            p_end: P_ISN.wrapping_add(1 + 1448),
+            snd_c: P_ISN.wrapping_add(1 + 1448),
             ..PState::default()
         };
         let cases: Vec<(&str, PrimaryDirection, Vec<u8>)> = vec![
             ("primary: server pure ACK, TS (gate: ACK lowered, window)", PrimaryDirection::Outgoing, from_server(Repr { seq: Seq(P_ISN.wrapping_add(1)), ack: Seq(C_ISN + 1 + 5000), flags: F::ACK, window: 700, timestamp: Some((P_TS0 + 3, 600)), ..Default::default() }, &[])),
+            ("primary: 1448 B output, TS, retransmission of released bytes (gate)", PrimaryDirection::Outgoing, from_server(Repr { seq: Seq(P_ISN.wrapping_add(1)), ack: Seq(C_ISN + 1 + 5000), flags: F::ACK | F::PSH, window: 700, timestamp: Some((P_TS0 + 3, 600)), ..Default::default() }, &[9u8; 1448])),
             ("primary: client pure ACK, TS (learned, unchanged)", PrimaryDirection::Incoming, from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((600, P_TS0 + 3)), ..Default::default() }, &[])),
         ];
         for (what, d, pkt) in cases {

@@ -426,6 +426,14 @@ struct eg_info {
 	struct rep_key key;
 };
 
+/* Kept off the stack (per CPU): the egress programs' stack is full. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct eg_info);
+} rep_eg SEC(".maps");
+
 static __always_inline void eg_note(struct eg_info *g, const struct fp_pkt *p, const struct rep_key *k)
 {
 	__builtin_memcpy(g->src, p->src, 16);
@@ -541,9 +549,13 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 SEC("classifier")
 int rep_b_out(struct __sk_buff *skb)
 {
-	struct eg_info g = {};
+	__u32 zero = 0;
+	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
 
-	return egress_declined(skb, &g, b_out(skb, &g));
+	if (!g)
+		return FP_SLOW;
+	g->parsed = 0;
+	return egress_declined(skb, g, b_out(skb, g));
 }
 
 /* The daemon's operations on an entry (rep_state.h), by BPF_PROG_TEST_RUN. Never attached. */
@@ -864,9 +876,13 @@ static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 SEC("classifier")
 int rep_p_out(struct __sk_buff *skb)
 {
-	struct eg_info g = {};
+	__u32 zero = 0;
+	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
 
-	return egress_declined(skb, &g, p_out(skb, &g));
+	if (!g)
+		return FP_SLOW;
+	g->parsed = 0;
+	return egress_declined(skb, g, p_out(skb, g));
 }
 
 /* The daemon's operations on a primary entry (REP_OP_*; COLLECT reads it). Never attached. */

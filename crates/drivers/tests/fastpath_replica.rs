@@ -1325,3 +1325,49 @@ fn relaxed_output_passes_at_once_only_once_the_backup_is_aligned() {
     let v = both.step(PD::Outgoing, &conn.pserver(5, 0, 300, Some((conn.p_ts0 + 2, 501)), b"$1\r\nx\r\n"), "output after");
     assert_eq!(v, Verdict::Done);
 }
+
+/// `p` with the TCP options `opts` (a multiple of 4 bytes) after its fixed header.
+fn with_tcp_options(p: &[u8], opts: &[u8]) -> Vec<u8> {
+    assert_eq!(opts.len() % 4, 0);
+    let info = IpInfo::parse(p).unwrap();
+    let l4 = info.l4_offset;
+    let mut q = p[..l4 + 20].to_vec();
+    q.extend_from_slice(opts);
+    q.extend_from_slice(&p[l4 + 20..]);
+    q[l4 + 12] = (((20 + opts.len()) / 4) as u8) << 4;
+    if info.src.is_ipv4() {
+        let tl = q.len() as u16;
+        q[2..4].copy_from_slice(&tl.to_be_bytes());
+    } else {
+        let pl = (q.len() - 40) as u16;
+        q[4..6].copy_from_slice(&pl.to_be_bytes());
+    }
+    refill(&mut q);
+    q
+}
+
+/// Two timestamp options (and two SACK options) in one segment: the replica engine's parser
+/// keeps the last of each, and so do the programs, byte for byte.
+#[test]
+fn hostile_duplicate_options_are_read_as_the_engine_reads_them() {
+    let Some(fp) = fast_path("hostile_duplicate_options_are_read_as_the_engine_reads_them") else { return };
+    let conn = Conn::v4();
+    let mut both = Both::new(fp, conn, false, true);
+    both.claims(Outgoing, &conn.server(0, 0, 300, Some((conn.b_ts0 + 1, 501)), &[1; 3000]), "output");
+    let ts = |v: u32, e: u32| -> Vec<u8> { let mut o = vec![8, 10]; o.extend_from_slice(&v.to_be_bytes()); o.extend_from_slice(&e.to_be_bytes()); o };
+    let edge = |x: u32| conn.p_isn.wrapping_add(1 + x).to_be_bytes();
+    let mut opts = vec![1, 1];
+    opts.extend(ts(600, conn.p_ts0 + 1));
+    opts.extend([1, 1]);
+    opts.extend(ts(601, conn.p_ts0 + 2));
+    let base = conn.client(0, 100, None, &[], b"");
+    both.step(Incoming, &with_tcp_options(&base, &opts), "two timestamp options");
+    let mut opts = vec![1, 1, 5, 10];
+    opts.extend(edge(200));
+    opts.extend(edge(300));
+    opts.extend([1, 1, 5, 10]);
+    opts.extend(edge(400));
+    opts.extend(edge(3500));
+    both.step(Incoming, &with_tcp_options(&base, &opts), "two SACK options, the last beyond SND.MAX");
+    assert_eq!((both.claimed, both.slow), (3, 0), "claimed as the engine decides them");
+}

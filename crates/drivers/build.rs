@@ -9,7 +9,11 @@ const INSTALL: &str = "apt-get install -y --no-install-recommends clang libbpf-d
 
 /// The programs: (source under bpf/, object name, extra clang flags). Object mode's programs
 /// use atomic `or` on map values (BPF ISA v3; every kernel this project targets has it).
-const PROGRAMS: &[(&str, &str, &[&str])] = &[("checkpoint/ckpt_tc.c", "ckpt_tc.o", &[]), ("object/obj_fast.c", "obj_fast.o", &["-mcpu=v3"])];
+const PROGRAMS: &[(&str, &str, &[&str])] = &[
+    ("checkpoint/ckpt_tc.c", "ckpt_tc.o", &[]),
+    ("object/obj_fast.c", "obj_fast.o", &["-mcpu=v3"]),
+    ("replica/rep_tc.c", "rep_tc.o", &[]),
+];
 
 fn main() {
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("bpf");

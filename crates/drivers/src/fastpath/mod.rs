@@ -11,6 +11,7 @@
 
 pub mod checkpoint;
 pub mod object;
+pub mod replica;
 
 use std::fmt;
 

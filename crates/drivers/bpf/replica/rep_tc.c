@@ -1,0 +1,939 @@
+/* Replica mode's fast path, the backup's half (issue 22 item 4, step 1): the per-packet steps of
+ * unbroken_engines::replica::Backup for the steady state of an aligned connection, as two tc
+ * programs that name the engine's steps (ST-TCP seed 001 3.3.0.1 / 3.3.1, Koch seed 003 3.1):
+ *
+ *   rep_b_in   client -> backup server  (Backup::incoming: the client's ACK, SACK edges - Δ,
+ *              clamped to what the backup's server sent, TSecr - offset; what it learns from an
+ *              acceptable segment: last_ack, acked_b, ts_floor, client_ts_max, client_ts)
+ *   rep_b_out  backup server -> client  (Backup::outgoing before take-over: withheld; what it
+ *              learns: SND.MAX, RCV.NXT and the window edge, the server's newest TSval, the
+ *              output digest (learn_output: FNV-1a over the bytes, GSO super-packets whole),
+ *              its checkpoint and the copy kept for the take-over, both sent to the daemon as
+ *              ring-buffer records)
+ *
+ * Claimed only where the answer is the engine's: everything else is FP_SLOW, untouched, the
+ * entry frozen (rep_state.h): no entry (not aligned, or promoted: the daemon removes every entry
+ * at take-over); SYN, FIN, RST, no ACK; IP options, fragments, IPv6 extension headers; an option
+ * the engine would not parse, or at an odd offset; from the client, a checksum that does not
+ * verify; from the server, output beyond a gap in the digest (BConn::ooo). rep_op is the
+ * daemon's side of the hand-off.
+ */
+#include "../common/fastpath.h"
+#include "rep_state.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/* A withheld packet or one the engine drops by decision (a client ACK beyond what the backup's
+ * server sent, in strict mode): claimed and consumed (TC_ACT_STOLEN: freed, not counted as a
+ * drop). */
+#define FP_CONSUMED TC_ACT_STOLEN
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct rep_key);
+	__type(value, struct rep_b_entry);
+} rep_b_conns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 16 << 20);
+} rep_records SEC(".maps");
+
+/* The engine's BackupCounters the programs move, and their own, per CPU
+ * (unbroken_drivers::fastpath::replica::Counters). */
+struct rep_counters {
+	__u64 incoming;       /* claimed client packets */
+	__u64 withheld;       /* claimed server packets (BackupCounters::withheld) */
+	__u64 slow;           /* of a connection with an entry, left to the slow path */
+	__u64 dropped;        /* a rewrite the kernel could not write */
+	__u64 unacceptable;   /* BackupCounters::unacceptable */
+	__u64 ack_unverified; /* BackupCounters::ack_unverified */
+	__u64 ack_clamped;    /* BackupCounters::ack_clamped */
+	__u64 dropped_beyond; /* client segments dropped: ACK beyond, strict */
+	__u64 records_lost;   /* ring-buffer records that did not fit */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_counters);
+} rep_stats SEC(".maps");
+
+struct rep_piece {
+	struct rep_rec h;
+	__u8 buf[REP_KEEP_PIECE];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_piece);
+} rep_piece_buf SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_cfg);
+} rep_cfg SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, struct rep_svc);
+	__type(value, __u8);
+} rep_services SEC(".maps");
+
+static __always_inline struct rep_counters *stats(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&rep_stats, &zero);
+}
+
+#define COUNT(field)                              \
+	({                                        \
+		struct rep_counters *__s = stats(); \
+		if (__s)                          \
+			__s->field++;             \
+	})
+
+static __always_inline int seq_le(__u32 a, __u32 b) { return (__s32)(a - b) <= 0; }
+/* RFC 7323's serial comparison of timestamps (replica::ts_before). */
+static __always_inline int ts_before(__u32 a, __u32 b) { return (__s32)(b - a) > 0; }
+
+static __always_inline int slow_locked(struct __sk_buff *skb, struct rep_b_entry *e)
+{
+	e->ctl |= REP_C_FROZEN;
+	e->slow++;
+	bpf_spin_unlock(&e->lock);
+	skb->mark |= REP_MARK_SLOW;
+	COUNT(slow);
+	return FP_SLOW;
+}
+
+static __always_inline int slow(struct __sk_buff *skb, struct rep_b_entry *e)
+{
+	bpf_spin_lock(&e->lock);
+	return slow_locked(skb, e);
+}
+
+/* Reads the state under the lock: 0 with `st` and `gen`, or the slow path's verdict (frozen). */
+static __always_inline int snapshot(struct __sk_buff *skb, struct rep_b_entry *e, struct rep_b_state *st, __u32 *gen)
+{
+	bpf_spin_lock(&e->lock);
+	if (e->ctl & REP_C_FROZEN)
+		return slow_locked(skb, e);
+	*st = e->s;
+	*gen = e->gen;
+	bpf_spin_unlock(&e->lock);
+	return 0;
+}
+
+/* Writes `st` back if nothing changed the entry since `gen` was read: 0, or the slow path's
+ * verdict (another packet of the connection was decided meanwhile). `changed`: sets
+ * REP_C_CHANGED; *first says whether it was clear. */
+static __always_inline int commit_state(struct __sk_buff *skb, struct rep_b_entry *e, const struct rep_b_state *st, __u32 gen, int changed, int *first)
+{
+	bpf_spin_lock(&e->lock);
+	if ((e->ctl & REP_C_FROZEN) || e->gen != gen)
+		return slow_locked(skb, e);
+	e->s = *st;
+	e->gen++;
+	*first = changed && !(e->ctl & REP_C_CHANGED);
+	if (changed)
+		e->ctl |= REP_C_CHANGED;
+	bpf_spin_unlock(&e->lock);
+	return 0;
+}
+
+/* A client segment verifies (as in ckpt_tc.c's peer_csum_ok, the same three cases): the NIC
+ * checked it, its sum is right, or its field holds the pseudo-header sum of a packet built on
+ * this host (CHECKSUM_PARTIAL), which the daemon completes before the engine sees it. */
+static __always_inline int client_csum_ok(struct __sk_buff *skb, const struct fp_pkt *p)
+{
+	if (bpf_csum_level(skb, BPF_CSUM_LEVEL_QUERY) >= 0)
+		return 1;
+	if (fp_l4_csum_partial(p))
+		return 1;
+	return fp_l4_csum_ok(skb, p);
+}
+
+static __always_inline int ack_only(const struct fp_pkt *p)
+{
+	__u8 f = ((const __u8 *)&p->th)[FP_TCP_FLAGS];
+
+	return (f & (FP_ACK | FP_SYN | FP_FIN | FP_RST)) == FP_ACK;
+}
+
+static __always_inline void key_of(struct rep_key *k, const __u8 *client, __be16 client_port, __be16 server_port)
+{
+	__builtin_memcpy(k->client, client, 16);
+	k->client_port = client_port;
+	k->server_port = server_port;
+}
+
+/* Backup::incoming for a client segment of an aligned connection. */
+SEC("classifier")
+int rep_b_in(struct __sk_buff *skb)
+{
+	struct fp_pkt p = {};
+	struct rep_key k = {};
+	struct rep_b_state c;
+	const struct fp_opts *o = &p.o;
+	__u32 gen;
+	int first, r;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	key_of(&k, p.src, p.th.source, p.th.dest);
+	struct rep_b_entry *e = bpf_map_lookup_elem(&rep_b_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	/* A SYN (a new connection or a retransmission), FIN (client_fin), RST (client_rst), a
+	 * segment without ACK: the engine's. So is one whose checksum fails (it drops and counts
+	 * it) and one with options it would not parse. */
+	if (!ack_only(&p) || !client_csum_ok(skb, &p) || fp_scan_options(&p))
+		return slow(skb, e);
+	if ((r = snapshot(skb, e, &c, &gen)))
+		return r;
+	if (!(c.flags & REP_B_ALIGNED))
+		return slow(skb, e);
+
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	__u32 len = fp_payload_len(&p);
+	__u32 has_ts = o->ts_at != 0;
+
+	/* RFC 793's acceptability test against the window the backup's server announced: only such
+	 * a segment teaches anything (a blind forgery must guess the client's sequence number). */
+	int in_window = !(c.flags & REP_B_RCV_KNOWN) || (seq_ge(seq + len, c.rcv_nxt) && seq_le(seq, c.rcv_edge));
+	if (in_window && has_ts && (!(c.flags & REP_B_TS_FLOOR) || ts_before(c.ts_floor, o->tsecr))) {
+		c.ts_floor = o->tsecr;
+		c.flags |= REP_B_TS_FLOOR;
+	}
+	/* An ACK beyond what the backup's server sent, where the primary did not report output
+	 * that far: a blind forgery or ahead of the report; not learned (dropped in strict mode). */
+	int beyond = seq_gt(ack - c.delta, c.snd_max) && !((c.flags & REP_B_P_OUT) && seq_le(ack, c.p_out));
+	if (in_window && !beyond && has_ts && (!(c.flags & REP_B_CTS_MAX) || !ts_before(o->tsval, c.cts_max_val))) {
+		c.cts_max_val = o->tsval;
+		c.cts_max_ecr = o->tsecr;
+		c.flags |= REP_B_CTS_MAX;
+	}
+	if (beyond && (c.flags & REP_B_STRICT)) {
+		if ((r = commit_state(skb, e, &c, gen, 0, &first)))
+			return r;
+		if (!in_window)
+			COUNT(unacceptable);
+		COUNT(ack_unverified);
+		COUNT(dropped_beyond);
+		skb->mark |= REP_MARK_DONE;
+		return FP_CONSUMED;
+	}
+	if (in_window && !beyond && (seq_gt(ack, c.last_ack) || !(c.flags & REP_B_CLIENT_SEEN))) {
+		c.last_ack = ack;
+		c.client_win = bpf_ntohs(p.th.window);
+		if (has_ts) {
+			c.cts_val = o->tsval;
+			c.cts_ecr = o->tsecr;
+			c.flags |= REP_B_CTS;
+		} else {
+			c.cts_val = c.cts_ecr = 0;
+			c.flags &= ~REP_B_CTS;
+		}
+		__builtin_memcpy(c.server, p.dst, 16);
+		c.flags |= REP_B_SERVER | REP_B_CLIENT_SEEN;
+	}
+	/* Into the backup's space, never beyond what its server sent (Linux discards a segment whose
+	 * ACK covers unsent data, payload included). */
+	int clamped = 0;
+	__u32 ack_b = ack - c.delta;
+	if (seq_gt(ack_b, c.snd_max)) {
+		clamped = 1;
+		ack_b = c.snd_max;
+	}
+	if (in_window && (!(c.flags & REP_B_ACKED_B) || seq_gt(ack_b, c.acked_b))) {
+		c.acked_b = ack_b;
+		c.flags |= REP_B_ACKED_B;
+	}
+	if (ack_b != ack)
+		fp_set32(&p, FP_TCP_ACK, ack, ack_b);
+	if (o->sack_at) {
+		for (__u32 i = 0; i < 8; i++) {
+			if (i >= o->sack_n * 2)
+				break;
+			__u32 at = o->sack_at + 2 + 4 * i;
+			__u32 v = fp_opt32(&p, at - sizeof(struct tcphdr));
+			__u32 w = v - c.delta;
+			if (seq_gt(w, c.snd_max)) {
+				clamped = 1;
+				w = c.snd_max;
+			}
+			if (w != v)
+				fp_set32(&p, at, v, w);
+		}
+	}
+	if (has_ts && c.ts_off)
+		fp_set32(&p, o->ts_at + 6, o->tsecr, o->tsecr - c.ts_off);
+
+	if ((r = commit_state(skb, e, &c, gen, 0, &first)))
+		return r;
+	if (!in_window)
+		COUNT(unacceptable);
+	if (beyond)
+		COUNT(ack_unverified);
+	if (clamped)
+		COUNT(ack_clamped);
+	/* The state is written before the packet: a packet the kernel then fails to write is
+	 * dropped (the client resends it), its facts already learned, which the engine would have
+	 * learned from it too. */
+	if (fp_commit(skb, &p)) {
+		COUNT(dropped);
+		return FP_DROP;
+	}
+	skb->mark |= REP_MARK_DONE;
+	COUNT(incoming);
+	return FP_DONE;
+}
+
+/* FNV-1a over packet bytes (wire::replica::hash_continue), a FP_CHUNK piece per bpf_loop step. */
+struct hash_ctx {
+	struct __sk_buff *skb;
+	__u64 h;
+	__u32 off;  /* next byte (skb offset) */
+	__u32 left; /* bytes still to hash */
+	__s32 err;
+};
+
+static long hash_step(__u32 i, void *data)
+{
+	struct hash_ctx *x = data;
+	__u32 zero = 0;
+
+	if (!x->left)
+		return 1;
+	struct fp_scratch *s = bpf_map_lookup_elem(&fp_scratch, &zero);
+	if (!s) {
+		x->err = -1;
+		return 1;
+	}
+	__u32 n = x->left > FP_CHUNK ? FP_CHUNK : x->left;
+	n = FP_BOUND(n, 2 * FP_CHUNK - 1);
+	if (n == 0 || n > FP_CHUNK || bpf_skb_load_bytes(x->skb, x->off, s->buf, n)) {
+		x->err = -1;
+		return 1;
+	}
+	__u64 h = x->h;
+	for (__u32 j = 0; j < FP_CHUNK; j++) {
+		if (j >= n)
+			break;
+		h ^= s->buf[j];
+		h *= 0x100000001b3ULL;
+	}
+	x->h = h;
+	x->off += n;
+	x->left -= n;
+	return 0;
+}
+
+/* The pieces of a withheld packet (REP_REC_KEEP), a bpf_loop step each. */
+struct keep_ctx {
+	struct __sk_buff *skb;
+	__u32 type;
+	struct rep_key key;
+	__u32 end_b;
+	__u32 total;
+	__u32 off;
+	__s32 err;
+};
+
+static long keep_step(__u32 i, void *data)
+{
+	struct keep_ctx *x = data;
+	__u32 zero = 0;
+
+	if (x->off >= x->total)
+		return 1;
+	struct rep_piece *pc = bpf_map_lookup_elem(&rep_piece_buf, &zero);
+	if (!pc) {
+		x->err = -1;
+		return 1;
+	}
+	__u32 n = x->total - x->off;
+	if (n > REP_KEEP_PIECE)
+		n = REP_KEEP_PIECE;
+	n = FP_BOUND(n, 2 * REP_KEEP_PIECE - 1);
+	if (n == 0 || n > REP_KEEP_PIECE || bpf_skb_load_bytes(x->skb, FP_L3_ETH + x->off, pc->buf, n)) {
+		x->err = -1;
+		return 1;
+	}
+	pc->h.type = x->type;
+	pc->h.len = n;
+	pc->h.a = x->end_b;
+	pc->h.b = x->total;
+	pc->h.off = x->off;
+	pc->h.pad = 0;
+	pc->h.hash = 0;
+	pc->h.key = x->key;
+	pc->h.pad2 = 0;
+	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, BPF_RB_NO_WAKEUP)) {
+		x->err = -1;
+		return 1;
+	}
+	x->off += n;
+	return 0;
+}
+
+/* A record without bytes, built in the per-CPU piece buffer (the stack is the programs' scarcest
+ * resource). */
+static __always_inline void record(const struct rep_key *k, __u32 type, __u32 a, __u64 hash, __u64 flags)
+{
+	__u32 zero = 0;
+	struct rep_piece *pc = bpf_map_lookup_elem(&rep_piece_buf, &zero);
+
+	if (!pc) {
+		COUNT(records_lost);
+		return;
+	}
+	pc->h.type = type;
+	pc->h.len = 0;
+	pc->h.a = a;
+	pc->h.b = 0;
+	pc->h.off = 0;
+	pc->h.pad = 0;
+	pc->h.hash = hash;
+	pc->h.key = *k;
+	pc->h.pad2 = 0;
+	if (bpf_ringbuf_output(&rep_records, &pc->h, sizeof(pc->h), flags))
+		COUNT(records_lost);
+}
+
+/* What an egress program answers for a packet it declines (`v`, FP_SLOW): attached in copy mode,
+ * a packet of the service goes to the daemon (REP_REC_SLOW pieces) and is consumed, never to
+ * the wire as its server built it; otherwise (and for packets of other services) `v`. A packet
+ * fp_parse refused is not the service's (the local stack builds TCP without IP options,
+ * fragments or extension headers). */
+/* What an egress program's wrapper needs of a packet it parsed. */
+struct eg_info {
+	__u8 src[16];
+	__be16 sport;
+	__u16 parsed;
+	__u32 l4;
+	__u32 l4_len;
+	struct rep_key key;
+};
+
+/* Kept off the stack (per CPU): the egress programs' stack is full. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct eg_info);
+} rep_eg SEC(".maps");
+
+static __always_inline void eg_note(struct eg_info *g, const struct fp_pkt *p, const struct rep_key *k)
+{
+	__builtin_memcpy(g->src, p->src, 16);
+	g->sport = p->th.source;
+	g->l4 = p->l4;
+	g->l4_len = p->l4_len;
+	g->key = *k;
+	g->parsed = 1;
+}
+
+static __always_inline int egress_declined(struct __sk_buff *skb, const struct eg_info *g, int v)
+{
+	__u32 zero = 0;
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
+
+	if (v != FP_SLOW || !cfg || !(cfg->flags & REP_CFG_EGRESS_COPY) || !g->parsed)
+		return v;
+	struct rep_svc svc = {};
+	__builtin_memcpy(svc.addr, g->src, 16);
+	svc.port = g->sport;
+	if (!bpf_map_lookup_elem(&rep_services, &svc))
+		return v;
+	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = 0, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
+	if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
+		COUNT(records_lost);
+	return FP_CONSUMED;
+}
+
+/* Backup::outgoing for a segment of the backup's server on an aligned connection, before the
+ * take-over: learned from, withheld. */
+static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
+{
+	struct fp_pkt p = {};
+	struct rep_key k = {};
+	struct rep_b_state c;
+	const struct fp_opts *o = &p.o;
+	__u32 gen;
+	int first, r;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	key_of(&k, p.dst, p.th.dest, p.th.source);
+	eg_note(g, &p, &k);
+	struct rep_b_entry *e = bpf_map_lookup_elem(&rep_b_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	/* SYN-ACK (b_isn, alignment), RST (rst_out), FIN (fin_out), no ACK: the engine's. */
+	if (!ack_only(&p) || fp_scan_options(&p))
+		return slow(skb, e);
+	__u64 now = bpf_ktime_get_ns();
+	if ((r = snapshot(skb, e, &c, &gen)))
+		return r;
+	if (!(c.flags & REP_B_ALIGNED))
+		return slow(skb, e);
+
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	__u32 n = fp_payload_len(&p);
+
+	if (o->ts_at && (!(c.flags & REP_B_B_TS) || !ts_before(o->tsval, c.b_ts_val))) {
+		c.b_ts_val = o->tsval;
+		c.b_ts_at = now;
+		c.flags |= REP_B_B_TS;
+	}
+	__u32 end_b = seq + n;
+	if (seq_gt(end_b, c.snd_max))
+		c.snd_max = end_b;
+	/* What its server received: its ACK and right window edge. */
+	if (!(c.flags & REP_B_RCV_KNOWN) || seq_gt(ack, c.rcv_nxt))
+		c.rcv_nxt = ack;
+	__u32 edge = ack + ((__u32)bpf_ntohs(p.th.window) << (c.ws_b & 15));
+	if (!(c.flags & REP_B_RCV_KNOWN) || seq_gt(edge, c.rcv_edge))
+		c.rcv_edge = edge;
+	c.flags |= REP_B_RCV_KNOWN;
+	/* learn_output: the digest continues with the bytes beyond out_end (primary's space). */
+	__u32 sp = seq + c.delta;
+	int learned = 0;
+	if (n > 0) {
+		__u32 e_p = sp + n;
+		if (seq_le(sp, c.out_end) && seq_gt(e_p, c.out_end)) {
+			__u32 skip = c.out_end - sp;
+			struct hash_ctx hx = { .skb = skb, .h = c.out_hash, .off = p.l4 + p.hdr_len + skip, .left = n - skip };
+			if (bpf_loop(FP_CHUNKS + 1, hash_step, &hx, 0) < 0 || hx.err || hx.left)
+				return slow(skb, e);
+			c.out_hash = hx.h;
+			c.out_end = e_p;
+			learned = 1;
+		} else if (seq_gt(sp, c.out_end)) {
+			/* Beyond a gap (BConn::ooo, output_gap): the engine keeps it aside. */
+			return slow(skb, e);
+		}
+	}
+	if ((r = commit_state(skb, e, &c, gen, 1, &first)))
+		return r;
+	/* The daemon's records, in the engine's order: the checkpoint, the copy kept for the
+	 * take-over (payload only), the connection's change (once per report). */
+	if (learned)
+		record(&k, REP_REC_CHECKPOINT, c.out_end, c.out_hash, BPF_RB_NO_WAKEUP);
+	if (n > 0) {
+		struct keep_ctx kx = { .skb = skb, .type = REP_REC_KEEP, .key = k, .end_b = end_b, .total = p.l4 - FP_L3_ETH + p.l4_len, .off = 0 };
+		if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
+			COUNT(records_lost);
+	}
+	if (first)
+		record(&k, REP_REC_CHANGED, 0, 0, 0);
+	skb->mark |= REP_MARK_DONE;
+	COUNT(withheld);
+	return FP_CONSUMED;
+}
+
+/* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
+ * (egress_declined). */
+SEC("classifier")
+int rep_b_out(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
+
+	if (!g)
+		return FP_SLOW;
+	g->parsed = 0;
+	return egress_declined(skb, g, b_out(skb, g));
+}
+
+/* The daemon's operations on an entry (rep_state.h), by BPF_PROG_TEST_RUN. Never attached. */
+SEC("classifier")
+int rep_op(struct __sk_buff *skb)
+{
+	struct rep_op_req rq = {};
+	struct rep_op_ans an = {};
+
+	if (bpf_skb_load_bytes(skb, FP_L3_ETH, &rq, sizeof(rq)))
+		return 3;
+	an.key = rq.key;
+	struct rep_b_entry *e = bpf_map_lookup_elem(&rep_b_conns, &rq.key);
+	if (!e) {
+		an.result = 1;
+		goto out;
+	}
+	bpf_spin_lock(&e->lock);
+	an.ctl_before = e->ctl;
+	switch (rq.op) {
+	case REP_OP_TAKE:
+		e->seen++;
+		/* fall through */
+	case REP_OP_FREEZE:
+		e->ctl |= REP_C_FROZEN | REP_C_USER;
+		break;
+	case REP_OP_THAW:
+		if (e->seen != e->slow) {
+			an.result = 2;
+			break;
+		}
+		/* fall through */
+	case REP_OP_THAW_FORCE:
+		e->seen = e->slow;
+		e->ctl = 0;
+		e->s = rq.value.s;
+		e->gen++;
+		break;
+	case REP_OP_COLLECT:
+		e->ctl &= ~REP_C_CHANGED;
+		break;
+	default:
+		an.result = 3;
+	}
+	an.value.ctl = e->ctl;
+	an.value.slow = e->slow;
+	an.value.seen = e->seen;
+	an.value.gen = e->gen;
+	an.value.s = e->s;
+	bpf_spin_unlock(&e->lock);
+out:
+	if (bpf_skb_store_bytes(skb, FP_L3_ETH, &an, sizeof(an), 0))
+		return 3;
+	return an.result;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The primary's half: Primary::incoming and Primary::outgoing for pure ACKs of a protected,  */
+/* established connection whose SYN-ACK went out (Koch 3.2's gate, issue 20's stamp).         */
+/* ------------------------------------------------------------------------------------------ */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct rep_key);
+	__type(value, struct rep_p_entry);
+} rep_p_conns SEC(".maps");
+
+/* When the primary's server last produced new output on a connection the programs carry
+ * (Primary::last_output_ms; the kernel's clock, ns). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} rep_p_clock SEC(".maps");
+
+/* Per CPU (unbroken_drivers::fastpath::replica::PrimaryCounters). */
+struct rep_p_counters {
+	__u64 incoming;     /* client pure ACKs claimed (learned, passed unchanged) */
+	__u64 outgoing;     /* server pure ACKs claimed (gated) */
+	__u64 slow;
+	__u64 dropped;
+	__u64 acks_lowered; /* PrimaryCounters::acks_lowered */
+	__u64 ts_raised;    /* PrimaryCounters::ts_raised */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_p_counters);
+} rep_p_stats SEC(".maps");
+
+#define P_COUNT(field)                                          \
+	({                                                      \
+		__u32 __z = 0;                                  \
+		struct rep_p_counters *__s = bpf_map_lookup_elem(&rep_p_stats, &__z); \
+		if (__s)                                        \
+			__s->field++;                           \
+	})
+
+static __always_inline int p_slow_locked(struct __sk_buff *skb, struct rep_p_entry *e)
+{
+	e->ctl |= REP_C_FROZEN;
+	e->slow++;
+	bpf_spin_unlock(&e->lock);
+	skb->mark |= REP_MARK_SLOW;
+	P_COUNT(slow);
+	return FP_SLOW;
+}
+
+static __always_inline int p_slow(struct __sk_buff *skb, struct rep_p_entry *e)
+{
+	bpf_spin_lock(&e->lock);
+	return p_slow_locked(skb, e);
+}
+
+static __always_inline int p_snapshot(struct __sk_buff *skb, struct rep_p_entry *e, struct rep_p_state *st, __u32 *gen)
+{
+	bpf_spin_lock(&e->lock);
+	if (e->ctl & REP_C_FROZEN)
+		return p_slow_locked(skb, e);
+	*st = e->s;
+	*gen = e->gen;
+	bpf_spin_unlock(&e->lock);
+	return 0;
+}
+
+static __always_inline int p_commit(struct __sk_buff *skb, struct rep_p_entry *e, const struct rep_p_state *st, __u32 gen)
+{
+	bpf_spin_lock(&e->lock);
+	if ((e->ctl & REP_C_FROZEN) || e->gen != gen)
+		return p_slow_locked(skb, e);
+	e->s = *st;
+	e->gen++;
+	bpf_spin_unlock(&e->lock);
+	return 0;
+}
+
+/* Primary::incoming for a client pure ACK (ACK only, no payload) that verifies: learned from,
+ * never changed. A segment with payload is the slow path's (the copy kept for the relay to
+ * the backup, keep_input, is not built here). */
+SEC("classifier")
+int rep_p_in(struct __sk_buff *skb)
+{
+	struct fp_pkt p = {};
+	struct rep_key k = {};
+	struct rep_p_state c;
+	const struct fp_opts *o = &p.o;
+	__u32 gen;
+	int r;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	key_of(&k, p.src, p.th.source, p.th.dest);
+	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	if (!ack_only(&p) || fp_payload_len(&p) || !client_csum_ok(skb, &p) || fp_scan_options(&p))
+		return p_slow(skb, e);
+	__u64 now = bpf_ktime_get_ns();
+	if ((r = p_snapshot(skb, e, &c, &gen)))
+		return r;
+	if (!(c.flags & REP_P_ANSWERED))
+		return p_slow(skb, e);
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	/* Only from a segment the server's TCP would accept (a blind forgery must guess the
+	 * client's sequence number). */
+	int in_window = seq_ge(seq, c.ack_p) && seq_le(seq, c.edge_p);
+	/* The handshake completed: an acceptable ACK of the SYN-ACK. */
+	if (in_window && seq_ge(ack, c.stream_start) && seq_le(ack, c.snd_p))
+		c.flags |= REP_P_ESTABLISHED;
+	/* The client's ACK as the primary heard it, for the backup (ST-TCP 3.6). */
+	if (in_window && seq_gt(ack, c.client_ack) && seq_le(ack, c.snd_p))
+		c.client_ack = ack;
+	if (in_window) {
+		c.cl_end = seq;
+		c.cl_win = bpf_ntohs(p.th.window);
+		if (o->ts_at) {
+			c.cl_ts_val = o->tsval;
+			c.cl_ts_ecr = o->tsecr;
+			c.flags |= REP_P_CL_TS;
+		} else {
+			c.cl_ts_val = c.cl_ts_ecr = 0;
+			c.flags &= ~REP_P_CL_TS;
+		}
+		c.flags |= REP_P_CLIENT_LAST;
+		c.heard_at = now;
+	}
+	if ((r = p_commit(skb, e, &c, gen)))
+		return r;
+	skb->mark |= REP_MARK_DONE;
+	P_COUNT(incoming);
+	return FP_DONE;
+}
+
+/* Primary::outgoing for a segment of its server without SYN, FIN or RST: a pure ACK, a
+ * retransmission of released bytes, or (without strict output commit) new output in order: the
+ * ACK and window the client may see are the lower of both hosts' (Koch 3.2, gated), its TSval
+ * never older than one already sent (stamp). */
+static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
+{
+	struct fp_pkt p = {};
+	struct rep_key k = {};
+	struct rep_p_state c;
+	const struct fp_opts *o = &p.o;
+	__u32 gen;
+	int r;
+
+	if (fp_parse(skb, FP_L3_ETH, &p))
+		return FP_SLOW;
+	key_of(&k, p.dst, p.th.dest, p.th.source);
+	eg_note(g, &p, &k);
+	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
+	if (!e)
+		return FP_SLOW;
+	if (!ack_only(&p) || fp_scan_options(&p))
+		return p_slow(skb, e);
+	__u64 now = bpf_ktime_get_ns();
+	if ((r = p_snapshot(skb, e, &c, &gen)))
+		return r;
+	if (!(c.flags & REP_P_ANSWERED))
+		return p_slow(skb, e);
+	__u32 seq = bpf_ntohl(p.th.seq);
+	__u32 ack = bpf_ntohl(p.th.ack_seq);
+	__u16 win = bpf_ntohs(p.th.window);
+	__u32 n = fp_payload_len(&p);
+	__u32 end = seq + n;
+	int lowered = 0, raised = 0, new_output = 0;
+
+	/* Output: a retransmission of released bytes goes out at once (Koch 4); without strict
+	 * output commit, new output too once the backup is aligned (ST-TCP; the entry exists only
+	 * while nothing is held). Output beyond a gap, and new output held for the backup's digest
+	 * (strict mode), are the engine's. */
+	if (n > 0 && !seq_le(end, c.rel)) {
+		if ((c.flags & REP_P_STRICT) || !(c.flags & REP_P_B_ALIGNED) || seq_gt(seq, c.p_end))
+			return p_slow(skb, e);
+		if (seq_gt(end, c.p_end)) {
+			c.p_end = end;
+			c.flags |= REP_P_OUT_SEEN;
+			new_output = 1;
+		}
+		c.rel = c.p_end;
+		if (seq_gt(end, c.snd_c))
+			c.snd_c = end;
+	}
+
+	c.flags |= REP_P_ESTABLISHED;
+	if (seq_gt(ack, c.ack_p))
+		c.ack_p = ack;
+	__u32 edge = ack + ((__u32)win << (c.ws_p & 15));
+	if (seq_gt(edge, c.edge_p))
+		c.edge_p = edge;
+	if (o->ts_at) {
+		c.ts_val = o->tsval;
+		c.ts_ecr = o->tsecr;
+		c.flags |= REP_P_TS;
+	}
+	if (seq_gt(end, c.snd_p))
+		c.snd_p = end;
+	if (seq_gt(end, c.p_max))
+		c.p_max = end;
+	/* stamp: the newest TSval sent (this packet's TSecr is the newest the server echoed). */
+	if (o->ts_at) {
+		if ((c.flags & REP_P_TS_MAX) && ts_before(o->tsval, c.ts_max)) {
+			fp_set32(&p, o->ts_at + 2, o->tsval, c.ts_max);
+			raised = 1;
+		} else {
+			c.ts_max = o->tsval;
+			c.flags |= REP_P_TS_MAX;
+		}
+	}
+	/* gated: the lower ACK and right edge of both hosts, once the backup reported. */
+	if ((c.flags & (REP_P_B | REP_P_B_RCV_KNOWN)) == (REP_P_B | REP_P_B_RCV_KNOWN)) {
+		__u32 g_ack = seq_lt(c.ack_p, c.b_rcv_nxt) ? c.ack_p : c.b_rcv_nxt;
+		__u32 g_edge = seq_lt(c.edge_p, c.b_rcv_edge) ? c.edge_p : c.b_rcv_edge;
+		__u32 w = seq_gt(g_edge, g_ack) ? g_edge - g_ack : 0;
+		w >>= (c.ws_p & 15);
+		__u16 g_win = w > 0xffff ? 0xffff : (__u16)w;
+		if (g_ack != ack) {
+			if (seq_lt(g_ack, ack))
+				lowered = 1;
+			fp_set32(&p, FP_TCP_ACK, ack, g_ack);
+		}
+		if (g_win != win)
+			fp_set16(&p, FP_TCP_WINDOW, win, g_win);
+		if (!(c.flags & REP_P_SENT_ACK) || seq_gt(g_ack, c.sent_ack)) {
+			c.sent_ack = g_ack;
+			c.flags |= REP_P_SENT_ACK;
+		}
+	}
+	if ((r = p_commit(skb, e, &c, gen)))
+		return r;
+	if (new_output) {
+		/* Primary::last_output_ms: its server is not stalled (the daemon reads it). */
+		__u32 zero = 0;
+		__u64 *t = bpf_map_lookup_elem(&rep_p_clock, &zero);
+		if (t)
+			*t = now;
+	}
+	if (fp_commit(skb, &p)) {
+		P_COUNT(dropped);
+		return FP_DROP;
+	}
+	if (lowered)
+		P_COUNT(acks_lowered);
+	if (raised)
+		P_COUNT(ts_raised);
+	skb->mark |= REP_MARK_DONE;
+	P_COUNT(outgoing);
+	return FP_DONE;
+}
+
+/* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
+ * (egress_declined). */
+SEC("classifier")
+int rep_p_out(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
+
+	if (!g)
+		return FP_SLOW;
+	g->parsed = 0;
+	return egress_declined(skb, g, p_out(skb, g));
+}
+
+/* The daemon's operations on a primary entry (REP_OP_*; COLLECT reads it). Never attached. */
+SEC("classifier")
+int rep_p_op(struct __sk_buff *skb)
+{
+	struct rep_p_op_req rq = {};
+
+	if (bpf_skb_load_bytes(skb, FP_L3_ETH, &rq, sizeof(rq)))
+		return 3;
+	__u32 op = rq.op, result = 0;
+	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &rq.key);
+	if (!e) {
+		result = 1;
+		goto out;
+	}
+	bpf_spin_lock(&e->lock);
+	rq.pad = e->ctl;
+	switch (op) {
+	case REP_OP_TAKE:
+		e->seen++;
+		/* fall through */
+	case REP_OP_FREEZE:
+		e->ctl |= REP_C_FROZEN | REP_C_USER;
+		break;
+	case REP_OP_THAW:
+		if (e->seen != e->slow) {
+			result = 2;
+			break;
+		}
+		/* fall through */
+	case REP_OP_THAW_FORCE:
+		e->seen = e->slow;
+		e->ctl = 0;
+		e->s = rq.value.s;
+		e->gen++;
+		break;
+	case REP_OP_COLLECT:
+		break;
+	default:
+		result = 3;
+	}
+	rq.value.ctl = e->ctl;
+	rq.value.slow = e->slow;
+	rq.value.seen = e->seen;
+	rq.value.gen = e->gen;
+	rq.value.s = e->s;
+	bpf_spin_unlock(&e->lock);
+out:
+	rq.op = result;
+	if (bpf_skb_store_bytes(skb, FP_L3_ETH, &rq, sizeof(rq), 0))
+		return 3;
+	return result;
+}

@@ -1,0 +1,711 @@
+//! Replica mode's fast path, the backup's half (issue 22 item 4, step 1): the steady-state steps
+//! of [`unbroken_engines::replica::Backup`] for an aligned connection (`bpf/replica/rep_tc.c`:
+//! `rep_b_in` for client → backup server, `rep_b_out` for the backup server's output, withheld
+//! with its digest), reading and updating the connection's entry of the `rep_b_conns` map
+//! ([`Entry`]: the hand-off fields and [`State`], the engine's per-connection fields these steps
+//! use), and sending the daemon what the engine keeps in collections (checkpoints, the copies
+//! kept for the take-over, which connections changed) as ring-buffer [`Record`]s. The daemon's
+//! side of the hand-off is [`Replica::op`] (`rep_op` by `BPF_PROG_TEST_RUN`; see
+//! `bpf/replica/rep_state.h`). The primary's half is the steady state of a protected
+//! connection ([`PrimaryDirection`]: `rep_p_in` learns from the client's pure ACKs, `rep_p_out`
+//! gates its server's pure ACKs, retransmissions of released bytes and, without strict output
+//! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). Nothing here attaches the
+//! programs yet.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use aya::maps::{HashMap, MapData, RingBuf};
+use aya::programs::SchedClassifier;
+use aya::Ebpf;
+
+use super::{bpf_err, test_run, Error, Run, Verdict};
+
+/// The compiled programs (build.rs).
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/rep_tc.o"));
+
+const MAP: &str = "rep_b_conns";
+const STATS: &str = "rep_stats";
+const RING: &str = "rep_records";
+const OP_PROGRAM: &str = "rep_op";
+
+const BPF_F_LOCK: u64 = 4;
+const BPF_NOEXIST: u64 = 1;
+
+/// What a program returns for a packet it claimed and consumed: a withheld segment of the
+/// backup's server, or a client segment the engine drops by decision (`TC_ACT_STOLEN`).
+pub const CONSUMED: Verdict = Verdict::Other(4);
+
+/// Bits of [`Entry::ctl`] (`REP_C_*`).
+pub mod ctl {
+    pub const FROZEN: u32 = 1 << 0;
+    pub const USER: u32 = 1 << 1;
+    /// The figures the primary waits for moved since the daemon last collected them.
+    pub const CHANGED: u32 = 1 << 2;
+}
+
+/// Bits of [`State::flags`] (`REP_B_*`): which of the engine's `Option`s are `Some`.
+pub mod flag {
+    pub const ALIGNED: u32 = 1 << 0;
+    pub const RCV_KNOWN: u32 = 1 << 1;
+    pub const CLIENT_SEEN: u32 = 1 << 2;
+    pub const ACKED_B: u32 = 1 << 3;
+    pub const P_OUT: u32 = 1 << 4;
+    pub const TS_FLOOR: u32 = 1 << 5;
+    pub const CTS_MAX: u32 = 1 << 6;
+    pub const CTS: u32 = 1 << 7;
+    pub const B_TS: u32 = 1 << 8;
+    pub const SERVER: u32 = 1 << 9;
+    pub const STRICT: u32 = 1 << 10;
+}
+
+/// `skb->mark` bits: decided on the fast path / counted for the daemon (as checkpoint mode's).
+pub const MARK_DONE: u32 = 0x2000_0000;
+pub const MARK_SLOW: u32 = 0x1000_0000;
+
+/// Which program: the direction of the packet on the backup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// A client segment toward the backup's server (`Backup::incoming`).
+    Incoming,
+    /// A segment of the backup's server toward the client (`Backup::outgoing`).
+    Outgoing,
+}
+
+impl Direction {
+    fn program(self) -> &'static str {
+        match self {
+            Direction::Incoming => "rep_b_in",
+            Direction::Outgoing => "rep_b_out",
+        }
+    }
+}
+
+/// The map key (`struct rep_key`): `replica::ConnKey`, IPv4 as `::ffff:a.b.c.d`, ports in
+/// network order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Key {
+    pub client: [u8; 16],
+    pub client_port: [u8; 2],
+    pub server_port: [u8; 2],
+}
+
+// SAFETY: plain bytes, no padding (20 bytes, asserted below and in C).
+unsafe impl aya::Pod for Key {}
+
+/// An address as the programs store it.
+pub fn addr16(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+impl Key {
+    pub fn new(client: SocketAddr, server_port: u16) -> Key {
+        Key { client: addr16(client.ip()), client_port: client.port().to_be_bytes(), server_port: server_port.to_be_bytes() }
+    }
+}
+
+/// `struct rep_b_state`: the engine's `BConn` fields the programs keep (same names; [`flag`]
+/// says which options are set).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct State {
+    pub out_hash: u64,
+    /// When `b_ts_val` was seen: the kernel's clock (ns, `bpf_ktime_get_ns`) where a program
+    /// set it; the engine keeps its own clock (ms) instead.
+    pub b_ts_at: u64,
+    pub flags: u32,
+    pub delta: u32,
+    pub ts_off: u32,
+    pub snd_max: u32,
+    pub rcv_nxt: u32,
+    pub rcv_edge: u32,
+    pub out_end: u32,
+    pub last_ack: u32,
+    pub acked_b: u32,
+    pub p_out: u32,
+    pub ts_floor: u32,
+    pub cts_max_val: u32,
+    pub cts_max_ecr: u32,
+    pub cts_val: u32,
+    pub cts_ecr: u32,
+    pub b_ts_val: u32,
+    pub server: [u8; 16],
+    pub client_win: u16,
+    pub ws_b: u8,
+    pub pad: u8,
+    pub pad2: u32,
+}
+
+// SAFETY: integers and bytes, no implicit padding (104 bytes, asserted below and in C).
+unsafe impl aya::Pod for State {}
+
+/// A map entry (`struct rep_b_entry`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Entry {
+    /// `struct bpf_spin_lock`: never read or written from here.
+    lock: u32,
+    pub ctl: u32,
+    pub slow: u32,
+    pub seen: u32,
+    pub gen: u32,
+    pad: u32,
+    pub state: State,
+}
+
+// SAFETY: integers, no implicit padding (128 bytes).
+unsafe impl aya::Pod for Entry {}
+
+const _: () = assert!(std::mem::size_of::<Key>() == 20);
+const _: () = assert!(std::mem::size_of::<State>() == 104);
+const _: () = assert!(std::mem::size_of::<Entry>() == 128);
+
+impl Entry {
+    pub fn new(s: &State) -> Entry {
+        Entry { state: *s, ..Entry::default() }
+    }
+}
+
+/// `struct rep_svc`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Svc {
+    addr: [u8; 16],
+    port: [u8; 2],
+    pad: u16,
+}
+
+// SAFETY: bytes, no implicit padding (20 bytes).
+unsafe impl aya::Pod for Svc {}
+
+/// What the programs sent the daemon (`struct rep_rec`), in the order they decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    /// The connection's figures moved since the daemon last collected them ([`Op::Collect`]).
+    Changed(Key),
+    /// `learn_output`'s checkpoint: the output end (primary's space) and its digest.
+    Checkpoint { key: Key, end: u32, hash: u64 },
+    /// A piece of a withheld segment kept for the take-over: the segment's end in the
+    /// backup's space, the IP packet's length, where the piece starts, its bytes.
+    Keep { key: Key, end_b: u32, total: u32, off: u32, bytes: Vec<u8> },
+    /// A piece of a packet of the service an egress program declined in copy mode
+    /// ([`Replica::set_egress_copy`]): consumed there, for the daemon's engine to decide. The IP
+    /// packet's length, where the piece starts, its bytes.
+    Slow { key: Key, total: u32, off: u32, bytes: Vec<u8> },
+    /// A record this version does not know.
+    Unknown(u32),
+}
+
+const REC_LEN: usize = 56;
+
+impl Record {
+    fn parse(b: &[u8]) -> Option<Record> {
+        if b.len() < REC_LEN {
+            return None;
+        }
+        let u32_at = |i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().unwrap());
+        let hash = u64::from_ne_bytes(b[24..32].try_into().unwrap());
+        let mut key = Key::default();
+        key.client.copy_from_slice(&b[32..48]);
+        key.client_port.copy_from_slice(&b[48..50]);
+        key.server_port.copy_from_slice(&b[50..52]);
+        let (ty, len, a, bb, off) = (u32_at(0), u32_at(4) as usize, u32_at(8), u32_at(12), u32_at(16));
+        Some(match ty {
+            1 => Record::Changed(key),
+            2 => Record::Checkpoint { key, end: a, hash },
+            3 => Record::Keep { key, end_b: a, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            4 => Record::Slow { key, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            t => Record::Unknown(t),
+        })
+    }
+}
+
+/// The daemon's operations on an entry (`REP_OP_*`), atomic against the programs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// A packet marked [`MARK_SLOW`] arrived: freeze, count it as taken, hand over the state.
+    Take,
+    /// Freeze and hand over the state (a side-channel message, an unmarked packet).
+    Freeze,
+    /// Give the connection back with this state if no packet is between the paths.
+    Thaw,
+    /// The same, even if one is (it was lost before the queue).
+    ThawForce,
+    /// Read the entry and clear [`ctl::CHANGED`]: the daemon reports its figures now.
+    Collect,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpResult {
+    Done,
+    NoEntry,
+    /// [`Op::Thaw`] refused: the entry stays frozen and the daemon's.
+    Stale,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpAnswer {
+    pub result: OpResult,
+    pub ctl_before: u32,
+    pub entry: Entry,
+}
+
+/// `struct rep_op_req` / `struct rep_op_ans`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct OpMsg {
+    word0: u32,
+    word1: u32,
+    key: Key,
+    pad: u32,
+    value: Entry,
+}
+
+const _: () = assert!(std::mem::size_of::<OpMsg>() == 160);
+
+/// What the programs decided, summed over the CPUs (`struct rep_counters`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    pub incoming: u64,
+    pub withheld: u64,
+    pub slow: u64,
+    pub dropped: u64,
+    /// The engine's `BackupCounters` of the same names, for the packets claimed here.
+    pub unacceptable: u64,
+    pub ack_unverified: u64,
+    pub ack_clamped: u64,
+    /// Client segments dropped because their ACK lay beyond what the backup's server sent
+    /// (strict mode).
+    pub dropped_beyond: u64,
+    /// Records that did not fit the ring (checkpoints, kept copies).
+    pub records_lost: u64,
+}
+
+// SAFETY: plain integers.
+unsafe impl aya::Pod for Counters {}
+
+const P_MAP: &str = "rep_p_conns";
+const P_STATS: &str = "rep_p_stats";
+const P_OP_PROGRAM: &str = "rep_p_op";
+
+/// The primary's programs: the direction of the packet on the primary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrimaryDirection {
+    /// A client segment toward the primary's server (`Primary::incoming`: learned, unchanged).
+    Incoming,
+    /// A segment of the primary's server toward the client (`Primary::outgoing`: gated).
+    Outgoing,
+}
+
+impl PrimaryDirection {
+    fn program(self) -> &'static str {
+        match self {
+            PrimaryDirection::Incoming => "rep_p_in",
+            PrimaryDirection::Outgoing => "rep_p_out",
+        }
+    }
+}
+
+/// Bits of [`PState::flags`] (`REP_P_*`).
+pub mod pflag {
+    pub const ANSWERED: u32 = 1 << 0;
+    pub const ESTABLISHED: u32 = 1 << 1;
+    pub const B_RCV_KNOWN: u32 = 1 << 2;
+    pub const TS: u32 = 1 << 3;
+    pub const TS_MAX: u32 = 1 << 4;
+    pub const SENT_ACK: u32 = 1 << 5;
+    pub const CLIENT_LAST: u32 = 1 << 6;
+    pub const CL_TS: u32 = 1 << 7;
+    pub const B: u32 = 1 << 8;
+    pub const B_ALIGNED: u32 = 1 << 9;
+    pub const OUT_SEEN: u32 = 1 << 10;
+    pub const STRICT: u32 = 1 << 11;
+}
+
+/// `struct rep_p_state`: the engine's `PConn` fields the primary's programs keep.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PState {
+    /// `client_heard_at`: the kernel's clock (ns) where a program set it.
+    pub heard_at: u64,
+    pub flags: u32,
+    pub ack_p: u32,
+    pub edge_p: u32,
+    pub b_rcv_nxt: u32,
+    pub b_rcv_edge: u32,
+    pub ts_val: u32,
+    pub ts_ecr: u32,
+    pub ts_max: u32,
+    pub sent_ack: u32,
+    pub snd_p: u32,
+    pub p_max: u32,
+    pub stream_start: u32,
+    pub client_ack: u32,
+    pub cl_end: u32,
+    pub cl_ts_val: u32,
+    pub cl_ts_ecr: u32,
+    pub cl_win: u16,
+    pub ws_p: u8,
+    pub pad: u8,
+    pub rel: u32,
+    pub p_end: u32,
+    pub snd_c: u32,
+    pub pad2: u32,
+}
+
+// SAFETY: integers, no implicit padding (96 bytes).
+unsafe impl aya::Pod for PState {}
+
+/// A primary map entry (`struct rep_p_entry`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PEntry {
+    lock: u32,
+    pub ctl: u32,
+    pub slow: u32,
+    pub seen: u32,
+    pub gen: u32,
+    pad: u32,
+    pub state: PState,
+}
+
+// SAFETY: integers, no implicit padding (120 bytes).
+unsafe impl aya::Pod for PEntry {}
+
+const _: () = assert!(std::mem::size_of::<PState>() == 96);
+const _: () = assert!(std::mem::size_of::<PEntry>() == 120);
+
+/// `struct rep_p_op_req` (the answer is written over it).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct POpMsg {
+    word0: u32,
+    word1: u32,
+    key: Key,
+    pad: u32,
+    value: PEntry,
+}
+
+const _: () = assert!(std::mem::size_of::<POpMsg>() == 152);
+
+/// The primary programs' counters, summed over the CPUs (`struct rep_p_counters`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrimaryCounters {
+    pub incoming: u64,
+    pub outgoing: u64,
+    pub slow: u64,
+    pub dropped: u64,
+    /// The engine's `PrimaryCounters` of the same names, for the packets claimed here.
+    pub acks_lowered: u64,
+    pub ts_raised: u64,
+}
+
+// SAFETY: plain integers.
+unsafe impl aya::Pod for PrimaryCounters {}
+
+/// The loaded programs, their map and the ring.
+pub struct Replica {
+    ebpf: Ebpf,
+    ring: RingBuf<MapData>,
+}
+
+impl Replica {
+    /// Loads the three programs (through the verifier) and creates the maps.
+    pub fn load() -> Result<Replica, Error> {
+        super::available()?;
+        let mut ebpf = Ebpf::load(OBJECT).map_err(|e| bpf_err("loading bpf/replica/rep_tc.o", e))?;
+        for name in [Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM] {
+            let prog: &mut SchedClassifier = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?.try_into().map_err(|e| bpf_err(name, e))?;
+            prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
+        }
+        let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
+        let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
+        Ok(Replica { ebpf, ring })
+    }
+
+    fn map(&mut self) -> Result<HashMap<&mut MapData, Key, Entry>, Error> {
+        let m = self.ebpf.map_mut(MAP).ok_or_else(|| Error::Bpf(format!("no map {MAP}")))?;
+        HashMap::try_from(m).map_err(|e| bpf_err(MAP, e))
+    }
+
+    /// Writes the entry of `key` (created or replaced; the programs own it, nothing pending).
+    pub fn insert(&mut self, key: &Key, s: &State) -> Result<(), Error> {
+        self.map()?.insert(key, Entry::new(s), 0).map_err(|e| bpf_err("map insert", e))
+    }
+
+    /// Creates the entry of `key`; false when there is one already (left as it is).
+    pub fn install(&mut self, key: &Key, s: &State) -> Result<bool, Error> {
+        match self.map()?.insert(key, Entry::new(s), BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(e) => Err(bpf_err("map insert", e)),
+        }
+    }
+
+    /// The entry of `key`, read under its lock.
+    pub fn entry(&mut self, key: &Key) -> Result<Option<Entry>, Error> {
+        match self.map()?.get(key, BPF_F_LOCK) {
+            Ok(e) => Ok(Some(e)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(bpf_err("map lookup", e)),
+        }
+    }
+
+    /// Removes the entry of `key`.
+    pub fn remove(&mut self, key: &Key) -> Result<(), Error> {
+        match self.map()?.remove(key) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(bpf_err("map remove", e)),
+        }
+    }
+
+    /// Carries out `op` on the entry of `key` (`value`: the state [`Op::Thaw`] writes).
+    pub fn op(&self, op: Op, key: &Key, value: Option<&State>) -> Result<OpAnswer, Error> {
+        let code = match op {
+            Op::Take => 1,
+            Op::Freeze => 2,
+            Op::Thaw => 3,
+            Op::ThawForce => 4,
+            Op::Collect => 5,
+        };
+        let req = OpMsg { word0: code, word1: 0, key: *key, pad: 0, value: value.map(Entry::new).unwrap_or_default() };
+        // SAFETY: OpMsg is #[repr(C)] integers and bytes without padding.
+        let bytes: [u8; 160] = unsafe { std::mem::transmute(req) };
+        let prog: &SchedClassifier = self.ebpf.program(OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(OP_PROGRAM, e))?;
+        let (run, _) = test_run(prog, &bytes, 1)?;
+        if run.packet.len() < 160 {
+            return Err(Error::Bpf(format!("{OP_PROGRAM} answered {} bytes", run.packet.len())));
+        }
+        let mut out = [0u8; 160];
+        out.copy_from_slice(&run.packet[..160]);
+        // SAFETY: as above.
+        let ans: OpMsg = unsafe { std::mem::transmute(out) };
+        let result = match (run.verdict, ans.word0) {
+            (Verdict::Done, 0) => OpResult::Done,
+            (Verdict::Other(1), 1) => OpResult::NoEntry,
+            (Verdict::Drop, 2) => OpResult::Stale,
+            (v, r) => return Err(Error::Bpf(format!("{OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
+        };
+        Ok(OpAnswer { result, ctl_before: ans.word1, entry: ans.value })
+    }
+
+    /// Copy mode for the egress programs (`REP_CFG_EGRESS_COPY`): a packet of a service
+    /// ([`Replica::add_service`]) that `rep_b_out` or `rep_p_out` declines is copied to the
+    /// daemon ([`Record::Slow`]) and consumed instead of passed (attached at tc egress, a
+    /// declined packet would otherwise reach the wire as its server built it).
+    pub fn set_egress_copy(&mut self, on: bool) -> Result<(), Error> {
+        let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
+        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
+        a.set(0, [on as u32, 0], 0).map_err(|e| bpf_err("rep_cfg", e))
+    }
+
+    /// A service endpoint (the service address and a port) for copy mode.
+    pub fn add_service(&mut self, svc: SocketAddr) -> Result<(), Error> {
+        let m = self.ebpf.map_mut("rep_services").ok_or_else(|| Error::Bpf("no map rep_services".into()))?;
+        let mut h: HashMap<&mut MapData, Svc, u8> = HashMap::try_from(m).map_err(|e| bpf_err("rep_services", e))?;
+        h.insert(Svc { addr: addr16(svc.ip()), port: svc.port().to_be_bytes(), pad: 0 }, 1, 0).map_err(|e| bpf_err("rep_services", e))
+    }
+
+    /// The records the programs sent since the last call, in order.
+    pub fn records(&mut self) -> Vec<Record> {
+        let mut out = vec![];
+        while let Some(item) = self.ring.next() {
+            out.push(Record::parse(&item).unwrap_or(Record::Unknown(0)));
+        }
+        out
+    }
+
+    /// What the programs decided so far, summed over the CPUs.
+    pub fn counters(&mut self) -> Result<Counters, Error> {
+        let m = self.ebpf.map_mut(STATS).ok_or_else(|| Error::Bpf(format!("no map {STATS}")))?;
+        let a: aya::maps::PerCpuArray<&mut MapData, Counters> = aya::maps::PerCpuArray::try_from(m).map_err(|e| bpf_err(STATS, e))?;
+        let per_cpu = a.get(&0, 0).map_err(|e| bpf_err("counters", e))?;
+        let mut t = Counters::default();
+        for c in per_cpu.iter() {
+            t.incoming += c.incoming;
+            t.withheld += c.withheld;
+            t.slow += c.slow;
+            t.dropped += c.dropped;
+            t.unacceptable += c.unacceptable;
+            t.ack_unverified += c.ack_unverified;
+            t.ack_clamped += c.ack_clamped;
+            t.dropped_beyond += c.dropped_beyond;
+            t.records_lost += c.records_lost;
+        }
+        Ok(t)
+    }
+
+    fn p_map(&mut self) -> Result<HashMap<&mut MapData, Key, PEntry>, Error> {
+        let m = self.ebpf.map_mut(P_MAP).ok_or_else(|| Error::Bpf(format!("no map {P_MAP}")))?;
+        HashMap::try_from(m).map_err(|e| bpf_err(P_MAP, e))
+    }
+
+    /// Writes the primary entry of `key` (created or replaced; the programs own it).
+    pub fn p_insert(&mut self, key: &Key, s: &PState) -> Result<(), Error> {
+        self.p_map()?.insert(key, PEntry { state: *s, ..PEntry::default() }, 0).map_err(|e| bpf_err("map insert", e))
+    }
+
+    /// The primary entry of `key`, read under its lock.
+    pub fn p_entry(&mut self, key: &Key) -> Result<Option<PEntry>, Error> {
+        match self.p_map()?.get(key, BPF_F_LOCK) {
+            Ok(e) => Ok(Some(e)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(bpf_err("map lookup", e)),
+        }
+    }
+
+    /// Removes the primary entry of `key`.
+    pub fn p_remove(&mut self, key: &Key) -> Result<(), Error> {
+        match self.p_map()?.remove(key) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(bpf_err("map remove", e)),
+        }
+    }
+
+    /// [`Replica::op`] on a primary entry ([`Op::Collect`] only reads it).
+    pub fn p_op(&self, op: Op, key: &Key, value: Option<&PState>) -> Result<(OpResult, u32, PEntry), Error> {
+        let code = match op {
+            Op::Take => 1,
+            Op::Freeze => 2,
+            Op::Thaw => 3,
+            Op::ThawForce => 4,
+            Op::Collect => 5,
+        };
+        let req = POpMsg { word0: code, word1: 0, key: *key, pad: 0, value: PEntry { state: value.copied().unwrap_or_default(), ..PEntry::default() } };
+        // SAFETY: POpMsg is #[repr(C)] integers and bytes without padding.
+        let bytes: [u8; 152] = unsafe { std::mem::transmute(req) };
+        let prog: &SchedClassifier = self.ebpf.program(P_OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {P_OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(P_OP_PROGRAM, e))?;
+        let (run, _) = test_run(prog, &bytes, 1)?;
+        if run.packet.len() < 152 {
+            return Err(Error::Bpf(format!("{P_OP_PROGRAM} answered {} bytes", run.packet.len())));
+        }
+        let mut out = [0u8; 152];
+        out.copy_from_slice(&run.packet[..152]);
+        // SAFETY: as above.
+        let ans: POpMsg = unsafe { std::mem::transmute(out) };
+        let result = match (run.verdict, ans.word0) {
+            (Verdict::Done, 0) => OpResult::Done,
+            (Verdict::Other(1), 1) => OpResult::NoEntry,
+            (Verdict::Drop, 2) => OpResult::Stale,
+            (v, r) => return Err(Error::Bpf(format!("{P_OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
+        };
+        Ok((result, ans.word1, ans.value))
+    }
+
+    /// The primary programs' counters, summed over the CPUs.
+    pub fn p_counters(&mut self) -> Result<PrimaryCounters, Error> {
+        let m = self.ebpf.map_mut(P_STATS).ok_or_else(|| Error::Bpf(format!("no map {P_STATS}")))?;
+        let a: aya::maps::PerCpuArray<&mut MapData, PrimaryCounters> = aya::maps::PerCpuArray::try_from(m).map_err(|e| bpf_err(P_STATS, e))?;
+        let per_cpu = a.get(&0, 0).map_err(|e| bpf_err("counters", e))?;
+        let mut t = PrimaryCounters::default();
+        for c in per_cpu.iter() {
+            t.incoming += c.incoming;
+            t.outgoing += c.outgoing;
+            t.slow += c.slow;
+            t.dropped += c.dropped;
+            t.acks_lowered += c.acks_lowered;
+            t.ts_raised += c.ts_raised;
+        }
+        Ok(t)
+    }
+
+    fn p_program(&self, d: PrimaryDirection) -> Result<&SchedClassifier, Error> {
+        let name = d.program();
+        self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
+    }
+
+    /// Runs `ip` through the primary's program for direction `d` once.
+    pub fn run_primary(&self, d: PrimaryDirection, ip: &[u8]) -> Result<Run, Error> {
+        Ok(test_run(self.p_program(d)?, ip, 1)?.0)
+    }
+
+    /// The kernel's mean time per run of `ip` through the primary's program for `d`.
+    pub fn primary_time_per_packet(&self, d: PrimaryDirection, ip: &[u8], repeat: u32) -> Result<Duration, Error> {
+        Ok(test_run(self.p_program(d)?, ip, repeat)?.1)
+    }
+
+    fn program(&self, d: Direction) -> Result<&SchedClassifier, Error> {
+        let name = d.program();
+        self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
+    }
+
+    /// Runs the IP packet `ip` through direction `d`'s program once (`BPF_PROG_TEST_RUN`).
+    pub fn run(&self, d: Direction, ip: &[u8]) -> Result<Run, Error> {
+        Ok(test_run(self.program(d)?, ip, 1)?.0)
+    }
+
+    /// The kernel's mean time per run of `ip` through direction `d`'s program over `repeat`
+    /// runs (each run sees the entry as the previous one left it).
+    pub fn time_per_packet(&self, d: Direction, ip: &[u8], repeat: u32) -> Result<Duration, Error> {
+        Ok(test_run(self.program(d)?, ip, repeat)?.1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `bpf/replica/rep_state.h` holds the values of [`flag`] and [`ctl`] (checked here, one
+    /// line per define).
+    #[test]
+    fn c_flags_are_the_mirrors() {
+        let header = include_str!("../../bpf/replica/rep_state.h");
+        let value = |name: &str| -> u32 {
+            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap_or_else(|| panic!("{name} missing"));
+            1 << line.split("(1 << ").nth(1).unwrap().trim_end_matches(')').parse::<u32>().unwrap()
+        };
+        for (name, f) in [
+            ("REP_B_ALIGNED", flag::ALIGNED),
+            ("REP_B_RCV_KNOWN", flag::RCV_KNOWN),
+            ("REP_B_CLIENT_SEEN", flag::CLIENT_SEEN),
+            ("REP_B_ACKED_B", flag::ACKED_B),
+            ("REP_B_P_OUT", flag::P_OUT),
+            ("REP_B_TS_FLOOR", flag::TS_FLOOR),
+            ("REP_B_CTS_MAX", flag::CTS_MAX),
+            ("REP_B_CTS", flag::CTS),
+            ("REP_B_B_TS", flag::B_TS),
+            ("REP_B_SERVER", flag::SERVER),
+            ("REP_B_STRICT", flag::STRICT),
+            ("REP_C_FROZEN", ctl::FROZEN),
+            ("REP_C_USER", ctl::USER),
+            ("REP_C_CHANGED", ctl::CHANGED),
+            ("REP_P_ANSWERED", pflag::ANSWERED),
+            ("REP_P_ESTABLISHED", pflag::ESTABLISHED),
+            ("REP_P_B_RCV_KNOWN", pflag::B_RCV_KNOWN),
+            ("REP_P_TS", pflag::TS),
+            ("REP_P_TS_MAX", pflag::TS_MAX),
+            ("REP_P_SENT_ACK", pflag::SENT_ACK),
+            ("REP_P_CLIENT_LAST", pflag::CLIENT_LAST),
+            ("REP_P_CL_TS", pflag::CL_TS),
+            ("REP_P_B", pflag::B),
+            ("REP_P_B_ALIGNED", pflag::B_ALIGNED),
+            ("REP_P_OUT_SEEN", pflag::OUT_SEEN),
+            ("REP_P_STRICT", pflag::STRICT),
+        ] {
+            assert_eq!(value(name), f, "{name}");
+        }
+    }
+
+    #[test]
+    fn records_parse_as_the_programs_write_them() {
+        let mut b = vec![0u8; REC_LEN + 3];
+        b[0..4].copy_from_slice(&3u32.to_ne_bytes());
+        b[4..8].copy_from_slice(&3u32.to_ne_bytes());
+        b[8..12].copy_from_slice(&77u32.to_ne_bytes());
+        b[12..16].copy_from_slice(&3u32.to_ne_bytes());
+        b[32..48].copy_from_slice(&addr16("10.0.0.9".parse().unwrap()));
+        b[48..50].copy_from_slice(&40000u16.to_be_bytes());
+        b[50..52].copy_from_slice(&6379u16.to_be_bytes());
+        b[56..].copy_from_slice(&[1, 2, 3]);
+        let key = Key::new("10.0.0.9:40000".parse().unwrap(), 6379);
+        assert_eq!(Record::parse(&b), Some(Record::Keep { key, end_b: 77, total: 3, off: 0, bytes: vec![1, 2, 3] }));
+    }
+}

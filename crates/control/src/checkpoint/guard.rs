@@ -575,8 +575,11 @@ impl Core {
             live += 1;
             if !e.unprotected {
                 let slot = if e.established() { &mut est } else { &mut half };
-                if slot.is_none_or(|(t, _)| e.last_ms < t) {
-                    *slot = Some((e.last_ms, k));
+                // A connection the kernel's fast path carries: its packets do not reach the
+                // core, so its last_ms says nothing of its activity; it ranks as the busiest.
+                let t = if e.fast == Fast::Kernel { u64::MAX } else { e.last_ms };
+                if slot.is_none_or(|(u, _)| t < u) {
+                    *slot = Some((t, k));
                 }
             }
             self.order.push_back(k);
@@ -2263,6 +2266,66 @@ mod tests {
         assert!(c.connections() <= 8);
         assert!(c.counters.evicted_idle >= 990, "{}", c.counters.evicted_idle);
         assert!(c.conn(&k).is_some(), "the established connection survived the flood");
+    }
+
+    /// Eviction ranks connections by the last packet the core saw; one the kernel's fast path
+    /// carries looks idle there (its packets stay in the kernel), so it ranks as the busiest:
+    /// an idle connection the core decides is evicted first.
+    #[test]
+    fn eviction_spares_a_connection_the_kernel_carries() {
+        /// A map of room for one entry.
+        #[derive(Default)]
+        struct One(Option<(FlowKey, FastState)>);
+        impl FastMap for One {
+            fn take(&mut self, key: &FlowKey, _: bool) -> Option<FastTaken> {
+                self.0.filter(|(k, _)| k == key).map(|(_, state)| FastTaken { newest: true, state })
+            }
+            fn apply(&mut self, op: &FastOp) -> FastDone {
+                match *op {
+                    FastOp::Install(k, s) if self.0.is_none() => {
+                        self.0 = Some((k, s));
+                        FastDone::Kernel
+                    }
+                    FastOp::Thaw(k, s) | FastOp::ThawForce(k, s) if self.0.is_some_and(|(x, _)| x == k) => {
+                        self.0 = Some((k, s));
+                        FastDone::Kernel
+                    }
+                    FastOp::Remove(k) if self.0.is_some_and(|(x, _)| x == k) => {
+                        self.0 = None;
+                        FastDone::Gone
+                    }
+                    _ => FastDone::Gone,
+                }
+            }
+        }
+        let svc = [Service { addr: "10.0.2.10".parse().unwrap(), port: 7000 }];
+        let mut c = Core::new(&svc, key(), vec![], 30_000, 1000, 2);
+        c.enable_fast_path(Box::<One>::default());
+        let handshake = |c: &mut Core, peer: SocketAddr, t: u64| {
+            for (src, dst, r) in [
+                (peer, app(), Repr { seq: Seq(100), flags: F::SYN, ..Default::default() }),
+                (app(), peer, Repr { seq: Seq(900), ack: Seq(101), flags: F::SYN | F::ACK, ..Default::default() }),
+                (peer, app(), Repr { seq: Seq(101), ack: Seq(901), flags: F::ACK, window: 5, ..Default::default() }),
+            ] {
+                let (mut b, n) = pkt(src, dst, r);
+                c.packet_fast(&mut b, n, t, false, false);
+                c.fast_after_flush(t);
+            }
+        };
+        let carried = peer();
+        let decided: SocketAddr = "10.0.1.2:41001".parse().unwrap();
+        handshake(&mut c, carried, 0);
+        assert_eq!(c.fast_counters().installed, 1);
+        // The second finds the map full: the core decides its packets.
+        handshake(&mut c, decided, 10);
+        assert_eq!((c.fast_counters().installed, c.fast_counters().install_refused), (1, 1));
+        // A third connection needs room: the one the core saw last at t=10 goes, not the one
+        // the kernel carries (last seen by the core at t=0).
+        let (mut b, n) = pkt("10.0.1.2:41002".parse().unwrap(), app(), Repr { seq: Seq(1), flags: F::SYN, ..Default::default() });
+        c.packet_fast(&mut b, n, 20, false, false);
+        assert_eq!(c.counters.evicted_idle, 1);
+        assert!(c.conn(&FlowKey { app: app(), peer: carried }).is_some(), "the connection the kernel carries was evicted");
+        assert!(c.conn(&FlowKey { app: app(), peer: decided }).is_none());
     }
 
     /// An established connection between app() and peer() on a core of `cap` entries.

@@ -116,21 +116,30 @@ static __always_inline int established_ack(const struct fp_pkt *p)
 	return (f & (FP_ACK | FP_SYN | FP_FIN | FP_RST)) == FP_ACK;
 }
 
+/* Parses the packet and finds its connection's entry: `from_a` says which end *A* is (the
+ * source for ckpt_outgoing, the destination for ckpt_incoming). NULL when the packet is not
+ * one the programs handle, or the connection has no entry: the slow path's. */
+static __always_inline struct ckpt_entry *entry_of(struct __sk_buff *skb, struct fp_pkt *p, int from_a)
+{
+	struct ckpt_key k = {};
+
+	if (fp_parse(skb, FP_L3_ETH, p) || fp_forwardable(skb, FP_L3_ETH, p))
+		return NULL;
+	__builtin_memcpy(k.a_addr, from_a ? p->src : p->dst, 16);
+	__builtin_memcpy(k.b_addr, from_a ? p->dst : p->src, 16);
+	k.a_port = from_a ? p->th.source : p->th.dest;
+	k.b_port = from_a ? p->th.dest : p->th.source;
+	return bpf_map_lookup_elem(&ckpt_conns, &k);
+}
+
 /* Algorithm O for an established segment from A. */
 SEC("classifier")
 int ckpt_outgoing(struct __sk_buff *skb)
 {
 	struct fp_pkt p = {};
-	struct ckpt_key k = {};
 	const struct fp_opts *o = &p.o;
+	struct ckpt_entry *e = entry_of(skb, &p, 1);
 
-	if (fp_parse(skb, FP_L3_ETH, &p) || fp_forwardable(skb, FP_L3_ETH, &p))
-		return FP_SLOW;
-	__builtin_memcpy(k.a_addr, p.src, 16);
-	__builtin_memcpy(k.b_addr, p.dst, 16);
-	k.a_port = p.th.source;
-	k.b_port = p.th.dest;
-	struct ckpt_entry *e = bpf_map_lookup_elem(&ckpt_conns, &k);
 	if (!e)
 		return FP_SLOW;
 
@@ -233,16 +242,9 @@ SEC("classifier")
 int ckpt_incoming(struct __sk_buff *skb)
 {
 	struct fp_pkt p = {};
-	struct ckpt_key k = {};
 	const struct fp_opts *o = &p.o;
+	struct ckpt_entry *e = entry_of(skb, &p, 0);
 
-	if (fp_parse(skb, FP_L3_ETH, &p) || fp_forwardable(skb, FP_L3_ETH, &p))
-		return FP_SLOW;
-	__builtin_memcpy(k.a_addr, p.dst, 16);
-	__builtin_memcpy(k.b_addr, p.src, 16);
-	k.a_port = p.th.dest;
-	k.b_port = p.th.source;
-	struct ckpt_entry *e = bpf_map_lookup_elem(&ckpt_conns, &k);
 	if (!e)
 		return FP_SLOW;
 

@@ -125,6 +125,10 @@ impl Default for RepOpts {
     }
 }
 
+/// The client's RST log ([`ReplicaEnv::log_client_rsts`]) and how many lines it keeps.
+const RST_LOG: &str = "client-rsts.txt";
+const RST_LOG_MAX: u32 = 50;
+
 fn err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
@@ -211,6 +215,7 @@ impl ReplicaEnv {
             std::fs::write(env.config_path(side), env.config_toml(side))?;
         }
         lab::install_rst_counter(&env.lab.client)?;
+        env.pcap.extend(env.log_client_rsts());
         if std::env::var("UNBROKEN_PCAP").is_ok_and(|v| v == "1") {
             for (ns, name) in [(env.lab.client.clone(), "client"), (env.lab.backup.clone(), "backup")] {
                 if let Ok(c) = lab::spawn(&ns, Command::new("tcpdump").args(["-i", dev::APP, "-s", "128", "-U", "-w"]).arg(env.dir.join(format!("{name}.pcap"))).stdout(Stdio::null()).stderr(Stdio::null())) {
@@ -436,7 +441,37 @@ impl ReplicaEnv {
             s.push_str(&format!("--- {} log (last {} of {} lines):\n{}\n", side.name(), lines.len().min(40), lines.len(), lines[lines.len().saturating_sub(40)..].join("\n")));
         }
         s.push_str(&format!("--- RSTs at the client: {}; run dir {} (UNBROKEN_KEEP=1 keeps it)\n", self.client_rsts(), self.dir.display()));
+        if let Some(t) = std::fs::read_to_string(self.dir.join(RST_LOG)).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()) {
+            s.push_str(&format!("--- the RSTs (time, MACs, addresses, flags, seq/ack; the first {RST_LOG_MAX}):\n{t}\n"));
+        }
         s
+    }
+
+    /// Every RST that reaches the client, one text line each (`tcpdump -e`: which host's MAC
+    /// sent it, the flow, its sequence numbers), in `dir/client-rsts.txt`, shown by
+    /// [`Self::diagnostics`]: a failure that counted a RST names it. Only where tcpdump is
+    /// installed (`scripts/setup.sh` installs it); returned once tcpdump listens.
+    fn log_client_rsts(&self) -> Option<Child> {
+        let out = std::fs::File::create(self.dir.join(RST_LOG)).ok()?;
+        let err_path = self.dir.join("client-rsts.err");
+        let err = std::fs::File::create(&err_path).ok()?;
+        let filter = "(tcp[tcpflags] & tcp-rst != 0) or (ip6 and ip6[6] == 6 and ip6[53] & 4 != 0)";
+        let mut cmd = Command::new("tcpdump");
+        cmd.args(["-i", dev::APP, "-l", "-nn", "-e", "-tt", "-c", &RST_LOG_MAX.to_string(), filter]).stdout(out).stderr(err);
+        let mut c = lab::spawn(&self.lab.client, &mut cmd).ok()?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if std::fs::read_to_string(&err_path).is_ok_and(|t| t.contains("listening on")) {
+                return Some(c);
+            }
+            if !matches!(c.try_wait(), Ok(None)) {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
     }
 
     /// Whether the daemon of `side` still runs.

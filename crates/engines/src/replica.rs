@@ -329,6 +329,9 @@ pub struct BackupCounters {
     pub output_gap: u64,
     /// Client ACKs the backup missed, relayed from the primary's report.
     pub acks_relayed: u64,
+    /// Retransmissions by the backup's server of bytes the client's ACK (as given to that
+    /// server, or relayed) already covered: that ACK never reached it; relayed again.
+    pub acks_unheard: u64,
     /// New connections not followed because the table was full of established connections
     /// (they cannot be taken over).
     pub table_full: u64,
@@ -742,9 +745,12 @@ impl Backup {
         // in-window one, which a blind forgery must guess, is learned.)
         let beyond = !self.promoted && (s.ack - c.delta).gt(c.snd_max) && !c.p_out.is_some_and(|p| s.ack.le(p));
         // The client's newest timestamps, from a segment its server's kernel takes (in window,
-        // its ACK not beyond what was sent): a relayed segment carries them (an older TSval would
-        // be discarded, PAWS). A forgery must guess the client's sequence number to set them.
-        if let (true, false, Some((_, val, ecr))) = (in_window, beyond, s.ts) {
+        // and, with strict output commit, its ACK not beyond what was sent; without it such a
+        // segment passes with its ACK clamped and the kernel takes its TSval all the same): a
+        // relayed segment carries them (an older TSval would be discarded, PAWS: the relayed
+        // ACK lost, the backup's server stuck in retransmission backoff behind it). A forgery
+        // must guess the client's sequence number to set them.
+        if let (true, false, Some((_, val, ecr))) = (in_window, beyond && self.strict, s.ts) {
             if c.client_ts_max.is_none_or(|(v, _)| !ts_before(val, v)) {
                 c.client_ts_max = Some((val, ecr));
             }
@@ -907,6 +913,15 @@ impl Backup {
             c.fin_out = true;
         }
         if !promoted {
+            if n > 0 && c.acked_b.is_some_and(|a| end_b.le(a)) {
+                // Its kernel resends what the client's ACK covered: that ACK (clamped and
+                // passed, or relayed) never reached it (PAWS, a lost injection). Lowered to
+                // where the kernel stands, so that the primary's next report relays it again;
+                // else its server waits in retransmission backoff for an ACK the client, which
+                // has everything, never sends again.
+                c.acked_b = Some(s.seq);
+                self.counters.acks_unheard += 1;
+            }
             if let Some(a) = c.acked_b {
                 while let Some((e, p)) = c.kept.pop_front() {
                     if !e.le(a) {

@@ -229,6 +229,44 @@ fn st_tcp_3_6_clamped_client_ack_relayed_once_the_backup_sent_the_bytes() {
     assert_eq!(b.counters.acks_relayed, 2);
 }
 
+/// Without strict output commit a client segment whose ACK lies beyond what the backup's server
+/// sent and the primary reported still reaches that server (its ACK clamped), and its kernel
+/// takes the segment's TSval as the newest. A relayed ACK made later must not carry an older
+/// TSval: PAWS discards it (`TcpExtPAWSEstab`), the backup's server never learns that its last
+/// bytes arrived, stops in retransmission backoff with its FIN queued behind them, and the
+/// primary's FIN waits for it until `max_delay_fin_ms` (the connection then ran unprotected:
+/// `bench replica --quick`, relaxed bulk, 7 runs in 24 under load).
+#[test]
+fn relayed_ack_never_carries_an_older_tsval_than_a_clamped_segment_gave_the_server() {
+    let mut b = aligned_backup();
+    b.set_strict(false);
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    // The primary's report names 10 bytes of output; the client already acknowledges 30 (the
+    // primary's server sent them since): beyond, clamped, passed, with the client's newest TSval.
+    b.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(P_ISN.wrapping_add(11))));
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1 + 30)), flags: F::ACK, window: 512, timestamp: Some((900, P_TS0 + 3)), ..Default::default() }, &[]);
+    assert!(matches!(b.incoming(&mut ack), Verdict::Accept { .. }), "relaxed: passed to the backup's server");
+    assert_eq!(b.counters.ack_unverified, 1, "beyond the report");
+    assert_eq!(seg(&ack).0.ack, Seq(B_ISN + 11), "clamped to what the backup's server sent");
+    backup_sends(&mut b, 10, &[2; 20], B_TS0 + 2);
+    let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1), rcv_edge: Seq(C_ISN + 1001), out_end: Seq(P_ISN.wrapping_add(31)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(31)), isn: Seq(0), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN };
+    let inj = b.primary_report(&Progress { role: Role::Primary, beat: 9, flags: 0, records: vec![rec] });
+    assert_eq!(inj.len(), 1, "the clamped ACK, relayed now that the bytes exist");
+    let (t, _) = seg(&inj[0]);
+    assert_eq!(t.ack, Seq(B_ISN + 31));
+    let (val, _) = t.timestamp.expect("timestamps on");
+    assert!(val >= 900, "TSval {val}: older than the 900 the backup's kernel already took (PAWS drops it)");
+    // Had that ACK been lost all the same (a failed injection), the backup's kernel resends
+    // bytes it covered: relayed again at the next report, not waited for for ever.
+    assert!(b.primary_report(&Progress { role: Role::Primary, beat: 10, flags: 0, records: vec![rec] }).is_empty(), "once");
+    backup_sends(&mut b, 10, &[2; 20], B_TS0 + 3);
+    assert_eq!(b.counters.acks_unheard, 1);
+    let inj = b.primary_report(&Progress { role: Role::Primary, beat: 11, flags: 0, records: vec![rec] });
+    assert_eq!(inj.len(), 1, "relayed again after the retransmission");
+    assert_eq!(seg(&inj[0]).0.ack, Seq(B_ISN + 31));
+    assert_eq!(b.counters.acks_relayed, 2);
+}
+
 /// The relay trusts only the primary's (authenticated) view of the client's ACK: a forgery
 /// that acknowledges more than the client did (even one that guessed an acceptable sequence
 /// number) is never turned into an injected ACK beyond what it gave by itself.

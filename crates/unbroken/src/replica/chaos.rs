@@ -197,7 +197,7 @@ const STATUS_FIELDS: [&str; 14] = [
     "held_bytes",
 ];
 /// The engine counters a trial reports (those present).
-const ENGINE_FIELDS: [&str; 10] = ["held", "released", "retrans_dropped", "nudges", "acks_lowered", "kept_dropped", "takeover_resent", "withheld", "acks_relayed", "diverged_reset"];
+const ENGINE_FIELDS: [&str; 11] = ["held", "released", "retrans_dropped", "nudges", "acks_lowered", "kept_dropped", "takeover_resent", "withheld", "acks_relayed", "acks_unheard", "diverged_reset"];
 
 fn compact(s: &Option<serde_json::Value>) -> serde_json::Value {
     let Some(s) = s else { return serde_json::Value::Null };

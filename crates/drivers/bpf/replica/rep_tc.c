@@ -218,7 +218,10 @@ int rep_b_in(struct __sk_buff *skb)
 	/* An ACK beyond what the backup's server sent, where the primary did not report output
 	 * that far: a blind forgery or ahead of the report; not learned (dropped in strict mode). */
 	int beyond = seq_gt(ack - c.delta, c.snd_max) && !((c.flags & REP_B_P_OUT) && seq_le(ack, c.p_out));
-	if (in_window && !beyond && has_ts && (!(c.flags & REP_B_CTS_MAX) || !ts_before(o->tsval, c.cts_max_val))) {
+	/* The client's newest timestamps, from a segment the backup's kernel takes: without strict
+	 * output commit also one whose ACK is beyond (it passes clamped), else PAWS discards a
+	 * relayed ACK that carries older ones. */
+	if (in_window && !(beyond && (c.flags & REP_B_STRICT)) && has_ts && (!(c.flags & REP_B_CTS_MAX) || !ts_before(o->tsval, c.cts_max_val))) {
 		c.cts_max_val = o->tsval;
 		c.cts_max_ecr = o->tsecr;
 		c.flags |= REP_B_CTS_MAX;
@@ -499,6 +502,10 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 		c.flags |= REP_B_B_TS;
 	}
 	__u32 end_b = seq + n;
+	/* A resend of bytes the client's ACK already covered (as given to the server, or
+	 * relayed): that ACK never arrived; the engine relays it again (acks_unheard). */
+	if (n > 0 && (c.flags & REP_B_ACKED_B) && seq_le(end_b, c.acked_b))
+		return slow(skb, e);
 	if (seq_gt(end_b, c.snd_max))
 		c.snd_max = end_b;
 	/* What its server received: its ACK and right window edge. */

@@ -5,8 +5,9 @@
 //! per-connection fields, move the counters the engine moves, and send the daemon exactly the
 //! checkpoint and kept copy the engine recorded; a packet they leave to the slow path must come
 //! back untouched with its entry frozen and counted, and the daemon's hand-off (take, the
-//! engine decides, thaw) then puts the engine's state back. The engine's state is read from its
-//! `Debug` form (its fields are private; `BConn`'s names are the entry's).
+//! engine decides, thaw) then puts the engine's state back. The engine's state is read through
+//! its fast-path API (`Backup::fast_state`, `side`, `fast_eligible`; the primary's likewise),
+//! converted by `State::from_engine` / `PState::from_engine` as the daemon will.
 //!
 //! Root only, no namespace: SKIP otherwise (UNBROKEN_REQUIRE_LAB=1 makes a skip a failure).
 
@@ -14,9 +15,9 @@ include!("common/require.rs");
 
 use std::net::IpAddr;
 
-use unbroken_drivers::fastpath::replica::{addr16, flag, Direction, Key, Op, OpResult, Record, Replica, State, CONSUMED};
+use unbroken_drivers::fastpath::replica::{Direction, Key, Op, OpResult, Record, Replica, State, CONSUMED};
 use unbroken_drivers::fastpath::{Error, Verdict};
-use unbroken_engines::replica::{Backup, BackupCounters};
+use unbroken_engines::replica::{Backup, BackupCounters, ConnKey};
 use unbroken_engines::Verdict as EVerdict;
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::replica::{self as rw, ConnProgress, Progress, Role};
@@ -40,81 +41,8 @@ const CPORT: u16 = 40000;
 const SPORT: u16 = 6379;
 
 // ---------------------------------------------------------------------------------------------
-// The engine's state, read from its Debug form
+// The engine's state, through its fast-path API
 // ---------------------------------------------------------------------------------------------
-
-/// The text of the one `BConn { .. }` in `b`'s Debug form.
-fn bconn(b: &Backup) -> String {
-    let s = format!("{b:?}");
-    let at = s.find("BConn {").expect("one connection in the engine");
-    let mut depth = 0;
-    for (j, ch) in s[at..].char_indices() {
-        match ch {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return s[at..at + j + 1].to_string();
-                }
-            }
-            _ => {}
-        }
-    }
-    panic!("unbalanced Debug output");
-}
-
-/// The value of field `name` in a struct's Debug text.
-fn field<'a>(s: &'a str, name: &str) -> &'a str {
-    let pat = format!(", {name}: ");
-    let i = s.find(&pat).unwrap_or_else(|| panic!("no field {name} in {s}")) + pat.len();
-    let rest = &s[i..];
-    let mut depth = 0i32;
-    for (j, ch) in rest.char_indices() {
-        match ch {
-            '(' | '[' | '{' => depth += 1,
-            ')' | ']' | '}' => {
-                if depth == 0 {
-                    return rest[..j].trim();
-                }
-                depth -= 1;
-            }
-            ',' if depth == 0 => return rest[..j].trim(),
-            _ => {}
-        }
-    }
-    rest.trim()
-}
-
-/// The numbers in `v` (digits runs), in order.
-fn nums(v: &str) -> Vec<u64> {
-    v.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).map(|t| t.parse().unwrap()).collect()
-}
-
-fn some(v: &str) -> bool {
-    v.starts_with("Some")
-}
-
-/// The top-level items of a Debug list `[a, b, ..]`.
-fn items(v: &str) -> Vec<&str> {
-    let inner = &v[1..v.len() - 1];
-    let mut out = vec![];
-    let (mut depth, mut from) = (0i32, 0);
-    for (j, ch) in inner.char_indices() {
-        match ch {
-            '(' | '[' | '{' => depth += 1,
-            ')' | ']' | '}' => depth -= 1,
-            ',' if depth == 0 => {
-                out.push(inner[from..j].trim());
-                from = j + 1;
-            }
-            _ => {}
-        }
-    }
-    if !inner.trim().is_empty() {
-        out.push(inner[from..].trim());
-    }
-    out
-}
 
 /// What the engine keeps about the connection beyond the entry: checkpoints, kept copies (end,
 /// length), output kept beyond a gap.
@@ -122,75 +50,17 @@ fn items(v: &str) -> Vec<&str> {
 struct Side {
     checkpoints: Vec<(u32, u64)>,
     kept: Vec<(u32, usize)>,
-    ooo_empty: bool,
-    aligned: bool,
 }
 
-fn side(b: &Backup) -> Side {
-    let s = bconn(b);
-    let checkpoints = items(field(&s, "checkpoints")).iter().map(|i| {
-        let n = nums(i);
-        (n[0] as u32, n[1])
-    }).collect();
-    let kept = items(field(&s, "kept")).iter().map(|i| {
-        let list = format!("[{}]", &i[1..i.len() - 1]);
-        let parts = items(&list);
-        (nums(parts[0])[0] as u32, items(parts[1]).len())
-    }).collect();
-    Side { checkpoints, kept, ooo_empty: field(&s, "ooo") == "[]", aligned: field(&s, "aligned") == "true" }
+fn side(b: &Backup, key: &ConnKey) -> Side {
+    let s = b.side(key).expect("one connection in the engine");
+    Side { checkpoints: s.checkpoints.iter().map(|(e, h)| (e.0, *h)).collect(), kept: s.kept.iter().map(|(e, n)| (e.0, *n)).collect() }
 }
 
 /// The entry's state as the engine's fields give it (`b_ts_at` is the kernel's clock: taken
 /// from `kernel_ts_at`).
-fn state_of(b: &Backup, strict: bool, kernel_ts_at: u64) -> State {
-    let s = bconn(b);
-    let f = |n: &str| field(&s, n);
-    let n32 = |n: &str| nums(f(n)).first().copied().unwrap_or(0) as u32;
-    let mut st = State::default();
-    let mut fl = if strict { flag::STRICT } else { 0 };
-    for (on, bit) in [
-        (f("aligned") == "true", flag::ALIGNED),
-        (f("rcv_known") == "true", flag::RCV_KNOWN),
-        (f("client_seen") == "true", flag::CLIENT_SEEN),
-        (some(f("acked_b")), flag::ACKED_B),
-        (some(f("p_out")), flag::P_OUT),
-        (some(f("ts_floor")), flag::TS_FLOOR),
-        (some(f("client_ts_max")), flag::CTS_MAX),
-        (some(f("client_ts")), flag::CTS),
-        (some(f("b_ts_seen")), flag::B_TS),
-        (some(f("server")), flag::SERVER),
-    ] {
-        if on {
-            fl |= bit;
-        }
-    }
-    st.flags = fl;
-    st.out_hash = nums(f("out_hash"))[0];
-    st.delta = n32("delta");
-    st.ts_off = n32("ts_off");
-    st.snd_max = n32("snd_max");
-    st.rcv_nxt = n32("rcv_nxt");
-    st.rcv_edge = n32("rcv_edge");
-    st.out_end = n32("out_end");
-    st.last_ack = n32("last_ack");
-    st.acked_b = n32("acked_b");
-    st.p_out = n32("p_out");
-    st.ts_floor = n32("ts_floor");
-    let pair = |n: &str| {
-        let v = nums(f(n));
-        (v.first().copied().unwrap_or(0) as u32, v.get(1).copied().unwrap_or(0) as u32)
-    };
-    (st.cts_max_val, st.cts_max_ecr) = pair("client_ts_max");
-    (st.cts_val, st.cts_ecr) = pair("client_ts");
-    st.b_ts_val = pair("b_ts_seen").0;
-    st.b_ts_at = if some(f("b_ts_seen")) { kernel_ts_at } else { 0 };
-    let server = f("server");
-    if let Some(a) = server.strip_prefix("Some(").and_then(|x| x.strip_suffix(')')) {
-        st.server = addr16(a.parse::<IpAddr>().unwrap());
-    }
-    st.client_win = n32("client_win") as u16;
-    st.ws_b = n32("ws_b") as u8;
-    st
+fn state_of(b: &Backup, key: &ConnKey, strict: bool, kernel_ts_at: u64) -> State {
+    State::from_engine(&b.fast_state(key).expect("one connection in the engine"), strict, kernel_ts_at)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -272,6 +142,8 @@ struct Both {
     b: Backup,
     conn: Conn,
     key: Key,
+    /// The same connection's key in the engine.
+    ek: ConnKey,
     strict: bool,
     claimed: usize,
     slow: usize,
@@ -296,10 +168,12 @@ impl Both {
         assert_eq!(b.counters.aligned, 1);
         let rec = ConnProgress { client: conn.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(conn.c_isn.wrapping_add(1)), rcv_edge: Seq(conn.c_isn.wrapping_add(1000)), out_end: Seq(0), out_hash: 0, last_ack: Seq(0), isn: Seq(conn.p_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN };
         b.primary_report(&Progress { role: Role::Primary, beat: 1, flags: 0, records: vec![rec] });
-        let st = state_of(&b, strict, 0);
+        let ek = ConnKey { client: conn.cli, client_port: CPORT, server_port: SPORT };
+        assert!(b.fast_eligible(&ek), "aligned: the fast path may carry it");
+        let st = state_of(&b, &ek, strict, 0);
         assert!(fp.install(&key, &st).unwrap());
         let _ = fp.records();
-        Both { fp, b, conn, key, strict, claimed: 0, slow: 0, held: false }
+        Both { fp, b, conn, key, ek, strict, claimed: 0, slow: 0, held: false }
     }
 
     fn kernel_state(&mut self) -> State {
@@ -309,7 +183,7 @@ impl Both {
     /// `pkt` through both paths, compared (module docs). Returns the programs' verdict.
     fn step(&mut self, d: Direction, pkt: &[u8], what: &str) -> Verdict {
         let before = self.fp.entry(&self.key).unwrap();
-        let side0 = side(&self.b);
+        let side0 = side(&self.b, &self.ek);
         let c0: BackupCounters = self.b.counters;
         let k0 = self.fp.counters().unwrap();
         let run = self.fp.run(d, pkt).unwrap();
@@ -319,7 +193,7 @@ impl Both {
             Incoming => self.b.incoming(&mut buf),
             Outgoing => self.b.outgoing(&mut buf),
         };
-        let side1 = side(&self.b);
+        let side1 = side(&self.b, &self.ek);
         let c1 = self.b.counters;
         let k1 = self.fp.counters().unwrap();
         let claimed = run.verdict == Verdict::Done || run.verdict == CONSUMED;
@@ -331,7 +205,7 @@ impl Both {
                 (a, b) => panic!("{what}: the fast path says {a:?}, the engine {b:?}"),
             }
             let k = self.kernel_state();
-            assert_eq!(k, state_of(&self.b, self.strict, k.b_ts_at), "{what}: the entry differs from the engine's state");
+            assert_eq!(k, state_of(&self.b, &self.ek, self.strict, k.b_ts_at), "{what}: the entry differs from the engine's state");
             if d == Outgoing && before.state.b_ts_val != k.b_ts_val {
                 assert_ne!(k.b_ts_at, before.state.b_ts_at, "{what}: b_ts_seen's time not taken");
             }
@@ -404,13 +278,12 @@ impl Both {
     /// The daemon's THAW with the engine's state when the connection is eligible (aligned, no
     /// output kept beyond a gap); otherwise it stays frozen and the daemon's.
     fn give_back(&mut self, what: &str) {
-        let s = side(&self.b);
-        if !(s.aligned && s.ooo_empty) {
+        if !self.b.fast_eligible(&self.ek) {
             self.held = true;
             return;
         }
         let k = self.fp.entry(&self.key).unwrap().unwrap().state;
-        let st = state_of(&self.b, self.strict, k.b_ts_at);
+        let st = state_of(&self.b, &self.ek, self.strict, k.b_ts_at);
         let a = self.fp.op(Op::Thaw, &self.key, Some(&st)).unwrap();
         assert_eq!(a.result, OpResult::Done, "{what}: thaw refused with nothing between the paths");
         self.held = false;
@@ -422,7 +295,7 @@ impl Both {
         assert_eq!(a.result, OpResult::Done);
         if !self.held {
             let k = a.entry.state;
-            assert_eq!(k, state_of(&self.b, self.strict, k.b_ts_at), "{what}: frozen state");
+            assert_eq!(k, state_of(&self.b, &self.ek, self.strict, k.b_ts_at), "{what}: frozen state");
         }
         let c = self.conn;
         let rec = ConnProgress { client: c.cli, client_port: CPORT, server_port: SPORT, rcv_nxt: Seq(c.c_isn.wrapping_add(1)), rcv_edge: Seq(c.c_isn.wrapping_add(1000)), out_end: Seq(c.p_isn.wrapping_add(1).wrapping_add(p_out)), out_hash: 0, last_ack: Seq(c.p_isn.wrapping_add(1).wrapping_add(last_ack)), isn: Seq(c.p_isn), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN };
@@ -875,100 +748,9 @@ fn handoff_freezes_at_the_first_slow_packet_and_thaws_only_when_nothing_is_betwe
 use unbroken_drivers::fastpath::replica::{pflag, PState, PrimaryDirection as PD};
 use unbroken_engines::replica::{Config, Primary};
 
-/// The text of the one `PConn { .. }` in `p`'s Debug form.
-fn pconn(p: &Primary) -> String {
-    let s = format!("{p:?}");
-    let at = s.find("PConn {").expect("one connection in the engine");
-    let mut depth = 0;
-    for (j, ch) in s[at..].char_indices() {
-        match ch {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return s[at..at + j + 1].to_string();
-                }
-            }
-            _ => {}
-        }
-    }
-    panic!("unbalanced Debug output");
-}
-
 /// The primary entry as the engine's fields give it (`heard_at`: the kernel's clock).
-fn pstate_of(p: &Primary, heard_at: u64) -> PState {
-    let strict = p.config().strict;
-    let s = pconn(p);
-    let f = |n: &str| field(&s, n);
-    let n32 = |n: &str| nums(f(n)).first().copied().unwrap_or(0) as u32;
-    let mut st = PState { heard_at, ..PState::default() };
-    let mut fl = 0;
-    if f("answered") == "true" {
-        fl |= pflag::ANSWERED;
-    }
-    if f("established") == "true" {
-        fl |= pflag::ESTABLISHED;
-    }
-    let b = f("b");
-    if some(b) {
-        fl |= pflag::B;
-        let inner = format!("{{ x: 0, {}", &b["Some(BRec { ".len()..]);
-        if field(&inner, "rcv_known") == "true" {
-            fl |= pflag::B_RCV_KNOWN;
-        }
-        if field(&inner, "aligned") == "true" {
-            fl |= pflag::B_ALIGNED;
-        }
-        st.b_rcv_nxt = nums(field(&inner, "rcv_nxt"))[0] as u32;
-        st.b_rcv_edge = nums(field(&inner, "rcv_edge"))[0] as u32;
-    }
-    let ts = nums(f("ts"));
-    if some(f("ts")) {
-        fl |= pflag::TS;
-        (st.ts_val, st.ts_ecr) = (ts[0] as u32, ts[1] as u32);
-    }
-    if some(f("ts_max")) {
-        fl |= pflag::TS_MAX;
-        st.ts_max = n32("ts_max");
-    }
-    if some(f("sent_ack")) {
-        fl |= pflag::SENT_ACK;
-        st.sent_ack = n32("sent_ack");
-    }
-    let cl = nums(f("client_last"));
-    if some(f("client_last")) {
-        fl |= pflag::CLIENT_LAST;
-        st.cl_end = cl[0] as u32;
-        st.cl_win = cl[1] as u16;
-        if cl.len() == 4 {
-            fl |= pflag::CL_TS;
-            (st.cl_ts_val, st.cl_ts_ecr) = (cl[2] as u32, cl[3] as u32);
-        }
-    }
-    if f("out_seen") == "true" {
-        fl |= pflag::OUT_SEEN;
-    }
-    if strict {
-        fl |= pflag::STRICT;
-    }
-    st.flags = fl;
-    st.rel = n32("rel");
-    st.p_end = n32("p_end");
-    st.snd_c = n32("snd_c");
-    st.ack_p = n32("ack_p");
-    st.edge_p = n32("edge_p");
-    st.snd_p = n32("snd_p");
-    st.p_max = n32("p_max");
-    st.stream_start = n32("stream_start");
-    st.client_ack = n32("client_ack");
-    st.ws_p = n32("ws_p") as u8;
-    st
-}
-
-/// Whether the daemon would give the connection to the programs: protected, its SYN-ACK out.
-fn p_eligible(p: &Primary) -> bool {
-    let s = pconn(p);
-    field(&s, "state") == "None" && field(&s, "synack") == "None" && field(&s, "answered") == "true" && p.unprotected().is_none() && field(&s, "held") == "[]" && field(&s, "ooo") == "[]" && field(&s, "p_fin") == "false"
+fn pstate_of(p: &Primary, key: &ConnKey, heard_at: u64) -> PState {
+    PState::from_engine(&p.fast_state(key).expect("one connection in the engine"), p.config().strict, heard_at)
 }
 
 struct PBoth {
@@ -976,6 +758,8 @@ struct PBoth {
     p: Primary,
     conn: Conn,
     key: Key,
+    /// The same connection's key in the engine.
+    ek: ConnKey,
     now: u64,
     claimed: usize,
     slow: usize,
@@ -1008,14 +792,15 @@ impl PBoth {
         p.incoming(&syn);
         let mut sa = conn.from_server(Repr { seq: Seq(conn.p_isn), ack: Seq(conn.c_isn.wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((conn.p_ts0, 500)), ..Default::default() }, &[]);
         assert_eq!(p.outgoing(&mut sa, 0), EVerdict::Held, "Koch 7.1: the SYN-ACK waits for the backup");
-        let mut both = PBoth { fp, p, conn, key, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned };
+        let ek = ConnKey { client: conn.cli, client_port: CPORT, server_port: SPORT };
+        let mut both = PBoth { fp, p, conn, key, ek, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned };
         both.report_to_engine(0, 65535 << 7);
         assert_eq!(both.p.take_transmit().len(), 1, "the SYN-ACK released");
         let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
         if handshake {
             both.p.incoming(&ack);
         }
-        let st = pstate_of(&both.p, 0);
+        let st = pstate_of(&both.p, &both.ek, 0);
         both.fp.p_insert(&key, &st).unwrap();
         both.held = false;
         both
@@ -1037,7 +822,7 @@ impl PBoth {
         let (r, _, e) = self.fp.p_op(Op::Freeze, &self.key, None).unwrap();
         assert_eq!(r, OpResult::Done);
         if !self.held {
-            assert_eq!(e.state, pstate_of(&self.p, e.state.heard_at), "{what}: frozen state");
+            assert_eq!(e.state, pstate_of(&self.p, &self.ek, e.state.heard_at), "{what}: frozen state");
         }
         self.report_to_engine(rcv, win);
         let _ = self.p.take_transmit();
@@ -1045,16 +830,12 @@ impl PBoth {
     }
 
     fn give_back(&mut self, what: &str) {
-        if !p_eligible(&self.p) {
-            if std::env::var("FASTPATH_DEBUG").is_ok() && !self.held {
-                let s = pconn(&self.p);
-                eprintln!("held after {what}: state {} synack {} held {} ooo {} p_fin {}", field(&s, "state"), field(&s, "synack").len(), field(&s, "held").len(), field(&s, "ooo").len(), field(&s, "p_fin"));
-            }
+        if !self.p.fast_eligible(&self.ek) {
             self.held = true;
             return;
         }
         let k = self.fp.p_entry(&self.key).unwrap().unwrap().state;
-        let (r, _, _) = self.fp.p_op(Op::Thaw, &self.key, Some(&pstate_of(&self.p, k.heard_at))).unwrap();
+        let (r, _, _) = self.fp.p_op(Op::Thaw, &self.key, Some(&pstate_of(&self.p, &self.ek, k.heard_at))).unwrap();
         assert_eq!(r, OpResult::Done, "{what}: thaw refused");
         self.held = false;
     }
@@ -1079,7 +860,7 @@ impl PBoth {
             assert!(matches!(v, EVerdict::Accept { .. }), "{what}: claimed, the engine says {v:?}");
             assert_eq!(hex(&run.packet), hex(&buf), "{what}: the fast path's bytes differ from the engine's");
             let k = self.fp.p_entry(&self.key).unwrap().unwrap().state;
-            assert_eq!(k, pstate_of(&self.p, k.heard_at), "{what}: the entry differs from the engine's state");
+            assert_eq!(k, pstate_of(&self.p, &self.ek, k.heard_at), "{what}: the entry differs from the engine's state");
             assert_eq!((k1.acks_lowered - k0.acks_lowered, k1.ts_raised - k0.ts_raised), (c1.acks_lowered - c0.acks_lowered, c1.ts_raised - c0.ts_raised), "{what}: counters");
             self.claimed += 1;
         } else {
@@ -1304,7 +1085,7 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
     assert_eq!(pb.fp.run_primary(PD::Outgoing, &ack).unwrap().verdict, CONSUMED, "a pure ACK of the frozen entry: copied, not passed ungated");
     assert_eq!(hex(&collect(&mut pb.fp)), hex(&ack));
     let e = pb.fp.p_entry(&pb.key).unwrap().unwrap();
-    assert_eq!((e.slow, e.state), (2, pstate_of(&pb.p, e.state.heard_at)), "both counted, the state untouched");
+    assert_eq!((e.slow, e.state), (2, pstate_of(&pb.p, &pb.ek, e.state.heard_at)), "both counted, the state untouched");
     pb.fp.set_egress_copy(false).unwrap();
 }
 

@@ -200,6 +200,46 @@ const MAX_CHECKPOINTS: usize = 4096;
 /// the primary without a digest at an offset it reached.
 const BEAT_CHECKPOINTS: usize = 16;
 
+/// The fields of a backup connection the kernel's fast path reads and writes (issue 22 item 4;
+/// `drivers::fastpath::replica::State` is their C layout, with a flag per `Option`). Everything
+/// else (checkpoints, kept copies, output beyond a gap, the take-over's figures) stays the
+/// engine's and reaches it through [`Backup::push_checkpoint`] and [`Backup::push_kept`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BFast {
+    pub aligned: bool,
+    pub rcv_known: bool,
+    pub client_seen: bool,
+    pub delta: u32,
+    pub ts_off: u32,
+    pub ws_b: u8,
+    pub snd_max: Seq,
+    pub rcv_nxt: Seq,
+    pub rcv_edge: Seq,
+    pub out_end: Seq,
+    pub out_hash: u64,
+    pub last_ack: Seq,
+    pub acked_b: Option<Seq>,
+    pub p_out: Option<Seq>,
+    pub ts_floor: Option<u32>,
+    pub client_ts_max: Option<(u32, u32)>,
+    pub client_ts: Option<(u32, u32)>,
+    /// The backup server's newest TSval and when it was seen (the engine's clock, ms: the
+    /// caller converts from the kernel's).
+    pub b_ts_seen: Option<(u32, u64)>,
+    pub client_win: u16,
+    pub server: Option<IpAddr>,
+}
+
+/// What a backup connection holds beyond [`BFast`], for inspection: the unverified
+/// checkpoints (end, digest), the kept copies (end in the backup's space, length), and
+/// whether output waits beyond a gap.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BSide {
+    pub checkpoints: Vec<(Seq, u64)>,
+    pub kept: Vec<(Seq, usize)>,
+    pub ooo_empty: bool,
+}
+
 #[derive(Debug, Clone, Default)]
 struct BConn {
     /// Its number in the table's insertion order.
@@ -933,16 +973,7 @@ impl Backup {
                 }
             }
             if n > 0 || s.fin() {
-                if c.kept_bytes + pkt.len() > MAX_KEPT_BYTES || self.kept_total + pkt.len() > MAX_KEPT_TOTAL {
-                    // Beyond the bounds (per connection, host-wide) the newest segments are
-                    // left to the backup's own retransmission timer: the client needs the
-                    // oldest first, a resend with a hole at its front would only wait.
-                    self.counters.kept_dropped += 1;
-                } else {
-                    c.kept_bytes += pkt.len();
-                    self.kept_total += pkt.len();
-                    c.kept.push_back((end_b, pkt.to_vec()));
-                }
+                keep(c, &mut self.kept_total, &mut self.counters, end_b, pkt.to_vec());
             }
             return self.withhold();
         }
@@ -1162,6 +1193,139 @@ impl Backup {
     /// Whether the engine follows `key` (it is in the table).
     pub fn follows(&self, key: &ConnKey) -> bool {
         self.conns.contains_key(key)
+    }
+
+    // -- The kernel's fast path (issue 22 item 4): the hand-off of a connection's fields. --
+
+    /// The fields the fast path keeps, as the engine has them.
+    pub fn fast_state(&self, key: &ConnKey) -> Option<BFast> {
+        let c = self.conns.get(key)?;
+        Some(BFast {
+            aligned: c.aligned,
+            rcv_known: c.rcv_known,
+            client_seen: c.client_seen,
+            delta: c.delta,
+            ts_off: c.ts_off,
+            ws_b: c.ws_b,
+            snd_max: c.snd_max,
+            rcv_nxt: c.rcv_nxt,
+            rcv_edge: c.rcv_edge,
+            out_end: c.out_end,
+            out_hash: c.out_hash,
+            last_ack: c.last_ack,
+            acked_b: c.acked_b,
+            p_out: c.p_out,
+            ts_floor: c.ts_floor,
+            client_ts_max: c.client_ts_max,
+            client_ts: c.client_ts,
+            b_ts_seen: c.b_ts_seen,
+            client_win: c.client_win,
+            server: c.server,
+        })
+    }
+
+    /// Takes the fields back from the fast path (after a TAKE or FREEZE, before the engine
+    /// decides the packet or message that caused it, whatever that makes of the connection).
+    /// False, and nothing changed, for a connection the engine does not follow, after the
+    /// take-over (the daemon loads every entry before it), or for fields the fast path cannot
+    /// have produced from this connection (not aligned, or another Δ, timestamp offset or
+    /// window shift: those are learned from the handshake only).
+    pub fn set_fast_state(&mut self, key: &ConnKey, f: &BFast) -> bool {
+        if self.promoted {
+            return false;
+        }
+        let Some(c) = self.conns.get_mut(key) else { return false };
+        if !c.aligned {
+            return false;
+        }
+        // The alignment and what was learned from the SYN-ACK never move on the fast path.
+        if !f.aligned || f.delta != c.delta || f.ts_off != c.ts_off || f.ws_b != c.ws_b {
+            return false;
+        }
+        c.rcv_known = f.rcv_known;
+        c.client_seen = f.client_seen;
+        c.snd_max = f.snd_max;
+        c.rcv_nxt = f.rcv_nxt;
+        c.rcv_edge = f.rcv_edge;
+        c.out_end = f.out_end;
+        c.out_hash = f.out_hash;
+        c.last_ack = f.last_ack;
+        c.acked_b = f.acked_b;
+        c.p_out = f.p_out;
+        c.ts_floor = f.ts_floor;
+        c.client_ts_max = f.client_ts_max;
+        c.client_ts = f.client_ts;
+        c.b_ts_seen = f.b_ts_seen;
+        c.client_win = f.client_win;
+        c.server = f.server;
+        true
+    }
+
+    /// Whether the fast path may carry `key`: aligned, not promoted, nothing waiting beyond a
+    /// gap in its output (the programs cannot fill it). A diverged or misaligned connection, or
+    /// one closing, is decided the same way by the programs before the take-over (withheld,
+    /// translated; FIN and RST are the engine's anyway), and the take-over loads every entry.
+    pub fn fast_eligible(&self, key: &ConnKey) -> bool {
+        !self.promoted && self.conns.get(key).is_some_and(|c| c.aligned && c.ooo.is_empty())
+    }
+
+    /// A checkpoint the fast path made (`learn_output`'s: the output end, primary's space, and
+    /// the digest there), in the order it made them; an end not beyond the last one is ignored.
+    pub fn push_checkpoint(&mut self, key: &ConnKey, end: Seq, hash: u64) {
+        let Some(c) = self.conns.get_mut(key) else { return };
+        if c.checkpoints.back().is_some_and(|&(e, _)| !end.gt(e)) {
+            return;
+        }
+        if c.checkpoints.len() < MAX_CHECKPOINTS {
+            c.checkpoints.push_back((end, hash));
+        }
+        self.changed.insert(*key);
+    }
+
+    /// A withheld segment the fast path consumed, kept for the take-over within the same bounds
+    /// as the engine's own (`kept_dropped` beyond them); copies the client's ACK already
+    /// covers are let go first, as `outgoing` does.
+    pub fn push_kept(&mut self, key: &ConnKey, end_b: Seq, pkt: Vec<u8>) {
+        if self.promoted {
+            return;
+        }
+        let Some(c) = self.conns.get_mut(key) else { return };
+        if let Some(a) = c.acked_b {
+            while c.kept.front().is_some_and(|(e, _)| e.le(a)) {
+                if let Some((_, p)) = c.kept.pop_front() {
+                    c.kept_bytes -= p.len();
+                    self.kept_total = self.kept_total.saturating_sub(p.len());
+                }
+            }
+        }
+        keep(c, &mut self.kept_total, &mut self.counters, end_b, pkt);
+    }
+
+    /// The fast path moved the connection's figures: the next message reports it.
+    pub fn mark_changed(&mut self, key: &ConnKey) {
+        if self.conns.contains_key(key) {
+            self.changed.insert(*key);
+        }
+    }
+
+    /// The connection's checkpoints, kept copies and gap, for inspection.
+    pub fn side(&self, key: &ConnKey) -> Option<BSide> {
+        let c = self.conns.get(key)?;
+        Some(BSide { checkpoints: c.checkpoints.iter().copied().collect(), kept: c.kept.iter().map(|(e, p)| (*e, p.len())).collect(), ooo_empty: c.ooo.is_empty() })
+    }
+}
+
+/// Keeps a copy of a withheld segment (its end in the backup's space) for the take-over, within
+/// the bounds: beyond them (per connection, host-wide) the newest segments are left to the
+/// backup's own retransmission timer: the client needs the oldest first, a resend with a hole
+/// at its front would only wait.
+fn keep(c: &mut BConn, kept_total: &mut usize, counters: &mut BackupCounters, end_b: Seq, pkt: Vec<u8>) {
+    if c.kept_bytes + pkt.len() > MAX_KEPT_BYTES || *kept_total + pkt.len() > MAX_KEPT_TOTAL {
+        counters.kept_dropped += 1;
+    } else {
+        c.kept_bytes += pkt.len();
+        *kept_total += pkt.len();
+        c.kept.push_back((end_b, pkt));
     }
 }
 
@@ -1532,6 +1696,34 @@ pub const PRIMARY_FAIL_GRACE_MS: u64 = 100;
 /// last place when full).
 const MAX_REPORTS: usize = 4096;
 
+/// The fields of a primary connection the kernel's fast path reads and writes (issue 22 item 4;
+/// `drivers::fastpath::replica::PState` is their C layout). Held output, the backup's reports,
+/// the relay's copies and the timers stay the engine's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PFast {
+    pub answered: bool,
+    pub established: bool,
+    pub ws_p: u8,
+    pub ack_p: Seq,
+    pub edge_p: Seq,
+    /// The backup's receive figures from its reports: (rcv_known, aligned, rcv_nxt, rcv_edge).
+    pub b: Option<(bool, bool, Seq, Seq)>,
+    pub rel: Seq,
+    pub p_end: Seq,
+    pub sent_ack: Option<Seq>,
+    pub snd_c: Seq,
+    pub ts: Option<(u32, u32)>,
+    pub ts_max: Option<u32>,
+    pub p_max: Seq,
+    pub client_last: Option<(Seq, u16, Option<(u32, u32)>)>,
+    pub client_ack: Seq,
+    pub snd_p: Seq,
+    /// When the client was last heard (the engine's clock, ms: the caller converts).
+    pub client_heard_at: u64,
+    pub stream_start: Seq,
+    pub out_seen: bool,
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 struct BRec {
     rcv_known: bool,
@@ -1778,6 +1970,72 @@ impl Primary {
     /// The protection state of one connection (`None`: protected or unknown).
     pub fn conn_state(&self, key: &ConnKey) -> Option<Why> {
         self.conns.get(key).and_then(|c| c.state)
+    }
+
+    // -- The kernel's fast path (issue 22 item 4): the hand-off of a connection's fields. --
+
+    /// The fields the fast path keeps, as the engine has them.
+    pub fn fast_state(&self, key: &ConnKey) -> Option<PFast> {
+        let c = self.conns.get(key)?;
+        Some(PFast {
+            answered: c.answered,
+            established: c.established,
+            ws_p: c.ws_p,
+            ack_p: c.ack_p,
+            edge_p: c.edge_p,
+            b: c.b.map(|b| (b.rcv_known, b.aligned, b.rcv_nxt, b.rcv_edge)),
+            rel: c.rel,
+            p_end: c.p_end,
+            sent_ack: c.sent_ack,
+            snd_c: c.snd_c,
+            ts: c.ts,
+            ts_max: c.ts_max,
+            p_max: c.p_max,
+            client_last: c.client_last,
+            client_ack: c.client_ack,
+            snd_p: c.snd_p,
+            client_heard_at: c.client_heard_at,
+            stream_start: c.stream_start,
+            out_seen: c.out_seen,
+        })
+    }
+
+    /// Takes the fields back from the fast path (after a TAKE or FREEZE, before the engine
+    /// decides what caused it). False, and nothing changed, for a connection the engine does
+    /// not follow, one not answered (the programs never carry it), or fields with another
+    /// window shift or stream start (learned from the handshake only). The backup's figures
+    /// come from its reports, which the engine applies itself: only the receive figures a
+    /// program may have read are written back, and only onto a record the engine has.
+    pub fn set_fast_state(&mut self, key: &ConnKey, f: &PFast) -> bool {
+        let Some(c) = self.conns.get_mut(key) else { return false };
+        if !c.answered || !f.answered || f.ws_p != c.ws_p || f.stream_start != c.stream_start {
+            return false;
+        }
+        c.established = f.established;
+        c.ack_p = f.ack_p;
+        c.edge_p = f.edge_p;
+        if let (Some(b), Some((rcv_known, aligned, rcv_nxt, rcv_edge))) = (c.b.as_mut(), f.b) {
+            (b.rcv_known, b.aligned, b.rcv_nxt, b.rcv_edge) = (rcv_known, aligned, rcv_nxt, rcv_edge);
+        }
+        c.rel = f.rel;
+        c.p_end = f.p_end;
+        c.sent_ack = f.sent_ack;
+        c.snd_c = f.snd_c;
+        c.ts = f.ts;
+        c.ts_max = f.ts_max;
+        c.p_max = f.p_max;
+        c.client_last = f.client_last;
+        c.client_ack = f.client_ack;
+        c.snd_p = f.snd_p;
+        c.client_heard_at = f.client_heard_at;
+        c.out_seen = f.out_seen;
+        true
+    }
+
+    /// Whether the fast path may carry `key`: protected (and the pair with it), its SYN-ACK
+    /// out and answered, nothing held, nothing waiting beyond a gap, its server's FIN not seen.
+    pub fn fast_eligible(&self, key: &ConnKey) -> bool {
+        self.unprotected.is_none() && self.conns.get(key).is_some_and(|c| c.state.is_none() && c.synack.is_none() && c.answered && c.held.is_empty() && c.ooo.is_empty() && !c.p_fin)
     }
 
     /// The packets the engine built or released, in order. Their timestamps are raised to the

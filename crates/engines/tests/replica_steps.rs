@@ -1501,3 +1501,136 @@ fn st_tcp_3_6_relay_waits_for_a_stopped_backup_and_backs_off() {
     let r = p.take_relay();
     assert_eq!(r.iter().map(|(_, s, d)| (s.0 - (C_ISN + 1), d.len())).collect::<Vec<_>>(), vec![(3000, 1000)]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The kernel's fast path: the hand-off of a connection's fields (issue 22 item 4)
+// ---------------------------------------------------------------------------------------------
+
+/// What the fast path hands back is taken exactly; what it cannot have produced (another Δ,
+/// a connection not aligned, after the take-over, an unknown one) is refused and changes
+/// nothing.
+#[test]
+fn backup_fast_state_round_trips_and_refuses_what_the_fast_path_cannot_produce() {
+    let mut b = aligned_backup();
+    backup_sends(&mut b, 0, &[1; 10], B_TS0 + 1);
+    let f = b.fast_state(&key()).expect("followed");
+    assert!(f.aligned && b.fast_eligible(&key()));
+    assert!(b.set_fast_state(&key(), &f));
+    assert_eq!(b.fast_state(&key()), Some(f), "identity");
+    let moved = unbroken_engines::replica::BFast { snd_max: f.snd_max + 5, last_ack: f.last_ack + 3, acked_b: Some(f.snd_max), ..f };
+    assert!(b.set_fast_state(&key(), &moved));
+    assert_eq!(b.fast_state(&key()), Some(moved), "taken");
+    for bad in [unbroken_engines::replica::BFast { delta: f.delta + 1, ..moved }, unbroken_engines::replica::BFast { aligned: false, ..moved }, unbroken_engines::replica::BFast { ws_b: 3, ..moved }] {
+        assert!(!b.set_fast_state(&key(), &bad), "{bad:?}");
+        assert_eq!(b.fast_state(&key()), Some(moved), "unchanged");
+    }
+    let other = ConnKey { client_port: 40001, ..key() };
+    assert!(!b.set_fast_state(&other, &moved) && b.fast_state(&other).is_none() && !b.fast_eligible(&other));
+    // Half-open: not aligned, never the fast path's.
+    let mut h = Backup::new();
+    h.incoming(&mut syn());
+    assert!(!h.fast_eligible(&key()) && !h.set_fast_state(&key(), &moved));
+    b.take_over();
+    let now = b.fast_state(&key());
+    assert!(!b.fast_eligible(&key()) && !b.set_fast_state(&key(), &f), "after the take-over every entry was loaded");
+    assert_eq!(b.fast_state(&key()), now, "unchanged");
+}
+
+/// A connection the fast path carried for a while goes on on the engine exactly as if the
+/// engine had seen every packet: engine `a` decides everything; engine `b` gets the same
+/// packets except a middle stretch, for which it gets what the programs hand the daemon (the
+/// fields, each checkpoint, each kept copy, the change). Both then answer the same report,
+/// send the same progress, and resend the same segments at the take-over.
+#[test]
+fn backup_carried_by_the_fast_path_goes_on_exactly_as_the_engine() {
+    for strict in [true, false] {
+        let mut a = aligned_backup();
+        let mut b = aligned_backup();
+        a.set_strict(strict);
+        b.set_strict(strict);
+        let k = key();
+        let mut off = 0u32;
+        let mut rcv = 0u32;
+        for round in 0..12u32 {
+            let fast = (3..9).contains(&round);
+            let side0 = a.side(&k).unwrap();
+            let data: Vec<u8> = (0..300 + 50 * round).map(|x| (x + round) as u8).collect();
+            // The backup's server answers (withheld), the client acknowledges part of what the
+            // primary sent and sends a request.
+            let (va, pa) = backup_sends(&mut a, off, &data, B_TS0 + 10 + round);
+            assert_eq!(va, Verdict::Drop);
+            off += data.len() as u32;
+            let ack_to = off - 40;
+            let req = vec![b'r'; 20];
+            let mut c = from_client(Repr { seq: Seq(C_ISN + 1 + rcv), ack: Seq(P_ISN.wrapping_add(1 + ack_to)), flags: F::ACK | F::PSH, window: 512, timestamp: Some((600 + round, P_TS0 + round)), ..Default::default() }, &req);
+            rcv += req.len() as u32;
+            let ca = c.clone();
+            let v = a.incoming(&mut c);
+            if fast {
+                // What the programs hand the daemon: the fields, then the records in order.
+                let side1 = a.side(&k).unwrap();
+                assert!(b.set_fast_state(&k, &a.fast_state(&k).unwrap()));
+                for &(e, h) in &side1.checkpoints[side0.checkpoints.len().min(side1.checkpoints.len())..] {
+                    b.push_checkpoint(&k, e, h);
+                }
+                if side1.kept.len() > side0.kept.len() || side1.kept.last() != side0.kept.last() {
+                    let &(end, _) = side1.kept.last().unwrap();
+                    b.push_kept(&k, end, pa.clone());
+                }
+                b.mark_changed(&k);
+            } else {
+                let (vb, pb) = backup_sends(&mut b, off - data.len() as u32, &data, B_TS0 + 10 + round);
+                assert_eq!((vb, &pb), (va, &pa));
+                let mut cb = ca;
+                assert_eq!(b.incoming(&mut cb), v);
+                assert_eq!(cb, c, "round {round}: the same bytes to the server");
+            }
+            assert_eq!(a.fast_state(&k), b.fast_state(&k), "round {round} (strict {strict})");
+            // Kept copies the client's ACK covers may be let go at different moments (the
+            // engine drops them at its server's next segment, the daemon when it adds one): the
+            // ones that matter are those beyond it.
+            let acked = a.fast_state(&k).unwrap().acked_b;
+            let live = |s: unbroken_engines::replica::BSide| (s.checkpoints, s.kept.into_iter().filter(|(e, _)| acked.is_none_or(|a| e.gt(a))).collect::<Vec<_>>(), s.ooo_empty);
+            assert_eq!(live(a.side(&k).unwrap()), live(b.side(&k).unwrap()), "round {round} (strict {strict}): checkpoints and kept copies");
+        }
+        let rec = ConnProgress { client: cli(), client_port: 40000, server_port: 6379, rcv_nxt: Seq(C_ISN + 1 + rcv), rcv_edge: Seq(C_ISN + 1001 + rcv), out_end: Seq(P_ISN.wrapping_add(1 + off - 100)), out_hash: 0, last_ack: Seq(P_ISN.wrapping_add(1 + off - 40)), isn: Seq(P_ISN), flags: rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN };
+        let rep = Progress { role: Role::Primary, beat: 5, flags: 0, records: vec![rec] };
+        assert_eq!(a.primary_report(&rep), b.primary_report(&rep), "the relayed ACK");
+        assert_eq!(a.progress_changed(6), b.progress_changed(6), "the next message");
+        assert_eq!(a.progress(7), b.progress(7), "the beat");
+        a.take_over();
+        b.take_over();
+        let (ta, tb) = (a.take_transmit(), b.take_transmit());
+        assert!(!ta.is_empty(), "withheld output resent");
+        assert_eq!(ta, tb, "strict {strict}: the take-over's resends");
+    }
+}
+
+/// The primary's half: its fields round-trip; a connection whose SYN-ACK has not gone out,
+/// another window shift or stream start, an unknown connection are refused; a held segment
+/// takes the connection off the fast path until it is released.
+#[test]
+fn primary_fast_state_round_trips_and_eligibility_follows_held_output() {
+    let mut p = primary_established();
+    let f = p.fast_state(&key()).expect("followed");
+    assert!(f.answered && p.fast_eligible(&key()));
+    assert!(p.set_fast_state(&key(), &f));
+    assert_eq!(p.fast_state(&key()), Some(f), "identity");
+    let moved = unbroken_engines::replica::PFast { ack_p: f.ack_p + 7, client_ack: f.client_ack + 3, client_heard_at: 42, ..f };
+    assert!(p.set_fast_state(&key(), &moved));
+    assert_eq!(p.fast_state(&key()), Some(moved), "taken");
+    for bad in [unbroken_engines::replica::PFast { ws_p: 9, ..moved }, unbroken_engines::replica::PFast { stream_start: moved.stream_start + 1, ..moved }, unbroken_engines::replica::PFast { answered: false, ..moved }] {
+        assert!(!p.set_fast_state(&key(), &bad), "{bad:?}");
+        assert_eq!(p.fast_state(&key()), Some(moved), "unchanged");
+    }
+    let other = ConnKey { client_port: 40001, ..key() };
+    assert!(!p.set_fast_state(&other, &moved) && p.fast_state(&other).is_none() && !p.fast_eligible(&other));
+    // Strict mode: new output waits for the backup's digest: held, the engine's alone.
+    let mut s = primary(true);
+    let ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, ..Default::default() }, &[]);
+    s.incoming(&ack);
+    assert!(s.fast_eligible(&key()));
+    let (v, _) = primary_sends(&mut s, 0, &[7; 10], C_ISN + 1, 0, 5);
+    assert_eq!(v, Verdict::Held);
+    assert!(!s.fast_eligible(&key()), "held output is the engine's");
+}

@@ -19,6 +19,9 @@ use aya::maps::{HashMap, MapData, RingBuf};
 use aya::programs::SchedClassifier;
 use aya::Ebpf;
 
+use unbroken_engines::replica::{BFast, PFast};
+use unbroken_wire::seq::Seq;
+
 use super::{bpf_err, test_run, Error, Run, Verdict};
 
 /// The compiled programs (build.rs).
@@ -163,6 +166,96 @@ unsafe impl aya::Pod for Entry {}
 const _: () = assert!(std::mem::size_of::<Key>() == 20);
 const _: () = assert!(std::mem::size_of::<State>() == 104);
 const _: () = assert!(std::mem::size_of::<Entry>() == 128);
+
+impl State {
+    /// The engine's fields ([`Backup::fast_state`]) in the programs' layout: `strict` is the
+    /// pair's mode, `kernel_ts_at` the time of `b_ts_seen` on the kernel's clock (ns; the
+    /// caller converts from the engine's milliseconds).
+    ///
+    /// [`Backup::fast_state`]: unbroken_engines::replica::Backup::fast_state
+    pub fn from_engine(f: &BFast, strict: bool, kernel_ts_at: u64) -> State {
+        let mut fl = if strict { flag::STRICT } else { 0 };
+        for (on, bit) in [
+            (f.aligned, flag::ALIGNED),
+            (f.rcv_known, flag::RCV_KNOWN),
+            (f.client_seen, flag::CLIENT_SEEN),
+            (f.acked_b.is_some(), flag::ACKED_B),
+            (f.p_out.is_some(), flag::P_OUT),
+            (f.ts_floor.is_some(), flag::TS_FLOOR),
+            (f.client_ts_max.is_some(), flag::CTS_MAX),
+            (f.client_ts.is_some(), flag::CTS),
+            (f.b_ts_seen.is_some(), flag::B_TS),
+            (f.server.is_some(), flag::SERVER),
+        ] {
+            if on {
+                fl |= bit;
+            }
+        }
+        let (cts_max_val, cts_max_ecr) = f.client_ts_max.unwrap_or_default();
+        let (cts_val, cts_ecr) = f.client_ts.unwrap_or_default();
+        State {
+            out_hash: f.out_hash,
+            b_ts_at: if f.b_ts_seen.is_some() { kernel_ts_at } else { 0 },
+            flags: fl,
+            delta: f.delta,
+            ts_off: f.ts_off,
+            snd_max: f.snd_max.0,
+            rcv_nxt: f.rcv_nxt.0,
+            rcv_edge: f.rcv_edge.0,
+            out_end: f.out_end.0,
+            last_ack: f.last_ack.0,
+            acked_b: f.acked_b.map_or(0, |s| s.0),
+            p_out: f.p_out.map_or(0, |s| s.0),
+            ts_floor: f.ts_floor.unwrap_or(0),
+            cts_max_val,
+            cts_max_ecr,
+            cts_val,
+            cts_ecr,
+            b_ts_val: f.b_ts_seen.map_or(0, |(v, _)| v),
+            server: f.server.map_or([0; 16], addr16),
+            client_win: f.client_win,
+            ws_b: f.ws_b,
+            pad: 0,
+            pad2: 0,
+        }
+    }
+
+    /// Back into the engine's form ([`Backup::set_fast_state`]): `engine_ts_at` is the time of
+    /// `b_ts_val` on the engine's clock (ms), `v6` whether the connection is IPv6 (an IPv4
+    /// address is stored mapped).
+    ///
+    /// [`Backup::set_fast_state`]: unbroken_engines::replica::Backup::set_fast_state
+    pub fn to_engine(&self, engine_ts_at: u64, v6: bool) -> BFast {
+        let on = |bit: u32| self.flags & bit != 0;
+        let server = if v6 {
+            IpAddr::V6(std::net::Ipv6Addr::from(self.server))
+        } else {
+            IpAddr::V4(std::net::Ipv6Addr::from(self.server).to_ipv4_mapped().unwrap_or(std::net::Ipv4Addr::UNSPECIFIED))
+        };
+        BFast {
+            aligned: on(flag::ALIGNED),
+            rcv_known: on(flag::RCV_KNOWN),
+            client_seen: on(flag::CLIENT_SEEN),
+            delta: self.delta,
+            ts_off: self.ts_off,
+            ws_b: self.ws_b,
+            snd_max: Seq(self.snd_max),
+            rcv_nxt: Seq(self.rcv_nxt),
+            rcv_edge: Seq(self.rcv_edge),
+            out_end: Seq(self.out_end),
+            out_hash: self.out_hash,
+            last_ack: Seq(self.last_ack),
+            acked_b: on(flag::ACKED_B).then_some(Seq(self.acked_b)),
+            p_out: on(flag::P_OUT).then_some(Seq(self.p_out)),
+            ts_floor: on(flag::TS_FLOOR).then_some(self.ts_floor),
+            client_ts_max: on(flag::CTS_MAX).then_some((self.cts_max_val, self.cts_max_ecr)),
+            client_ts: on(flag::CTS).then_some((self.cts_val, self.cts_ecr)),
+            b_ts_seen: on(flag::B_TS).then_some((self.b_ts_val, engine_ts_at)),
+            client_win: self.client_win,
+            server: on(flag::SERVER).then_some(server),
+        }
+    }
+}
 
 impl Entry {
     pub fn new(s: &State) -> Entry {
@@ -360,6 +453,86 @@ pub struct PState {
 
 // SAFETY: integers, no implicit padding (96 bytes).
 unsafe impl aya::Pod for PState {}
+
+impl PState {
+    /// The engine's fields ([`Primary::fast_state`]) in the programs' layout: `strict` is the
+    /// pair's mode, `heard_at` `client_heard_at` on the kernel's clock (ns; the caller converts
+    /// from the engine's milliseconds).
+    ///
+    /// [`Primary::fast_state`]: unbroken_engines::replica::Primary::fast_state
+    pub fn from_engine(f: &PFast, strict: bool, heard_at: u64) -> PState {
+        let mut st = PState { heard_at, ..PState::default() };
+        let mut fl = if strict { pflag::STRICT } else { 0 };
+        for (on, bit) in [(f.answered, pflag::ANSWERED), (f.established, pflag::ESTABLISHED), (f.out_seen, pflag::OUT_SEEN)] {
+            if on {
+                fl |= bit;
+            }
+        }
+        if let Some((rcv_known, aligned, rcv_nxt, rcv_edge)) = f.b {
+            fl |= pflag::B;
+            if rcv_known {
+                fl |= pflag::B_RCV_KNOWN;
+            }
+            if aligned {
+                fl |= pflag::B_ALIGNED;
+            }
+            (st.b_rcv_nxt, st.b_rcv_edge) = (rcv_nxt.0, rcv_edge.0);
+        }
+        if let Some((v, e)) = f.ts {
+            fl |= pflag::TS;
+            (st.ts_val, st.ts_ecr) = (v, e);
+        }
+        if let Some(m) = f.ts_max {
+            fl |= pflag::TS_MAX;
+            st.ts_max = m;
+        }
+        if let Some(a) = f.sent_ack {
+            fl |= pflag::SENT_ACK;
+            st.sent_ack = a.0;
+        }
+        if let Some((end, win, ts)) = f.client_last {
+            fl |= pflag::CLIENT_LAST;
+            (st.cl_end, st.cl_win) = (end.0, win);
+            if let Some((v, e)) = ts {
+                fl |= pflag::CL_TS;
+                (st.cl_ts_val, st.cl_ts_ecr) = (v, e);
+            }
+        }
+        st.flags = fl;
+        (st.rel, st.p_end, st.snd_c, st.ack_p, st.edge_p) = (f.rel.0, f.p_end.0, f.snd_c.0, f.ack_p.0, f.edge_p.0);
+        (st.snd_p, st.p_max, st.stream_start, st.client_ack, st.ws_p) = (f.snd_p.0, f.p_max.0, f.stream_start.0, f.client_ack.0, f.ws_p);
+        st
+    }
+
+    /// Back into the engine's form ([`Primary::set_fast_state`]): `engine_heard_at` is
+    /// `client_heard_at` on the engine's clock (ms).
+    ///
+    /// [`Primary::set_fast_state`]: unbroken_engines::replica::Primary::set_fast_state
+    pub fn to_engine(&self, engine_heard_at: u64) -> PFast {
+        let on = |bit: u32| self.flags & bit != 0;
+        PFast {
+            answered: on(pflag::ANSWERED),
+            established: on(pflag::ESTABLISHED),
+            ws_p: self.ws_p,
+            ack_p: Seq(self.ack_p),
+            edge_p: Seq(self.edge_p),
+            b: on(pflag::B).then_some((on(pflag::B_RCV_KNOWN), on(pflag::B_ALIGNED), Seq(self.b_rcv_nxt), Seq(self.b_rcv_edge))),
+            rel: Seq(self.rel),
+            p_end: Seq(self.p_end),
+            sent_ack: on(pflag::SENT_ACK).then_some(Seq(self.sent_ack)),
+            snd_c: Seq(self.snd_c),
+            ts: on(pflag::TS).then_some((self.ts_val, self.ts_ecr)),
+            ts_max: on(pflag::TS_MAX).then_some(self.ts_max),
+            p_max: Seq(self.p_max),
+            client_last: on(pflag::CLIENT_LAST).then_some((Seq(self.cl_end), self.cl_win, on(pflag::CL_TS).then_some((self.cl_ts_val, self.cl_ts_ecr)))),
+            client_ack: Seq(self.client_ack),
+            snd_p: Seq(self.snd_p),
+            client_heard_at: engine_heard_at,
+            stream_start: Seq(self.stream_start),
+            out_seen: on(pflag::OUT_SEEN),
+        }
+    }
+}
 
 /// A primary map entry (`struct rep_p_entry`).
 #[repr(C)]
@@ -707,5 +880,73 @@ mod tests {
         b[56..].copy_from_slice(&[1, 2, 3]);
         let key = Key::new("10.0.0.9:40000".parse().unwrap(), 6379);
         assert_eq!(Record::parse(&b), Some(Record::Keep { key, end_b: 77, total: 3, off: 0, bytes: vec![1, 2, 3] }));
+    }
+
+    /// The engine's fields survive the trip through the programs' layout, every `Option` either
+    /// way, both families; the clocks are the caller's.
+    #[test]
+    fn engine_fields_round_trip_through_the_layout() {
+        use unbroken_engines::replica::{BFast, PFast};
+        let full = BFast {
+            aligned: true,
+            rcv_known: true,
+            client_seen: true,
+            delta: 0xdead_beef,
+            ts_off: 7,
+            ws_b: 7,
+            snd_max: Seq(1),
+            rcv_nxt: Seq(2),
+            rcv_edge: Seq(3),
+            out_end: Seq(4),
+            out_hash: u64::MAX - 5,
+            last_ack: Seq(6),
+            acked_b: Some(Seq(0)),
+            p_out: Some(Seq(u32::MAX)),
+            ts_floor: Some(9),
+            client_ts_max: Some((10, 11)),
+            client_ts: Some((12, 13)),
+            b_ts_seen: Some((14, 15_000)),
+            client_win: 16,
+            server: Some("10.0.0.1".parse().unwrap()),
+        };
+        let bare = BFast { acked_b: None, p_out: None, ts_floor: None, client_ts_max: None, client_ts: None, b_ts_seen: None, server: None, ..full };
+        let v6 = BFast { server: Some("fd77::1".parse().unwrap()), ..full };
+        for (f, is_v6) in [(full, false), (bare, false), (v6, true)] {
+            for strict in [true, false] {
+                let st = State::from_engine(&f, strict, 123_456_789);
+                assert_eq!(st.flags & flag::STRICT != 0, strict);
+                assert_eq!(st.b_ts_at, if f.b_ts_seen.is_some() { 123_456_789 } else { 0 });
+                let back = st.to_engine(15_000, is_v6);
+                assert_eq!(back, f);
+            }
+        }
+        let p = PFast {
+            answered: true,
+            established: true,
+            ws_p: 7,
+            ack_p: Seq(1),
+            edge_p: Seq(2),
+            b: Some((true, false, Seq(3), Seq(4))),
+            rel: Seq(5),
+            p_end: Seq(6),
+            sent_ack: Some(Seq(7)),
+            snd_c: Seq(8),
+            ts: Some((9, 10)),
+            ts_max: Some(11),
+            p_max: Seq(12),
+            client_last: Some((Seq(13), 14, Some((15, 16)))),
+            client_ack: Seq(17),
+            snd_p: Seq(18),
+            client_heard_at: 19,
+            stream_start: Seq(20),
+            out_seen: true,
+        };
+        let p_bare = PFast { b: None, sent_ack: None, ts: None, ts_max: None, client_last: Some((Seq(13), 14, None)), out_seen: false, established: false, ..p };
+        let p_none = PFast { client_last: None, ..p_bare };
+        for f in [p, p_bare, p_none] {
+            let st = PState::from_engine(&f, true, 99);
+            assert_eq!((st.heard_at, st.flags & pflag::STRICT), (99, pflag::STRICT));
+            assert_eq!(st.to_engine(19), f);
+        }
     }
 }

@@ -13,7 +13,7 @@ use aya::programs::SchedClassifier;
 use aya::Ebpf;
 use unbroken_engines::rtcp::Conn;
 
-use super::{bpf_err, test_run, Error, Run, Verdict};
+use super::{attach_tcx, bpf_err, classifier, load_classifiers, test_run, Error, Run, Verdict};
 
 /// The compiled programs (build.rs).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ckpt_tc.o"));
@@ -261,14 +261,7 @@ impl Checkpoint {
     pub fn load() -> Result<Checkpoint, Error> {
         super::available()?;
         let mut ebpf = Ebpf::load(OBJECT).map_err(|e| bpf_err("loading bpf/checkpoint/ckpt_tc.o", e))?;
-        for name in [Direction::Outgoing.program(), Direction::Incoming.program(), OP_PROGRAM] {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?
-                .try_into()
-                .map_err(|e| bpf_err(name, e))?;
-            prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
-        }
+        load_classifiers(&mut ebpf, &[Direction::Outgoing.program(), Direction::Incoming.program(), OP_PROGRAM])?;
         Ok(Checkpoint { ebpf })
     }
 
@@ -321,8 +314,7 @@ impl Checkpoint {
         let req = OpMsg { word0: code, word1: 0, key: *key, value: value.copied().unwrap_or_default() };
         // SAFETY: OpMsg is #[repr(C)] integers without padding.
         let bytes: [u8; 108] = unsafe { std::mem::transmute(req) };
-        let prog: &SchedClassifier = self.ebpf.program(OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(OP_PROGRAM, e))?;
-        let (run, _) = test_run(prog, &bytes, 1)?;
+        let (run, _) = test_run(classifier(&self.ebpf, OP_PROGRAM)?, &bytes, 1)?;
         let mut out = [0u8; 108];
         if run.packet.len() < out.len() {
             return Err(Error::Bpf(format!("{OP_PROGRAM} answered {} bytes", run.packet.len())));
@@ -358,14 +350,7 @@ impl Checkpoint {
     /// Attaches direction `d`'s program to the ingress of `iface` (TCX; detached when this
     /// value is dropped).
     pub fn attach(&mut self, d: Direction, iface: &str) -> Result<(), Error> {
-        let name = d.program();
-        let prog: &mut SchedClassifier = self.ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
-        // TCX (a bpf_link, kernel 6.6 or later) only: the link dies with this process. aya
-        // falls back to a netlink filter on older kernels, which outlives a killed guard and
-        // would keep claiming packets from a map nobody updates any more.
-        let opts = aya::programs::tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::default());
-        prog.attach_with_options(iface, aya::programs::TcAttachType::Ingress, opts).map_err(|e| bpf_err(&format!("attaching {name} to {iface} (tc ingress, TCX: Linux 6.6 or later)"), e))?;
-        Ok(())
+        attach_tcx(&mut self.ebpf, d.program(), iface, aya::programs::TcAttachType::Ingress)
     }
 
     /// Removes the entry of `key` (its packets then go to the slow path).
@@ -378,8 +363,7 @@ impl Checkpoint {
     }
 
     fn program(&self, d: Direction) -> Result<&SchedClassifier, Error> {
-        let name = d.program();
-        self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
+        classifier(&self.ebpf, d.program())
     }
 
     /// Runs the IP packet `ip` through the program for direction `d` once

@@ -16,6 +16,7 @@ pub mod replica;
 use std::fmt;
 
 use aya::programs::{ProgramType, SchedClassifier, TestRun, TestRunOptions};
+use aya::Ebpf;
 
 /// `TC_ACT_OK`: the verdict of a packet the program claimed.
 const TC_ACT_OK: i32 = 0;
@@ -77,6 +78,39 @@ impl std::error::Error for Error {}
 
 fn bpf_err(what: &str, e: impl fmt::Display) -> Error {
     Error::Bpf(format!("{what}: {e}"))
+}
+
+/// The tc program `name` of `ebpf`.
+fn classifier<'a>(ebpf: &'a Ebpf, name: &str) -> Result<&'a SchedClassifier, Error> {
+    ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?.try_into().map_err(|e| bpf_err(name, e))
+}
+
+/// The tc program `name` of `ebpf`, to load or attach.
+fn classifier_mut<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut SchedClassifier, Error> {
+    ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?.try_into().map_err(|e| bpf_err(name, e))
+}
+
+/// Loads the tc programs `names` of `ebpf` through the verifier.
+fn load_classifiers(ebpf: &mut Ebpf, names: &[&str]) -> Result<(), Error> {
+    for &name in names {
+        classifier_mut(ebpf, name)?.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
+    }
+    Ok(())
+}
+
+/// Attaches the tc program `name` to `iface` at `point` by TCX (a bpf_link, Linux 6.6 or
+/// later; detached when `ebpf` is dropped). Only TCX: aya falls back to a netlink filter on
+/// older kernels, which outlives a killed daemon and would keep claiming packets from a map
+/// nobody updates any more.
+fn attach_tcx(ebpf: &mut Ebpf, name: &str, iface: &str, point: aya::programs::TcAttachType) -> Result<(), Error> {
+    let opts = aya::programs::tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::default());
+    let at = match point {
+        aya::programs::TcAttachType::Ingress => "ingress",
+        aya::programs::TcAttachType::Egress => "egress",
+        _ => "tc",
+    };
+    classifier_mut(ebpf, name)?.attach_with_options(iface, point, opts).map_err(|e| bpf_err(&format!("attaching {name} to {iface} (tc {at}, TCX: Linux 6.6 or later)"), e))?;
+    Ok(())
 }
 
 /// `Ok` when this process can load and run tc programs; otherwise why not.

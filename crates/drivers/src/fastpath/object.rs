@@ -25,7 +25,7 @@ use aya::programs::{SchedClassifier, SocketFilter, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use unbroken_engines::trods::{self, FastView, FAR_PAST_PROGRESS};
 
-use super::{bpf_err, Error, ETH_HLEN};
+use super::{bpf_err, load_classifiers, Error, ETH_HLEN};
 
 /// The compiled programs (build.rs).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/obj_fast.o"));
@@ -391,9 +391,7 @@ impl Object {
             let prog: &mut SocketFilter = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
             prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
         }
-        let name = Prog::ToClientTc.name();
-        let prog: &mut SchedClassifier = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
-        prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
+        load_classifiers(&mut ebpf, &[Prog::ToClientTc.name()])?;
         let fd = match ebpf.map(SLOTS) {
             Some(aya::maps::Map::Array(md)) => md.fd().as_fd().as_raw_fd(),
             _ => return Err(Error::Bpf(format!("no array map {SLOTS}"))),

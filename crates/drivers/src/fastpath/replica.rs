@@ -22,7 +22,7 @@ use aya::Ebpf;
 use unbroken_engines::replica::{BFast, PFast};
 use unbroken_wire::seq::Seq;
 
-use super::{bpf_err, test_run, Error, Run, Verdict};
+use super::{bpf_err, classifier, load_classifiers, test_run, Error, Run, Verdict};
 
 /// The compiled programs (build.rs).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/rep_tc.o"));
@@ -593,10 +593,7 @@ impl Replica {
     pub fn load() -> Result<Replica, Error> {
         super::available()?;
         let mut ebpf = Ebpf::load(OBJECT).map_err(|e| bpf_err("loading bpf/replica/rep_tc.o", e))?;
-        for name in [Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM] {
-            let prog: &mut SchedClassifier = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name} in the object")))?.try_into().map_err(|e| bpf_err(name, e))?;
-            prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
-        }
+        load_classifiers(&mut ebpf, &[Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM])?;
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
         Ok(Replica { ebpf, ring })
@@ -651,8 +648,7 @@ impl Replica {
         let req = OpMsg { word0: code, word1: 0, key: *key, pad: 0, value: value.map(Entry::new).unwrap_or_default() };
         // SAFETY: OpMsg is #[repr(C)] integers and bytes without padding.
         let bytes: [u8; 160] = unsafe { std::mem::transmute(req) };
-        let prog: &SchedClassifier = self.ebpf.program(OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(OP_PROGRAM, e))?;
-        let (run, _) = test_run(prog, &bytes, 1)?;
+        let (run, _) = test_run(classifier(&self.ebpf, OP_PROGRAM)?, &bytes, 1)?;
         if run.packet.len() < 160 {
             return Err(Error::Bpf(format!("{OP_PROGRAM} answered {} bytes", run.packet.len())));
         }
@@ -755,8 +751,7 @@ impl Replica {
         let req = POpMsg { word0: code, word1: 0, key: *key, pad: 0, value: PEntry { state: value.copied().unwrap_or_default(), ..PEntry::default() } };
         // SAFETY: POpMsg is #[repr(C)] integers and bytes without padding.
         let bytes: [u8; 152] = unsafe { std::mem::transmute(req) };
-        let prog: &SchedClassifier = self.ebpf.program(P_OP_PROGRAM).ok_or_else(|| Error::Bpf(format!("no program {P_OP_PROGRAM}")))?.try_into().map_err(|e| bpf_err(P_OP_PROGRAM, e))?;
-        let (run, _) = test_run(prog, &bytes, 1)?;
+        let (run, _) = test_run(classifier(&self.ebpf, P_OP_PROGRAM)?, &bytes, 1)?;
         if run.packet.len() < 152 {
             return Err(Error::Bpf(format!("{P_OP_PROGRAM} answered {} bytes", run.packet.len())));
         }
@@ -791,8 +786,7 @@ impl Replica {
     }
 
     fn p_program(&self, d: PrimaryDirection) -> Result<&SchedClassifier, Error> {
-        let name = d.program();
-        self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
+        classifier(&self.ebpf, d.program())
     }
 
     /// Runs `ip` through the primary's program for direction `d` once.
@@ -806,8 +800,7 @@ impl Replica {
     }
 
     fn program(&self, d: Direction) -> Result<&SchedClassifier, Error> {
-        let name = d.program();
-        self.ebpf.program(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))
+        classifier(&self.ebpf, d.program())
     }
 
     /// Runs the IP packet `ip` through direction `d`'s program once (`BPF_PROG_TEST_RUN`).

@@ -108,6 +108,7 @@ struct Seg {
     /// SACK option: its offset in the TCP header and the number of blocks.
     sack: Option<(usize, u8)>,
     wscale: Option<u8>,
+    mss: Option<u16>,
     csum_ok: bool,
 }
 
@@ -141,6 +142,7 @@ fn parse(pkt: &[u8]) -> Result<Seg> {
         ts: None,
         sack: None,
         wscale: None,
+        mss: None,
         csum_ok: t.verify_checksum(info.pseudo_sum(info.l4_len)),
     };
     for slot in t.option_slots() {
@@ -149,6 +151,7 @@ fn parse(pkt: &[u8]) -> Result<Seg> {
             TcpOption::Timestamp { tsval, tsecr } => s.ts = Some((slot.offset, tsval, tsecr)),
             TcpOption::Sack(_, n) => s.sack = Some((slot.offset, n)),
             TcpOption::WindowScale(w) => s.wscale = Some(w.min(14)),
+            TcpOption::Mss(m) => s.mss = Some(m),
             _ => {}
         }
     }
@@ -278,6 +281,9 @@ struct BConn {
     /// connection is not the client's; never answer on it, and tell the primary.
     misaligned: bool,
     client_fin: bool,
+    /// The MSS of the client's SYN (the latest before alignment): a kept copy larger than it
+    /// (a GSO super-packet) is cut to it before the take-over resends it.
+    client_mss: Option<u16>,
     /// The latest client ACK seen (`last_ack`): its window field, timestamps (client's clock,
     /// primary's TSecr) and the service address it was sent to.
     client_seen: bool,
@@ -658,7 +664,16 @@ impl Backup {
                 let Ok(s) = parse(&pkt) else { continue };
                 if translate_out(c, &mut pkt, &s) {
                     any = true;
-                    self.out.push(pkt);
+                    // A GSO super-packet (the backup's queue takes them whole) goes out as the
+                    // kernel would have cut it: at most the client's MSS of payload (RFC 1122's
+                    // 536 at the least, so a forged SYN's tiny MSS cannot make thousands), less
+                    // the options.
+                    let opts = s.payload_at - s.info.l4_offset - 20;
+                    let mss = c.client_mss.map_or(DEFAULT_MSS, |m| m.max(DEFAULT_MSS)) as usize;
+                    match ip::split_tcp(&pkt, mss.saturating_sub(opts).max(1)) {
+                        Ok(parts) => self.out.extend(parts),
+                        Err(_) => self.out.push(pkt),
+                    }
                 }
             }
             if any {
@@ -693,6 +708,7 @@ impl Backup {
             if let Some(c) = self.conns.get_mut(&key).filter(|c| !c.aligned) {
                 // Until the SYN-ACK names the SYN its server answered (any SYN may be forged).
                 c.client_isn = Some(s.seq);
+                c.client_mss = s.mss;
             }
             return Verdict::PASS;
         }
@@ -1348,6 +1364,9 @@ fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool) {
         c.fin_out = true;
     }
 }
+
+/// RFC 1122's default MSS: the least a kept copy is cut to at the take-over.
+const DEFAULT_MSS: u16 = 536;
 
 /// Withheld output a backup keeps per connection for its take-over ([`Backup::take_over`]),
 /// and for all connections together.

@@ -1634,3 +1634,38 @@ fn primary_fast_state_round_trips_and_eligibility_follows_held_output() {
     assert_eq!(v, Verdict::Held);
     assert!(!s.fast_eligible(&key()), "held output is the engine's");
 }
+
+/// Koch 5 with GSO on the backup's queue: a withheld super-packet is kept whole and, at the
+/// take-over, resent as the kernel would have cut it: segments of at most the client's MSS
+/// less the options, in the primary's space, together the whole output.
+#[test]
+fn koch_5_takeover_cuts_a_kept_super_packet_to_the_clients_mss() {
+    let mut b = aligned_backup();
+    let data: Vec<u8> = (0..5000u32).map(|x| (x * 13) as u8).collect();
+    let (v, _) = backup_sends(&mut b, 0, &data, B_TS0 + 1);
+    assert_eq!(v, Verdict::Drop, "withheld");
+    b.take_over();
+    let out = b.take_transmit();
+    assert_eq!(out.len(), 4, "5000 bytes in segments of 1460 - 12 (timestamps)");
+    let mut got = vec![];
+    for (i, p) in out.iter().enumerate() {
+        let (r, payload) = seg(p);
+        assert_eq!(r.seq, Seq(P_ISN.wrapping_add(1 + 1448 * i as u32)), "the primary's space");
+        assert!(payload.len() <= 1448);
+        assert!(r.timestamp.is_some());
+        got.extend_from_slice(&payload);
+    }
+    assert_eq!(got, data);
+    // A forged SYN's tiny MSS cannot make thousands of segments: 536 at the least.
+    let mut h = Backup::new();
+    h.incoming(&mut from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(1), wscale: Some(7), timestamp: Some((500, 0)), ..Default::default() }, &[]));
+    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
+    h.outgoing(&mut sa);
+    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
+    h.incoming(&mut ack);
+    assert!(h.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(0))).is_empty());
+    backup_sends(&mut h, 0, &data, B_TS0 + 1);
+    h.take_over();
+    let out = h.take_transmit();
+    assert_eq!(out.len(), 5000usize.div_ceil(536 - 12), "cut at 536 - 12");
+}

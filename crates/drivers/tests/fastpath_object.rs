@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use unbroken_drivers::fastpath::object::{self, flag, monotonic_ns, Kept, Object, Prog, State, Steer};
 use unbroken_drivers::fastpath::{Error, Verdict as TcVerdict};
-use unbroken_engines::trods::{self, plan_recovery, Action, Config, Dir, Engine, FastView, Record, Trigger};
+use unbroken_engines::trods::{self, plan_recovery, Action, Config, Dir, Engine, FastKept, FastView, Plan, Record, Trigger};
 use unbroken_engines::Verdict;
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::marker::marker_mac;
@@ -61,6 +61,13 @@ fn published(s: &State) -> State {
 struct World {
     fp: Object,
     e: Engine,
+    /// The agent's engine as it will run: it sees only the packets the kernel leaves to the
+    /// slow path, and before each (and before any other event) takes back what the kernel
+    /// moved (`Engine::absorb` with the entry's kept fields). After every slow packet it must
+    /// be in the state of `e`, which saw every packet.
+    twin: Engine,
+    /// The twin's actions not yet completed (the same as `pending`, asserted).
+    twin_pending: Vec<Action>,
     key: trods::Key,
     k: object::Key,
     id: u64,
@@ -88,6 +95,8 @@ impl World {
         let key = trods::Key { client: c, service: s };
         let mut w = World {
             fp,
+            twin: Engine::new(cfg.clone()),
+            twin_pending: Vec::new(),
             e: Engine::new(cfg),
             key,
             k: object::Key::new(&key),
@@ -165,6 +174,7 @@ impl World {
     /// Completes every pending store (`ok`), then publishes; returns the records stored.
     fn store_all(&mut self, ok: bool) -> Vec<Record> {
         let mut recs = vec![];
+        let mut any = false;
         loop {
             while let Some(a) = self.e.poll_action() {
                 self.pending.push(a);
@@ -172,6 +182,14 @@ impl World {
             if self.pending.is_empty() {
                 break;
             }
+            while let Some(a) = self.twin.poll_action() {
+                self.twin_pending.push(a);
+            }
+            assert_eq!(std::mem::take(&mut self.twin_pending), self.pending, "the twin asks for other stores");
+            // An event not caused by a packet: the agent takes the entry back first.
+            let (entry, before) = (self.fp.get(&self.k).unwrap(), self.e.fast_view(&self.key));
+            self.absorb(entry, before, "a store's completion");
+            any = true;
             for a in std::mem::take(&mut self.pending) {
                 match a {
                     Action::Store { token, value, .. } => {
@@ -179,16 +197,81 @@ impl World {
                             recs.push(r);
                         }
                         self.e.store_done(token, ok);
+                        self.twin.store_done(token, ok);
                     }
-                    Action::Delete { token, .. } => self.e.store_done(token, ok),
+                    Action::Delete { token, .. } => {
+                        self.e.store_done(token, ok);
+                        self.twin.store_done(token, ok);
+                    }
                 }
             }
         }
-        while self.e.take_released().is_some() {}
-        while self.e.take_injected().is_some() {}
-        while self.e.take_dropped().is_some() {}
+        self.drain_both("stores");
+        if any {
+            self.same_state("stores");
+        }
         self.publish();
         recs
+    }
+
+    /// Drains what both engines released, injected and dropped: the same.
+    fn drain_both(&mut self, what: &str) {
+        let (mut a, mut b) = (vec![], vec![]);
+        while let Some(x) = self.e.take_released() {
+            a.push(format!("released {x:?}"));
+        }
+        while let Some(x) = self.e.take_injected() {
+            a.push(format!("injected {x:?}"));
+        }
+        while let Some(x) = self.e.take_dropped() {
+            a.push(format!("dropped {x:?}"));
+        }
+        while let Some(x) = self.twin.take_released() {
+            b.push(format!("released {x:?}"));
+        }
+        while let Some(x) = self.twin.take_injected() {
+            b.push(format!("injected {x:?}"));
+        }
+        while let Some(x) = self.twin.take_dropped() {
+            b.push(format!("dropped {x:?}"));
+        }
+        assert_eq!(b, a, "{what}: the twin's packets differ");
+    }
+
+    /// After an event both engines saw (the twin after its hand-off): the same state.
+    fn same_state(&self, what: &str) {
+        assert_eq!(self.twin.fast_view(&self.key), self.e.fast_view(&self.key), "{what}: the twin's state differs");
+    }
+
+    /// The agent's hand-off before an event: the twin takes back what the kernel kept (the
+    /// entry's fields; `last_seen` converted exactly, here from the engine that saw it all).
+    fn absorb(&mut self, entry: Option<State>, before: Option<FastView>, what: &str) {
+        let (Some(e), Some(v)) = (entry, before) else { return };
+        if self.twin.fast_view(&self.key).is_none() {
+            return;
+        }
+        let k = e.kept();
+        let fk = FastKept { client_acked: k.client_acked, srv_next: k.srv_next, sent_next: k.sent_next, last_window: k.last_window, last_ts: k.last_ts, last_seen: v.last_seen };
+        assert!(self.twin.absorb(&self.key, &fk), "{what}: the twin refused the kernel's fields {fk:?}");
+        assert_eq!(self.twin.fast_view(&self.key), Some(v), "{what}: after absorbing, the twin differs from the engine that saw every packet");
+    }
+
+    /// `Engine::expire` on both, the twin after its hand-off.
+    fn expire(&mut self) {
+        let entry = self.fp.get(&self.k).unwrap();
+        let before = self.e.fast_view(&self.key);
+        self.absorb(entry, before, "expire");
+        self.e.expire(self.now);
+        self.twin.expire(self.now);
+        self.drain_both("expire");
+        self.same_state("expire");
+    }
+
+    /// `Engine::adopt` on both.
+    fn adopt(&mut self, rec: &Record, plan: &Plan) {
+        let key = self.key;
+        self.e.adopt(key, rec, plan, self.now);
+        self.twin.adopt(key, rec, plan, self.now);
     }
 
     /// `pkt` through both paths, checked against each other (module docs). Returns the filter's
@@ -248,14 +331,23 @@ impl World {
                     }
                 }
                 self.slow += 1;
+                // The agent's engine: the hand-off (absorb what the kernel kept), then it decides
+                // the packet exactly as the engine that saw every packet did.
+                self.absorb(entry, before, what);
+                let mut tb = pkt.to_vec();
+                let tv = self.twin.packet_csum(self.id, &mut tb, dir, self.now, self.csum_not_ready);
+                assert_eq!((tv, hex(&tb)), (v, hex(&buf)), "{what}: the twin decided otherwise");
                 // The agent: the engine decided; its stores run (left pending here), and the
                 // entry is published again from its state.
                 while let Some(a) = self.e.poll_action() {
                     self.pending.push(a);
                 }
-                while self.e.take_released().is_some() {}
-                while self.e.take_injected().is_some() {}
-                while self.e.take_dropped().is_some() {}
+                while let Some(a) = self.twin.poll_action() {
+                    self.twin_pending.push(a);
+                }
+                assert_eq!(self.twin_pending, self.pending, "{what}: the twin asks for other stores");
+                self.drain_both(what);
+                self.same_state(what);
                 self.publish();
             }
             Steer::Other(r) => panic!("{what}: the filter returned {r}"),
@@ -461,7 +553,7 @@ fn case3_adopted_connection_resends_and_supersede_goes_slow() {
     let t = Trigger { seq: cs(req_end), ack: ss(3000), payload_len: 0, flags: F::ACK, window: 500, tsval: Some(1), tsecr: Some(2) };
     let plan = plan_recovery(&rec, &t).unwrap();
     let mut w = World::v4(fp, Config::default());
-    w.e.adopt(w.key, &rec, &plan, w.now);
+    w.adopt(&rec, &plan);
     // The agent's first packet of the adopted connection comes from the rebuilt socket.
     w.publish();
     // The first resent segment tells the client its request arrived (`told`): slow; the
@@ -594,8 +686,7 @@ fn start(kind: u64, v6: bool, cfg: Config) -> Start {
             let rec = w0.store_all(true).pop().expect("the record of the first response");
             let t = Trigger { seq: cs(req_end), ack: ss(1000), payload_len: 0, flags: F::ACK, window: 500, tsval: Some(1), tsecr: Some(2) };
             let plan = plan_recovery(&rec, &t).unwrap();
-            let key = w.key;
-            w.e.adopt(key, &rec, &plan, w.now);
+            w.adopt(&rec, &plan);
             w.publish();
             Start { w, stream, cseq: cs(req_end), srv_ack: cs(req_end), srv: 1000 }
         }
@@ -800,7 +891,7 @@ fn half_closed_client_downloads_and_a_failed_store_goes_slow() {
     assert!(passed >= 8, "{passed}");
     assert_eq!(w.c(cseq, ss(7000), F::ACK, b"", "client ACK"), Steer::Pass);
     // A progress store that fails: degraded, nothing passes any more.
-    w.e.expire(w.now);
+    w.expire();
     assert_eq!(w.c(cseq, ss(14_000), F::ACK, b"", "the ACK of the first 14000 bytes"), Steer::Pass);
     let Start { mut w, stream, cseq, srv_ack, .. } = start(0, false, Config { progress_step: 4000, ..Config::default() });
     serve_until_slow(&mut w, &stream, srv_ack);

@@ -498,6 +498,19 @@ struct PendingReq {
     req: http::Request,
 }
 
+/// What the kernel's fast path moved on a connection while it carried it (issue 22 item 3),
+/// for [`Engine::absorb`]: the engine's fields of the same names, `last_seen` already on the
+/// engine's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastKept {
+    pub client_acked: u64,
+    pub srv_next: u64,
+    pub sent_next: u64,
+    pub last_window: u16,
+    pub last_ts: Option<(u32, u32)>,
+    pub last_seen: u64,
+}
+
 /// One connection as [`Engine::fast_view`] shows it: the fields of the engine's private
 /// state, by the same names (`parse` split into `header_pending` and `body_left`; queues by
 /// their length; the first stored response by its end), plus the configured `progress_step`.
@@ -844,6 +857,42 @@ impl Engine {
     /// `None` when the engine does not track it (for simulations and status pages).
     pub fn is_protected(&self, key: &Key) -> Option<bool> {
         self.conns.get(key).map(|c| c.protected && !c.muted)
+    }
+
+    /// Takes back what the kernel's fast path moved while it carried `key` (the agent's
+    /// hand-off, before the engine decides the packet or event that brought the connection
+    /// back: docs/architecture.md, "Fast path: object mode"). The fast path passes only packets
+    /// inside a response body or acknowledging one, so it can only move these forward: the
+    /// client's ACK, the server's stream inside the current body (the body's end stays where
+    /// the engine parsed it), the window and timestamps last seen. False, and nothing changed,
+    /// for an unknown connection or figures the fast path cannot have produced (one going
+    /// back, the server's stream past the body's end or moving outside a body).
+    pub fn absorb(&mut self, key: &Key, k: &FastKept) -> bool {
+        let Some(c) = self.conns.get_mut(key) else { return false };
+        if k.client_acked < c.client_acked || k.srv_next < c.srv_next || k.sent_next < c.sent_next || k.last_seen < c.last_seen {
+            return false;
+        }
+        let left = match c.parse {
+            SrvParse::Body { left } => {
+                let end = c.srv_next + left;
+                if k.srv_next > end {
+                    return false;
+                }
+                Some(end - k.srv_next)
+            }
+            _ if k.srv_next != c.srv_next => return false,
+            _ => None,
+        };
+        if let Some(left) = left {
+            c.parse = SrvParse::Body { left };
+        }
+        c.client_acked = k.client_acked;
+        c.srv_next = k.srv_next;
+        c.sent_next = k.sent_next;
+        c.last_window = k.last_window;
+        c.last_ts = k.last_ts;
+        c.last_seen = k.last_seen;
+        true
     }
 
     /// A read-only snapshot of one connection's state (issue 22 item 3): what the kernel fast

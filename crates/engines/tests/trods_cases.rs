@@ -3,7 +3,7 @@
 //! *S* = 10.77.0.100:80 (service). Every rewritten packet must keep valid checksums.
 
 use std::net::{IpAddr, SocketAddr};
-use unbroken_engines::trods::{self, plan_recovery, Action, Case, Config, Dir, Engine, Key, Record, Trigger};
+use unbroken_engines::trods::{self, plan_recovery, Action, Case, Config, Dir, Engine, FastKept, Key, Record, Trigger};
 use unbroken_engines::Verdict;
 use unbroken_wire::ip::{self, IpInfo};
 use unbroken_wire::tcp::{flags as F, Packet as Tcp, Repr};
@@ -1950,4 +1950,50 @@ fn case3_ack_beyond_the_socket_after_an_unseen_move_supersedes_it() {
     assert_eq!(t.c(cs(REQ.len() as u32), ss(sent), F::ACK, b""), Verdict::Accept { modified: false });
     assert_eq!(t.c(cs(REQ.len() as u32), ss(sent + 1000), F::ACK, b""), Verdict::Accept { modified: false });
     assert_eq!(t.e.counters.superseded, 0);
+}
+
+/// The agent's hand-off from the kernel's fast path (issue 22 item 3): `absorb` takes what the
+/// kernel moved inside a response body (the client's ACK, the server's stream, the window and
+/// timestamps, `last_seen`), keeps the body's end where the engine parsed it, and refuses, with
+/// nothing changed, figures the fast path cannot have produced.
+#[test]
+fn absorb_takes_what_the_fast_path_moved_and_refuses_the_impossible() {
+    let mut t = T::new();
+    t.handshake();
+    t.store_all();
+    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+    let mut p1 = HDR.to_vec();
+    p1.extend(body(1000, 1));
+    t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
+    t.store_all();
+    let v = t.e.fast_view(&key()).unwrap();
+    assert_eq!(v.body_left, 2000, "inside the body");
+    let k = FastKept { client_acked: v.client_acked + 500, srv_next: v.srv_next + 1500, sent_next: v.sent_next + 1500, last_window: 777, last_ts: Some((50, 60)), last_seen: v.last_seen + 3 };
+    let other = Key { client: "10.77.0.3:40000".parse().unwrap(), ..key() };
+    assert!(!t.e.absorb(&other, &k), "an unknown connection");
+    // What the fast path moved: taken, the body's end kept.
+    assert!(t.e.absorb(&key(), &k));
+    let w = t.e.fast_view(&key()).unwrap();
+    assert_eq!((w.client_acked, w.srv_next, w.sent_next, w.last_window, w.last_ts, w.last_seen), (k.client_acked, k.srv_next, k.sent_next, 777, Some((50, 60)), k.last_seen));
+    assert_eq!(w.body_left, 500, "the body ends where it did");
+    // Impossible figures: refused, nothing changed.
+    for (bad, why) in [
+        (FastKept { client_acked: k.client_acked - 1, ..k }, "the client's ACK going back"),
+        (FastKept { srv_next: k.srv_next - 1, ..k }, "the server's stream going back"),
+        (FastKept { sent_next: k.sent_next - 1, ..k }, "what was sent going back"),
+        (FastKept { srv_next: k.srv_next + 501, sent_next: k.sent_next + 501, ..k }, "past the body's end"),
+        (FastKept { last_seen: k.last_seen - 1, ..k }, "time going back"),
+    ] {
+        assert!(!t.e.absorb(&key(), &bad), "{why}");
+        assert_eq!(t.e.fast_view(&key()), Some(w), "{why}: nothing changed");
+    }
+    assert!(t.e.absorb(&key(), &k), "the same figures again: nothing moved");
+    // The rest of the body and the next response header are the engine's again.
+    let off = p1.len() as u32 + 1500;
+    let (v2, _) = t.s(ss(off), cs(REQ.len() as u32), F::ACK, &body(500, 4));
+    assert!(matches!(v2, Verdict::Accept { .. }), "{v2:?}");
+    assert_eq!(t.e.fast_view(&key()).unwrap().body_left, 0);
+    // Outside a body the server's stream cannot move on the fast path.
+    let z = t.e.fast_view(&key()).unwrap();
+    assert!(!t.e.absorb(&key(), &FastKept { srv_next: z.srv_next + 1, sent_next: z.sent_next + 1, last_window: z.last_window, last_ts: z.last_ts, client_acked: z.client_acked, last_seen: z.last_seen }));
 }

@@ -199,6 +199,11 @@ fn map_sack(t: &mut Tcp<&mut [u8]>, at: usize, n: u8, mut f: impl FnMut(Seq) -> 
 /// the primary verifies its held output in order, so the ones it needs next are the oldest. At
 /// 4,096 segments they cover more output than the primary holds ([`Config::max_held_bytes`]).
 const MAX_CHECKPOINTS: usize = 4096;
+/// The backup's checkpoints fall at most this far apart: at every multiple of it in the
+/// primary's sequence space that a segment's bytes cross, and at the segment's end
+/// ([`learn_output`]; `rep_b_out` does the same, `REP_CP_STEP`). A GSO super-packet's end alone
+/// left the primary, whose held segments end elsewhere, short of the next checkpoint.
+pub const CHECKPOINT_STEP: u32 = 1024;
 /// Unverified checkpoints a full beat repeats (the oldest), so that a lost message never leaves
 /// the primary without a digest at an offset it reached.
 const BEAT_CHECKPOINTS: usize = 16;
@@ -1353,13 +1358,25 @@ fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool) {
         return;
     }
     let skip = (c.out_end - at) as usize;
-    c.out_hash = hash_continue(c.out_hash, &data[skip..]);
-    c.out_end = e;
-    // Beyond the bound the newest are left out: every message ends with the current end
-    // anyway, and the primary needs the oldest first.
-    if c.checkpoints.len() < MAX_CHECKPOINTS {
-        c.checkpoints.push_back((e, c.out_hash));
+    // A checkpoint at every multiple of CHECKPOINT_STEP (primary's sequence space) the bytes
+    // cross, and at their end: the primary can release its held segments only up to a
+    // checkpoint, and a segment of the backup's may be a 64 KiB super-packet (GSO), whose end
+    // alone left the primary short of the next one with its window full of held bytes.
+    let mut pos = c.out_end;
+    let mut rest = &data[skip..];
+    while !rest.is_empty() {
+        let to_step = CHECKPOINT_STEP - (pos.0 % CHECKPOINT_STEP);
+        let n = (to_step as usize).min(rest.len());
+        c.out_hash = hash_continue(c.out_hash, &rest[..n]);
+        pos = pos + n as u32;
+        rest = &rest[n..];
+        // Beyond the bound the newest are left out: every message ends with the current end
+        // anyway, and the primary needs the oldest first.
+        if (rest.is_empty() || pos.0 % CHECKPOINT_STEP == 0) && c.checkpoints.len() < MAX_CHECKPOINTS {
+            c.checkpoints.push_back((pos, c.out_hash));
+        }
     }
+    c.out_end = e;
     if fin {
         c.fin_out = true;
     }

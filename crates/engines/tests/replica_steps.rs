@@ -1669,3 +1669,33 @@ fn koch_5_takeover_cuts_a_kept_super_packet_to_the_clients_mss() {
     let out = h.take_transmit();
     assert_eq!(out.len(), 5000usize.div_ceil(536 - 12), "cut at 536 - 12");
 }
+
+/// Koch 3.2 with super-packets: one segment of the backup's server that crosses several
+/// multiples of `CHECKPOINT_STEP` (primary's space) leaves a checkpoint at each and at its end,
+/// each the digest of the output up to there, so that the primary, whose held segments end
+/// elsewhere, always finds one within a step of what it holds.
+#[test]
+fn koch_3_2_a_super_packet_leaves_a_checkpoint_every_step() {
+    use unbroken_engines::replica::CHECKPOINT_STEP;
+    let mut b = aligned_backup();
+    let data: Vec<u8> = (0..5000u32).map(|x| (x * 31 + 7) as u8).collect();
+    backup_sends(&mut b, 0, &data, B_TS0 + 1);
+    let side = b.side(&key()).unwrap();
+    let start = Seq(P_ISN.wrapping_add(1));
+    let end = start + data.len() as u32;
+    let mut want = vec![];
+    let mut at = start;
+    while at.lt(end) {
+        let next = Seq((at.0 / CHECKPOINT_STEP + 1).wrapping_mul(CHECKPOINT_STEP));
+        at = if next.lt(end) { next } else { end };
+        want.push((at, hash_continue(HASH_INIT, &data[..(at - start) as usize])));
+    }
+    assert_eq!(side.checkpoints, want);
+    assert!(want.len() >= 5, "{} checkpoints", want.len());
+    assert!(want[..want.len() - 1].iter().all(|(e, _)| e.0 % CHECKPOINT_STEP == 0));
+    // A segment that ends exactly on a step leaves one checkpoint there, not two.
+    let mut b = aligned_backup();
+    let to_step = (CHECKPOINT_STEP - start.0 % CHECKPOINT_STEP) as usize;
+    backup_sends(&mut b, 0, &data[..to_step], B_TS0 + 1);
+    assert_eq!(b.side(&key()).unwrap().checkpoints.len(), 1);
+}

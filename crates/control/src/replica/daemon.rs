@@ -806,12 +806,14 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         // SAFETY: a plain int option on a socket we own.
         unsafe { libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &bytes as *const libc::c_int as *const libc::c_void, std::mem::size_of::<libc::c_int>() as libc::socklen_t) };
     }
-    // Without GSO the kernel hands over MTU-sized segments: a held segment the primary releases
-    // later goes out through a raw socket, which cannot send a 64 KiB one. (The backup could
-    // take super-packets whole: +54 % strict bulk, but its checkpoints then fall only at their
-    // ends and the primary, whose held segments end elsewhere, stalled until max_lag_ms under
-    // large values: docs/benchmarks.md, "GSO on the backup's queue".)
-    let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: false, ..QueueConfig::default() };
+    // The primary's queue runs without GSO, so that the kernel hands over MTU-sized segments:
+    // a held segment it releases later goes out through a raw socket, which cannot send a
+    // 64 KiB one. The backup's takes super-packets whole (one crossing for up to 64 KiB of its
+    // server's output, which it only digests and withholds before a take-over): its engine
+    // leaves a checkpoint every CHECKPOINT_STEP inside them (with one at their ends only, the
+    // primary stalled under large values), and the take-over cuts kept copies to the client's
+    // MSS (docs/benchmarks.md, "GSO on the backup's queue").
+    let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: cfg.role == Role::Backup, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("replica: cannot bind NFQUEUE {}: {e}", r.queue))?;
     let mut rules = FailClosed::new(Some(Rules::install_or_replace(&spec).map_err(|e| format!("replica: installing the queue rules: {e}"))?));
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;

@@ -73,6 +73,28 @@ struct {
 	__type(value, struct rep_piece);
 } rep_piece_buf SEC(".maps");
 
+/* learn_output's checkpoints inside a segment (CHECKPOINT_STEP): the ones its bytes cross before
+ * their end, kept while it is hashed and recorded once its entry is committed. The position
+ * lives here, not in the loop's context: the verifier does not follow map contents, so a test
+ * of it does not make every bpf_loop step a new state to verify. */
+#define REP_CP_STEP 1024
+#define REP_CP_MAX (65536 / REP_CP_STEP + 1)
+struct rep_cps {
+	__u32 n;
+	__u32 pos;   /* the next byte's sequence number, primary's space */
+	__u32 start; /* pos at the first step */
+	__u32 pad;
+	__u32 end[REP_CP_MAX];
+	__u64 hash[REP_CP_MAX];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rep_cps);
+} rep_cp_buf SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -318,12 +340,28 @@ static long hash_step(__u32 i, void *data)
 
 	if (!x->left)
 		return 1;
+	struct rep_cps *cp = bpf_map_lookup_elem(&rep_cp_buf, &zero);
 	struct fp_scratch *s = bpf_map_lookup_elem(&fp_scratch, &zero);
-	if (!s) {
+	if (!s || !cp) {
 		x->err = -1;
 		return 1;
 	}
-	__u32 n = x->left > FP_CHUNK ? FP_CHUNK : x->left;
+	__u32 pos = cp->pos;
+	if (pos != cp->start && !(pos & (REP_CP_STEP - 1))) {
+		/* A step boundary reached with bytes still to come: a checkpoint. */
+		__u32 k = FP_BOUND(cp->n, 127);
+		if (k >= REP_CP_MAX) {
+			x->err = -1;
+			return 1;
+		}
+		cp->end[k] = pos;
+		cp->hash[k] = x->h;
+		cp->n = k + 1;
+	}
+	/* Pieces end at multiples of FP_CHUNK (which divides REP_CP_STEP). */
+	__u32 n = FP_CHUNK - (pos & (FP_CHUNK - 1));
+	if (n > x->left)
+		n = x->left;
 	n = FP_BOUND(n, 2 * FP_CHUNK - 1);
 	if (n == 0 || n > FP_CHUNK || bpf_skb_load_bytes(x->skb, x->off, s->buf, n)) {
 		x->err = -1;
@@ -339,6 +377,7 @@ static long hash_step(__u32 i, void *data)
 	x->h = h;
 	x->off += n;
 	x->left -= n;
+	cp->pos = pos + n;
 	return 0;
 }
 
@@ -412,6 +451,24 @@ static __always_inline void record(const struct rep_key *k, __u32 type, __u32 a,
 	pc->h.pad2 = 0;
 	if (bpf_ringbuf_output(&rep_records, &pc->h, sizeof(pc->h), flags))
 		COUNT(records_lost);
+}
+
+/* Records the checkpoints rep_cp_buf kept (in order), a bpf_loop step each. */
+struct cp_ctx {
+	const struct rep_key *k;
+};
+
+static long cp_step(__u32 i, void *data)
+{
+	struct cp_ctx *x = data;
+	__u32 zero = 0;
+	struct rep_cps *cp = bpf_map_lookup_elem(&rep_cp_buf, &zero);
+	__u32 j = FP_BOUND(i, 127);
+
+	if (!cp || j >= REP_CP_MAX || j >= cp->n)
+		return 1;
+	record(x->k, REP_REC_CHECKPOINT, cp->end[j], cp->hash[j], BPF_RB_NO_WAKEUP);
+	return 0;
 }
 
 /* What an egress program answers for a packet it declines (`v`, FP_SLOW): attached in copy mode,
@@ -522,8 +579,15 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 		__u32 e_p = sp + n;
 		if (seq_le(sp, c.out_end) && seq_gt(e_p, c.out_end)) {
 			__u32 skip = c.out_end - sp;
+			__u32 zero = 0;
+			struct rep_cps *cp = bpf_map_lookup_elem(&rep_cp_buf, &zero);
+			if (!cp)
+				return slow(skb, e);
+			cp->n = 0;
+			cp->pos = c.out_end;
+			cp->start = c.out_end;
 			struct hash_ctx hx = { .skb = skb, .h = c.out_hash, .off = p.l4 + p.hdr_len + skip, .left = n - skip };
-			if (bpf_loop(FP_CHUNKS + 1, hash_step, &hx, 0) < 0 || hx.err || hx.left)
+			if (bpf_loop(FP_CHUNKS + 2, hash_step, &hx, 0) < 0 || hx.err || hx.left)
 				return slow(skb, e);
 			c.out_hash = hx.h;
 			c.out_end = e_p;
@@ -537,8 +601,11 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 		return r;
 	/* The daemon's records, in the engine's order: the checkpoint, the copy kept for the
 	 * take-over (payload only), the connection's change (once per report). */
-	if (learned)
+	if (learned) {
+		struct cp_ctx cx = { .k = &k };
+		bpf_loop(REP_CP_MAX, cp_step, &cx, 0);
 		record(&k, REP_REC_CHECKPOINT, c.out_end, c.out_hash, BPF_RB_NO_WAKEUP);
+	}
 	if (n > 0) {
 		struct keep_ctx kx = { .skb = skb, .type = REP_REC_KEEP, .key = k, .end_b = end_b, .total = p.l4 - FP_L3_ETH + p.l4_len, .off = 0 };
 		if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)

@@ -286,9 +286,12 @@ struct BConn {
     /// connection is not the client's; never answer on it, and tell the primary.
     misaligned: bool,
     client_fin: bool,
-    /// The MSS of the client's SYN (the latest before alignment): a kept copy larger than it
-    /// (a GSO super-packet) is cut to it before the take-over resends it.
+    /// The MSS of the client's SYN (the latest before alignment) and of its server's SYN-ACK:
+    /// a kept copy larger than the smaller (a GSO super-packet) is cut to it before the
+    /// take-over resends it (a forged SYN can name any MSS; the SYN-ACK's bounds it by the
+    /// backup's own link).
     client_mss: Option<u16>,
+    b_mss: Option<u16>,
     /// The latest client ACK seen (`last_ack`): its window field, timestamps (client's clock,
     /// primary's TSecr) and the service address it was sent to.
     client_seen: bool,
@@ -674,7 +677,7 @@ impl Backup {
                     // 536 at the least, so a forged SYN's tiny MSS cannot make thousands), less
                     // the options.
                     let opts = s.payload_at - s.info.l4_offset - 20;
-                    let mss = c.client_mss.map_or(DEFAULT_MSS, |m| m.max(DEFAULT_MSS)) as usize;
+                    let mss = c.client_mss.unwrap_or(DEFAULT_MSS).min(c.b_mss.unwrap_or(u16::MAX)).max(DEFAULT_MSS) as usize;
                     match ip::split_tcp(&pkt, mss.saturating_sub(opts).max(1)) {
                         Ok(parts) => self.out.extend(parts),
                         Err(_) => self.out.push(pkt),
@@ -901,6 +904,7 @@ impl Backup {
                 // so a forged SYN, with or without the option, cannot set it.
                 c.client_isn = Some(s.ack - 1u32);
                 c.ws_b = s.wscale.unwrap_or(0);
+                c.b_mss = s.mss;
                 c.snd_max = s.seq + 1;
                 c.rcv_nxt = s.ack;
                 c.rcv_edge = s.ack + s.window as u32;

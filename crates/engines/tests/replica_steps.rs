@@ -1656,29 +1656,24 @@ fn koch_5_takeover_cuts_a_kept_super_packet_to_the_clients_mss() {
         got.extend_from_slice(&payload);
     }
     assert_eq!(got, data);
+    // How many pieces the take-over resends when the client's SYN names `mss` (the backup's
+    // SYN-ACK names 1460).
+    let pieces = |mss: u16| {
+        let mut h = Backup::new();
+        h.incoming(&mut from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(mss), wscale: Some(7), timestamp: Some((500, 0)), ..Default::default() }, &[]));
+        let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
+        h.outgoing(&mut sa);
+        let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
+        h.incoming(&mut ack);
+        assert!(h.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(0))).is_empty());
+        backup_sends(&mut h, 0, &data, B_TS0 + 1);
+        h.take_over();
+        h.take_transmit().len()
+    };
     // A forged SYN's tiny MSS cannot make thousands of segments: 536 at the least.
-    let mut h = Backup::new();
-    h.incoming(&mut from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(1), wscale: Some(7), timestamp: Some((500, 0)), ..Default::default() }, &[]));
-    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
-    h.outgoing(&mut sa);
-    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
-    h.incoming(&mut ack);
-    assert!(h.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(0))).is_empty());
-    backup_sends(&mut h, 0, &data, B_TS0 + 1);
-    h.take_over();
-    let out = h.take_transmit();
-    assert_eq!(out.len(), 5000usize.div_ceil(536 - 12), "cut at 536 - 12");
+    assert_eq!(pieces(1), 5000usize.div_ceil(536 - 12), "cut at 536 - 12");
     // Nor a forged SYN's huge MSS an unsendable one: the SYN-ACK's (the backup's own link) bounds it.
-    let mut g = Backup::new();
-    g.incoming(&mut from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(65535), wscale: Some(7), timestamp: Some((500, 0)), ..Default::default() }, &[]));
-    let mut sa = from_server(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), timestamp: Some((B_TS0, 500)), ..Default::default() }, &[]);
-    g.outgoing(&mut sa);
-    let mut ack = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: Some((501, P_TS0)), ..Default::default() }, &[]);
-    g.incoming(&mut ack);
-    assert!(g.primary_report(&primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(0))).is_empty());
-    backup_sends(&mut g, 0, &data, B_TS0 + 1);
-    g.take_over();
-    assert_eq!(g.take_transmit().len(), 4, "cut at the SYN-ACK's 1460 - 12");
+    assert_eq!(pieces(65535), 4, "cut at the SYN-ACK's 1460 - 12");
 }
 
 /// Koch 3.2 with super-packets: one segment of the backup's server that crosses several

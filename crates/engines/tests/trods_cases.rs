@@ -100,6 +100,18 @@ impl T {
         }
         v
     }
+    /// Handshake and request stored, then Resp1 (the header and `n` bytes of the 3000-byte
+    /// body) stored: inside the body. Returns Resp1's length.
+    fn inside_the_body(&mut self, n: usize) -> u32 {
+        self.handshake();
+        self.store_all();
+        self.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
+        let mut p1 = HDR.to_vec();
+        p1.extend(body(n, 1));
+        self.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
+        self.store_all();
+        p1.len() as u32
+    }
     /// SYN (MSS 1400, WS 7, SACK, TS) and SYN-ACK (WS 9).
     fn handshake(&mut self) {
         let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN), flags: F::SYN, window: 64240, mss: Some(1400), wscale: Some(7), sack_perm: true, timestamp: Some((5, 0)), ..Default::default() };
@@ -1919,15 +1931,9 @@ fn hostile_blind_segments_behind_the_window_or_acking_unsent_bytes_teach_nothing
 fn case3_ack_beyond_the_socket_after_an_unseen_move_supersedes_it() {
     let setup = || {
         let mut t = T::new();
-        t.handshake();
-        t.store_all();
-        t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
-        let mut p1 = HDR.to_vec();
-        p1.extend(body(500, 1));
-        t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
-        t.store_all();
+        let sent = t.inside_the_body(500);
         t.released();
-        (t, p1.len() as u32)
+        (t, sent)
     };
     let (mut t, sent) = setup();
     let beyond = sent + 1000;
@@ -1959,13 +1965,7 @@ fn case3_ack_beyond_the_socket_after_an_unseen_move_supersedes_it() {
 #[test]
 fn absorb_takes_what_the_fast_path_moved_and_refuses_the_impossible() {
     let mut t = T::new();
-    t.handshake();
-    t.store_all();
-    t.c(cs(0), ss(0), F::ACK | F::PSH, REQ);
-    let mut p1 = HDR.to_vec();
-    p1.extend(body(1000, 1));
-    t.s(ss(0), cs(REQ.len() as u32), F::ACK | F::PSH, &p1);
-    t.store_all();
+    let p1_len = t.inside_the_body(1000);
     let v = t.e.fast_view(&key()).unwrap();
     assert_eq!(v.body_left, 2000, "inside the body");
     let k = FastKept { client_acked: v.client_acked + 500, srv_next: v.srv_next + 1500, sent_next: v.sent_next + 1500, last_window: 777, last_ts: Some((50, 60)), last_seen: v.last_seen + 3 };
@@ -1989,7 +1989,7 @@ fn absorb_takes_what_the_fast_path_moved_and_refuses_the_impossible() {
     }
     assert!(t.e.absorb(&key(), &k), "the same figures again: nothing moved");
     // The rest of the body and the next response header are the engine's again.
-    let off = p1.len() as u32 + 1500;
+    let off = p1_len + 1500;
     let (v2, _) = t.s(ss(off), cs(REQ.len() as u32), F::ACK, &body(500, 4));
     assert!(matches!(v2, Verdict::Accept { .. }), "{v2:?}");
     assert_eq!(t.e.fast_view(&key()).unwrap().body_left, 0);

@@ -987,16 +987,7 @@ impl Backup {
                 c.acked_b = Some(s.seq);
                 self.counters.acks_unheard += 1;
             }
-            if let Some(a) = c.acked_b {
-                while let Some((e, p)) = c.kept.pop_front() {
-                    if !e.le(a) {
-                        c.kept.push_front((e, p));
-                        break;
-                    }
-                    c.kept_bytes -= p.len();
-                    self.kept_total = self.kept_total.saturating_sub(p.len());
-                }
-            }
+            drop_acked_kept(c, &mut self.kept_total);
             if n > 0 || s.fin() {
                 keep(c, &mut self.kept_total, &mut self.counters, end_b, pkt.to_vec());
             }
@@ -1315,14 +1306,7 @@ impl Backup {
             return;
         }
         let Some(c) = self.conns.get_mut(key) else { return };
-        if let Some(a) = c.acked_b {
-            while c.kept.front().is_some_and(|(e, _)| e.le(a)) {
-                if let Some((_, p)) = c.kept.pop_front() {
-                    c.kept_bytes -= p.len();
-                    self.kept_total = self.kept_total.saturating_sub(p.len());
-                }
-            }
-        }
+        drop_acked_kept(c, &mut self.kept_total);
         keep(c, &mut self.kept_total, &mut self.counters, end_b, pkt);
     }
 
@@ -1337,6 +1321,17 @@ impl Backup {
     pub fn side(&self, key: &ConnKey) -> Option<BSide> {
         let c = self.conns.get(key)?;
         Some(BSide { checkpoints: c.checkpoints.iter().copied().collect(), kept: c.kept.iter().map(|(e, p)| (*e, p.len())).collect(), ooo_empty: c.ooo.is_empty() })
+    }
+}
+
+/// Lets go of the kept copies the client's ACK (as given to the backup's server) covers.
+fn drop_acked_kept(c: &mut BConn, kept_total: &mut usize) {
+    let Some(a) = c.acked_b else { return };
+    while c.kept.front().is_some_and(|(e, _)| e.le(a)) {
+        if let Some((_, p)) = c.kept.pop_front() {
+            c.kept_bytes -= p.len();
+            *kept_total = kept_total.saturating_sub(p.len());
+        }
     }
 }
 

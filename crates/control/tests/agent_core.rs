@@ -31,7 +31,7 @@ fn build(src: IpAddr, dst: IpAddr, r: Repr, payload: &[u8]) -> Vec<u8> {
     ip::tcp_packet(src, dst, &r, payload).unwrap()
 }
 
-struct T {
+pub struct T {
     core: Core,
     id: u32,
     now: u64,
@@ -1278,4 +1278,235 @@ fn relearn_is_decided_by_the_sockets_progress_not_by_the_packet() {
 
 fn trods_plan_err(rec: Record, acked: u64, received: u64) -> String {
     unbroken_engines::trods::plan_relearn(&rec, acked, received).unwrap_err().0.to_string()
+}
+
+// ---- the fast path's hand-off (issue 22 item 3; crate::object::agentfast) ----------------------
+
+mod fast {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use unbroken_control::object::agentfast::FastMap;
+    use unbroken_engines::trods::{FastKept, FastView};
+
+    /// The kernel's map as the core sees it: each entry's kept fields and whether it is lent;
+    /// a test moves the kept fields as the programs would on the packets they pass.
+    #[derive(Default)]
+    pub struct Kernel {
+        pub entries: HashMap<Key, (FastKept, bool)>,
+        pub takes: u32,
+        pub refuse: bool,
+        /// Every publish: (key, lent).
+        pub published: Vec<(Key, bool)>,
+    }
+
+    pub struct Model(pub Arc<Mutex<Kernel>>);
+
+    fn kept_of(v: &FastView) -> FastKept {
+        FastKept { client_acked: v.client_acked, srv_next: v.srv_next, sent_next: v.sent_next, last_window: v.last_window, last_ts: v.last_ts, last_seen: v.last_seen }
+    }
+
+    impl FastMap for Model {
+        fn take(&mut self, key: &Key) -> Option<FastKept> {
+            let mut k = self.0.lock().unwrap();
+            k.takes += 1;
+            let e = k.entries.get_mut(key)?;
+            e.1 = false;
+            Some(e.0)
+        }
+        fn publish(&mut self, key: &Key, view: &FastView, _: Option<u16>, lend: bool) -> Result<bool, String> {
+            use unbroken_drivers::fastpath::object::{passthrough, quiet};
+            let mut k = self.0.lock().unwrap();
+            if k.refuse {
+                return Err("full".into());
+            }
+            let fast = lend && (quiet(view) || passthrough(view));
+            k.entries.insert(*key, (kept_of(view), fast));
+            k.published.push((*key, fast));
+            Ok(fast)
+        }
+        fn remove(&mut self, key: &Key) {
+            self.0.lock().unwrap().entries.remove(key);
+        }
+    }
+
+    pub const BODY: u32 = 100_000;
+    pub const REQ: &[u8] = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n";
+
+    pub fn header() -> Vec<u8> {
+        format!("HTTP/1.1 200 OK\r\nContent-Length: {BODY}\r\nETag: \"v1\"\r\n\r\n").into_bytes()
+    }
+
+    /// A download on `port` through a core with the model map: the handshake, the request,
+    /// the response's header and first 1000 body bytes, every store done, and the round's
+    /// publish: the connection is lent to the kernel. Returns the header's length.
+    pub fn lent_download(t: &mut T, kernel: &Arc<Mutex<Kernel>>, port: u16) -> u32 {
+        t.connect(port);
+        t.core.fast_publish(t.now);
+        let rq = REQ.len() as u32;
+        let r = t.pkt(Dir::FromClient, port, C_ISN + 1, S_ISN + 1, F::ACK | F::PSH, REQ);
+        t.tick(false);
+        t.store_ok();
+        t.tick(false);
+        assert!(t.accepted(r), "the request reaches the server");
+        let h = header();
+        let hl = h.len() as u32;
+        let mut seg = h;
+        seg.extend_from_slice(&[7u8; 1000]);
+        let s = t.pkt(Dir::ToClient, port, S_ISN + 1, C_ISN + 1 + rq, F::ACK, &seg);
+        t.tick(false);
+        t.store_ok();
+        t.tick(false);
+        assert!(t.accepted(s), "the response's first segment leaves once stored");
+        let a = t.pkt(Dir::FromClient, port, C_ISN + 1 + rq, S_ISN + 1 + hl + 1000, F::ACK, b"");
+        t.tick(false);
+        t.store_ok();
+        t.tick(false);
+        assert!(t.accepted(a));
+        t.take();
+        t.core.fast_publish(t.now);
+        assert_eq!(kernel.lock().unwrap().entries.get(&key(port)).map(|e| e.1), Some(true), "a quiet download is lent: {:?}", t.core.engine.fast_view(&key(port)));
+        hl
+    }
+
+    pub fn with_model() -> (T, Arc<Mutex<Kernel>>) {
+        let mut t = T::new();
+        let k = Arc::new(Mutex::new(Kernel::default()));
+        t.core.enable_fast_path(Box::new(Model(k.clone())));
+        (t, k)
+    }
+}
+
+/// The hand-off both ways: a quiet download is lent to the kernel; what the programs kept as
+/// they passed body segments and the client's ACKs is taken back and absorbed before the
+/// engine decides the next packet the kernel leaves to it, which the engine then judges from
+/// the kernel's figures (a segment continuing them, not a gap); published again after the round.
+#[test]
+fn fast_path_lends_a_quiet_download_and_absorbs_what_the_kernel_kept_before_deciding() {
+    let (mut t, kernel) = fast::with_model();
+    let port = 40100;
+    let hl = fast::lent_download(&mut t, &kernel, port);
+    let rq = fast::REQ.len() as u32;
+    // The kernel passed 3000 more body bytes and the client's ACK of 2000 of them.
+    {
+        let mut k = kernel.lock().unwrap();
+        let e = k.entries.get_mut(&key(port)).unwrap();
+        e.0.srv_next += 3000;
+        e.0.sent_next += 3000;
+        e.0.client_acked += 2000;
+        e.0.last_seen += 5;
+    }
+    let before = t.core.engine.fast_view(&key(port)).unwrap();
+    let (takes, taken) = (kernel.lock().unwrap().takes, t.core.fast.counters.taken);
+    t.now += 5;
+    // The next body segment comes to the queue (a SACK option, say): the engine sees it
+    // continue what the kernel passed, not a gap it would drop.
+    let next = S_ISN + 1 + hl + 1000 + 3000;
+    let s = t.pkt(Dir::ToClient, port, next, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
+    assert!(t.accepted(s), "continues the kernel's stream: {:?}", t.outs);
+    let v = t.core.engine.fast_view(&key(port)).unwrap();
+    assert_eq!((v.srv_next, v.sent_next, v.client_acked), (before.srv_next + 4000, before.sent_next + 4000, before.client_acked + 2000));
+    assert_eq!(v.body_left, before.body_left - 4000);
+    assert_eq!(kernel.lock().unwrap().takes, takes + 1);
+    assert_eq!(kernel.lock().unwrap().entries[&key(port)].1, false, "taken: every packet goes slow until published");
+    t.tick(false);
+    t.core.fast_publish(t.now);
+    assert_eq!(kernel.lock().unwrap().entries[&key(port)].1, true, "lent again after the round");
+    assert_eq!((t.core.fast.counters.taken, t.core.fast.counters.absorb_refused, t.core.fast.counters.lent), (taken + 1, 0, 1));
+    // Without the hand-off the engine would have dropped that segment as a gap.
+    let (mut u, uk) = fast::with_model();
+    fast::lent_download(&mut u, &uk, port);
+    u.core.fast.counters = Default::default();
+    let s = u.pkt(Dir::ToClient, port, next, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
+    assert!(u.dropped(s), "with nothing moved by the kernel, a gap");
+}
+
+/// Hostile: the kernel's entry holds figures the fast path cannot have produced (the client's
+/// ACK going back, the server's stream past the body's end): the engine keeps its own, the
+/// refusal is counted and said, and the connection is never lent again (every packet of it
+/// through the queue), while its packets are still decided.
+#[test]
+fn hostile_kernel_state_the_engine_refuses_is_never_lent_again() {
+    for (name, forge) in [
+        ("client ACK going back", Box::new(|k: &mut unbroken_engines::trods::FastKept| k.client_acked -= 1) as Box<dyn Fn(&mut unbroken_engines::trods::FastKept)>),
+        ("stream past the body", Box::new(|k: &mut unbroken_engines::trods::FastKept| {
+            k.srv_next += 10 * fast::BODY as u64;
+            k.sent_next += 10 * fast::BODY as u64;
+        })),
+    ] {
+        let (mut t, kernel) = fast::with_model();
+        let port = 40101;
+        let hl = fast::lent_download(&mut t, &kernel, port);
+        let rq = fast::REQ.len() as u32;
+        forge(&mut kernel.lock().unwrap().entries.get_mut(&key(port)).unwrap().0);
+        let before = t.core.engine.fast_view(&key(port)).unwrap();
+        let s = t.pkt(Dir::ToClient, port, S_ISN + 1 + hl + 1000, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
+        assert!(t.accepted(s), "{name}: still decided by the engine");
+        let v = t.core.engine.fast_view(&key(port)).unwrap();
+        assert_eq!((v.client_acked, v.srv_next), (before.client_acked, before.srv_next + 1000), "{name}: the engine's own figures");
+        assert_eq!(t.core.fast.counters.absorb_refused, 1, "{name}");
+        assert!(t.outs.iter().any(|o| matches!(o, Out::Log(l) if l.contains("refused by the engine"))), "{name}: said");
+        for _ in 0..3 {
+            t.tick(false);
+            t.core.fast_publish(t.now);
+            assert_eq!(kernel.lock().unwrap().entries[&key(port)].1, false, "{name}: never lent again");
+        }
+    }
+}
+
+/// The fence and the hand-off: while the lease has lapsed the core holds the server's packets
+/// of the connection, and the connection is not lent (the kernel must not pass a later segment
+/// past them); once they left, it is lent again.
+#[test]
+fn fast_path_never_lends_a_connection_whose_packets_the_core_holds() {
+    let (mut t, kernel) = fast::with_model();
+    let port = 40102;
+    let hl = fast::lent_download(&mut t, &kernel, port);
+    let rq = fast::REQ.len() as u32;
+    t.lease_ok = false;
+    let s = t.pkt(Dir::ToClient, port, S_ISN + 1 + hl + 1000, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
+    t.tick(false);
+    assert!(!t.accepted(s), "fenced");
+    t.core.fast_publish(t.now);
+    assert_eq!(kernel.lock().unwrap().entries[&key(port)].1, false, "its packet waits in the core");
+    t.lease_ok = true;
+    t.tick(false);
+    assert!(t.accepted(s), "the lease is back");
+    t.core.fast_publish(t.now);
+    assert_eq!(kernel.lock().unwrap().entries[&key(port)].1, true, "lent again");
+}
+
+/// A map that refuses an entry (full, an error) leaves the connection on the slow path,
+/// counted and said; a connection the engine forgets (the client's RST) loses its entry; idle
+/// expiry takes every lent connection back first (it reads the kernel's last_seen).
+#[test]
+fn fast_path_entries_follow_the_engine_and_a_refusing_map_leaves_connections_slow() {
+    let (mut t, kernel) = fast::with_model();
+    let hl = fast::lent_download(&mut t, &kernel, 40103);
+    let rq = fast::REQ.len() as u32;
+    // Expiry, every EXPIRE_EVERY_MS: the lent connection is taken first.
+    let takes = kernel.lock().unwrap().takes;
+    t.now += 1000;
+    t.tick(false);
+    assert_eq!(kernel.lock().unwrap().takes, takes + 1, "expire takes what it may act on");
+    t.core.fast_publish(t.now);
+    assert_eq!(kernel.lock().unwrap().entries[&key(40103)].1, true);
+    // The client's RST: forgotten by the engine, removed from the kernel.
+    let r = t.pkt(Dir::FromClient, 40103, C_ISN + 1 + rq, S_ISN + 1 + hl + 1000, F::RST, b"");
+    assert!(t.accepted(r));
+    t.core.fast_publish(t.now);
+    assert!(!kernel.lock().unwrap().entries.contains_key(&key(40103)), "removed with the connection");
+    assert_eq!(t.core.fast.counters.removed, 1);
+    // A map that refuses (full, an error): the entry goes, the connection stays on the slow
+    // path, counted and said.
+    let (mut u, uk) = fast::with_model();
+    let hl = fast::lent_download(&mut u, &uk, 40104);
+    uk.lock().unwrap().refuse = true;
+    let s = u.pkt(Dir::ToClient, 40104, S_ISN + 1 + hl + 1000, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
+    assert!(u.accepted(s));
+    u.core.fast_publish(u.now);
+    u.collect();
+    assert!(!uk.lock().unwrap().entries.contains_key(&key(40104)), "no entry: every packet slow");
+    assert_eq!((u.core.fast.counters.map_refused, u.core.fast.counters.lent), (1, 0));
+    assert!(u.outs.iter().any(|o| matches!(o, Out::Log(l) if l.contains("stays on the slow path"))));
 }

@@ -249,6 +249,11 @@ pub struct RuleSpec {
     /// A mark bit a fast path sets on packets it decided (issue 22): such a packet `RETURN`s
     /// before the queue rules (`--mark bit/bit`).
     pub fast_mark: Option<u32>,
+    /// Pinned BPF socket filters that choose which packets of a service the queue rules
+    /// take (`-m bpf --object-pinned`, issue 22): the first on packets *to* a service (its
+    /// clients'), the second on packets *from* it. The rest pass the chain untouched. `None`:
+    /// every packet of a service is queued.
+    pub bpf_match: Option<(std::path::PathBuf, std::path::PathBuf)>,
     /// Run the commands inside this named network namespace (`ip netns exec NAME ...`).
     pub netns: Option<String>,
     /// IPv4 binary, `iptables` by default (e.g. `iptables-legacy`).
@@ -278,6 +283,7 @@ impl RuleSpec {
             mark,
             mark_mask: u32::MAX,
             fast_mark: None,
+            bpf_match: None,
             netns: None,
             iptables: "iptables".into(),
             ip6tables: "ip6tables".into(),
@@ -324,6 +330,11 @@ impl RuleSpec {
         }
         if self.fast_mark.is_some_and(|b| b == 0 || b & (b - 1) != 0) {
             return Err(invalid(format!("fast-path mark {:#x}: must be one bit", self.fast_mark.unwrap_or(0))));
+        }
+        if let Some((a, b)) = &self.bpf_match {
+            if let Some(p) = [a, b].into_iter().find(|p| !p.is_absolute() || p.to_str().is_none_or(|s| s.chars().any(|c| c.is_whitespace() || c.is_control()))) {
+                return Err(invalid(format!("bpf match {}: must be an absolute path without spaces", p.display())));
+            }
         }
         if self.mark & self.mark_mask == 0 {
             return Err(invalid(
@@ -399,6 +410,10 @@ impl RuleSpec {
                 let base = c.clone();
                 if let Some(i) = &self.app_iface {
                     c.extend(args(&[iface_flag, i]));
+                }
+                if let Some((to_service, from_service)) = &self.bpf_match {
+                    let prog = if addr_flag == "-d" { to_service } else { from_service };
+                    c.extend(args(&["-m", "bpf", "--object-pinned", &prog.to_string_lossy()]));
                 }
                 c.extend(comment.iter().cloned());
                 c.extend(args(&["-j", "NFQUEUE", "--queue-num", &queue]));
@@ -962,6 +977,25 @@ mod tests {
         for bad in [0, 0x3000_0000] {
             s.fast_mark = Some(bad);
             assert_eq!(s.validate().unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:#x}");
+        }
+    }
+
+    /// Object mode's fast path (issue 22): each direction's queue rule takes only what its
+    /// pinned filter returns 1 for; the rest passes the chain untouched. A relative or spaced
+    /// path is refused.
+    #[test]
+    fn hostile_bpf_matched_queue_rules_name_each_directions_filter() {
+        let mut s = spec();
+        s.hooks = vec![BuiltinChain::Prerouting, BuiltinChain::Output];
+        s.bpf_match = Some(("/sys/fs/bpf/ub/in".into(), "/sys/fs/bpf/ub/out".into()));
+        let v4: Vec<String> = s.install_commands(Family::V4).iter().map(|c| c.join(" ")).collect();
+        assert!(v4.iter().any(|r| r == "-A UNBROKEN-Q2 -p tcp -s 10.0.0.2 --sport 80 -m bpf --object-pinned /sys/fs/bpf/ub/out -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2"), "{v4:#?}");
+        assert!(v4.iter().any(|r| r == "-A UNBROKEN-Q2 -p tcp -d 10.0.0.2 --dport 80 -m bpf --object-pinned /sys/fs/bpf/ub/in -m comment --comment unbroken-owner:7:9 -j NFQUEUE --queue-num 2"), "{v4:#?}");
+        assert!(v4.iter().filter(|r| r.contains("NFQUEUE")).all(|r| r.contains("-m bpf --object-pinned /sys/fs/bpf/ub/")), "{v4:#?}");
+        assert!(s.validate().is_ok());
+        for bad in ["relative/in", "/sys/fs/bpf/a b"] {
+            s.bpf_match = Some((bad.into(), "/sys/fs/bpf/ub/out".into()));
+            assert_eq!(s.validate().unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:?}");
         }
     }
 

@@ -279,6 +279,8 @@ pub struct Queue {
     /// Payload buffers recycled from the caller's previous batch.
     spare: Vec<Vec<u8>>,
     stats: Stats,
+    /// Set on every packet accepted without a mark of its own ([`Queue::set_accept_mark`]).
+    accept_mark: Option<u32>,
 }
 
 impl core::fmt::Debug for Queue {
@@ -341,6 +343,7 @@ impl Queue {
             early: VecDeque::new(),
             spare: Vec::new(),
             stats: Stats::default(),
+            accept_mark: None,
         };
 
         let seq = q.next_seq();
@@ -424,6 +427,14 @@ impl Queue {
         self.set_verdict_mark(id, verdict, None, new_payload)
     }
 
+    /// From now on every packet accepted (by [`Queue::set_verdict`], or
+    /// [`Queue::set_verdict_mark`] without a mark) leaves with `skb->mark` set to `mark` (the
+    /// kernel replaces the whole mark): a later hook, e.g. a tc program, can tell what this
+    /// queue's reader decided. `None`: marks are left alone.
+    pub fn set_accept_mark(&mut self, mark: Option<u32>) {
+        self.accept_mark = mark;
+    }
+
     /// Like [`Queue::set_verdict`], also setting `skb->mark` to `mark` when given.
     pub fn set_verdict_mark(
         &mut self,
@@ -452,6 +463,10 @@ impl Queue {
                 return Err(e);
             }
         }
+        let mark = match verdict {
+            Verdict::Accept => mark.or(self.accept_mark),
+            _ => mark,
+        };
         self.push_verdict(id, verdict, mark, new_payload);
         Ok(())
     }

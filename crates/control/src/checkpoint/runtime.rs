@@ -135,13 +135,13 @@ fn fast_path(cfg: &Config) -> Result<KernelMap, String> {
         _ => return Err("placement = \"local\" is not on the fast path yet (tc egress runs after netfilter's OUTPUT chain, where the queue rule decides)".into()),
     };
     mark_conflicts()?;
-    if !is_ethernet(&app_if) {
+    if !unbroken_drivers::fastpath::is_ethernet(&app_if) {
         return Err(format!("guard.app_interface {app_if:?} is not an Ethernet device (the programs read an Ethernet header)"));
     }
     let mut fp = Checkpoint::load().map_err(|e| e.to_string())?;
     // Only Ethernet devices (the programs find the IP header after 14 bytes); a packet from the
     // peers arriving on another kind (a tunnel) goes through the queue.
-    let mut others: Vec<String> = interfaces()?.into_iter().filter(|n| n != "lo" && *n != app_if && is_ethernet(n)).collect();
+    let mut others: Vec<String> = unbroken_drivers::fastpath::interfaces().map_err(|e| format!("listing the interfaces: {e}"))?.into_iter().filter(|n| n != "lo" && *n != app_if && unbroken_drivers::fastpath::is_ethernet(n)).collect();
     others.sort();
     fp.attach(Direction::Outgoing, &app_if).map_err(|e| e.to_string())?;
     let mut ifaces = vec![format!("{app_if} (from the applications)")];
@@ -150,47 +150,6 @@ fn fast_path(cfg: &Config) -> Result<KernelMap, String> {
         ifaces.push(format!("{i} (from the peers)"));
     }
     Ok(KernelMap { fp, ifaces })
-}
-
-/// The names of this network namespace's interfaces (`if_nameindex`: /sys may show another
-/// namespace's when the guard was entered with nsenter).
-fn interfaces() -> Result<Vec<String>, String> {
-    // SAFETY: if_nameindex returns an array terminated by a zero entry, freed below.
-    unsafe {
-        let list = libc::if_nameindex();
-        if list.is_null() {
-            return Err(format!("listing the interfaces: {}", std::io::Error::last_os_error()));
-        }
-        let mut names = Vec::new();
-        let mut p = list;
-        while (*p).if_index != 0 && !(*p).if_name.is_null() {
-            names.push(std::ffi::CStr::from_ptr((*p).if_name).to_string_lossy().into_owned());
-            p = p.add(1);
-        }
-        libc::if_freenameindex(list);
-        Ok(names)
-    }
-}
-
-/// Whether `name` is an Ethernet device (ARPHRD_ETHER), by SIOCGIFHWADDR.
-fn is_ethernet(name: &str) -> bool {
-    if name.len() >= libc::IFNAMSIZ {
-        return false;
-    }
-    // SAFETY: a zeroed ifreq with a NUL-terminated name, an ioctl on a socket we close.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return false;
-        }
-        let mut ifr: libc::ifreq = std::mem::zeroed();
-        for (i, b) in name.bytes().enumerate() {
-            ifr.ifr_name[i] = b as libc::c_char;
-        }
-        let ok = libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut ifr) == 0 && ifr.ifr_ifru.ifru_hwaddr.sa_family == libc::ARPHRD_ETHER;
-        libc::close(fd);
-        ok
-    }
 }
 
 /// The mark bits the programs set must reach FORWARD as they left them: a rule of the raw or

@@ -87,6 +87,20 @@ pub struct AgentSection {
     /// buckets) after this long in one iteration, milliseconds.
     #[serde(default = "default_wedged_ms")]
     pub wedged_after_ms: u64,
+    /// Established packets of quiet connections (a response body being sent, the client's
+    /// ACKs of it) stay in the kernel: tc-BPF and an `-m bpf` match on the queue rules (issue
+    /// 22). Off, or when the kernel cannot (said once at start, and in the status's
+    /// `fast_path.off_because`), every packet of a service goes through NFQUEUE.
+    #[serde(default = "default_true")]
+    pub fast_path: bool,
+    /// With `fast_path`: a client packet whose checksum field holds only the pseudo-header's
+    /// sum is taken as one the kernel has not checksummed yet (CHECKSUM_PARTIAL: clients in a
+    /// local namespace or VM behind a veth or tap, as in the lab), as the slow path does. A
+    /// socket filter cannot tell; a corrupted packet from the wire holding that value (one in
+    /// 65,536 corrupted ones) then passes the fast path, and the kernel's TCP drops it. Off by
+    /// default: clients behind real NICs never need it.
+    #[serde(default)]
+    pub fast_path_trust_partial_checksums: bool,
 }
 
 fn default_wedged_ms() -> u64 {
@@ -352,6 +366,25 @@ pub struct AgentCounters {
     /// limits per source and bucket, lookups in flight, the negative cache), the gate's cap,
     /// client packets that could not plan against a record.
     pub core: crate::object::agentcore::CoreCounters,
+    /// The kernel fast path (issue 22): on or why not, the hand-off's counters, the programs'.
+    pub fast_path: FastStatus,
+}
+
+/// Status `fast_path`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FastStatus {
+    pub on: bool,
+    pub off_because: Option<String>,
+    /// Where the tc egress program runs.
+    pub interfaces: Vec<String>,
+    pub handoff: crate::object::agentfast::FastCounters,
+    /// The programs' own counts (all CPUs): packets passed in the kernel and sent to the
+    /// queue, each way; server ACKs lowered by tc.
+    pub client_passed: u64,
+    pub client_slow: u64,
+    pub server_passed: u64,
+    pub server_slow: u64,
+    pub acks_lowered: u64,
 }
 
 struct Shared {
@@ -402,6 +435,8 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     daemon::install_signals("agent", true);
     let a = &cfg.raw.agent;
     let started = Instant::now();
+    // The engine's clock in the kernel's (the fast path keeps CLOCK_MONOTONIC ns).
+    let zero_ns = unbroken_drivers::fastpath::object::monotonic_ns();
     let mono_ms = || started.elapsed().as_millis() as u64;
     let a_status_file = a.status_file.clone();
     if let Some(path) = &a_status_file {
@@ -421,9 +456,25 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
     // Another agent that still runs owns these rules: say which, before touching anything.
-    let spec = rule_spec(&cfg);
+    let mut spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("agent: {e}"))?;
+    // The fast path before the rules: they name its pinned filters.
+    let fast = match fast_path(&cfg, zero_ns) {
+        Ok(f) => {
+            eprintln!("agent: fast path on: established packets of quiet connections stay in the kernel (tc egress on {})", f.ifaces.join(", "));
+            spec.bpf_match = Some(f.pins.clone());
+            Ok(f)
+        }
+        Err(why) => {
+            eprintln!("agent: fast path off: {why}; every packet of the services goes through NFQUEUE {}", a.queue);
+            Err(why)
+        }
+    };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
+    if fast.is_ok() {
+        // tc egress leaves alone what the slow path decided (docs: "Fast path: object mode").
+        queue.set_accept_mark(Some(AGENT_MARK));
+    }
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
     // Without it a kept-alive client may wait for its retransmission timer between requests
     // (see the engine's docs), but it is served correctly.
@@ -444,6 +495,15 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let _ = io::stdout().flush();
 
     let mut core = Core::new(engine, cfg.gate_open, a.probe);
+    let (fast_fp, fast_status) = match fast {
+        Ok(f) => {
+            let fp = f.fp.clone();
+            core.enable_fast_path(Box::new(f.map));
+            (Some(fp), FastStatus { on: true, interfaces: f.ifaces, ..FastStatus::default() })
+        }
+        Err(why) => (None, FastStatus { off_because: Some(why), ..FastStatus::default() }),
+    };
+    shared.count(|c| c.fast_path = fast_status);
     let rebuilt_file = a.rebuilt_file.clone().or_else(|| {
         a.status_file.as_ref().map(|p| {
             let mut s = p.clone().into_os_string();
@@ -494,9 +554,17 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // The loop only does I/O (crate::daemon::run); every decision is the core's
     // (crate::object::agentcore), and AgentIo carries out its requests.
     let mode = Mutex::new(AgentMode { core, view: None, lease_ok: false, fresh: false, pkts: Vec::with_capacity(64), inject_errors: 0, fallbacks: 0 });
-    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new() };
+    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None }) };
     let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
     daemon::stop();
+    if let Some(fp) = &fast_fp {
+        // The rules stay, with the filters they name: no lease, so no server packet passes
+        // the kernel once this agent is gone (the queue, unread, drops them: fail closed).
+        let fp = crate::sync::lock(fp, "agent: fast path");
+        for b in 0..=u16::MAX {
+            let _ = fp.set_lease(b, 0);
+        }
+    }
     // Sockets rebuilt here must not say goodbye to their clients when the process exits (a FIN
     // would end the download, a RST the connection): in repair mode their close is silent, and
     // the next agent (here, or where the LB sends the bucket) rebuilds them from the store.
@@ -583,6 +651,12 @@ impl daemon::Mode for AgentMode {
         // the workers' news of this round.
     }
 
+    fn after_flush(&mut self, now: u64) {
+        // Connections go back to the kernel only once the verdicts of their queued packets
+        // left: a packet the programs pass never overtakes one of them.
+        self.core.fast_publish(now);
+    }
+
     fn wait_ms(&self) -> u64 {
         self.core.wait_ms()
     }
@@ -618,6 +692,119 @@ struct AgentIo {
     shared: Arc<Shared>,
     engine_view: Arc<Mutex<(trods::Counters, usize, usize)>>,
     completions: Vec<crate::object::store::Completion>,
+    /// The kernel's fence (with the fast path).
+    leases: Option<Leases>,
+}
+
+// ---- the fast path's I/O ------------------------------------------------------------------------
+
+type SharedFp = Arc<Mutex<unbroken_drivers::fastpath::object::Object>>;
+
+/// The object programs, loaded, pinned and attached, and the core's map on them.
+struct KernelFast {
+    fp: SharedFp,
+    map: KernelMap,
+    pins: (PathBuf, PathBuf),
+    ifaces: Vec<String>,
+}
+
+/// The kernel's map behind the core's [`crate::object::agentfast::FastMap`].
+struct KernelMap {
+    fp: SharedFp,
+    /// CLOCK_MONOTONIC ns at the engine's time 0.
+    zero_ns: u64,
+    /// An LB is configured: server packets pass only under its lease.
+    fenced: bool,
+}
+
+impl crate::object::agentfast::FastMap for KernelMap {
+    fn take(&mut self, key: &Key) -> Option<trods::FastKept> {
+        use unbroken_drivers::fastpath::object as fo;
+        let s = crate::sync::lock(&self.fp, "agent: fast path").take(&fo::Key::new(key)).ok()??;
+        let k = s.kept();
+        Some(trods::FastKept { client_acked: k.client_acked, srv_next: k.srv_next, sent_next: k.sent_next, last_window: k.last_window, last_ts: k.last_ts, last_seen: s.last_seen_ns.saturating_sub(self.zero_ns) / 1_000_000 })
+    }
+
+    fn publish(&mut self, key: &Key, view: &trods::FastView, bucket: Option<u16>, lend: bool) -> Result<bool, String> {
+        use unbroken_drivers::fastpath::object::{self as fo, flag};
+        const FAST: u32 = flag::CLIENT_FAST | flag::SERVER_FAST | flag::PASSTHROUGH;
+        let mut st = fo::State::publish(view, bucket, self.fenced, self.zero_ns + view.last_seen * 1_000_000);
+        if !lend {
+            st.flags &= !FAST;
+        }
+        crate::sync::lock(&self.fp, "agent: fast path").insert(&fo::Key::new(key), &st).map_err(|e| e.to_string())?;
+        Ok(st.flags & FAST != 0)
+    }
+
+    fn remove(&mut self, key: &Key) {
+        let _ = crate::sync::lock(&self.fp, "agent: fast path").remove(&unbroken_drivers::fastpath::object::Key::new(key));
+    }
+}
+
+/// Writes the LB's lease on each bucket into the kernel's fence at every new reply.
+struct Leases {
+    fp: SharedFp,
+    /// When the programs' counters were last read (for the status).
+    counted_at: Option<Instant>,
+    /// The reply last written (its arrival) and the buckets then owned.
+    seen: Option<(Instant, Vec<u64>)>,
+}
+
+impl Leases {
+    fn update(&mut self, v: &crate::object::lb::BucketView, now: Instant) {
+        if self.seen.as_ref().is_some_and(|(at, _)| *at == v.received_at) {
+            return;
+        }
+        // The lease's end in the kernel's clock (0: lapsed already).
+        let until = v.lease_until.checked_duration_since(now).map_or(0, |d| unbroken_drivers::fastpath::object::monotonic_ns() + d.as_nanos() as u64);
+        let fp = crate::sync::lock(&self.fp, "agent: fast path");
+        let before = self.seen.take().map(|(_, o)| o).unwrap_or_default();
+        for b in 0..v.buckets {
+            if v.owns(b) {
+                let _ = fp.set_lease(b, until);
+            } else if before.get(b as usize / 64).is_some_and(|w| w & (1 << (b % 64)) != 0) {
+                let _ = fp.set_lease(b, 0);
+            }
+        }
+        // Buckets past a smaller table's end.
+        for b in v.buckets as usize..before.len() * 64 {
+            let _ = fp.set_lease(b as u16, 0);
+        }
+        self.seen = Some((v.received_at, v.owned.clone()));
+    }
+}
+
+/// Loads the object programs for `cfg`, pins the socket filters and attaches tc egress to
+/// every Ethernet interface present at start (but loopback), or says why not.
+fn fast_path(cfg: &Agent, zero_ns: u64) -> Result<KernelFast, String> {
+    use unbroken_drivers::fastpath::{self, object as fo};
+    let a = &cfg.raw.agent;
+    if !a.fast_path {
+        return Err("agent.fast_path = false".into());
+    }
+    fastpath::available().map_err(|e| e.to_string())?;
+    let mut fp = fo::Object::load_with(fo::Options { agent_mark: AGENT_MARK, trust_partial_csum: a.fast_path_trust_partial_checksums }).map_err(|e| e.to_string())?;
+    let mut ifaces: Vec<String> = fastpath::interfaces().map_err(|e| format!("listing the interfaces: {e}"))?.into_iter().filter(|n| n != "lo" && fastpath::is_ethernet(n)).collect();
+    ifaces.sort();
+    if ifaces.is_empty() {
+        return Err("no Ethernet interface to attach tc egress to".into());
+    }
+    for i in &ifaces {
+        fp.attach_egress(i).map_err(|e| e.to_string())?;
+    }
+    fo::ensure_bpffs().map_err(|e| e.to_string())?;
+    let pins = fp.pin_filters(&pin_dir(a.queue)).map_err(|e| e.to_string())?;
+    let fp = Arc::new(Mutex::new(fp));
+    let map = KernelMap { fp: fp.clone(), zero_ns, fenced: cfg.lb.is_some() };
+    Ok(KernelFast { fp, map, pins, ifaces })
+}
+
+/// Where the agent of `queue` in this network namespace pins its filters (namespaces share
+/// the BPF filesystem, and labs run agents of the same queue number side by side).
+fn pin_dir(queue: u16) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let ns = std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0);
+    PathBuf::from(format!("/sys/fs/bpf/unbroken/agent-net{ns}-q{queue}"))
 }
 
 impl AgentIo {
@@ -650,6 +837,11 @@ impl daemon::Adapter<AgentMode> for AgentIo {
         if let Some(Some(v)) = &m.view {
             m.lease_ok = now_i < v.lease_until;
             m.fresh = v.received_at.elapsed() < Duration::from_millis(100);
+            // The kernel's fence sees each reply before the core acts on it (a bucket that
+            // moved away passes nothing from here on).
+            if let Some(l) = &mut self.leases {
+                l.update(v, now_i);
+            }
         }
     }
 
@@ -731,7 +923,21 @@ impl daemon::Adapter<AgentMode> for AgentIo {
     fn end_round(&mut self, m: &mut AgentMode, qs: unbroken_drivers::nfqueue::Stats) {
         let skipped = self.hb.as_ref().map_or(0, |h| h.stats().skipped_wedged);
         let cc = m.core.counters;
+        let fc = m.core.fast.counters;
+        // The programs' counters are per-CPU map reads (system calls): twice a second is
+        // what the status file shows.
+        let kc = match &mut self.leases {
+            Some(l) if l.counted_at.is_none_or(|t| t.elapsed() >= Duration::from_millis(500)) => {
+                l.counted_at = Some(Instant::now());
+                crate::sync::lock(&l.fp, "agent: fast path").counters().ok()
+            }
+            _ => None,
+        };
         self.shared.count(|c| {
+            c.fast_path.handoff = fc;
+            if let Some(k) = kc {
+                (c.fast_path.client_passed, c.fast_path.client_slow, c.fast_path.server_passed, c.fast_path.server_slow, c.fast_path.acks_lowered) = (k.client_passed, k.client_slow, k.server_passed, k.server_slow, k.acks_lowered);
+            }
             c.queue_errors = qs.enobufs + qs.verdict_errors;
             c.heartbeats_skipped_wedged = skipped;
             c.failovers_started = cc.failovers_started;
@@ -859,7 +1065,9 @@ pub fn remove_rules(cfg: &Agent) -> Result<(), String> {
         Ok(q) => drop(q),
         Err(e) => return Err(format!("agent: NFQUEUE {} is in use ({e}): stop the agent that reads it first", a.queue)),
     }
-    unbroken_drivers::iptables::Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("agent: removing the queue rules: {e}"))
+    unbroken_drivers::iptables::Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("agent: removing the queue rules: {e}"))?;
+    // The fast path's filters, which only those rules named.
+    unbroken_drivers::fastpath::object::unpin_filters(&pin_dir(a.queue)).map_err(|e| format!("agent: removing the fast path's pinned filters: {e}"))
 }
 
 /// Destroys the local sockets of `keys` in one pool job (or, when the pool is full, one

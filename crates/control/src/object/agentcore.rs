@@ -22,6 +22,7 @@
 //! 4. **After** ([`Core::after`]): store requests, housekeeping, muting connections whose
 //!    bucket went elsewhere, probes of moved buckets, injected ACKs (fenced too).
 
+use crate::object::agentfast::{FastMap, FastPart, Publish};
 use crate::object::lb::BucketView;
 use crate::object::store::{Op, OpKind};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -451,6 +452,11 @@ pub struct Core {
     /// Budget of the log lines hostile packets can cause (issue 9, item 6).
     log: crate::ratelog::RateLimit,
     pub counters: CoreCounters,
+    /// The fast path's part ([`crate::object::agentfast`]; off unless [`Core::enable_fast_path`]).
+    pub fast: FastPart,
+    /// The connection of every store operation in flight (with the fast path only: its
+    /// completion acts on it).
+    tokens: HashMap<u64, Key>,
 }
 
 impl Core {
@@ -487,6 +493,49 @@ impl Core {
             out: VecDeque::new(),
             log: crate::ratelog::RateLimit::default(),
             counters: CoreCounters::default(),
+            fast: FastPart::default(),
+            tokens: HashMap::new(),
+        }
+    }
+
+    /// Lets the kernel's programs carry quiet connections ([`crate::object::agentfast`]).
+    pub fn enable_fast_path(&mut self, map: Box<dyn FastMap>) {
+        self.fast.enable(map);
+    }
+
+    /// Before the engine acts on `key`: takes it back from the kernel if it was lent, and
+    /// hands the engine what the kernel kept.
+    fn own(&mut self, key: &Key) {
+        let Some(mut kept) = self.fast.take(key) else { return };
+        if let Some(v) = self.engine.fast_view(key) {
+            // The two clocks' rounding may put the kernel's a millisecond behind.
+            kept.last_seen = kept.last_seen.max(v.last_seen);
+        }
+        if !self.engine.absorb(key, &kept) {
+            let line = self.fast.refused(key, &kept);
+            let now = self.clock;
+            self.say("fast refused", now, || line);
+        }
+    }
+
+    /// After the round's verdicts left (the daemon's `after_flush`): every connection the
+    /// engine acted on is published to the kernel again (lent when quiet, unless this core
+    /// holds packets of it), created or removed.
+    pub fn fast_publish(&mut self, now: u64) {
+        if !self.fast.on() {
+            return;
+        }
+        let mut held: HashSet<Key> = HashSet::new();
+        held.extend(self.recovering.keys().copied());
+        held.extend(self.planning.keys().copied());
+        held.extend(self.looking.iter().copied());
+        held.extend(self.gate_wait.iter().map(|g| g.key));
+        held.extend(self.fenced.iter().chain(self.unbucketed.iter()).filter_map(|f| Self::key_of(&f.p)));
+        held.extend(self.released_wait.iter().filter_map(|r| Trigger::parse(&r.data).map(|(k, _)| Key { client: k.service, service: k.client })));
+        let (engine, buckets) = (&self.engine, &self.buckets);
+        let logs = self.fast.publish_all(now, |k| Publish { view: engine.fast_view(k), bucket: buckets.get(k).copied().flatten(), held_by_core: held.contains(k) });
+        for line in logs {
+            self.say("fast refused", now, || line);
         }
     }
 
@@ -575,6 +624,7 @@ impl Core {
             if let Some(b) = p.bucket {
                 self.buckets.insert(k, Some(b));
             }
+            self.own(&k);
         }
         match self.engine.packet_csum(p.id as u64, &mut p.data, Dir::FromClient, now, p.csum_not_ready) {
             Verdict::Drop => self.out.push_back(Out::Drop { id: p.id, data: p.data }),
@@ -680,6 +730,12 @@ impl Core {
         // item 0).
         let info = IpInfo::parse(&p.data).ok();
         let key = info.as_ref().and_then(|i| trods::key_at(&p.data, i, p.dir));
+        if let Some(k) = key {
+            // Taken back from the kernel whatever becomes of the packet: the engine decides
+            // it, or the core holds it (the fence, a failover) and the kernel must not pass a
+            // later packet of the connection before it.
+            self.own(&k);
+        }
         if p.dir == Dir::ToClient && !matches!(lb, LbView::NoLb) {
             if !lease_ok {
                 if self.fenced.len() < FENCE_MAX_PACKETS {
@@ -1008,6 +1064,7 @@ impl Core {
     /// A worker rebuilt `key`'s socket: the engine adopts it, and the packets that waited go
     /// through it.
     pub fn adopted(&mut self, now: u64, key: Key, bucket: Option<u16>, rec: &Record, plan: &Plan) {
+        self.own(&key);
         self.engine.adopt(key, rec, plan, now);
         self.buckets.insert(key, bucket);
         self.inherited.remove(&key);
@@ -1055,6 +1112,7 @@ impl Core {
     /// The record of `key` (served by a local socket this core never saw set up) describes
     /// it: protected again, and the packets that waited go through the engine.
     pub fn relearned(&mut self, now: u64, key: Key, bucket: Option<u16>, rec: &Record, plan: &Plan) {
+        self.own(&key);
         if !self.engine.relearn(key, rec, plan, now) {
             // Known meanwhile (it cannot be: its packets waited): never strand them.
             self.buckets.entry(key).or_insert(bucket);
@@ -1068,6 +1126,7 @@ impl Core {
     /// unprotected from now on (its record replaced by a tombstone, so a failover elsewhere
     /// refuses instead of guessing), and the packets that waited pass.
     pub fn relearn_failed(&mut self, now: u64, key: Key, bucket: Option<u16>, why: &str) {
+        self.own(&key);
         self.engine.learn_unprotected(key, now);
         self.buckets.insert(key, bucket);
         self.counters.relearn_failed += 1;
@@ -1086,6 +1145,7 @@ impl Core {
     /// The packets of `key` that waited for a worker go through the engine.
     fn replay(&mut self, now: u64, key: Key) {
         for mut p in self.recovering.remove(&key).unwrap_or_default() {
+            self.own(&key);
             let v = self.engine.packet(p.id as u64, &mut p.data, Dir::FromClient, now);
             self.flush_released();
             match v {
@@ -1110,6 +1170,7 @@ impl Core {
     /// A worker is about to destroy a stale local socket of `key`: make sure nothing it sends
     /// leaves.
     pub fn quiesce(&mut self, now: u64, key: Key) {
+        self.own(&key);
         self.engine.mute_or_insert(key, now);
         self.flush_released();
     }
@@ -1245,6 +1306,7 @@ impl Core {
         // A connection this server left muted when its bucket went away (its socket was
         // destroyed) and that nobody could rebuild: the kernel's RST to the client's packets
         // is its only visible end, which the muted entry would drop (sim seeds 136, 5515).
+        self.own(&key);
         self.engine.forget_muted(&key);
         let waiting = self.recovering.remove(&key).unwrap_or_default();
         if let Some(b) = waiting.iter().find_map(|p| p.bucket).or(planned_bucket) {
@@ -1272,6 +1334,9 @@ impl Core {
 
     /// A store operation completed.
     pub fn store_done(&mut self, token: u64, ok: bool) {
+        if let Some(k) = self.tokens.remove(&token) {
+            self.own(&k);
+        }
         self.engine.store_done(token, ok);
     }
 
@@ -1296,15 +1361,26 @@ impl Core {
         self.flush_released();
         self.fence_released(now, lb);
         while let Some(act) = self.engine.poll_action() {
-            let (token, kind) = match act {
-                Action::Store { token, conn, value, .. } => (token, OpKind::Set { key: store_key(self.bucket(&conn), &conn).into_bytes(), val: value }),
-                Action::Delete { token, conn, .. } => (token, OpKind::Del { key: store_key(self.bucket(&conn), &conn).into_bytes() }),
+            let (token, conn, kind) = match act {
+                Action::Store { token, conn, value, .. } => (token, conn, OpKind::Set { key: store_key(self.bucket(&conn), &conn).into_bytes(), val: value }),
+                Action::Delete { token, conn, .. } => (token, conn, OpKind::Del { key: store_key(self.bucket(&conn), &conn).into_bytes() }),
             };
+            if self.fast.on() {
+                self.tokens.insert(token, conn);
+            }
             self.out.push_back(Out::Store(Op { token, kind }));
             self.counters.store_submitted += 1;
         }
         if now.saturating_sub(self.last_expire) >= EXPIRE_EVERY_MS {
+            // Idle expiry and refreshes read what the kernel keeps (last_seen): every lent
+            // connection comes back first, and those the engine forgets lose their entries.
+            for k in self.fast.lent() {
+                self.own(&k);
+            }
             self.engine.expire(now);
+            let engine = &self.engine;
+            self.fast.sweep(|k| !engine.tracks(k));
+            self.tokens.retain(|_, k| engine.tracks(k));
             self.refused.retain(|_, t| now.saturating_sub(*t) < REFUSED_MS);
             self.admission.expire(now);
             self.handed.retain(|_, h| now.saturating_sub(h.0) < REFUSED_MS);
@@ -1345,6 +1421,7 @@ impl Core {
                 if self.owner_epoch != 0 && skipped > 1 && skipped < 1 << 31 {
                     let maybe: Vec<Key> = self.buckets.iter().filter_map(|(k, b)| b.filter(|&b| v.owns(b) && v.allowed(b)).map(|_| *k)).collect();
                     for k in maybe {
+                        self.own(&k);
                         self.engine.may_have_moved(k);
                     }
                 }
@@ -1355,6 +1432,7 @@ impl Core {
                     // SYN sets the connection up at the new owner, and when the bucket comes
                     // back the local request socket, its ISN unknown to the client, would take
                     // the client's packets (Linux answers them with a RST) instead of a failover.
+                    self.own(&k);
                     let pending = self.engine.handshake_pending(&k);
                     if pending {
                         self.engine.mute_or_insert(k, now);

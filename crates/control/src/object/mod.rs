@@ -4,10 +4,12 @@
 //! seals and opens ([`records`]); the store ([`store`]: the Redis client, [`kv`]: the trait
 //! the agent uses, with an in-memory store for tests); the load balancer ([`lb`]: its I/O,
 //! [`detector`]: its I/O-free failure detector) and the heartbeat protocol between agents and
-//! balancer ([`hbproto`]). The fast-path half is to come beside the agent's core.
+//! balancer ([`hbproto`]); the agent's fast-path half ([`agentfast`]: which connections the
+//! kernel carries, and the hand-off), decided beside its core.
 
 pub mod agent;
 pub mod agentcore;
+pub mod agentfast;
 pub mod detector;
 pub mod hbproto;
 pub mod kv;

@@ -15,7 +15,7 @@
  * through, ever pass: everything that starts, ends or changes anything the engine decides with
  * goes slow. What the engine would have counted on a passed packet (the client's
  * ACK, the server's sent bytes, its window and timestamps, the time) the kernel keeps in the
- * entry, for the agent to read back. Nothing is attached yet.
+ * entry, for the agent to read back. Attached by the agent (`agent.fast_path`).
  */
 #include "../common/fastpath.h"
 #include "obj_state.h"
@@ -65,10 +65,12 @@ struct {
 } obj_slots SEC(".maps");
 
 /* Per bucket: CLOCK_MONOTONIC ns until which this server holds the LB's lease on it and owns
- * it (0: not owned). The agent writes it at every heartbeat reply (agentcore's fence). */
+ * it (0: not owned). The agent writes it at every heartbeat reply (agentcore's fence), into
+ * memory it maps (a heartbeat every few ms would be a system call per bucket otherwise). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__type(key, __u32);
 	__type(value, __u64);
 } obj_leases SEC(".maps");

@@ -127,6 +127,47 @@ pub fn available() -> Result<(), Error> {
     }
 }
 
+/// The names of this network namespace's interfaces (`if_nameindex`: /sys may show another
+/// namespace's when the guard was entered with nsenter).
+pub fn interfaces() -> std::io::Result<Vec<String>> {
+    // SAFETY: if_nameindex returns an array terminated by a zero entry, freed below.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut names = Vec::new();
+        let mut p = list;
+        while (*p).if_index != 0 && !(*p).if_name.is_null() {
+            names.push(std::ffi::CStr::from_ptr((*p).if_name).to_string_lossy().into_owned());
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+        Ok(names)
+    }
+}
+
+/// Whether `name` is an Ethernet device (ARPHRD_ETHER), by SIOCGIFHWADDR.
+pub fn is_ethernet(name: &str) -> bool {
+    if name.len() >= libc::IFNAMSIZ {
+        return false;
+    }
+    // SAFETY: a zeroed ifreq with a NUL-terminated name, an ioctl on a socket we close.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return false;
+        }
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (i, b) in name.bytes().enumerate() {
+            ifr.ifr_name[i] = b as libc::c_char;
+        }
+        let ok = libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut ifr) == 0 && ifr.ifr_ifru.ifru_hwaddr.sa_family == libc::ARPHRD_ETHER;
+        libc::close(fd);
+        ok
+    }
+}
+
 /// One packet's trip through a program by `BPF_PROG_TEST_RUN`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Run {

@@ -10,22 +10,23 @@
 //! The connection's entry ([`State`], in `obj_slots`, found through `obj_index`, mapped into
 //! this process) is published by the agent from the engine's state ([`State::publish`] of
 //! [`trods::FastView`]); the kernel keeps in it what the engine would have counted on the
-//! packets it passed ([`Kept`]), and hands it over with [`Object::take`]. Nothing is attached
-//! yet.
+//! packets it passed ([`Kept`]), and hands it over with [`Object::take`]. The agent attaches
+//! them ([`Object::pin_filters`] for its `-m bpf` queue rules, [`Object::attach_egress`]).
 
 use std::collections::{HashMap as StdHashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::addr_of_mut;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use aya::maps::{Array, HashMap, PerCpuArray};
+use aya::maps::{HashMap, PerCpuArray};
 use aya::programs::{SchedClassifier, SocketFilter, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use unbroken_engines::trods::{self, FastView, FAR_PAST_PROGRESS};
 
-use super::{bpf_err, load_classifiers, Error, ETH_HLEN};
+use super::{attach_tcx, bpf_err, load_classifiers, Error, ETH_HLEN};
 
 /// The compiled programs (build.rs).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/obj_fast.o"));
@@ -38,6 +39,8 @@ const SLOT_COUNT: u32 = 65536;
 /// that found the slot through the old index entry cannot write into a new connection's.
 const QUARANTINE: Duration = Duration::from_secs(1);
 const LEASES: &str = "obj_leases";
+/// Entries in `obj_leases` (one per possible bucket).
+const LEASE_COUNT: usize = 65536;
 const COUNTERS: &str = "obj_counters";
 
 /// The agent's mark (`obj_decided_mark`; control's `AGENT_MARK`): its injected ACKs carry it,
@@ -353,6 +356,9 @@ pub struct Object {
     free: VecDeque<(u32, Instant)>,
     /// Slots never used yet start here.
     fresh: u32,
+    /// `obj_leases`, mapped shared (`LEASE_COUNT` entries of u64).
+    leases: *mut u64,
+    leases_len: usize,
 }
 
 // SAFETY: the mapping is only touched through atomics (flags, wseq) and volatile reads and
@@ -364,8 +370,11 @@ unsafe impl Sync for Object {}
 
 impl Drop for Object {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `load_with`, unmapped once.
-        unsafe { libc::munmap(self.slots as *mut libc::c_void, self.map_len) };
+        // SAFETY: the mappings made in `load_with`, unmapped once.
+        unsafe {
+            libc::munmap(self.slots as *mut libc::c_void, self.map_len);
+            libc::munmap(self.leases as *mut libc::c_void, self.leases_len);
+        }
     }
 }
 
@@ -392,20 +401,44 @@ impl Object {
             prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
         }
         load_classifiers(&mut ebpf, &[Prog::ToClientTc.name()])?;
-        let fd = match ebpf.map(SLOTS) {
-            Some(aya::maps::Map::Array(md)) => md.fd().as_fd().as_raw_fd(),
-            _ => return Err(Error::Bpf(format!("no array map {SLOTS}"))),
+        let slots = map_shared(&ebpf, SLOTS, SLOT_COUNT as usize * std::mem::size_of::<State>())?;
+        let leases = match map_shared(&ebpf, LEASES, LEASE_COUNT * 8) {
+            Ok(l) => l,
+            Err(e) => {
+                // SAFETY: the mapping just made, unmapped once.
+                unsafe { libc::munmap(slots.0 as *mut libc::c_void, slots.1) };
+                return Err(e);
+            }
         };
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let map_len = (SLOT_COUNT as usize * std::mem::size_of::<State>()).div_ceil(page) * page;
-        // SAFETY: a shared mapping of the array map's memory (BPF_F_MMAPABLE), checked below;
-        // it lives until Drop, and the map (kept by `ebpf`) outlives it.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(bpf_err("mmap obj_slots", std::io::Error::last_os_error()));
+        Ok(Object { ebpf, slots: slots.0 as *mut State, map_len: slots.1, index: StdHashMap::new(), free: VecDeque::new(), fresh: 0, leases: leases.0 as *mut u64, leases_len: leases.1 })
+    }
+
+    /// Pins the two socket filters as `DIR/obj_from_client` and `DIR/obj_to_client` (`DIR` on
+    /// a BPF filesystem, created if missing; files left by an earlier process are replaced),
+    /// for `iptables -m bpf --object-pinned`. They stay pinned when this is dropped, as long as
+    /// the rules that name them (`iptables-legacy` opens the path again whenever it rewrites
+    /// the table); [`unpin_filters`] removes them. Returns the two paths, client's first.
+    pub fn pin_filters(&mut self, dir: &Path) -> Result<(PathBuf, PathBuf), Error> {
+        std::fs::create_dir_all(dir).map_err(|e| bpf_err(&format!("creating {}", dir.display()), e))?;
+        let mut paths = Vec::new();
+        for p in [Prog::FromClient, Prog::ToClient] {
+            let path = dir.join(p.name());
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(bpf_err(&format!("removing the stale pin {}", path.display()), e)),
+            }
+            let prog: &mut SocketFilter = self.ebpf.program_mut(p.name()).ok_or_else(|| Error::Bpf(format!("no program {}", p.name())))?.try_into().map_err(|e| bpf_err(p.name(), e))?;
+            prog.pin(&path).map_err(|e| bpf_err(&format!("pinning {} at {}", p.name(), path.display()), e))?;
+            paths.push(path);
         }
-        Ok(Object { ebpf, slots: p as *mut State, map_len, index: StdHashMap::new(), free: VecDeque::new(), fresh: 0 })
+        Ok((paths[0].clone(), paths[1].clone()))
+    }
+
+    /// Attaches [`Prog::ToClientTc`] at the tc egress of `iface` (TCX; detached when this is
+    /// dropped).
+    pub fn attach_egress(&mut self, iface: &str) -> Result<(), Error> {
+        attach_tcx(&mut self.ebpf, Prog::ToClientTc.name(), iface, aya::programs::TcAttachType::Egress)
     }
 
     fn index_map(&mut self) -> Result<HashMap<&mut aya::maps::MapData, Key, u32>, Error> {
@@ -550,10 +583,12 @@ impl Object {
 
     /// This server holds the lease on `bucket` until `until_ns` (CLOCK_MONOTONIC; 0: it does
     /// not own the bucket).
-    pub fn set_lease(&mut self, bucket: u16, until_ns: u64) -> Result<(), Error> {
-        let m = self.ebpf.map_mut(LEASES).ok_or_else(|| Error::Bpf(format!("no map {LEASES}")))?;
-        let mut a: Array<_, u64> = Array::try_from(m).map_err(|e| bpf_err(LEASES, e))?;
-        a.set(bucket as u32, until_ns, 0).map_err(|e| bpf_err("lease set", e))
+    pub fn set_lease(&self, bucket: u16, until_ns: u64) -> Result<(), Error> {
+        // SAFETY: an aligned u64 inside the mapping (LEASE_COUNT > u16::MAX), which the
+        // programs read whole.
+        let slot = unsafe { AtomicU64::from_ptr(self.leases.add(bucket as usize)) };
+        slot.store(until_ns, Ordering::Release);
+        Ok(())
     }
 
     /// The programs' counters, summed over CPUs.
@@ -617,6 +652,59 @@ impl Object {
         let packet = out.split_off(ETH_HLEN);
         Ok((Run { ret: r.return_value, packet }, r.duration))
     }
+}
+
+/// Removes what [`Object::pin_filters`] pinned in `dir`, and `dir` when empty (after the rules
+/// that named them are gone).
+pub fn unpin_filters(dir: &Path) -> std::io::Result<()> {
+    for p in [Prog::FromClient, Prog::ToClient] {
+        match std::fs::remove_file(dir.join(p.name())) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ENOTEMPTY) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Mounts a BPF filesystem on `/sys/fs/bpf` unless one is there (systemd mounts it on most
+/// hosts; pinned programs live there).
+pub fn ensure_bpffs() -> Result<(), Error> {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    let path = c"/sys/fs/bpf";
+    // SAFETY: a valid NUL-terminated path and a statfs to write.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(path.as_ptr(), &mut st) } == 0 && st.f_type as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    // SAFETY: valid NUL-terminated strings; no data.
+    let r = unsafe { libc::mount(c"bpf".as_ptr(), path.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) };
+    if r != 0 {
+        return Err(bpf_err("mounting a BPF filesystem on /sys/fs/bpf", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Maps the `BPF_F_MMAPABLE` array `name` (`bytes` long) shared into this process: its
+/// address and the mapping's length.
+fn map_shared(ebpf: &Ebpf, name: &str, bytes: usize) -> Result<(*mut libc::c_void, usize), Error> {
+    let fd = match ebpf.map(name) {
+        Some(aya::maps::Map::Array(md)) => md.fd().as_fd().as_raw_fd(),
+        _ => return Err(Error::Bpf(format!("no array map {name}"))),
+    };
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    let len = bytes.div_ceil(page) * page;
+    // SAFETY: a shared mapping of the array map's memory (BPF_F_MMAPABLE), checked below; the
+    // caller unmaps it before the map (kept by `ebpf`) goes.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(bpf_err(&format!("mmap {name}"), std::io::Error::last_os_error()));
+    }
+    Ok((p, len))
 }
 
 /// CLOCK_MONOTONIC now, in ns (the clock of `last_seen_ns` and the leases).

@@ -74,6 +74,9 @@ pub struct Opts {
     pub skip: Vec<String>,
     /// Also write the JSON report here.
     pub save: Option<PathBuf>,
+    /// The protected system's configurations measured (issue 22): `[true, false]` (the
+    /// agents' kernel fast path, then NFQUEUE only; the default), `[true]` or `[false]`.
+    pub fast_path: Vec<bool>,
 }
 
 impl Opts {
@@ -91,6 +94,7 @@ impl Opts {
             retries: if quick { 1 } else { 2 },
             skip: Vec::new(),
             save: None,
+            fast_path: vec![true, false],
         }
     }
 
@@ -114,12 +118,20 @@ impl Opts {
                 "--skip" => {
                     o.skip = it
                         .next()
-                        .ok_or("--skip needs rps,latency,stall")?
+                        .ok_or("--skip needs rps,latency,bulk,stall")?
                         .split(',')
                         .map(|s| s.trim().to_string())
                         .collect()
                 }
                 "--save" => o.save = Some(it.next().ok_or("--save needs a FILE")?.into()),
+                "--fast-path" => {
+                    o.fast_path = match it.next().map(String::as_str) {
+                        Some("both") => vec![true, false],
+                        Some("on") => vec![true],
+                        Some("off") => vec![false],
+                        _ => return Err("--fast-path needs both, on or off".into()),
+                    }
+                }
                 x => return Err(format!("bench object: unknown argument {x:?}")),
             }
         }
@@ -135,10 +147,10 @@ impl Opts {
         if let Some(s) = o
             .skip
             .iter()
-            .find(|s| !["rps", "latency", "stall"].contains(&s.as_str()))
+            .find(|s| !["rps", "latency", "bulk", "stall"].contains(&s.as_str()))
         {
             return Err(format!(
-                "bench object: --skip: unknown part {s:?} (rps, latency, stall)"
+                "bench object: --skip: unknown part {s:?} (rps, latency, bulk, stall)"
             ));
         }
         Ok(o)
@@ -149,7 +161,7 @@ impl Opts {
     }
 }
 
-const USAGE: &str = "usage: unbroken bench object [--json] [--quick] [--trials N] [--secs S] [--runs N] [--requests N] [--connections C] [--size MIB] [--skip rps,latency,stall] [--retries N] [--no-cpu-qos] [--save FILE]";
+const USAGE: &str = "usage: unbroken bench object [--json] [--quick] [--trials N] [--secs S] [--runs N] [--requests N] [--connections C] [--size MIB] [--skip rps,latency,bulk,stall] [--fast-path both|on|off] [--retries N] [--no-cpu-qos] [--save FILE]";
 
 /// `unbroken bench object ...` (the arguments after `bench`); returns the exit code.
 pub fn main(args: Vec<String>) -> i32 {
@@ -928,7 +940,7 @@ pub fn run(o: &Opts) -> Result<Value, String> {
     let big = BigObject::create(o.object_mib).map_err(|e| format!("writing the object: {e}"))?;
     log("starting the unprotected and the protected system".into());
     let plain = PlainEnv::start(3).map_err(|e| format!("starting the unprotected system: {e}"))?;
-    write_files(&plain.docroot, None).map_err(|e| format!("writing the objects: {e}"))?;
+    write_files(&plain.docroot, Some(&big)).map_err(|e| format!("writing the objects: {e}"))?;
     let prot = start_protected(&big)?;
     let mut sys = Systems {
         plain: Some(plain),
@@ -940,26 +952,55 @@ pub fn run(o: &Opts) -> Result<Value, String> {
 
     let mut phases = serde_json::Map::new();
     phases.insert("rps".into(), json!(round2(t_start.elapsed().as_secs_f64())));
-    let rps = if o.runs_part("rps") {
-        Some(bench_rps(
-            o,
-            wrk.as_deref().unwrap_or(Path::new("wrk")),
-            &sys,
-            &mut warnings,
-            &log,
-        )?)
-    } else {
-        None
-    };
+    // Each configuration of the protected system in turn (the agents restarted between):
+    // the fast path's figures are the report's `rps` and `latency`, NFQUEUE only's
+    // `rps_nfqueue` and `latency_nfqueue` (the first measured configuration's are `rps` and
+    // `latency` when only one is).
+    let mut measured: Vec<(bool, Option<Value>, Option<Value>, Option<Value>)> = Vec::new();
+    for &fast in &o.fast_path {
+        if o.runs_part("rps") || o.runs_part("latency") || o.runs_part("bulk") {
+            log(format!("protected system: agents with the fast path {}", if fast { "on" } else { "off (NFQUEUE only)" }));
+            sys.prot.set_fast_path(fast).map_err(|e| format!("switching the agents' fast path: {e}"))?;
+        }
+        let rps = if o.runs_part("rps") {
+            Some(bench_rps(o, wrk.as_deref().unwrap_or(Path::new("wrk")), &sys, &mut warnings, &log)?)
+        } else {
+            None
+        };
+        let latency = if o.runs_part("latency") {
+            Some(bench_latency(o, &sys, &mut warnings, &log)?)
+        } else {
+            None
+        };
+        let bulk = if o.runs_part("bulk") {
+            Some(bench_bulk(o, &sys, &mut warnings, &log)?)
+        } else {
+            None
+        };
+        measured.push((fast, rps, latency, bulk));
+    }
     phases.insert(
         "latency".into(),
         json!(round2(t_start.elapsed().as_secs_f64())),
     );
-    let latency = if o.runs_part("latency") {
-        Some(bench_latency(o, &sys, &mut warnings, &log)?)
-    } else {
-        None
+    let pick = |fast: bool| measured.iter().find(|m| m.0 == fast).cloned();
+    let (main, slow) = match (pick(true), pick(false)) {
+        (Some(f), s) => (Some(f), s),
+        (None, s) => (s, None),
     };
+    let rps = main.as_ref().and_then(|m| m.1.clone());
+    let latency = main.as_ref().and_then(|m| m.2.clone());
+    let rps_nfqueue = slow.as_ref().and_then(|m| m.1.clone());
+    let latency_nfqueue = slow.as_ref().and_then(|m| m.2.clone());
+    let bulk = main.as_ref().and_then(|m| m.3.clone());
+    let bulk_nfqueue = slow.as_ref().and_then(|m| m.3.clone());
+    let mut fast_summary = fast_path_summary(main.as_ref().is_some_and(|m| m.0), rps.as_ref(), rps_nfqueue.as_ref(), latency.as_ref(), latency_nfqueue.as_ref());
+    fast_summary["bulk"] = json!({ "median_ratio": bulk.as_ref().and_then(|b| b["ratio"]["median"].as_f64()), "nfqueue_median_ratio": bulk_nfqueue.as_ref().and_then(|b| b["ratio"]["median"].as_f64()) });
+    // The crash trials with the fast path unless only NFQUEUE was asked for.
+    let stall_fast = o.fast_path.contains(&true);
+    if sys.prot.opts_fast_path() != stall_fast {
+        sys.prot.set_fast_path(stall_fast).map_err(|e| format!("switching the agents' fast path: {e}"))?;
+    }
     // A server declared dead while nobody killed it (heartbeats late on a busy machine) moves
     // its buckets: unprotected connections of those buckets are reset, protected ones fail over.
     let (_, plain_ev) = sys
@@ -1000,10 +1041,15 @@ pub fn run(o: &Opts) -> Result<Value, String> {
         "config": {
             "quick": o.quick, "runs": o.runs, "secs": o.secs, "wrk": format!("wrk -t2 -c{} -d{}s --latency [-H 'Connection: close'] http://{}/{{1b,16k}}", o.connections, o.secs, addr::VIP_V4),
             "requests": o.requests, "trials": o.trials, "object_mib": o.object_mib, "cpu_dma_latency_0": o.cpu_qos, "servers": 3,
-            "dead_after_ms": EnvOpts::default().dead_after_ms, "store_timeout_ms": EnvOpts::default().store_timeout_ms,
+            "fast_path": o.fast_path, "stall_fast_path": stall_fast, "dead_after_ms": EnvOpts::default().dead_after_ms, "store_timeout_ms": EnvOpts::default().store_timeout_ms,
         },
         "rps": rps,
         "latency": latency,
+        "rps_nfqueue": rps_nfqueue,
+        "bulk": bulk,
+        "bulk_nfqueue": bulk_nfqueue,
+        "latency_nfqueue": latency_nfqueue,
+        "fast_path": fast_summary,
         "stall": stall,
         "lb_false_deaths": { "unprotected": plain_downs, "protected": prot_downs, "events_unprotected": plain_ev, "events_protected": prot_ev, "phase_times_s": phases },
         "problems": problems,
@@ -1012,6 +1058,24 @@ pub fn run(o: &Opts) -> Result<Value, String> {
         "paper": { "added_first_byte_us": 119, "rps_ratio_1b": 0.70, "failover": "under 1 s" },
         "targets": { "added_first_byte_us": 50, "rps_ratio": 0.95, "stall_p50_ms": 100 },
     }))
+}
+
+/// The fast path's figures beside the unprotected system's and NFQUEUE only's (issue 22):
+/// per wrk variant the median req/s ratio to the unprotected system with the fast path
+/// (`median_ratio`) and with NFQUEUE only (`nfqueue_median_ratio`); the first byte added on a
+/// new and a kept-alive connection (p50), both ways.
+fn fast_path_summary(on: bool, rps: Option<&Value>, rps_slow: Option<&Value>, lat: Option<&Value>, lat_slow: Option<&Value>) -> Value {
+    let mut v = serde_json::Map::new();
+    v.insert("on".into(), json!(on));
+    for (name, _, _) in VARIANTS {
+        let r = |x: Option<&Value>| x.and_then(|x| x[name]["ratio"]["median"].as_f64());
+        v.insert(name.to_string(), json!({ "median_ratio": r(rps), "nfqueue_median_ratio": r(rps_slow) }));
+    }
+    for m in ["new_connection", "keepalive"] {
+        let a = |x: Option<&Value>| x.and_then(|x| x[m]["added_first_byte_us"]["p50"].as_f64());
+        v.insert(format!("{m}_added_first_byte_us_p50"), json!({ "fast_path": a(lat), "nfqueue": a(lat_slow) }));
+    }
+    Value::Object(v)
 }
 
 const VARIANTS: [(&str, &str, bool); 4] = [
@@ -1293,6 +1357,46 @@ fn bench_latency(
     out.insert("protected_counters".into(), d);
     out.insert("cpu".into(), cpu);
     Ok(Value::Object(out))
+}
+
+/// Downloads of the large object, one at a time, through the unprotected and the protected
+/// system in turn (order alternating; `o.runs` + 1 each): goodput in MB/s (10^6 bytes), every
+/// byte checked, and the CPU each side's processes used.
+fn bench_bulk(o: &Opts, sys: &Systems, warnings: &mut Vec<String>, log: &dyn Fn(String)) -> Result<Value, String> {
+    let plain = sys.plain.as_ref().ok_or("no unprotected system")?;
+    let (pc, xc) = (plain.lab.client().to_string(), sys.prot.lab.client().to_string());
+    let size = sys.big.data.len() as u64;
+    let mut res: [Vec<f64>; 2] = Default::default();
+    let mut cpus: [Vec<Value>; 2] = Default::default();
+    for r in 0..o.runs + 1 {
+        let order = if r % 2 == 0 { [0usize, 1] } else { [1, 0] };
+        for p in order {
+            let (ns, lab_, other) = if p == 1 { (&xc, &sys.prot.lab, &plain.lab) } else { (&pc, &plain.lab, &sys.prot.lab) };
+            let cpu = CpuWatch::start(both(lab_, other));
+            let t0 = Instant::now();
+            let s = lab::in_ns(ns, || TcpStream::connect_timeout(&VIP, Duration::from_secs(5))).map_err(|e| e.to_string())?.map_err(|e| format!("bulk: connect: {e}"))?;
+            let (tx, _rx) = mpsc::channel();
+            let d = download(s, t0, sys.big.data.clone(), u64::MAX, tx);
+            let secs = t0.elapsed().as_secs_f64();
+            let cpu = cpu.stop();
+            let cfg = if p == 1 { "protected" } else { "unprotected" };
+            if d.bytes != size || d.mismatch.is_some() || d.error.is_some() {
+                warnings.push(format!("bulk {cfg} run {}: {} of {size} bytes, mismatch at {:?}, error {:?}", r + 1, d.bytes, d.mismatch, d.error));
+                continue;
+            }
+            let mbps = size as f64 / secs / 1e6;
+            log(format!("bulk run {} {cfg:<11} {mbps:>8.1} MB/s", r + 1));
+            res[p].push(round2(mbps));
+            cpus[p].push(cpu);
+        }
+    }
+    let ratios: Vec<f64> = res[0].iter().zip(&res[1]).map(|(a, b)| if *a > 0.0 { round2(b / a * 1000.0) / 1000.0 } else { 0.0 }).collect();
+    Ok(json!({
+        "object_bytes": size, "path": BIG,
+        "mb_per_s": { "unprotected": med_min_max(&res[0]), "protected": med_min_max(&res[1]) },
+        "ratio": { "median": round2(median(&ratios) * 1000.0) / 1000.0, "per_run": ratios },
+        "cpu": { "unprotected": cpus[0], "protected": cpus[1] },
+    }))
 }
 
 /// The download client gives up after this long without a byte (a failover that does not

@@ -32,6 +32,14 @@ pub struct EnvOpts {
     pub probe: bool,
     /// Start Redis.
     pub store: bool,
+    /// The agents' kernel fast path (`agent.fast_path`; issue 22). Default on, off with
+    /// `UNBROKEN_FAST_PATH=0` in the environment.
+    pub fast_path: bool,
+}
+
+/// Whether the environment turns the agents' fast path off (`UNBROKEN_FAST_PATH=0`).
+pub fn fast_path_default() -> bool {
+    std::env::var("UNBROKEN_FAST_PATH").map_or(true, |v| v != "0")
 }
 
 impl Default for EnvOpts {
@@ -44,6 +52,7 @@ impl Default for EnvOpts {
             gate: "lb".into(),
             probe: true,
             store: true,
+            fast_path: fast_path_default(),
         }
     }
 }
@@ -178,7 +187,7 @@ impl ObjectEnv {
 
     fn agent_toml_base(&self, i: usize) -> String {
         format!(
-            "[agent]\nserver_id = {i}\nservices = [\"{}:80\", \"[{}]:80\"]\nbackend = \"127.0.0.1:80\"\nqueue = 7\nlb = \"{}\"\nkey = \"{}\"\nheartbeat_interval_ms = 5\nfailover_gate = \"{}\"\nstatus_file = \"{}\"\nprobe = {}\n\n[store]\nnodes = [\"{}:{}\"]\ntimeout_ms = {}\n",
+            "[agent]\nserver_id = {i}\nservices = [\"{}:80\", \"[{}]:80\"]\nbackend = \"127.0.0.1:80\"\nqueue = 7\nlb = \"{}\"\nkey = \"{}\"\nheartbeat_interval_ms = 5\nfailover_gate = \"{}\"\nstatus_file = \"{}\"\nprobe = {}\nfast_path = {}\nfast_path_trust_partial_checksums = true\n\n[store]\nnodes = [\"{}:{}\"]\ntimeout_ms = {}\n",
             addr::VIP_V4,
             addr::VIP_V6,
             addr::HEARTBEAT,
@@ -186,6 +195,7 @@ impl ObjectEnv {
             self.opts.gate,
             self.agent_status_path(i).display(),
             self.opts.probe,
+            self.opts.fast_path,
             addr::STORE_V4,
             addr::REDIS_PORT,
             self.opts.store_timeout_ms,
@@ -269,6 +279,35 @@ impl ObjectEnv {
         });
         self.agents[i - 1] = Some(child);
         Ok(())
+    }
+
+    /// Whether the agents are configured with the kernel fast path (`agent.fast_path`).
+    pub fn opts_fast_path(&self) -> bool {
+        self.opts.fast_path
+    }
+
+    /// Restarts every running agent with the kernel fast path on or off (`agent.fast_path`),
+    /// then waits until the LB hears all of them again. Err when an agent's status does not
+    /// say the fast path is as asked within 10 s (it logs why it is off).
+    pub fn set_fast_path(&mut self, on: bool) -> io::Result<()> {
+        self.opts.fast_path = on;
+        let ids: Vec<usize> = (1..=self.servers()).filter(|&i| self.agents[i - 1].is_some()).collect();
+        for &i in &ids {
+            self.restart_agent(i, libc::SIGTERM)?;
+        }
+        self.wait_alive(&ids, Duration::from_secs(20))?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let as_asked = ids.iter().all(|&i| self.agent_status(i).is_some_and(|s| s["agent"]["fast_path"]["on"] == on));
+            if as_asked {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let why: Vec<String> = ids.iter().map(|&i| format!("agent {i}: {}", self.agent_status(i).map(|s| s["agent"]["fast_path"].to_string()).unwrap_or_default())).collect();
+                return Err(err(format!("the agents' fast path is not {}: {}", if on { "on" } else { "off" }, why.join("; "))));
+            }
+            std::thread::sleep(Duration::from_millis(20)); // polling a status file with a deadline
+        }
     }
 
     /// Waits until the LB reports every server of `ids` alive and heard from.

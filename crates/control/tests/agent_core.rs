@@ -1423,8 +1423,9 @@ fn fast_path_lends_a_quiet_download_and_absorbs_what_the_kernel_kept_before_deci
 
 /// Hostile: the kernel's entry holds figures the fast path cannot have produced (the client's
 /// ACK going back, the server's stream past the body's end): the engine keeps its own, the
-/// refusal is counted and said, and the connection is never lent again (every packet of it
-/// through the queue), while its packets are still decided.
+/// refusal is counted and said, the connection is unprotected (a tombstone: its packets pass
+/// unparsed from then on, never judged against figures known to be stale, so no later segment
+/// looks like a gap) and never lent again (every packet of it through the queue).
 #[test]
 fn hostile_kernel_state_the_engine_refuses_is_never_lent_again() {
     for (name, forge) in [
@@ -1443,9 +1444,19 @@ fn hostile_kernel_state_the_engine_refuses_is_never_lent_again() {
         let s = t.pkt(Dir::ToClient, port, S_ISN + 1 + hl + 1000, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
         assert!(t.accepted(s), "{name}: still decided by the engine");
         let v = t.core.engine.fast_view(&key(port)).unwrap();
-        assert_eq!((v.client_acked, v.srv_next), (before.client_acked, before.srv_next + 1000), "{name}: the engine's own figures");
-        assert_eq!(t.core.fast.counters.absorb_refused, 1, "{name}");
+        assert_eq!(v.client_acked, before.client_acked, "{name}: the engine's own figures");
+        assert_eq!(t.core.engine.is_protected(&key(port)), Some(false), "{name}: unprotected");
+        assert_eq!(t.core.engine.counters.unprotected_fast, 1, "{name}");
         assert!(t.outs.iter().any(|o| matches!(o, Out::Log(l) if l.contains("refused by the engine"))), "{name}: said");
+        t.tick(false);
+        assert!(t.outs.iter().any(|o| matches!(o, Out::Store(_))), "{name}: its tombstone is stored");
+        t.store_ok();
+        t.tick(false);
+        // A later segment past a gap the kernel's figures would explain passes (unparsed).
+        let far = t.pkt(Dir::ToClient, port, S_ISN + 1 + hl + 50_000, C_ISN + 1 + rq, F::ACK, &[7u8; 1000]);
+        t.tick(false);
+        assert!(t.accepted(far), "{name}: never dropped as a gap: {:?}", t.outs);
+        assert_eq!(t.core.fast.counters.absorb_refused, 1, "{name}");
         for _ in 0..3 {
             t.tick(false);
             t.core.fast_publish(t.now);

@@ -688,6 +688,9 @@ struct Agent {
     store_last_done: u64,
     store_last_apply: u64,
     probes: Vec<(u64, Vec<u16>, Vec<Key>)>,
+    /// The emulated programs and their map (with the fast path): they die with the agent (a
+    /// new agent loads new programs with empty maps).
+    kernel: Option<std::sync::Arc<std::sync::Mutex<kernel::Emu>>>,
 }
 
 struct Server {
@@ -789,6 +792,9 @@ struct Scenario {
     /// `FLOOD_MS` a flood of bogus ACKs from random spoofed addresses and ports. Its packets
     /// use their own random stream (the scenario's stays as it was).
     flood: bool,
+    /// The agents' kernel fast path, emulated ([`kernel`]): quiet connections are lent to it,
+    /// and their unremarkable packets pass without the core.
+    fast_path: bool,
 }
 
 impl Scenario {
@@ -836,7 +842,7 @@ impl Scenario {
         let dup = [0.0, 0.01][r.below(2) as usize];
         let reorder = [0.0, 0.02][r.below(2) as usize];
         let latency = r.range(1, 3);
-        Scenario { seed, faults, heal, loss, dup, reorder, latency, flood: seed.is_multiple_of(2) }
+        Scenario { seed, faults, heal, loss, dup, reorder, latency, flood: seed.is_multiple_of(2), fast_path: false }
     }
     fn describe(&self) -> String {
         let mut s = format!("seed {} (latency {} ms, loss {}, dup {}, reorder {}, heal at {} ms, attacker {}) faults:", self.seed, self.latency, self.loss, self.dup, self.reorder, self.heal, self.flood);
@@ -898,6 +904,11 @@ struct Report {
     /// Connections rebuilt from a record naming the client's FIN (it had closed or
     /// half-closed when its server died).
     adopted_after_client_fin: u64,
+    /// With the fast path: packets the emulated programs passed, and those they left to the
+    /// cores; entries the cores took back.
+    fast_passed: u64,
+    fast_slow: u64,
+    fast_taken: u64,
 }
 
 impl Report {
@@ -931,6 +942,9 @@ impl Report {
         self.max_lookups = self.max_lookups.max(o.max_lookups);
         self.half_closers_completed += o.half_closers_completed;
         self.adopted_after_client_fin += o.adopted_after_client_fin;
+        self.fast_passed += o.fast_passed;
+        self.fast_slow += o.fast_slow;
+        self.fast_taken += o.fast_taken;
         if self.first_late_reset.is_none() {
             self.first_late_reset = o.first_late_reset;
         }
@@ -1100,8 +1114,15 @@ impl Sim {
 
     fn new_agent(&mut self) -> Agent {
         self.incarnations += 1;
+        let mut core = Core::new(Engine::new(trods::Config::default()), false, true);
+        let kernel = self.sc.fast_path.then(|| {
+            let k = std::sync::Arc::new(std::sync::Mutex::new(kernel::Emu::default()));
+            core.enable_fast_path(Box::new(kernel::Map(k.clone())));
+            k
+        });
         Agent {
-            core: Core::new(Engine::new(trods::Config::default()), false, true),
+            core,
+            kernel,
             hb: HbClient { seq: 0, next_at: self.now, sent: HashMap::new(), last_accepted: None, view: None },
             incarnation: self.incarnations,
             inbound: Vec::new(),
@@ -1413,6 +1434,7 @@ impl Sim {
             return;
         };
         let now = self.now;
+        let taken0 = agent.core.fast.counters.taken;
         let view = agent.hb.view.as_ref().map(|(v, lease, recv)| (v.clone(), *lease, *recv));
         let lbv = |view: &Option<(BucketView, u64, u64)>| -> Option<(bool, bool)> { view.as_ref().map(|(_, lease, recv)| (now < *lease, now.saturating_sub(*recv) < FRESH_MS)) };
         let flags = lbv(&view);
@@ -1430,6 +1452,39 @@ impl Sim {
         let tx = std::mem::take(&mut self.srv[s].host.as_mut().unwrap().tx);
         for data in tx {
             batch.push(Pkt { id: 0, data, dir: Dir::ToClient, bucket: None, csum_not_ready: false });
+        }
+        if let Some(k) = agent.kernel.clone() {
+            // The kernel's programs see every packet first: what they pass never reaches the
+            // core (the client's to the server's TCP, the server's to the client, its ACK
+            // lowered by tc); the rest goes to the queue.
+            let mut kern = k.lock().unwrap();
+            let lease = |b: u16| view.as_ref().is_some_and(|(v, until, _)| now < *until && v.owns(b));
+            let mut slow = Vec::with_capacity(batch.len());
+            for p in batch {
+                let out = match p.dir {
+                    Dir::FromClient => kern.from_client(&p.data, p.bucket, now).then(|| p.data.clone()),
+                    Dir::ToClient => kern.to_client(&p.data, lease, now),
+                };
+                match out {
+                    Some(data) => {
+                        self.report.fast_passed += 1;
+                        if p.dir == Dir::FromClient {
+                            let objects = std::mem::take(&mut self.objects);
+                            if let Some(h) = self.srv[s].host.as_mut() {
+                                h.input(&data, &objects);
+                            }
+                            self.objects = objects;
+                        } else {
+                            self.server_send(s, data, "fast", true);
+                        }
+                    }
+                    None => {
+                        self.report.fast_slow += 1;
+                        slow.push(p);
+                    }
+                }
+            }
+            batch = slow;
         }
         for p in batch.iter_mut() {
             p.id = agent.next_id;
@@ -1484,6 +1539,10 @@ impl Sim {
         agent.core.after(now, lb!());
         self.report.max_lookups = self.report.max_lookups.max(agent.core.counters.lookups_in_flight);
         self.drive(s, &mut agent);
+        // The round's verdicts have left: connections go back to the kernel.
+        agent.core.fast_publish(now);
+        self.drive(s, &mut agent);
+        self.report.fast_taken += agent.core.fast.counters.taken - taken0;
         self.srv[s].agent = Some(agent);
     }
 
@@ -2471,10 +2530,12 @@ fn closed_gaps_stay_closed_strictly() {
 #[test]
 fn replay() {
     let Some(seed) = std::env::var("SIM_SEED").ok().and_then(|s| s.parse::<u64>().ok()) else { return };
-    let sc = match std::env::var("SIM_KIND").as_deref() {
+    let mut sc = match std::env::var("SIM_KIND").as_deref() {
         Ok("hb") => hb_only(seed),
         _ => Scenario::random(seed),
     };
+    // SIM_FAST=1: with the agents' kernel fast path (emulated).
+    sc.fast_path = std::env::var("SIM_FAST").is_ok_and(|v| v == "1");
     println!("{}", sc.describe());
     match Sim::new(sc).run() {
         Ok(r) => println!("seed {seed} passed: {r:?}"),
@@ -2501,4 +2562,210 @@ fn hostile_forged_triggers_and_bogus_ack_floods_in_failover_windows() {
     assert!(r.adopted > n / 10 && r.triggers_rejected > n / 4, "{r:?}");
     assert!(r.max_lookups <= unbroken_control::object::agentcore::AdmitConfig::default().max_in_flight as u64, "{r:?}");
     assert!(r.completed > r.conns * 9 / 10, "{r:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agents' kernel fast path, emulated
+// ---------------------------------------------------------------------------------------------
+
+/// `crates/drivers/bpf/object/obj_fast.c` in Rust, as far as the simulation's packets go (its
+/// decisions are the C's, checked against the engine on the real programs by the drivers'
+/// `fastpath_object` tests): `obj_from_client`, `obj_to_client` and `obj_to_client_tc` on one
+/// map of entries the core publishes through [`Map`] (the agent's `KernelMap`, without the
+/// hand-off's atomics: the simulation is serial). Time is the simulation's ms as ns.
+mod kernel {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use unbroken_control::object::agentfast::FastMap;
+    use unbroken_drivers::fastpath::object::{flag, State, NONE};
+    use unbroken_engines::trods::{tcp_checksum_ok, FastKept, FastView, Key};
+    use unbroken_wire::ip::{self, IpInfo};
+    use unbroken_wire::tcp::{self, flags as F, TcpOption};
+    use unbroken_wire::Seq;
+
+    const FAST: u32 = flag::CLIENT_FAST | flag::SERVER_FAST | flag::PASSTHROUGH;
+    const WIN_MIN: u64 = 1 << 16;
+    const WIN_MAX: u64 = 1 << 30;
+
+    #[derive(Default)]
+    pub struct Emu {
+        entries: HashMap<Key, State>,
+    }
+
+    pub struct Map(pub Arc<Mutex<Emu>>);
+
+    impl FastMap for Map {
+        fn take(&mut self, key: &Key) -> Option<FastKept> {
+            let mut e = self.0.lock().unwrap();
+            let s = e.entries.get_mut(key)?;
+            s.flags |= flag::USER;
+            Some(FastKept { client_acked: s.client_acked, srv_next: s.srv_next, sent_next: s.sent_next, last_window: s.last_window, last_ts: (s.has_ts != 0).then_some((s.last_tsval, s.last_tsecr)), last_seen: s.last_seen_ns / 1_000_000 })
+        }
+        fn publish(&mut self, key: &Key, view: &FastView, bucket: Option<u16>, lend: bool) -> Result<bool, String> {
+            let mut st = State::publish(view, bucket, true, view.last_seen * 1_000_000);
+            if !lend {
+                st.flags &= !FAST;
+            }
+            self.0.lock().unwrap().entries.insert(*key, st);
+            Ok(st.flags & FAST != 0)
+        }
+        fn remove(&mut self, key: &Key) {
+            self.0.lock().unwrap().entries.remove(key);
+        }
+    }
+
+    fn unwrap_near(low: u32, r: u64) -> u64 {
+        let d = low.wrapping_sub(r as u32) as i32 as i64;
+        (r as i64 + d).max(0) as u64
+    }
+
+    struct Seg<'a> {
+        key: Key,
+        flags: u8,
+        seq: u32,
+        ack: u32,
+        window: u16,
+        len: u64,
+        opts: Option<(bool, Option<(u32, u32)>, usize)>,
+        l4: usize,
+        _p: std::marker::PhantomData<&'a ()>,
+    }
+
+    fn parse(pkt: &[u8], client_side: bool) -> Option<Seg<'_>> {
+        let ip = IpInfo::parse(pkt).ok()?;
+        if ip.protocol != 6 || (ip.version == ip::Version::V4 && ip.l4_offset != 20) {
+            return None;
+        }
+        let t = tcp::Packet::new_checked(pkt.get(ip.l4_offset..ip.l4_offset + ip.l4_len)?).ok()?;
+        let (c, sv) = if client_side { ((ip.src, t.src_port()), (ip.dst, t.dst_port())) } else { ((ip.dst, t.dst_port()), (ip.src, t.src_port())) };
+        let key = Key { client: c.into(), service: sv.into() };
+        // fp_scan_options: a malformed or unknown option makes it the slow path's.
+        let mut sack = false;
+        let mut ts = None;
+        let mut n_ts = 0;
+        let mut ok = true;
+        for o in t.options_iter() {
+            match o {
+                Ok(TcpOption::Sack(..)) => sack = true,
+                Ok(TcpOption::Timestamp { tsval, tsecr }) => {
+                    n_ts += 1;
+                    ts = Some((tsval, tsecr));
+                }
+                Ok(TcpOption::Unknown { .. }) | Err(_) => ok = false,
+                Ok(_) => {}
+            }
+        }
+        Some(Seg { key, flags: t.flags(), seq: t.seq().0, ack: t.ack().0, window: t.window(), len: t.payload().len() as u64, opts: ok.then_some((sack, ts, n_ts)), l4: ip.l4_offset, _p: std::marker::PhantomData })
+    }
+
+    impl Emu {
+        /// The entry of `key`, if the programs may pass its packets in this direction (a
+        /// packet of an entry the core does not hold takes it: USER).
+        fn usable(&mut self, key: &Key, want: u32) -> Option<&mut State> {
+            let e = self.entries.get_mut(key)?;
+            if e.flags & flag::USER != 0 {
+                return None;
+            }
+            if e.flags & want == 0 {
+                e.flags |= flag::USER;
+                return None;
+            }
+            Some(e)
+        }
+
+        /// `obj_from_client`: whether the client's packet passes (the entry learns its ACK).
+        pub fn from_client(&mut self, pkt: &[u8], marker: Option<u16>, now: u64) -> bool {
+            let Some(g) = parse(pkt, true) else { return false };
+            let Some(e) = self.usable(&g.key, flag::CLIENT_FAST) else { return false };
+            let c = *e;
+            let slow = (g.flags & (F::SYN | F::FIN | F::RST | F::ACK)) != F::ACK
+                || g.len > 0
+                || marker.is_some_and(|b| c.flags & flag::BUCKET_KNOWN == 0 || b != c.bucket)
+                || !tcp_checksum_ok(pkt)
+                || {
+                    let d = g.seq.wrapping_sub(c.irs.wrapping_add(1).wrapping_add(c.cli_next as u32)) as i32 as i64;
+                    let w = ((c.last_window as u64) << c.server_ws.min(14)).clamp(WIN_MIN, WIN_MAX);
+                    d < 0 || d as u64 >= w
+                }
+                || {
+                    let a = unwrap_near(g.ack.wrapping_sub(c.iss.wrapping_add(1)), c.sent_next);
+                    a > c.sent_next || a >= c.ack_wall
+                };
+            if slow {
+                e.flags |= flag::USER;
+                return false;
+            }
+            let a = unwrap_near(g.ack.wrapping_sub(c.iss.wrapping_add(1)), c.sent_next);
+            if a > e.client_acked && c.flags & flag::PASSTHROUGH == 0 {
+                e.client_acked = a;
+            }
+            e.last_seen_ns = now * 1_000_000;
+            true
+        }
+
+        /// `obj_to_client` then `obj_to_client_tc`: the server's packet as it leaves, if it
+        /// passes (`lease(bucket)`: this server holds the LB's lease on an owned bucket).
+        pub fn to_client(&mut self, pkt: &[u8], lease: impl Fn(u16) -> bool, now: u64) -> Option<Vec<u8>> {
+            let g = parse(pkt, false)?;
+            let e = self.usable(&g.key, flag::SERVER_FAST)?;
+            let c = *e;
+            let parsed = c.flags & flag::PASSTHROUGH == 0;
+            let off = unwrap_near(g.seq.wrapping_sub(c.iss.wrapping_add(1)), c.sent_next);
+            let end = off + g.len;
+            let a = unwrap_near(g.ack.wrapping_sub(c.irs.wrapping_add(1)), c.cli_next);
+            let slow = (g.flags & (F::SYN | F::FIN | F::RST | F::ACK)) != F::ACK
+                || (c.flags & flag::NO_FENCE == 0 && (c.flags & flag::BUCKET_KNOWN == 0 || !lease(c.bucket)))
+                || g.opts.is_none_or(|(sack, _, n_ts)| sack || n_ts > 1)
+                || (parsed && (off > c.srv_next || (end > c.srv_next && end > c.body_end)))
+                || (parsed && c.sent_next.max(end) >= c.sent_wall)
+                || a.min(c.srv_ack_cap) > c.srv_ack
+                || (c.ack_limit != NONE && g.len == 0 && (g.ack.wrapping_sub(c.irs.wrapping_add(1).wrapping_add(c.ack_limit as u32)) as i32) > 0)
+                || a.min(c.ack_limit) > c.told;
+            if slow {
+                e.flags |= flag::USER;
+                return None;
+            }
+            if parsed {
+                e.srv_next = e.srv_next.max(end);
+            }
+            e.sent_next = e.sent_next.max(end);
+            e.last_window = g.window;
+            let ts = g.opts.and_then(|o| o.1);
+            e.has_ts = ts.is_some() as u8;
+            (e.last_tsval, e.last_tsecr) = ts.unwrap_or((0, 0));
+            e.last_seen_ns = now * 1_000_000;
+            // tc egress: the ACK lowered to the stored hold.
+            let mut out = pkt.to_vec();
+            if c.ack_limit != NONE {
+                let limit = c.irs.wrapping_add(1).wrapping_add(c.ack_limit as u32);
+                if (g.ack.wrapping_sub(limit) as i32) > 0 {
+                    let n = out.len();
+                    tcp::Packet::new_checked(&mut out[g.l4..]).ok()?.set_ack(Seq(limit));
+                    ip::fill_tcp_checksum(&mut out, n);
+                }
+            }
+            Some(out)
+        }
+    }
+}
+
+/// The random faults again with the agents' kernel fast path (issue 22 item 3), emulated
+/// ([`kernel`]): quiet connections are lent to it and taken back before the core acts on them,
+/// across deaths, revives, agent restarts, bucket moves, store outages and forged packets. The
+/// same invariants; the programs must have carried a large part of the traffic, and the cores
+/// must have taken connections back.
+#[test]
+fn random_faults_on_the_fast_path_keep_every_stream_byte_exact_without_resets_or_two_senders() {
+    if std::env::var("SIM_SEED").is_ok() {
+        return;
+    }
+    let n = 1000 * scale();
+    let t0 = std::time::Instant::now();
+    let r = run_many(first_seed(), n, |sc| sc.fast_path = true);
+    println!("{n} seeds on the fast path in {:?}: {r:?}", t0.elapsed());
+    assert!(r.deaths > n / 10 && r.failovers > n / 10 && r.adopted > n / 10 && r.muted > n / 20, "{r:?}");
+    assert!(r.completed > r.conns * 9 / 10, "{r:?}");
+    // At least a third of the clients' and servers' packets (the attacker's bogus ones all
+    // go to the cores; the simulation's objects are small, most packets start or end one).
+    assert!(r.fast_passed * 2 > r.fast_slow.saturating_sub(r.bogus + r.forged) && r.fast_taken > n, "{r:?}");
 }

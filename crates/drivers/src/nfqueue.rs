@@ -279,8 +279,11 @@ pub struct Queue {
     /// Payload buffers recycled from the caller's previous batch.
     spare: Vec<Vec<u8>>,
     stats: Stats,
-    /// Set on every packet accepted without a mark of its own ([`Queue::set_accept_mark`]).
-    accept_mark: Option<u32>,
+    /// Set on every packet of one hook accepted without a mark of its own
+    /// ([`Queue::set_accept_mark`]): (mark, hook).
+    accept_mark: Option<(u32, u8)>,
+    /// The packets received on that hook still waiting for their verdicts.
+    accept_marked: std::collections::HashSet<u32>,
 }
 
 impl core::fmt::Debug for Queue {
@@ -344,6 +347,7 @@ impl Queue {
             spare: Vec::new(),
             stats: Stats::default(),
             accept_mark: None,
+            accept_marked: std::collections::HashSet::new(),
         };
 
         let seq = q.next_seq();
@@ -411,6 +415,9 @@ impl Queue {
             }
         }
         self.stats.received += out.len() as u64;
+        if let Some((_, hook)) = self.accept_mark {
+            self.accept_marked.extend(out.iter().filter(|p| p.hook == hook).map(|p| p.id));
+        }
         Ok(out.len())
     }
 
@@ -427,12 +434,16 @@ impl Queue {
         self.set_verdict_mark(id, verdict, None, new_payload)
     }
 
-    /// From now on every packet accepted (by [`Queue::set_verdict`], or
-    /// [`Queue::set_verdict_mark`] without a mark) leaves with `skb->mark` set to `mark` (the
-    /// kernel replaces the whole mark): a later hook, e.g. a tc program, can tell what this
-    /// queue's reader decided. `None`: marks are left alone.
-    pub fn set_accept_mark(&mut self, mark: Option<u32>) {
+    /// From now on every packet received on `hook` (see [`QueuedPacket::hook`]) and accepted
+    /// (by [`Queue::set_verdict`], or [`Queue::set_verdict_mark`] without a mark) leaves with
+    /// `skb->mark` set to `mark` (the kernel replaces the whole mark): a later hook, e.g. a tc
+    /// program, can tell what this queue's reader decided. Only one hook: a mark on the
+    /// packets of the other direction could be inherited by sockets (`tcp_fwmark_accept`) or
+    /// restored by connmark rules onto packets the reader's rules let pass by their mark.
+    /// `None`: marks are left alone.
+    pub fn set_accept_mark(&mut self, mark: Option<(u32, u8)>) {
         self.accept_mark = mark;
+        self.accept_marked.clear();
     }
 
     /// Like [`Queue::set_verdict`], also setting `skb->mark` to `mark` when given.
@@ -463,8 +474,9 @@ impl Queue {
                 return Err(e);
             }
         }
-        let mark = match verdict {
-            Verdict::Accept => mark.or(self.accept_mark),
+        let ours = self.accept_mark.is_some() && self.accept_marked.remove(&id);
+        let mark = match (verdict, self.accept_mark) {
+            (Verdict::Accept, Some((m, _))) if ours => mark.or(Some(m)),
             _ => mark,
         };
         self.push_verdict(id, verdict, mark, new_payload);

@@ -54,7 +54,7 @@ fn fixed(v: &FastView) -> FastView {
 /// The published part of an entry (the kernel's kept fields, its clock, its USER bit and
 /// write sequence blanked).
 fn published(s: &State) -> State {
-    State { flags: s.flags & !flag::USER, wseq: 0, client_acked: 0, srv_next: 0, sent_next: 0, last_seen_ns: 0, last_window: 0, has_ts: 0, last_tsval: 0, last_tsecr: 0, ..*s }
+    State { flags: s.flags & !flag::USER, wseq: 0, pub_gen: 0, client_acked: 0, srv_next: 0, sent_next: 0, last_seen_ns: 0, last_window: 0, has_ts: 0, last_tsval: 0, last_tsecr: 0, ..*s }
 }
 
 /// The client at `c`, the service at `s`: the engine and the fast path side by side.

@@ -129,6 +129,9 @@ pub enum Dir {
 // layout in its module docs and docs/store.md); re-exported so every `trods::` path keeps working.
 pub use unbroken_wire::objrec::{Entry, Handshake, Record};
 
+/// The reason [`Engine::abandon`] gives (`last_unprotect_reason`).
+pub const FAST_REFUSED: &str = "the fast path's state was refused";
+
 /// Most server stream bytes a connection may send past its last stored progress mark
 /// (`Record::sent_off`); further segments wait for the next store. Keeps a record's mark close
 /// enough to place the client's 32-bit ACK, and bounds where the client's receive point can be
@@ -367,6 +370,8 @@ pub struct Counters {
     pub unprotected: u64,
     pub unprotected_store: u64,
     pub unprotected_http: u64,
+    /// Connections whose fast-path state the agent could not take back ([`Engine::abandon`]).
+    pub unprotected_fast: u64,
     pub unprotected_no_syn: u64,
     /// Of `unprotected_no_syn`: tombstones stored once the client's exact ACK of the SYN-ACK
     /// proved the connection real (see `Conn::tomb_on_ack`).
@@ -1798,6 +1803,22 @@ impl Engine {
         }
     }
 
+    /// The agent could not take back what the kernel's fast path kept for `key` ([`Engine::absorb`]
+    /// refused it): this engine no longer knows where the connection's streams are, so it stops
+    /// protecting it as it does any response it cannot resume (a tombstone; its packets pass
+    /// unparsed from then on, never judged against stale figures) and takes the server's stream
+    /// as sent at least to `sent_next`. Counted in `unprotected_fast`. False for an unknown
+    /// connection.
+    pub fn abandon(&mut self, key: &Key, sent_next: u64) -> bool {
+        let Some(c) = self.conns.get_mut(key) else { return false };
+        c.sent_next = c.sent_next.max(sent_next);
+        if c.protected || c.degraded {
+            self.counters.unprotected_fast += 1;
+        }
+        self.unprotect(*key, FAST_REFUSED, false);
+        true
+    }
+
     /// Stop protecting `key` (counted). Its record is deleted first, so a failover cannot
     /// resume from a stale one; ACKs stay limited until that delete completes.
     fn unprotect(&mut self, key: Key, why: &'static str, _server_side: bool) {
@@ -1812,7 +1833,9 @@ impl Engine {
         c.degraded = false;
         c.entries.clear();
         c.in_flight = None;
-        self.counters.unprotected_http += 1;
+        if why != FAST_REFUSED {
+            self.counters.unprotected_http += 1;
+        }
         if why == http::CREDENTIALS.0 {
             self.counters.unprotected_credentials += 1;
         } else if why == http::NO_VALIDATOR.0 {
@@ -1839,6 +1862,8 @@ impl Engine {
     }
 
     /// Why the last connection stopped being protected (diagnostics).
+    ///
+    /// (`FAST_REFUSED` for [`Engine::abandon`].)
     pub fn last_unprotect_reason(&self) -> &'static str {
         self.last_unprotect_reason
     }

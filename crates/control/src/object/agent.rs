@@ -472,8 +472,9 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("agent: cannot bind NFQUEUE {}: {e}", a.queue))?;
     if fast.is_ok() {
-        // tc egress leaves alone what the slow path decided (docs: "Fast path: object mode").
-        queue.set_accept_mark(Some(AGENT_MARK));
+        // tc egress leaves alone the server packets the slow path decided (docs: "Fast path:
+        // object mode"); only those (LOCAL_OUT), never the clients'.
+        queue.set_accept_mark(Some((AGENT_MARK, 3)));
     }
     let rules = Rules::install_or_replace(&spec).map_err(|e| format!("agent: installing rules: {e}"))?;
     // Without it a kept-alive client may wait for its retransmission timer between requests
@@ -558,9 +559,11 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
     daemon::stop();
     if let Some(fp) = &fast_fp {
-        // The rules stay, with the filters they name: no lease, so no server packet passes
-        // the kernel once this agent is gone (the queue, unread, drops them: fail closed).
+        // The rules stay, with the filters they name: nothing lent and no lease, so no packet
+        // passes the kernel once this agent is gone (the queue, unread, drops them: fail
+        // closed).
         let fp = crate::sync::lock(fp, "agent: fast path");
+        fp.take_all();
         for b in 0..=u16::MAX {
             let _ = fp.set_lease(b, 0);
         }
@@ -751,12 +754,14 @@ struct Leases {
 }
 
 impl Leases {
-    fn update(&mut self, v: &crate::object::lb::BucketView, now: Instant) {
+    fn update(&mut self, v: &crate::object::lb::BucketView, now: Instant, mono_before: u64) {
         if self.seen.as_ref().is_some_and(|(at, _)| *at == v.received_at) {
             return;
         }
         // The lease's end in the kernel's clock (0: lapsed already).
-        let until = v.lease_until.checked_duration_since(now).map_or(0, |d| unbroken_drivers::fastpath::object::monotonic_ns() + d.as_nanos() as u64);
+        // (CLOCK_MONOTONIC read before `now` was: the kernel's lease ends no later than the
+        // LB's.)
+        let until = v.lease_until.checked_duration_since(now).map_or(0, |d| mono_before + d.as_nanos() as u64);
         let fp = crate::sync::lock(&self.fp, "agent: fast path");
         let before = self.seen.take().map(|(_, o)| o).unwrap_or_default();
         for b in 0..v.buckets {
@@ -833,6 +838,7 @@ impl daemon::Adapter<AgentMode> for AgentIo {
     fn after_wait(&mut self, m: &mut AgentMode, _: u64) {
         self.watch.busy();
         m.view = self.hb.as_ref().map(|h| h.view());
+        let mono_before = unbroken_drivers::fastpath::object::monotonic_ns();
         let now_i = Instant::now();
         if let Some(Some(v)) = &m.view {
             m.lease_ok = now_i < v.lease_until;
@@ -840,7 +846,7 @@ impl daemon::Adapter<AgentMode> for AgentIo {
             // The kernel's fence sees each reply before the core acts on it (a bucket that
             // moved away passes nothing from here on).
             if let Some(l) = &mut self.leases {
-                l.update(v, now_i);
+                l.update(v, now_i, mono_before);
             }
         }
     }

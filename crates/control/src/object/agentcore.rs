@@ -511,7 +511,15 @@ impl Core {
             // The two clocks' rounding may put the kernel's a millisecond behind.
             kept.last_seen = kept.last_seen.max(v.last_seen);
         }
+        if !self.engine.tracks(key) {
+            // Forgotten by the engine while lent (evicted for room): the entry goes at the
+            // next publish; nothing to absorb, nothing refused.
+            return;
+        }
         if !self.engine.absorb(key, &kept) {
+            // The engine no longer knows where the streams are: unprotected (a tombstone,
+            // its packets passed unparsed, never judged against stale figures), said.
+            self.engine.abandon(key, kept.sent_next);
             let line = self.fast.refused(key, &kept);
             let now = self.clock;
             self.say("fast refused", now, || line);

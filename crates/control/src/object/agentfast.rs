@@ -15,7 +15,9 @@
 //! connection still waiting in the queue for its verdict.
 //!
 //! Fail safe: an entry whose kept fields the engine refuses (figures the fast path cannot have
-//! produced) is counted (`absorb_refused`) and never lent again; a map that refuses an entry
+//! produced) is counted (`absorb_refused`), the connection unprotected
+//! ([`unbroken_engines::trods::Engine::abandon`]: its packets pass unparsed, never judged
+//! against figures the engine knows to be stale) and never lent again; a map that refuses an entry
 //! (full, an error) leaves the connection on the slow path; connections whose packets the core
 //! itself holds (the fence, a failover) are never lent.
 
@@ -111,7 +113,7 @@ impl FastPart {
     pub fn refused(&mut self, key: &Key, kept: &FastKept) -> String {
         self.counters.absorb_refused += 1;
         self.distrust.insert(*key);
-        format!("agent: fast path: the kernel's state of {} refused by the engine ({kept:?}): the connection stays on the slow path", key.client)
+        format!("agent: fast path: the kernel's state of {} refused by the engine ({kept:?}): the connection is unprotected from now on and stays on the slow path", key.client)
     }
 
     /// Every lent connection (before an engine call that may act on any of them).

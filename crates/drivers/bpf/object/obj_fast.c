@@ -182,13 +182,16 @@ static __always_inline __u32 obj_load(struct obj_conn *e, struct obj_conn *c)
 }
 
 /* The kept fields are written between two increments of wseq, and only while OBJ_F_USER is
- * clear after the first: a reader that saw OBJ_F_USER and an even wseq twice around its read
- * has every passed packet's update (docs: the hand-off). 0 to go on, -1 when the entry went
- * to user space meanwhile (the packet goes slow). */
-static __always_inline int obj_write_begin(struct obj_conn *e)
+ * clear after the first and the publication is still the one the packet was judged against
+ * (`gen`, read by obj_load): a reader that saw OBJ_F_USER and an even wseq twice around its
+ * read has every passed packet's update (docs: the hand-off), and a program that stalled while
+ * the agent took the entry and published it again (new walls, perhaps muted) does not pass its
+ * packet on the old ones. 0 to go on, -1 when the entry went to user space or was published
+ * again meanwhile (the packet goes slow). */
+static __always_inline int obj_write_begin(struct obj_conn *e, __u16 gen)
 {
 	__sync_fetch_and_add(&e->wseq, 1);
-	if (__sync_fetch_and_or(&e->flags, 0) & OBJ_F_USER) {
+	if ((__sync_fetch_and_or(&e->flags, 0) & OBJ_F_USER) || *(volatile __u16 *)&e->pub_gen != gen) {
 		__sync_fetch_and_add(&e->wseq, 1);
 		return -1;
 	}
@@ -267,7 +270,7 @@ int obj_from_client(struct __sk_buff *skb)
 	if (a > c.sent_next || a >= c.ack_wall)
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
 
-	if (obj_write_begin(e))
+	if (obj_write_begin(e, c.pub_gen))
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
 	/* (An unprotected connection's engine learns nothing from the ACK: on_client returns
 	 * before it.) */
@@ -346,7 +349,7 @@ int obj_to_client(struct __sk_buff *skb)
 	if (min64(a, c.ack_limit) > c.told)
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
 
-	if (obj_write_begin(e))
+	if (obj_write_begin(e, c.pub_gen))
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
 	if (parsed)
 		e->srv_next = max64(e->srv_next, end);

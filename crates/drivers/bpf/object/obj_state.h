@@ -62,7 +62,7 @@ struct obj_conn {
 	__u8 server_ws;
 	__u8 has_ts;       /* kept: last_tsval/last_tsecr hold the server's latest timestamps */
 	__u16 last_window; /* kept: the server's latest window field */
-	__u16 pad;
+	__u16 pub_gen; /* the agent's publication: +1 at every publish (a program re-checks it before writing) */
 	/* Kept by the kernel (initialised by the agent at each publication). */
 	__u64 client_acked; /* Conn::client_acked */
 	__u64 srv_next;     /* Conn::srv_next */

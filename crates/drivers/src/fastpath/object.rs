@@ -141,7 +141,9 @@ pub struct State {
     pub server_ws: u8,
     pub has_ts: u8,
     pub last_window: u16,
-    pub pad: u16,
+    /// The agent's publication, +1 at every [`Object::insert`] / [`Object::publish`] (whatever
+    /// the given value): a program that judged a packet against an older one does not write.
+    pub pub_gen: u16,
     pub client_acked: u64,
     pub srv_next: u64,
     pub sent_next: u64,
@@ -268,7 +270,7 @@ impl State {
             server_ws: v.hs.server_ws,
             has_ts: v.last_ts.is_some() as u8,
             last_window: v.last_window,
-            pad: 0,
+            pub_gen: 0,
             client_acked: v.client_acked,
             srv_next: v.srv_next,
             sent_next: v.sent_next,
@@ -505,7 +507,7 @@ impl Object {
 
     fn write(&self, i: u32, s: &State) {
         let p = self.slot(i);
-        let State { cli_next, ack_wall, body_end, sent_wall, ack_limit, srv_ack, srv_ack_cap, told, iss, irs, flags, wseq: _, bucket, server_ws, has_ts, last_window, pad, client_acked, srv_next, sent_next, last_seen_ns, last_tsval, last_tsecr } = *s;
+        let State { cli_next, ack_wall, body_end, sent_wall, ack_limit, srv_ack, srv_ack_cap, told, iss, irs, flags, wseq: _, bucket, server_ws, has_ts, last_window, pub_gen: _, client_acked, srv_next, sent_next, last_seen_ns, last_tsval, last_tsecr } = *s;
         // SAFETY: fields of a slot inside the mapping; programs read them concurrently but
         // write them only while USER is clear, which the caller guarantees it is not.
         unsafe {
@@ -523,7 +525,8 @@ impl Object {
             addr_of_mut!((*p).server_ws).write_volatile(server_ws);
             addr_of_mut!((*p).has_ts).write_volatile(has_ts);
             addr_of_mut!((*p).last_window).write_volatile(last_window);
-            addr_of_mut!((*p).pad).write_volatile(pad);
+            let gen = addr_of_mut!((*p).pub_gen).read_volatile().wrapping_add(1);
+            addr_of_mut!((*p).pub_gen).write_volatile(gen);
             addr_of_mut!((*p).client_acked).write_volatile(client_acked);
             addr_of_mut!((*p).srv_next).write_volatile(srv_next);
             addr_of_mut!((*p).sent_next).write_volatile(sent_next);
@@ -565,6 +568,15 @@ impl Object {
             if self.wseq(i).load(Ordering::SeqCst) == s1 {
                 return s;
             }
+        }
+    }
+
+    /// Takes every entry from the kernel at once (sets `USER` on each, no wait): from now on
+    /// every packet of every connection goes to the slow path (an agent that stops leaves its
+    /// queue rules and their filters in place: with nothing lent, none passes them).
+    pub fn take_all(&self) {
+        for &i in self.index.values() {
+            self.flags(i).fetch_or(flag::USER, Ordering::SeqCst);
         }
     }
 

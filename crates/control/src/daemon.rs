@@ -32,6 +32,32 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
+/// Raises this process's soft limit on open files to its hard limit (as nginx's
+/// `worker_rlimit_nofile` does): an agent holds a socket per connection it rebuilt, and a
+/// systemd service starts with a soft limit of 1024, so a failover of more connections than
+/// that would fail with EMFILE. Returns the limit now in force; says so once when it stays
+/// below `want`.
+pub fn raise_fd_limit(name: &str, want: u64) -> u64 {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain system calls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return 0;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r = raised;
+            }
+        }
+    }
+    let now = r.rlim_cur as u64;
+    if now < want {
+        eprintln!("{name}: open files limited to {now} (RLIMIT_NOFILE; raise LimitNOFILE=, or ulimit -Hn): fewer than {want} connections can be rebuilt at once");
+    }
+    now
+}
+
 /// Installs the daemon `name`'s signal handlers: SIGINT and SIGTERM set the stop flag
 /// ([`stopping`]); SIGHUP is ignored with one log line and counted ([`crate::signals`]);
 /// SIGPIPE too when `ignore_pipe` (a daemon writing to sockets its peers may close).

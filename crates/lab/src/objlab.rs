@@ -496,7 +496,7 @@ fn quoted(p: &Path) -> String {
 
 /// The nginx 1.22 configuration of a lab server: `daemon off` and `master_process off` (one
 /// process: the returned [`Child`] is the whole server, and killing it leaves no orphaned
-/// worker), `worker_processes 1`, pid and error log in `run_dir`, `access_log off`,
+/// worker), `worker_processes 1` with 16384 connections, pid and error log in `run_dir`, `access_log off`,
 /// `sendfile on`, `etag on` (off under `/noetag/`), `keepalive_timeout 65`, listening on
 /// `0.0.0.0:80` and `[::]:80`, every temp path inside `run_dir`, serving `docroot`.
 pub fn nginx_conf(docroot: &Path, run_dir: &Path) -> String {
@@ -505,11 +505,14 @@ pub fn nginx_conf(docroot: &Path, run_dir: &Path) -> String {
         "daemon off;
 master_process off;
 worker_processes 1;
+worker_rlimit_nofile 65536;
 pid {pid};
 error_log {err} info;
 
 events {{
-    worker_connections 1024;
+    # Room for the mass-failover test: 10,000 downloads over three servers, the survivors'
+    # share after a death, and the agents' resume requests.
+    worker_connections 16384;
 }}
 
 http {{

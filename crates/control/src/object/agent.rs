@@ -433,6 +433,8 @@ const INJECT_MARK: u32 = AGENT_MARK;
 /// Runs the agent until SIGINT/SIGTERM (SIGHUP is ignored, see [`crate::signals`]). Prints one `ready` line once traffic is steered.
 pub fn run(cfg: Agent) -> Result<(), String> {
     daemon::install_signals("agent", true);
+    // A socket per rebuilt connection: a server death can bring thousands at once.
+    daemon::raise_fd_limit("agent", 16384);
     let a = &cfg.raw.agent;
     let started = Instant::now();
     // The engine's clock in the kernel's (the fast path keeps CLOCK_MONOTONIC ns).

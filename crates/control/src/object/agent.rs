@@ -557,7 +557,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // The loop only does I/O (crate::daemon::run); every decision is the core's
     // (crate::object::agentcore), and AgentIo carries out its requests.
     let mode = Mutex::new(AgentMode { core, view: None, lease_ok: false, fresh: false, pkts: Vec::with_capacity(64), inject_errors: 0, fallbacks: 0 });
-    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None }) };
+    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), protected_at: None, leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None }) };
     let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
     daemon::stop();
     if let Some(fp) = &fast_fp {
@@ -699,6 +699,8 @@ struct AgentIo {
     completions: Vec<crate::object::store::Completion>,
     /// The kernel's fence (with the fast path).
     leases: Option<Leases>,
+    /// When the engine's protected connections were last counted.
+    protected_at: Option<Instant>,
 }
 
 // ---- the fast path's I/O ------------------------------------------------------------------------
@@ -961,8 +963,17 @@ impl daemon::Adapter<AgentMode> for AgentIo {
             c.log_suppressed = cc.log_suppressed + crate::ratelog::global().suppressed();
             c.core = cc;
         });
+        // `protected()` walks every connection: for the status (written every 500 ms), not
+        // every round.
         let mut ev = crate::sync::lock(&self.engine_view, "agent: engine view");
-        *ev = (m.core.engine.counters, m.core.engine.connections(), m.core.engine.protected());
+        let protected = match self.protected_at {
+            Some(t) if t.elapsed() < Duration::from_millis(100) => ev.2,
+            _ => {
+                self.protected_at = Some(Instant::now());
+                m.core.engine.protected()
+            }
+        };
+        *ev = (m.core.engine.counters, m.core.engine.connections(), protected);
     }
 }
 

@@ -530,7 +530,7 @@ impl Core {
     /// engine acted on is published to the kernel again (lent when quiet, unless this core
     /// holds packets of it), created or removed.
     pub fn fast_publish(&mut self, now: u64) {
-        if !self.fast.on() {
+        if !self.fast.on() || !self.fast.dirty() {
             return;
         }
         let mut held: HashSet<Key> = HashSet::new();

@@ -116,6 +116,11 @@ impl FastPart {
         format!("agent: fast path: the kernel's state of {} refused by the engine ({kept:?}): the connection is unprotected from now on and stays on the slow path", key.client)
     }
 
+    /// Whether any connection waits to be published ([`FastPart::publish_all`]).
+    pub fn dirty(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
     /// Every lent connection (before an engine call that may act on any of them).
     pub fn lent(&self) -> Vec<Key> {
         self.lent.iter().copied().collect()
@@ -153,8 +158,21 @@ impl FastPart {
             };
             let lend = !p.held_by_core && !self.distrust.contains(&k);
             let fast = lend && (unbroken_drivers::fastpath::object::quiet(&view) || unbroken_drivers::fastpath::object::passthrough(&view));
+            if !fast {
+                // Nothing to publish: an entry that may not pass anything is as good taken (or
+                // published without fast flags before) as published again, and the kernel
+                // writes nothing into it. (Most of a small request's packets end here: a
+                // publication per packet cost the agent's loop about a tenth of its requests.)
+                continue;
+            }
             let exists = self.entries.contains(&k);
-            if !exists && (!fast || now < self.create_after) {
+            // An entry is created only where the kernel has something to carry: a response
+            // body not sent yet, or an unprotected connection passed through. A small
+            // response went out whole with its header (held until stored), and its client's
+            // ACK of its end must come to the engine anyway: an entry would cost two system
+            // calls (created, removed) for nothing.
+            let worth = view.body_left > 0 || unbroken_drivers::fastpath::object::passthrough(&view);
+            if !exists && (!worth || now < self.create_after) {
                 continue;
             }
             match map.publish(&k, &view, p.bucket, lend) {

@@ -74,6 +74,11 @@ pub struct FastPart {
     pub counters: FastCounters,
 }
 
+/// An entry is created for a protected connection only when this much of a response body is
+/// still to be sent (a few segments at least: an entry costs two system calls, created and
+/// removed, about what the queue costs two packets).
+pub const WORTH_BODY: u64 = 32 * 1024;
+
 /// After the map refused an entry, no new one is tried for this long (ms).
 pub const CREATE_BACKOFF_MS: u64 = 1000;
 
@@ -147,7 +152,10 @@ impl FastPart {
         };
         for k in self.dirty.drain() {
             let p = state(&k);
-            let Some(view) = p.view else {
+            // A closed connection is never carried again: its entry goes now, not when the
+            // engine forgets it after its linger (a burst of removals then, one system call
+            // each, stalled the loop for milliseconds after a wave of short connections).
+            let Some(view) = p.view.filter(|v| !v.closed) else {
                 if self.entries.remove(&k) {
                     map.remove(&k);
                     self.counters.removed += 1;
@@ -171,7 +179,7 @@ impl FastPart {
             // response went out whole with its header (held until stored), and its client's
             // ACK of its end must come to the engine anyway: an entry would cost two system
             // calls (created, removed) for nothing.
-            let worth = view.body_left > 0 || unbroken_drivers::fastpath::object::passthrough(&view);
+            let worth = view.body_left >= WORTH_BODY || unbroken_drivers::fastpath::object::passthrough(&view);
             if !exists && (!worth || now < self.create_after) {
                 continue;
             }

@@ -1193,7 +1193,8 @@ fn concurrent_10000_downloads_one_server_dies() {
     let Some(_g) = lab_or_skip("c10000") else {
         return;
     };
-    raise_fd_limit(12_000);
+    let nofile = unbroken_control::daemon::raise_fd_limit("c10000", 12_000);
+    assert!(nofile >= 12_000, "open files limited to {nofile} (ulimit -Hn): 12000 needed");
     // Ten thousand sockets each way with their buffers pass the kernel's default tcp_mem
     // (sized from RAM; this machine's pressure point is 1.5 GB), and under memory pressure
     // every socket's buffers shrink and the downloads crawl with or without the agent: room
@@ -1223,18 +1224,6 @@ impl Drop for Sysctl {
     fn drop(&mut self) {
         let _ = std::fs::write(self.path, self.old.trim().replace('\t', " "));
     }
-}
-
-/// This test process's open-files limit raised to at least `want` (up to the hard limit).
-fn raise_fd_limit(want: u64) {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: plain system calls on a local struct.
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur = r.rlim_max.min(want.max(r.rlim_cur as u64) as libc::rlim_t);
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-    }
-    assert!(r.rlim_cur as u64 >= want, "open files limited to {} (ulimit -Hn): {want} needed", r.rlim_cur);
 }
 
 /// The scale tests' settings: this 2-core machine is shared, and with the defaults (store

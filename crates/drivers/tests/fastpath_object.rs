@@ -48,7 +48,7 @@ fn hex(b: &[u8]) -> String {
 /// change on a packet the fast path passes. `body_left` falls as body bytes pass; its sum with
 /// `srv_next` (the body's end) is checked through the published walls.
 fn fixed(v: &FastView) -> FastView {
-    FastView { client_acked: 0, srv_next: 0, sent_next: 0, last_window: 0, last_ts: None, last_seen: 0, body_left: 0, ..*v }
+    FastView { client_acked: 0, srv_next: 0, sent_next: 0, last_window: 0, last_ts: None, last_seen: 0, body_left: 0, in_body: false, ..*v }
 }
 
 /// The published part of an entry (the kernel's kept fields, its clock, its USER bit and
@@ -114,6 +114,7 @@ impl World {
             csum_not_ready: false,
         };
         w.lease(true);
+        w.fp.set_alive(monotonic_ns() + 3_600_000_000_000);
         w
     }
 
@@ -527,6 +528,77 @@ fn lapsed_lease_sends_server_packets_to_the_slow_path() {
     w.publish();
     assert_eq!(w.send(Dir::ToClient, &p, "leased again"), Steer::Pass);
     assert_eq!(w.c(cs(req_end), ss(4200), F::ACK, b"", "client ack"), Steer::Pass);
+}
+
+/// The agent's own lease: a killed or wedged agent renews it no more, and once it lapses both
+/// filters pass nothing (its queue rules keep these filters until a successor replaces them,
+/// and the successor must see every packet: a client ACK of a rebuilt connection whose socket
+/// died with the agent, passed to the kernel, would be answered with a RST). The entry is the
+/// slow path's from then on, until the agent publishes it again.
+#[test]
+fn dead_agent_passes_nothing_once_its_own_lease_lapses() {
+    let Some(fp) = fast_path("dead_agent_passes_nothing_once_its_own_lease_lapses") else { return };
+    let mut w = World::v4(fp, Config::default());
+    w.handshake();
+    let req_end = REQ.len() as u32;
+    assert_eq!(w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
+    let h = hdr(BODY_LEN);
+    let mut first = h.clone();
+    first.extend(body(1400 - h.len(), 1));
+    assert_eq!(w.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
+    w.store_all(true);
+    assert_eq!(w.s(ss(1400), cs(req_end), F::ACK, &body(1400, 1), "alive"), Steer::Pass);
+    assert_eq!(w.c(cs(req_end), ss(2800), F::ACK, b"", "client ack, alive"), Steer::Pass);
+    // The agent stops renewing (its lease ends now): both directions go slow, nothing kept.
+    w.fp.set_alive(monotonic_ns());
+    let before = w.fp.get(&w.k).unwrap().unwrap();
+    let c = w.client_pkt(cs(req_end), ss(2800), F::ACK, b"");
+    let run = w.fp.run(Prog::FromClient, &c, w.mac, 0).unwrap();
+    assert_eq!(run.steer(), Steer::Slow, "a client ACK with no live agent");
+    let after = w.fp.get(&w.k).unwrap().unwrap();
+    assert_eq!(after.kept(), before.kept());
+    assert_ne!(after.flags & object::flag::USER, 0, "the entry is the slow path's");
+    let p = w.server_pkt(ss(2800), cs(req_end), F::ACK, &body(1400, 2));
+    assert_eq!(w.fp.run(Prog::ToClient, &p, w.mac, 0).unwrap().steer(), Steer::Slow, "a server segment with no live agent");
+    // An agent that published again but is not alive still passes nothing.
+    w.publish();
+    assert_eq!(w.fp.run(Prog::FromClient, &c, w.mac, 0).unwrap().steer(), Steer::Slow, "published, not alive");
+    // Alive again: the engine's decisions pass again.
+    w.fp.set_alive(monotonic_ns() + 3_600_000_000_000);
+    w.publish();
+    assert_eq!(w.send(Dir::ToClient, &p, "alive again"), Steer::Pass);
+    assert_eq!(w.c(cs(req_end), ss(4200), F::ACK, b"", "client ack, alive again"), Steer::Pass);
+}
+
+/// A successor revokes its predecessor's fast path: the predecessor, killed, renews its own
+/// lease no more, and its pinned filters (which its queue rules still name) would pass packets
+/// until it lapsed; `revoke_pinned` on the pin directory ends it at once. Nothing pinned there:
+/// nothing to revoke; `unpin_filters` removes every pin.
+#[test]
+fn successor_revokes_the_pinned_fast_path_of_its_predecessor() {
+    let Some(fp) = fast_path("successor_revokes_the_pinned_fast_path_of_its_predecessor") else { return };
+    object::ensure_bpffs().unwrap();
+    let dir = std::path::PathBuf::from(format!("/sys/fs/bpf/unbroken-test-revoke-{}", std::process::id()));
+    let _ = object::unpin_filters(&dir);
+    assert!(!object::revoke_pinned(&dir).unwrap(), "nothing pinned yet");
+    let mut w = World::v4(fp, Config::default());
+    w.fp.pin_filters(&dir).unwrap();
+    w.handshake();
+    let req_end = REQ.len() as u32;
+    assert_eq!(w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
+    let h = hdr(BODY_LEN);
+    let mut first = h.clone();
+    first.extend(body(1400 - h.len(), 1));
+    assert_eq!(w.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
+    w.store_all(true);
+    assert_eq!(w.c(cs(req_end), ss(1400), F::ACK, b"", "client ack before"), Steer::Pass);
+    let revoked = object::revoke_pinned(&dir);
+    let c = w.client_pkt(cs(req_end), ss(1400), F::ACK, b"");
+    let after = w.fp.run(Prog::FromClient, &c, w.mac, 0).map(|r| r.steer());
+    object::unpin_filters(&dir).unwrap();
+    assert!(revoked.unwrap(), "the pinned leases were found");
+    assert_eq!(after.unwrap(), Steer::Slow, "the predecessor's filter passes nothing once revoked");
+    assert!(!dir.exists(), "every pin removed");
 }
 
 /// §3.2 case ③ on a connection this server rebuilt (`Engine::adopt`): the rebuilt socket

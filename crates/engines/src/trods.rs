@@ -539,6 +539,8 @@ pub struct FastView {
     pub sent_next: u64,
     pub srv_fin: Option<u64>,
     pub header_pending: bool,
+    /// A response body is being parsed (`body_left` of it still to come; never 0 bytes).
+    pub in_body: bool,
     pub body_left: u64,
     pub entries: usize,
     pub first_end: Option<u64>,
@@ -889,7 +891,8 @@ impl Engine {
             _ => None,
         };
         if let Some(left) = left {
-            c.parse = SrvParse::Body { left };
+            // As `on_server` would have left it: a body sent whole is no body being parsed.
+            c.parse = if left == 0 { SrvParse::Idle } else { SrvParse::Body { left } };
         }
         c.client_acked = k.client_acked;
         c.srv_next = k.srv_next;
@@ -910,6 +913,7 @@ impl Engine {
             SrvParse::Header { .. } => (true, 0),
             SrvParse::Body { left } => (false, *left),
         };
+        let in_body = matches!(c.parse, SrvParse::Body { .. });
         Some(FastView {
             hs: c.hs,
             protected: c.protected,
@@ -929,6 +933,7 @@ impl Engine {
             sent_next: c.sent_next,
             srv_fin: c.srv_fin,
             header_pending,
+            in_body,
             body_left,
             entries: c.entries.len(),
             first_end: c.entries.front().map(|e| e.end_off()),

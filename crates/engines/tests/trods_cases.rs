@@ -1958,6 +1958,44 @@ fn case3_ack_beyond_the_socket_after_an_unseen_move_supersedes_it() {
     assert_eq!(t.e.counters.superseded, 0);
 }
 
+/// `absorb` up to the body's very end leaves the engine as if it had parsed those segments
+/// itself (its parse back to idle): the close that follows deletes the record exactly as it
+/// does without the fast path. Before, the parse stayed "in a body with 0 bytes left", the
+/// record was never deleted, and the server that got the bucket next probed the finished
+/// connection and rebuilt it from its record (object chaos with the fast path: sockets in
+/// FIN-WAIT-2 forever, the kernel's RSTs to the clients' TIME_WAIT answers).
+#[test]
+fn absorb_to_the_body_end_then_close_deletes_the_record_as_without_the_fast_path() {
+    let run = |fast: bool| {
+        let mut t = T::new();
+        let p1_len = t.inside_the_body(1000);
+        let v = t.e.fast_view(&key()).unwrap();
+        assert_eq!(v.body_left, 2000);
+        if fast {
+            let k = FastKept { client_acked: v.client_acked, srv_next: v.srv_next + 2000, sent_next: v.sent_next + 2000, last_window: v.last_window, last_ts: v.last_ts, last_seen: v.last_seen };
+            assert!(t.e.absorb(&key(), &k));
+        } else {
+            let (v2, _) = t.s(ss(p1_len), cs(REQ.len() as u32), F::ACK, &body(2000, 4));
+            assert!(matches!(v2, Verdict::Accept { .. }), "{v2:?}");
+        }
+        let end = p1_len + 2000;
+        let r = REQ.len() as u32;
+        // The client acknowledges the whole response and closes; the server closes too.
+        t.c(cs(r), ss(end), F::ACK, b"");
+        t.store_all();
+        t.c(cs(r), ss(end), F::ACK | F::FIN, b"");
+        t.store_all();
+        t.s(ss(end), cs(r + 1), F::ACK | F::FIN, b"");
+        t.store_all();
+        t.c(cs(r + 1), ss(end + 1), F::ACK, b"");
+        t.store_all();
+        (t.e.counters.deletes, t.e.fast_view(&key()).map(|v| (v.closed, v.body_left, v.header_pending)))
+    };
+    let plain = run(false);
+    assert_eq!(plain.0, 1, "without the fast path the close deletes the record");
+    assert_eq!(run(true), plain, "the same after the fast path's hand-off");
+}
+
 /// The agent's hand-off from the kernel's fast path (issue 22 item 3): `absorb` takes what the
 /// kernel moved inside a response body (the client's ACK, the server's stream, the window and
 /// timestamps, `last_seen`), keeps the body's end where the engine parsed it, and refuses, with

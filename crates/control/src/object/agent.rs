@@ -318,6 +318,9 @@ pub struct AgentCounters {
     pub superseded: u64,
     /// Workers of rebuilt sockets stopped because their connection was muted or superseded.
     pub workers_stopped: u64,
+    /// Connections rebuilt here whose worker still serves them (a gauge; the rebuilt list
+    /// holds these, and while the restart grace lasts the predecessor's it inherited).
+    pub rebuilt_serving: u64,
     /// Connections this agent never saw set up whose packets a local socket owns (the agent
     /// restarted under them): known again, protected from their record when it describes
     /// them (the engine's `relearned`), unprotected otherwise.
@@ -460,6 +463,15 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // Another agent that still runs owns these rules: say which, before touching anything.
     let mut spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("agent: {e}"))?;
+    // A predecessor killed here (its rules stay, naming its filters until ours replace them):
+    // its filters pass nothing from now on, whatever this agent's own setting, so that every
+    // packet of the connections whose rebuilt sockets died with it reaches this agent (a
+    // client ACK its filters passed to the kernel would be answered with a RST).
+    match unbroken_drivers::fastpath::object::revoke_pinned(&pin_dir(a.queue)) {
+        Ok(true) => eprintln!("agent: the previous agent's fast path (pinned in {}) passes nothing from now on", pin_dir(a.queue).display()),
+        Ok(false) => {}
+        Err(e) => eprintln!("agent: could not revoke the previous agent's fast path in {} ({e}): its filters pass packets until its own lease lapses ({} ms after it stopped)", pin_dir(a.queue).display(), AGENT_ALIVE_NS / 1_000_000),
+    }
     // The fast path before the rules: they name its pinned filters.
     let fast = match fast_path(&cfg, zero_ns) {
         Ok(f) => {
@@ -514,16 +526,18 @@ pub fn run(cfg: Agent) -> Result<(), String> {
             PathBuf::from(s)
         })
     });
+    let mut inherited_keys = Vec::new();
     if let Some(path) = &rebuilt_file {
         let (keys, bad) = read_rebuilt(path);
         if !keys.is_empty() || bad > 0 {
             eprintln!("agent: {} connection(s) rebuilt by the previous agent ({}){}: rebuilt again from their records when their clients send", keys.len(), path.display(), if bad > 0 { format!(", {bad} unreadable line(s) skipped") } else { String::new() });
         }
+        inherited_keys = keys.clone();
         core.inherit(keys);
     }
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
-        rebuilt: RebuiltList::new(rebuilt_file),
+        rebuilt: RebuiltList::new(rebuilt_file, inherited_keys, Instant::now() + Duration::from_millis(crate::object::agentcore::RESTART_GRACE_MS)),
         next_gen: std::sync::atomic::AtomicU64::new(1),
         kv: store.clone(),
         records: cfg.records(),
@@ -557,7 +571,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // The loop only does I/O (crate::daemon::run); every decision is the core's
     // (crate::object::agentcore), and AgentIo carries out its requests.
     let mode = Mutex::new(AgentMode { core, view: None, lease_ok: false, fresh: false, pkts: Vec::with_capacity(64), inject_errors: 0, fallbacks: 0 });
-    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), protected_at: None, leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None }) };
+    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), protected_at: None, leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None, gained: Vec::new(), gained_until: 0 }) };
     let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
     daemon::stop();
     if let Some(fp) = &fast_fp {
@@ -565,6 +579,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         // passes the kernel once this agent is gone (the queue, unread, drops them: fail
         // closed).
         let fp = crate::sync::lock(fp, "agent: fast path");
+        fp.set_alive(0);
         fp.take_all();
         for b in 0..=u16::MAX {
             let _ = fp.set_lease(b, 0);
@@ -576,7 +591,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     let writing = crate::sync::lock(&ctx.rebuilt.writing, "agent: rebuilt list");
     let adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
     if let Some(path) = &ctx.rebuilt.path {
-        write_rebuilt(path, adopted.iter().map(|(k, v)| (*k, v.2)));
+        write_rebuilt(path, ctx.rebuilt.listed(&adopted).into_iter());
     }
     drop(writing);
     if !adopted.is_empty() {
@@ -748,6 +763,13 @@ impl crate::object::agentfast::FastMap for KernelMap {
     }
 }
 
+/// How long the kernel's filters may pass packets after the loop's latest round: a killed or
+/// wedged agent's filters, which its queue rules keep using until a successor's replace them,
+/// pass nothing after this (its successor must see every packet of the connections it rebuilt,
+/// whose sockets died with it; a client ACK passed to the kernel there is answered with a RST).
+/// The loop runs a round at least every 100 ms when idle.
+const AGENT_ALIVE_NS: u64 = 500_000_000;
+
 /// Writes the LB's lease on each bucket into the kernel's fence at every new reply.
 struct Leases {
     fp: SharedFp,
@@ -755,6 +777,12 @@ struct Leases {
     counted_at: Option<Instant>,
     /// The reply last written (its arrival) and the buckets then owned.
     seen: Option<(Instant, Vec<u64>)>,
+    /// Buckets the latest reply gave this server, and their lease: written only after the
+    /// core acted on the reply ([`Leases::commit_gained`]). A connection of such a bucket may
+    /// have been another server's meanwhile (tables this agent never saw): the core takes its
+    /// entry back (`may_have_moved`) before the kernel may pass anything under the new lease.
+    gained: Vec<u16>,
+    gained_until: u64,
 }
 
 impl Leases {
@@ -768,8 +796,13 @@ impl Leases {
         let until = v.lease_until.checked_duration_since(now).map_or(0, |d| mono_before + d.as_nanos() as u64);
         let fp = crate::sync::lock(&self.fp, "agent: fast path");
         let before = self.seen.take().map(|(_, o)| o).unwrap_or_default();
+        self.gained.clear();
+        self.gained_until = until;
         for b in 0..v.buckets {
-            if v.owns(b) {
+            let had = before.get(b as usize / 64).is_some_and(|w| w & (1 << (b % 64)) != 0);
+            if v.owns(b) && !had {
+                self.gained.push(b);
+            } else if v.owns(b) {
                 let _ = fp.set_lease(b, until);
             } else if before.get(b as usize / 64).is_some_and(|w| w & (1 << (b % 64)) != 0) {
                 let _ = fp.set_lease(b, 0);
@@ -780,6 +813,18 @@ impl Leases {
             let _ = fp.set_lease(b as u16, 0);
         }
         self.seen = Some((v.received_at, v.owned.clone()));
+    }
+
+    /// Writes the leases of the buckets the latest reply gave this server (the core has acted
+    /// on it).
+    fn commit_gained(&mut self) {
+        if self.gained.is_empty() {
+            return;
+        }
+        let fp = crate::sync::lock(&self.fp, "agent: fast path");
+        for b in self.gained.drain(..) {
+            let _ = fp.set_lease(b, self.gained_until);
+        }
     }
 }
 
@@ -844,6 +889,11 @@ impl daemon::Adapter<AgentMode> for AgentIo {
         m.view = self.hb.as_ref().map(|h| h.view());
         let mono_before = unbroken_drivers::fastpath::object::monotonic_ns();
         let now_i = Instant::now();
+        if let Some(l) = &self.leases {
+            // This agent lives: its filters may pass packets for a while yet (see
+            // AGENT_ALIVE_NS).
+            crate::sync::lock(&l.fp, "agent: fast path").set_alive(mono_before + AGENT_ALIVE_NS);
+        }
         if let Some(Some(v)) = &m.view {
             m.lease_ok = now_i < v.lease_until;
             m.fresh = v.received_at.elapsed() < Duration::from_millis(100);
@@ -924,6 +974,9 @@ impl daemon::Adapter<AgentMode> for AgentIo {
         m.core.after(now, lb_view(&m.view, m.lease_ok, m.fresh));
         m.collect(out);
         self.run(out);
+        if let Some(l) = &mut self.leases {
+            l.commit_gained();
+        }
     }
 
     fn execute(&mut self, _: &mut AgentMode, _: u64, out: &mut daemon::Outbox<Out>) {
@@ -1447,42 +1500,66 @@ struct RebuiltList {
     cv: std::sync::Condvar,
     /// Held while a list is written: the final write at stop never races the writer's.
     writing: Mutex<()>,
+    /// The predecessor's list, inherited: still listed until `grace_until` (the core's
+    /// restart grace), so that a successor of this agent started meanwhile inherits them too;
+    /// written out of the list once it ends (a revived server's agent that rebuilds nothing
+    /// used to leave its dead predecessor's list in place for good, and every later
+    /// successor probed those long-finished connections again).
+    inherited: Vec<(Key, Option<u16>)>,
+    grace_until: Instant,
 }
 
 impl RebuiltList {
-    fn new(path: Option<PathBuf>) -> RebuiltList {
-        RebuiltList { path, changed: Mutex::new(false), cv: std::sync::Condvar::new(), writing: Mutex::new(()) }
+    fn new(path: Option<PathBuf>, inherited: Vec<(Key, Option<u16>)>, grace_until: Instant) -> RebuiltList {
+        RebuiltList { path, changed: Mutex::new(false), cv: std::sync::Condvar::new(), writing: Mutex::new(()), inherited, grace_until }
+    }
+
+    /// What the file lists: the connections rebuilt here and still served, and while the
+    /// grace lasts the inherited ones not rebuilt again here.
+    fn listed(&self, adopted: &HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>) -> Vec<(Key, Option<u16>)> {
+        let mut keys: Vec<(Key, Option<u16>)> = adopted.iter().map(|(k, v)| (*k, v.2)).collect();
+        if Instant::now() < self.grace_until {
+            keys.extend(self.inherited.iter().filter(|(k, _)| !adopted.contains_key(k)).copied());
+        }
+        keys
     }
 
     /// The set of rebuilt connections changed: the writer writes it soon (changes coalesce).
     fn changed(&self) {
-        if self.path.is_none() {
-            return;
-        }
         *crate::sync::lock(&self.changed, "agent: rebuilt list") = true;
         self.cv.notify_one();
     }
 
-    /// Writes the list after each change until the agent stops.
+    /// Writes the list after each change until the agent stops (and keeps the
+    /// `rebuilt_serving` gauge, with or without a file).
     fn writer(ctx: Arc<WorkerCtx>) {
         let list = &ctx.rebuilt;
-        let Some(path) = &list.path else { return };
+        // The inherited entries leave the file once the grace ends.
+        let mut grace_due = !list.inherited.is_empty();
         while !daemon::stopping() {
             {
                 let mut c = crate::sync::lock(&list.changed, "agent: rebuilt list");
                 if !*c {
                     c = list.cv.wait_timeout(c, Duration::from_millis(200)).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
                 }
-                if !std::mem::take(&mut *c) {
+                let grace_over = grace_due && Instant::now() >= list.grace_until;
+                if !std::mem::take(&mut *c) && !grace_over {
                     continue;
                 }
+                grace_due &= !grace_over;
             }
             let _w = crate::sync::lock(&list.writing, "agent: rebuilt list");
             if daemon::stopping() {
                 return;
             }
-            let keys: Vec<(Key, Option<u16>)> = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets").iter().map(|(k, v)| (*k, v.2)).collect();
-            write_rebuilt(path, keys.into_iter());
+            let (keys, serving) = {
+                let adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
+                (list.listed(&adopted), adopted.len() as u64)
+            };
+            ctx.shared.count(|c| c.rebuilt_serving = serving);
+            if let Some(path) = &list.path {
+                write_rebuilt(path, keys.into_iter());
+            }
         }
     }
 }

@@ -66,10 +66,11 @@ struct {
 
 /* Per bucket: CLOCK_MONOTONIC ns until which this server holds the LB's lease on it and owns
  * it (0: not owned). The agent writes it at every heartbeat reply (agentcore's fence), into
- * memory it maps (a heartbeat every few ms would be a system call per bucket otherwise). */
+ * memory it maps (a heartbeat every few ms would be a system call per bucket otherwise). The
+ * last entry (OBJ_ALIVE_SLOT) is the agent's own lease. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 65536);
+	__uint(max_entries, OBJ_BUCKETS + 1);
 	__uint(map_flags, BPF_F_MMAPABLE);
 	__type(key, __u32);
 	__type(value, __u64);
@@ -160,6 +161,15 @@ static __always_inline int obj_marker(struct __sk_buff *skb, __u16 *b)
 	return 0;
 }
 
+/* Whether the agent that published the entries is alive at `now` (its own lease). */
+static __always_inline int obj_agent_alive(__u64 now)
+{
+	__u32 i = OBJ_ALIVE_SLOT;
+	__u64 *until = bpf_map_lookup_elem(&obj_leases, &i);
+
+	return until && now < *until;
+}
+
 static __always_inline struct obj_conn *obj_entry(const struct obj_key *k)
 {
 	__u32 *slot = bpf_map_lookup_elem(&obj_index, k);
@@ -243,6 +253,10 @@ int obj_from_client(struct __sk_buff *skb)
 		return obj_user(OBJ_C_CLIENT_SLOW);
 	if (!(flags & OBJ_F_CLIENT_FAST))
 		return obj_slow(e, OBJ_C_CLIENT_SLOW);
+	/* No live agent: nothing passes (its successor must see every packet). */
+	__u64 now = bpf_ktime_get_ns();
+	if (!obj_agent_alive(now))
+		return obj_slow(e, OBJ_C_CLIENT_SLOW);
 	/* SYN (filed, challenged), RST (RFC 5961), FIN (the client's close), no ACK, and any
 	 * payload (request bytes, retransmissions, out-of-window data): the engine's. */
 	__u8 f = tcp_flags(&p);
@@ -276,7 +290,7 @@ int obj_from_client(struct __sk_buff *skb)
 	 * before it.) */
 	if (a > e->client_acked && !(flags & OBJ_F_PASSTHROUGH))
 		e->client_acked = a;
-	e->last_seen_ns = bpf_ktime_get_ns();
+	e->last_seen_ns = now;
 	obj_write_end(e);
 	obj_count(OBJ_C_CLIENT_PASSED);
 	return OBJ_PASS;
@@ -310,6 +324,8 @@ int obj_to_client(struct __sk_buff *skb)
 	if ((f & (FP_SYN | FP_FIN | FP_RST | FP_ACK)) != FP_ACK)
 		return obj_slow(e, OBJ_C_SERVER_SLOW);
 	__u64 now = bpf_ktime_get_ns();
+	if (!obj_agent_alive(now))
+		return obj_slow(e, OBJ_C_SERVER_SLOW);
 	/* The fence: only under a lease on a bucket this server owns. */
 	if (!(flags & OBJ_F_NO_FENCE)) {
 		if (!(flags & OBJ_F_BUCKET_KNOWN))

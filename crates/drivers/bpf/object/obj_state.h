@@ -80,6 +80,14 @@ _Static_assert(__builtin_offsetof(struct obj_conn, bucket) == 80, "obj_conn.buck
 _Static_assert(__builtin_offsetof(struct obj_conn, client_acked) == 88, "obj_conn.client_acked");
 _Static_assert(__builtin_offsetof(struct obj_conn, last_tsval) == 120, "obj_conn.last_tsval");
 
+/* obj_leases has one entry per bucket, and one more: the agent's own lease, CLOCK_MONOTONIC
+ * ns until which the agent that published the entries is alive (it writes it every round of
+ * its loop). Once it lapses (the agent died, was killed, or stalls) both filters pass nothing:
+ * every packet of a known connection goes to the slow path, as with no fast path at all (a
+ * dead agent's queue drops it; a successor's rules replace these filters). */
+#define OBJ_BUCKETS 65536
+#define OBJ_ALIVE_SLOT OBJ_BUCKETS
+
 /* Counters (obj_counters, per CPU). */
 #define OBJ_C_CLIENT_PASSED 0
 #define OBJ_C_CLIENT_SLOW 1

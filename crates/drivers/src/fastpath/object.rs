@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use aya::maps::{HashMap, PerCpuArray};
+use aya::maps::{Array, HashMap, PerCpuArray};
 use aya::programs::{SchedClassifier, SocketFilter, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use unbroken_engines::trods::{self, FastView, FAR_PAST_PROGRESS};
@@ -39,8 +39,11 @@ const SLOT_COUNT: u32 = 65536;
 /// that found the slot through the old index entry cannot write into a new connection's.
 const QUARANTINE: Duration = Duration::from_secs(1);
 const LEASES: &str = "obj_leases";
-/// Entries in `obj_leases` (one per possible bucket).
-const LEASE_COUNT: usize = 65536;
+/// Entries in `obj_leases`: one per possible bucket, then the agent's own lease
+/// ([`Object::set_alive`]).
+const LEASE_COUNT: usize = 65537;
+/// The agent's own lease in `obj_leases` (OBJ_ALIVE_SLOT).
+const ALIVE_SLOT: usize = 65536;
 const COUNTERS: &str = "obj_counters";
 
 /// The agent's mark (`obj_decided_mark`; control's `AGENT_MARK`): its injected ACKs carry it,
@@ -434,6 +437,15 @@ impl Object {
             prog.pin(&path).map_err(|e| bpf_err(&format!("pinning {} at {}", p.name(), path.display()), e))?;
             paths.push(path);
         }
+        // The leases too: a successor revokes this agent's fast path through them
+        // ([`revoke_pinned`]) while the queue rules still name these filters.
+        let path = dir.join(LEASES);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(bpf_err(&format!("removing the stale pin {}", path.display()), e)),
+        }
+        self.ebpf.map(LEASES).ok_or_else(|| Error::Bpf(format!("no map {LEASES}")))?.pin(&path).map_err(|e| bpf_err(&format!("pinning {LEASES} at {}", path.display()), e))?;
         Ok((paths[0].clone(), paths[1].clone()))
     }
 
@@ -603,6 +615,17 @@ impl Object {
         Ok(())
     }
 
+    /// The agent that publishes the entries is alive until `until_ns` (CLOCK_MONOTONIC): the
+    /// programs pass nothing once it lapses (0 at load: nothing passes before the first call).
+    /// The agent renews it every round, so that a killed or stalled agent's filters, which its
+    /// queue rules keep using until a successor replaces them, send every packet to the slow
+    /// path within this time.
+    pub fn set_alive(&self, until_ns: u64) {
+        // SAFETY: an aligned u64 inside the mapping (ALIVE_SLOT < LEASE_COUNT).
+        let slot = unsafe { AtomicU64::from_ptr(self.leases.add(ALIVE_SLOT)) };
+        slot.store(until_ns, Ordering::Release);
+    }
+
     /// The programs' counters, summed over CPUs.
     pub fn counters(&self) -> Result<Counters, Error> {
         let m = self.ebpf.map(COUNTERS).ok_or_else(|| Error::Bpf(format!("no map {COUNTERS}")))?;
@@ -669,8 +692,8 @@ impl Object {
 /// Removes what [`Object::pin_filters`] pinned in `dir`, and `dir` when empty (after the rules
 /// that named them are gone).
 pub fn unpin_filters(dir: &Path) -> std::io::Result<()> {
-    for p in [Prog::FromClient, Prog::ToClient] {
-        match std::fs::remove_file(dir.join(p.name())) {
+    for name in [Prog::FromClient.name(), Prog::ToClient.name(), LEASES] {
+        match std::fs::remove_file(dir.join(name)) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -680,6 +703,26 @@ pub fn unpin_filters(dir: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ENOTEMPTY) => Err(e),
         _ => Ok(()),
     }
+}
+
+/// Ends the own lease of the agent whose filters are pinned in `dir` ([`Object::pin_filters`]):
+/// its filters pass nothing from now on. A new agent calls it first thing: its predecessor's
+/// queue rules, which name those filters, stay until the new rules replace them, and a killed
+/// predecessor's filters would pass packets on its entries until its own lease lapsed.
+/// `Ok(false)` when nothing is pinned there.
+pub fn revoke_pinned(dir: &Path) -> Result<bool, Error> {
+    let path = dir.join(LEASES);
+    if !path.exists() {
+        return Ok(false);
+    }
+    let md = aya::maps::MapData::from_pin(&path).map_err(|e| bpf_err(&format!("opening {}", path.display()), e))?;
+    let map = aya::maps::Map::from_map_data(md).map_err(|e| bpf_err(&format!("opening {}", path.display()), e))?;
+    let mut a: Array<aya::maps::MapData, u64> = Array::try_from(map).map_err(|e| bpf_err(LEASES, e))?;
+    if (a.len() as usize) < LEASE_COUNT {
+        return Err(Error::Bpf(format!("{} has {} entries, not {LEASE_COUNT}: not this version's", path.display(), a.len())));
+    }
+    a.set(ALIVE_SLOT as u32, 0, 0).map_err(|e| bpf_err(&format!("revoking {}", path.display()), e))?;
+    Ok(true)
 }
 
 /// Mounts a BPF filesystem on `/sys/fs/bpf` unless one is there (systemd mounts it on most

@@ -32,6 +32,7 @@ fn object_chaos_three_trials() {
     assert_eq!(v["resets_seen_by_client"], 0, "RSTs that reached the client: {}", v["resets"]);
     assert_eq!(v["hangs"], 0);
     assert_eq!(v["two_senders_seen"], 0, "{}", v["two_senders"]);
+    assert_eq!(v["leftovers"].as_array().map(Vec::len), Some(0), "{}", v["leftovers"]);
     let faults: u64 = v["faults"].as_object().expect("faults by kind").values().map(|n| n.as_u64().unwrap()).sum();
     assert!(faults >= 3, "at least one fault per trial: {}", v["faults"]);
     assert_eq!(v["faults_mid_transfer"].as_u64(), Some(faults), "every fault landed mid-transfer: {}", v["fault_log"]);

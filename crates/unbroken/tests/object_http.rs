@@ -178,6 +178,34 @@ fn check_counters(name: &str, env: &ObjectEnv, min_failovers: u64) -> u64 {
     failovers
 }
 
+/// Once every client closed its connection: every connection a live agent rebuilt ended with
+/// its client's (its worker gone: `rebuilt_serving` 0, its line out of the agent's rebuilt
+/// list, which a restarted agent would probe again; these tests restart no agent, so nothing
+/// is inherited), and no record is left in the store (a record left behind is
+/// probed when its bucket moves, and a finished connection would be rebuilt from it; the
+/// client, in TIME_WAIT, answers, and the kernel's RST to that answer reaches it).
+fn check_finished(name: &str, env: &ObjectEnv) {
+    let live: Vec<usize> = (1..=env.lab.n_servers()).filter(|&i| !env.is_crashed(i)).collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let left = loop {
+        let left: Vec<(usize, u64, Vec<String>)> = live.iter().map(|&i| (i, env.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0), env.rebuilt_listed(i))).filter(|(_, n, l)| *n > 0 || !l.is_empty()).collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            break left;
+        }
+        std::thread::sleep(Duration::from_millis(50)); // polling the agents' rebuilt lists
+    };
+    assert!(left.is_empty(), "{name}: rebuilt connections still served or listed after the client was done (server, serving, listed): {left:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stored = loop {
+        let r = env.records_stored();
+        if r.as_ref().is_some_and(|r| r.is_empty()) || Instant::now() >= deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(50)); // polling the store
+    };
+    assert_eq!(stored, Some(vec![]), "{name}: records of finished connections left in the store");
+}
+
 /// The client's local port of its (only) established connection to port 80, if any.
 fn client_port(env: &ObjectEnv) -> Option<u16> {
     let out = lab::run(
@@ -778,6 +806,7 @@ fn case3_download_curl_two_deaths_v4() {
     let f = check_counters(NAME, &env, 2);
     // One per crash; more only when the LB saw a live server flap (an overloaded machine).
     assert!(f >= 2, "{NAME}: one failover per crash, got {f}");
+    check_finished(NAME, &env);
 }
 
 #[test]
@@ -791,6 +820,7 @@ fn case3_download_ipv6() {
     let d = download(NAME, &mut env, &mut curl(&url, "25M"), size, &[0.40]);
     check_download(NAME, &d, &want, size, 1);
     check_counters(NAME, &env, 1);
+    check_finished(NAME, &env);
 }
 
 #[test]
@@ -814,6 +844,7 @@ fn case3_wget() {
     let d = download(NAME, &mut env, &mut cmd, size, &[0.40]);
     check_download(NAME, &d, &want, size, 1);
     check_counters(NAME, &env, 1);
+    check_finished(NAME, &env);
 }
 
 // ---- case ②: during setup -----------------------------------------------------------------------
@@ -860,6 +891,8 @@ fn case2_during_setup() {
     );
     check_counters(NAME, &env, 1);
     assert_ne!(env.serving(c.port), Some(i));
+    drop(c);
+    check_finished(NAME, &env);
 }
 
 // ---- case ④: after download, on a keep-alive connection -----------------------------------------
@@ -893,6 +926,8 @@ fn case4_after_download_keepalive() {
     eprintln!("{NAME}: GET /b after the crash: request to first byte {latency} ms (the stall), longest gap in its body {} ms", r2.stall_ms);
     check_counters(NAME, &env, 1);
     assert_ne!(env.serving(c.port), Some(i));
+    drop(c);
+    check_finished(NAME, &env);
 }
 
 // ---- extensions (section 3.3) -------------------------------------------------------------------
@@ -927,6 +962,8 @@ fn extension_pipelined() {
         r1.stall_ms
     );
     check_counters(NAME, &env, 1);
+    drop(c);
+    check_finished(NAME, &env);
 }
 
 /// The client asks for a range itself (a 206 response is resumed inside its range).
@@ -945,6 +982,7 @@ fn extension_client_range() {
     let d = download(NAME, &mut env, &mut cmd, size - 1_000_000, &[0.40]);
     check_download(NAME, &d, &want, size - 1_000_000, 1);
     check_counters(NAME, &env, 1);
+    check_finished(NAME, &env);
 }
 
 /// HEAD, a 304 and a 404 on one keep-alive connection, the server dying after the 304.
@@ -1006,6 +1044,8 @@ fn extension_head_304_404() {
     );
     check_counters(NAME, &env, 1);
     assert_ne!(env.serving(c.port), Some(i));
+    drop(c);
+    check_finished(NAME, &env);
 }
 
 /// A request header of ~3000 bytes in three segments, the server dying mid-download.
@@ -1044,6 +1084,8 @@ fn extension_headers_spanning_segments() {
         r.stall_ms
     );
     check_counters(NAME, &env, 1);
+    drop(c);
+    check_finished(NAME, &env);
 }
 
 /// Case ④ after the server's FIN: the server closed after its response (`Connection: close`),
@@ -1119,6 +1161,8 @@ fn case4_after_server_fin() {
         "{NAME}: the server stopped protecting the connection after its FIN"
     );
     check_counters(NAME, &env, 1);
+    drop(c);
+    check_finished(NAME, &env);
 }
 
 /// The client ports of the connections established on server `i`.
@@ -1222,6 +1266,8 @@ fn reassigned_connection_fails_back_after_a_crash() {
         );
     }
     check_counters(NAME, &env, 2 * moved.len() as u64);
+    drop(clients);
+    check_finished(NAME, &env);
 }
 
 // ---- revive: a dead server comes back during a download -------------------------------------------
@@ -1371,6 +1417,7 @@ fn revive_during_download(name: &'static str, size: u64, seed: u64, cmd: impl Fn
     assert_eq!(bytes, size, "{name}: byte count");
     assert_eq!(sha, want, "{name}: sha256 of the received bytes");
     check_counters(name, env, 2);
+    check_finished(name, env);
     // The stall: a failover (crash) or a move home costs a probe round trip plus a rebuild,
     // tens of milliseconds; waiting for the client's retransmission timer instead would cost
     // seconds this late in a download, and the bug this guards against never ended.

@@ -21,7 +21,15 @@
 //! connections on which server replies from two servers were interleaved within one LB epoch
 //! (server A, then B, then A again), captured with an AF_PACKET socket on the LB's server
 //! bridge, where the source MAC names the sending server (on the client's own leg every
-//! frame carries the LB's MAC).
+//! frame carries the LB's MAC); a report names the connection's latest frames. A server that
+//! lost its power sends nothing more: a frame of another server after that is its successor's
+//! (whose first one, a probe, may leave before any client segment shows the LB's move), never an
+//! interleaving. `resets_sent_by_servers` says which server sent each RST on that bridge.
+//! `leftovers`: what a trial left behind 5 s after its clients exited (records still in the
+//! store, connections a live agent still serves on a rebuilt socket (`rebuilt_serving`), with
+//! the servers' sockets and where the agent's threads wait); a
+//! finished connection's record is probed and rebuilt when its bucket moves, and the kernel's
+//! RST to its client's TIME_WAIT answer reaches the client, so any leftover fails the run.
 
 use crate::common::Rng;
 use crate::object::demo::{make_object, EnvOpts, ObjectEnv};
@@ -187,7 +195,13 @@ struct ConnSenders {
     seq: Vec<u8>,
     last: Option<u8>,
     interleaved: Option<String>,
+    /// The latest frames of the connection, as text (ms since the trial's start, direction,
+    /// server, flags, sequence number, payload length): the evidence in a two-senders report.
+    recent: std::collections::VecDeque<String>,
 }
+
+/// Frames kept per connection for a two-senders report.
+const RECENT_FRAMES: usize = 16;
 
 /// What the capture on the LB's server bridge saw. The epoch of a connection is the time
 /// the LB forwards its client's segments to one server (a change of that server starts a new
@@ -205,7 +219,15 @@ pub struct SenderLog {
 impl SenderLog {
     /// The LB forwarded the client's segment on `port` to `srv`.
     pub fn to_server(&mut self, trial: usize, fam: u8, port: u16, srv: u8) {
+        self.to_server_noted(trial, fam, port, srv, None);
+    }
+
+    /// [`SenderLog::to_server`], with the frame described for the connection's recent frames.
+    pub fn to_server_noted(&mut self, trial: usize, fam: u8, port: u16, srv: u8, note: Option<String>) {
         let c = self.conns.entry((trial, fam, port)).or_default();
+        if let Some(n) = note {
+            push_recent(&mut c.recent, format!("{n} -> {srv}"));
+        }
         if c.owner != Some(srv) {
             c.owner = Some(srv);
             c.seq.clear();
@@ -214,8 +236,16 @@ impl SenderLog {
 
     /// Server `srv` sent to the client's `port`.
     pub fn from_server(&mut self, trial: usize, fam: u8, port: u16, srv: u8) {
+        self.from_server_noted(trial, fam, port, srv, None);
+    }
+
+    /// [`SenderLog::from_server`], with the frame described for the connection's recent frames.
+    pub fn from_server_noted(&mut self, trial: usize, fam: u8, port: u16, srv: u8, note: Option<String>) {
         self.frames += 1;
         let c = self.conns.entry((trial, fam, port)).or_default();
+        if let Some(n) = note {
+            push_recent(&mut c.recent, format!("{n} <- {srv}"));
+        }
         if c.last.is_some_and(|l| l != srv) {
             self.switches += 1;
         }
@@ -224,9 +254,21 @@ impl SenderLog {
             return;
         }
         if c.seq.contains(&srv) && c.interleaved.is_none() {
-            c.interleaved = Some(format!("trial {trial} port {port}: LB forwarding to server {:?}, senders {:?} then {srv} again", c.owner, c.seq));
+            let recent: Vec<&str> = c.recent.iter().map(String::as_str).collect();
+            c.interleaved = Some(format!("trial {trial} port {port}: LB forwarding to server {:?}, senders {:?} then {srv} again; latest frames: {}", c.owner, c.seq, recent.join("; ")));
         }
         c.seq.push(srv);
+    }
+
+    /// Server `srv` lost its power: it sends nothing from now on, so no later frame of
+    /// another server interleaves with what it sent (its successor's first frame, a probe, may
+    /// leave before any client segment tells the capture that the LB moved the connection).
+    pub fn crashed(&mut self, trial: usize, srv: u8) {
+        for ((t, _, _), c) in self.conns.iter_mut() {
+            if *t == trial {
+                c.seq.retain(|s| *s != srv);
+            }
+        }
     }
 
     /// Connections with interleaved senders within one epoch.
@@ -258,6 +300,38 @@ fn port80_filter() -> Vec<libc::sock_filter> {
         f(0x06, 0, 0, 128),     // 16: accept 128 bytes
         f(0x06, 0, 0, 0),       // 17: drop
     ]
+}
+
+fn push_recent(r: &mut std::collections::VecDeque<String>, s: String) {
+    if r.len() == RECENT_FRAMES {
+        r.pop_front();
+    }
+    r.push_back(s);
+}
+
+/// The TCP flags of a captured IPv4 or IPv6 segment.
+fn segment_flags(b: &[u8]) -> Option<u8> {
+    let t = match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
+        0x0800 => 14 + ((b.get(14)? & 0xf) as usize) * 4,
+        0x86dd => 54,
+        _ => return None,
+    };
+    b.get(t + 13).copied()
+}
+
+/// One captured TCP segment, briefly: flags, sequence number, payload length.
+fn describe_segment(b: &[u8]) -> Option<String> {
+    let (t, total) = match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
+        0x0800 => (14 + ((b.get(14)? & 0xf) as usize) * 4, u16::from_be_bytes([*b.get(16)?, *b.get(17)?]) as usize + 14),
+        0x86dd => (54, u16::from_be_bytes([*b.get(18)?, *b.get(19)?]) as usize + 54),
+        _ => return None,
+    };
+    let g = b.get(t..t + 14)?;
+    let doff = ((g[12] >> 4) as usize) * 4;
+    let len = total.saturating_sub(t + doff);
+    let f = g[13];
+    let names: String = [(0x02, 'S'), (0x01, 'F'), (0x04, 'R'), (0x08, 'P'), (0x10, '.')].iter().filter(|(m, _)| f & m != 0).map(|(_, c)| *c).collect();
+    Some(format!("[{names}] seq {} ack {} len {len}", u32::from_be_bytes([g[4], g[5], g[6], g[7]]), u32::from_be_bytes([g[8], g[9], g[10], g[11]])))
 }
 
 /// Classic BPF: IPv4 or IPv6 TCP segments with RST set, first 128 bytes.
@@ -408,6 +482,12 @@ struct Capture {
     /// RSTs the client's kernel sent (answers to segments of connections it no longer has).
     rsts_sent: Arc<AtomicU64>,
     rst_handle: Option<std::thread::JoinHandle<()>>,
+    /// RSTs a server sent (on the LB's server bridge): which server, when (ms since its trial's
+    /// start), to which port. A RST that reaches the client says who sent it here.
+    server_rsts: Arc<Mutex<Vec<String>>>,
+    /// When the capture started, and the current trial's start (ms after it).
+    t0: Instant,
+    trial_at: Arc<AtomicU64>,
 }
 
 impl Capture {
@@ -418,7 +498,9 @@ impl Capture {
         let log = Arc::new(Mutex::new(SenderLog::default()));
         let rsts = Arc::new(Mutex::new(Vec::new()));
         let rsts_sent = Arc::new(AtomicU64::new(0));
-        let (st, rs, tr, sent) = (stop.clone(), rsts.clone(), trial.clone(), rsts_sent.clone());
+        let server_rsts = Arc::new(Mutex::new(Vec::new()));
+        let trial_at = Arc::new(AtomicU64::new(0));
+        let (st, rs, tr, sent, ta) = (stop.clone(), rsts.clone(), trial.clone(), rsts_sent.clone(), trial_at.clone());
         let t0 = Instant::now();
         let rst_handle = std::thread::spawn(move || {
             let mut buf = [0u8; 256];
@@ -433,13 +515,14 @@ impl Capture {
                     let b = &buf[..n as usize];
                     let what = describe_rst(b).unwrap_or_else(|| "unparsed".into());
                     let port = rst_client_port(b).unwrap_or(0);
-                    rs.lock().unwrap().push((port, format!("trial {} t {} ms: {what}", tr.load(Ordering::Relaxed), t0.elapsed().as_millis())));
+                    let t = (t0.elapsed().as_millis() as u64).saturating_sub(ta.load(Ordering::Relaxed));
+                    rs.lock().unwrap().push((port, format!("trial {} t {t} ms: {what}", tr.load(Ordering::Relaxed))));
                 }
             }
             // SAFETY: our descriptor, closed once.
             unsafe { libc::close(rfd) };
         });
-        let (st, lg) = (stop.clone(), log.clone());
+        let (st, lg, srs, ta) = (stop.clone(), log.clone(), server_rsts.clone(), trial_at.clone());
         let handle = std::thread::spawn(move || {
             let mut buf = [0u8; 256];
             while !st.load(Ordering::Relaxed) {
@@ -451,16 +534,24 @@ impl Capture {
                     continue;
                 }
                 let t = trial.load(Ordering::Relaxed) as usize;
-                match parse_frame(&buf[..n as usize]) {
-                    Some(Frame::FromServer { fam, port, srv }) if sll.sll_pkttype != libc::PACKET_OUTGOING as u8 => lg.lock().unwrap().from_server(t, fam, port, srv),
-                    Some(Frame::ToServer { fam, port, srv }) if sll.sll_pkttype == libc::PACKET_OUTGOING as u8 => lg.lock().unwrap().to_server(t, fam, port, srv),
+                let b = &buf[..n as usize];
+                let ms = (t0.elapsed().as_millis() as u64).saturating_sub(ta.load(Ordering::Relaxed));
+                let note = describe_segment(b).map(|d| format!("{ms} ms {d}"));
+                match parse_frame(b) {
+                    Some(Frame::FromServer { fam, port, srv }) if sll.sll_pkttype != libc::PACKET_OUTGOING as u8 => {
+                        if rst_client_port(b).is_some() && segment_flags(b).is_some_and(|f| f & 0x04 != 0) {
+                            srs.lock().unwrap().push(format!("trial {t} t {ms} ms: server {srv} sent a RST to port {port} ({})", describe_rst(b).unwrap_or_default()));
+                        }
+                        lg.lock().unwrap().from_server_noted(t, fam, port, srv, note)
+                    }
+                    Some(Frame::ToServer { fam, port, srv }) if sll.sll_pkttype == libc::PACKET_OUTGOING as u8 => lg.lock().unwrap().to_server_noted(t, fam, port, srv, note),
                     _ => {}
                 }
             }
             // SAFETY: our descriptor, closed once.
             unsafe { libc::close(fd) };
         });
-        Ok(Capture { stop, handle: Some(handle), log, rsts, rsts_sent, rst_handle: Some(rst_handle) })
+        Ok(Capture { stop, handle: Some(handle), log, rsts, rsts_sent, rst_handle: Some(rst_handle), server_rsts, t0, trial_at })
     }
 }
 
@@ -640,9 +731,10 @@ struct TrialOut {
     provoked: u64,
     rsts: u64,
     error: Option<String>,
+    leftovers: Vec<String>,
 }
 
-fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str, trial_no: &Arc<AtomicU64>) -> Result<TrialOut, String> {
+fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str, trial_no: &Arc<AtomicU64>, cap: &Capture) -> Result<TrialOut, String> {
     settle(env)?;
     trial_no.store(k as u64, Ordering::Relaxed);
     let ev0 = lb_events(env).iter().map(event_n).max().unwrap_or(0);
@@ -652,6 +744,7 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
     let mut at: Vec<f64> = (0..nf).map(|_| 0.1 + 0.65 * rng.unit()).collect();
     at.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let t0 = Instant::now();
+    cap.trial_at.store(cap.t0.elapsed().as_millis() as u64, Ordering::Relaxed);
     let mut clients = Vec::new();
     for kind in CLIENTS {
         clients.push(start_client(env, kind, o, t0)?);
@@ -705,6 +798,7 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
                     detail = "power loss".to_string();
                     let ev = lb_events(env).iter().map(event_n).max().unwrap_or(0);
                     let r = env.crash(target).map_err(|e| format!("crash {target}: {e}"));
+                    cap.log.lock().unwrap().crashed(k, target as u8);
                     dead.push(target);
                     *crashes.entry(target).or_default() += 1;
                     // The next fault comes once the LB has seen this one.
@@ -809,8 +903,63 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
             provoked += f.min(suspected.iter().filter(|&&x| x == s).count() as u64);
         }
     }
-    Ok(TrialOut { faults, transfers, false_failovers, provoked, rsts, error })
+    let leftovers = leftovers(env, k);
+    Ok(TrialOut { faults, transfers, false_failovers, provoked, rsts, error, leftovers })
 }
+
+/// What a trial left behind once every client exited (within [`LEFTOVER_WAIT`]): records in the
+/// store, connections a live agent lists as rebuilt and still served, with each server's
+/// sockets on port 80 for them. A finished connection's record is probed when its bucket moves
+/// and rebuilt (its client, in TIME_WAIT, answers the probe); a rebuilt connection listed by an
+/// agent is probed by its successor: either ends in the kernel's RST to the client.
+fn leftovers(env: &ObjectEnv, trial: usize) -> Vec<String> {
+    let deadline = Instant::now() + LEFTOVER_WAIT;
+    loop {
+        let live: Vec<usize> = (1..=env.servers()).filter(|&i| !env.is_crashed(i)).collect();
+        let mut left: Vec<String> = env.records_stored().unwrap_or_else(|| vec!["(the store could not be read)".into()]).into_iter().map(|r| format!("trial {trial}: record {r}")).collect();
+        for &i in &live {
+            let serving = env.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0);
+            if serving > 0 {
+                left.push(format!("trial {trial}: server {i} still serves {serving} rebuilt connection(s); it lists {:?}", env.rebuilt_listed(i)));
+            }
+        }
+        if left.is_empty() {
+            return left;
+        }
+        if Instant::now() >= deadline {
+            for &i in live.iter().filter(|&&i| env.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0) > 0) {
+                // Where the agent's threads wait (a worker that outlived its connection).
+                let conf = env.dir.join(format!("agent{i}.toml"));
+                if let Ok(o) = Command::new("pgrep").args(["-f", &conf.to_string_lossy()]).output() {
+                    for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                        let mut waits: BTreeMap<String, u64> = BTreeMap::new();
+                        for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+                            let p = t.path();
+                            let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default().trim().to_string();
+                            let wchan = std::fs::read_to_string(p.join("wchan")).unwrap_or_default().trim().to_string();
+                            *waits.entry(format!("{comm}@{wchan}")).or_default() += 1;
+                        }
+                        left.push(format!("trial {trial}: server {i} agent {pid} threads: {waits:?}"));
+                    }
+                }
+            }
+            for &i in &live {
+                if let Ok(o) = lab::run(env.lab.server(i), Command::new("ss").args(["-Htn", "state", "all", "( sport = :80 )"])) {
+                    let t = String::from_utf8_lossy(&o.stdout).to_string();
+                    let socks: Vec<&str> = t.lines().filter(|l| !l.contains("LISTEN")).collect();
+                    if !socks.is_empty() {
+                        left.push(format!("trial {trial}: server {i} sockets: {}", socks.join(" | ")));
+                    }
+                }
+            }
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(100)); // polling the store and the lists with a deadline
+    }
+}
+
+/// How long a finished trial's records and rebuilt connections may take to go.
+const LEFTOVER_WAIT: Duration = Duration::from_secs(5);
 
 /// `unbroken demo object --chaos N`: runs the trials and returns the report (`ok` inside).
 pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
@@ -839,8 +988,9 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     let mut transfers: Vec<TransferLog> = Vec::new();
     let (mut false_failovers, mut provoked, mut rsts_in_trials) = (0u64, 0u64, 0u64);
     let mut errors: Vec<String> = Vec::new();
+    let mut leftovers: Vec<String> = Vec::new();
     for k in 1..=o.trials {
-        match trial(&mut env, o, k, &mut rng, &want, &trial_no) {
+        match trial(&mut env, o, k, &mut rng, &want, &trial_no, &capture) {
             Ok(t) => {
                 if o.live {
                     let summary: Vec<String> = t.transfers.iter().map(|x| format!("{} {}{} stalls {:?} (baseline {})", x.client, if x.byte_exact { "ok" } else { "FAILED" }, if x.hang { " HANG" } else { "" }, x.stalls_ms.iter().map(|s| s.map_or("-".to_string(), |v| v.to_string())).collect::<Vec<_>>(), x.baseline_gap_ms)).collect();
@@ -848,6 +998,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
                 }
                 faults.extend(t.faults);
                 transfers.extend(t.transfers);
+                leftovers.extend(t.leftovers);
                 false_failovers += t.false_failovers;
                 provoked += t.provoked;
                 rsts_in_trials += t.rsts;
@@ -872,6 +1023,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
     let ports_known = transfers.iter().filter(|t| t.port.is_some()).count();
     let rst_log: Vec<String> = rst_log.into_iter().map(|(p, s)| if transfer_ports.contains(&p) { format!("{s} (a transfer's connection)") } else { s }).collect();
     let rsts_sent = capture.rsts_sent.load(Ordering::Relaxed);
+    let server_rsts: Vec<String> = capture.server_rsts.lock().unwrap().clone();
     drop(capture);
     let exact = transfers.iter().filter(|t| t.byte_exact).count();
     let hangs = transfers.iter().filter(|t| t.hang).count();
@@ -920,7 +1072,7 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         *failed_by.entry(combo.join("+")).or_default() += 1;
     }
     let trials_run = transfers.iter().map(|t| t.trial).max().unwrap_or(0);
-    let ok = errors.is_empty() && trials_run == o.trials && exact == transfers.len() && rsts == 0 && hangs == 0 && two.is_empty();
+    let ok = errors.is_empty() && trials_run == o.trials && exact == transfers.len() && rsts == 0 && hangs == 0 && two.is_empty() && leftovers.is_empty();
     Ok(json!({
         "ok": ok,
         "seed": o.seed,
@@ -932,6 +1084,8 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<Value, String> {
         "resets_on_transfer_connections": rsts_on_transfers,
         "transfer_ports_known": ports_known,
         "resets_sent_by_client": rsts_sent,
+        "resets_sent_by_servers": server_rsts,
+        "leftovers": leftovers,
         "hangs": hangs,
         "stall_ms": stats(&all),
         "stall_ms_by_client": by_client,
@@ -985,6 +1139,39 @@ mod tests {
             l.from_server(1, 6, 5002, s);
         }
         assert_eq!(l.two_senders().len(), 1);
+        // The owner loses its power; its successor's probe leaves before any client segment
+        // shows the move: a handover, not two senders.
+        l.to_server(1, 4, 5003, 2);
+        for s in [1, 2] {
+            l.from_server(1, 4, 5003, s);
+        }
+        l.crashed(1, 2);
+        l.from_server(1, 4, 5003, 1);
+        assert_eq!(l.two_senders().len(), 1);
+        // But a server that sent, then another, then the first again while nobody crashed is
+        // reported with the frames that show it.
+        l.to_server(2, 4, 5004, 2);
+        l.from_server_noted(2, 4, 5004, 1, Some("10 ms [.] seq 1 ack 1 len 0".into()));
+        l.from_server_noted(2, 4, 5004, 2, Some("11 ms [.] seq 1 ack 1 len 1448".into()));
+        l.crashed(2, 3);
+        l.from_server_noted(2, 4, 5004, 1, Some("12 ms [.] seq 1449 ack 1 len 1448".into()));
+        let two = l.two_senders();
+        assert_eq!(two.len(), 2);
+        assert!(two.iter().any(|t| t.contains("port 5004") && t.contains("11 ms [.] seq 1 ack 1 len 1448 <- 2")), "{two:?}");
+    }
+
+    #[test]
+    fn segments_are_described() {
+        let mut f = vec![0u8; 54];
+        f[12] = 0x08;
+        f[14] = 0x45;
+        f[16] = 0;
+        f[17] = 40;
+        f[34 + 4..34 + 8].copy_from_slice(&7u32.to_be_bytes());
+        f[34 + 12] = 0x50;
+        f[34 + 13] = 0x14;
+        assert_eq!(segment_flags(&f), Some(0x14));
+        assert_eq!(describe_segment(&f).as_deref(), Some("[R.] seq 7 ack 0 len 0"));
     }
 
     #[test]

@@ -207,6 +207,22 @@ impl ObjectEnv {
         self.dir.join(format!("agent{i}.json"))
     }
 
+    /// The connections agent `i`'s rebuilt list names (its `.rebuilt` file, one line each;
+    /// empty when there is none): those it rebuilt and still serves, and for the restart grace
+    /// after it started those its predecessor had (a successor of the agent inherits them).
+    pub fn rebuilt_listed(&self, i: usize) -> Vec<String> {
+        let mut p = self.agent_status_path(i).into_os_string();
+        p.push(".rebuilt");
+        std::fs::read_to_string(p).map(|t| t.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect()).unwrap_or_default()
+    }
+
+    /// The connection records in the store (their keys, `<prefix>b<bucket>/c/...`), read with
+    /// redis-cli; None when it cannot be read.
+    pub fn records_stored(&self) -> Option<Vec<String>> {
+        let out = lab::run(self.lab.store(), Command::new("redis-cli").args(["-h", &addr::STORE_V4.to_string(), "-p", &addr::REDIS_PORT.to_string(), "--scan", "--pattern", "*/c/*"])).ok()?;
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect())
+    }
+
     /// Starts (or restarts) nginx and the agent on server `i`.
     pub fn start_server(&mut self, i: usize) -> io::Result<()> {
         let run = self.dir.join(format!("nginx{i}"));

@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
-use unbroken_control::object::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
+use unbroken_control::object::agentcore::{AdmitConfig, Core, LbView, Out, Pkt, ADMIT_WAIT_MS, FENCE_MAX_MS, GATE_MAX_PACKETS, GATE_WAIT_MS, LISTED_WAIT_MS, PLAN_KEEP_MS, PLAN_WAIT_MS, RESTART_GRACE_MS};
 use unbroken_control::object::lb::BucketView;
 use unbroken_drivers::sockdiag::Progress;
 use unbroken_engines::trods::{plan_recovery, Config, Dir, Engine, Entry, Handshake, Key, Record, Trigger};
@@ -1152,6 +1152,69 @@ fn hostile_forged_trigger_then_a_late_genuine_retransmission_still_fails_over() 
     let rb = rebuilds(&t);
     assert_eq!(rb.len(), 1, "{:?}", t.core.counters);
     assert_eq!(Trigger::parse(&rb[0].1).unwrap().1.ack, genuine_ack);
+}
+
+/// A mass failover (issue 22 item 3): 300 connections of a bucket that just moved here are
+/// listed (their records are in the store) and their clients' triggers arrive at once; the
+/// store is slow, and those beyond the lookup slots wait past ADMIT_WAIT_MS. They keep their
+/// place (a dropped trigger leaves its client to its retransmission timer: seconds, growing),
+/// and every one is looked up, once each, as slots free. An unlisted trigger that finds no
+/// slot is still dropped after ADMIT_WAIT_MS (a flood cannot use the listing), and a listed
+/// one after LISTED_WAIT_MS.
+#[test]
+fn mass_failover_listed_triggers_wait_for_a_lookup_slot_instead_of_being_dropped() {
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    let cfg = AdmitConfig::default();
+    let n = 300u16;
+    t.core.records_listed((0..n).map(|i| (key(42000 + i), B)));
+    for i in 0..n {
+        pkt_from(&mut t, c_ip(), 42000 + i, C_ISN + 51, S_ISN.wrapping_add(1), false);
+    }
+    pkt_from(&mut t, c_ip(), 43000, C_ISN + 51, S_ISN.wrapping_add(1), false);
+    t.view = Some(view(2, &[B], &[B]));
+    t.tick(false);
+    let first = failovers(&t);
+    assert_eq!(first.len(), cfg.max_in_flight, "{:?}", t.core.counters);
+    t.take();
+    // No lookup answers for longer than ADMIT_WAIT_MS.
+    t.now += ADMIT_WAIT_MS + 100;
+    t.view = Some(view(2, &[B], &[B]));
+    t.tick(false);
+    assert!(failovers(&t).is_empty());
+    t.take();
+    assert_eq!(t.core.counters.admit_dropped, 1, "only the unlisted trigger is dropped: {:?}", t.core.counters);
+    // The lookups answer (no record: refused, which frees the slot as a found one does).
+    let mut looked: Vec<Key> = first;
+    let mut pending = looked.clone();
+    for _ in 0..20 {
+        for k in pending.drain(..) {
+            let _ = t.core.record(t.now, k, Some(B), Ok(None));
+        }
+        t.now += 5;
+        t.view = Some(view(2, &[B], &[B]));
+        t.tick(false);
+        pending = failovers(&t);
+        t.take();
+        looked.extend(pending.iter().copied());
+    }
+    looked.sort_by_key(|k| k.client.port());
+    let ports: Vec<u16> = looked.iter().map(|k| k.client.port()).collect();
+    assert_eq!(ports, (42000..42000 + n).collect::<Vec<_>>(), "every listed key looked up once");
+    assert_eq!(t.core.counters.admit_dropped, 1, "{:?}", t.core.counters);
+    // A listed trigger waits no longer than LISTED_WAIT_MS for a slot.
+    let mut t = T::new();
+    t.view = Some(view(2, &[B], &[B]));
+    t.core.records_listed((0..n).map(|i| (key(44000 + i), B)));
+    for i in 0..n {
+        pkt_from(&mut t, c_ip(), 44000 + i, C_ISN + 51, S_ISN.wrapping_add(1), false);
+    }
+    t.tick(false);
+    t.take();
+    t.now += LISTED_WAIT_MS;
+    t.view = Some(view(2, &[B], &[B]));
+    t.tick(false);
+    assert_eq!(t.core.counters.admit_dropped, (n as usize - cfg.max_in_flight) as u64, "{:?}", t.core.counters);
 }
 
 /// Issue 9, object review item 5 (the plan-timeout line): forged triggers for 200 connections

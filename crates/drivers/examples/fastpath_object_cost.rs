@@ -79,6 +79,8 @@ fn main() {
     let mut fp = Object::load().unwrap_or_else(|err| panic!("{err}"));
     let bucket = 7;
     fp.set_lease(bucket, monotonic_ns() + 3_600_000_000_000).unwrap();
+    // The agent's own lease: without it the filters pass nothing.
+    fp.set_alive(monotonic_ns() + 3_600_000_000_000);
     let k = object::Key::new(&key);
     let publish = |fp: &mut Object, e: &Engine| fp.insert(&k, &State::publish(&e.fast_view(&key).unwrap(), Some(bucket), true, monotonic_ns())).unwrap();
     publish(&mut fp, &e);

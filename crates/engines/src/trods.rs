@@ -416,6 +416,8 @@ pub struct Counters {
     /// Connections protected again after a store failure had left them unprotected: the store
     /// came back and took a full new record.
     pub rearmed: u64,
+    /// Deletes of a finished connection's record tried again after a store failure.
+    pub delete_retries: u64,
     /// Server segments dropped because an earlier one never reached the engine.
     pub server_gaps: u64,
     /// Pure ACKs the engine built to tell a client that the hold moved past its request
@@ -698,6 +700,8 @@ pub struct Engine {
     dropped: VecDeque<u64>,
     injected: VecDeque<Vec<u8>>,
     tomb_retry: Vec<Key>,
+    /// Finished connections whose record's delete failed (tried again at [`Engine::expire`]).
+    delete_retry: Vec<Key>,
     /// Entries made at SYN-ACKs, oldest first, with their `born` (stale ones skipped): the
     /// eviction order of half-open connections.
     half_open: VecDeque<(Key, u64)>,
@@ -831,6 +835,7 @@ impl Engine {
             dropped: VecDeque::new(),
             injected: VecDeque::new(),
             tomb_retry: Vec::new(),
+            delete_retry: Vec::new(),
             half_open: VecDeque::new(),
             syn_order: VecDeque::new(),
             last_unprotect_reason: "",
@@ -1714,6 +1719,11 @@ impl Engine {
                 self.announce_hold(key);
             } else if c.stale_record {
                 self.tomb_retry.push(key);
+            } else if c.closed_at.is_some() && !c.muted {
+                // The record of a finished connection must go (left behind, the server that
+                // gets its bucket next would probe it and rebuild a connection its client has
+                // closed): tried again while the connection lingers.
+                self.delete_retry.push(key);
             }
             return;
         }
@@ -1893,6 +1903,13 @@ impl Engine {
         // Tombstones whose store failed: try again (the store may be back).
         for key in std::mem::take(&mut self.tomb_retry) {
             self.store_tombstone(key);
+        }
+        // Deletes of finished connections' records that failed: the same.
+        for key in std::mem::take(&mut self.delete_retry) {
+            if self.conns.get(&key).is_some_and(|c| c.closed_at.is_some() && !c.muted && c.deleting.is_none()) {
+                self.counters.delete_retries += 1;
+                self.delete(key);
+            }
         }
         let (linger, idle, syn_ms) = (self.cfg.linger_ms, self.cfg.idle_ms, self.cfg.syn_ms);
         self.syns.retain(|_, s| now.saturating_sub(s.at) < syn_ms);

@@ -1996,6 +1996,52 @@ fn absorb_to_the_body_end_then_close_deletes_the_record_as_without_the_fast_path
     assert_eq!(run(true), plain, "the same after the fast path's hand-off");
 }
 
+/// The delete of a finished connection's record fails (the store blipped as the client
+/// closed): it is tried again at the next housekeeping, while the connection lingers, until it
+/// succeeds. Left behind, the record would be probed when its bucket moves and a connection
+/// its client has closed rebuilt from it (the kernel's RST to the client's TIME_WAIT answer).
+#[test]
+fn a_failed_delete_at_close_is_tried_again_until_the_record_is_gone() {
+    let mut t = T::new();
+    let p1_len = t.inside_the_body(1000);
+    let end = p1_len + 2000;
+    let r = REQ.len() as u32;
+    t.s(ss(p1_len), cs(r), F::ACK, &body(2000, 4));
+    t.store_all();
+    t.c(cs(r), ss(end), F::ACK, b"");
+    t.store_all();
+    t.c(cs(r), ss(end), F::ACK | F::FIN, b"");
+    t.store_all();
+    t.s(ss(end), cs(r + 1), F::ACK | F::FIN, b"");
+    t.store_all();
+    t.c(cs(r + 1), ss(end + 1), F::ACK, b"");
+    // The delete the close asks for fails, twice; the third goes through.
+    let mut deletes = 0;
+    for attempt in 0..3 {
+        let mut asked = false;
+        while let Some(a) = t.e.poll_action() {
+            match a {
+                Action::Delete { token, key, .. } => {
+                    assert_eq!(key, "c/10.77.0.2:40000/10.77.0.100:80");
+                    asked = true;
+                    deletes += 1;
+                    t.e.store_done(token, attempt == 2);
+                }
+                Action::Store { token, .. } => t.e.store_done(token, true),
+            }
+        }
+        assert!(asked, "attempt {attempt}: a delete asked for");
+        t.now += 250;
+        t.e.expire(t.now);
+    }
+    assert_eq!(deletes, 3);
+    assert_eq!(t.e.counters.delete_retries, 2);
+    // Gone: no more deletes.
+    t.now += 250;
+    t.e.expire(t.now);
+    assert!(t.e.poll_action().is_none(), "nothing more once the record is gone");
+}
+
 /// The agent's hand-off from the kernel's fast path (issue 22 item 3): `absorb` takes what the
 /// kernel moved inside a response body (the client's ACK, the server's stream, the window and
 /// timestamps, `last_seen`), keeps the body's end where the engine parsed it, and refuses, with

@@ -469,6 +469,7 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // client ACK its filters passed to the kernel would be answered with a RST).
     match unbroken_drivers::fastpath::object::revoke_pinned(&pin_dir(a.queue)) {
         Ok(true) => eprintln!("agent: the previous agent's fast path (pinned in {}) passes nothing from now on", pin_dir(a.queue).display()),
+        Ok(false) if pin_dir(a.queue).join("obj_from_client").exists() => eprintln!("agent: the previous agent's fast path (pinned in {}) has no lease to revoke (an older version): its filters pass packets until this agent's rules replace them", pin_dir(a.queue).display()),
         Ok(false) => {}
         Err(e) => eprintln!("agent: could not revoke the previous agent's fast path in {} ({e}): its filters pass packets until its own lease lapses ({} ms after it stopped)", pin_dir(a.queue).display(), AGENT_ALIVE_NS / 1_000_000),
     }
@@ -571,9 +572,35 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // The loop only does I/O (crate::daemon::run); every decision is the core's
     // (crate::object::agentcore), and AgentIo carries out its requests.
     let mode = Mutex::new(AgentMode { core, view: None, lease_ok: false, fresh: false, pkts: Vec::with_capacity(64), inject_errors: 0, fallbacks: 0 });
-    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), protected_at: None, leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None, gained: Vec::new(), gained_until: 0 }) };
+    let mut agent_io = AgentIo { ctx: ctx.clone(), store: store.clone(), rx, wake, diag, hb, watch, shared: shared.clone(), engine_view, completions: Vec::new(), protected_at: None, leases: fast_fp.clone().map(|fp| Leases { fp, counted_at: None, seen: None, held: Default::default(), held_epoch: 0, held_until: 0, last_epoch: None }) };
+    // The agent's own lease, renewed by a thread of its own, not by the packet loop: what it
+    // vouches for is that this process lives (a killed agent's filters must stop passing),
+    // and a loop round that takes long under load must not send every lent connection to the
+    // slow path, which would make the next rounds longer still.
+    let alive_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let alive_thread = match &fast_fp {
+        Some(fp) => {
+            let (fp, stop) = (fp.clone(), alive_stop.clone());
+            Some(
+                std::thread::Builder::new()
+                    .name("ub-alive".into())
+                    .spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            crate::sync::lock(&fp, "agent: fast path").set_alive(unbroken_drivers::fastpath::object::monotonic_ns() + AGENT_ALIVE_NS);
+                            std::thread::sleep(ALIVE_EVERY); // the renewal period, not a synchronisation
+                        }
+                    })
+                    .map_err(|e| format!("agent: fast path lease thread: {e}"))?,
+            )
+        }
+        None => None,
+    };
     let res = daemon::run(&mut daemon::PacketIo::new("agent", &mut queue, inject.as_ref()), &mode, &mut agent_io, mono_ms);
     daemon::stop();
+    alive_stop.store(true, Ordering::Relaxed);
+    if let Some(h) = alive_thread {
+        let _ = h.join();
+    }
     if let Some(fp) = &fast_fp {
         // The rules stay, with the filters they name: nothing lent and no lease, so no packet
         // passes the kernel once this agent is gone (the queue, unread, drops them: fail
@@ -763,12 +790,14 @@ impl crate::object::agentfast::FastMap for KernelMap {
     }
 }
 
-/// How long the kernel's filters may pass packets after the loop's latest round: a killed or
-/// wedged agent's filters, which its queue rules keep using until a successor's replace them,
-/// pass nothing after this (its successor must see every packet of the connections it rebuilt,
-/// whose sockets died with it; a client ACK passed to the kernel there is answered with a RST).
-/// The loop runs a round at least every 100 ms when idle.
-const AGENT_ALIVE_NS: u64 = 500_000_000;
+/// How long the kernel's filters may pass packets after the agent's lease thread last renewed
+/// it: a killed (or stopped) agent's filters, which its queue rules keep using until a
+/// successor's replace them, pass nothing after this (its successor must see every packet of
+/// the connections it rebuilt, whose sockets died with it; a client ACK passed to the kernel
+/// there is answered with a RST).
+const AGENT_ALIVE_NS: u64 = 300_000_000;
+/// How often the lease thread renews it.
+const ALIVE_EVERY: Duration = Duration::from_millis(50);
 
 /// Writes the LB's lease on each bucket into the kernel's fence at every new reply.
 struct Leases {
@@ -777,12 +806,17 @@ struct Leases {
     counted_at: Option<Instant>,
     /// The reply last written (its arrival) and the buckets then owned.
     seen: Option<(Instant, Vec<u64>)>,
-    /// Buckets the latest reply gave this server, and their lease: written only after the
-    /// core acted on the reply ([`Leases::commit_gained`]). A connection of such a bucket may
-    /// have been another server's meanwhile (tables this agent never saw): the core takes its
-    /// entry back (`may_have_moved`) before the kernel may pass anything under the new lease.
-    gained: Vec<u16>,
-    gained_until: u64,
+    /// Buckets whose lease is held back until the core has acted on the reply of epoch
+    /// `held_epoch` ([`Leases::commit_held`]): those the reply gave this server, and after
+    /// tables this agent never saw (a skipped epoch) every owned bucket that changed hands
+    /// recently. A connection of such a bucket may have been another server's meanwhile: the
+    /// core takes its entry back (`may_have_moved`, muting) before the kernel may pass anything
+    /// under the new lease. Until then its server packets go to the core's fence.
+    held: std::collections::BTreeSet<u16>,
+    held_epoch: u32,
+    held_until: u64,
+    /// The epoch of the reply last written.
+    last_epoch: Option<u32>,
 }
 
 impl Leases {
@@ -796,18 +830,27 @@ impl Leases {
         let until = v.lease_until.checked_duration_since(now).map_or(0, |d| mono_before + d.as_nanos() as u64);
         let fp = crate::sync::lock(&self.fp, "agent: fast path");
         let before = self.seen.take().map(|(_, o)| o).unwrap_or_default();
-        self.gained.clear();
-        self.gained_until = until;
+        let skipped = self.last_epoch.is_some_and(|e| {
+            let d = v.epoch.wrapping_sub(e);
+            d > 1 && d < 1 << 31
+        });
+        self.last_epoch = Some(v.epoch);
+        self.held_epoch = v.epoch;
+        self.held_until = until;
         for b in 0..v.buckets {
             let had = before.get(b as usize / 64).is_some_and(|w| w & (1 << (b % 64)) != 0);
-            if v.owns(b) && !had {
-                self.gained.push(b);
+            if v.owns(b) && (!had || (skipped && v.allowed(b)) || self.held.contains(&b)) {
+                self.held.insert(b);
             } else if v.owns(b) {
                 let _ = fp.set_lease(b, until);
-            } else if before.get(b as usize / 64).is_some_and(|w| w & (1 << (b % 64)) != 0) {
-                let _ = fp.set_lease(b, 0);
+            } else {
+                self.held.remove(&b);
+                if had {
+                    let _ = fp.set_lease(b, 0);
+                }
             }
         }
+        self.held.retain(|&b| b < v.buckets);
         // Buckets past a smaller table's end.
         for b in v.buckets as usize..before.len() * 64 {
             let _ = fp.set_lease(b as u16, 0);
@@ -815,15 +858,15 @@ impl Leases {
         self.seen = Some((v.received_at, v.owned.clone()));
     }
 
-    /// Writes the leases of the buckets the latest reply gave this server (the core has acted
-    /// on it).
-    fn commit_gained(&mut self) {
-        if self.gained.is_empty() {
+    /// Writes the held-back leases once the core has acted on their reply (`core_epoch`, the
+    /// last table epoch it checked its connections against); otherwise they wait.
+    fn commit_held(&mut self, core_epoch: u32) {
+        if self.held.is_empty() || core_epoch != self.held_epoch {
             return;
         }
         let fp = crate::sync::lock(&self.fp, "agent: fast path");
-        for b in self.gained.drain(..) {
-            let _ = fp.set_lease(b, self.gained_until);
+        for b in std::mem::take(&mut self.held) {
+            let _ = fp.set_lease(b, self.held_until);
         }
     }
 }
@@ -889,11 +932,6 @@ impl daemon::Adapter<AgentMode> for AgentIo {
         m.view = self.hb.as_ref().map(|h| h.view());
         let mono_before = unbroken_drivers::fastpath::object::monotonic_ns();
         let now_i = Instant::now();
-        if let Some(l) = &self.leases {
-            // This agent lives: its filters may pass packets for a while yet (see
-            // AGENT_ALIVE_NS).
-            crate::sync::lock(&l.fp, "agent: fast path").set_alive(mono_before + AGENT_ALIVE_NS);
-        }
         if let Some(Some(v)) = &m.view {
             m.lease_ok = now_i < v.lease_until;
             m.fresh = v.received_at.elapsed() < Duration::from_millis(100);
@@ -975,7 +1013,7 @@ impl daemon::Adapter<AgentMode> for AgentIo {
         m.collect(out);
         self.run(out);
         if let Some(l) = &mut self.leases {
-            l.commit_gained();
+            l.commit_held(m.core.owner_epoch());
         }
     }
 
@@ -1471,6 +1509,8 @@ fn rebuild(ctx: Arc<WorkerCtx>, key: Key, bucket: Option<u16>, rec: Record, plan
     if let Ok(dup) = sock.try_clone() {
         let mut adopted = crate::sync::lock(&ctx.adopted, "agent: rebuilt sockets");
         adopted.insert(key, (gen, dup.into(), bucket));
+        // Rebuilt here now: listed as this agent's from here on, and not again once it ends.
+        crate::sync::lock(&ctx.rebuilt.inherited, "agent: rebuilt list").remove(&key);
         save_rebuilt(&ctx);
     }
     serve_recovered(&ctx, sock, &rec, &plan, key, gen);
@@ -1505,13 +1545,13 @@ struct RebuiltList {
     /// written out of the list once it ends (a revived server's agent that rebuilds nothing
     /// used to leave its dead predecessor's list in place for good, and every later
     /// successor probed those long-finished connections again).
-    inherited: Vec<(Key, Option<u16>)>,
+    inherited: Mutex<HashMap<Key, Option<u16>>>,
     grace_until: Instant,
 }
 
 impl RebuiltList {
     fn new(path: Option<PathBuf>, inherited: Vec<(Key, Option<u16>)>, grace_until: Instant) -> RebuiltList {
-        RebuiltList { path, changed: Mutex::new(false), cv: std::sync::Condvar::new(), writing: Mutex::new(()), inherited, grace_until }
+        RebuiltList { path, changed: Mutex::new(false), cv: std::sync::Condvar::new(), writing: Mutex::new(()), inherited: Mutex::new(inherited.into_iter().collect()), grace_until }
     }
 
     /// What the file lists: the connections rebuilt here and still served, and while the
@@ -1519,7 +1559,7 @@ impl RebuiltList {
     fn listed(&self, adopted: &HashMap<Key, (u64, std::os::fd::OwnedFd, Option<u16>)>) -> Vec<(Key, Option<u16>)> {
         let mut keys: Vec<(Key, Option<u16>)> = adopted.iter().map(|(k, v)| (*k, v.2)).collect();
         if Instant::now() < self.grace_until {
-            keys.extend(self.inherited.iter().filter(|(k, _)| !adopted.contains_key(k)).copied());
+            keys.extend(crate::sync::lock(&self.inherited, "agent: rebuilt list").iter().filter(|(k, _)| !adopted.contains_key(k)).map(|(k, b)| (*k, *b)));
         }
         keys
     }
@@ -1535,7 +1575,7 @@ impl RebuiltList {
     fn writer(ctx: Arc<WorkerCtx>) {
         let list = &ctx.rebuilt;
         // The inherited entries leave the file once the grace ends.
-        let mut grace_due = !list.inherited.is_empty();
+        let mut grace_due = !crate::sync::lock(&list.inherited, "agent: rebuilt list").is_empty();
         while !daemon::stopping() {
             {
                 let mut c = crate::sync::lock(&list.changed, "agent: rebuilt list");

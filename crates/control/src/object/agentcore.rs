@@ -74,6 +74,8 @@ const RECOVERING_MAX_PACKETS: usize = 64;
 /// How long a failover candidate may wait for the rate limits or a free lookup slot before it
 /// is dropped (counted; its client sends again).
 pub const ADMIT_WAIT_MS: u64 = 1000;
+/// How long a listed key's trigger may wait for a free lookup slot (see the gate).
+pub const LISTED_WAIT_MS: u64 = PLAN_KEEP_MS;
 /// How long a found record waits for a client packet that plans against it (in the window,
 /// checksummed, consistent with the record) before the client is asked for one (the record's
 /// probe) and a stale local socket of the pair is destroyed. The connection keeps waiting
@@ -603,6 +605,12 @@ impl Core {
         }
     }
 
+    /// The LB table epoch the core last checked its connections' owners against (muting the
+    /// moved ones, `may_have_moved` after skipped tables); 0 before the first view.
+    pub fn owner_epoch(&self) -> u32 {
+        self.owner_epoch
+    }
+
     /// Whether packets of `key` are waiting for a failover.
     pub fn recovering(&self, key: &Key) -> bool {
         self.recovering.contains_key(key)
@@ -1037,7 +1045,15 @@ impl Core {
                                 _ => self.counters.admit_busy += 1,
                             }
                         }
-                        if now.saturating_sub(g.since) >= ADMIT_WAIT_MS {
+                        // A listed key (its record is in the store, listed when its bucket
+                        // moved here) that found every lookup slot busy keeps its place for as
+                        // long as a found record waits for a planning packet: in a mass
+                        // failover the slots free within milliseconds, while a dropped trigger
+                        // leaves its client to its retransmission timer (seconds, growing). Keys
+                        // are listed only from the store, never from packets, so a flood cannot
+                        // use this; the gate's bound (GATE_MAX_PACKETS) holds as ever.
+                        let wait = if listed && why == Admit::Busy { LISTED_WAIT_MS } else { ADMIT_WAIT_MS };
+                        if now.saturating_sub(g.since) >= wait {
                             // Dropped, not handed to the kernel (whose RST would end a genuine
                             // connection): its client sends again.
                             self.counters.admit_dropped += 1;

@@ -718,7 +718,7 @@ pub fn revoke_pinned(dir: &Path) -> Result<bool, Error> {
     let md = aya::maps::MapData::from_pin(&path).map_err(|e| bpf_err(&format!("opening {}", path.display()), e))?;
     let map = aya::maps::Map::from_map_data(md).map_err(|e| bpf_err(&format!("opening {}", path.display()), e))?;
     let mut a: Array<aya::maps::MapData, u64> = Array::try_from(map).map_err(|e| bpf_err(LEASES, e))?;
-    if (a.len() as usize) < LEASE_COUNT {
+    if a.len() as usize != LEASE_COUNT {
         return Err(Error::Bpf(format!("{} has {} entries, not {LEASE_COUNT}: not this version's", path.display(), a.len())));
     }
     a.set(ALIVE_SLOT as u32, 0, 0).map_err(|e| bpf_err(&format!("revoking {}", path.display()), e))?;

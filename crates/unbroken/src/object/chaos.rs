@@ -263,9 +263,11 @@ impl SenderLog {
     /// Server `srv` lost its power: it sends nothing from now on, so no later frame of
     /// another server interleaves with what it sent (its successor's first frame, a probe, may
     /// leave before any client segment tells the capture that the LB moved the connection).
+    /// Only the connections the LB was forwarding to it: on another's, a frame of the crashed
+    /// server was an interloper's, and the owner's next frame still shows the interleaving.
     pub fn crashed(&mut self, trial: usize, srv: u8) {
         for ((t, _, _), c) in self.conns.iter_mut() {
-            if *t == trial {
+            if *t == trial && c.owner == Some(srv) {
                 c.seq.retain(|s| *s != srv);
             }
         }
@@ -798,7 +800,9 @@ fn trial(env: &mut ObjectEnv, o: &ChaosOpts, k: usize, rng: &mut Rng, want: &str
                     detail = "power loss".to_string();
                     let ev = lb_events(env).iter().map(event_n).max().unwrap_or(0);
                     let r = env.crash(target).map_err(|e| format!("crash {target}: {e}"));
-                    cap.log.lock().unwrap().crashed(k, target as u8);
+                    if r.is_ok() {
+                        cap.log.lock().unwrap().crashed(k, target as u8);
+                    }
                     dead.push(target);
                     *crashes.entry(target).or_default() += 1;
                     // The next fault comes once the LB has seen this one.
@@ -1158,6 +1162,14 @@ mod tests {
         let two = l.two_senders();
         assert_eq!(two.len(), 2);
         assert!(two.iter().any(|t| t.contains("port 5004") && t.contains("11 ms [.] seq 1 ack 1 len 1448 <- 2")), "{two:?}");
+        // An interloper that then loses its power: the owner's next frame still shows it.
+        l.to_server(3, 4, 5005, 2);
+        for s in [2, 1] {
+            l.from_server(3, 4, 5005, s);
+        }
+        l.crashed(3, 1);
+        l.from_server(3, 4, 5005, 2);
+        assert_eq!(l.two_senders().len(), 3, "{:?}", l.two_senders());
     }
 
     #[test]

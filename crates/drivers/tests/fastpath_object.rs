@@ -367,6 +367,21 @@ impl World {
     }
 
     /// SYN (MSS 1400, WS 7, SACK, TS), SYN-ACK (WS 9), the client's ACK, its record stored.
+    /// The handshake, the request (slow) and the response's first segment with its header
+    /// (slow, held until its record is stored), stored: the connection is inside a body of
+    /// BODY_LEN bytes, the next server segment at `ss(1400)`. Returns the request's end.
+    fn into_the_body(&mut self) -> u32 {
+        self.handshake();
+        let req_end = REQ.len() as u32;
+        assert_eq!(self.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
+        let h = hdr(BODY_LEN);
+        let mut first = h.clone();
+        first.extend(body(1400 - h.len(), 1));
+        assert_eq!(self.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
+        self.store_all(true);
+        req_end
+    }
+
     fn handshake(&mut self) {
         let syn = Repr { seq: Seq(C_ISN), flags: F::SYN, window: 64240, mss: Some(1400), wscale: Some(7), sack_perm: true, timestamp: Some((5, 0)), ..Default::default() };
         let p = self.build(Dir::FromClient, syn, b"");
@@ -481,14 +496,7 @@ fn no_marker_and_no_fence() {
 fn progress_mark_due_goes_slow() {
     let Some(fp) = fast_path("progress_mark_due_goes_slow") else { return };
     let mut w = World::v4(fp, Config { progress_step: 8000, ..Config::default() });
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    assert_eq!(w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    assert_eq!(w.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
-    w.store_all(true);
+    let req_end = w.into_the_body();
     let mut off = 1400;
     let mut kinds = vec![];
     while off < 12_000 {
@@ -508,14 +516,7 @@ fn progress_mark_due_goes_slow() {
 fn lapsed_lease_sends_server_packets_to_the_slow_path() {
     let Some(fp) = fast_path("lapsed_lease_sends_server_packets_to_the_slow_path") else { return };
     let mut w = World::v4(fp, Config::default());
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    assert_eq!(w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    assert_eq!(w.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
-    w.store_all(true);
+    let req_end = w.into_the_body();
     assert_eq!(w.s(ss(1400), cs(req_end), F::ACK, &body(1400, 1), "leased"), Steer::Pass);
     w.lease(false);
     let p = w.server_pkt(ss(2800), cs(req_end), F::ACK, &body(1400, 2));
@@ -539,14 +540,7 @@ fn lapsed_lease_sends_server_packets_to_the_slow_path() {
 fn dead_agent_passes_nothing_once_its_own_lease_lapses() {
     let Some(fp) = fast_path("dead_agent_passes_nothing_once_its_own_lease_lapses") else { return };
     let mut w = World::v4(fp, Config::default());
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    assert_eq!(w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    assert_eq!(w.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
-    w.store_all(true);
+    let req_end = w.into_the_body();
     assert_eq!(w.s(ss(1400), cs(req_end), F::ACK, &body(1400, 1), "alive"), Steer::Pass);
     assert_eq!(w.c(cs(req_end), ss(2800), F::ACK, b"", "client ack, alive"), Steer::Pass);
     // The agent stops renewing (its lease ends now): both directions go slow, nothing kept.
@@ -583,14 +577,7 @@ fn successor_revokes_the_pinned_fast_path_of_its_predecessor() {
     assert!(!object::revoke_pinned(&dir).unwrap(), "nothing pinned yet");
     let mut w = World::v4(fp, Config::default());
     w.fp.pin_filters(&dir).unwrap();
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    assert_eq!(w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request"), Steer::Slow);
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    assert_eq!(w.s(ss(0), cs(req_end), F::ACK, &first, "first"), Steer::Slow);
-    w.store_all(true);
+    let req_end = w.into_the_body();
     assert_eq!(w.c(cs(req_end), ss(1400), F::ACK, b"", "client ack before"), Steer::Pass);
     let revoked = object::revoke_pinned(&dir);
     let c = w.client_pkt(cs(req_end), ss(1400), F::ACK, b"");
@@ -988,14 +975,7 @@ fn live(v6: bool) -> World {
 
 fn live_with(v6: bool, fp: Object) -> World {
     let mut w = if v6 { World::v6(fp, Config::default()) } else { World::v4(fp, Config::default()) };
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request");
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    w.s(ss(0), cs(req_end), F::ACK, &first, "first");
-    w.store_all(true);
+    let req_end = w.into_the_body();
     assert_eq!(w.s(ss(1400), cs(req_end), F::ACK, &body(1400, 1), "body"), Steer::Pass);
     w
 }
@@ -1197,14 +1177,7 @@ fn partial_checksums_pass_only_when_trusted() {
 fn tc_leaves_marked_and_lowered_packets_alone() {
     let Some(fp) = fast_path("tc_leaves_marked_and_lowered_packets_alone") else { return };
     let mut w = World::v4(fp, Config::default());
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request");
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    w.s(ss(0), cs(req_end), F::ACK, &first, "first");
-    w.store_all(true);
+    let req_end = w.into_the_body();
     let p = w.server_pkt(ss(1400), cs(req_end), F::ACK, &body(1400, 1));
     let marked = w.fp.run(Prog::ToClientTc, &p, w.mac, object::DECIDED_MARK).unwrap();
     assert_eq!(hex(&marked.packet), hex(&p));
@@ -1310,14 +1283,7 @@ fn handoff_take_is_final_while_another_cpu_passes_packets() {
 fn cost_per_packet() {
     let Some(fp) = fast_path("cost_per_packet") else { return };
     let mut w = World::v4(fp, Config::default());
-    w.handshake();
-    let req_end = REQ.len() as u32;
-    w.c(cs(0), ss(0), F::ACK | F::PSH, REQ, "request");
-    let h = hdr(BODY_LEN);
-    let mut first = h.clone();
-    first.extend(body(1400 - h.len(), 1));
-    w.s(ss(0), cs(req_end), F::ACK, &first, "first");
-    w.store_all(true);
+    let req_end = w.into_the_body();
     let ack = w.client_pkt(cs(req_end), ss(1000), F::ACK, b"");
     let seg = w.server_pkt(ss(1400), cs(req_end), F::ACK, &body(1400, 1));
     let syn = w.client_pkt(cs(req_end), ss(1000), F::SYN, b"");

@@ -112,6 +112,19 @@ impl T {
         self.store_all();
         p1.len() as u32
     }
+    /// After a whole response (it ends at server offset `end`): the client acknowledges it
+    /// and closes, the server closes too, and the client acknowledges the server's FIN (every
+    /// store but the last answered with success; the last step's actions are left pending).
+    fn close_after_response(&mut self, end: u32) {
+        let r = REQ.len() as u32;
+        self.c(cs(r), ss(end), F::ACK, b"");
+        self.store_all();
+        self.c(cs(r), ss(end), F::ACK | F::FIN, b"");
+        self.store_all();
+        self.s(ss(end), cs(r + 1), F::ACK | F::FIN, b"");
+        self.store_all();
+        self.c(cs(r + 1), ss(end + 1), F::ACK, b"");
+    }
     /// SYN (MSS 1400, WS 7, SACK, TS) and SYN-ACK (WS 9).
     fn handshake(&mut self) {
         let syn = Repr { src_port: 40000, dst_port: 80, seq: Seq(C_ISN), flags: F::SYN, window: 64240, mss: Some(1400), wscale: Some(7), sack_perm: true, timestamp: Some((5, 0)), ..Default::default() };
@@ -1978,16 +1991,7 @@ fn absorb_to_the_body_end_then_close_deletes_the_record_as_without_the_fast_path
             let (v2, _) = t.s(ss(p1_len), cs(REQ.len() as u32), F::ACK, &body(2000, 4));
             assert!(matches!(v2, Verdict::Accept { .. }), "{v2:?}");
         }
-        let end = p1_len + 2000;
-        let r = REQ.len() as u32;
-        // The client acknowledges the whole response and closes; the server closes too.
-        t.c(cs(r), ss(end), F::ACK, b"");
-        t.store_all();
-        t.c(cs(r), ss(end), F::ACK | F::FIN, b"");
-        t.store_all();
-        t.s(ss(end), cs(r + 1), F::ACK | F::FIN, b"");
-        t.store_all();
-        t.c(cs(r + 1), ss(end + 1), F::ACK, b"");
+        t.close_after_response(p1_len + 2000);
         t.store_all();
         (t.e.counters.deletes, t.e.fast_view(&key()).map(|v| (v.closed, v.body_left, v.header_pending)))
     };
@@ -2004,17 +2008,9 @@ fn absorb_to_the_body_end_then_close_deletes_the_record_as_without_the_fast_path
 fn a_failed_delete_at_close_is_tried_again_until_the_record_is_gone() {
     let mut t = T::new();
     let p1_len = t.inside_the_body(1000);
-    let end = p1_len + 2000;
-    let r = REQ.len() as u32;
-    t.s(ss(p1_len), cs(r), F::ACK, &body(2000, 4));
+    t.s(ss(p1_len), cs(REQ.len() as u32), F::ACK, &body(2000, 4));
     t.store_all();
-    t.c(cs(r), ss(end), F::ACK, b"");
-    t.store_all();
-    t.c(cs(r), ss(end), F::ACK | F::FIN, b"");
-    t.store_all();
-    t.s(ss(end), cs(r + 1), F::ACK | F::FIN, b"");
-    t.store_all();
-    t.c(cs(r + 1), ss(end + 1), F::ACK, b"");
+    t.close_after_response(p1_len + 2000);
     // The delete the close asks for fails, twice; the third goes through.
     let mut deletes = 0;
     for attempt in 0..3 {

@@ -188,7 +188,7 @@ fn check_finished(name: &str, env: &ObjectEnv) {
     let live: Vec<usize> = (1..=env.lab.n_servers()).filter(|&i| !env.is_crashed(i)).collect();
     let deadline = Instant::now() + Duration::from_secs(30);
     let left = loop {
-        let left: Vec<(usize, u64, Vec<String>)> = live.iter().map(|&i| (i, env.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0), env.rebuilt_listed(i))).filter(|(_, n, l)| *n > 0 || !l.is_empty()).collect();
+        let left: Vec<(usize, u64, Vec<String>)> = live.iter().map(|&i| (i, env.rebuilt_serving(i), env.rebuilt_listed(i))).filter(|(_, n, l)| *n > 0 || !l.is_empty()).collect();
         if left.is_empty() || Instant::now() >= deadline {
             break left;
         }

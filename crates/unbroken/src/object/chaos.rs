@@ -313,21 +313,14 @@ fn push_recent(r: &mut std::collections::VecDeque<String>, s: String) {
 
 /// The TCP flags of a captured IPv4 or IPv6 segment.
 fn segment_flags(b: &[u8]) -> Option<u8> {
-    let t = match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
-        0x0800 => 14 + ((b.get(14)? & 0xf) as usize) * 4,
-        0x86dd => 54,
-        _ => return None,
-    };
-    b.get(t + 13).copied()
+    b.get(tcp_at(b)? + 13).copied()
 }
 
 /// One captured TCP segment, briefly: flags, sequence number, payload length.
 fn describe_segment(b: &[u8]) -> Option<String> {
-    let (t, total) = match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
-        0x0800 => (14 + ((b.get(14)? & 0xf) as usize) * 4, u16::from_be_bytes([*b.get(16)?, *b.get(17)?]) as usize + 14),
-        0x86dd => (54, u16::from_be_bytes([*b.get(18)?, *b.get(19)?]) as usize + 54),
-        _ => return None,
-    };
+    let t = tcp_at(b)?;
+    // The frame's end by the IP header's length field (a capture keeps only the headers).
+    let total = if b[12..14] == [0x86, 0xdd] { u16::from_be_bytes([*b.get(18)?, *b.get(19)?]) as usize + 54 } else { u16::from_be_bytes([*b.get(16)?, *b.get(17)?]) as usize + 14 };
     let g = b.get(t..t + 14)?;
     let doff = ((g[12] >> 4) as usize) * 4;
     let len = total.saturating_sub(t + doff);
@@ -376,13 +369,18 @@ fn describe_rst(b: &[u8]) -> Option<String> {
     }
 }
 
+/// Where the TCP header of a captured IPv4 or IPv6 frame starts (no IPv6 extension headers).
+fn tcp_at(b: &[u8]) -> Option<usize> {
+    match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
+        0x0800 => Some(14 + ((b.get(14)? & 0xf) as usize) * 4),
+        0x86dd => Some(54),
+        _ => None,
+    }
+}
+
 /// The destination (client) port of a captured RST.
 fn rst_client_port(b: &[u8]) -> Option<u16> {
-    let t = match u16::from_be_bytes([*b.get(12)?, *b.get(13)?]) {
-        0x0800 => 14 + ((b.get(14)? & 0xf) as usize) * 4,
-        0x86dd => 54,
-        _ => return None,
-    };
+    let t = tcp_at(b)?;
     Some(u16::from_be_bytes([*b.get(t + 2)?, *b.get(t + 3)?]))
 }
 
@@ -922,7 +920,7 @@ fn leftovers(env: &ObjectEnv, trial: usize) -> Vec<String> {
         let live: Vec<usize> = (1..=env.servers()).filter(|&i| !env.is_crashed(i)).collect();
         let mut left: Vec<String> = env.records_stored().unwrap_or_else(|| vec!["(the store could not be read)".into()]).into_iter().map(|r| format!("trial {trial}: record {r}")).collect();
         for &i in &live {
-            let serving = env.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0);
+            let serving = env.rebuilt_serving(i);
             if serving > 0 {
                 left.push(format!("trial {trial}: server {i} still serves {serving} rebuilt connection(s); it lists {:?}", env.rebuilt_listed(i)));
             }
@@ -931,7 +929,7 @@ fn leftovers(env: &ObjectEnv, trial: usize) -> Vec<String> {
             return left;
         }
         if Instant::now() >= deadline {
-            for &i in live.iter().filter(|&&i| env.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0) > 0) {
+            for &i in live.iter().filter(|&&i| env.rebuilt_serving(i) > 0) {
                 // Where the agent's threads wait (a worker that outlived its connection).
                 let conf = env.dir.join(format!("agent{i}.toml"));
                 if let Ok(o) = Command::new("pgrep").args(["-f", &conf.to_string_lossy()]).output() {

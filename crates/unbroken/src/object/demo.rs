@@ -216,6 +216,12 @@ impl ObjectEnv {
         std::fs::read_to_string(p).map(|t| t.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect()).unwrap_or_default()
     }
 
+    /// Agent `i`'s `rebuilt_serving` gauge: connections it rebuilt whose worker still serves
+    /// them (0 when its status cannot be read).
+    pub fn rebuilt_serving(&self, i: usize) -> u64 {
+        self.agent_status(i).and_then(|v| v["agent"]["rebuilt_serving"].as_u64()).unwrap_or(0)
+    }
+
     /// The connection records in the store (their keys, `<prefix>b<bucket>/c/...`), read with
     /// redis-cli; None when it cannot be read.
     pub fn records_stored(&self) -> Option<Vec<String>> {

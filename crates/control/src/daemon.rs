@@ -58,6 +58,67 @@ pub fn raise_fd_limit(name: &str, want: u64) -> u64 {
     now
 }
 
+/// Where [`lock_instance`] keeps its lock files.
+pub const LOCK_DIR: &str = "/run/unbroken/lock";
+
+/// An exclusive hold on one job of this host (an agent's queue in a network namespace, say),
+/// kept for the process's life: the kernel lets go of it when the process ends, however it
+/// ends (SIGKILL too), so a stale lock file never keeps a successor out.
+#[derive(Debug)]
+pub struct InstanceLock {
+    _file: std::fs::File,
+    pub path: PathBuf,
+}
+
+/// Takes the job `name` for this process (`flock(LOCK_EX | LOCK_NB)` on `LOCK_DIR/name`), or
+/// says which process holds it. Two daemons started at once for the same job would otherwise
+/// both pass the check of the rules' owner (made before either installed anything) and then
+/// revoke, pin and install over each other. The file holds the holder's pid, for the message;
+/// a symbolic link planted at its path is refused, never followed.
+pub fn lock_instance(what: &str, name: &str) -> Result<InstanceLock, String> {
+    lock_instance_in(Path::new(LOCK_DIR), what, name)
+}
+
+/// [`lock_instance`] in another directory (tests).
+pub fn lock_instance_in(dir: &Path, what: &str, name: &str) -> Result<InstanceLock, String> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    if name.is_empty() || name.contains('/') || name.starts_with('.') {
+        return Err(format!("{what}: {name:?} cannot name a lock file"));
+    }
+    std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(|e| format!("{what}: cannot create {}: {e}", dir.display()))?;
+    let path = dir.join(format!("{name}.lock"));
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| format!("{what}: cannot open the lock file {}: {e}", path.display()))?;
+    // SAFETY: flock on a descriptor this function owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            let mut held = String::new();
+            let _ = file.read_to_string(&mut held);
+            let who = match held.trim().parse::<u32>() {
+                Ok(pid) => format!("process {pid}"),
+                Err(_) => "another process".to_string(),
+            };
+            return Err(format!("{what}: {who} already runs this job (it holds {}); stop it first, or give this one another queue", path.display()));
+        }
+        return Err(format!("{what}: cannot lock {}: {e}", path.display()));
+    }
+    let mine = format!("{}\n", std::process::id());
+    let written = file.set_len(0).and_then(|_| file.rewind()).and_then(|_| file.write_all(mine.as_bytes()));
+    if let Err(e) = written {
+        return Err(format!("{what}: cannot write {}: {e}", path.display()));
+    }
+    Ok(InstanceLock { _file: file, path })
+}
+
 /// Installs the daemon `name`'s signal handlers: SIGINT and SIGTERM set the stop flag
 /// ([`stopping`]); SIGHUP is ignored with one log line and counted ([`crate::signals`]);
 /// SIGPIPE too when `ignore_pipe` (a daemon writing to sockets its peers may close).
@@ -435,8 +496,62 @@ pub struct PacketIo<'a> {
     name: &'static str,
     queue: &'a mut Queue,
     raw: Option<&'a RawSender>,
-    /// Rate-limited log kinds: `<name>: verdict`, `<name>: inject`, `<name>: verdict flush`.
-    kinds: [&'static str; 3],
+    /// Rate-limited log kinds: `<name>: verdict`, `<name>: inject`, `<name>: verdict flush`,
+    /// `<name>: slow round`.
+    kinds: [&'static str; 4],
+}
+
+/// A loop round longer than this (from waking to its last send), or a wake this much later
+/// than asked, is logged with where its time went: a late round beats late, and a peer may
+/// suspect this host (replica mode's detector allows 100 ms by default).
+pub const SLOW_ROUND_MS: u64 = 40;
+
+/// Where one round of [`run`] spent its time (for the slow-round log line).
+struct RoundClock {
+    asked_ms: u64,
+    waited_from: Instant,
+    marks: [(&'static str, Instant); 9],
+    n: usize,
+    packets: usize,
+}
+
+impl RoundClock {
+    fn start(asked_ms: u64) -> RoundClock {
+        let now = Instant::now();
+        RoundClock { asked_ms, waited_from: now, marks: [("", now); 9], n: 0, packets: 0 }
+    }
+
+    fn mark(&mut self, phase: &'static str) {
+        if self.n < self.marks.len() {
+            self.marks[self.n] = (phase, Instant::now());
+            self.n += 1;
+        }
+    }
+
+    /// The line to log when the round was slow or woke late, else None.
+    fn slow(&self, name: &str) -> Option<String> {
+        if self.n == 0 {
+            return None;
+        }
+        let woke = self.marks[0].1;
+        let waited = woke.duration_since(self.waited_from).as_millis() as u64;
+        let late = waited.saturating_sub(self.asked_ms);
+        let took = self.marks[self.n - 1].1.duration_since(woke).as_millis() as u64;
+        if took < SLOW_ROUND_MS && late < SLOW_ROUND_MS {
+            return None;
+        }
+        let mut parts = Vec::with_capacity(self.n);
+        for w in self.marks[..self.n].windows(2) {
+            let ms = w[1].1.duration_since(w[0].1).as_secs_f64() * 1000.0;
+            parts.push(format!("{} {ms:.1}", w[1].0));
+        }
+        Some(format!(
+            "{name}: a loop round took {took} ms after waking {late} ms later than asked ({waited} of {} ms; {} packet(s); ms per phase: {}): a late loop beats late (check the CPU, memory and I/O pressure of this host, /proc/pressure/*)",
+            self.asked_ms,
+            self.packets,
+            parts.join(", ")
+        ))
+    }
 }
 
 impl<'a> PacketIo<'a> {
@@ -444,7 +559,7 @@ impl<'a> PacketIo<'a> {
     pub fn new(name: &'static str, queue: &'a mut Queue, raw: Option<&'a RawSender>) -> PacketIo<'a> {
         // Once per daemon: the rate-limited log keys its kinds by static strings.
         let kind = |k: &str| -> &'static str { Box::leak(format!("{name}: {k}").into_boxed_str()) };
-        PacketIo { name, queue, raw, kinds: [kind("verdict"), kind("inject"), kind("verdict flush")] }
+        PacketIo { name, queue, raw, kinds: [kind("verdict"), kind("inject"), kind("verdict flush"), kind("slow round")] }
     }
 
     fn settle<M: Mode>(&mut self, mode: &mut M, id: u32, pkt: &mut [u8], n: usize, v: Verdict, csum_not_ready: bool) -> io::Result<()> {
@@ -485,8 +600,10 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
             return Ok(());
         }
         adapter.before_wait();
+        let mut clock;
         let ready = if extra.is_empty() {
             let wait = crate::sync::lock(mode, &core).wait_ms().min(200);
+            clock = RoundClock::start(wait);
             match io.queue.recv_batch(&mut batch, 64, Some(Duration::from_millis(wait))) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -495,6 +612,7 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
             Vec::new()
         } else {
             let wait = crate::sync::lock(mode, &core).wait_ms().min(i32::MAX as u64) as i32;
+            clock = RoundClock::start(wait.max(0) as u64);
             let ready = poll_fds(&fds, wait);
             batch.clear();
             if ready[0] {
@@ -506,8 +624,11 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
             }
             ready[1..].to_vec()
         };
+        clock.mark("woke");
+        clock.packets = batch.len();
         let now = now_ms();
         let mut m = crate::sync::lock(mode, &core);
+        clock.mark("lock");
         adapter.after_wait(&mut m, now);
         if M::BATCH {
             ids.clear();
@@ -553,10 +674,13 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
                 |(m, io, _), id, why| io.fallback(&mut **m, id, why),
             );
         }
+        clock.mark("packets");
         adapter.service(&mut m, now, &ready, &mut out);
         m.collect(&mut out);
+        clock.mark("service");
         m.tick(now, &mut out);
         m.collect(&mut out);
+        clock.mark("tick");
         if !out.requests.is_empty() {
             adapter.execute(&mut m, now, &mut out);
             m.collect(&mut out);
@@ -564,16 +688,22 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
         release(io, &mut *m, &mut out);
         adapter.end_round(&mut m, io.queue.stats());
         drop(m);
+        clock.mark("requests and verdicts");
         match io.queue.flush() {
             Ok(()) => crate::sync::lock(mode, &core).after_flush(now),
             Err(e) => crate::ratelog::log(io.kinds[2], || format!("{name}: verdict flush: {e} (the verdicts are kept as drops and sent again)")),
         }
+        clock.mark("flush");
         // After the verdicts: a packet sent here never overtakes a segment released with it.
         for pkt in out.send.drain(..) {
             if let Some(Err(e)) = io.raw.map(|r| r.send(&pkt)) {
                 let count = crate::sync::lock(mode, &core).io_event(IoEvent::InjectFailed);
                 crate::ratelog::log(io.kinds[1], || format!("{name}: inject failed ({count} time(s) so far): {e}"));
             }
+        }
+        clock.mark("sends");
+        if let Some(line) = clock.slow(name) {
+            crate::ratelog::log(io.kinds[3], || line);
         }
     }
 }
@@ -618,6 +748,59 @@ pub(crate) fn random_secret() -> io::Result<[u8; 32]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slow_or_late_round_is_named_with_where_its_time_went() {
+        let base = Instant::now();
+        let at = |ms: u64| base + Duration::from_millis(ms);
+        let round = |asked_ms: u64, marks: &[(&'static str, u64)]| {
+            let mut c = RoundClock { asked_ms, waited_from: base, marks: [("", base); 9], n: marks.len(), packets: 3 };
+            for (i, (p, ms)) in marks.iter().enumerate() {
+                c.marks[i] = (p, at(*ms));
+            }
+            c.slow("replica")
+        };
+        // An ordinary round: woke when asked, done in a few ms.
+        assert_eq!(round(10, &[("woke", 10), ("lock", 10), ("packets", 12), ("tick", 13), ("sends", 14)]), None);
+        // Woke 120 ms after a 10 ms wait: the late wake is said, with the phases.
+        let late = round(10, &[("woke", 130), ("lock", 130), ("packets", 131), ("sends", 132)]).expect("late");
+        assert!(late.contains("after waking 120 ms later than asked (130 of 10 ms"), "{late}");
+        assert!(late.contains("3 packet(s)"), "{late}");
+        // A round that spent 90 ms in one phase names it.
+        let slow = round(10, &[("woke", 5), ("lock", 5), ("packets", 95), ("tick", 96), ("sends", 97)]).expect("slow");
+        assert!(slow.contains("took 92 ms") && slow.contains("packets 90.0"), "{slow}");
+        // No marks (the round never woke): nothing to say.
+        assert_eq!(round(10, &[]), None);
+    }
+
+    #[test]
+    fn hostile_a_second_instance_of_a_job_is_refused_and_named() {
+        let dir = std::env::temp_dir().join(format!("ub-lock-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let first = lock_instance_in(&dir, "agent", "agent-net1-q7").expect("the first takes the job");
+        // Another descriptor of the same file (what a second daemon would open) is refused,
+        // and the message names the holder.
+        let second = lock_instance_in(&dir, "agent", "agent-net1-q7").unwrap_err();
+        assert!(second.contains(&format!("process {}", std::process::id())), "{second}");
+        assert!(second.contains("agent-net1-q7.lock"), "{second}");
+        // Another job is independent.
+        let other = lock_instance_in(&dir, "agent", "agent-net1-q8").expect("another queue");
+        drop(first);
+        // Released with its holder (a dead process's file stays, and does not keep anyone out).
+        let again = lock_instance_in(&dir, "agent", "agent-net1-q7").expect("free again");
+        assert_eq!(std::fs::read_to_string(&again.path).unwrap().trim(), std::process::id().to_string());
+        drop((again, other));
+        // A planted symbolic link is refused, never followed; names that leave the directory too.
+        let target = dir.join("target");
+        std::fs::write(&target, b"keep").unwrap();
+        std::os::unix::fs::symlink(&target, dir.join("planted.lock")).unwrap();
+        assert!(lock_instance_in(&dir, "agent", "planted").is_err());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        for bad in ["", "../x", ".hidden", "a/b"] {
+            assert!(lock_instance_in(&dir, "agent", bad).is_err(), "{bad:?}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn hostile_every_packet_gets_a_verdict_even_when_handling_fails() {

@@ -121,6 +121,19 @@ fn hostile_agent_misconfigurations_are_loud() {
     let out = lab::run(env.lab.server(2), Command::new(env!("CARGO_BIN_EXE_unbroken")).args(["agent", "--config"]).arg(&conf)).unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("agent.key is missing or empty"), "{err}");
+
+    // A second agent for the same queue in the same namespace while agent 1 runs: refused at
+    // once, naming the one that runs, before it touches its rules, pins or queue (two started
+    // together would otherwise both pass the rules' owner check and install over each other).
+    let conf1 = env.dir.join("agent1.toml");
+    let before = status(&env.agent_status_path(1))["pid"].clone();
+    assert!(before.is_u64(), "agent 1's status names its pid");
+    let out = lab::run(env.lab.server(1), Command::new(env!("CARGO_BIN_EXE_unbroken")).args(["agent", "--config"]).arg(&conf1)).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("already runs this job"), "{err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("ready"), "{err}");
+    wait_for("agent 1 to keep its heartbeats", || status(&env.agent_status_path(1))["lb_heartbeats"]["state"] == "ok");
+    assert_eq!(status(&env.agent_status_path(1))["pid"], before, "agent 1 still the one that runs");
 }
 
 #[test]

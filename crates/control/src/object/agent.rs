@@ -460,6 +460,10 @@ pub fn run(cfg: Agent) -> Result<(), String> {
     // kernel cannot queue is dropped before it is sent (the engine then drops what follows
     // until the server's TCP resends it).
     let qcfg = QueueConfig { queue_num: a.queue, max_len: 16384, rcvbuf: 128 << 20, ..QueueConfig::default() };
+    // One agent per queue and network namespace, for the whole of its life: two started at
+    // once would both pass the owner check below and then revoke, pin and install over each
+    // other.
+    let _instance = daemon::lock_instance("agent", &instance_name(a.queue))?;
     // Another agent that still runs owns these rules: say which, before touching anything.
     let mut spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("agent: {e}"))?;
@@ -535,6 +539,8 @@ pub fn run(cfg: Agent) -> Result<(), String> {
         }
         inherited_keys = keys.clone();
         core.inherit(keys);
+    } else {
+        eprintln!("agent: no agent.rebuilt_file and no agent.status_file: if this agent restarts, the connections it rebuilt (whose sockets die with it) are reset; set either to keep them");
     }
     let ctx = Arc::new(WorkerCtx {
         adopted: Mutex::new(HashMap::new()),
@@ -896,12 +902,18 @@ fn fast_path(cfg: &Agent, zero_ns: u64) -> Result<KernelFast, String> {
     Ok(KernelFast { fp, map, pins, ifaces })
 }
 
-/// Where the agent of `queue` in this network namespace pins its filters (namespaces share
-/// the BPF filesystem, and labs run agents of the same queue number side by side).
-fn pin_dir(queue: u16) -> PathBuf {
+/// The job of the agent of `queue` in this network namespace: its pins' directory and its
+/// instance lock are named after it (namespaces share the BPF filesystem and `/run`, and labs
+/// run agents of the same queue number side by side).
+fn instance_name(queue: u16) -> String {
     use std::os::unix::fs::MetadataExt;
     let ns = std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0);
-    PathBuf::from(format!("/sys/fs/bpf/unbroken/agent-net{ns}-q{queue}"))
+    format!("agent-net{ns}-q{queue}")
+}
+
+/// Where the agent of `queue` in this network namespace pins its filters.
+fn pin_dir(queue: u16) -> PathBuf {
+    PathBuf::from("/sys/fs/bpf/unbroken").join(instance_name(queue))
 }
 
 impl AgentIo {

@@ -154,6 +154,10 @@ pub struct Trial {
     pub max_op_ms: u64,
     /// The client namespace's `TcpExtPAWSEstab` after minus before (None: unreadable).
     pub paws_estab: Option<u64>,
+    /// Packets the kernel dropped before any socket saw them (`/proc/net/softnet_stat`'s
+    /// second column, all CPUs, after minus before: backlog overflows, for every namespace of
+    /// this host): the side channel's beats are among what such drops can take.
+    pub softnet_dropped: Option<u64>,
     pub ops: u64,
     pub bytes: u64,
     /// Segments the client's connections retransmitted.
@@ -170,6 +174,10 @@ pub struct Trial {
     /// yielding.
     pub daemons: serde_json::Value,
     pub yield_log: Vec<String>,
+    /// The backup's log lines about fencing (why it fenced: how long the primary was silent).
+    pub fence_log: Vec<String>,
+    /// Each daemon's slow loop rounds ("a loop round took ..." lines, the first 3 of each).
+    pub slow_rounds: Vec<String>,
     pub error: Option<String>,
     /// The client's whole report (per connection), for tests.
     #[serde(skip)]
@@ -180,7 +188,7 @@ pub struct Trial {
 }
 
 /// The status fields a trial reports of each daemon (those present).
-const STATUS_FIELDS: [&str; 14] = [
+const STATUS_FIELDS: [&str; 16] = [
     "state",
     "connections",
     "unprotected",
@@ -195,6 +203,10 @@ const STATUS_FIELDS: [&str; 14] = [
     "yields_refused",
     "yielded_dropped",
     "held_bytes",
+    // The longest gap between two rounds of the daemon's loop, and how many exceeded a beat
+    // interval: a late loop beats late (and may see its peer's beats late).
+    "tick_gap_max_ms",
+    "tick_gaps_over_interval",
 ];
 /// The engine counters a trial reports (those present).
 const ENGINE_FIELDS: [&str; 11] = ["held", "released", "retrans_dropped", "nudges", "acks_lowered", "kept_dropped", "takeover_resent", "withheld", "acks_relayed", "acks_unheard", "diverged_reset"];
@@ -213,6 +225,12 @@ fn compact(s: &Option<serde_json::Value>) -> serde_json::Value {
         }
     }
     serde_json::Value::Object(m)
+}
+
+/// The kernel's backlog drops so far, all CPUs (`/proc/net/softnet_stat`, hex, column 2).
+fn softnet_dropped() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/net/softnet_stat").ok()?;
+    text.lines().map(|l| l.split_whitespace().nth(1).and_then(|v| u64::from_str_radix(v, 16).ok())).sum()
 }
 
 fn refused(env: &ReplicaEnv) -> u64 {
@@ -263,6 +281,7 @@ fn inject(env: &mut ReplicaEnv, fault: Fault, frame: Option<&[u8]>) -> Result<(S
 pub fn run_trial(env: &mut ReplicaEnv, fault: Fault, at: f64, o: &TrialOpts) -> Trial {
     let mut t = Trial::new(fault, at);
     let paws0 = env.client_paws_estab().ok();
+    let softnet0 = softnet_dropped();
     let frame = if fault == Fault::Replay {
         match env.capture_side_datagram(Duration::from_secs(5)) {
             Ok(f) => Some(f),
@@ -307,6 +326,7 @@ pub fn run_trial(env: &mut ReplicaEnv, fault: Fault, at: f64, o: &TrialOpts) -> 
     t.takeover = env.state(Side::Backup).as_deref() == Some("took_over");
     t.false_failover = t.takeover && fault.primary_healthy();
     t.resets_seen_by_client = env.client_rsts();
+    t.softnet_dropped = softnet0.zip(softnet_dropped()).map(|(a, b)| b.saturating_sub(a));
     t.paws_estab = match (paws0, env.client_paws_estab().ok()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
@@ -314,6 +334,11 @@ pub fn run_trial(env: &mut ReplicaEnv, fault: Fault, at: f64, o: &TrialOpts) -> 
     t.status = [env.status(Side::Primary), env.status(Side::Backup)];
     t.daemons = serde_json::json!({"primary": compact(&t.status[0]), "backup": compact(&t.status[1])});
     t.yield_log = std::fs::read_to_string(env.log_path(Side::Primary)).unwrap_or_default().lines().filter(|l| l.contains("yield")).take(5).map(String::from).collect();
+    t.fence_log = std::fs::read_to_string(env.log_path(Side::Backup)).unwrap_or_default().lines().filter(|l| l.contains("fenc")).take(5).map(String::from).collect();
+    for side in [Side::Primary, Side::Backup] {
+        let log = std::fs::read_to_string(env.log_path(side)).unwrap_or_default();
+        t.slow_rounds.extend(log.lines().filter(|l| l.contains("a loop round took")).take(3).map(|l| format!("{}: {l}", side.name())));
+    }
     match report {
         Ok(r) => {
             t.byte_exact = r.ok;
@@ -437,6 +462,18 @@ pub fn run_chaos(o: &ChaosOpts) -> Result<ChaosReport, String> {
                     _ => String::new(),
                 }
             );
+            if trial.false_failover {
+                eprintln!(
+                    "    false failover: {}; loop gaps (max ms) primary {} backup {}; kernel backlog drops {}",
+                    trial.fence_log.first().map_or("(no fencing line in the backup's log)", String::as_str),
+                    trial.daemons["primary"]["tick_gap_max_ms"],
+                    trial.daemons["backup"]["tick_gap_max_ms"],
+                    trial.softnet_dropped.map_or("?".into(), |d| d.to_string()),
+                );
+                for l in &trial.slow_rounds {
+                    eprintln!("    {l}");
+                }
+            }
         }
         log.push(trial);
     }
@@ -482,6 +519,7 @@ impl Trial {
             stall_ms: 0,
             max_op_ms: 0,
             paws_estab: None,
+            softnet_dropped: None,
             ops: 0,
             bytes: 0,
             client_retrans: 0,
@@ -491,6 +529,8 @@ impl Trial {
             lost_details: Vec::new(),
             daemons: serde_json::Value::Null,
             yield_log: Vec::new(),
+            fence_log: Vec::new(),
+            slow_rounds: Vec::new(),
             error: None,
             client: None,
             status: [None, None],

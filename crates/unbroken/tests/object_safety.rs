@@ -1516,6 +1516,9 @@ fn agent_restart_and_sighup_during_a_download() {
         );
         // ... and keeps it moving: the next 10 % arrive while the new agent runs.
         assert!(c.wait_bytes(at + size / 10, Duration::from_secs(30)), "{name}: restart {k}: the download crawls");
+        // The status's count of protected connections is refreshed at most every 100 ms (an
+        // O(n) walk), its counters every round: wait for a status that shows it protected.
+        wait_for(Duration::from_secs(10), || env.agent_status(srv).is_some_and(|st| st["protected"].as_u64() == Some(1)));
         let st = env.agent_status(srv).unwrap();
         eprintln!("{name}: after restart {k}: agent {} engine learned {}", st["agent"], st["engine"]["learned"]);
         assert_eq!(st["agent"]["failovers_denied"].as_u64(), Some(0), "{name}: packets waited at the gate");

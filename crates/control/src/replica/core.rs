@@ -78,6 +78,9 @@ use unbroken_wire::replica::{hdr, ConnProgress, Progress, Role, Session};
 use crate::daemon::{IoEvent, Meta, Mode, Outbox};
 use crate::ratelog::RateLimit;
 
+mod fast;
+pub use fast::*;
+
 /// The first wait after a failed fence, and the longest.
 pub const FENCE_BACKOFF_MIN_MS: u64 = 100;
 pub const FENCE_BACKOFF_MAX_MS: u64 = 5_000;
@@ -293,6 +296,8 @@ pub struct Core {
     pub counters: Counters,
     /// Connections that became unprotected, by reason (as the engine names it).
     pub unprotected_by: HashMap<&'static str, u64>,
+    /// The backup's fast path (off unless the daemon enables it).
+    fast: FastPart,
 }
 
 /// How a role is named in configs, status files and logs.
@@ -393,6 +398,7 @@ impl Core {
             clock: now_ms,
             counters: Counters::default(),
             unprotected_by: HashMap::new(),
+            fast: FastPart::default(),
         }
     }
 

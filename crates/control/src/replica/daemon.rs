@@ -25,6 +25,7 @@
 //! max_hang_ms = 150                 # a server reading nothing, using no CPU: hung (0: off)
 //! max_connections = 65536
 //! status_file = "/run/unbroken/replica.json"
+//! fast_path = false                 # backup: steady-state packets in tc-BPF (issue 22 item 4)
 //!
 //! [[service]]                       # IPv4, one address (several ports)
 //! addr = "10.77.3.10"
@@ -145,6 +146,12 @@ pub struct ReplicaSection {
     pub closed_grace_secs: u64,
     #[serde(default)]
     pub status_file: Option<PathBuf>,
+    /// The kernel fast path (issue 22 item 4; docs/architecture.md, "Fast path: replica
+    /// mode"): on the backup, an aligned connection's client packets are translated and its
+    /// server's output digested and withheld by tc-BPF programs, the rest through the queue as
+    /// before. Off by default while it is new; the primary's half is not attached yet.
+    #[serde(default)]
+    pub fast_path: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -308,6 +315,20 @@ pub fn check_fence_command(argv: &[String]) -> Result<Option<String>, String> {
     Ok(None)
 }
 
+/// Why the fast path (issue 22 item 4) is off for `cfg`, or `None` when it can run.
+fn fast_path_off_because(cfg: &Replica) -> Option<String> {
+    if !cfg.raw.replica.fast_path {
+        return Some("replica.fast_path = false".into());
+    }
+    if cfg.role == Role::Primary {
+        return Some("the primary's half is not attached yet (only the backup's programs are)".into());
+    }
+    if let Err(e) = unbroken_drivers::fastpath::available() {
+        return Some(e.to_string());
+    }
+    Some("attaching the backup's programs is not built yet".into())
+}
+
 /// The daemon's queue rules: client packets to the service (PREROUTING), its server's packets
 /// back (OUTPUT).
 fn rule_spec(cfg: &Replica) -> RuleSpec {
@@ -366,7 +387,13 @@ struct View {
     queue: unbroken_drivers::nfqueue::Stats,
     side_send_errors: u64,
     announce_errors: u64,
+    /// The status's `fast_path` object (refreshed every [`FAST_STATUS_MS`]).
+    fast: serde_json::Value,
 }
+
+/// How often the status's `fast_path` object is refreshed (it reads the programs' per-CPU
+/// counters).
+const FAST_STATUS_MS: u64 = 100;
 
 struct ReplicaIo {
     sock: UdpSocket,
@@ -387,6 +414,8 @@ struct ReplicaIo {
     fatal: Option<String>,
     /// This host's server, looked at every [`LISTEN_CHECK_MS`] by its own thread.
     server_looks: Option<Receiver<ServerLook>>,
+    /// When the status's `fast_path` object was last refreshed.
+    fast_status_at: Option<Instant>,
 }
 
 /// How often a host checks its server (its listeners, its sockets' input, its CPU time).
@@ -695,6 +724,10 @@ impl daemon::Adapter<Core> for ReplicaIo {
         v.queue = queue;
         v.side_send_errors = self.side_send_errors;
         v.announce_errors = self.announce_errors;
+        if self.fast_status_at.is_none_or(|t| t.elapsed() >= Duration::from_millis(FAST_STATUS_MS)) {
+            self.fast_status_at = Some(Instant::now());
+            v.fast = core.fast_status();
+        }
     }
 }
 
@@ -720,6 +753,7 @@ fn status_fields(view: Arc<Mutex<View>>, role: &'static str, started: Instant) -
             "side_send_errors": v.side_send_errors,
             "announce_errors": v.announce_errors,
             "queue_errors": v.queue.enobufs + v.queue.verdict_errors,
+            "fast_path": v.fast,
             "engine": match (v.primary, v.backup) {
                 (Some(p), _) => serde_json::to_value(p).unwrap_or_default(),
                 (_, Some(b)) => serde_json::to_value(b).unwrap_or_default(),
@@ -819,7 +853,14 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
     let wake = Arc::new(Wake::new().map_err(|e| format!("replica: eventfd: {e}"))?);
     let now_ms = move || started.elapsed().as_millis() as u64;
-    let core = Core::new(cfg.settings(), cfg.key.clone(), r.peer, boot, now_ms());
+    let mut core = Core::new(cfg.settings(), cfg.key.clone(), r.peer, boot, now_ms());
+    match fast_path_off_because(&cfg) {
+        Some(why) => {
+            eprintln!("replica: fast path off: {why}; every packet of the service goes through NFQUEUE {}", r.queue);
+            core.fast_off(why);
+        }
+        None => eprintln!("replica: fast path on"),
+    }
     let view = Arc::new(Mutex::new(View {
         state: core.state(),
         counters: core.counters,
@@ -837,6 +878,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         queue: Default::default(),
         side_send_errors: 0,
         announce_errors: 0,
+        fast: serde_json::Value::Null,
     }));
     let dirty = Arc::new(AtomicBool::new(true));
     let plan = daemon::StatusPlan { name: "replica", path: r.status_file.clone(), period: Duration::from_millis(100), dirty: dirty.clone(), started };
@@ -868,6 +910,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
                 None
             }
         },
+        fast_status_at: None,
     };
     println!(
         "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",

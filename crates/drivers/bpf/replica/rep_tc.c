@@ -484,6 +484,7 @@ struct eg_info {
 	__u32 l4;
 	__u32 l4_len;
 	struct rep_key key;
+	__u32 counted; /* the program counted the packet in its entry's slow (REP_REC_SLOW's a) */
 };
 
 /* Kept off the stack (per CPU): the egress programs' stack is full. */
@@ -516,7 +517,7 @@ static __always_inline int egress_declined(struct __sk_buff *skb, const struct e
 	svc.port = g->sport;
 	if (!bpf_map_lookup_elem(&rep_services, &svc))
 		return v;
-	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = 0, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
+	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = g->counted, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
 	if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
 		COUNT(records_lost);
 	return FP_CONSUMED;
@@ -619,17 +620,25 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 }
 
 /* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
- * (egress_declined). */
+ * (egress_declined). After the take-over (REP_CFG_PROMOTED) every packet passes untouched: the
+ * OUTPUT queue rule sent it through the daemon's engine before tc egress. */
 SEC("classifier")
 int rep_b_out(struct __sk_buff *skb)
 {
 	__u32 zero = 0;
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
 	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
 
+	if (cfg && (cfg->flags & REP_CFG_PROMOTED))
+		return FP_SLOW;
 	if (!g)
 		return FP_SLOW;
+	__u32 mark0 = skb->mark;
 	g->parsed = 0;
-	return egress_declined(skb, g, b_out(skb, g));
+	int v = b_out(skb, g);
+	/* Counted by slow(), which marks it: a mark the socket set before does not count. */
+	g->counted = (skb->mark & REP_MARK_SLOW) && !(mark0 & REP_MARK_SLOW);
+	return egress_declined(skb, g, v);
 }
 
 /* The daemon's operations on an entry (rep_state.h), by BPF_PROG_TEST_RUN. Never attached. */
@@ -955,8 +964,11 @@ int rep_p_out(struct __sk_buff *skb)
 
 	if (!g)
 		return FP_SLOW;
+	__u32 mark0 = skb->mark;
 	g->parsed = 0;
-	return egress_declined(skb, g, p_out(skb, g));
+	int v = p_out(skb, g);
+	g->counted = (skb->mark & REP_MARK_SLOW) && !(mark0 & REP_MARK_SLOW);
+	return egress_declined(skb, g, v);
 }
 
 /* The daemon's operations on a primary entry (REP_OP_*; COLLECT reads it). Never attached. */

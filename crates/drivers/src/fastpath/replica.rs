@@ -288,7 +288,9 @@ pub enum Record {
     /// A piece of a packet of the service an egress program declined in copy mode
     /// ([`Replica::set_egress_copy`]): consumed there, for the daemon's engine to decide. The IP
     /// packet's length, where the piece starts, its bytes.
-    Slow { key: Key, total: u32, off: u32, bytes: Vec<u8> },
+    /// `counted`: the packet was counted in its entry's `slow` (as a packet marked
+    /// [`MARK_SLOW`]: the daemon takes it with [`Op::Take`]); false when it had no entry.
+    Slow { key: Key, counted: bool, total: u32, off: u32, bytes: Vec<u8> },
     /// A record this version does not know.
     Unknown(u32),
 }
@@ -311,7 +313,7 @@ impl Record {
             1 => Record::Changed(key),
             2 => Record::Checkpoint { key, end: a, hash },
             3 => Record::Keep { key, end_b: a, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
-            4 => Record::Slow { key, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            4 => Record::Slow { key, counted: a != 0, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
             t => Record::Unknown(t),
         })
     }
@@ -582,10 +584,20 @@ pub struct PrimaryCounters {
 // SAFETY: plain integers.
 unsafe impl aya::Pod for PrimaryCounters {}
 
+/// `rep_cfg`'s flags (`REP_CFG_*`).
+mod cfg {
+    pub const EGRESS_COPY: u32 = 1 << 0;
+    pub const PROMOTED: u32 = 1 << 1;
+}
+
 /// The loaded programs, their map and the ring.
 pub struct Replica {
     ebpf: Ebpf,
     ring: RingBuf<MapData>,
+    /// What `rep_cfg` holds.
+    cfg: u32,
+    /// `rep_b_out`'s link, pinned ([`Replica::attach_backup`]).
+    pinned: Option<aya::programs::links::PinnedLink>,
 }
 
 impl Replica {
@@ -596,7 +608,65 @@ impl Replica {
         load_classifiers(&mut ebpf, &[Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM])?;
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
-        Ok(Replica { ebpf, ring })
+        Ok(Replica { ebpf, ring, cfg: 0, pinned: None })
+    }
+
+    /// The ring buffer's descriptor: readable when a record that wakes the reader arrived
+    /// (`REP_REC_CHANGED`; checkpoints and kept pieces are written without a wake-up).
+    pub fn ring_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.ring.as_raw_fd()
+    }
+
+    /// Attaches the backup's programs to `iface` by TCX (Linux 6.6 or later): `rep_b_in` at
+    /// ingress (detached when this value is dropped: the queue rule then takes every client
+    /// packet again, and drops it while no daemon reads the queue), `rep_b_out` at egress. With
+    /// `pin`, `rep_b_out`'s link is pinned there, so that a daemon that dies leaves it
+    /// withholding its server's output (fail closed, as the queue rules): a link already
+    /// pinned there (a predecessor's) has its program replaced atomically, never a moment
+    /// without one. Copy mode is turned on first ([`Replica::set_egress_copy`]).
+    pub fn attach_backup(&mut self, iface: &str, pin: Option<&std::path::Path>) -> Result<(), Error> {
+        use aya::programs::links::{FdLink, PinnedLink};
+        use aya::programs::tc::SchedClassifierLink;
+        use aya::programs::TcAttachType;
+        self.set_egress_copy(true)?;
+        let out = Direction::Outgoing.program();
+        let prog = super::classifier_mut(&mut self.ebpf, out)?;
+        let old = match pin {
+            Some(p) if p.exists() => {
+                let link = PinnedLink::from_pin(p).map_err(|e| bpf_err(&format!("reading the pinned link {}", p.display()), e))?;
+                let fd = link.unpin().map_err(|e| bpf_err(&format!("unpinning {}", p.display()), e))?;
+                SchedClassifierLink::try_from(fd).ok()
+            }
+            _ => None,
+        };
+        let id = match old {
+            Some(link) => prog.attach_to_link(link).map_err(|e| bpf_err(&format!("replacing {out}'s program on {iface} (tc egress, TCX)"), e))?,
+            None => {
+                let opts = aya::programs::tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::default());
+                prog.attach_with_options(iface, TcAttachType::Egress, opts).map_err(|e| bpf_err(&format!("attaching {out} to {iface} (tc egress, TCX: Linux 6.6 or later)"), e))?
+            }
+        };
+        if let Some(p) = pin {
+            let link = prog.take_link(id).map_err(|e| bpf_err("taking rep_b_out's link", e))?;
+            let fd = FdLink::try_from(link).map_err(|e| bpf_err("rep_b_out's link is not a TCX link", e))?;
+            self.pinned = Some(fd.pin(p).map_err(|e| bpf_err(&format!("pinning rep_b_out's link at {}", p.display()), e))?);
+        }
+        super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)
+    }
+
+    /// The take-over (the OUTPUT queue rule installed first): `rep_b_out` passes every packet
+    /// untouched from now on.
+    pub fn set_promoted(&mut self, on: bool) -> Result<(), Error> {
+        self.write_cfg(if on { self.cfg | cfg::PROMOTED } else { self.cfg & !cfg::PROMOTED })
+    }
+
+    fn write_cfg(&mut self, flags: u32) -> Result<(), Error> {
+        let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
+        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
+        a.set(0, [flags, 0], 0).map_err(|e| bpf_err("rep_cfg", e))?;
+        self.cfg = flags;
+        Ok(())
     }
 
     fn map(&mut self) -> Result<HashMap<&mut MapData, Key, Entry>, Error> {
@@ -670,9 +740,7 @@ impl Replica {
     /// daemon ([`Record::Slow`]) and consumed instead of passed (attached at tc egress, a
     /// declined packet would otherwise reach the wire as its server built it).
     pub fn set_egress_copy(&mut self, on: bool) -> Result<(), Error> {
-        let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
-        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
-        a.set(0, [on as u32, 0], 0).map_err(|e| bpf_err("rep_cfg", e))
+        self.write_cfg(if on { self.cfg | cfg::EGRESS_COPY } else { self.cfg & !cfg::EGRESS_COPY })
     }
 
     /// A service endpoint (the service address and a port) for copy mode.

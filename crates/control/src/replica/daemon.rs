@@ -57,6 +57,7 @@ use unbroken_wire::replica::Role;
 use crate::service::Service;
 use crate::daemon::{self, Outbox, Wake};
 use crate::replica::core::{Boot, Core, Counters, Request, Settings, State};
+use crate::replica::fastmap::KernelMap;
 
 /// Mark of the packets the daemon sends (released output, fresh ACKs, relayed client ACKs):
 /// its queue rules let them pass.
@@ -326,7 +327,50 @@ fn fast_path_off_because(cfg: &Replica) -> Option<String> {
     if let Err(e) = unbroken_drivers::fastpath::available() {
         return Some(e.to_string());
     }
-    Some("attaching the backup's programs is not built yet".into())
+    None
+}
+
+/// Loads the backup's programs and attaches them to `replica.interface` (copy mode, the
+/// egress link pinned), or says why not. `spec`: the queue rules, whose OUTPUT jump the
+/// take-over adds.
+fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
+    use unbroken_drivers::fastpath::replica::Replica as Programs;
+    if let Some(why) = fast_path_off_because(cfg) {
+        return Err(why);
+    }
+    let r = &cfg.raw.replica;
+    crate::checkpoint::runtime::mark_conflicts()?;
+    if !unbroken_drivers::fastpath::is_ethernet(&r.interface) {
+        return Err(format!("replica.interface {:?} is not an Ethernet device (the programs read an Ethernet header)", r.interface));
+    }
+    let pin = crate::replica::fastmap::pin_path(&r.interface, r.queue).map_err(|e| format!("pinning the egress program (so that a dead daemon's keeps withholding) is not possible: {e}"))?;
+    let mut fp = Programs::load().map_err(|e| e.to_string())?;
+    for s in &cfg.raw.services {
+        fp.add_service(SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).map_err(|e| e.to_string())?;
+    }
+    if let Err(e) = fp.attach_backup(&r.interface, Some(&pin)) {
+        // Never leave a copying program behind that nobody reads.
+        let _ = fp.unpin();
+        let _ = unbroken_drivers::fastpath::replica::remove_pinned(&pin);
+        return Err(e.to_string());
+    }
+    Ok(KernelMap::new(fp, r.strict, Some(spec.clone())))
+}
+
+/// A pinned egress program of an earlier backup daemon on this device and queue (its fast
+/// path): removed when this run does not take it over, else it would consume the service's
+/// packets after this host takes over or serves as the primary.
+fn remove_pinned_leftover(cfg: &Replica) -> Result<(), String> {
+    let r = &cfg.raw.replica;
+    let Ok(pin) = crate::replica::fastmap::pin_path(&r.interface, r.queue) else { return Ok(()) };
+    match unbroken_drivers::fastpath::replica::remove_pinned(&pin) {
+        Ok(true) => {
+            eprintln!("replica: removed the pinned egress program of an earlier backup daemon ({})", pin.display());
+            Ok(())
+        }
+        Ok(false) => Ok(()),
+        Err(e) => Err(format!("replica: a pinned egress program of an earlier backup daemon ({}) cannot be removed: {e}", pin.display())),
+    }
 }
 
 /// The daemon's queue rules: client packets to the service (PREROUTING), its server's packets
@@ -364,7 +408,7 @@ pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
         ArpSuppress::remove_leftovers(&arp_spec(cfg)).map_err(|e| format!("replica: removing the ARP suppression: {e}"))?;
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: removing the receive rule: {e}"))?;
     }
-    Ok(())
+    remove_pinned_leftover(cfg)
 }
 
 /// What the status thread shows, copied from the core at the end of every round.
@@ -416,6 +460,8 @@ struct ReplicaIo {
     server_looks: Option<Receiver<ServerLook>>,
     /// When the status's `fast_path` object was last refreshed.
     fast_status_at: Option<Instant>,
+    /// The fast path's ring buffer (its records are drained every round).
+    ring: Option<std::os::fd::RawFd>,
 }
 
 /// How often a host checks its server (its listeners, its sockets' input, its CPU time).
@@ -656,7 +702,15 @@ impl ReplicaIo {
 
 impl daemon::Adapter<Core> for ReplicaIo {
     fn fds(&self) -> Vec<std::os::fd::RawFd> {
-        vec![self.sock.as_raw_fd(), self.wake.as_raw_fd()]
+        let mut v = vec![self.sock.as_raw_fd(), self.wake.as_raw_fd()];
+        v.extend(self.ring);
+        v
+    }
+
+    fn after_wait(&mut self, core: &mut Core, now: u64) {
+        // The programs' records before the queue's packets (a server's SYN-ACK the egress
+        // program copied comes before the client's ACK that answers the primary's).
+        core.fast_records(now);
     }
 
     fn service(&mut self, core: &mut Core, now: u64, ready: &[bool], out: &mut Outbox<Request>) {
@@ -797,7 +851,7 @@ fn remove_backup_leftovers(cfg: &Replica) -> Result<(), String> {
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: a leftover receive rule on {} (this host was a backup): cannot remove it: {e}", r.interface))?;
         eprintln!("replica: removed a leftover receive rule on {} (this host was a backup before)", r.interface);
     }
-    Ok(())
+    remove_pinned_leftover(cfg)
 }
 
 /// Runs the daemon until SIGINT/SIGTERM. Prints one `ready` line once its rules, side channel
@@ -818,8 +872,28 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // The backup's suppression first: its server must never answer ARP for the address. From
     // here on, whatever stops the daemon (an error below, a panic in the loop) leaves it and
     // the receive rule installed (fail closed).
-    let spec = rule_spec(&cfg);
+    let mut spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("replica: {e}"))?;
+    // The backup's fast path before the queue rules (issue 22 item 4): its egress program
+    // withholds the server's output from now on (copy mode), so the rules need no OUTPUT jump
+    // until the take-over; claimed client packets skip the queue (fast mark RETURN).
+    let swept = crate::replica::fastmap::sweep_dead_pins();
+    if swept > 0 {
+        eprintln!("replica: removed {swept} pinned egress program(s) of backup daemons whose network namespace is gone");
+    }
+    let fast = match fast_path(&cfg, &spec) {
+        Ok(map) => {
+            spec.hooks = vec![BuiltinChain::Prerouting];
+            spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
+            Ok(map)
+        }
+        Err(why) => {
+            if cfg.role == Role::Backup {
+                remove_pinned_leftover(&cfg)?;
+            }
+            Err(why)
+        }
+    };
     let (arp, mut rx, announce) = if cfg.role == Role::Backup {
         let arp = FailClosed::new(Some(ArpSuppress::install(&arp_spec(&cfg)).map_err(|e| format!("replica: ARP suppression on {}: {e}", r.interface))?));
         let rx = FailClosed::new(Some(HubReceive::install(&rx_spec(&cfg)).map_err(|e| format!("replica: receive rule on {}: {e}", r.interface))?));
@@ -850,17 +924,27 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: cfg.role == Role::Backup, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("replica: cannot bind NFQUEUE {}: {e}", r.queue))?;
     let mut rules = FailClosed::new(Some(Rules::install_or_replace(&spec).map_err(|e| format!("replica: installing the queue rules: {e}"))?));
+    if fast.is_ok() {
+        // A predecessor's OUTPUT jump (without the fast path): the egress program withholds now.
+        Rules::remove_jump(&spec, BuiltinChain::Output).map_err(|e| format!("replica: removing the OUTPUT jump: {e}"))?;
+    }
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
     let wake = Arc::new(Wake::new().map_err(|e| format!("replica: eventfd: {e}"))?);
     let now_ms = move || started.elapsed().as_millis() as u64;
     let mut core = Core::new(cfg.settings(), cfg.key.clone(), r.peer, boot, now_ms());
-    match fast_path_off_because(&cfg) {
-        Some(why) => {
+    let ring = match fast {
+        Err(why) => {
             eprintln!("replica: fast path off: {why}; every packet of the service goes through NFQUEUE {}", r.queue);
             core.fast_off(why);
+            None
         }
-        None => eprintln!("replica: fast path on"),
-    }
+        Ok(map) => {
+            eprintln!("replica: fast path on: aligned connections' client packets and server output stay in the kernel (tc-BPF on {}; the egress link pinned)", r.interface);
+            let fd = map.fp.ring_fd();
+            core.enable_fast_path(Box::new(map));
+            Some(fd)
+        }
+    };
     let view = Arc::new(Mutex::new(View {
         state: core.state(),
         counters: core.counters,
@@ -911,6 +995,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
             }
         },
         fast_status_at: None,
+        ring,
     };
     println!(
         "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",

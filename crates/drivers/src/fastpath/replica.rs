@@ -584,6 +584,18 @@ pub struct PrimaryCounters {
 // SAFETY: plain integers.
 unsafe impl aya::Pod for PrimaryCounters {}
 
+/// Removes a pinned `rep_b_out` link at `path` (a backup daemon's that no longer runs, see
+/// [`Replica::attach_backup`]): its program stops withholding once nothing else holds it.
+/// False when there was none.
+pub fn remove_pinned(path: &std::path::Path) -> Result<bool, Error> {
+    if !path.exists() {
+        return Ok(false);
+    }
+    let link = aya::programs::links::PinnedLink::from_pin(path).map_err(|e| bpf_err(&format!("reading the pinned link {}", path.display()), e))?;
+    link.unpin().map(drop).map_err(|e| bpf_err(&format!("unpinning {}", path.display()), e))?;
+    Ok(true)
+}
+
 /// `rep_cfg`'s flags (`REP_CFG_*`).
 mod cfg {
     pub const EGRESS_COPY: u32 = 1 << 0;
@@ -653,6 +665,15 @@ impl Replica {
             self.pinned = Some(fd.pin(p).map_err(|e| bpf_err(&format!("pinning rep_b_out's link at {}", p.display()), e))?);
         }
         super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)
+    }
+
+    /// Removes the pin of `rep_b_out`'s link (this run cannot go on with the fast path): the
+    /// link detaches when this value is dropped.
+    pub fn unpin(&mut self) -> Result<(), Error> {
+        match self.pinned.take() {
+            Some(p) => p.unpin().map(drop).map_err(|e| bpf_err("unpinning rep_b_out's link", e)),
+            None => Ok(()),
+        }
     }
 
     /// The take-over (the OUTPUT queue rule installed first): `rep_b_out` passes every packet

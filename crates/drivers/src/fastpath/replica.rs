@@ -9,8 +9,9 @@
 //! `bpf/replica/rep_state.h`). The primary's half is the steady state of a protected
 //! connection ([`PrimaryDirection`]: `rep_p_in` learns from the client's pure ACKs, `rep_p_out`
 //! gates its server's pure ACKs, retransmissions of released bytes and, without strict output
-//! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). Nothing here attaches the
-//! programs yet.
+//! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). The
+//! backup's programs are attached by [`Replica::attach_backup`] (the replica daemon's fast
+//! path); the primary's are not attached yet.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;

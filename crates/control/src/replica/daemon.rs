@@ -343,6 +343,16 @@ fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
     if !unbroken_drivers::fastpath::is_ethernet(&r.interface) {
         return Err(format!("replica.interface {:?} is not an Ethernet device (the programs read an Ethernet header)", r.interface));
     }
+    // The server's packets reach tc egress only once their client's address is resolved: the
+    // backup's ARP requests must name its host address (the service address's are suppressed).
+    // The README has the operator set arp_announce = 2 on the device after the daemon started;
+    // with the fast path it is needed from the first connection, so the daemon sets it now.
+    let path = |dev: &str| format!("/proc/sys/net/ipv4/conf/{dev}/arp_announce");
+    let announce = |dev: &str| std::fs::read_to_string(path(dev)).ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(0);
+    if announce("all").max(announce(&r.interface)) < 2 {
+        std::fs::write(path(&r.interface), "2").map_err(|e| format!("net.ipv4.conf.{}.arp_announce must be 2 (this backup's ARP requests must name its host address: its server's packets reach tc egress only once their client's address is resolved) and setting it failed: {e}", r.interface))?;
+        eprintln!("replica: set net.ipv4.conf.{}.arp_announce = 2 (the fast path needs the clients' addresses resolved before the take-over)", r.interface);
+    }
     let pin = crate::replica::fastmap::pin_path(&r.interface, r.queue).map_err(|e| format!("pinning the egress program (so that a dead daemon's keeps withholding) is not possible: {e}"))?;
     let mut fp = Programs::load().map_err(|e| e.to_string())?;
     for s in &cfg.raw.services {

@@ -162,7 +162,8 @@ fn steady_stream(strict: bool) -> Option<Run> {
         if from_client {
             match r.verdict {
                 FpVerdict::Done => run.claimed_in += 1,
-                v if v == CONSUMED => run.claimed_in += 1,
+                // Dropped by decision (TC_ACT_SHOT: TCX ignores STOLEN).
+                FpVerdict::Drop => run.claimed_in += 1,
                 FpVerdict::Slow => {
                     run.slow += 1;
                     queue(b, now, p, false, if counted { 0x1000_0000 } else { 0 });

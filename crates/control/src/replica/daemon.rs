@@ -331,7 +331,7 @@ fn fast_path_off_because(cfg: &Replica) -> Option<String> {
 }
 
 /// Loads the backup's programs and attaches them to `replica.interface` (copy mode, the
-/// egress link pinned), or says why not. `spec`: the queue rules, whose OUTPUT jump the
+/// egress filter outliving it), or says why not. `spec`: the queue rules, whose OUTPUT jump the
 /// take-over adds.
 fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
     use unbroken_drivers::fastpath::replica::Replica as Programs;
@@ -353,33 +353,32 @@ fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
         std::fs::write(path(&r.interface), "2").map_err(|e| format!("net.ipv4.conf.{}.arp_announce must be 2 (this backup's ARP requests must name its host address: its server's packets reach tc egress only once their client's address is resolved) and setting it failed: {e}", r.interface))?;
         eprintln!("replica: set net.ipv4.conf.{}.arp_announce = 2 (the fast path needs the clients' addresses resolved before the take-over)", r.interface);
     }
-    let pin = crate::replica::fastmap::pin_path(&r.interface, r.queue).map_err(|e| format!("pinning the egress program (so that a dead daemon's keeps withholding) is not possible: {e}"))?;
     let mut fp = Programs::load().map_err(|e| e.to_string())?;
     for s in &cfg.raw.services {
         fp.add_service(SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).map_err(|e| e.to_string())?;
     }
-    if let Err(e) = fp.attach_backup(&r.interface, Some(&pin)) {
+    if let Err(e) = fp.attach_backup(&r.interface) {
         // Never leave a copying program behind that nobody reads.
-        let _ = fp.unpin();
-        let _ = unbroken_drivers::fastpath::replica::remove_pinned(&pin);
+        let _ = fp.detach_egress();
         return Err(e.to_string());
     }
     Ok(KernelMap::new(fp, r.strict, Some(spec.clone())))
 }
 
-/// A pinned egress program of an earlier backup daemon on this device and queue (its fast
-/// path): removed when this run does not take it over, else it would consume the service's
-/// packets after this host takes over or serves as the primary.
-fn remove_pinned_leftover(cfg: &Replica) -> Result<(), String> {
+/// The egress filter of an earlier backup daemon on this device (its fast path: it outlives
+/// its daemon, fail closed): removed when this run does not take it over, else it would
+/// consume the service's packets after this host takes over or serves as the primary.
+fn remove_egress_leftover(cfg: &Replica) -> Result<(), String> {
     let r = &cfg.raw.replica;
-    let Ok(pin) = crate::replica::fastmap::pin_path(&r.interface, r.queue) else { return Ok(()) };
-    match unbroken_drivers::fastpath::replica::remove_pinned(&pin) {
-        Ok(true) => {
-            eprintln!("replica: removed the pinned egress program of an earlier backup daemon ({})", pin.display());
+    match unbroken_drivers::fastpath::replica::remove_egress(&r.interface) {
+        Ok(0) => Ok(()),
+        Ok(n) => {
+            eprintln!("replica: removed the egress program of an earlier backup daemon on {} ({n} filter(s))", r.interface);
             Ok(())
         }
-        Ok(false) => Ok(()),
-        Err(e) => Err(format!("replica: a pinned egress program of an earlier backup daemon ({}) cannot be removed: {e}", pin.display())),
+        // Not root, no such device: nothing of ours can be there.
+        Err(unbroken_drivers::fastpath::Error::Unavailable(_)) => Ok(()),
+        Err(e) => Err(format!("replica: the egress program of an earlier backup daemon on {} cannot be removed: {e}", r.interface)),
     }
 }
 
@@ -418,7 +417,7 @@ pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
         ArpSuppress::remove_leftovers(&arp_spec(cfg)).map_err(|e| format!("replica: removing the ARP suppression: {e}"))?;
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: removing the receive rule: {e}"))?;
     }
-    remove_pinned_leftover(cfg)
+    remove_egress_leftover(cfg)
 }
 
 /// What the status thread shows, copied from the core at the end of every round.
@@ -861,7 +860,7 @@ fn remove_backup_leftovers(cfg: &Replica) -> Result<(), String> {
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: a leftover receive rule on {} (this host was a backup): cannot remove it: {e}", r.interface))?;
         eprintln!("replica: removed a leftover receive rule on {} (this host was a backup before)", r.interface);
     }
-    remove_pinned_leftover(cfg)
+    remove_egress_leftover(cfg)
 }
 
 /// Runs the daemon until SIGINT/SIGTERM. Prints one `ready` line once its rules, side channel
@@ -887,10 +886,6 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // The backup's fast path before the queue rules (issue 22 item 4): its egress program
     // withholds the server's output from now on (copy mode), so the rules need no OUTPUT jump
     // until the take-over; claimed client packets skip the queue (fast mark RETURN).
-    let swept = crate::replica::fastmap::sweep_dead_pins();
-    if swept > 0 {
-        eprintln!("replica: removed {swept} pinned egress program(s) of backup daemons whose network namespace is gone");
-    }
     let fast = match fast_path(&cfg, &spec) {
         Ok(map) => {
             spec.hooks = vec![BuiltinChain::Prerouting];
@@ -899,7 +894,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         }
         Err(why) => {
             if cfg.role == Role::Backup {
-                remove_pinned_leftover(&cfg)?;
+                remove_egress_leftover(&cfg)?;
             }
             Err(why)
         }
@@ -949,7 +944,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
             None
         }
         Ok(map) => {
-            eprintln!("replica: fast path on: aligned connections' client packets and server output stay in the kernel (tc-BPF on {}; the egress link pinned)", r.interface);
+            eprintln!("replica: fast path on: aligned connections' client packets and server output stay in the kernel (tc-BPF on {}; the egress filter outlives this daemon)", r.interface);
             let fd = map.fp.ring_fd();
             core.enable_fast_path(Box::new(map));
             Some(fd)

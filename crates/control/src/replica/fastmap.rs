@@ -1,13 +1,10 @@
 //! The backup's fast path in the kernel (issue 22 item 4): the programs of
 //! [`unbroken_drivers::fastpath::replica`] loaded and attached to the segment device, behind
 //! the core's [`BackupMap`] (`crate::replica::core`'s fast half decides; this only carries its
-//! operations to the map, converts the clocks, and puts the ring's pieces together). Where
-//! the link of `rep_b_out` is pinned, and the sweep of pins whose namespace is gone.
+//! operations to the map, converts the clocks, and puts the ring's pieces together).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
 
 use unbroken_drivers::fastpath::replica::{ctl, Key, Op, OpResult, Record, Replica, State};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules};
@@ -208,47 +205,4 @@ impl BackupMap for KernelMap {
         }
         v
     }
-}
-
-/// The directory of this host's pinned links.
-const PIN_DIR: &str = "unbroken";
-
-/// Where a backup daemon on `iface` with `queue` pins `rep_b_out`'s link: under
-/// `/sys/fs/bpf/unbroken`, named by this network namespace (its inode), the device and the
-/// queue, so that two labs on one machine never share one.
-pub fn pin_path(iface: &str, queue: u16) -> Result<PathBuf, String> {
-    let ns = std::fs::metadata("/proc/self/ns/net").map_err(|e| format!("reading this network namespace: {e}"))?.ino();
-    let dir = unbroken_drivers::fastpath::bpffs_dir(PIN_DIR).map_err(|e| e.to_string())?;
-    Ok(dir.join(format!("replica-{ns}-{iface}-q{queue}-b_out")))
-}
-
-/// Removes the pins of namespaces that no longer exist (a lab's, deleted with its devices:
-/// the link is defunct but the pin keeps its program and maps, a 16 MiB ring among them).
-/// Live namespaces are those of a process or bind-mounted under `/run/netns`.
-pub fn sweep_dead_pins() -> usize {
-    let Ok(dir) = std::fs::read_dir(Path::new("/sys/fs/bpf").join(PIN_DIR)) else { return 0 };
-    let mut live = std::collections::HashSet::new();
-    if let Ok(procs) = std::fs::read_dir("/proc") {
-        for p in procs.flatten() {
-            if let Ok(m) = std::fs::metadata(p.path().join("ns/net")) {
-                live.insert(m.ino());
-            }
-        }
-    }
-    if let Ok(named) = std::fs::read_dir("/run/netns") {
-        for n in named.flatten() {
-            if let Ok(m) = std::fs::metadata(n.path()) {
-                live.insert(m.ino());
-            }
-        }
-    }
-    let mut removed = 0;
-    for e in dir.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(ns) = name.strip_prefix("replica-").and_then(|r| r.split('-').next()).and_then(|n| n.parse::<u64>().ok()) else { continue };
-        if !live.contains(&ns) && unbroken_drivers::fastpath::replica::remove_pinned(&e.path()).unwrap_or(false) {
-            removed += 1;
-        }
-    }
-    removed
 }

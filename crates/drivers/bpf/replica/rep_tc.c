@@ -23,10 +23,13 @@
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-/* A withheld packet or one the engine drops by decision (a client ACK beyond what the backup's
- * server sent, in strict mode): claimed and consumed (TC_ACT_STOLEN: freed, not counted as a
- * drop). */
+/* A withheld packet of the backup's server, or one copied to the daemon: claimed and consumed
+ * (TC_ACT_STOLEN: attached at egress as a cls_bpf filter in direct-action mode, freed and
+ * reported sent to its TCP; TCX would take STOLEN for "next" and pass it). */
 #define FP_CONSUMED TC_ACT_STOLEN
+/* A client segment the engine drops by decision (an ACK beyond what the backup's server sent,
+ * in strict mode), at TCX ingress: dropped (TCX honours SHOT, not STOLEN). */
+#define FP_DROPPED_IN TC_ACT_SHOT
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -256,7 +259,7 @@ int rep_b_in(struct __sk_buff *skb)
 		COUNT(ack_unverified);
 		COUNT(dropped_beyond);
 		skb->mark |= REP_MARK_DONE;
-		return FP_CONSUMED;
+		return FP_DROPPED_IN;
 	}
 	if (in_window && !beyond && (seq_gt(ack, c.last_ack) || !(c.flags & REP_B_CLIENT_SEEN))) {
 		c.last_ack = ack;

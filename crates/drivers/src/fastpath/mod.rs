@@ -127,30 +127,6 @@ pub fn available() -> Result<(), Error> {
     }
 }
 
-/// `dir` under the BPF filesystem (`/sys/fs/bpf`), created if missing; the filesystem is
-/// mounted there first if it is not (it is not by default on Debian 12).
-pub fn bpffs_dir(dir: &str) -> Result<std::path::PathBuf, Error> {
-    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-    let root = std::path::Path::new("/sys/fs/bpf");
-    let is_bpffs = || {
-        // SAFETY: a zeroed statfs filled by the kernel for a NUL-terminated path.
-        unsafe {
-            let mut st: libc::statfs = std::mem::zeroed();
-            libc::statfs(c"/sys/fs/bpf".as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC
-        }
-    };
-    if !is_bpffs() {
-        // SAFETY: mount(2) with NUL-terminated strings and no data.
-        let r = unsafe { libc::mount(c"bpf".as_ptr(), c"/sys/fs/bpf".as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) };
-        if r != 0 && !is_bpffs() {
-            return Err(Error::Unavailable(format!("no BPF filesystem at /sys/fs/bpf and mounting one failed: {}", std::io::Error::last_os_error())));
-        }
-    }
-    let d = root.join(dir);
-    std::fs::create_dir_all(&d).map_err(|e| Error::Unavailable(format!("creating {}: {e}", d.display())))?;
-    Ok(d)
-}
-
 /// The names of this network namespace's interfaces (`if_nameindex`: /sys may show another
 /// namespace's when the guard was entered with nsenter).
 pub fn interfaces() -> std::io::Result<Vec<String>> {

@@ -36,8 +36,10 @@ const OP_PROGRAM: &str = "rep_op";
 const BPF_F_LOCK: u64 = 4;
 const BPF_NOEXIST: u64 = 1;
 
-/// What a program returns for a packet it claimed and consumed: a withheld segment of the
-/// backup's server, or a client segment the engine drops by decision (`TC_ACT_STOLEN`).
+/// What `rep_b_out` (and `rep_p_out`) return for a packet they claimed and consumed: a withheld
+/// segment of the backup's server, or one copied to the daemon (`TC_ACT_STOLEN`: attached as a
+/// `cls_bpf` filter, consumed and reported sent). `rep_b_in` drops a client segment the engine
+/// drops by decision with [`Verdict::Drop`] (`TC_ACT_SHOT`: TCX ignores STOLEN).
 pub const CONSUMED: Verdict = Verdict::Other(4);
 
 /// Bits of [`Entry::ctl`] (`REP_C_*`).
@@ -585,16 +587,25 @@ pub struct PrimaryCounters {
 // SAFETY: plain integers.
 unsafe impl aya::Pod for PrimaryCounters {}
 
-/// Removes a pinned `rep_b_out` link at `path` (a backup daemon's that no longer runs, see
-/// [`Replica::attach_backup`]): its program stops withholding once nothing else holds it.
-/// False when there was none.
-pub fn remove_pinned(path: &std::path::Path) -> Result<bool, Error> {
-    if !path.exists() {
-        return Ok(false);
+/// The priorities of `rep_b_out`'s egress filter (two: a restarted daemon's goes in beside its
+/// predecessor's before that one goes) and its handle.
+const EGRESS_PRIO: [u16; 2] = [0x7562, 0x7563];
+const EGRESS_HANDLE: aya::programs::tc::TcHandle = aya::programs::tc::TcHandle::new(0, 0x7562);
+
+/// Removes `rep_b_out`'s egress filters from `iface` (a backup daemon's that no longer runs,
+/// see [`Replica::attach_backup`]): its program stops withholding. How many there were (none
+/// also when this process may not remove filters).
+pub fn remove_egress(iface: &str) -> Result<usize, Error> {
+    use aya::programs::tc::SchedClassifierLink;
+    let mut n = 0;
+    for prio in EGRESS_PRIO {
+        // No such device: nothing of ours on it.
+        let Ok(link) = SchedClassifierLink::attached(iface, aya::programs::TcAttachType::Egress, prio, EGRESS_HANDLE, None) else { continue };
+        if aya::programs::links::Link::detach(link).is_ok() {
+            n += 1;
+        }
     }
-    let link = aya::programs::links::PinnedLink::from_pin(path).map_err(|e| bpf_err(&format!("reading the pinned link {}", path.display()), e))?;
-    link.unpin().map(drop).map_err(|e| bpf_err(&format!("unpinning {}", path.display()), e))?;
-    Ok(true)
+    Ok(n)
 }
 
 /// `rep_cfg`'s flags (`REP_CFG_*`).
@@ -609,8 +620,8 @@ pub struct Replica {
     ring: RingBuf<MapData>,
     /// What `rep_cfg` holds.
     cfg: u32,
-    /// `rep_b_out`'s link, pinned ([`Replica::attach_backup`]).
-    pinned: Option<aya::programs::links::PinnedLink>,
+    /// The device whose egress `rep_b_out` was attached to ([`Replica::attach_backup`]).
+    egress: Option<String>,
 }
 
 impl Replica {
@@ -621,7 +632,7 @@ impl Replica {
         load_classifiers(&mut ebpf, &[Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM])?;
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
-        Ok(Replica { ebpf, ring, cfg: 0, pinned: None })
+        Ok(Replica { ebpf, ring, cfg: 0, egress: None })
     }
 
     /// The ring buffer's descriptor: readable when a record that wakes the reader arrived
@@ -631,48 +642,59 @@ impl Replica {
         self.ring.as_raw_fd()
     }
 
-    /// Attaches the backup's programs to `iface` by TCX (Linux 6.6 or later): `rep_b_in` at
+    /// Attaches the backup's programs to `iface`. `rep_b_out` at tc egress as a netlink
+    /// `cls_bpf` filter in direct-action mode, not TCX: TCX takes only PASS, DROP and REDIRECT
+    /// from a program and treats `TC_ACT_STOLEN` (what `rep_b_out` answers for a packet it
+    /// withholds or copies) as "next", i.e. passes it, while `cls_bpf` consumes it and tells
+    /// the sender it was sent (a DROP would make its TCP reduce its window for every withheld
+    /// segment). The filter outlives this process, so that a daemon that dies leaves it
+    /// withholding its server's output (fail closed, as the queue rules); a predecessor's is
+    /// replaced without a gap: ours goes in at the other of two priorities (the older runs
+    /// first or after it, consuming either way), then the older one goes. `rep_b_in` at TCX
     /// ingress (detached when this value is dropped: the queue rule then takes every client
-    /// packet again, and drops it while no daemon reads the queue), `rep_b_out` at egress. With
-    /// `pin`, `rep_b_out`'s link is pinned there, so that a daemon that dies leaves it
-    /// withholding its server's output (fail closed, as the queue rules): a link already
-    /// pinned there (a predecessor's) has its program replaced atomically, never a moment
-    /// without one. Copy mode is turned on first ([`Replica::set_egress_copy`]).
-    pub fn attach_backup(&mut self, iface: &str, pin: Option<&std::path::Path>) -> Result<(), Error> {
-        use aya::programs::links::{FdLink, PinnedLink};
-        use aya::programs::tc::SchedClassifierLink;
+    /// packet again, and drops it while no daemon reads the queue). Copy mode is turned on
+    /// first ([`Replica::set_egress_copy`]).
+    pub fn attach_backup(&mut self, iface: &str) -> Result<(), Error> {
+        use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions};
         use aya::programs::TcAttachType;
         self.set_egress_copy(true)?;
+        // "Exists" is the usual answer (another program's clsact, or a predecessor's).
+        let _ = aya::programs::tc::qdisc_add_clsact(iface);
         let out = Direction::Outgoing.program();
         let prog = super::classifier_mut(&mut self.ebpf, out)?;
-        let old = match pin {
-            Some(p) if p.exists() => {
-                let link = PinnedLink::from_pin(p).map_err(|e| bpf_err(&format!("reading the pinned link {}", p.display()), e))?;
-                let fd = link.unpin().map_err(|e| bpf_err(&format!("unpinning {}", p.display()), e))?;
-                SchedClassifierLink::try_from(fd).ok()
+        let mut attached = None;
+        let mut first_err = None;
+        for (i, &priority) in EGRESS_PRIO.iter().enumerate() {
+            let opts = TcAttachOptions::Netlink(NlOptions { priority, handle: EGRESS_HANDLE, ..Default::default() });
+            match prog.attach_with_options(iface, TcAttachType::Egress, opts) {
+                Ok(id) => {
+                    attached = Some((i, id));
+                    break;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e.to_string());
+                }
             }
-            _ => None,
-        };
-        let id = match old {
-            Some(link) => prog.attach_to_link(link).map_err(|e| bpf_err(&format!("replacing {out}'s program on {iface} (tc egress, TCX)"), e))?,
-            None => {
-                let opts = aya::programs::tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::default());
-                prog.attach_with_options(iface, TcAttachType::Egress, opts).map_err(|e| bpf_err(&format!("attaching {out} to {iface} (tc egress, TCX: Linux 6.6 or later)"), e))?
-            }
-        };
-        if let Some(p) = pin {
-            let link = prog.take_link(id).map_err(|e| bpf_err("taking rep_b_out's link", e))?;
-            let fd = FdLink::try_from(link).map_err(|e| bpf_err("rep_b_out's link is not a TCX link", e))?;
-            self.pinned = Some(fd.pin(p).map_err(|e| bpf_err(&format!("pinning rep_b_out's link at {}", p.display()), e))?);
         }
+        let Some((i, id)) = attached else {
+            return Err(Error::Bpf(format!("attaching {out} to {iface} (tc egress, cls_bpf): {}", first_err.unwrap_or_default())));
+        };
+        // Ours runs: a predecessor's at the other priority goes.
+        if let Ok(old) = SchedClassifierLink::attached(iface, TcAttachType::Egress, EGRESS_PRIO[1 - i], EGRESS_HANDLE, None) {
+            let _ = aya::programs::links::Link::detach(old);
+        }
+        let link = prog.take_link(id).map_err(|e| bpf_err("taking rep_b_out's filter", e))?;
+        // Never detached by this process: it outlives it (see above).
+        std::mem::forget(link);
+        self.egress = Some(iface.to_string());
         super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)
     }
 
-    /// Removes the pin of `rep_b_out`'s link (this run cannot go on with the fast path): the
-    /// link detaches when this value is dropped.
-    pub fn unpin(&mut self) -> Result<(), Error> {
-        match self.pinned.take() {
-            Some(p) => p.unpin().map(drop).map_err(|e| bpf_err("unpinning rep_b_out's link", e)),
+    /// Detaches `rep_b_out`'s filter from the device this value attached it to (this run
+    /// cannot go on with the fast path).
+    pub fn detach_egress(&mut self) -> Result<(), Error> {
+        match self.egress.take() {
+            Some(iface) => remove_egress(&iface).map(drop),
             None => Ok(()),
         }
     }

@@ -424,7 +424,10 @@ static long keep_step(__u32 i, void *data)
 	pc->h.hash = 0;
 	pc->h.key = x->key;
 	pc->h.pad2 = 0;
-	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, BPF_RB_NO_WAKEUP)) {
+	/* A copy of a declined packet (a SYN-ACK, a FIN: what the primary may be waiting for the
+	 * backup's report of) wakes the daemon with its last piece; kept copies never do. */
+	__u64 wake = (x->type == REP_REC_SLOW && x->off + n >= x->total) ? 0 : BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, wake)) {
 		x->err = -1;
 		return 1;
 	}

@@ -892,12 +892,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
             spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
             Ok(map)
         }
-        Err(why) => {
-            if cfg.role == Role::Backup {
-                remove_egress_leftover(&cfg)?;
-            }
-            Err(why)
-        }
+        Err(why) => Err(why),
     };
     let (arp, mut rx, announce) = if cfg.role == Role::Backup {
         let arp = FailClosed::new(Some(ArpSuppress::install(&arp_spec(&cfg)).map_err(|e| format!("replica: ARP suppression on {}: {e}", r.interface))?));
@@ -932,6 +927,10 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     if fast.is_ok() {
         // A predecessor's OUTPUT jump (without the fast path): the egress program withholds now.
         Rules::remove_jump(&spec, BuiltinChain::Output).map_err(|e| format!("replica: removing the OUTPUT jump: {e}"))?;
+    } else if cfg.role == Role::Backup {
+        // A predecessor's egress filter (with the fast path) goes only now that the OUTPUT
+        // jump withholds the server's output: never a moment with neither.
+        remove_egress_leftover(&cfg)?;
     }
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
     let wake = Arc::new(Wake::new().map_err(|e| format!("replica: eventfd: {e}"))?);

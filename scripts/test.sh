@@ -42,6 +42,9 @@ cargo test --workspace --release --no-fail-fast 2>&1 | tee "$out" || status=$?
 # carry every scenario; the run above had it on).
 log "UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test checkpoint_lab (the guard without its fast path)"
 UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test checkpoint_lab --no-fail-fast 2>&1 | tee -a "$out" || status=$?
+# Every replica lab test again with the backup's fast path off (the run above had it on).
+log "UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test replica_lab (the backup without its fast path)"
+UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test replica_lab --no-fail-fast 2>&1 | tee -a "$out" || status=$?
 # The object lab's download scenarios again with the agents' fast path off (the run above had
 # it on).
 log "UNBROKEN_FAST_PATH=0 cargo test --release -p unbroken --test object_http --test keepalive --test object_chaos --test object_safety (the agents without their fast path)"

@@ -24,6 +24,10 @@ fn the_example_loads_with_its_defaults() {
     let off = Replica::from_toml(&example().replace("max_hang_ms = 150", "max_hang_ms = 0")).expect("max_hang_ms = 0");
     assert_eq!(off.settings().engine.max_hang_ms, 0);
     assert_eq!(c.addr.to_string(), "10.77.3.10");
+    // The fast path (issue 22 item 4) is off unless asked for.
+    assert!(!c.raw.replica.fast_path);
+    let on = Replica::from_toml(&example().replace("fast_path = false", "fast_path = true")).expect("fast_path = true");
+    assert!(on.raw.replica.fast_path);
 }
 
 #[test]

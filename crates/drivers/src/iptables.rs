@@ -582,6 +582,34 @@ impl Rules {
         Ok(())
     }
 
+    /// Adds the jump from `hook` to the chain of `spec` (first in `hook`) in every family of
+    /// `spec` where it is missing: traffic of that hook is steered from now on (replica mode's
+    /// take-over: its server's packets through the queue again). The chain must exist; the
+    /// jump goes with the chain ([`Rules::remove`], [`Rules::remove_leftovers`]).
+    pub fn add_jump(spec: &RuleSpec, hook: BuiltinChain) -> io::Result<()> {
+        for family in spec.families() {
+            if try_run(spec, family, &args(&["-C", hook.as_str(), "-j", &spec.chain]))?.status.success() {
+                continue;
+            }
+            run(spec, family, &args(&["-I", hook.as_str(), "1", "-j", &spec.chain]))?;
+        }
+        Ok(())
+    }
+
+    /// Removes every jump from `hook` to the chain of `spec` (one a predecessor left that this
+    /// run does not want).
+    pub fn remove_jump(spec: &RuleSpec, hook: BuiltinChain) -> io::Result<()> {
+        for family in spec.families() {
+            for _ in 0..16 {
+                if !try_run(spec, family, &args(&["-C", hook.as_str(), "-j", &spec.chain]))?.status.success() {
+                    break;
+                }
+                run(spec, family, &args(&["-D", hook.as_str(), "-j", &spec.chain]))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The spec these rules were installed from.
     pub fn spec(&self) -> &RuleSpec {
         &self.spec

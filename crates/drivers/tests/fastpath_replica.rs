@@ -196,12 +196,14 @@ impl Both {
         let side1 = side(&self.b, &self.ek);
         let c1 = self.b.counters;
         let k1 = self.fp.counters().unwrap();
-        let claimed = run.verdict == Verdict::Done || run.verdict == CONSUMED;
+        // rep_b_in drops by decision with TC_ACT_SHOT (TCX ignores STOLEN); rep_b_out consumes.
+        let consumed = run.verdict == CONSUMED || (d == Incoming && run.verdict == Verdict::Drop);
+        let claimed = run.verdict == Verdict::Done || consumed;
         if claimed {
             let before = before.expect("claimed without an entry");
             match (run.verdict, v) {
                 (Verdict::Done, EVerdict::Accept { .. }) => assert_eq!(hex(&run.packet), hex(&buf), "{what}: the fast path's bytes differ from the engine's"),
-                (v0, EVerdict::Drop) if v0 == CONSUMED => {}
+                (_, EVerdict::Drop) if consumed => {}
                 (a, b) => panic!("{what}: the fast path says {a:?}, the engine {b:?}"),
             }
             let k = self.kernel_state();
@@ -305,7 +307,7 @@ impl Both {
 
     fn claims(&mut self, d: Direction, pkt: &[u8], what: &str) {
         let v = self.step(d, pkt, what);
-        assert!(v == Verdict::Done || v == CONSUMED, "{what}: expected the fast path to claim it, got {v:?}");
+        assert!(v == Verdict::Done || v == CONSUMED || (d == Incoming && v == Verdict::Drop), "{what}: expected the fast path to claim it, got {v:?}");
     }
 
     fn leaves(&mut self, d: Direction, pkt: &[u8], what: &str) {
@@ -362,7 +364,7 @@ fn steady_stream(fp: Replica, conn: Conn, strict: bool) -> Replica {
             both.claims(Incoming, &conn.client(rcv, out + 200, Some((503 + i, conn.p_ts0 + i + 1)), &[(out + 250, out + 300)], b""), &format!("ACK of output the backup's server has not sent {i}"));
             assert_eq!(both.kernel_state().acked_b, conn.b_isn.wrapping_add(1 + out), "clamped to SND.MAX");
             let v = both.step(Incoming, &conn.client(rcv, out + 400, Some((503 + i, conn.p_ts0 + i + 1)), &[], b""), &format!("ACK beyond the primary's report {i}"));
-            assert_eq!(v == CONSUMED, strict, "dropped in strict mode only");
+            assert_eq!(v == Verdict::Drop, strict, "dropped in strict mode only");
         }
         let sack: &[(u32, u32)] = if i % 3 == 0 { &[(out - 10, out)] } else { &[] };
         both.claims(Incoming, &conn.client(rcv, out.saturating_sub(20 * (i % 2)), Some((503 + i, conn.p_ts0 + i + 1)), sack, b""), &format!("ACK {i}"));
@@ -1039,7 +1041,7 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
     let collect = |fp: &mut Replica| -> Vec<u8> {
         let mut got = vec![];
         for r in fp.records() {
-            if let Record::Slow { key: k, total, off, bytes } = r {
+            if let Record::Slow { key: k, total, off, bytes, .. } = r {
                 assert_eq!(k, key);
                 assert_eq!(off as usize, got.len());
                 got.extend_from_slice(&bytes);
@@ -1087,6 +1089,47 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
     let e = pb.fp.p_entry(&pb.key).unwrap().unwrap();
     assert_eq!((e.slow, e.state), (2, pstate_of(&pb.p, &pb.ek, e.state.heard_at)), "both counted, the state untouched");
     pb.fp.set_egress_copy(false).unwrap();
+}
+
+/// Copy mode's records say whether the packet was counted in its entry (the daemon then takes
+/// it as a marked packet); after the take-over (`set_promoted`) `rep_b_out` passes every packet
+/// untouched and copies nothing: the OUTPUT queue rule's verdicts decided them before tc egress.
+#[test]
+fn egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_everything() {
+    let Some(mut fp) = fast_path("egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_everything") else { return };
+    let conn = Conn::v4();
+    fp.set_egress_copy(true).unwrap();
+    fp.add_service(std::net::SocketAddr::new(conn.svc, SPORT)).unwrap();
+    let mut both = Both::new(fp, conn, true, true);
+    let key = both.key;
+    let counted = |fp: &mut Replica| -> Vec<bool> { fp.records().into_iter().filter_map(|r| if let Record::Slow { counted, off: 0, .. } = r { Some(counted) } else { None }).collect() };
+    // A FIN of a connection with an entry: counted (and marked).
+    let mut fin = conn.server(0, 0, 300, Some((conn.b_ts0 + 1, 501)), &[2; 10]);
+    let l4 = IpInfo::parse(&fin).unwrap().l4_offset;
+    fin[l4 + 13] |= F::FIN;
+    refill(&mut fin);
+    assert_eq!(both.fp.run(Outgoing, &fin).unwrap().verdict, CONSUMED);
+    assert_eq!(counted(&mut both.fp), [true]);
+    assert_eq!(both.fp.entry(&key).unwrap().unwrap().slow, 1);
+    // No entry (a new connection's SYN-ACK): not counted.
+    both.fp.remove(&key).unwrap();
+    let sa = conn.from_server(Repr { seq: Seq(5), ack: Seq(6), flags: F::SYN | F::ACK, window: 100, ..Default::default() }, &[]);
+    assert_eq!(both.fp.run(Outgoing, &sa).unwrap().verdict, CONSUMED);
+    assert_eq!(counted(&mut both.fp), [false]);
+    // Promoted: passed untouched, nothing copied, the counters still.
+    both.fp.set_promoted(true).unwrap();
+    let before = both.fp.counters().unwrap();
+    for p in [&sa, &fin, &conn.server(10, 0, 300, Some((conn.b_ts0 + 2, 501)), &[3; 100])] {
+        let r = both.fp.run(Outgoing, p).unwrap();
+        assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(p)));
+    }
+    assert!(both.fp.records().is_empty());
+    assert_eq!(both.fp.counters().unwrap(), before);
+    // Copy mode is still on underneath (set_promoted keeps the other flags).
+    both.fp.set_promoted(false).unwrap();
+    assert_eq!(both.fp.run(Outgoing, &sa).unwrap().verdict, CONSUMED);
+    assert_eq!(counted(&mut both.fp), [false]);
+    both.fp.set_egress_copy(false).unwrap();
 }
 
 /// ST-TCP without strict output commit: the primary's output passes at once, but only once the

@@ -69,9 +69,15 @@ impl ReplicaLab {
         })
     }
 
-    /// Gives the backup the service address too (after its ARP suppression is in place).
+    /// Gives the backup the service address too (after its ARP suppression is in place), and
+    /// `arp_announce = 2` on its device, as an operator does (README, "Running replica mode on
+    /// your hosts"): its own ARP requests name its host address, never the suppressed service
+    /// address. Without it a backup resolves no client's address before the take-over: its
+    /// server's packets, withheld at tc egress by the fast path, would wait for a neighbour that
+    /// never answers and never reach tc egress.
     pub fn add_backup_service_ip(&mut self) -> io::Result<()> {
         let ns = self.backup.clone();
+        crate::lab::sysctls(&ns, &[("net.ipv4.conf.all.arp_announce", "2"), ("net.ipv4.conf.eth0.arp_announce", "2")])?;
         self.lab.add_addr(&ns, dev::APP, &service_cidr())
     }
 }

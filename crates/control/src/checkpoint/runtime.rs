@@ -157,7 +157,7 @@ fn fast_path(cfg: &Config) -> Result<KernelMap, String> {
 /// does, e.g. `CONNMARK --restore-mark` without a mask) would make a claimed packet be
 /// rewritten a second time, or a declined one pass unrewritten. Such a rule turns the fast path
 /// off, named. (nftables rules that set `meta mark` are not inspected: see docs.)
-fn mark_conflicts() -> Result<(), String> {
+pub(crate) fn mark_conflicts() -> Result<(), String> {
     use unbroken_drivers::fastpath::checkpoint::{MARK_DONE, MARK_SLOW};
     let ours = MARK_DONE | MARK_SLOW;
     for bin in ["iptables-save", "ip6tables-save"] {

@@ -78,6 +78,9 @@ use unbroken_wire::replica::{hdr, ConnProgress, Progress, Role, Session};
 use crate::daemon::{IoEvent, Meta, Mode, Outbox};
 use crate::ratelog::RateLimit;
 
+mod fast;
+pub use fast::*;
+
 /// The first wait after a failed fence, and the longest.
 pub const FENCE_BACKOFF_MIN_MS: u64 = 100;
 pub const FENCE_BACKOFF_MAX_MS: u64 = 5_000;
@@ -293,6 +296,8 @@ pub struct Core {
     pub counters: Counters,
     /// Connections that became unprotected, by reason (as the engine names it).
     pub unprotected_by: HashMap<&'static str, u64>,
+    /// The backup's fast path (off unless the daemon enables it).
+    fast: FastPart,
 }
 
 /// How a role is named in configs, status files and logs.
@@ -393,6 +398,7 @@ impl Core {
             clock: now_ms,
             counters: Counters::default(),
             unprotected_by: HashMap::new(),
+            fast: FastPart::default(),
         }
     }
 
@@ -653,6 +659,9 @@ impl Core {
         let flags = self.flags();
         let role = self.s.role;
         let records = !matches!(self.state, State::TookOver | State::PeerFailed | State::Yielded | State::Stale);
+        if records && full && self.backup.is_some() {
+            self.fast_refresh(now_ms);
+        }
         let msgs = match (&self.primary, &mut self.backup) {
             _ if !records => vec![Progress { role, beat: 0, flags: 0, records: vec![] }],
             (Some(p), _) => p.report(self.beat),
@@ -776,12 +785,15 @@ impl Core {
             // Client bytes the backup missed, from the primary: into the backup's server, as
             // the client would have sent them. Nothing else in such a message counts (its one
             // record names the connection, not its figures).
-            if let (Some(b), true, Some(r)) = (self.backup.as_mut(), matches!(self.state, State::Protecting | State::Fencing), p.records.first()) {
+            if let (true, true, Some(r)) = (self.backup.is_some(), matches!(self.state, State::Protecting | State::Fencing), p.records.first()) {
                 let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
-                if let Some(pkt) = b.relayed_input(&key, r.rcv_nxt, &input) {
+                // Built from the connection's latest figures: the programs' if they own it.
+                self.fast_before_message(std::iter::once(key), now_ms);
+                if let Some(pkt) = self.backup.as_mut().and_then(|b| b.relayed_input(&key, r.rcv_nxt, &input)) {
                     self.counters.input_injected += 1;
                     self.send.push(pkt);
                 }
+                self.fast_after_message(now_ms);
             }
             return;
         }
@@ -860,10 +872,16 @@ impl Core {
         if let Some(pr) = self.primary.as_mut() {
             pr.backup_progress(p, now_ms);
             self.drain_primary();
-        } else if let Some(b) = self.backup.as_mut() {
-            let acks = b.primary_report(p);
-            self.counters.acks_injected += acks.len() as u64;
-            self.send.extend(acks);
+        } else if self.backup.is_some() {
+            // The report moves what the programs keep (p_out, last_ack, acked_b): the
+            // connections it names are taken from them first and given back after.
+            self.fast_before_message(p.records.iter().map(|r| ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port }), now_ms);
+            if let Some(b) = self.backup.as_mut() {
+                let acks = b.primary_report(p);
+                self.counters.acks_injected += acks.len() as u64;
+                self.send.extend(acks);
+            }
+            self.fast_after_message(now_ms);
         }
     }
 
@@ -914,6 +932,9 @@ impl Core {
         match d.fence_result(ok, now_ms) {
             Some(DetectorAction::TakeOver) => {
                 self.state = State::TookOver;
+                // The fast path first: every connection's fields back in the engine, the
+                // programs passing the server's packets to the queue again.
+                self.fast_take_over(now_ms);
                 if let Some(b) = self.backup.as_mut() {
                     b.take_over();
                     // Its withheld output the client lacks goes out at once (Backup::take_over).
@@ -1034,6 +1055,7 @@ impl Core {
                 if let Some(b) = self.backup.as_mut() {
                     b.forget(&k);
                 }
+                self.fast_forget(k, now_ms);
                 self.counters.forgotten += 1;
             } else {
                 live.insert(k, since);
@@ -1058,6 +1080,13 @@ impl Mode for Core {
             self.counters.passed_unprotected += 1;
             return (Verdict::PASS, len);
         }
+        // The backup's fast path: a packet the programs decided is never decided again, and
+        // a connection they carry is taken from them first.
+        if self.backup.is_some() {
+            if let Some(v) = self.fast_before_packet(&meta, &pkt[..len], outgoing, now_ms) {
+                return (v, len);
+            }
+        }
         // The engines check and update checksums: one the kernel left for the NIC (veth, GSO)
         // is completed first (a released copy goes out through a raw socket, with no NIC to
         // complete it).
@@ -1081,6 +1110,7 @@ impl Mode for Core {
             let v = if outgoing { b.outgoing(&mut pkt[..len]) } else { b.incoming(&mut pkt[..len]) };
             // After a take-over: the RSTs of connections the primary found diverged.
             self.send.extend(b.take_transmit());
+            self.fast_after_packet();
             v
         } else {
             Verdict::PASS
@@ -1112,6 +1142,7 @@ impl Mode for Core {
         if let Some(b) = self.backup.as_mut() {
             b.tick(now_ms);
         }
+        self.fast_tick(now_ms);
         if matches!(self.state, State::Protecting | State::PeerStale | State::Stale) && now_ms >= self.next_fence_at {
             if let Some(DetectorAction::RunFence) = self.det.as_mut().and_then(|d| d.tick(now_ms)) {
                 let silent = self.peer_heard_at.map_or(0, |t| now_ms.saturating_sub(t));
@@ -1170,5 +1201,9 @@ impl Mode for Core {
     fn collect(&mut self, out: &mut Outbox<Request>) {
         out.send.append(&mut self.send);
         out.requests.append(&mut self.requests);
+    }
+
+    fn after_flush(&mut self, now_ms: u64) {
+        self.fast_after_flush(now_ms);
     }
 }

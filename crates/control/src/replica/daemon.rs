@@ -25,6 +25,7 @@
 //! max_hang_ms = 150                 # a server reading nothing, using no CPU: hung (0: off)
 //! max_connections = 65536
 //! status_file = "/run/unbroken/replica.json"
+//! fast_path = false                 # backup: steady-state packets in tc-BPF (issue 22 item 4)
 //!
 //! [[service]]                       # IPv4, one address (several ports)
 //! addr = "10.77.3.10"
@@ -56,6 +57,7 @@ use unbroken_wire::replica::Role;
 use crate::service::Service;
 use crate::daemon::{self, Outbox, Wake};
 use crate::replica::core::{Boot, Core, Counters, Request, Settings, State};
+use crate::replica::fastmap::KernelMap;
 
 /// Mark of the packets the daemon sends (released output, fresh ACKs, relayed client ACKs):
 /// its queue rules let them pass.
@@ -145,6 +147,12 @@ pub struct ReplicaSection {
     pub closed_grace_secs: u64,
     #[serde(default)]
     pub status_file: Option<PathBuf>,
+    /// The kernel fast path (issue 22 item 4; docs/architecture.md, "Fast path: replica
+    /// mode"): on the backup, an aligned connection's client packets are translated and its
+    /// server's output digested and withheld by tc-BPF programs, the rest through the queue as
+    /// before. Off by default while it is new; the primary's half is not attached yet.
+    #[serde(default)]
+    pub fast_path: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -308,6 +316,72 @@ pub fn check_fence_command(argv: &[String]) -> Result<Option<String>, String> {
     Ok(None)
 }
 
+/// Why the fast path (issue 22 item 4) is off for `cfg`, or `None` when it can run.
+fn fast_path_off_because(cfg: &Replica) -> Option<String> {
+    if !cfg.raw.replica.fast_path {
+        return Some("replica.fast_path = false".into());
+    }
+    if cfg.role == Role::Primary {
+        return Some("the primary's half is not attached yet (only the backup's programs are)".into());
+    }
+    if let Err(e) = unbroken_drivers::fastpath::available() {
+        return Some(e.to_string());
+    }
+    None
+}
+
+/// Loads the backup's programs and attaches them to `replica.interface` (copy mode, the
+/// egress filter outliving it), or says why not. `spec`: the queue rules, whose OUTPUT jump the
+/// take-over adds.
+fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
+    use unbroken_drivers::fastpath::replica::Replica as Programs;
+    if let Some(why) = fast_path_off_because(cfg) {
+        return Err(why);
+    }
+    let r = &cfg.raw.replica;
+    crate::checkpoint::runtime::mark_conflicts()?;
+    if !unbroken_drivers::fastpath::is_ethernet(&r.interface) {
+        return Err(format!("replica.interface {:?} is not an Ethernet device (the programs read an Ethernet header)", r.interface));
+    }
+    // The server's packets reach tc egress only once their client's address is resolved: the
+    // backup's ARP requests must name its host address (the service address's are suppressed).
+    // The README has the operator set arp_announce = 2 on the device after the daemon started;
+    // with the fast path it is needed from the first connection, so the daemon sets it now.
+    let path = |dev: &str| format!("/proc/sys/net/ipv4/conf/{dev}/arp_announce");
+    let announce = |dev: &str| std::fs::read_to_string(path(dev)).ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(0);
+    if announce("all").max(announce(&r.interface)) < 2 {
+        std::fs::write(path(&r.interface), "2").map_err(|e| format!("net.ipv4.conf.{}.arp_announce must be 2 (this backup's ARP requests must name its host address: its server's packets reach tc egress only once their client's address is resolved) and setting it failed: {e}", r.interface))?;
+        eprintln!("replica: set net.ipv4.conf.{}.arp_announce = 2 (the fast path needs the clients' addresses resolved before the take-over)", r.interface);
+    }
+    let mut fp = Programs::load().map_err(|e| e.to_string())?;
+    for s in &cfg.raw.services {
+        fp.add_service(SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).map_err(|e| e.to_string())?;
+    }
+    if let Err(e) = fp.attach_backup(&r.interface) {
+        // Never leave a copying program behind that nobody reads.
+        let _ = fp.detach_egress();
+        return Err(e.to_string());
+    }
+    Ok(KernelMap::new(fp, r.strict, Some(spec.clone())))
+}
+
+/// The egress filter of an earlier backup daemon on this device (its fast path: it outlives
+/// its daemon, fail closed): removed when this run does not take it over, else it would
+/// consume the service's packets after this host takes over or serves as the primary.
+fn remove_egress_leftover(cfg: &Replica) -> Result<(), String> {
+    let r = &cfg.raw.replica;
+    match unbroken_drivers::fastpath::replica::remove_egress(&r.interface) {
+        Ok(0) => Ok(()),
+        Ok(n) => {
+            eprintln!("replica: removed the egress program of an earlier backup daemon on {} ({n} filter(s))", r.interface);
+            Ok(())
+        }
+        // Not root, no such device: nothing of ours can be there.
+        Err(unbroken_drivers::fastpath::Error::Unavailable(_)) => Ok(()),
+        Err(e) => Err(format!("replica: the egress program of an earlier backup daemon on {} cannot be removed: {e}", r.interface)),
+    }
+}
+
 /// The daemon's queue rules: client packets to the service (PREROUTING), its server's packets
 /// back (OUTPUT).
 fn rule_spec(cfg: &Replica) -> RuleSpec {
@@ -343,7 +417,7 @@ pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
         ArpSuppress::remove_leftovers(&arp_spec(cfg)).map_err(|e| format!("replica: removing the ARP suppression: {e}"))?;
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: removing the receive rule: {e}"))?;
     }
-    Ok(())
+    remove_egress_leftover(cfg)
 }
 
 /// What the status thread shows, copied from the core at the end of every round.
@@ -366,7 +440,13 @@ struct View {
     queue: unbroken_drivers::nfqueue::Stats,
     side_send_errors: u64,
     announce_errors: u64,
+    /// The status's `fast_path` object (refreshed every [`FAST_STATUS_MS`]).
+    fast: serde_json::Value,
 }
+
+/// How often the status's `fast_path` object is refreshed (it reads the programs' per-CPU
+/// counters).
+const FAST_STATUS_MS: u64 = 100;
 
 struct ReplicaIo {
     sock: UdpSocket,
@@ -387,6 +467,10 @@ struct ReplicaIo {
     fatal: Option<String>,
     /// This host's server, looked at every [`LISTEN_CHECK_MS`] by its own thread.
     server_looks: Option<Receiver<ServerLook>>,
+    /// When the status's `fast_path` object was last refreshed.
+    fast_status_at: Option<Instant>,
+    /// The fast path's ring buffer (its records are drained every round).
+    ring: Option<std::os::fd::RawFd>,
 }
 
 /// How often a host checks its server (its listeners, its sockets' input, its CPU time).
@@ -627,7 +711,15 @@ impl ReplicaIo {
 
 impl daemon::Adapter<Core> for ReplicaIo {
     fn fds(&self) -> Vec<std::os::fd::RawFd> {
-        vec![self.sock.as_raw_fd(), self.wake.as_raw_fd()]
+        let mut v = vec![self.sock.as_raw_fd(), self.wake.as_raw_fd()];
+        v.extend(self.ring);
+        v
+    }
+
+    fn after_wait(&mut self, core: &mut Core, now: u64) {
+        // The programs' records before the queue's packets (a server's SYN-ACK the egress
+        // program copied comes before the client's ACK that answers the primary's).
+        core.fast_records(now);
     }
 
     fn service(&mut self, core: &mut Core, now: u64, ready: &[bool], out: &mut Outbox<Request>) {
@@ -695,6 +787,10 @@ impl daemon::Adapter<Core> for ReplicaIo {
         v.queue = queue;
         v.side_send_errors = self.side_send_errors;
         v.announce_errors = self.announce_errors;
+        if self.fast_status_at.is_none_or(|t| t.elapsed() >= Duration::from_millis(FAST_STATUS_MS)) {
+            self.fast_status_at = Some(Instant::now());
+            v.fast = core.fast_status();
+        }
     }
 }
 
@@ -720,6 +816,7 @@ fn status_fields(view: Arc<Mutex<View>>, role: &'static str, started: Instant) -
             "side_send_errors": v.side_send_errors,
             "announce_errors": v.announce_errors,
             "queue_errors": v.queue.enobufs + v.queue.verdict_errors,
+            "fast_path": v.fast,
             "engine": match (v.primary, v.backup) {
                 (Some(p), _) => serde_json::to_value(p).unwrap_or_default(),
                 (_, Some(b)) => serde_json::to_value(b).unwrap_or_default(),
@@ -763,7 +860,7 @@ fn remove_backup_leftovers(cfg: &Replica) -> Result<(), String> {
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: a leftover receive rule on {} (this host was a backup): cannot remove it: {e}", r.interface))?;
         eprintln!("replica: removed a leftover receive rule on {} (this host was a backup before)", r.interface);
     }
-    Ok(())
+    remove_egress_leftover(cfg)
 }
 
 /// Runs the daemon until SIGINT/SIGTERM. Prints one `ready` line once its rules, side channel
@@ -784,8 +881,19 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // The backup's suppression first: its server must never answer ARP for the address. From
     // here on, whatever stops the daemon (an error below, a panic in the loop) leaves it and
     // the receive rule installed (fail closed).
-    let spec = rule_spec(&cfg);
+    let mut spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("replica: {e}"))?;
+    // The backup's fast path before the queue rules (issue 22 item 4): its egress program
+    // withholds the server's output from now on (copy mode), so the rules need no OUTPUT jump
+    // until the take-over; claimed client packets skip the queue (fast mark RETURN).
+    let fast = match fast_path(&cfg, &spec) {
+        Ok(map) => {
+            spec.hooks = vec![BuiltinChain::Prerouting];
+            spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
+            Ok(map)
+        }
+        Err(why) => Err(why),
+    };
     let (arp, mut rx, announce) = if cfg.role == Role::Backup {
         let arp = FailClosed::new(Some(ArpSuppress::install(&arp_spec(&cfg)).map_err(|e| format!("replica: ARP suppression on {}: {e}", r.interface))?));
         let rx = FailClosed::new(Some(HubReceive::install(&rx_spec(&cfg)).map_err(|e| format!("replica: receive rule on {}: {e}", r.interface))?));
@@ -816,10 +924,31 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: cfg.role == Role::Backup, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("replica: cannot bind NFQUEUE {}: {e}", r.queue))?;
     let mut rules = FailClosed::new(Some(Rules::install_or_replace(&spec).map_err(|e| format!("replica: installing the queue rules: {e}"))?));
+    if fast.is_ok() {
+        // A predecessor's OUTPUT jump (without the fast path): the egress program withholds now.
+        Rules::remove_jump(&spec, BuiltinChain::Output).map_err(|e| format!("replica: removing the OUTPUT jump: {e}"))?;
+    } else if cfg.role == Role::Backup {
+        // A predecessor's egress filter (with the fast path) goes only now that the OUTPUT
+        // jump withholds the server's output: never a moment with neither.
+        remove_egress_leftover(&cfg)?;
+    }
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
     let wake = Arc::new(Wake::new().map_err(|e| format!("replica: eventfd: {e}"))?);
     let now_ms = move || started.elapsed().as_millis() as u64;
-    let core = Core::new(cfg.settings(), cfg.key.clone(), r.peer, boot, now_ms());
+    let mut core = Core::new(cfg.settings(), cfg.key.clone(), r.peer, boot, now_ms());
+    let ring = match fast {
+        Err(why) => {
+            eprintln!("replica: fast path off: {why}; every packet of the service goes through NFQUEUE {}", r.queue);
+            core.fast_off(why);
+            None
+        }
+        Ok(map) => {
+            eprintln!("replica: fast path on: aligned connections' client packets and server output stay in the kernel (tc-BPF on {}; the egress filter outlives this daemon)", r.interface);
+            let fd = map.fp.ring_fd();
+            core.enable_fast_path(Box::new(map));
+            Some(fd)
+        }
+    };
     let view = Arc::new(Mutex::new(View {
         state: core.state(),
         counters: core.counters,
@@ -837,6 +966,7 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         queue: Default::default(),
         side_send_errors: 0,
         announce_errors: 0,
+        fast: serde_json::Value::Null,
     }));
     let dirty = Arc::new(AtomicBool::new(true));
     let plan = daemon::StatusPlan { name: "replica", path: r.status_file.clone(), period: Duration::from_millis(100), dirty: dirty.clone(), started };
@@ -868,6 +998,8 @@ pub fn run(cfg: Replica) -> Result<(), String> {
                 None
             }
         },
+        fast_status_at: None,
+        ring,
     };
     println!(
         "unbroken replica: ready role={role} service={}:{:?} queue={} side={}->{} strict={} beat={}ms x{}",

@@ -119,7 +119,9 @@ _Static_assert(sizeof(struct rep_rec) == 56, "rep_rec is 56 bytes");
 /* A piece of a packet of the service that an egress program declined while attached in copy
  * mode (REP_CFG_EGRESS_COPY): consumed, its bytes for the daemon, whose engine decides it (the
  * backup withholds it anyway; the primary's raw socket sends what its engine accepts). b = the
- * IP packet's length, off = where this piece starts; key from the packet (zero if unparsed). */
+ * IP packet's length, off = where this piece starts; key from the packet (zero if unparsed);
+ * a = 1 when the packet was counted in its entry's `slow` (as a packet marked REP_MARK_SLOW:
+ * the daemon takes it with REP_OP_TAKE), 0 when it had no entry. */
 #define REP_REC_SLOW 4
 
 /* The programs' configuration (map rep_cfg, one entry). */
@@ -132,6 +134,9 @@ struct rep_cfg {
  * every packet of the service (rep_services) that an egress program declines is copied to the
  * daemon (REP_REC_SLOW) and consumed. Off: FP_SLOW, untouched (BPF_PROG_TEST_RUN's tests). */
 #define REP_CFG_EGRESS_COPY (1 << 0)
+/* The backup took over (its daemon installed the OUTPUT queue rule first): rep_b_out passes
+ * every packet untouched, the queue's verdicts decided them already. */
+#define REP_CFG_PROMOTED (1 << 1)
 
 /* A service endpoint (rep_services): the address (IPv4 as ::ffff:a.b.c.d) and port. */
 struct rep_svc {

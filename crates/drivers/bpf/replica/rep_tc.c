@@ -23,10 +23,13 @@
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-/* A withheld packet or one the engine drops by decision (a client ACK beyond what the backup's
- * server sent, in strict mode): claimed and consumed (TC_ACT_STOLEN: freed, not counted as a
- * drop). */
+/* A withheld packet of the backup's server, or one copied to the daemon: claimed and consumed
+ * (TC_ACT_STOLEN: attached at egress as a cls_bpf filter in direct-action mode, freed and
+ * reported sent to its TCP; TCX would take STOLEN for "next" and pass it). */
 #define FP_CONSUMED TC_ACT_STOLEN
+/* A client segment the engine drops by decision (an ACK beyond what the backup's server sent,
+ * in strict mode), at TCX ingress: dropped (TCX honours SHOT, not STOLEN). */
+#define FP_DROPPED_IN TC_ACT_SHOT
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -256,7 +259,7 @@ int rep_b_in(struct __sk_buff *skb)
 		COUNT(ack_unverified);
 		COUNT(dropped_beyond);
 		skb->mark |= REP_MARK_DONE;
-		return FP_CONSUMED;
+		return FP_DROPPED_IN;
 	}
 	if (in_window && !beyond && (seq_gt(ack, c.last_ack) || !(c.flags & REP_B_CLIENT_SEEN))) {
 		c.last_ack = ack;
@@ -421,7 +424,10 @@ static long keep_step(__u32 i, void *data)
 	pc->h.hash = 0;
 	pc->h.key = x->key;
 	pc->h.pad2 = 0;
-	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, BPF_RB_NO_WAKEUP)) {
+	/* A copy of a declined packet (a SYN-ACK, a FIN: what the primary may be waiting for the
+	 * backup's report of) wakes the daemon with its last piece; kept copies never do. */
+	__u64 wake = (x->type == REP_REC_SLOW && x->off + n >= x->total) ? 0 : BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, wake)) {
 		x->err = -1;
 		return 1;
 	}
@@ -484,6 +490,7 @@ struct eg_info {
 	__u32 l4;
 	__u32 l4_len;
 	struct rep_key key;
+	__u32 counted; /* the program counted the packet in its entry's slow (REP_REC_SLOW's a) */
 };
 
 /* Kept off the stack (per CPU): the egress programs' stack is full. */
@@ -516,7 +523,7 @@ static __always_inline int egress_declined(struct __sk_buff *skb, const struct e
 	svc.port = g->sport;
 	if (!bpf_map_lookup_elem(&rep_services, &svc))
 		return v;
-	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = 0, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
+	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = g->counted, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
 	if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
 		COUNT(records_lost);
 	return FP_CONSUMED;
@@ -619,17 +626,25 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 }
 
 /* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
- * (egress_declined). */
+ * (egress_declined). After the take-over (REP_CFG_PROMOTED) every packet passes untouched: the
+ * OUTPUT queue rule sent it through the daemon's engine before tc egress. */
 SEC("classifier")
 int rep_b_out(struct __sk_buff *skb)
 {
 	__u32 zero = 0;
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
 	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
 
+	if (cfg && (cfg->flags & REP_CFG_PROMOTED))
+		return FP_SLOW;
 	if (!g)
 		return FP_SLOW;
+	__u32 mark0 = skb->mark;
 	g->parsed = 0;
-	return egress_declined(skb, g, b_out(skb, g));
+	int v = b_out(skb, g);
+	/* Counted by slow(), which marks it: a mark the socket set before does not count. */
+	g->counted = (skb->mark & REP_MARK_SLOW) && !(mark0 & REP_MARK_SLOW);
+	return egress_declined(skb, g, v);
 }
 
 /* The daemon's operations on an entry (rep_state.h), by BPF_PROG_TEST_RUN. Never attached. */
@@ -955,8 +970,11 @@ int rep_p_out(struct __sk_buff *skb)
 
 	if (!g)
 		return FP_SLOW;
+	__u32 mark0 = skb->mark;
 	g->parsed = 0;
-	return egress_declined(skb, g, p_out(skb, g));
+	int v = p_out(skb, g);
+	g->counted = (skb->mark & REP_MARK_SLOW) && !(mark0 & REP_MARK_SLOW);
+	return egress_declined(skb, g, v);
 }
 
 /* The daemon's operations on a primary entry (REP_OP_*; COLLECT reads it). Never attached. */

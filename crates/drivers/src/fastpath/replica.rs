@@ -9,8 +9,9 @@
 //! `bpf/replica/rep_state.h`). The primary's half is the steady state of a protected
 //! connection ([`PrimaryDirection`]: `rep_p_in` learns from the client's pure ACKs, `rep_p_out`
 //! gates its server's pure ACKs, retransmissions of released bytes and, without strict output
-//! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). Nothing here attaches the
-//! programs yet.
+//! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). The
+//! backup's programs are attached by [`Replica::attach_backup`] (the replica daemon's fast
+//! path); the primary's are not attached yet.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -35,8 +36,10 @@ const OP_PROGRAM: &str = "rep_op";
 const BPF_F_LOCK: u64 = 4;
 const BPF_NOEXIST: u64 = 1;
 
-/// What a program returns for a packet it claimed and consumed: a withheld segment of the
-/// backup's server, or a client segment the engine drops by decision (`TC_ACT_STOLEN`).
+/// What `rep_b_out` (and `rep_p_out`) return for a packet they claimed and consumed: a withheld
+/// segment of the backup's server, or one copied to the daemon (`TC_ACT_STOLEN`: attached as a
+/// `cls_bpf` filter, consumed and reported sent). `rep_b_in` drops a client segment the engine
+/// drops by decision with [`Verdict::Drop`] (`TC_ACT_SHOT`: TCX ignores STOLEN).
 pub const CONSUMED: Verdict = Verdict::Other(4);
 
 /// Bits of [`Entry::ctl`] (`REP_C_*`).
@@ -288,7 +291,9 @@ pub enum Record {
     /// A piece of a packet of the service an egress program declined in copy mode
     /// ([`Replica::set_egress_copy`]): consumed there, for the daemon's engine to decide. The IP
     /// packet's length, where the piece starts, its bytes.
-    Slow { key: Key, total: u32, off: u32, bytes: Vec<u8> },
+    /// `counted`: the packet was counted in its entry's `slow` (as a packet marked
+    /// [`MARK_SLOW`]: the daemon takes it with [`Op::Take`]); false when it had no entry.
+    Slow { key: Key, counted: bool, total: u32, off: u32, bytes: Vec<u8> },
     /// A record this version does not know.
     Unknown(u32),
 }
@@ -311,7 +316,7 @@ impl Record {
             1 => Record::Changed(key),
             2 => Record::Checkpoint { key, end: a, hash },
             3 => Record::Keep { key, end_b: a, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
-            4 => Record::Slow { key, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            4 => Record::Slow { key, counted: a != 0, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
             t => Record::Unknown(t),
         })
     }
@@ -582,10 +587,41 @@ pub struct PrimaryCounters {
 // SAFETY: plain integers.
 unsafe impl aya::Pod for PrimaryCounters {}
 
+/// The priorities of `rep_b_out`'s egress filter (two: a restarted daemon's goes in beside its
+/// predecessor's before that one goes) and its handle.
+const EGRESS_PRIO: [u16; 2] = [0x7562, 0x7563];
+const EGRESS_HANDLE: aya::programs::tc::TcHandle = aya::programs::tc::TcHandle::new(0, 0x7562);
+
+/// Removes `rep_b_out`'s egress filters from `iface` (a backup daemon's that no longer runs,
+/// see [`Replica::attach_backup`]): its program stops withholding. How many there were (none
+/// also when this process may not remove filters).
+pub fn remove_egress(iface: &str) -> Result<usize, Error> {
+    use aya::programs::tc::SchedClassifierLink;
+    let mut n = 0;
+    for prio in EGRESS_PRIO {
+        // No such device: nothing of ours on it.
+        let Ok(link) = SchedClassifierLink::attached(iface, aya::programs::TcAttachType::Egress, prio, EGRESS_HANDLE, None) else { continue };
+        if aya::programs::links::Link::detach(link).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// `rep_cfg`'s flags (`REP_CFG_*`).
+mod cfg {
+    pub const EGRESS_COPY: u32 = 1 << 0;
+    pub const PROMOTED: u32 = 1 << 1;
+}
+
 /// The loaded programs, their map and the ring.
 pub struct Replica {
     ebpf: Ebpf,
     ring: RingBuf<MapData>,
+    /// What `rep_cfg` holds.
+    cfg: u32,
+    /// The device whose egress `rep_b_out` was attached to ([`Replica::attach_backup`]).
+    egress: Option<String>,
 }
 
 impl Replica {
@@ -596,7 +632,85 @@ impl Replica {
         load_classifiers(&mut ebpf, &[Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM])?;
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
-        Ok(Replica { ebpf, ring })
+        Ok(Replica { ebpf, ring, cfg: 0, egress: None })
+    }
+
+    /// The ring buffer's descriptor: readable when a record that wakes the reader arrived
+    /// (`REP_REC_CHANGED`; checkpoints and kept pieces are written without a wake-up).
+    pub fn ring_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.ring.as_raw_fd()
+    }
+
+    /// Attaches the backup's programs to `iface`. `rep_b_out` at tc egress as a netlink
+    /// `cls_bpf` filter in direct-action mode, not TCX: TCX takes only PASS, DROP and REDIRECT
+    /// from a program and treats `TC_ACT_STOLEN` (what `rep_b_out` answers for a packet it
+    /// withholds or copies) as "next", i.e. passes it, while `cls_bpf` consumes it and tells
+    /// the sender it was sent (a DROP would make its TCP reduce its window for every withheld
+    /// segment). The filter outlives this process, so that a daemon that dies leaves it
+    /// withholding its server's output (fail closed, as the queue rules); a predecessor's is
+    /// replaced without a gap: ours goes in at the other of two priorities (the older runs
+    /// first or after it, consuming either way), then the older one goes. `rep_b_in` at TCX
+    /// ingress (detached when this value is dropped: the queue rule then takes every client
+    /// packet again, and drops it while no daemon reads the queue). Copy mode is turned on
+    /// first ([`Replica::set_egress_copy`]).
+    pub fn attach_backup(&mut self, iface: &str) -> Result<(), Error> {
+        use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions};
+        use aya::programs::TcAttachType;
+        self.set_egress_copy(true)?;
+        // "Exists" is the usual answer (another program's clsact, or a predecessor's).
+        let _ = aya::programs::tc::qdisc_add_clsact(iface);
+        let out = Direction::Outgoing.program();
+        let prog = super::classifier_mut(&mut self.ebpf, out)?;
+        let mut attached = None;
+        let mut first_err = None;
+        for (i, &priority) in EGRESS_PRIO.iter().enumerate() {
+            let opts = TcAttachOptions::Netlink(NlOptions { priority, handle: EGRESS_HANDLE, ..Default::default() });
+            match prog.attach_with_options(iface, TcAttachType::Egress, opts) {
+                Ok(id) => {
+                    attached = Some((i, id));
+                    break;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e.to_string());
+                }
+            }
+        }
+        let Some((i, id)) = attached else {
+            return Err(Error::Bpf(format!("attaching {out} to {iface} (tc egress, cls_bpf): {}", first_err.unwrap_or_default())));
+        };
+        // Ours runs: a predecessor's at the other priority goes.
+        if let Ok(old) = SchedClassifierLink::attached(iface, TcAttachType::Egress, EGRESS_PRIO[1 - i], EGRESS_HANDLE, None) {
+            let _ = aya::programs::links::Link::detach(old);
+        }
+        let link = prog.take_link(id).map_err(|e| bpf_err("taking rep_b_out's filter", e))?;
+        // Never detached by this process: it outlives it (see above).
+        std::mem::forget(link);
+        self.egress = Some(iface.to_string());
+        super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)
+    }
+
+    /// Detaches `rep_b_out`'s filter from the device this value attached it to (this run
+    /// cannot go on with the fast path).
+    pub fn detach_egress(&mut self) -> Result<(), Error> {
+        match self.egress.take() {
+            Some(iface) => remove_egress(&iface).map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// The take-over (the OUTPUT queue rule installed first): `rep_b_out` passes every packet
+    /// untouched from now on.
+    pub fn set_promoted(&mut self, on: bool) -> Result<(), Error> {
+        self.write_cfg(if on { self.cfg | cfg::PROMOTED } else { self.cfg & !cfg::PROMOTED })
+    }
+
+    fn write_cfg(&mut self, flags: u32) -> Result<(), Error> {
+        let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
+        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
+        a.set(0, [flags, 0], 0).map_err(|e| bpf_err("rep_cfg", e))?;
+        self.cfg = flags;
+        Ok(())
     }
 
     fn map(&mut self) -> Result<HashMap<&mut MapData, Key, Entry>, Error> {
@@ -670,9 +784,7 @@ impl Replica {
     /// daemon ([`Record::Slow`]) and consumed instead of passed (attached at tc egress, a
     /// declined packet would otherwise reach the wire as its server built it).
     pub fn set_egress_copy(&mut self, on: bool) -> Result<(), Error> {
-        let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
-        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
-        a.set(0, [on as u32, 0], 0).map_err(|e| bpf_err("rep_cfg", e))
+        self.write_cfg(if on { self.cfg | cfg::EGRESS_COPY } else { self.cfg & !cfg::EGRESS_COPY })
     }
 
     /// A service endpoint (the service address and a port) for copy mode.

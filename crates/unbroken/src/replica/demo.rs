@@ -103,6 +103,15 @@ pub struct RepOpts {
     /// `max_lag_bytes`, `max_lag_ms`, `max_delay_fin_ms`) out of the configs: the daemon's own
     /// defaults apply, as for an operator who keeps them (`unbroken demo replica --chaos`).
     pub daemon_defaults: bool,
+    /// The daemons' `fast_path` (issue 22 item 4): on unless the environment says
+    /// `UNBROKEN_FAST_PATH=0`, so that every lab test and demo runs on either path (the
+    /// daemon's own default is off; the primary says why it stays off).
+    pub fast_path: bool,
+}
+
+/// `UNBROKEN_FAST_PATH=0` turns the daemons' fast path off in every lab run (default on).
+pub fn fast_path_default() -> bool {
+    std::env::var("UNBROKEN_FAST_PATH").map_or(true, |v| v != "0")
 }
 
 impl Default for RepOpts {
@@ -121,6 +130,7 @@ impl Default for RepOpts {
             start_timeout: Duration::from_secs(20),
             extra_ports: Vec::new(),
             daemon_defaults: false,
+            fast_path: fast_path_default(),
         }
     }
 }
@@ -299,7 +309,7 @@ impl ReplicaEnv {
             )
         };
         format!(
-            "[replica]\nrole = \"{}\"\nqueue = {QUEUE}\ninterface = \"{}\"\nlisten = \"{}:{SIDE_PORT}\"\npeer = \"{}:{SIDE_PORT}\"\nkey_file = {:?}\n{tuned}fence_command = [{fence}]\nfence_timeout_ms = {}\nstrict = {}\nstatus_file = {:?}\n\n[[service]]\naddr = \"{}\"\nport = {REDIS_PORT}\n",
+            "[replica]\nrole = \"{}\"\nqueue = {QUEUE}\ninterface = \"{}\"\nlisten = \"{}:{SIDE_PORT}\"\npeer = \"{}:{SIDE_PORT}\"\nkey_file = {:?}\n{tuned}fence_command = [{fence}]\nfence_timeout_ms = {}\nstrict = {}\nfast_path = {}\nstatus_file = {:?}\n\n[[service]]\naddr = \"{}\"\nport = {REDIS_PORT}\n",
             side.name(),
             dev::APP,
             side.host_addr(),
@@ -307,6 +317,7 @@ impl ReplicaEnv {
             self.key_path().display().to_string(),
             o.fence_timeout_ms,
             o.strict,
+            o.fast_path,
             self.status_path(side).display().to_string(),
             addr::SERVICE_V4,
         ) + &self.opts.extra_ports.iter().map(|p| format!("\n[[service]]\naddr = \"{}\"\nport = {p}\n", addr::SERVICE_V4)).collect::<String>()

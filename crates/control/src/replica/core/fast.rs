@@ -1,0 +1,593 @@
+//! The backup's fast-path half (issue 22 item 4): which of the backup engine's connections the
+//! kernel's programs carry (`bpf/replica/rep_tc.c`: `rep_b_in`, `rep_b_out`) and the hand-off
+//! of their fields between the programs and [`Core`], decided here; the map itself is behind
+//! [`BackupMap`] (the daemon's is the kernel's, `crate::replica::fastmap`; tests emulate it).
+//! The model is checkpoint mode's `checkpoint::guard::fast` (docs/architecture.md, "Fast path:
+//! replica mode", "What attaching needs" 2-4).
+//!
+//! The protocol (`bpf/replica/rep_state.h`): a connection is *installed* (`BPF_NOEXIST`) once
+//! the engine aligned it and it is [`Backup::fast_eligible`]; from then on the programs own its
+//! fields and the engine's copy is stale. A program that leaves a packet of it to the slow path
+//! freezes the entry, counts the packet and marks it [`MARK_SLOW`]. Before the engine decides
+//! any packet or side-channel message that touches an installed connection, the core *takes*
+//! the fields (`TAKE` for a marked packet, `FREEZE` otherwise) and loads them into the engine
+//! when they were the newest; after deciding, it gives the connection back (*thaw*) while it is
+//! eligible, which the kernel refuses until every counted packet was taken (then the core keeps
+//! it, and the next packet's thaw succeeds). A connection a queued packet touched is given
+//! back only after that packet's verdict left ([`Core::fast_after_flush`]), so that a packet
+//! the programs claim after the thaw never overtakes it. A connection held for
+//! [`HOLD_BOUND_MS`] (a counted packet lost before the queue) is given back anyway
+//! (`THAW_FORCE`). A connection the engine forgets leaves the map.
+//!
+//! What the programs keep in collections reaches the engine as ring records
+//! ([`Core::fast_records`], every loop round): checkpoints ([`Backup::push_checkpoint`]), the
+//! copies kept for the take-over ([`Backup::push_kept`]), `CHANGED` (the connection's figures
+//! are read with `COLLECT` and reported in the round's one progress message), and, in copy mode,
+//! the server's packets the egress program declined and consumed ([`MapRecord::Slow`]: decided
+//! by the engine as if they came from the queue).
+//!
+//! The take-over ([`Core::fast_take_over`], before [`Backup::take_over`]): the map's
+//! [`BackupMap::promote`] (the daemon installs the OUTPUT queue rule, then tells the programs
+//! to pass every packet), the ring drained, every entry frozen and loaded into the engine, the
+//! map cleared.
+
+use super::*;
+use unbroken_engines::replica::BFast;
+use unbroken_wire::Seq;
+
+/// How long the core holds an eligible connection at most, counted from when it began to hold
+/// it, before it gives it back even though a counted packet never reached the queue (a full
+/// queue dropped it): `THAW_FORCE`.
+pub const HOLD_BOUND_MS: u64 = 1000;
+
+/// After the map refused a new entry (full), no install is tried for this long.
+pub const INSTALL_BACKOFF_MS: u64 = 1000;
+
+/// `skb->mark` bits the programs set (`REP_MARK_*`, as checkpoint mode's): decided in the
+/// kernel / left to the slow path and counted.
+pub const MARK_DONE: u32 = 0x2000_0000;
+pub const MARK_SLOW: u32 = 0x1000_0000;
+
+/// Where a connection's fields are, as the core knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fast {
+    /// Not in the map: the engine's copy is the state.
+    #[default]
+    Off,
+    /// In the map, the programs' (the engine's copy is stale until taken).
+    Kernel,
+    /// In the map, frozen, the engine's.
+    Held,
+}
+
+/// A taken entry: its fields (the engine's form, clock converted), and whether they were the
+/// newest (the programs owned them until now; otherwise the engine holds newer ones since an
+/// earlier take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Taken {
+    pub newest: bool,
+    pub fields: BFast,
+}
+
+/// What the core asks of the map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapOp {
+    /// A new entry (`BPF_NOEXIST`): the programs own the connection from now on.
+    Install(ConnKey, BFast),
+    /// Give a held connection back, unless a counted packet is still on its way.
+    Thaw(ConnKey, BFast),
+    /// Give it back anyway ([`HOLD_BOUND_MS`]).
+    ThawForce(ConnKey, BFast),
+    Remove(ConnKey),
+}
+
+/// What became of a [`MapOp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapDone {
+    /// The programs own the connection.
+    Kernel,
+    /// The entry stays frozen and the core's (a refused thaw).
+    Held,
+    /// No entry (removed, an install that found one, or the map failed: the slow path carries
+    /// the connection).
+    Gone,
+}
+
+/// A record the programs sent, whole (pieces put together by the map).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MapRecord {
+    /// The connection's figures moved since they were last collected.
+    Changed(ConnKey),
+    /// `learn_output`'s checkpoint: the output end (primary's space) and its digest.
+    Checkpoint(ConnKey, Seq, u64),
+    /// A withheld segment kept for the take-over: its end in the backup's space, the packet.
+    Kept(ConnKey, Seq, Vec<u8>),
+    /// A packet of the backup's server that the egress program declined and consumed (copy
+    /// mode): the engine decides it as if it came from the queue; `counted` as a packet marked
+    /// [`MARK_SLOW`] (its connection had an entry).
+    Slow { pkt: Vec<u8>, counted: bool },
+}
+
+/// The map, as the core uses it. Fields cross in the engine's form ([`BFast`]): the map
+/// converts the kernel's clock (`b_ts_seen`) to the engine's, given as `now_ms`.
+pub trait BackupMap: Send {
+    /// Takes the fields of `key` (freezing its entry; `counted`: `TAKE`, the packet being
+    /// decided was marked, else `FREEZE`). `None`: no entry.
+    fn take(&mut self, key: &ConnKey, counted: bool, now_ms: u64) -> Option<Taken>;
+    fn apply(&mut self, op: &MapOp, now_ms: u64) -> MapDone;
+    /// `COLLECT`: the entry's fields as they are (`CHANGED` cleared), without taking it.
+    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<BFast>;
+    /// The records sent since the last call, in order.
+    fn records(&mut self) -> Vec<MapRecord>;
+    /// The take-over's first step: the server's packets go through the queue again (the
+    /// OUTPUT queue rule), then the programs pass every packet. `Err`: the rule could not be
+    /// installed; the programs keep copying the server's packets to the daemon (its engine
+    /// translates them and the raw socket sends them).
+    fn promote(&mut self) -> Result<(), String>;
+    /// The programs' own counters, for the status.
+    fn stats(&mut self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+}
+
+/// Counters of the hand-off (status `fast_path.handoff`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FastCounters {
+    pub installed: u64,
+    pub taken: u64,
+    pub thawed: u64,
+    /// Thaws refused: a counted packet was still on its way.
+    pub thaw_refused: u64,
+    pub thaw_forced: u64,
+    pub removed: u64,
+    /// Entries found missing or lost (the slow path carries them).
+    pub lost: u64,
+    /// Installs the map refused ([`INSTALL_BACKOFF_MS`] without installs follows).
+    pub install_refused: u64,
+    /// Fields the engine refused ([`Backup::set_fast_state`]): the connection leaves the map.
+    pub load_refused: u64,
+    /// `CHANGED` records: connections collected for a progress message.
+    pub collected: u64,
+    pub checkpoints: u64,
+    pub kept: u64,
+    /// The server's packets the egress program declined and copied (copy mode).
+    pub slow_copies: u64,
+    /// Packets marked [`MARK_DONE`] that reached the queue anyway (a chain edited by hand):
+    /// accepted as they are, never rewritten twice.
+    pub fast_done_queued: u64,
+    /// Take-overs where the OUTPUT queue rule could not be installed.
+    pub promote_failed: u64,
+}
+
+/// The fast path's part of [`Core`].
+#[derive(Default)]
+pub struct FastPart {
+    /// Why the fast path is off (the status's `fast_path.off_because`); `None` while on.
+    pub off_because: Option<String>,
+    map: Option<Box<dyn BackupMap>>,
+    /// Connections in the map, as the core knows them.
+    conns: HashMap<ConnKey, Fast>,
+    /// Connections held by the core, and since when (ms).
+    held: HashMap<ConnKey, u64>,
+    /// Connections to settle once the current packet or message is decided.
+    dirty: Vec<ConnKey>,
+    /// Connections a queued packet touched whose verdict has not been sent yet.
+    deferred: Vec<ConnKey>,
+    install_after_ms: u64,
+    /// The take-over cleared the map: nothing is installed again.
+    promoted: bool,
+    /// The take-over's promote failed: the egress program still copies and consumes the
+    /// server's packets, which the engine now translates and the raw socket sends.
+    copying: bool,
+    pub counters: FastCounters,
+}
+
+/// The connection of a TCP packet: the client's end, as the engine keys it (`outgoing`: a
+/// packet of the backup's server).
+pub fn conn_key(pkt: &[u8], outgoing: bool) -> Option<ConnKey> {
+    let info = unbroken_wire::ip::IpInfo::parse(pkt).ok()?;
+    if info.protocol != 6 || info.l4_len < 4 || pkt.len() < info.l4_offset + 4 {
+        return None;
+    }
+    let t = &pkt[info.l4_offset..];
+    let (sport, dport) = (u16::from_be_bytes([t[0], t[1]]), u16::from_be_bytes([t[2], t[3]]));
+    Some(if outgoing {
+        ConnKey { client: info.dst, client_port: dport, server_port: sport }
+    } else {
+        ConnKey { client: info.src, client_port: sport, server_port: dport }
+    })
+}
+
+impl Core {
+    /// Hands the backup's aligned connections to `map` from now on (a backup only).
+    pub fn enable_fast_path(&mut self, map: Box<dyn BackupMap>) {
+        if self.backup.is_some() {
+            self.fast.map = Some(map);
+            self.fast.off_because = None;
+        }
+    }
+
+    /// The fast path is off for this reason (said once at start, shown in the status).
+    pub fn fast_off(&mut self, why: String) {
+        self.fast.map = None;
+        self.fast.off_because = Some(why);
+    }
+
+    pub fn fast_path_on(&self) -> bool {
+        self.fast.map.is_some()
+    }
+
+    pub fn fast_counters(&self) -> &FastCounters {
+        &self.fast.counters
+    }
+
+    /// Where `key`'s fields are, as the core knows it.
+    pub fn fast_where(&self, key: &ConnKey) -> Fast {
+        self.fast.conns.get(key).copied().unwrap_or_default()
+    }
+
+    /// The status's `fast_path` object: on or off (and why), the hand-off's counters, the
+    /// programs'.
+    pub fn fast_status(&mut self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        m.insert("on".into(), self.fast.map.is_some().into());
+        if let Some(why) = &self.fast.off_because {
+            m.insert("off_because".into(), why.clone().into());
+        }
+        if self.fast.map.is_some() {
+            m.insert("handoff".into(), serde_json::to_value(self.fast.counters).unwrap_or_default());
+            m.insert("installed_now".into(), (self.fast.conns.len() as u64).into());
+            m.insert("held".into(), (self.fast.held.len() as u64).into());
+            m.insert("promoted".into(), self.fast.promoted.into());
+        }
+        if let Some(map) = self.fast.map.as_mut() {
+            for (k, v) in map.stats() {
+                m.insert(k.into(), v.into());
+            }
+        }
+        serde_json::Value::Object(m)
+    }
+
+    /// Before a packet (`counted`: marked by the programs) or a message touching `key` is
+    /// decided: its fields from the map into the engine, if the map holds the newest.
+    fn fast_take(&mut self, key: ConnKey, counted: bool, now_ms: u64) {
+        if self.fast.promoted {
+            return;
+        }
+        let Some(map) = self.fast.map.as_mut() else { return };
+        let known = self.fast.conns.get(&key).copied().unwrap_or_default();
+        if !counted && known == Fast::Off {
+            // Not in the map: installed after if the engine aligned it.
+            self.fast.dirty.push(key);
+            return;
+        }
+        match map.take(&key, counted, now_ms) {
+            Some(t) => {
+                self.fast.counters.taken += 1;
+                if t.newest || known != Fast::Held {
+                    let loaded = self.backup.as_mut().is_some_and(|b| b.set_fast_state(&key, &t.fields));
+                    if !loaded {
+                        // The engine no longer follows it (forgotten, evicted) or cannot take
+                        // these fields: the entry stays frozen until it is removed below.
+                        self.fast.counters.load_refused += 1;
+                    }
+                }
+                self.fast.conns.insert(key, Fast::Held);
+                self.fast.held.entry(key).or_insert(now_ms);
+            }
+            None => {
+                if known != Fast::Off {
+                    self.fast.counters.lost += 1;
+                }
+                self.fast.conns.remove(&key);
+                self.fast.held.remove(&key);
+            }
+        }
+        self.fast.dirty.push(key);
+    }
+
+    /// After a packet or message was decided: what the map must do for the connections it
+    /// touched, carried out (install, thaw, remove).
+    fn fast_settle(&mut self, now_ms: u64) {
+        if self.fast.promoted {
+            self.fast.dirty.clear();
+            return;
+        }
+        let (Some(mut map), Some(b)) = (self.fast.map.take(), self.backup.as_ref()) else { return };
+        let mut dirty = std::mem::take(&mut self.fast.dirty);
+        dirty.sort_by_key(|k| (k.client_port, k.server_port, k.client));
+        dirty.dedup();
+        for key in dirty.drain(..) {
+            if self.fast.deferred.contains(&key) {
+                continue;
+            }
+            let known = self.fast.conns.get(&key).copied().unwrap_or_default();
+            if !b.follows(&key) {
+                if known != Fast::Off {
+                    map.apply(&MapOp::Remove(key), now_ms);
+                    self.fast.counters.removed += 1;
+                    self.fast.conns.remove(&key);
+                    self.fast.held.remove(&key);
+                }
+                continue;
+            }
+            // Not eligible (output beyond a gap): it stays the engine's, frozen.
+            if !b.fast_eligible(&key) {
+                continue;
+            }
+            let Some(f) = b.fast_state(&key) else { continue };
+            let op = match known {
+                Fast::Kernel => continue,
+                Fast::Off if now_ms < self.fast.install_after_ms => continue,
+                Fast::Off => MapOp::Install(key, f),
+                Fast::Held => MapOp::Thaw(key, f),
+            };
+            let done = map.apply(&op, now_ms);
+            let c = &mut self.fast.counters;
+            match (&op, done) {
+                (MapOp::Install(..), MapDone::Kernel) => c.installed += 1,
+                (MapOp::Install(..), _) => {
+                    c.install_refused += 1;
+                    self.fast.install_after_ms = now_ms + INSTALL_BACKOFF_MS;
+                }
+                (MapOp::Thaw(..), MapDone::Kernel) => c.thawed += 1,
+                (MapOp::Thaw(..), MapDone::Held) => c.thaw_refused += 1,
+                (_, MapDone::Gone) => c.lost += 1,
+                _ => {}
+            }
+            match done {
+                MapDone::Kernel => {
+                    self.fast.conns.insert(key, Fast::Kernel);
+                    self.fast.held.remove(&key);
+                }
+                MapDone::Held => {
+                    self.fast.conns.insert(key, Fast::Held);
+                    self.fast.held.entry(key).or_insert(now_ms);
+                }
+                MapDone::Gone => {
+                    self.fast.conns.remove(&key);
+                    self.fast.held.remove(&key);
+                }
+            }
+        }
+        self.fast.dirty = dirty;
+        self.fast.map = Some(map);
+    }
+
+    /// A packet from the queue, before the engine: `None` to go on (its connection taken from
+    /// the map if needed), or the verdict of a packet the programs already decided
+    /// ([`MARK_DONE`]): accepted as it is, never rewritten twice.
+    pub(super) fn fast_before_packet(&mut self, meta: &Meta, pkt: &[u8], outgoing: bool, now_ms: u64) -> Option<Verdict> {
+        self.fast.map.as_ref()?;
+        if !outgoing && meta.mark & MARK_DONE != 0 {
+            self.fast.counters.fast_done_queued += 1;
+            return Some(Verdict::Accept { modified: false });
+        }
+        if let Some(key) = conn_key(pkt, outgoing) {
+            self.fast_take(key, meta.mark & MARK_SLOW != 0, now_ms);
+        }
+        None
+    }
+
+    /// After the engine decided a packet from the queue: the connections it touched wait for
+    /// its verdict to leave ([`Core::fast_after_flush`]).
+    pub(super) fn fast_after_packet(&mut self) {
+        if self.fast.map.is_none() {
+            return;
+        }
+        let d = std::mem::take(&mut self.fast.dirty);
+        self.fast.deferred.extend(d);
+    }
+
+    /// The queue's verdicts were sent: the connections the packets touched are settled now.
+    pub fn fast_after_flush(&mut self, now_ms: u64) {
+        if self.fast.deferred.is_empty() {
+            return;
+        }
+        let d = std::mem::take(&mut self.fast.deferred);
+        self.fast.dirty.extend(d);
+        self.fast_settle(now_ms);
+    }
+
+    /// Before a side-channel message of the primary is decided: the connections it names
+    /// that the programs own are taken (`FREEZE`).
+    pub(super) fn fast_before_message(&mut self, keys: impl Iterator<Item = ConnKey>, now_ms: u64) {
+        if self.fast.map.is_none() || self.fast.promoted {
+            return;
+        }
+        for key in keys {
+            if self.fast.conns.contains_key(&key) {
+                self.fast_take(key, false, now_ms);
+            }
+        }
+    }
+
+    /// After the message was decided: given back at once (no verdict waits).
+    pub(super) fn fast_after_message(&mut self, now_ms: u64) {
+        if self.fast.map.is_some() {
+            self.fast_settle(now_ms);
+        }
+    }
+
+    /// The engine forgot `key` (its grace period ended): its entry goes.
+    pub(super) fn fast_forget(&mut self, key: ConnKey, now_ms: u64) {
+        if self.fast.conns.contains_key(&key) {
+            self.fast.dirty.push(key);
+            self.fast_settle(now_ms);
+        }
+    }
+
+    /// The records the programs sent since the last call, into the engine: every loop round,
+    /// before the queue's packets.
+    pub fn fast_records(&mut self, now_ms: u64) {
+        let Some(map) = self.fast.map.as_mut() else { return };
+        let recs = map.records();
+        for r in recs {
+            self.fast_record(r, now_ms);
+        }
+    }
+
+    fn fast_record(&mut self, r: MapRecord, now_ms: u64) {
+        match r {
+            MapRecord::Changed(key) => {
+                self.fast.counters.collected += 1;
+                if self.fast_where(&key) == Fast::Kernel && !self.fast.promoted {
+                    // The engine's copy is stale: the report is built from the programs'.
+                    let f = self.fast.map.as_mut().and_then(|m| m.collect(&key, now_ms));
+                    if let (Some(f), Some(b)) = (f, self.backup.as_mut()) {
+                        b.set_fast_state(&key, &f);
+                    }
+                }
+                if let Some(b) = self.backup.as_mut() {
+                    b.mark_changed(&key);
+                }
+                self.dirty = true;
+            }
+            MapRecord::Checkpoint(key, end, hash) => {
+                self.fast.counters.checkpoints += 1;
+                if let Some(b) = self.backup.as_mut() {
+                    b.push_checkpoint(&key, end, hash);
+                }
+                self.dirty = true;
+            }
+            MapRecord::Kept(key, end_b, mut pkt) => {
+                self.fast.counters.kept += 1;
+                // The kernel left the sum for the NIC (CHECKSUM_PARTIAL): the take-over sends
+                // the copy through a raw socket, with nobody to complete it.
+                let n = pkt.len();
+                unbroken_wire::ip::fill_tcp_checksum(&mut pkt, n);
+                if let Some(b) = self.backup.as_mut() {
+                    b.push_kept(&key, end_b, pkt);
+                }
+            }
+            MapRecord::Slow { mut pkt, counted } => {
+                self.fast.counters.slow_copies += 1;
+                let n = pkt.len();
+                unbroken_wire::ip::fill_tcp_checksum(&mut pkt, n);
+                let key = conn_key(&pkt, true);
+                if let Some(k) = key {
+                    self.fast_take(k, counted, now_ms);
+                }
+                let Some(b) = self.backup.as_mut() else { return };
+                self.dirty = true;
+                // Consumed in the kernel already: only what the engine makes of it counts.
+                // Before the take-over it is withheld; after it (a copy that crossed the
+                // promotion, or a promotion without the OUTPUT rule) it goes out translated.
+                let v = b.outgoing(&mut pkt);
+                self.send.extend(b.take_transmit());
+                if matches!(v, Verdict::Accept { .. }) {
+                    self.send.extend(split_for_raw(pkt));
+                }
+                self.fast_settle(now_ms);
+            }
+        }
+    }
+
+    /// Before a full beat: the fields of the connections the programs own, so that the beat
+    /// reports them as they are (a client packet the programs claim sets no `CHANGED`).
+    pub(super) fn fast_refresh(&mut self, now_ms: u64) {
+        if self.fast.promoted {
+            return;
+        }
+        let (Some(map), Some(b)) = (self.fast.map.as_mut(), self.backup.as_mut()) else { return };
+        for (key, w) in self.fast.conns.iter() {
+            if *w == Fast::Kernel {
+                if let Some(f) = map.collect(key, now_ms) {
+                    b.set_fast_state(key, &f);
+                }
+            }
+        }
+    }
+
+    /// Time passes: a connection held for [`HOLD_BOUND_MS`] is given back if eligible, even
+    /// though a counted packet never arrived; a connection the engine no longer follows
+    /// leaves the map.
+    pub fn fast_tick(&mut self, now_ms: u64) {
+        if self.fast.map.is_none() || self.fast.promoted {
+            return;
+        }
+        let Some(b) = self.backup.as_ref() else { return };
+        let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !b.follows(k)).copied().collect();
+        if !gone.is_empty() {
+            self.fast.dirty.extend(gone);
+            self.fast_settle(now_ms);
+        }
+        let deferred = &self.fast.deferred;
+        let stale: Vec<ConnKey> = self.fast.held.iter().filter(|(k, t)| now_ms.saturating_sub(**t) >= HOLD_BOUND_MS && !deferred.contains(k)).map(|(k, _)| *k).collect();
+        if stale.is_empty() {
+            return;
+        }
+        let (Some(mut map), Some(b)) = (self.fast.map.take(), self.backup.as_ref()) else { return };
+        for key in stale {
+            if !b.fast_eligible(&key) || self.fast_where(&key) != Fast::Held {
+                // Stays the engine's (output beyond a gap); looked at again after the bound.
+                self.fast.held.insert(key, now_ms);
+                continue;
+            }
+            let Some(f) = b.fast_state(&key) else { continue };
+            match map.apply(&MapOp::ThawForce(key, f), now_ms) {
+                MapDone::Kernel => {
+                    self.fast.counters.thaw_forced += 1;
+                    self.fast.conns.insert(key, Fast::Kernel);
+                    self.fast.held.remove(&key);
+                }
+                MapDone::Held => {
+                    self.fast.held.insert(key, now_ms);
+                }
+                MapDone::Gone => {
+                    self.fast.counters.lost += 1;
+                    self.fast.conns.remove(&key);
+                    self.fast.held.remove(&key);
+                }
+            }
+        }
+        self.fast.map = Some(map);
+    }
+
+    /// The take-over, before [`Backup::take_over`] (docs/architecture.md, "What attaching
+    /// needs" 2): the server's packets through the queue again and the programs passing every
+    /// packet ([`BackupMap::promote`]), the records still in the ring into the engine, every
+    /// entry frozen and loaded into the engine, the map cleared.
+    pub(super) fn fast_take_over(&mut self, now_ms: u64) {
+        if self.fast.promoted {
+            return;
+        }
+        let Some(map) = self.fast.map.as_mut() else { return };
+        if let Err(e) = map.promote() {
+            self.fast.counters.promote_failed += 1;
+            self.fast.copying = true;
+            self.log(format!("replica: fast path: {e}: the server's packets keep reaching this daemon as copies from tc egress, translated and sent through the raw socket"));
+        }
+        self.fast_records(now_ms);
+        let mut keys: Vec<ConnKey> = self.fast.conns.keys().copied().collect();
+        keys.sort_by_key(|k| (k.client_port, k.server_port, k.client));
+        for key in &keys {
+            self.fast_take(*key, false, now_ms);
+        }
+        // Copies the programs sent between the freeze and now.
+        self.fast_records(now_ms);
+        self.fast.dirty.clear();
+        self.fast.deferred.clear();
+        let Some(map) = self.fast.map.as_mut() else { return };
+        for key in keys {
+            map.apply(&MapOp::Remove(key), now_ms);
+            self.fast.counters.removed += 1;
+        }
+        self.fast.conns.clear();
+        self.fast.held.clear();
+        self.fast.promoted = true;
+    }
+}
+
+/// A packet for the raw socket: a GSO super-packet cut to segments that fit any Ethernet MTU
+/// (only a copy that crossed the take-over takes this path; the engine's own resends cut to
+/// the client's MSS).
+fn split_for_raw(pkt: Vec<u8>) -> Vec<Vec<u8>> {
+    if pkt.len() <= 1500 {
+        return vec![pkt];
+    }
+    let Ok(info) = unbroken_wire::ip::IpInfo::parse(&pkt) else { return vec![pkt] };
+    let hdr = pkt.get(info.l4_offset + 12).map_or(20, |b| ((b >> 4) as usize) * 4);
+    let room = 1500usize.saturating_sub(info.l4_offset + hdr).max(536);
+    unbroken_wire::ip::split_tcp(&pkt, room).unwrap_or_else(|_| vec![pkt])
+}

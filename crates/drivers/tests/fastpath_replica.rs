@@ -1129,6 +1129,18 @@ fn egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_ever
     both.fp.set_promoted(false).unwrap();
     assert_eq!(both.fp.run(Outgoing, &sa).unwrap().verdict, CONSUMED);
     assert_eq!(counted(&mut both.fp), [false]);
+    // The daemon's own sends (its raw socket's mark, exactly) pass untouched in copy mode,
+    // never copied again: a take-over whose OUTPUT rule failed sends what its engine translated
+    // that way (without this they looped through the copy forever). Another mark is copied.
+    const OWN: u32 = 0x7562_0003;
+    both.fp.set_own_mark(OWN).unwrap();
+    let r = both.fp.run_marked(Outgoing, &sa, OWN).unwrap();
+    assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(&sa)));
+    assert!(both.fp.records().is_empty());
+    assert_eq!(both.fp.run_marked(Outgoing, &sa, OWN ^ 1).unwrap().verdict, CONSUMED);
+    assert_eq!(counted(&mut both.fp), [false]);
+    assert_eq!(both.fp.run_marked(Outgoing, &sa, 0x1000_0000).unwrap().verdict, CONSUMED);
+    assert_eq!(counted(&mut both.fp), [false]);
     both.fp.set_egress_copy(false).unwrap();
 }
 

@@ -357,11 +357,13 @@ fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
     for s in &cfg.raw.services {
         fp.add_service(SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).map_err(|e| e.to_string())?;
     }
-    if let Err(e) = fp.attach_backup(&r.interface) {
-        // Never leave a copying program behind that nobody reads.
-        let _ = fp.detach_egress();
-        return Err(e.to_string());
-    }
+    // Our own raw sends pass the egress program untouched (a take-over whose OUTPUT rule
+    // failed sends what the engine translated through the raw socket).
+    fp.set_own_mark(REPLICA_MARK).map_err(|e| e.to_string())?;
+    // A failure leaves a predecessor's filter (and ours, once attached) withholding: this run
+    // then goes on without the fast path and removes them only after its OUTPUT jump is in
+    // (`remove_egress_leftover`), never a moment with neither.
+    fp.attach_backup(&r.interface).map_err(|e| e.to_string())?;
     Ok(KernelMap::new(fp, r.strict, Some(spec.clone())))
 }
 

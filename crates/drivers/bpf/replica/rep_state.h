@@ -127,7 +127,7 @@ _Static_assert(sizeof(struct rep_rec) == 56, "rep_rec is 56 bytes");
 /* The programs' configuration (map rep_cfg, one entry). */
 struct rep_cfg {
 	__u32 flags; /* REP_CFG_* */
-	__u32 pad;
+	__u32 own_mark; /* the daemon's raw sends (SO_MARK): passed untouched at egress; 0: none */
 };
 
 /* At tc egress a declined packet would go to the wire untranslated or ungated: in copy mode

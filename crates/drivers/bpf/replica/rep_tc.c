@@ -637,7 +637,8 @@ int rep_b_out(struct __sk_buff *skb)
 
 	if (cfg && (cfg->flags & REP_CFG_PROMOTED))
 		return FP_SLOW;
-	if (!g)
+	/* The daemon's own sends (translated by its engine already): never copied again. */
+	if (!g || (cfg && cfg->own_mark && skb->mark == cfg->own_mark))
 		return FP_SLOW;
 	__u32 mark0 = skb->mark;
 	g->parsed = 0;
@@ -967,8 +968,10 @@ int rep_p_out(struct __sk_buff *skb)
 {
 	__u32 zero = 0;
 	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
 
-	if (!g)
+	/* The daemon's own sends (released or built by its engine): never copied again. */
+	if (!g || (cfg && cfg->own_mark && skb->mark == cfg->own_mark))
 		return FP_SLOW;
 	__u32 mark0 = skb->mark;
 	g->parsed = 0;

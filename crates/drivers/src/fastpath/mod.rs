@@ -180,6 +180,12 @@ pub struct Run {
 /// builds the skb once and runs the program on it again and again); returns the last run's
 /// result and the kernel's mean time per run.
 fn test_run(prog: &SchedClassifier, ip: &[u8], repeat: u32) -> Result<(Run, std::time::Duration), Error> {
+    test_run_marked(prog, ip, repeat, 0)
+}
+
+/// [`test_run`] with `skb->mark` = `mark` (the context's `len` and `pkt_type` left zero, as
+/// the kernel requires; everything after `mark` zero too).
+fn test_run_marked(prog: &SchedClassifier, ip: &[u8], repeat: u32, mark: u32) -> Result<(Run, std::time::Duration), Error> {
     let mut frame = vec![0u8; ETH_HLEN + ip.len()];
     // Destination MAC: the test device's own (loopback's, all zero), so that the kernel
     // takes the frame as one for this host (PACKET_HOST, as the programs require); source
@@ -190,7 +196,10 @@ fn test_run(prog: &SchedClassifier, ip: &[u8], repeat: u32) -> Result<(Run, std:
     frame[12..14].copy_from_slice(&ethertype.to_be_bytes());
     frame[ETH_HLEN..].copy_from_slice(ip);
     let mut out = vec![0u8; frame.len() + 256];
-    let opts = TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), repeat: repeat.max(1), ..Default::default() };
+    // struct __sk_buff: len (u32), pkt_type (u32), mark (u32), ...
+    let mut ctx = [0u8; 12];
+    ctx[8..12].copy_from_slice(&mark.to_ne_bytes());
+    let opts = TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), ctx_in: (mark != 0).then_some(&ctx[..]), repeat: repeat.max(1), ..Default::default() };
     let r = prog.test_run(opts).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
     let n = (r.data_size_out as usize).min(out.len());
     if n < ETH_HLEN {

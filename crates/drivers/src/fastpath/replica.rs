@@ -618,8 +618,10 @@ mod cfg {
 pub struct Replica {
     ebpf: Ebpf,
     ring: RingBuf<MapData>,
-    /// What `rep_cfg` holds.
+    /// What `rep_cfg` holds: the flags, and the daemon's own mark (its raw sends, which the
+    /// egress programs pass untouched).
     cfg: u32,
+    own_mark: u32,
     /// The device whose egress `rep_b_out` was attached to ([`Replica::attach_backup`]).
     egress: Option<String>,
 }
@@ -632,7 +634,7 @@ impl Replica {
         load_classifiers(&mut ebpf, &[Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM])?;
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
-        Ok(Replica { ebpf, ring, cfg: 0, egress: None })
+        Ok(Replica { ebpf, ring, cfg: 0, own_mark: 0, egress: None })
     }
 
     /// The ring buffer's descriptor: readable when a record that wakes the reader arrived
@@ -679,15 +681,20 @@ impl Replica {
         let Some((i, id)) = attached else {
             return Err(Error::Bpf(format!("attaching {out} to {iface} (tc egress, cls_bpf): {}", first_err.unwrap_or_default())));
         };
-        // Ours runs: a predecessor's at the other priority goes.
-        if let Ok(old) = SchedClassifierLink::attached(iface, TcAttachType::Egress, EGRESS_PRIO[1 - i], EGRESS_HANDLE, None) {
-            let _ = aya::programs::links::Link::detach(old);
-        }
+        // A failure from here on leaves the predecessor's filter in place (ours is detached
+        // with this value if it was not taken yet; once taken it stays, withholding, until a
+        // daemon that runs without the fast path removes both after its OUTPUT jump is in):
+        // never a moment without a filter or the jump.
         let link = prog.take_link(id).map_err(|e| bpf_err("taking rep_b_out's filter", e))?;
         // Never detached by this process: it outlives it (see above).
         std::mem::forget(link);
         self.egress = Some(iface.to_string());
-        super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)
+        super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)?;
+        // Everything of ours runs: a predecessor's filter at the other priority goes.
+        if let Ok(old) = SchedClassifierLink::attached(iface, TcAttachType::Egress, EGRESS_PRIO[1 - i], EGRESS_HANDLE, None) {
+            let _ = aya::programs::links::Link::detach(old);
+        }
+        Ok(())
     }
 
     /// Detaches `rep_b_out`'s filter from the device this value attached it to (this run
@@ -705,10 +712,19 @@ impl Replica {
         self.write_cfg(if on { self.cfg | cfg::PROMOTED } else { self.cfg & !cfg::PROMOTED })
     }
 
+    /// The daemon's own packets (its raw socket's `SO_MARK`, exactly): the egress programs
+    /// pass them untouched in every mode. Without it, a backup whose take-over could not
+    /// install the OUTPUT rule (copy mode kept, its engine translating the copies) would copy
+    /// and consume its own translated sends again. 0: none.
+    pub fn set_own_mark(&mut self, mark: u32) -> Result<(), Error> {
+        self.own_mark = mark;
+        self.write_cfg(self.cfg)
+    }
+
     fn write_cfg(&mut self, flags: u32) -> Result<(), Error> {
         let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
         let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
-        a.set(0, [flags, 0], 0).map_err(|e| bpf_err("rep_cfg", e))?;
+        a.set(0, [flags, self.own_mark], 0).map_err(|e| bpf_err("rep_cfg", e))?;
         self.cfg = flags;
         Ok(())
     }
@@ -918,6 +934,12 @@ impl Replica {
     /// Runs the IP packet `ip` through direction `d`'s program once (`BPF_PROG_TEST_RUN`).
     pub fn run(&self, d: Direction, ip: &[u8]) -> Result<Run, Error> {
         Ok(test_run(self.program(d)?, ip, 1)?.0)
+    }
+
+    /// [`Replica::run`] with `skb->mark` set (a packet a socket marked, e.g. the daemon's raw
+    /// socket).
+    pub fn run_marked(&self, d: Direction, ip: &[u8], mark: u32) -> Result<Run, Error> {
+        Ok(super::test_run_marked(self.program(d)?, ip, 1, mark)?.0)
     }
 
     /// The kernel's mean time per run of `ip` through direction `d`'s program over `repeat`

@@ -43,10 +43,9 @@ pub const HOLD_BOUND_MS: u64 = 1000;
 /// After the map refused a new entry (full), no install is tried for this long.
 pub const INSTALL_BACKOFF_MS: u64 = 1000;
 
-/// `skb->mark` bits the programs set (`REP_MARK_*`, as checkpoint mode's): decided in the
-/// kernel / left to the slow path and counted.
-pub const MARK_DONE: u32 = 0x2000_0000;
-pub const MARK_SLOW: u32 = 0x1000_0000;
+/// `skb->mark` bits the programs set (`REP_MARK_*`): decided in the kernel / left to the slow
+/// path and counted; the drivers' values, which the daemon's rules use too.
+pub use unbroken_drivers::fastpath::replica::{MARK_DONE, MARK_SLOW};
 
 /// Where a connection's fields are, as the core knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -50,11 +50,13 @@ const SPORT: u16 = 6379;
 struct Side {
     checkpoints: Vec<(u32, u64)>,
     kept: Vec<(u32, usize)>,
+    /// Where the engine's copy of the client's bytes for the primary ends.
+    input_end: Option<u32>,
 }
 
 fn side(b: &Backup, key: &ConnKey) -> Side {
     let s = b.side(key).expect("one connection in the engine");
-    Side { checkpoints: s.checkpoints.iter().map(|(e, h)| (e.0, *h)).collect(), kept: s.kept.iter().map(|(e, n)| (e.0, *n)).collect() }
+    Side { checkpoints: s.checkpoints.iter().map(|(e, h)| (e.0, *h)).collect(), kept: s.kept.iter().map(|(e, n)| (e.0, *n)).collect(), input_end: s.input_end.map(|e| e.0) }
 }
 
 /// The entry's state as the engine's fields give it (`b_ts_at` is the kernel's clock: taken
@@ -220,12 +222,26 @@ impl Both {
             let mut kept = vec![];
             let mut kept_end = None;
             for r in &recs {
-                if let Record::Keep { key, end_b, total, off, bytes } = r {
+                if let Record::Keep { key, end_b, total, off, bytes, .. } = r {
                     assert_eq!(*key, self.key);
                     assert_eq!(*off as usize, kept.len(), "{what}: pieces in order");
                     assert_eq!(*total as usize, pkt.len());
                     kept.extend_from_slice(bytes);
                     kept_end = Some(*end_b);
+                }
+            }
+            // The client's bytes rep_b_in passed: one packet's pieces, in order, the packet the
+            // server got (a copy for the primary).
+            let mut input = vec![];
+            let mut input_of = None;
+            for r in &recs {
+                if let Record::Input { key, total, off, of, bytes } = r {
+                    assert_eq!(*key, self.key);
+                    assert_eq!(*off as usize, input.len(), "{what}: input pieces in order");
+                    assert!(input_of.is_none_or(|o| o == *of), "{what}: input pieces of two packets");
+                    input_of = Some(*of);
+                    assert_eq!(*total as usize, pkt.len());
+                    input.extend_from_slice(bytes);
                 }
             }
             // The engine keeps a copy of every withheld segment with payload, unless beyond its
@@ -239,6 +255,13 @@ impl Both {
                 assert_eq!(hex(&kept), hex(pkt), "{what}: the kept copy is the packet");
             } else {
                 assert!(kept.is_empty(), "{what}: a copy the engine did not keep");
+            }
+            if !input.is_empty() {
+                assert_eq!((d, run.verdict), (Incoming, Verdict::Done), "{what}: an input copy of a packet not passed to the server");
+                assert_eq!(hex(&input), hex(&run.packet), "{what}: the input copy is the packet the server got");
+            }
+            if side1.input_end != side0.input_end {
+                assert!(!input.is_empty(), "{what}: the engine copied client bytes the programs did not");
             }
             let changed = recs.iter().filter(|r| matches!(r, Record::Changed(_))).count();
             let expect = (d == Outgoing && before.ctl & unbroken_drivers::fastpath::replica::ctl::CHANGED == 0) as usize;

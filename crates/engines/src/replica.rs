@@ -246,6 +246,9 @@ pub struct BSide {
     pub checkpoints: Vec<(Seq, u64)>,
     pub kept: Vec<(Seq, usize)>,
     pub ooo_empty: bool,
+    /// Where the copy of the client's bytes for the primary ends, and its length.
+    pub input_end: Option<Seq>,
+    pub input_len: usize,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -338,6 +341,21 @@ struct BConn {
     /// a connection the primary's reports still do not name two beats later is one it does not
     /// follow.
     aligned_at_beats: u64,
+    /// Loss toward the primary (the reverse of ST-TCP 3.6): the primary server's RCV.NXT as
+    /// its reports give it, and when it last moved (the backup's clock, ms).
+    p_rcv: Option<(Seq, u64)>,
+    /// Copies of the client's bytes this backup's server took beyond `p_rcv`, in order and
+    /// contiguous (start, bytes, when they came), their total, and where the next byte goes:
+    /// relayed to the primary when it missed them, instead of waiting for the client's
+    /// retransmission timeout (issue 20: 300 ms stalls after 200 ms of loss).
+    input: VecDeque<(Seq, Vec<u8>, u64)>,
+    input_len: usize,
+    input_end: Option<Seq>,
+    /// The end of the last bytes relayed to the primary, when, and the gap before a relay the
+    /// primary does not confirm goes again (doubling).
+    relay_end: Option<Seq>,
+    relay_at: u64,
+    relay_gap: u64,
 }
 
 impl Entry for BConn {
@@ -417,6 +435,11 @@ pub struct BackupCounters {
     pub unknown_dropped: u64,
     /// Client bytes the primary relayed (the backup missed them), handed to its server.
     pub relayed_in: u64,
+    /// Client bytes relayed to the primary (its host missed them, this one did not).
+    pub relayed_to_primary: u64,
+    /// Client bytes not copied for the primary: beyond [`MAX_INPUT_COPY`] or
+    /// [`MAX_INPUT_COPY_TOTAL`] (the primary then waits for the client's retransmission).
+    pub input_copy_full: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -445,8 +468,35 @@ pub struct Backup {
     /// The primary's beats heard (distinct beat numbers, growing), and the newest.
     p_beats: u64,
     p_last_beat: Option<u64>,
+    /// Client bytes copied for the primary, all connections, and the relays to send
+    /// ([`Backup::take_relay`]).
+    input_total: usize,
+    relay: Vec<Relay>,
     pub counters: BackupCounters,
 }
+
+/// Client bytes one host relays to the other over the side channel: the connection, the
+/// client sequence number of the first byte, at most [`rw::MAX_INPUT`] bytes, and (backup to
+/// primary) the client's newest timestamps the sender's server took (TSval, TSecr).
+pub type Relay = (ConnKey, Seq, Vec<u8>, Option<RelayFrom>);
+
+/// What a backup's relay says of the client besides its bytes: its newest timestamps the
+/// backup's server took (TSval, TSecr in the primary's clock) and its latest window field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RelayFrom {
+    pub ts: Option<(u32, u32)>,
+    pub window: u16,
+}
+
+/// Client bytes a backup copies per connection for the primary, and for all connections
+/// together: what the client sends during a loss toward the primary (its congestion window).
+pub const MAX_INPUT_COPY: usize = 4 << 20;
+pub const MAX_INPUT_COPY_TOTAL: usize = 64 << 20;
+
+/// How long the primary server's RCV.NXT must have stood still, below bytes the backup has had
+/// as long, before the backup relays them: its reports come every beat (10 ms), so in a steady
+/// stream the primary has reported those bytes by then.
+pub const INPUT_RELAY_AFTER_MS: u64 = 20;
 
 impl Default for Backup {
     fn default() -> Backup {
@@ -577,7 +627,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, strict: true, p_beats: 0, p_last_beat: None, counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, strict: true, p_beats: 0, p_last_beat: None, input_total: 0, relay: Vec::new(), counters: BackupCounters::default() }
     }
 
     /// Time passes: half-open entries older than [`HALF_OPEN_TTL_MS`] that the primary no
@@ -618,9 +668,13 @@ impl Backup {
         }
         self.promoted = true;
         self.kept_total = 0;
+        self.input_total = 0;
+        self.relay.clear();
         for (key, c) in self.conns.iter_mut() {
             let kept = std::mem::take(&mut c.kept);
             c.kept_bytes = 0;
+            c.input = VecDeque::new();
+            c.input_len = 0;
             // A connection the primary reported it no longer protects (DIVERGED: it diverged,
             // or ran unprotected for any reason, so its input here may have a hole the client
             // will never fill) or that this backup numbered wrong never goes on: its client is
@@ -839,6 +893,10 @@ impl Backup {
             c.server = Some(s.info.dst);
             c.client_seen = true;
         }
+        if in_window && s.payload_len > 0 && !self.promoted && !c.diverged && !c.misaligned {
+            let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
+            copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, self.clock);
+        }
         let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
         let limit = c.snd_max;
         let delta = c.delta;
@@ -1033,6 +1091,7 @@ impl Backup {
     pub fn progress(&mut self, beat: u64) -> Vec<Progress> {
         self.changed.clear();
         self.kept_total = self.conns.values().map(|c| c.kept_bytes).sum();
+        self.input_total = self.conns.values().map(|c| c.input_len).sum();
         let keys: Vec<ConnKey> = self.conns.iter().filter(|(_, c)| c.b_isn.is_some() || c.rst_out).map(|(k, _)| *k).collect();
         self.progress_of(beat, keys, true)
     }
@@ -1137,6 +1196,15 @@ impl Backup {
             if r.out_end != Seq(0) && c.p_out.is_none_or(|p| r.out_end.gt(p)) {
                 c.p_out = Some(r.out_end);
             }
+            if r.flags & rw::flag::RCV_KNOWN != 0 && !self.promoted {
+                if r.flags & rw::flag::DIVERGED != 0 {
+                    self.input_total -= c.input_len;
+                    c.input.clear();
+                    c.input_len = 0;
+                } else {
+                    relay_input(c, key, r.rcv_nxt, self.clock, &mut self.input_total, &mut self.relay, &mut self.counters);
+                }
+            }
             let (Some(server), true, true) = (c.server, c.aligned, c.client_seen) else { continue };
             // The client's latest ACK as the primary heard it (authenticated, and never beyond
             // what the primary's server sent; not the backup's own `last_ack`, which any packet
@@ -1188,7 +1256,34 @@ impl Backup {
 
     /// Forgets a connection (the daemon's grace period after it closed).
     pub fn forget(&mut self, key: &ConnKey) {
-        self.conns.remove(key);
+        if let Some(c) = self.conns.remove(key) {
+            self.input_total -= c.input_len;
+        }
+    }
+
+    /// A copy of a client segment the kernel's fast path passed to the backup's server (it
+    /// decided acceptability as [`Backup::incoming`] does): its bytes are copied for the primary
+    /// as `incoming` would have. Anything that does not parse, a connection not followed or not
+    /// aligned, and bytes outside the window the backup's server announced are ignored.
+    pub fn push_input(&mut self, key: &ConnKey, pkt: &[u8]) {
+        let Ok(s) = parse(pkt) else { return };
+        let of = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
+        if s.payload_len == 0 || self.promoted || of != *key {
+            return;
+        }
+        let Some(c) = self.conns.get_mut(key) else { return };
+        if !c.aligned || c.diverged || c.misaligned || (c.rcv_known && !acceptable(&s, c.rcv_nxt, c.rcv_edge)) {
+            return;
+        }
+        let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
+        copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, self.clock);
+    }
+
+    /// Client bytes the primary missed and this backup's server took, for the primary
+    /// ([`Primary::backup_input`]): the reverse of ST-TCP 3.6's retransmission, the loss being
+    /// toward the primary.
+    pub fn take_relay(&mut self) -> Vec<Relay> {
+        std::mem::take(&mut self.relay)
     }
 
     /// Packets for the clients the engine built (RSTs of diverged connections after take-over).
@@ -1320,7 +1415,7 @@ impl Backup {
     /// The connection's checkpoints, kept copies and gap, for inspection.
     pub fn side(&self, key: &ConnKey) -> Option<BSide> {
         let c = self.conns.get(key)?;
-        Some(BSide { checkpoints: c.checkpoints.iter().copied().collect(), kept: c.kept.iter().map(|(e, p)| (*e, p.len())).collect(), ooo_empty: c.ooo.is_empty() })
+        Some(BSide { checkpoints: c.checkpoints.iter().copied().collect(), kept: c.kept.iter().map(|(e, p)| (*e, p.len())).collect(), ooo_empty: c.ooo.is_empty(), input_end: c.input_end, input_len: c.input_len })
     }
 }
 
@@ -1388,6 +1483,107 @@ const DEFAULT_MSS: u16 = 536;
 /// and for all connections together.
 pub const MAX_KEPT_BYTES: usize = 8 << 20;
 pub const MAX_KEPT_TOTAL: usize = 256 << 20;
+
+/// Copies the client's bytes `data` at `seq` (a segment the backup's server takes) for the
+/// primary: only the bytes that continue the copy (or, with none, start at the primary's
+/// RCV.NXT or at this segment), never below what the primary's server has; within the bounds,
+/// else counted and left out (a hole the primary's own client gets filled).
+fn copy_input(c: &mut BConn, total: &mut usize, counters: &mut BackupCounters, seq: Seq, data: &[u8], now: u64) {
+    let end = seq + data.len() as u32;
+    let mut at = c.input_end.unwrap_or(seq);
+    if let Some((p, _)) = c.p_rcv {
+        if p.gt(at) {
+            at = p;
+        }
+    }
+    if seq.gt(at) || !end.gt(at) {
+        return;
+    }
+    let new = &data[(at - seq) as usize..];
+    if c.input_len + new.len() > MAX_INPUT_COPY || *total + new.len() > MAX_INPUT_COPY_TOTAL {
+        counters.input_copy_full += new.len() as u64;
+        return;
+    }
+    c.input.push_back((at, new.to_vec(), now));
+    c.input_len += new.len();
+    *total += new.len();
+    c.input_end = Some(end);
+}
+
+/// The primary's report says its server's RCV.NXT is `p`: the copies below go; bytes above it
+/// that the backup has had for [`INPUT_RELAY_AFTER_MS`], while `p` stood still as long, are
+/// relayed ([`RELAY_BUDGET`] at a time; one the primary does not confirm goes again after a gap
+/// that doubles). A primary merely behind (its queue on a loaded host) moves `p` and gets
+/// nothing: duplicates would only load it further.
+fn relay_input(c: &mut BConn, key: ConnKey, p: Seq, now: u64, total: &mut usize, out: &mut Vec<Relay>, counters: &mut BackupCounters) {
+    match c.p_rcv {
+        Some((q, _)) if !p.gt(q) => {}
+        _ => c.p_rcv = Some((p, now)),
+    }
+    let Some((p, since)) = c.p_rcv else { return };
+    while let Some((a, d, _)) = c.input.front_mut() {
+        let e = *a + d.len() as u32;
+        if !e.gt(p) {
+            c.input_len -= d.len();
+            *total -= d.len();
+            c.input.pop_front();
+        } else {
+            if p.gt(*a) {
+                let n = (p - *a) as usize;
+                d.drain(..n);
+                c.input_len -= n;
+                *total -= n;
+                *a = p;
+            }
+            break;
+        }
+    }
+    if c.relay_end.is_some_and(|e| !e.gt(p)) {
+        c.relay_end = None;
+        c.relay_gap = 0;
+    }
+    if now < since + INPUT_RELAY_AFTER_MS {
+        return;
+    }
+    // The end of the bytes that came at least that long ago: those the primary missed.
+    let due = c.input.iter().take_while(|(_, _, t)| now >= t + INPUT_RELAY_AFTER_MS).last().map(|(a, d, _)| *a + d.len() as u32);
+    let Some(due) = due.filter(|d| d.gt(p)) else { return };
+    let again = c.relay_end.is_some() && now >= c.relay_at + c.relay_gap;
+    let from = match c.relay_end {
+        Some(e) if !again => e,
+        _ => p,
+    };
+    if !due.gt(from) {
+        return;
+    }
+    let from_client = RelayFrom { ts: c.client_ts_max.or(c.client_ts), window: c.client_win };
+    let mut at = from;
+    let mut budget = RELAY_BUDGET;
+    for (a, d, _) in c.input.iter() {
+        let e = *a + d.len() as u32;
+        if !e.gt(at) {
+            continue;
+        }
+        if a.gt(at) || budget == 0 || !at.lt(due) {
+            break;
+        }
+        let mut i = (at - *a) as usize;
+        let stop = ((due - *a) as usize).min(d.len());
+        while i < stop && budget > 0 {
+            let n = (stop - i).min(rw::MAX_INPUT).min(budget);
+            out.push((key, *a + i as u32, d[i..i + n].to_vec(), Some(from_client)));
+            counters.relayed_to_primary += n as u64;
+            budget -= n;
+            i += n;
+        }
+        at = *a + i as u32;
+    }
+    if at.gt(from) {
+        c.relay_gap = if again { (c.relay_gap * 2).min(MAX_RELAY_GAP_MS) } else { c.relay_gap.max(INPUT_RELAY_AFTER_MS * 2) };
+        c.relay_end = Some(at);
+        c.relay_at = now;
+    }
+}
 
 /// A backup server's segment into the primary's space (SEQ + delta, TSval + offset); false when
 /// the packet cannot be written.
@@ -1606,6 +1802,10 @@ pub struct PrimaryCounters {
     /// numbers (a forgery that guessed the client's sequence number): the copies of that range
     /// are dropped, never relayed; the backup waits for the client's own retransmission.
     pub input_conflicts: u64,
+    /// Client bytes the backup relayed (this host missed them) handed to this host's server,
+    /// and relays that brought nothing new.
+    pub backup_input: u64,
+    pub backup_input_redundant: u64,
 }
 
 /// Client bytes relayed to the backup at a time (then again once it confirmed them).
@@ -1871,6 +2071,9 @@ struct PConn {
     snd_p: Seq,
     /// When the primary last heard an acceptable segment of the client (ms, its clock).
     client_heard_at: u64,
+    /// The end of the client's bytes, in order, that reached this host or came from the backup
+    /// ([`Primary::backup_input`]): a relay below it is a duplicate.
+    rcv_seen: Seq,
     /// The backup's server reset it after both servers had closed it (no failure).
     late_rst: bool,
     /// The backup's ACK is behind the primary's since (ms), and the next nudge is due at.
@@ -2107,6 +2310,67 @@ impl Primary {
         std::mem::take(&mut self.relay)
     }
 
+    /// Client bytes the backup relayed (its host heard them, this one did not: loss toward the
+    /// primary), authenticated: a segment as the client would have sent it (its latest ACK and
+    /// window as this host heard them, the newer of the two hosts' timestamps) for the daemon to
+    /// inject into this host's server ([`Primary::take_inject`]), only the part this host has
+    /// not had and within its server's window; false when nothing is new or the connection is
+    /// not protected. The client's own retransmission, a round-trip timeout after the loss,
+    /// comes too late: stalls of 300 ms after 200 ms of loss (issue 20).
+    pub fn backup_input(&mut self, key: &ConnKey, seq: Seq, data: &[u8], from: RelayFrom) -> bool {
+        let Some(c) = self.conns.get_mut(key) else { return false };
+        // Its SYN-ACK released (the backup aligned on the client's ACK of it): the client's
+        // handshake ACK may have been lost here too, and the relayed segment completes it.
+        if self.unprotected.is_some() || c.state.is_some() || c.synack.is_some() || c.sent_ack.is_none() || data.is_empty() {
+            return false;
+        }
+        let ack = if c.client_ack == Seq(0) { c.stream_start } else { c.client_ack };
+        let (win, own_ts) = c.client_last.map_or((from.window, None), |(_, w, t)| (w, t));
+        let ts = from.ts;
+        let have = if c.ack_p.gt(c.rcv_seen) { c.ack_p } else { c.rcv_seen };
+        let mut seq = seq;
+        let mut data = data;
+        let end = seq + data.len() as u32;
+        if !end.gt(have) || seq.gt(c.edge_p) {
+            self.counters.backup_input_redundant += 1;
+            return false;
+        }
+        if have.gt(seq) {
+            data = &data[(have - seq) as usize..];
+            seq = have;
+        }
+        let end = if end.gt(c.edge_p) { c.edge_p } else { end };
+        let data = &data[..(end - seq) as usize];
+        if data.is_empty() {
+            self.counters.backup_input_redundant += 1;
+            return false;
+        }
+        // The newer TSval: the backup heard the client later than this host did (a TSval older
+        // than the server's TS.Recent would be discarded, PAWS).
+        let ts = match (own_ts, ts) {
+            (Some(o), Some(b)) if ts_before(o.0, b.0) => Some(b),
+            (Some(o), _) => Some(o),
+            (None, b) => b,
+        };
+        let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq, ack, flags: F::ACK | F::PSH, window: win, timestamp: ts, ..Default::default() };
+        let Ok(pkt) = ip::tcp_packet(key.client, c.server, &rep, data) else { return false };
+        if !seq.gt(c.rcv_seen) {
+            c.rcv_seen = end;
+        }
+        // The backup aligned on the client's ACK of the SYN-ACK: the handshake is answered (the
+        // client's later ACKs the backup hears then reach this server too, `backup_progress`).
+        c.answered = true;
+        c.client_ack = ack;
+        // What the client sent last, as far as this host knows now (its ACKs the backup
+        // relays are built from it).
+        if c.client_last.is_none_or(|(e, _, _)| end.gt(e)) {
+            c.client_last = Some((end, win, ts));
+        }
+        self.counters.backup_input += data.len() as u64;
+        self.inject.push(pkt);
+        true
+    }
+
     /// Output bytes held for the backup, all connections (bytes of the held packets).
     pub fn held_bytes(&self) -> usize {
         self.held_total
@@ -2174,6 +2438,7 @@ impl Primary {
                 relay_seen: (Seq(0), 0),
                 client_ack: Seq(0),
                 client_heard_at: 0,
+                rcv_seen: s.seq + 1,
                 late_rst: false,
                 snd_p: Seq(0),
                 rcv_behind_since: None,
@@ -2224,6 +2489,10 @@ impl Primary {
                 if in_window {
                     c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
                     c.client_heard_at = self.clock;
+                    let end = s.seq + s.payload_len as u32;
+                    if !s.seq.gt(c.rcv_seen) && end.gt(c.rcv_seen) {
+                        c.rcv_seen = end;
+                    }
                 }
                 // Only bytes of a segment the server's kernel takes (in its window, its ACK
                 // within what the server sent): never a range the kernel refused. Out of order
@@ -2765,7 +3034,10 @@ impl Primary {
                 client: k.client,
                 client_port: k.client_port,
                 server_port: k.server_port,
-                rcv_nxt: c.ack_p,
+                // What reached this host in order (its server has it, or will once it
+                // acknowledges): the backup relays only what lies beyond (loss toward the
+                // primary), not what a server slow to acknowledge (a delayed ACK) already got.
+                rcv_nxt: if c.rcv_seen.gt(c.ack_p) { c.rcv_seen } else { c.ack_p },
                 rcv_edge: c.edge_p,
                 // What strict output commit verified (the backup drops older checkpoints).
                 out_end: if self.cfg.strict { c.rel } else { c.p_end },

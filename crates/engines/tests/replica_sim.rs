@@ -48,7 +48,7 @@ use smoltcp::time::Instant;
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint};
 
 use unbroken_engines::replica::{
-    Backup, Config as PConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary,
+    RelayFrom, Backup, Config as PConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice, Primary,
     ReadWatch, ServerSocket, Why,
 };
 use unbroken_engines::Verdict;
@@ -447,6 +447,9 @@ struct Report {
     fresh_acks: u64,
     /// Client ACKs the backup heard and the primary's host missed, given to its server.
     acks_from_backup: u64,
+    /// Client bytes the backup relayed to the primary, and those the primary's server got.
+    relayed_to_primary: u64,
+    backup_input: u64,
     acks_lowered: u64,
     held: u64,
     diverged: u64,
@@ -829,12 +832,19 @@ impl Sim {
                         self.note(format!("backup engine injects relayed client bytes: {}", describe(&pkt)));
                         self.backup.dev.rx.push_back(pkt);
                     }
+                } else if from == Role::Backup && self.primary_alive {
+                    // Client bytes the primary's host missed (loss toward it), from the backup.
+                    let r = p.records[0];
+                    let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
+                    let (ts, window) = r.input_client();
+                    self.peng.backup_input(&key, r.rcv_nxt, &input, RelayFrom { ts, window });
+                    self.primary_engine_out()?;
                 }
                 continue;
             }
             match from {
                 Role::Backup if self.primary_alive => {
-                    if self.trace { self.note(format!("backup progress: {:?}", p.records.iter().map(|r| r.out_end.0).collect::<Vec<_>>())); }
+                    if self.trace { self.note(format!("backup progress: {:?} last_ack {:?}", p.records.iter().map(|r| r.out_end.0).collect::<Vec<_>>(), p.records.iter().map(|r| r.last_ack.0).max())); }
                     self.pdet.beat(now);
                     self.peng.backup_hung(p.flags & rw::hdr::HUNG != 0);
                     self.peng.backup_progress(&p, now);
@@ -845,6 +855,17 @@ impl Sim {
                     for pkt in self.beng.primary_report(&p) {
                         self.note(format!("backup engine relays the client's ACK: {}", describe(&pkt)));
                         self.backup.dev.rx.push_back(pkt);
+                    }
+                    for (key, seq, data, from) in self.beng.take_relay() {
+                        // Over the side channel, as an input message (its loss and delay too).
+                        let f = from.unwrap_or_default();
+                        let rec = ConnProgress::input(key.client, key.client_port, key.server_port, seq, f.ts, f.window);
+                        let d = Progress { role: Role::Backup, beat: self.now + 1, flags: 0, records: vec![rec] }.emit_input(&Default::default(), &data, &self.key).unwrap();
+                        self.note(format!("backup engine relays {} client bytes at {} to the primary", data.len(), seq.0));
+                        if !self.rng.chance(self.sc.side_loss) {
+                            let at = self.delay();
+                            self.side.push((at, Role::Backup, d));
+                        }
                     }
                 }
                 _ => {}
@@ -1131,6 +1152,8 @@ impl Sim {
         let (pc, bc) = (self.peng.counters, self.beng.counters);
         r.fresh_acks = pc.fresh_acks;
         r.acks_from_backup = pc.acks_from_backup;
+        r.relayed_to_primary = bc.relayed_to_primary;
+        r.backup_input = pc.backup_input;
         r.acks_lowered = pc.acks_lowered;
         r.held = pc.held;
         r.diverged = pc.diverged;
@@ -1289,6 +1312,12 @@ fn temporary_loss_at_primary() {
         assert!(r.yields == 0 && r.stale.is_none() && r.unprotected.is_empty() && r.takeover_at.is_none(), "{sc:?} {r:?}");
     }
     assert!(reps.iter().filter(|(_, r)| r.acks_from_backup > 0).count() > reps.len() / 4, "the client's ACKs never reached the primary's server");
+    // The client's bytes the primary missed come from the backup (the reverse of ST-TCP 3.6):
+    // with no other loss, the client never waits for its own retransmission timeout (the loss
+    // lasts 300 ms, smoltcp's timeout is a second).
+    let clean: Vec<u64> = reps.iter().filter(|(sc, _)| sc.loss == 0.0 && sc.side_loss == 0.0).map(|(_, r)| r.max_stall_ms).collect();
+    assert!(clean.len() > 20 && clean.iter().all(|&m| m < 150), "{clean:?}");
+    assert!(reps.iter().filter(|(_, r)| r.backup_input > 0).count() > reps.len() / 4, "the client's bytes never reached the primary's server from the backup");
 }
 
 /// A second-long command runs on both servers (both stop reading and answering at the same

@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use unbroken_engines::replica::{
-    Backup, Config, ConnKey, Notice, Primary, ReadWatch, ServerSocket, Why,
+    Backup, Config, ConnKey, Notice, Primary, ReadWatch, RelayFrom, ServerSocket, Why,
 };
 use unbroken_engines::Verdict;
 use unbroken_wire::ip::{self, IpInfo};
@@ -1704,4 +1704,116 @@ fn koch_3_2_a_super_packet_leaves_a_checkpoint_every_step() {
     let to_step = (CHECKPOINT_STEP - start.0 % CHECKPOINT_STEP) as usize;
     backup_sends(&mut b, 0, &data[..to_step], B_TS0 + 1);
     assert_eq!(b.side(&key()).unwrap().checkpoints.len(), 1);
+}
+
+// --- loss toward the primary: the backup relays the client's bytes -------------------------
+
+/// The primary's report of the one connection with its server's RCV.NXT at `rcv`.
+fn primary_at(beat: u64, rcv: u32) -> Progress {
+    let mut p = primary_names(rw::flag::RCV_KNOWN | rw::flag::ISN_KNOWN, Seq(0));
+    p.beat = beat;
+    p.records[0].rcv_nxt = Seq(rcv);
+    p
+}
+
+/// A client segment with `n` bytes at stream offset `off` through the backup's engine.
+fn client_to_backup(b: &mut Backup, off: u32, n: usize, tsval: u32) {
+    let mut pkt = from_client(Repr { seq: Seq(C_ISN + 1 + off), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK | F::PSH, window: 512, timestamp: Some((tsval, P_TS0)), ..Default::default() }, &vec![(off % 251) as u8; n]);
+    assert!(matches!(b.incoming(&mut pkt), Verdict::Accept { .. }));
+}
+
+/// The relays of one report, as (offset, bytes) with what they say of the client.
+fn relays(b: &mut Backup) -> (Vec<(u32, Vec<u8>)>, Vec<Option<RelayFrom>>) {
+    b.take_relay().into_iter().map(|(k, seq, d, f)| {
+        assert_eq!(k, key());
+        assert!(d.len() <= rw::MAX_INPUT);
+        ((seq.0 - (C_ISN + 1), d), f)
+    }).unzip()
+}
+
+/// Loss toward the primary (ST-TCP Table 3.3 row 5's other host; the reverse of 3.6): the
+/// backup keeps copies of the client's bytes beyond the primary server's RCV.NXT and relays
+/// them once that RCV.NXT stood still for `INPUT_RELAY_AFTER_MS` below bytes the backup has
+/// had as long; again after a gap when the primary does not confirm them; never what the
+/// primary's server already has; nothing to a primary that is merely behind.
+#[test]
+fn loss_toward_primary_the_backup_relays_the_bytes_the_primary_missed() {
+    let mut b = aligned_backup();
+    b.tick(100);
+    client_to_backup(&mut b, 0, 3000, 600);
+    b.tick(110);
+    b.primary_report(&primary_at(2, C_ISN + 1));
+    assert!(b.take_relay().is_empty(), "those bytes came 10 ms ago: the primary's report may not show them yet");
+    b.tick(125);
+    b.primary_report(&primary_at(3, C_ISN + 1));
+    let (r, from) = relays(&mut b);
+    assert_eq!(r[0].0, 0);
+    assert_eq!(stream(&r), vec![0u8; 3000], "every byte, in order");
+    assert!(from.iter().all(|f| *f == Some(RelayFrom { ts: Some((600, P_TS0)), window: 512 })), "the client's newest timestamps and window: {from:?}");
+    b.tick(130);
+    b.primary_report(&primary_at(4, C_ISN + 1));
+    assert!(b.take_relay().is_empty(), "not again at once");
+    b.tick(170);
+    b.primary_report(&primary_at(5, C_ISN + 1));
+    assert_eq!(stream(&relays(&mut b).0).len(), 3000, "unconfirmed: sent again after the gap");
+    // Confirmed; the next bytes are lost toward the primary as well: only they go.
+    b.tick(175);
+    b.primary_report(&primary_at(6, C_ISN + 3001));
+    client_to_backup(&mut b, 3000, 1000, 700);
+    b.tick(190);
+    b.primary_report(&primary_at(7, C_ISN + 3001));
+    assert!(b.take_relay().is_empty());
+    b.tick(200);
+    b.primary_report(&primary_at(8, C_ISN + 3001));
+    let (r, _) = relays(&mut b);
+    assert_eq!((r[0].0, stream(&r).len()), (3000, 1000), "from the primary's RCV.NXT, never below");
+    // A primary merely behind (its queue on a loaded host): its RCV.NXT moves, nothing goes.
+    b.tick(300);
+    client_to_backup(&mut b, 4000, 1000, 800);
+    for (i, (t, at)) in [(310, 4001), (320, 4501), (335, 4501), (338, 5001)].into_iter().enumerate() {
+        b.tick(t);
+        b.primary_report(&primary_at(10 + i as u64, C_ISN + at));
+        assert!(b.take_relay().is_empty(), "at {t} ms");
+    }
+    assert_eq!(b.counters.relayed_to_primary, 7000);
+}
+
+/// The primary puts the backup's relay into its own server as the client's segment: only the
+/// bytes it has not had (a resend, an overlap, the client's own segment that did arrive), with
+/// the client's latest ACK and window as this host heard them and the newer TSval of the two
+/// hosts' (an older one would be discarded, PAWS).
+#[test]
+fn loss_toward_primary_the_backups_relay_reaches_the_server_once() {
+    let mut p = primary_established();
+    let from = RelayFrom { ts: Some((700, P_TS0)), window: 300 };
+    assert!(p.backup_input(&key(), Seq(C_ISN + 1), &[9u8; 100], from));
+    let inj = p.take_inject();
+    assert_eq!(inj.len(), 1);
+    let (t, d) = seg(&inj[0]);
+    assert_eq!((t.src_port, t.dst_port, t.seq, t.ack, t.window, d), (40000, 6379, Seq(C_ISN + 1), Seq(P_ISN.wrapping_add(1)), 512, vec![9u8; 100]));
+    assert_eq!(t.timestamp, Some((700, P_TS0)), "the backup heard the client later");
+    assert!(!p.backup_input(&key(), Seq(C_ISN + 1), &[9u8; 100], from), "a resend brings nothing new");
+    assert!(p.take_inject().is_empty());
+    assert!(p.backup_input(&key(), Seq(C_ISN + 51), &[8u8; 100], RelayFrom { ts: Some((650, P_TS0)), window: 300 }));
+    let (t, d) = seg(&p.take_inject()[0]);
+    assert_eq!((t.seq, d.len()), (Seq(C_ISN + 101), 50), "only the new part");
+    assert_eq!(t.timestamp, Some((700, P_TS0)), "never an older TSval than one already given");
+    // The client's own segment reached this host: the backup's copy of it is a duplicate.
+    client_sends(&mut p, 150, &[7u8; 50]);
+    assert!(!p.backup_input(&key(), Seq(C_ISN + 151), &[7u8; 50], from));
+    assert_eq!((p.counters.backup_input, p.counters.backup_input_redundant), (150, 2));
+}
+
+/// A relay for a connection this primary does not protect (the backup failed, or it diverged)
+/// or does not follow never reaches its server: the backup's copy is only worth something for
+/// a connection both hosts follow.
+#[test]
+fn hostile_relay_into_an_unprotected_or_unknown_connection_is_refused() {
+    let mut p = primary_established();
+    let from = RelayFrom { ts: Some((700, P_TS0)), window: 300 };
+    let other = ConnKey { client_port: 40001, ..key() };
+    assert!(!p.backup_input(&other, Seq(C_ISN + 1), &[9u8; 10], from));
+    p.backup_failed();
+    assert!(!p.backup_input(&key(), Seq(C_ISN + 1), &[9u8; 10], from));
+    assert!(p.take_inject().is_empty());
 }

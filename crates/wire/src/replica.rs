@@ -134,6 +134,9 @@ pub mod flag {
     /// forgery): its server's connection cannot be taken over.
     pub const MISALIGNED: u8 = 1 << 7;
     pub const ALL: u8 = 0xff;
+    /// In an input message's record (whose other figures mean nothing): `out_hash` carries the
+    /// client's timestamps ([`ConnProgress::input`]).
+    pub const INPUT_TS: u8 = ALIGNED;
 }
 
 /// One connection's figures.
@@ -151,6 +154,24 @@ pub struct ConnProgress {
     pub isn: Seq,
     /// [`flag`] bits (V6 is set from `client` on emit).
     pub flags: u8,
+}
+
+impl ConnProgress {
+    /// An input message's one record: the connection, the client sequence number of the first
+    /// byte (`rcv_nxt`), and what the sender knows of the client (a backup relaying to the
+    /// primary): its newest timestamps (`out_hash` = TSval << 32 | TSecr, with
+    /// [`flag::INPUT_TS`]) and its window field (`rcv_edge`).
+    pub fn input(client: IpAddr, client_port: u16, server_port: u16, seq: Seq, ts: Option<(u32, u32)>, window: u16) -> ConnProgress {
+        let out_hash = ts.map_or(0, |(v, e)| ((v as u64) << 32) | e as u64);
+        let flags = if ts.is_some() { flag::INPUT_TS } else { 0 };
+        ConnProgress { client, client_port, server_port, rcv_nxt: seq, rcv_edge: Seq(window as u32), out_end: Seq(0), out_hash, last_ack: Seq(0), isn: Seq(0), flags }
+    }
+
+    /// An input record's client timestamps and window field ([`ConnProgress::input`]).
+    pub fn input_client(&self) -> (Option<(u32, u32)>, u16) {
+        let ts = (self.flags & flag::INPUT_TS != 0).then_some(((self.out_hash >> 32) as u32, self.out_hash as u32));
+        (ts, self.rcv_edge.0 as u16)
+    }
 }
 
 /// A heartbeat with its progress records.

@@ -69,7 +69,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use unbroken_engines::replica::{
     Backup, Config as EngineConfig, ConnKey, Detector, DetectorAction, DetectorConfig, Notice,
-    Primary, ReadWatch, ServerSocket, Why,
+    Primary, ReadWatch, Relay, RelayFrom, ServerSocket, Why,
 };
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
@@ -610,8 +610,16 @@ impl Core {
             self.backup_stale(why);
         }
         // Client bytes the backup missed (ST-TCP 3.6): input messages, each its own number.
-        for (key, seq, data) in relay {
-            let rec = ConnProgress { client: key.client, client_port: key.client_port, server_port: key.server_port, rcv_nxt: seq, rcv_edge: unbroken_wire::Seq(0), out_end: unbroken_wire::Seq(0), out_hash: 0, last_ack: unbroken_wire::Seq(0), isn: unbroken_wire::Seq(0), flags: 0 };
+        self.send_input(relay.into_iter().map(|(k, seq, d)| (k, seq, d, None)));
+    }
+
+    /// Input messages, each its own number: client bytes one host relays to the other. The
+    /// one record names the connection and the first byte; from the backup it also carries
+    /// what it knows of the client ([`ConnProgress::input`]).
+    fn send_input(&mut self, relay: impl IntoIterator<Item = Relay>) {
+        for (key, seq, data, from) in relay {
+            let f = from.unwrap_or_default();
+            let rec = ConnProgress::input(key.client, key.client_port, key.server_port, seq, f.ts, f.window);
             let m = Progress { role: self.s.role, beat: self.beat, flags: self.flags(), records: vec![rec] };
             self.beat += 1;
             let session = self.session();
@@ -775,12 +783,25 @@ impl Core {
         self.echo = (s.nonce_t, s.nonce);
         self.counters.beats_received += 1;
         if p.flags & hdr::INPUT != 0 {
-            // An authenticated, fresh message of the primary: it is alive.
-            if p.role == Role::Primary && p.flags & hdr::PASSIVE == 0 && matches!(self.state, State::Protecting | State::Fencing) {
+            // An authenticated, fresh message of the peer: it is alive.
+            if p.flags & hdr::PASSIVE == 0 && matches!(self.state, State::Protecting | State::Fencing) {
                 self.peer_heard_at = Some(now_ms);
                 if let Some(d) = self.det.as_mut() {
                     d.beat(now_ms);
                 }
+            }
+            // Client bytes this primary's host missed, from the backup (loss toward the
+            // primary): into this host's server, as the client would have sent them.
+            if let (Role::Backup, true, Some(r)) = (p.role, self.state == State::Protecting, p.records.first()) {
+                let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
+                if self.primary.as_mut().is_some_and(|pe| pe.backup_input(&key, r.rcv_nxt, &input, {
+                    let (ts, window) = r.input_client();
+                    RelayFrom { ts, window }
+                })) {
+                    self.counters.input_injected += 1;
+                }
+                self.drain_primary();
+                return;
             }
             // Client bytes the backup missed, from the primary: into the backup's server, as
             // the client would have sent them. Nothing else in such a message counts (its one
@@ -876,12 +897,16 @@ impl Core {
             // The report moves what the programs keep (p_out, last_ack, acked_b): the
             // connections it names are taken from them first and given back after.
             self.fast_before_message(p.records.iter().map(|r| ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port }), now_ms);
+            let mut relay = vec![];
             if let Some(b) = self.backup.as_mut() {
                 let acks = b.primary_report(p);
                 self.counters.acks_injected += acks.len() as u64;
                 self.send.extend(acks);
+                relay = b.take_relay();
             }
             self.fast_after_message(now_ms);
+            // Client bytes the primary's host missed (loss toward it).
+            self.send_input(relay);
         }
     }
 
@@ -1207,3 +1232,4 @@ impl Mode for Core {
         self.fast_after_flush(now_ms);
     }
 }
+

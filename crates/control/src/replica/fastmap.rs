@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use unbroken_drivers::fastpath::replica::{ctl, Key, Op, OpResult, Record, Replica, State};
+use unbroken_drivers::fastpath::replica::{ctl, Key, Op, OpResult, PieceOf, Record, Replica, State};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules};
 use unbroken_engines::replica::{BFast, ConnKey};
 use unbroken_wire::Seq;
@@ -41,16 +41,53 @@ pub struct KernelMap {
     strict: bool,
     /// The queue rules: the take-over adds their OUTPUT jump (`None` in tests: nothing to add).
     rules: Option<RuleSpec>,
-    /// Pieces of a kept or copied packet so far, per connection (a connection's records
-    /// arrive in order; two connections' may interleave).
-    pieces: HashMap<(bool, Key), (u32, bool, Vec<u8>)>,
+    pieces: Pieces,
+}
+
+/// The ring's pieces put together: per kind of record and CPU (one packet's pieces are
+/// consecutive in the ring, two CPUs' interleave) the packet being assembled: its number on
+/// that CPU, its connection, the record's first word, the bytes so far. At most one per kind
+/// and CPU, so unfinished packets cannot pile up.
+#[derive(Default)]
+pub struct Pieces {
+    open: HashMap<(u8, u32), (u32, Key, u32, Vec<u8>)>,
     /// Pieces that did not fit together (a record lost: the ring was full).
-    pub pieces_dropped: u64,
+    pub dropped: u64,
+}
+
+impl Pieces {
+    /// A piece of a kept, copied or input packet (`kind`): the whole packet with the record's
+    /// first word once its last piece came. A piece that does not continue the packet its CPU
+    /// was writing (a lost record) drops that packet, counted: never joined to another's bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add(&mut self, kind: u8, key: Key, a: u32, total: u32, off: u32, of: PieceOf, bytes: Vec<u8>) -> Option<(u32, Vec<u8>)> {
+        let slot = (kind, of.cpu);
+        if off == 0 {
+            if self.open.remove(&slot).is_some() {
+                self.dropped += 1;
+            }
+            self.open.insert(slot, (of.id, key, a, Vec::with_capacity(total.min(1 << 16) as usize)));
+        }
+        let Some(p) = self.open.get_mut(&slot) else {
+            self.dropped += 1;
+            return None;
+        };
+        if p.0 != of.id || p.1 != key || p.3.len() != off as usize || off as usize + bytes.len() > total as usize {
+            self.open.remove(&slot);
+            self.dropped += 1;
+            return None;
+        }
+        p.3.extend_from_slice(&bytes);
+        if p.3.len() < total as usize {
+            return None;
+        }
+        self.open.remove(&slot).map(|(_, _, a, b)| (a, b))
+    }
 }
 
 impl KernelMap {
     pub fn new(fp: Replica, strict: bool, rules: Option<RuleSpec>) -> KernelMap {
-        KernelMap { fp, strict, rules, pieces: HashMap::new(), pieces_dropped: 0 }
+        KernelMap { fp, strict, rules, pieces: Pieces::default() }
     }
 
     /// The engine's form of an entry's state: `b_ts_seen`'s time from the kernel's clock to
@@ -67,36 +104,6 @@ impl KernelMap {
 
     fn log(what: &str, e: impl std::fmt::Display) {
         crate::ratelog::log("replica: fast path", || format!("replica: fast path: {what}: {e}"));
-    }
-
-    /// A piece of a kept (`keep`) or copied packet: the whole packet once its last piece came.
-    fn piece(&mut self, keep: bool, key: Key, end_or_counted: u32, total: u32, off: u32, bytes: Vec<u8>) -> Option<(u32, bool, Vec<u8>)> {
-        let slot = (keep, key);
-        if off == 0 {
-            if self.pieces.remove(&slot).is_some() {
-                self.pieces_dropped += 1;
-            }
-            self.pieces.insert(slot, (end_or_counted, end_or_counted != 0, Vec::with_capacity(total as usize)));
-        }
-        let Some(p) = self.pieces.get_mut(&slot) else {
-            self.pieces_dropped += 1;
-            return None;
-        };
-        if p.2.len() != off as usize {
-            self.pieces.remove(&slot);
-            self.pieces_dropped += 1;
-            return None;
-        }
-        p.2.extend_from_slice(&bytes);
-        if p.2.len() < total as usize {
-            return None;
-        }
-        let whole = self.pieces.remove(&slot)?;
-        if whole.2.len() != total as usize {
-            self.pieces_dropped += 1;
-            return None;
-        }
-        Some(whole)
     }
 }
 
@@ -163,17 +170,22 @@ impl BackupMap for KernelMap {
             match r {
                 Record::Changed(k) => out.push(MapRecord::Changed(conn_of(&k))),
                 Record::Checkpoint { key, end, hash } => out.push(MapRecord::Checkpoint(conn_of(&key), Seq(end), hash)),
-                Record::Keep { key, end_b, total, off, bytes } => {
-                    if let Some((end_b, _, pkt)) = self.piece(true, key, end_b, total, off, bytes) {
+                Record::Keep { key, end_b, total, off, of, bytes } => {
+                    if let Some((end_b, pkt)) = self.pieces.add(0, key, end_b, total, off, of, bytes) {
                         out.push(MapRecord::Kept(conn_of(&key), Seq(end_b), pkt));
                     }
                 }
-                Record::Slow { key, counted, total, off, bytes } => {
-                    if let Some((_, counted, pkt)) = self.piece(false, key, counted as u32, total, off, bytes) {
-                        out.push(MapRecord::Slow { pkt, counted });
+                Record::Slow { key, counted, total, off, of, bytes } => {
+                    if let Some((counted, pkt)) = self.pieces.add(1, key, counted as u32, total, off, of, bytes) {
+                        out.push(MapRecord::Slow { pkt, counted: counted != 0 });
                     }
                 }
-                Record::Unknown(_) => self.pieces_dropped += 1,
+                Record::Input { key, total, off, of, bytes } => {
+                    if let Some((_, pkt)) = self.pieces.add(2, key, 0, total, off, of, bytes) {
+                        out.push(MapRecord::Input(conn_of(&key), pkt));
+                    }
+                }
+                Record::Unknown(_) => self.pieces.dropped += 1,
             }
         }
         out
@@ -189,7 +201,7 @@ impl BackupMap for KernelMap {
     }
 
     fn stats(&mut self) -> Vec<(&'static str, u64)> {
-        let mut v = vec![("pieces_dropped", self.pieces_dropped)];
+        let mut v = vec![("pieces_dropped", self.pieces.dropped)];
         if let Ok(c) = self.fp.counters() {
             v.extend([
                 ("kernel_incoming", c.incoming),
@@ -204,5 +216,38 @@ impl BackupMap for KernelMap {
             ]);
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(port: u16) -> Key {
+        Key::new(SocketAddr::new("10.0.9.2".parse().unwrap(), port), 6379)
+    }
+
+    /// Review finding (issue 22): pieces of two packets were joined when their records
+    /// interleaved. Two CPUs' pieces interleave and each packet comes out whole; a lost piece
+    /// drops its packet, and the next packet of that CPU is never glued to what was left.
+    #[test]
+    fn hostile_pieces_of_two_packets_are_never_joined() {
+        let mut p = Pieces::default();
+        let (a, b) = (PieceOf { cpu: 0, id: 7 }, PieceOf { cpu: 1, id: 3 });
+        assert_eq!(p.add(2, key(1), 0, 4, 0, a, vec![1, 1]), None);
+        assert_eq!(p.add(2, key(1), 0, 4, 0, b, vec![2, 2]), None);
+        assert_eq!(p.add(2, key(1), 0, 4, 2, a, vec![1, 1]), Some((0, vec![1, 1, 1, 1])));
+        assert_eq!(p.add(2, key(1), 0, 4, 2, b, vec![2, 2]), Some((0, vec![2, 2, 2, 2])));
+        assert_eq!(p.dropped, 0);
+        // CPU 0's packet 8 loses its first piece: its second matches nothing open.
+        assert_eq!(p.add(2, key(1), 0, 4, 2, PieceOf { cpu: 0, id: 8 }, vec![9, 9]), None);
+        // Packet 9 loses its last piece; packet 10's second piece (same offset, same length)
+        // must not complete packet 9.
+        assert_eq!(p.add(2, key(1), 0, 4, 0, PieceOf { cpu: 0, id: 9 }, vec![3, 3]), None);
+        assert_eq!(p.add(2, key(1), 0, 4, 2, PieceOf { cpu: 0, id: 10 }, vec![4, 4]), None);
+        // Another kind on the same CPU, another connection: kept apart.
+        assert_eq!(p.add(0, key(2), 77, 2, 0, PieceOf { cpu: 0, id: 11 }, vec![5, 5]), Some((77, vec![5, 5])));
+        assert_eq!(p.dropped, 2);
+        assert!(p.open.is_empty());
     }
 }

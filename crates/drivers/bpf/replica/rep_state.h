@@ -108,10 +108,10 @@ struct rep_rec {
 	__u32 a;
 	__u32 b;
 	__u32 off;
-	__u32 pad;
+	__u32 cpu; /* pieces (KEEP, SLOW, INPUT): the CPU that wrote them, and */
 	__u64 hash;
 	struct rep_key key;
-	__u32 pad2;
+	__u32 id; /* that CPU's number of their packet (0 in other records) */
 };
 
 _Static_assert(sizeof(struct rep_rec) == 56, "rep_rec is 56 bytes");
@@ -123,6 +123,9 @@ _Static_assert(sizeof(struct rep_rec) == 56, "rep_rec is 56 bytes");
  * a = 1 when the packet was counted in its entry's `slow` (as a packet marked REP_MARK_SLOW:
  * the daemon takes it with REP_OP_TAKE), 0 when it had no entry. */
 #define REP_REC_SLOW 4
+/* A piece of a client segment with bytes that rep_b_in passed to the backup's server: a copy for
+ * the primary (the engine's Backup::push_input). b, off and the bytes as for REP_REC_KEEP. */
+#define REP_REC_INPUT 5
 
 /* The programs' configuration (map rep_cfg, one entry). */
 struct rep_cfg {

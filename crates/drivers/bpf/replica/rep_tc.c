@@ -67,6 +67,11 @@ struct {
 struct rep_piece {
 	struct rep_rec h;
 	__u8 buf[REP_KEEP_PIECE];
+	/* This CPU's packets copied in pieces so far: every piece names its packet by (CPU, this
+	 * number), so that the daemon never joins pieces of two packets (two CPUs' pieces
+	 * interleave in the ring; one packet's are consecutive, a program runs on one CPU). */
+	__u32 next_id;
+	__u32 pad;
 };
 
 struct {
@@ -201,6 +206,123 @@ static __always_inline void key_of(struct rep_key *k, const __u8 *client, __be16
 	k->server_port = server_port;
 }
 
+/* The packet being copied in pieces (REP_REC_KEEP, _SLOW, _INPUT), a bpf_loop step each. Kept
+ * off the stack (per CPU): only the skb crosses into the loop (rep_b_in's stack is full). */
+struct keep_job {
+	__u32 type;
+	struct rep_key key;
+	__u32 a;
+	__u32 total;
+	__u32 off;
+	__s32 err;
+	__u32 cpu;
+	__u32 id;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct keep_job);
+} rep_job SEC(".maps");
+
+struct keep_ctx {
+	struct __sk_buff *skb;
+};
+
+/* The job's next piece into the ring: 0, or 1 when the job is done or failed (j->err). */
+static __always_inline long piece_out(struct __sk_buff *skb, struct keep_job *j)
+{
+	__u32 zero = 0;
+
+	if (j->off >= j->total)
+		return 1;
+	struct rep_piece *pc = bpf_map_lookup_elem(&rep_piece_buf, &zero);
+	if (!pc) {
+		j->err = -1;
+		return 1;
+	}
+	__u32 n = j->total - j->off;
+	if (n > REP_KEEP_PIECE)
+		n = REP_KEEP_PIECE;
+	n = FP_BOUND(n, 2 * REP_KEEP_PIECE - 1);
+	if (n == 0 || n > REP_KEEP_PIECE || bpf_skb_load_bytes(skb, FP_L3_ETH + j->off, pc->buf, n)) {
+		j->err = -1;
+		return 1;
+	}
+	pc->h.type = j->type;
+	pc->h.len = n;
+	pc->h.a = j->a;
+	pc->h.b = j->total;
+	pc->h.off = j->off;
+	pc->h.cpu = j->cpu;
+	pc->h.hash = 0;
+	pc->h.key = j->key;
+	pc->h.id = j->id;
+	/* A copy of a declined packet (a SYN-ACK, a FIN: what the primary may be waiting for the
+	 * backup's report of) wakes the daemon with its last piece; kept and input copies never do. */
+	__u64 wake = (j->type == REP_REC_SLOW && j->off + n >= j->total) ? 0 : BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, wake)) {
+		j->err = -1;
+		return 1;
+	}
+	j->off += n;
+	return 0;
+}
+
+static long keep_step(__u32 i, void *data)
+{
+	struct keep_ctx *x = data;
+	__u32 zero = 0;
+	struct keep_job *j = bpf_map_lookup_elem(&rep_job, &zero);
+
+	if (!j)
+		return 1;
+	return piece_out(x->skb, j);
+}
+
+/* The job for a packet of `total` bytes (from its IP header), pieces of type `type` with `a` as
+ * their first word, named by (CPU, that CPU's next packet number); NULL when the per-CPU
+ * buffers are missing. */
+static __always_inline struct keep_job *job(__u32 type, const struct rep_key *k, __u32 a, __u32 total)
+{
+	__u32 zero = 0;
+	struct rep_piece *pc = bpf_map_lookup_elem(&rep_piece_buf, &zero);
+	struct keep_job *j = bpf_map_lookup_elem(&rep_job, &zero);
+
+	if (!pc || !j)
+		return NULL;
+	j->type = type;
+	j->key = *k;
+	j->a = a;
+	j->total = total;
+	j->off = 0;
+	j->err = 0;
+	j->cpu = bpf_get_smp_processor_id();
+	j->id = pc->next_id++;
+	return j;
+}
+
+/* Copies the packet (`total` bytes from its IP header) to the daemon in pieces of type `type`
+ * (`a` their first word), each naming its packet by (CPU, that CPU's number of it), so that the
+ * daemon never joins pieces of two packets (two CPUs' pieces interleave in the ring; one
+ * packet's are consecutive, a program runs on one CPU): false when a piece was lost (counted). */
+static __always_inline int copy_pieces(struct __sk_buff *skb, __u32 type, const struct rep_key *k, __u32 a, __u32 total)
+{
+	struct keep_job *j = job(type, k, a, total);
+
+	if (!j) {
+		COUNT(records_lost);
+		return 0;
+	}
+	struct keep_ctx kx = { .skb = skb };
+	if (bpf_loop(64, keep_step, &kx, 0) < 0 || j->err || j->off != j->total) {
+		COUNT(records_lost);
+		return 0;
+	}
+	return 1;
+}
+
 /* Backup::incoming for a client segment of an aligned connection. */
 SEC("classifier")
 int rep_b_in(struct __sk_buff *skb)
@@ -223,6 +345,11 @@ int rep_b_in(struct __sk_buff *skb)
 	 * it) and one with options it would not parse. */
 	if (!ack_only(&p) || !client_csum_ok(skb, &p) || fp_scan_options(&p))
 		return slow(skb, e);
+	__u32 len = fp_payload_len(&p);
+	__u32 total = p.l4 - FP_L3_ETH + p.l4_len;
+	/* Bytes in more than one piece of a copy (a GRO super-packet): the engine's. */
+	if (len > 0 && total > REP_KEEP_PIECE)
+		return slow(skb, e);
 	if ((r = snapshot(skb, e, &c, &gen)))
 		return r;
 	if (!(c.flags & REP_B_ALIGNED))
@@ -230,7 +357,6 @@ int rep_b_in(struct __sk_buff *skb)
 
 	__u32 seq = bpf_ntohl(p.th.seq);
 	__u32 ack = bpf_ntohl(p.th.ack_seq);
-	__u32 len = fp_payload_len(&p);
 	__u32 has_ts = o->ts_at != 0;
 
 	/* RFC 793's acceptability test against the window the backup's server announced: only such
@@ -322,6 +448,15 @@ int rep_b_in(struct __sk_buff *skb)
 		COUNT(dropped);
 		return FP_DROP;
 	}
+	/* The client's bytes the backup's server takes: a copy for the primary (Backup::push_input),
+	 * which the backup relays if the primary's host missed them (loss toward the primary). One
+	 * piece (larger segments went to the engine): no bpf_loop here, whose callback's stack
+	 * would add to this program's, which is full. */
+	if (in_window && len > 0) {
+		struct keep_job *j = job(REP_REC_INPUT, &k, 0, total);
+		if (!j || piece_out(skb, j) || j->off != j->total)
+			COUNT(records_lost);
+	}
 	skb->mark |= REP_MARK_DONE;
 	COUNT(incoming);
 	return FP_DONE;
@@ -384,57 +519,6 @@ static long hash_step(__u32 i, void *data)
 	return 0;
 }
 
-/* The pieces of a withheld packet (REP_REC_KEEP), a bpf_loop step each. */
-struct keep_ctx {
-	struct __sk_buff *skb;
-	__u32 type;
-	struct rep_key key;
-	__u32 end_b;
-	__u32 total;
-	__u32 off;
-	__s32 err;
-};
-
-static long keep_step(__u32 i, void *data)
-{
-	struct keep_ctx *x = data;
-	__u32 zero = 0;
-
-	if (x->off >= x->total)
-		return 1;
-	struct rep_piece *pc = bpf_map_lookup_elem(&rep_piece_buf, &zero);
-	if (!pc) {
-		x->err = -1;
-		return 1;
-	}
-	__u32 n = x->total - x->off;
-	if (n > REP_KEEP_PIECE)
-		n = REP_KEEP_PIECE;
-	n = FP_BOUND(n, 2 * REP_KEEP_PIECE - 1);
-	if (n == 0 || n > REP_KEEP_PIECE || bpf_skb_load_bytes(x->skb, FP_L3_ETH + x->off, pc->buf, n)) {
-		x->err = -1;
-		return 1;
-	}
-	pc->h.type = x->type;
-	pc->h.len = n;
-	pc->h.a = x->end_b;
-	pc->h.b = x->total;
-	pc->h.off = x->off;
-	pc->h.pad = 0;
-	pc->h.hash = 0;
-	pc->h.key = x->key;
-	pc->h.pad2 = 0;
-	/* A copy of a declined packet (a SYN-ACK, a FIN: what the primary may be waiting for the
-	 * backup's report of) wakes the daemon with its last piece; kept copies never do. */
-	__u64 wake = (x->type == REP_REC_SLOW && x->off + n >= x->total) ? 0 : BPF_RB_NO_WAKEUP;
-	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, wake)) {
-		x->err = -1;
-		return 1;
-	}
-	x->off += n;
-	return 0;
-}
-
 /* A record without bytes, built in the per-CPU piece buffer (the stack is the programs' scarcest
  * resource). */
 static __always_inline void record(const struct rep_key *k, __u32 type, __u32 a, __u64 hash, __u64 flags)
@@ -451,10 +535,10 @@ static __always_inline void record(const struct rep_key *k, __u32 type, __u32 a,
 	pc->h.a = a;
 	pc->h.b = 0;
 	pc->h.off = 0;
-	pc->h.pad = 0;
+	pc->h.cpu = 0;
 	pc->h.hash = hash;
 	pc->h.key = *k;
-	pc->h.pad2 = 0;
+	pc->h.id = 0;
 	if (bpf_ringbuf_output(&rep_records, &pc->h, sizeof(pc->h), flags))
 		COUNT(records_lost);
 }
@@ -523,9 +607,7 @@ static __always_inline int egress_declined(struct __sk_buff *skb, const struct e
 	svc.port = g->sport;
 	if (!bpf_map_lookup_elem(&rep_services, &svc))
 		return v;
-	struct keep_ctx kx = { .skb = skb, .type = REP_REC_SLOW, .key = g->key, .end_b = g->counted, .total = g->l4 - FP_L3_ETH + g->l4_len, .off = 0 };
-	if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
-		COUNT(records_lost);
+	copy_pieces(skb, REP_REC_SLOW, &g->key, g->counted, g->l4 - FP_L3_ETH + g->l4_len);
 	return FP_CONSUMED;
 }
 
@@ -613,11 +695,8 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 		bpf_loop(REP_CP_MAX, cp_step, &cx, 0);
 		record(&k, REP_REC_CHECKPOINT, c.out_end, c.out_hash, BPF_RB_NO_WAKEUP);
 	}
-	if (n > 0) {
-		struct keep_ctx kx = { .skb = skb, .type = REP_REC_KEEP, .key = k, .end_b = end_b, .total = p.l4 - FP_L3_ETH + p.l4_len, .off = 0 };
-		if (bpf_loop(64, keep_step, &kx, 0) < 0 || kx.err || kx.off != kx.total)
-			COUNT(records_lost);
-	}
+	if (n > 0)
+		copy_pieces(skb, REP_REC_KEEP, &k, end_b, p.l4 - FP_L3_ETH + p.l4_len);
 	if (first)
 		record(&k, REP_REC_CHANGED, 0, 0, 0);
 	skb->mark |= REP_MARK_DONE;

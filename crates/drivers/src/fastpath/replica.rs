@@ -286,16 +286,28 @@ pub enum Record {
     /// `learn_output`'s checkpoint: the output end (primary's space) and its digest.
     Checkpoint { key: Key, end: u32, hash: u64 },
     /// A piece of a withheld segment kept for the take-over: the segment's end in the
-    /// backup's space, the IP packet's length, where the piece starts, its bytes.
-    Keep { key: Key, end_b: u32, total: u32, off: u32, bytes: Vec<u8> },
+    /// backup's space, the IP packet's length, where the piece starts, its packet ([`PieceOf`]),
+    /// its bytes.
+    Keep { key: Key, end_b: u32, total: u32, off: u32, of: PieceOf, bytes: Vec<u8> },
     /// A piece of a packet of the service an egress program declined in copy mode
     /// ([`Replica::set_egress_copy`]): consumed there, for the daemon's engine to decide. The IP
     /// packet's length, where the piece starts, its bytes.
     /// `counted`: the packet was counted in its entry's `slow` (as a packet marked
     /// [`MARK_SLOW`]: the daemon takes it with [`Op::Take`]); false when it had no entry.
-    Slow { key: Key, counted: bool, total: u32, off: u32, bytes: Vec<u8> },
+    Slow { key: Key, counted: bool, total: u32, off: u32, of: PieceOf, bytes: Vec<u8> },
+    /// A piece of a client segment with bytes that `rep_b_in` passed to the backup's server: a
+    /// copy for the primary (the engine's `Backup::push_input`), as for [`Record::Keep`].
+    Input { key: Key, total: u32, off: u32, of: PieceOf, bytes: Vec<u8> },
     /// A record this version does not know.
     Unknown(u32),
+}
+
+/// Which packet a piece belongs to: the CPU whose program wrote it and that CPU's number of
+/// the packet. One packet's pieces are consecutive in the ring; two CPUs' interleave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct PieceOf {
+    pub cpu: u32,
+    pub id: u32,
 }
 
 const REC_LEN: usize = 56;
@@ -312,11 +324,13 @@ impl Record {
         key.client_port.copy_from_slice(&b[48..50]);
         key.server_port.copy_from_slice(&b[50..52]);
         let (ty, len, a, bb, off) = (u32_at(0), u32_at(4) as usize, u32_at(8), u32_at(12), u32_at(16));
+        let of = PieceOf { cpu: u32_at(20), id: u32_at(52) };
         Some(match ty {
             1 => Record::Changed(key),
             2 => Record::Checkpoint { key, end: a, hash },
-            3 => Record::Keep { key, end_b: a, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
-            4 => Record::Slow { key, counted: a != 0, total: bb, off, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            3 => Record::Keep { key, end_b: a, total: bb, off, of, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            4 => Record::Slow { key, counted: a != 0, total: bb, off, of, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
+            5 => Record::Input { key, total: bb, off, of, bytes: b.get(REC_LEN..REC_LEN + len)?.to_vec() },
             t => Record::Unknown(t),
         })
     }
@@ -1004,9 +1018,14 @@ mod tests {
         b[32..48].copy_from_slice(&addr16("10.0.0.9".parse().unwrap()));
         b[48..50].copy_from_slice(&40000u16.to_be_bytes());
         b[50..52].copy_from_slice(&6379u16.to_be_bytes());
+        b[20..24].copy_from_slice(&1u32.to_ne_bytes());
+        b[52..56].copy_from_slice(&9u32.to_ne_bytes());
         b[56..].copy_from_slice(&[1, 2, 3]);
         let key = Key::new("10.0.0.9:40000".parse().unwrap(), 6379);
-        assert_eq!(Record::parse(&b), Some(Record::Keep { key, end_b: 77, total: 3, off: 0, bytes: vec![1, 2, 3] }));
+        let of = PieceOf { cpu: 1, id: 9 };
+        assert_eq!(Record::parse(&b), Some(Record::Keep { key, end_b: 77, total: 3, off: 0, of, bytes: vec![1, 2, 3] }));
+        b[0..4].copy_from_slice(&5u32.to_ne_bytes());
+        assert_eq!(Record::parse(&b), Some(Record::Input { key, total: 3, off: 0, of, bytes: vec![1, 2, 3] }));
     }
 
     /// The engine's fields survive the trip through the programs' layout, every `Option` either

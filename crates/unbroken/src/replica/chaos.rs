@@ -188,7 +188,7 @@ pub struct Trial {
 }
 
 /// The status fields a trial reports of each daemon (those present).
-const STATUS_FIELDS: [&str; 16] = [
+const STATUS_FIELDS: [&str; 18] = [
     "state",
     "connections",
     "unprotected",
@@ -207,9 +207,12 @@ const STATUS_FIELDS: [&str; 16] = [
     // interval: a late loop beats late (and may see its peer's beats late).
     "tick_gap_max_ms",
     "tick_gaps_over_interval",
+    // Client bytes relayed over the side channel (either way) and injected.
+    "input_sent",
+    "input_injected",
 ];
 /// The engine counters a trial reports (those present).
-const ENGINE_FIELDS: [&str; 11] = ["held", "released", "retrans_dropped", "nudges", "acks_lowered", "kept_dropped", "takeover_resent", "withheld", "acks_relayed", "acks_unheard", "diverged_reset"];
+const ENGINE_FIELDS: [&str; 16] = ["held", "released", "retrans_dropped", "nudges", "acks_lowered", "kept_dropped", "takeover_resent", "withheld", "acks_relayed", "acks_unheard", "diverged_reset", "acks_from_backup", "relayed_to_primary", "input_copy_full", "backup_input", "backup_input_redundant"];
 
 fn compact(s: &Option<serde_json::Value>) -> serde_json::Value {
     let Some(s) = s else { return serde_json::Value::Null };

@@ -105,6 +105,9 @@ pub enum MapRecord {
     /// mode): the engine decides it as if it came from the queue; `counted` as a packet marked
     /// [`MARK_SLOW`] (its connection had an entry).
     Slow { pkt: Vec<u8>, counted: bool },
+    /// A client segment with bytes the ingress program passed to the backup's server: a copy
+    /// for the primary ([`Backup::push_input`]).
+    Input(ConnKey, Vec<u8>),
 }
 
 /// The map, as the core uses it. Fields cross in the engine's form ([`BFast`]): the map
@@ -151,6 +154,8 @@ pub struct FastCounters {
     pub kept: u64,
     /// The server's packets the egress program declined and copied (copy mode).
     pub slow_copies: u64,
+    /// Client segments with bytes the ingress program passed and copied for the primary.
+    pub inputs: u64,
     /// Packets marked [`MARK_DONE`] that reached the queue anyway (a chain edited by hand):
     /// accepted as they are, never rewritten twice.
     pub fast_done_queued: u64,
@@ -457,6 +462,12 @@ impl Core {
                 unbroken_wire::ip::fill_tcp_checksum(&mut pkt, n);
                 if let Some(b) = self.backup.as_mut() {
                     b.push_kept(&key, end_b, pkt);
+                }
+            }
+            MapRecord::Input(key, pkt) => {
+                self.fast.counters.inputs += 1;
+                if let Some(b) = self.backup.as_mut() {
+                    b.push_input(&key, &pkt);
                 }
             }
             MapRecord::Slow { mut pkt, counted } => {

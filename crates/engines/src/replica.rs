@@ -348,9 +348,13 @@ struct BConn {
     /// contiguous (start, bytes, when they came), their total, and where the next byte goes:
     /// relayed to the primary when it missed them, instead of waiting for the client's
     /// retransmission timeout (issue 20: 300 ms stalls after 200 ms of loss).
-    input: VecDeque<(Seq, Vec<u8>, u64)>,
+    input: VecDeque<InputCopy>,
     input_len: usize,
     input_end: Option<Seq>,
+    /// Two copies of the same client bytes differed (a forgery that guessed the client's
+    /// sequence number, before or after the real segment): nothing is copied again until the
+    /// primary's figure passes this point.
+    input_hold: Option<Seq>,
     /// The end of the last bytes relayed to the primary, when, and the gap before a relay the
     /// primary does not confirm goes again (doubling).
     relay_end: Option<Seq>,
@@ -440,6 +444,10 @@ pub struct BackupCounters {
     /// Client bytes not copied for the primary: beyond [`MAX_INPUT_COPY`] or
     /// [`MAX_INPUT_COPY_TOTAL`] (the primary then waits for the client's retransmission).
     pub input_copy_full: u64,
+    /// Client segments whose bytes differed from a copy of the same sequence numbers (a
+    /// forgery that guessed them): that connection's copies dropped, none kept until the
+    /// primary has those bytes.
+    pub input_conflicts: u64,
 }
 
 /// The backup's engine: every client packet goes through [`Backup::incoming`] before the
@@ -468,9 +476,11 @@ pub struct Backup {
     /// The primary's beats heard (distinct beat numbers, growing), and the newest.
     p_beats: u64,
     p_last_beat: Option<u64>,
-    /// Client bytes copied for the primary, all connections, and the relays to send
-    /// ([`Backup::take_relay`]).
+    /// Client bytes copied for the primary, all connections (with each copy's overhead), the
+    /// relays to send ([`Backup::take_relay`]), and whether copies are kept at all (not by a
+    /// backup that can no longer take over: nobody would trim them).
     input_total: usize,
+    input_on: bool,
     relay: Vec<Relay>,
     pub counters: BackupCounters,
 }
@@ -479,6 +489,32 @@ pub struct Backup {
 /// client sequence number of the first byte, at most [`rw::MAX_INPUT`] bytes, and (backup to
 /// primary) the client's newest timestamps the sender's server took (TSval, TSecr).
 pub type Relay = (ConnKey, Seq, Vec<u8>, Option<RelayFrom>);
+
+/// One copy of a client segment's bytes on the backup: the first byte's sequence number, the
+/// bytes, when they came (ms), and the segment's own timestamps (TSval, TSecr in the primary's
+/// clock): a relay never carries a TSval newer than the bytes' own, which would make the
+/// primary's kernel discard the client's later segments still on their way (PAWS).
+#[derive(Debug, Clone, Default)]
+struct InputCopy {
+    at: Seq,
+    data: Vec<u8>,
+    came: u64,
+    ts: Option<(u32, u32)>,
+}
+
+impl InputCopy {
+    fn end(&self) -> Seq {
+        self.at + self.data.len() as u32
+    }
+    /// What it counts against the bounds: its bytes and a fixed cost (a client sending 1-byte
+    /// segments must not get 64 MiB of copies for 64 MiB of entries' overhead).
+    fn cost(&self) -> usize {
+        self.data.len() + INPUT_COPY_OVERHEAD
+    }
+}
+
+/// What one copy counts against [`MAX_INPUT_COPY`] beyond its bytes.
+const INPUT_COPY_OVERHEAD: usize = 64;
 
 /// What a backup's relay says of the client besides its bytes: its newest timestamps the
 /// backup's server took (TSval, TSecr in the primary's clock) and its latest window field.
@@ -627,7 +663,7 @@ impl Backup {
 
     /// A backup following at most `max_conns` connections.
     pub fn with_capacity(max_conns: usize) -> Backup {
-        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, strict: true, p_beats: 0, p_last_beat: None, input_total: 0, relay: Vec::new(), counters: BackupCounters::default() }
+        Backup { conns: HashMap::new(), births: Births::default(), promoted: false, max_conns: max_conns.max(1), out: Vec::new(), kept_total: 0, changed: Default::default(), clock: 0, strict: true, p_beats: 0, p_last_beat: None, input_total: 0, input_on: true, relay: Vec::new(), counters: BackupCounters::default() }
     }
 
     /// Time passes: half-open entries older than [`HALF_OPEN_TTL_MS`] that the primary no
@@ -893,9 +929,13 @@ impl Backup {
             c.server = Some(s.info.dst);
             c.client_seen = true;
         }
-        if in_window && s.payload_len > 0 && !self.promoted && !c.diverged && !c.misaligned {
+        if in_window && s.payload_len > 0 && self.input_on && !self.promoted && !s.has(F::RST) && !s.has(F::SYN) {
+            let followed = c.p_seen_at.is_some() || self.p_beats < c.aligned_at_beats + 2;
             let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
-            copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, self.clock);
+            let ts = s.ts.map(|t| (t.1, t.2));
+            if followed {
+                copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, ts, self.clock);
+            }
         }
         let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
         let limit = c.snd_max;
@@ -1271,12 +1311,19 @@ impl Backup {
         if s.payload_len == 0 || self.promoted || of != *key {
             return;
         }
-        let Some(c) = self.conns.get_mut(key) else { return };
-        if !c.aligned || c.diverged || c.misaligned || (c.rcv_known && !acceptable(&s, c.rcv_nxt, c.rcv_edge)) {
+        if !self.input_on || s.has(F::RST) || s.has(F::SYN) {
             return;
         }
+        let p_beats = self.p_beats;
+        let Some(c) = self.conns.get_mut(key) else { return };
+        let followed = c.p_seen_at.is_some() || p_beats < c.aligned_at_beats + 2;
+        if !followed || !c.aligned || c.diverged || c.misaligned || (c.rcv_known && !acceptable(&s, c.rcv_nxt, c.rcv_edge)) {
+            return;
+        }
+        // The program wrote the TSecr into the backup's clock: back into the primary's.
+        let ts = s.ts.map(|t| (t.1, t.2.wrapping_add(c.ts_off)));
         let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
-        copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, self.clock);
+        copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, ts, self.clock);
     }
 
     /// Client bytes the primary missed and this backup's server took, for the primary
@@ -1284,6 +1331,24 @@ impl Backup {
     /// toward the primary.
     pub fn take_relay(&mut self) -> Vec<Relay> {
         std::mem::take(&mut self.relay)
+    }
+
+    /// Whether client bytes are copied for the primary: off for a backup that can no longer
+    /// take over (stale, fenced out: no report will trim the copies), which drops them all.
+    pub fn set_input_copies(&mut self, on: bool) {
+        if self.input_on == on {
+            return;
+        }
+        self.input_on = on;
+        if !on {
+            for c in self.conns.values_mut() {
+                c.input.clear();
+                c.input_len = 0;
+                c.input_end = None;
+            }
+            self.input_total = 0;
+            self.relay.clear();
+        }
     }
 
     /// Packets for the clients the engine built (RSTs of diverged connections after take-over).
@@ -1484,14 +1549,49 @@ const DEFAULT_MSS: u16 = 536;
 pub const MAX_KEPT_BYTES: usize = 8 << 20;
 pub const MAX_KEPT_TOTAL: usize = 256 << 20;
 
-/// Copies the client's bytes `data` at `seq` (a segment the backup's server takes) for the
-/// primary: only the bytes that continue the copy (or, with none, start at the primary's
-/// RCV.NXT or at this segment), never below what the primary's server has; within the bounds,
-/// else counted and left out (a hole the primary's own client gets filled).
-fn copy_input(c: &mut BConn, total: &mut usize, counters: &mut BackupCounters, seq: Seq, data: &[u8], now: u64) {
+/// Copies the client's bytes `data` at `seq` (a segment the backup's server may take, with its
+/// timestamps `ts`) for the primary: only the bytes that continue the copy (or, with none, start
+/// at the primary's figure or at this segment), never below what the primary has; bytes that
+/// overlap a copy must equal it, else every copy of that connection goes and none is kept until
+/// the primary has them (`input_conflicts`: one of the two was a forgery); within the bounds,
+/// else counted and left out (a hole the client's own retransmission fills).
+#[allow(clippy::too_many_arguments)]
+fn copy_input(c: &mut BConn, total: &mut usize, counters: &mut BackupCounters, seq: Seq, data: &[u8], ts: Option<(u32, u32)>, now: u64) {
     let end = seq + data.len() as u32;
+    let p = c.p_rcv.map(|(p, _)| p);
+    if let (Some(h), Some(p)) = (c.input_hold, p) {
+        if !h.gt(p) {
+            c.input_hold = None;
+        }
+    }
+    if c.input_hold.is_some() {
+        return;
+    }
+    // The overlap with what is copied already: the same bytes, or a conflict.
+    if let Some(first) = c.input.front().map(|e| e.at) {
+        let (lo, hi) = (if seq.gt(first) { seq } else { first }, if c.input_end.is_some_and(|e| e.lt(end)) { c.input_end.unwrap_or(end) } else { end });
+        if hi.gt(lo) {
+            let mut same = true;
+            for e in c.input.iter() {
+                let (a, b) = (if lo.gt(e.at) { lo } else { e.at }, if hi.lt(e.end()) { hi } else { e.end() });
+                if b.gt(a) && e.data[(a - e.at) as usize..(b - e.at) as usize] != data[(a - seq) as usize..(b - seq) as usize] {
+                    same = false;
+                    break;
+                }
+            }
+            if !same {
+                counters.input_conflicts += 1;
+                *total -= c.input.iter().map(InputCopy::cost).sum::<usize>();
+                c.input.clear();
+                c.input_len = 0;
+                c.input_hold = Some(if c.input_end.is_some_and(|e| e.gt(end)) { c.input_end.unwrap_or(end) } else { end });
+                c.input_end = None;
+                return;
+            }
+        }
+    }
     let mut at = c.input_end.unwrap_or(seq);
-    if let Some((p, _)) = c.p_rcv {
+    if let Some(p) = p {
         if p.gt(at) {
             at = p;
         }
@@ -1499,55 +1599,63 @@ fn copy_input(c: &mut BConn, total: &mut usize, counters: &mut BackupCounters, s
     if seq.gt(at) || !end.gt(at) {
         return;
     }
-    let new = &data[(at - seq) as usize..];
-    if c.input_len + new.len() > MAX_INPUT_COPY || *total + new.len() > MAX_INPUT_COPY_TOTAL {
-        counters.input_copy_full += new.len() as u64;
+    let copy = InputCopy { at, data: data[(at - seq) as usize..].to_vec(), came: now, ts };
+    if c.input_len + copy.cost() > MAX_INPUT_COPY || *total + copy.cost() > MAX_INPUT_COPY_TOTAL {
+        counters.input_copy_full += copy.data.len() as u64;
         return;
     }
-    c.input.push_back((at, new.to_vec(), now));
-    c.input_len += new.len();
-    *total += new.len();
+    c.input_len += copy.cost();
+    *total += copy.cost();
     c.input_end = Some(end);
+    c.input.push_back(copy);
 }
 
-/// The primary's report says its server's RCV.NXT is `p`: the copies below go; bytes above it
-/// that the backup has had for [`INPUT_RELAY_AFTER_MS`], while `p` stood still as long, are
-/// relayed ([`RELAY_BUDGET`] at a time; one the primary does not confirm goes again after a gap
-/// that doubles). A primary merely behind (its queue on a loaded host) moves `p` and gets
-/// nothing: duplicates would only load it further.
+/// The primary's report says what reached its host in order is `p`: the copies below go; bytes
+/// above it that the backup's own server acknowledged (so its kernel took them: never bytes of a
+/// segment it discarded) and that the backup has had for [`INPUT_RELAY_AFTER_MS`], while `p`
+/// stood still as long, are relayed, each with its own segment's timestamps ([`RELAY_BUDGET`] at
+/// a time; what the primary does not confirm goes again after a gap that doubles, counted from
+/// the oldest unconfirmed relay). A primary merely behind (its queue on a loaded host) moves `p`
+/// and gets nothing: duplicates would only load it further.
 fn relay_input(c: &mut BConn, key: ConnKey, p: Seq, now: u64, total: &mut usize, out: &mut Vec<Relay>, counters: &mut BackupCounters) {
     match c.p_rcv {
         Some((q, _)) if !p.gt(q) => {}
         _ => c.p_rcv = Some((p, now)),
     }
     let Some((p, since)) = c.p_rcv else { return };
-    while let Some((a, d, _)) = c.input.front_mut() {
-        let e = *a + d.len() as u32;
-        if !e.gt(p) {
-            c.input_len -= d.len();
-            *total -= d.len();
+    while let Some(e) = c.input.front_mut() {
+        if !e.end().gt(p) {
+            c.input_len -= e.cost();
+            *total -= e.cost();
             c.input.pop_front();
         } else {
-            if p.gt(*a) {
-                let n = (p - *a) as usize;
-                d.drain(..n);
+            if p.gt(e.at) {
+                let n = (p - e.at) as usize;
+                e.data.drain(..n);
                 c.input_len -= n;
                 *total -= n;
-                *a = p;
+                e.at = p;
             }
             break;
         }
+    }
+    if c.input.is_empty() && c.input_end.is_some_and(|e| !e.gt(p)) {
+        c.input_end = None;
     }
     if c.relay_end.is_some_and(|e| !e.gt(p)) {
         c.relay_end = None;
         c.relay_gap = 0;
     }
-    if now < since + INPUT_RELAY_AFTER_MS {
+    if now < since + INPUT_RELAY_AFTER_MS || !c.rcv_known {
         return;
     }
-    // The end of the bytes that came at least that long ago: those the primary missed.
-    let due = c.input.iter().take_while(|(_, _, t)| now >= t + INPUT_RELAY_AFTER_MS).last().map(|(a, d, _)| *a + d.len() as u32);
-    let Some(due) = due.filter(|d| d.gt(p)) else { return };
+    // The end of the bytes that came at least that long ago (those the primary missed), no
+    // further than the backup's server acknowledged.
+    let due = c.input.iter().take_while(|e| now >= e.came + INPUT_RELAY_AFTER_MS).last().map(InputCopy::end);
+    let Some(mut due) = due.filter(|d| d.gt(p)) else { return };
+    if due.gt(c.rcv_nxt) {
+        due = c.rcv_nxt;
+    }
     let again = c.relay_end.is_some() && now >= c.relay_at + c.relay_gap;
     let from = match c.relay_end {
         Some(e) if !again => e,
@@ -1556,32 +1664,35 @@ fn relay_input(c: &mut BConn, key: ConnKey, p: Seq, now: u64, total: &mut usize,
     if !due.gt(from) {
         return;
     }
-    let from_client = RelayFrom { ts: c.client_ts_max.or(c.client_ts), window: c.client_win };
+    let window = c.client_win;
     let mut at = from;
     let mut budget = RELAY_BUDGET;
-    for (a, d, _) in c.input.iter() {
-        let e = *a + d.len() as u32;
-        if !e.gt(at) {
+    for e in c.input.iter() {
+        if !e.end().gt(at) {
             continue;
         }
-        if a.gt(at) || budget == 0 || !at.lt(due) {
+        if e.at.gt(at) || budget == 0 || !at.lt(due) {
             break;
         }
-        let mut i = (at - *a) as usize;
-        let stop = ((due - *a) as usize).min(d.len());
+        let mut i = (at - e.at) as usize;
+        let stop = ((due - e.at) as usize).min(e.data.len());
         while i < stop && budget > 0 {
             let n = (stop - i).min(rw::MAX_INPUT).min(budget);
-            out.push((key, *a + i as u32, d[i..i + n].to_vec(), Some(from_client)));
+            out.push((key, e.at + i as u32, e.data[i..i + n].to_vec(), Some(RelayFrom { ts: e.ts, window })));
             counters.relayed_to_primary += n as u64;
             budget -= n;
             i += n;
         }
-        at = *a + i as u32;
+        at = e.at + i as u32;
     }
     if at.gt(from) {
-        c.relay_gap = if again { (c.relay_gap * 2).min(MAX_RELAY_GAP_MS) } else { c.relay_gap.max(INPUT_RELAY_AFTER_MS * 2) };
+        // The retry timer runs from the oldest relay the primary has not confirmed: new bytes
+        // sent meanwhile do not push a lost first relay's resend back.
+        if c.relay_end.is_none() || again {
+            c.relay_gap = if again { (c.relay_gap * 2).min(MAX_RELAY_GAP_MS) } else { INPUT_RELAY_AFTER_MS * 2 };
+            c.relay_at = now;
+        }
         c.relay_end = Some(at);
-        c.relay_at = now;
     }
 }
 
@@ -2324,7 +2435,8 @@ impl Primary {
         if self.unprotected.is_some() || c.state.is_some() || c.synack.is_some() || c.sent_ack.is_none() || data.is_empty() {
             return false;
         }
-        let ack = if c.client_ack == Seq(0) { c.stream_start } else { c.client_ack };
+        // The client's latest ACK this host knows (from the SYN-ACK on: the handshake's).
+        let ack = c.client_ack;
         let (win, own_ts) = c.client_last.map_or((from.window, None), |(_, w, t)| (w, t));
         let ts = from.ts;
         let have = if c.ack_p.gt(c.rcv_seen) { c.ack_p } else { c.rcv_seen };
@@ -2340,6 +2452,10 @@ impl Primary {
             seq = have;
         }
         let end = if end.gt(c.edge_p) { c.edge_p } else { end };
+        if !end.gt(seq) {
+            self.counters.backup_input_redundant += 1;
+            return false;
+        }
         let data = &data[..(end - seq) as usize];
         if data.is_empty() {
             self.counters.backup_input_redundant += 1;
@@ -2354,13 +2470,9 @@ impl Primary {
         };
         let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq, ack, flags: F::ACK | F::PSH, window: win, timestamp: ts, ..Default::default() };
         let Ok(pkt) = ip::tcp_packet(key.client, c.server, &rep, data) else { return false };
-        if !seq.gt(c.rcv_seen) {
+        if !seq.gt(have) {
             c.rcv_seen = end;
         }
-        // The backup aligned on the client's ACK of the SYN-ACK: the handshake is answered (the
-        // client's later ACKs the backup hears then reach this server too, `backup_progress`).
-        c.answered = true;
-        c.client_ack = ack;
         // What the client sent last, as far as this host knows now (its ACKs the backup
         // relays are built from it).
         if c.client_last.is_none_or(|(e, _, _)| end.gt(e)) {
@@ -2490,6 +2602,12 @@ impl Primary {
                     c.client_last = Some((s.seq + s.payload_len as u32 + s.fin() as u32, s.window, s.ts.map(|t| (t.1, t.2))));
                     c.client_heard_at = self.clock;
                     let end = s.seq + s.payload_len as u32;
+                    // Never behind what the server acknowledged, never beyond its window (the
+                    // kernel trims a segment there).
+                    if c.ack_p.gt(c.rcv_seen) {
+                        c.rcv_seen = c.ack_p;
+                    }
+                    let end = if end.gt(c.edge_p) { c.edge_p } else { end };
                     if !s.seq.gt(c.rcv_seen) && end.gt(c.rcv_seen) {
                         c.rcv_seen = end;
                     }

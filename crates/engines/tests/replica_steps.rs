@@ -1722,6 +1722,12 @@ fn client_to_backup(b: &mut Backup, off: u32, n: usize, tsval: u32) {
     assert!(matches!(b.incoming(&mut pkt), Verdict::Accept { .. }));
 }
 
+/// The backup's server acknowledges the client's first `n` bytes (its kernel took them).
+fn backup_acks(b: &mut Backup, n: u32) {
+    let mut p = from_server(Repr { seq: Seq(B_ISN + 1), ack: Seq(C_ISN + 1 + n), flags: F::ACK, window: 500, timestamp: Some((B_TS0 + 1, 501)), ..Default::default() }, &[]);
+    assert_eq!(b.outgoing(&mut p), Verdict::Drop, "withheld");
+}
+
 /// The relays of one report, as (offset, bytes) with what they say of the client.
 fn relays(b: &mut Backup) -> (Vec<(u32, Vec<u8>)>, Vec<Option<RelayFrom>>) {
     b.take_relay().into_iter().map(|(k, seq, d, f)| {
@@ -1741,41 +1747,81 @@ fn loss_toward_primary_the_backup_relays_the_bytes_the_primary_missed() {
     let mut b = aligned_backup();
     b.tick(100);
     client_to_backup(&mut b, 0, 3000, 600);
+    backup_acks(&mut b, 1000);
     b.tick(110);
     b.primary_report(&primary_at(2, C_ISN + 1));
     assert!(b.take_relay().is_empty(), "those bytes came 10 ms ago: the primary's report may not show them yet");
     b.tick(125);
     b.primary_report(&primary_at(3, C_ISN + 1));
     let (r, from) = relays(&mut b);
-    assert_eq!(r[0].0, 0);
-    assert_eq!(stream(&r), vec![0u8; 3000], "every byte, in order");
-    assert!(from.iter().all(|f| *f == Some(RelayFrom { ts: Some((600, P_TS0)), window: 512 })), "the client's newest timestamps and window: {from:?}");
+    assert_eq!((r[0].0, stream(&r)), (0, vec![0u8; 1000]), "in order, only what the backup's own server acknowledged");
+    assert!(from.iter().all(|f| *f == Some(RelayFrom { ts: Some((600, P_TS0)), window: 512 })), "the segment's own timestamps, the client's window: {from:?}");
+    backup_acks(&mut b, 3000);
     b.tick(130);
     b.primary_report(&primary_at(4, C_ISN + 1));
-    assert!(b.take_relay().is_empty(), "not again at once");
-    b.tick(170);
+    let (r, _) = relays(&mut b);
+    assert_eq!((r[0].0, stream(&r).len()), (1000, 2000), "then the rest, once acknowledged, not again what went");
+    b.tick(150);
     b.primary_report(&primary_at(5, C_ISN + 1));
+    assert!(b.take_relay().is_empty(), "not again before the gap (40 ms from the first relay)");
+    b.tick(170);
+    b.primary_report(&primary_at(6, C_ISN + 1));
     assert_eq!(stream(&relays(&mut b).0).len(), 3000, "unconfirmed: sent again after the gap");
     // Confirmed; the next bytes are lost toward the primary as well: only they go.
     b.tick(175);
-    b.primary_report(&primary_at(6, C_ISN + 3001));
-    client_to_backup(&mut b, 3000, 1000, 700);
-    b.tick(190);
     b.primary_report(&primary_at(7, C_ISN + 3001));
+    client_to_backup(&mut b, 3000, 1000, 700);
+    backup_acks(&mut b, 4000);
+    b.tick(190);
+    b.primary_report(&primary_at(8, C_ISN + 3001));
     assert!(b.take_relay().is_empty());
     b.tick(200);
-    b.primary_report(&primary_at(8, C_ISN + 3001));
-    let (r, _) = relays(&mut b);
-    assert_eq!((r[0].0, stream(&r).len()), (3000, 1000), "from the primary's RCV.NXT, never below");
-    // A primary merely behind (its queue on a loaded host): its RCV.NXT moves, nothing goes.
+    b.primary_report(&primary_at(9, C_ISN + 3001));
+    let (r, from) = relays(&mut b);
+    assert_eq!((r[0].0, stream(&r).len()), (3000, 1000), "from the primary's figure, never below");
+    assert_eq!(from[0].unwrap().ts, Some((700, P_TS0)));
+    // A primary merely behind (its queue on a loaded host): its figure moves, nothing goes.
     b.tick(300);
     client_to_backup(&mut b, 4000, 1000, 800);
+    backup_acks(&mut b, 5000);
     for (i, (t, at)) in [(310, 4001), (320, 4501), (335, 4501), (338, 5001)].into_iter().enumerate() {
         b.tick(t);
         b.primary_report(&primary_at(10 + i as u64, C_ISN + at));
         assert!(b.take_relay().is_empty(), "at {t} ms");
     }
     assert_eq!(b.counters.relayed_to_primary, 7000);
+}
+
+/// Attacker's-eye review of the relay: only bytes the backup's kernel took are relayed. A
+/// segment whose bytes differ from a copy of the same sequence numbers (one of the two guessed
+/// them) drops that connection's copies until the primary has those bytes; a RST's payload is
+/// never copied; bytes the backup's server has not acknowledged wait.
+#[test]
+fn hostile_only_bytes_the_backups_kernel_took_are_relayed() {
+    let mut b = aligned_backup();
+    b.tick(100);
+    client_to_backup(&mut b, 0, 1000, 600);
+    let mut forged = from_client(Repr { seq: Seq(C_ISN + 501), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK | F::PSH, window: 512, timestamp: Some((601, P_TS0)), ..Default::default() }, &[0xee; 1000]);
+    assert!(matches!(b.incoming(&mut forged), Verdict::Accept { .. }));
+    assert_eq!(b.counters.input_conflicts, 1);
+    backup_acks(&mut b, 1500);
+    for t in [110, 125, 200] {
+        b.tick(t);
+        b.primary_report(&primary_at(t, C_ISN + 1));
+        assert!(b.take_relay().is_empty(), "at {t} ms: contradicted copies are never relayed");
+    }
+    // The primary has them: copies resume. A RST carrying bytes is not copied.
+    b.tick(210);
+    b.primary_report(&primary_at(210, C_ISN + 1501));
+    let mut rst = from_client(Repr { seq: Seq(C_ISN + 1601), ack: Seq(P_ISN.wrapping_add(1)), flags: F::ACK | F::RST, window: 512, timestamp: Some((700, P_TS0)), ..Default::default() }, &[0xdd; 100]);
+    b.incoming(&mut rst);
+    client_to_backup(&mut b, 1500, 100, 701);
+    client_to_backup(&mut b, 1600, 100, 702);
+    backup_acks(&mut b, 1650);
+    b.tick(240);
+    b.primary_report(&primary_at(240, C_ISN + 1501));
+    let (r, _) = relays(&mut b);
+    assert_eq!((r[0].0, stream(&r)), (1500, [vec![(1500 % 251) as u8; 100], vec![(1600 % 251) as u8; 50]].concat()), "the client's bytes, up to what the backup's server acknowledged");
 }
 
 /// The primary puts the backup's relay into its own server as the client's segment: only the
@@ -1813,6 +1859,13 @@ fn hostile_relay_into_an_unprotected_or_unknown_connection_is_refused() {
     let from = RelayFrom { ts: Some((700, P_TS0)), window: 300 };
     let other = ConnKey { client_port: 40001, ..key() };
     assert!(!p.backup_input(&other, Seq(C_ISN + 1), &[9u8; 10], from));
+    // At or across the edge of its server's window (65,535 from the SYN-ACK): cut there, never
+    // beyond (nothing left: refused).
+    assert!(!p.backup_input(&key(), Seq(C_ISN + 1 + 65535), &[9u8; 10], from));
+    assert!(p.backup_input(&key(), Seq(C_ISN + 1 + 65530), &[9u8; 10], from));
+    let inj = p.take_inject();
+    let (t, d) = seg(&inj[0]);
+    assert_eq!((t.seq, d.len()), (Seq(C_ISN + 1 + 65530), 5));
     p.backup_failed();
     assert!(!p.backup_input(&key(), Seq(C_ISN + 1), &[9u8; 10], from));
     assert!(p.take_inject().is_empty());

@@ -1166,6 +1166,9 @@ impl Mode for Core {
         }
         if let Some(b) = self.backup.as_mut() {
             b.tick(now_ms);
+            // Copies for the primary only while this backup may relay them (its reports trim
+            // them); a stale or fenced-out backup drops them.
+            b.set_input_copies(matches!(self.state, State::WaitingForPeer | State::Protecting | State::Fencing));
         }
         self.fast_tick(now_ms);
         if matches!(self.state, State::Protecting | State::PeerStale | State::Stale) && now_ms >= self.next_fence_at {

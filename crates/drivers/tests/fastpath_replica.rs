@@ -1100,6 +1100,33 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
     let r = both.fp.run(Outgoing, &other).unwrap();
     assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(&other)));
     assert!(collect(&mut both.fp).is_empty());
+    // Review finding 2 (fail closed): a packet the parser refuses (IPv4 options here; BIG TCP,
+    // fragments and IPv6 extension headers alike) from the service address is dropped, counted,
+    // never passed as its server built it; from another address it is not the service's.
+    let with_options = |src: std::net::IpAddr| {
+        let p = ip::tcp_packet(src, conn.cli, &Repr { src_port: SPORT, dst_port: CPORT, seq: Seq(5), ack: Seq(6), flags: F::ACK, window: 100, ..Default::default() }, b"data").unwrap();
+        let mut v = p[..20].to_vec();
+        v.extend_from_slice(&[1, 1, 1, 0]);
+        v.extend_from_slice(&p[20..]);
+        v[0] = 0x46;
+        let n = (v.len() as u16).to_be_bytes();
+        v[2..4].copy_from_slice(&n);
+        v[10..12].copy_from_slice(&[0, 0]);
+        let sum = !v[..24].chunks(2).fold(0u32, |a, w| {
+            let a = a + u16::from_be_bytes([w[0], w[1]]) as u32;
+            (a & 0xffff) + (a >> 16)
+        }) as u16;
+        v[10..12].copy_from_slice(&sum.to_be_bytes());
+        v
+    };
+    let before = both.fp.counters().unwrap().unparsed_dropped;
+    let r = both.fp.run(Outgoing, &with_options(conn.svc)).unwrap();
+    assert_eq!(r.verdict, Verdict::Drop, "an unparsable packet of the service address passed");
+    assert_eq!(both.fp.counters().unwrap().unparsed_dropped, before + 1);
+    let elsewhere = with_options("10.9.9.9".parse().unwrap());
+    let r = both.fp.run(Outgoing, &elsewhere).unwrap();
+    assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(&elsewhere)), "not the service's: untouched");
+    assert!(collect(&mut both.fp).is_empty());
     // The primary's egress program too: a declined packet of the service (its server's data,
     // which strict output commit holds) goes to the daemon, not ungated to the wire.
     let mut pb = PBoth::new(both.fp, conn, true, true);

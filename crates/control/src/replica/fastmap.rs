@@ -210,6 +210,7 @@ impl BackupMap for KernelMap {
                 ("kernel_dropped", c.dropped),
                 ("kernel_dropped_beyond", c.dropped_beyond),
                 ("kernel_records_lost", c.records_lost),
+                ("kernel_unparsed_dropped", c.unparsed_dropped),
                 ("kernel_unacceptable", c.unacceptable),
                 ("kernel_ack_unverified", c.ack_unverified),
                 ("kernel_ack_clamped", c.ack_clamped),

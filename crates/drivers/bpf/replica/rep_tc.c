@@ -55,6 +55,7 @@ struct rep_counters {
 	__u64 ack_clamped;    /* BackupCounters::ack_clamped */
 	__u64 dropped_beyond; /* client segments dropped: ACK beyond, strict */
 	__u64 records_lost;   /* ring-buffer records that did not fit */
+	__u64 unparsed_dropped; /* egress, copy mode: unparsable TCP from a service address */
 };
 
 struct {
@@ -575,6 +576,7 @@ struct eg_info {
 	__u32 l4_len;
 	struct rep_key key;
 	__u32 counted; /* the program counted the packet in its entry's slow (REP_REC_SLOW's a) */
+	struct rep_svc svc; /* unparsed_from_service's lookup key */
 };
 
 /* Kept off the stack (per CPU): the egress programs' stack is full. */
@@ -704,6 +706,39 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 	return FP_CONSUMED;
 }
 
+/* Review finding 2 of the attach: a packet fp_parse refused (an IPv4 BIG TCP packet whose
+ * tot_len is 0, IP options, a fragment, IPv6 extension headers) that may be TCP from a service
+ * address. Only the version, the protocol (IPv6: the first next header) and the source address
+ * are read; the address's wildcard entry in rep_services (port 0) names it. */
+static __always_inline int unparsed_from_service(struct __sk_buff *skb, struct eg_info *g)
+{
+	__u8 b[2] = {};
+	struct rep_svc *svc = &g->svc;
+
+	__builtin_memset(svc, 0, sizeof(*svc));
+	if (bpf_skb_load_bytes(skb, FP_L3_ETH, b, 1))
+		return 0;
+	if (b[0] >> 4 == 4) {
+		if (bpf_skb_load_bytes(skb, FP_L3_ETH + 9, &b[1], 1) || b[1] != IPPROTO_TCP)
+			return 0;
+		svc->addr[10] = svc->addr[11] = 0xff;
+		if (bpf_skb_load_bytes(skb, FP_L3_ETH + 12, &svc->addr[12], 4))
+			return 0;
+	} else if (b[0] >> 4 == 6) {
+		if (bpf_skb_load_bytes(skb, FP_L3_ETH + 6, &b[1], 1))
+			return 0;
+		/* TCP, or an extension header (hop-by-hop, routing, fragment, destination options)
+		 * that may lead to it; ICMPv6 and the rest pass. */
+		if (b[1] != IPPROTO_TCP && b[1] != 0 && b[1] != 43 && b[1] != 44 && b[1] != 60)
+			return 0;
+		if (bpf_skb_load_bytes(skb, FP_L3_ETH + 8, svc->addr, 16))
+			return 0;
+	} else {
+		return 0;
+	}
+	return bpf_map_lookup_elem(&rep_services, svc) != NULL;
+}
+
 /* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
  * (egress_declined). After the take-over (REP_CFG_PROMOTED) every packet passes untouched: the
  * OUTPUT queue rule sent it through the daemon's engine before tc egress. */
@@ -724,6 +759,14 @@ int rep_b_out(struct __sk_buff *skb)
 	int v = b_out(skb, g);
 	/* Counted by slow(), which marks it: a mark the socket set before does not count. */
 	g->counted = (skb->mark & REP_MARK_SLOW) && !(mark0 & REP_MARK_SLOW);
+	/* Fail closed: what the parser refused from a service address never reaches the wire as
+	 * the backup's server built it (the OUTPUT queue rule withheld it before the attach). The
+	 * engine cannot read it either: dropped, counted (the backup may then fall behind on that
+	 * connection and say so; never a byte to the client). */
+	if (v == FP_SLOW && !g->parsed && cfg && (cfg->flags & REP_CFG_EGRESS_COPY) && unparsed_from_service(skb, g)) {
+		COUNT(unparsed_dropped);
+		return FP_DROP;
+	}
 	return egress_declined(skb, g, v);
 }
 

@@ -396,6 +396,9 @@ pub struct Counters {
     pub dropped_beyond: u64,
     /// Records that did not fit the ring (checkpoints, kept copies).
     pub records_lost: u64,
+    /// Copy mode, `rep_b_out`: packets that may be TCP from a service address but that the
+    /// parser refused (IP options, BIG TCP, fragments, IPv6 extension headers), dropped.
+    pub unparsed_dropped: u64,
 }
 
 // SAFETY: plain integers.
@@ -817,11 +820,16 @@ impl Replica {
         self.write_cfg(if on { self.cfg | cfg::EGRESS_COPY } else { self.cfg & !cfg::EGRESS_COPY })
     }
 
-    /// A service endpoint (the service address and a port) for copy mode.
+    /// A service endpoint (the service address and a port) for copy mode; also the address's
+    /// wildcard (port 0), which names it for packets the parser refused (`rep_b_out` drops
+    /// those: fail closed).
     pub fn add_service(&mut self, svc: SocketAddr) -> Result<(), Error> {
         let m = self.ebpf.map_mut("rep_services").ok_or_else(|| Error::Bpf("no map rep_services".into()))?;
         let mut h: HashMap<&mut MapData, Svc, u8> = HashMap::try_from(m).map_err(|e| bpf_err("rep_services", e))?;
-        h.insert(Svc { addr: addr16(svc.ip()), port: svc.port().to_be_bytes(), pad: 0 }, 1, 0).map_err(|e| bpf_err("rep_services", e))
+        for port in [svc.port(), 0] {
+            h.insert(Svc { addr: addr16(svc.ip()), port: port.to_be_bytes(), pad: 0 }, 1, 0).map_err(|e| bpf_err("rep_services", e))?;
+        }
+        Ok(())
     }
 
     /// The records the programs sent since the last call, in order.
@@ -849,6 +857,7 @@ impl Replica {
             t.ack_clamped += c.ack_clamped;
             t.dropped_beyond += c.dropped_beyond;
             t.records_lost += c.records_lost;
+            t.unparsed_dropped += c.unparsed_dropped;
         }
         Ok(t)
     }

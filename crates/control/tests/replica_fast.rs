@@ -56,6 +56,8 @@ struct Emu {
     records: Vec<MapRecord>,
     promoted: bool,
     promote_fails: bool,
+    /// What the programs' counters say ([`BackupMap::stats`]).
+    stats: Vec<(&'static str, u64)>,
 }
 
 #[derive(Clone, Default)]
@@ -144,6 +146,10 @@ impl BackupMap for Shared {
 
     fn records(&mut self) -> Vec<MapRecord> {
         std::mem::take(&mut self.lock().records)
+    }
+
+    fn stats(&mut self) -> Vec<(&'static str, u64)> {
+        self.lock().stats.clone()
     }
 
     fn promote(&mut self) -> Result<(), String> {
@@ -527,4 +533,28 @@ fn hostile_a_marked_packet_of_an_unknown_connection_changes_nothing_in_the_map()
     assert_eq!(m.ops(), ["take 41000"]);
     assert!(m.lock().entries.is_empty());
     assert_eq!(c.fast_where(&conn(41000)), Fast::Off);
+}
+
+/// Review finding 8 of the attach: what the programs lose (ring records, copies that did not
+/// fit together, unparsable packets dropped) was counted and never said. A rise is logged
+/// once per reading, with what it costs; no rise, no line.
+#[test]
+fn fast_path_losses_are_logged_when_they_rise() {
+    let (mut c, m) = setup();
+    let lines = |c: &mut Core, now: u64| -> Vec<String> {
+        let mut out = Outbox::default();
+        c.tick(now, &mut out);
+        c.collect(&mut out);
+        out.requests.iter().filter_map(|r| if let Request::Log(l) = r { Some(l.clone()) } else { None }).filter(|l| l.contains("fast path")).collect()
+    };
+    m.lock().stats = vec![("kernel_records_lost", 0), ("pieces_dropped", 0), ("kernel_unparsed_dropped", 0)];
+    assert!(lines(&mut c, 2_000).is_empty(), "nothing lost");
+    m.lock().stats = vec![("kernel_records_lost", 5), ("pieces_dropped", 0), ("kernel_unparsed_dropped", 0)];
+    assert!(lines(&mut c, 2_500).is_empty(), "read once a second");
+    let l = lines(&mut c, 3_000);
+    assert!(l.len() == 1 && l[0].contains("5 more kernel_records_lost"), "{l:?}");
+    assert!(lines(&mut c, 4_000).is_empty(), "no rise since");
+    m.lock().stats = vec![("kernel_records_lost", 5), ("pieces_dropped", 0), ("kernel_unparsed_dropped", 2)];
+    let l = lines(&mut c, 5_000);
+    assert!(l.len() == 1 && l[0].contains("2 more kernel_unparsed_dropped"), "{l:?}");
 }

@@ -183,8 +183,22 @@ pub struct FastPart {
     /// The take-over's promote failed: the egress program still copies and consumes the
     /// server's packets, which the engine now translates and the raw socket sends.
     copying: bool,
+    /// When the programs' loss counters were last read, and what they said (review finding 8:
+    /// counted, never said).
+    losses_at: u64,
+    losses: Vec<(&'static str, u64)>,
     pub counters: FastCounters,
 }
+
+/// How often the programs' loss counters are read for the log (a syscall per CPU each).
+const LOSS_CHECK_MS: u64 = 1_000;
+
+/// The programs' counters whose rise means something was lost, and what it costs.
+const LOSS_KINDS: [(&str, &str); 3] = [
+    ("kernel_records_lost", "ring records did not fit (the ring was full): copies for the take-over or for the primary may be missing on those connections (a resend or the client's retransmission fills them)"),
+    ("pieces_dropped", "copied packets could not be put together from their pieces: those copies are missing (as above)"),
+    ("kernel_unparsed_dropped", "packets from the service address the programs could not parse were dropped (fail closed): the backup may fall behind on those connections and say so"),
+];
 
 /// The connection of a TCP packet: the client's end, as the engine keys it (`outgoing`: a
 /// packet of the backup's server).
@@ -421,6 +435,21 @@ impl Core {
         }
     }
 
+    /// The programs' loss counters: a rise since the last reading is logged (rate-limited),
+    /// with what it costs.
+    fn fast_losses(&mut self) {
+        let Some(map) = self.fast.map.as_mut() else { return };
+        let now = map.stats();
+        for (name, what) in LOSS_KINDS {
+            let Some(&(_, v)) = now.iter().find(|(n, _)| *n == name) else { continue };
+            let before = self.fast.losses.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b);
+            if v > before {
+                self.log_limited("replica: fast path loss", || format!("replica: fast path: {} more {name}: {what}", v - before));
+            }
+        }
+        self.fast.losses = now;
+    }
+
     /// The records the programs sent since the last call, into the engine: every loop round,
     /// before the queue's packets.
     pub fn fast_records(&mut self, now_ms: u64) {
@@ -515,6 +544,10 @@ impl Core {
     pub fn fast_tick(&mut self, now_ms: u64) {
         if self.fast.map.is_none() || self.fast.promoted {
             return;
+        }
+        if now_ms >= self.fast.losses_at + LOSS_CHECK_MS {
+            self.fast.losses_at = now_ms;
+            self.fast_losses();
         }
         let Some(b) = self.backup.as_ref() else { return };
         let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !b.follows(k)).copied().collect();

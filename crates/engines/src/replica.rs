@@ -55,7 +55,10 @@
 //!    what the backup missed (Koch 4), and the primary sends those bytes to the backup itself
 //!    (ST-TCP 3.6's retransmission from the primary: [`Primary::take_relay`],
 //!    [`Backup::relayed_input`]); after [`Config::nudge_after_ms`] three duplicate ACKs also make
-//!    the client resend at once.
+//!    the client resend at once. Temporary loss at the primary (the table leaves it to the
+//!    client's retransmission, a timeout of 200 ms and more after the loss): the backup hands
+//!    the primary the client's ACKs it heard and the bytes the primary missed
+//!    ([`Backup::take_relay`], [`Primary::backup_input`]; issue 20).
 //!
 //! Divergence (strict mode): the connection becomes unprotected on the primary, which goes on
 //! alone with its own output (the bytes the client has seen so far were verified, and the rest

@@ -365,6 +365,30 @@ struct BConn {
     relay_gap: u64,
 }
 
+impl BConn {
+    /// The primary follows this connection: its reports name it, or it was aligned less than
+    /// two of the primary's beats ago (`p_beats` heard so far), so that its report may still
+    /// come.
+    fn reported(&self, p_beats: u64) -> bool {
+        self.p_seen_at.is_some() || p_beats < self.aligned_at_beats + 2
+    }
+
+    /// Drops every copy of client bytes kept for the primary: what they counted.
+    fn drop_input(&mut self) -> usize {
+        let n = self.input_len;
+        self.input.clear();
+        self.input_len = 0;
+        self.input_end = None;
+        n
+    }
+
+    /// Whether the client bytes of `s` are copied for the primary: a segment with bytes and
+    /// without RST or SYN, of a connection the primary follows and this backup can continue.
+    fn wants_input(&self, s: &Seg, p_beats: u64) -> bool {
+        s.payload_len > 0 && !s.has(F::RST) && !s.has(F::SYN) && self.reported(p_beats) && !self.diverged && !self.misaligned
+    }
+}
+
 impl Entry for BConn {
     fn born(&self) -> u64 {
         self.born
@@ -712,8 +736,7 @@ impl Backup {
         for (key, c) in self.conns.iter_mut() {
             let kept = std::mem::take(&mut c.kept);
             c.kept_bytes = 0;
-            c.input = VecDeque::new();
-            c.input_len = 0;
+            c.drop_input();
             // A connection the primary reported it no longer protects (DIVERGED: it diverged,
             // or ran unprotected for any reason, so its input here may have a hole the client
             // will never fill) or that this backup numbered wrong never goes on: its client is
@@ -726,7 +749,7 @@ impl Backup {
             // primary armed, or its table was full), so nothing checked its output. One aligned
             // more recently gets the benefit of the doubt: the primary's report of it may not
             // have come yet.
-            let unreported = c.p_seen_at.is_none() && self.p_beats >= c.aligned_at_beats + 2;
+            let unreported = !c.reported(self.p_beats);
             if c.diverged || c.misaligned || !c.aligned || unreported {
                 if c.aligned && !c.finished() {
                     if unreported && !c.diverged && !c.misaligned {
@@ -932,13 +955,10 @@ impl Backup {
             c.server = Some(s.info.dst);
             c.client_seen = true;
         }
-        if in_window && s.payload_len > 0 && self.input_on && !self.promoted && !s.has(F::RST) && !s.has(F::SYN) {
-            let followed = c.p_seen_at.is_some() || self.p_beats < c.aligned_at_beats + 2;
+        if in_window && self.input_on && !self.promoted && c.wants_input(&s, self.p_beats) {
             let data = &pkt[s.payload_at..s.payload_at + s.payload_len];
             let ts = s.ts.map(|t| (t.1, t.2));
-            if followed {
-                copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, ts, self.clock);
-            }
+            copy_input(c, &mut self.input_total, &mut self.counters, s.seq, data, ts, self.clock);
         }
         let Ok(mut t) = tcp_mut(pkt, &s) else { return Verdict::PASS };
         let limit = c.snd_max;
@@ -1241,9 +1261,7 @@ impl Backup {
             }
             if r.flags & rw::flag::RCV_KNOWN != 0 && !self.promoted {
                 if r.flags & rw::flag::DIVERGED != 0 {
-                    self.input_total -= c.input_len;
-                    c.input.clear();
-                    c.input_len = 0;
+                    self.input_total -= c.drop_input();
                 } else {
                     relay_input(c, key, r.rcv_nxt, self.clock, &mut self.input_total, &mut self.relay, &mut self.counters);
                 }
@@ -1299,8 +1317,8 @@ impl Backup {
 
     /// Forgets a connection (the daemon's grace period after it closed).
     pub fn forget(&mut self, key: &ConnKey) {
-        if let Some(c) = self.conns.remove(key) {
-            self.input_total -= c.input_len;
+        if let Some(mut c) = self.conns.remove(key) {
+            self.input_total -= c.drop_input();
         }
     }
 
@@ -1311,16 +1329,11 @@ impl Backup {
     pub fn push_input(&mut self, key: &ConnKey, pkt: &[u8]) {
         let Ok(s) = parse(pkt) else { return };
         let of = ConnKey { client: s.info.src, client_port: s.src_port, server_port: s.dst_port };
-        if s.payload_len == 0 || self.promoted || of != *key {
+        if !self.input_on || self.promoted || of != *key {
             return;
         }
-        if !self.input_on || s.has(F::RST) || s.has(F::SYN) {
-            return;
-        }
-        let p_beats = self.p_beats;
         let Some(c) = self.conns.get_mut(key) else { return };
-        let followed = c.p_seen_at.is_some() || p_beats < c.aligned_at_beats + 2;
-        if !followed || !c.aligned || c.diverged || c.misaligned || (c.rcv_known && !acceptable(&s, c.rcv_nxt, c.rcv_edge)) {
+        if !c.aligned || !c.wants_input(&s, self.p_beats) || (c.rcv_known && !acceptable(&s, c.rcv_nxt, c.rcv_edge)) {
             return;
         }
         // The program wrote the TSecr into the backup's clock: back into the primary's.
@@ -1345,9 +1358,7 @@ impl Backup {
         self.input_on = on;
         if !on {
             for c in self.conns.values_mut() {
-                c.input.clear();
-                c.input_len = 0;
-                c.input_end = None;
+                c.drop_input();
             }
             self.input_total = 0;
             self.relay.clear();
@@ -1572,11 +1583,12 @@ fn copy_input(c: &mut BConn, total: &mut usize, counters: &mut BackupCounters, s
     }
     // The overlap with what is copied already: the same bytes, or a conflict.
     if let Some(first) = c.input.front().map(|e| e.at) {
-        let (lo, hi) = (if seq.gt(first) { seq } else { first }, if c.input_end.is_some_and(|e| e.lt(end)) { c.input_end.unwrap_or(end) } else { end });
+        let lo = seq.max(first);
+        let hi = if c.input_end.is_some_and(|e| e.lt(end)) { c.input_end.unwrap_or(end) } else { end };
         if hi.gt(lo) {
             let mut same = true;
             for e in c.input.iter() {
-                let (a, b) = (if lo.gt(e.at) { lo } else { e.at }, if hi.lt(e.end()) { hi } else { e.end() });
+                let (a, b) = (lo.max(e.at), if hi.lt(e.end()) { hi } else { e.end() });
                 if b.gt(a) && e.data[(a - e.at) as usize..(b - e.at) as usize] != data[(a - seq) as usize..(b - seq) as usize] {
                     same = false;
                     break;
@@ -1584,21 +1596,14 @@ fn copy_input(c: &mut BConn, total: &mut usize, counters: &mut BackupCounters, s
             }
             if !same {
                 counters.input_conflicts += 1;
-                *total -= c.input.iter().map(InputCopy::cost).sum::<usize>();
-                c.input.clear();
-                c.input_len = 0;
-                c.input_hold = Some(if c.input_end.is_some_and(|e| e.gt(end)) { c.input_end.unwrap_or(end) } else { end });
-                c.input_end = None;
+                c.input_hold = Some(c.input_end.map_or(end, |e| e.max(end)));
+                *total -= c.drop_input();
                 return;
             }
         }
     }
-    let mut at = c.input_end.unwrap_or(seq);
-    if let Some(p) = p {
-        if p.gt(at) {
-            at = p;
-        }
-    }
+    let at = c.input_end.unwrap_or(seq);
+    let at = p.map_or(at, |p| p.max(at));
     if seq.gt(at) || !end.gt(at) {
         return;
     }
@@ -2217,6 +2222,12 @@ impl PConn {
         *total -= h.pkt.len();
         Some(h)
     }
+
+    /// The end of the client's bytes in order that reached this host (its server acknowledged
+    /// them, or its engine saw them, or the backup relayed them).
+    fn rcv_in_order(&self) -> Seq {
+        self.ack_p.max(self.rcv_seen)
+    }
 }
 
 impl Entry for PConn {
@@ -2442,7 +2453,7 @@ impl Primary {
         let ack = c.client_ack;
         let (win, own_ts) = c.client_last.map_or((from.window, None), |(_, w, t)| (w, t));
         let ts = from.ts;
-        let have = if c.ack_p.gt(c.rcv_seen) { c.ack_p } else { c.rcv_seen };
+        let have = c.rcv_in_order();
         let mut seq = seq;
         let mut data = data;
         let end = seq + data.len() as u32;
@@ -2607,9 +2618,7 @@ impl Primary {
                     let end = s.seq + s.payload_len as u32;
                     // Never behind what the server acknowledged, never beyond its window (the
                     // kernel trims a segment there).
-                    if c.ack_p.gt(c.rcv_seen) {
-                        c.rcv_seen = c.ack_p;
-                    }
+                    c.rcv_seen = c.rcv_in_order();
                     let end = if end.gt(c.edge_p) { c.edge_p } else { end };
                     if !s.seq.gt(c.rcv_seen) && end.gt(c.rcv_seen) {
                         c.rcv_seen = end;
@@ -3158,7 +3167,7 @@ impl Primary {
                 // What reached this host in order (its server has it, or will once it
                 // acknowledges): the backup relays only what lies beyond (loss toward the
                 // primary), not what a server slow to acknowledge (a delayed ACK) already got.
-                rcv_nxt: if c.rcv_seen.gt(c.ack_p) { c.rcv_seen } else { c.ack_p },
+                rcv_nxt: c.rcv_in_order(),
                 rcv_edge: c.edge_p,
                 // What strict output commit verified (the backup drops older checkpoints).
                 out_end: if self.cfg.strict { c.rel } else { c.p_end },

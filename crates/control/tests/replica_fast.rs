@@ -58,6 +58,10 @@ struct Emu {
     promote_fails: bool,
     /// What the programs' counters say ([`BackupMap::stats`]).
     stats: Vec<(&'static str, u64)>,
+    /// The egress filter's presence as the kernel would answer ([`BackupMap::egress_present`]):
+    /// `None` (the default) present, `Some(Err)` no answer.
+    egress: Option<Result<bool, String>>,
+    user_out: bool,
 }
 
 #[derive(Clone, Default)]
@@ -150,6 +154,17 @@ impl BackupMap for Shared {
 
     fn stats(&mut self) -> Vec<(&'static str, u64)> {
         self.lock().stats.clone()
+    }
+
+    fn egress_present(&mut self) -> Result<bool, String> {
+        self.lock().egress.clone().unwrap_or(Ok(true))
+    }
+
+    fn user_out(&mut self) -> Result<(), String> {
+        let mut m = self.lock();
+        m.ops.push("user_out".into());
+        m.user_out = true;
+        Ok(())
     }
 
     fn promote(&mut self) -> Result<(), String> {
@@ -557,4 +572,58 @@ fn fast_path_losses_are_logged_when_they_rise() {
     m.lock().stats = vec![("kernel_records_lost", 5), ("pieces_dropped", 0), ("kernel_unparsed_dropped", 2)];
     let l = lines(&mut c, 5_000);
     assert!(l.len() == 1 && l[0].contains("2 more kernel_unparsed_dropped"), "{l:?}");
+}
+
+/// Review finding 5 of the attach: the egress filter that withholds the backup's server's
+/// output can vanish under the daemon (`tc qdisc del dev X clsact`, a recreated device). The
+/// core looks for it every `EGRESS_WATCH_MS`; gone, the server's packets go through the queue
+/// again first (`user_out`), then every connection goes back to the engine, the map is
+/// cleared, nothing is installed again, and it is said once. A look with no answer decides
+/// nothing.
+#[test]
+fn hostile_a_vanished_egress_filter_sends_the_output_through_the_queue_again() {
+    let (mut c, m) = setup();
+    aligned(&mut c, &m, 40020, 0);
+    aligned(&mut c, &m, 40021, 0);
+    m.claim(&conn(40020), |f| {
+        f.snd_max = Seq(B_ISN + 101);
+        f.out_end = Seq(P_ISN + 101);
+        f.out_hash = 0x55;
+    });
+    m.ops();
+    let mut logs = Vec::new();
+    let tick = |c: &mut Core, now: u64, logs: &mut Vec<String>| {
+        let mut out = Outbox::default();
+        c.tick(now, &mut out);
+        c.collect(&mut out);
+        logs.extend(out.requests.iter().filter_map(|r| if let Request::Log(l) = r { Some(l.clone()) } else { None }));
+    };
+    tick(&mut c, 500, &mut logs);
+    assert!(m.ops().iter().all(|o| o.starts_with("collect")), "present: nothing changes");
+    m.lock().egress = Some(Err("rtnetlink busy".into()));
+    tick(&mut c, 700, &mut logs);
+    assert_eq!(c.fast_counters().egress_check_failed, 1);
+    assert!(c.fast_path_on() && !m.lock().user_out, "no answer decides nothing");
+    m.lock().egress = Some(Ok(false));
+    tick(&mut c, 900, &mut logs);
+    let ops = m.ops();
+    let order: Vec<&str> = ops.iter().map(|o| o.split(' ').next().unwrap()).filter(|o| *o != "collect").collect();
+    assert_eq!(order, ["user_out", "freeze", "freeze", "remove", "remove"], "the queue first: {ops:?}");
+    assert!(m.lock().entries.is_empty());
+    let f = c.backup().unwrap().fast_state(&conn(40020)).unwrap();
+    assert_eq!((f.out_end, f.out_hash), (Seq(P_ISN + 101), 0x55), "the programs' fields are the engine's again");
+    assert_eq!(c.fast_where(&conn(40020)), Fast::Off);
+    let st = c.fast_status();
+    assert_eq!(st["on"], false, "{st}");
+    assert_eq!(st["egress_lost"], true, "{st}");
+    assert!(st["off_because"].as_str().unwrap().contains("egress filter"), "{st}");
+    assert_eq!(logs.iter().filter(|l| l.contains("egress filter") && l.contains("NFQUEUE again")).count(), 1, "{logs:?}");
+    // From now on the engine decides the server's output from the queue (withheld), and
+    // nothing goes back to the map.
+    let (v, _) = queue(&mut c, 1_000, &server_pkt(40020, B_ISN + 101, C_ISN + 1, F::ACK | F::PSH, b"more"), true, 0);
+    assert_eq!(v, Verdict::Drop, "withheld by the engine");
+    flush(&mut c, 1_000);
+    tick(&mut c, 1_200, &mut logs);
+    assert!(m.ops().is_empty(), "nothing installed, nothing looked for again: {:?}", m.ops());
+    assert_eq!(c.backup().unwrap().fast_state(&conn(40020)).unwrap().out_end, Seq(P_ISN + 105));
 }

@@ -28,6 +28,7 @@ pub mod rawsend;
 pub mod repair;
 pub mod segment;
 pub mod sockdiag;
+pub mod tcfilter;
 mod sys;
 
 pub use iptables::{BuiltinChain, Proto, RuleSpec, Rules, Service, Table};

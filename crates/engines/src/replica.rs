@@ -792,12 +792,7 @@ impl Backup {
                     // kernel would have cut it: at most the client's MSS of payload (RFC 1122's
                     // 536 at the least, so a forged SYN's tiny MSS cannot make thousands), less
                     // the options.
-                    let opts = s.payload_at - s.info.l4_offset - 20;
-                    let mss = c.client_mss.unwrap_or(DEFAULT_MSS).min(c.b_mss.unwrap_or(u16::MAX)).max(DEFAULT_MSS) as usize;
-                    match ip::split_tcp(&pkt, mss.saturating_sub(opts).max(1)) {
-                        Ok(parts) => self.out.extend(parts),
-                        Err(_) => self.out.push(pkt),
-                    }
+                    cut(&mut self.out, pkt, c.client_mss, c.b_mss);
                 }
             }
             if any {
@@ -1558,6 +1553,34 @@ fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool) {
 /// RFC 1122's default MSS: the least a kept copy is cut to at the take-over.
 const DEFAULT_MSS: u16 = 536;
 
+/// The most payload one wire segment like `s` carries ([`cut`]).
+fn wire_payload(s: &Seg, client_mss: Option<u16>, server_mss: Option<u16>) -> usize {
+    let opts = s.payload_at - s.info.l4_offset - 20;
+    let mss = client_mss.unwrap_or(DEFAULT_MSS).min(server_mss.unwrap_or(u16::MAX)).max(DEFAULT_MSS) as usize;
+    mss.saturating_sub(opts).max(1)
+}
+
+/// Queues `pkt` for the raw socket, cut as the sending kernel would have cut it if it is a GSO
+/// super-packet (both daemons' queues take them whole; a raw socket cannot send one): at most
+/// the smaller of the two MSS options of the handshake of payload (RFC 1122's 536 at the least,
+/// so that a forged SYN's tiny MSS cannot make thousands), less the segment's options. A packet
+/// that cannot be cut goes as it is (the kernel refuses it; its server sends the bytes again).
+fn cut(out: &mut Vec<Vec<u8>>, pkt: Vec<u8>, client_mss: Option<u16>, server_mss: Option<u16>) {
+    let Ok(s) = parse(&pkt) else {
+        out.push(pkt);
+        return;
+    };
+    let max = wire_payload(&s, client_mss, server_mss);
+    if s.payload_len <= max {
+        out.push(pkt);
+        return;
+    }
+    match ip::split_tcp(&pkt, max) {
+        Ok(parts) => out.extend(parts),
+        Err(_) => out.push(pkt),
+    }
+}
+
 /// Withheld output a backup keeps per connection for its take-over ([`Backup::take_over`]),
 /// and for all connections together.
 pub const MAX_KEPT_BYTES: usize = 8 << 20;
@@ -2107,6 +2130,10 @@ struct PConn {
     server: IpAddr,
     /// The primary's window shift, from its server's SYN-ACK (0: no scaling).
     ws_p: u8,
+    /// The MSS options of the client's SYN and of the primary server's SYN-ACK: held output
+    /// the engine sends itself is cut to them ([`cut`]).
+    client_mss: Option<u16>,
+    p_mss: Option<u16>,
     synack: Option<Vec<u8>>,
     synack_ack: Seq,
     /// The primary server's latest ACK and right window edge.
@@ -2521,6 +2548,8 @@ impl Primary {
                 established: false,
                 server: s.info.dst,
                 ws_p: 0,
+                client_mss: s.mss,
+                p_mss: None,
                 synack: None,
                 synack_ack: s.seq + 1,
                 ack_p: s.seq + 1,
@@ -2661,7 +2690,9 @@ impl Primary {
             let (_, _, mut p) = c.ooo.swap_remove(i);
             c.ooo_len -= p.len();
             if let Verdict::Accept { .. } = self.outgoing_one(&mut p, now_ms) {
-                self.out.push(p);
+                if let Some(c) = self.conns.get(&key) {
+                    cut(&mut self.out, p, c.client_mss, c.p_mss);
+                }
             }
             self.refill.get_or_insert(key);
         }
@@ -2727,6 +2758,7 @@ impl Primary {
             // SYN the engine saw first, which may be forged.
             c.answered = true;
             c.ws_p = s.wscale.unwrap_or(0);
+            c.p_mss = s.mss;
             c.rel = s.seq + 1;
             c.stream_start = s.seq + 1;
             c.p_end = s.seq + 1;
@@ -2873,7 +2905,7 @@ impl Primary {
                     if let Ok(ps) = parse(&p) {
                         let mut p = p;
                         gate(c, &mut p, &ps, &mut self.counters);
-                        self.out.push(p);
+                        cut(&mut self.out, p, c.client_mss, c.p_mss);
                         self.counters.partial_released += 1;
                         return Verdict::Drop;
                     }
@@ -3343,7 +3375,18 @@ impl Primary {
             let Some(h) = c.unhold(&mut self.held_total) else { break };
             let mut pkt = h.pkt;
             if let Ok(s) = parse(&pkt) {
-                gate(c, &mut pkt, &s, &mut self.counters);
+                // A GSO super-packet whose verified part went out already (partial releases):
+                // only the rest goes (resent whole, up to 64 KiB went twice). A wire-sized
+                // segment goes whole as before (the client takes the duplicate part as a
+                // retransmission; the simulation's smoltcp clients were tuned on that shape).
+                if !h.fin && s.payload_len > wire_payload(&s, c.client_mss, c.p_mss) && s.seq.lt(c.snd_c) && c.snd_c.lt(h.end) {
+                    if let Some(p) = trimmed(&pkt, &s, c.snd_c, h.end) {
+                        pkt = p;
+                    }
+                }
+                if let Ok(s) = parse(&pkt) {
+                    gate(c, &mut pkt, &s, &mut self.counters);
+                }
             }
             if !cfg.strict && h.end.gt(c.rel) {
                 c.rel = h.end;
@@ -3352,7 +3395,7 @@ impl Primary {
             if e.gt(c.snd_c) {
                 c.snd_c = e;
             }
-            self.out.push(pkt);
+            cut(&mut self.out, pkt, c.client_mss, c.p_mss);
             self.counters.released += 1;
             any = true;
         }
@@ -3368,7 +3411,7 @@ impl Primary {
                         if let Ok(ps) = parse(&p) {
                             gate(c, &mut p, &ps, &mut self.counters);
                             c.snd_c = c.rel;
-                            self.out.push(p);
+                            cut(&mut self.out, p, c.client_mss, c.p_mss);
                             self.counters.partial_released += 1;
                         }
                     }
@@ -3616,7 +3659,7 @@ impl Primary {
                     c.snd_c = e;
                 }
             }
-            self.out.push(pkt);
+            cut(&mut self.out, pkt, c.client_mss, c.p_mss);
             self.counters.released += 1;
         }
         c.held_bytes.clear();

@@ -385,9 +385,73 @@ fn koch_3_2_strict_output_commit_holds_then_releases() {
     p.backup_progress(&progress(3, C_ISN + 1, b"hello world", false), 5);
     let out = p.take_transmit();
     assert_eq!(out.len(), 1);
-    assert_eq!(seg(&out[0]).1, b"world");
+    assert_eq!(seg(&out[0]).1, b"world", "a wire-sized segment goes whole (a super-packet only its rest)");
     // Now released: a retransmission goes out at once.
     assert!(matches!(primary_sends(&mut p, 6, b"world", C_ISN + 1, 0, 6).0, Verdict::Accept { .. }));
+}
+
+/// The wire segments of `out`, in order: each at most `max` bytes of payload, its checksum
+/// right, contiguous from `from`; their payloads joined.
+fn wire_segments(out: &[Vec<u8>], from: Seq, max: usize) -> Vec<u8> {
+    let mut at = from;
+    let mut all = Vec::new();
+    for pkt in out {
+        let (t, payload) = seg(pkt);
+        assert!(payload.len() <= max, "a segment of {} bytes, more than {max}", payload.len());
+        assert_eq!(t.seq, at, "segments in order, no gap, no overlap");
+        at = at + payload.len() as u32;
+        all.extend(payload);
+    }
+    all
+}
+
+/// A GSO super-packet (the primary's queue takes them whole) is held, verified and released
+/// like any segment, but what the engine sends itself goes out through a raw socket, which
+/// cannot send it whole: released in wire segments of the handshake's MSS, the verified part
+/// first, the rest once verified, and on unprotection.
+#[test]
+fn koch_3_2_super_packet_released_in_wire_segments() {
+    let mut p = primary(true);
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    assert_eq!(primary_sends(&mut p, 0, &data, C_ISN + 1, F::PSH, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, &data[..5_000], false), 3);
+    let out = p.take_transmit();
+    assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(1)), 1460), &data[..5_000], "only the verified part, in MSS-sized segments");
+    assert_eq!(out.len(), 4);
+    p.backup_progress(&progress(3, C_ISN + 1, &data, false), 4);
+    let out = p.take_transmit();
+    assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(5_001)), 1460), &data[5_000..]);
+    assert!(seg(out.last().unwrap()).0.flags & F::PSH != 0, "PSH on the last segment only");
+    assert!(out[..out.len() - 1].iter().all(|q| seg(q).0.flags & F::PSH == 0));
+    // Unprotected (a divergence): the held super-packet goes out as its server built it, cut.
+    assert_eq!(primary_sends(&mut p, 10_000, &data, C_ISN + 1, 0, 5).0, Verdict::Held);
+    let mut wrong = data.clone();
+    wrong[0] ^= 1;
+    let mut all = data.clone();
+    all.extend(&wrong);
+    p.backup_progress(&progress(4, C_ISN + 1, &all, false), 6);
+    assert_eq!(p.counters.diverged, 1);
+    let out = p.take_transmit();
+    assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(10_001)), 1460), data);
+}
+
+/// A forged SYN's tiny MSS cannot make a super-packet into thousands of segments: RFC 1122's
+/// 536 bytes at the least.
+#[test]
+fn hostile_tiny_mss_cuts_super_packets_at_536() {
+    let mut p = Primary::new(Config { strict: true, max_delay_fin_ms: 1_000, ..Config::default() });
+    let tiny = from_client(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(1), ..Default::default() }, &[]);
+    assert_eq!(p.incoming(&tiny), Verdict::PASS);
+    let mut sa = from_server(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), ..Default::default() }, &[]);
+    assert_eq!(p.outgoing(&mut sa, 0), Verdict::Held);
+    p.backup_progress(&progress(1, C_ISN + 1, &[], false), 1);
+    assert_eq!(p.take_transmit().len(), 1);
+    let data = vec![9u8; 5_000];
+    assert_eq!(primary_sends(&mut p, 0, &data, C_ISN + 1, 0, 2).0, Verdict::Held);
+    p.backup_progress(&progress(2, C_ISN + 1, &data, false), 3);
+    let out = p.take_transmit();
+    assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(1)), 536), data);
+    assert_eq!(out.len(), 10);
 }
 
 /// Different bytes at the same offset: counted, the connection unprotected, the primary's own
@@ -769,12 +833,12 @@ fn port_key(port: u16) -> ConnKey {
 fn open(b: &mut Backup, p: &mut Primary, port: u16, beat: &mut u64) {
     let from_c = |r: Repr| ip::tcp_packet(cli(), svc(), &Repr { src_port: port, dst_port: 6379, ..r }, &[]).unwrap();
     let from_s = |r: Repr| ip::tcp_packet(svc(), cli(), &Repr { src_port: 6379, dst_port: port, ..r }, &[]).unwrap();
-    let mut syn = from_c(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, wscale: Some(7), ..Default::default() });
+    let mut syn = from_c(Repr { seq: Seq(C_ISN), flags: F::SYN, window: 65535, mss: Some(1460), wscale: Some(7), ..Default::default() });
     assert_eq!(p.incoming(&syn), Verdict::PASS);
     assert_eq!(b.incoming(&mut syn), Verdict::PASS);
     let mut sa = from_s(Repr { seq: Seq(B_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() });
     assert_eq!(b.outgoing(&mut sa), Verdict::Drop, "port {port}: the backup's SYN-ACK is withheld");
-    let mut sa = from_s(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, wscale: Some(7), ..Default::default() });
+    let mut sa = from_s(Repr { seq: Seq(P_ISN), ack: Seq(C_ISN + 1), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), ..Default::default() });
     assert_eq!(p.outgoing(&mut sa, 0), Verdict::Held, "port {port}: followed by the primary");
     for m in b.progress(*beat) {
         p.backup_progress(&m, 1);

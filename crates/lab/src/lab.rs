@@ -392,6 +392,11 @@ pub fn cleanup_orphans() -> io::Result<usize> {
             Err(e) => eprintln!("lab: removing orphaned {ns}: {e}"),
         }
     }
+    // The daemons' pinned filters of namespaces gone (these labs' and earlier ones'): each
+    // kept its maps in kernel memory for good.
+    if let Err(e) = unbroken_drivers::fastpath::remove_stale_pins(std::path::Path::new(unbroken_drivers::fastpath::PIN_ROOT)) {
+        eprintln!("lab: removing the pinned filters of namespaces gone: {e}");
+    }
     Ok(n)
 }
 

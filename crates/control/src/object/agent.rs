@@ -913,7 +913,7 @@ fn instance_name(queue: u16) -> String {
 
 /// Where the agent of `queue` in this network namespace pins its filters.
 fn pin_dir(queue: u16) -> PathBuf {
-    PathBuf::from("/sys/fs/bpf/unbroken").join(instance_name(queue))
+    PathBuf::from(unbroken_drivers::fastpath::PIN_ROOT).join(instance_name(queue))
 }
 
 impl AgentIo {

@@ -384,6 +384,26 @@ fn remove_egress_leftover(cfg: &Replica) -> Result<(), String> {
     }
 }
 
+/// This daemon's name on the host: its network namespace and queue (two lab hosts share one
+/// BPF filesystem).
+fn instance_name(queue: u16) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let ns = std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0);
+    format!("replica-net{ns}-q{queue}")
+}
+
+/// Where the backup of `queue` in this network namespace pins its queue rules' matches.
+fn pin_dir(queue: u16) -> std::path::PathBuf {
+    std::path::PathBuf::from(unbroken_drivers::fastpath::PIN_ROOT).join(instance_name(queue))
+}
+
+/// Removes an earlier daemon's pinned matches once no rule names them (said, never fatal).
+fn unpin_matches(queue: u16) {
+    if let Err(e) = unbroken_drivers::fastpath::replica::unpin_queue_matches(&pin_dir(queue)) {
+        eprintln!("replica: cannot remove the pinned queue rule matches in {} ({e})", pin_dir(queue).display());
+    }
+}
+
 /// The daemon's queue rules: client packets to the service (PREROUTING), its server's packets
 /// back (OUTPUT).
 fn rule_spec(cfg: &Replica) -> RuleSpec {
@@ -415,6 +435,7 @@ pub fn remove_rules(cfg: &Replica) -> Result<(), String> {
         Err(e) => return Err(format!("replica: NFQUEUE {} is in use ({e}): stop the daemon that reads it first", r.queue)),
     }
     Rules::remove_leftovers(&rule_spec(cfg)).map_err(|e| format!("replica: removing the queue rules: {e}"))?;
+    unpin_matches(r.queue);
     if cfg.role == Role::Backup {
         ArpSuppress::remove_leftovers(&arp_spec(cfg)).map_err(|e| format!("replica: removing the ARP suppression: {e}"))?;
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: removing the receive rule: {e}"))?;
@@ -886,12 +907,24 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     let mut spec = rule_spec(&cfg);
     Rules::check_owner(&spec).map_err(|e| format!("replica: {e}"))?;
     // The backup's fast path before the queue rules (issue 22 item 4): its egress program
-    // withholds the server's output from now on (copy mode), so the rules need no OUTPUT jump
-    // until the take-over; claimed client packets skip the queue (fast mark RETURN).
+    // withholds the server's output from now on (copy mode); claimed client packets skip the
+    // queue (fast mark RETURN). The OUTPUT rule is in from the start, its match (`rep_q_out`)
+    // taking the server's packets only after the take-over or once the egress filter is found
+    // gone: each one map write, no iptables command in the packet loop (review findings 4, 5).
+    // Without the pinned matches the take-over adds the OUTPUT jump itself.
     let fast = match fast_path(&cfg, &spec) {
-        Ok(map) => {
-            spec.hooks = vec![BuiltinChain::Prerouting];
+        Ok(mut map) => {
             spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
+            match unbroken_drivers::fastpath::object::ensure_bpffs().and_then(|()| map.fp.pin_queue_matches(&pin_dir(r.queue))) {
+                Ok(m) => {
+                    spec.bpf_match = Some(m);
+                    map.rules = None;
+                }
+                Err(e) => {
+                    eprintln!("replica: fast path: cannot pin the queue rules' matches ({e}): the take-over installs the OUTPUT queue rule itself (iptables in the packet loop)");
+                    spec.hooks = vec![BuiltinChain::Prerouting];
+                }
+            }
             Ok(map)
         }
         Err(why) => Err(why),
@@ -916,23 +949,29 @@ pub fn run(cfg: Replica) -> Result<(), String> {
         // SAFETY: a plain int option on a socket we own.
         unsafe { libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &bytes as *const libc::c_int as *const libc::c_void, std::mem::size_of::<libc::c_int>() as libc::socklen_t) };
     }
-    // The primary's queue runs without GSO, so that the kernel hands over MTU-sized segments:
-    // a held segment it releases later goes out through a raw socket, which cannot send a
-    // 64 KiB one. The backup's takes super-packets whole (one crossing for up to 64 KiB of its
-    // server's output, which it only digests and withholds before a take-over): its engine
-    // leaves a checkpoint every CHECKPOINT_STEP inside them (with one at their ends only, the
-    // primary stalled under large values), and the take-over cuts kept copies to the client's
-    // MSS (docs/benchmarks.md, "GSO on the backup's queue").
-    let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: cfg.role == Role::Backup, ..QueueConfig::default() };
+    // Both queues take GSO super-packets whole: one crossing for up to 64 KiB of a server's
+    // output. The backup only digests and withholds them before a take-over; its engine leaves
+    // a checkpoint every CHECKPOINT_STEP inside them (with one at their ends only, the primary
+    // stalled under large values), and the take-over cuts kept copies to the client's MSS
+    // (docs/benchmarks.md, "GSO on the backup's queue"). The primary holds them as they came;
+    // what it releases later goes out through a raw socket, which cannot send a 64 KiB packet:
+    // its engine cuts released output into wire segments of the handshake's MSS.
+    let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: true, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("replica: cannot bind NFQUEUE {}: {e}", r.queue))?;
     let mut rules = FailClosed::new(Some(Rules::install_or_replace(&spec).map_err(|e| format!("replica: installing the queue rules: {e}"))?));
     if fast.is_ok() {
-        // A predecessor's OUTPUT jump (without the fast path): the egress program withholds now.
-        Rules::remove_jump(&spec, BuiltinChain::Output).map_err(|e| format!("replica: removing the OUTPUT jump: {e}"))?;
+        if !spec.hooks.contains(&BuiltinChain::Output) {
+            // A predecessor's OUTPUT jump (without the fast path): the egress program withholds now.
+            Rules::remove_jump(&spec, BuiltinChain::Output).map_err(|e| format!("replica: removing the OUTPUT jump: {e}"))?;
+        }
     } else if cfg.role == Role::Backup {
         // A predecessor's egress filter (with the fast path) goes only now that the OUTPUT
-        // jump withholds the server's output: never a moment with neither.
+        // jump withholds the server's output: never a moment with neither. Its pinned matches
+        // too: the rules that named them are replaced.
         remove_egress_leftover(&cfg)?;
+        unpin_matches(r.queue);
+    } else {
+        unpin_matches(r.queue);
     }
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
     let wake = Arc::new(Wake::new().map_err(|e| format!("replica: eventfd: {e}"))?);

@@ -39,8 +39,10 @@ pub struct KernelMap {
     pub fp: Replica,
     /// The pair's strict output commit (the programs' REP_B_STRICT).
     strict: bool,
-    /// The queue rules: the take-over adds their OUTPUT jump (`None` in tests: nothing to add).
-    rules: Option<RuleSpec>,
+    /// The queue rules whose OUTPUT jump the take-over adds: `None` when their OUTPUT rule is
+    /// in from the start, gated by `rep_q_out` (the daemon's way; promoting is then one map
+    /// write) and in tests.
+    pub rules: Option<RuleSpec>,
     pieces: Pieces,
 }
 
@@ -193,11 +195,20 @@ impl BackupMap for KernelMap {
 
     fn promote(&mut self) -> Result<(), String> {
         // The queue first: from the moment the programs pass the server's packets, the OUTPUT
-        // rule must already send them through the engine.
+        // rule must already send them through the engine. Gated by `rep_q_out`, the rule is in
+        // already, and the one write below switches both (review finding 4).
         if let Some(spec) = &self.rules {
             Rules::add_jump(spec, BuiltinChain::Output).map_err(|e| format!("installing the OUTPUT queue rule: {e}"))?;
         }
         self.fp.set_promoted(true).map_err(|e| format!("promoting rep_b_out: {e}"))
+    }
+
+    fn egress_present(&mut self) -> Result<bool, String> {
+        self.fp.egress_present().map_err(|e| e.to_string())
+    }
+
+    fn user_out(&mut self) -> Result<(), String> {
+        self.fp.set_user_out().map_err(|e| e.to_string())
     }
 
     fn stats(&mut self) -> Vec<(&'static str, u64)> {

@@ -140,6 +140,9 @@ struct rep_cfg {
 /* The backup took over (its daemon installed the OUTPUT queue rule first): rep_b_out passes
  * every packet untouched, the queue's verdicts decided them already. */
 #define REP_CFG_PROMOTED (1 << 1)
+/* The daemon takes its server's output through the queue again (the egress filter is gone:
+ * review finding 5): the OUTPUT queue rule's match (rep_q_out) takes every packet. */
+#define REP_CFG_USER_OUT (1 << 2)
 
 /* A service endpoint (rep_services): the address (IPv4 as ::ffff:a.b.c.d) and port. */
 struct rep_svc {

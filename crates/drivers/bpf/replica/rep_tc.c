@@ -770,6 +770,32 @@ int rep_b_out(struct __sk_buff *skb)
 	return egress_declined(skb, g, v);
 }
 
+/* The matches of the backup's queue rules (`iptables -m bpf --object-pinned`, pinned by the
+ * daemon; review finding 4): the OUTPUT rule is in from the start and takes the server's packets
+ * only once the daemon takes them through the queue again, the take-over (REP_CFG_PROMOTED) or a
+ * lost egress filter (REP_CFG_USER_OUT), each one map write with no iptables command in the
+ * packet loop. The rule outlives the daemon with this program and rep_cfg: a killed daemon's
+ * last word stays (withheld at tc egress before the take-over, queued to nobody after it). */
+SEC("socket")
+int rep_q_out(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
+
+	/* No configuration (cannot happen: an array's entry always exists): queued, fail closed. */
+	if (!cfg)
+		return 1;
+	return (cfg->flags & (REP_CFG_PROMOTED | REP_CFG_USER_OUT)) ? 1 : 0;
+}
+
+/* The PREROUTING rule's match: every client packet not decided by rep_b_in (those RETURN on
+ * their mark before it). */
+SEC("socket")
+int rep_q_in(struct __sk_buff *skb)
+{
+	return 1;
+}
+
 /* The daemon's operations on an entry (rep_state.h), by BPF_PROG_TEST_RUN. Never attached. */
 SEC("classifier")
 int rep_op(struct __sk_buff *skb)

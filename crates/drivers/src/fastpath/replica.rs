@@ -629,6 +629,28 @@ pub fn remove_egress(iface: &str) -> Result<usize, Error> {
 mod cfg {
     pub const EGRESS_COPY: u32 = 1 << 0;
     pub const PROMOTED: u32 = 1 << 1;
+    pub const USER_OUT: u32 = 1 << 2;
+}
+
+/// The queue rules' matches (`rep_q_in`, `rep_q_out`: socket filters for `iptables -m bpf
+/// --object-pinned`), as pinned by [`Replica::pin_queue_matches`].
+const QUEUE_MATCHES: [&str; 2] = ["rep_q_in", "rep_q_out"];
+
+/// Removes the matches [`Replica::pin_queue_matches`] pinned in `dir` (the daemon's rules that
+/// name them removed first: `iptables-legacy` opens the paths again whenever it rewrites the
+/// table), and `dir` if it is then empty.
+pub fn unpin_queue_matches(dir: &std::path::Path) -> std::io::Result<()> {
+    for name in QUEUE_MATCHES {
+        match std::fs::remove_file(dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ENOTEMPTY) => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// The loaded programs, their map and the ring.
@@ -649,6 +671,10 @@ impl Replica {
         super::available()?;
         let mut ebpf = Ebpf::load(OBJECT).map_err(|e| bpf_err("loading bpf/replica/rep_tc.o", e))?;
         load_classifiers(&mut ebpf, &[Direction::Incoming.program(), Direction::Outgoing.program(), OP_PROGRAM, PrimaryDirection::Incoming.program(), PrimaryDirection::Outgoing.program(), P_OP_PROGRAM])?;
+        for name in QUEUE_MATCHES {
+            let prog: &mut aya::programs::SocketFilter = ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
+            prog.load().map_err(|e| bpf_err(&format!("loading {name} (verifier)"), e))?;
+        }
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
         Ok(Replica { ebpf, ring, cfg: 0, own_mark: 0, egress: None })
@@ -712,6 +738,50 @@ impl Replica {
             let _ = aya::programs::links::Link::detach(old);
         }
         Ok(())
+    }
+
+    /// Pins the queue rules' matches as `DIR/rep_q_in` and `DIR/rep_q_out` (`DIR` on a BPF
+    /// filesystem, created if missing; an earlier daemon's files replaced) for `iptables -m bpf
+    /// --object-pinned`; returns them in that order (packets to the service, from it). The
+    /// OUTPUT rule that names `rep_q_out` takes the server's packets only once
+    /// [`Replica::set_promoted`] or [`Replica::set_user_out`] said so (review finding 4: no
+    /// iptables command at the take-over). They stay pinned when this is dropped, with the
+    /// rules ([`unpin_queue_matches`]).
+    pub fn pin_queue_matches(&mut self, dir: &std::path::Path) -> Result<(std::path::PathBuf, std::path::PathBuf), Error> {
+        std::fs::create_dir_all(dir).map_err(|e| bpf_err(&format!("creating {}", dir.display()), e))?;
+        let mut paths = Vec::new();
+        for name in QUEUE_MATCHES {
+            let path = dir.join(name);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(bpf_err(&format!("removing the stale pin {}", path.display()), e)),
+            }
+            let prog: &mut aya::programs::SocketFilter = self.ebpf.program_mut(name).ok_or_else(|| Error::Bpf(format!("no program {name}")))?.try_into().map_err(|e| bpf_err(name, e))?;
+            prog.pin(&path).map_err(|e| bpf_err(&format!("pinning {name} at {}", path.display()), e))?;
+            paths.push(path);
+        }
+        Ok((paths[0].clone(), paths[1].clone()))
+    }
+
+    /// Whether `rep_b_out` of this value is still attached at the egress of the device
+    /// [`Replica::attach_backup`] attached it to (review finding 5: `tc qdisc del dev X
+    /// clsact`, a recreated device, another tool's cleanup remove it silently, and the backup's
+    /// server's output then reaches the wire). `Ok(false)` also when the device is gone; an
+    /// error when the kernel could not be asked (no verdict).
+    pub fn egress_present(&self) -> Result<bool, Error> {
+        let Some(iface) = &self.egress else { return Ok(false) };
+        let Some(index) = crate::tcfilter::ifindex(iface) else { return Ok(false) };
+        let id = classifier(&self.ebpf, Direction::Outgoing.program())?.info().map_err(|e| bpf_err("rep_b_out's id", e))?.id();
+        let filters = crate::tcfilter::list(index, crate::tcfilter::PARENT_EGRESS).map_err(|e| bpf_err(&format!("listing the tc egress filters of {iface}"), e))?;
+        Ok(filters.iter().any(|f| f.kind == "bpf" && f.prog_id == Some(id)))
+    }
+
+    /// The daemon takes its server's output through the queue again, without the egress
+    /// program (its filter is gone): the OUTPUT rule's match takes every packet and copy mode
+    /// ends, in one write (`rep_q_out`).
+    pub fn set_user_out(&mut self) -> Result<(), Error> {
+        self.write_cfg((self.cfg | cfg::USER_OUT) & !cfg::EGRESS_COPY)
     }
 
     /// Detaches `rep_b_out`'s filter from the device this value attached it to (this run

@@ -126,6 +126,16 @@ pub trait BackupMap: Send {
     /// installed; the programs keep copying the server's packets to the daemon (its engine
     /// translates them and the raw socket sends them).
     fn promote(&mut self) -> Result<(), String>;
+    /// Whether the egress program still withholds the server's output (its filter attached).
+    /// `Err`: could not be told this time.
+    fn egress_present(&mut self) -> Result<bool, String> {
+        Ok(true)
+    }
+    /// The egress filter is gone: the server's packets through the queue again (the OUTPUT
+    /// rule's match), copy mode off.
+    fn user_out(&mut self) -> Result<(), String> {
+        Ok(())
+    }
     /// The programs' own counters, for the status.
     fn stats(&mut self) -> Vec<(&'static str, u64)> {
         Vec::new()
@@ -161,6 +171,8 @@ pub struct FastCounters {
     pub fast_done_queued: u64,
     /// Take-overs where the OUTPUT queue rule could not be installed.
     pub promote_failed: u64,
+    /// Looks for the egress filter that could not be answered (no verdict those times).
+    pub egress_check_failed: u64,
 }
 
 /// The fast path's part of [`Core`].
@@ -178,8 +190,13 @@ pub struct FastPart {
     /// Connections a queued packet touched whose verdict has not been sent yet.
     deferred: Vec<ConnKey>,
     install_after_ms: u64,
-    /// The take-over cleared the map: nothing is installed again.
-    promoted: bool,
+    /// The map was cleared (the take-over, or the egress filter lost): nothing is installed
+    /// again.
+    retired: bool,
+    /// The egress filter was found gone ([`BackupMap::egress_present`]): the fast path is off.
+    egress_lost: bool,
+    /// When the egress filter was last looked for.
+    watch_at: u64,
     /// The take-over's promote failed: the egress program still copies and consumes the
     /// server's packets, which the engine now translates and the raw socket sends.
     copying: bool,
@@ -192,6 +209,10 @@ pub struct FastPart {
 
 /// How often the programs' loss counters are read for the log (a syscall per CPU each).
 const LOSS_CHECK_MS: u64 = 1_000;
+
+/// How often the core looks for the egress filter (an rtnetlink dump, tens of microseconds):
+/// the longest a removed filter lets the backup's server's output reach the wire.
+pub const EGRESS_WATCH_MS: u64 = 100;
 
 /// The programs' counters whose rise means something was lost, and what it costs.
 const LOSS_KINDS: [(&str, &str); 3] = [
@@ -232,7 +253,7 @@ impl Core {
     }
 
     pub fn fast_path_on(&self) -> bool {
-        self.fast.map.is_some()
+        self.fast.map.is_some() && !self.fast.egress_lost
     }
 
     pub fn fast_counters(&self) -> &FastCounters {
@@ -248,7 +269,7 @@ impl Core {
     /// programs'.
     pub fn fast_status(&mut self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
-        m.insert("on".into(), self.fast.map.is_some().into());
+        m.insert("on".into(), (self.fast.map.is_some() && !self.fast.egress_lost).into());
         if let Some(why) = &self.fast.off_because {
             m.insert("off_because".into(), why.clone().into());
         }
@@ -256,7 +277,8 @@ impl Core {
             m.insert("handoff".into(), serde_json::to_value(self.fast.counters).unwrap_or_default());
             m.insert("installed_now".into(), (self.fast.conns.len() as u64).into());
             m.insert("held".into(), (self.fast.held.len() as u64).into());
-            m.insert("promoted".into(), self.fast.promoted.into());
+            m.insert("promoted".into(), (self.fast.retired && !self.fast.egress_lost).into());
+            m.insert("egress_lost".into(), self.fast.egress_lost.into());
         }
         if let Some(map) = self.fast.map.as_mut() {
             for (k, v) in map.stats() {
@@ -269,7 +291,7 @@ impl Core {
     /// Before a packet (`counted`: marked by the programs) or a message touching `key` is
     /// decided: its fields from the map into the engine, if the map holds the newest.
     fn fast_take(&mut self, key: ConnKey, counted: bool, now_ms: u64) {
-        if self.fast.promoted {
+        if self.fast.retired {
             return;
         }
         let Some(map) = self.fast.map.as_mut() else { return };
@@ -307,7 +329,7 @@ impl Core {
     /// After a packet or message was decided: what the map must do for the connections it
     /// touched, carried out (install, thaw, remove).
     fn fast_settle(&mut self, now_ms: u64) {
-        if self.fast.promoted {
+        if self.fast.retired {
             self.fast.dirty.clear();
             return;
         }
@@ -410,7 +432,7 @@ impl Core {
     /// Before a side-channel message of the primary is decided: the connections it names
     /// that the programs own are taken (`FREEZE`).
     pub(super) fn fast_before_message(&mut self, keys: impl Iterator<Item = ConnKey>, now_ms: u64) {
-        if self.fast.map.is_none() || self.fast.promoted {
+        if self.fast.map.is_none() || self.fast.retired {
             return;
         }
         for key in keys {
@@ -464,7 +486,7 @@ impl Core {
         match r {
             MapRecord::Changed(key) => {
                 self.fast.counters.collected += 1;
-                if self.fast_where(&key) == Fast::Kernel && !self.fast.promoted {
+                if self.fast_where(&key) == Fast::Kernel && !self.fast.retired {
                     // The engine's copy is stale: the report is built from the programs'.
                     let f = self.fast.map.as_mut().and_then(|m| m.collect(&key, now_ms));
                     if let (Some(f), Some(b)) = (f, self.backup.as_mut()) {
@@ -525,7 +547,7 @@ impl Core {
     /// Before a full beat: the fields of the connections the programs own, so that the beat
     /// reports them as they are (a client packet the programs claim sets no `CHANGED`).
     pub(super) fn fast_refresh(&mut self, now_ms: u64) {
-        if self.fast.promoted {
+        if self.fast.retired {
             return;
         }
         let (Some(map), Some(b)) = (self.fast.map.as_mut(), self.backup.as_mut()) else { return };
@@ -542,12 +564,19 @@ impl Core {
     /// though a counted packet never arrived; a connection the engine no longer follows
     /// leaves the map.
     pub fn fast_tick(&mut self, now_ms: u64) {
-        if self.fast.map.is_none() || self.fast.promoted {
+        if self.fast.map.is_none() || self.fast.retired {
             return;
         }
         if now_ms >= self.fast.losses_at + LOSS_CHECK_MS {
             self.fast.losses_at = now_ms;
             self.fast_losses();
+        }
+        if now_ms >= self.fast.watch_at + EGRESS_WATCH_MS {
+            self.fast.watch_at = now_ms;
+            self.fast_watch(now_ms);
+            if self.fast.retired {
+                return;
+            }
         }
         let Some(b) = self.backup.as_ref() else { return };
         let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !b.follows(k)).copied().collect();
@@ -592,7 +621,7 @@ impl Core {
     /// packet ([`BackupMap::promote`]), the records still in the ring into the engine, every
     /// entry frozen and loaded into the engine, the map cleared.
     pub(super) fn fast_take_over(&mut self, now_ms: u64) {
-        if self.fast.promoted {
+        if self.fast.retired {
             return;
         }
         let Some(map) = self.fast.map.as_mut() else { return };
@@ -601,6 +630,38 @@ impl Core {
             self.fast.copying = true;
             self.log(format!("replica: fast path: {e}: the server's packets keep reaching this daemon as copies from tc egress, translated and sent through the raw socket"));
         }
+        self.fast_retire(now_ms);
+    }
+
+    /// Review finding 5: the egress filter that withholds the backup's server's output must
+    /// still be there. Gone (a `tc qdisc del`, a recreated device, another tool's cleanup): the
+    /// server's packets go through the queue again (one map write, [`BackupMap::user_out`]),
+    /// every connection back to the engine, the fast path off for the rest of this run, said
+    /// once. A look that could not be answered decides nothing (counted, logged).
+    fn fast_watch(&mut self, now_ms: u64) {
+        let Some(map) = self.fast.map.as_mut() else { return };
+        match map.egress_present() {
+            Ok(true) => {}
+            Ok(false) => {
+                let switched = map.user_out();
+                self.fast.egress_lost = true;
+                self.fast.off_because = Some("the egress filter of rep_b_out disappeared".into());
+                match switched {
+                    Ok(()) => self.log("replica: fast path: the egress filter that withholds this backup's server's output is gone (a tc qdisc or filter removed, the device recreated): its output goes through NFQUEUE again, the fast path is off until the daemon restarts".into()),
+                    Err(e) => self.log(format!("replica: fast path: the egress filter that withholds this backup's server's output is gone and the queue rule's match could not be switched ({e}): this backup's server's output may reach the clients: stop this daemon and its server")),
+                }
+                self.fast_retire(now_ms);
+            }
+            Err(e) => {
+                self.fast.counters.egress_check_failed += 1;
+                self.log_limited("replica: fast path watch", || format!("replica: fast path: cannot look for the egress filter ({e}): looked for again in {EGRESS_WATCH_MS} ms"));
+            }
+        }
+    }
+
+    /// Every connection from the map into the engine, the map cleared, nothing installed
+    /// again: the take-over (after [`BackupMap::promote`]) and a lost egress filter.
+    fn fast_retire(&mut self, now_ms: u64) {
         self.fast_records(now_ms);
         let mut keys: Vec<ConnKey> = self.fast.conns.keys().copied().collect();
         keys.sort_by_key(|k| (k.client_port, k.server_port, k.client));
@@ -618,7 +679,7 @@ impl Core {
         }
         self.fast.conns.clear();
         self.fast.held.clear();
-        self.fast.promoted = true;
+        self.fast.retired = true;
     }
 }
 

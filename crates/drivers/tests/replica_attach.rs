@@ -1,0 +1,107 @@
+//! The replica backup's attached fast path on a real device (review findings 4 and 5 of the
+//! attach, docs/architecture.md): the OUTPUT queue rule's pinned match (`rep_q_out`) takes
+//! packets only once the daemon says so with one map write, and the daemon can tell that its
+//! egress filter is gone. Root, in throw-away network namespaces; SKIP otherwise
+//! (UNBROKEN_REQUIRE_LAB=1 makes a skip a failure).
+
+mod common;
+
+use std::net::{SocketAddr, UdpSocket};
+
+use common::*;
+use unbroken_drivers::fastpath::replica::{unpin_queue_matches, Replica};
+use unbroken_drivers::fastpath::Error;
+
+/// One datagram from namespace `a` to `b` (not the service's: `rep_b_out` passes it).
+fn send_one(sock: &UdpSocket) {
+    sock.send_to(b"x", SocketAddr::from((B4, 9999))).expect("send");
+}
+
+#[test]
+fn the_output_gate_follows_one_map_write_and_a_removed_egress_filter_is_seen() {
+    let test = "the_output_gate_follows_one_map_write_and_a_removed_egress_filter_is_seen";
+    let Some(pair) = NetnsPair::setup(test) else { return };
+    let dir = std::path::PathBuf::from(format!("/sys/fs/bpf/unbroken/test-replica-attach-{}", std::process::id()));
+    // Unpinned also when the test fails (a pin keeps its programs and maps in kernel memory).
+    struct Unpin(std::path::PathBuf);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = unpin_queue_matches(&self.0);
+        }
+    }
+    let _unpin = Unpin(dir.clone());
+    if let Err(e) = unbroken_drivers::fastpath::object::ensure_bpffs() {
+        skip_or_fail(test, &e.to_string());
+        return;
+    }
+    // iptables from this thread, which is in the namespace (`ip netns exec` remounts /sys and
+    // hides the pins: linux-facts.md).
+    let iptables = |args: &[&str]| -> String {
+        let out = std::process::Command::new("iptables").args(["-w", "-t", "mangle"]).args(args).output().expect("iptables");
+        assert!(out.status.success(), "iptables {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let counted = || -> u64 {
+        let out = iptables(&["-L", "OUTPUT", "-v", "-x", "-n"]);
+        out.lines().skip(2).find(|l| l.contains("9999")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap_or_else(|| panic!("no rule:\n{out}"))
+    };
+    pair.run_in(&pair.a.clone(), || {
+        let mut fp = match Replica::load() {
+            Ok(fp) => fp,
+            Err(Error::Unavailable(why)) => {
+                skip_or_fail(test, &why);
+                return;
+            }
+            Err(e) => panic!("{test}: {e}"),
+        };
+        fp.add_service(SocketAddr::from((A4, 7000))).unwrap();
+        assert!(!fp.egress_present().unwrap(), "not attached yet");
+        fp.attach_backup("va").expect("attach");
+        assert!(fp.egress_present().unwrap(), "attached: its filter is listed with its program's id");
+        let (to_service, from_service) = fp.pin_queue_matches(&dir).expect("pin");
+        assert!(to_service.exists() && from_service.exists());
+        iptables(&["-A", "OUTPUT", "-p", "udp", "--dport", "9999", "-m", "bpf", "--object-pinned", &from_service.to_string_lossy()]);
+        let sock = UdpSocket::bind(SocketAddr::from((A4, 0))).unwrap();
+        // Copy mode (attach_backup turned it on): the rule takes nothing.
+        send_one(&sock);
+        assert_eq!(counted(), 0, "before the take-over the egress program has the output");
+        // The take-over: one write, and the rule takes every packet.
+        fp.set_promoted(true).unwrap();
+        send_one(&sock);
+        assert_eq!(counted(), 1, "promoted: the queue takes the output");
+        fp.set_promoted(false).unwrap();
+        send_one(&sock);
+        assert_eq!(counted(), 1);
+        // The egress filter lost: the same, by the other flag.
+        fp.set_user_out().unwrap();
+        send_one(&sock);
+        assert_eq!(counted(), 2, "user_out: the queue takes the output");
+        // Another tool removes the clsact qdisc: the filter is gone and the daemon can see it.
+        pair.exec_ok(&pair.a, &["tc", "qdisc", "del", "dev", "va", "clsact"]);
+        assert!(!fp.egress_present().unwrap(), "a removed filter is seen");
+        // The rule goes before the pins (iptables-legacy opens them again on every rewrite).
+        iptables(&["-F", "OUTPUT"]);
+        unpin_queue_matches(&dir).unwrap();
+        assert!(!dir.exists());
+    });
+}
+
+#[test]
+fn a_deleted_device_means_the_filter_is_gone() {
+    let test = "a_deleted_device_means_the_filter_is_gone";
+    let Some(pair) = NetnsPair::setup(test) else { return };
+    pair.run_in(&pair.a.clone(), || {
+        let mut fp = match Replica::load() {
+            Ok(fp) => fp,
+            Err(Error::Unavailable(why)) => {
+                skip_or_fail(test, &why);
+                return;
+            }
+            Err(e) => panic!("{test}: {e}"),
+        };
+        fp.attach_backup("va").expect("attach");
+        assert!(fp.egress_present().unwrap());
+        pair.exec_ok(&pair.a, &["ip", "link", "del", "va"]);
+        assert!(!fp.egress_present().unwrap(), "no device, no filter");
+    });
+}

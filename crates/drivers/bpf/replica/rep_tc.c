@@ -261,8 +261,12 @@ static __always_inline long piece_out(struct __sk_buff *skb, struct keep_job *j)
 	pc->h.key = j->key;
 	pc->h.id = j->id;
 	/* A copy of a declined packet (a SYN-ACK, a FIN: what the primary may be waiting for the
-	 * backup's report of) wakes the daemon with its last piece; kept and input copies never do. */
-	__u64 wake = (j->type == REP_REC_SLOW && j->off + n >= j->total) ? 0 : BPF_RB_NO_WAKEUP;
+	 * backup's report of) wakes the daemon with its last piece; kept and input copies never do.
+	 * Forced: the ring's adaptive wake-up (flags 0) fires only when the reader has consumed
+	 * everything before the record, and the records written without one before it (the
+	 * packet's earlier pieces, checkpoints, copies) are not: with 0 the daemon woke only on its
+	 * timer, and strict output commit waited a beat (10 ms) per exchange. */
+	__u64 wake = (j->type == REP_REC_SLOW && j->off + n >= j->total) ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 	if (bpf_ringbuf_output(&rep_records, pc, sizeof(pc->h) + n, wake)) {
 		j->err = -1;
 		return 1;
@@ -699,8 +703,10 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 	}
 	if (n > 0)
 		copy_pieces(skb, REP_REC_KEEP, &k, end_b, p.l4 - FP_L3_ETH + p.l4_len);
+	/* The report the primary waits for: wakes the daemon whatever is unread before it (see
+	 * the piece writer: an adaptive wake-up after the checkpoints above never fired). */
 	if (first)
-		record(&k, REP_REC_CHANGED, 0, 0, 0);
+		record(&k, REP_REC_CHANGED, 0, 0, BPF_RB_FORCE_WAKEUP);
 	skb->mark |= REP_MARK_DONE;
 	COUNT(withheld);
 	return FP_CONSUMED;

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use unbroken_control::daemon::{Meta, Mode, Outbox};
-use unbroken_control::replica::core::{BackupMap, Boot, Core, Fast, MapDone, MapOp, MapRecord, Request, Settings, State, Taken, HOLD_BOUND_MS, MARK_DONE, MARK_SLOW};
+use unbroken_control::replica::core::{BackupMap, Boot, Core, EgressSeen, Fast, MapDone, MapOp, MapRecord, Request, Settings, State, Taken, EGRESS_UNKNOWN_MAX, EGRESS_WATCH_MS, HOLD_BOUND_MS, MARK_DONE, MARK_SLOW};
 use unbroken_engines::replica::{BFast, Config, ConnKey, DetectorConfig};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
@@ -58,9 +58,11 @@ struct Emu {
     promote_fails: bool,
     /// What the programs' counters say ([`BackupMap::stats`]).
     stats: Vec<(&'static str, u64)>,
-    /// The egress filter's presence as the kernel would answer ([`BackupMap::egress_present`]):
-    /// `None` (the default) present, `Some(Err)` no answer.
-    egress: Option<Result<bool, String>>,
+    /// The egress watch's answer ([`BackupMap::egress_seen`]): `None` (the default) present;
+    /// `stuck`: no new look since the last read.
+    egress: Option<Result<EgressSeen, String>>,
+    looks: u64,
+    stuck: bool,
     user_out: bool,
 }
 
@@ -156,8 +158,12 @@ impl BackupMap for Shared {
         self.lock().stats.clone()
     }
 
-    fn egress_present(&mut self) -> Result<bool, String> {
-        self.lock().egress.clone().unwrap_or(Ok(true))
+    fn egress_seen(&mut self) -> (u64, Option<Result<EgressSeen, String>>) {
+        let mut m = self.lock();
+        if !m.stuck {
+            m.looks += 1;
+        }
+        (m.looks, Some(m.egress.clone().unwrap_or(Ok(EgressSeen::Present))))
     }
 
     fn user_out(&mut self) -> Result<(), String> {
@@ -604,7 +610,9 @@ fn hostile_a_vanished_egress_filter_sends_the_output_through_the_queue_again() {
     tick(&mut c, 700, &mut logs);
     assert_eq!(c.fast_counters().egress_check_failed, 1);
     assert!(c.fast_path_on() && !m.lock().user_out, "no answer decides nothing");
-    m.lock().egress = Some(Ok(false));
+    m.lock().egress = None;
+    tick(&mut c, 800, &mut logs);
+    m.lock().egress = Some(Ok(EgressSeen::Gone("rep_b_out's filter is no longer attached at eth0 egress".into())));
     tick(&mut c, 900, &mut logs);
     let ops = m.ops();
     let order: Vec<&str> = ops.iter().map(|o| o.split(' ').next().unwrap()).filter(|o| *o != "collect").collect();
@@ -616,8 +624,8 @@ fn hostile_a_vanished_egress_filter_sends_the_output_through_the_queue_again() {
     let st = c.fast_status();
     assert_eq!(st["on"], false, "{st}");
     assert_eq!(st["egress_lost"], true, "{st}");
-    assert!(st["off_because"].as_str().unwrap().contains("egress filter"), "{st}");
-    assert_eq!(logs.iter().filter(|l| l.contains("egress filter") && l.contains("NFQUEUE again")).count(), 1, "{logs:?}");
+    assert!(st["off_because"].as_str().unwrap().contains("no longer attached"), "{st}");
+    assert_eq!(logs.iter().filter(|l| l.contains("no longer attached") && l.contains("NFQUEUE again")).count(), 1, "{logs:?}");
     // From now on the engine decides the server's output from the queue (withheld), and
     // nothing goes back to the map.
     let (v, _) = queue(&mut c, 1_000, &server_pkt(40020, B_ISN + 101, C_ISN + 1, F::ACK | F::PSH, b"more"), true, 0);
@@ -626,4 +634,42 @@ fn hostile_a_vanished_egress_filter_sends_the_output_through_the_queue_again() {
     tick(&mut c, 1_200, &mut logs);
     assert!(m.ops().is_empty(), "nothing installed, nothing looked for again: {:?}", m.ops());
     assert_eq!(c.backup().unwrap().fast_state(&conn(40020)).unwrap().out_end, Seq(P_ISN + 105));
+}
+
+/// Finding 1 of the second review: the watch runs on its own thread (its rtnetlink dump waits
+/// for the kernel's RTNL lock), so the core only reads its answers; answers that do not come
+/// (errors, or a watch stuck in the kernel) turn the fast path off after
+/// `EGRESS_UNKNOWN_MAX` reads in a row: the safe side, since the filter may be gone unseen.
+#[test]
+fn hostile_an_egress_watch_that_never_answers_turns_the_fast_path_off() {
+    let (mut c, m) = setup();
+    aligned(&mut c, &m, 40030, 0);
+    m.ops();
+    let mut out = Outbox::default();
+    let mut t = 0;
+    let mut read = |c: &mut Core, t: &mut u64| {
+        *t += EGRESS_WATCH_MS;
+        c.tick(*t, &mut out);
+        c.collect(&mut out);
+    };
+    read(&mut c, &mut t);
+    assert!(c.fast_path_on());
+    // Stuck: the same (good) answer again and again, no new look.
+    m.lock().stuck = true;
+    for _ in 0..EGRESS_UNKNOWN_MAX - 1 {
+        read(&mut c, &mut t);
+    }
+    assert!(c.fast_path_on(), "not before {EGRESS_UNKNOWN_MAX} reads without an answer");
+    // One good look in between starts the count again.
+    m.lock().stuck = false;
+    read(&mut c, &mut t);
+    m.lock().stuck = true;
+    for _ in 0..EGRESS_UNKNOWN_MAX - 1 {
+        read(&mut c, &mut t);
+    }
+    assert!(c.fast_path_on());
+    read(&mut c, &mut t);
+    assert!(!c.fast_path_on(), "{EGRESS_UNKNOWN_MAX} reads in a row without an answer");
+    assert!(m.lock().user_out);
+    assert!(c.fast_status()["off_because"].as_str().unwrap().contains("could not be looked for"));
 }

@@ -18,6 +18,8 @@ const RTM_NEWTFILTER: u16 = 44;
 const RTM_GETTFILTER: u16 = 46;
 const NLM_F_DUMP: u16 = 0x300;
 const NLMSG_DONE: u16 = 3;
+/// `nlmsg_flags` of a dump message: the dump was interrupted by a change (inconsistent).
+const NLM_F_DUMP_INTR: u16 = 0x10;
 const TCA_KIND: u16 = 1;
 const TCA_OPTIONS: u16 = 2;
 const TCA_BPF_ID: u16 = 11;
@@ -37,12 +39,20 @@ pub struct Filter {
     pub prog_id: Option<u32>,
 }
 
-/// The device's index, `None` when there is no such device (in this network namespace).
-pub fn ifindex(iface: &str) -> Option<u32> {
-    let name = std::ffi::CString::new(iface).ok()?;
+/// The device's index; `Ok(None)` when there is no such device (in this network namespace),
+/// an error when the kernel could not be asked (no descriptors left: not "no device").
+pub fn ifindex(iface: &str) -> io::Result<Option<u32>> {
+    let Ok(name) = std::ffi::CString::new(iface) else { return Ok(None) };
     // SAFETY: a NUL-terminated name.
     let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    (i != 0).then_some(i)
+    if i != 0 {
+        return Ok(Some(i));
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENODEV) | Some(libc::ENXIO) => Ok(None),
+        _ => Err(e),
+    }
 }
 
 /// The filters at `parent` ([`PARENT_EGRESS`], [`PARENT_INGRESS`]) of device `ifindex`. A
@@ -95,8 +105,19 @@ fn parse_dump(buf: &[u8], out: &mut Vec<Filter>) -> io::Result<bool> {
     let bad = |e: netlink::ParseError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
     for m in netlink::messages(buf) {
         let m = m.map_err(bad)?;
+        if m.flags & NLM_F_DUMP_INTR != 0 {
+            // The filters changed while the kernel listed them: no answer this time.
+            return Err(io::Error::new(io::ErrorKind::Interrupted, "the tc filter dump was interrupted by a change"));
+        }
         match m.ty {
-            NLMSG_DONE => return Ok(true),
+            NLMSG_DONE => {
+                // Its payload is the dump's error code (0: complete).
+                let code = m.payload.get(..4).map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                return match code {
+                    0 => Ok(true),
+                    c => Err(io::Error::from_raw_os_error(c.saturating_neg())),
+                };
+            }
             NLMSG_ERROR => {
                 let e = netlink::parse_error(&m).map_err(bad)?;
                 return match e.errno {
@@ -182,6 +203,16 @@ mod tests {
         assert!(!parse_dump(&buf, &mut out).unwrap(), "no DONE yet");
         assert_eq!(out, vec![Filter { priority: 0x7562, handle: 0x7562, kind: "bpf".into(), prog_id: Some(42) }, Filter { priority: 3, handle: 1, kind: "u32".into(), prog_id: None }]);
         assert!(parse_dump(&msg(NLMSG_DONE, &[0; 4]), &mut out).unwrap());
+    }
+
+    #[test]
+    fn hostile_a_dump_that_ended_in_an_error_or_was_interrupted_is_no_answer() {
+        let mut out = Vec::new();
+        let err = parse_dump(&msg(NLMSG_DONE, &(-libc::EBUSY).to_ne_bytes()), &mut out).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EBUSY));
+        let mut intr = filter_msg(1, 1, "bpf", Some(7));
+        intr[6..8].copy_from_slice(&NLM_F_DUMP_INTR.to_ne_bytes());
+        assert_eq!(parse_dump(&intr, &mut out).unwrap_err().kind(), io::ErrorKind::Interrupted);
     }
 
     #[test]

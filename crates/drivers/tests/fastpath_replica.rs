@@ -1145,8 +1145,8 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
 /// it as a marked packet); after the take-over (`set_promoted`) `rep_b_out` passes every packet
 /// untouched and copies nothing: the OUTPUT queue rule's verdicts decided them before tc egress.
 #[test]
-fn egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_everything() {
-    let Some(mut fp) = fast_path("egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_everything") else { return };
+fn egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_only_what_the_queue_accepted() {
+    let Some(mut fp) = fast_path("egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_only_what_the_queue_accepted") else { return };
     let conn = Conn::v4();
     fp.set_egress_copy(true).unwrap();
     fp.add_service(std::net::SocketAddr::new(conn.svc, SPORT)).unwrap();
@@ -1166,24 +1166,29 @@ fn egress_copies_say_whether_they_were_counted_and_a_promoted_backup_passes_ever
     let sa = conn.from_server(Repr { seq: Seq(5), ack: Seq(6), flags: F::SYN | F::ACK, window: 100, ..Default::default() }, &[]);
     assert_eq!(both.fp.run(Outgoing, &sa).unwrap().verdict, CONSUMED);
     assert_eq!(counted(&mut both.fp), [false]);
-    // Promoted: passed untouched, nothing copied, the counters still.
+    // Promoted (the take-over, the map cleared): what the queue accepted carries the daemon's
+    // mark and passes untouched; a packet without it passed OUTPUT before the switch and
+    // would leave untranslated: copied and consumed instead (review 2, finding 2).
+    const OWN: u32 = 0x7562_0003;
+    both.fp.set_own_mark(OWN).unwrap();
     both.fp.set_promoted(true).unwrap();
-    let before = both.fp.counters().unwrap();
-    for p in [&sa, &fin, &conn.server(10, 0, 300, Some((conn.b_ts0 + 2, 501)), &[3; 100])] {
-        let r = both.fp.run(Outgoing, p).unwrap();
-        assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(p)));
+    let data = conn.server(10, 0, 300, Some((conn.b_ts0 + 2, 501)), &[3; 100]);
+    for p in [&sa, &fin, &data] {
+        let r = both.fp.run_marked(Outgoing, p, OWN).unwrap();
+        assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(p)), "accepted by the queue: passed");
     }
     assert!(both.fp.records().is_empty());
-    assert_eq!(both.fp.counters().unwrap(), before);
-    // Copy mode is still on underneath (set_promoted keeps the other flags).
+    for p in [&sa, &fin, &data] {
+        assert_eq!(both.fp.run(Outgoing, p).unwrap().verdict, CONSUMED, "not through the queue: never passed untranslated");
+    }
+    assert_eq!(counted(&mut both.fp), [false, false, false]);
+    // Copy mode is on underneath (set_promoted keeps the other flags).
     both.fp.set_promoted(false).unwrap();
     assert_eq!(both.fp.run(Outgoing, &sa).unwrap().verdict, CONSUMED);
     assert_eq!(counted(&mut both.fp), [false]);
     // The daemon's own sends (its raw socket's mark, exactly) pass untouched in copy mode,
     // never copied again: a take-over whose OUTPUT rule failed sends what its engine translated
     // that way (without this they looped through the copy forever). Another mark is copied.
-    const OWN: u32 = 0x7562_0003;
-    both.fp.set_own_mark(OWN).unwrap();
     let r = both.fp.run_marked(Outgoing, &sa, OWN).unwrap();
     assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(&sa)));
     assert!(both.fp.records().is_empty());

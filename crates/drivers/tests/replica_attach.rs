@@ -9,7 +9,7 @@ mod common;
 use std::net::{SocketAddr, UdpSocket};
 
 use common::*;
-use unbroken_drivers::fastpath::replica::{unpin_queue_matches, Replica};
+use unbroken_drivers::fastpath::replica::{unpin_queue_matches, EgressSeen, Replica};
 use unbroken_drivers::fastpath::Error;
 
 /// One datagram from namespace `a` to `b` (not the service's: `rep_b_out` passes it).
@@ -55,9 +55,9 @@ fn the_output_gate_follows_one_map_write_and_a_removed_egress_filter_is_seen() {
             Err(e) => panic!("{test}: {e}"),
         };
         fp.add_service(SocketAddr::from((A4, 7000))).unwrap();
-        assert!(!fp.egress_present().unwrap(), "not attached yet");
+        assert!(fp.egress_now().is_err(), "not attached yet: nothing to look for");
         fp.attach_backup("va").expect("attach");
-        assert!(fp.egress_present().unwrap(), "attached: its filter is listed with its program's id");
+        assert_eq!(fp.egress_now(), Ok(EgressSeen::Present), "attached: its filter is listed with its program's id");
         let (to_service, from_service) = fp.pin_queue_matches(&dir).expect("pin");
         assert!(to_service.exists() && from_service.exists());
         iptables(&["-A", "OUTPUT", "-p", "udp", "--dport", "9999", "-m", "bpf", "--object-pinned", &from_service.to_string_lossy()]);
@@ -76,9 +76,18 @@ fn the_output_gate_follows_one_map_write_and_a_removed_egress_filter_is_seen() {
         fp.set_user_out().unwrap();
         send_one(&sock);
         assert_eq!(counted(), 2, "user_out: the queue takes the output");
+        // Another filter that runs first could let packets past it (second review, finding 4).
+        pair.exec_ok(&pair.a, &["tc", "filter", "add", "dev", "va", "egress", "pref", "1", "protocol", "ip", "u32", "match", "ip", "dst", "10.9.9.9/32", "classid", "1:1"]);
+        assert!(matches!(fp.egress_now(), Ok(EgressSeen::Gone(why)) if why.contains("u32") && why.contains("priority 1")), "{:?}", fp.egress_now());
+        pair.exec_ok(&pair.a, &["tc", "filter", "del", "dev", "va", "egress", "pref", "1"]);
+        assert_eq!(fp.egress_now(), Ok(EgressSeen::Present));
+        // The watch thread sees the same.
+        let watch = fp.watch_egress(std::time::Duration::from_millis(10)).unwrap();
+        wait_for("a first look", || matches!(watch.seen(), (n, Some(Ok(EgressSeen::Present))) if n > 0));
         // Another tool removes the clsact qdisc: the filter is gone and the daemon can see it.
         pair.exec_ok(&pair.a, &["tc", "qdisc", "del", "dev", "va", "clsact"]);
-        assert!(!fp.egress_present().unwrap(), "a removed filter is seen");
+        assert!(matches!(fp.egress_now(), Ok(EgressSeen::Gone(why)) if why.contains("no longer attached")), "a removed filter is seen");
+        wait_for("the watch sees it", || matches!(watch.seen().1, Some(Ok(EgressSeen::Gone(_)))));
         // The rule goes before the pins (iptables-legacy opens them again on every rewrite).
         iptables(&["-F", "OUTPUT"]);
         unpin_queue_matches(&dir).unwrap();
@@ -100,8 +109,8 @@ fn a_deleted_device_means_the_filter_is_gone() {
             Err(e) => panic!("{test}: {e}"),
         };
         fp.attach_backup("va").expect("attach");
-        assert!(fp.egress_present().unwrap());
+        assert_eq!(fp.egress_now(), Ok(EgressSeen::Present));
         pair.exec_ok(&pair.a, &["ip", "link", "del", "va"]);
-        assert!(!fp.egress_present().unwrap(), "no device, no filter");
+        assert!(matches!(fp.egress_now(), Ok(EgressSeen::Gone(why)) if why.contains("device va is gone")), "no device, no filter");
     });
 }

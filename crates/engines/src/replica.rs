@@ -3729,7 +3729,10 @@ fn trimmed(pkt: &[u8], s: &Seg, from: Seq, to: Seq) -> Option<Vec<u8>> {
     }
     let a = s.payload_at + (from - s.seq) as usize;
     let z = s.payload_at + (to - s.seq) as usize;
-    let r = tcp::Repr { src_port: s.src_port, dst_port: s.dst_port, seq: from, ack: s.ack, flags: s.flags & (F::ACK | F::PSH), window: s.window, timestamp: s.ts.map(|t| (t.1, t.2)), ..Default::default() };
+    // ECE as the segment had it; CWR only on the piece that starts where the segment did (as
+    // the kernel's segmentation leaves it on the first).
+    let cwr = if from == s.seq { s.flags & F::CWR } else { 0 };
+    let r = tcp::Repr { src_port: s.src_port, dst_port: s.dst_port, seq: from, ack: s.ack, flags: (s.flags & (F::ACK | F::PSH | F::ECE)) | cwr, window: s.window, timestamp: s.ts.map(|t| (t.1, t.2)), ..Default::default() };
     ip::tcp_packet(s.info.src, s.info.dst, &r, &pkt[a..z]).ok()
 }
 

@@ -364,7 +364,11 @@ fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
     // then goes on without the fast path and removes them only after its OUTPUT jump is in
     // (`remove_egress_leftover`), never a moment with neither.
     fp.attach_backup(&r.interface).map_err(|e| e.to_string())?;
-    Ok(KernelMap::new(fp, r.strict, Some(spec.clone())))
+    let mut map = KernelMap::new(fp, r.strict, Some(spec.clone()));
+    // Without its watch a removed filter would let the output out unseen (review finding 5):
+    // no fast path then (the filter stays, withholding, until the OUTPUT jump is in).
+    map.watch_egress()?;
+    Ok(map)
 }
 
 /// The egress filter of an earlier backup daemon on this device (its fast path: it outlives
@@ -922,6 +926,8 @@ pub fn run(cfg: Replica) -> Result<(), String> {
                 }
                 Err(e) => {
                     eprintln!("replica: fast path: cannot pin the queue rules' matches ({e}): the take-over installs the OUTPUT queue rule itself (iptables in the packet loop)");
+                    // Whichever of the two got pinned: no rule names it.
+                    unpin_matches(r.queue);
                     spec.hooks = vec![BuiltinChain::Prerouting];
                 }
             }
@@ -958,6 +964,12 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // its engine cuts released output into wire segments of the handshake's MSS.
     let qcfg = QueueConfig { queue_num: r.queue, max_len: 16384, rcvbuf: 64 << 20, gso: true, ..QueueConfig::default() };
     let mut queue = Queue::open(&qcfg).map_err(|e| format!("replica: cannot bind NFQUEUE {}: {e}", r.queue))?;
+    if fast.is_ok() {
+        // After the take-over `rep_b_out` passes only what the queue accepted (this mark, its
+        // raw socket's too): a server packet that passed OUTPUT before the switch is copied to
+        // this daemon instead of leaving untranslated. Only LOCAL_OUT (its server's packets).
+        queue.set_accept_mark(Some((REPLICA_MARK, 3)));
+    }
     let mut rules = FailClosed::new(Some(Rules::install_or_replace(&spec).map_err(|e| format!("replica: installing the queue rules: {e}"))?));
     if fast.is_ok() {
         if !spec.hooks.contains(&BuiltinChain::Output) {

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use unbroken_drivers::fastpath::replica::{ctl, Key, Op, OpResult, PieceOf, Record, Replica, State};
+use unbroken_drivers::fastpath::replica::{ctl, EgressSeen, EgressWatch, Key, Op, OpResult, PieceOf, Record, Replica, State};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules};
 use unbroken_engines::replica::{BFast, ConnKey};
 use unbroken_wire::Seq;
@@ -44,6 +44,8 @@ pub struct KernelMap {
     /// write) and in tests.
     pub rules: Option<RuleSpec>,
     pieces: Pieces,
+    /// The egress filter's watch ([`KernelMap::watch_egress`]; none in tests).
+    watch: Option<EgressWatch>,
 }
 
 /// The ring's pieces put together: per kind of record and CPU (one packet's pieces are
@@ -89,7 +91,14 @@ impl Pieces {
 
 impl KernelMap {
     pub fn new(fp: Replica, strict: bool, rules: Option<RuleSpec>) -> KernelMap {
-        KernelMap { fp, strict, rules, pieces: Pieces::default() }
+        KernelMap { fp, strict, rules, pieces: Pieces::default(), watch: None }
+    }
+
+    /// Starts the egress filter's watch (a thread looking every `EGRESS_WATCH_MS`).
+    pub fn watch_egress(&mut self) -> Result<(), String> {
+        let w = self.fp.watch_egress(std::time::Duration::from_millis(crate::replica::core::EGRESS_WATCH_MS)).map_err(|e| e.to_string())?;
+        self.watch = Some(w);
+        Ok(())
     }
 
     /// The engine's form of an entry's state: `b_ts_seen`'s time from the kernel's clock to
@@ -203,8 +212,15 @@ impl BackupMap for KernelMap {
         self.fp.set_promoted(true).map_err(|e| format!("promoting rep_b_out: {e}"))
     }
 
-    fn egress_present(&mut self) -> Result<bool, String> {
-        self.fp.egress_present().map_err(|e| e.to_string())
+    fn egress_seen(&mut self) -> (u64, Option<Result<EgressSeen, String>>) {
+        match &self.watch {
+            // Started, no look yet: no answer (counted: a watch stuck from the start decides).
+            Some(w) => {
+                let (n, last) = w.seen();
+                (n, Some(last.unwrap_or_else(|| Err("no look yet".into()))))
+            }
+            None => (0, None),
+        }
     }
 
     fn user_out(&mut self) -> Result<(), String> {

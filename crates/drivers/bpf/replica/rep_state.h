@@ -137,8 +137,8 @@ struct rep_cfg {
  * every packet of the service (rep_services) that an egress program declines is copied to the
  * daemon (REP_REC_SLOW) and consumed. Off: FP_SLOW, untouched (BPF_PROG_TEST_RUN's tests). */
 #define REP_CFG_EGRESS_COPY (1 << 0)
-/* The backup took over (its daemon installed the OUTPUT queue rule first): rep_b_out passes
- * every packet untouched, the queue's verdicts decided them already. */
+/* The backup took over: the OUTPUT queue rule's match (rep_q_out) takes the server's packets;
+ * rep_b_out passes what the queue accepted (marked own_mark) and copies the rest. */
 #define REP_CFG_PROMOTED (1 << 1)
 /* The daemon takes its server's output through the queue again (the egress filter is gone:
  * review finding 5): the OUTPUT queue rule's match (rep_q_out) takes every packet. */

@@ -746,8 +746,8 @@ static __always_inline int unparsed_from_service(struct __sk_buff *skb, struct e
 }
 
 /* Attached at tc egress: declined packets of the service are copied and consumed in copy mode
- * (egress_declined). After the take-over (REP_CFG_PROMOTED) every packet passes untouched: the
- * OUTPUT queue rule sent it through the daemon's engine before tc egress. */
+ * (egress_declined). After the take-over (REP_CFG_PROMOTED: the OUTPUT queue rule takes the
+ * server's packets) only what the queue accepted passes (own_mark, below). */
 SEC("classifier")
 int rep_b_out(struct __sk_buff *skb)
 {
@@ -755,9 +755,13 @@ int rep_b_out(struct __sk_buff *skb)
 	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
 	struct eg_info *g = bpf_map_lookup_elem(&rep_eg, &zero);
 
-	if (cfg && (cfg->flags & REP_CFG_PROMOTED))
-		return FP_SLOW;
-	/* The daemon's own sends (translated by its engine already): never copied again. */
+	/* The daemon's own sends (translated by its engine already): never copied again. After the
+	 * take-over the queue's accept verdicts carry the same mark (the daemon's accept mark on
+	 * LOCAL_OUT), so what the engine translated passes. A packet without it passed the OUTPUT
+	 * hook before the switch (review 2, finding 2: passed untouched it left in the backup's
+	 * sequence space): consumed and copied like any declined packet, the engine translates it
+	 * and the raw socket sends it. Without entries (the take-over clears the map) everything
+	 * else is declined. */
 	if (!g || (cfg && cfg->own_mark && skb->mark == cfg->own_mark))
 		return FP_SLOW;
 	__u32 mark0 = skb->mark;

@@ -215,45 +215,96 @@ fn test_run_marked(prog: &SchedClassifier, ip: &[u8], repeat: u32, mark: u32) ->
 pub const PIN_ROOT: &str = "/sys/fs/bpf/unbroken";
 
 /// Removes the pin directories under `root` ([`PIN_ROOT`]) whose network namespace no longer
-/// exists (no process in it, no name under /run/netns): the rules that named them went with
-/// it, and each kept its programs and their maps in kernel memory for good (an object agent's
+/// exists (no thread in it, no descriptor or mount of it: [`live_netns`]): the rules that
+/// named them went with it, and each kept its programs and their maps in kernel memory for good (an object agent's
 /// about 16 MiB: 665 lab runs had left 10 GiB of vmalloc'd maps on the development machine).
 /// Directories of live namespaces and names of other shapes are left alone. Returns how many
 /// went.
 pub fn remove_stale_pins(root: &std::path::Path) -> std::io::Result<usize> {
-    use std::os::unix::fs::MetadataExt;
-    let entries = match std::fs::read_dir(root) {
-        Ok(e) => e,
+    // The names first, the living after: a namespace made meanwhile is then seen alive.
+    let names: Vec<(std::path::PathBuf, u64)> = match std::fs::read_dir(root) {
+        Ok(rd) => rd.flatten().filter_map(|e| Some((e.path(), pin_dir_netns(&e.file_name().to_string_lossy())?))).collect(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(e),
     };
-    let mut live = std::collections::HashSet::new();
-    for dir in ["/proc", "/run/netns"] {
-        let Ok(rd) = std::fs::read_dir(dir) else { continue };
-        for e in rd.flatten() {
-            let p = if dir == "/proc" { e.path().join("ns/net") } else { e.path() };
-            if let Ok(m) = std::fs::metadata(&p) {
-                live.insert(m.ino());
-            }
-        }
+    if names.is_empty() {
+        return Ok(0);
     }
+    let live = live_netns();
     let mut n = 0;
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(ino) = pin_dir_netns(&name) else { continue };
+    for (path, ino) in names {
         if live.contains(&ino) {
             continue;
         }
-        let path = e.path();
+        // Another cleanup may be at it too: what is gone already is fine.
         if let Ok(files) = std::fs::read_dir(&path) {
             for f in files.flatten() {
-                std::fs::remove_file(f.path())?;
+                match std::fs::remove_file(f.path()) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                    _ => {}
+                }
             }
         }
-        std::fs::remove_dir(&path)?;
-        n += 1;
+        match std::fs::remove_dir(&path) {
+            Ok(()) => n += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(n)
+}
+
+/// The inodes of every network namespace this host shows alive: every thread's, every open
+/// namespace descriptor's (`net:[N]`), every namespace file mounted somewhere (`ip netns`'s
+/// /run/netns, container runtimes' own directories: nsfs mounts in /proc/self/mountinfo).
+fn live_netns() -> std::collections::HashSet<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut live = std::collections::HashSet::new();
+    let note = |live: &mut std::collections::HashSet<u64>, p: &std::path::Path| {
+        if let Ok(m) = std::fs::metadata(p) {
+            live.insert(m.ino());
+        }
+    };
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for pe in procs.flatten() {
+            if !pe.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            if let Ok(tasks) = std::fs::read_dir(pe.path().join("task")) {
+                for t in tasks.flatten() {
+                    note(&mut live, &t.path().join("ns/net"));
+                }
+            }
+            if let Ok(fds) = std::fs::read_dir(pe.path().join("fd")) {
+                for fd in fds.flatten() {
+                    if let Ok(target) = std::fs::read_link(fd.path()) {
+                        let t = target.to_string_lossy();
+                        if let Some(ino) = t.strip_prefix("net:[").and_then(|r| r.strip_suffix(']')).and_then(|r| r.parse().ok()) {
+                            live.insert(ino);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") {
+        for line in info.lines() {
+            let mut halves = line.splitn(2, " - ");
+            let (Some(left), Some(right)) = (halves.next(), halves.next()) else { continue };
+            if right.split_whitespace().next() != Some("nsfs") {
+                continue;
+            }
+            if let Some(point) = left.split_whitespace().nth(4) {
+                note(&mut live, std::path::Path::new(&point.replace("\\040", " ")));
+            }
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir("/run/netns") {
+        for e in rd.flatten() {
+            note(&mut live, &e.path());
+        }
+    }
+    live
 }
 
 /// The network namespace's inode in a pin directory's name (`agent-net4026532177-q7`).

@@ -14,6 +14,8 @@
 //! path); the primary's are not attached yet.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aya::maps::{HashMap, MapData, RingBuf};
@@ -625,6 +627,71 @@ pub fn remove_egress(iface: &str) -> Result<usize, Error> {
     Ok(n)
 }
 
+/// What the egress watch found at its last look ([`Replica::watch_egress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EgressSeen {
+    /// `rep_b_out`'s filter is attached and nothing runs before it.
+    Present,
+    /// It is gone or may be skipped: why.
+    Gone(String),
+}
+
+#[derive(Default)]
+struct Watched {
+    checks: u64,
+    last: Option<Result<EgressSeen, String>>,
+}
+
+/// A running egress watch; stops when dropped.
+pub struct EgressWatch {
+    shared: Arc<Mutex<Watched>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl EgressWatch {
+    /// The latest answer and how many looks there were so far (`None`: not looked yet).
+    /// `Err`: the kernel could not be asked that time.
+    pub fn seen(&self) -> (u64, Option<Result<EgressSeen, String>>) {
+        match self.shared.lock() {
+            Ok(w) => (w.checks, w.last.clone()),
+            Err(_) => (0, None),
+        }
+    }
+}
+
+impl Drop for EgressWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One look: `rep_b_out` (program `id`) still withholds at `iface`'s egress. Gone when the
+/// device is gone, the filter is not listed, another filter runs before it (the dump's
+/// priority order: one that answers OK skips it; a predecessor's `rep_b_out` at the other of
+/// our two priorities is ours too), or TCX egress programs are attached (they run before every
+/// tc filter, and their PASS skips it). An error: no answer this time.
+pub fn egress_check(iface: &str, id: u32) -> Result<EgressSeen, String> {
+    let Some(index) = crate::tcfilter::ifindex(iface).map_err(|e| format!("looking up {iface}: {e}"))? else {
+        return Ok(EgressSeen::Gone(format!("the device {iface} is gone")));
+    };
+    let mut filters = crate::tcfilter::list(index, crate::tcfilter::PARENT_EGRESS).map_err(|e| format!("listing the tc egress filters of {iface}: {e}"))?;
+    filters.sort_by_key(|f| f.priority);
+    let Some(at) = filters.iter().position(|f| f.kind == "bpf" && f.prog_id == Some(id)) else {
+        return Ok(EgressSeen::Gone(format!("rep_b_out's filter is no longer attached at {iface} egress")));
+    };
+    if let Some(f) = filters[..at].iter().find(|f| !(f.kind == "bpf" && EGRESS_PRIO.contains(&f.priority))) {
+        return Ok(EgressSeen::Gone(format!("a {} filter at priority {} runs before rep_b_out at {iface} egress and may let packets past it", f.kind, f.priority)));
+    }
+    if let Ok((_, progs)) = SchedClassifier::query_tcx(iface, aya::programs::TcAttachType::Egress) {
+        // (A kernel that cannot answer has no TCX: the fast path needs 6.6, which has it.)
+        if !progs.is_empty() {
+            let ids: Vec<u32> = progs.iter().map(|p| p.id()).collect();
+            return Ok(EgressSeen::Gone(format!("TCX egress programs {ids:?} run at {iface} before every tc filter and may let packets past rep_b_out")));
+        }
+    }
+    Ok(EgressSeen::Present)
+}
+
 /// `rep_cfg`'s flags (`REP_CFG_*`).
 mod cfg {
     pub const EGRESS_COPY: u32 = 1 << 0;
@@ -764,17 +831,45 @@ impl Replica {
         Ok((paths[0].clone(), paths[1].clone()))
     }
 
-    /// Whether `rep_b_out` of this value is still attached at the egress of the device
-    /// [`Replica::attach_backup`] attached it to (review finding 5: `tc qdisc del dev X
-    /// clsact`, a recreated device, another tool's cleanup remove it silently, and the backup's
-    /// server's output then reaches the wire). `Ok(false)` also when the device is gone; an
-    /// error when the kernel could not be asked (no verdict).
-    pub fn egress_present(&self) -> Result<bool, Error> {
-        let Some(iface) = &self.egress else { return Ok(false) };
-        let Some(index) = crate::tcfilter::ifindex(iface) else { return Ok(false) };
+    /// Starts watching that `rep_b_out` of this value still withholds its server's output at
+    /// the egress of the device [`Replica::attach_backup`] attached it to (review finding 5:
+    /// `tc qdisc del dev X clsact`, a recreated device, another tool's cleanup remove it
+    /// silently, and the output then reaches the wire), every `period`, on a thread of its own:
+    /// the rtnetlink dump waits for the kernel's RTNL lock, which another tool may hold for a
+    /// long time, and the packet loop must never wait for it (its beats would stop and the peer
+    /// would fence this host). The loop reads the latest answer ([`EgressWatch::seen`]).
+    pub fn watch_egress(&self, period: Duration) -> Result<EgressWatch, Error> {
+        let (iface, id) = self.egress_target()?;
+        let shared = Arc::new(Mutex::new(Watched::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s2, stop2) = (shared.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("replica-egress".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) {
+                    let r = egress_check(&iface, id);
+                    if let Ok(mut w) = s2.lock() {
+                        w.checks += 1;
+                        w.last = Some(r);
+                    }
+                    std::thread::sleep(period);
+                }
+            })
+            .map_err(|e| bpf_err("starting the egress watch thread", e))?;
+        Ok(EgressWatch { shared, stop })
+    }
+
+    /// One look now, on this thread ([`egress_check`]; the daemon's look from a thread of its
+    /// own, [`Replica::watch_egress`]).
+    pub fn egress_now(&self) -> Result<EgressSeen, String> {
+        let (iface, id) = self.egress_target().map_err(|e| e.to_string())?;
+        egress_check(&iface, id)
+    }
+
+    fn egress_target(&self) -> Result<(String, u32), Error> {
+        let iface = self.egress.clone().ok_or_else(|| Error::Bpf("rep_b_out is not attached".into()))?;
         let id = classifier(&self.ebpf, Direction::Outgoing.program())?.info().map_err(|e| bpf_err("rep_b_out's id", e))?.id();
-        let filters = crate::tcfilter::list(index, crate::tcfilter::PARENT_EGRESS).map_err(|e| bpf_err(&format!("listing the tc egress filters of {iface}"), e))?;
-        Ok(filters.iter().any(|f| f.kind == "bpf" && f.prog_id == Some(id)))
+        Ok((iface, id))
     }
 
     /// The daemon takes its server's output through the queue again, without the egress

@@ -45,7 +45,7 @@ pub const INSTALL_BACKOFF_MS: u64 = 1000;
 
 /// `skb->mark` bits the programs set (`REP_MARK_*`): decided in the kernel / left to the slow
 /// path and counted; the drivers' values, which the daemon's rules use too.
-pub use unbroken_drivers::fastpath::replica::{MARK_DONE, MARK_SLOW};
+pub use unbroken_drivers::fastpath::replica::{EgressSeen, MARK_DONE, MARK_SLOW};
 
 /// Where a connection's fields are, as the core knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -126,10 +126,11 @@ pub trait BackupMap: Send {
     /// installed; the programs keep copying the server's packets to the daemon (its engine
     /// translates them and the raw socket sends them).
     fn promote(&mut self) -> Result<(), String>;
-    /// Whether the egress program still withholds the server's output (its filter attached).
-    /// `Err`: could not be told this time.
-    fn egress_present(&mut self) -> Result<bool, String> {
-        Ok(true)
+    /// The egress watch's latest look ([`EgressSeen`]) and how many looks there were so far
+    /// (`None`: none yet; `Err`: the kernel could not be asked that time). Never waits: the
+    /// looks run elsewhere (the daemon's on a thread: they wait for the kernel's RTNL lock).
+    fn egress_seen(&mut self) -> (u64, Option<Result<EgressSeen, String>>) {
+        (0, None)
     }
     /// The egress filter is gone: the server's packets through the queue again (the OUTPUT
     /// rule's match), copy mode off.
@@ -195,8 +196,11 @@ pub struct FastPart {
     retired: bool,
     /// The egress filter was found gone ([`BackupMap::egress_present`]): the fast path is off.
     egress_lost: bool,
-    /// When the egress filter was last looked for.
+    /// When the egress watch was last read, how many looks it had made then, and reads in a
+    /// row without a good answer.
     watch_at: u64,
+    watch_looks: u64,
+    watch_unknown: u32,
     /// The take-over's promote failed: the egress program still copies and consumes the
     /// server's packets, which the engine now translates and the raw socket sends.
     copying: bool,
@@ -210,9 +214,14 @@ pub struct FastPart {
 /// How often the programs' loss counters are read for the log (a syscall per CPU each).
 const LOSS_CHECK_MS: u64 = 1_000;
 
-/// How often the core looks for the egress filter (an rtnetlink dump, tens of microseconds):
-/// the longest a removed filter lets the backup's server's output reach the wire.
+/// How often the core reads the egress watch's answer (the daemon's watch thread looks as
+/// often): about the longest a removed filter lets the backup's server's output reach the wire.
 pub const EGRESS_WATCH_MS: u64 = 100;
+
+/// Reads in a row without a good answer (errors, or no new look: the watch waits for the
+/// kernel) after which the filter counts as gone: the safe side (the fast path off) after
+/// about two seconds of not knowing.
+pub const EGRESS_UNKNOWN_MAX: u32 = 20;
 
 /// The programs' counters whose rise means something was lost, and what it costs.
 const LOSS_KINDS: [(&str, &str); 3] = [
@@ -640,23 +649,42 @@ impl Core {
     /// once. A look that could not be answered decides nothing (counted, logged).
     fn fast_watch(&mut self, now_ms: u64) {
         let Some(map) = self.fast.map.as_mut() else { return };
-        match map.egress_present() {
-            Ok(true) => {}
-            Ok(false) => {
-                let switched = map.user_out();
-                self.fast.egress_lost = true;
-                self.fast.off_because = Some("the egress filter of rep_b_out disappeared".into());
-                match switched {
-                    Ok(()) => self.log("replica: fast path: the egress filter that withholds this backup's server's output is gone (a tc qdisc or filter removed, the device recreated): its output goes through NFQUEUE again, the fast path is off until the daemon restarts".into()),
-                    Err(e) => self.log(format!("replica: fast path: the egress filter that withholds this backup's server's output is gone and the queue rule's match could not be switched ({e}): this backup's server's output may reach the clients: stop this daemon and its server")),
-                }
-                self.fast_retire(now_ms);
+        let (looks, last) = map.egress_seen();
+        let fresh = looks != self.fast.watch_looks;
+        self.fast.watch_looks = looks;
+        let gone = match last {
+            None => None,
+            Some(Ok(EgressSeen::Present)) if fresh => {
+                self.fast.watch_unknown = 0;
+                None
             }
-            Err(e) => {
+            Some(Ok(EgressSeen::Gone(why))) => Some(why),
+            Some(Ok(EgressSeen::Present)) | Some(Err(_)) => {
+                self.fast.watch_unknown += 1;
                 self.fast.counters.egress_check_failed += 1;
-                self.log_limited("replica: fast path watch", || format!("replica: fast path: cannot look for the egress filter ({e}): looked for again in {EGRESS_WATCH_MS} ms"));
+                let why = match &last {
+                    Some(Err(e)) if fresh => e.clone(),
+                    _ => "no new look (the watch waits for the kernel)".into(),
+                };
+                let n = self.fast.watch_unknown;
+                if n >= EGRESS_UNKNOWN_MAX {
+                    Some(format!("the egress filter could not be looked for {EGRESS_UNKNOWN_MAX} times in a row ({why})"))
+                } else {
+                    self.log_limited("replica: fast path watch", || format!("replica: fast path: no answer about the egress filter ({why}): {n} of {EGRESS_UNKNOWN_MAX} before the fast path goes off"));
+                    None
+                }
             }
+        };
+        let Some(why) = gone else { return };
+        let Some(map) = self.fast.map.as_mut() else { return };
+        let switched = map.user_out();
+        self.fast.egress_lost = true;
+        self.fast.off_because = Some(format!("the egress filter of rep_b_out: {why}"));
+        match switched {
+            Ok(()) => self.log(format!("replica: fast path: {why}: this backup's server's output goes through NFQUEUE again, the fast path is off until the daemon restarts")),
+            Err(e) => self.log(format!("replica: fast path: {why}, and the queue rule's match could not be switched ({e}): this backup's server's output may reach the clients: stop this daemon and its server")),
         }
+        self.fast_retire(now_ms);
     }
 
     /// Every connection from the map into the engine, the map cleared, nothing installed

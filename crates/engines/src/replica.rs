@@ -1553,6 +1553,20 @@ fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool) {
 /// RFC 1122's default MSS: the least a kept copy is cut to at the take-over.
 const DEFAULT_MSS: u16 = 536;
 
+/// A held packet as it goes out now: a GSO super-packet whose verified part partial releases
+/// sent already only from there (sent whole, up to 64 KiB went twice). A wire-sized segment
+/// goes whole as before (the client takes the duplicate part as a retransmission; the
+/// simulation's smoltcp clients were tuned on that shape), and so does a FIN.
+fn unsent_part(c: &PConn, pkt: Vec<u8>, end: Seq, fin: bool) -> Vec<u8> {
+    let Ok(s) = parse(&pkt) else { return pkt };
+    if !fin && s.payload_len > wire_payload(&s, c.client_mss, c.p_mss) && s.seq.lt(c.snd_c) && c.snd_c.lt(end) {
+        if let Some(p) = trimmed(&pkt, &s, c.snd_c, end) {
+            return p;
+        }
+    }
+    pkt
+}
+
 /// The most payload one wire segment like `s` carries ([`cut`]).
 fn wire_payload(s: &Seg, client_mss: Option<u16>, server_mss: Option<u16>) -> usize {
     let opts = s.payload_at - s.info.l4_offset - 20;
@@ -3373,20 +3387,9 @@ impl Primary {
                 break;
             }
             let Some(h) = c.unhold(&mut self.held_total) else { break };
-            let mut pkt = h.pkt;
+            let mut pkt = unsent_part(c, h.pkt, h.end, h.fin);
             if let Ok(s) = parse(&pkt) {
-                // A GSO super-packet whose verified part went out already (partial releases):
-                // only the rest goes (resent whole, up to 64 KiB went twice). A wire-sized
-                // segment goes whole as before (the client takes the duplicate part as a
-                // retransmission; the simulation's smoltcp clients were tuned on that shape).
-                if !h.fin && s.payload_len > wire_payload(&s, c.client_mss, c.p_mss) && s.seq.lt(c.snd_c) && c.snd_c.lt(h.end) {
-                    if let Some(p) = trimmed(&pkt, &s, c.snd_c, h.end) {
-                        pkt = p;
-                    }
-                }
-                if let Ok(s) = parse(&pkt) {
-                    gate(c, &mut pkt, &s, &mut self.counters);
-                }
+                gate(c, &mut pkt, &s, &mut self.counters);
             }
             if !cfg.strict && h.end.gt(c.rel) {
                 c.rel = h.end;
@@ -3647,7 +3650,7 @@ impl Primary {
         // Koch 6.1: everything held goes out as the primary's TCP built it (its timestamps
         // raised to the newest sent, PAWS).
         while let Some(h) = c.unhold(&mut self.held_total) {
-            let mut pkt = h.pkt;
+            let mut pkt = unsent_part(c, h.pkt, h.end, h.fin);
             if let Ok(s) = parse(&pkt) {
                 if stamp(c, &mut pkt, &s) {
                     self.counters.ts_raised += 1;

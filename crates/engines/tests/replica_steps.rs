@@ -423,16 +423,19 @@ fn koch_3_2_super_packet_released_in_wire_segments() {
     assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(5_001)), 1460), &data[5_000..]);
     assert!(seg(out.last().unwrap()).0.flags & F::PSH != 0, "PSH on the last segment only");
     assert!(out[..out.len() - 1].iter().all(|q| seg(q).0.flags & F::PSH == 0));
-    // Unprotected (a divergence): the held super-packet goes out as its server built it, cut.
+    // Unprotected (a divergence further on): the held super-packet goes out as its server built
+    // it, cut, from where the partial release of its verified part stopped.
     assert_eq!(primary_sends(&mut p, 10_000, &data, C_ISN + 1, 0, 5).0, Verdict::Held);
+    p.backup_progress(&progress(4, C_ISN + 1, &[&data[..], &data[..3_000]].concat(), false), 6);
+    assert_eq!(wire_segments(&p.take_transmit(), Seq(P_ISN.wrapping_add(10_001)), 1460), &data[..3_000]);
     let mut wrong = data.clone();
-    wrong[0] ^= 1;
+    wrong[5_000] ^= 1;
     let mut all = data.clone();
     all.extend(&wrong);
-    p.backup_progress(&progress(4, C_ISN + 1, &all, false), 6);
+    p.backup_progress(&progress(5, C_ISN + 1, &all, false), 7);
     assert_eq!(p.counters.diverged, 1);
     let out = p.take_transmit();
-    assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(10_001)), 1460), data);
+    assert_eq!(wire_segments(&out, Seq(P_ISN.wrapping_add(13_001)), 1460), &data[3_000..], "the rest only, never twice");
 }
 
 /// A forged SYN's tiny MSS cannot make a super-packet into thousands of segments: RFC 1122's

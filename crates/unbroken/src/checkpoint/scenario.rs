@@ -527,7 +527,7 @@ fn misconfigured_in(w: &World, m: Misconfig) -> Result<MisconfigReport, String> 
     } else {
         lab::in_ns(&w.lab.peer, move || peer_sees(service, wait, control)).map_err(|e| format!("peer namespace: {e}"))?
     };
-    let status = fresh_status(&w.status_path(), &mut guard).unwrap_or(serde_json::Value::Null);
+    let status = settled_status(&w.status_path(), &mut guard).unwrap_or(serde_json::Value::Null);
     drop(app);
     let app_log = std::fs::read_to_string(&log_path).unwrap_or_default();
     Ok(MisconfigReport { guard_check, listening, app_log, peer, peer_ms, peer_wait_ms: wait.as_millis() as u64, guard: status })
@@ -623,6 +623,25 @@ fn fresh_status(p: &Path, guard: &mut Proc) -> Result<serde_json::Value, String>
             return Err(format!("the guard wrote no status file within 20 s (exit status {:?})", guard.child.try_wait()));
         }
         std::thread::sleep(Duration::from_millis(10)); // polling the status file with a deadline
+    }
+}
+
+/// The guard's status once its counters stopped moving: two fresh writes in a row (250 ms
+/// apart) with the same counters (generous deadline). The peer seeing the close does not mean
+/// the guard is done with the connection (it releases it when the close completes): a single
+/// fresh write could come before (`unprotected_released` read as 0 in one CI run).
+fn settled_status(p: &Path, guard: &mut Proc) -> Result<serde_json::Value, String> {
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut last = fresh_status(p, guard)?;
+    loop {
+        let v = fresh_status(p, guard)?;
+        if v["counters"] == last["counters"] {
+            return Ok(v);
+        }
+        if Instant::now() > end {
+            return Err("the guard's counters kept moving for 20 s".into());
+        }
+        last = v;
     }
 }
 

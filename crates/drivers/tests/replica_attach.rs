@@ -12,6 +12,18 @@ use common::*;
 use unbroken_drivers::fastpath::replica::{unpin_queue_matches, EgressSeen, Replica};
 use unbroken_drivers::fastpath::Error;
 
+/// The programs, or `None` after a SKIP (a kernel without what they need).
+fn load_or_skip(test: &str) -> Option<Replica> {
+    match Replica::load() {
+        Ok(fp) => Some(fp),
+        Err(Error::Unavailable(why)) => {
+            skip_or_fail(test, &why);
+            None
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
 /// One datagram from namespace `a` to `b` (not the service's: `rep_b_out` passes it).
 fn send_one(sock: &UdpSocket) {
     sock.send_to(b"x", SocketAddr::from((B4, 9999))).expect("send");
@@ -46,14 +58,7 @@ fn the_output_gate_follows_one_map_write_and_a_removed_egress_filter_is_seen() {
         out.lines().skip(2).find(|l| l.contains("9999")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap_or_else(|| panic!("no rule:\n{out}"))
     };
     pair.run_in(&pair.a.clone(), || {
-        let mut fp = match Replica::load() {
-            Ok(fp) => fp,
-            Err(Error::Unavailable(why)) => {
-                skip_or_fail(test, &why);
-                return;
-            }
-            Err(e) => panic!("{test}: {e}"),
-        };
+        let Some(mut fp) = load_or_skip(test) else { return };
         fp.add_service(SocketAddr::from((A4, 7000))).unwrap();
         assert!(fp.egress_now().is_err(), "not attached yet: nothing to look for");
         fp.attach_backup("va").expect("attach");
@@ -100,14 +105,7 @@ fn a_deleted_device_means_the_filter_is_gone() {
     let test = "a_deleted_device_means_the_filter_is_gone";
     let Some(pair) = NetnsPair::setup(test) else { return };
     pair.run_in(&pair.a.clone(), || {
-        let mut fp = match Replica::load() {
-            Ok(fp) => fp,
-            Err(Error::Unavailable(why)) => {
-                skip_or_fail(test, &why);
-                return;
-            }
-            Err(e) => panic!("{test}: {e}"),
-        };
+        let Some(mut fp) = load_or_skip(test) else { return };
         fp.attach_backup("va").expect("attach");
         assert_eq!(fp.egress_now(), Ok(EgressSeen::Present));
         pair.exec_ok(&pair.a, &["ip", "link", "del", "va"]);

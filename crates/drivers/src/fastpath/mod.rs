@@ -210,6 +210,23 @@ fn test_run_marked(prog: &SchedClassifier, ip: &[u8], repeat: u32, mark: u32) ->
     Ok((Run { verdict: Verdict::from_return(r.return_value), packet }, r.duration))
 }
 
+/// Removes the pins `names` from `dir` (one already gone is fine), and `dir` once empty: what a
+/// daemon pinned for its queue rules, after the rules that name them are gone
+/// (`iptables-legacy` opens the paths again whenever it rewrites the table).
+fn unpin(dir: &std::path::Path, names: &[&str]) -> std::io::Result<()> {
+    for name in names {
+        match std::fs::remove_file(dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ENOTEMPTY) => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Where the daemons pin what their queue rules name (`iptables -m bpf --object-pinned`): one
 /// directory per daemon, `<kind>-net<inode of its network namespace>-q<queue>`.
 pub const PIN_ROOT: &str = "/sys/fs/bpf/unbroken";

@@ -692,17 +692,7 @@ impl Object {
 /// Removes what [`Object::pin_filters`] pinned in `dir`, and `dir` when empty (after the rules
 /// that named them are gone).
 pub fn unpin_filters(dir: &Path) -> std::io::Result<()> {
-    for name in [Prog::FromClient.name(), Prog::ToClient.name(), LEASES] {
-        match std::fs::remove_file(dir.join(name)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-    }
-    match std::fs::remove_dir(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ENOTEMPTY) => Err(e),
-        _ => Ok(()),
-    }
+    super::unpin(dir, &[Prog::FromClient.name(), Prog::ToClient.name(), LEASES])
 }
 
 /// Ends the own lease of the agent whose filters are pinned in `dir` ([`Object::pin_filters`]):

@@ -707,17 +707,7 @@ const QUEUE_MATCHES: [&str; 2] = ["rep_q_in", "rep_q_out"];
 /// name them removed first: `iptables-legacy` opens the paths again whenever it rewrites the
 /// table), and `dir` if it is then empty.
 pub fn unpin_queue_matches(dir: &std::path::Path) -> std::io::Result<()> {
-    for name in QUEUE_MATCHES {
-        match std::fs::remove_file(dir.join(name)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-    }
-    match std::fs::remove_dir(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::ENOTEMPTY) => Err(e),
-        _ => Ok(()),
-    }
+    super::unpin(dir, &QUEUE_MATCHES)
 }
 
 /// The loaded programs, their map and the ring.

@@ -689,10 +689,13 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
         adapter.end_round(&mut m, io.queue.stats());
         drop(m);
         clock.mark("requests and verdicts");
-        match io.queue.flush() {
-            Ok(()) => crate::sync::lock(mode, &core).after_flush(now),
-            Err(e) => crate::ratelog::log(io.kinds[2], || format!("{name}: verdict flush: {e} (the verdicts are kept as drops and sent again)")),
-        }
+        let flushed = match io.queue.flush() {
+            Ok(()) => true,
+            Err(e) => {
+                crate::ratelog::log(io.kinds[2], || format!("{name}: verdict flush: {e} (the verdicts are kept as drops and sent again)"));
+                false
+            }
+        };
         clock.mark("flush");
         // After the verdicts: a packet sent here never overtakes a segment released with it.
         for pkt in out.send.drain(..) {
@@ -702,6 +705,11 @@ pub fn run<M: Mode, A: Adapter<M>>(io: &mut PacketIo<'_>, mode: &Mutex<M>, adapt
             }
         }
         clock.mark("sends");
+        // After the verdicts and the sends: a connection a fast path gives back to the kernel
+        // now never has a later packet of it overtake them.
+        if flushed {
+            crate::sync::lock(mode, &core).after_flush(now);
+        }
         if let Some(line) = clock.slow(name) {
             crate::ratelog::log(io.kinds[3], || line);
         }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use unbroken_control::daemon::{Meta, Mode, Outbox};
-use unbroken_control::replica::core::{BackupMap, Boot, Core, EgressSeen, Fast, MapDone, MapOp, MapRecord, Request, Settings, State, Taken, EGRESS_UNKNOWN_MAX, EGRESS_WATCH_MS, HOLD_BOUND_MS, MARK_DONE, MARK_SLOW};
+use unbroken_control::replica::core::{FastMap, Fields, Boot, Core, EgressSeen, Fast, MapDone, MapOp, MapRecord, Request, Settings, State, Taken, EGRESS_UNKNOWN_MAX, EGRESS_WATCH_MS, HOLD_BOUND_MS, MARK_DONE, MARK_SLOW};
 use unbroken_engines::replica::{BFast, Config, ConnKey, DetectorConfig};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
@@ -56,9 +56,9 @@ struct Emu {
     records: Vec<MapRecord>,
     promoted: bool,
     promote_fails: bool,
-    /// What the programs' counters say ([`BackupMap::stats`]).
+    /// What the programs' counters say ([`FastMap::stats`]).
     stats: Vec<(&'static str, u64)>,
-    /// The egress watch's answer ([`BackupMap::egress_seen`]): `None` (the default) present;
+    /// The egress watch's answer ([`FastMap::egress_seen`]): `None` (the default) present;
     /// `stuck`: no new look since the last read.
     egress: Option<Result<EgressSeen, String>>,
     looks: u64,
@@ -97,7 +97,7 @@ impl Shared {
     }
 }
 
-impl BackupMap for Shared {
+impl FastMap for Shared {
     fn take(&mut self, key: &ConnKey, counted: bool, _: u64) -> Option<Taken> {
         let mut m = self.lock();
         m.ops.push(format!("{} {}", if counted { "take" } else { "freeze" }, key.client_port));
@@ -108,13 +108,14 @@ impl BackupMap for Shared {
         let newest = !e.user;
         e.frozen = true;
         e.user = true;
-        Some(Taken { newest, fields: e.f })
+        Some(Taken { newest, fields: Fields::Backup(e.f) })
     }
 
     fn apply(&mut self, op: &MapOp, _: u64) -> MapDone {
         let mut m = self.lock();
         match *op {
             MapOp::Install(k, f) => {
+                let f = f.backup().expect("the backup's fields");
                 m.ops.push(format!("install {}", k.client_port));
                 if m.entries.remove(&k).is_some() {
                     return MapDone::Gone;
@@ -131,7 +132,7 @@ impl BackupMap for Shared {
                 }
                 e.seen = e.slow;
                 (e.frozen, e.user, e.changed) = (false, false, false);
-                e.f = f;
+                e.f = f.backup().expect("the backup's fields");
                 MapDone::Kernel
             }
             MapOp::Remove(k) => {
@@ -142,12 +143,12 @@ impl BackupMap for Shared {
         }
     }
 
-    fn collect(&mut self, key: &ConnKey, _: u64) -> Option<BFast> {
+    fn collect(&mut self, key: &ConnKey, _: u64) -> Option<Fields> {
         let mut m = self.lock();
         m.ops.push(format!("collect {}", key.client_port));
         let e = m.entries.get_mut(key)?;
         e.changed = false;
-        Some(e.f)
+        Some(Fields::Backup(e.f))
     }
 
     fn records(&mut self) -> Vec<MapRecord> {

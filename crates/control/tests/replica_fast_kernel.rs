@@ -106,8 +106,8 @@ fn echo_of(c: &mut Core, now: u64) -> (u64, u64) {
 fn effective(c: &mut Core, m: &mut KernelMap) -> BFast {
     let k = conn();
     let mut f = if c.fast_where(&k) == Fast::Kernel {
-        use unbroken_control::replica::core::BackupMap;
-        m.collect(&k, 0).expect("an entry")
+        use unbroken_control::replica::core::FastMap;
+        m.collect(&k, 0).and_then(|f| f.backup()).expect("an entry")
     } else {
         c.backup().unwrap().fast_state(&k).unwrap()
     };
@@ -235,14 +235,14 @@ fn steady_stream(strict: bool) -> Option<Run> {
 /// The core's box and the test share one `KernelMap`.
 struct Handle(std::sync::Arc<std::sync::Mutex<KernelMap>>);
 
-impl unbroken_control::replica::core::BackupMap for Handle {
+impl unbroken_control::replica::core::FastMap for Handle {
     fn take(&mut self, key: &ConnKey, counted: bool, now_ms: u64) -> Option<unbroken_control::replica::core::Taken> {
         self.0.lock().unwrap().take(key, counted, now_ms)
     }
     fn apply(&mut self, op: &unbroken_control::replica::core::MapOp, now_ms: u64) -> unbroken_control::replica::core::MapDone {
         self.0.lock().unwrap().apply(op, now_ms)
     }
-    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<BFast> {
+    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<unbroken_control::replica::core::Fields> {
         self.0.lock().unwrap().collect(key, now_ms)
     }
     fn records(&mut self) -> Vec<unbroken_control::replica::core::MapRecord> {

@@ -15,7 +15,7 @@ include!("common/require.rs");
 
 use std::net::IpAddr;
 
-use unbroken_drivers::fastpath::replica::{Direction, Key, Op, OpResult, Record, Replica, State, CONSUMED};
+use unbroken_drivers::fastpath::replica::{ctl, Direction, Key, Op, OpResult, Record, Replica, State, CONSUMED};
 use unbroken_drivers::fastpath::{Error, Verdict};
 use unbroken_engines::replica::{Backup, BackupCounters, ConnKey};
 use unbroken_engines::Verdict as EVerdict;
@@ -593,7 +593,7 @@ fn random_sequences_agree_with_the_engine() {
     let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2204u64);
     let seqs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse::<usize>().ok()).map(|c| c / 100).unwrap_or(80).max(1);
     let mut rng = Rng(seed | 1);
-    let (mut claimed, mut slow) = (0, 0);
+    let (mut claimed, mut slow, mut in_place, mut taken_by_report) = (0, 0, 0, 0);
     for s in 0..seqs {
         let v6 = rng.chance(300);
         let base = if v6 { Conn::v6() } else { Conn::v4() };
@@ -793,6 +793,9 @@ struct PBoth {
     output: Vec<u8>,
     /// The backup's reports say it aligned (ST-TCP 3.3.0.1).
     aligned: bool,
+    /// Reports applied in place, and those the op took (a fresh ACK foreseen).
+    in_place: usize,
+    taken_by_report: usize,
 }
 
 impl PBoth {
@@ -818,7 +821,7 @@ impl PBoth {
         let mut sa = conn.from_server(Repr { seq: Seq(conn.p_isn), ack: Seq(conn.c_isn.wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((conn.p_ts0, 500)), ..Default::default() }, &[]);
         assert_eq!(p.outgoing(&mut sa, 0), EVerdict::Held, "Koch 7.1: the SYN-ACK waits for the backup");
         let ek = ConnKey { client: conn.cli, client_port: CPORT, server_port: SPORT };
-        let mut both = PBoth { fp, p, conn, key, ek, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned };
+        let mut both = PBoth { fp, p, conn, key, ek, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned, in_place: 0, taken_by_report: 0 };
         both.report_to_engine(0, 65535 << 7);
         assert_eq!(both.p.take_transmit().len(), 1, "the SYN-ACK released");
         let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
@@ -842,8 +845,35 @@ impl PBoth {
         self.p.backup_progress(&Progress { role: Role::Backup, beat: self.now, flags: 0, records: vec![rec] }, self.now);
     }
 
-    /// The backup's report, applied by the daemon: freeze, engine, thaw.
+    /// The backup's report, applied by the daemon: in place when the programs own the entry
+    /// (`REP_OP_REPORT`: the receive figures written, the entry left to the programs unless the
+    /// engine answers the record with a packet, which the op must foresee), else freeze,
+    /// engine, thaw.
     fn backup_report(&mut self, rcv: u32, win: u32, what: &str) {
+        if !self.held {
+            let c = self.conn;
+            let nxt = Seq(c.c_isn.wrapping_add(1).wrapping_add(rcv));
+            let (r, e) = self.fp.p_report(&self.key, Some((nxt, nxt + win)), self.aligned, Seq(0)).unwrap();
+            self.report_to_engine(rcv, win);
+            let sent = self.p.take_transmit();
+            match r {
+                OpResult::Done => {
+                    assert!(sent.is_empty(), "{what}: the op left the entry to the programs, the engine answered with {} packet(s): {:?}", sent.len(), sent.iter().map(|p| { let i = IpInfo::parse(p).unwrap(); let t = Tcp::new_checked(&p[i.l4_offset..]).unwrap(); (t.seq(), t.ack(), t.flags(), p.len() - i.l4_offset - t.header_len()) }).collect::<Vec<_>>());
+                    assert_eq!(e.state, pstate_of(&self.p, &self.ek, e.state.heard_at), "{what}: the report in place differs from the engine's");
+                    let now = self.fp.p_entry(&self.key).unwrap().unwrap();
+                    assert_eq!(now.ctl & ctl::FROZEN, 0, "{what}: left to the programs");
+                    self.in_place += 1;
+                }
+                OpResult::Taken => {
+                    // Foreseen (a fresh ACK), or the backup behind in the client's bytes,
+                    // which the engine's timers answer: the engine's, given back after.
+                    self.give_back(what);
+                    self.taken_by_report += 1;
+                }
+                r => panic!("{what}: REP_OP_REPORT answered {r:?}"),
+            }
+            return;
+        }
         let (r, _, e) = self.fp.p_op(Op::Freeze, &self.key, None).unwrap();
         assert_eq!(r, OpResult::Done);
         if !self.held {
@@ -955,7 +985,7 @@ fn primary_random_sequences_agree_with_the_engine() {
     let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2205u64);
     let seqs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse::<usize>().ok()).map(|c| c / 100).unwrap_or(60).max(1);
     let mut rng = Rng(seed | 1);
-    let (mut claimed, mut slow) = (0, 0);
+    let (mut claimed, mut slow, mut in_place, mut taken_by_report) = (0, 0, 0, 0);
     for s in 0..seqs {
         let v6 = rng.chance(300);
         let base = if v6 { Conn::v6() } else { Conn::v4() };
@@ -1026,10 +1056,13 @@ fn primary_random_sequences_agree_with_the_engine() {
         }
         claimed += both.claimed;
         slow += both.slow;
+        in_place += both.in_place;
+        taken_by_report += both.taken_by_report;
         fp = both.fp;
     }
-    eprintln!("primary_random_sequences_agree_with_the_engine: {seqs} sequences, {claimed} claimed, {slow} left to the slow path");
+    eprintln!("primary_random_sequences_agree_with_the_engine: {seqs} sequences, {claimed} claimed, {slow} left to the slow path; reports: {in_place} in place, {taken_by_report} taken (a fresh ACK)");
     assert!(claimed > slow);
+    assert!(in_place > 0 && taken_by_report > 0, "both kinds of report in place were tried");
 }
 
 /// An entry installed before the client's handshake ACK: only an acceptable ACK of what the

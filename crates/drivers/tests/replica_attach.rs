@@ -112,3 +112,57 @@ fn a_deleted_device_means_the_filter_is_gone() {
         assert!(matches!(fp.egress_now(), Ok(EgressSeen::Gone(why)) if why.contains("device va is gone")), "no device, no filter");
     });
 }
+
+/// The primary's attach (issue 22 item 4): `rep_p_out` at egress is the filter the watch looks
+/// for, and the OUTPUT rule's match follows `set_queue_out` both ways (the primary queues its
+/// server's output until the backup is heard, and again once the pair no longer protects).
+#[test]
+fn the_primarys_output_rule_switches_both_ways_with_one_map_write() {
+    let test = "the_primarys_output_rule_switches_both_ways_with_one_map_write";
+    let Some(pair) = NetnsPair::setup(test) else { return };
+    let dir = std::path::PathBuf::from(format!("/sys/fs/bpf/unbroken/test-replica-primary-{}", std::process::id()));
+    struct Unpin(std::path::PathBuf);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = unpin_queue_matches(&self.0);
+        }
+    }
+    let _unpin = Unpin(dir.clone());
+    if let Err(e) = unbroken_drivers::fastpath::object::ensure_bpffs() {
+        skip_or_fail(test, &e.to_string());
+        return;
+    }
+    let iptables = |args: &[&str]| -> String {
+        let out = std::process::Command::new("iptables").args(["-w", "-t", "mangle"]).args(args).output().expect("iptables");
+        assert!(out.status.success(), "iptables {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let counted = || -> u64 {
+        let out = iptables(&["-L", "OUTPUT", "-v", "-x", "-n"]);
+        out.lines().skip(2).find(|l| l.contains("9999")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap_or_else(|| panic!("no rule:\n{out}"))
+    };
+    pair.run_in(&pair.a.clone(), || {
+        let Some(mut fp) = load_or_skip(test) else { return };
+        fp.add_service(SocketAddr::from((A4, 7000))).unwrap();
+        fp.set_queue_out(true).unwrap();
+        fp.attach_primary("va").expect("attach");
+        assert_eq!(fp.egress_now(), Ok(EgressSeen::Present), "rep_p_out's filter is listed with its program's id");
+        let (_, from_service) = fp.pin_queue_matches(&dir).expect("pin");
+        iptables(&["-A", "OUTPUT", "-p", "udp", "--dport", "9999", "-m", "bpf", "--object-pinned", &from_service.to_string_lossy()]);
+        let sock = UdpSocket::bind(SocketAddr::from((A4, 0))).unwrap();
+        send_one(&sock);
+        assert_eq!(counted(), 1, "before the backup is heard the queue takes the output");
+        fp.set_queue_out(false).unwrap();
+        send_one(&sock);
+        assert_eq!(counted(), 1, "protecting: the egress program has it");
+        fp.set_queue_out(true).unwrap();
+        send_one(&sock);
+        assert_eq!(counted(), 2, "no longer protecting: the queue again");
+        // A restarted daemon's filter replaces it; `remove_egress` removes it.
+        assert_eq!(unbroken_drivers::fastpath::replica::remove_egress("va").unwrap(), 1);
+        assert!(matches!(fp.egress_now(), Ok(EgressSeen::Gone(_))));
+        iptables(&["-F", "OUTPUT"]);
+        unpin_queue_matches(&dir).unwrap();
+        assert!(!dir.exists());
+    });
+}

@@ -2418,8 +2418,11 @@ impl Primary {
         c.established = f.established;
         c.ack_p = f.ack_p;
         c.edge_p = f.edge_p;
-        if let (Some(b), Some((rcv_known, aligned, rcv_nxt, rcv_edge))) = (c.b.as_mut(), f.b) {
-            (b.rcv_known, b.aligned, b.rcv_nxt, b.rcv_edge) = (rcv_known, aligned, rcv_nxt, rcv_edge);
+        // Not the alignment: the engine learns it from the backup's report together with the
+        // output end it aligned at (a map that had it from the same report first would leave
+        // that end unset: its FIN then looked like the backup's output beyond the primary's).
+        if let (Some(b), Some((rcv_known, _, rcv_nxt, rcv_edge))) = (c.b.as_mut(), f.b) {
+            (b.rcv_known, b.rcv_nxt, b.rcv_edge) = (rcv_known, rcv_nxt, rcv_edge);
         }
         c.rel = f.rel;
         c.p_end = f.p_end;
@@ -2440,6 +2443,29 @@ impl Primary {
     /// out and answered, nothing held, nothing waiting beyond a gap, its server's FIN not seen.
     pub fn fast_eligible(&self, key: &ConnKey) -> bool {
         self.unprotected.is_none() && self.conns.get(key).is_some_and(|c| c.state.is_none() && c.synack.is_none() && c.answered && c.held.is_empty() && c.ooo.is_empty() && !c.p_fin)
+    }
+
+    /// Whether `key` can never be carried by the fast path again: the engine no longer
+    /// protects it (or any connection), or forgot it.
+    pub fn fast_never(&self, key: &ConnKey) -> bool {
+        self.unprotected.is_some() || self.conns.get(key).is_none_or(|c| c.state.is_some())
+    }
+
+    /// The connections whose timers [`Primary::tick`] looks at (the fast path gives their
+    /// fields to the engine first).
+    pub fn timed_keys(&self) -> Vec<ConnKey> {
+        self.timed.iter().copied().collect()
+    }
+
+    /// When the primary's server last produced new output (the engine's clock, ms).
+    pub fn last_output_ms(&self) -> u64 {
+        self.last_output_ms
+    }
+
+    /// The fast path passed new output of the primary's server at `at_ms` (the engine's clock):
+    /// it is not stalled (`last_output_ms`, which the engine learns from the output it sees).
+    pub fn output_seen(&mut self, at_ms: u64) {
+        self.last_output_ms = self.last_output_ms.max(at_ms);
     }
 
     /// The packets the engine built or released, in order. Their timestamps are raised to the

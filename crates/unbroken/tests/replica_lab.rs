@@ -555,6 +555,47 @@ fn replica_large_values_no_failure() {
     assert_large_clean(name, &env, &t, LARGE_STALL_MS);
 }
 
+/// Without strict output commit and no fault: the primary's fast path (issue 22 item 4:
+/// `rep_p_in` learns the client's pure ACKs, `rep_p_out` gates its server's ACKs and passes its
+/// output in the kernel, the backup's reports written into its entries in place) carries the
+/// connections while the backup follows; redis-py, redis-cli and redis-benchmark see every
+/// reply, no RST, nobody fenced, the backup's server ends with the same values. With the fast
+/// path on (the default) the primary's programs must have claimed packets both ways.
+#[test]
+fn replica_no_failure_not_strict() {
+    let name = "replica_no_failure_not_strict";
+    let Some(_g) = lab_or_skip(name) else { return };
+    let env = start(name, RepOpts { strict: false, ..opts() });
+    let deadline = Instant::now() + T;
+    let py = env.py_incr(PY_KEY, 3000, 0).unwrap();
+    let cli = env.cli_incr(CLI_KEY, 1000, 0).unwrap();
+    let bench = env.benchmark(1000, 4).unwrap();
+    let runs = [py.finish(deadline), cli.finish(deadline), bench.finish(deadline)];
+    assert_clean(&env, name, &runs);
+    for (key, want) in [(PY_KEY, 3000), (CLI_KEY, 1000)] {
+        assert_eq!(get(&env, Side::Primary, key), Some(want), "{key} on the primary");
+        assert!(wait_for(Duration::from_secs(5), || get(&env, Side::Backup, key) == Some(want)), "{key} on the backup: {:?}\n{}", get(&env, Side::Backup, key), env.diagnostics());
+    }
+    for side in [Side::Primary, Side::Backup] {
+        let s = env.status(side).unwrap();
+        assert_eq!(s["state"], "protecting", "{}: {s}", side.name());
+        assert_eq!((s["diverged"].as_u64(), s["unprotected"].as_u64(), s["fences_run"].as_u64()), (Some(0), Some(0), Some(0)), "{}: {s}", side.name());
+    }
+    if unbroken::replica::demo::fast_path_default() {
+        // The status's fast_path object is refreshed every FAST_STATUS_MS: wait for it.
+        let claimed = |s: &serde_json::Value| {
+            let n = |f: &str| s["fast_path"][f].as_u64().unwrap_or(0);
+            n("kernel_incoming") > 0 && n("kernel_outgoing") > 0 && s["fast_path"]["handoff"]["reports_in_place"].as_u64().unwrap_or(0) > 0
+        };
+        let ok = wait_for(Duration::from_secs(5), || env.status(Side::Primary).is_some_and(|s| claimed(&s)));
+        let s = env.status(Side::Primary).unwrap_or_default();
+        assert!(ok, "{name}: the primary's programs claimed nothing: {}", s["fast_path"]);
+        assert_eq!(s["fast_path"]["on"], true, "{name}: {}", s["fast_path"]);
+        eprintln!("{name}: the primary's fast path: {}", s["fast_path"]);
+    }
+    assert!(env.port_up(Side::Primary) && env.port_up(Side::Backup), "nobody fenced");
+}
+
 /// Issue 20 defect 5 (and ST-TCP Table 3.3 row 5 under large values): 200 ms of loss toward the
 /// backup only. The backup catches up; nobody takes over; no acknowledged write is lost.
 #[test]

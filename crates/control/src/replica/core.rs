@@ -569,6 +569,8 @@ impl Core {
         for n in p.take_notices() {
             match n {
                 Notice::Unprotected { key, why } => {
+                    // The programs never carry it again: it leaves the map once decided.
+                    self.fast_never_again(key);
                     self.counters.unprotected += 1;
                     if why == Why::Diverged {
                         self.counters.diverged += 1;
@@ -667,7 +669,7 @@ impl Core {
         let flags = self.flags();
         let role = self.s.role;
         let records = !matches!(self.state, State::TookOver | State::PeerFailed | State::Yielded | State::Stale);
-        if records && full && self.backup.is_some() {
+        if records && (full || self.primary.is_some()) {
             self.fast_refresh(now_ms);
         }
         let msgs = match (&self.primary, &mut self.backup) {
@@ -794,6 +796,8 @@ impl Core {
             // primary): into this host's server, as the client would have sent them.
             if let (Role::Backup, true, Some(r)) = (p.role, self.state == State::Protecting, p.records.first()) {
                 let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
+                // Built from the client's latest figures: the programs' if they own it.
+                self.fast_before_message(std::iter::once(key), now_ms);
                 if self.primary.as_mut().is_some_and(|pe| pe.backup_input(&key, r.rcv_nxt, &input, {
                     let (ts, window) = r.input_client();
                     RelayFrom { ts, window }
@@ -801,6 +805,7 @@ impl Core {
                     self.counters.input_injected += 1;
                 }
                 self.drain_primary();
+                self.fast_after_message(now_ms);
                 return;
             }
             // Client bytes the backup missed, from the primary: into the backup's server, as
@@ -890,9 +895,18 @@ impl Core {
                 d.beat(now_ms);
             }
         }
-        if let Some(pr) = self.primary.as_mut() {
-            pr.backup_progress(p, now_ms);
+        if self.primary.is_some() {
+            // The report moves what the programs read (the backup's RCV.NXT and window edge,
+            // its alignment): written into their entries in place where that is all it does;
+            // a record that may release, answer or unprotect takes its connection first (given
+            // back after).
+            let applied = self.fast_before_report(&p.records, now_ms);
+            if let Some(pr) = self.primary.as_mut() {
+                pr.backup_progress(p, now_ms);
+            }
+            self.fast_after_report(applied, now_ms);
             self.drain_primary();
+            self.fast_after_message(now_ms);
         } else if self.backup.is_some() {
             // The report moves what the programs keep (p_out, last_ack, acked_b): the
             // connections it names are taken from them first and given back after.
@@ -1105,12 +1119,10 @@ impl Mode for Core {
             self.counters.passed_unprotected += 1;
             return (Verdict::PASS, len);
         }
-        // The backup's fast path: a packet the programs decided is never decided again, and
-        // a connection they carry is taken from them first.
-        if self.backup.is_some() {
-            if let Some(v) = self.fast_before_packet(&meta, &pkt[..len], outgoing, now_ms) {
-                return (v, len);
-            }
+        // The fast path: a packet the programs decided is never decided again, and a
+        // connection they carry is taken from them first.
+        if let Some(v) = self.fast_before_packet(&meta, &pkt[..len], outgoing, now_ms) {
+            return (v, len);
         }
         // The engines check and update checksums: one the kernel left for the NIC (veth, GSO)
         // is completed first (a released copy goes out through a raw socket, with no NIC to
@@ -1123,6 +1135,7 @@ impl Mode for Core {
         let v = if let Some(p) = self.primary.as_mut() {
             let v = if outgoing { p.outgoing(&mut pkt[..len], now_ms) } else { p.incoming(&pkt[..len]) };
             self.drain_primary();
+            self.fast_after_packet();
             match v {
                 // The engine keeps a copy and sends it when the backup has verified it.
                 Verdict::Held => Verdict::Drop,
@@ -1158,11 +1171,20 @@ impl Mode for Core {
             }
         }
         self.last_tick = Some(now_ms);
-        if let Some(p) = self.primary.as_mut() {
-            if self.state != State::WaitingForPeer && self.state != State::Yielded {
-                p.tick(now_ms);
+        if self.primary.is_some() {
+            let run = self.state != State::WaitingForPeer && self.state != State::Yielded;
+            if run {
+                self.fast_before_primary_tick(now_ms);
+            }
+            if let Some(p) = self.primary.as_mut() {
+                if run {
+                    p.tick(now_ms);
+                }
             }
             self.drain_primary();
+            if run {
+                self.fast_after_message(now_ms);
+            }
         }
         if let Some(b) = self.backup.as_mut() {
             b.tick(now_ms);
@@ -1171,6 +1193,7 @@ impl Mode for Core {
             b.set_input_copies(matches!(self.state, State::WaitingForPeer | State::Protecting | State::Fencing));
         }
         self.fast_tick(now_ms);
+        self.fast_primary_mode(now_ms);
         if matches!(self.state, State::Protecting | State::PeerStale | State::Stale) && now_ms >= self.next_fence_at {
             if let Some(DetectorAction::RunFence) = self.det.as_mut().and_then(|d| d.tick(now_ms)) {
                 let silent = self.peer_heard_at.map_or(0, |t| now_ms.saturating_sub(t));

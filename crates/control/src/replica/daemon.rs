@@ -25,7 +25,7 @@
 //! max_hang_ms = 150                 # a server reading nothing, using no CPU: hung (0: off)
 //! max_connections = 65536
 //! status_file = "/run/unbroken/replica.json"
-//! fast_path = false                 # backup: steady-state packets in tc-BPF (issue 22 item 4)
+//! fast_path = false                 # steady-state packets in tc-BPF (issue 22 item 4; primary: relaxed only)
 //!
 //! [[service]]                       # IPv4, one address (several ports)
 //! addr = "10.77.3.10"
@@ -149,8 +149,11 @@ pub struct ReplicaSection {
     pub status_file: Option<PathBuf>,
     /// The kernel fast path (issue 22 item 4; docs/architecture.md, "Fast path: replica
     /// mode"): on the backup, an aligned connection's client packets are translated and its
-    /// server's output digested and withheld by tc-BPF programs, the rest through the queue as
-    /// before. Off by default while it is new; the primary's half is not attached yet.
+    /// server's output digested and withheld by tc-BPF programs; on a primary without strict
+    /// output commit, a protected connection's pure ACKs both ways and its server's output
+    /// are gated in the kernel and the backup's reports written into the programs' map in
+    /// place; the rest through the queue (or, for the primary's output, copied to the daemon)
+    /// as before. Off by default while it is new.
     #[serde(default)]
     pub fast_path: bool,
 }
@@ -321,8 +324,8 @@ fn fast_path_off_because(cfg: &Replica) -> Option<String> {
     if !cfg.raw.replica.fast_path {
         return Some("replica.fast_path = false".into());
     }
-    if cfg.role == Role::Primary {
-        return Some("the primary's half is not attached yet (only the backup's programs are)".into());
+    if cfg.role == Role::Primary && cfg.raw.replica.strict {
+        return Some("the primary's half carries relaxed output commit only (replica.strict = true: its server's new output is held for the backup's digest, which the engine does)".into());
     }
     if let Err(e) = unbroken_drivers::fastpath::available() {
         return Some(e.to_string());
@@ -342,6 +345,19 @@ fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
     crate::checkpoint::runtime::mark_conflicts()?;
     if !unbroken_drivers::fastpath::is_ethernet(&r.interface) {
         return Err(format!("replica.interface {:?} is not an Ethernet device (the programs read an Ethernet header)", r.interface));
+    }
+    if cfg.role == Role::Primary {
+        let mut fp = Programs::load().map_err(|e| e.to_string())?;
+        for s in &cfg.raw.services {
+            fp.add_service(SocketAddr::new(IpAddr::V4(cfg.addr), s.port)).map_err(|e| e.to_string())?;
+        }
+        fp.set_own_mark(REPLICA_MARK).map_err(|e| e.to_string())?;
+        // Until the backup is heard the OUTPUT rule takes the output (the core switches).
+        fp.set_queue_out(true).map_err(|e| e.to_string())?;
+        fp.attach_primary(&r.interface).map_err(|e| e.to_string())?;
+        let mut map = KernelMap::new_primary(fp, r.strict);
+        map.watch_egress()?;
+        return Ok(map);
     }
     // The server's packets reach tc egress only once their client's address is resolved: the
     // backup's ARP requests must name its host address (the service address's are suppressed).
@@ -887,7 +903,8 @@ fn remove_backup_leftovers(cfg: &Replica) -> Result<(), String> {
         HubReceive::remove_leftovers(&rx_spec(cfg)).map_err(|e| format!("replica: a leftover receive rule on {} (this host was a backup): cannot remove it: {e}", r.interface))?;
         eprintln!("replica: removed a leftover receive rule on {} (this host was a backup before)", r.interface);
     }
-    remove_egress_leftover(cfg)
+    // A predecessor's egress filter goes once this run's own rules are in (`run`).
+    Ok(())
 }
 
 /// Runs the daemon until SIGINT/SIGTERM. Prints one `ready` line once its rules, side channel
@@ -916,22 +933,35 @@ pub fn run(cfg: Replica) -> Result<(), String> {
     // taking the server's packets only after the take-over or once the egress filter is found
     // gone: each one map write, no iptables command in the packet loop (review findings 4, 5).
     // Without the pinned matches the take-over adds the OUTPUT jump itself.
+    //
+    // The primary's fast path the same way: its egress program gates its server's output in
+    // copy mode, its ingress program learns from the client's pure ACKs; the OUTPUT rule's
+    // match takes the output while the pair does not protect (`Core::fast_primary_mode`).
+    // Without the pinned matches a primary runs without the fast path (its filter goes once
+    // the OUTPUT jump is in, below).
     let fast = match fast_path(&cfg, &spec) {
         Ok(mut map) => {
-            spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
-            match unbroken_drivers::fastpath::object::ensure_bpffs().and_then(|()| map.fp.pin_queue_matches(&pin_dir(r.queue))) {
+            let pinned = unbroken_drivers::fastpath::object::ensure_bpffs().and_then(|()| map.fp.pin_queue_matches(&pin_dir(r.queue)));
+            match pinned {
                 Ok(m) => {
+                    spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
                     spec.bpf_match = Some(m);
                     map.rules = None;
+                    Ok(map)
+                }
+                Err(e) if cfg.role == Role::Primary => {
+                    unpin_matches(r.queue);
+                    Err(format!("cannot pin the queue rules' matches ({e}): the primary switches its OUTPUT rule through them"))
                 }
                 Err(e) => {
                     eprintln!("replica: fast path: cannot pin the queue rules' matches ({e}): the take-over installs the OUTPUT queue rule itself (iptables in the packet loop)");
                     // Whichever of the two got pinned: no rule names it.
                     unpin_matches(r.queue);
+                    spec.fast_mark = Some(unbroken_drivers::fastpath::replica::MARK_DONE);
                     spec.hooks = vec![BuiltinChain::Prerouting];
+                    Ok(map)
                 }
             }
-            Ok(map)
         }
         Err(why) => Err(why),
     };
@@ -976,13 +1006,12 @@ pub fn run(cfg: Replica) -> Result<(), String> {
             // A predecessor's OUTPUT jump (without the fast path): the egress program withholds now.
             Rules::remove_jump(&spec, BuiltinChain::Output).map_err(|e| format!("replica: removing the OUTPUT jump: {e}"))?;
         }
-    } else if cfg.role == Role::Backup {
-        // A predecessor's egress filter (with the fast path) goes only now that the OUTPUT
-        // jump withholds the server's output: never a moment with neither. Its pinned matches
-        // too: the rules that named them are replaced.
-        remove_egress_leftover(&cfg)?;
-        unpin_matches(r.queue);
     } else {
+        // A predecessor's egress filter (with the fast path, either role) goes only now that
+        // the OUTPUT jump takes the server's output: never a moment with neither (a backup's
+        // withholds; a primary's copies declined packets to a ring no one reads any more).
+        // Its pinned matches too: the rules that named them are replaced.
+        remove_egress_leftover(&cfg)?;
         unpin_matches(r.queue);
     }
     let raw = RawSender::new(REPLICA_MARK).map_err(|e| format!("replica: raw socket: {e}"))?;
@@ -996,7 +1025,8 @@ pub fn run(cfg: Replica) -> Result<(), String> {
             None
         }
         Ok(map) => {
-            eprintln!("replica: fast path on: aligned connections' client packets and server output stay in the kernel (tc-BPF on {}; the egress filter outlives this daemon)", r.interface);
+            let what = if cfg.role == Role::Primary { "protected connections' pure ACKs and output stay in the kernel while the backup follows" } else { "aligned connections' client packets and server output stay in the kernel" };
+            eprintln!("replica: fast path on: {what} (tc-BPF on {}; the egress filter outlives this daemon)", r.interface);
             let fd = map.fp.ring_fd();
             core.enable_fast_path(Box::new(map));
             Some(fd)

@@ -1,17 +1,19 @@
-//! The backup's fast path in the kernel (issue 22 item 4): the programs of
+//! Replica mode's fast path in the kernel (issue 22 item 4): the programs of
 //! [`unbroken_drivers::fastpath::replica`] loaded and attached to the segment device, behind
-//! the core's [`BackupMap`] (`crate::replica::core`'s fast half decides; this only carries its
-//! operations to the map, converts the clocks, and puts the ring's pieces together).
+//! the core's [`FastMap`] (`crate::replica::core`'s fast half decides; this only carries its
+//! operations to the map of the daemon's role, `rep_b_conns` or `rep_p_conns`, converts the
+//! clocks, and puts the ring's pieces together).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use unbroken_drivers::fastpath::replica::{ctl, EgressSeen, EgressWatch, Key, Op, OpResult, PieceOf, Record, Replica, State};
+use unbroken_drivers::fastpath::replica::{ctl, EgressSeen, EgressWatch, Key, Op, OpResult, PState, PieceOf, Record, Replica, State};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules};
-use unbroken_engines::replica::{BFast, ConnKey};
+use unbroken_engines::replica::{BFast, ConnKey, PFast};
 use unbroken_wire::Seq;
 
-use crate::replica::core::{BackupMap, MapDone, MapOp, MapRecord, Taken};
+use crate::replica::core::{FastMap, Fields, MapDone, MapOp, MapRecord, Reported, Taken};
+use unbroken_wire::replica::{flag as rw_flag, ConnProgress};
 
 /// The kernel's clock as `bpf_ktime_get_ns` reads it (CLOCK_MONOTONIC, ns).
 fn kernel_ns() -> u64 {
@@ -37,6 +39,8 @@ pub fn conn_of(k: &Key) -> ConnKey {
 /// The loaded (and, in the daemon, attached) programs as the core's map.
 pub struct KernelMap {
     pub fp: Replica,
+    /// The primary's map (`rep_p_conns`) rather than the backup's.
+    primary: bool,
     /// The pair's strict output commit (the programs' REP_B_STRICT).
     strict: bool,
     /// The queue rules whose OUTPUT jump the take-over adds: `None` when their OUTPUT rule is
@@ -91,7 +95,12 @@ impl Pieces {
 
 impl KernelMap {
     pub fn new(fp: Replica, strict: bool, rules: Option<RuleSpec>) -> KernelMap {
-        KernelMap { fp, strict, rules, pieces: Pieces::default(), watch: None }
+        KernelMap { fp, primary: false, strict, rules, pieces: Pieces::default(), watch: None }
+    }
+
+    /// The primary's map (`rep_p_conns`, the programs `rep_p_in` and `rep_p_out`).
+    pub fn new_primary(fp: Replica, strict: bool) -> KernelMap {
+        KernelMap { fp, primary: true, strict, rules: None, pieces: Pieces::default(), watch: None }
     }
 
     /// Starts the egress filter's watch (a thread looking every `EGRESS_WATCH_MS`).
@@ -113,15 +122,63 @@ impl KernelMap {
         State::from_engine(f, self.strict, at)
     }
 
+    /// The primary's: `client_heard_at` between the two clocks.
+    fn p_to_engine(&self, s: &PState, now_ms: u64) -> PFast {
+        let age_ms = kernel_ns().saturating_sub(s.heard_at) / 1_000_000;
+        s.to_engine(now_ms.saturating_sub(age_ms))
+    }
+
+    fn p_from_engine(&self, f: &PFast, now_ms: u64) -> PState {
+        let at = kernel_ns().saturating_sub(now_ms.saturating_sub(f.client_heard_at).saturating_mul(1_000_000));
+        PState::from_engine(f, self.strict, at)
+    }
+
+    fn p_apply(&mut self, op: &MapOp, now_ms: u64) -> Result<MapDone, unbroken_drivers::fastpath::Error> {
+        match op {
+            MapOp::Install(k, Fields::Primary(f)) => {
+                let st = self.p_from_engine(f, now_ms);
+                match self.fp.p_install(&key_of(k), &st) {
+                    Ok(true) => Ok(MapDone::Kernel),
+                    Ok(false) => self.fp.p_remove(&key_of(k)).map(|_| MapDone::Gone),
+                    Err(e) => Err(e),
+                }
+            }
+            MapOp::Thaw(k, Fields::Primary(f)) | MapOp::ThawForce(k, Fields::Primary(f)) => {
+                let o = if matches!(op, MapOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
+                let st = self.p_from_engine(f, now_ms);
+                self.fp.p_op(o, &key_of(k), Some(&st)).map(|(r, _, _)| match r {
+                    OpResult::Done => MapDone::Kernel,
+                    OpResult::Stale => MapDone::Held,
+                    OpResult::NoEntry | OpResult::Taken => MapDone::Gone,
+                })
+            }
+            MapOp::Remove(k) => self.fp.p_remove(&key_of(k)).map(|_| MapDone::Gone),
+            // The backup's fields for the primary's map: never built (the core loads the
+            // engine's own form).
+            MapOp::Install(k, _) | MapOp::Thaw(k, _) | MapOp::ThawForce(k, _) => self.fp.p_remove(&key_of(k)).map(|_| MapDone::Gone),
+        }
+    }
+
     fn log(what: &str, e: impl std::fmt::Display) {
         crate::ratelog::log("replica: fast path", || format!("replica: fast path: {what}: {e}"));
     }
 }
 
-impl BackupMap for KernelMap {
+impl FastMap for KernelMap {
     fn take(&mut self, key: &ConnKey, counted: bool, now_ms: u64) -> Option<Taken> {
-        match self.fp.op(if counted { Op::Take } else { Op::Freeze }, &key_of(key), None) {
-            Ok(a) if a.result == OpResult::Done => Some(Taken { newest: a.ctl_before & ctl::USER == 0, fields: self.to_engine(key, &a.entry.state, now_ms) }),
+        let op = if counted { Op::Take } else { Op::Freeze };
+        if self.primary {
+            return match self.fp.p_op(op, &key_of(key), None) {
+                Ok((OpResult::Done, ctl_before, e)) => Some(Taken { newest: ctl_before & ctl::USER == 0, fields: Fields::Primary(self.p_to_engine(&e.state, now_ms)) }),
+                Ok(_) => None,
+                Err(e) => {
+                    Self::log("taking an entry", e);
+                    None
+                }
+            };
+        }
+        match self.fp.op(op, &key_of(key), None) {
+            Ok(a) if a.result == OpResult::Done => Some(Taken { newest: a.ctl_before & ctl::USER == 0, fields: Fields::Backup(self.to_engine(key, &a.entry.state, now_ms)) }),
             Ok(_) => None,
             Err(e) => {
                 Self::log("taking an entry", e);
@@ -132,7 +189,8 @@ impl BackupMap for KernelMap {
 
     fn apply(&mut self, op: &MapOp, now_ms: u64) -> MapDone {
         let res = match op {
-            MapOp::Install(k, f) => {
+            _ if self.primary => self.p_apply(op, now_ms),
+            MapOp::Install(k, Fields::Backup(f)) => {
                 let st = self.from_engine(f, now_ms);
                 match self.fp.install(&key_of(k), &st) {
                     Ok(true) => Ok(MapDone::Kernel),
@@ -142,16 +200,16 @@ impl BackupMap for KernelMap {
                     Err(e) => Err(e),
                 }
             }
-            MapOp::Thaw(k, f) | MapOp::ThawForce(k, f) => {
+            MapOp::Thaw(k, Fields::Backup(f)) | MapOp::ThawForce(k, Fields::Backup(f)) => {
                 let o = if matches!(op, MapOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
                 let st = self.from_engine(f, now_ms);
                 self.fp.op(o, &key_of(k), Some(&st)).map(|a| match a.result {
                     OpResult::Done => MapDone::Kernel,
                     OpResult::Stale => MapDone::Held,
-                    OpResult::NoEntry => MapDone::Gone,
+                    OpResult::NoEntry | OpResult::Taken => MapDone::Gone,
                 })
             }
-            MapOp::Remove(k) => self.fp.remove(&key_of(k)).map(|_| MapDone::Gone),
+            MapOp::Remove(k) | MapOp::Install(k, _) | MapOp::Thaw(k, _) | MapOp::ThawForce(k, _) => self.fp.remove(&key_of(k)).map(|_| MapDone::Gone),
         };
         res.unwrap_or_else(|e| {
             Self::log(&format!("{op:?}"), e);
@@ -164,9 +222,19 @@ impl BackupMap for KernelMap {
         })
     }
 
-    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<BFast> {
+    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<Fields> {
+        if self.primary {
+            return match self.fp.p_op(Op::Collect, &key_of(key), None) {
+                Ok((OpResult::Done, _, e)) => Some(Fields::Primary(self.p_to_engine(&e.state, now_ms))),
+                Ok(_) => None,
+                Err(e) => {
+                    Self::log("collecting an entry", e);
+                    None
+                }
+            };
+        }
         match self.fp.op(Op::Collect, &key_of(key), None) {
-            Ok(a) if a.result == OpResult::Done => Some(self.to_engine(key, &a.entry.state, now_ms)),
+            Ok(a) if a.result == OpResult::Done => Some(Fields::Backup(self.to_engine(key, &a.entry.state, now_ms))),
             Ok(_) => None,
             Err(e) => {
                 Self::log("collecting an entry", e);
@@ -227,8 +295,46 @@ impl BackupMap for KernelMap {
         self.fp.set_user_out().map_err(|e| e.to_string())
     }
 
+    fn queue_out(&mut self, on: bool) -> Result<(), String> {
+        self.fp.set_queue_out(on).map_err(|e| e.to_string())
+    }
+
+    fn report(&mut self, key: &ConnKey, rec: &ConnProgress, now_ms: u64) -> Reported {
+        if !self.primary {
+            return Reported::Frozen;
+        }
+        let rcv = (rec.flags & rw_flag::RCV_KNOWN != 0).then_some((rec.rcv_nxt, rec.rcv_edge));
+        match self.fp.p_report(&key_of(key), rcv, rec.flags & rw_flag::ALIGNED != 0, rec.last_ack) {
+            Ok((OpResult::Done, e)) => Reported::Kernel(Fields::Primary(self.p_to_engine(&e.state, now_ms))),
+            Ok((OpResult::Taken, e)) => Reported::Taken(Fields::Primary(self.p_to_engine(&e.state, now_ms))),
+            Ok((OpResult::Stale, _)) => Reported::Frozen,
+            Ok((OpResult::NoEntry, _)) => Reported::Gone,
+            Err(e) => {
+                Self::log("a report in place", e);
+                Reported::Frozen
+            }
+        }
+    }
+
+    fn output_at(&mut self, now_ms: u64) -> Option<u64> {
+        if !self.primary {
+            return None;
+        }
+        let at = self.fp.p_clock().ok().filter(|t| *t != 0)?;
+        Some(now_ms.saturating_sub(kernel_ns().saturating_sub(at) / 1_000_000))
+    }
+
     fn stats(&mut self) -> Vec<(&'static str, u64)> {
         let mut v = vec![("pieces_dropped", self.pieces.dropped)];
+        if self.primary {
+            if let Ok(c) = self.fp.p_counters() {
+                v.extend([("kernel_incoming", c.incoming), ("kernel_outgoing", c.outgoing), ("kernel_slow", c.slow), ("kernel_dropped", c.dropped), ("kernel_acks_lowered", c.acks_lowered), ("kernel_ts_raised", c.ts_raised)]);
+            }
+            if let Ok(c) = self.fp.counters() {
+                v.extend([("kernel_records_lost", c.records_lost)]);
+            }
+            return v;
+        }
         if let Ok(c) = self.fp.counters() {
             v.extend([
                 ("kernel_incoming", c.incoming),

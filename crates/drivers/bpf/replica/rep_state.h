@@ -162,6 +162,17 @@ struct rep_svc {
 #define REP_OP_THAW_FORCE 4
 /* The entry as it is, REP_C_CHANGED cleared (the daemon reports its figures now). */
 #define REP_OP_COLLECT 5
+/* The primary's only: one record of the backup's report applied in place (rep_p_op), the entry
+ * left to the programs unless the engine would answer the record with a packet (then frozen,
+ * result 4: the daemon's, as after REP_OP_FREEZE). The request's state carries the record:
+ * flags REP_P_B_RCV_KNOWN / REP_P_B_ALIGNED, b_rcv_nxt, b_rcv_edge, and in client_ack the
+ * client's ACK as the backup heard it (0: none). */
+#define REP_OP_REPORT 6
+/* What rep_p_op answers REP_OP_REPORT when it froze the entry. */
+#define REP_OP_TAKEN 4
+/* The engine's ACK_RELAY_AFTER_MS less a margin: REP_OP_REPORT freezes every entry whose
+ * client the engine may count as quiet (its clock in whole milliseconds, read a little later). */
+#define REP_P_RELAY_QUIET_NS (18ULL * 1000 * 1000)
 
 struct rep_op_req {
 	__u32 op;

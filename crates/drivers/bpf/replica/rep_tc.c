@@ -1147,6 +1147,8 @@ int rep_p_op(struct __sk_buff *skb)
 	if (bpf_skb_load_bytes(skb, FP_L3_ETH, &rq, sizeof(rq)))
 		return 3;
 	__u32 op = rq.op, result = 0;
+	/* REP_OP_REPORT's clock: read before the lock (no helper calls under it). */
+	__u64 now = bpf_ktime_get_ns();
 	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &rq.key);
 	if (!e) {
 		result = 1;
@@ -1175,6 +1177,46 @@ int rep_p_op(struct __sk_buff *skb)
 		break;
 	case REP_OP_COLLECT:
 		break;
+	case REP_OP_REPORT: {
+		/* Primary::backup_progress's receive figures for a connection the programs own:
+		 * the gate follows the backup without a freeze. */
+		if (e->ctl & REP_C_FROZEN) {
+			result = 2;
+			break;
+		}
+		const struct rep_p_state *r = &rq.value.s;
+		struct rep_p_state *s = &e->s;
+		if (r->flags & REP_P_B_RCV_KNOWN) {
+			int known = (s->flags & (REP_P_B | REP_P_B_RCV_KNOWN)) == (REP_P_B | REP_P_B_RCV_KNOWN);
+			if (!known || seq_gt(r->b_rcv_nxt, s->b_rcv_nxt))
+				s->b_rcv_nxt = r->b_rcv_nxt;
+			if (!known || seq_gt(r->b_rcv_edge, s->b_rcv_edge))
+				s->b_rcv_edge = r->b_rcv_edge;
+			s->flags |= REP_P_B_RCV_KNOWN;
+		}
+		s->flags |= REP_P_B;
+		if (r->flags & REP_P_B_ALIGNED)
+			s->flags |= REP_P_B_ALIGNED;
+		e->gen++;
+		/* Koch 3.4's fresh ACK: the gated ACK passed the last one sent. And a backup behind
+		 * in the client's bytes: the engine's timers answer that (duplicate ACKs that make
+		 * the client resend, ST-TCP 3.6's relay), so the connection is the engine's. */
+		int fresh = 0;
+		if ((s->flags & REP_P_B_RCV_KNOWN) && seq_gt(s->ack_p, s->b_rcv_nxt))
+			fresh = 1;
+		if ((s->flags & (REP_P_SENT_ACK | REP_P_B_RCV_KNOWN)) == (REP_P_SENT_ACK | REP_P_B_RCV_KNOWN)) {
+			__u32 g = seq_lt(s->ack_p, s->b_rcv_nxt) ? s->ack_p : s->b_rcv_nxt;
+			fresh |= seq_gt(g, s->sent_ack);
+		}
+		/* The client's ACK relayed from the backup into this host's server (issue 20). */
+		int relay = r->client_ack != 0 && (s->flags & REP_P_CLIENT_LAST) && now >= s->heard_at + REP_P_RELAY_QUIET_NS &&
+			    seq_gt(r->client_ack, s->client_ack) && seq_le(r->client_ack, s->snd_c);
+		if (fresh || relay) {
+			e->ctl |= REP_C_FROZEN | REP_C_USER;
+			result = REP_OP_TAKEN;
+		}
+		break;
+	}
 	default:
 		result = 3;
 	}

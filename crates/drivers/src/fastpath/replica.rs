@@ -10,8 +10,8 @@
 //! connection ([`PrimaryDirection`]: `rep_p_in` learns from the client's pure ACKs, `rep_p_out`
 //! gates its server's pure ACKs, retransmissions of released bytes and, without strict output
 //! commit, its new output, Koch 3.2) in the map `rep_p_conns` ([`PEntry`], [`PState`]). The
-//! backup's programs are attached by [`Replica::attach_backup`] (the replica daemon's fast
-//! path); the primary's are not attached yet.
+//! backup's programs are attached by [`Replica::attach_backup`], the primary's by
+//! [`Replica::attach_primary`] (the replica daemon's fast path).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -351,14 +351,20 @@ pub enum Op {
     ThawForce,
     /// Read the entry and clear [`ctl::CHANGED`]: the daemon reports its figures now.
     Collect,
+    /// The primary's only ([`Replica::p_report`]): a backup record applied in place.
+    Report,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpResult {
     Done,
     NoEntry,
-    /// [`Op::Thaw`] refused: the entry stays frozen and the daemon's.
+    /// [`Op::Thaw`] refused: the entry stays frozen and the daemon's. [`Op::Report`]: it was
+    /// frozen already (the daemon's), nothing applied.
     Stale,
+    /// [`Op::Report`]: applied, and the entry frozen: the engine answers this record with a
+    /// packet (a fresh ACK, the client's ACK relayed), so the connection is the daemon's now.
+    Taken,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -606,12 +612,12 @@ pub struct PrimaryCounters {
 // SAFETY: plain integers.
 unsafe impl aya::Pod for PrimaryCounters {}
 
-/// The priorities of `rep_b_out`'s egress filter (two: a restarted daemon's goes in beside its
+/// The priorities of the egress filter (`rep_b_out` or `rep_p_out`) (two: a restarted daemon's goes in beside its
 /// predecessor's before that one goes) and its handle.
 const EGRESS_PRIO: [u16; 2] = [0x7562, 0x7563];
 const EGRESS_HANDLE: aya::programs::tc::TcHandle = aya::programs::tc::TcHandle::new(0, 0x7562);
 
-/// Removes `rep_b_out`'s egress filters from `iface` (a backup daemon's that no longer runs,
+/// Removes the egress filters (`rep_b_out`, `rep_p_out`) from `iface` (a backup daemon's that no longer runs,
 /// see [`Replica::attach_backup`]): its program stops withholding. How many there were (none
 /// also when this process may not remove filters).
 pub fn remove_egress(iface: &str) -> Result<usize, Error> {
@@ -630,7 +636,7 @@ pub fn remove_egress(iface: &str) -> Result<usize, Error> {
 /// What the egress watch found at its last look ([`Replica::watch_egress`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EgressSeen {
-    /// `rep_b_out`'s filter is attached and nothing runs before it.
+    /// The egress filter is attached and nothing runs before it.
     Present,
     /// It is gone or may be skipped: why.
     Gone(String),
@@ -665,7 +671,7 @@ impl Drop for EgressWatch {
     }
 }
 
-/// One look: `rep_b_out` (program `id`) still withholds at `iface`'s egress. Gone when the
+/// One look: the egress program (`rep_b_out` or `rep_p_out`, program `id`) still runs at `iface`'s egress. Gone when the
 /// device is gone, the filter is not listed, another filter runs before it (the dump's
 /// priority order: one that answers OK skips it; a predecessor's `rep_b_out` at the other of
 /// our two priorities is ours too), or TCX egress programs are attached (they run before every
@@ -677,16 +683,16 @@ pub fn egress_check(iface: &str, id: u32) -> Result<EgressSeen, String> {
     let mut filters = crate::tcfilter::list(index, crate::tcfilter::PARENT_EGRESS).map_err(|e| format!("listing the tc egress filters of {iface}: {e}"))?;
     filters.sort_by_key(|f| f.priority);
     let Some(at) = filters.iter().position(|f| f.kind == "bpf" && f.prog_id == Some(id)) else {
-        return Ok(EgressSeen::Gone(format!("rep_b_out's filter is no longer attached at {iface} egress")));
+        return Ok(EgressSeen::Gone(format!("the fast path's filter is no longer attached at {iface} egress")));
     };
     if let Some(f) = filters[..at].iter().find(|f| !(f.kind == "bpf" && EGRESS_PRIO.contains(&f.priority))) {
-        return Ok(EgressSeen::Gone(format!("a {} filter at priority {} runs before rep_b_out at {iface} egress and may let packets past it", f.kind, f.priority)));
+        return Ok(EgressSeen::Gone(format!("a {} filter at priority {} runs before the fast path's filter at {iface} egress and may let packets past it", f.kind, f.priority)));
     }
     if let Ok((_, progs)) = SchedClassifier::query_tcx(iface, aya::programs::TcAttachType::Egress) {
         // (A kernel that cannot answer has no TCX: the fast path needs 6.6, which has it.)
         if !progs.is_empty() {
             let ids: Vec<u32> = progs.iter().map(|p| p.id()).collect();
-            return Ok(EgressSeen::Gone(format!("TCX egress programs {ids:?} run at {iface} before every tc filter and may let packets past rep_b_out")));
+            return Ok(EgressSeen::Gone(format!("TCX egress programs {ids:?} run at {iface} before every tc filter and may let packets past the fast path's filter")));
         }
     }
     Ok(EgressSeen::Present)
@@ -718,8 +724,9 @@ pub struct Replica {
     /// egress programs pass untouched).
     cfg: u32,
     own_mark: u32,
-    /// The device whose egress `rep_b_out` was attached to ([`Replica::attach_backup`]).
-    egress: Option<String>,
+    /// The device and the program attached at its egress ([`Replica::attach_backup`],
+    /// [`Replica::attach_primary`]).
+    egress: Option<(String, &'static str)>,
 }
 
 impl Replica {
@@ -757,12 +764,25 @@ impl Replica {
     /// packet again, and drops it while no daemon reads the queue). Copy mode is turned on
     /// first ([`Replica::set_egress_copy`]).
     pub fn attach_backup(&mut self, iface: &str) -> Result<(), Error> {
+        self.attach(iface, Direction::Outgoing.program(), Direction::Incoming.program())
+    }
+
+    /// Attaches the primary's programs to `iface` as [`Replica::attach_backup`] attaches the
+    /// backup's: `rep_p_out` at tc egress (`cls_bpf`, copy mode: a packet of the service it
+    /// declines reaches the daemon as a [`Record::Slow`] copy and is consumed, never passed
+    /// ungated; the filter outlives this process, fail closed), `rep_p_in` at TCX ingress. The
+    /// filters share the backup's priorities: a daemon that restarts in the other role
+    /// replaces its predecessor's filter the same way.
+    pub fn attach_primary(&mut self, iface: &str) -> Result<(), Error> {
+        self.attach(iface, PrimaryDirection::Outgoing.program(), PrimaryDirection::Incoming.program())
+    }
+
+    fn attach(&mut self, iface: &str, out: &'static str, inp: &'static str) -> Result<(), Error> {
         use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions};
         use aya::programs::TcAttachType;
         self.set_egress_copy(true)?;
         // "Exists" is the usual answer (another program's clsact, or a predecessor's).
         let _ = aya::programs::tc::qdisc_add_clsact(iface);
-        let out = Direction::Outgoing.program();
         let prog = super::classifier_mut(&mut self.ebpf, out)?;
         let mut attached = None;
         let mut first_err = None;
@@ -785,11 +805,11 @@ impl Replica {
         // with this value if it was not taken yet; once taken it stays, withholding, until a
         // daemon that runs without the fast path removes both after its OUTPUT jump is in):
         // never a moment without a filter or the jump.
-        let link = prog.take_link(id).map_err(|e| bpf_err("taking rep_b_out's filter", e))?;
+        let link = prog.take_link(id).map_err(|e| bpf_err(&format!("taking {out}'s filter"), e))?;
         // Never detached by this process: it outlives it (see above).
         std::mem::forget(link);
-        self.egress = Some(iface.to_string());
-        super::attach_tcx(&mut self.ebpf, Direction::Incoming.program(), iface, TcAttachType::Ingress)?;
+        self.egress = Some((iface.to_string(), out));
+        super::attach_tcx(&mut self.ebpf, inp, iface, TcAttachType::Ingress)?;
         // Everything of ours runs: a predecessor's filter at the other priority goes.
         if let Ok(old) = SchedClassifierLink::attached(iface, TcAttachType::Egress, EGRESS_PRIO[1 - i], EGRESS_HANDLE, None) {
             let _ = aya::programs::links::Link::detach(old);
@@ -857,23 +877,34 @@ impl Replica {
     }
 
     fn egress_target(&self) -> Result<(String, u32), Error> {
-        let iface = self.egress.clone().ok_or_else(|| Error::Bpf("rep_b_out is not attached".into()))?;
-        let id = classifier(&self.ebpf, Direction::Outgoing.program())?.info().map_err(|e| bpf_err("rep_b_out's id", e))?.id();
+        let (iface, prog) = self.egress.clone().ok_or_else(|| Error::Bpf("no egress program is attached".into()))?;
+        let id = classifier(&self.ebpf, prog)?.info().map_err(|e| bpf_err(&format!("{prog}'s id"), e))?.id();
         Ok((iface, id))
     }
 
     /// The daemon takes its server's output through the queue again, without the egress
-    /// program (its filter is gone): the OUTPUT rule's match takes every packet and copy mode
-    /// ends, in one write (`rep_q_out`).
+    /// program (its filter is gone, or may be skipped): the OUTPUT rule's match takes every
+    /// packet, in one write (`rep_q_out`). Copy mode stays: if the filter still runs, a packet
+    /// that passed OUTPUT just before the write reaches it without the queue's accept mark and
+    /// is copied to the daemon, never passed as its server built it.
     pub fn set_user_out(&mut self) -> Result<(), Error> {
-        self.write_cfg((self.cfg | cfg::USER_OUT) & !cfg::EGRESS_COPY)
+        self.write_cfg(self.cfg | cfg::USER_OUT)
+    }
+
+    /// The primary: its server's output through the OUTPUT queue rule (`on`: before the pair
+    /// protects, and once it no longer can) or through `rep_p_out` alone (off), one write
+    /// (`rep_q_out` reads it). Copy mode stays on either way: what passed OUTPUT unqueued
+    /// just before the switch is claimed by `rep_p_out` with the entry's newest fields, or
+    /// copied to the daemon; the queue's accepted packets carry the daemon's mark and pass.
+    pub fn set_queue_out(&mut self, on: bool) -> Result<(), Error> {
+        self.write_cfg(if on { self.cfg | cfg::USER_OUT } else { self.cfg & !cfg::USER_OUT })
     }
 
     /// Detaches `rep_b_out`'s filter from the device this value attached it to (this run
     /// cannot go on with the fast path).
     pub fn detach_egress(&mut self) -> Result<(), Error> {
         match self.egress.take() {
-            Some(iface) => remove_egress(&iface).map(drop),
+            Some((iface, _)) => remove_egress(&iface).map(drop),
             None => Ok(()),
         }
     }
@@ -946,6 +977,7 @@ impl Replica {
             Op::Thaw => 3,
             Op::ThawForce => 4,
             Op::Collect => 5,
+            Op::Report => return Err(Error::Bpf("Op::Report is the primary's".into())),
         };
         let req = OpMsg { word0: code, word1: 0, key: *key, pad: 0, value: value.map(Entry::new).unwrap_or_default() };
         // SAFETY: OpMsg is #[repr(C)] integers and bytes without padding.
@@ -1027,6 +1059,24 @@ impl Replica {
         self.p_map()?.insert(key, PEntry { state: *s, ..PEntry::default() }, 0).map_err(|e| bpf_err("map insert", e))
     }
 
+    /// Creates the primary entry of `key`; false when there is one already (left as it is).
+    pub fn p_install(&mut self, key: &Key, s: &PState) -> Result<bool, Error> {
+        match self.p_map()?.insert(key, PEntry { state: *s, ..PEntry::default() }, BPF_NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(e) => Err(bpf_err("map insert", e)),
+        }
+    }
+
+    /// When `rep_p_out` last passed new output of the primary's server (`rep_p_clock`: the
+    /// kernel's clock, ns; 0: never): `Primary::last_output_ms` for the output the engine did
+    /// not see.
+    pub fn p_clock(&mut self) -> Result<u64, Error> {
+        let m = self.ebpf.map_mut("rep_p_clock").ok_or_else(|| Error::Bpf("no map rep_p_clock".into()))?;
+        let a: aya::maps::Array<&mut MapData, u64> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_p_clock", e))?;
+        a.get(&0, 0).map_err(|e| bpf_err("rep_p_clock", e))
+    }
+
     /// The primary entry of `key`, read under its lock.
     pub fn p_entry(&mut self, key: &Key) -> Result<Option<PEntry>, Error> {
         match self.p_map()?.get(key, BPF_F_LOCK) {
@@ -1053,6 +1103,7 @@ impl Replica {
             Op::Thaw => 3,
             Op::ThawForce => 4,
             Op::Collect => 5,
+            Op::Report => 6,
         };
         let req = POpMsg { word0: code, word1: 0, key: *key, pad: 0, value: PEntry { state: value.copied().unwrap_or_default(), ..PEntry::default() } };
         // SAFETY: POpMsg is #[repr(C)] integers and bytes without padding.
@@ -1069,9 +1120,29 @@ impl Replica {
             (Verdict::Done, 0) => OpResult::Done,
             (Verdict::Other(1), 1) => OpResult::NoEntry,
             (Verdict::Drop, 2) => OpResult::Stale,
+            (Verdict::Other(4), 4) if op == Op::Report => OpResult::Taken,
             (v, r) => return Err(Error::Bpf(format!("{P_OP_PROGRAM}: {op:?} returned {v:?}, result {r}"))),
         };
         Ok((result, ans.word1, ans.value))
+    }
+
+    /// One record of the backup's report (its RCV.NXT and window edge when `rcv` is given, its
+    /// alignment, the client's ACK as it heard it, `last_ack`, 0 for none) applied to the
+    /// primary entry of `key` in place ([`Op::Report`], `REP_OP_REPORT`): the gate follows it
+    /// at once. [`OpResult::Taken`] when the engine would answer the record with a packet (the
+    /// entry is then frozen, the daemon's); [`OpResult::Stale`] when it was frozen already.
+    pub fn p_report(&self, key: &Key, rcv: Option<(Seq, Seq)>, aligned: bool, last_ack: Seq) -> Result<(OpResult, PEntry), Error> {
+        let mut st = PState::default();
+        if let Some((nxt, edge)) = rcv {
+            st.flags |= pflag::B_RCV_KNOWN;
+            (st.b_rcv_nxt, st.b_rcv_edge) = (nxt.0, edge.0);
+        }
+        if aligned {
+            st.flags |= pflag::B_ALIGNED;
+        }
+        st.client_ack = last_ack.0;
+        let (r, _, e) = self.p_op(Op::Report, key, Some(&st))?;
+        Ok((r, e))
     }
 
     /// The primary programs' counters, summed over the CPUs.

@@ -32,8 +32,33 @@
 //! map cleared.
 
 use super::*;
-use unbroken_engines::replica::BFast;
+use unbroken_engines::replica::{BFast, PFast};
+use unbroken_wire::replica::{flag as rw_flag, ConnProgress};
 use unbroken_wire::Seq;
+
+/// A connection's fields as they cross between the engine and the map: the backup's or the
+/// primary's (each daemon runs one of the two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fields {
+    Backup(BFast),
+    Primary(PFast),
+}
+
+impl Fields {
+    pub fn backup(self) -> Option<BFast> {
+        match self {
+            Fields::Backup(f) => Some(f),
+            Fields::Primary(_) => None,
+        }
+    }
+
+    pub fn primary(self) -> Option<PFast> {
+        match self {
+            Fields::Primary(f) => Some(f),
+            Fields::Backup(_) => None,
+        }
+    }
+}
 
 /// How long the core holds an eligible connection at most, counted from when it began to hold
 /// it, before it gives it back even though a counted packet never reached the queue (a full
@@ -65,18 +90,18 @@ pub enum Fast {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Taken {
     pub newest: bool,
-    pub fields: BFast,
+    pub fields: Fields,
 }
 
 /// What the core asks of the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MapOp {
     /// A new entry (`BPF_NOEXIST`): the programs own the connection from now on.
-    Install(ConnKey, BFast),
+    Install(ConnKey, Fields),
     /// Give a held connection back, unless a counted packet is still on its way.
-    Thaw(ConnKey, BFast),
+    Thaw(ConnKey, Fields),
     /// Give it back anyway ([`HOLD_BOUND_MS`]).
-    ThawForce(ConnKey, BFast),
+    ThawForce(ConnKey, Fields),
     Remove(ConnKey),
 }
 
@@ -110,15 +135,30 @@ pub enum MapRecord {
     Input(ConnKey, Vec<u8>),
 }
 
-/// The map, as the core uses it. Fields cross in the engine's form ([`BFast`]): the map
-/// converts the kernel's clock (`b_ts_seen`) to the engine's, given as `now_ms`.
-pub trait BackupMap: Send {
+/// What became of a backup record applied in place ([`FastMap::report`], the primary's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reported {
+    /// Applied; the programs keep the connection; its fields as they are now.
+    Kernel(Fields),
+    /// Applied, and frozen: the engine answers the record with a packet (a fresh ACK, the
+    /// client's ACK relayed): the connection is the core's, these its newest fields.
+    Taken(Fields),
+    /// Not applied: frozen already, or the map cannot (the core takes it as for any message).
+    Frozen,
+    /// No entry.
+    Gone,
+}
+
+/// The map, as the core uses it (the backup's `rep_b_conns` or the primary's `rep_p_conns`).
+/// Fields cross in the engine's form ([`Fields`]): the map converts the kernel's clock
+/// (`b_ts_seen`, `client_heard_at`) to the engine's, given as `now_ms`.
+pub trait FastMap: Send {
     /// Takes the fields of `key` (freezing its entry; `counted`: `TAKE`, the packet being
     /// decided was marked, else `FREEZE`). `None`: no entry.
     fn take(&mut self, key: &ConnKey, counted: bool, now_ms: u64) -> Option<Taken>;
     fn apply(&mut self, op: &MapOp, now_ms: u64) -> MapDone;
     /// `COLLECT`: the entry's fields as they are (`CHANGED` cleared), without taking it.
-    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<BFast>;
+    fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<Fields>;
     /// The records sent since the last call, in order.
     fn records(&mut self) -> Vec<MapRecord>;
     /// The take-over's first step: the server's packets go through the queue again (the
@@ -137,9 +177,31 @@ pub trait BackupMap: Send {
     fn user_out(&mut self) -> Result<(), String> {
         Ok(())
     }
+    /// The primary's: its server's output through the OUTPUT queue rule (`on`, the rule's
+    /// match takes every packet; the egress program passes what the queue accepted and copies
+    /// what slipped past the switch) or through the egress program alone (off). Switchable
+    /// both ways: a packet that passed OUTPUT before the switch is either claimed by the
+    /// program with the newest fields or copied to the daemon, never passed ungated.
+    fn queue_out(&mut self, on: bool) -> Result<(), String> {
+        let _ = on;
+        Ok(())
+    }
     /// The programs' own counters, for the status.
     fn stats(&mut self) -> Vec<(&'static str, u64)> {
         Vec::new()
+    }
+    /// The primary's: one record of the backup's report applied to the entry of `key` in
+    /// place (`REP_OP_REPORT`): the backup's receive figures and alignment, and whether the
+    /// engine would answer it with a packet, decided on the same fields.
+    fn report(&mut self, key: &ConnKey, rec: &ConnProgress, now_ms: u64) -> Reported {
+        let _ = (key, rec, now_ms);
+        Reported::Frozen
+    }
+    /// The primary's: when the programs last passed new output of its server (the engine's
+    /// clock; `None`: never, or a backup's map).
+    fn output_at(&mut self, now_ms: u64) -> Option<u64> {
+        let _ = now_ms;
+        None
     }
 }
 
@@ -170,6 +232,13 @@ pub struct FastCounters {
     /// Packets marked [`MARK_DONE`] that reached the queue anyway (a chain edited by hand):
     /// accepted as they are, never rewritten twice.
     pub fast_done_queued: u64,
+    /// Backup records applied to the programs' entries in place (the primary's).
+    pub reports_in_place: u64,
+    /// Of those, records the engine answered differently than the programs foresaw (taken
+    /// back after, the engine's answer kept).
+    pub report_mismatch: u64,
+    /// Copies that name no TCP connection (never sent).
+    pub copies_unnamed: u64,
     /// Take-overs where the OUTPUT queue rule could not be installed.
     pub promote_failed: u64,
     /// Looks for the egress filter that could not be answered (no verdict those times).
@@ -181,7 +250,7 @@ pub struct FastCounters {
 pub struct FastPart {
     /// Why the fast path is off (the status's `fast_path.off_because`); `None` while on.
     pub off_because: Option<String>,
-    map: Option<Box<dyn BackupMap>>,
+    map: Option<Box<dyn FastMap>>,
     /// Connections in the map, as the core knows them.
     conns: HashMap<ConnKey, Fast>,
     /// Connections held by the core, and since when (ms).
@@ -204,12 +273,22 @@ pub struct FastPart {
     /// The take-over's promote failed: the egress program still copies and consumes the
     /// server's packets, which the engine now translates and the raw socket sends.
     copying: bool,
+    /// The primary's server output goes through the OUTPUT queue rule (its match told so,
+    /// [`FastMap::queue_out`]): before the pair protects, and for good once it no longer can.
+    /// Starts on: the daemon installs the rule taking the output until the backup is heard.
+    queue_out: bool,
+    /// When the primary's timed connections were last read ([`TIMED_REFRESH_MS`]).
+    timed_at: u64,
     /// When the programs' loss counters were last read, and what they said (review finding 8:
     /// counted, never said).
     losses_at: u64,
     losses: Vec<(&'static str, u64)>,
     pub counters: FastCounters,
 }
+
+/// How often the primary's timers get the programs' figures of the connections they look at
+/// (a `COLLECT` each): the lag bounds are seconds, the nudges tens of milliseconds.
+pub const TIMED_REFRESH_MS: u64 = 20;
 
 /// How often the programs' loss counters are read for the log (a syscall per CPU each).
 const LOSS_CHECK_MS: u64 = 1_000;
@@ -247,11 +326,60 @@ pub fn conn_key(pkt: &[u8], outgoing: bool) -> Option<ConnKey> {
 }
 
 impl Core {
-    /// Hands the backup's aligned connections to `map` from now on (a backup only).
-    pub fn enable_fast_path(&mut self, map: Box<dyn BackupMap>) {
-        if self.backup.is_some() {
+    /// Hands the engine's connections to `map` from now on: the backup's aligned ones, or
+    /// the primary's protected ones (relaxed output commit only: in strict mode nearly every
+    /// connection holds output, which the engine keeps).
+    pub fn enable_fast_path(&mut self, map: Box<dyn FastMap>) {
+        if self.backup.is_some() || self.primary.is_some() {
             self.fast.map = Some(map);
             self.fast.off_because = None;
+            // The primary's daemon starts with the OUTPUT rule taking its server's output
+            // ([`Core::fast_primary_mode`] switches once the backup is heard).
+            self.fast.queue_out = self.primary.is_some();
+        }
+    }
+
+    // -- The engine, whichever role this daemon runs (the map's fields are its). --
+
+    fn eng_follows(&self, key: &ConnKey) -> bool {
+        match (&self.primary, &self.backup) {
+            (Some(p), _) => p.follows(key),
+            (_, Some(b)) => b.follows(key),
+            _ => false,
+        }
+    }
+
+    /// The programs may carry `key` now. The primary's only while the pair protects (a
+    /// primary waiting for its backup or yielded decides every packet itself).
+    fn eng_eligible(&self, key: &ConnKey) -> bool {
+        match (&self.primary, &self.backup) {
+            (Some(p), _) => matches!(self.state, State::Protecting | State::Fencing) && p.fast_eligible(key),
+            (_, Some(b)) => b.fast_eligible(key),
+            _ => false,
+        }
+    }
+
+    /// The programs will never carry `key` again (the primary no longer protects it).
+    fn eng_never(&self, key: &ConnKey) -> bool {
+        match (&self.primary, &self.backup) {
+            (Some(p), _) => p.fast_never(key),
+            _ => false,
+        }
+    }
+
+    fn eng_state(&self, key: &ConnKey) -> Option<Fields> {
+        match (&self.primary, &self.backup) {
+            (Some(p), _) => p.fast_state(key).map(Fields::Primary),
+            (_, Some(b)) => b.fast_state(key).map(Fields::Backup),
+            _ => None,
+        }
+    }
+
+    fn eng_load(&mut self, key: &ConnKey, f: &Fields) -> bool {
+        match (self.primary.as_mut(), self.backup.as_mut(), f) {
+            (Some(p), _, Fields::Primary(f)) => p.set_fast_state(key, f),
+            (None, Some(b), Fields::Backup(f)) => b.set_fast_state(key, f),
+            _ => false,
         }
     }
 
@@ -305,8 +433,9 @@ impl Core {
         }
         let Some(map) = self.fast.map.as_mut() else { return };
         let known = self.fast.conns.get(&key).copied().unwrap_or_default();
-        if !counted && known == Fast::Off {
-            // Not in the map: installed after if the engine aligned it.
+        if !counted && known != Fast::Kernel {
+            // Not in the map: installed after if the engine aligned it. Or held: frozen, the
+            // engine has its newest fields already (the programs never change a frozen entry).
             self.fast.dirty.push(key);
             return;
         }
@@ -314,7 +443,7 @@ impl Core {
             Some(t) => {
                 self.fast.counters.taken += 1;
                 if t.newest || known != Fast::Held {
-                    let loaded = self.backup.as_mut().is_some_and(|b| b.set_fast_state(&key, &t.fields));
+                    let loaded = self.eng_load(&key, &t.fields);
                     if !loaded {
                         // The engine no longer follows it (forgotten, evicted) or cannot take
                         // these fields: the entry stays frozen until it is removed below.
@@ -342,7 +471,7 @@ impl Core {
             self.fast.dirty.clear();
             return;
         }
-        let (Some(mut map), Some(b)) = (self.fast.map.take(), self.backup.as_ref()) else { return };
+        let Some(mut map) = self.fast.map.take() else { return };
         let mut dirty = std::mem::take(&mut self.fast.dirty);
         dirty.sort_by_key(|k| (k.client_port, k.server_port, k.client));
         dirty.dedup();
@@ -351,7 +480,14 @@ impl Core {
                 continue;
             }
             let known = self.fast.conns.get(&key).copied().unwrap_or_default();
-            if !b.follows(&key) {
+            if !self.eng_follows(&key) || (known != Fast::Off && self.eng_never(&key)) {
+                if known == Fast::Kernel && self.eng_follows(&key) {
+                    // The programs' fields are the newest: into the engine before the entry goes.
+                    if let Some(t) = map.take(&key, false, now_ms) {
+                        self.fast.counters.taken += 1;
+                        self.eng_load(&key, &t.fields);
+                    }
+                }
                 if known != Fast::Off {
                     map.apply(&MapOp::Remove(key), now_ms);
                     self.fast.counters.removed += 1;
@@ -360,11 +496,11 @@ impl Core {
                 }
                 continue;
             }
-            // Not eligible (output beyond a gap): it stays the engine's, frozen.
-            if !b.fast_eligible(&key) {
+            // Not eligible (output beyond a gap, held output): it stays the engine's, frozen.
+            if !self.eng_eligible(&key) {
                 continue;
             }
-            let Some(f) = b.fast_state(&key) else { continue };
+            let Some(f) = self.eng_state(&key) else { continue };
             let op = match known {
                 Fast::Kernel => continue,
                 Fast::Off if now_ms < self.fast.install_after_ms => continue,
@@ -418,6 +554,113 @@ impl Core {
         None
     }
 
+    /// The primary, before its engine reads a report of the backup: each record of a
+    /// connection the programs own is applied to the entry in place when it carries only
+    /// receive figures and alignment (the common case: the gate follows the backup without a
+    /// freeze), and the fields loaded into the engine; anything else (FIN, RST, MISALIGNED,
+    /// DIVERGED, a record the engine will answer with a packet) takes the connection as for
+    /// any message. Returns the records applied in place, with the fields loaded.
+    pub(super) fn fast_before_report(&mut self, recs: &[ConnProgress], now_ms: u64) -> Vec<(ConnKey, Fields)> {
+        let mut applied = vec![];
+        if self.fast.map.is_none() || self.fast.retired {
+            return applied;
+        }
+        let simple = rw_flag::ISN_KNOWN | rw_flag::ALIGNED | rw_flag::RCV_KNOWN | rw_flag::V6;
+        for r in recs {
+            let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
+            match self.fast_where(&key) {
+                Fast::Off => continue,
+                Fast::Held => {
+                    self.fast_take(key, false, now_ms);
+                    continue;
+                }
+                Fast::Kernel => {}
+            }
+            if r.flags & !simple != 0 {
+                self.fast_take(key, false, now_ms);
+                continue;
+            }
+            let Some(map) = self.fast.map.as_mut() else { return applied };
+            match map.report(&key, r, now_ms) {
+                Reported::Kernel(f) => {
+                    self.fast.counters.reports_in_place += 1;
+                    if self.eng_load(&key, &f) {
+                        applied.push((key, f));
+                    } else {
+                        self.fast.counters.load_refused += 1;
+                        self.fast_take(key, false, now_ms);
+                    }
+                }
+                Reported::Taken(f) => {
+                    self.fast.counters.taken += 1;
+                    if !self.eng_load(&key, &f) {
+                        self.fast.counters.load_refused += 1;
+                    }
+                    self.fast.conns.insert(key, Fast::Held);
+                    self.fast.held.entry(key).or_insert(now_ms);
+                    self.fast.dirty.push(key);
+                }
+                Reported::Frozen => self.fast_take(key, false, now_ms),
+                Reported::Gone => {
+                    self.fast.counters.lost += 1;
+                    self.fast.conns.remove(&key);
+                    self.fast.held.remove(&key);
+                }
+            }
+        }
+        applied
+    }
+
+    /// After the engine read the report: a record applied in place that the engine answered
+    /// otherwise than the programs foresaw (its fields moved: a fresh ACK or a relayed ACK the
+    /// programs' clock did not see coming) takes the connection now, the programs' newest
+    /// fields with what the engine sent (the ACK it sent, the client's ACK it relayed: both
+    /// only grow) kept.
+    pub(super) fn fast_after_report(&mut self, applied: Vec<(ConnKey, Fields)>, now_ms: u64) {
+        for (key, before) in applied {
+            let Some(after) = self.eng_state(&key) else { continue };
+            if after == before || self.fast_where(&key) != Fast::Kernel {
+                continue;
+            }
+            self.fast.counters.report_mismatch += 1;
+            let Some(map) = self.fast.map.as_mut() else { return };
+            let Some(t) = map.take(&key, false, now_ms) else {
+                self.fast.conns.remove(&key);
+                self.fast.held.remove(&key);
+                continue;
+            };
+            self.fast.counters.taken += 1;
+            let merged = match (t.fields, after) {
+                (Fields::Primary(mut k), Fields::Primary(e)) => {
+                    k.sent_ack = match (k.sent_ack, e.sent_ack) {
+                        (Some(a), Some(b)) => Some(if b.gt(a) { b } else { a }),
+                        (a, b) => a.or(b),
+                    };
+                    if e.client_ack.gt(k.client_ack) {
+                        k.client_ack = e.client_ack;
+                    }
+                    k.ts_max = match (k.ts_max, e.ts_max) {
+                        (Some(a), Some(b)) => Some(if (b.wrapping_sub(a) as i32) > 0 { b } else { a }),
+                        (a, b) => a.or(b),
+                    };
+                    Fields::Primary(k)
+                }
+                (k, _) => k,
+            };
+            self.eng_load(&key, &merged);
+            self.fast.conns.insert(key, Fast::Held);
+            self.fast.held.entry(key).or_insert(now_ms);
+            self.fast.dirty.push(key);
+        }
+    }
+
+    /// The engine stopped protecting `key`: its entry goes when the connection is settled.
+    pub(super) fn fast_never_again(&mut self, key: ConnKey) {
+        if self.fast.map.is_some() && self.fast.conns.contains_key(&key) {
+            self.fast.dirty.push(key);
+        }
+    }
+
     /// After the engine decided a packet from the queue: the connections it touched wait for
     /// its verdict to leave ([`Core::fast_after_flush`]).
     pub(super) fn fast_after_packet(&mut self) {
@@ -453,9 +696,18 @@ impl Core {
 
     /// After the message was decided: given back at once (no verdict waits).
     pub(super) fn fast_after_message(&mut self, now_ms: u64) {
-        if self.fast.map.is_some() {
-            self.fast_settle(now_ms);
+        if self.fast.map.is_none() {
+            return;
         }
+        if self.primary.is_some() && !self.send.is_empty() {
+            // The primary answered with packets for the client (a fresh ACK, a release): its
+            // connections go back only after the round's sends, or a segment the programs
+            // pass meanwhile would overtake them (an older timestamp behind a newer: PAWS).
+            let d = std::mem::take(&mut self.fast.dirty);
+            self.fast.deferred.extend(d);
+            return;
+        }
+        self.fast_settle(now_ms);
     }
 
     /// The engine forgot `key` (its grace period ended): its entry goes.
@@ -497,9 +749,8 @@ impl Core {
                 self.fast.counters.collected += 1;
                 if self.fast_where(&key) == Fast::Kernel && !self.fast.retired {
                     // The engine's copy is stale: the report is built from the programs'.
-                    let f = self.fast.map.as_mut().and_then(|m| m.collect(&key, now_ms));
-                    if let (Some(f), Some(b)) = (f, self.backup.as_mut()) {
-                        b.set_fast_state(&key, &f);
+                    if let Some(f) = self.fast.map.as_mut().and_then(|m| m.collect(&key, now_ms)) {
+                        self.eng_load(&key, &f);
                     }
                 }
                 if let Some(b) = self.backup.as_mut() {
@@ -534,6 +785,10 @@ impl Core {
                 self.fast.counters.slow_copies += 1;
                 let n = pkt.len();
                 unbroken_wire::ip::fill_tcp_checksum(&mut pkt, n);
+                if self.primary.is_some() {
+                    self.fast_primary_copy(pkt, counted, now_ms);
+                    return;
+                }
                 let key = conn_key(&pkt, true);
                 if let Some(k) = key {
                     self.fast_take(k, counted, now_ms);
@@ -553,18 +808,102 @@ impl Core {
         }
     }
 
-    /// Before a full beat: the fields of the connections the programs own, so that the beat
-    /// reports them as they are (a client packet the programs claim sets no `CHANGED`).
+    /// The primary: a packet of its server that `rep_p_out` declined and consumed (copy mode),
+    /// decided as the same packet from the queue would be ([`Mode::packet`]'s rules: dropped
+    /// by a yielded primary, passed by one still waiting for its backup), and what the engine
+    /// lets out sent by the raw socket, cut to wire segments. Its connection goes back to the
+    /// kernel only after the round's sends ([`Core::fast_after_flush`]): a packet the programs
+    /// claim later never overtakes it.
+    fn fast_primary_copy(&mut self, mut pkt: Vec<u8>, counted: bool, now_ms: u64) {
+        // The programs copy only packets they parsed from the service's address; anything else
+        // here is no packet of a connection: never sent.
+        let Some(k) = conn_key(&pkt, true) else {
+            self.fast.counters.copies_unnamed += 1;
+            return;
+        };
+        if self.state == State::Yielded {
+            self.counters.yielded_dropped += 1;
+            return;
+        }
+        if self.state == State::WaitingForPeer {
+            self.counters.passed_unprotected += 1;
+            self.send.extend(split_for_raw(pkt));
+            return;
+        }
+        self.fast_take(k, counted, now_ms);
+        let Some(p) = self.primary.as_mut() else { return };
+        let v = p.outgoing(&mut pkt, now_ms);
+        self.drain_primary();
+        if matches!(v, Verdict::Accept { .. }) {
+            self.send.extend(split_for_raw(pkt));
+        }
+        let d = std::mem::take(&mut self.fast.dirty);
+        self.fast.deferred.extend(d);
+    }
+
+    /// Before a full beat (the backup's) or a report (the primary's): the fields of the
+    /// connections the programs own, so that it reports them as they are (a client packet the
+    /// programs claim sets no `CHANGED`).
     pub(super) fn fast_refresh(&mut self, now_ms: u64) {
         if self.fast.retired {
             return;
         }
-        let (Some(map), Some(b)) = (self.fast.map.as_mut(), self.backup.as_mut()) else { return };
-        for (key, w) in self.fast.conns.iter() {
-            if *w == Fast::Kernel {
-                if let Some(f) = map.collect(key, now_ms) {
-                    b.set_fast_state(key, &f);
+        let Some(mut map) = self.fast.map.take() else { return };
+        let keys: Vec<ConnKey> = self.fast.conns.iter().filter(|(_, w)| **w == Fast::Kernel).map(|(k, _)| *k).collect();
+        for key in keys {
+            if let Some(f) = map.collect(&key, now_ms) {
+                self.eng_load(&key, &f);
+            }
+        }
+        self.fast.map = Some(map);
+    }
+
+    /// The primary, before its engine's timers run ([`Primary::tick`]), every
+    /// [`TIMED_REFRESH_MS`]: the fields of the connections they look at that the programs own,
+    /// read (`COLLECT`, not frozen: for a connection the programs may carry the timers only
+    /// read them, the lag bounds in particular; between two reads they see older, smaller
+    /// figures, which can only delay a verdict of lag, never make one), and when the programs
+    /// last passed new output (the engine's stall evidence).
+    pub(super) fn fast_before_primary_tick(&mut self, now_ms: u64) {
+        if self.fast.map.is_none() || self.fast.retired || now_ms < self.fast.timed_at + TIMED_REFRESH_MS {
+            return;
+        }
+        self.fast.timed_at = now_ms;
+        if let (Some(at), Some(p)) = (self.fast.map.as_mut().and_then(|m| m.output_at(now_ms)), self.primary.as_mut()) {
+            p.output_seen(at);
+        }
+        let keys = self.primary.as_ref().map(|p| p.timed_keys()).unwrap_or_default();
+        let Some(mut map) = self.fast.map.take() else { return };
+        for key in keys {
+            if self.fast_where(&key) == Fast::Kernel {
+                if let Some(f) = map.collect(&key, now_ms) {
+                    self.eng_load(&key, &f);
                 }
+            }
+        }
+        self.fast.map = Some(map);
+    }
+
+    /// The primary's fast path runs only while the pair protects: until its backup is first
+    /// heard its server's output goes through the queue (the OUTPUT rule's match,
+    /// [`FastMap::queue_out`]); once the primary yielded or no longer protects any connection
+    /// (its backup failed or is stale) every connection leaves the map for good and the queue
+    /// carries the output again. Called at the loop's top-level steps (never while a packet is
+    /// being decided).
+    pub fn fast_primary_mode(&mut self, now_ms: u64) {
+        if self.primary.is_none() || self.fast.map.is_none() || self.fast.egress_lost {
+            return;
+        }
+        let gone = self.state == State::Yielded || self.primary.as_ref().is_some_and(|p| p.unprotected().is_some());
+        if gone && !self.fast.retired {
+            self.fast_retire(now_ms);
+        }
+        let want_queue = self.fast.retired || !matches!(self.state, State::Protecting | State::Fencing);
+        if want_queue != self.fast.queue_out {
+            let Some(map) = self.fast.map.as_mut() else { return };
+            match map.queue_out(want_queue) {
+                Ok(()) => self.fast.queue_out = want_queue,
+                Err(e) => self.log_limited("replica: fast path queue", || format!("replica: fast path: cannot switch the OUTPUT rule's match ({e}): the egress program keeps copying the server's output to this daemon")),
             }
         }
     }
@@ -587,8 +926,7 @@ impl Core {
                 return;
             }
         }
-        let Some(b) = self.backup.as_ref() else { return };
-        let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !b.follows(k)).copied().collect();
+        let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !self.eng_follows(k) || self.eng_never(k)).copied().collect();
         if !gone.is_empty() {
             self.fast.dirty.extend(gone);
             self.fast_settle(now_ms);
@@ -598,14 +936,14 @@ impl Core {
         if stale.is_empty() {
             return;
         }
-        let (Some(mut map), Some(b)) = (self.fast.map.take(), self.backup.as_ref()) else { return };
+        let Some(mut map) = self.fast.map.take() else { return };
         for key in stale {
-            if !b.fast_eligible(&key) || self.fast_where(&key) != Fast::Held {
+            if !self.eng_eligible(&key) || self.fast_where(&key) != Fast::Held {
                 // Stays the engine's (output beyond a gap); looked at again after the bound.
                 self.fast.held.insert(key, now_ms);
                 continue;
             }
-            let Some(f) = b.fast_state(&key) else { continue };
+            let Some(f) = self.eng_state(&key) else { continue };
             match map.apply(&MapOp::ThawForce(key, f), now_ms) {
                 MapDone::Kernel => {
                     self.fast.counters.thaw_forced += 1;

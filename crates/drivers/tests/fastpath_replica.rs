@@ -796,6 +796,7 @@ struct PBoth {
     /// Reports applied in place, and those the op took (a fresh ACK foreseen).
     in_place: usize,
     taken_by_report: usize,
+    nudged: usize,
 }
 
 impl PBoth {
@@ -821,7 +822,7 @@ impl PBoth {
         let mut sa = conn.from_server(Repr { seq: Seq(conn.p_isn), ack: Seq(conn.c_isn.wrapping_add(1)), flags: F::SYN | F::ACK, window: 65535, mss: Some(1460), wscale: Some(7), sack_perm: true, timestamp: ts.then_some((conn.p_ts0, 500)), ..Default::default() }, &[]);
         assert_eq!(p.outgoing(&mut sa, 0), EVerdict::Held, "Koch 7.1: the SYN-ACK waits for the backup");
         let ek = ConnKey { client: conn.cli, client_port: CPORT, server_port: SPORT };
-        let mut both = PBoth { fp, p, conn, key, ek, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned, in_place: 0, taken_by_report: 0 };
+        let mut both = PBoth { fp, p, conn, key, ek, now: 1, claimed: 0, slow: 0, held: true, output: vec![], aligned, in_place: 0, taken_by_report: 0, nudged: 0 };
         both.report_to_engine(0, 65535 << 7);
         assert_eq!(both.p.take_transmit().len(), 1, "the SYN-ACK released");
         let ack = conn.from_client(Repr { seq: Seq(conn.c_isn.wrapping_add(1)), ack: Seq(conn.p_isn.wrapping_add(1)), flags: F::ACK, window: 512, timestamp: ts.then_some((501, conn.p_ts0)), ..Default::default() }, &[]);
@@ -858,15 +859,26 @@ impl PBoth {
             let sent = self.p.take_transmit();
             match r {
                 OpResult::Done => {
-                    assert!(sent.is_empty(), "{what}: the op left the entry to the programs, the engine answered with {} packet(s): {:?}", sent.len(), sent.iter().map(|p| { let i = IpInfo::parse(p).unwrap(); let t = Tcp::new_checked(&p[i.l4_offset..]).unwrap(); (t.seq(), t.ack(), t.flags(), p.len() - i.l4_offset - t.header_len()) }).collect::<Vec<_>>());
+                    // Only the engine's timers may answer (three duplicate ACKs for a backup
+                    // behind in the client's bytes, at the engine's own pace): never a fresh
+                    // ACK the op should have foreseen.
+                    let dups = sent.len() == 3 && sent.iter().all(|p| *p == sent[0]);
+                    assert!(sent.is_empty() || dups, "{what}: the op left the entry to the programs, the engine answered with {} packet(s): {:?}", sent.len(), sent.iter().map(|p| { let i = IpInfo::parse(p).unwrap(); let t = Tcp::new_checked(&p[i.l4_offset..]).unwrap(); (t.seq(), t.ack(), t.flags(), p.len() - i.l4_offset - t.header_len()) }).collect::<Vec<_>>());
+                    if dups {
+                        // The daemon takes it then (fast_after_report), newest fields kept.
+                        let (r, _, _) = self.fp.p_op(Op::Freeze, &self.key, None).unwrap();
+                        assert_eq!(r, OpResult::Done);
+                        self.nudged += 1;
+                        self.give_back(what);
+                        return;
+                    }
                     assert_eq!(e.state, pstate_of(&self.p, &self.ek, e.state.heard_at), "{what}: the report in place differs from the engine's");
                     let now = self.fp.p_entry(&self.key).unwrap().unwrap();
                     assert_eq!(now.ctl & ctl::FROZEN, 0, "{what}: left to the programs");
                     self.in_place += 1;
                 }
                 OpResult::Taken => {
-                    // Foreseen (a fresh ACK), or the backup behind in the client's bytes,
-                    // which the engine's timers answer: the engine's, given back after.
+                    // Foreseen: a fresh ACK (or a relayed ACK): the engine's, given back after.
                     self.give_back(what);
                     self.taken_by_report += 1;
                 }
@@ -910,6 +922,18 @@ impl PBoth {
         let _ = self.p.take_notices();
         let c1 = self.p.counters;
         let k1 = self.fp.p_counters().unwrap();
+        let was_frozen = before.is_some_and(|e| e.ctl & ctl::FROZEN != 0);
+        if run.verdict == Verdict::Done && was_frozen {
+            // A client pure ACK of an entry the daemon holds: passed unchanged, not learned,
+            // not counted (the engine passes it unchanged too).
+            assert_eq!(d, PD::Incoming, "{what}: a frozen entry's server packet claimed");
+            assert_eq!(hex(&run.packet), hex(pkt), "{what}: passed, but modified");
+            assert_eq!(v, EVerdict::Accept { modified: false }, "{what}: the engine would not pass it unchanged");
+            assert_eq!(self.fp.p_entry(&self.key).unwrap(), before, "{what}: a frozen entry changed");
+            assert_eq!(k1.unlearned, k0.unlearned + 1, "{what}: counted as unlearned");
+            self.claimed += 1;
+            return run.verdict;
+        }
         if run.verdict == Verdict::Done {
             assert!(before.is_some(), "{what}: claimed without an entry");
             assert!(matches!(v, EVerdict::Accept { .. }), "{what}: claimed, the engine says {v:?}");

@@ -2457,6 +2457,12 @@ impl Primary {
         self.timed.iter().copied().collect()
     }
 
+    /// The packets built or released and not taken yet ([`Primary::take_transmit`]), for
+    /// `key` (the fast path takes such a connection before they are stamped and sent).
+    pub fn pending_for(&self, key: &ConnKey) -> bool {
+        self.out.iter().any(|p| parse(p).is_ok_and(|s| ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port } == *key))
+    }
+
     /// When the primary's server last produced new output (the engine's clock, ms).
     pub fn last_output_ms(&self) -> u64 {
         self.last_output_ms

@@ -328,7 +328,7 @@ impl FastMap for KernelMap {
         let mut v = vec![("pieces_dropped", self.pieces.dropped)];
         if self.primary {
             if let Ok(c) = self.fp.p_counters() {
-                v.extend([("kernel_incoming", c.incoming), ("kernel_outgoing", c.outgoing), ("kernel_slow", c.slow), ("kernel_dropped", c.dropped), ("kernel_acks_lowered", c.acks_lowered), ("kernel_ts_raised", c.ts_raised)]);
+                v.extend([("kernel_incoming", c.incoming), ("kernel_outgoing", c.outgoing), ("kernel_slow", c.slow), ("kernel_dropped", c.dropped), ("kernel_acks_lowered", c.acks_lowered), ("kernel_ts_raised", c.ts_raised), ("kernel_unlearned", c.unlearned)]);
             }
             if let Ok(c) = self.fp.counters() {
                 v.extend([("kernel_records_lost", c.records_lost)]);

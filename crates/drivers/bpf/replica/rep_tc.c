@@ -889,6 +889,7 @@ struct rep_p_counters {
 	__u64 dropped;
 	__u64 acks_lowered; /* PrimaryCounters::acks_lowered */
 	__u64 ts_raised;    /* PrimaryCounters::ts_raised */
+	__u64 unlearned;    /* client pure ACKs passed without learning (the entry was the daemon's) */
 };
 
 struct {
@@ -966,8 +967,21 @@ int rep_p_in(struct __sk_buff *skb)
 	if (!ack_only(&p) || fp_payload_len(&p) || !client_csum_ok(skb, &p) || fp_scan_options(&p))
 		return p_slow(skb, e);
 	__u64 now = bpf_ktime_get_ns();
-	if ((r = p_snapshot(skb, e, &c, &gen)))
-		return r;
+	/* A pure ACK is passed unchanged whatever the engine learns from it (Primary::incoming
+	 * never changes a client packet), and what it learns (the client's ACK, its last window
+	 * and timestamps, when it was heard) the next one carries too. So while the daemon holds
+	 * the entry (frozen), or another CPU changed it meanwhile, it passes without learning and
+	 * without a count: under a steady stream, counted ACKs would keep the daemon's thaw
+	 * refused (one arrives between its last take and its thaw) and the connection on the slow
+	 * path for good. */
+	bpf_spin_lock(&e->lock);
+	if (e->ctl & REP_C_FROZEN) {
+		bpf_spin_unlock(&e->lock);
+		goto unlearned;
+	}
+	c = e->s;
+	gen = e->gen;
+	bpf_spin_unlock(&e->lock);
 	if (!(c.flags & REP_P_ANSWERED))
 		return p_slow(skb, e);
 	__u32 seq = bpf_ntohl(p.th.seq);
@@ -995,10 +1009,20 @@ int rep_p_in(struct __sk_buff *skb)
 		c.flags |= REP_P_CLIENT_LAST;
 		c.heard_at = now;
 	}
-	if ((r = p_commit(skb, e, &c, gen)))
-		return r;
+	bpf_spin_lock(&e->lock);
+	if ((e->ctl & REP_C_FROZEN) || e->gen != gen) {
+		bpf_spin_unlock(&e->lock);
+		goto unlearned;
+	}
+	e->s = c;
+	e->gen++;
+	bpf_spin_unlock(&e->lock);
 	skb->mark |= REP_MARK_DONE;
 	P_COUNT(incoming);
+	return FP_DONE;
+unlearned:
+	skb->mark |= REP_MARK_DONE;
+	P_COUNT(unlearned);
 	return FP_DONE;
 }
 
@@ -1198,15 +1222,13 @@ int rep_p_op(struct __sk_buff *skb)
 		if (r->flags & REP_P_B_ALIGNED)
 			s->flags |= REP_P_B_ALIGNED;
 		e->gen++;
-		/* Koch 3.4's fresh ACK: the gated ACK passed the last one sent. And a backup behind
-		 * in the client's bytes: the engine's timers answer that (duplicate ACKs that make
-		 * the client resend, ST-TCP 3.6's relay), so the connection is the engine's. */
+		/* Koch 3.4's fresh ACK: the gated ACK passed the last one sent. (A backup behind in
+		 * the client's bytes is left to the engine's timers, which run on these fields: what
+		 * they answer, duplicate ACKs that make the client resend, takes the entry then.) */
 		int fresh = 0;
-		if ((s->flags & REP_P_B_RCV_KNOWN) && seq_gt(s->ack_p, s->b_rcv_nxt))
-			fresh = 1;
 		if ((s->flags & (REP_P_SENT_ACK | REP_P_B_RCV_KNOWN)) == (REP_P_SENT_ACK | REP_P_B_RCV_KNOWN)) {
 			__u32 g = seq_lt(s->ack_p, s->b_rcv_nxt) ? s->ack_p : s->b_rcv_nxt;
-			fresh |= seq_gt(g, s->sent_ack);
+			fresh = seq_gt(g, s->sent_ack);
 		}
 		/* The client's ACK relayed from the backup into this host's server (issue 20). */
 		int relay = r->client_ack != 0 && (s->flags & REP_P_CLIENT_LAST) && now >= s->heard_at + REP_P_RELAY_QUIET_NS &&

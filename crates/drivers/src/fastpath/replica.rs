@@ -607,6 +607,9 @@ pub struct PrimaryCounters {
     /// The engine's `PrimaryCounters` of the same names, for the packets claimed here.
     pub acks_lowered: u64,
     pub ts_raised: u64,
+    /// Client pure ACKs passed without learning: the entry was the daemon's (frozen) or
+    /// another CPU changed it meanwhile (`rep_p_in` never counts those against a thaw).
+    pub unlearned: u64,
 }
 
 // SAFETY: plain integers.
@@ -1158,6 +1161,7 @@ impl Replica {
             t.dropped += c.dropped;
             t.acks_lowered += c.acks_lowered;
             t.ts_raised += c.ts_raised;
+            t.unlearned += c.unlearned;
         }
         Ok(t)
     }

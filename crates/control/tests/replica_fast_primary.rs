@@ -58,6 +58,7 @@ struct Emu {
     /// What the OUTPUT rule's match says (`queue_out`); the daemon starts it on.
     queue_out: Option<bool>,
     output_at: Option<u64>,
+    renewals: u32,
 }
 
 #[derive(Clone, Default)]
@@ -162,6 +163,11 @@ impl FastMap for Shared {
 
     fn output_at(&mut self, _: u64) -> Option<u64> {
         self.lock().output_at
+    }
+
+    fn renew_lease(&mut self) -> Result<(), String> {
+        self.lock().renewals += 1;
+        Ok(())
     }
 }
 
@@ -413,4 +419,28 @@ fn hostile_a_copy_the_core_cannot_name_is_never_sent() {
     c.fast_records(1);
     let (sent, _) = round(&mut c, 1);
     assert!(sent.is_empty(), "garbage from the ring never reaches the wire");
+}
+
+#[test]
+fn a_connection_the_engine_must_decide_leaves_the_map_and_its_lease_is_renewed() {
+    let (mut c, m, mut b) = setup();
+    protected(&mut c, &m, &mut b, 41007, 1);
+    round(&mut c, 1);
+    m.ops();
+    // Its server's FIN (declined: the engine holds it until the backup's): from then on every
+    // packet is the engine's, so the entry goes instead of staying frozen (a frozen entry's
+    // pure ACKs would pass unlearned for good).
+    m.decline_out(&conn(41007), server_pkt(41007, P_ISN + 1, C_ISN + 1, F::ACK | F::FIN, &[]));
+    c.fast_records(2);
+    round(&mut c, 2);
+    let ops = m.ops();
+    assert!(ops.contains(&"take 41007".to_string()) && ops.contains(&"remove 41007".to_string()), "{ops:?}");
+    assert_eq!(c.fast_where(&conn(41007)), Fast::Off);
+    // The daemon renews the programs' lease while it runs (every LEASE_RENEW_MS).
+    let n0 = m.lock().renewals;
+    for t in (3..1000).step_by(10) {
+        round(&mut c, t);
+    }
+    let n = m.lock().renewals - n0;
+    assert!((8..=11).contains(&n), "{n} renewals in about 1 s");
 }

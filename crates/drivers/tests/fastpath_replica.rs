@@ -1195,6 +1195,14 @@ fn egress_copy_mode_never_passes_a_declined_packet_of_the_service() {
     assert_eq!(hex(&collect(&mut pb.fp)), hex(&ack));
     let e = pb.fp.p_entry(&pb.key).unwrap().unwrap();
     assert_eq!((e.slow, e.state), (2, pstate_of(&pb.p, &pb.ek, e.state.heard_at)), "both counted, the state untouched");
+    // The primary's attach, review finding 1: what the parser refuses from the service address
+    // is dropped there too (with its OUTPUT queue rule off, nothing else would stop it).
+    let before = pb.fp.counters().unwrap().unparsed_dropped;
+    let r = pb.fp.run_primary(PD::Outgoing, &with_options(conn.svc)).unwrap();
+    assert_eq!(r.verdict, Verdict::Drop, "an unparsable packet of the primary's service passed ungated");
+    assert_eq!(pb.fp.counters().unwrap().unparsed_dropped, before + 1);
+    let r = pb.fp.run_primary(PD::Outgoing, &elsewhere).unwrap();
+    assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(&elsewhere)), "not the service's: untouched");
     pb.fp.set_egress_copy(false).unwrap();
 }
 
@@ -1318,4 +1326,29 @@ fn hostile_duplicate_options_are_read_as_the_engine_reads_them() {
     opts.extend(edge(3500));
     both.step(Incoming, &with_tcp_options(&base, &opts), "two SACK options, the last beyond SND.MAX");
     assert_eq!((both.claimed, both.slow), (3, 0), "claimed as the engine decides them");
+}
+
+/// The primary's lease (review of the primary's attach, finding 3): once it ran out (a daemon
+/// killed or stuck) its programs claim nothing, neither the client's pure ACKs nor its server's
+/// output, and count nothing against a thaw; renewed, they claim again.
+#[test]
+fn primary_programs_claim_nothing_once_the_lease_ran_out() {
+    let Some(fp) = fast_path("primary_programs_claim_nothing_once_the_lease_ran_out") else { return };
+    let conn = Conn::v4();
+    let mut pb = PBoth::new(fp, conn, false, true);
+    let ack_in = conn.client(0, 0, Some((502, conn.p_ts0)), &[], b"");
+    let ack_out = conn.pserver(0, 0, 300, Some((conn.p_ts0 + 1, 502)), b"");
+    assert_eq!(pb.fp.run_primary(PD::Incoming, &ack_in).unwrap().verdict, Verdict::Done, "claimed under no lease");
+    // Expired: the kernel's clock is far past 1 ns.
+    pb.fp.set_lease(1).unwrap();
+    let before = pb.fp.p_entry(&pb.key).unwrap();
+    for (d, p) in [(PD::Incoming, &ack_in), (PD::Outgoing, &ack_out)] {
+        let r = pb.fp.run_primary(d, p).unwrap();
+        assert_eq!((r.verdict, hex(&r.packet)), (Verdict::Slow, hex(p)), "{d:?}: claimed past the lease");
+    }
+    assert_eq!(pb.fp.p_entry(&pb.key).unwrap(), before, "the entry untouched, nothing counted");
+    // Renewed (an hour from now on any clock this test meets).
+    pb.fp.set_lease(u64::MAX / 2).unwrap();
+    assert_eq!(pb.fp.run_primary(PD::Incoming, &ack_in).unwrap().verdict, Verdict::Done);
+    assert_eq!(pb.fp.run_primary(PD::Outgoing, &ack_out).unwrap().verdict, Verdict::Done);
 }

@@ -2457,10 +2457,21 @@ impl Primary {
         self.timed.iter().copied().collect()
     }
 
-    /// The packets built or released and not taken yet ([`Primary::take_transmit`]), for
-    /// `key` (the fast path takes such a connection before they are stamped and sent).
-    pub fn pending_for(&self, key: &ConnKey) -> bool {
-        self.out.iter().any(|p| parse(p).is_ok_and(|s| ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port } == *key))
+    /// The connections with packets built or released and not taken yet
+    /// ([`Primary::take_transmit`]): the fast path takes them before they are stamped and sent.
+    pub fn pending_keys(&self) -> std::collections::HashSet<ConnKey> {
+        self.out.iter().filter_map(|p| parse(p).ok().map(|s| ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port })).collect()
+    }
+
+    /// A packet of its server the engine let out, cut into wire segments of the connection's
+    /// handshake MSS as its own releases are (a GSO super-packet the fast path copied to the
+    /// daemon; a raw socket cannot send it whole).
+    pub fn wire_segments(&self, pkt: Vec<u8>) -> Vec<Vec<u8>> {
+        let mut out = vec![];
+        let mss = parse(&pkt).ok().and_then(|s| self.conns.get(&ConnKey { client: s.info.dst, client_port: s.dst_port, server_port: s.src_port })).map(|c| (c.client_mss, c.p_mss));
+        let (client_mss, p_mss) = mss.unwrap_or((None, None));
+        cut(&mut out, pkt, client_mss, p_mss);
+        out
     }
 
     /// When the primary's server last produced new output (the engine's clock, ms).

@@ -316,6 +316,13 @@ impl FastMap for KernelMap {
         }
     }
 
+    fn renew_lease(&mut self) -> Result<(), String> {
+        if !self.primary {
+            return Ok(());
+        }
+        self.fp.set_lease(kernel_ns() + crate::replica::core::LEASE_MS * 1_000_000).map_err(|e| e.to_string())
+    }
+
     fn output_at(&mut self, now_ms: u64) -> Option<u64> {
         if !self.primary {
             return None;
@@ -331,7 +338,7 @@ impl FastMap for KernelMap {
                 v.extend([("kernel_incoming", c.incoming), ("kernel_outgoing", c.outgoing), ("kernel_slow", c.slow), ("kernel_dropped", c.dropped), ("kernel_acks_lowered", c.acks_lowered), ("kernel_ts_raised", c.ts_raised), ("kernel_unlearned", c.unlearned)]);
             }
             if let Ok(c) = self.fp.counters() {
-                v.extend([("kernel_records_lost", c.records_lost)]);
+                v.extend([("kernel_records_lost", c.records_lost), ("kernel_unparsed_dropped", c.unparsed_dropped)]);
             }
             return v;
         }

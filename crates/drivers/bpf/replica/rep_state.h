@@ -131,6 +131,10 @@ _Static_assert(sizeof(struct rep_rec) == 56, "rep_rec is 56 bytes");
 struct rep_cfg {
 	__u32 flags; /* REP_CFG_* */
 	__u32 own_mark; /* the daemon's raw sends (SO_MARK): passed untouched at egress; 0: none */
+	/* The primary's lease (the kernel's clock, ns; 0: none): its daemon renews it while it
+	 * runs; past it rep_p_in and rep_p_out claim nothing, so a dead daemon's filter fails
+	 * closed as its queue rules do (its server's output copied to a ring no one reads). */
+	__u64 lease;
 };
 
 /* At tc egress a declined packet would go to the wire untranslated or ungated: in copy mode

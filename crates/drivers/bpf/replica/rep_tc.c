@@ -907,6 +907,15 @@ struct {
 			__s->field++;                           \
 	})
 
+/* The primary daemon's lease ran out (rep_cfg.lease): it is gone or stuck; nothing is claimed. */
+static __always_inline int lease_over(void)
+{
+	__u32 zero = 0;
+	struct rep_cfg *cfg = bpf_map_lookup_elem(&rep_cfg, &zero);
+
+	return cfg && cfg->lease && bpf_ktime_get_ns() > cfg->lease;
+}
+
 static __always_inline int p_slow_locked(struct __sk_buff *skb, struct rep_p_entry *e)
 {
 	e->ctl |= REP_C_FROZEN;
@@ -962,7 +971,7 @@ int rep_p_in(struct __sk_buff *skb)
 		return FP_SLOW;
 	key_of(&k, p.src, p.th.source, p.th.dest);
 	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
-	if (!e)
+	if (!e || lease_over())
 		return FP_SLOW;
 	if (!ack_only(&p) || fp_payload_len(&p) || !client_csum_ok(skb, &p) || fp_scan_options(&p))
 		return p_slow(skb, e);
@@ -976,7 +985,13 @@ int rep_p_in(struct __sk_buff *skb)
 	 * path for good. */
 	bpf_spin_lock(&e->lock);
 	if (e->ctl & REP_C_FROZEN) {
+		/* Until the handshake is seen complete (`established`: the entry is never evicted
+		 * from then on) the engine must learn it: to the queue, uncounted (the thaw does not
+		 * wait for it). */
+		int est = e->s.flags & REP_P_ESTABLISHED;
 		bpf_spin_unlock(&e->lock);
+		if (!est)
+			return FP_SLOW;
 		goto unlearned;
 	}
 	c = e->s;
@@ -1011,7 +1026,10 @@ int rep_p_in(struct __sk_buff *skb)
 	}
 	bpf_spin_lock(&e->lock);
 	if ((e->ctl & REP_C_FROZEN) || e->gen != gen) {
+		int est = e->s.flags & REP_P_ESTABLISHED;
 		bpf_spin_unlock(&e->lock);
+		if (!est)
+			return FP_SLOW;
 		goto unlearned;
 	}
 	e->s = c;
@@ -1044,7 +1062,7 @@ static __always_inline int p_out(struct __sk_buff *skb, struct eg_info *g)
 	key_of(&k, p.dst, p.th.dest, p.th.source);
 	eg_note(g, &p, &k);
 	struct rep_p_entry *e = bpf_map_lookup_elem(&rep_p_conns, &k);
-	if (!e)
+	if (!e || lease_over())
 		return FP_SLOW;
 	if (!ack_only(&p) || fp_scan_options(&p))
 		return p_slow(skb, e);
@@ -1159,6 +1177,13 @@ int rep_p_out(struct __sk_buff *skb)
 	g->parsed = 0;
 	int v = p_out(skb, g);
 	g->counted = (skb->mark & REP_MARK_SLOW) && !(mark0 & REP_MARK_SLOW);
+	/* Fail closed, as rep_b_out (review of the primary's attach, finding 1): what the parser
+	 * refused from a service address (IPv4 BIG TCP's tot_len 0, IP options, ...) never leaves
+	 * ungated, with the OUTPUT queue rule no longer in its way: dropped, counted. */
+	if (v == FP_SLOW && !g->parsed && cfg && (cfg->flags & REP_CFG_EGRESS_COPY) && unparsed_from_service(skb, g)) {
+		COUNT(unparsed_dropped);
+		return FP_DROP;
+	}
 	return egress_declined(skb, g, v);
 }
 

@@ -708,6 +708,18 @@ mod cfg {
     pub const USER_OUT: u32 = 1 << 2;
 }
 
+/// `struct rep_cfg`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CfgVal {
+    flags: u32,
+    own_mark: u32,
+    lease: u64,
+}
+
+// SAFETY: integers, no implicit padding (16 bytes).
+unsafe impl aya::Pod for CfgVal {}
+
 /// The queue rules' matches (`rep_q_in`, `rep_q_out`: socket filters for `iptables -m bpf
 /// --object-pinned`), as pinned by [`Replica::pin_queue_matches`].
 const QUEUE_MATCHES: [&str; 2] = ["rep_q_in", "rep_q_out"];
@@ -727,6 +739,8 @@ pub struct Replica {
     /// egress programs pass untouched).
     cfg: u32,
     own_mark: u32,
+    /// `rep_cfg.lease` ([`Replica::set_lease`]).
+    lease: u64,
     /// The device and the program attached at its egress ([`Replica::attach_backup`],
     /// [`Replica::attach_primary`]).
     egress: Option<(String, &'static str)>,
@@ -744,7 +758,7 @@ impl Replica {
         }
         let ring = ebpf.take_map(RING).ok_or_else(|| Error::Bpf(format!("no map {RING}")))?;
         let ring = RingBuf::try_from(ring).map_err(|e| bpf_err(RING, e))?;
-        Ok(Replica { ebpf, ring, cfg: 0, own_mark: 0, egress: None })
+        Ok(Replica { ebpf, ring, cfg: 0, own_mark: 0, lease: 0, egress: None })
     }
 
     /// The ring buffer's descriptor: readable when a record that wakes the reader arrived
@@ -927,10 +941,18 @@ impl Replica {
         self.write_cfg(self.cfg)
     }
 
+    /// The primary's lease: until `deadline` (the kernel's clock, ns; 0: none) its programs
+    /// claim packets; past it they claim nothing (`rep_cfg.lease`), so that a daemon that died
+    /// or hangs leaves no connection carried by stale figures. The daemon renews it.
+    pub fn set_lease(&mut self, deadline: u64) -> Result<(), Error> {
+        self.lease = deadline;
+        self.write_cfg(self.cfg)
+    }
+
     fn write_cfg(&mut self, flags: u32) -> Result<(), Error> {
         let m = self.ebpf.map_mut("rep_cfg").ok_or_else(|| Error::Bpf("no map rep_cfg".into()))?;
-        let mut a: aya::maps::Array<&mut MapData, [u32; 2]> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
-        a.set(0, [flags, self.own_mark], 0).map_err(|e| bpf_err("rep_cfg", e))?;
+        let mut a: aya::maps::Array<&mut MapData, CfgVal> = aya::maps::Array::try_from(m).map_err(|e| bpf_err("rep_cfg", e))?;
+        a.set(0, CfgVal { flags, own_mark: self.own_mark, lease: self.lease }, 0).map_err(|e| bpf_err("rep_cfg", e))?;
         self.cfg = flags;
         Ok(())
     }

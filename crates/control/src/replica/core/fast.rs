@@ -197,6 +197,12 @@ pub trait FastMap: Send {
         let _ = (key, rec, now_ms);
         Reported::Frozen
     }
+    /// The primary's: the daemon is alive; its programs may claim packets for another
+    /// [`LEASE_MS`] (`rep_cfg.lease`: past it they claim nothing, a dead or stuck daemon's
+    /// filter fails closed).
+    fn renew_lease(&mut self) -> Result<(), String> {
+        Ok(())
+    }
     /// The primary's: when the programs last passed new output of its server (the engine's
     /// clock; `None`: never, or a backup's map).
     fn output_at(&mut self, now_ms: u64) -> Option<u64> {
@@ -277,8 +283,13 @@ pub struct FastPart {
     /// [`FastMap::queue_out`]): before the pair protects, and for good once it no longer can.
     /// Starts on: the daemon installs the rule taking the output until the backup is heard.
     queue_out: bool,
-    /// When the primary's timed connections were last read ([`TIMED_REFRESH_MS`]).
+    /// When the primary's timed connections were last read ([`TIMED_REFRESH_MS`]), its
+    /// report's figures ([`PRIMARY_REFRESH_MS`]), and every connection looked at
+    /// ([`SCAN_MS`]).
     timed_at: u64,
+    refresh_at: u64,
+    scan_at: u64,
+    lease_at: Option<u64>,
     /// When the programs' loss counters were last read, and what they said (review finding 8:
     /// counted, never said).
     losses_at: u64,
@@ -289,6 +300,22 @@ pub struct FastPart {
 /// How often the primary's timers get the programs' figures of the connections they look at
 /// (a `COLLECT` each): the lag bounds are seconds, the nudges tens of milliseconds.
 pub const TIMED_REFRESH_MS: u64 = 20;
+
+/// The primary's lease ([`FastMap::renew_lease`]) and how often the core renews it: a daemon
+/// that stops (killed, hung) leaves its programs claiming for at most this long.
+pub const LEASE_MS: u64 = 1_000;
+pub const LEASE_RENEW_MS: u64 = 100;
+
+/// How often the primary's report takes the programs' figures of every connection they own: at
+/// every report. The backup injects the client's ACK its own host missed from them (ST-TCP
+/// 3.6's LastAckReceived): read every 50 ms instead, a backup behind in relaxed mode, whose
+/// client had stopped acknowledging, crawled a window per read and was taken for hung (2 of 3
+/// benchmark runs). A `COLLECT` per connection and report: what a large table costs is open.
+pub const PRIMARY_REFRESH_MS: u64 = 0;
+
+/// How often every connection in the map is looked at (forgotten by the engine, or no longer
+/// protected): a walk of the whole table, not every loop round.
+pub const SCAN_MS: u64 = 50;
 
 /// How often the programs' loss counters are read for the log (a syscall per CPU each).
 const LOSS_CHECK_MS: u64 = 1_000;
@@ -480,7 +507,11 @@ impl Core {
                 continue;
             }
             let known = self.fast.conns.get(&key).copied().unwrap_or_default();
-            if !self.eng_follows(&key) || (known != Fast::Off && self.eng_never(&key)) {
+            // The primary's connections leave the map whenever the engine must decide them
+            // (held output, its server's FIN): kept frozen, their pure ACKs would pass unlearned
+            // for good. Installed again once eligible.
+            let gone_for_now = self.primary.is_some() && !self.eng_eligible(&key);
+            if !self.eng_follows(&key) || (known != Fast::Off && (self.eng_never(&key) || gone_for_now)) {
                 if known == Fast::Kernel && self.eng_follows(&key) {
                     // The programs' fields are the newest: into the engine before the entry goes.
                     if let Some(t) = map.take(&key, false, now_ms) {
@@ -575,9 +606,10 @@ impl Core {
                 _ => last.push(r),
             }
         }
+        let mut seen: std::collections::HashSet<ConnKey> = std::collections::HashSet::with_capacity(last.len());
         for r in last {
             let key = ConnKey { client: r.client, client_port: r.client_port, server_port: r.server_port };
-            if applied.iter().any(|(k, _)| *k == key) {
+            if !seen.insert(key) {
                 continue;
             }
             match self.fast_where(&key) {
@@ -629,12 +661,16 @@ impl Core {
     /// fields with what the engine sent (the ACK it sent, the client's ACK it relayed: both
     /// only grow) kept.
     pub(super) fn fast_after_report(&mut self, applied: Vec<(ConnKey, Fields)>, now_ms: u64) {
+        if applied.is_empty() {
+            return;
+        }
+        let pending = self.primary.as_ref().map(|p| p.pending_keys()).unwrap_or_default();
         for (key, before) in applied {
             let Some(after) = self.eng_state(&key) else { continue };
             // Packets the engine built for it (duplicate ACKs of its timers, on these fields)
             // are stamped with its newest timestamp when they leave: taken first, so that it
             // is the programs' newest, and given back after the sends.
-            let sends = self.primary.as_ref().is_some_and(|p| p.pending_for(&key));
+            let sends = pending.contains(&key);
             if (after == before && !sends) || self.fast_where(&key) != Fast::Kernel {
                 continue;
             }
@@ -849,10 +885,9 @@ impl Core {
         self.fast_take(k, counted, now_ms);
         let Some(p) = self.primary.as_mut() else { return };
         let v = p.outgoing(&mut pkt, now_ms);
+        let pieces = if matches!(v, Verdict::Accept { .. }) { p.wire_segments(pkt) } else { vec![] };
         self.drain_primary();
-        if matches!(v, Verdict::Accept { .. }) {
-            self.send.extend(split_for_raw(pkt));
-        }
+        self.send.extend(pieces);
         let d = std::mem::take(&mut self.fast.dirty);
         self.fast.deferred.extend(d);
     }
@@ -863,6 +898,13 @@ impl Core {
     pub(super) fn fast_refresh(&mut self, now_ms: u64) {
         if self.fast.retired {
             return;
+        }
+        // The primary's report: its figures from the programs ([`PRIMARY_REFRESH_MS`]).
+        if self.primary.is_some() && PRIMARY_REFRESH_MS > 0 {
+            if now_ms < self.fast.refresh_at + PRIMARY_REFRESH_MS {
+                return;
+            }
+            self.fast.refresh_at = now_ms;
         }
         let Some(mut map) = self.fast.map.take() else { return };
         let keys: Vec<ConnKey> = self.fast.conns.iter().filter(|(_, w)| **w == Fast::Kernel).map(|(k, _)| *k).collect();
@@ -935,6 +977,12 @@ impl Core {
             self.fast.losses_at = now_ms;
             self.fast_losses();
         }
+        if self.primary.is_some() && self.fast.lease_at.is_none_or(|t| now_ms >= t + LEASE_RENEW_MS) {
+            self.fast.lease_at = Some(now_ms);
+            if let Some(Err(e)) = self.fast.map.as_mut().map(|m| m.renew_lease()) {
+                self.log_limited("replica: fast path lease", || format!("replica: fast path: cannot renew the programs' lease ({e}): they stop claiming packets within {LEASE_MS} ms (the slow path carries every connection)"));
+            }
+        }
         if now_ms >= self.fast.watch_at + EGRESS_WATCH_MS {
             self.fast.watch_at = now_ms;
             self.fast_watch(now_ms);
@@ -942,10 +990,13 @@ impl Core {
                 return;
             }
         }
-        let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !self.eng_follows(k) || self.eng_never(k)).copied().collect();
-        if !gone.is_empty() {
-            self.fast.dirty.extend(gone);
-            self.fast_settle(now_ms);
+        if now_ms >= self.fast.scan_at + SCAN_MS {
+            self.fast.scan_at = now_ms;
+            let gone: Vec<ConnKey> = self.fast.conns.keys().filter(|k| !self.eng_follows(k) || self.eng_never(k)).copied().collect();
+            if !gone.is_empty() {
+                self.fast.dirty.extend(gone);
+                self.fast_settle(now_ms);
+            }
         }
         let deferred = &self.fast.deferred;
         let stale: Vec<ConnKey> = self.fast.held.iter().filter(|(k, t)| now_ms.saturating_sub(**t) >= HOLD_BOUND_MS && !deferred.contains(k)).map(|(k, _)| *k).collect();
@@ -1033,10 +1084,12 @@ impl Core {
         let Some(map) = self.fast.map.as_mut() else { return };
         let switched = map.user_out();
         self.fast.egress_lost = true;
-        self.fast.off_because = Some(format!("the egress filter of rep_b_out: {why}"));
+        let prog = if self.primary.is_some() { "rep_p_out" } else { "rep_b_out" };
+        self.fast.off_because = Some(format!("the egress filter of {prog}: {why}"));
+        let whose = if self.primary.is_some() { "this primary's server's output (no longer gated in the kernel)" } else { "this backup's server's output" };
         match switched {
-            Ok(()) => self.log(format!("replica: fast path: {why}: this backup's server's output goes through NFQUEUE again, the fast path is off until the daemon restarts")),
-            Err(e) => self.log(format!("replica: fast path: {why}, and the queue rule's match could not be switched ({e}): this backup's server's output may reach the clients: stop this daemon and its server")),
+            Ok(()) => self.log(format!("replica: fast path: {why}: {whose} goes through NFQUEUE again, the fast path is off until the daemon restarts")),
+            Err(e) => self.log(format!("replica: fast path: {why}, and the queue rule's match could not be switched ({e}): {whose} may reach the clients: stop this daemon and its server")),
         }
         self.fast_retire(now_ms);
     }
@@ -1066,8 +1119,8 @@ impl Core {
 }
 
 /// A packet for the raw socket: a GSO super-packet cut to segments that fit any Ethernet MTU
-/// (only a copy that crossed the take-over takes this path; the engine's own resends cut to
-/// the client's MSS).
+/// (the backup's copy that crossed the take-over, and a primary's copy while it waits for its
+/// backup; the engines' own sends cut to the client's MSS, `Primary::wire_segments`).
 fn split_for_raw(pkt: Vec<u8>) -> Vec<Vec<u8>> {
     if pkt.len() <= 1500 {
         return vec![pkt];

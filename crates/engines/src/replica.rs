@@ -1850,6 +1850,10 @@ pub enum Why {
     BackupLagging,
     /// The backup's server closed (FIN) where the primary's has more output (row 3, backup).
     BackupFinAlone,
+    /// The same after the client closed with every byte the primary sent and with the backup's
+    /// server holding all the input the primary's acknowledged: it dropped output it had not
+    /// written when it read the client's EOF. That connection only; the backup is not stale.
+    BackupClosedEarly,
     /// The backup's server reset the connection (row 3, backup).
     BackupRst,
     /// The primary's FIN waited MaxDelayFIN for the backup's and went out alone.
@@ -3393,7 +3397,14 @@ impl Primary {
         // FIN (ST-TCP 3.7.4): released when the backup closed at the same offset.
         let fin_ok = c.p_fin && b.fin && b.aligned && b.out_end == c.p_end && (!cfg.strict || c.rel == c.p_end);
         if b.fin && b.aligned && c.p_end.gt(b.out_end) {
-            self.unprotect(key, Why::BackupFinAlone);
+            // The client closed first with every byte the primary sent, and the backup's server
+            // had all the input the primary's acknowledged (so its state is the primary's): its
+            // shorter output is what it had not written yet when it read the client's EOF (Redis
+            // drops such replies; a backup behind in relaxed mode meets it at every close). Only
+            // this connection stops being protected. Otherwise the backup missed input: stale.
+            let all_input = b.rcv_known && b.rcv_nxt.ge(c.ack_p);
+            let why = if c.client_fin && c.client_ack.ge(c.p_end) && all_input { Why::BackupClosedEarly } else { Why::BackupFinAlone };
+            self.unprotect(key, why);
             return;
         }
         if c.p_fin && !fin_ok && b.aligned && b.out_end.gt(c.p_end) {

@@ -519,6 +519,30 @@ fn st_tcp_3_7_4_fin_waits_for_the_backups() {
     assert_eq!((t.seq, d.len(), t.flags & F::FIN), (Seq(P_ISN.wrapping_add(4)), 0, F::FIN));
 }
 
+/// ST-TCP Table 3.3 row 3, backup, without strict output commit: the client had every reply
+/// from the primary and closed; the backup's server, behind, read the client's EOF with replies
+/// still unwritten and closed with less output (Redis drops them). It had all the input the
+/// primary's server acknowledged, so its state is the primary's: that connection alone runs
+/// unprotected, the backup is not stale. With input missing it is (row 3 as before).
+#[test]
+fn table_3_3_row3_backup_closed_early_after_the_clients_close_is_that_connections_only() {
+    for missed_input in [false, true] {
+        let mut p = primary(false);
+        assert!(matches!(primary_sends(&mut p, 0, b"abcdef", C_ISN + 1, 0, 2).0, Verdict::Accept { .. }));
+        // The client acknowledges all of it and closes; the primary's server acknowledges the FIN.
+        let fin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(7)), flags: F::ACK | F::FIN, window: 1000, ..Default::default() }, &[]);
+        assert_eq!(p.incoming(&fin), Verdict::PASS);
+        assert!(matches!(primary_sends(&mut p, 6, b"", C_ISN + 2, 0, 3).0, Verdict::Accept { .. }));
+        // The backup's server closed after three bytes of output.
+        let rcv = if missed_input { C_ISN + 1 } else { C_ISN + 2 };
+        p.backup_progress(&progress(2, rcv, b"abc", true), 4);
+        let want = if missed_input { Why::BackupFinAlone } else { Why::BackupClosedEarly };
+        let notices = p.take_notices();
+        assert!(notices.contains(&Notice::Unprotected { key: key(), why: want }), "missed input {missed_input}: {notices:?}");
+        assert_eq!(p.backup_stale().is_some(), missed_input, "stale only when its server missed input");
+    }
+}
+
 /// ST-TCP Table 3.3 row 3, primary: a FIN where the backup has more output, while the server's
 /// listening socket is gone (it crashed): the host is sick, yield. The FIN never goes out.
 #[test]

@@ -599,7 +599,8 @@ fn replica_no_failure_not_strict() {
 /// Without strict output commit, large values and no fault: the backup, behind the primary,
 /// meets the client's close with replies its server had not written yet (Redis drops them on
 /// EOF) and closes with less output: that connection only stops being protected
-/// (`backup_closed_early`), the backup is not stale, nobody takes over, every reply byte-exact.
+/// (`backup_closed_early`; the reverse race, `primary_failed`, is that connection's too), the
+/// backup is not stale, nobody takes over, every reply byte-exact.
 /// (Before, `backup_fin_alone` made the backup stale in about one run of two, with the fast
 /// path on or off.) The primary's programs carry the connections with the fast path on.
 #[test]
@@ -619,9 +620,12 @@ fn replica_large_values_not_strict() {
     for (i, side) in [Side::Primary, Side::Backup].into_iter().enumerate() {
         let s = t.status[i].as_ref().unwrap_or_else(|| panic!("{name}: no status of the {}", side.name()));
         assert_eq!(s["state"], "protecting", "{name}: the {}\n{}", side.name(), diag());
-        // Only connections whose backup closed early may have left protection.
+        // Only connections that ended in a close race may have left protection: a backup that
+        // closed early, or (the trial's clients stop with requests outstanding, and both servers
+        // drop what they had not written at the EOF) a primary that closed with less output than
+        // the backup's, that connection's failure (issue 20 item 9). Never the whole backup.
         let by = s["unprotected_by"].as_object().cloned().unwrap_or_default();
-        assert!(by.keys().all(|k| k == "backup_closed_early"), "{name}: the {} ran connections unprotected: {by:?}\n{}", side.name(), diag());
+        assert!(by.keys().all(|k| k == "backup_closed_early" || k == "primary_failed"), "{name}: the {} ran connections unprotected: {by:?}\n{}", side.name(), diag());
     }
 }
 

@@ -4,7 +4,8 @@
 //! records do to the engine, and the take-over's order. No kernel: the programs' claims are
 //! the test's edits of the emulated entries.
 
-use std::collections::HashMap;
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
@@ -16,6 +17,8 @@ use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::{ConnProgress, Progress, Role, Session};
 use unbroken_wire::tcp::{self, flags as F};
 use unbroken_wire::Seq;
+
+use common::emu::Entries;
 
 const CLIENT: &str = "10.0.0.9";
 const SERVICE: &str = "10.77.3.10";
@@ -38,21 +41,10 @@ fn backup() -> Core {
     Core::new(s, key(), peer(), Boot { id: 0xbb, secret: [7; 32] }, 0)
 }
 
-#[derive(Debug, Clone, Copy)]
-struct E {
-    frozen: bool,
-    user: bool,
-    changed: bool,
-    slow: u32,
-    seen: u32,
-    f: BFast,
-}
-
-/// The emulated map and what the core asked of it, in order.
+/// The emulated map (its entries and the core's operations: [`common::emu::Entries`]).
 #[derive(Default)]
 struct Emu {
-    entries: HashMap<ConnKey, E>,
-    ops: Vec<String>,
+    map: Entries<BFast>,
     records: Vec<MapRecord>,
     promoted: bool,
     promote_fails: bool,
@@ -64,6 +56,19 @@ struct Emu {
     looks: u64,
     stuck: bool,
     user_out: bool,
+}
+
+impl std::ops::Deref for Emu {
+    type Target = Entries<BFast>;
+    fn deref(&self) -> &Entries<BFast> {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for Emu {
+    fn deref_mut(&mut self) -> &mut Entries<BFast> {
+        &mut self.map
+    }
 }
 
 #[derive(Clone, Default)]
@@ -78,77 +83,29 @@ impl Shared {
     }
     /// A program declines a packet of `k`: frozen, counted (the packet carries MARK_SLOW).
     fn decline(&self, k: &ConnKey) -> u32 {
-        let mut m = self.lock();
-        match m.entries.get_mut(k) {
-            Some(e) => {
-                e.frozen = true;
-                e.slow += 1;
-                MARK_SLOW
-            }
-            None => 0,
+        if self.lock().decline(k) {
+            MARK_SLOW
+        } else {
+            0
         }
     }
     /// A program claims a packet of `k` and learns from it.
     fn claim(&self, k: &ConnKey, learn: impl FnOnce(&mut BFast)) {
-        let mut m = self.lock();
-        let e = m.entries.get_mut(k).expect("an entry");
-        assert!(!e.frozen, "a frozen entry is never claimed");
-        learn(&mut e.f);
+        self.lock().claim(k, learn)
     }
 }
 
 impl FastMap for Shared {
     fn take(&mut self, key: &ConnKey, counted: bool, _: u64) -> Option<Taken> {
-        let mut m = self.lock();
-        m.ops.push(format!("{} {}", if counted { "take" } else { "freeze" }, key.client_port));
-        let e = m.entries.get_mut(key)?;
-        if counted {
-            e.seen += 1;
-        }
-        let newest = !e.user;
-        e.frozen = true;
-        e.user = true;
-        Some(Taken { newest, fields: Fields::Backup(e.f) })
+        self.lock().take(key, counted)
     }
 
     fn apply(&mut self, op: &MapOp, _: u64) -> MapDone {
-        let mut m = self.lock();
-        match *op {
-            MapOp::Install(k, f) => {
-                let f = f.backup().expect("the backup's fields");
-                m.ops.push(format!("install {}", k.client_port));
-                if m.entries.remove(&k).is_some() {
-                    return MapDone::Gone;
-                }
-                m.entries.insert(k, E { frozen: false, user: false, changed: false, slow: 0, seen: 0, f });
-                MapDone::Kernel
-            }
-            MapOp::Thaw(k, f) | MapOp::ThawForce(k, f) => {
-                let force = matches!(op, MapOp::ThawForce(..));
-                m.ops.push(format!("{} {}", if force { "thaw_force" } else { "thaw" }, k.client_port));
-                let Some(e) = m.entries.get_mut(&k) else { return MapDone::Gone };
-                if !force && e.seen != e.slow {
-                    return MapDone::Held;
-                }
-                e.seen = e.slow;
-                (e.frozen, e.user, e.changed) = (false, false, false);
-                e.f = f.backup().expect("the backup's fields");
-                MapDone::Kernel
-            }
-            MapOp::Remove(k) => {
-                m.ops.push(format!("remove {}", k.client_port));
-                m.entries.remove(&k);
-                MapDone::Gone
-            }
-        }
+        self.lock().apply(op)
     }
 
     fn collect(&mut self, key: &ConnKey, _: u64) -> Option<Fields> {
-        let mut m = self.lock();
-        m.ops.push(format!("collect {}", key.client_port));
-        let e = m.entries.get_mut(key)?;
-        e.changed = false;
-        Some(Fields::Backup(e.f))
+        self.lock().collect(key)
     }
 
     fn records(&mut self) -> Vec<MapRecord> {

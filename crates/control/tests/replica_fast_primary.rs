@@ -7,7 +7,8 @@
 //! the fast path runs only while the pair protects (the OUTPUT rule's match takes the output
 //! before the backup is heard, after a yield and once the backup failed). No kernel.
 
-use std::collections::HashMap;
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
@@ -19,6 +20,8 @@ use unbroken_wire::ctl::Key;
 use unbroken_wire::replica::{flag, ConnProgress, Progress, Role, Session};
 use unbroken_wire::tcp::{self, flags as F};
 use unbroken_wire::Seq;
+
+use common::emu::Entries;
 
 const CLIENT: &str = "10.0.0.9";
 const SERVICE: &str = "10.77.3.10";
@@ -41,24 +44,28 @@ fn primary() -> Core {
     Core::new(s, key(), peer(), Boot { id: 0xaa, secret: [7; 32] }, 0)
 }
 
-#[derive(Debug, Clone, Copy)]
-struct E {
-    frozen: bool,
-    user: bool,
-    slow: u32,
-    seen: u32,
-    f: PFast,
-}
-
+/// The emulated map (its entries and the core's operations: [`common::emu::Entries`]).
 #[derive(Default)]
 struct Emu {
-    entries: HashMap<ConnKey, E>,
-    ops: Vec<String>,
+    map: Entries<PFast>,
     records: Vec<MapRecord>,
     /// What the OUTPUT rule's match says (`queue_out`); the daemon starts it on.
     queue_out: Option<bool>,
     output_at: Option<u64>,
     renewals: u32,
+}
+
+impl std::ops::Deref for Emu {
+    type Target = Entries<PFast>;
+    fn deref(&self) -> &Entries<PFast> {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for Emu {
+    fn deref_mut(&mut self) -> &mut Entries<PFast> {
+        &mut self.map
+    }
 }
 
 #[derive(Clone, Default)]
@@ -75,75 +82,26 @@ impl Shared {
     /// reaches the daemon as a copy (copy mode).
     fn decline_out(&self, k: &ConnKey, pkt: Vec<u8>) {
         let mut m = self.lock();
-        let counted = match m.entries.get_mut(k) {
-            Some(e) => {
-                e.frozen = true;
-                e.slow += 1;
-                true
-            }
-            None => false,
-        };
+        let counted = m.decline(k);
         m.records.push(MapRecord::Slow { pkt, counted });
     }
     /// A program claims a packet of `k` and learns from it.
     fn claim(&self, k: &ConnKey, learn: impl FnOnce(&mut PFast)) {
-        let mut m = self.lock();
-        let e = m.entries.get_mut(k).expect("an entry");
-        assert!(!e.frozen, "a frozen entry is never claimed");
-        learn(&mut e.f);
+        self.lock().claim(k, learn)
     }
 }
 
 impl FastMap for Shared {
     fn take(&mut self, key: &ConnKey, counted: bool, _: u64) -> Option<Taken> {
-        let mut m = self.lock();
-        m.ops.push(format!("{} {}", if counted { "take" } else { "freeze" }, key.client_port));
-        let e = m.entries.get_mut(key)?;
-        if counted {
-            e.seen += 1;
-        }
-        let newest = !e.user;
-        e.frozen = true;
-        e.user = true;
-        Some(Taken { newest, fields: Fields::Primary(e.f) })
+        self.lock().take(key, counted)
     }
 
     fn apply(&mut self, op: &MapOp, _: u64) -> MapDone {
-        let mut m = self.lock();
-        match *op {
-            MapOp::Install(k, f) => {
-                m.ops.push(format!("install {}", k.client_port));
-                let f = f.primary().expect("the primary's fields");
-                if m.entries.remove(&k).is_some() {
-                    return MapDone::Gone;
-                }
-                m.entries.insert(k, E { frozen: false, user: false, slow: 0, seen: 0, f });
-                MapDone::Kernel
-            }
-            MapOp::Thaw(k, f) | MapOp::ThawForce(k, f) => {
-                let force = matches!(op, MapOp::ThawForce(..));
-                m.ops.push(format!("{} {}", if force { "thaw_force" } else { "thaw" }, k.client_port));
-                let Some(e) = m.entries.get_mut(&k) else { return MapDone::Gone };
-                if !force && e.seen != e.slow {
-                    return MapDone::Held;
-                }
-                e.seen = e.slow;
-                (e.frozen, e.user) = (false, false);
-                e.f = f.primary().expect("the primary's fields");
-                MapDone::Kernel
-            }
-            MapOp::Remove(k) => {
-                m.ops.push(format!("remove {}", k.client_port));
-                m.entries.remove(&k);
-                MapDone::Gone
-            }
-        }
+        self.lock().apply(op)
     }
 
     fn collect(&mut self, key: &ConnKey, _: u64) -> Option<Fields> {
-        let mut m = self.lock();
-        m.ops.push(format!("collect {}", key.client_port));
-        m.entries.get(key).map(|e| Fields::Primary(e.f))
+        self.lock().collect(key)
     }
 
     fn records(&mut self) -> Vec<MapRecord> {

@@ -11,6 +11,7 @@
 //! (not root, no tc-BPF), or fails with the reason when UNBROKEN_REQUIRE_LAB=1.
 
 include!("common/require.rs");
+include!("common/loaded.rs");
 
 #[path = "../../engines/tests/rtcp_vectors/mod.rs"]
 mod rtcp_vectors;
@@ -22,7 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use rtcp_vectors::*;
 use unbroken_drivers::fastpath::checkpoint::{Checkpoint, Direction, Key};
-use unbroken_drivers::fastpath::{Error, Verdict};
+use unbroken_drivers::fastpath::Verdict;
 use unbroken_engines::rtcp::{self, flag, Conn, PeerChecksum};
 use unbroken_wire::ctl::{Command, Op};
 use unbroken_wire::ip::{self, IpInfo};
@@ -34,14 +35,7 @@ use Direction::{Incoming, Outgoing};
 /// The loaded programs, or `None` after a SKIP line (BPF unavailable here). Any other failure
 /// (the verifier refusing a program, a map that cannot be made) fails the test.
 fn fast_path(test: &str) -> Option<Checkpoint> {
-    match Checkpoint::load() {
-        Ok(fp) => Some(fp),
-        Err(Error::Unavailable(why)) => {
-            skip_or_fail(test, &why);
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    loaded_or_skip(test, Checkpoint::load())
 }
 
 fn a6() -> IpAddr {

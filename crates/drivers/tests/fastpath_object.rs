@@ -13,11 +13,12 @@
 //! (not root, no BPF), or fails with the reason when UNBROKEN_REQUIRE_LAB=1.
 
 include!("common/require.rs");
+include!("common/loaded.rs");
 
 use std::net::{IpAddr, SocketAddr};
 
 use unbroken_drivers::fastpath::object::{self, flag, monotonic_ns, Kept, Object, Prog, State, Steer};
-use unbroken_drivers::fastpath::{Error, Verdict as TcVerdict};
+use unbroken_drivers::fastpath::Verdict as TcVerdict;
 use unbroken_engines::trods::{self, plan_recovery, Action, Config, Dir, Engine, FastKept, FastView, Plan, Record, Trigger};
 use unbroken_engines::Verdict;
 use unbroken_wire::ip::{self, IpInfo};
@@ -30,14 +31,7 @@ const S_ISN: u32 = 4_294_960_000; // wraps during the tests
 const BUCKET: u16 = 7;
 
 fn fast_path(test: &str) -> Option<Object> {
-    match Object::load() {
-        Ok(fp) => Some(fp),
-        Err(Error::Unavailable(why)) => {
-            skip_or_fail(test, &why);
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    loaded_or_skip(test, Object::load())
 }
 
 fn hex(b: &[u8]) -> String {

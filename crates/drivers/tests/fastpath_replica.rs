@@ -12,11 +12,12 @@
 //! Root only, no namespace: SKIP otherwise (UNBROKEN_REQUIRE_LAB=1 makes a skip a failure).
 
 include!("common/require.rs");
+include!("common/loaded.rs");
 
 use std::net::IpAddr;
 
 use unbroken_drivers::fastpath::replica::{ctl, Direction, Key, Op, OpResult, Record, Replica, State, CONSUMED};
-use unbroken_drivers::fastpath::{Error, Verdict};
+use unbroken_drivers::fastpath::Verdict;
 use unbroken_engines::replica::{Backup, BackupCounters, ConnKey};
 use unbroken_engines::Verdict as EVerdict;
 use unbroken_wire::ip::{self, IpInfo};
@@ -27,14 +28,7 @@ use unbroken_wire::{ipv4, Seq};
 use Direction::{Incoming, Outgoing};
 
 fn fast_path(test: &str) -> Option<Replica> {
-    match Replica::load() {
-        Ok(fp) => Some(fp),
-        Err(Error::Unavailable(why)) => {
-            skip_or_fail(test, &why);
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    loaded_or_skip(test, Replica::load())
 }
 
 const CPORT: u16 = 40000;
@@ -593,7 +587,7 @@ fn random_sequences_agree_with_the_engine() {
     let seed = std::env::var("FASTPATH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_2204u64);
     let seqs: usize = std::env::var("FASTPATH_CASES").ok().and_then(|s| s.parse::<usize>().ok()).map(|c| c / 100).unwrap_or(80).max(1);
     let mut rng = Rng(seed | 1);
-    let (mut claimed, mut slow, mut in_place, mut taken_by_report) = (0, 0, 0, 0);
+    let (mut claimed, mut slow) = (0, 0);
     for s in 0..seqs {
         let v6 = rng.chance(300);
         let base = if v6 { Conn::v6() } else { Conn::v4() };

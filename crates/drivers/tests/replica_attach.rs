@@ -10,18 +10,10 @@ use std::net::{SocketAddr, UdpSocket};
 
 use common::*;
 use unbroken_drivers::fastpath::replica::{unpin_queue_matches, EgressSeen, Replica};
-use unbroken_drivers::fastpath::Error;
 
 /// The programs, or `None` after a SKIP (a kernel without what they need).
 fn load_or_skip(test: &str) -> Option<Replica> {
-    match Replica::load() {
-        Ok(fp) => Some(fp),
-        Err(Error::Unavailable(why)) => {
-            skip_or_fail(test, &why);
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    loaded_or_skip(test, Replica::load())
 }
 
 /// One datagram from namespace `a` to `b` (not the service's: `rep_b_out` passes it).

@@ -1854,6 +1854,10 @@ pub enum Why {
     /// server holding all the input the primary's acknowledged: it dropped output it had not
     /// written when it read the client's EOF. That connection only; the backup is not stale.
     BackupClosedEarly,
+    /// The primary's server closed with less output than the backup's after the client closed:
+    /// it dropped replies it had not written when it read the client's EOF. A close race, not a
+    /// failure: that connection only, nothing counted as `primary_failed`.
+    PrimaryClosedEarly,
     /// The backup's server reset the connection (row 3, backup).
     BackupRst,
     /// The primary's FIN waited MaxDelayFIN for the backup's and went out alone.
@@ -3059,13 +3063,19 @@ impl Primary {
             // what the primary verified), into the primary's own server in the client's name,
             // once the primary has heard nothing of that client for a while: its server stops
             // retransmitting into the loss with a backed-off timer (issue 20).
+            // Never the ACK of its server's FIN: that ACK closes a socket in LAST_ACK, and one
+            // that closed already (its host did hear the ACK, which the engine missed: the fast
+            // path passes a frozen connection's pure ACKs unlearned) answers the relayed copy
+            // with a RST, which would end the connection as the primary's failure, or reach the
+            // client. A server that missed it retransmits its FIN, which the client answers.
             let quiet = now_ms >= c.client_heard_at + ACK_RELAY_AFTER_MS;
-            if quiet && c.answered && c.state.is_none() && r.last_ack != Seq(0) && r.last_ack.gt(c.client_ack) && r.last_ack.le(c.snd_c) {
+            let relay = if c.p_fin && r.last_ack.gt(c.p_end) { c.p_end } else { r.last_ack };
+            if quiet && c.answered && c.state.is_none() && r.last_ack != Seq(0) && relay.gt(c.client_ack) && r.last_ack.le(c.snd_c) {
                 if let Some((_, cwin, cts)) = c.client_last {
-                    let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.ack_p, ack: r.last_ack, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
+                    let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.ack_p, ack: relay, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
                     if let Ok(pkt) = ip::tcp_packet(key.client, c.server, &rep, &[]) {
                         self.inject.push(pkt);
-                        c.client_ack = r.last_ack;
+                        c.client_ack = relay;
                         self.counters.acks_from_backup += 1;
                     }
                 }
@@ -3412,7 +3422,15 @@ impl Primary {
             // show a crashed server (then the whole host yields, this connection with it).
             let t = *c.fin_alone_since.get_or_insert(now);
             if now >= t + PRIMARY_FAIL_GRACE_MS {
-                self.primary_failed(key, now, false);
+                // After the client's own close it is the reverse of `BackupClosedEarly`: the
+                // primary's server read the client's EOF with replies still unwritten (Redis
+                // drops them), the backup's had written more. No failure: the client closed and
+                // gets what the primary's server did, as it would without us.
+                if c.client_fin && self.listening != Some(false) {
+                    self.unprotect(key, Why::PrimaryClosedEarly);
+                } else {
+                    self.primary_failed(key, now, false);
+                }
                 return;
             }
         }

@@ -578,6 +578,35 @@ fn hostile_one_connections_close_race_does_not_move_the_host() {
     assert_eq!(p.backup_stale(), None, "the backup still follows every other connection");
 }
 
+/// The reverse of the backup's early close, without strict output commit: the client closed,
+/// the primary's server read its EOF with replies unwritten and closed with less output than the
+/// backup's. A close race, not the primary's failure: that connection alone leaves protection
+/// (`PrimaryClosedEarly`, nothing counted as `primary_failed`), the client gets the primary's
+/// bytes and its FIN. With the listening socket gone the host is sick and yields, as before.
+#[test]
+fn table_3_3_row3_primary_closed_early_after_the_clients_close_is_no_failure() {
+    for listener_gone in [false, true] {
+        let mut p = primary(false);
+        p.server_listening(true);
+        assert!(matches!(primary_sends(&mut p, 0, b"ab", C_ISN + 1, 0, 2).0, Verdict::Accept { .. }));
+        let fin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(3)), flags: F::ACK | F::FIN, window: 1000, ..Default::default() }, &[]);
+        assert_eq!(p.incoming(&fin), Verdict::PASS);
+        primary_sends(&mut p, 2, b"", C_ISN + 2, F::FIN, 3);
+        p.backup_progress(&progress(2, C_ISN + 2, b"abcdef", false), 4);
+        if listener_gone {
+            p.server_listening(false);
+            assert_eq!(p.take_notices(), vec![Notice::YieldToBackup { key: None }], "a listener gone is a sick host");
+            continue;
+        }
+        assert!(p.take_notices().is_empty(), "a grace for the daemon's listener check");
+        p.tick(4 + unbroken_engines::replica::PRIMARY_FAIL_GRACE_MS);
+        assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::PrimaryClosedEarly }]);
+        assert_eq!(p.counters.primary_failed, 0, "a close race is no failure");
+        assert!(p.take_transmit().iter().any(|pkt| seg(pkt).0.flags & F::FIN != 0), "the primary's FIN goes out");
+        assert_eq!(p.backup_stale(), None);
+    }
+}
+
 /// ST-TCP 3.7.4: a RST of the primary's server never reaches the client while protected; alone
 /// for MaxDelayFIN it is that connection's failure (unprotected), a yield only with a sick host.
 #[test]
@@ -1403,6 +1432,30 @@ fn loss_toward_primary_the_backups_view_of_the_clients_ack_reaches_the_server() 
     p.backup_progress(&rep(5, P_ISN.wrapping_add(11)), 50);
     assert!(p.take_inject().is_empty(), "once");
     assert_eq!(p.counters.acks_from_backup, 1);
+}
+
+/// The same relay never acknowledges the primary's server's FIN: its host may have heard the
+/// client's ACK of it (which the engine missed: the fast path passes a frozen connection's pure
+/// ACKs unlearned) and closed the socket, whose kernel would answer the relayed copy with a RST.
+/// Up to the FIN it still relays (a server that missed those retransmits data).
+#[test]
+fn loss_toward_primary_the_relay_never_acknowledges_the_servers_fin() {
+    let mut p = primary_established();
+    primary_sends(&mut p, 0, &[7; 10], C_ISN + 1, 0, 5);
+    primary_sends(&mut p, 10, &[], C_ISN + 1, F::FIN, 6);
+    let rep = |beat, last_ack: u32| {
+        let rec = ConnProgress { last_ack: Seq(last_ack), ..progress(beat, C_ISN + 1, &[7; 10], true).records[0] };
+        Progress { role: Role::Backup, beat, flags: 0, records: vec![rec] }
+    };
+    // The backup's server closed at the same offset: the FIN goes out.
+    p.backup_progress(&rep(2, P_ISN.wrapping_add(1)), 7);
+    assert!(p.take_transmit().iter().any(|pkt| seg(pkt).0.flags & F::FIN != 0), "the FIN released");
+    p.backup_progress(&rep(3, P_ISN.wrapping_add(12)), 40);
+    let inj = p.take_inject();
+    assert_eq!(inj.len(), 1, "up to the FIN: relayed");
+    assert_eq!(seg(&inj[0]).0.ack, Seq(P_ISN.wrapping_add(11)), "never the FIN's ACK");
+    p.backup_progress(&rep(4, P_ISN.wrapping_add(12)), 80);
+    assert!(p.take_inject().is_empty(), "the FIN's ACK is never relayed");
 }
 
 /// Issue 20 review: a client that parks unread bytes on its own connection makes the server

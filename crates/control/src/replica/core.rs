@@ -315,6 +315,7 @@ pub fn why_name(w: Why) -> &'static str {
         Why::BackupLagging => "backup_lagging",
         Why::BackupFinAlone => "backup_fin_alone",
         Why::BackupClosedEarly => "backup_closed_early",
+        Why::PrimaryClosedEarly => "primary_closed_early",
         Why::BackupRst => "backup_rst",
         Why::FinTimeout => "fin_timeout",
         Why::Diverged => "diverged",

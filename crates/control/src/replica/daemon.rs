@@ -356,10 +356,7 @@ fn fast_path(cfg: &Replica, spec: &RuleSpec) -> Result<KernelMap, String> {
         fp.set_queue_out(true).map_err(|e| e.to_string())?;
         // A lease from the start (the core renews it): a daemon that dies leaves its programs
         // claiming nothing after LEASE_MS.
-        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: clock_gettime fills the timespec we own.
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-        let now_ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+        let now_ns = unbroken_drivers::fastpath::monotonic_ns();
         fp.set_lease(now_ns + crate::replica::core::LEASE_MS * 1_000_000).map_err(|e| e.to_string())?;
         fp.attach_primary(&r.interface).map_err(|e| e.to_string())?;
         let mut map = KernelMap::new_primary(fp, r.strict);

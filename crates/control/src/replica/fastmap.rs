@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
+use unbroken_drivers::fastpath::Error;
 use unbroken_drivers::fastpath::replica::{ctl, EgressSeen, EgressWatch, Key, Op, OpResult, PState, PieceOf, Record, Replica, State};
 use unbroken_drivers::iptables::{BuiltinChain, RuleSpec, Rules};
 use unbroken_engines::replica::{BFast, ConnKey, PFast};
@@ -16,12 +17,7 @@ use crate::replica::core::{FastMap, Fields, MapDone, MapOp, MapRecord, Reported,
 use unbroken_wire::replica::{flag as rw_flag, ConnProgress};
 
 /// The kernel's clock as `bpf_ktime_get_ns` reads it (CLOCK_MONOTONIC, ns).
-fn kernel_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime fills the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use unbroken_drivers::fastpath::monotonic_ns as kernel_ns;
 
 pub fn key_of(k: &ConnKey) -> Key {
     Key::new(SocketAddr::new(k.client, k.client_port), k.server_port)
@@ -133,30 +129,53 @@ impl KernelMap {
         PState::from_engine(f, self.strict, at)
     }
 
-    fn p_apply(&mut self, op: &MapOp, now_ms: u64) -> Result<MapDone, unbroken_drivers::fastpath::Error> {
-        match op {
-            MapOp::Install(k, Fields::Primary(f)) => {
-                let st = self.p_from_engine(f, now_ms);
-                match self.fp.p_install(&key_of(k), &st) {
-                    Ok(true) => Ok(MapDone::Kernel),
-                    Ok(false) => self.fp.p_remove(&key_of(k)).map(|_| MapDone::Gone),
-                    Err(e) => Err(e),
-                }
+    /// Whether the fields are this role's (the core builds only its role's; any other is
+    /// treated as no fields: the connection leaves the map).
+    fn fits(&self, f: &Fields) -> bool {
+        matches!((self.primary, f), (true, Fields::Primary(_)) | (false, Fields::Backup(_)))
+    }
+
+    /// The three map operations, each the one place that tells the two roles' maps apart
+    /// (`rep_b_conns` or `rep_p_conns`, and their state's conversion); the caller checked
+    /// [`Self::fits`].
+    fn install(&mut self, key: &ConnKey, f: &Fields, now_ms: u64) -> Result<bool, Error> {
+        match f {
+            Fields::Primary(p) => {
+                let st = self.p_from_engine(p, now_ms);
+                self.fp.p_install(&key_of(key), &st)
             }
-            MapOp::Thaw(k, Fields::Primary(f)) | MapOp::ThawForce(k, Fields::Primary(f)) => {
-                let o = if matches!(op, MapOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
-                let st = self.p_from_engine(f, now_ms);
-                self.fp.p_op(o, &key_of(k), Some(&st)).map(|(r, _, _)| match r {
-                    OpResult::Done => MapDone::Kernel,
-                    OpResult::Stale => MapDone::Held,
-                    OpResult::NoEntry | OpResult::Taken => MapDone::Gone,
-                })
+            Fields::Backup(b) => {
+                let st = self.from_engine(b, now_ms);
+                self.fp.install(&key_of(key), &st)
             }
-            MapOp::Remove(k) => self.fp.p_remove(&key_of(k)).map(|_| MapDone::Gone),
-            // The backup's fields for the primary's map: never built (the core loads the
-            // engine's own form).
-            MapOp::Install(k, _) | MapOp::Thaw(k, _) | MapOp::ThawForce(k, _) => self.fp.p_remove(&key_of(k)).map(|_| MapDone::Gone),
         }
+    }
+
+    fn remove(&mut self, key: &ConnKey) -> Result<(), Error> {
+        if self.primary {
+            self.fp.p_remove(&key_of(key))
+        } else {
+            self.fp.remove(&key_of(key))
+        }
+    }
+
+    /// An op program run on the role's map: its result, the control word before it, and the
+    /// entry's fields after it in the engine's form.
+    fn op(&mut self, op: Op, key: &ConnKey, value: Option<&Fields>, now_ms: u64) -> Result<(OpResult, u32, Fields), Error> {
+        if self.primary {
+            let v = match value {
+                Some(Fields::Primary(p)) => Some(self.p_from_engine(p, now_ms)),
+                _ => None,
+            };
+            let (r, ctl_before, e) = self.fp.p_op(op, &key_of(key), v.as_ref())?;
+            return Ok((r, ctl_before, Fields::Primary(self.p_to_engine(&e.state, now_ms))));
+        }
+        let v = match value {
+            Some(Fields::Backup(b)) => Some(self.from_engine(b, now_ms)),
+            _ => None,
+        };
+        let a = self.fp.op(op, &key_of(key), v.as_ref())?;
+        Ok((a.result, a.ctl_before, Fields::Backup(self.to_engine(key, &a.entry.state, now_ms))))
     }
 
     fn log(what: &str, e: impl std::fmt::Display) {
@@ -167,18 +186,8 @@ impl KernelMap {
 impl FastMap for KernelMap {
     fn take(&mut self, key: &ConnKey, counted: bool, now_ms: u64) -> Option<Taken> {
         let op = if counted { Op::Take } else { Op::Freeze };
-        if self.primary {
-            return match self.fp.p_op(op, &key_of(key), None) {
-                Ok((OpResult::Done, ctl_before, e)) => Some(Taken { newest: ctl_before & ctl::USER == 0, fields: Fields::Primary(self.p_to_engine(&e.state, now_ms)) }),
-                Ok(_) => None,
-                Err(e) => {
-                    Self::log("taking an entry", e);
-                    None
-                }
-            };
-        }
-        match self.fp.op(op, &key_of(key), None) {
-            Ok(a) if a.result == OpResult::Done => Some(Taken { newest: a.ctl_before & ctl::USER == 0, fields: Fields::Backup(self.to_engine(key, &a.entry.state, now_ms)) }),
+        match self.op(op, key, None, now_ms) {
+            Ok((OpResult::Done, ctl_before, fields)) => Some(Taken { newest: ctl_before & ctl::USER == 0, fields }),
             Ok(_) => None,
             Err(e) => {
                 Self::log("taking an entry", e);
@@ -189,27 +198,22 @@ impl FastMap for KernelMap {
 
     fn apply(&mut self, op: &MapOp, now_ms: u64) -> MapDone {
         let res = match op {
-            _ if self.primary => self.p_apply(op, now_ms),
-            MapOp::Install(k, Fields::Backup(f)) => {
-                let st = self.from_engine(f, now_ms);
-                match self.fp.install(&key_of(k), &st) {
-                    Ok(true) => Ok(MapDone::Kernel),
-                    // An entry the core did not know of: neither copy is sure to be the newest;
-                    // the slow path carries the connection until it is installed again.
-                    Ok(false) => self.fp.remove(&key_of(k)).map(|_| MapDone::Gone),
-                    Err(e) => Err(e),
-                }
-            }
-            MapOp::Thaw(k, Fields::Backup(f)) | MapOp::ThawForce(k, Fields::Backup(f)) => {
+            MapOp::Install(k, f) if self.fits(f) => match self.install(k, f, now_ms) {
+                Ok(true) => Ok(MapDone::Kernel),
+                // An entry the core did not know of: neither copy is sure to be the newest;
+                // the slow path carries the connection until it is installed again.
+                Ok(false) => self.remove(k).map(|_| MapDone::Gone),
+                Err(e) => Err(e),
+            },
+            MapOp::Thaw(k, f) | MapOp::ThawForce(k, f) if self.fits(f) => {
                 let o = if matches!(op, MapOp::Thaw(..)) { Op::Thaw } else { Op::ThawForce };
-                let st = self.from_engine(f, now_ms);
-                self.fp.op(o, &key_of(k), Some(&st)).map(|a| match a.result {
+                self.op(o, k, Some(f), now_ms).map(|(r, _, _)| match r {
                     OpResult::Done => MapDone::Kernel,
                     OpResult::Stale => MapDone::Held,
                     OpResult::NoEntry | OpResult::Taken => MapDone::Gone,
                 })
             }
-            MapOp::Remove(k) | MapOp::Install(k, _) | MapOp::Thaw(k, _) | MapOp::ThawForce(k, _) => self.fp.remove(&key_of(k)).map(|_| MapDone::Gone),
+            MapOp::Remove(k) | MapOp::Install(k, _) | MapOp::Thaw(k, _) | MapOp::ThawForce(k, _) => self.remove(k).map(|_| MapDone::Gone),
         };
         res.unwrap_or_else(|e| {
             Self::log(&format!("{op:?}"), e);
@@ -223,18 +227,8 @@ impl FastMap for KernelMap {
     }
 
     fn collect(&mut self, key: &ConnKey, now_ms: u64) -> Option<Fields> {
-        if self.primary {
-            return match self.fp.p_op(Op::Collect, &key_of(key), None) {
-                Ok((OpResult::Done, _, e)) => Some(Fields::Primary(self.p_to_engine(&e.state, now_ms))),
-                Ok(_) => None,
-                Err(e) => {
-                    Self::log("collecting an entry", e);
-                    None
-                }
-            };
-        }
-        match self.fp.op(Op::Collect, &key_of(key), None) {
-            Ok(a) if a.result == OpResult::Done => Some(Fields::Backup(self.to_engine(key, &a.entry.state, now_ms))),
+        match self.op(Op::Collect, key, None, now_ms) {
+            Ok((OpResult::Done, _, fields)) => Some(fields),
             Ok(_) => None,
             Err(e) => {
                 Self::log("collecting an entry", e);

@@ -337,6 +337,15 @@ fn pin_dir_netns(name: &str) -> Option<u64> {
     ino.parse().ok()
 }
 
+/// CLOCK_MONOTONIC now, in ns: the clock `bpf_ktime_get_ns` reads, so the clock of every
+/// program's lease and timestamp.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to write.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 #[cfg(test)]
 mod pin_tests {
     use super::*;

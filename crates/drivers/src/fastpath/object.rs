@@ -752,13 +752,8 @@ fn map_shared(ebpf: &Ebpf, name: &str, bytes: usize) -> Result<(*mut libc::c_voi
     Ok((p, len))
 }
 
-/// CLOCK_MONOTONIC now, in ns (the clock of `last_seen_ns` and the leases).
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid timespec to write.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// The clock of `last_seen_ns` and the leases ([`super::monotonic_ns`]).
+pub use super::monotonic_ns;
 
 #[cfg(test)]
 mod tests {

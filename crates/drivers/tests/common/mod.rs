@@ -16,6 +16,7 @@ use unbroken_drivers::{Queue, QueuedPacket, Stats, Verdict};
 
 // The skip rule of this crate's tests (also included by the unit tests in src/).
 include!("require.rs");
+include!("loaded.rs");
 
 pub const A4: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 1);
 pub const B4: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 2);

@@ -560,15 +560,20 @@ impl ReplicaEnv {
         Ok(text.split_once("counter packets ").and_then(|(_, a)| a.split_whitespace().next()?.parse().ok()).unwrap_or(0))
     }
 
-    /// Kills `side`'s daemon (SIGKILL: a crash, not a clean stop; its rules and a backup's ARP
-    /// suppression stay, as they do when it dies) and starts it again with the same config;
-    /// returns once the new one printed its ready line.
+    /// Kills `side`'s daemon (SIGKILL: a crash, not a clean stop; its rules, its pinned
+    /// programs and a backup's ARP suppression stay, as they do when it dies) and starts it
+    /// again with the same config; returns once the new one printed its ready line.
     pub fn restart_daemon(&mut self, side: Side) -> io::Result<()> {
+        self.kill_daemon(side);
+        self.start_daemon(side)
+    }
+
+    /// Kills `side`'s daemon (SIGKILL) and reaps it; nothing is started in its place.
+    pub fn kill_daemon(&mut self, side: Side) {
         if let Some(mut c) = self.daemons[side.idx()].take() {
             let _ = c.kill();
             let _ = c.wait();
         }
-        self.start_daemon(side)
     }
 
     /// One authenticated side-channel datagram from the primary to the backup, as it was on the

@@ -283,11 +283,9 @@ pub struct FastPart {
     /// [`FastMap::queue_out`]): before the pair protects, and for good once it no longer can.
     /// Starts on: the daemon installs the rule taking the output until the backup is heard.
     queue_out: bool,
-    /// When the primary's timed connections were last read ([`TIMED_REFRESH_MS`]), its
-    /// report's figures ([`PRIMARY_REFRESH_MS`]), and every connection looked at
-    /// ([`SCAN_MS`]).
+    /// When the primary's timed connections were last read ([`TIMED_REFRESH_MS`]), and every
+    /// connection looked at ([`SCAN_MS`]).
     timed_at: u64,
-    refresh_at: u64,
     scan_at: u64,
     lease_at: Option<u64>,
     /// When the programs' loss counters were last read, and what they said (review finding 8:
@@ -305,13 +303,6 @@ pub const TIMED_REFRESH_MS: u64 = 20;
 /// that stops (killed, hung) leaves its programs claiming for at most this long.
 pub const LEASE_MS: u64 = 1_000;
 pub const LEASE_RENEW_MS: u64 = 100;
-
-/// How often the primary's report takes the programs' figures of every connection they own: at
-/// every report. The backup injects the client's ACK its own host missed from them (ST-TCP
-/// 3.6's LastAckReceived): read every 50 ms instead, a backup behind in relaxed mode, whose
-/// client had stopped acknowledging, crawled a window per read and was taken for hung (2 of 3
-/// benchmark runs). A `COLLECT` per connection and report: what a large table costs is open.
-pub const PRIMARY_REFRESH_MS: u64 = 0;
 
 /// How often every connection in the map is looked at (forgotten by the engine, or no longer
 /// protected): a walk of the whole table, not every loop round.
@@ -899,13 +890,12 @@ impl Core {
         if self.fast.retired {
             return;
         }
-        // The primary's report: its figures from the programs ([`PRIMARY_REFRESH_MS`]).
-        if self.primary.is_some() && PRIMARY_REFRESH_MS > 0 {
-            if now_ms < self.fast.refresh_at + PRIMARY_REFRESH_MS {
-                return;
-            }
-            self.fast.refresh_at = now_ms;
-        }
+        // The primary's report takes the programs' figures of every connection they own at
+        // every report, not less often: the backup injects the client's ACK its own host missed
+        // from them (ST-TCP 3.6's LastAckReceived), and read every 50 ms instead, a backup
+        // behind in relaxed mode, whose client had stopped acknowledging, crawled a window per
+        // read and was taken for hung (2 of 3 benchmark runs). A `COLLECT` per connection and
+        // report: what a large table costs is open.
         let Some(mut map) = self.fast.map.take() else { return };
         let keys: Vec<ConnKey> = self.fast.conns.iter().filter(|(_, w)| **w == Fast::Kernel).map(|(k, _)| *k).collect();
         for key in keys {

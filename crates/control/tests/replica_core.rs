@@ -355,6 +355,52 @@ fn a_peer_configured_with_the_same_role_stops_the_daemon() {
     assert_eq!(c.state(), State::WaitingForPeer);
 }
 
+/// The two hosts disagree on `strict` (a relaxed backup digests nothing, so a strict primary
+/// could never release; a strict backup's relaxed primary would not wait for it): a fresh
+/// message of the other setting stops the daemon with a precise error before the peer was heard
+/// (a replay cannot: it proves nothing); after the pair formed, a peer that restarted with the
+/// other setting counts for nothing and is said, not obeyed. Messages say this host's setting.
+#[test]
+fn a_peer_configured_with_the_other_strict_setting_stops_the_daemon() {
+    for peer_relaxed in [true, false] {
+        let mut s = settings(Role::Primary);
+        s.engine.strict = peer_relaxed;
+        let mut c = Core::new(s, key(), peer(), boot(0xc0de), 0);
+        let sent = tick(&mut c, 0);
+        assert!(!sides(&sent).is_empty(), "a beat at the start");
+        assert!(sides(&sent).iter().all(|d| (Progress::parse_session(d, &key()).unwrap().0.flags & hdr::RELAXED == 0) == peer_relaxed), "this host's own setting in its messages");
+        let mut b = Peer::new(Role::Backup, 0x5a5a);
+        let flags = if peer_relaxed { hdr::RELAXED } else { 0 };
+        let first = b.msg(flags);
+        c.side(1, peer(), &first);
+        assert!(!fatal(&drain(&mut c)), "no proof yet: a replay of an earlier run");
+        let r = tick(&mut c, 20);
+        b.hear(&r);
+        let m = b.msg(flags);
+        c.side(21, peer(), &m);
+        let r = drain(&mut c);
+        let f: Vec<&Request> = r.iter().filter(|r| matches!(r, Request::Fatal(_))).collect();
+        assert_eq!(f.len(), 1, "peer relaxed {peer_relaxed}: {r:?}");
+        assert!(matches!(f[0], Request::Fatal(m) if m.contains(&format!("strict = {}, this host with strict = {}", !peer_relaxed, peer_relaxed))), "{f:?}");
+        assert_eq!((c.state(), c.counters.beats_received), (State::WaitingForPeer, 0));
+        assert_eq!(c.counters.beats_mismatched, 2);
+    }
+    // Paired, then the backup restarts with the other setting: ignored and said.
+    let mut c = core(Role::Primary);
+    let mut b = Peer::new(Role::Backup, 1);
+    b.bind(&mut c, 1);
+    assert_eq!(c.state(), State::Protecting);
+    let mut b2 = Peer::new(Role::Backup, 2);
+    let r = tick(&mut c, 20);
+    b2.hear(&r);
+    let m = b2.msg(hdr::RELAXED);
+    c.side(21, peer(), &m);
+    let r = drain(&mut c);
+    assert!(!fatal(&r));
+    assert!(logs(&r).iter().any(|l| l.contains("set the same `strict` in both configs")), "{r:?}");
+    assert_eq!(c.counters.peer_restarts, 0, "its messages count for nothing");
+}
+
 #[test]
 fn backup_takes_over_only_after_a_successful_fence_and_retries_a_failed_one() {
     let mut c = core(Role::Backup);

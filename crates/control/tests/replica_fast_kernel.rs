@@ -14,7 +14,7 @@ use unbroken_drivers::fastpath::replica::{Direction, Replica, CONSUMED};
 use unbroken_drivers::fastpath::Verdict as FpVerdict;
 use unbroken_engines::replica::{BFast, Config, ConnKey, DetectorConfig};
 use unbroken_wire::ctl::Key;
-use unbroken_wire::replica::{flag, ConnProgress, Progress, Role, Session};
+use unbroken_wire::replica::{flag, hdr, ConnProgress, Progress, Role, Session};
 use unbroken_wire::tcp::{self, flags as F};
 use unbroken_wire::Seq;
 
@@ -75,16 +75,18 @@ fn queue(c: &mut Core, now: u64, p: &[u8], outgoing: bool, mark: u32) -> Vec<Vec
     out.send
 }
 
-/// A scripted primary (binds both cores, sends both the same reports).
+/// A scripted primary (binds both cores, sends both the same reports) with the cores' `strict`.
 struct Primary {
     beat: u64,
+    strict: bool,
 }
 
 impl Primary {
     fn msg(&mut self, echo: (u64, u64), records: Vec<ConnProgress>) -> Vec<u8> {
         self.beat += 1;
         let s = Session { boot: 0xaa, nonce_t: self.beat, nonce: 0x5eed ^ self.beat, echo_t: echo.0, echo: echo.1 };
-        Progress { role: Role::Primary, beat: self.beat, flags: 0, records }.emit_session(&s, &key()).unwrap()
+        let flags = if self.strict { 0 } else { hdr::RELAXED };
+        Progress { role: Role::Primary, beat: self.beat, flags, records }.emit_session(&s, &key()).unwrap()
     }
 }
 
@@ -139,7 +141,7 @@ fn steady_stream(strict: bool) -> Option<Run> {
     let km = KernelMap::new(fp, strict, None);
     let shared = std::sync::Arc::new(std::sync::Mutex::new(km));
     b.enable_fast_path(Box::new(Handle(shared.clone())));
-    let mut p = Primary { beat: 0 };
+    let mut p = Primary { beat: 0, strict };
     for c in [&mut a, &mut b] {
         let e = echo_of(c, 0);
         c.side(0, peer(), &p.msg(e, vec![]));

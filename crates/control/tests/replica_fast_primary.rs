@@ -17,7 +17,7 @@ use unbroken_control::replica::core::{Boot, Core, Fast, FastMap, Fields, MapDone
 use unbroken_engines::replica::{Config, ConnKey, DetectorConfig, PFast};
 use unbroken_engines::Verdict;
 use unbroken_wire::ctl::Key;
-use unbroken_wire::replica::{flag, ConnProgress, Progress, Role, Session};
+use unbroken_wire::replica::{flag, hdr, ConnProgress, Progress, Role, Session};
 use unbroken_wire::tcp::{self, flags as F};
 use unbroken_wire::Seq;
 
@@ -188,7 +188,7 @@ impl Backup {
     fn msg(&mut self, records: Vec<ConnProgress>) -> Vec<u8> {
         self.beat += 1;
         let s = Session { boot: 0xbb, nonce_t: self.beat, nonce: 0x5eed ^ self.beat, echo_t: self.echo.0, echo: self.echo.1 };
-        Progress { role: Role::Backup, beat: self.beat, flags: 0, records }.emit_session(&s, &key()).unwrap()
+        Progress { role: Role::Backup, beat: self.beat, flags: hdr::RELAXED, records }.emit_session(&s, &key()).unwrap()
     }
 }
 

@@ -1070,14 +1070,14 @@ impl Backup {
         if n > 0 && !s.has(F::RST) {
             let e = sp + n;
             if sp.le(c.out_end) && e.gt(c.out_end) {
-                learn_output(c, sp, &pkt[s.payload_at..s.payload_at + s.payload_len], s.fin());
+                learn_output(c, sp, &pkt[s.payload_at..s.payload_at + s.payload_len], s.fin(), self.strict);
                 // Output that arrived beyond a gap (a segment this engine never saw: its queue
                 // overflowed) continues the digest once the gap is filled, instead of waiting for
                 // its server to send it all again, which it does only after timeouts.
                 while let Some(i) = c.ooo.iter().position(|(a, d, _)| a.le(c.out_end) && (*a + d.len() as u32).gt(c.out_end)) {
                     let (a, d, fin) = c.ooo.swap_remove(i);
                     c.ooo_bytes -= d.len();
-                    learn_output(c, a, &d, fin);
+                    learn_output(c, a, &d, fin, self.strict);
                 }
                 let end = c.out_end;
                 c.ooo.retain(|(a, d, _)| (*a + d.len() as u32).gt(end));
@@ -1519,10 +1519,18 @@ fn keep(c: &mut BConn, kept_total: &mut usize, counters: &mut BackupCounters, en
 }
 
 /// Continues a backup's output digest with `data` (at `at`, primary's space, reaching past the
-/// digest's end), records the checkpoint, and a FIN at its end.
-fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool) {
+/// digest's end), records the checkpoint, and a FIN at its end. Without strict output commit
+/// (`digest` false) only the end moves: the primary releases output without the backup's
+/// digest, so none is computed (`out_hash` stays, no checkpoints; `hdr::RELAXED` tells the
+/// primary, which refuses a pair whose settings differ).
+fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool, digest: bool) {
     let e = at + data.len() as u32;
     if !(at.le(c.out_end) && e.gt(c.out_end)) {
+        return;
+    }
+    if !digest {
+        c.out_end = e;
+        c.fin_out |= fin;
         return;
     }
     let skip = (c.out_end - at) as usize;
@@ -2196,6 +2204,11 @@ struct PConn {
     behind: Option<(Seq, Seq, u64)>,
     ahead: Option<(Seq, u64)>,
     client_fin: bool,
+    /// Where the client's FIN is (its sequence number), from an acceptable segment.
+    client_fin_at: Option<Seq>,
+    /// The primary's server sent its FIN acknowledging the client's: its kernel had taken the
+    /// client's close before the server closed (evidence for `PrimaryClosedEarly`).
+    fin_after_client: bool,
     /// The client reset the connection (an acceptable RST): it is over.
     client_rst: bool,
     /// Since when the primary's FIN stands where the backup's server has more output.
@@ -2639,6 +2652,8 @@ impl Primary {
                 behind: None,
                 ahead: None,
                 client_fin: false,
+                client_fin_at: None,
+                fin_after_client: false,
                 client_rst: false,
                 fin_alone_since: None,
                 ooo: Vec::new(),
@@ -2687,7 +2702,10 @@ impl Primary {
                 // finished (forgettable, its held output with it); a forged ACK would start
                 // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
                 let in_window = acceptable(&s, c.ack_p, c.edge_p);
-                c.client_fin |= s.fin() && in_window;
+                if s.fin() && in_window {
+                    c.client_fin = true;
+                    c.client_fin_at.get_or_insert(s.seq + s.payload_len as u32);
+                }
                 if s.has(F::RST) && s.seq == c.ack_p && c.answered && !c.client_rst {
                     // The client ended it (RFC 5961: only a RST exactly at RCV.NXT resets; an
                     // in-window one draws a challenge ACK): a reused 4-tuple must not inherit
@@ -2902,6 +2920,7 @@ impl Primary {
             // that lost them waits for them forever while the FIN waits for the backup).
             if !c.p_fin && end == c.p_end {
                 c.p_fin = true;
+                c.fin_after_client = c.client_fin_at.is_some_and(|f| s.has(F::ACK) && s.ack.gt(f));
                 c.fin_since.get_or_insert(now_ms);
                 if let Some(f) = fin_segment(&s, c.ts) {
                     c.hold(HeldPkt { pkt: f, end, fin: true }, &mut self.held_total);
@@ -2946,6 +2965,9 @@ impl Primary {
             }
         }
         if s.fin() && end == c.p_end {
+            if !c.p_fin {
+                c.fin_after_client = c.client_fin_at.is_some_and(|f| s.has(F::ACK) && s.ack.gt(f));
+            }
             c.p_fin = true;
             c.fin_since.get_or_insert(now_ms);
         }
@@ -3063,19 +3085,19 @@ impl Primary {
             // what the primary verified), into the primary's own server in the client's name,
             // once the primary has heard nothing of that client for a while: its server stops
             // retransmitting into the loss with a backed-off timer (issue 20).
-            // Never the ACK of its server's FIN: that ACK closes a socket in LAST_ACK, and one
-            // that closed already (its host did hear the ACK, which the engine missed: the fast
-            // path passes a frozen connection's pure ACKs unlearned) answers the relayed copy
-            // with a RST, which would end the connection as the primary's failure, or reach the
-            // client. A server that missed it retransmits its FIN, which the client answers.
+            // Never once its server sent its FIN: the socket may have closed already (its host
+            // heard the client's last ACKs, which the engine missed: the fast path passes a
+            // frozen connection's pure ACKs unlearned), and a closed socket answers any relayed
+            // copy with a RST, whatever it acknowledges: held as the primary's failure, or
+            // passed to the client. A server that missed an ACK retransmits, and the client
+            // answers that.
             let quiet = now_ms >= c.client_heard_at + ACK_RELAY_AFTER_MS;
-            let relay = if c.p_fin && r.last_ack.gt(c.p_end) { c.p_end } else { r.last_ack };
-            if quiet && c.answered && c.state.is_none() && r.last_ack != Seq(0) && relay.gt(c.client_ack) && r.last_ack.le(c.snd_c) {
+            if quiet && !c.p_fin && c.answered && c.state.is_none() && r.last_ack != Seq(0) && r.last_ack.gt(c.client_ack) && r.last_ack.le(c.snd_c) {
                 if let Some((_, cwin, cts)) = c.client_last {
-                    let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.ack_p, ack: relay, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
+                    let rep = tcp::Repr { src_port: key.client_port, dst_port: key.server_port, seq: c.ack_p, ack: r.last_ack, flags: F::ACK, window: cwin, timestamp: cts, ..Default::default() };
                     if let Ok(pkt) = ip::tcp_packet(key.client, c.server, &rep, &[]) {
                         self.inject.push(pkt);
-                        c.client_ack = relay;
+                        c.client_ack = r.last_ack;
                         self.counters.acks_from_backup += 1;
                     }
                 }
@@ -3425,8 +3447,11 @@ impl Primary {
                 // After the client's own close it is the reverse of `BackupClosedEarly`: the
                 // primary's server read the client's EOF with replies still unwritten (Redis
                 // drops them), the backup's had written more. No failure: the client closed and
-                // gets what the primary's server did, as it would without us.
-                if c.client_fin && self.listening != Some(false) {
+                // gets what the primary's server did, as it would without us. Only with the
+                // evidence that its kernel had the client's FIN when its server closed (its FIN
+                // acknowledged it): a client's FIN after the server's is the close race of
+                // table 3.3 row 3, the primary's failure.
+                if c.fin_after_client && self.listening != Some(false) {
                     self.unprotect(key, Why::PrimaryClosedEarly);
                 } else {
                     self.primary_failed(key, now, false);

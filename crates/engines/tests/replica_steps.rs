@@ -578,20 +578,27 @@ fn hostile_one_connections_close_race_does_not_move_the_host() {
     assert_eq!(p.backup_stale(), None, "the backup still follows every other connection");
 }
 
-/// The reverse of the backup's early close, without strict output commit: the client closed,
-/// the primary's server read its EOF with replies unwritten and closed with less output than the
-/// backup's. A close race, not the primary's failure: that connection alone leaves protection
-/// (`PrimaryClosedEarly`, nothing counted as `primary_failed`), the client gets the primary's
-/// bytes and its FIN. With the listening socket gone the host is sick and yields, as before.
+/// The reverse of the backup's early close: the client closed, the primary's server read its
+/// EOF with replies unwritten and closed with less output than the backup's. A close race, not
+/// the primary's failure: that connection alone leaves protection (`PrimaryClosedEarly`,
+/// nothing counted as `primary_failed`), the client gets the primary's bytes and its FIN. Only
+/// with the evidence that its kernel had the client's FIN when its server closed (its FIN
+/// acknowledges it): a client's FIN after the server's (or a forged one) leaves it the
+/// primary's failure. With the listening socket gone the host is sick and yields, as before.
 #[test]
 fn table_3_3_row3_primary_closed_early_after_the_clients_close_is_no_failure() {
-    for listener_gone in [false, true] {
+    for (listener_gone, client_first) in [(false, true), (false, false), (true, true)] {
         let mut p = primary(false);
         p.server_listening(true);
         assert!(matches!(primary_sends(&mut p, 0, b"ab", C_ISN + 1, 0, 2).0, Verdict::Accept { .. }));
         let fin = from_client(Repr { seq: Seq(C_ISN + 1), ack: Seq(P_ISN.wrapping_add(3)), flags: F::ACK | F::FIN, window: 1000, ..Default::default() }, &[]);
-        assert_eq!(p.incoming(&fin), Verdict::PASS);
-        primary_sends(&mut p, 2, b"", C_ISN + 2, F::FIN, 3);
+        if client_first {
+            assert_eq!(p.incoming(&fin), Verdict::PASS);
+            primary_sends(&mut p, 2, b"", C_ISN + 2, F::FIN, 3);
+        } else {
+            primary_sends(&mut p, 2, b"", C_ISN + 1, F::FIN, 3);
+            assert_eq!(p.incoming(&fin), Verdict::PASS);
+        }
         p.backup_progress(&progress(2, C_ISN + 2, b"abcdef", false), 4);
         if listener_gone {
             p.server_listening(false);
@@ -600,8 +607,9 @@ fn table_3_3_row3_primary_closed_early_after_the_clients_close_is_no_failure() {
         }
         assert!(p.take_notices().is_empty(), "a grace for the daemon's listener check");
         p.tick(4 + unbroken_engines::replica::PRIMARY_FAIL_GRACE_MS);
-        assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why: Why::PrimaryClosedEarly }]);
-        assert_eq!(p.counters.primary_failed, 0, "a close race is no failure");
+        let why = if client_first { Why::PrimaryClosedEarly } else { Why::PrimaryFailed };
+        assert_eq!(p.take_notices(), vec![Notice::Unprotected { key: key(), why }], "client first {client_first}");
+        assert_eq!(p.counters.primary_failed, u64::from(!client_first), "a close race is no failure");
         assert!(p.take_transmit().iter().any(|pkt| seg(pkt).0.flags & F::FIN != 0), "the primary's FIN goes out");
         assert_eq!(p.backup_stale(), None);
     }
@@ -1434,12 +1442,12 @@ fn loss_toward_primary_the_backups_view_of_the_clients_ack_reaches_the_server() 
     assert_eq!(p.counters.acks_from_backup, 1);
 }
 
-/// The same relay never acknowledges the primary's server's FIN: its host may have heard the
-/// client's ACK of it (which the engine missed: the fast path passes a frozen connection's pure
-/// ACKs unlearned) and closed the socket, whose kernel would answer the relayed copy with a RST.
-/// Up to the FIN it still relays (a server that missed those retransmits data).
+/// The same relay never goes into a server that sent its FIN: its host may have heard the
+/// client's last ACKs (which the engine missed: the fast path passes a frozen connection's pure
+/// ACKs unlearned) and closed the socket, and a closed socket answers a relayed copy with a RST
+/// whatever it acknowledges, the FIN or data before it. Before the FIN it relays as ever.
 #[test]
-fn loss_toward_primary_the_relay_never_acknowledges_the_servers_fin() {
+fn loss_toward_primary_no_relay_once_the_server_sent_its_fin() {
     let mut p = primary_established();
     primary_sends(&mut p, 0, &[7; 10], C_ISN + 1, 0, 5);
     primary_sends(&mut p, 10, &[], C_ISN + 1, F::FIN, 6);
@@ -1450,12 +1458,11 @@ fn loss_toward_primary_the_relay_never_acknowledges_the_servers_fin() {
     // The backup's server closed at the same offset: the FIN goes out.
     p.backup_progress(&rep(2, P_ISN.wrapping_add(1)), 7);
     assert!(p.take_transmit().iter().any(|pkt| seg(pkt).0.flags & F::FIN != 0), "the FIN released");
-    p.backup_progress(&rep(3, P_ISN.wrapping_add(12)), 40);
-    let inj = p.take_inject();
-    assert_eq!(inj.len(), 1, "up to the FIN: relayed");
-    assert_eq!(seg(&inj[0]).0.ack, Seq(P_ISN.wrapping_add(11)), "never the FIN's ACK");
-    p.backup_progress(&rep(4, P_ISN.wrapping_add(12)), 80);
-    assert!(p.take_inject().is_empty(), "the FIN's ACK is never relayed");
+    for (beat, last_ack) in [(3, P_ISN.wrapping_add(6)), (4, P_ISN.wrapping_add(11)), (5, P_ISN.wrapping_add(12))] {
+        p.backup_progress(&rep(beat, last_ack), 40 + beat * 20);
+        assert!(p.take_inject().is_empty(), "no relay after the server's FIN (last_ack {last_ack})");
+    }
+    assert_eq!(p.counters.acks_from_backup, 0);
 }
 
 /// Issue 20 review: a client that parks unread bytes on its own connection makes the server
@@ -1848,6 +1855,24 @@ fn koch_3_2_a_super_packet_leaves_a_checkpoint_every_step() {
     let to_step = (CHECKPOINT_STEP - start.0 % CHECKPOINT_STEP) as usize;
     backup_sends(&mut b, 0, &data[..to_step], B_TS0 + 1);
     assert_eq!(b.side(&key()).unwrap().checkpoints.len(), 1);
+}
+
+/// Without strict output commit the primary releases output without the backup's digest: a
+/// relaxed backup computes none (its records keep `HASH_INIT`, no checkpoints), only the end of
+/// its server's output moves (the lag bounds and the FIN's offset need it). The primary refuses
+/// a peer whose setting differs (`hdr::RELAXED`, the daemon's core).
+#[test]
+fn relaxed_backup_learns_the_output_end_without_a_digest() {
+    let mut b = aligned_backup();
+    b.set_strict(false);
+    let data: Vec<u8> = (0..5000u32).map(|x| (x * 31 + 7) as u8).collect();
+    assert_eq!(backup_sends(&mut b, 0, &data, B_TS0 + 1).0, Verdict::Drop, "withheld as ever");
+    assert!(b.side(&key()).unwrap().checkpoints.is_empty(), "no checkpoints");
+    let f = b.fast_state(&key()).unwrap();
+    assert_eq!((f.out_end, f.out_hash), (Seq(P_ISN.wrapping_add(1 + 5000)), HASH_INIT));
+    let recs: Vec<ConnProgress> = b.progress(2).into_iter().flat_map(|p| p.records).collect();
+    assert_eq!(recs.len(), 1, "one record, at the end: {recs:?}");
+    assert_eq!((recs[0].out_end, recs[0].out_hash), (Seq(P_ISN.wrapping_add(5001)), HASH_INIT));
 }
 
 // --- loss toward the primary: the backup relays the client's bytes -------------------------

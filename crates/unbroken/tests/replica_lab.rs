@@ -138,8 +138,9 @@ struct Run {
     cli: Vec<ClientResult>,
     /// INCRs redis-cli got answered (over all its runs): the value its key must hold.
     cli_ops: u64,
-    /// The redis-py INCRs answered when the fault hit.
+    /// The redis-py INCRs answered when the fault hit, and once it was done.
     fault_at: u64,
+    after_fault: u64,
 }
 
 const PY_KEY: &str = "lab:redis-py";
@@ -173,10 +174,11 @@ fn run_with_fault(name: &str, env: &mut ReplicaEnv, n: u64, rate: u64, at: u64, 
     }
     eprintln!("{name}: fault at {fault_at} INCRs");
     fault(env);
+    let after_fault = py.progress.load(Ordering::Relaxed);
     let py = py.finish(deadline);
     let cli = cli.stop();
     let cli_ops = cli.iter().map(|r| r.ops).sum();
-    Run { py, cli, cli_ops, fault_at }
+    Run { py, cli, cli_ops, fault_at, after_fault }
 }
 
 fn check_run(env: &ReplicaEnv, name: &str, r: &Run, n: u64, serving: Side) {
@@ -424,10 +426,12 @@ fn replica_primary_host_crash_not_strict() {
 }
 
 /// The primary's daemon dies (SIGKILL) in the middle of the clients' writes, without strict
-/// output commit: its fast path carries the connections in the kernel (pure ACKs and output),
-/// and its programs outlive it, claiming for at most their lease. The backup, no longer hearing
-/// it, fences the primary's host and takes over; the clients see the same connections go on:
-/// every INCR's value exact on the backup, 0 RSTs, no stall past the bound.
+/// output commit, while its fast path carries the connections in the kernel (its programs' count
+/// of the server's packets rises just before the kill). The programs outlive it; the backup, no
+/// longer hearing it, fences the primary's host and takes over; the clients see the same
+/// connections go on: every INCR's value exact on the backup, 0 RSTs, no stall past the bound.
+/// (The fence, about 100 ms after the kill, cuts the host before the programs' lease, 1 s,
+/// runs out: the lease itself is `primary_programs_claim_nothing_once_the_lease_ran_out`'s.)
 #[test]
 fn replica_daemon_killed_on_primary_not_strict() {
     let name = "replica_daemon_killed_on_primary_not_strict";
@@ -435,16 +439,18 @@ fn replica_daemon_killed_on_primary_not_strict() {
     let mut env = start(name, RepOpts { strict: false, ..opts() });
     let r = run_with_fault(name, &mut env, 4000, 1000, 1500, |env| {
         if unbroken::replica::demo::fast_path_default() {
-            // What is killed carries the connections in the kernel (its status is refreshed
-            // every FAST_STATUS_MS: waited for).
-            let outgoing = |s: &serde_json::Value| s["fast_path"]["kernel_outgoing"].as_u64().unwrap_or(0);
-            let ok = wait_for(Duration::from_secs(5), || env.status(Side::Primary).is_some_and(|s| outgoing(&s) > 0));
-            assert!(ok, "{name}: the primary's programs claimed nothing before the kill: {}", env.status(Side::Primary).unwrap_or_default()["fast_path"]);
+            // The status's figures are refreshed every FAST_STATUS_MS: the count must move
+            // between two of them, right before the kill.
+            let outgoing = |env: &ReplicaEnv| env.status(Side::Primary).map_or(0, |s| s["fast_path"]["kernel_outgoing"].as_u64().unwrap_or(0));
+            let before = outgoing(env);
+            let ok = wait_for(Duration::from_secs(3), || outgoing(env) > before);
+            assert!(ok, "{name}: the primary's programs carried nothing right before the kill: {}", env.status(Side::Primary).unwrap_or_default()["fast_path"]);
         }
         env.kill_daemon(Side::Primary)
     });
+    assert!(r.after_fault < 4000, "{name}: redis-py was done before the kill ({} INCRs)", r.after_fault);
     let b = env.wait_state(Side::Backup, &["took_over"], T).unwrap_or_else(|e| panic!("{name}: {e}"));
-    eprintln!("{name}: takeover {:?} ms", b["takeover_ms"]);
+    eprintln!("{name}: killed at {} INCRs, takeover {:?} ms", r.after_fault, b["takeover_ms"]);
     check_run(&env, name, &r, 4000, Side::Backup);
     assert!(!env.port_up(Side::Primary), "{name}: the backup fenced the primary");
 }

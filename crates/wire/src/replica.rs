@@ -21,7 +21,8 @@
 //!    16 client port   18 server port
 //!    20 rcv_nxt (client's sequence space)   24 rcv_edge (rcv_nxt + window, bytes)
 //!    28 out_end (the server's output end, in the primary's sequence space)
-//!    32 out_hash (u64: FNV-1a over the output bytes from the ISN + 1 to out_end)
+//!    32 out_hash (u64: FNV-1a over the output bytes from the ISN + 1 to out_end; without
+//!       strict output commit, [`hdr::RELAXED`], a backup computes none: `HASH_INIT`)
 //!    40 last_ack (the client's latest ACK, primary's space; in the primary's records it is
 //!       what the primary heard, which the backup relays to its server if it missed it)
 //!    44 isn (the sender's server's ISN, in its own space; flag ISN_KNOWN. The backup checks
@@ -96,7 +97,12 @@ pub mod hdr {
     /// primary that holds output for it stops waiting ([`crate::replica`] users: the
     /// engines' `Primary::backup_hung`).
     pub const HUNG: u8 = 1 << 4;
-    pub const ALL: u8 = TOOK_OVER | STALE | PASSIVE | INPUT | HUNG;
+    /// Either: the sender runs without strict output commit (`strict = false`). Its output is
+    /// released without the peer's digest, so a backup's records carry none (`out_hash` stays
+    /// at [`HASH_INIT`], no checkpoints before `out_end`): a receiver whose own setting differs
+    /// refuses the message (the two configs disagree).
+    pub const RELAXED: u8 = 1 << 5;
+    pub const ALL: u8 = TOOK_OVER | STALE | PASSIVE | INPUT | HUNG | RELAXED;
 }
 
 /// Client bytes one input message carries at most (one 1400-byte datagram).

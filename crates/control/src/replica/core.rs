@@ -171,6 +171,8 @@ pub struct Counters {
     pub beats_foreign: u64,
     /// Datagrams of this process's own boot (reflected back at it).
     pub beats_reflected: u64,
+    /// Authenticated messages of a peer whose `strict` setting differs from this host's.
+    pub beats_mismatched: u64,
     /// Authenticated messages of another boot that did not echo a fresh challenge of this
     /// process (a replay of an earlier run, or a restarted peer before its proof).
     pub beats_unproven: u64,
@@ -655,13 +657,15 @@ impl Core {
 
     /// The flags of this host's messages in its current state.
     fn flags(&self) -> u8 {
-        match self.state {
-            State::TookOver => hdr::TOOK_OVER,
-            State::Yielded | State::Stale => hdr::PASSIVE,
-            _ if self.primary.is_some() && self.stale_why.is_some() => hdr::STALE,
-            _ if self.backup.is_some() && self.hung => hdr::HUNG,
-            _ => 0,
-        }
+        let relaxed = if self.s.engine.strict { 0 } else { hdr::RELAXED };
+        relaxed
+            | match self.state {
+                State::TookOver => hdr::TOOK_OVER,
+                State::Yielded | State::Stale => hdr::PASSIVE,
+                _ if self.primary.is_some() && self.stale_why.is_some() => hdr::STALE,
+                _ if self.backup.is_some() && self.hung => hdr::HUNG,
+                _ => 0,
+            }
     }
 
     /// Sends this host's progress now: a beat (`full`: every connection), or the backup's
@@ -742,6 +746,29 @@ impl Core {
                 self.requests.push(Request::Fatal(line));
             } else {
                 self.log_limited("replica: same role", || line);
+            }
+            return;
+        }
+        if (p.flags & hdr::RELAXED == 0) != self.s.engine.strict {
+            // The two hosts disagree on strict output commit: a relaxed backup digests nothing
+            // for a strict primary, a strict backup's primary would not wait for it. Neither
+            // pairs with the other. Before the pair formed: stop, loudly (fresh messages only:
+            // a replay of an earlier run must not stop this one; a boot's setting never
+            // changes, so only a new boot can differ); after (a peer restarted with another
+            // config): its messages count for nothing, said at most every few seconds.
+            self.counters.beats_mismatched += 1;
+            if !proven {
+                if self.bound.is_none() {
+                    self.echo = (s.nonce_t, s.nonce);
+                }
+                return;
+            }
+            let (mine, theirs) = (self.s.engine.strict, p.flags & hdr::RELAXED == 0);
+            let line = format!("replica: the {} at {} runs with strict = {theirs}, this host with strict = {mine}: set the same `strict` in both configs", self.peer_role(), self.peer);
+            if self.state == State::WaitingForPeer {
+                self.requests.push(Request::Fatal(line));
+            } else {
+                self.log_limited("replica: strict mismatch", || line);
             }
             return;
         }

@@ -7,7 +7,8 @@
  *              acceptable segment: last_ack, acked_b, ts_floor, client_ts_max, client_ts)
  *   rep_b_out  backup server -> client  (Backup::outgoing before take-over: withheld; what it
  *              learns: SND.MAX, RCV.NXT and the window edge, the server's newest TSval, the
- *              output digest (learn_output: FNV-1a over the bytes, GSO super-packets whole),
+ *              output digest (learn_output: FNV-1a over the bytes, GSO super-packets whole,
+ *              with strict output commit only; without it only the output end moves),
  *              its checkpoint and the copy kept for the take-over, both sent to the daemon as
  *              ring-buffer records)
  *
@@ -667,12 +668,16 @@ static __always_inline int b_out(struct __sk_buff *skb, struct eg_info *g)
 	if (!(c.flags & REP_B_RCV_KNOWN) || seq_gt(edge, c.rcv_edge))
 		c.rcv_edge = edge;
 	c.flags |= REP_B_RCV_KNOWN;
-	/* learn_output: the digest continues with the bytes beyond out_end (primary's space). */
+	/* learn_output: the digest continues with the bytes beyond out_end (primary's space).
+	 * Without strict output commit only the end moves (no digest, no checkpoints: the primary
+	 * releases without them). */
 	__u32 sp = seq + c.delta;
 	int learned = 0;
 	if (n > 0) {
 		__u32 e_p = sp + n;
-		if (seq_le(sp, c.out_end) && seq_gt(e_p, c.out_end)) {
+		if (seq_le(sp, c.out_end) && seq_gt(e_p, c.out_end) && !(c.flags & REP_B_STRICT)) {
+			c.out_end = e_p;
+		} else if (seq_le(sp, c.out_end) && seq_gt(e_p, c.out_end)) {
 			__u32 skip = c.out_end - sp;
 			__u32 zero = 0;
 			struct rep_cps *cp = bpf_map_lookup_elem(&rep_cp_buf, &zero);

@@ -754,6 +754,7 @@ fn backup_says_its_server_is_hung_in_every_message_until_it_reads_again() {
             key: unbroken_engines::replica::ConnKey { client: "10.77.3.2".parse().unwrap(), client_port: 40000, server_port: 6379 },
             unread,
             received,
+            unacked: 0,
         }]
     };
     let mut x = Pair::new();

@@ -206,7 +206,8 @@ fn progress(mut attrs: &[u8]) -> Option<Progress> {
 /// One socket's receive side (issue 20, a hung server): the bytes the kernel holds that its
 /// process has not read (`idiag_rqueue`: `rcv_nxt - copied_seq` for an established socket)
 /// and every byte received in order so far (`tcpi_bytes_received`, 0 without `tcp_info`).
-/// `received - unread` is what the process consumed.
+/// `received - unread` is what the process consumed. And its send side: the bytes the process
+/// wrote that the peer has not acknowledged (`idiag_wqueue`: `write_seq - snd_una`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvQueue {
     /// The kernel's socket cookie: one socket's name for as long as it lives.
@@ -216,6 +217,7 @@ pub struct RecvQueue {
     pub remote: SocketAddr,
     pub unread: u32,
     pub received: u64,
+    pub unacked: u32,
 }
 
 /// The states [`SockDiag::receive_queues`] reports: established and close-wait (the peer
@@ -274,6 +276,7 @@ fn parse_dump(buf: &[u8], seq: u32, port: u16, out: &mut Vec<RecvQueue>) -> io::
                 }
                 let cookie = u64::from_ne_bytes(body[44..52].try_into().unwrap());
                 let unread = u32::from_ne_bytes([body[56], body[57], body[58], body[59]]);
+                let unacked = u32::from_ne_bytes([body[60], body[61], body[62], body[63]]);
                 let received = progress(&body[MSG_LEN..]).map_or(0, |p| p.bytes_received);
                 let ip = |b: &[u8]| -> IpAddr {
                     if body[0] == libc::AF_INET as u8 {
@@ -285,7 +288,7 @@ fn parse_dump(buf: &[u8], seq: u32, port: u16, out: &mut Vec<RecvQueue>) -> io::
                 };
                 let local = SocketAddr::new(ip(&body[8..24]), port);
                 let remote = SocketAddr::new(ip(&body[24..40]), u16::from_be_bytes([body[6], body[7]]));
-                out.push(RecvQueue { cookie, local, remote, unread, received });
+                out.push(RecvQueue { cookie, local, remote, unread, received, unacked });
             }
             _ => {}
         }
@@ -502,6 +505,7 @@ mod tests {
             };
             let a = wait(&mut d, 500, 500);
             assert_eq!((a.local, a.remote), (s.local_addr().unwrap(), c.local_addr().unwrap()), "{any}: the socket's own addresses");
+            assert_eq!(a.unacked, 0, "{any}: it wrote nothing");
             s.read_exact(&mut [0u8; 200]).unwrap();
             let b = wait(&mut d, 300, 500);
             assert_eq!(a.cookie, b.cookie, "one socket, one cookie");

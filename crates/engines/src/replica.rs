@@ -3905,7 +3905,8 @@ fn gate(c: &mut PConn, pkt: &mut [u8], s: &Seg, counters: &mut PrimaryCounters) 
 // ---------------------------------------------------------------------------------------------
 
 /// One socket of the local server as the kernel counts it (the daemon asks `sock_diag`): its
-/// cookie, the input it holds unread by the process, and every byte received in order.
+/// cookie, the input it holds unread by the process, every byte received in order, and the
+/// output its process wrote that the client has not acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerSocket {
     pub id: u64,
@@ -3913,6 +3914,7 @@ pub struct ServerSocket {
     pub key: ConnKey,
     pub unread: u32,
     pub received: u64,
+    pub unacked: u32,
 }
 
 /// Whether the local server reads its input: a server that consumed nothing on any socket
@@ -3922,8 +3924,15 @@ pub struct ServerSocket {
 /// one busy computing (a long command, which a deterministic server runs on both hosts, each
 /// at its own moment among its connections). What counts is the kernel's own count of
 /// consumed bytes (`received - unread`), which no packet can forge, and the server processes'
-/// CPU time. A stall is a failure only beside a server that went on
-/// ([`Primary::server_reading`], [`Config::max_hang_ms`]).
+/// CPU time. Nor is a socket whose own output waits for the client's acknowledgement: a server
+/// blocked writing a reply (its send buffer full) reads nothing more on that connection, and
+/// waits for the client, not for itself. A relaxed backup behind the primary meets that at
+/// every large reply: its output is withheld, the client, done with the primary's copy,
+/// acknowledges nothing more, and the backup's server moves one window per relayed ACK; it used
+/// to be taken for hung under load (the backup stale, protection gone). A hung server's output
+/// is acknowledged within a round trip (or a relay), after which its unread input counts. A
+/// stall is a failure only beside a server that went on ([`Primary::server_reading`],
+/// [`Config::max_hang_ms`]).
 #[derive(Debug, Default)]
 pub struct ReadWatch {
     /// Bytes consumed per socket at the last sample.
@@ -3955,7 +3964,7 @@ impl ReadWatch {
                 Some(&was) if c > was => read = true,
                 // A socket new since the last sample whose input was partly read already.
                 None if c > 0 && !self.consumed.is_empty() => read = true,
-                _ if s.unread > 0 => {
+                _ if s.unread > 0 && s.unacked == 0 => {
                     self.waiting.insert(s.key);
                 }
                 _ => {}

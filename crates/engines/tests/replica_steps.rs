@@ -766,6 +766,7 @@ fn read_watch_sees_a_server_that_reads_nothing() {
         key: key(),
         unread,
         received,
+        unacked: 0,
     };
     let mut w = ReadWatch::default();
     assert_eq!(
@@ -814,6 +815,21 @@ fn read_watch_sees_a_server_that_reads_nothing() {
         Some(60),
         "unknown CPU: the sockets alone"
     );
+    // Input waits on a socket whose own output waits for the client's ACK: the server is
+    // blocked writing, waiting for the client, not stalled; once the output is acknowledged,
+    // its unread input counts again.
+    let blocked = |id, unread, received, unacked| ServerSocket { id, key: key(), unread, received, unacked };
+    let mut w = ReadWatch::default();
+    assert_eq!(w.sample(0, &[blocked(1, 30, 130, 65536)], Some(7)), None);
+    assert_eq!(w.sample(20, &[blocked(1, 30, 130, 65536)], Some(7)), None, "blocked on output");
+    assert_eq!(w.sample(40, &[blocked(1, 30, 130, 0)], Some(7)), Some(40), "acknowledged: its input counts");
+    // Beside it, another socket's input waiting unread is evidence as before.
+    let other = ConnKey { client_port: 40001, ..key() };
+    let s2 = ServerSocket { id: 2, key: other, unread: 10, received: 60, unacked: 0 };
+    let mut w = ReadWatch::default();
+    assert_eq!(w.sample(0, &[blocked(1, 30, 130, 65536), s2], Some(7)), Some(0));
+    assert_eq!(w.sample(20, &[blocked(1, 30, 130, 65536), s2], Some(7)), Some(0));
+    assert_eq!(w.waiting().iter().copied().collect::<Vec<_>>(), vec![other], "only the socket that is not blocked");
 }
 
 /// Koch 6: the backup failed: everything held goes out, later output passes unchanged.

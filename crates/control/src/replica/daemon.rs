@@ -605,6 +605,7 @@ impl ServerCheck {
                     key: unbroken_engines::replica::ConnKey { client: q.remote.ip(), client_port: q.remote.port(), server_port: q.local.port() },
                     unread: q.unread,
                     received: q.received,
+                    unacked: q.unacked,
                 })),
                 Err(_) => return ServerLook { listening: up, socks: None, cpu },
             }

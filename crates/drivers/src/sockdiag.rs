@@ -30,6 +30,11 @@ const REQ_LEN: usize = 56;
 const MSG_LEN: usize = 72;
 /// `INET_DIAG_INFO` (`include/uapi/linux/inet_diag.h`): the attribute holding `tcp_info`.
 const INET_DIAG_INFO: u16 = 2;
+/// `INET_DIAG_SKMEMINFO`: the socket's memory (`u32[SK_MEMINFO_VARS]`,
+/// `include/uapi/linux/sock_diag.h`), of which `SK_MEMINFO_SNDBUF` and `SK_MEMINFO_WMEM_QUEUED`.
+const INET_DIAG_SKMEMINFO: u16 = 7;
+const SK_MEMINFO_SNDBUF: usize = 3;
+const SK_MEMINFO_WMEM_QUEUED: usize = 5;
 /// Offsets in `struct tcp_info` (`include/uapi/linux/tcp.h`) of `tcpi_bytes_acked` and
 /// `tcpi_bytes_received` (both `__u64`, since Linux 4.1/4.2).
 const TCPI_BYTES_ACKED: usize = 120;
@@ -184,30 +189,44 @@ fn reply_state(buf: &[u8], seq: u32) -> io::Result<Option<Option<(u8, u32)>>> {
     }
 }
 
-/// The `INET_DIAG_INFO` attribute among `attrs` (netlink attributes: length, type, payload,
-/// padded to 4 bytes), if present and long enough.
-fn progress(mut attrs: &[u8]) -> Option<Progress> {
+/// The payload of attribute `want` among `attrs` (netlink attributes: length, type, payload,
+/// padded to 4 bytes), if present.
+fn attribute(mut attrs: &[u8], want: u16) -> Option<&[u8]> {
     while attrs.len() >= 4 {
         let len = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
         let ty = u16::from_ne_bytes([attrs[2], attrs[3]]);
         if len < 4 || len > attrs.len() {
             return None;
         }
-        if ty == INET_DIAG_INFO {
-            let info = &attrs[4..len];
-            let at = |o: usize| info.get(o..o + 8).map(|b| u64::from_ne_bytes(b.try_into().unwrap()));
-            return Some(Progress { bytes_acked: at(TCPI_BYTES_ACKED)?, bytes_received: at(TCPI_BYTES_RECEIVED)? });
+        if ty == want {
+            return Some(&attrs[4..len]);
         }
         attrs = attrs.get((len + 3) & !3..).unwrap_or(&[]);
     }
     None
 }
 
+/// The `INET_DIAG_INFO` attribute's counts, if present and long enough.
+fn progress(attrs: &[u8]) -> Option<Progress> {
+    let info = attribute(attrs, INET_DIAG_INFO)?;
+    let at = |o: usize| info.get(o..o + 8).map(|b| u64::from_ne_bytes(b.try_into().unwrap()));
+    Some(Progress { bytes_acked: at(TCPI_BYTES_ACKED)?, bytes_received: at(TCPI_BYTES_RECEIVED)? })
+}
+
+/// The `INET_DIAG_SKMEMINFO` attribute's queued output memory and send buffer size.
+fn send_buffer(attrs: &[u8]) -> Option<(u32, u32)> {
+    let m = attribute(attrs, INET_DIAG_SKMEMINFO)?;
+    let at = |i: usize| m.get(i * 4..i * 4 + 4).map(|b| u32::from_ne_bytes(b.try_into().unwrap()));
+    Some((at(SK_MEMINFO_WMEM_QUEUED)?, at(SK_MEMINFO_SNDBUF)?))
+}
+
 /// One socket's receive side (issue 20, a hung server): the bytes the kernel holds that its
 /// process has not read (`idiag_rqueue`: `rcv_nxt - copied_seq` for an established socket)
 /// and every byte received in order so far (`tcpi_bytes_received`, 0 without `tcp_info`).
-/// `received - unread` is what the process consumed. And its send side: the bytes the process
-/// wrote that the peer has not acknowledged (`idiag_wqueue`: `write_seq - snd_una`).
+/// `received - unread` is what the process consumed. And its send buffer: the memory its
+/// queued output takes (`sk_wmem_queued`) and the buffer's size (`sk_sndbuf`), both 0 when the
+/// kernel did not say: the socket is not writable while the first is above two thirds of the
+/// second (`sk_stream_is_writeable`), so a process that writes to it waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvQueue {
     /// The kernel's socket cookie: one socket's name for as long as it lives.
@@ -217,7 +236,8 @@ pub struct RecvQueue {
     pub remote: SocketAddr,
     pub unread: u32,
     pub received: u64,
-    pub unacked: u32,
+    pub send_queued: u32,
+    pub send_buf: u32,
 }
 
 /// The states [`SockDiag::receive_queues`] reports: established and close-wait (the peer
@@ -240,7 +260,7 @@ fn dump_request(family: u8, seq: u32) -> Vec<u8> {
     m.extend_from_slice(&[
         family,
         libc::IPPROTO_TCP as u8,
-        1u8 << (INET_DIAG_INFO - 1),
+        (1u8 << (INET_DIAG_INFO - 1)) | (1u8 << (INET_DIAG_SKMEMINFO - 1)),
         0,
     ]);
     m.extend_from_slice(&QUEUE_STATES.to_ne_bytes());
@@ -276,8 +296,8 @@ fn parse_dump(buf: &[u8], seq: u32, port: u16, out: &mut Vec<RecvQueue>) -> io::
                 }
                 let cookie = u64::from_ne_bytes(body[44..52].try_into().unwrap());
                 let unread = u32::from_ne_bytes([body[56], body[57], body[58], body[59]]);
-                let unacked = u32::from_ne_bytes([body[60], body[61], body[62], body[63]]);
                 let received = progress(&body[MSG_LEN..]).map_or(0, |p| p.bytes_received);
+                let (send_queued, send_buf) = send_buffer(&body[MSG_LEN..]).unwrap_or((0, 0));
                 let ip = |b: &[u8]| -> IpAddr {
                     if body[0] == libc::AF_INET as u8 {
                         IpAddr::from([b[0], b[1], b[2], b[3]])
@@ -288,7 +308,7 @@ fn parse_dump(buf: &[u8], seq: u32, port: u16, out: &mut Vec<RecvQueue>) -> io::
                 };
                 let local = SocketAddr::new(ip(&body[8..24]), port);
                 let remote = SocketAddr::new(ip(&body[24..40]), u16::from_be_bytes([body[6], body[7]]));
-                out.push(RecvQueue { cookie, local, remote, unread, received, unacked });
+                out.push(RecvQueue { cookie, local, remote, unread, received, send_queued, send_buf });
             }
             _ => {}
         }
@@ -474,6 +494,42 @@ mod tests {
         }
     }
 
+    /// A server socket whose peer reads nothing, written to until the kernel refuses more:
+    /// the dump shows it not writable (its queued output above two thirds of its send buffer),
+    /// as a process writing to it would wait. Before, with nothing written, writable.
+    #[test]
+    fn receive_queues_show_a_send_buffer_that_does_not_take_more() {
+        use std::io::Write;
+        let mut d = SockDiag::open().unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let _c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        let q = d.receive_queues(port).unwrap();
+        assert_eq!(q.len(), 1, "{q:?}");
+        assert!(q[0].send_buf > 0 && q[0].send_queued * 3 <= q[0].send_buf * 2, "nothing written: writable: {q:?}");
+        s.set_nonblocking(true).unwrap();
+        let chunk = vec![7u8; 1 << 16];
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            // Until the kernel takes no more (the peer's window closes: no ACK frees anything).
+            loop {
+                match s.write(&chunk) {
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let q = d.receive_queues(port).unwrap();
+            assert_eq!(q.len(), 1, "{q:?}");
+            if q[0].send_queued as u64 * 3 > q[0].send_buf as u64 * 2 {
+                assert!(q[0].send_queued < 1 << 30, "{q:?}");
+                break;
+            }
+            assert!(std::time::Instant::now() < end, "never shown full: {q:?}");
+        }
+    }
+
     /// The receive queues of a port's sockets (a hung server's evidence): unread bytes and
     /// bytes received, per socket (IPv4 and IPv6), and nothing of other ports.
     #[test]
@@ -505,7 +561,7 @@ mod tests {
             };
             let a = wait(&mut d, 500, 500);
             assert_eq!((a.local, a.remote), (s.local_addr().unwrap(), c.local_addr().unwrap()), "{any}: the socket's own addresses");
-            assert_eq!(a.unacked, 0, "{any}: it wrote nothing");
+            assert!(a.send_buf > 0 && a.send_queued * 3 <= a.send_buf * 2, "{any}: it wrote nothing: writable: {a:?}");
             s.read_exact(&mut [0u8; 200]).unwrap();
             let b = wait(&mut d, 300, 500);
             assert_eq!(a.cookie, b.cookie, "one socket, one cookie");

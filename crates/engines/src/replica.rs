@@ -3090,7 +3090,8 @@ impl Primary {
             // frozen connection's pure ACKs unlearned), and a closed socket answers any relayed
             // copy with a RST, whatever it acknowledges: held as the primary's failure, or
             // passed to the client. A server that missed an ACK retransmits, and the client
-            // answers that.
+            // answers that (under loss that goes on, its answers are lost too and the socket
+            // lingers in LAST_ACK with backed-off retries: harmless, the client has every byte).
             let quiet = now_ms >= c.client_heard_at + ACK_RELAY_AFTER_MS;
             if quiet && !c.p_fin && c.answered && c.state.is_none() && r.last_ack != Seq(0) && r.last_ack.gt(c.client_ack) && r.last_ack.le(c.snd_c) {
                 if let Some((_, cwin, cts)) = c.client_last {
@@ -3905,8 +3906,8 @@ fn gate(c: &mut PConn, pkt: &mut [u8], s: &Seg, counters: &mut PrimaryCounters) 
 // ---------------------------------------------------------------------------------------------
 
 /// One socket of the local server as the kernel counts it (the daemon asks `sock_diag`): its
-/// cookie, the input it holds unread by the process, every byte received in order, and the
-/// output its process wrote that the client has not acknowledged.
+/// cookie, the input it holds unread by the process, every byte received in order, and its send
+/// buffer: the memory its queued output takes and the buffer's size (0 and 0: unknown).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerSocket {
     pub id: u64,
@@ -3914,7 +3915,16 @@ pub struct ServerSocket {
     pub key: ConnKey,
     pub unread: u32,
     pub received: u64,
-    pub unacked: u32,
+    pub send_queued: u32,
+    pub send_buf: u32,
+}
+
+impl ServerSocket {
+    /// Whether a process writing to it waits: its queued output above two thirds of its send
+    /// buffer (the kernel's `sk_stream_is_writeable`).
+    pub fn full(&self) -> bool {
+        self.send_buf > 0 && self.send_queued as u64 * 3 > self.send_buf as u64 * 2
+    }
 }
 
 /// Whether the local server reads its input: a server that consumed nothing on any socket
@@ -3924,15 +3934,16 @@ pub struct ServerSocket {
 /// one busy computing (a long command, which a deterministic server runs on both hosts, each
 /// at its own moment among its connections). What counts is the kernel's own count of
 /// consumed bytes (`received - unread`), which no packet can forge, and the server processes'
-/// CPU time. Nor is a socket whose own output waits for the client's acknowledgement: a server
-/// blocked writing a reply (its send buffer full) reads nothing more on that connection, and
-/// waits for the client, not for itself. A relaxed backup behind the primary meets that at
-/// every large reply: its output is withheld, the client, done with the primary's copy,
-/// acknowledges nothing more, and the backup's server moves one window per relayed ACK; it used
-/// to be taken for hung under load (the backup stale, protection gone). A hung server's output
-/// is acknowledged within a round trip (or a relay), after which its unread input counts. A
-/// stall is a failure only beside a server that went on ([`Primary::server_reading`],
-/// [`Config::max_hang_ms`]).
+/// CPU time. Nor is input waiting on a socket whose send buffer is full ([`ServerSocket::full`]):
+/// a server blocked writing a reply reads nothing more on that connection, and waits for the
+/// client, not for itself. A relaxed backup behind the primary meets that at every large reply:
+/// its output is withheld, the client, done with the primary's copy, acknowledges nothing more,
+/// and the backup's server moves one window per relayed ACK; it used to be taken for hung under
+/// load (the backup stale, protection gone). A hung server's buffer is no longer full once its
+/// client (or a relay) acknowledged a third of it, a live one's is filled again at once: after
+/// that its unread input counts. A client that keeps its window shut hides a hang on its own
+/// connection only (the lag bounds still apply). A stall is a failure only beside a server
+/// that went on ([`Primary::server_reading`], [`Config::max_hang_ms`]).
 #[derive(Debug, Default)]
 pub struct ReadWatch {
     /// Bytes consumed per socket at the last sample.
@@ -3964,7 +3975,7 @@ impl ReadWatch {
                 Some(&was) if c > was => read = true,
                 // A socket new since the last sample whose input was partly read already.
                 None if c > 0 && !self.consumed.is_empty() => read = true,
-                _ if s.unread > 0 && s.unacked == 0 => {
+                _ if s.unread > 0 && !s.full() => {
                     self.waiting.insert(s.key);
                 }
                 _ => {}

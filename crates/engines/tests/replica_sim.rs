@@ -227,7 +227,8 @@ impl App {
                 key: ConnKey { client: std::net::IpAddr::V4(CLIENT), client_port: CPORT, server_port: PORT },
                 unread,
                 received: self.consumed + unread as u64,
-                unacked: 0,
+                send_queued: 0,
+                send_buf: 0,
             }],
             Some(cpu),
         )

@@ -583,8 +583,9 @@ fn hostile_one_connections_close_race_does_not_move_the_host() {
 /// the primary's failure: that connection alone leaves protection (`PrimaryClosedEarly`,
 /// nothing counted as `primary_failed`), the client gets the primary's bytes and its FIN. Only
 /// with the evidence that its kernel had the client's FIN when its server closed (its FIN
-/// acknowledges it): a client's FIN after the server's (or a forged one) leaves it the
-/// primary's failure. With the listening socket gone the host is sick and yields, as before.
+/// acknowledges it): a client's FIN after the server's leaves it the primary's failure (as does
+/// a forged in-window FIN seen first, its sequence number never acknowledged: the label errs
+/// toward failure). With the listening socket gone the host is sick and yields, as before.
 #[test]
 fn table_3_3_row3_primary_closed_early_after_the_clients_close_is_no_failure() {
     for (listener_gone, client_first) in [(false, true), (false, false), (true, true)] {
@@ -766,7 +767,8 @@ fn read_watch_sees_a_server_that_reads_nothing() {
         key: key(),
         unread,
         received,
-        unacked: 0,
+        send_queued: 0,
+        send_buf: 0,
     };
     let mut w = ReadWatch::default();
     assert_eq!(
@@ -815,20 +817,21 @@ fn read_watch_sees_a_server_that_reads_nothing() {
         Some(60),
         "unknown CPU: the sockets alone"
     );
-    // Input waits on a socket whose own output waits for the client's ACK: the server is
-    // blocked writing, waiting for the client, not stalled; once the output is acknowledged,
-    // its unread input counts again.
-    let blocked = |id, unread, received, unacked| ServerSocket { id, key: key(), unread, received, unacked };
+    // Input waits on a socket whose send buffer is full (queued output above two thirds of
+    // it): the server is blocked writing, waiting for the client, not stalled; once a third of
+    // it was acknowledged and nothing filled it again, its unread input counts.
+    let blocked = |id, unread, received, queued| ServerSocket { id, key: key(), unread, received, send_queued: queued, send_buf: 300_000 };
     let mut w = ReadWatch::default();
-    assert_eq!(w.sample(0, &[blocked(1, 30, 130, 65536)], Some(7)), None);
-    assert_eq!(w.sample(20, &[blocked(1, 30, 130, 65536)], Some(7)), None, "blocked on output");
-    assert_eq!(w.sample(40, &[blocked(1, 30, 130, 0)], Some(7)), Some(40), "acknowledged: its input counts");
+    assert_eq!(w.sample(0, &[blocked(1, 30, 130, 250_000)], Some(7)), None);
+    assert_eq!(w.sample(20, &[blocked(1, 30, 130, 250_000)], Some(7)), None, "blocked on output");
+    assert_eq!(w.sample(40, &[blocked(1, 30, 130, 200_000)], Some(7)), Some(40), "writable again, nothing written: its input counts");
+    assert_eq!(w.sample(60, &[blocked(1, 30, 130, 10)], Some(7)), Some(40));
     // Beside it, another socket's input waiting unread is evidence as before.
     let other = ConnKey { client_port: 40001, ..key() };
-    let s2 = ServerSocket { id: 2, key: other, unread: 10, received: 60, unacked: 0 };
+    let s2 = ServerSocket { id: 2, key: other, unread: 10, received: 60, send_queued: 0, send_buf: 300_000 };
     let mut w = ReadWatch::default();
-    assert_eq!(w.sample(0, &[blocked(1, 30, 130, 65536), s2], Some(7)), Some(0));
-    assert_eq!(w.sample(20, &[blocked(1, 30, 130, 65536), s2], Some(7)), Some(0));
+    assert_eq!(w.sample(0, &[blocked(1, 30, 130, 250_000), s2], Some(7)), Some(0));
+    assert_eq!(w.sample(20, &[blocked(1, 30, 130, 250_000), s2], Some(7)), Some(0));
     assert_eq!(w.waiting().iter().copied().collect::<Vec<_>>(), vec![other], "only the socket that is not blocked");
 }
 

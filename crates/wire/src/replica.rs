@@ -8,7 +8,7 @@
 //! side channel's [`Key`]:
 //!
 //! ```text
-//! 0  magic "UBRP"   4  version 3   5  role (1 primary, 2 backup)   6  flags ([`hdr`])   7  count
+//! 0  magic "UBRP"   4  version 4   5  role (1 primary, 2 backup)   6  flags ([`hdr`])   7  count
 //! 8  beat (u64, the sender's counter within its boot, from 1)
 //! 16 boot (u64, random per start of the sending process)          } [`Session`]: freshness
 //! 24 nonce_t (u64, the sender's clock, ms, above 0)               } across restarts (a
@@ -33,7 +33,9 @@
 //! ```
 //!
 //! Version 1 had no `isn` (records of 48 bytes, flags at 44); version 2 had no session (a
-//! header of 16 bytes: a datagram captured before a restart counted as fresh afterwards); a
+//! header of 16 bytes: a datagram captured before a restart counted as fresh afterwards);
+//! version 3 had the same layout but no [`hdr::RELAXED`] (its relaxed backups digested their
+//! output, and an absent flag could not mean strict); a
 //! version mismatch is refused (`Unsupported`), so both hosts must run the same version. What
 //! the receiver decides about the session fields is `unbroken_control::replica::core`'s.
 //!
@@ -46,7 +48,7 @@ use hmac::Mac;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 pub const MAGIC: [u8; 4] = *b"UBRP";
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 56;
 pub const RECORD_LEN: usize = 52;
 pub const MAC_LEN: usize = 16;
@@ -453,15 +455,16 @@ mod tests {
         assert_eq!(Progress::parse_session(&p.emit(&key()).unwrap(), &key()).unwrap().1, Session::default());
     }
 
-    /// The bytes of version 3, pinned: a change of layout must change this test and VERSION.
+    /// The bytes of version 4, pinned: a change of layout or meaning must change this test and
+    /// VERSION.
     #[test]
     fn layout_is_pinned() {
         let p = Progress { records: vec![sample().records[0]], flags: hdr::TOOK_OVER | hdr::PASSIVE, ..sample() };
         let b = p.emit_session(&session(), &key()).unwrap();
         assert_eq!(b.len(), 56 + 52 + 16);
-        assert_eq!(b[..16], [b'U', b'B', b'R', b'P', 3, 2, 5, 1, 0, 0, 1, 0, 0, 0, 0, 0]);
+        assert_eq!(b[..16], [b'U', b'B', b'R', b'P', 4, 2, 5, 1, 0, 0, 1, 0, 0, 0, 0, 0]);
         assert_eq!(b[16..56], [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 9, 0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, 0, 0, 0, 0, 0, 0, 0, 0x10, 0xb0, 0xb1, 0xb2, 0xb3, 0xb4, 0xb5, 0xb6, 0xb7]);
-        assert_eq!((hdr::TOOK_OVER, hdr::STALE, hdr::PASSIVE), (1, 2, 4));
+        assert_eq!((hdr::TOOK_OVER, hdr::STALE, hdr::PASSIVE, hdr::RELAXED), (1, 2, 4, 32));
         let h = hash_continue(HASH_INIT, b"+OK\r\n").to_be_bytes();
         let mut rec = vec![10, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         rec.extend([0x9c, 0x41, 0x18, 0xeb]); // ports 40001, 6379
@@ -470,9 +473,10 @@ mod tests {
         rec.extend([0, 0, 0, 77, 1, 2, 3, 5]); // last_ack, isn
         rec.extend([flag::RCV_KNOWN | flag::ALIGNED | flag::FIN_OUT | flag::ISN_KNOWN, 0, 0, 0]);
         assert_eq!(b[56..108], rec[..]);
-        assert_eq!((MAX_RECORDS, VERSION), (25, 3));
-        // Version 1 (48-byte records) and 2 (no session) datagrams are refused, not misread.
-        for v in [1, 2] {
+        assert_eq!((MAX_RECORDS, VERSION), (25, 4));
+        // Version 1 (48-byte records), 2 (no session) and 3 (no RELAXED) datagrams are
+        // refused, not misread.
+        for v in [1, 2, 3] {
             let mut old = b.clone();
             old[4] = v;
             assert_eq!(Progress::parse(&old, &key()).unwrap_err(), Error::Unsupported("progress version"));

@@ -749,29 +749,6 @@ impl Core {
             }
             return;
         }
-        if (p.flags & hdr::RELAXED == 0) != self.s.engine.strict {
-            // The two hosts disagree on strict output commit: a relaxed backup digests nothing
-            // for a strict primary, a strict backup's primary would not wait for it. Neither
-            // pairs with the other. Before the pair formed: stop, loudly (fresh messages only:
-            // a replay of an earlier run must not stop this one; a boot's setting never
-            // changes, so only a new boot can differ); after (a peer restarted with another
-            // config): its messages count for nothing, said at most every few seconds.
-            self.counters.beats_mismatched += 1;
-            if !proven {
-                if self.bound.is_none() {
-                    self.echo = (s.nonce_t, s.nonce);
-                }
-                return;
-            }
-            let (mine, theirs) = (self.s.engine.strict, p.flags & hdr::RELAXED == 0);
-            let line = format!("replica: the {} at {} runs with strict = {theirs}, this host with strict = {mine}: set the same `strict` in both configs", self.peer_role(), self.peer);
-            if self.state == State::WaitingForPeer {
-                self.requests.push(Request::Fatal(line));
-            } else {
-                self.log_limited("replica: strict mismatch", || line);
-            }
-            return;
-        }
         match self.bound {
             Some(b) if b.boot == s.boot => {
                 if p.beat <= b.beat {
@@ -812,6 +789,29 @@ impl Core {
             }
         }
         self.echo = (s.nonce_t, s.nonce);
+        if (p.flags & hdr::RELAXED == 0) != self.s.engine.strict {
+            // The two hosts disagree on strict output commit: a relaxed backup digests nothing
+            // for a strict primary (which would find every connection diverged), a strict
+            // backup's primary would not wait for it. Neither pairs with the other. Only a
+            // fresh message gets here (a replay of an earlier run proves nothing), and a boot's
+            // setting never changes, so it is a new boot: before the pair formed, stop, loudly.
+            // After it (the peer restarted with another config): the restart's steps ran above
+            // (this backup stale, or the backup's connections unprotected), its messages count
+            // for nothing else (not even liveness), and the echo above lets the restarted host
+            // prove this one and stop in turn; a fenced peer heard again is fenced again.
+            self.counters.beats_mismatched += 1;
+            let (mine, theirs) = (self.s.engine.strict, p.flags & hdr::RELAXED == 0);
+            let line = format!("replica: the {} at {} runs with strict = {theirs}, this host with strict = {mine}: set the same `strict` in both configs", self.peer_role(), self.peer);
+            if self.state == State::WaitingForPeer {
+                self.requests.push(Request::Fatal(line));
+            } else {
+                self.log_limited("replica: strict mismatch", || line);
+                if matches!(self.state, State::TookOver | State::PeerFailed) && p.flags & hdr::PASSIVE == 0 {
+                    self.fence_again(now_ms);
+                }
+            }
+            return;
+        }
         self.counters.beats_received += 1;
         if p.flags & hdr::INPUT != 0 {
             // An authenticated, fresh message of the peer: it is alive.

@@ -605,7 +605,8 @@ impl ServerCheck {
                     key: unbroken_engines::replica::ConnKey { client: q.remote.ip(), client_port: q.remote.port(), server_port: q.local.port() },
                     unread: q.unread,
                     received: q.received,
-                    unacked: q.unacked,
+                    send_queued: q.send_queued,
+                    send_buf: q.send_buf,
                 })),
                 Err(_) => return ServerLook { listening: up, socks: None, cpu },
             }

@@ -1558,6 +1558,12 @@ fn learn_output(c: &mut BConn, at: Seq, data: &[u8], fin: bool, digest: bool) {
     }
 }
 
+/// Whether the server's segment `s` acknowledges the client's FIN (its kernel had taken the
+/// client's close): the evidence of [`Why::PrimaryClosedEarly`].
+fn acks_client_fin(c: &PConn, s: &Seg) -> bool {
+    c.client_fin_at.is_some_and(|f| s.has(F::ACK) && s.ack.gt(f))
+}
+
 /// RFC 1122's default MSS: the least a kept copy is cut to at the take-over.
 const DEFAULT_MSS: u16 = 536;
 
@@ -2203,8 +2209,8 @@ struct PConn {
     state: Option<Why>,
     behind: Option<(Seq, Seq, u64)>,
     ahead: Option<(Seq, u64)>,
-    client_fin: bool,
-    /// Where the client's FIN is (its sequence number), from an acceptable segment.
+    /// Where the client's FIN is (its sequence number), from an acceptable segment: the
+    /// client closed.
     client_fin_at: Option<Seq>,
     /// The primary's server sent its FIN acknowledging the client's: its kernel had taken the
     /// client's close before the server closed (evidence for `PrimaryClosedEarly`).
@@ -2303,7 +2309,7 @@ impl Entry for PConn {
         !self.established
     }
     fn finished(&self) -> bool {
-        self.rst_since.is_some() || self.client_rst || (self.p_fin && self.client_fin)
+        self.rst_since.is_some() || self.client_rst || (self.p_fin && self.client_fin_at.is_some())
     }
 }
 
@@ -2651,7 +2657,6 @@ impl Primary {
                 state: None,
                 behind: None,
                 ahead: None,
-                client_fin: false,
                 client_fin_at: None,
                 fin_after_client: false,
                 client_rst: false,
@@ -2703,7 +2708,6 @@ impl Primary {
                 // MaxDelayFIN's clock and be relayed to the backup's server as the client's.
                 let in_window = acceptable(&s, c.ack_p, c.edge_p);
                 if s.fin() && in_window {
-                    c.client_fin = true;
                     c.client_fin_at.get_or_insert(s.seq + s.payload_len as u32);
                 }
                 if s.has(F::RST) && s.seq == c.ack_p && c.answered && !c.client_rst {
@@ -2920,7 +2924,7 @@ impl Primary {
             // that lost them waits for them forever while the FIN waits for the backup).
             if !c.p_fin && end == c.p_end {
                 c.p_fin = true;
-                c.fin_after_client = c.client_fin_at.is_some_and(|f| s.has(F::ACK) && s.ack.gt(f));
+                c.fin_after_client = acks_client_fin(c, &s);
                 c.fin_since.get_or_insert(now_ms);
                 if let Some(f) = fin_segment(&s, c.ts) {
                     c.hold(HeldPkt { pkt: f, end, fin: true }, &mut self.held_total);
@@ -2966,7 +2970,7 @@ impl Primary {
         }
         if s.fin() && end == c.p_end {
             if !c.p_fin {
-                c.fin_after_client = c.client_fin_at.is_some_and(|f| s.has(F::ACK) && s.ack.gt(f));
+                c.fin_after_client = acks_client_fin(c, &s);
             }
             c.p_fin = true;
             c.fin_since.get_or_insert(now_ms);
@@ -3436,7 +3440,7 @@ impl Primary {
             // drops such replies; a backup behind in relaxed mode meets it at every close). Only
             // this connection stops being protected. Otherwise the backup missed input: stale.
             let all_input = b.rcv_known && b.rcv_nxt.ge(c.ack_p);
-            let why = if c.client_fin && c.client_ack.ge(c.p_end) && all_input { Why::BackupClosedEarly } else { Why::BackupFinAlone };
+            let why = if c.client_fin_at.is_some() && c.client_ack.ge(c.p_end) && all_input { Why::BackupClosedEarly } else { Why::BackupFinAlone };
             self.unprotect(key, why);
             return;
         }
